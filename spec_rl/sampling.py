@@ -1,0 +1,134 @@
+"""The sampling distribution: temperature, top-k and top-p applied to logits.
+
+SPEC-RL compares log-probabilities of the *sampling* distribution (DESIGN.md,
+rule step 1): the draft was drawn from softmax(process(logits)), so it must be
+re-scored with exactly the same processing. Generation backends and the
+verifier both call :func:`sampling_log_softmax`, so they cannot drift apart.
+
+Order of operations (as in transformers' and vLLM's samplers): divide by the
+temperature, then keep the top-k logits (ties at the k-th value are kept),
+then keep the smallest set of highest-probability tokens whose mass reaches
+top_p (the token that crosses top_p is kept). Tokens outside the support get
+log-probability -inf.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How responses are sampled; drafts are only reused under equal settings.
+
+    Attributes:
+        temperature: softmax temperature, > 0 (greedy decoding is not
+            supported: it has no usable log-probabilities).
+        top_p: nucleus mass in (0, 1]; 1 disables it.
+        top_k: number of top logits kept; 0 disables it.
+        max_tokens: maximum response length in tokens (the budget before the
+            model-length cap), >= 1.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(f"temperature must be a finite number > 0, got {self.temperature!r}")
+        if not (0.0 < float(self.top_p) <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r} (use 1.0 to disable nucleus sampling)")
+        if int(self.top_k) != self.top_k or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r} (use 0 to disable top-k)")
+        if int(self.max_tokens) != self.max_tokens or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def is_plain(self) -> bool:
+        """True when the distribution is softmax(logits / T) over the full vocabulary."""
+        return self.top_k == 0 and self.top_p >= 1.0
+
+
+def sampling_log_softmax(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Log-probabilities of the sampling distribution over the vocabulary.
+
+    Args:
+        logits: [..., V] raw logits, any float dtype.
+        temperature: > 0.
+        top_k: 0 disables; otherwise keep the k largest (ties kept).
+        top_p: 1 disables; otherwise nucleus filtering.
+        dtype: computation/output dtype (float32 by default; float64 for
+            references).
+
+    Returns:
+        [..., V] tensor of ``dtype``; -inf outside the support.
+    """
+    x = logits.to(dtype) / float(temperature)
+    vocab = x.shape[-1]
+    if top_k and top_k < vocab:
+        kth = torch.topk(x, int(top_k), dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        drop_sorted = mass_before >= top_p
+        drop_sorted[..., 0] = False  # always keep the most likely token
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return torch.log_softmax(x, dim=-1)
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Log-probability of ``token_ids`` under the sampling distribution.
+
+    Args:
+        logits: [..., V].
+        token_ids: [...] integer ids in [0, V).
+
+    Returns:
+        [...] tensor of ``dtype``.
+    """
+    logp = sampling_log_softmax(logits, temperature, top_k, top_p, dtype=dtype)
+    return logp.gather(-1, token_ids.long().unsqueeze(-1)).squeeze(-1)
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    settings: SamplingSettings,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row and return it with its sampling log-probability.
+
+    Args:
+        logits: [B, V].
+        settings: the sampling settings.
+        generator: optional torch generator on ``logits``' device.
+
+    Returns:
+        (token_ids [B] int64, logprobs [B] float32).
+    """
+    logp = sampling_log_softmax(logits, settings.temperature, settings.top_k, settings.top_p)
+    ids = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+    return ids, logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
