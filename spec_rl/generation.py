@@ -1,0 +1,197 @@
+"""Generation backends: continue sequences from prompt + verified prefix.
+
+A backend receives, per sequence, the context to continue (prompt ids plus
+the verified prefix of the draft) and a token budget, and returns the new
+tokens with their log-probabilities under the *sampling* distribution
+(temperature, top-k, top-p exactly as given; no hidden defaults such as
+transformers' ``generate`` top_k=50). Budget bookkeeping lives in the
+rollout: budget = min(max_response_len, max_model_len - prompt_len) - n.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from .sampling import SamplingSettings, sample_tokens
+
+
+@dataclass
+class Continuation:
+    """New tokens for one sequence.
+
+    Attributes:
+        token_ids: sampled ids (EOS included if one was sampled; nothing after it).
+        logprobs: their sampling log-probs (float, same length).
+        finish_reason: "eos" if the last token is an EOS id, else "length"
+            (the budget ran out; a zero budget gives an empty "length" result).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+
+@runtime_checkable
+class GenerationBackend(Protocol):
+    """What the speculative rollout needs from an inference engine."""
+
+    def generate(
+        self,
+        contexts: Sequence[Sequence[int]],
+        budgets: Sequence[int],
+        settings: SamplingSettings,
+        seed: int,
+    ) -> list[Continuation]:
+        """Sample up to ``budgets[i]`` tokens after ``contexts[i]`` for every i."""
+        ...
+
+
+def eos_token_ids(model, tokenizer=None) -> set[int]:
+    """The full EOS set: generation_config and config may each list several ids."""
+    ids: set[int] = set()
+    for src in (getattr(model, "generation_config", None), getattr(model, "config", None), tokenizer):
+        value = getattr(src, "eos_token_id", None) if src is not None else None
+        if value is None:
+            continue
+        if isinstance(value, int):
+            ids.add(value)
+        else:
+            ids.update(int(v) for v in value)
+    return ids
+
+
+class TransformersBackend:
+    """Batched sampling with a transformers causal LM and its KV cache.
+
+    Contexts are left-padded; positions come from the attention mask, so
+    padding never shifts a sequence. Each row stops at its own budget or at
+    any id in ``eos_ids``. Log-probs are taken from the same processed
+    distribution the token was sampled from (:func:`spec_rl.sampling.sample_tokens`).
+
+    Args:
+        model: a transformers ``PreTrainedModel`` with a causal LM head.
+        eos_ids: the complete set of end-of-sequence ids (see :func:`eos_token_ids`).
+        pad_id: id used for left padding (any valid id; it is masked out).
+        max_batch_size: sequences per forward batch (memory bound).
+        progress: show a tqdm bar over decode steps.
+    """
+
+    def __init__(self, model, eos_ids: set[int] | Sequence[int], pad_id: int, max_batch_size: int = 256, progress: bool = False):
+        if not eos_ids:
+            raise ValueError("eos_ids must contain at least one end-of-sequence id (see spec_rl.generation.eos_token_ids)")
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.model = model
+        self.eos_ids = sorted({int(x) for x in eos_ids})
+        self.pad_id = int(pad_id)
+        self.max_batch_size = int(max_batch_size)
+        self.progress = progress
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def generate(
+        self,
+        contexts: Sequence[Sequence[int]],
+        budgets: Sequence[int],
+        settings: SamplingSettings,
+        seed: int,
+    ) -> list[Continuation]:
+        if len(contexts) != len(budgets):
+            raise ValueError(f"contexts ({len(contexts)}) and budgets ({len(budgets)}) must have the same length")
+        results: list[Continuation | None] = [None] * len(contexts)
+        todo = []
+        for i, (ctx, budget) in enumerate(zip(contexts, budgets)):
+            if budget < 0:
+                raise ValueError(f"budgets[{i}] = {budget} is negative")
+            if len(ctx) == 0:
+                raise ValueError(f"contexts[{i}] is empty; a context needs at least one token (the prompt)")
+            if budget == 0:
+                results[i] = Continuation([], [], "length")
+            else:
+                todo.append(i)
+        # Sort by length so left padding within a batch stays small.
+        todo.sort(key=lambda i: len(contexts[i]))
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(int(seed) % (1 << 63))
+        for start in range(0, len(todo), self.max_batch_size):
+            chunk = todo[start : start + self.max_batch_size]
+            outs = self._generate_batch([contexts[i] for i in chunk], [int(budgets[i]) for i in chunk], settings, generator)
+            for i, out in zip(chunk, outs):
+                results[i] = out
+        return results  # type: ignore[return-value]
+
+    @torch.no_grad()
+    def _generate_batch(
+        self,
+        contexts: list[Sequence[int]],
+        budgets: list[int],
+        settings: SamplingSettings,
+        generator: torch.Generator,
+    ) -> list[Continuation]:
+        device = self.device
+        bsz = len(contexts)
+        width = max(len(c) for c in contexts)
+        input_ids = torch.full((bsz, width), self.pad_id, dtype=torch.long, device=device)
+        attn = torch.zeros((bsz, width), dtype=torch.long, device=device)
+        for row, ctx in enumerate(contexts):
+            input_ids[row, width - len(ctx) :] = torch.as_tensor(list(ctx), dtype=torch.long)
+            attn[row, width - len(ctx) :] = 1
+        budget_t = torch.tensor(budgets, device=device)
+        eos_t = torch.tensor(self.eos_ids, device=device)
+        tokens = torch.full((bsz, max(budgets)), self.pad_id, dtype=torch.long, device=device)
+        logps = torch.zeros((bsz, max(budgets)), dtype=torch.float32, device=device)
+        done = torch.zeros(bsz, dtype=torch.bool, device=device)
+        ended_eos = torch.zeros(bsz, dtype=torch.bool, device=device)
+        lengths = torch.zeros(bsz, dtype=torch.long, device=device)
+
+        # transformers >= 5.24 names the KV cache argument `cache`; earlier versions `past_key_values`.
+        cache_arg = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        past = None
+        step_ids = input_ids
+        position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
+        steps = range(max(budgets))
+        if self.progress:
+            from tqdm.auto import tqdm
+
+            steps = tqdm(steps, desc="decode", leave=False)
+        for t in steps:
+            out = self.model(
+                input_ids=step_ids,
+                attention_mask=attn,
+                position_ids=position_ids,
+                use_cache=True,
+                **{cache_arg: past},
+            )
+            past = getattr(out, cache_arg, None)
+            next_logits = out.logits[:, -1, :]
+            ids, lp = sample_tokens(next_logits, settings, generator)
+            active = ~done
+            tokens[active, t] = ids[active]
+            logps[active, t] = lp[active]
+            lengths += active.long()
+            is_eos = torch.isin(ids, eos_t) & active
+            ended_eos |= is_eos
+            done |= is_eos | (lengths >= budget_t)
+            if bool(done.all()):
+                break
+            step_ids = ids.unsqueeze(1)
+            attn = torch.cat([attn, torch.ones((bsz, 1), dtype=attn.dtype, device=device)], dim=1)
+            position_ids = position_ids[:, -1:] + 1
+        results = []
+        for row in range(bsz):
+            n = int(lengths[row])
+            results.append(
+                Continuation(
+                    token_ids=tokens[row, :n].tolist(),
+                    logprobs=logps[row, :n].tolist(),
+                    finish_reason="eos" if bool(ended_eos[row]) else "length",
+                )
+            )
+        return results
