@@ -1,0 +1,203 @@
+"""Command line: ``spec-rl train``.
+
+With no arguments it runs the embedded demo fully offline: it builds (or
+reuses from the cache folder) a small warm-started policy for procedurally
+generated GSM8K-format arithmetic problems, then trains it with vanilla GRPO
+and with SPEC-RL on identical seeds and prints per-epoch rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+from .trainer.config import GRPOConfig
+
+# Demo defaults, tuned so both modes finish in a few minutes on 2 CPU cores.
+DEMO_DEFAULTS = dict(
+    epochs=5,
+    group_size=4,
+    prompts_per_step=64,
+    lr=2e-4,
+    max_response_len=160,
+    ppo_mini_batches=2,
+    micro_batch_size=128,
+)
+# Defaults for a user's own model and data (paper-like settings, Sec. 4).
+MODEL_DEFAULTS = dict(
+    epochs=3,
+    group_size=8,
+    prompts_per_step=32,
+    lr=1e-6,
+    max_response_len=1024,
+    ppo_mini_batches=1,
+    micro_batch_size=8,
+)
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if math.isnan(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0 (or inf), got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="spec-rl", description="Speculative rollouts for RL on LLMs (SPEC-RL).")
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser(
+        "train",
+        help="GRPO training with speculative rollouts (no arguments: the offline demo, vanilla vs SPEC-RL)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    t.add_argument("--model", help="local transformers checkpoint directory (default: the embedded demo policy)")
+    t.add_argument("--data", help="training prompts: a GSM8K- or MATH-format .jsonl file (default: the demo task)")
+    t.add_argument("--data-format", default="auto", choices=["auto", "gsm8k", "math"], help="format of --data")
+    t.add_argument("--hf-dataset", help="load prompts with the `datasets` library instead of --data (name or local path)")
+    t.add_argument("--hf-split", default="train", help="split for --hf-dataset")
+    t.add_argument("--limit", type=int, help="use only the first N prompts")
+    t.add_argument("--out", help="run directory (default: runs/<timestamp>)")
+    t.add_argument("--reward", default="math", help="reward function name")
+    mode = t.add_mutually_exclusive_group()
+    mode.add_argument("--no-spec", action="store_true", help="vanilla GRPO (same as --lenience 0)")
+    mode.add_argument("--reuse", choices=["spec", "random"], default="spec", help="draft reuse: lenient test or random-reuse ablation")
+    t.add_argument("--lenience", type=_positive_float, default=math.exp(0.5), help="SPEC-RL lenience l (e^0.5 = paper's GRPO default)")
+    cmp = t.add_mutually_exclusive_group()
+    cmp.add_argument("--compare", dest="compare", action="store_true", default=None, help="also run vanilla GRPO on identical seeds")
+    cmp.add_argument("--no-compare", dest="compare", action="store_false", help="run only the selected mode")
+    t.add_argument("--modes", help="comma-separated modes to run, e.g. vanilla,spec,random (overrides the flags above)")
+    t.add_argument("--epochs", type=int)
+    t.add_argument("--group-size", type=int, help="samples per prompt (G)")
+    t.add_argument("--prompts-per-step", type=int)
+    t.add_argument("--lr", type=float)
+    t.add_argument("--max-response-len", type=int)
+    t.add_argument("--max-model-len", type=int, help="context limit (default: the model's max_position_embeddings)")
+    t.add_argument("--ppo-mini-batches", type=int)
+    t.add_argument("--micro-batch-size", type=int)
+    t.add_argument("--temperature", type=float, default=1.0)
+    t.add_argument("--top-p", type=float, default=1.0)
+    t.add_argument("--top-k", type=int, default=0, help="0 disables top-k (no hidden default)")
+    t.add_argument("--clip-low", type=float, default=0.2)
+    t.add_argument("--clip-high", type=float, default=0.2)
+    t.add_argument("--clip-higher", action="store_true", help="DAPO clip-higher: clip_high = 0.28")
+    t.add_argument("--kl-coef", type=float, default=0.0, help="k3 KL to the frozen initial policy")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    t.add_argument("--cache-dir", help="where the demo policy is cached (default $SPEC_RL_CACHE or ~/.cache/spec-rl)")
+    t.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint and rollout cache")
+    t.add_argument("--no-checkpoint", action="store_true", help="do not save checkpoints/cache after each epoch")
+    t.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p
+
+
+def _modes(args: argparse.Namespace, demo: bool) -> list[str]:
+    if args.modes:
+        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+        bad = [m for m in modes if m not in ("vanilla", "spec", "random")]
+        if bad or not modes:
+            raise SystemExit(f"spec-rl: --modes takes vanilla, spec, random; got {args.modes!r}")
+        return modes
+    main = "vanilla" if (args.no_spec or args.lenience == 0) else args.reuse
+    compare = args.compare if args.compare is not None else demo
+    if compare and main != "vanilla":
+        return ["vanilla", main]
+    return [main]
+
+
+def _load_examples(args: argparse.Namespace):
+    from .data import load_hf_dataset, load_jsonl
+
+    if args.data and args.hf_dataset:
+        raise SystemExit("spec-rl: pass either --data or --hf-dataset, not both")
+    if args.data:
+        return load_jsonl(args.data, fmt=args.data_format, limit=args.limit)
+    return load_hf_dataset(args.hf_dataset, split=args.hf_split, fmt=args.data_format, limit=args.limit)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from .rewards import get_reward_fn
+    from .trainer.run import run_modes
+
+    demo = args.model is None
+    if demo and (args.data or args.hf_dataset):
+        raise SystemExit("spec-rl: --data needs --model (the demo policy only knows the demo task)")
+    defaults = DEMO_DEFAULTS if demo else MODEL_DEFAULTS
+    if demo:
+        from .tasks.demo_policy import build_demo_policy, demo_train_set
+
+        t0 = time.perf_counter()
+        model_path = build_demo_policy(cache_dir=args.cache_dir, progress=not args.no_progress)
+        print(f"demo policy: {model_path} ({time.perf_counter() - t0:.1f} s)")
+        examples = demo_train_set()
+    else:
+        model_path = Path(args.model)
+        if not args.data and not args.hf_dataset:
+            raise SystemExit("spec-rl: --model needs training prompts: pass --data FILE.jsonl or --hf-dataset NAME")
+        examples = _load_examples(args)
+        if args.limit is not None and args.data is None:
+            examples = examples[: args.limit]
+    if not examples:
+        raise SystemExit("spec-rl: no training prompts were loaded")
+
+    def pick(name: str):
+        value = getattr(args, name)
+        return defaults[name] if value is None else value
+
+    config = GRPOConfig(
+        lenience=args.lenience if args.lenience > 0 else 0.0,
+        epochs=pick("epochs"),
+        group_size=pick("group_size"),
+        prompts_per_step=pick("prompts_per_step"),
+        lr=pick("lr"),
+        max_response_len=pick("max_response_len"),
+        ppo_mini_batches=pick("ppo_mini_batches"),
+        micro_batch_size=pick("micro_batch_size"),
+        max_model_len=args.max_model_len,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        clip_low=args.clip_low,
+        clip_high=0.28 if args.clip_higher else args.clip_high,
+        kl_coef=args.kl_coef,
+        seed=args.seed,
+        device=args.device,
+        save_checkpoint=not args.no_checkpoint,
+    )
+    modes = _modes(args, demo)
+    out = Path(args.out) if args.out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    print(
+        f"run dir: {out} | modes: {', '.join(modes)} | prompts: {len(examples)} | G={config.group_size} | "
+        f"epochs={config.epochs} | lenience l={config.lenience:.4g}"
+    )
+    reward_fn = get_reward_fn(args.reward)
+    t0 = time.perf_counter()
+    summary = run_modes(
+        model_path, examples, reward_fn, config, modes, out, progress=not args.no_progress, resume=args.resume
+    )
+    print(f"done in {time.perf_counter() - t0:.1f} s; report: {out / 'report.md'}, plot: {out / 'report.png'}")
+    if "vanilla" in summary:
+        for mode in summary:
+            if mode == "vanilla":
+                continue
+            for v, s in zip(summary["vanilla"], summary[mode]):
+                if s["epoch"] >= 2:
+                    print(
+                        f"epoch {s['epoch']}: {mode}/vanilla generated tokens {s['generated_tokens'] / max(v['generated_tokens'], 1):.2f}x, "
+                        f"rollout time {s['rollout_seconds'] / max(v['rollout_seconds'], 1e-9):.2f}x, "
+                        f"reward {s['mean_reward'] - v['mean_reward']:+.3f}"
+                    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "train":
+        return cmd_train(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""Settings of the small GRPO trainer."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+MODES = ("vanilla", "spec", "random")
+
+
+@dataclass
+class GRPOConfig:
+    """GRPO with optional speculative rollouts.
+
+    Attributes:
+        mode: "vanilla" (plain GRPO, no draft reuse), "spec" (SPEC-RL) or
+            "random" (random-reuse ablation, paper Table 2).
+        lenience: SPEC-RL lenience l (paper default for GRPO: e^0.5, Sec. 4).
+        epochs: passes over the training prompts.
+        group_size: G samples per prompt.
+        prompts_per_step: prompts per rollout/update step.
+        ppo_mini_batches: optimizer steps per rollout batch (1 = fully on-policy).
+        micro_batch_size: samples per forward/backward (gradient accumulation).
+        lr, weight_decay, max_grad_norm: AdamW and gradient clipping.
+        clip_low, clip_high: PPO ratio clip range [1 - low, 1 + high];
+            DAPO's clip-higher sets clip_high = 0.28.
+        kl_coef: weight of the k3 KL to the frozen initial policy (0 = off).
+        scale_adv_by_std: GRPO's std normalisation of group advantages.
+        temperature, top_k, top_p, max_response_len: sampling settings.
+        max_model_len: context limit (prompt + response); None = the model's
+            max_position_embeddings.
+        seed: seeds data order, sampling and acceptance uniforms.
+        save_checkpoint: write a transformers checkpoint (and the rollout
+            cache) after every epoch so a run can resume.
+    """
+
+    mode: str = "spec"
+    lenience: float = math.exp(0.5)
+    epochs: int = 5
+    group_size: int = 4
+    prompts_per_step: int = 64
+    ppo_mini_batches: int = 2
+    micro_batch_size: int = 64
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    kl_coef: float = 0.0
+    scale_adv_by_std: bool = True
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_response_len: int = 256
+    max_model_len: int | None = None
+    seed: int = 0
+    save_checkpoint: bool = True
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if not (self.lenience >= 0):
+            raise ValueError(f"lenience must be >= 0 (0 means vanilla GRPO), got {self.lenience!r}")
+        for name in ("epochs", "group_size", "prompts_per_step", "ppo_mini_batches", "micro_batch_size", "max_response_len"):
+            value = getattr(self, name)
+            if int(value) != value or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.clip_low < 0 or self.clip_high < 0 or self.clip_low >= 1:
+            raise ValueError("clip_low must be in [0, 1) and clip_high >= 0")
+        if self.kl_coef < 0:
+            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
+
+    @property
+    def rollout_strategy(self) -> str:
+        """The rollout strategy this mode uses ("off" for vanilla and for lenience 0)."""
+        if self.mode == "vanilla" or (self.mode == "spec" and self.lenience == 0):
+            return "off"
+        return "spec" if self.mode == "spec" else "random"
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["log_lenience"] = math.log(self.lenience) if self.lenience > 0 else float("-inf")
+        return d
