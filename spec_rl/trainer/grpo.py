@@ -217,7 +217,7 @@ class GRPOTrainer:
                     num_tokens=num_tokens,
                 )
                 loss.backward()
-                total += float(loss)
+                total += float(loss.detach())
                 clip_fracs.append(m["clip_frac"])
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
             self.optimizer.step()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import platform
 import time
@@ -59,6 +60,12 @@ def run_modes(
     out_dir.mkdir(parents=True, exist_ok=True)
     device = resolve_device(config.device)
     summary: dict[str, list[dict]] = {}
+    if resume and (out_dir / "summary.json").is_file():
+        # Keep the records of modes this call does not rerun.
+        summary = {m: r for m, r in json.loads((out_dir / "summary.json").read_text()).items() if m not in modes}
+        previous_summary = json.loads((out_dir / "summary.json").read_text())
+    else:
+        previous_summary = {}
     log(header_row())
     for mode in modes:
         cfg = dataclasses.replace(config, mode=mode)
@@ -73,12 +80,7 @@ def run_modes(
         trainer = GRPOTrainer(model, tokenizer, train_examples, reward_fn, cfg, mode_dir, progress=progress, log=log)
         if resume and trainer.resume():
             log(f"[{mode}] resumed at epoch {trainer.start_epoch + 1} with {len(trainer.cache)} cached drafts")
-        previous = []
-        if resume and (out_dir / "summary.json").is_file():
-            import json
-
-            previous = json.loads((out_dir / "summary.json").read_text()).get(mode, [])[: trainer.start_epoch]
-        records = list(previous)
+        records = list(previous_summary.get(mode, []))[: trainer.start_epoch] if resume else []
 
         def on_epoch(rec: dict, _mode: str = mode) -> None:
             log(format_row(_mode, rec))
