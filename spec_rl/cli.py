@@ -134,6 +134,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         examples = demo_train_set()
     else:
         model_path = Path(args.model)
+        if not (model_path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"--model {model_path}: not a transformers checkpoint directory (no config.json); "
+                "pass a local folder written by save_pretrained (the hub is not used)"
+            )
         if not args.data and not args.hf_dataset:
             raise SystemExit("spec-rl: --model needs training prompts: pass --data FILE.jsonl or --hf-dataset NAME")
         examples = _load_examples(args)
