@@ -125,6 +125,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if demo and (args.data or args.hf_dataset):
         raise SystemExit("spec-rl: --data needs --model (the demo policy only knows the demo task)")
     defaults = DEMO_DEFAULTS if demo else MODEL_DEFAULTS
+    modes = _modes(args, demo)
     if demo:
         from .tasks.demo_policy import build_demo_policy, demo_train_set
 
@@ -171,7 +172,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         device=args.device,
         save_checkpoint=not args.no_checkpoint,
     )
-    modes = _modes(args, demo)
     out = Path(args.out) if args.out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     print(
         f"run dir: {out} | modes: {', '.join(modes)} | prompts: {len(examples)} | G={config.group_size} | "
