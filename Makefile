@@ -19,7 +19,7 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml setup.py
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_SPEC)"
 	$(PIP) install "setuptools>=70" wheel
-	$(PIP) install --no-build-isolation ".[test]"
+	$(PIP) install --no-build-isolation ".[test,triton]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -30,6 +30,10 @@ run: install
 
 test: install
 	$(VENV)/bin/pytest -q $(ARGS)
+
+# One script for a lent GPU (uses the machine's torch + triton, no venv): build, GPU tests, suite; logs under $$OUT.
+gpu-check:
+	bash benchmarks/gpu_check.sh
 
 clean:
 	rm -rf build *.egg-info

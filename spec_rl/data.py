@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
+from .rewards import extract_boxed
+
 __all__ = [
     "Example",
     "FORMATS",
@@ -169,8 +171,6 @@ def _record_to_example(
                 raise ValueError(f"{where}: field 'answer' must be a non-empty string, got {answer!r}")
             answer = answer.strip()
         else:
-            from .rewards import extract_boxed
-
             answer = extract_boxed(solution or "")
             if not answer:
                 raise ValueError(

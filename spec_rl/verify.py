@@ -12,8 +12,12 @@ one of three forms:
   for the whole batch.
 
 Backends: ``"reference"`` is the torch implementation in
-:mod:`spec_rl.reference` (CPU and CUDA). ``"auto"`` picks the fastest
-available one for the inputs' device.
+:mod:`spec_rl.reference` (CPU and CUDA). ``"triton"`` is the fused kernels
+of :mod:`spec_rl.kernels` (CUDA; on CPU only under ``TRITON_INTERPRET=1``,
+for tests). ``"auto"`` uses Triton on CUDA tensors when it is installed and
+the settings are plain (top_k = 0, top_p = 1; the kernels do not filter the
+vocabulary), and the reference otherwise. Both give identical decisions: the
+uniforms are the same Philox bits and the test is done in float64.
 """
 
 from __future__ import annotations
@@ -24,7 +28,20 @@ import torch
 
 from .reference import VerifyResult, lenience_to_log, lengths_mask, reference_verify
 
-_BACKENDS = ("auto", "reference")
+_BACKENDS = ("auto", "reference", "triton")
+
+
+def _pick_backend(backend: str, device: torch.device, top_k: int, top_p: float, has_scores: bool) -> str:
+    """Resolve "auto" to a concrete backend (see the module docstring)."""
+    if backend != "auto":
+        return backend
+    if device.type != "cuda" or not has_scores or top_k != 0 or top_p < 1.0:
+        return "reference"
+    try:
+        from . import kernels
+    except ImportError:
+        return "reference"
+    return "triton" if kernels.is_available(device) else "reference"
 
 
 def _check_no_nan(name: str, tensor: torch.Tensor, valid_rows: torch.Tensor | None = None) -> None:
@@ -149,6 +166,9 @@ def verify(
 
     lens = _resolve_lengths(draft_ids, response_mask, lengths)
     valid = lengths_mask(lens, max_len)
+    chosen = _pick_backend(backend, device, int(top_k), float(top_p), new_logprobs is None)
+    # The kernels flag NaN in logits/hidden states themselves; scanning here would read the scores twice.
+    scan_scores = chosen == "reference"
 
     tensors = {"old_logprobs": old_logprobs}
     vocab = None
@@ -166,7 +186,8 @@ def verify(
             raise TypeError(f"logits must be a float tensor, got {logits.dtype}")
         tensors["logits"] = logits
         vocab = logits.shape[2]
-        _check_no_nan("logits", logits, valid)
+        if scan_scores:
+            _check_no_nan("logits", logits, valid)
     else:
         if lm_head_weight is None:
             raise ValueError("hidden_states needs lm_head_weight [V, d]")
@@ -184,8 +205,9 @@ def verify(
         if lm_head_bias is not None:
             tensors["lm_head_bias"] = lm_head_bias
         vocab = lm_head_weight.shape[0]
-        _check_no_nan("hidden_states", hidden_states, valid)
-        _check_no_nan("lm_head_weight", lm_head_weight)
+        if scan_scores:
+            _check_no_nan("hidden_states", hidden_states, valid)
+            _check_no_nan("lm_head_weight", lm_head_weight)
     for name, t in tensors.items():
         if t.device != device:
             raise ValueError(f"{name} is on {t.device} but draft_ids is on {device}; move all inputs to one device")
@@ -208,10 +230,7 @@ def verify(
             raise TypeError(f"uids must be an integer tensor, got {uids.dtype}")
         uids = uids.to(device=device, dtype=torch.int64)
 
-    return reference_verify(
-        safe_ids,
-        old_logprobs,
-        lens,
+    args = dict(
         seed=int(seed),
         uids=uids,
         log_lenience=log_l,
@@ -226,3 +245,23 @@ def verify(
         strategy=strategy,
         return_accept_mask=return_accept_mask,
     )
+    if chosen == "triton":
+        from . import kernels
+
+        if not kernels.is_available(device):
+            raise RuntimeError(
+                f"backend='triton' is not available on {device}: install triton, and on CPU set TRITON_INTERPRET=1 "
+                "before importing spec_rl.kernels; or use backend='reference'"
+            )
+        try:
+            return kernels.verify_triton(safe_ids, old_logprobs, lens, **args)
+        except NotImplementedError:
+            if backend == "triton":
+                raise
+            # Fall back to the NaN-checked reference for what the kernels do not cover.
+    if not scan_scores:  # fell back from the kernels: scan now
+        if logits is not None:
+            _check_no_nan("logits", logits, valid)
+        elif hidden_states is not None:
+            _check_no_nan("hidden_states", hidden_states, valid)
+    return reference_verify(safe_ids, old_logprobs, lens, **args)

@@ -1,0 +1,74 @@
+"""Triton verification kernels for SPEC-RL (installed as ``spec_rl.kernels``).
+
+Public API:
+
+* :func:`verify_triton` -- drop-in for :func:`spec_rl.reference.reference_verify`
+  (same signature and semantics) on CUDA tensors, for ``spec_rl.verify``.
+* :func:`verify_packed_logits`, :func:`verify_packed_hidden`,
+  :func:`rows_from_cu_seqlens`, :class:`PackedVerifyOutput` -- packed rows
+  (no padding) for trainers.
+* :func:`logprobs_from_logits`, :func:`logprobs_from_hidden` -- score only.
+* :func:`philox_uniform_triton` -- the verifier's uniforms, in a kernel.
+* :func:`is_available` -- whether the kernels can run on a device.
+
+Importing this package never fails: without Triton, :func:`is_available`
+returns False and the entry points raise ImportError. On a machine without
+CUDA the kernels run only under the Triton interpreter, which must be
+enabled (``TRITON_INTERPRET=1``) *before* this package is first imported.
+"""
+
+from __future__ import annotations
+
+try:
+    import triton  # noqa: F401
+
+    _IMPORT_ERROR: Exception | None = None
+except Exception as exc:  # pragma: no cover - exercised only without triton
+    _IMPORT_ERROR = exc
+
+from .configs import LMHeadConfig, LogitsConfig, default_lm_head_config, default_logits_config  # torch only
+
+if _IMPORT_ERROR is None:
+    from .api import (
+        INTERPRET,
+        PackedVerifyOutput,
+        is_available,
+        logprobs_from_hidden,
+        logprobs_from_logits,
+        rows_from_cu_seqlens,
+        verify_packed_hidden,
+        verify_packed_logits,
+        verify_triton,
+    )
+    from .philox import philox4x32_triton, philox_uniform_triton
+else:  # pragma: no cover
+    INTERPRET = False
+    PackedVerifyOutput = None
+
+    def is_available(device=None) -> bool:
+        return False
+
+    def _missing(*args, **kwargs):
+        raise ImportError(f"spec_rl.kernels needs triton (pip install triton): {_IMPORT_ERROR}")
+
+    verify_triton = verify_packed_logits = verify_packed_hidden = _missing
+    logprobs_from_logits = logprobs_from_hidden = rows_from_cu_seqlens = _missing
+    philox_uniform_triton = philox4x32_triton = _missing
+
+__all__ = [
+    "INTERPRET",
+    "LMHeadConfig",
+    "LogitsConfig",
+    "PackedVerifyOutput",
+    "default_lm_head_config",
+    "default_logits_config",
+    "is_available",
+    "logprobs_from_hidden",
+    "logprobs_from_logits",
+    "philox4x32_triton",
+    "philox_uniform_triton",
+    "rows_from_cu_seqlens",
+    "verify_packed_hidden",
+    "verify_packed_logits",
+    "verify_triton",
+]

@@ -1,0 +1,199 @@
+"""Fused LM-head verification kernel: logits = h @ W^T (+ b) never materialised.
+
+Two launches:
+
+1. ``lm_head_partial_kernel`` -- grid = row blocks x vocabulary splits. A
+   program owns BLOCK_M hidden rows and a contiguous range of
+   ``tiles_per_split`` vocabulary tiles of BLOCK_N columns. For each tile it
+   runs the d-loop of tensor-core ``tl.dot`` (bf16/fp16 inputs, fp32
+   accumulation; fp32 inputs use IEEE fp32, never TF32), then folds the
+   [BLOCK_M, BLOCK_N] logits tile into per-row running (max, sum) with the
+   online log-sum-exp (Milakov & Gimelshein 2018, "Online normalizer
+   calculation for softmax"), and picks up the draft token's logit when the
+   token falls in the tile (a branch taken by ~BLOCK_M*BLOCK_N/V of the
+   tiles). At the end it writes its per-row partial (max, sum) to
+   ``part_m/part_s[split, row]`` and -- only the split that contains the
+   token -- the draft logit to ``tgt[row]``. Every output element has
+   exactly one writer: no atomics on floats.
+2. ``lm_head_merge_kernel`` -- per row, merges the splits in the fixed order
+   0..S-1 (deterministic; the merge used by verl's fused log-prob kernel, see
+   DESIGN.md "Facts from the field"), then runs the shared epilogue
+   (:func:`._common.finish_rows`).
+
+Extra memory: 2 * S * N + N float32 (S = number of splits, ~16), i.e. O(N).
+
+Program order: pid -> (row block = pid // S, split = pid % S), so the
+programs resident at one time share a few row blocks of h (kept in L2) and
+walk S disjoint vocabulary ranges; each W tile is then fetched from HBM about
+N / (BLOCK_M * resident row blocks) times instead of once per row block.
+
+The split count depends only on (V, BLOCK_N, tiles_per_split), never on N,
+so a row's log-prob -- and the decision -- does not depend on which other
+rows are in the batch (permutation and padding invariance).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._common import NEG_FLT_MAX, f64_from_words_tl, finish_rows, u32_from_i32_tl
+
+
+@triton.jit(do_not_specialize=["c_exp2"])
+def lm_head_partial_kernel(
+    h_ptr,
+    w_ptr,
+    bias_ptr,
+    ids_ptr,
+    row_off_ptr,
+    part_m_ptr,
+    part_s_ptr,
+    tgt_ptr,
+    N,
+    V,
+    D,
+    stride_h,
+    stride_w,
+    n_vtiles,
+    tiles_per_split,
+    num_splits,
+    c_exp2,
+    HAS_BIAS: tl.constexpr,
+    HAS_ROW_MAP: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FLATTEN: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rb = pid // num_splits
+    sp = pid - rb * num_splits
+
+    rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < N
+    rows_ld = tl.where(row_ok, rows, 0)  # in-bounds loads; results of these rows are discarded
+    if HAS_ROW_MAP:
+        roff = tl.load(row_off_ptr + rows_ld)
+        roff = tl.multiple_of(roff, ROW_ALIGN)
+    else:
+        roff = rows_ld.to(tl.int64) * stride_h
+    tid = tl.load(ids_ptr + rows_ld).to(tl.int32)
+
+    rk = tl.arange(0, BLOCK_K)
+    a_base = h_ptr + roff[:, None] + rk[None, :]
+
+    m = tl.full([BLOCK_M], NEG_FLT_MAX, tl.float32)
+    s = tl.zeros([BLOCK_M], tl.float32)
+    tg = tl.zeros([BLOCK_M], tl.float32)
+
+    t_lo = sp * tiles_per_split
+    t_hi = tl.minimum(t_lo + tiles_per_split, n_vtiles)
+    for vt in tl.range(t_lo, t_hi, flatten=FLATTEN):
+        col0 = vt * BLOCK_N
+        cols = col0 + tl.arange(0, BLOCK_N)
+        col_ok = cols < V
+        cols_ld = tl.where(col_ok, cols, 0)
+        b_base = w_ptr + cols_ld.to(tl.int64)[None, :] * stride_w + rk[:, None]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k in range(0, D, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_base + k)
+                b = tl.load(b_base + k)
+            else:
+                k_ok = (k + rk) < D
+                a = tl.load(a_base + k, mask=k_ok[None, :], other=0.0)
+                b = tl.load(b_base + k, mask=k_ok[:, None], other=0.0)
+            if DOT_FP32:
+                acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols_ld).to(tl.float32)[None, :]
+        # Padded vocabulary columns never enter max/sum nor match a target.
+        x = tl.where(col_ok[None, :], acc, float("-inf"))
+        m_new = tl.maximum(m, tl.max(x, axis=1))
+        p = tl.exp2((x - m_new[:, None]) * c_exp2)
+        s = s * tl.exp2((m - m_new) * c_exp2) + tl.sum(p, axis=1)
+        m = m_new
+        hit = (tid >= col0) & (tid < col0 + BLOCK_N)
+        if tl.max(hit.to(tl.int32), axis=0) > 0:
+            tg += tl.sum(tl.where(cols[None, :] == tid[:, None], x, 0.0), axis=1)
+
+    part = sp * N + rows
+    tl.store(part_m_ptr + part, m, mask=row_ok)
+    tl.store(part_s_ptr + part, s, mask=row_ok)
+    mine = row_ok & (tid >= t_lo * BLOCK_N) & (tid < t_hi * BLOCK_N)
+    tl.store(tgt_ptr + rows, tg, mask=mine)
+
+
+@triton.jit(
+    do_not_specialize=["k0_w", "k1_w", "log_l_lo", "log_l_hi", "temp_lo", "temp_hi", "c_exp2"],
+)
+def lm_head_merge_kernel(
+    part_m_ptr,
+    part_s_ptr,
+    tgt_ptr,
+    old_ptr,
+    lp_out_ptr,
+    acc_out_ptr,
+    n_ptr,
+    flag_ptr,
+    row_sample_ptr,
+    row_token_ptr,
+    uids_ptr,
+    N,
+    num_splits,
+    k0_w,
+    k1_w,
+    log_l_lo,
+    log_l_hi,
+    temp_lo,
+    temp_hi,
+    c_exp2,
+    MODE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    in_range = rows < N
+    sample = tl.load(row_sample_ptr + rows, mask=in_range, other=-1).to(tl.int32)
+    token = tl.load(row_token_ptr + rows, mask=in_range, other=0).to(tl.int32)
+    valid = in_range & (sample >= 0)
+
+    # Fixed merge order over splits: bit-reproducible.
+    m = tl.full([BLOCK], NEG_FLT_MAX, tl.float32)
+    for sp in range(num_splits):
+        m = tl.maximum(m, tl.load(part_m_ptr + sp * N + rows, mask=in_range, other=NEG_FLT_MAX))
+    s = tl.zeros([BLOCK], tl.float32)
+    for sp in range(num_splits):
+        m_k = tl.load(part_m_ptr + sp * N + rows, mask=in_range, other=NEG_FLT_MAX)
+        s_k = tl.load(part_s_ptr + sp * N + rows, mask=in_range, other=0.0)
+        s += s_k * tl.exp2((m_k - m) * c_exp2)
+    tgt = tl.load(tgt_ptr + rows, mask=in_range, other=0.0)
+
+    finish_rows(
+        rows,
+        in_range,
+        valid,
+        sample,
+        token,
+        m,
+        s,
+        tgt,
+        lp_out_ptr,
+        acc_out_ptr,
+        n_ptr,
+        flag_ptr,
+        old_ptr,
+        uids_ptr,
+        u32_from_i32_tl(k0_w),
+        u32_from_i32_tl(k1_w),
+        f64_from_words_tl(log_l_lo, log_l_hi),
+        f64_from_words_tl(temp_lo, temp_hi),
+        MODE,
+        USE_LIBDEVICE,
+    )

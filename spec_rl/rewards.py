@@ -1,0 +1,283 @@
+"""Verifiable rewards: final-answer checking for GSM8K- and MATH-style tasks.
+
+The paper's reward (SPEC-RL, arXiv 2509.23232, experimental setup) is rule
+based: 1 if the response's final answer is mathematically equivalent to the
+gold answer, else 0, checked with HuggingFace's ``math-verify`` library
+(github.com/huggingface/Math-Verify). :func:`math_reward` implements it:
+
+1. :func:`extract_final_answer` takes the response's final answer: the text
+   after the last ``####`` (GSM8K convention, Cobbe et al. 2021), else the
+   content of the last complete ``\\boxed{...}`` (MATH convention, Hendrycks
+   et al. 2021). No final answer -> reward 0.
+2. Fast path: if both the extracted answer and the gold answer are plain
+   decimal numbers (after removing ``$``, thousands commas, a trailing period,
+   and for the response also trailing unit words such as "apples"), they are
+   compared exactly as rationals, without math-verify.
+3. Otherwise both are wrapped as ``\\boxed{...}`` and compared with
+   ``math_verify.verify(parse(gold), parse(pred))`` (symbolic / numeric
+   equivalence, e.g. ``\\frac{1}{2}`` == ``0.5``).
+
+Reward functions have the signature ``fn(completion: str, gold: str) -> float``
+(completion: the generated response text only, without the prompt; gold:
+``Example.answer``) and return a float in [0, 1].
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+import threading
+from fractions import Fraction
+from typing import Callable
+
+__all__ = [
+    "RewardFn",
+    "REWARD_FUNCTIONS",
+    "extract_boxed",
+    "extract_final_answer",
+    "get_reward_fn",
+    "math_reward",
+]
+
+RewardFn = Callable[[str, str], float]
+
+#: Extracted answers longer than this (characters) are treated as junk and
+#: score 0 without calling math-verify (bounds sympy work on garbage).
+MAX_ANSWER_CHARS = 1000
+
+# Seconds math-verify may spend parsing / comparing one expression when called
+# from the main thread (its timeouts use signal.alarm, main thread only).
+_MV_TIMEOUT_S = 5
+
+_BOXED_OPENERS = ("\\boxed{", "\\fbox{")
+_NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)")
+_COMMA_IN_NUMBER = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+# "18 apples", "5 dollars": a number followed by plain words (units), predictions only.
+_LEADING_NUMBER_WITH_UNITS = re.compile(r"([-+]?(?:\d+(?:\.\d*)?|\.\d+))\s+[A-Za-z]{2,}[A-Za-z\s]*")
+
+
+def extract_boxed(text: str) -> str | None:
+    """Content of the last complete ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``.
+
+    Braces are balanced (nested ``{}`` inside the box are kept). An unclosed
+    box (e.g. a truncated generation) is skipped in favour of the previous
+    complete one.
+
+    Args:
+        text: any string.
+
+    Returns:
+        the stripped content, or None when there is no complete box.
+    """
+    if not isinstance(text, str):
+        return None
+    starts = sorted(
+        (i for opener in _BOXED_OPENERS for i in _find_all(text, opener)),
+        reverse=True,
+    )
+    for start in starts:
+        open_idx = text.index("{", start)
+        depth = 0
+        for j in range(open_idx, len(text)):
+            c = text[j]
+            if c == "{":
+                depth += 1
+            elif c == "}":
+                depth -= 1
+                if depth == 0:
+                    return text[open_idx + 1 : j].strip()
+    return None
+
+
+def _find_all(text: str, sub: str):
+    i = text.find(sub)
+    while i != -1:
+        yield i
+        i = text.find(sub, i + 1)
+
+
+def extract_final_answer(text: str) -> str | None:
+    """The final answer written in a response.
+
+    Rule: the text after the last ``####`` up to the end of that line (GSM8K
+    format), if non-empty; else the content of the last complete
+    ``\\boxed{...}`` (MATH format, see :func:`extract_boxed`); else None.
+
+    Args:
+        text: the response text (the prompt should not be included).
+
+    Returns:
+        the answer text, stripped, or None.
+    """
+    if not isinstance(text, str):
+        return None
+    idx = text.rfind("####")
+    if idx != -1:
+        answer = text[idx + 4 :].split("\n", 1)[0].strip()
+        if answer:
+            return answer
+    return extract_boxed(text)
+
+
+def _plain_number(s: str, allow_units: bool = False) -> Fraction | None:
+    """Exact value of a plain decimal answer like ``"1,234"`` or ``"$18."`` (with ``allow_units``
+    also ``"18 apples"``); else None."""
+    t = s.strip().replace("\\$", "").replace("$", "").replace("\\!", "").strip()
+    t = _COMMA_IN_NUMBER.sub("", t)
+    if t.endswith("."):
+        t = t[:-1].rstrip()
+    m = _LEADING_NUMBER_WITH_UNITS.fullmatch(t) if allow_units else None
+    if m:
+        t = m.group(1)
+    if not _NUMBER.fullmatch(t):
+        return None
+    try:
+        return Fraction(t)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def _in_main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
+@functools.lru_cache(maxsize=1)
+def _mv_timeout_kwargs() -> tuple[str | None, str | None]:
+    """Names of math-verify's timeout keywords for parse() and verify() (None where this version lacks one)."""
+    import inspect
+
+    from math_verify import parse, verify
+
+    p = "parsing_timeout" if "parsing_timeout" in inspect.signature(parse).parameters else None
+    v = "timeout_seconds" if "timeout_seconds" in inspect.signature(verify).parameters else None
+    return p, v
+
+
+def _mv_parse(text: str, timeout: int | None):
+    from math_verify import parse
+
+    key = _mv_timeout_kwargs()[0]
+    kwargs = {key: timeout} if key else {}
+    return parse("\\boxed{" + text + "}", **kwargs)
+
+
+def _mv_verify(gold, pred, timeout: int | None) -> bool:
+    from math_verify import verify
+
+    key = _mv_timeout_kwargs()[1]
+    kwargs = {key: timeout} if key else {}
+    return bool(verify(gold, pred, **kwargs))
+
+
+@functools.lru_cache(maxsize=8192)
+def _parsed_gold(gold: str, timeout: int | None):
+    return _mv_parse(gold, timeout)
+
+
+class _DropTimeoutWarning(logging.Filter):
+    """math-verify warns once when its timeout is disabled; we disable it on purpose off the main thread."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Timeout is disabled" not in record.getMessage()
+
+
+_filter_installed = False
+
+
+def _install_log_filter() -> None:
+    global _filter_installed
+    if not _filter_installed:
+        for name in ("math_verify.parser", "math_verify.grader"):
+            logging.getLogger(name).addFilter(_DropTimeoutWarning())
+        _filter_installed = True
+
+
+def math_reward(completion: str, gold: str) -> float:
+    """1.0 if the completion's final answer equals the gold answer, else 0.0.
+
+    The paper's rule-based reward (see the module docstring): final answer from
+    ``####`` or ``\\boxed{}`` (:func:`extract_final_answer`); exact rational
+    comparison when both sides are plain numbers; otherwise equivalence by
+    ``math_verify.verify(parse(gold), parse(answer))``.
+
+    Never raises on the completion: junk text, no final answer, an answer
+    longer than :data:`MAX_ANSWER_CHARS` characters, or any error inside
+    math-verify gives 0.0. Thread-safe: math-verify's signal-based timeouts
+    (``parsing_timeout`` / ``timeout_seconds``, 5 s each) are used only in the
+    main thread; in other threads they are disabled (``None``), since
+    ``signal.alarm`` only works in the main thread.
+
+    Args:
+        completion: the response text (without the prompt).
+        gold: the gold final answer (``Example.answer``), e.g. ``"72"`` or
+            ``"\\frac{1}{2}"``.
+
+    Returns:
+        1.0 or 0.0 (float).
+
+    Raises:
+        TypeError: ``gold`` is not a str (a caller bug, not a policy error).
+        ValueError: ``gold`` is empty.
+    """
+    if not isinstance(gold, str):
+        raise TypeError(f"gold must be a str (Example.answer), got {type(gold).__name__}")
+    if not gold.strip():
+        raise ValueError("gold is empty; pass the gold final answer (Example.answer)")
+    if not isinstance(completion, str):
+        return 0.0
+    pred = extract_final_answer(completion)
+    if pred is None or not pred or len(pred) > MAX_ANSWER_CHARS:
+        return 0.0
+
+    gold_num = _plain_number(gold)
+    pred_num = _plain_number(pred, allow_units=True)
+    if gold_num is not None and pred_num is not None:
+        return 1.0 if gold_num == pred_num else 0.0
+
+    try:
+        timeout = _MV_TIMEOUT_S if _in_main_thread() else None
+        if timeout is None:
+            _install_log_filter()
+        gold_parsed = _parsed_gold(gold.strip(), timeout)
+        if not gold_parsed:
+            return 0.0
+        pred_parsed = _mv_parse(pred, timeout)
+        if not pred_parsed:
+            return 0.0
+        return 1.0 if _mv_verify(gold_parsed, pred_parsed, timeout) else 0.0
+    except Exception:  # noqa: BLE001 - any failure inside math-verify/sympy means "not verified"
+        return 0.0
+
+
+#: Reward functions by name, each ``fn(completion: str, gold: str) -> float``.
+REWARD_FUNCTIONS: dict[str, RewardFn] = {"math": math_reward}
+
+
+def get_reward_fn(name_or_callable: str | RewardFn) -> RewardFn:
+    """Resolve a reward function by name (see :data:`REWARD_FUNCTIONS`) or pass a callable through.
+
+    Args:
+        name_or_callable: a registered name such as ``"math"``, or a callable
+            ``fn(completion: str, gold: str) -> float``.
+
+    Returns:
+        the reward function.
+
+    Raises:
+        ValueError: unknown name (the message lists the known ones).
+        TypeError: neither a str nor a callable.
+    """
+    if callable(name_or_callable):
+        return name_or_callable
+    if isinstance(name_or_callable, str):
+        try:
+            return REWARD_FUNCTIONS[name_or_callable]
+        except KeyError:
+            raise ValueError(
+                f"unknown reward {name_or_callable!r}; known rewards: {sorted(REWARD_FUNCTIONS)} "
+                f"(or pass a callable fn(completion, gold) -> float)"
+            ) from None
+    raise TypeError(
+        f"reward must be a name in {sorted(REWARD_FUNCTIONS)} or a callable, got {type(name_or_callable).__name__}"
+    )

@@ -1,0 +1,111 @@
+"""Shared helpers for the Triton kernel tests (not a test module)."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+try:
+    import triton
+except Exception as exc:  # not installed, or a broken install: skip every kernel test module
+    pytest.skip(f"triton is not importable ({type(exc).__name__}: {exc})", allow_module_level=True)
+
+import spec_rl.kernels as K
+
+from spec_rl.philox import philox_uniform
+from spec_rl.reference import lengths_mask, reference_verify
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+if not K.is_available(DEVICE):  # e.g. TRITON_INTERPRET was set to 0 on a CPU-only machine
+    pytest.skip(
+        f"Triton kernels cannot run on {DEVICE} (TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')!r})",
+        allow_module_level=True,
+    )
+
+# Accuracy bound asserted for the new log-probs (absolute, nats), against the
+# float64 reference computed from the *same* low-precision inputs (so bf16 /
+# fp16 quantisation of the logits is not an error of the kernel):
+#   from-logits, any input dtype: only the kernel's fp32 normaliser rounds,
+#     |err| <= 1e-5 + 1e-6 * |lp|;
+#   fused LM head: additionally the fp32-accumulated dot products over d
+#     (exact bf16/fp16 products, fp32 sums; fp32 inputs use an IEEE fp32
+#     dot): |err| <= 2e-5 + 1e-6 * |lp| for the small d used here.
+LOGITS_ATOL = 1e-5
+HIDDEN_ATOL = 2e-5
+RTOL = 1e-6
+
+# Decisions are compared on inputs whose acceptance margin |log l + lp_new -
+# lp_old - log u| is at least this far from the tie (the kernel's log-probs
+# differ from the float64 reference by < 1e-4).
+TIE_MARGIN = 1e-2
+
+
+def assert_lp_close(got: torch.Tensor, ref: torch.Tensor, atol: float) -> None:
+    got = got.double().cpu()
+    ref = ref.double().cpu()
+    both_inf = torch.isinf(got) & torch.isinf(ref) & (torch.sign(got) == torch.sign(ref))
+    err = torch.where(both_inf, torch.zeros_like(got), (got - ref).abs())
+    bound = atol + RTOL * ref.abs().nan_to_num(posinf=0.0, neginf=0.0)
+    assert bool((err <= bound).all()), f"max error {err.max().item():.3g} (bound atol={atol})"
+
+
+def far_from_ties_old_logprobs(
+    lp_ref: torch.Tensor,
+    lengths: torch.Tensor,
+    seed: int,
+    uids: torch.Tensor,
+    log_lenience: float,
+    generator: torch.Generator,
+) -> torch.Tensor:
+    """Old log-probs whose test outcome is known and at least TIE_MARGIN from the tie.
+
+    For each sample a rejection point k_b is drawn in [0, length]; tokens
+    before it get a positive margin, token k_b a negative one, later tokens a
+    random sign. Margin = log l + lp_new - lp_old - log u, so lp_old =
+    lp_new + log l - log u - margin.
+    """
+    bsz, max_len = lp_ref.shape
+    u = philox_uniform(seed, uids.cpu().unsqueeze(1), torch.arange(max_len).unsqueeze(0)).double()
+    k = torch.floor(torch.rand(bsz, generator=generator, dtype=torch.float64) * (lengths.cpu().double() + 1)).long()
+    pos = torch.arange(max_len).unsqueeze(0)
+    sign = torch.where(torch.rand(bsz, max_len, generator=generator) < 0.5, -1.0, 1.0).double()
+    sign = torch.where(pos < k.unsqueeze(1), 1.0, torch.where(pos == k.unsqueeze(1), -1.0, sign))
+    mag = TIE_MARGIN + torch.rand(bsz, max_len, generator=generator, dtype=torch.float64) * 2.0
+    lp = lp_ref.double().cpu()
+    lp = torch.where(torch.isfinite(lp), lp, torch.full_like(lp, -30.0))
+    old = lp + log_lenience - torch.log(u) - sign * mag
+    return old.float()
+
+
+def reference64(**kwargs):
+    """reference_verify in float64, inputs moved to the CPU."""
+    moved = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
+    return reference_verify(compute_dtype=torch.float64, **moved)
+
+
+def assert_same_decisions(out, ref) -> None:
+    assert torch.equal(out.accepted_len.cpu(), ref.accepted_len), (out.accepted_len, ref.accepted_len)
+    assert torch.equal(out.full_reuse.cpu(), ref.full_reuse)
+    if ref.accept_mask is not None:
+        assert torch.equal(out.accept_mask.cpu(), ref.accept_mask)
+    assert out.stats.to_dict() == ref.stats.to_dict()
+
+
+__all__ = [
+    "DEVICE",
+    "HIDDEN_ATOL",
+    "LOGITS_ATOL",
+    "TIE_MARGIN",
+    "K",
+    "assert_lp_close",
+    "assert_same_decisions",
+    "far_from_ties_old_logprobs",
+    "lengths_mask",
+    "math",
+    "reference64",
+    "triton",
+]

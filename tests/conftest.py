@@ -1,0 +1,21 @@
+"""Test-session setup.
+
+The Triton kernels (spec_rl.kernels) are tested on CPU through the Triton
+interpreter. Triton decides between compiling and interpreting when a kernel
+is *defined* (``triton.jit`` reads TRITON_INTERPRET at decoration time), so
+the variable must be set before anything imports ``spec_rl.kernels`` -- hence
+here, in the conftest, which pytest imports before any test module. On a
+machine with a CUDA device nothing is set and the kernels are compiled.
+"""
+
+import os
+
+try:
+    import torch
+
+    _HAS_CUDA = torch.cuda.is_available()
+except Exception:  # pragma: no cover
+    _HAS_CUDA = False
+
+if not _HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
