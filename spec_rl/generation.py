@@ -161,6 +161,10 @@ class TransformersBackend:
             from tqdm.auto import tqdm
 
             steps = tqdm(steps, desc="decode", leave=False)
+        # `rows[j]` is the original row of batch position j. Finished rows are dropped from the
+        # batch (and the KV cache) once they are a quarter of it: decode cost on CPU scales with
+        # the batch, and a few long responses should not keep every row alive.
+        rows = torch.arange(bsz, device=device)
         for t in steps:
             out = self.model(
                 input_ids=step_ids,
@@ -170,20 +174,25 @@ class TransformersBackend:
                 **{cache_arg: past},
             )
             past = getattr(out, cache_arg, None)
-            next_logits = out.logits[:, -1, :]
-            ids, lp = sample_tokens(next_logits, settings, generator)
-            active = ~done
-            tokens[active, t] = ids[active]
-            logps[active, t] = lp[active]
-            lengths += active.long()
+            ids, lp = sample_tokens(out.logits[:, -1, :], settings, generator)
+            active = ~done[rows]
+            act_rows = rows[active]
+            tokens[act_rows, t] = ids[active]
+            logps[act_rows, t] = lp[active]
+            lengths[act_rows] += 1
             is_eos = torch.isin(ids, eos_t) & active
-            ended_eos |= is_eos
-            done |= is_eos | (lengths >= budget_t)
+            ended_eos[rows[is_eos]] = True
+            done[rows] |= is_eos | (lengths[rows] >= budget_t[rows])
             if bool(done.all()):
                 break
             step_ids = ids.unsqueeze(1)
-            attn = torch.cat([attn, torch.ones((bsz, 1), dtype=attn.dtype, device=device)], dim=1)
+            attn = torch.cat([attn, torch.ones((attn.shape[0], 1), dtype=attn.dtype, device=device)], dim=1)
             position_ids = position_ids[:, -1:] + 1
+            keep = ~done[rows]
+            if int(keep.sum()) * 4 <= 3 * rows.numel() and hasattr(past, "batch_select_indices"):
+                idx = keep.nonzero().squeeze(1)
+                past.batch_select_indices(idx)
+                rows, step_ids, attn, position_ids = rows[idx], step_ids[idx], attn[idx], position_ids[idx]
         results = []
         for row in range(bsz):
             n = int(lengths[row])
