@@ -110,6 +110,16 @@ def lengths_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
     return torch.arange(max_len, device=lengths.device).unsqueeze(0) < lengths.unsqueeze(1)
 
 
+def _chunked_token_logprobs(logits_of, token_ids, temperature, top_k, top_p, dtype) -> torch.Tensor:
+    """Gather sampling log-probs of ``token_ids`` [N], forming logits ``logits_of(slice)`` chunk by chunk."""
+    out = torch.empty(token_ids.shape[0], dtype=dtype, device=token_ids.device)
+    for start in range(0, token_ids.shape[0], _LOGIT_ROWS_PER_CHUNK):
+        sl = slice(start, start + _LOGIT_ROWS_PER_CHUNK)
+        logp = sampling_log_softmax(logits_of(sl), temperature, top_k, top_p, dtype=dtype)
+        out[sl] = logp.gather(-1, token_ids[sl].long().unsqueeze(-1)).squeeze(-1)
+    return out
+
+
 def packed_logprobs_from_logits(
     logits: torch.Tensor,
     token_ids: torch.Tensor,
@@ -119,12 +129,7 @@ def packed_logprobs_from_logits(
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Sampling log-probs of ``token_ids`` [N] from ``logits`` [N, V]."""
-    out = torch.empty(token_ids.shape[0], dtype=dtype, device=token_ids.device)
-    for start in range(0, token_ids.shape[0], _LOGIT_ROWS_PER_CHUNK):
-        sl = slice(start, start + _LOGIT_ROWS_PER_CHUNK)
-        logp = sampling_log_softmax(logits[sl], temperature, top_k, top_p, dtype=dtype)
-        out[sl] = logp.gather(-1, token_ids[sl].long().unsqueeze(-1)).squeeze(-1)
-    return out
+    return _chunked_token_logprobs(lambda sl: logits[sl], token_ids, temperature, top_k, top_p, dtype)
 
 
 def packed_logprobs_from_hidden(
@@ -142,15 +147,11 @@ def packed_logprobs_from_hidden(
     Logits are formed chunk by chunk in ``dtype`` (the float32 or float64
     reference), never for all N rows at once.
     """
-    out = torch.empty(token_ids.shape[0], dtype=dtype, device=token_ids.device)
     w = weight.to(dtype)
     b = bias.to(dtype) if bias is not None else None
-    for start in range(0, token_ids.shape[0], _LOGIT_ROWS_PER_CHUNK):
-        sl = slice(start, start + _LOGIT_ROWS_PER_CHUNK)
-        logits = torch.nn.functional.linear(hidden[sl].to(dtype), w, b)
-        logp = sampling_log_softmax(logits, temperature, top_k, top_p, dtype=dtype)
-        out[sl] = logp.gather(-1, token_ids[sl].long().unsqueeze(-1)).squeeze(-1)
-    return out
+    return _chunked_token_logprobs(
+        lambda sl: torch.nn.functional.linear(hidden[sl].to(dtype), w, b), token_ids, temperature, top_k, top_p, dtype
+    )
 
 
 def acceptance_test(
