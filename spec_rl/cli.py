@@ -126,28 +126,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise SystemExit("spec-rl: --data needs --model (the demo policy only knows the demo task)")
     defaults = DEMO_DEFAULTS if demo else MODEL_DEFAULTS
     modes = _modes(args, demo)
-    if demo:
-        from .tasks.demo_policy import build_demo_policy, demo_train_set
-
-        t0 = time.perf_counter()
-        model_path = build_demo_policy(cache_dir=args.cache_dir, progress=not args.no_progress)
-        print(f"demo policy: {model_path} ({time.perf_counter() - t0:.1f} s)")
-        examples = demo_train_set()
-    else:
-        model_path = Path(args.model)
-        if not (model_path / "config.json").is_file():
-            raise FileNotFoundError(
-                f"--model {model_path}: not a transformers checkpoint directory (no config.json); "
-                "pass a local folder written by save_pretrained (the hub is not used)"
-            )
-        if not args.data and not args.hf_dataset:
-            raise SystemExit("spec-rl: --model needs training prompts: pass --data FILE.jsonl or --hf-dataset NAME")
-        examples = _load_examples(args)
-        if args.limit is not None and args.data is None:
-            examples = examples[: args.limit]
-    if not examples:
-        raise SystemExit("spec-rl: no training prompts were loaded")
-
     def pick(name: str):
         value = getattr(args, name)
         return defaults[name] if value is None else value
@@ -172,6 +150,28 @@ def cmd_train(args: argparse.Namespace) -> int:
         device=args.device,
         save_checkpoint=not args.no_checkpoint,
     )
+    if demo:
+        from .tasks.demo_policy import build_demo_policy, demo_train_set
+
+        t0 = time.perf_counter()
+        model_path = build_demo_policy(cache_dir=args.cache_dir, progress=not args.no_progress)
+        print(f"demo policy: {model_path} ({time.perf_counter() - t0:.1f} s)")
+        examples = demo_train_set()
+    else:
+        model_path = Path(args.model)
+        if not (model_path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"--model {model_path}: not a transformers checkpoint directory (no config.json); "
+                "pass a local folder written by save_pretrained (the hub is not used)"
+            )
+        if not args.data and not args.hf_dataset:
+            raise SystemExit("spec-rl: --model needs training prompts: pass --data FILE.jsonl or --hf-dataset NAME")
+        examples = _load_examples(args)
+        if args.limit is not None and args.data is None:
+            examples = examples[: args.limit]
+    if not examples:
+        raise SystemExit("spec-rl: no training prompts were loaded")
+
     out = Path(args.out) if args.out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     print(
         f"run dir: {out} | modes: {', '.join(modes)} | prompts: {len(examples)} | G={config.group_size} | "

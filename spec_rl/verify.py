@@ -46,9 +46,9 @@ def _pick_backend(backend: str, device: torch.device, top_k: int, top_p: float, 
 
 def _check_no_nan(name: str, tensor: torch.Tensor, valid_rows: torch.Tensor | None = None) -> None:
     values = tensor if valid_rows is None else tensor[valid_rows]
-    if values.is_floating_point() and bool(torch.isnan(values).any()):
+    if values.is_floating_point() and bool((torch.isnan(values) | (values == float("inf"))).any()):
         raise ValueError(
-            f"{name} contains NaN at unmasked positions; the policy forward produced invalid scores "
+            f"{name} contains NaN or +inf at unmasked positions; the policy forward produced invalid scores "
             "(check for overflow in fp16, or mask those positions out)"
         )
 
@@ -179,6 +179,8 @@ def verify(
             raise TypeError(f"new_logprobs must be a float tensor, got {new_logprobs.dtype}")
         tensors["new_logprobs"] = new_logprobs
         _check_no_nan("new_logprobs", new_logprobs, valid)
+        if bool((new_logprobs[valid] > 1e-4).any()):
+            raise ValueError("new_logprobs must be log-probabilities (<= 0); got positive values")
     elif logits is not None:
         if logits.dim() != 3 or logits.shape[:2] != draft_ids.shape:
             raise ValueError(f"logits has shape {tuple(logits.shape)}, expected [B, R, V] with [B, R] = {(bsz, max_len)}")

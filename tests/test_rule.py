@@ -239,3 +239,13 @@ def test_nan_at_masked_positions_is_ignored():
     ids[:, 6:] = -1  # padding ids may be anything
     res = verify(ids, old, logits=logits, lengths=lengths, lenience=1.0)
     assert not torch.isnan(res.new_logprobs).any()
+
+
+def test_positive_new_logprobs_and_inf_logits_raise():
+    logits, ids, lengths, old = _random_case()
+    with pytest.raises(ValueError, match="new_logprobs must be log-probabilities"):
+        verify(ids, old, new_logprobs=torch.ones_like(old))
+    bad = logits.clone()
+    bad[0, 0, 3] = float("inf")
+    with pytest.raises(ValueError, match=r"\+inf"):
+        verify(ids, old, logits=bad, backend="reference")
