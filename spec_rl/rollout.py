@@ -33,6 +33,7 @@ import torch
 from .cache import CacheKey, Draft, RolloutCache
 from .generation import GenerationBackend
 from .philox import mix_seed
+from .reference import lenience_to_log
 from .sampling import SamplingSettings, sample_tokens
 from .scoring import PolicyScorer
 from .verify import verify
@@ -176,8 +177,6 @@ class SpeculativeRollout:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
         if log_lenience is not None:
             lenience = None
-        from .reference import lenience_to_log
-
         self.log_lenience = lenience_to_log(lenience, log_lenience)
         self.scorer = scorer
         self.backend = backend
