@@ -1,0 +1,230 @@
+"""Paged KV-cache ops: validated Python entry points.
+
+Each function checks its arguments (shapes, dtypes, devices, slot and block
+ranges) and raises ``ValueError``/``TypeError`` naming the argument, then runs
+the compiled op ``torch.ops.spec_rl.<name>`` from the ``spec_rl._C`` extension
+(csrc/: C++ on CPU, CUDA on GPU). If the extension is not built, the pure-torch
+reference in :mod:`spec_rl.ops.reference` runs instead and a warning says so once.
+No out-of-bounds write can be reached from Python: every index is range-checked
+here before the native code runs.
+
+Layout and conventions: see :mod:`spec_rl.ops.reference`.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from . import reference
+
+_native = None  # None: not tried yet; False: not available; True: loaded
+
+
+def native_available() -> bool:
+    """True when the compiled ``spec_rl._C`` ops are loaded."""
+    global _native
+    if _native is None:
+        try:
+            from spec_rl import _C  # noqa: F401  (registers torch.ops.spec_rl.*)
+
+            _native = hasattr(torch.ops.spec_rl, "write_kv")
+        except ImportError:
+            _native = False
+    return bool(_native)
+
+
+_warned = False
+
+
+def _impl(name: str, device: torch.device):
+    global _warned
+    if native_available():
+        return getattr(torch.ops.spec_rl, name)
+    if not _warned:
+        warnings.warn(
+            "spec_rl._C is not built; paged KV ops run the (slow) pure-torch reference. "
+            "Reinstall with `pip install --no-build-isolation .` and a C++ compiler to build them.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        _warned = True
+    return getattr(reference, name)
+
+
+def _check_cache(kv_cache: torch.Tensor) -> None:
+    if not isinstance(kv_cache, torch.Tensor):
+        raise TypeError(f"kv_cache must be a torch.Tensor, got {type(kv_cache).__name__}")
+    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
+        raise ValueError(
+            f"kv_cache must have shape [num_blocks, 2, block_size, kv_heads, head_dim], got {tuple(kv_cache.shape)}"
+        )
+    if kv_cache.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"kv_cache dtype must be float32, float16 or bfloat16, got {kv_cache.dtype}")
+    if not kv_cache.is_contiguous():
+        raise ValueError("kv_cache must be contiguous (allocate it with torch.empty/zeros)")
+
+
+def _check_index(name: str, t: torch.Tensor, device: torch.device, dims: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be int32 or int64, got {t.dtype}")
+    if t.dim() != dims:
+        raise ValueError(f"{name} must be {dims}-D, got shape {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but kv_cache is on {device}; move it with .to(kv_cache.device)")
+
+
+def _check_kv(name: str, t: torch.Tensor, kv_cache: torch.Tensor, dims: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != dims:
+        raise ValueError(f"{name} must be {dims}-D, got shape {tuple(t.shape)}")
+    if t.device != kv_cache.device:
+        raise ValueError(f"{name} is on {t.device} but kv_cache is on {kv_cache.device}")
+    if t.dtype != kv_cache.dtype:
+        raise TypeError(f"{name} dtype {t.dtype} differs from kv_cache dtype {kv_cache.dtype}; cast it first")
+
+
+def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter new K/V rows into the paged cache (in place).
+
+    Args:
+        kv_cache: [num_blocks, 2, block_size, H, D] float32/float16/bfloat16.
+        key, value: [T, H, D], same dtype and device as ``kv_cache``.
+        slot_mapping: [T] int32/int64; slot = block * block_size + offset; negative = skip.
+
+    Raises:
+        ValueError: shape/device mismatch or a slot >= num_blocks * block_size.
+        TypeError: wrong dtypes.
+    """
+    _check_cache(kv_cache)
+    _check_kv("key", key, kv_cache, 3)
+    _check_kv("value", value, kv_cache, 3)
+    _check_index("slot_mapping", slot_mapping, kv_cache.device, 1)
+    heads, dim = kv_cache.shape[3], kv_cache.shape[4]
+    if key.shape != value.shape or key.shape[1:] != (heads, dim) or key.shape[0] != slot_mapping.shape[0]:
+        raise ValueError(
+            f"key {tuple(key.shape)} and value {tuple(value.shape)} must both be [T, {heads}, {dim}] "
+            f"with T = len(slot_mapping) = {slot_mapping.shape[0]}"
+        )
+    capacity = kv_cache.shape[0] * kv_cache.shape[2]
+    if slot_mapping.numel() and int(slot_mapping.max()) >= capacity:
+        raise ValueError(f"slot_mapping has slot {int(slot_mapping.max())} >= cache capacity {capacity} (num_blocks * block_size)")
+    if slot_mapping.numel() == 0:
+        return
+    _impl("write_kv", kv_cache.device)(kv_cache, key.contiguous(), value.contiguous(), slot_mapping.contiguous())
+
+
+def _check_tables(block_tables: torch.Tensor, kv_cache: torch.Tensor, bsz: int) -> None:
+    _check_index("block_tables", block_tables, kv_cache.device, 2)
+    if block_tables.shape[0] != bsz:
+        raise ValueError(f"block_tables has {block_tables.shape[0]} rows, expected one per sequence ({bsz})")
+
+
+def _check_blocks_used(block_tables: torch.Tensor, ends: torch.Tensor, kv_cache: torch.Tensor) -> None:
+    """Every block a sequence touches (positions < ends[b]) must be a valid block id."""
+    block_size = kv_cache.shape[2]
+    needed = (ends + block_size - 1) // block_size
+    if needed.numel() and int(needed.max()) > block_tables.shape[1]:
+        raise ValueError(
+            f"a sequence needs {int(needed.max())} blocks but block_tables has {block_tables.shape[1]} columns"
+        )
+    cols = torch.arange(block_tables.shape[1], device=block_tables.device)
+    used = cols.unsqueeze(0) < needed.unsqueeze(1)
+    ids = block_tables[used]
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= kv_cache.shape[0]):
+        raise ValueError(f"block_tables uses block id out of range [0, {kv_cache.shape[0]})")
+
+
+def splice_from_dense(
+    kv_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    block_tables: torch.Tensor,
+    src_starts: torch.Tensor,
+    dst_starts: torch.Tensor,
+    lengths: torch.Tensor,
+) -> None:
+    """Copy dense, left-padded K/V [B, H, S, D] (a transformers cache layer) into paged blocks.
+
+    Sequence b: dense positions [src_starts[b], src_starts[b] + lengths[b]) go to
+    logical positions [dst_starts[b], dst_starts[b] + lengths[b]) through
+    ``block_tables[b]``. Zero lengths are skipped.
+
+    Raises:
+        ValueError: a range outside [0, S), a block id out of range, too few block-table columns.
+    """
+    _check_cache(kv_cache)
+    _check_kv("key", key, kv_cache, 4)
+    _check_kv("value", value, kv_cache, 4)
+    bsz, heads, seq, dim = key.shape
+    if value.shape != key.shape or (heads, dim) != tuple(kv_cache.shape[3:]):
+        raise ValueError(
+            f"key {tuple(key.shape)} and value {tuple(value.shape)} must be [B, {kv_cache.shape[3]}, S, {kv_cache.shape[4]}]"
+        )
+    _check_tables(block_tables, kv_cache, bsz)
+    for name, t in (("src_starts", src_starts), ("dst_starts", dst_starts), ("lengths", lengths)):
+        _check_index(name, t, kv_cache.device, 1)
+        if t.shape[0] != bsz:
+            raise ValueError(f"{name} must have one entry per sequence ({bsz}), got {t.shape[0]}")
+        if t.numel() and int(t.min()) < 0:
+            raise ValueError(f"{name} must be >= 0")
+    if bsz and int((src_starts + lengths).max()) > seq:
+        raise ValueError(f"src_starts + lengths exceeds the dense length S={seq}")
+    _check_blocks_used(block_tables, dst_starts + lengths, kv_cache)
+    if bsz == 0:
+        return
+    _impl("splice_from_dense", kv_cache.device)(
+        kv_cache, key.contiguous(), value.contiguous(), block_tables.int().contiguous(),
+        src_starts.long().contiguous(), dst_starts.long().contiguous(), lengths.long().contiguous(),
+    )
+
+
+def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
+    """Copy whole blocks: kv_cache[dst] = kv_cache[src] for each (src, dst) row of ``block_mapping`` [M, 2].
+
+    Raises:
+        ValueError: a block id out of range, or a destination listed twice.
+    """
+    _check_cache(kv_cache)
+    _check_index("block_mapping", block_mapping, kv_cache.device, 2)
+    if block_mapping.shape[1] != 2:
+        raise ValueError(f"block_mapping must be [M, 2] (src, dst), got {tuple(block_mapping.shape)}")
+    if block_mapping.numel() == 0:
+        return
+    if int(block_mapping.min()) < 0 or int(block_mapping.max()) >= kv_cache.shape[0]:
+        raise ValueError(f"block_mapping has a block id out of range [0, {kv_cache.shape[0]})")
+    if block_mapping[:, 1].unique().numel() != block_mapping.shape[0]:
+        raise ValueError("block_mapping lists a destination block twice")
+    _impl("copy_blocks", kv_cache.device)(kv_cache, block_mapping.long().contiguous())
+
+
+def gather_kv(
+    kv_cache: torch.Tensor, block_tables: torch.Tensor, lengths: torch.Tensor, max_len: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Paged -> dense keys and values [B, H, max_len, D], right-padded with zeros.
+
+    Args:
+        block_tables: [B, max_blocks] int32.
+        lengths: [B] tokens per sequence.
+        max_len: dense length (default: max(lengths)); must be >= max(lengths).
+    """
+    _check_cache(kv_cache)
+    _check_tables(block_tables, kv_cache, block_tables.shape[0] if isinstance(block_tables, torch.Tensor) else -1)
+    _check_index("lengths", lengths, kv_cache.device, 1)
+    if lengths.shape[0] != block_tables.shape[0]:
+        raise ValueError(f"lengths has {lengths.shape[0]} entries, block_tables {block_tables.shape[0]} rows")
+    if lengths.numel() and int(lengths.min()) < 0:
+        raise ValueError("lengths must be >= 0")
+    longest = int(lengths.max()) if lengths.numel() else 0
+    if max_len is None:
+        max_len = longest
+    if max_len < longest:
+        raise ValueError(f"max_len={max_len} is shorter than the longest sequence ({longest})")
+    _check_blocks_used(block_tables, lengths, kv_cache)
+    return tuple(
+        _impl("gather_kv", kv_cache.device)(kv_cache, block_tables.int().contiguous(), lengths.long().contiguous(), int(max_len))
+    )
