@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -198,9 +199,17 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.command == "train":
-        return cmd_train(args)
+        try:
+            return cmd_train(args)
+        except (ValueError, TypeError, FileNotFoundError) as err:
+            # Bad arguments or inputs: one clear line and exit status 2, as argparse does.
+            # SPEC_RL_DEBUG=1 keeps the traceback for bug reports.
+            if os.environ.get("SPEC_RL_DEBUG"):
+                raise
+            parser.exit(2, f"spec-rl: error: {err}\n")
     return 2
 
 

@@ -18,6 +18,7 @@ kernels are tested against it, in float64 for logprob accuracy.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -92,6 +93,9 @@ def lenience_to_log(lenience: float | None, log_lenience: float | None) -> float
     """Return log(l) from either form (default l = 1, vanilla speculative decoding)."""
     if lenience is not None and log_lenience is not None:
         raise ValueError("pass either lenience or log_lenience, not both")
+    for name, value in (("lenience", lenience), ("log_lenience", log_lenience)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+            raise TypeError(f"{name} must be a real number (e.g. {name}=1.65), got {type(value).__name__} {value!r}")
     if log_lenience is not None:
         if math.isnan(log_lenience):
             raise ValueError("log_lenience must not be NaN (use -inf to disable reuse, +inf to reuse everything)")

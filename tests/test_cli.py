@@ -35,10 +35,14 @@ def test_train_on_local_model_and_gsm8k_file(model_dir, tmp_path, capsys):
     assert "reward" in printed and "spec/vanilla generated tokens" in printed
 
 
-def test_bad_cli_input(tmp_path, model_dir):
-    with pytest.raises(FileNotFoundError, match="config.json"):
+def test_bad_cli_input(tmp_path, model_dir, capsys):
+    # Bad input: one "spec-rl: error: ..." line and exit status 2 (argparse's convention), no traceback.
+    with pytest.raises(SystemExit) as exit_info:
         main(["train", "--model", str(tmp_path / "nope"), "--data", str(tmp_path / "x.jsonl"), "--no-progress",
               "--out", str(tmp_path / "r")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("spec-rl: error: --model") and "config.json" in err
     with pytest.raises(SystemExit, match="--data"):
         main(["train", "--model", str(model_dir), "--no-progress"])
     with pytest.raises(SystemExit):

@@ -249,3 +249,13 @@ def test_positive_new_logprobs_and_inf_logits_raise():
     bad[0, 0, 3] = float("inf")
     with pytest.raises(ValueError, match=r"\+inf"):
         verify(ids, old, logits=bad, backend="reference")
+
+
+def test_lenience_of_the_wrong_type_names_the_argument():
+    from spec_rl.reference import lenience_to_log
+
+    with pytest.raises(TypeError, match="lenience must be a real number"):
+        lenience_to_log("2", None)
+    with pytest.raises(TypeError, match="log_lenience must be a real number"):
+        lenience_to_log(None, [0.5])
+    assert lenience_to_log(2, None) == pytest.approx(math.log(2))
