@@ -10,6 +10,8 @@ Public API:
 * :func:`logprobs_from_logits`, :func:`logprobs_from_hidden` -- score only.
 * :func:`philox_uniform_triton` -- the verifier's uniforms, in a kernel.
 * :func:`is_available` -- whether the kernels can run on a device.
+* :func:`paged_decode_attention` -- decode attention over a paged KV cache
+  (one query token per sequence; GQA; split-K for long contexts).
 
 Importing this package never fails: without Triton, :func:`is_available`
 returns False and the entry points raise ImportError. On a machine without
@@ -40,10 +42,12 @@ if _IMPORT_ERROR is None:
         verify_packed_logits,
         verify_triton,
     )
+    from .paged_attention import PagedAttentionConfig, paged_decode_attention
     from .philox import philox4x32_triton, philox_uniform_triton
 else:  # pragma: no cover
     INTERPRET = False
     PackedVerifyOutput = None
+    PagedAttentionConfig = None
 
     def is_available(device=None) -> bool:
         return False
@@ -54,17 +58,20 @@ else:  # pragma: no cover
     verify_triton = verify_packed_logits = verify_packed_hidden = _missing
     logprobs_from_logits = logprobs_from_hidden = rows_from_cu_seqlens = _missing
     philox_uniform_triton = philox4x32_triton = _missing
+    paged_decode_attention = _missing
 
 __all__ = [
     "INTERPRET",
     "LMHeadConfig",
     "LogitsConfig",
     "PackedVerifyOutput",
+    "PagedAttentionConfig",
     "default_lm_head_config",
     "default_logits_config",
     "is_available",
     "logprobs_from_hidden",
     "logprobs_from_logits",
+    "paged_decode_attention",
     "philox4x32_triton",
     "philox_uniform_triton",
     "rows_from_cu_seqlens",
