@@ -18,7 +18,7 @@ $(PY):
 
 $(STAMP): $(PY) pyproject.toml setup.py
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_SPEC)"
-	$(PIP) install "setuptools>=70" wheel
+	$(PIP) install "setuptools>=70" wheel ninja
 	$(PIP) install --no-build-isolation ".[test,triton]"
 	touch $(STAMP)
 

@@ -1,5 +1,21 @@
-"""Build script: maps the top-level kernels/ folder to spec_rl.kernels (DESIGN.md)."""
+"""Build script.
 
+- Maps the top-level kernels/ folder to spec_rl.kernels (DESIGN.md).
+- Builds the paged KV-cache ops in csrc/ as the extension ``spec_rl._C``
+  (torch.utils.cpp_extension, ninja): C++ CPU kernels always; the CUDA kernels
+  (.cu) too when this torch is a CUDA build (torch.version.cuda) and a CUDA
+  toolkit is found (CUDA_HOME / nvcc). torch must already be installed, so
+  install with ``pip install --no-build-isolation .`` (or ``-e .`` for an
+  in-place development build).
+
+Environment:
+  SPEC_RL_NO_CUDA=1        build the CPU ops only, even where CUDA is available.
+  SPEC_RL_SKIP_EXT=1       build no extension (spec_rl.ops then runs the pure-torch reference, with a warning).
+  MAX_JOBS=N               parallel compile jobs (ninja; torch's default is the CPU count).
+  TORCH_CUDA_ARCH_LIST     CUDA archs, e.g. "9.0" (torch's default: the visible GPUs' archs).
+"""
+
+import glob
 import os
 
 from setuptools import find_packages, setup
@@ -14,4 +30,38 @@ if os.path.isdir(os.path.join(HERE, "kernels")):
     packages.append("spec_rl.kernels")
     package_dir["spec_rl.kernels"] = "kernels"
 
-setup(packages=packages, package_dir=package_dir)
+
+def _extensions():
+    """The spec_rl._C extension and its build command, or ([], {}) when skipped."""
+    if os.environ.get("SPEC_RL_SKIP_EXT") == "1" or not os.path.isdir(os.path.join(HERE, "csrc")):
+        return [], {}
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+    except ImportError as exc:
+        raise RuntimeError(
+            "building spec_rl._C needs torch installed in this environment: install torch first, then "
+            "`pip install --no-build-isolation .` (or set SPEC_RL_SKIP_EXT=1 to install without the native ops)"
+        ) from exc
+
+    # Relative paths: setuptools requires them, and they keep the build reproducible.
+    cpp = sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, "csrc", "*.cpp")))
+    cu = sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, "csrc", "*.cu")))
+    use_cuda = torch.version.cuda is not None and CUDA_HOME is not None and os.environ.get("SPEC_RL_NO_CUDA") != "1"
+    cxx = ["-O3"]
+    if use_cuda:
+        ext = CUDAExtension(
+            "spec_rl._C",
+            cpp + cu,
+            include_dirs=[os.path.join(HERE, "csrc")],
+            extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "--expt-relaxed-constexpr"]},
+        )
+    else:
+        ext = CppExtension("spec_rl._C", cpp, include_dirs=[os.path.join(HERE, "csrc")], extra_compile_args={"cxx": cxx})
+    print(f"spec-rl: building spec_rl._C with {'CPU + CUDA' if use_cuda else 'CPU'} ops "
+          f"(torch {torch.__version__}, CUDA_HOME={CUDA_HOME})")
+    return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
+
+
+ext_modules, cmdclass = _extensions()
+setup(packages=packages, package_dir=package_dir, ext_modules=ext_modules, cmdclass=cmdclass)

@@ -3,10 +3,13 @@
 Each function checks its arguments (shapes, dtypes, devices, slot and block
 ranges) and raises ``ValueError``/``TypeError`` naming the argument, then runs
 the compiled op ``torch.ops.spec_rl.<name>`` from the ``spec_rl._C`` extension
-(csrc/: C++ on CPU, CUDA on GPU). If the extension is not built, the pure-torch
-reference in :mod:`spec_rl.ops.reference` runs instead and a warning says so once.
+(csrc/: C++ on CPU, CUDA on GPU). If the extension is not built (or has no
+kernels for the tensors' device), the pure-torch reference in
+:mod:`spec_rl.ops.reference` runs instead and a warning says so once per device.
 No out-of-bounds write can be reached from Python: every index is range-checked
-here before the native code runs.
+here before the native code runs, and the native ops check again (raising
+``RuntimeError``) for callers of ``torch.ops.spec_rl.*``; under CUDA-graph capture,
+where no host check is possible, the CUDA kernels skip out-of-range rows.
 
 Layout and conventions: see :mod:`spec_rl.ops.reference`.
 """
@@ -20,36 +23,69 @@ import torch
 from . import reference
 
 _native = None  # None: not tried yet; False: not available; True: loaded
+_native_error = ""  # why spec_rl._C did not load (shown in the fallback warning)
+_OPS = ("write_kv", "splice_from_dense", "copy_blocks", "gather_kv")
 
 
-def native_available() -> bool:
-    """True when the compiled ``spec_rl._C`` ops are loaded."""
-    global _native
+def _register_fakes() -> None:
+    """Shape-only ("fake") implementations, so torch.compile / FakeTensor can trace the ops."""
+
+    def _noop(*args, **kwargs):
+        return None
+
+    def _gather_fake(kv_cache, block_tables, lengths, max_len):
+        shape = (block_tables.shape[0], kv_cache.shape[3], max_len, kv_cache.shape[4])
+        return kv_cache.new_empty(shape), kv_cache.new_empty(shape)
+
+    for name in ("write_kv", "splice_from_dense", "copy_blocks"):
+        torch.library.register_fake(f"spec_rl::{name}")(_noop)
+    torch.library.register_fake("spec_rl::gather_kv")(_gather_fake)
+
+
+def native_available(device: torch.device | str | None = None) -> bool:
+    """True when the compiled ``spec_rl._C`` ops are loaded (and, given ``device``, built for its type).
+
+    ``native_available()`` asks whether the extension imported; ``native_available("cuda")``
+    whether it also has CUDA kernels (built only where a CUDA toolkit and a CUDA build of
+    torch were present at install time).
+    """
+    global _native, _native_error
     if _native is None:
         try:
             from spec_rl import _C  # noqa: F401  (registers torch.ops.spec_rl.*)
 
-            _native = hasattr(torch.ops.spec_rl, "write_kv")
-        except ImportError:
+            _native = all(hasattr(torch.ops.spec_rl, name) for name in _OPS)
+            if _native:
+                _register_fakes()
+            else:
+                _native_error = "spec_rl._C imported but does not register all of " + ", ".join(_OPS)
+        except ImportError as exc:  # not built, or built against another torch (undefined symbol)
             _native = False
-    return bool(_native)
+            _native_error = str(exc)
+    if not _native:
+        return False
+    if device is None:
+        return True
+    key = "CUDA" if torch.device(device).type == "cuda" else "CPU" if torch.device(device).type == "cpu" else None
+    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key("spec_rl::write_kv", key)
 
 
-_warned = False
+_warned: set[str] = set()
 
 
 def _impl(name: str, device: torch.device):
-    global _warned
-    if native_available():
+    if native_available(device):
         return getattr(torch.ops.spec_rl, name)
-    if not _warned:
+    if device.type not in _warned:
+        reason = _native_error or f"it was built without {device.type} kernels"
         warnings.warn(
-            "spec_rl._C is not built; paged KV ops run the (slow) pure-torch reference. "
-            "Reinstall with `pip install --no-build-isolation .` and a C++ compiler to build them.",
+            f"spec_rl._C is not available for {device.type} ({reason}); paged KV ops run the (slow) pure-torch "
+            "reference. Reinstall with `pip install --no-build-isolation .` and a C++ compiler (plus a CUDA "
+            "toolkit and a CUDA build of torch for the GPU ops) to build them.",
             RuntimeWarning,
             stacklevel=3,
         )
-        _warned = True
+        _warned.add(device.type)
     return getattr(reference, name)
 
 
@@ -64,6 +100,8 @@ def _check_cache(kv_cache: torch.Tensor) -> None:
         raise TypeError(f"kv_cache dtype must be float32, float16 or bfloat16, got {kv_cache.dtype}")
     if not kv_cache.is_contiguous():
         raise ValueError("kv_cache must be contiguous (allocate it with torch.empty/zeros)")
+    if kv_cache.shape[2] == 0:
+        raise ValueError("kv_cache block_size (dim 2) must be > 0")
 
 
 def _check_index(name: str, t: torch.Tensor, device: torch.device, dims: int) -> None:

@@ -1,0 +1,33 @@
+// spec_rl._C: operator schemas of the paged KV-cache ops and the Python module.
+//
+// Importing spec_rl._C loads this library; its static initialisers register the
+// schemas below with torch.library (namespace `spec_rl`), and kv_ops_cpu.cpp /
+// kv_ops_cuda.cu register the CPU / CUDA kernels. The module itself exposes
+// nothing: call the ops as torch.ops.spec_rl.<name>, or better through the
+// validated wrappers in spec_rl.ops.
+#include <Python.h>
+#include <torch/library.h>
+
+TORCH_LIBRARY(spec_rl, m) {
+  // Mutating ops declare their written argument as Tensor(a!) so that
+  // functionalisation / torch.compile know kv_cache changes in place.
+  m.def("write_kv(Tensor(a!) kv_cache, Tensor key, Tensor value, Tensor slot_mapping) -> ()");
+  m.def(
+      "splice_from_dense(Tensor(a!) kv_cache, Tensor key, Tensor value, Tensor block_tables, "
+      "Tensor src_starts, Tensor dst_starts, Tensor lengths) -> ()");
+  m.def("copy_blocks(Tensor(a!) kv_cache, Tensor block_mapping) -> ()");
+  m.def("gather_kv(Tensor kv_cache, Tensor block_tables, Tensor lengths, int max_len) -> (Tensor, Tensor)");
+}
+
+// A plain (no pybind11) extension module: keeps the build short.
+PyMODINIT_FUNC PyInit__C(void) {
+  static struct PyModuleDef module_def = {
+      PyModuleDef_HEAD_INIT,
+      "_C",
+      "spec-rl native ops; importing registers torch.ops.spec_rl.{write_kv, splice_from_dense, copy_blocks, "
+      "gather_kv}.",
+      -1,
+      nullptr,
+  };
+  return PyModule_Create(&module_def);
+}

@@ -1,0 +1,572 @@
+"""Paged KV-cache ops (spec_rl.ops, compiled as spec_rl._C from csrc/) against the pure-torch reference.
+
+Every test poisons the cache with NaN first and compares bit patterns, so a
+slot written where it should not be, or a slot left unwritten, fails; each
+op's result is also checked against an independent per-slot oracle written
+here. CUDA variants run when a device is visible (same tests, device="cuda").
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import spec_rl.ops as ops
+from spec_rl.ops import reference
+
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")),
+]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Bit pattern view (NaN == NaN, -0.0 != +0.0)."""
+    return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
+
+
+def _assert_same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.shape == b.shape and a.dtype == b.dtype
+    diff = (_bits(a) != _bits(b)).nonzero()
+    assert diff.numel() == 0, f"{diff.shape[0]} elements differ, first at {diff[0].tolist()}"
+
+
+def _poisoned(num_blocks, block_size, heads, dim, dtype, device) -> torch.Tensor:
+    return torch.full((num_blocks, 2, block_size, heads, dim), float("nan"), dtype=dtype, device=device)
+
+
+def _rand(gen: torch.Generator, shape, dtype, device) -> torch.Tensor:
+    # Distinct values per element, none NaN: any misplaced row shows up.
+    return torch.randn(shape, generator=gen, dtype=torch.float32).to(dtype).to(device)
+
+
+def _written_mask(kv_cache: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, block_size] bool: slot holds no NaN in either K or V (was written)."""
+    return ~torch.isnan(kv_cache.float()).any(dim=4).any(dim=3).any(dim=1)
+
+
+# --------------------------------------------------------------------------- availability
+
+
+def test_native_ops_are_built():
+    # CI has a C++ compiler: a silent fallback to the reference must fail here.
+    assert ops.native_available(), f"spec_rl._C did not load: {ops._native_error}"
+    assert ops.native_available("cpu")
+    for name in ("write_kv", "splice_from_dense", "copy_blocks", "gather_kv"):
+        assert hasattr(torch.ops.spec_rl, name)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_native_cuda_ops_are_built():
+    assert ops.native_available("cuda"), "spec_rl._C was built without CUDA kernels on a CUDA machine"
+
+
+# --------------------------------------------------------------------------- write_kv
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size,head_dim", [(1, 8), (16, 3), (32, 8)])
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+def test_write_kv_matches_reference(device, dtype, block_size, head_dim, slot_dtype):
+    gen = torch.Generator().manual_seed(block_size * 7 + head_dim)
+    num_blocks, heads, tokens = 5, 2, 23
+    capacity = num_blocks * block_size
+    slots = torch.randperm(capacity, generator=gen)[: min(tokens, capacity)]
+    slots = torch.cat([slots, torch.full((tokens - slots.numel(),), -1, dtype=torch.long)])
+    slots[::4] = -1  # padding rows
+    slots = slots.to(slot_dtype).to(device)
+    key = _rand(gen, (tokens, heads, head_dim), dtype, device)
+    value = _rand(gen, (tokens, heads, head_dim), dtype, device)
+
+    cache = _poisoned(num_blocks, block_size, heads, head_dim, dtype, device)
+    expected = cache.clone()
+    ops.write_kv(cache, key, value, slots)
+    reference.write_kv(expected, key, value, slots)
+    _assert_same_bits(cache, expected)
+
+    # Independent oracle: each kept token is in its slot, every other slot is untouched.
+    written = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+    for t, s in enumerate(slots.tolist()):
+        if s < 0:
+            continue
+        blk, off = divmod(s, block_size)
+        _assert_same_bits(cache[blk, 0, off], key[t])
+        _assert_same_bits(cache[blk, 1, off], value[t])
+        written[blk, off] = True
+    assert torch.equal(_written_mask(cache).cpu(), written)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_write_kv_direct_native_call_and_noncontiguous_inputs(device):
+    gen = torch.Generator().manual_seed(1)
+    cache = _poisoned(4, 16, 2, 8, torch.float32, device)
+    expected = cache.clone()
+    key = _rand(gen, (2, 10, 8), torch.float32, device).transpose(0, 1)  # [10, 2, 8], non-contiguous
+    value = _rand(gen, (10, 2, 8), torch.float32, device)
+    slots = torch.tensor([0, 17, -1, 63, 5, -1, 32, 33, 48, 1], device=device)
+    torch.ops.spec_rl.write_kv(cache, key, value, slots)
+    reference.write_kv(expected, key, value, slots)
+    _assert_same_bits(cache, expected)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_write_kv_all_padding_and_empty(device):
+    cache = _poisoned(2, 4, 1, 4, torch.float16, device)
+    before = cache.clone()
+    key = torch.ones(3, 1, 4, dtype=torch.float16, device=device)
+    ops.write_kv(cache, key, key, torch.full((3,), -1, device=device))
+    ops.write_kv(cache, key[:0], key[:0], torch.empty(0, dtype=torch.long, device=device))
+    torch.ops.spec_rl.write_kv(cache, key[:0], key[:0], torch.empty(0, dtype=torch.long, device=device))
+    _assert_same_bits(cache, before)
+
+
+# --------------------------------------------------------------------------- splice_from_dense
+
+
+def _splice_case(gen, block_size, dtype, device):
+    """Left-padded dense K/V for 4 sequences; lengths 0, k*block_size, and ragged; distinct blocks."""
+    heads, dim = 2, 8
+    lengths = [0, 2 * block_size, 3, block_size + 1]
+    dst = [0, 0, block_size, 1]  # sequence 2 skips one shared prompt block; 3 starts mid-block
+    seq = max(lengths) + 2
+    src = [seq - n for n in lengths]  # left padding
+    src[3] = 0  # and one right-padded row
+    cols = max((d + n + block_size - 1) // block_size for d, n in zip(dst, lengths)) + 1
+    num_blocks = 4 * cols + 2
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables = torch.full((4, cols), -1, dtype=torch.int32)  # unused columns hold -1
+    used = 0
+    for b, (d, n) in enumerate(zip(dst, lengths)):
+        need = (d + n + block_size - 1) // block_size
+        tables[b, :need] = perm[used : used + need].int()
+        used += need
+    key = _rand(gen, (4, heads, seq, dim), dtype, device)
+    value = _rand(gen, (4, heads, seq, dim), dtype, device)
+    idx = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+    return num_blocks, heads, dim, key, value, tables.to(device), idx(src), idx(dst), idx(lengths)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_splice_from_dense_matches_reference(device, dtype, block_size):
+    gen = torch.Generator().manual_seed(block_size)
+    num_blocks, heads, dim, key, value, tables, src, dst, lengths = _splice_case(gen, block_size, dtype, device)
+    cache = _poisoned(num_blocks, block_size, heads, dim, dtype, device)
+    expected = cache.clone()
+    ops.splice_from_dense(cache, key, value, tables, src, dst, lengths)
+    reference.splice_from_dense(expected, key, value, tables, src, dst, lengths)
+    _assert_same_bits(cache, expected)
+
+    written = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+    for b in range(key.shape[0]):
+        for j in range(int(lengths[b])):
+            p = int(dst[b]) + j
+            blk, off = int(tables[b, p // block_size]), p % block_size
+            _assert_same_bits(cache[blk, 0, off], key[b, :, int(src[b]) + j])
+            _assert_same_bits(cache[blk, 1, off], value[b, :, int(src[b]) + j])
+            written[blk, off] = True
+    assert torch.equal(_written_mask(cache).cpu(), written)
+    assert int(written.sum()) == int(lengths.sum())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_splice_int32_indices_direct_native(device):
+    gen = torch.Generator().manual_seed(3)
+    num_blocks, heads, dim, key, value, tables, src, dst, lengths = _splice_case(gen, 16, torch.bfloat16, device)
+    cache = _poisoned(num_blocks, 16, heads, dim, torch.bfloat16, device)
+    expected = cache.clone()
+    torch.ops.spec_rl.splice_from_dense(cache, key, value, tables.long(), src.int(), dst.int(), lengths.int())
+    reference.splice_from_dense(expected, key, value, tables, src, dst, lengths)
+    _assert_same_bits(cache, expected)
+
+
+# --------------------------------------------------------------------------- copy_blocks
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "mapping",
+    [
+        [[0, 3], [1, 4]],  # disjoint sources and destinations
+        [[0, 1], [1, 2], [2, 0]],  # a cycle: every block is both a source and a destination
+        [[2, 2], [1, 0], [4, 1]],  # src == dst, and block 1 read then overwritten
+        [[3, 0], [3, 1], [3, 2]],  # one source fanned out
+    ],
+)
+def test_copy_blocks_matches_reference(device, dtype, mapping):
+    gen = torch.Generator().manual_seed(len(mapping))
+    cache = _rand(gen, (5, 2, 16, 2, 3), dtype, device)
+    cache[4, :, 5:] = float("nan")  # a partially filled block
+    original = cache.clone()
+    expected = cache.clone()
+    block_mapping = torch.tensor(mapping, device=device)
+    ops.copy_blocks(cache, block_mapping)
+    reference.copy_blocks(expected, block_mapping)
+    _assert_same_bits(cache, expected)
+    dsts = {d for _, d in mapping}
+    for s, d in mapping:
+        _assert_same_bits(cache[d], original[s])  # sources read before any write
+    for blk in range(5):
+        if blk not in dsts:
+            _assert_same_bits(cache[blk], original[blk])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_copy_blocks_empty_mapping(device):
+    cache = _poisoned(3, 4, 1, 8, torch.float32, device)
+    before = cache.clone()
+    ops.copy_blocks(cache, torch.empty(0, 2, dtype=torch.long, device=device))
+    torch.ops.spec_rl.copy_blocks(cache, torch.empty(0, 2, dtype=torch.long, device=device))
+    _assert_same_bits(cache, before)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_shared_prompt_blocks_copy_on_write(device, dtype):
+    """G samples share a prompt's blocks; the last partial block is copied on write before they diverge."""
+    gen = torch.Generator().manual_seed(11)
+    block_size, heads, dim, prompt_len, group = 16, 2, 8, 20, 3  # prompt: one full block + 4 tokens
+    cont_lens = [12, 0, 29]  # sample 1 adds nothing; sample 2 crosses two block boundaries
+    cache = _poisoned(12, block_size, heads, dim, dtype, device)
+
+    prompt_k = _rand(gen, (1, heads, prompt_len, dim), dtype, device)
+    prompt_v = _rand(gen, (1, heads, prompt_len, dim), dtype, device)
+    shared = torch.tensor([[0, 1]], dtype=torch.int32, device=device)
+    idx = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+    ops.splice_from_dense(cache, prompt_k, prompt_v, shared, idx([0]), idx([0]), idx([prompt_len]))
+    shared_before = cache[:2].clone()
+
+    # Copy-on-write of the partial block 1 into each sample's own block (2, 3, 4); fresh blocks after.
+    tables = torch.tensor([[0, 2, 5, -1], [0, 3, -1, -1], [0, 4, 6, 7]], dtype=torch.int32, device=device)
+    ops.copy_blocks(cache, idx([[1, 2], [1, 3], [1, 4]]))
+    seq = max(cont_lens)
+    cont_k = _rand(gen, (group, heads, seq, dim), dtype, device)
+    cont_v = _rand(gen, (group, heads, seq, dim), dtype, device)
+    src = idx([seq - n for n in cont_lens])  # left-padded continuations
+    ops.splice_from_dense(cache, cont_k, cont_v, tables, src, idx([prompt_len] * group), idx(cont_lens))
+
+    _assert_same_bits(cache[:2], shared_before)  # the shared blocks are untouched
+    lengths = idx([prompt_len + n for n in cont_lens])
+    key, value = ops.gather_kv(cache, tables, lengths)
+    for g, n in enumerate(cont_lens):
+        want_k = torch.cat([prompt_k[0], cont_k[g, :, seq - n :]], dim=1)
+        want_v = torch.cat([prompt_v[0], cont_v[g, :, seq - n :]], dim=1)
+        _assert_same_bits(key[g, :, : prompt_len + n], want_k)
+        _assert_same_bits(value[g, :, : prompt_len + n], want_v)
+        assert not key[g, :, prompt_len + n :].any() and not value[g, :, prompt_len + n :].any()
+    # Sample 1 wrote nothing past the prompt: its copied block keeps the NaN tail of block 1.
+    assert torch.isnan(cache[3, :, prompt_len - block_size :].float()).all()
+
+
+# --------------------------------------------------------------------------- gather_kv
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_gather_kv_matches_reference(device, dtype, block_size):
+    gen = torch.Generator().manual_seed(100 + block_size)
+    heads, dim = 2, 8
+    lengths = torch.tensor([block_size, 0, 2 * block_size + 3, 5], device=device)
+    cols = (int(lengths.max()) + block_size - 1) // block_size
+    num_blocks = 4 * cols + 1
+    cache = _rand(gen, (num_blocks, 2, block_size, heads, dim), dtype, device)
+    tables = torch.randperm(num_blocks, generator=gen)[: 4 * cols].view(4, cols).int().to(device)
+    tables[1] = -1  # a zero-length sequence with no blocks
+    for max_len in (None, int(lengths.max()) + 7):
+        key, value = ops.gather_kv(cache, tables, lengths, max_len)
+        ref_k, ref_v = reference.gather_kv(cache, tables, lengths, max_len or int(lengths.max()))
+        _assert_same_bits(key, ref_k)
+        _assert_same_bits(value, ref_v)
+        assert key.dtype == dtype and key.device.type == device
+        for b in range(4):
+            n = int(lengths[b])
+            for p in range(n):
+                blk, off = int(tables[b, p // block_size]), p % block_size
+                _assert_same_bits(key[b, :, p], cache[blk, 0, off])
+                _assert_same_bits(value[b, :, p], cache[blk, 1, off])
+            assert (_bits(key[b, :, n:]) == 0).all() and (_bits(value[b, :, n:]) == 0).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gather_kv_empty_batch_and_int64_table(device):
+    cache = torch.randn(3, 2, 4, 1, 8, device=device)
+    k, v = ops.gather_kv(cache, torch.empty(0, 2, dtype=torch.int32, device=device), torch.empty(0, dtype=torch.long, device=device))
+    assert k.shape == (0, 1, 0, 8) and v.shape == (0, 1, 0, 8)
+    tables = torch.tensor([[2, 0]], device=device)
+    k, v = torch.ops.spec_rl.gather_kv(cache, tables, torch.tensor([6], dtype=torch.int32, device=device), 6)
+    ref_k, ref_v = reference.gather_kv(cache, tables, torch.tensor([6], device=device), 6)
+    _assert_same_bits(k, ref_k)
+    _assert_same_bits(v, ref_v)
+
+
+# --------------------------------------------------------------------------- bad arguments (wrappers)
+
+
+def _valid(device):
+    cache = _poisoned(4, 8, 2, 4, torch.float32, device)
+    key = torch.zeros(3, 2, 4, device=device)
+    slots = torch.tensor([0, 5, -1], device=device)
+    dense = torch.zeros(2, 2, 6, 4, device=device)
+    tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=device)
+    idx = lambda xs: torch.tensor(xs, device=device)  # noqa: E731
+    return cache, key, slots, dense, tables, idx
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "case",
+    [
+        "cache_type", "cache_shape", "cache_dtype", "cache_noncontig", "cache_block0", "key_type", "key_dims",
+        "key_dtype", "slot_dtype", "slot_dims", "key_heads", "key_vs_slots", "slot_too_big",
+    ],
+)
+def test_write_kv_rejects_bad_arguments(device, case):
+    cache, key, slots, _, _, _ = _valid(device)
+    args = {"kv_cache": cache, "key": key, "value": key.clone(), "slot_mapping": slots}
+    bad = {
+        "cache_type": ("kv_cache", cache.tolist(), TypeError, "kv_cache must be a torch.Tensor"),
+        "cache_shape": ("kv_cache", cache[:, 0], ValueError, "kv_cache must have shape"),
+        "cache_dtype": ("kv_cache", cache.int(), TypeError, "kv_cache dtype"),
+        "cache_noncontig": ("kv_cache", cache.transpose(3, 4).contiguous().transpose(3, 4), ValueError, "contiguous"),
+        "cache_block0": ("kv_cache", cache[:, :, :0], ValueError, "block_size"),
+        "key_type": ("key", key.tolist(), TypeError, "key must be a torch.Tensor"),
+        "key_dims": ("key", key[0], ValueError, "key must be 3-D"),
+        "key_dtype": ("key", key.half(), TypeError, "key dtype"),
+        "slot_dtype": ("slot_mapping", slots.float(), TypeError, "slot_mapping must be int32 or int64"),
+        "slot_dims": ("slot_mapping", slots[None], ValueError, "slot_mapping must be 1-D"),
+        "key_heads": ("key", torch.zeros(3, 1, 4, device=device), ValueError, r"must both be \[T, 2, 4\]"),
+        "key_vs_slots": ("slot_mapping", slots[:2], ValueError, "len\\(slot_mapping\\)"),
+        "slot_too_big": ("slot_mapping", torch.tensor([0, 32, 1], device=device), ValueError, "capacity 32"),
+    }[case]
+    before = cache.clone()
+    args[bad[0]] = bad[1]
+    with pytest.raises(bad[2], match=bad[3]):
+        ops.write_kv(**args)
+    _assert_same_bits(cache, before)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "case",
+    ["value_shape", "key_heads", "table_rows", "table_dtype", "src_count", "src_negative", "len_negative",
+     "past_dense", "few_columns", "block_id"],
+)
+def test_splice_rejects_bad_arguments(device, case):
+    cache, _, _, dense, tables, idx = _valid(device)
+    args = dict(kv_cache=cache, key=dense, value=dense.clone(), block_tables=tables, src_starts=idx([0, 1]),
+                dst_starts=idx([0, 2]), lengths=idx([6, 5]))
+    bad = {
+        "value_shape": ("value", dense[:, :, :5], ValueError, "must be \\[B, 2, S, 4\\]"),
+        "key_heads": ("key", torch.zeros(2, 1, 6, 4, device=device), ValueError, "must be \\[B, 2, S, 4\\]"),
+        "table_rows": ("block_tables", tables[:1], ValueError, "one per sequence"),
+        "table_dtype": ("block_tables", tables.float(), TypeError, "block_tables must be int32 or int64"),
+        "src_count": ("src_starts", idx([0]), ValueError, "src_starts must have one entry per sequence"),
+        "src_negative": ("src_starts", idx([-1, 0]), ValueError, "src_starts must be >= 0"),
+        "len_negative": ("lengths", idx([-1, 0]), ValueError, "lengths must be >= 0"),
+        "past_dense": ("src_starts", idx([1, 1]), ValueError, "exceeds the dense length"),
+        "few_columns": ("dst_starts", idx([12, 0]), ValueError, "needs 3 blocks"),
+        "block_id": ("block_tables", torch.tensor([[4, 1], [2, 3]], dtype=torch.int32, device=device), ValueError,
+                     "block id out of range"),
+    }[case]
+    before = cache.clone()
+    args[bad[0]] = bad[1]
+    with pytest.raises(bad[2], match=bad[3]):
+        ops.splice_from_dense(**args)
+    _assert_same_bits(cache, before)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_copy_blocks_and_gather_reject_bad_arguments(device):
+    cache, _, _, _, tables, idx = _valid(device)
+    before = cache.clone()
+    with pytest.raises(ValueError, match=r"must be \[M, 2\]"):
+        ops.copy_blocks(cache, idx([[0, 1, 2]]))
+    with pytest.raises(ValueError, match="out of range"):
+        ops.copy_blocks(cache, idx([[0, 4]]))
+    with pytest.raises(ValueError, match="out of range"):
+        ops.copy_blocks(cache, idx([[-1, 2]]))
+    with pytest.raises(ValueError, match="destination block twice"):
+        ops.copy_blocks(cache, idx([[0, 2], [1, 2]]))
+    with pytest.raises(TypeError, match="block_mapping must be int32 or int64"):
+        ops.copy_blocks(cache, idx([[0.0, 2.0]]))
+    _assert_same_bits(cache, before)
+    with pytest.raises(ValueError, match="lengths has 1 entries"):
+        ops.gather_kv(cache, tables, idx([3]))
+    with pytest.raises(ValueError, match="lengths must be >= 0"):
+        ops.gather_kv(cache, tables, idx([3, -1]))
+    with pytest.raises(ValueError, match="max_len=2 is shorter"):
+        ops.gather_kv(cache, tables, idx([3, 1]), 2)
+    with pytest.raises(ValueError, match="needs 3 blocks"):
+        ops.gather_kv(cache, tables, idx([17, 1]))
+    with pytest.raises(ValueError, match="block id out of range"):
+        ops.gather_kv(cache, torch.tensor([[0, 9]], dtype=torch.int32, device=device), idx([9]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_mismatch_is_rejected():
+    cache, key, slots, _, _, _ = _valid("cuda")
+    with pytest.raises(ValueError, match="slot_mapping is on cpu"):
+        ops.write_kv(cache, key, key, slots.cpu())
+    with pytest.raises(ValueError, match="key is on cpu"):
+        ops.write_kv(cache, key.cpu(), key, slots)
+    with pytest.raises(RuntimeError, match="slot_mapping is on cpu"):
+        torch.ops.spec_rl.write_kv(cache, key, key, slots.cpu())
+
+
+# --------------------------------------------------------------------------- bad arguments (direct native calls)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "case,match",
+    [
+        ("slot_too_big", r"slot_mapping\[1\] = 32 is >= the cache capacity 32"),
+        ("slot_huge", r"slot_mapping\[0\] = 4294967296"),
+        ("cache_4d", "kv_cache must have shape"),
+        ("cache_int", "kv_cache dtype must be"),
+        ("cache_noncontig", "kv_cache must be contiguous"),
+        ("cache_block0", "block_size"),
+        ("key_dtype", "key dtype"),
+        ("value_dims", "value must be 3-D"),
+        ("key_shape", r"must both be \[T, 2, 4\]"),
+        ("slot_float", "slot_mapping must be int32 or int64"),
+    ],
+)
+def test_native_write_kv_raises_instead_of_writing_out_of_bounds(device, case, match):
+    cache, key, slots, _, _, _ = _valid(device)
+    args = [cache, key, key.clone(), slots]
+    bad = {
+        "slot_too_big": (3, torch.tensor([0, 32, 1], device=device)),
+        "slot_huge": (3, torch.tensor([2**32, 0, 1], device=device)),
+        "cache_4d": (0, cache[:, 0]),
+        "cache_int": (0, cache.int()),
+        "cache_noncontig": (0, cache.transpose(3, 4).contiguous().transpose(3, 4)),
+        "cache_block0": (0, cache[:, :, :0].contiguous()),
+        "key_dtype": (1, key.double()),
+        "value_dims": (2, key[0]),
+        "key_shape": (1, torch.zeros(3, 2, 5, device=device)),
+        "slot_float": (3, slots.float()),
+    }[case]
+    before = cache.clone()
+    args[bad[0]] = bad[1]
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.spec_rl.write_kv(*args)
+    _assert_same_bits(cache, before)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "case,match",
+    [
+        ("block_id", r"block_tables\[0, 0\] = 4 is out of range \[0, 4\)"),
+        ("negative_block", r"block_tables\[1, 0\] = -1 is out of range"),
+        ("few_columns", "sequence 0 needs 3 blocks but block_tables has 2 columns"),
+        ("past_dense", r"src_starts\[1\] \+ lengths\[1\] = 7 exceeds the dense length S = 6"),
+        ("src_negative", r"src_starts\[0\] = -2 must be >= 0"),
+        ("dst_negative", r"dst_starts\[1\] = -1 must be >= 0"),
+        ("len_negative", r"lengths\[0\] = -1 must be >= 0"),
+        ("table_rows", "block_tables has 1 rows"),
+        ("starts_count", "one entry per sequence"),
+        ("key_heads", r"must both be \[B, 2, S, 4\]"),
+    ],
+)
+def test_native_splice_raises_instead_of_writing_out_of_bounds(device, case, match):
+    cache, _, _, dense, tables, idx = _valid(device)
+    args = [cache, dense, dense.clone(), tables, idx([0, 1]), idx([0, 2]), idx([6, 5])]
+    bad = {
+        "block_id": (3, torch.tensor([[4, 1], [2, 3]], dtype=torch.int32, device=device)),
+        "negative_block": (3, torch.tensor([[0, 1], [-1, 3]], dtype=torch.int32, device=device)),
+        "few_columns": (5, idx([12, 2])),
+        "past_dense": (4, idx([0, 2])),
+        "src_negative": (4, idx([-2, 1])),
+        "dst_negative": (5, idx([0, -1])),
+        "len_negative": (6, idx([-1, 5])),
+        "table_rows": (3, tables[:1]),
+        "starts_count": (6, idx([6])),
+        "key_heads": (1, torch.zeros(2, 1, 6, 4, device=device)),
+    }[case]
+    before = cache.clone()
+    args[bad[0]] = bad[1]
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.spec_rl.splice_from_dense(*args)
+    _assert_same_bits(cache, before)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_native_copy_blocks_and_gather_raise(device):
+    cache, _, _, _, tables, idx = _valid(device)
+    before = cache.clone()
+    for mapping, match in [
+        (idx([[0, 4]]), r"block_mapping\[0, 1\] = 4 is out of range \[0, 4\)"),
+        (idx([[-1, 1]]), r"block_mapping\[0, 0\] = -1 is out of range"),
+        (idx([[0, 2], [1, 2]]), "lists destination block 2 twice"),
+        (idx([[0, 1, 2]]), r"block_mapping must be \[M, 2\]"),
+        (idx([0, 1]), "block_mapping must be 2-D"),
+    ]:
+        with pytest.raises(RuntimeError, match=match):
+            torch.ops.spec_rl.copy_blocks(cache, mapping)
+    _assert_same_bits(cache, before)
+    for args, match in [
+        ((tables, idx([3, 17]), 20), "sequence 1 needs 3 blocks"),
+        ((tables, idx([3, 1]), 2), r"lengths\[0\] = 3 exceeds max_len = 2"),
+        ((tables, idx([-3, 1]), 2), r"lengths\[0\] = -3 must be >= 0"),
+        ((tables, idx([3, 1]), -1), "max_len must be >= 0"),
+        ((tables, idx([3]), 4), "lengths has 1 entries"),
+        ((torch.tensor([[0, 7], [1, 2]], dtype=torch.int32, device=device), idx([9, 1]), 9),
+         r"block_tables\[0, 1\] = 7 is out of range"),
+    ]:
+        with pytest.raises(RuntimeError, match=match):
+            torch.ops.spec_rl.gather_kv(cache, *args)
+
+
+# --------------------------------------------------------------------------- schema / fake tensors
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_schemas_and_fake_impls(device):
+    """torch.library.opcheck: mutation annotations (Tensor(a!)) and fake implementations are consistent."""
+    assert ops.native_available()
+    cache, key, slots, dense, tables, idx = _valid(device)
+    cache = torch.randn_like(cache)
+    checks = ("test_schema", "test_faketensor")
+    torch.library.opcheck(torch.ops.spec_rl.write_kv, (cache, key, key.clone(), slots), test_utils=checks)
+    torch.library.opcheck(
+        torch.ops.spec_rl.splice_from_dense,
+        (cache, dense, dense.clone(), tables, idx([0, 1]), idx([0, 2]), idx([6, 5])),
+        test_utils=checks,
+    )
+    torch.library.opcheck(torch.ops.spec_rl.copy_blocks, (cache, idx([[0, 1], [1, 2]])), test_utils=checks)
+    torch.library.opcheck(torch.ops.spec_rl.gather_kv, (cache, tables, idx([3, 9]), 12), test_utils=checks)
+
+
+# --------------------------------------------------------------------------- CUDA graphs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_write_kv_under_cuda_graph_capture():
+    """Captured write_kv replays with new slots; an out-of-range slot is skipped (no host check in a graph)."""
+    device = "cuda"
+    cache = _poisoned(4, 16, 2, 8, torch.bfloat16, device)
+    key = torch.randn(5, 2, 8, device=device).bfloat16()
+    value = torch.randn(5, 2, 8, device=device).bfloat16()
+    slots = torch.tensor([0, 1, 2, 3, 4], device=device)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        torch.ops.spec_rl.write_kv(cache, key, value, slots)  # warm-up outside capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.ops.spec_rl.write_kv(cache, key, value, slots)
+    cache.fill_(float("nan"))
+    slots.copy_(torch.tensor([63, -1, 17, 10_000, 40], device=device))
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = _poisoned(4, 16, 2, 8, torch.bfloat16, device)
+    reference.write_kv(expected, key[[0, 2, 4]], value[[0, 2, 4]], torch.tensor([63, 17, 40], device=device))
+    _assert_same_bits(cache, expected)
