@@ -16,6 +16,13 @@ For a batch of (prompt, sample slot) requests:
 
 Budget per sample: min(max_response_len, max_model_len - prompt_len) - n.
 
+A backend that also implements :class:`SplicingBackend` (the paged engine,
+:class:`spec_rl.engine.PagedEngine`) scores the drafts itself, keeps their K/V
+in its cache and continues from the verified prefix: steps 2 and 4 then cost
+no second prefill of [prompt, y_<n] (issue 4). Other backends get
+[prompt, y_<n, token] as a fresh context (the reference implementation's
+re-prefill); ``RolloutStats.reprefill_tokens`` counts those tokens.
+
 Deviation from exact speculative sampling (documented in the paper and
 DESIGN.md): at the rejection point the token is drawn from pi_t, not from the
 residual max(0, pi_t - pi_old); even l = 1 is therefore not exactly on-policy.
@@ -27,18 +34,48 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from .cache import CacheKey, Draft, RolloutCache
-from .generation import GenerationBackend
+from .generation import Continuation, GenerationBackend
 from .philox import mix_seed
 from .reference import lenience_to_log
 from .sampling import SamplingSettings, sample_tokens
-from .scoring import PolicyScorer
+from .scoring import DraftScores, PolicyScorer
 from .verify import verify
 
 STRATEGIES = ("spec", "random", "off")
+
+
+@runtime_checkable
+class SplicingBackend(Protocol):
+    """A generation backend that scores drafts into its own KV cache and continues from the verified prefix.
+
+    ``score_drafts`` has the contract of :meth:`spec_rl.scoring.PolicyScorer.score`
+    and also returns a handle; ``continue_from`` cuts row i to prompt + n_i,
+    feeds ``first_tokens[i]`` (None: just release the row) and samples up to
+    ``budgets[i]`` more tokens; ``extra_contexts`` are generated from scratch in
+    the same batches. It returns continuations for the handle's rows, then the
+    extras. ``release`` frees a handle that will not be continued.
+    """
+
+    def score_drafts(self, prompts: Sequence[Sequence[int]], drafts: Sequence[Sequence[int]]) -> tuple[DraftScores, Any]: ...
+
+    def continue_from(
+        self,
+        handle: Any,
+        accepted_lens: Sequence[int],
+        first_tokens: Sequence[int | None],
+        budgets: Sequence[int],
+        settings: SamplingSettings,
+        seed: int,
+        extra_contexts: Sequence[Sequence[int]] = (),
+        extra_budgets: Sequence[int] = (),
+    ) -> list[Continuation]: ...
+
+    def release(self, handle: Any) -> None: ...
 
 
 @dataclass
@@ -52,7 +89,11 @@ class RolloutRequest:
 
 @dataclass
 class RolloutStats:
-    """Per-step rollout statistics (tokens, samples, seconds)."""
+    """Per-step rollout statistics (tokens, samples, seconds).
+
+    ``reprefill_tokens``: tokens of [prompt, verified prefix, token] contexts that
+    the backend had to prefill again after the scoring pass (0 with a splicing backend).
+    """
 
     num_samples: int = 0
     drafts_found: int = 0
@@ -64,6 +105,7 @@ class RolloutStats:
     scoring_seconds: float = 0.0
     generation_seconds: float = 0.0
     assembly_seconds: float = 0.0
+    reprefill_tokens: int = 0
 
     @property
     def full_reuse_ratio(self) -> float:
@@ -232,76 +274,116 @@ class SpeculativeRollout:
         t1 = time.perf_counter()
         stats.assembly_seconds += t1 - t0
 
+        splicing = isinstance(self.backend, SplicingBackend)
+        handle = None
+        reprefill0 = int(getattr(getattr(self.backend, "stats", None), "reprefill_tokens", 0) or 0)
         if drafted:
             # Drafts longer than today's budget (cannot happen under equal settings, but a
             # max_model_len change could cause it) are cut to the budget.
             draft_ids = [drafts[i].token_ids[: budgets[i]].tolist() for i in drafted]
             draft_lps = [drafts[i].logprobs[: budgets[i]] for i in drafted]
-            scores = self.scorer.score([prompts[i] for i in drafted], draft_ids)
-            max_r = max([len(d) for d in draft_ids] + [1])
-            ids_t = torch.zeros((len(drafted), max_r), dtype=torch.long, device=device)
-            old_t = torch.zeros((len(drafted), max_r), dtype=torch.float32, device=device)
-            for row, (d, lp) in enumerate(zip(draft_ids, draft_lps)):
-                ids_t[row, : len(d)] = torch.tensor(d, dtype=torch.long)
-                old_t[row, : len(d)] = lp.to(device)
-            lengths = torch.tensor([len(d) for d in draft_ids], dtype=torch.long, device=device)
-            uids = torch.tensor([keys[i].uid for i in drafted], dtype=torch.long, device=device)
-            result = verify(
-                ids_t,
-                old_t,
-                new_logprobs=None,
-                logits=scores.logits,
-                hidden_states=scores.hidden_states,
-                lm_head_weight=scores.lm_head_weight,
-                lm_head_bias=scores.lm_head_bias,
-                lengths=lengths,
-                temperature=self.settings.temperature,
-                top_k=self.settings.top_k,
-                top_p=self.settings.top_p,
-                log_lenience=self.log_lenience,
-                seed=step_seed,
-                uids=uids,
-                strategy=self.strategy,
-                backend=self.verify_backend,
-            )
-            n = result.accepted_len.tolist()
-            lp_new = result.new_logprobs.cpu()
-            stats.draft_tokens = int(lengths.sum())
-            stats.accepted_tokens = int(sum(n))
+            if splicing:
+                scores, handle = self.backend.score_drafts([prompts[i] for i in drafted], draft_ids)
+            else:
+                scores = self.scorer.score([prompts[i] for i in drafted], draft_ids)
+            try:
+                max_r = max([len(d) for d in draft_ids] + [1])
+                ids_t = torch.zeros((len(drafted), max_r), dtype=torch.long, device=device)
+                old_t = torch.zeros((len(drafted), max_r), dtype=torch.float32, device=device)
+                for row, (d, lp) in enumerate(zip(draft_ids, draft_lps)):
+                    ids_t[row, : len(d)] = torch.tensor(d, dtype=torch.long)
+                    old_t[row, : len(d)] = lp.to(device)
+                lengths = torch.tensor([len(d) for d in draft_ids], dtype=torch.long, device=device)
+                uids = torch.tensor([keys[i].uid for i in drafted], dtype=torch.long, device=device)
+                result = verify(
+                    ids_t,
+                    old_t,
+                    new_logprobs=None,
+                    logits=scores.logits,
+                    hidden_states=scores.hidden_states,
+                    lm_head_weight=scores.lm_head_weight,
+                    lm_head_bias=scores.lm_head_bias,
+                    lengths=lengths,
+                    temperature=self.settings.temperature,
+                    top_k=self.settings.top_k,
+                    top_p=self.settings.top_p,
+                    log_lenience=self.log_lenience,
+                    seed=step_seed,
+                    uids=uids,
+                    strategy=self.strategy,
+                    backend=self.verify_backend,
+                )
+                n = result.accepted_len.tolist()
+                lp_new = result.new_logprobs.cpu()
+                stats.draft_tokens = int(lengths.sum())
+                stats.accepted_tokens = int(sum(n))
 
-            # Sample the token at each rejection point from the scoring output there.
-            rejected_rows = [row for row, i in enumerate(drafted) if n[row] < len(draft_ids[row])]
-            if rejected_rows:
-                rows_t = torch.tensor(rejected_rows, device=device)
-                cols_t = torch.tensor([n[r] for r in rejected_rows], device=device)
-                gen = torch.Generator(device=device)
-                gen.manual_seed(step_seed % (1 << 63))
-                tok, tok_lp = sample_tokens(scores.logits_at(rows_t, cols_t), self.settings, gen)
-                tok, tok_lp = tok.tolist(), tok_lp.tolist()
-            sampled = {r: (tok[k], tok_lp[k]) for k, r in enumerate(rejected_rows)}
-            for row, i in enumerate(drafted):
-                k = n[row]
-                responses[i] = draft_ids[row][:k]
-                logprobs[i] = lp_new[row, :k].tolist()
-                prefix_len[i] = k
-                if k == len(draft_ids[row]):
-                    stats.full_reuse_count += 1
-                    finish[i] = drafts[i].finish_reason if len(draft_ids[row]) == len(drafts[i]) else "length"
-                    continue
-                t, t_lp = sampled[row]
-                responses[i].append(t)
-                logprobs[i].append(t_lp)
-                stats.tokens_generated += 1
-                if t in self.eos_ids:
-                    finish[i] = "eos"
-                elif len(responses[i]) >= budgets[i]:
-                    finish[i] = "length"
-            _sync(device)
+                # Sample the token at each rejection point from the scoring output there.
+                rejected_rows = [row for row, i in enumerate(drafted) if n[row] < len(draft_ids[row])]
+                if rejected_rows:
+                    rows_t = torch.tensor(rejected_rows, device=device)
+                    cols_t = torch.tensor([n[r] for r in rejected_rows], device=device)
+                    gen = torch.Generator(device=device)
+                    gen.manual_seed(step_seed % (1 << 63))
+                    tok, tok_lp = sample_tokens(scores.logits_at(rows_t, cols_t), self.settings, gen)
+                    tok, tok_lp = tok.tolist(), tok_lp.tolist()
+                sampled = {r: (tok[k], tok_lp[k]) for k, r in enumerate(rejected_rows)}
+                for row, i in enumerate(drafted):
+                    k = n[row]
+                    responses[i] = draft_ids[row][:k]
+                    logprobs[i] = lp_new[row, :k].tolist()
+                    prefix_len[i] = k
+                    if k == len(draft_ids[row]):
+                        stats.full_reuse_count += 1
+                        finish[i] = drafts[i].finish_reason if len(draft_ids[row]) == len(drafts[i]) else "length"
+                        continue
+                    t, t_lp = sampled[row]
+                    responses[i].append(t)
+                    logprobs[i].append(t_lp)
+                    stats.tokens_generated += 1
+                    if t in self.eos_ids:
+                        finish[i] = "eos"
+                    elif len(responses[i]) >= budgets[i]:
+                        finish[i] = "length"
+                _sync(device)
+            except BaseException:
+                if handle is not None:
+                    self.backend.release(handle)
+                raise
         t2 = time.perf_counter()
         stats.scoring_seconds += t2 - t1
 
         todo = [i for i in range(bsz) if finish[i] is None]
-        if todo:
+        if handle is not None:
+            # Drafted rows continue inside the backend's cache; undrafted ones ride along.
+            in_handle = {i: row for row, i in enumerate(drafted)}
+            extra = [i for i in todo if i not in in_handle]
+            try:
+                conts = self.backend.continue_from(
+                    handle,
+                    [prefix_len[i] for i in drafted],
+                    [responses[i][-1] if finish[i] is None else None for i in drafted],
+                    [budgets[i] - len(responses[i]) if finish[i] is None else 0 for i in drafted],
+                    self.settings,
+                    seed=step_seed ^ 0x5EED,
+                    extra_contexts=[prompts[i] + responses[i] for i in extra],
+                    extra_budgets=[budgets[i] - len(responses[i]) for i in extra],
+                )
+            except BaseException:
+                self.backend.release(handle)
+                raise
+            for i, c in zip(list(drafted) + extra, conts):
+                if finish[i] is not None:
+                    continue
+                responses[i] = responses[i] + list(c.token_ids)
+                logprobs[i] = logprobs[i] + list(c.logprobs)
+                finish[i] = c.finish_reason
+                stats.tokens_generated += len(c.token_ids)
+            stats.reprefill_tokens += int(getattr(getattr(self.backend, "stats", None), "reprefill_tokens", 0) or 0) - reprefill0
+            _sync(device)
+        elif todo:
+            was_drafted = set(drafted)
+            stats.reprefill_tokens = sum(len(prompts[i]) + len(responses[i]) for i in todo if i in was_drafted)
             conts = self.backend.generate(
                 [prompts[i] + responses[i] for i in todo],
                 [budgets[i] - len(responses[i]) for i in todo],
