@@ -1,0 +1,199 @@
+"""A draft store shared by many processes and nodes: one file per key in a directory.
+
+Trainers that roll out from many workers (verl's agent-loop workers are Ray
+actors spread over nodes; OpenRLHF's vLLM engines are Ray actors too) cannot
+share an in-process :class:`~spec_rl.cache.RolloutCache`. This store keeps
+the same lookup/store semantics, but every draft lives in its own small
+safetensors file under a directory that all workers can reach (a local disk
+for one node; NFS, Lustre or another shared filesystem for many):
+
+    <root>/<first 2 hex digits of the key>/<32 hex digits of the key>.safetensors
+
+Each file holds the response token ids (int32) and their log-probs (float32);
+its metadata holds the key, finish reason, policy version and sampling
+settings. A write goes to a temporary file in the same folder and is renamed
+over the target with :func:`os.replace`, which POSIX makes atomic within a
+filesystem: a reader sees the old file or the new one, never a torn one, and
+concurrent writers of the same key leave exactly one complete file (the last
+rename wins). No locks are taken, so nothing can be left locked by a worker
+that dies.
+
+A lookup under different sampling settings is a miss (with one warning per
+distinct pair), exactly as in :class:`~spec_rl.cache.RolloutCache`: comparing
+log-probs of different sampling distributions would silently destroy reuse
+(DESIGN.md, rule step 1).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from ..cache import CacheKey, Draft, RolloutCache
+from ..sampling import SamplingSettings
+
+_FORMAT = "spec-rl-draft"
+_FORMAT_VERSION = "1"
+_MARKER = "SPEC_RL_DRAFT_STORE"
+
+
+class DirectoryDraftStore:
+    """Drafts keyed by :class:`~spec_rl.cache.CacheKey`, one atomic file each.
+
+    Args:
+        root: directory of the store (created if missing). Every worker that
+            shares drafts must see the same directory.
+        fsync: fsync each file before renaming it (durable across a machine
+            crash; costs a disk flush per write). Atomicity against
+            concurrent readers and writers does not depend on it.
+
+    Counters ``hits``, ``misses`` and ``settings_mismatches`` count this
+    process's lookups only.
+
+    Raises:
+        ValueError: ``root`` exists and is a file, or is a non-empty directory
+            that is not a draft store (so a typo cannot scatter files into an
+            unrelated folder).
+    """
+
+    def __init__(self, root: str | os.PathLike, fsync: bool = True) -> None:
+        self.root = Path(root)
+        self.fsync = bool(fsync)
+        if self.root.exists() and not self.root.is_dir():
+            raise ValueError(f"draft store root {self.root} is a file; pass a directory")
+        self.root.mkdir(parents=True, exist_ok=True)
+        marker = self.root / _MARKER
+        if not marker.exists():
+            if any(p.name != _MARKER and not p.name.startswith(".") for p in self.root.iterdir()):
+                raise ValueError(
+                    f"{self.root} is a non-empty directory that is not a spec-rl draft store; "
+                    "pass an empty or new directory"
+                )
+            try:  # several workers may race to create the marker: any one of them is fine
+                with open(marker, "x") as f:
+                    f.write(json.dumps({"format": _FORMAT, "format_version": _FORMAT_VERSION}) + "\n")
+            except FileExistsError:
+                pass
+        self.hits = 0
+        self.misses = 0
+        self.settings_mismatches = 0
+        self._warned: set[tuple[SamplingSettings, SamplingSettings]] = set()
+
+    def path_for(self, key: CacheKey) -> Path:
+        """File that holds the draft of ``key``."""
+        hexkey = key.digest.hex()
+        return self.root / hexkey[:2] / f"{hexkey}.safetensors"
+
+    def __contains__(self, key: CacheKey) -> bool:
+        return self.path_for(key).is_file()
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self.root.glob("??/*.safetensors"))
+
+    def _read(self, key: CacheKey) -> Draft | None:
+        from safetensors import safe_open
+
+        path = self.path_for(key)
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                ids = f.get_tensor("token_ids")
+                lps = f.get_tensor("logprobs")
+        except FileNotFoundError:
+            return None
+        except Exception as exc:  # a damaged file (not a torn write: writes are atomic) is a miss, not a crash
+            warnings.warn(f"draft store: cannot read {path} ({exc}); treating it as a miss", stacklevel=3)
+            return None
+        if meta.get("format") != _FORMAT or meta.get("format_version") != _FORMAT_VERSION or meta.get("key") != key.digest.hex():
+            warnings.warn(f"draft store: {path} is not a draft for this key/format; treating it as a miss", stacklevel=3)
+            return None
+        return Draft(
+            token_ids=ids,
+            logprobs=lps,
+            finish_reason=meta["finish_reason"],
+            version=int(meta["version"]),
+            settings=SamplingSettings(**json.loads(meta["settings"])),
+        )
+
+    def lookup(self, key: CacheKey, settings: SamplingSettings) -> Draft | None:
+        """Return the draft for ``key`` if it was sampled with ``settings``, else None.
+
+        Same semantics as :meth:`spec_rl.cache.RolloutCache.lookup`.
+        """
+        draft = self._read(key)
+        if draft is None:
+            self.misses += 1
+            return None
+        if draft.settings != settings:
+            self.misses += 1
+            self.settings_mismatches += 1
+            pair = (draft.settings, settings)
+            if pair not in self._warned:
+                self._warned.add(pair)
+                warnings.warn(
+                    f"draft store: draft was sampled with {draft.settings} but the lookup asks for {settings}; "
+                    "treating it as a miss (log-probs of different sampling distributions are not comparable). "
+                    "Use the same temperature/top-k/top-p/max_tokens, or point the run at a new directory.",
+                    stacklevel=2,
+                )
+            return None
+        self.hits += 1
+        return draft
+
+    def store(
+        self,
+        key: CacheKey,
+        token_ids: Sequence[int] | torch.Tensor,
+        logprobs: Sequence[float] | torch.Tensor,
+        finish_reason: str,
+        version: int,
+        settings: SamplingSettings,
+    ) -> None:
+        """Insert or replace the draft for ``key`` (atomic rename).
+
+        Raises:
+            ValueError: the same input errors as :meth:`spec_rl.cache.RolloutCache.store`
+                (length mismatch, unknown finish reason, NaN or positive logprobs).
+        """
+        from safetensors.torch import save_file
+
+        # Validate and normalise exactly as the in-memory cache does.
+        scratch = RolloutCache()
+        scratch.store(key, token_ids, logprobs, finish_reason, version, settings)
+        draft = scratch._entries[key.digest]
+        path = self.path_for(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        metadata = {
+            "format": _FORMAT,
+            "format_version": _FORMAT_VERSION,
+            "key": key.digest.hex(),
+            "finish_reason": draft.finish_reason,
+            "version": str(draft.version),
+            "settings": json.dumps(settings.to_dict(), sort_keys=True),
+        }
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=path.parent)
+        os.close(fd)
+        try:
+            save_file({"token_ids": draft.token_ids.contiguous(), "logprobs": draft.logprobs.contiguous()}, tmp, metadata=metadata)
+            if self.fsync:
+                with open(tmp, "rb+") as f:
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+    def clear(self) -> None:
+        """Delete every draft file (the directory and its marker stay)."""
+        for p in self.root.glob("??/*.safetensors"):
+            try:
+                p.unlink()
+            except FileNotFoundError:
+                pass
