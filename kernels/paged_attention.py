@@ -20,13 +20,13 @@ Work split (why):
   ``l`` and an unnormalised float32 accumulator, all in float32. A tile
   may straddle cache blocks: every token looks up its own block id, so
   ``BLOCK_N`` and ``block_size`` are independent.
-* Contractions: for groups of up to 4 heads, ``q * k`` broadcast and summed
-  in float32 (exact products for bf16/fp16 inputs, no padding of the
-  group to the 16 rows a tensor-core ``tl.dot`` needs, which would waste
-  8x the math at Qwen3's G = 2); for groups of 8 and more, ``tl.dot`` with
-  the group padded to >= 16 rows (the probabilities are rounded to the
-  cache dtype before the P @ V product, as FlashAttention does; IEEE fp32
-  dot for fp32 caches).
+* Contractions, two paths (see :func:`default_config`): ``tl.dot`` with
+  the group padded to >= 16 rows (tensor cores for bf16/fp16; the padding
+  rows are free in a kernel bound by K/V bytes; the probabilities are
+  rounded to the cache dtype before the P @ V product, as FlashAttention
+  does; IEEE fp32 dot for fp32 caches), or ``q * k`` broadcast and summed
+  in float32 (exact products, fp32 probabilities; no padding of the group;
+  the default for fp32 caches with groups of up to 4 and for head_dim < 16).
 * Split-K ("flash-decoding", Dao et al. 2023) for small batches with long
   contexts: the context is cut into ``num_splits`` partitions of a fixed
   number of tokens (the last one takes the rest), each program writes
@@ -211,7 +211,7 @@ def paged_decode_merge_kernel(
         m_all = tl.maximum(m_all, tl.load(part_ml_ptr + (base + s) * 2))
     l_all = 0.0
     acc = tl.zeros([D_PAD], dtype=tl.float32)
-    for s in range(0, num_splits):
+    for s in range(num_splits):
         m_s = tl.load(part_ml_ptr + (base + s) * 2)
         l_s = tl.load(part_ml_ptr + (base + s) * 2 + 1)
         w = tl.exp2(m_s - m_all)  # an empty split has m_s = -FLT_MAX, l_s = 0: weight 0 (or 1 with l 0)
@@ -242,11 +242,13 @@ def _next_pow2(x: int) -> int:
 
 @dataclass(frozen=True)
 class PagedAttentionConfig:
-    """Tile choice: ``block_n`` tokens per tile, ``num_warps``, and whether to contract with ``tl.dot``."""
+    """Tiles: ``block_n`` tokens per tile, ``num_warps``, ``num_stages`` (software pipelining of the
+    K/V loads; used by Triton on the ``tl.dot`` path), and whether to contract with ``tl.dot``."""
 
     block_n: int
     num_warps: int = 4
     use_dot: bool = False
+    num_stages: int = 1
 
     def __post_init__(self) -> None:
         if self.block_n < 1 or self.block_n & (self.block_n - 1):
@@ -255,22 +257,50 @@ class PagedAttentionConfig:
             raise ValueError(f"block_n must be >= 16 with use_dot=True (tl.dot minimum), got {self.block_n}")
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
 
 
-def default_config(group: int, head_dim: int) -> PagedAttentionConfig:
-    """Deterministic tile rule for a query group of ``group`` heads and head size ``head_dim``.
+def default_config(group: int, head_dim: int, dtype: torch.dtype) -> PagedAttentionConfig:
+    """Deterministic tile rule for a query group of ``group`` heads, head size ``head_dim``, cache ``dtype``.
 
-    Broadcast path (group <= 4): the [G_PAD, BLOCK_N, D_PAD] float32 product
-    is capped at 16384 elements = 128 per thread over 4 warps (Qwen3-0.6B:
-    G=2, D=128 -> 64 tokens = 32 KiB of bf16 K+V per tile). ``tl.dot`` path
-    (group >= 8, head_dim >= 16): 64 tokens (32 for head_dim 256).
+    Not yet timed on a GPU (benchmarks/bench_paged_attention.py --sweep times
+    the candidates in :data:`SWEEP`); the reasoning, from ``ptxas -v`` for
+    sm_90a (benchmarks/compile_check.py):
+
+    * bf16/fp16 caches, head_dim >= 16: the ``tl.dot`` path (query group
+      padded to 16 rows; the wasted MMA rows cost nothing in a kernel bound
+      by K/V bytes) with 2 pipeline stages, which Triton lowers to cp.async
+      prefetch of the next K/V tile into shared memory. At Qwen3-0.6B's
+      shape (G=2, D=128): 64 tokens x 8 warps -> 66 registers, 38 KiB smem,
+      no spills -> 3 programs (24 warps) per SM, 2 x 32 KiB of K/V in flight
+      per program. head_dim 256: 32 tokens (64 registers, 41 KiB smem);
+      head_dim <= 64: 128 tokens over 4 warps.
+    * fp32 caches (and head_dim < 16): the fp32 broadcast-and-sum path for
+      groups up to 4 -- the [G_PAD, BLOCK_N, D_PAD] float32 product capped at
+      8192 elements (64 per thread over 4 warps; 16384 spills at G=2,
+      D=128) -- and an IEEE fp32 ``tl.dot`` for larger groups.
     """
     g_pad = _next_pow2(group)
     d_pad = _next_pow2(max(head_dim, 8))
-    if g_pad >= 8 and d_pad >= 16:
-        return PagedAttentionConfig(block_n=64 if d_pad <= 128 else 32, num_warps=4, use_dot=True)
-    block_n = max(8, min(128, 16384 // (g_pad * d_pad)))
-    return PagedAttentionConfig(block_n=block_n, num_warps=4, use_dot=False)
+    if d_pad >= 16 and (dtype != torch.float32 or g_pad >= 8):
+        if d_pad <= 64:
+            return PagedAttentionConfig(block_n=128, num_warps=4, use_dot=True, num_stages=2)
+        return PagedAttentionConfig(block_n=64 if d_pad <= 128 else 32, num_warps=8, use_dot=True, num_stages=2)
+    block_n = max(8, min(128, 8192 // (g_pad * d_pad)))
+    return PagedAttentionConfig(block_n=block_n, num_warps=4, use_dot=False, num_stages=1)
+
+
+# Candidates timed by benchmarks/bench_paged_attention.py --sweep (and compiled by compile_check.py).
+SWEEP = [
+    PagedAttentionConfig(64, 8, True, 2),  # default at D=128, bf16
+    PagedAttentionConfig(64, 8, True, 3),
+    PagedAttentionConfig(64, 4, True, 3),
+    PagedAttentionConfig(128, 8, True, 2),
+    PagedAttentionConfig(32, 4, True, 3),
+    PagedAttentionConfig(32, 4, False, 1),  # fp32-exact broadcast path
+    PagedAttentionConfig(16, 4, False, 1),
+]
 
 
 def plan_splits(
@@ -527,7 +557,7 @@ def paged_decode_attention(
     if batch == 0:
         return out
 
-    cfg = config or default_config(group, head_dim)
+    cfg = config or default_config(group, head_dim, kv_cache.dtype)
     d_pad = _next_pow2(max(head_dim, 8))
     use_dot = cfg.use_dot and d_pad >= 16
     g_pad = max(16, _next_pow2(group)) if use_dot else _next_pow2(group)
@@ -578,6 +608,7 @@ def paged_decode_attention(
         DOT_F32=kv_cache.dtype == torch.float32 or (INTERPRET and kv_cache.dtype == torch.bfloat16),
         SPLIT=split,
         num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     if split:
         paged_decode_merge_kernel[(batch, q_heads)](
@@ -596,6 +627,7 @@ def paged_decode_attention(
 
 __all__ = [
     "INTERPRET",
+    "SWEEP",
     "PagedAttentionConfig",
     "default_config",
     "paged_decode_attention",

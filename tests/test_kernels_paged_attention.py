@@ -98,36 +98,48 @@ def assert_close(got, ref, kv_cache, dtype):
     assert bool((err <= bound).all()), f"max error {float(err.max()):.3g}, max excess {float((err - bound).max()):.3g}"
 
 
-# (seq_lens, q_heads, kv_heads, head_dim, block_size, cache dtype, query dtype, tile override)
+BCAST16 = PagedAttentionConfig(block_n=16, use_dot=False)
+BCAST8 = PagedAttentionConfig(block_n=8, use_dot=False)
+DOT16 = PagedAttentionConfig(block_n=16, use_dot=True)
+
+# (seq_lens, q_heads, kv_heads, head_dim, block_size, cache dtype, query dtype, config; None = default_config)
 CASES = [
-    # GQA 1, multi-tile (block_n 16 over block_size 16), lengths 0 / 1 / exact multiple / ragged
-    ([0, 1, 16, 37, 48], 2, 2, 32, 16, torch.float32, None, 16),
+    # GQA 1, multi-tile (16-token tiles over 16-token blocks), lengths 0 / 1 / exact multiple / ragged
+    ([0, 1, 16, 37, 48], 2, 2, 32, 16, torch.float32, None, BCAST16),
+    ([0, 1, 16, 37, 48], 2, 2, 32, 16, torch.bfloat16, None, DOT16),
     # GQA 2 (Qwen3), block_size 8, default tiles (one tile straddles several blocks)
     ([1, 8, 23, 40], 4, 2, 64, 8, torch.float32, None, None),
-    # GQA 4, bf16, tiles of 8 tokens inside 16-token blocks
-    ([5, 32, 33], 4, 1, 32, 16, torch.bfloat16, None, 8),
-    # GQA 2, fp16, block_size 32
+    ([1, 8, 23, 40], 4, 2, 64, 8, torch.bfloat16, None, None),
+    # GQA 4: bf16 broadcast path with 8-token tiles inside 16-token blocks; fp32 dot path
+    ([5, 32, 33], 4, 1, 32, 16, torch.bfloat16, None, BCAST8),
+    ([5, 32, 33], 4, 1, 32, 16, torch.float32, None, DOT16),
+    # GQA 2, fp16, block_size 32, both paths
     ([0, 31, 64, 65], 4, 2, 32, 32, torch.float16, None, None),
-    # non-power-of-two group (3 -> padded to 4) and head_dim (24 -> masked to 32)
-    ([7, 19], 6, 2, 24, 8, torch.float32, None, 16),
-    # tiny-model head_dim 8; fp32 query over a bf16 cache (output fp32)
+    ([0, 31, 64, 65], 4, 2, 32, 32, torch.float16, None, BCAST16),
+    # non-power-of-two group (3 -> padded) and head_dim (24 -> masked to 32)
+    ([7, 19], 6, 2, 24, 8, torch.float32, None, BCAST16),
+    ([7, 19], 6, 2, 24, 8, torch.float16, None, DOT16),
+    # tiny-model head_dim 8 (broadcast only); fp32 query over a bf16 cache (output fp32)
     ([1, 20], 4, 2, 8, 16, torch.bfloat16, torch.float32, None),
     # head_dim 256
     ([5, 20], 2, 1, 256, 16, torch.float32, None, None),
-    # tl.dot path: groups of 8 and 16 (padded to 16 rows)
+    ([5, 20], 2, 1, 256, 16, torch.bfloat16, None, None),
+    # groups of 8 and 16 (dot path, padded to 16 rows)
     ([3, 40], 8, 1, 32, 16, torch.bfloat16, None, None),
-    ([0, 17, 30], 16, 2, 16, 8, torch.float32, None, 16),
+    ([0, 17, 30], 16, 2, 16, 8, torch.float32, None, DOT16),
     ([20], 16, 1, 32, 16, torch.float16, None, None),
 ]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"lens{c[0]}-G{c[1] // c[2]}-D{c[3]}-bs{c[4]}-{c[5]}".replace("torch.", ""))
+def _case_id(c) -> str:
+    path = "dot" if (c[7] or PA.default_config(c[1] // c[2], c[3], c[5])).use_dot else "bcast"
+    return f"lens{c[0]}-G{c[1] // c[2]}-D{c[3]}-bs{c[4]}-{c[5]}-{path}".replace("torch.", "")
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_matches_float64_reference(case):
-    lens, hq, kvh, dim, bs, dtype, q_dtype, block_n = case
+    lens, hq, kvh, dim, bs, dtype, q_dtype, cfg = case
     q, kv, bt, sl = make_case(lens, hq, kvh, dim, bs, dtype, q_dtype, seed=len(lens) + dim)
-    cfg = None
-    if block_n is not None:
-        cfg = PagedAttentionConfig(block_n=block_n, use_dot=PA.default_config(hq // kvh, dim).use_dot)
     scale = dim**-0.5
     out = paged_decode_attention(q, kv, bt, sl, scale, config=cfg, num_splits=1)
     assert out.shape == q.shape and out.dtype == q.dtype
@@ -137,11 +149,24 @@ def test_matches_float64_reference(case):
             assert bool((out[b] == 0).all()), "seq_len 0 must give a zero row"
 
 
+def test_default_config_rule():
+    assert PA.default_config(2, 128, torch.bfloat16) == PagedAttentionConfig(64, 8, True, 2)
+    assert PA.default_config(2, 128, torch.float32).use_dot is False
+    assert PA.default_config(8, 128, torch.float32).use_dot is True
+    assert PA.default_config(2, 8, torch.bfloat16).use_dot is False  # tl.dot needs K >= 16
+    for g in (1, 2, 3, 4, 8, 16, 32):
+        for d in (8, 16, 24, 32, 64, 128, 256):
+            for dt in (torch.float32, torch.bfloat16):
+                cfg = PA.default_config(g, d, dt)
+                if not cfg.use_dot:  # the broadcast product stays within 8192 fp32 elements (no spills)
+                    assert PA._next_pow2(g) * cfg.block_n * PA._next_pow2(max(d, 8)) <= 8192 or cfg.block_n == 8
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_split_k_matches_single_pass(dtype):
     lens = [0, 1, 70, 129, 200]
     q, kv, bt, sl = make_case(lens, 4, 2, 32, 16, dtype, seed=11)
-    cfg = PagedAttentionConfig(block_n=16)
+    cfg = PagedAttentionConfig(block_n=16, use_dot=dtype != torch.float32)
     ref = reference64(q, kv, bt, sl, 0.2)
     single = paged_decode_attention(q, kv, bt, sl, 0.2, config=cfg, num_splits=1)
     assert_close(single, ref, kv, dtype)
@@ -171,9 +196,8 @@ def test_automatic_split_on_small_batch_long_context():
     # Interpreter's nominal 4 SMs: 1 x 1 programs -> split-K is chosen automatically.
     lens = [600]
     q, kv, bt, sl = make_case(lens, 2, 1, 32, 16, seed=3)
-    cfg = PA.default_config(2, 32)
-    splits, per = plan_splits(1, 1, 600, cfg.block_n, 4)
-    assert splits > 1
+    cfg = PA.default_config(2, 32, torch.float32)
+    assert plan_splits(1, 1, 600, cfg.block_n, 4)[0] > 1
     out = paged_decode_attention(q, kv, bt, sl, 32**-0.5, max_seq_len=600)
     assert_close(out, reference64(q, kv, bt, sl, 32**-0.5), kv, torch.float32)
     single = paged_decode_attention(q, kv, bt, sl, 32**-0.5, num_splits=1)

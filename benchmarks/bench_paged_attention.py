@@ -1,0 +1,355 @@
+"""GPU micro-benchmark: Triton paged decode attention vs gather + torch SDPA, and vs the copy floor.
+
+One command (also run by ``benchmarks/gpu_check.sh``):
+
+    python benchmarks/bench_paged_attention.py [--batch 64] [--context 1024] [--sweep] [--json PATH]
+
+Shapes (issue 4): Qwen3-0.6B attention (16 query heads, 8 kv heads,
+head_dim 128), bf16, block_size 16, one decode token per sequence against
+``--context`` cached tokens per sequence (all sequences equally long, block
+ids shuffled over the cache), batch 64 / context 1024; and a small-batch
+long-context row (``--long-batch`` x ``--long-context``) where split-K
+matters.
+
+Rows per shape:
+
+* copy floor: device-to-device copy of a tensor holding exactly the K/V
+  bytes attention must read; its bandwidth counts bytes read + written.
+* ours: :func:`spec_rl.kernels.paged_decode_attention` with
+  ``validate=False`` (what a decode loop / CUDA graph calls), automatic
+  split choice; plus forced no-split / split rows, and with the range checks
+  (one host sync) for reference.
+* gather + SDPA: ``kv_cache[block_tables]`` to dense [B, kv_heads, S, D],
+  then ``torch.nn.functional.scaled_dot_product_attention(enable_gqa=True)``
+  (the CPU path of the engine, run on the GPU); and SDPA alone on the
+  already-gathered dense K/V.
+
+K/V bandwidth of an attention row = K/V bytes read / time; "frac copy" =
+that / the copy's bandwidth (read + write bytes / time). Times are medians of
+``triton.testing.do_bench`` (CUDA events, L2 flushed between runs).
+
+Prints a table and writes JSON to --json (default $OUT/paged_attention.json
+when OUT is set). Without a CUDA device it prints the plan (bytes, default
+tiles, split choice for a 132-SM H100/H200) and exits 0: "no CUDA device".
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import traceback
+
+import torch
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+NOMINAL_SMS = 132  # H100 SXM / H200: used only for the CPU-side plan
+
+
+def _commit() -> str:
+    env = os.environ.get("SPEC_RL_COMMIT")
+    if env:
+        return env
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        out = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
+        return out.stdout.strip()
+    except Exception:  # noqa: BLE001  (no git: still benchmark)
+        return "unknown"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=64, help="sequences decoding one token each")
+    ap.add_argument("--context", type=int, default=1024, help="cached tokens per sequence")
+    ap.add_argument("--long-batch", type=int, default=4, help="batch of the long-context row (0: skip it)")
+    ap.add_argument("--long-context", type=int, default=8192, help="context of the long-context row")
+    ap.add_argument("--q-heads", type=int, default=16, help="query heads (Qwen3-0.6B: 16)")
+    ap.add_argument("--kv-heads", type=int, default=8, help="kv heads (Qwen3-0.6B: 8)")
+    ap.add_argument("--head-dim", type=int, default=128, help="head size (Qwen3-0.6B: 128)")
+    ap.add_argument("--block-size", type=int, default=16, help="tokens per cache block")
+    ap.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES))
+    ap.add_argument("--rep-ms", type=int, default=100, help="do_bench time budget per measurement (ms)")
+    ap.add_argument("--sweep", action="store_true", help="also time every config in paged_attention.SWEEP")
+    default_json = os.path.join(os.environ["OUT"], "paged_attention.json") if os.environ.get("OUT") else None
+    ap.add_argument("--json", default=default_json, help="write results here (default $OUT/paged_attention.json)")
+    args = ap.parse_args(argv)
+    for name in ("batch", "context", "q_heads", "kv_heads", "head_dim", "block_size", "rep_ms"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.q_heads % args.kv_heads:
+        ap.error("--q-heads must be a multiple of --kv-heads")
+    return args
+
+
+def shapes(args) -> list[dict]:
+    """The benchmarked shapes with their K/V byte counts (CPU-only logic)."""
+    elt = torch.empty(0, dtype=_DTYPES[args.dtype]).element_size()
+    out = [{"label": f"B={args.batch} ctx={args.context}", "batch": args.batch, "context": args.context}]
+    if args.long_batch > 0:
+        out.append(
+            {
+                "label": f"B={args.long_batch} ctx={args.long_context}",
+                "batch": args.long_batch,
+                "context": args.long_context,
+            }
+        )
+    for s in out:
+        s["kv_bytes"] = 2 * s["batch"] * s["context"] * args.kv_heads * args.head_dim * elt
+    return out
+
+
+def plan(args, sm_count: int) -> list[dict]:
+    """Default tiles and automatic split choice per shape (needs triton, not CUDA)."""
+    from spec_rl.kernels import paged_attention as PA
+
+    dtype = _DTYPES[args.dtype]
+    cfg = PA.default_config(args.q_heads // args.kv_heads, args.head_dim, dtype)
+    rows = []
+    for s in shapes(args):
+        splits, per = PA.plan_splits(s["batch"], args.kv_heads, s["context"], cfg.block_n, sm_count)
+        rows.append({**s, "config": str(cfg), "num_splits": splits, "tokens_per_split": per})
+    return rows
+
+
+def _bench(fn, rep_ms: int) -> float:
+    import triton
+
+    return float(triton.testing.do_bench(fn, warmup=max(10, rep_ms // 4), rep=rep_ms, return_mode="median"))
+
+
+def _measure(name, fn, args, rows, **extra):
+    rec = {"name": name, **extra}
+    try:
+        fn()
+        torch.cuda.synchronize()
+        rec["ms"] = _bench(fn, args.rep_ms)
+    except Exception as exc:  # noqa: BLE001  (a failing row is reported, not fatal)
+        rec["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        traceback.print_exc(limit=2)
+    rows.append(rec)
+    print(f"  {name:<48} {rec['ms'] * 1e3:9.1f} us" if "ms" in rec else f"  {name:<48} {rec['error']}", flush=True)
+    return rec
+
+
+def _inputs(args, batch, context, dev, gen):
+    dtype = _DTYPES[args.dtype]
+    bs = args.block_size
+    pages = -(-context // bs)
+    num_blocks = batch * pages + 8
+    kv = torch.randn(num_blocks, 2, bs, args.kv_heads, args.head_dim, device=dev, generator=gen).to(dtype)
+    perm = torch.randperm(num_blocks, device=dev, generator=gen)[: batch * pages]
+    bt = perm.view(batch, pages).to(torch.int32)
+    sl = torch.full((batch,), context, dtype=torch.int32, device=dev)
+    q = torch.randn(batch, args.q_heads, args.head_dim, device=dev, generator=gen).to(dtype)
+    return q, kv, bt, sl
+
+
+def _gather_dense(kv, bt, context):
+    """[num_blocks, 2, bs, H, D] + [B, P] -> dense K, V [B, H, P * bs, D] (first `context` positions)."""
+    g = kv[bt.long()]  # [B, P, 2, bs, H, D]
+    b, p, _, bs, h, d = g.shape
+    k = g[:, :, 0].reshape(b, p * bs, h, d)[:, :context].transpose(1, 2)
+    v = g[:, :, 1].reshape(b, p * bs, h, d)[:, :context].transpose(1, 2)
+    return k, v
+
+
+def _sdpa(q, k, v, scale):
+    f = torch.nn.functional.scaled_dot_product_attention
+    return f(q.unsqueeze(2), k, v, scale=scale, enable_gqa=True).squeeze(2)
+
+
+def run_shape(args, K, PA, shape, dev, gen, rows, checks, sm_count) -> None:
+    batch, context, kv_bytes = shape["batch"], shape["context"], shape["kv_bytes"]
+    section = shape["label"]
+    print(
+        f"\n{section}: Hq={args.q_heads} kv_heads={args.kv_heads} D={args.head_dim} {args.dtype}, "
+        f"K/V {kv_bytes / 1e6:.1f} MB",
+        flush=True,
+    )
+    q, kv, bt, sl = _inputs(args, batch, context, dev, gen)
+    scale = args.head_dim**-0.5
+    tag = {"section": section, "kv_bytes": kv_bytes}
+
+    src = torch.empty(kv_bytes, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    _measure("copy K/V bytes (floor, read+write)", lambda: dst.copy_(src), args, rows, **tag, floor=True)
+    src = dst = None  # free the floor's buffers before the attention rows
+
+    out = torch.empty_like(q)
+    cfg = PA.default_config(args.q_heads // args.kv_heads, args.head_dim, kv.dtype)
+    auto_splits, _ = PA.plan_splits(batch, args.kv_heads, context, cfg.block_n, sm_count)
+    _measure(
+        f"ours: paged decode (auto, splits={auto_splits})",
+        lambda: K.paged_decode_attention(q, kv, bt, sl, scale, out=out, max_seq_len=context, validate=False),
+        args,
+        rows,
+        **tag,
+        ours=True,
+    )
+    _measure(
+        "ours: no split",
+        lambda: K.paged_decode_attention(q, kv, bt, sl, scale, out=out, num_splits=1, validate=False),
+        args,
+        rows,
+        **tag,
+    )
+    if auto_splits == 1:
+        forced = max(2, -(-2 * sm_count // (batch * args.kv_heads)))
+        _measure(
+            f"ours: split-K (num_splits={forced})",
+            lambda: K.paged_decode_attention(
+                q, kv, bt, sl, scale, out=out, num_splits=forced, max_seq_len=context, validate=False
+            ),
+            args,
+            rows,
+            **tag,
+        )
+    _measure(
+        "ours: auto, with range checks (1 host sync)",
+        lambda: K.paged_decode_attention(q, kv, bt, sl, scale, out=out, max_seq_len=context),
+        args,
+        rows,
+        **tag,
+    )
+    if args.sweep:
+        for c in PA.SWEEP:
+            _measure(
+                f"  sweep {c}",
+                lambda c=c: K.paged_decode_attention(
+                    q, kv, bt, sl, scale, out=out, max_seq_len=context, config=c, validate=False
+                ),
+                args,
+                rows,
+                **tag,
+                config=str(c),
+            )
+    _measure(
+        "gather + SDPA (enable_gqa)",
+        lambda: _sdpa(q, *_gather_dense(kv, bt, context), scale),
+        args,
+        rows,
+        **tag,
+        baseline="gather_sdpa",
+    )
+    k_d, v_d = _gather_dense(kv, bt, context)
+    k_d, v_d = k_d.contiguous(), v_d.contiguous()
+    _measure("SDPA alone on dense K/V", lambda: _sdpa(q, k_d, v_d, scale), args, rows, **tag, baseline="sdpa_dense")
+
+    # accuracy of every variant against fp32 SDPA over the same (bf16) inputs
+    ref = _sdpa(q.float(), k_d.float(), v_d.float(), scale)
+    for ns in (None, 1, 4):
+        got = K.paged_decode_attention(q, kv, bt, sl, scale, num_splits=ns, max_seq_len=context)
+        checks[f"{section} num_splits={ns} max_abs_diff_vs_fp32_sdpa"] = float((got.float() - ref).abs().max())
+
+
+def finish(rows) -> None:
+    """Bandwidths and ratios (pure arithmetic; runs without CUDA on recorded rows)."""
+    by_section: dict[str, list] = {}
+    for r in rows:
+        by_section.setdefault(r["section"], []).append(r)
+    for recs in by_section.values():
+        floor = next((r for r in recs if r.get("floor") and "ms" in r), None)
+        base = {r["baseline"]: r for r in recs if r.get("baseline") and "ms" in r}
+        for r in recs:
+            if "ms" not in r:
+                continue
+            factor = 2 if r.get("floor") else 1  # the copy reads and writes
+            r["gb_per_s"] = factor * r["kv_bytes"] / r["ms"] / 1e6
+            if floor is not None and not r.get("floor"):
+                r["fraction_of_copy_bandwidth"] = r["gb_per_s"] / floor["gb_per_s"]
+            if not r.get("floor") and not r.get("baseline"):
+                for label, b in base.items():
+                    r[f"speedup_vs_{label}"] = b["ms"] / r["ms"]
+
+
+def print_table(results) -> None:
+    meta = results["meta"]
+    print(
+        f"\n=== spec-rl paged decode attention: {meta['device']}, Hq={meta['q_heads']} kv={meta['kv_heads']} "
+        f"D={meta['head_dim']} bs={meta['block_size']} {meta['dtype']}, commit {meta['commit']}, {meta['date']} ==="
+    )
+    print(f"{'shape':<18} {'method':<48} {'us':>9} {'GB/s':>8} {'frac copy':>9}  speedups")
+    for r in results["rows"]:
+        if "ms" not in r:
+            print(f"{r['section']:<18} {r['name']:<48} {'-':>9} {'-':>8} {'-':>9}  {r.get('error', '')}")
+            continue
+        frac = r.get("fraction_of_copy_bandwidth")
+        notes = ", ".join(f"{k[11:]} {v:.2f}x" for k, v in r.items() if k.startswith("speedup_vs_"))
+        print(
+            f"{r['section']:<18} {r['name']:<48} {r['ms'] * 1e3:>9.1f} {r['gb_per_s']:>8.0f} "
+            f"{'-' if frac is None else f'{frac:.2f}':>9}  {notes}"
+        )
+    print("GB/s: K/V bytes read / time (copy: read + write); frac copy: fraction of the copy's bandwidth")
+    for k, v in results["checks"].items():
+        print(f"check {k}: {v:.3g}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_paged_attention: no CUDA device; nothing was measured. Plan for a 132-SM GPU:")
+        try:
+            for p in plan(args, NOMINAL_SMS):
+                print(
+                    f"  {p['label']}: K/V {p['kv_bytes'] / 1e6:.1f} MB, {p['config']}, "
+                    f"num_splits={p['num_splits']} ({p['tokens_per_split']} tokens each)"
+                )
+        except ImportError as exc:  # triton missing: the plan needs spec_rl.kernels
+            print(f"  (no plan: {exc})")
+        return 0
+    os.environ.pop("TRITON_INTERPRET", None)
+    import spec_rl.kernels as K
+    import triton
+    from spec_rl.kernels import paged_attention as PA
+
+    if PA.INTERPRET:
+        print("bench_paged_attention: spec_rl.kernels was imported in interpreter mode; unset TRITON_INTERPRET.")
+        return 2
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(dev)
+    meta = {
+        "device": props.name,
+        "sm_count": props.multi_processor_count,
+        "capability": f"{props.major}.{props.minor}",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "commit": _commit(),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        **{k: getattr(args, k) for k in ("q_heads", "kv_heads", "head_dim", "block_size", "dtype")},
+        "plan": plan(args, props.multi_processor_count),
+    }
+    print(f"bench_paged_attention on {meta['device']} ({meta['sm_count']} SMs), commit {meta['commit']}", flush=True)
+    rows: list[dict] = []
+    checks: dict = {}
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for shape in shapes(args):
+        try:
+            run_shape(args, K, PA, shape, dev, gen, rows, checks, props.multi_processor_count)
+        except Exception as exc:  # noqa: BLE001  one failing shape is reported, the others still run
+            traceback.print_exc(limit=3)
+            rows.append({"name": "shape failed", "section": shape["label"], "error": f"{type(exc).__name__}: {exc}"})
+        torch.cuda.empty_cache()
+    finish(rows)
+    results = {"meta": meta, "rows": rows, "checks": checks}
+    print_table(results)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+        print(f"\nwrote {args.json}")
+    bad = [k for k, v in checks.items() if not math.isfinite(v) or v > 2e-2]
+    if bad:
+        print(f"bench_paged_attention: accuracy check failed: {bad}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
