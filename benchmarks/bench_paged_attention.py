@@ -117,6 +117,90 @@ def plan(args, sm_count: int) -> list[dict]:
     return rows
 
 
+def compile_variants(sweep: bool = False) -> list[tuple]:
+    """Kernel variants for benchmarks/compile_check.py: (name, kernel, signature, constexprs, div16 args, warps, stages).
+
+    Defaults (:func:`default_config`) at the shapes the engine meets: Qwen3
+    (G=2, D=128), Llama-3-8B (G=4, D=128), G=8, D=64 and D=256, fp16, the
+    fp32 broadcast path, the tiny test models' D=8; split and no split; the
+    merge kernel. ``sweep`` adds every :data:`SWEEP` config at the Qwen3 shape.
+    """
+    from spec_rl.kernels import paged_attention as PA
+
+    def sig(dt: str) -> dict:
+        return {
+            "q_ptr": f"*{dt}",
+            "kv_ptr": f"*{dt}",
+            "bt_ptr": "*i32",
+            "seq_lens_ptr": "*i32",
+            "out_ptr": f"*{dt}",
+            "part_acc_ptr": "*fp32",
+            "part_ml_ptr": "*fp32",
+            "qk_scale": "fp32",
+            "stride_qb": "i32",
+            "stride_qh": "i32",
+            "stride_ob": "i32",
+            "stride_oh": "i32",
+            "stride_blk": "i32",
+            "stride_kv": "i32",
+            "stride_tok": "i32",
+            "stride_head": "i32",
+            "stride_btb": "i32",
+            "tokens_per_split": "i32",
+            "num_splits": "i32",
+        }
+
+    names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+    shapes_ = [(2, 128, torch.bfloat16), (4, 128, torch.bfloat16), (8, 128, torch.bfloat16), (2, 64, torch.bfloat16)]
+    shapes_ += [(2, 256, torch.bfloat16), (2, 128, torch.float16), (2, 128, torch.float32), (2, 8, torch.float32)]
+    todo = [(g, d, dt, PA.default_config(g, d, dt), split) for g, d, dt in shapes_ for split in (False, True)]
+    if sweep:
+        todo += [(2, 128, torch.bfloat16, c, False) for c in PA.SWEEP]
+    out = []
+    for g, d, dt, cfg, split in todo:
+        d_pad = PA._next_pow2(max(d, 8))
+        use_dot = cfg.use_dot and d_pad >= 16
+        const = {
+            "G": g,
+            "G_PAD": max(16, PA._next_pow2(g)) if use_dot else PA._next_pow2(g),
+            "D": d,
+            "D_PAD": d_pad,
+            "BLOCK_SIZE": 16,
+            "BLOCK_N": cfg.block_n,
+            "USE_DOT": use_dot,
+            "DOT_F32": dt == torch.float32,
+            "SPLIT": split,
+        }
+        s = sig(names[dt])
+        div = [k for k, v in s.items() if v.startswith("*")] + ["stride_qb", "stride_qh", "stride_ob", "stride_oh"]
+        div += ["stride_blk", "stride_kv"] + (["stride_tok", "stride_head"] if d % 16 == 0 else [])
+        name = (
+            f"paged_decode {names[dt]} G={g} D={d} split={split} BLOCK_N={cfg.block_n} "
+            f"{'dot' if use_dot else 'bcast'} w{cfg.num_warps} s{cfg.num_stages}"
+        )
+        out.append((name, PA.paged_decode_kernel, s, const, div, cfg.num_warps, cfg.num_stages))
+    msig = {
+        "part_acc_ptr": "*fp32",
+        "part_ml_ptr": "*fp32",
+        "out_ptr": "*bf16",
+        "stride_ob": "i32",
+        "stride_oh": "i32",
+        "num_splits": "i32",
+    }
+    out.append(
+        (
+            "paged_decode_merge bf16 D=128",
+            PA.paged_decode_merge_kernel,
+            msig,
+            {"D": 128, "D_PAD": 128},
+            ["part_acc_ptr", "part_ml_ptr", "out_ptr", "stride_ob", "stride_oh"],
+            2,
+            1,
+        )
+    )
+    return out
+
+
 def _bench(fn, rep_ms: int) -> float:
     import triton
 

@@ -223,6 +223,12 @@ def main(argv=None) -> int:
     sig = {"out_ptr": "*i64", "in_ptr": "*i64", "n": "i32"}
     results.append(_run("philox_words", _philox_words_kernel, sig, {"BLOCK": 64}, [], arch, ptx_arch, 4, 1))
 
+    # Paged decode attention (issue 4): variants listed next to its benchmark.
+    from bench_paged_attention import compile_variants
+
+    for name, fn, sig, const, div, warps, stages in compile_variants(sweep=args.sweep):
+        results.append(_run(name, fn, sig, const, div, arch, ptx_arch, warps, stages))
+
     width = max(len(r["kernel"]) for r in results)
     print(f"{'kernel':<{width}}  status  regs  spill_st  spill_ld  smem_bytes  wgmma  v4_loads")
     ok = True
