@@ -60,9 +60,15 @@ sweep=""
 # shellcheck disable=SC2086
 $PY benchmarks/gpu_suite.py --json "$OUT/gpu_suite.json" $sweep ${SUITE_ARGS:-} > "$OUT/gpu_suite.log" 2>&1 || status=1
 
+echo "== paged decode attention benchmark (issue 4)"
+# shellcheck disable=SC2086
+$PY benchmarks/bench_paged_attention.py --json "$OUT/paged_attention.json" $sweep > "$OUT/paged_attention.log" 2>&1 || status=1
+
 echo
 echo "== summary (full logs in $OUT)"
 echo "tests exit code: $test_rc"
 sed -n '/^=== spec-rl verification kernels/,$p' "$OUT/gpu_suite.log"
 [ -s "$OUT/gpu_suite.json" ] || tail -n 30 "$OUT/gpu_suite.log"
+sed -n '/^=== spec-rl paged decode attention/,$p' "$OUT/paged_attention.log"
+[ -s "$OUT/paged_attention.json" ] || tail -n 30 "$OUT/paged_attention.log"
 exit $status
