@@ -486,8 +486,9 @@ def paged_decode_attention(
             head strides). The new token's own K/V must already be written
             into the cache (its position is seq_lens[b] - 1).
         kv_cache: [num_blocks, 2, block_size, kv_heads, D] contiguous,
-            float32/bf16/fp16 (may differ from query's dtype); D <= 256
-            (powers of two are the fast path, others are masked).
+            float32/bf16/fp16; D <= 256 (powers of two are the fast path,
+            others are masked). It may differ from query's dtype; on the
+            ``tl.dot`` path the query is then rounded to the cache dtype.
         block_tables: [B, max_blocks] int32. Only entries
             [0, ceil(seq_lens[b] / block_size)) of row b are read; the rest
             may hold any padding value.
@@ -556,6 +557,8 @@ def paged_decode_attention(
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if batch == 0:
         return out
+    if block_tables.shape[1] == 0:  # no blocks: every seq_len is 0 (checked above when validate=True)
+        return out.zero_()
 
     cfg = config or default_config(group, head_dim, kv_cache.dtype)
     d_pad = _next_pow2(max(head_dim, 8))

@@ -232,6 +232,10 @@ def test_empty_batch():
     bt = torch.zeros(0, 3, dtype=torch.int32, device=DEVICE)
     sl = torch.zeros(0, dtype=torch.int32, device=DEVICE)
     assert paged_decode_attention(q, kv, bt, sl, 1.0).shape == (0, 2, 32)
+    # a batch whose block tables have no columns: every sequence is empty
+    q1 = torch.randn(2, 2, 32, device=DEVICE)
+    out = paged_decode_attention(q1, kv, torch.zeros(2, 0, dtype=torch.int32, device=DEVICE), sl.new_zeros(2), 1.0)
+    assert bool((out == 0).all())
 
 
 def test_plan_splits_rule():
