@@ -17,6 +17,7 @@ Environment:
 
 import glob
 import os
+import sys
 
 from setuptools import find_packages, setup
 
@@ -48,16 +49,28 @@ def _extensions():
     cpp = sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, "csrc", "*.cpp")))
     cu = sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, "csrc", "*.cu")))
     use_cuda = torch.version.cuda is not None and CUDA_HOME is not None and os.environ.get("SPEC_RL_NO_CUDA") != "1"
-    cxx = ["-O3"]
+    cxx, link = ["-O3"], []
+    # at::parallel_for only runs in parallel when the caller is compiled with OpenMP
+    # (ATen/ParallelOpenMP.h is guarded by _OPENMP); torch's own libgomp is already loaded.
+    if sys.platform.startswith("linux") and torch.backends.openmp.is_available():
+        cxx.append("-fopenmp")
+        link.append("-fopenmp")
     if use_cuda:
         ext = CUDAExtension(
             "spec_rl._C",
             cpp + cu,
             include_dirs=[os.path.join(HERE, "csrc")],
             extra_compile_args={"cxx": cxx, "nvcc": ["-O3", "--expt-relaxed-constexpr"]},
+            extra_link_args=link,
         )
     else:
-        ext = CppExtension("spec_rl._C", cpp, include_dirs=[os.path.join(HERE, "csrc")], extra_compile_args={"cxx": cxx})
+        ext = CppExtension(
+            "spec_rl._C",
+            cpp,
+            include_dirs=[os.path.join(HERE, "csrc")],
+            extra_compile_args={"cxx": cxx},
+            extra_link_args=link,
+        )
     print(f"spec-rl: building spec_rl._C with {'CPU + CUDA' if use_cuda else 'CPU'} ops "
           f"(torch {torch.__version__}, CUDA_HOME={CUDA_HOME})")
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}

@@ -1,6 +1,6 @@
 // CUDA kernels of the paged KV-cache ops, free of torch headers so that they
-// compile standalone with nvcc (csrc/standalone/kv_kernels_check.cu tests them
-// with a tiny harness; benchmarks/compile_check_csrc.sh builds it for sm_90).
+// compile standalone with nvcc (benchmarks/compile_check_csrc.sh instantiates
+// every launcher for sm_90 on a machine without a GPU or a CUDA build of torch).
 //
 // Semantics: spec_rl/ops/reference.py. Cache layout per layer:
 // [num_blocks, 2, block_size, H, D] (NHD); block tables [B, cols]; slot =

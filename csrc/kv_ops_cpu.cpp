@@ -19,10 +19,11 @@
 namespace spec_rl {
 namespace {
 
-// Grain for at::parallel_for: about 64 KiB of copying per task, so that small
-// calls stay on one thread (thread start-up costs more than the copy).
+// Grain for at::parallel_for: at least 256 KiB of copying per task, so that small
+// calls (a decode step's few rows) stay on one thread: waking OpenMP threads costs
+// microseconds, far more than such a copy, and much more on an oversubscribed machine.
 int64_t grain_for(int64_t bytes_per_item) {
-  return std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, bytes_per_item));
+  return std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, bytes_per_item));
 }
 
 }  // namespace

@@ -304,6 +304,52 @@ def test_gather_kv_empty_batch_and_int64_table(device):
     _assert_same_bits(v, ref_v)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_ops_split_across_threads(device):
+    """Shapes large enough that at::parallel_for splits the work (chunks start mid-sequence)."""
+    gen = torch.Generator().manual_seed(5)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        block_size, heads, dim = 16, 4, 32  # 512-byte token rows: several 256 KiB tasks per op
+        num_blocks = 200
+        cache = _poisoned(num_blocks, block_size, heads, dim, torch.float32, device)
+        expected = cache.clone()
+        tokens = 1500
+        slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens].to(device)
+        slots[::7] = -1
+        key = _rand(gen, (tokens, heads, dim), torch.float32, device)
+        value = _rand(gen, (tokens, heads, dim), torch.float32, device)
+        ops.write_kv(cache, key, value, slots)
+        reference.write_kv(expected, key, value, slots)
+        _assert_same_bits(cache, expected)
+
+        lengths = torch.tensor([300, 0, 517, 64, 411], device=device)
+        seq = int(lengths.max())
+        cols = (seq + block_size - 1) // block_size
+        tables = torch.randperm(num_blocks, generator=gen)[: 5 * cols].view(5, cols).int().to(device)
+        src = seq - lengths
+        dense_k = _rand(gen, (5, heads, seq, dim), torch.float32, device)
+        dense_v = _rand(gen, (5, heads, seq, dim), torch.float32, device)
+        zeros = torch.zeros_like(lengths)
+        ops.splice_from_dense(cache, dense_k, dense_v, tables, src, zeros, lengths)
+        reference.splice_from_dense(expected, dense_k, dense_v, tables, src, zeros, lengths)
+        _assert_same_bits(cache, expected)
+
+        k, v = ops.gather_kv(cache, tables, lengths, seq + 3)
+        ref_k, ref_v = reference.gather_kv(cache, tables, lengths, seq + 3)
+        _assert_same_bits(k, ref_k)
+        _assert_same_bits(v, ref_v)
+
+        perm = torch.randperm(num_blocks, generator=gen).to(device)
+        mapping = torch.stack([perm[:100], perm[50:150]], dim=1)  # half the sources are also destinations
+        ops.copy_blocks(cache, mapping)
+        reference.copy_blocks(expected, mapping)
+        _assert_same_bits(cache, expected)
+    finally:
+        torch.set_num_threads(threads)
+
+
 # --------------------------------------------------------------------------- bad arguments (wrappers)
 
 
