@@ -150,22 +150,22 @@ def test_registered_and_epoch2_reuses_drafts(setup):
 
 def test_changed_policy_budgets_and_assembly(setup):
     cfg, server, tok, d = setup["cfg"], setup["server"], setup["tok"], setup["cache_dir"]
-    ep1 = run_epoch(cfg, server, tok, cache_dir=d, lenience=1.0)
+    ep1 = run_epoch(cfg, server, tok, cache_dir=d, lenience=0.3)
     new_model = tiny_model(eos=(1,), bias_eos=1.5, seed=7)  # the "updated" policy
     server.core.model, server.core.step, server.core.calls = new_model, 5, []
-    ep2 = run_epoch(cfg, server, tok, cache_dir=d, lenience=1.0)
+    ep2 = run_epoch(cfg, server, tok, cache_dir=d, lenience=0.3)
     calls = server.core.calls
     seen_partial = 0
     for i, (a, b) in enumerate(zip(ep1, ep2)):
         p, draft = a.prompt_ids, a.response_ids
         scoring = [c for c in calls if c["prompt_ids"] == p + draft and c["params"].get("prompt_logprobs") == 0]
-        assert len(scoring) == 1
+        assert scoring  # (two slots may hold the same draft, e.g. a lone EOS)
         n = b.extra_fields["spec_rl/verified_prefix_len"]
         # n is what the rule gives on float64 reference log-probs of the new policy
         lp_new = full_forward_logprobs(new_model, p, draft)
         slot, key = i % N, CacheKey.make(p, i % N, "toy:0")
         expect = verify(torch.tensor([draft]), torch.tensor([a.response_logprobs]), new_logprobs=lp_new.float()[None],
-                        lenience=1.0, seed=mix_seed(0, 5), uids=torch.tensor([key.uid]), backend="reference")
+                        lenience=0.3, seed=mix_seed(0, 5), uids=torch.tensor([key.uid]), backend="reference")
         assert n == int(expect.accepted_len[0]), slot
         assert b.response_ids[:n] == draft[:n]
         torch.testing.assert_close(torch.tensor(b.response_logprobs[:n], dtype=torch.float64), lp_new[:n], atol=1e-5, rtol=0)
@@ -174,10 +174,11 @@ def test_changed_policy_budgets_and_assembly(setup):
             continue
         seen_partial += 1
         conts = [c for c in calls if c["prompt_ids"] == p + draft[:n] and c["params"].get("prompt_logprobs") is None]
-        assert len(conts) == 1
         budget = min(RESPONSE_LEN, PROMPT_LEN + RESPONSE_LEN - len(p))
-        assert conts[0]["params"]["max_tokens"] == budget - n
-        assert conts[0]["request_id"] == scoring[0]["request_id"]  # same server: prefix-cache hit
+        assert conts and all(c["params"]["max_tokens"] == budget - n for c in conts)
+        # scoring and continuation share a request id: verl routes both to one server (prefix-cache hit)
+        # (another slot may continue from the same context, e.g. the bare prompt when n = 0)
+        assert {c["request_id"] for c in conts} & {c["request_id"] for c in scoring}
         tail = b.response_ids[n:]
         assert 1 <= len(tail) <= budget - n
         # the new part's log-probs are the new policy's sampling log-probs

@@ -149,8 +149,9 @@ class Verified:
 
     Attributes:
         n: rejection index (tokens of the draft kept), 0 without a draft.
-        prefix_ids: draft[:n].
-        prefix_logprobs: lp_new of those tokens (under the current weights).
+        prefix_ids: draft[:n], plus the scoring request's sampled token when
+            it directly follows the accepted tokens (see :meth:`SpecRequestBuilder.verify`).
+        prefix_logprobs: their log-probs under the current weights.
         full_reuse: the whole stored draft is kept: nothing to generate.
         step: training step used for the seed and stored as the version.
     """
@@ -160,6 +161,7 @@ class Verified:
     prefix_logprobs: list[float]
     full_reuse: bool
     step: int | None
+    sampled: int = 0
 
 
 @dataclass
@@ -322,13 +324,26 @@ class SpecRequestBuilder:
             return int(step)
         return plan.draft.version + 1 if plan.draft is not None else 0
 
-    def verify(self, plan: SamplePlan, new_logprobs: Sequence[float] | None, step: int | None = None) -> Verified:
+    def verify(
+        self,
+        plan: SamplePlan,
+        new_logprobs: Sequence[float] | None,
+        step: int | None = None,
+        scoring_sample: tuple[Sequence[int], Sequence[float] | None] | None = None,
+    ) -> Verified:
         """Run the acceptance test (SPEC-RL Alg. 1) on one sample.
 
         Args:
             plan: from :meth:`plan`.
             new_logprobs: R floats, lp_new of the draft tokens (None without a draft).
             step: training step / weight version (see :meth:`step_for`).
+            scoring_sample: (token ids, log-probs) the scoring request generated
+                after prompt + scored draft. When every scored token is accepted
+                but the stored draft was longer (it was cut to leave room in the
+                context), that token is a sample of pi_t at exactly the next
+                position, drawn with the rollout's sampling settings, so it is
+                kept as the first new token (DESIGN.md rule step 4: no extra
+                request for it). Otherwise it is ignored.
 
         Raises:
             ValueError: a draft without ``new_logprobs``, a length mismatch, or the
@@ -355,14 +370,23 @@ class SpecRequestBuilder:
         )
         n = int(res.accepted_len[0])
         full = n == len(plan.draft_ids) and len(plan.draft_ids) == len(plan.draft)
-        return Verified(n, plan.draft_ids[:n], [float(x) for x in new[0, :n].tolist()], full, step_used)
+        out = Verified(n, plan.draft_ids[:n], [float(x) for x in new[0, :n].tolist()], full, step_used)
+        if not full and n == len(plan.draft_ids) and n < plan.budget and scoring_sample is not None:
+            ids, lps = scoring_sample
+            if ids and lps:
+                out.prefix_ids.append(int(ids[0]))
+                out.prefix_logprobs.append(float(lps[0]))
+                out.sampled = 1
+        return out
 
     # ------------------------------------------------------------ step 3
     def continuation(self, plan: SamplePlan, verified: Verified) -> ContinuationRequest | None:
         """The generation request after the verified prefix, or None when nothing is left to generate."""
         if verified.full_reuse:
             return None
-        remaining = plan.budget - verified.n
+        if verified.sampled and verified.prefix_ids[-1] in self.eos_ids:
+            return None
+        remaining = plan.budget - len(verified.prefix_ids)
         if remaining < 1:
             return None
         return ContinuationRequest(plan.prompt_ids + verified.prefix_ids, remaining)
@@ -418,7 +442,7 @@ class SpecRequestBuilder:
             "draft_len": len(plan.draft_ids),
             "verified_prefix_len": verified.n,
             "full_reuse": verified.full_reuse,
-            "tokens_generated": len(new_ids),
+            "tokens_generated": len(new_ids) + verified.sampled,
             "response_len": len(response),
         }
         return Assembled(response, lps, finish, metrics)

@@ -212,7 +212,7 @@ class SpecRLAgentLoop(AgentLoopBase):
         b = self.builder
         with simple_timer("generate_sequences", metrics):
             plan = b.plan(prompt_ids, slot_of(kwargs, self.n), dataset_id_of(kwargs))
-            step = new_lps = None
+            step = new_lps = sample = None
             if plan.scoring_ids is not None:
                 scored = await self.server_manager.generate(
                     request_id=request_id, prompt_ids=plan.scoring_ids, sampling_params=b.scoring_sampling_params(base)
@@ -225,7 +225,8 @@ class SpecRLAgentLoop(AgentLoopBase):
                     )
                 new_lps = b.draft_logprobs_from_rows(plan, fields["prompt_logprobs"], fields.get("prompt_ids"))
                 step = fields.get("global_steps")
-            verified = b.verify(plan, new_lps, step)
+                sample = (list(scored.token_ids), scored.log_probs)
+            verified = b.verify(plan, new_lps, step, scoring_sample=sample)
             cont = b.continuation(plan, verified)
             new_ids, cont_lps, cont_step = [], [], None
             if cont is not None:

@@ -1,0 +1,190 @@
+"""OpenRLHF agent executor with speculative rollouts (SPEC-RL, arXiv 2509.23232).
+
+OpenRLHF (>= 0.11) lets a run replace its rollout with ``--train.agent_func_path
+agent.py``: the file must define ``AgentExecutor``, a subclass of
+``openrlhf.utils.agent.AgentExecutorBase``, built with no arguments inside each
+vLLM engine actor. Per prompt, the engine calls
+``execute(prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine)``
+``n_samples_per_prompt`` times concurrently; ``llm_engine.generate(token_ids,
+sampling_params)`` returns a vLLM ``RequestOutput``. (Read in openrlhf 0.11.2:
+``openrlhf/utils/agent.py``, ``trainer/ray/vllm_engine.py``.)
+
+:class:`SpecRLAgentExecutor` runs the same per-sample requests as the verl loop
+(:mod:`spec_rl.integrations.requests`): scoring request with
+``prompt_logprobs=0`` on prompt + draft, verification, continuation with
+``max_tokens`` = remaining budget, assembly, store in a
+:class:`~spec_rl.integrations.draft_store.DirectoryDraftStore`.
+
+What OpenRLHF does not pass, and how it is filled in:
+
+* the sample slot: ``execute`` gets no sample index. ``generate_responses``
+  creates the n ``execute`` coroutines of one prompt in a row and
+  ``asyncio.gather`` starts them in that order; the executor counts calls per
+  prompt text *before its first await*, so slot = count mod n. This needs
+  ``n_samples_per_prompt`` (constructor argument) to equal the run's
+  ``--rollout.n_samples_per_prompt``; it relies on OpenRLHF's call order, which
+  a future OpenRLHF may change (then pass slots explicitly).
+* the training step: no step or weight version reaches the executor, so the
+  uniforms are seeded with the draft's stored version + 1 (see
+  :meth:`SpecRequestBuilder.step_for`).
+* the dataset id: none; drafts are keyed by prompt token ids and slot.
+* the reward: with ``agent_func_path`` OpenRLHF uses no remote reward model,
+  so pass ``reward_fn(prompt, response_text, label) -> float`` (sync or async).
+
+Budget: OpenRLHF's ``max_length`` is prompt + response; ``sampling_params.max_tokens``
+(``--max_new_tokens``) caps the response, or None for ``max_length - len(prompt)``.
+The same log-prob restriction as for verl applies: vLLM's prompt logprobs are
+raw, so temperature must be 1 with no top-k/top-p unless
+``prompt_logprobs_mode="processed"``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections import defaultdict
+from copy import deepcopy
+from typing import Any, Callable
+
+from openrlhf.utils.agent import AgentExecutorBase
+
+from ..sampling import SamplingSettings
+from .draft_store import DirectoryDraftStore
+from .requests import SpecRequestBuilder
+
+
+def _token_logprob(entry: Any, token: int) -> float:
+    """Log-prob of ``token`` from one vLLM position entry ({token_id: Logprob} or float)."""
+    if isinstance(entry, dict):
+        v = entry[token]
+        return float(getattr(v, "logprob", v))
+    return float(entry)
+
+
+class SpecRLAgentExecutor(AgentExecutorBase):
+    """Single-turn OpenRLHF executor that reuses last epoch's responses as drafts.
+
+    Args:
+        cache_dir: draft directory shared by every vLLM engine actor.
+        n_samples_per_prompt: the run's ``--rollout.n_samples_per_prompt``.
+        reward_fn: optional ``(prompt, response_text, label) -> float``.
+        lenience: l (default e^0.5, paper's GRPO setting).
+        seed: run seed of the acceptance uniforms.
+        prompt_logprobs_mode: "raw" (vLLM) or "processed".
+        eos_token_ids: EOS ids (default: the tokenizer's eos_token_id).
+
+    Raises:
+        ValueError: n_samples_per_prompt < 1; at the first ``execute``, sampling
+            settings whose log-probs cannot be scored (see
+            :func:`spec_rl.integrations.requests.check_server_settings`).
+    """
+
+    def __init__(
+        self,
+        cache_dir: str,
+        n_samples_per_prompt: int,
+        reward_fn: Callable | None = None,
+        lenience: float = math.exp(0.5),
+        seed: int = 0,
+        prompt_logprobs_mode: str = "raw",
+        eos_token_ids: list[int] | None = None,
+    ) -> None:
+        if int(n_samples_per_prompt) != n_samples_per_prompt or n_samples_per_prompt < 1:
+            raise ValueError(f"n_samples_per_prompt must be an integer >= 1 (the run's value), got {n_samples_per_prompt!r}")
+        self.store = DirectoryDraftStore(cache_dir)
+        self.n = int(n_samples_per_prompt)
+        self.reward_fn = reward_fn
+        self.lenience = float(lenience)
+        self.seed = int(seed)
+        self.prompt_logprobs_mode = prompt_logprobs_mode
+        self.eos_token_ids = eos_token_ids
+        self._calls: dict[str, int] = defaultdict(int)
+        self._builders: dict[tuple, SpecRequestBuilder] = {}
+
+    def _builder(self, sampling_params: Any, max_length: int, hf_tokenizer: Any) -> SpecRequestBuilder:
+        top_k = int(getattr(sampling_params, "top_k", -1) or 0)
+        max_tokens = getattr(sampling_params, "max_tokens", None) or max_length
+        settings = SamplingSettings(
+            temperature=float(sampling_params.temperature),
+            top_p=float(getattr(sampling_params, "top_p", 1.0)),
+            top_k=0 if top_k < 0 else top_k,
+            max_tokens=int(max_tokens),
+        )
+        key = (settings, int(max_length))
+        if key not in self._builders:
+            eos = self.eos_token_ids
+            if eos is None:
+                e = getattr(hf_tokenizer, "eos_token_id", None)
+                eos = [e] if isinstance(e, int) else list(e or [])
+            self._builders[key] = SpecRequestBuilder(
+                self.store, settings, int(max_length), eos, lenience=self.lenience, seed=self.seed,
+                prompt_logprobs_mode=self.prompt_logprobs_mode,
+                repetition_penalty=float(getattr(sampling_params, "repetition_penalty", 1.0) or 1.0),
+            )
+        return self._builders[key]
+
+    async def execute(self, prompt, label, sampling_params, max_length: int, hf_tokenizer, llm_engine, images=None):
+        # Slot first, before any await: the n calls of one prompt start in order (module docstring).
+        slot = self._calls[prompt] % self.n
+        self._calls[prompt] += 1
+        if images:
+            raise ValueError("SpecRLAgentExecutor supports text prompts only")
+        b = self._builder(sampling_params, max_length, hf_tokenizer)
+        prompt_ids = hf_tokenizer(text=prompt, add_special_tokens=False)["input_ids"]
+        room = max_length - b.settings.max_tokens if getattr(sampling_params, "max_tokens", None) else max_length - 1
+        prompt_ids = list(prompt_ids)[-max(room, 1):]  # keep room for the response, as OpenRLHF does
+        plan = b.plan(prompt_ids, slot)
+        new_lps = sample = None
+        if plan.scoring_ids is not None:
+            sp = deepcopy(sampling_params)
+            sp.prompt_logprobs, sp.max_tokens, sp.logprobs = 0, 1, 0
+            scored = await llm_engine.generate(plan.scoring_ids, sp)
+            if scored.prompt_logprobs is None:
+                raise RuntimeError("the vLLM engine returned no prompt_logprobs for the scoring request")
+            ids = plan.scoring_ids
+            rows = [[_token_logprob(scored.prompt_logprobs[j], ids[j])] for j in range(1, len(ids))]
+            new_lps = b.draft_logprobs_from_rows(plan, rows)
+            first = scored.outputs[0]
+            if first.logprobs:
+                sample = (list(first.token_ids), [_token_logprob(e, t) for e, t in zip(first.logprobs, first.token_ids)])
+        verified = b.verify(plan, new_lps, scoring_sample=sample)
+        cont = b.continuation(plan, verified)
+        new_ids: list[int] = []
+        cont_lps: list[float] = []
+        truncated = False
+        if cont is not None:
+            sp = deepcopy(sampling_params)
+            sp.max_tokens, sp.logprobs = cont.max_tokens, 0 if sampling_params.logprobs is None else sampling_params.logprobs
+            out = (await llm_engine.generate(cont.context_ids, sp)).outputs[0]
+            new_ids = list(out.token_ids)
+            if out.logprobs is None:
+                raise RuntimeError("the vLLM engine returned tokens without logprobs although logprobs was set")
+            cont_lps = [_token_logprob(e, t) for e, t in zip(out.logprobs, new_ids)]
+            truncated = out.finish_reason == "length"
+        result = b.assemble(plan, verified, new_ids, cont_lps)
+        if cont is None:
+            truncated = result.finish_reason == "length"
+        response = result.response_ids
+        output = {
+            "prompt": prompt,
+            "label": label,
+            "images": images,
+            "mm_train_inputs": None,
+            "observation_tokens": prompt_ids + response,
+            "action_ranges": [(len(prompt_ids), len(prompt_ids) + len(response))],
+            "rollout_log_probs": [0.0] * len(prompt_ids) + result.logprobs if sampling_params.logprobs is not None else None,
+            "truncated": truncated,
+            "reward": None,
+            "scores": None,
+            "extra_logs": {f"spec_rl/{k}": float(v) for k, v in result.metrics.items()},
+        }
+        if self.reward_fn is not None:
+            text = hf_tokenizer.decode(response, skip_special_tokens=True)
+            r = self.reward_fn(prompt, text, label)
+            if inspect.isawaitable(r):
+                r = await r
+            output["reward"] = output["scores"] = float(r)
+        return output
+
+
+__all__ = ["SpecRLAgentExecutor"]

@@ -1,0 +1,140 @@
+"""The OpenRLHF agent executor against the real openrlhf package (installed --no-deps) and a fake vLLM engine.
+
+Skipped where openrlhf is not importable (the main virtualenv); ``make test-verl``
+installs it into .venv-verl. The engine below mimics vLLM's ``RequestOutput``
+(``prompt_logprobs``: None, then {token_id: Logprob} per position; ``outputs[0]``
+with token_ids, logprobs, finish_reason) and OpenRLHF's ``generate_responses``,
+which runs the n ``execute`` calls of one prompt with ``asyncio.gather``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+if os.environ.get("SPEC_RL_REQUIRE_VERL") == "1":
+    import openrlhf.utils.agent  # noqa: F401
+pytest.importorskip("openrlhf.utils.agent", reason="openrlhf is not installed here (make test-verl installs it)")
+
+from openrlhf.utils.agent import AgentExecutorBase  # noqa: E402
+
+from spec_rl.integrations.draft_store import DirectoryDraftStore  # noqa: E402
+from spec_rl.integrations.openrlhf import SpecRLAgentExecutor  # noqa: E402
+
+from fake_server import TinyServer  # noqa: E402
+from tiny_models import full_forward_logprobs, tiny_model, tiny_tokenizer  # noqa: E402
+
+MAX_LEN, N = 14, 2
+PROMPTS = ["Tom has 3 apples", "Ann buys 4 more apples", "how many apples now"]
+
+
+class FakeVLLMEngine:
+    def __init__(self, core: TinyServer):
+        self.core, self.count = core, 0
+
+    async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
+        self.count += 1
+        sp = sampling_params
+        params = dict(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, max_tokens=sp.max_tokens,
+                      logprobs=sp.logprobs is not None, prompt_logprobs=sp.prompt_logprobs)
+        r = self.core.run(str(self.count), prompt_token_ids, params)
+        ids = list(prompt_token_ids)
+        plp = None
+        if r["prompt_logprobs"] is not None:
+            plp = [None] + [{ids[j]: SimpleNamespace(logprob=r["prompt_logprobs"][j - 1][0])} for j in range(1, len(ids))]
+        lps = None if r["log_probs"] is None else [{t: SimpleNamespace(logprob=x)} for t, x in zip(r["token_ids"], r["log_probs"])]
+        fin = "length" if r["finish_reason"] == "length" else "stop"
+        return SimpleNamespace(prompt_logprobs=plp, outputs=[SimpleNamespace(token_ids=r["token_ids"], logprobs=lps, finish_reason=fin)])
+
+
+def params(**kw):
+    base = dict(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=None, logprobs=1, prompt_logprobs=None, repetition_penalty=1.0)
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+def run_epoch(executor, engine, tok, sp=None):
+    """OpenRLHF's pattern: per prompt, gather n execute() calls; prompts run concurrently."""
+    sp = sp or params()
+
+    async def one(prompt):
+        return await asyncio.gather(*[executor.execute(prompt, "7", sp, MAX_LEN, tok, engine) for _ in range(N)])
+
+    async def go():
+        return await asyncio.gather(*[one(p) for p in PROMPTS])
+
+    return [o for group in asyncio.run(go()) for o in group]
+
+
+@pytest.fixture()
+def env(tmp_path):
+    model = tiny_model(eos=(1,), bias_eos=1.5)
+    core = TinyServer(model, {1}, max_model_len=MAX_LEN)
+    return dict(core=core, engine=FakeVLLMEngine(core), tok=tiny_tokenizer(), dir=str(tmp_path / "d"), model=model)
+
+
+def test_executor_reuses_drafts_and_keeps_slots_apart(env):
+    rewards = []
+    ex = SpecRLAgentExecutor(env["dir"], N, reward_fn=lambda p, text, label: rewards.append(label) or 1.0)
+    assert isinstance(ex, AgentExecutorBase)
+    ep1 = run_epoch(ex, env["engine"], env["tok"])
+    assert len(DirectoryDraftStore(env["dir"])) == len(PROMPTS) * N  # one draft per (prompt, slot)
+    for o in ep1:
+        (start, end), = o["action_ranges"]
+        resp = o["observation_tokens"][start:end]
+        assert o["rollout_log_probs"][:start] == [0.0] * start
+        ref = full_forward_logprobs(env["model"], o["observation_tokens"][:start], resp)
+        torch.testing.assert_close(torch.tensor(o["rollout_log_probs"][start:], dtype=torch.float64), ref, atol=1e-5, rtol=0)
+        assert o["reward"] == 1.0 and o["extra_logs"]["spec_rl/draft_found"] == 0.0
+    env["core"].calls = []
+    ex2 = SpecRLAgentExecutor(env["dir"], N)  # e.g. another engine actor, same directory
+    ep2 = run_epoch(ex2, env["engine"], env["tok"])
+    assert all(c["params"]["prompt_logprobs"] == 0 and c["params"]["max_tokens"] == 1 for c in env["core"].calls)
+    # each (prompt, slot) got its own draft back: whole, or - when the draft filled max_length, so the
+    # scoring request (which must generate one token) could hold all but its last token - all but the
+    # last token, which the scoring request itself sampled (no continuation request)
+    cut = 0
+    for a, b in zip(ep1, ep2):
+        logs = b["extra_logs"]
+        if logs["spec_rl/full_reuse"] == 1.0:
+            assert b["observation_tokens"] == a["observation_tokens"] and logs["spec_rl/tokens_generated"] == 0
+        else:
+            cut += 1
+            assert len(a["observation_tokens"]) == MAX_LEN and len(b["observation_tokens"]) == MAX_LEN
+            assert b["observation_tokens"][:-1] == a["observation_tokens"][:-1]
+            assert logs["spec_rl/verified_prefix_len"] == logs["spec_rl/draft_len"] == logs["spec_rl/response_len"] - 1
+            assert logs["spec_rl/tokens_generated"] == 1
+    assert cut < len(ep2)
+    assert len(rewards) == len(ep1)
+
+
+def test_executor_budget_after_policy_change(env):
+    ex = SpecRLAgentExecutor(env["dir"], N, lenience=0.3)
+    sp = params(max_tokens=6)
+    ep1 = run_epoch(ex, env["engine"], env["tok"], sp)
+    env["core"].model, env["core"].calls = tiny_model(eos=(1,), bias_eos=1.5, seed=7), []
+    ep2 = run_epoch(ex, env["engine"], env["tok"], sp)
+    partial = 0
+    for a, b in zip(ep1, ep2):
+        (start, end), = a["action_ranges"]
+        p, draft = a["observation_tokens"][:start], a["observation_tokens"][start:end]
+        n = int(b["extra_logs"]["spec_rl/verified_prefix_len"])
+        resp = b["observation_tokens"][start:]
+        assert resp[:n] == draft[:n]
+        if n < len(draft):
+            partial += 1
+            conts = [c for c in env["core"].calls if c["prompt_ids"] == p + draft[:n] and c["params"]["prompt_logprobs"] is None]
+            assert conts and conts[0]["params"]["max_tokens"] == min(6, MAX_LEN - len(p)) - n
+    assert partial >= 1
+
+
+def test_executor_refuses_temperature_with_raw_prompt_logprobs(env):
+    ex = SpecRLAgentExecutor(env["dir"], N)
+    with pytest.raises(ValueError, match="temperature=0.6"):
+        run_epoch(ex, env["engine"], env["tok"], params(temperature=0.6))
+    with pytest.raises(ValueError, match="n_samples_per_prompt"):
+        SpecRLAgentExecutor(env["dir"], 0)
