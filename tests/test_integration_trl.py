@@ -132,7 +132,7 @@ class RecordingRollout(SpecRLRollout):
         return out
 
 
-def _trainer(tmp_path, spec, args=None, model=None, tok=None):
+def _trainer(tmp_path, spec, args=None, model=None, tok=None, eval_dataset=None):
     from trl import GRPOTrainer
 
     tok = tok or _tokenizer()
@@ -142,15 +142,16 @@ def _trainer(tmp_path, spec, args=None, model=None, tok=None):
         reward_funcs=_reward,
         args=args or _config(tmp_path),
         train_dataset=_dataset(),
+        eval_dataset=eval_dataset,
         processing_class=tok,
         rollout_func=spec,
     )
 
 
-def _run_three_epochs(tmp_path, lenience, **config):
+def _run_three_epochs(tmp_path, lenience, eval_dataset=None, **config):
     tok = _tokenizer()
     spec = RecordingRollout(lenience=lenience, dataset_id_column="id", cache_path=tmp_path / "cache.safetensors")
-    trainer = _trainer(tmp_path, spec, args=_config(tmp_path, **config), tok=tok)
+    trainer = _trainer(tmp_path, spec, args=_config(tmp_path, **config), tok=tok, eval_dataset=eval_dataset)
     spec.attach(trainer)
     trainer.train()
     recs = [r for r in spec.records if r["training"]]
@@ -267,8 +268,6 @@ def test_cached_drafts_with_other_settings_fail_at_start(tmp_path):
 
 
 def test_logprobs_without_temperature_fail_at_start(tmp_path):
-    from trl.trainer.utils import add_fused_lm_head
-
     tok = _tokenizer()
     model = _model(tok)
     with torch.no_grad():  # peaked logits, so the temperature matters
@@ -276,8 +275,13 @@ def test_logprobs_without_temperature_fail_at_start(tmp_path):
     spec = SpecRLRollout()
     trainer = _trainer(tmp_path, spec, args=_config(tmp_path, temperature=0.5), model=model, tok=tok)
     spec.attach(trainer)  # consistent: TRL divides by 0.5 as well
-    # Re-patch the fused head without the temperature: the trainer's logprobs are now at T = 1.
-    add_fused_lm_head(trainer.model, temperature=1.0)
+    # Make the trainer's log-probs ignore the temperature (T = 1) while it still samples at 0.5.
+    try:  # trl >= 1.16 bakes the temperature into a fused LM head: re-patch it
+        from trl.trainer.utils import add_fused_lm_head
+
+        add_fused_lm_head(trainer.model, temperature=1.0)
+    except ImportError:  # earlier releases divide by trainer.temperature in _get_per_token_logps_and_entropies
+        trainer.temperature = 1.0
     with pytest.raises(UnsupportedTrainerConfig, match="temperature=0.5"):
         spec.attach(trainer)
 
@@ -315,7 +319,17 @@ def test_grpo_trainer_partial_reuse_continues_from_the_verified_prefix(tmp_path)
     # l = 0.5 < 1: each token of an unchanged policy's draft is kept with probability 0.5, so
     # drafts are cut and the rest is generated: prefix + continuation, with TRL-matching log-probs
     # (checked per call in _run_three_epochs).
-    _, _, _, first, later = _run_three_epochs(tmp_path, 0.5)
+    spec, _, _, first, later = _run_three_epochs(
+        tmp_path, 0.5, eval_dataset=_dataset(), eval_strategy="epoch", per_device_eval_batch_size=2 * NUM_GEN
+    )
+    # Evaluation rollouts sample without drafts and leave the training cache alone.
+    evals = [r for r in spec.records if not r["training"]]
+    assert len(evals) >= 3
+    assert all(r["stats"]["drafts_found"] == 0 and r["lp_err"] < 1e-4 for r in evals)
+    assert len(spec.cache) == len(PROMPTS) * NUM_GEN
+    # Every draft was last written by an epoch-3 training step (steps 4, 5), not by the final evaluation (step 6).
+    versions = {d.version for d in spec.cache._entries.values()}
+    assert versions == {2 * len(first), 3 * len(first) - 1}
     assert all(r["stats"]["drafts_found"] == 0 for r in first)
     assert all(r["stats"]["drafts_found"] == r["stats"]["num_samples"] for r in later)
     accepted = sum(r["stats"]["accepted_tokens"] for r in later)

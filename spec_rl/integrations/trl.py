@@ -53,6 +53,7 @@ sampled with other settings, and a trainer whose per-token log-probs differ from
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import os
 import time
@@ -205,7 +206,8 @@ class SpecRLRollout:
         cache: the :class:`~spec_rl.cache.RolloutCache`.
         last_result: the :class:`~spec_rl.rollout.RolloutResult` of the latest call.
         last_requests: the requests of the latest call (prompt ids, slot, dataset id).
-        history: one dict per call: ``mode``, ``step`` and the rollout statistics.
+        history: one dict per call: ``mode``, ``step``, ``log_lenience``, ``strategy`` and the
+            rollout statistics (:meth:`spec_rl.rollout.RolloutStats.to_dict`).
 
     Raises:
         UnsupportedTrainerConfig: see :func:`check_trainer_args` and :meth:`attach`.
@@ -493,12 +495,14 @@ class SpecRLRollout:
         if unwrap_model_for_generation is None:
             return contextlib.nullcontext(trainer.accelerator.unwrap_model(trainer.model))
         args = trainer.args
-        return unwrap_model_for_generation(
-            getattr(trainer, "model_wrapped", trainer.model),
-            trainer.accelerator,
-            gather_deepspeed3_params=getattr(args, "ds3_gather_for_generation", True),
-            gradient_checkpointing_kwargs=getattr(args, "gradient_checkpointing_kwargs", None),
-        )
+        kwargs = {
+            "gather_deepspeed3_params": getattr(args, "ds3_gather_for_generation", True),
+            "gradient_checkpointing_kwargs": getattr(args, "gradient_checkpointing_kwargs", None),
+        }
+        # Older trl 1.x releases take fewer keyword arguments here.
+        accepted = inspect.signature(unwrap_model_for_generation).parameters
+        kwargs = {k: v for k, v in kwargs.items() if k in accepted}
+        return unwrap_model_for_generation(getattr(trainer, "model_wrapped", trainer.model), trainer.accelerator, **kwargs)
 
     def __call__(self, prompts: list, trainer) -> dict[str, list]:
         """TRL's ``rollout_func``: one completion per prompt.
@@ -555,7 +559,14 @@ class SpecRLRollout:
         self.last_result = result
         self.last_requests = requests
         stats = result.stats.to_dict()
-        record = {"mode": "train" if training else "eval", "step": step, "wall_seconds": time.perf_counter() - t0, **stats}
+        record = {
+            "mode": "train" if training else "eval",
+            "step": step,
+            "log_lenience": rollout.log_lenience,
+            "strategy": self.strategy if training else "off",
+            "wall_seconds": time.perf_counter() - t0,
+            **stats,
+        }
         self.history.append(record)
         if self.log_metrics and training and hasattr(trainer, "_log_metric"):
             n = max(stats["num_samples"], 1)
