@@ -87,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--kl-coef", type=float, default=0.0, help="k3 KL to the frozen initial policy")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    t.add_argument(
+        "--backend",
+        default="auto",
+        choices=("auto", "transformers", "paged"),
+        help="generation backend: paged KV engine (no re-prefill of verified prefixes) or the transformers "
+        "decode loop; auto = paged on CUDA, transformers on CPU",
+    )
     t.add_argument("--cache-dir", help="where the demo policy is cached (default $SPEC_RL_CACHE or ~/.cache/spec-rl)")
     t.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint and rollout cache")
     t.add_argument("--no-checkpoint", action="store_true", help="do not save checkpoints/cache after each epoch")
@@ -149,6 +156,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         kl_coef=args.kl_coef,
         seed=args.seed,
         device=args.device,
+        generation_backend=args.backend,
         save_checkpoint=not args.no_checkpoint,
     )
     if demo:

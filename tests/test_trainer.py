@@ -141,3 +141,21 @@ def test_two_epoch_end_to_end_reuses_drafts_and_resumes(tmp_path):
     summary = run_modes(model_dir, EXAMPLES, _reward, cfg3, ["spec"], out, progress=False, resume=True, log=lambda s: None)
     assert [r["epoch"] for r in summary["spec"]] == [1, 2, 3]
     assert summary["spec"][2]["drafts_found"] == 16
+
+
+def test_paged_backend_in_the_trainer_splices_without_reprefill(tmp_path):
+    from spec_rl.engine import PagedEngine
+
+    cfg = _config(epochs=2, lr=1e-4, generation_backend="paged")
+    trainer = GRPOTrainer(tiny_model(seed=0), tiny_tokenizer(), EXAMPLES, _reward, cfg, tmp_path, progress=False)
+    assert isinstance(trainer.rollout.backend, PagedEngine)
+    first = trainer.train_step(range(4), epoch=1)
+    second = trainer.train_step(range(4), epoch=2)
+    assert first["drafts_found"] == 0
+    assert second["drafts_found"] == 16 and second["reused_tokens"] > 0
+    # Drafted rows continue from the spliced KV: no accepted token is prefilled again.
+    assert second["reprefill_tokens"] == 0
+    with pytest.raises(ValueError, match="generation_backend"):
+        GRPOConfig(generation_backend="vllm")
+    auto = GRPOTrainer(tiny_model(seed=0), tiny_tokenizer(), EXAMPLES, _reward, _config(), tmp_path, progress=False)
+    assert type(auto.rollout.backend).__name__ == "TransformersBackend"  # CPU default (see GRPOConfig)

@@ -113,7 +113,7 @@ class GRPOTrainer:
         self.cache = RolloutCache()
         self.rollout = SpeculativeRollout(
             scorer=PolicyScorer(model, self.pad_id),
-            backend=TransformersBackend(model, self.eos_ids, self.pad_id),
+            backend=self._make_backend(model, config),
             cache=self.cache,
             settings=self.settings,
             eos_ids=sorted(self.eos_ids),
@@ -129,6 +129,17 @@ class GRPOTrainer:
         self.step = 0
         self.start_epoch = 0
         self.metrics_path = self.out_dir / "metrics.jsonl"
+
+    def _make_backend(self, model, config: GRPOConfig):
+        """The generation backend named by ``config.generation_backend`` ("auto": paged on CUDA)."""
+        choice = config.generation_backend
+        if choice == "auto":
+            choice = "paged" if next(model.parameters()).device.type == "cuda" else "transformers"
+        if choice == "paged":
+            from ..engine import PagedEngine
+
+            return PagedEngine(model, self.eos_ids, self.pad_id)
+        return TransformersBackend(model, self.eos_ids, self.pad_id)
 
     # ------------------------------------------------------------- resume
     def resume(self) -> bool:
