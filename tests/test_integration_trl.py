@@ -20,17 +20,17 @@ import torch
 trl = pytest.importorskip("trl", reason="trl is not installed (pip install 'spec-rl[trl]')")
 datasets = pytest.importorskip("datasets", reason="datasets is not installed (a dependency of trl)")
 
-from spec_rl.cache import CacheKey, RolloutCache  # noqa: E402
-from spec_rl.integrations.trl import (  # noqa: E402
+from tiny_models import tiny_model
+
+from spec_rl.cache import CacheKey, RolloutCache
+from spec_rl.integrations.trl import (
     CACHE_FILENAME,
     SpecRLRollout,
     UnsupportedTrainerConfig,
     check_trainer_args,
 )
-from spec_rl.sampling import SamplingSettings  # noqa: E402
-from spec_rl.tasks.demo_policy import build_demo_tokenizer  # noqa: E402
-
-from tiny_models import tiny_model  # noqa: E402
+from spec_rl.sampling import SamplingSettings
+from spec_rl.tasks.demo_policy import build_demo_tokenizer
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
@@ -57,23 +57,23 @@ def _model(tok, seed=0, **kw):
 def _config(tmp_path, **overrides):
     from trl import GRPOConfig
 
-    kw = dict(
-        output_dir=str(tmp_path / "out"),
-        use_cpu=True,
-        bf16=False,
-        per_device_train_batch_size=2 * NUM_GEN,
-        num_generations=NUM_GEN,
-        max_completion_length=MAX_COMPLETION,
-        num_train_epochs=3,
-        learning_rate=1e-9,
-        temperature=1.0,
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        seed=0,
-        disable_dropout=True,
-        dataloader_num_workers=0,
-    )
+    kw = {
+        "output_dir": str(tmp_path / "out"),
+        "use_cpu": True,
+        "bf16": False,
+        "per_device_train_batch_size": 2 * NUM_GEN,
+        "num_generations": NUM_GEN,
+        "max_completion_length": MAX_COMPLETION,
+        "num_train_epochs": 3,
+        "learning_rate": 1e-9,
+        "temperature": 1.0,
+        "logging_steps": 1,
+        "report_to": [],
+        "save_strategy": "no",
+        "seed": 0,
+        "disable_dropout": True,
+        "dataloader_num_workers": 0,
+    }
     kw.update(overrides)
     return GRPOConfig(**kw)
 
@@ -108,26 +108,30 @@ class RecordingRollout(SpecRLRollout):
         from trl.trainer.utils import pad
 
         p = pad([torch.tensor(x) for x in out["prompt_ids"]], padding_value=0, padding_side="left")
-        pm = pad([torch.ones(len(x), dtype=torch.long) for x in out["prompt_ids"]], padding_value=0, padding_side="left")
+        pm = pad(
+            [torch.ones(len(x), dtype=torch.long) for x in out["prompt_ids"]], padding_value=0, padding_side="left"
+        )
         c = pad([torch.tensor(x) for x in out["completion_ids"]], padding_value=0, padding_side="right")
-        cm = pad([torch.ones(len(x), dtype=torch.long) for x in out["completion_ids"]], padding_value=0, padding_side="right")
+        cm = pad(
+            [torch.ones(len(x), dtype=torch.long) for x in out["completion_ids"]], padding_value=0, padding_side="right"
+        )
         with torch.no_grad():
             trl_lp = trainer._get_per_token_logps_and_entropies(
                 trainer.model, torch.cat([p, c], 1), torch.cat([pm, cm], 1), c.shape[1], batch_size=len(prompts)
             )[0]
         mine = pad([torch.tensor(x) for x in out["logprobs"]], padding_value=0.0, padding_side="right")
         self.records.append(
-            dict(
-                training=training,
-                step=trainer.state.global_step,
-                prompts=list(prompts),
-                out=copy.deepcopy(out),
-                drafts=drafts,
-                prefix=list(res.verified_prefix_len),
-                found=list(res.draft_found),
-                stats=res.stats.to_dict(),
-                lp_err=float(((trl_lp.double() - mine.double()) * cm).abs().max()),
-            )
+            {
+                "training": training,
+                "step": trainer.state.global_step,
+                "prompts": list(prompts),
+                "out": copy.deepcopy(out),
+                "drafts": drafts,
+                "prefix": list(res.verified_prefix_len),
+                "found": list(res.draft_found),
+                "stats": res.stats.to_dict(),
+                "lp_err": float(((trl_lp.double() - mine.double()) * cm).abs().max()),
+            }
         )
         return out
 
@@ -339,3 +343,24 @@ def test_grpo_trainer_partial_reuse_continues_from_the_verified_prefix(tmp_path)
     assert generated > 0
     cut = [(r, i) for r in later for i in r["drafts"] if r["prefix"][i] < len(r["drafts"][i][0])]
     assert cut  # some drafts were rejected part-way
+
+
+@pytest.mark.slow
+def test_resume_reloads_the_cache_from_the_checkpoint(tmp_path):
+    tok = _tokenizer()
+    spec = SpecRLRollout(lenience=math.exp(0.5))
+    trainer = _trainer(tmp_path, spec, args=_config(tmp_path, num_train_epochs=1, save_strategy="epoch"), tok=tok)
+    spec.attach(trainer)
+    trainer.train()
+    steps = trainer.state.global_step
+    ckpt = tmp_path / "out" / f"checkpoint-{steps}"
+    assert len(RolloutCache.load(ckpt / CACHE_FILENAME)) == len(PROMPTS) * NUM_GEN
+
+    # A fresh process: new adapter with an empty cache, same model, resumed for a second epoch.
+    fresh = SpecRLRollout(lenience=math.exp(0.5))
+    resumed = _trainer(tmp_path, fresh, args=_config(tmp_path, num_train_epochs=2), model=trainer.model, tok=tok)
+    fresh.attach(resumed)
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    train_calls = [h for h in fresh.history if h["mode"] == "train"]
+    assert len(train_calls) == steps
+    assert all(h["drafts_found"] == h["num_samples"] for h in train_calls)

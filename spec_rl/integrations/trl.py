@@ -65,7 +65,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from ..cache import CacheKey, RolloutCache
+from ..cache import RolloutCache
 from ..generation import TransformersBackend, eos_token_ids
 from ..philox import mix_seed
 from ..reference import lenience_to_log
@@ -159,7 +159,11 @@ def check_trainer_args(args) -> SamplingSettings:
 
 
 def _rank_suffix(process_index: int) -> str:
-    return CACHE_FILENAME if process_index == 0 else CACHE_FILENAME.replace(".safetensors", f".rank{process_index}.safetensors")
+    return (
+        CACHE_FILENAME
+        if process_index == 0
+        else CACHE_FILENAME.replace(".safetensors", f".rank{process_index}.safetensors")
+    )
 
 
 class SpecRLRollout:
@@ -269,7 +273,7 @@ class SpecRLRollout:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
 
     # ------------------------------------------------------------------ setup
-    def attach(self, trainer) -> "SpecRLRollout":
+    def attach(self, trainer) -> SpecRLRollout:
         """Bind to ``trainer``: validate its configuration now, hook the dataset-id column, save with checkpoints.
 
         Call once after building the ``GRPOTrainer`` (with ``rollout_func=self``) and
@@ -322,7 +326,7 @@ class SpecRLRollout:
     def _check_cache_settings(self, settings: SamplingSettings) -> None:
         # The cache already treats a settings mismatch as a miss; at start we want an error instead of
         # silent zero reuse (issue 5). RolloutCache has no public iterator, so read its entries here.
-        found = {d.settings for d in self.cache._entries.values()}  # noqa: SLF001
+        found = {d.settings for d in self.cache._entries.values()}
         other = [s for s in found if s != settings]
         if other:
             raise UnsupportedTrainerConfig(
@@ -412,7 +416,9 @@ class SpecRLRollout:
             prompt_ids = trainer.processing_class(text=prompts)["input_ids"]
         return [[int(t) for t in (p.tolist() if isinstance(p, torch.Tensor) else p)] for p in prompt_ids]
 
-    def requests_for(self, prompts: list, trainer, prompt_ids: Sequence[Sequence[int]] | None = None) -> list[RolloutRequest]:
+    def requests_for(
+        self, prompts: list, trainer, prompt_ids: Sequence[Sequence[int]] | None = None
+    ) -> list[RolloutRequest]:
         """The :class:`~spec_rl.rollout.RolloutRequest` of each prompt of one ``rollout_func`` call.
 
         Slot of sample i: ``(process_index * len(prompts) + i) % G`` with G =
@@ -427,7 +433,11 @@ class SpecRLRollout:
         if prompt_ids is None:
             prompt_ids = self._tokenize(prompts, trainer)
         training = bool(trainer.model.training)
-        group = trainer.num_generations if training else (getattr(trainer, "num_generations_eval", None) or trainer.num_generations)
+        group = (
+            trainer.num_generations
+            if training
+            else (getattr(trainer, "num_generations_eval", None) or trainer.num_generations)
+        )
         offset = trainer.accelerator.process_index * len(prompts)
         if self.dataset_id_column is not None:
             if self._pending_ids is None:
@@ -464,7 +474,9 @@ class SpecRLRollout:
         tok = getattr(trainer, "_tokenizer", None) or trainer.processing_class
         eos = eos_token_ids(model, tok) | {int(x) for x in (getattr(trainer, "eos_token_ids", None) or [])}
         if not eos:
-            raise UnsupportedTrainerConfig("neither the model nor the tokenizer declares an EOS id; set tokenizer.eos_token")
+            raise UnsupportedTrainerConfig(
+                "neither the model nor the tokenizer declares an EOS id; set tokenizer.eos_token"
+            )
         pad = tok.pad_token_id if tok.pad_token_id is not None else min(eos)
         max_len = self.max_model_len or getattr(model.config.get_text_config(), "max_position_embeddings", None)
         if max_len is None:
@@ -502,7 +514,9 @@ class SpecRLRollout:
         # Older trl 1.x releases take fewer keyword arguments here.
         accepted = inspect.signature(unwrap_model_for_generation).parameters
         kwargs = {k: v for k, v in kwargs.items() if k in accepted}
-        return unwrap_model_for_generation(getattr(trainer, "model_wrapped", trainer.model), trainer.accelerator, **kwargs)
+        return unwrap_model_for_generation(
+            getattr(trainer, "model_wrapped", trainer.model), trainer.accelerator, **kwargs
+        )
 
     def __call__(self, prompts: list, trainer) -> dict[str, list]:
         """TRL's ``rollout_func``: one completion per prompt.
@@ -540,7 +554,9 @@ class SpecRLRollout:
             model.eval()  # deterministic scoring and sampling (no dropout)
             try:
                 rollout = self._ensure_rollout(model, trainer)
-                salt = mix_seed(trainer.accelerator.process_index, self._calls_at_step if training else -self._eval_calls)
+                salt = mix_seed(
+                    trainer.accelerator.process_index, self._calls_at_step if training else -self._eval_calls
+                )
                 rollout.seed = self._base_seed ^ salt
                 with trainer.accelerator.autocast():
                     if training:
@@ -605,7 +621,11 @@ class _CacheCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         if state.global_step > 0 and len(self.spec.cache) == 0:
             resume = getattr(args, "resume_from_checkpoint", None)
-            folder = Path(resume) if isinstance(resume, str) and os.path.isdir(resume) else Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            folder = (
+                Path(resume)
+                if isinstance(resume, str) and os.path.isdir(resume)
+                else Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            )
             path = self.spec.checkpoint_file(folder, self._rank())
             if path.is_file():
                 self.spec.cache = RolloutCache.load(path)
@@ -613,8 +633,11 @@ class _CacheCallback(TrainerCallback):
                 if self.spec._settings is not None:
                     self.spec._check_cache_settings(self.spec._settings)
             else:
-                warnings.warn(f"spec-rl: resuming at step {state.global_step} without a rollout cache at {path}; "
-                              "the first epoch after resuming generates from scratch", stacklevel=2)
+                warnings.warn(
+                    f"spec-rl: resuming at step {state.global_step} without a rollout cache at {path}; "
+                    "the first epoch after resuming generates from scratch",
+                    stacklevel=2,
+                )
 
     def on_save(self, args, state, control, **kwargs):
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
