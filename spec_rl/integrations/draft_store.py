@@ -110,8 +110,9 @@ class DirectoryDraftStore:
         except Exception as exc:  # a damaged file (not a torn write: writes are atomic) is a miss, not a crash
             warnings.warn(f"draft store: cannot read {path} ({exc}); treating it as a miss", stacklevel=3)
             return None
-        if meta.get("format") != _FORMAT or meta.get("format_version") != _FORMAT_VERSION or meta.get("key") != key.digest.hex():
-            warnings.warn(f"draft store: {path} is not a draft for this key/format; treating it as a miss", stacklevel=3)
+        expected = (_FORMAT, _FORMAT_VERSION, key.digest.hex())
+        if (meta.get("format"), meta.get("format_version"), meta.get("key")) != expected:
+            warnings.warn(f"draft store: {path} is not a draft of this key/format; treating it as a miss", stacklevel=3)
             return None
         return Draft(
             token_ids=ids,
@@ -180,7 +181,8 @@ class DirectoryDraftStore:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=path.parent)
         os.close(fd)
         try:
-            save_file({"token_ids": draft.token_ids.contiguous(), "logprobs": draft.logprobs.contiguous()}, tmp, metadata=metadata)
+            tensors = {"token_ids": draft.token_ids.contiguous(), "logprobs": draft.logprobs.contiguous()}
+            save_file(tensors, tmp, metadata=metadata)
             if self.fsync:
                 with open(tmp, "rb+") as f:
                     os.fsync(f.fileno())

@@ -90,7 +90,9 @@ class SpecRLAgentExecutor(AgentExecutorBase):
         eos_token_ids: list[int] | None = None,
     ) -> None:
         if int(n_samples_per_prompt) != n_samples_per_prompt or n_samples_per_prompt < 1:
-            raise ValueError(f"n_samples_per_prompt must be an integer >= 1 (the run's value), got {n_samples_per_prompt!r}")
+            raise ValueError(
+                f"n_samples_per_prompt must be an integer >= 1 (the run's value), got {n_samples_per_prompt!r}"
+            )
         self.store = DirectoryDraftStore(cache_dir)
         self.n = int(n_samples_per_prompt)
         self.reward_fn = reward_fn
@@ -146,7 +148,8 @@ class SpecRLAgentExecutor(AgentExecutorBase):
             new_lps = b.draft_logprobs_from_rows(plan, rows)
             first = scored.outputs[0]
             if first.logprobs:
-                sample = (list(first.token_ids), [_token_logprob(e, t) for e, t in zip(first.logprobs, first.token_ids)])
+                toks = list(first.token_ids)
+                sample = (toks, [_token_logprob(e, t) for e, t in zip(first.logprobs, toks)])
         verified = b.verify(plan, new_lps, scoring_sample=sample)
         cont = b.continuation(plan, verified)
         new_ids: list[int] = []
@@ -154,7 +157,8 @@ class SpecRLAgentExecutor(AgentExecutorBase):
         truncated = False
         if cont is not None:
             sp = deepcopy(sampling_params)
-            sp.max_tokens, sp.logprobs = cont.max_tokens, 0 if sampling_params.logprobs is None else sampling_params.logprobs
+            sp.max_tokens = cont.max_tokens
+            sp.logprobs = 0 if sampling_params.logprobs is None else sampling_params.logprobs
             out = (await llm_engine.generate(cont.context_ids, sp)).outputs[0]
             new_ids = list(out.token_ids)
             if out.logprobs is None:
@@ -172,7 +176,9 @@ class SpecRLAgentExecutor(AgentExecutorBase):
             "mm_train_inputs": None,
             "observation_tokens": prompt_ids + response,
             "action_ranges": [(len(prompt_ids), len(prompt_ids) + len(response))],
-            "rollout_log_probs": [0.0] * len(prompt_ids) + result.logprobs if sampling_params.logprobs is not None else None,
+            "rollout_log_probs": (
+                [0.0] * len(prompt_ids) + result.logprobs if sampling_params.logprobs is not None else None
+            ),
             "truncated": truncated,
             "reward": None,
             "scores": None,

@@ -238,7 +238,9 @@ class SpecRLAgentLoop(AgentLoopBase):
                 new_ids, cont_lps = list(out.token_ids), out.log_probs
                 cont_step = (out.extra_fields or {}).get("global_steps")
                 if new_ids and cont_lps is None:
-                    raise RuntimeError("the rollout server returned tokens without log_probs although logprobs=True was sent")
+                    raise RuntimeError(
+                        "the rollout server returned tokens without log_probs although logprobs=True was sent"
+                    )
             result = b.assemble(plan, verified, new_ids, cont_lps or [], step=cont_step)
         extra.update({f"spec_rl/{k}": v for k, v in result.metrics.items()})
         return self._output(prompt_ids, result.response_ids, result.logprobs, metrics, extra)
