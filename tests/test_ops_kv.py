@@ -368,7 +368,7 @@ def _valid(device):
     "case",
     [
         "cache_type", "cache_shape", "cache_dtype", "cache_noncontig", "cache_block0", "key_type", "key_dims",
-        "key_dtype", "slot_dtype", "slot_dims", "key_heads", "key_vs_slots", "slot_too_big",
+        "key_dtype", "slot_type", "slot_dtype", "slot_dims", "key_heads", "key_vs_slots", "slot_too_big",
     ],
 )
 def test_write_kv_rejects_bad_arguments(device, case):
@@ -383,6 +383,7 @@ def test_write_kv_rejects_bad_arguments(device, case):
         "key_type": ("key", key.tolist(), TypeError, "key must be a torch.Tensor"),
         "key_dims": ("key", key[0], ValueError, "key must be 3-D"),
         "key_dtype": ("key", key.half(), TypeError, "key dtype"),
+        "slot_type": ("slot_mapping", slots.tolist(), TypeError, "slot_mapping must be a torch.Tensor"),
         "slot_dtype": ("slot_mapping", slots.float(), TypeError, "slot_mapping must be int32 or int64"),
         "slot_dims": ("slot_mapping", slots[None], ValueError, "slot_mapping must be 1-D"),
         "key_heads": ("key", torch.zeros(3, 1, 4, device=device), ValueError, r"must both be \[T, 2, 4\]"),
@@ -451,6 +452,18 @@ def test_copy_blocks_and_gather_reject_bad_arguments(device):
         ops.gather_kv(cache, tables, idx([17, 1]))
     with pytest.raises(ValueError, match="block id out of range"):
         ops.gather_kv(cache, torch.tensor([[0, 9]], dtype=torch.int32, device=device), idx([9]))
+
+
+def test_device_mismatch_is_rejected_by_the_wrappers_on_any_machine():
+    # A meta-device cache stands in for "another device" on a CPU-only machine.
+    cache = torch.empty(4, 2, 8, 2, 4, device="meta")
+    key = torch.zeros(3, 2, 4)
+    with pytest.raises(ValueError, match="key is on cpu but kv_cache is on meta"):
+        ops.write_kv(cache, key, key, torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match="slot_mapping is on cpu but kv_cache is on meta"):
+        ops.write_kv(cache, key.to("meta"), key.to("meta"), torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match="block_tables is on cpu"):
+        ops.gather_kv(cache, torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.long, device="meta"))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -133,6 +133,8 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slo
         kv_cache: [num_blocks, 2, block_size, H, D] float32/float16/bfloat16.
         key, value: [T, H, D], same dtype and device as ``kv_cache``.
         slot_mapping: [T] int32/int64; slot = block * block_size + offset; negative = skip.
+            Non-negative slots must be distinct: a slot listed twice in one call ends up
+            with unspecified contents (the rows are written concurrently; vLLM's convention too).
 
     Raises:
         ValueError: shape/device mismatch or a slot >= num_blocks * block_size.
