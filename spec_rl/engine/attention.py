@@ -61,6 +61,7 @@ class PagedBatch:
     q_valid: torch.Tensor
     mask: torch.Tensor | None
     decode_kernel: object | None = None
+    kv_lens_i32: torch.Tensor | None = None
 
 
 _ACTIVE: PagedBatch | None = None
@@ -95,7 +96,11 @@ def paged_attention_forward(
     q = query[0].transpose(0, 1)  # [T, Hq, D]
     scale = float(scaling) if scaling is not None else q.shape[-1] ** -0.5
     if batch.decode_kernel is not None:
-        out = batch.decode_kernel(q.contiguous(), cache, batch.block_tables, batch.kv_lens.int(), scale)
+        # The block manager built the tables on the host and build_batch checked their ranges,
+        # so the kernel's own range check (one host sync per layer) is skipped.
+        out = batch.decode_kernel(
+            q.contiguous(), cache, batch.block_tables, batch.kv_lens_i32, scale, max_seq_len=batch.max_kv, validate=False
+        )
         return out.to(query.dtype).unsqueeze(0), None
     keys, values = ops.gather_kv(cache, batch.block_tables, batch.kv_lens, batch.max_kv)
     qp = q[batch.q_index].transpose(1, 2)  # [B, Hq, max_q, D]
@@ -160,6 +165,12 @@ def build_batch(
     """
     bsz = len(q_lens)
     kv_lens = [s + q for s, q in zip(starts, q_lens)]
+    capacity = kv_caches[0].shape[0] if kv_caches else 0
+    block_size = kv_caches[0].shape[2] if kv_caches else 1
+    for b, (t, n) in enumerate(zip(block_tables, kv_lens)):
+        # Host-side range check of everything the kernels will read: -(-n // bs) blocks per sequence.
+        if len(t) * block_size < n or any(not 0 <= x < capacity for x in t[: -(-n // block_size)]):
+            raise ValueError(f"sequence {b}: block table {t} does not cover {n} tokens in a cache of {capacity} blocks")
     max_kv, max_q = max(kv_lens), max(q_lens)
     width = max(len(t) for t in block_tables)
     tables = torch.zeros((bsz, width), dtype=torch.int32)
@@ -192,4 +203,5 @@ def build_batch(
         q_valid=q_valid.to(device),
         mask=mask,
         decode_kernel=decode_kernel if use_kernel else None,
+        kv_lens_i32=kv_t.to(device=device, dtype=torch.int32) if use_kernel else None,
     )
