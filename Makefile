@@ -2,6 +2,8 @@
 # Both create .venv if needed, install torch first (a CPU build where one is
 # on the local disk; set TORCH_SPEC to choose another), then this package with
 # --no-build-isolation so pip never pulls a second (CUDA) torch.
+# `make test` also builds .venv-verl: verl 0.9.1 pins transformers/tokenizers
+# versions that differ from ours, so its adapter tests run in their own venv.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -9,9 +11,11 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.deps-stamp
+VENV_VERL ?= .venv-verl
+VERL_STAMP := $(VENV_VERL)/.deps-stamp
 ARGS ?=
 
-.PHONY: run test install gpu-check clean
+.PHONY: run test test-main test-verl install gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -19,7 +23,7 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml setup.py
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_SPEC)"
 	$(PIP) install "setuptools>=70" wheel ninja
-	$(PIP) install --no-build-isolation ".[test,triton]"
+	$(PIP) install --no-build-isolation ".[test,triton,trl]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -28,12 +32,30 @@ install: $(STAMP)
 run: install
 	$(VENV)/bin/spec-rl train $(ARGS)
 
-test: install
+test: test-main test-verl
+
+test-main: install
 	$(VENV)/bin/pytest -q $(ARGS)
+
+# verl's agent-loop import also needs cachetools, uvicorn and fastapi (its verl-core extra);
+# OpenRLHF is installed without dependencies: only openrlhf.utils.agent is imported.
+$(VERL_STAMP): pyproject.toml setup.py
+	$(PYTHON) -m venv $(VENV_VERL)
+	$(VENV_VERL)/bin/python -c "import torch" 2>/dev/null || $(VENV_VERL)/bin/pip install "$(TORCH_SPEC)"
+	$(VENV_VERL)/bin/pip install "setuptools>=70" wheel ninja
+	$(VENV_VERL)/bin/pip install "verl==0.9.1" cachetools uvicorn fastapi
+	$(VENV_VERL)/bin/pip install --no-deps "openrlhf==0.11.2"
+	$(VENV_VERL)/bin/pip install --no-build-isolation ".[test]"
+	touch $(VERL_STAMP)
+
+# SPEC_RL_REQUIRE_VERL=1 turns a broken verl/OpenRLHF install into a failure instead of a skip.
+test-verl: $(VERL_STAMP)
+	$(VENV_VERL)/bin/pip install --no-build-isolation --no-deps --force-reinstall --quiet .
+	SPEC_RL_REQUIRE_VERL=1 $(VENV_VERL)/bin/pytest -q tests/test_integration_verl.py tests/test_integration_openrlhf.py
 
 # One script for a lent GPU (uses the machine's torch + triton, no venv): build, GPU tests, suite; logs under $$OUT.
 gpu-check:
 	bash benchmarks/gpu_check.sh
 
 clean:
-	rm -rf build *.egg-info
+	rm -rf build *.egg-info $(VENV_VERL)

@@ -56,7 +56,8 @@ void validate_gather(const at::Tensor& kv_cache, const at::Tensor& block_tables,
 void check_gather_lengths(const char* op, const at::Tensor& len_cpu, int64_t max_len);
 
 // ---- CPU ops (kv_ops_cpu.cpp) ----
-void write_kv_cpu(at::Tensor& kv_cache, const at::Tensor& key, const at::Tensor& value, const at::Tensor& slot_mapping);
+void write_kv_cpu(at::Tensor& kv_cache, const at::Tensor& key, const at::Tensor& value, const at::Tensor& slot_mapping,
+                  bool check_range);
 void splice_from_dense_cpu(at::Tensor& kv_cache, const at::Tensor& key, const at::Tensor& value,
                            const at::Tensor& block_tables, const at::Tensor& src_starts,
                            const at::Tensor& dst_starts, const at::Tensor& lengths);

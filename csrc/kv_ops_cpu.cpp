@@ -29,7 +29,7 @@ int64_t grain_for(int64_t bytes_per_item) {
 }  // namespace
 
 void write_kv_cpu(at::Tensor& kv_cache, const at::Tensor& key_in, const at::Tensor& value_in,
-                  const at::Tensor& slot_mapping) {
+                  const at::Tensor& slot_mapping, bool /*check_range: always checked, it costs no sync on CPU*/) {
   validate_write_kv(kv_cache, key_in, value_in, slot_mapping);
   const int64_t block_size = kv_cache.size(2);
   const at::Tensor slots = host_long(slot_mapping);

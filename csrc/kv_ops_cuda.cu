@@ -31,11 +31,11 @@ void check_launch(const char* op, cudaError_t err) {
 }  // namespace
 
 void write_kv_cuda(at::Tensor& kv_cache, const at::Tensor& key_in, const at::Tensor& value_in,
-                   const at::Tensor& slot_mapping) {
+                   const at::Tensor& slot_mapping, bool check_range) {
   const char* op = "spec_rl::write_kv";
   validate_write_kv(kv_cache, key_in, value_in, slot_mapping);
   const c10::cuda::CUDAGuard guard(kv_cache.device());
-  if (!capturing()) check_slot_range(op, host_long(slot_mapping), kv_cache.size(0) * kv_cache.size(2));
+  if (check_range && !capturing()) check_slot_range(op, host_long(slot_mapping), kv_cache.size(0) * kv_cache.size(2));
   const int64_t num_tokens = slot_mapping.size(0);
   if (num_tokens == 0) return;
   const at::Tensor key = key_in.contiguous(), value = value_in.contiguous();

@@ -11,7 +11,10 @@
 TORCH_LIBRARY(spec_rl, m) {
   // Mutating ops declare their written argument as Tensor(a!) so that
   // functionalisation / torch.compile know kv_cache changes in place.
-  m.def("write_kv(Tensor(a!) kv_cache, Tensor key, Tensor value, Tensor slot_mapping) -> ()");
+  // check_range=false skips the host-side slot range check (a device->host copy and a sync
+  // on CUDA) for callers that built the slot mapping on the host and checked it there; the
+  // kernels still skip any slot outside the cache, so nothing is written out of bounds.
+  m.def("write_kv(Tensor(a!) kv_cache, Tensor key, Tensor value, Tensor slot_mapping, bool check_range=True) -> ()");
   m.def(
       "splice_from_dense(Tensor(a!) kv_cache, Tensor key, Tensor value, Tensor block_tables, "
       "Tensor src_starts, Tensor dst_starts, Tensor lengths) -> ()");

@@ -629,3 +629,36 @@ def test_write_kv_under_cuda_graph_capture():
     expected = _poisoned(4, 16, 2, 8, torch.bfloat16, device)
     reference.write_kv(expected, key[[0, 2, 4]], value[[0, 2, 4]], torch.tensor([63, 17, 40], device=device))
     _assert_same_bits(cache, expected)
+
+
+# --------------------------------------------------------------------------- write_kv(max_slot=...)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_write_kv_with_host_known_max_slot(device):
+    # The engine passes the max slot it computed on the host (no sync on CUDA): same result.
+    gen = torch.Generator().manual_seed(7)
+    key, value = _rand(gen, (5, 2, 8), torch.float32, device), _rand(gen, (5, 2, 8), torch.float32, device)
+    slots = torch.tensor([3, -1, 17, 0, 9], device=device)
+    got, want = _poisoned(4, 8, 2, 8, torch.float32, device), _poisoned(4, 8, 2, 8, torch.float32, device)
+    ops.write_kv(got, key, value, slots, max_slot=17)
+    reference.write_kv(want, key, value, slots)
+    _assert_same_bits(got, want)
+    with pytest.raises(ValueError, match="slot 32 >= cache capacity 32"):
+        ops.write_kv(got, key, value, slots, max_slot=32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_write_kv_with_a_wrong_max_slot_never_writes_out_of_bounds(device):
+    # A caller that under-reports max_slot skips the host range check; the native op must
+    # still never write outside the cache (CPU: checks anyway and raises; CUDA: the kernel skips it).
+    gen = torch.Generator().manual_seed(8)
+    big = _poisoned(3, 4, 1, 4, torch.float32, device)
+    cache = big[:2]  # a view: block 2 of `big` lies right after the cache in memory
+    key = _rand(gen, (2, 1, 4), torch.float32, device)
+    slots = torch.tensor([1, 8], device=device)  # 8 == capacity: out of range
+    try:
+        ops.write_kv(cache, key, key, slots, max_slot=1)
+    except RuntimeError as err:
+        assert "slot_mapping" in str(err)
+    assert torch.isnan(big[2]).all(), "a slot past the cache was written"

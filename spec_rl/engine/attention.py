@@ -62,6 +62,7 @@ class PagedBatch:
     mask: torch.Tensor | None
     decode_kernel: object | None = None
     kv_lens_i32: torch.Tensor | None = None
+    max_slot: int | None = None
 
 
 _ACTIVE: PagedBatch | None = None
@@ -92,7 +93,8 @@ def paged_attention_forward(
     cache = batch.kv_caches[module.layer_idx]
     k = key[0].transpose(0, 1).to(cache.dtype)  # [T, H_kv, D]
     v = value[0].transpose(0, 1).to(cache.dtype)
-    ops.write_kv(cache, k, v, batch.slot_mapping)
+    # max_slot from the host-built mapping: no device->host sync per layer on CUDA.
+    ops.write_kv(cache, k, v, batch.slot_mapping, max_slot=batch.max_slot)
     q = query[0].transpose(0, 1)  # [T, Hq, D]
     scale = float(scaling) if scaling is not None else q.shape[-1] ** -0.5
     if batch.decode_kernel is not None:
@@ -204,4 +206,5 @@ def build_batch(
         mask=mask,
         decode_kernel=decode_kernel if use_kernel else None,
         kv_lens_i32=kv_t.to(device=device, dtype=torch.int32) if use_kernel else None,
+        max_slot=max(slot_mapping) if slot_mapping else None,
     )

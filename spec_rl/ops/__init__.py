@@ -126,7 +126,14 @@ def _check_kv(name: str, t: torch.Tensor, kv_cache: torch.Tensor, dims: int) -> 
         raise TypeError(f"{name} dtype {t.dtype} differs from kv_cache dtype {kv_cache.dtype}; cast it first")
 
 
-def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    kv_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    max_slot: int | None = None,
+) -> None:
     """Scatter new K/V rows into the paged cache (in place).
 
     Args:
@@ -135,6 +142,11 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slo
         slot_mapping: [T] int32/int64; slot = block * block_size + offset; negative = skip.
             Non-negative slots must be distinct: a slot listed twice in one call ends up
             with unspecified contents (the rows are written concurrently; vLLM's convention too).
+        max_slot: the largest slot in ``slot_mapping``, when the caller built it on the host
+            (the paged engine does). It is range-checked instead of the tensor, so no
+            device->host copy and no sync happen on CUDA (one per layer per decode step
+            otherwise). A wrong value cannot cause an out-of-bounds write: the kernels skip
+            slots outside the cache.
 
     Raises:
         ValueError: shape/device mismatch or a slot >= num_blocks * block_size.
@@ -151,11 +163,14 @@ def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slo
             f"with T = len(slot_mapping) = {slot_mapping.shape[0]}"
         )
     capacity = kv_cache.shape[0] * kv_cache.shape[2]
-    if slot_mapping.numel() and int(slot_mapping.max()) >= capacity:
-        raise ValueError(f"slot_mapping has slot {int(slot_mapping.max())} >= cache capacity {capacity} (num_blocks * block_size)")
     if slot_mapping.numel() == 0:
         return
-    _impl("write_kv", kv_cache.device)(kv_cache, key.contiguous(), value.contiguous(), slot_mapping.contiguous())
+    top = int(slot_mapping.max()) if max_slot is None else int(max_slot)
+    if top >= capacity:
+        raise ValueError(f"slot_mapping has slot {top} >= cache capacity {capacity} (num_blocks * block_size)")
+    _impl("write_kv", kv_cache.device)(
+        kv_cache, key.contiguous(), value.contiguous(), slot_mapping.contiguous(), max_slot is None
+    )
 
 
 def _check_tables(block_tables: torch.Tensor, kv_cache: torch.Tensor, bsz: int) -> None:

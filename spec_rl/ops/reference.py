@@ -16,8 +16,13 @@ from __future__ import annotations
 import torch
 
 
-def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter ``key``/``value`` [T, H, D] into ``kv_cache`` at ``slot_mapping`` [T] (in place)."""
+def write_kv(
+    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, check_range: bool = True
+) -> None:
+    """Scatter ``key``/``value`` [T, H, D] into ``kv_cache`` at ``slot_mapping`` [T] (in place).
+
+    ``check_range`` exists for signature parity with the native op (the wrapper checks ranges).
+    """
     block_size = kv_cache.shape[2]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
