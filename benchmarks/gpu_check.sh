@@ -7,11 +7,14 @@
 #   2b. the paged KV ops: nvcc compile check of csrc/ and tests/test_ops_kv.py on CUDA
 #      (the install step builds spec_rl._C with its CUDA kernels),
 #   3. the test suite on CUDA: pytest tests -m "not slow",
-#   4. the benchmark suite (benchmarks/gpu_suite.py; SWEEP=1 adds the config sweep).
+#   4. the benchmark suite (benchmarks/gpu_suite.py; SWEEP=1 adds the config sweep),
+#   5. paged decode attention (benchmarks/bench_paged_attention.py) and the paged engine
+#      (benchmarks/bench_engine.py: decode vs transformers generate, splice vs re-prefill; issue #4).
 # Full logs go to $OUT (default ./gpu-check-out); the short table is printed last.
 #
 # Usage: bash benchmarks/gpu_check.sh          (or: make gpu-check)
 # Env:   PYTHON (default python3), OUT, SWEEP=1, SUITE_ARGS="--d 2048" (extra gpu_suite.py args),
+#        ENGINE_ARGS="--new-tokens 256" (extra bench_engine.py args),
 #        SPEC_RL_COMMIT (recorded in the JSON when .git is absent).
 set -u
 cd "$(dirname "$0")/.."
@@ -73,6 +76,10 @@ echo "== paged decode attention benchmark (issue 4)"
 # shellcheck disable=SC2086
 $PY benchmarks/bench_paged_attention.py --json "$OUT/paged_attention.json" $sweep > "$OUT/paged_attention.log" 2>&1 || status=1
 
+echo "== paged engine benchmark (issue 4: decode vs transformers generate; splice vs re-prefill)"
+# shellcheck disable=SC2086
+$PY -P benchmarks/bench_engine.py --json "$OUT/engine.json" ${ENGINE_ARGS:-} > "$OUT/engine.log" 2>&1 || status=1
+
 echo
 echo "== summary (full logs in $OUT)"
 echo "tests exit code: $test_rc"
@@ -80,4 +87,6 @@ sed -n '/^=== spec-rl verification kernels/,$p' "$OUT/gpu_suite.log"
 [ -s "$OUT/gpu_suite.json" ] || tail -n 30 "$OUT/gpu_suite.log"
 sed -n '/^=== spec-rl paged decode attention/,$p' "$OUT/paged_attention.log"
 [ -s "$OUT/paged_attention.json" ] || tail -n 30 "$OUT/paged_attention.log"
+sed -n '/^=== spec-rl paged engine/,$p' "$OUT/engine.log"
+[ -s "$OUT/engine.json" ] || tail -n 30 "$OUT/engine.log"
 exit $status

@@ -165,3 +165,31 @@ def test_decode_through_the_triton_paged_kernel_matches_the_gather_path():
         assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-4)
     # 5 decode steps x 2 layers went through the kernel, without its per-call host sync.
     assert len(calls) == 5 * model.config.num_hidden_layers and all(c["validate"] is False for c in calls)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cuda_engine_matches_plain_forward(family):
+    # The GPU path: CUDA paged KV ops (spec_rl._C) and the Triton decode kernel.
+    model = tiny_family_model(family, seed=3).cuda()
+    engine = PagedEngine(model, eos_ids={1}, pad_id=0, block_size=16, num_blocks=64)
+    assert engine._decode_kernel is not None
+    outs = engine.generate(PROMPTS, [40] * len(PROMPTS), GREEDY, seed=0)
+    for p, out in zip(PROMPTS, outs):
+        ids, ref = list(p), []
+        with torch.no_grad():
+            for _ in range(len(out.token_ids)):
+                t = int(model(input_ids=torch.tensor([ids], device="cuda")).logits[0, -1].argmax())
+                ref.append(t)
+                ids.append(t)
+        assert out.token_ids == ref
+    settings = SamplingSettings(temperature=0.7, max_tokens=24)
+    outs = engine.generate(PROMPTS, [24] * len(PROMPTS), settings, seed=11)
+    for p, out in zip(PROMPTS, outs):
+        ids = torch.tensor([list(p) + out.token_ids], device="cuda")
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0].double()
+        rows = logits[len(p) - 1 : len(p) - 1 + len(out.token_ids)] / 0.7
+        ref = torch.log_softmax(rows, -1).gather(-1, torch.tensor(out.token_ids, device="cuda").unsqueeze(-1)).squeeze(-1)
+        assert torch.allclose(torch.tensor(out.logprobs, dtype=torch.float64), ref.cpu(), atol=1e-4)
