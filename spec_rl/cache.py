@@ -101,25 +101,66 @@ class Draft:
         return int(self.token_ids.numel())
 
 
-class RolloutCache:
-    """In-memory map from :class:`CacheKey` to :class:`Draft`, with atomic save/load."""
+def make_draft(
+    token_ids: Sequence[int] | torch.Tensor,
+    logprobs: Sequence[float] | torch.Tensor,
+    finish_reason: str,
+    version: int,
+    settings: SamplingSettings,
+) -> Draft:
+    """Validate a response and its log-probs and pack them as a :class:`Draft` (CPU copies).
+
+    Raises:
+        ValueError: length mismatch, unknown finish reason, NaN or positive logprobs,
+            token ids outside int32.
+    """
+    ids = torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1)
+    lps = torch.as_tensor(logprobs, dtype=torch.float32).reshape(-1)
+    if ids.numel() != lps.numel():
+        raise ValueError(f"token_ids ({ids.numel()}) and logprobs ({lps.numel()}) must have the same length")
+    if finish_reason not in FINISH_REASONS:
+        raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {finish_reason!r}")
+    if bool(torch.isnan(lps).any()) or bool((lps > 1e-4).any()):
+        raise ValueError("logprobs must be log-probabilities (<= 0, not NaN)")
+    if bool((ids < 0).any()) or bool((ids > torch.iinfo(torch.int32).max).any()):
+        raise ValueError("token_ids must be non-negative int32 values")
+    return Draft(
+        token_ids=ids.to(torch.int32).cpu().clone(),
+        logprobs=lps.cpu().clone(),
+        finish_reason=finish_reason,
+        version=int(version),
+        settings=settings,
+    )
+
+
+class DraftStore:
+    """Lookup/store semantics shared by every draft store (in memory, on a shared filesystem).
+
+    Subclasses implement ``_read(key) -> Draft | None`` and ``_write(key, draft)``.
+    A lookup under other sampling settings than the draft's is a miss, with one
+    warning per distinct pair: log-probs of different sampling distributions are not
+    comparable (DESIGN.md, rule step 1), and reusing them would silently destroy reuse.
+    Counters ``hits``, ``misses`` and ``settings_mismatches`` count this process's lookups.
+    """
+
+    _name = "draft store"
+    _fix = "use the same temperature/top-k/top-p/max_tokens, or start from an empty store"
 
     def __init__(self) -> None:
-        self._entries: dict[bytes, Draft] = {}
         self._warned: set[tuple[SamplingSettings, SamplingSettings]] = set()
         self.hits = 0
         self.misses = 0
         self.settings_mismatches = 0
 
-    def __len__(self) -> int:
-        return len(self._entries)
+    def _read(self, key: CacheKey) -> Draft | None:
+        raise NotImplementedError
 
-    def __contains__(self, key: CacheKey) -> bool:
-        return key.digest in self._entries
+    def _write(self, key: CacheKey, draft: Draft) -> None:
+        raise NotImplementedError
 
     def lookup(self, key: CacheKey, settings: SamplingSettings) -> Draft | None:
         """Return the draft for ``key`` if it was sampled with ``settings``, else None."""
-        draft = self._entries.get(key.digest)
+        draft = self._read(key)
         if draft is None:
             self.misses += 1
             return None
@@ -130,9 +171,9 @@ class RolloutCache:
             if pair not in self._warned:
                 self._warned.add(pair)
                 warnings.warn(
-                    f"rollout cache: draft was sampled with {draft.settings} but the lookup asks for {settings}; "
-                    "treating it as a miss (log-probs of different sampling distributions are not comparable). "
-                    "Use the same temperature/top-k/top-p/max_tokens, or clear the cache.",
+                    f"{self._name}: draft was sampled with {draft.settings} but the lookup asks for {settings}; "
+                    f"treating it as a miss (log-probs of different sampling distributions are not comparable). "
+                    f"To reuse drafts, {self._fix}.",
                     stacklevel=2,
                 )
             return None
@@ -151,25 +192,36 @@ class RolloutCache:
         """Insert or replace the draft for ``key``.
 
         Raises:
-            ValueError: length mismatch, unknown finish reason, NaN or positive logprobs.
+            ValueError: see :func:`make_draft`.
         """
-        ids = torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1)
-        lps = torch.as_tensor(logprobs, dtype=torch.float32).reshape(-1)
-        if ids.numel() != lps.numel():
-            raise ValueError(f"token_ids ({ids.numel()}) and logprobs ({lps.numel()}) must have the same length")
-        if finish_reason not in FINISH_REASONS:
-            raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {finish_reason!r}")
-        if bool(torch.isnan(lps).any()) or bool((lps > 1e-4).any()):
-            raise ValueError("logprobs must be log-probabilities (<= 0, not NaN)")
-        if bool((ids < 0).any()) or bool((ids > torch.iinfo(torch.int32).max).any()):
-            raise ValueError("token_ids must be non-negative int32 values")
-        self._entries[key.digest] = Draft(
-            token_ids=ids.to(torch.int32).cpu().clone(),
-            logprobs=lps.cpu().clone(),
-            finish_reason=finish_reason,
-            version=int(version),
-            settings=settings,
-        )
+        self._write(key, make_draft(token_ids, logprobs, finish_reason, version, settings))
+
+
+class RolloutCache(DraftStore):
+    """In-memory map from :class:`CacheKey` to :class:`Draft`, with atomic save/load."""
+
+    _name = "rollout cache"
+    _fix = "use the same temperature/top-k/top-p/max_tokens, or clear the cache"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._entries: dict[bytes, Draft] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: CacheKey) -> bool:
+        return key.digest in self._entries
+
+    def drafts(self) -> list[Draft]:
+        """Every stored draft (in insertion order)."""
+        return list(self._entries.values())
+
+    def _read(self, key: CacheKey) -> Draft | None:
+        return self._entries.get(key.digest)
+
+    def _write(self, key: CacheKey, draft: Draft) -> None:
+        self._entries[key.digest] = draft
 
     def clear(self) -> None:
         self._entries.clear()

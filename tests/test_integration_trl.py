@@ -332,7 +332,7 @@ def test_grpo_trainer_partial_reuse_continues_from_the_verified_prefix(tmp_path)
     assert all(r["stats"]["drafts_found"] == 0 and r["lp_err"] < 1e-4 for r in evals)
     assert len(spec.cache) == len(PROMPTS) * NUM_GEN
     # Every draft was last written by an epoch-3 training step (steps 4, 5), not by the final evaluation (step 6).
-    versions = {d.version for d in spec.cache._entries.values()}
+    versions = {d.version for d in spec.cache.drafts()}
     assert versions == {2 * len(first), 3 * len(first) - 1}
     assert all(r["stats"]["drafts_found"] == 0 for r in first)
     assert all(r["stats"]["drafts_found"] == r["stats"]["num_samples"] for r in later)

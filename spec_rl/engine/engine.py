@@ -260,7 +260,6 @@ class PagedEngine:
         sids: list[int | None] = [None] * bsz
         resident: deque[int] = deque()  # rows whose K/V is in the cache, oldest first
         order = list(range(bsz))
-        start = 0
         try:
             self._score_rows(prompts, drafts, order, sids, resident, out, hidden)
         except BaseException:

@@ -30,12 +30,10 @@ import json
 import os
 import tempfile
 import warnings
-from collections.abc import Sequence
 from pathlib import Path
 
-import torch
 
-from ..cache import CacheKey, Draft, RolloutCache
+from ..cache import CacheKey, Draft, DraftStore
 from ..sampling import SamplingSettings
 
 _FORMAT = "spec-rl-draft"
@@ -43,7 +41,7 @@ _FORMAT_VERSION = "1"
 _MARKER = "SPEC_RL_DRAFT_STORE"
 
 
-class DirectoryDraftStore:
+class DirectoryDraftStore(DraftStore):
     """Drafts keyed by :class:`~spec_rl.cache.CacheKey`, one atomic file each.
 
     Args:
@@ -62,7 +60,11 @@ class DirectoryDraftStore:
             unrelated folder).
     """
 
+    _name = "draft store"
+    _fix = "use the same temperature/top-k/top-p/max_tokens, or point the run at a new directory"
+
     def __init__(self, root: str | os.PathLike, fsync: bool = True) -> None:
+        super().__init__()
         self.root = Path(root)
         self.fsync = bool(fsync)
         if self.root.exists() and not self.root.is_dir():
@@ -80,10 +82,6 @@ class DirectoryDraftStore:
                     f.write(json.dumps({"format": _FORMAT, "format_version": _FORMAT_VERSION}) + "\n")
             except FileExistsError:
                 pass
-        self.hits = 0
-        self.misses = 0
-        self.settings_mismatches = 0
-        self._warned: set[tuple[SamplingSettings, SamplingSettings]] = set()
 
     def path_for(self, key: CacheKey) -> Path:
         """File that holds the draft of ``key``."""
@@ -122,52 +120,10 @@ class DirectoryDraftStore:
             settings=SamplingSettings(**json.loads(meta["settings"])),
         )
 
-    def lookup(self, key: CacheKey, settings: SamplingSettings) -> Draft | None:
-        """Return the draft for ``key`` if it was sampled with ``settings``, else None.
-
-        Same semantics as :meth:`spec_rl.cache.RolloutCache.lookup`.
-        """
-        draft = self._read(key)
-        if draft is None:
-            self.misses += 1
-            return None
-        if draft.settings != settings:
-            self.misses += 1
-            self.settings_mismatches += 1
-            pair = (draft.settings, settings)
-            if pair not in self._warned:
-                self._warned.add(pair)
-                warnings.warn(
-                    f"draft store: draft was sampled with {draft.settings} but the lookup asks for {settings}; "
-                    "treating it as a miss (log-probs of different sampling distributions are not comparable). "
-                    "Use the same temperature/top-k/top-p/max_tokens, or point the run at a new directory.",
-                    stacklevel=2,
-                )
-            return None
-        self.hits += 1
-        return draft
-
-    def store(
-        self,
-        key: CacheKey,
-        token_ids: Sequence[int] | torch.Tensor,
-        logprobs: Sequence[float] | torch.Tensor,
-        finish_reason: str,
-        version: int,
-        settings: SamplingSettings,
-    ) -> None:
-        """Insert or replace the draft for ``key`` (atomic rename).
-
-        Raises:
-            ValueError: the same input errors as :meth:`spec_rl.cache.RolloutCache.store`
-                (length mismatch, unknown finish reason, NaN or positive logprobs).
-        """
+    def _write(self, key: CacheKey, draft: Draft) -> None:
+        """Write ``draft`` (validated by :meth:`DraftStore.store`) to its file with an atomic rename."""
         from safetensors.torch import save_file
 
-        # Validate and normalise exactly as the in-memory cache does.
-        scratch = RolloutCache()
-        scratch.store(key, token_ids, logprobs, finish_reason, version, settings)
-        draft = scratch._entries[key.digest]
         path = self.path_for(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         metadata = {
@@ -176,7 +132,7 @@ class DirectoryDraftStore:
             "key": key.digest.hex(),
             "finish_reason": draft.finish_reason,
             "version": str(draft.version),
-            "settings": json.dumps(settings.to_dict(), sort_keys=True),
+            "settings": json.dumps(draft.settings.to_dict(), sort_keys=True),
         }
         fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=path.parent)
         os.close(fd)

@@ -326,7 +326,7 @@ class SpecRLRollout:
     def _check_cache_settings(self, settings: SamplingSettings) -> None:
         # The cache already treats a settings mismatch as a miss; at start we want an error instead of
         # silent zero reuse (issue 5). RolloutCache has no public iterator, so read its entries here.
-        found = {d.settings for d in self.cache._entries.values()}
+        found = {d.settings for d in self.cache.drafts()}
         other = [s for s in found if s != settings]
         if other:
             raise UnsupportedTrainerConfig(
