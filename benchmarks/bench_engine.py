@@ -45,11 +45,11 @@ import datetime as _dt
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 
 import torch
+from _provenance import commit  # benchmarks/ is on sys.path when a script here runs
 
 from spec_rl.cache import RolloutCache
 from spec_rl.engine import PagedEngine
@@ -64,17 +64,6 @@ PRESETS = {
     "demo": (64, 48, 160),
     "tiny": (8, 12, 24),
 }
-
-
-def _commit() -> str:
-    env = os.environ.get("SPEC_RL_COMMIT")
-    if env:
-        return env
-    try:
-        here = os.path.dirname(os.path.abspath(__file__))
-        return subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _sync(device: torch.device) -> None:
@@ -269,7 +258,7 @@ def main(argv=None) -> int:
     result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
         "torch": torch.__version__,
-        "commit": _commit(),
+        "commit": commit(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "preset": preset,
         "batch": batch,

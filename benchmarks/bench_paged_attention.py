@@ -41,26 +41,14 @@ import json
 import math
 import os
 import platform
-import subprocess
 import sys
 import traceback
 
 import torch
+from _provenance import commit  # benchmarks/ is on sys.path when a script here runs
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 NOMINAL_SMS = 132  # H100 SXM / H200: used only for the CPU-side plan
-
-
-def _commit() -> str:
-    env = os.environ.get("SPEC_RL_COMMIT")
-    if env:
-        return env
-    try:
-        here = os.path.dirname(os.path.abspath(__file__))
-        out = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
-        return out.stdout.strip()
-    except Exception:  # noqa: BLE001  (no git: still benchmark)
-        return "unknown"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -404,7 +392,7 @@ def main(argv=None) -> int:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "python": platform.python_version(),
-        "commit": _commit(),
+        "commit": commit(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         **{k: getattr(args, k) for k in ("q_heads", "kv_heads", "head_dim", "block_size", "dtype")},
         "plan": plan(args, props.multi_processor_count),

@@ -78,7 +78,7 @@ $PY benchmarks/bench_paged_attention.py --json "$OUT/paged_attention.json" $swee
 
 echo "== paged engine benchmark (issue 4: decode vs transformers generate; splice vs re-prefill)"
 # shellcheck disable=SC2086
-$PY -P benchmarks/bench_engine.py --json "$OUT/engine.json" ${ENGINE_ARGS:-} > "$OUT/engine.log" 2>&1 || status=1
+$PY benchmarks/bench_engine.py --json "$OUT/engine.json" ${ENGINE_ARGS:-} > "$OUT/engine.log" 2>&1 || status=1
 
 echo
 echo "== summary (full logs in $OUT)"

@@ -35,26 +35,11 @@ import json
 import math
 import os
 import platform
-import subprocess
 import sys
 import traceback
 
 import torch
-
-
-def _commit() -> str:
-    env = os.environ.get("SPEC_RL_COMMIT")
-    if env:
-        return env
-    try:
-        here = os.path.dirname(os.path.abspath(__file__))
-        out = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
-        dirty = subprocess.run(
-            ["git", "-C", here, "status", "--porcelain"], capture_output=True, text=True, check=False
-        ).stdout
-        return out.stdout.strip() + ("-dirty" if dirty.strip() else "")
-    except Exception:
-        return "unknown"
+from _provenance import commit  # benchmarks/ is on sys.path when a script here runs
 
 
 def _bench(fn, rep_ms: int) -> float:
@@ -160,7 +145,7 @@ def main(argv=None) -> int:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "python": platform.python_version(),
-        "commit": _commit(),
+        "commit": commit(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "n": args.n,
         "vocab": args.vocab,
