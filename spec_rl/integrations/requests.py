@@ -50,11 +50,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
-from ..cache import CacheKey, Draft
+from ..cache import CacheKey, Draft, DraftStore
 from ..philox import mix_seed
 from ..reference import lenience_to_log
 from ..sampling import SamplingSettings
@@ -62,14 +61,6 @@ from ..verify import verify
 
 PROMPT_LOGPROBS_MODES = ("raw", "processed")
 STRATEGIES = ("spec", "random")
-
-
-class DraftStore(Protocol):
-    """What the builder needs from a cache (RolloutCache or DirectoryDraftStore)."""
-
-    def lookup(self, key: CacheKey, settings: SamplingSettings) -> Draft | None: ...
-
-    def store(self, key, token_ids, logprobs, finish_reason: str, version: int, settings: SamplingSettings) -> None: ...
 
 
 def check_server_settings(
