@@ -662,3 +662,15 @@ def test_write_kv_with_a_wrong_max_slot_never_writes_out_of_bounds(device):
     except RuntimeError as err:
         assert "slot_mapping" in str(err)
     assert torch.isnan(big[2]).all(), "a slot past the cache was written"
+
+
+def test_splice_rejects_starts_that_would_overflow_int64():
+    kv = torch.zeros(4, 2, 4, 2, 8)
+    key = torch.randn(1, 2, 8, 8)
+    tables = torch.zeros(1, 2, dtype=torch.int32)
+    big = torch.tensor([2**62])
+    with pytest.raises(ValueError, match="exceeds"):
+        ops.splice_from_dense(kv, key, key.clone(), tables, big, big, big)
+    edge = torch.tensor([2**63 - 1])
+    with pytest.raises(ValueError, match="exceeds"):
+        ops.splice_from_dense(kv, key, key.clone(), tables, edge, edge, torch.tensor([1]))

@@ -227,8 +227,13 @@ def splice_from_dense(
             raise ValueError(f"{name} must have one entry per sequence ({bsz}), got {t.shape[0]}")
         if t.numel() and int(t.min()) < 0:
             raise ValueError(f"{name} must be >= 0")
-    if bsz and int((src_starts + lengths).max()) > seq:
+    # Compare without adding first: src_starts + lengths could wrap around in int64.
+    if bsz and (bool((src_starts > seq).any()) or bool((lengths > seq - src_starts).any())):
         raise ValueError(f"src_starts + lengths exceeds the dense length S={seq}")
+    limit = block_tables.shape[1] * kv_cache.shape[2]  # positions the block tables can address
+    # Each bounded alone, so the sum below cannot wrap; _check_blocks_used then gives the exact need.
+    if bsz and (bool((dst_starts > limit).any()) or bool((lengths > limit).any())):
+        raise ValueError(f"dst_starts + lengths exceeds the {limit} positions block_tables can address")
     _check_blocks_used(block_tables, dst_starts + lengths, kv_cache)
     if bsz == 0:
         return
