@@ -27,6 +27,7 @@ log-probs of different sampling distributions would silently destroy reuse
 from __future__ import annotations
 
 import json
+import struct
 import os
 import tempfile
 import warnings
@@ -95,14 +96,18 @@ class DirectoryDraftStore(DraftStore):
         return sum(1 for _ in self.root.glob("??/*.safetensors"))
 
     def _read(self, key: CacheKey) -> Draft | None:
-        from safetensors import safe_open
+        from safetensors.torch import load
 
         path = self.path_for(key)
         try:
-            with safe_open(str(path), framework="pt") as f:
-                meta = f.metadata() or {}
-                ids = f.get_tensor("token_ids")
-                lps = f.get_tensor("logprobs")
+            # Read the file once: metadata and tensors must come from the same version of it,
+            # since a concurrent writer may os.replace the path between two opens.
+            with open(path, "rb") as f:
+                data = f.read()
+            (header_len,) = struct.unpack("<Q", data[:8])
+            meta = json.loads(data[8 : 8 + header_len]).get("__metadata__") or {}
+            tensors = load(data)
+            ids, lps = tensors["token_ids"], tensors["logprobs"]
         except FileNotFoundError:
             return None
         except Exception as exc:  # a damaged file (not a torn write: writes are atomic) is a miss, not a crash
