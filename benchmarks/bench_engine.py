@@ -117,14 +117,12 @@ def bench_decode(model, vocab, batch, prompt_len, new_tokens, device, skip_gener
     eos = [_suppressed_eos(vocab)]
     rows = []
 
-    def timed(name, fn):
-        fn_out = None
+    def timed(fn):
         _sync(device)
         t0 = time.perf_counter()
-        fn_out = fn()
+        out = fn()
         _sync(device)
-        secs = time.perf_counter() - t0
-        return fn_out, secs
+        return out, time.perf_counter() - t0
 
     contexts = prompts.tolist()
     budgets = [new_tokens] * batch
@@ -132,13 +130,13 @@ def bench_decode(model, vocab, batch, prompt_len, new_tokens, device, skip_gener
     # Warm-up over the full batch with a short budget: allocates the cache and touches its
     # pages (first-touch page faults cost ~1 s on CPU), compiles kernels.
     engine.generate(contexts, [min(8, new_tokens)] * batch, settings, seed=0)
-    outs, secs = timed("engine", lambda: engine.generate(contexts, budgets, settings, seed=0))
+    outs, secs = timed(lambda: engine.generate(contexts, budgets, settings, seed=0))
     toks = sum(len(o.token_ids) for o in outs)
     rows.append({"name": "spec-rl PagedEngine.generate", "tokens": toks, "seconds": secs})
 
     backend = TransformersBackend(model, eos, pad_id=0)
     backend.generate(contexts, [min(8, new_tokens)] * batch, settings, seed=0)
-    outs, secs = timed("ours-hf", lambda: backend.generate(contexts, budgets, settings, seed=0))
+    outs, secs = timed(lambda: backend.generate(contexts, budgets, settings, seed=0))
     rows.append({"name": "spec-rl TransformersBackend (HF KV cache)", "tokens": sum(len(o.token_ids) for o in outs), "seconds": secs})
 
     if not skip_generate:
@@ -149,7 +147,7 @@ def bench_decode(model, vocab, batch, prompt_len, new_tokens, device, skip_gener
             pad_token_id=0,
         )
         model.generate(input_ids=ids[:2, :8], attention_mask=mask[:2, :8], **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})
-        out, secs = timed("generate", lambda: model.generate(input_ids=ids, attention_mask=mask, **kwargs))
+        out, secs = timed(lambda: model.generate(input_ids=ids, attention_mask=mask, **kwargs))
         rows.append({"name": "transformers generate", "tokens": int((out.shape[1] - prompt_len) * batch), "seconds": secs})
     for r in rows:
         r["tokens_per_s"] = r["tokens"] / r["seconds"]
