@@ -56,7 +56,7 @@ from spec_rl.engine import PagedEngine
 from spec_rl.generation import TransformersBackend
 from spec_rl.rollout import RolloutRequest, SpeculativeRollout
 from spec_rl.sampling import SamplingSettings
-from spec_rl.scoring import PolicyScorer
+
 
 PRESETS = {
     # name: (batch, prompt_len, new_tokens)
@@ -167,9 +167,8 @@ def bench_splice(model, vocab, batch, prompt_len, new_tokens, device, perturb) -
     max_len = prompt_len + new_tokens + 1
     requests = [RolloutRequest(prompt_ids=p, slot=0) for p in prompts]
     engine = PagedEngine(model, eos, pad_id=0)
-    scorer = PolicyScorer(model, pad_id=0)
     seed_cache = RolloutCache()
-    SpeculativeRollout(scorer, engine, seed_cache, settings, eos, max_len, strategy="spec", seed=0).run(requests, step=1)
+    SpeculativeRollout(engine, seed_cache, settings, eos, max_len, strategy="spec", seed=0).run(requests, step=1)
     # Perturb the policy so drafts are cut at varied rejection indices.
     head = model.get_output_embeddings().weight
     saved = head.detach().clone()
@@ -184,7 +183,7 @@ def bench_splice(model, vocab, batch, prompt_len, new_tokens, device, perturb) -
             ("re-prefill: PolicyScorer + TransformersBackend", TransformersBackend(model, eos, pad_id=0)),
         ):
             cache = copy.deepcopy(seed_cache)
-            rollout = SpeculativeRollout(scorer, backend, cache, settings, eos, max_len, strategy="spec", seed=0)
+            rollout = SpeculativeRollout(backend, cache, settings, eos, max_len, strategy="spec", seed=0)
             if isinstance(backend, PagedEngine):
                 backend.reset_stats()
             _sync(device)

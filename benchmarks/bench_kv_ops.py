@@ -6,7 +6,7 @@
 Three implementations per op: ``native`` (torch.ops.spec_rl.*, the compiled
 csrc/ kernels with their own argument checks), ``wrapper`` (spec_rl.ops: the
 Python validation, then the native op) and ``reference`` (the pure-torch
-semantics in spec_rl.ops.reference). One layer of a Qwen3-0.6B-shaped model:
+semantics in spec_rl.ops.torch_kv). One layer of a Qwen3-0.6B-shaped model:
 8 KV heads x head_dim 128, block size 16. Nothing is asserted about speed here;
 correctness lives in tests/test_ops_kv.py.
 """
@@ -19,7 +19,7 @@ import torch
 pytest.importorskip("pytest_benchmark")
 
 import spec_rl.ops as ops
-from spec_rl.ops import reference
+from spec_rl.ops import torch_kv
 
 HEADS, DIM, BLOCK = 8, 128, 16
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -31,7 +31,7 @@ def _fn(impl: str, name: str):
         if not ops.native_available():
             pytest.skip("spec_rl._C is not built")
         return getattr(torch.ops.spec_rl, name)
-    return getattr(ops if impl == "wrapper" else reference, name)
+    return getattr(ops if impl == "wrapper" else torch_kv, name)
 
 
 def _timed(benchmark, device, fn, *args):

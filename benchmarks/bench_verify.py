@@ -20,7 +20,7 @@ import torch
 pytest.importorskip("pytest_benchmark")
 
 from spec_rl.philox import philox_uniform
-from spec_rl.reference import reference_verify
+from spec_rl.acceptance import reference_verify
 
 CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if CUDA else "cpu")

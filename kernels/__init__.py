@@ -2,7 +2,7 @@
 
 Public API:
 
-* :func:`verify_triton` -- drop-in for :func:`spec_rl.reference.reference_verify`
+* :func:`verify_triton` -- drop-in for :func:`spec_rl.acceptance.reference_verify`
   (same signature and semantics) on CUDA tensors, for ``spec_rl.verify``.
 * :func:`verify_packed_logits`, :func:`verify_packed_hidden`,
   :func:`rows_from_cu_seqlens`, :class:`PackedVerifyOutput` -- packed rows
@@ -40,6 +40,7 @@ if _IMPORT_ERROR is None:
         rows_from_cu_seqlens,
         verify_packed_hidden,
         verify_packed_logits,
+        verify_padded,
         verify_triton,
     )
     from .paged_attention import PagedAttentionConfig, paged_decode_attention
@@ -55,7 +56,7 @@ else:  # pragma: no cover
     def _missing(*args, **kwargs):
         raise ImportError(f"spec_rl.kernels needs triton (pip install triton): {_IMPORT_ERROR}")
 
-    verify_triton = verify_packed_logits = verify_packed_hidden = _missing
+    verify_triton = verify_padded = verify_packed_logits = verify_packed_hidden = _missing
     logprobs_from_logits = logprobs_from_hidden = rows_from_cu_seqlens = _missing
     philox_uniform_triton = philox4x32_triton = _missing
     paged_decode_attention = _missing
@@ -77,5 +78,6 @@ __all__ = [
     "rows_from_cu_seqlens",
     "verify_packed_hidden",
     "verify_packed_logits",
+    "verify_padded",
     "verify_triton",
 ]

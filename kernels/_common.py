@@ -22,7 +22,7 @@ Numerics (all choices are here so both kernels agree):
   or lane that has only seen ``-inf`` logits never evaluates ``-inf - -inf``.
 * the acceptance margin is evaluated in float64 in the reference's exact
   order ``(lp_new - lp_old) + log_l`` with ``lp_new`` rounded to float32
-  first, as :func:`spec_rl.reference.acceptance_test` does; ``log u`` is
+  first, as :func:`spec_rl.acceptance.acceptance_test` does; ``log u`` is
   the float64 log (libdevice ``__nv_log`` on the GPU, numpy's in the
   interpreter; both are within 1 ulp of the exact value).
 """

@@ -3,7 +3,7 @@
 Two levels:
 
 * :func:`verify_triton` -- the signature and semantics of
-  :func:`spec_rl.reference.reference_verify` (padded [B, R] drafts), for
+  :func:`spec_rl.acceptance.reference_verify` (padded [B, R] drafts), for
   ``spec_rl.verify``'s dispatcher. Inputs are assumed validated by
   ``spec_rl.verify`` except for NaN in logits / hidden states / LM-head
   weight, which the kernels detect with an in-kernel flag (a ValueError is
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from spec_rl.reference import VerifyResult, VerifyStats, lengths_mask, random_reuse_index, reference_verify
+from spec_rl.acceptance import VerifyResult, VerifyStats, lengths_mask, random_reuse_index, reference_verify
 
 from ._common import MODE_SCORE_ONLY, as_i32, f64_words, lenience_mode, split_u64
 from .configs import LMHeadConfig, LogitsConfig, default_lm_head_config, default_logits_config
@@ -604,7 +604,7 @@ def verify_triton(
     logits_config: LogitsConfig | None = None,
     lm_head_config: LMHeadConfig | None = None,
 ) -> VerifyResult:
-    """Triton backend with the signature and semantics of :func:`spec_rl.reference.reference_verify`.
+    """Triton backend with the signature and semantics of :func:`spec_rl.acceptance.reference_verify`.
 
     Shapes: draft_ids/old_logprobs [B, R]; lengths [B] int; uids [B] int64;
     exactly one of new_logprobs [B, R], logits [B, R, V] (any strides with
@@ -622,7 +622,7 @@ def verify_triton(
     reference's ``random_reuse_index`` (identical decisions).
 
     Returns:
-        :class:`spec_rl.reference.VerifyResult` (new_logprobs float32 with 0
+        :class:`spec_rl.acceptance.VerifyResult` (new_logprobs float32 with 0
         at padding, accepted_len int64, full_reuse, optional accept_mask, stats).
 
     Raises:
@@ -759,3 +759,27 @@ def verify_triton(
         accept_mask=accept if return_accept_mask else None,
         stats=stats,
     )
+
+
+def verify_padded(
+    draft_ids: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    lengths: torch.Tensor,
+    uids: torch.Tensor,
+    *,
+    seed: int,
+    log_lenience: float,
+    temperature: float,
+    logits: torch.Tensor | None = None,
+    hidden_states: torch.Tensor | None = None,
+    lm_head_weight: torch.Tensor | None = None,
+    lm_head_bias: torch.Tensor | None = None,
+    score_only: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """TEMPORARY shim over verify_triton: (new_logprobs [B, R], accept [B, R] bool, accepted_len [B] int64)."""
+    res = verify_triton(
+        draft_ids, old_logprobs, lengths, seed=seed, uids=uids, log_lenience=log_lenience, logits=logits,
+        hidden_states=hidden_states, lm_head_weight=lm_head_weight, lm_head_bias=lm_head_bias,
+        temperature=temperature, strategy="random" if score_only else "spec", return_accept_mask=True,
+    )
+    return res.new_logprobs, res.accept_mask, res.accepted_len

@@ -1,6 +1,6 @@
 """spec-rl: speculative rollouts for on-policy RL on LLMs (SPEC-RL, arXiv 2509.23232)."""
 
-from .reference import VerifyResult, VerifyStats
+from .acceptance import VerifyResult, VerifyStats
 from .sampling import SamplingSettings
 from .verify import verify
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from .atomic import atomic_save_safetensors
 from .sampling import SamplingSettings
 
 FINISH_REASONS = ("eos", "length")
@@ -226,6 +226,12 @@ class RolloutCache(DraftStore):
     def clear(self) -> None:
         self._entries.clear()
 
+    def update(self, other: "RolloutCache") -> None:
+        """Insert (or replace) every draft of ``other``, e.g. one just loaded from disk."""
+        if not isinstance(other, RolloutCache):
+            raise TypeError(f"other must be a RolloutCache, got {type(other).__name__}")
+        self._entries.update(other._entries)
+
     # ------------------------------------------------------------------ disk
     def save(self, path: str | os.PathLike) -> Path:
         """Write the cache to ``path`` (a .safetensors file) atomically.
@@ -234,10 +240,6 @@ class RolloutCache(DraftStore):
         and then renamed over ``path``; an interrupted save leaves any earlier
         file untouched.
         """
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         digests = list(self._entries.keys())
         drafts = [self._entries[d] for d in digests]
         settings_list: list[SamplingSettings] = []
@@ -264,26 +266,7 @@ class RolloutCache(DraftStore):
             "format_version": _FORMAT_VERSION,
             "settings": json.dumps([s.to_dict() for s in settings_list]),
         }
-        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-        os.close(fd)
-        try:
-            save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-        try:  # make the rename itself durable
-            dir_fd = os.open(path.parent, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
-        except OSError:
-            pass
-        return path
+        return atomic_save_safetensors(path, tensors, metadata)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "RolloutCache":

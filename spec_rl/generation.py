@@ -10,14 +10,16 @@ rollout: budget = min(max_response_len, max_model_len - prompt_len) - n.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from .sampling import SamplingSettings, sample_tokens
+from .scoring import DraftScores, PolicyScorer
 
 
 @dataclass
@@ -36,19 +38,125 @@ class Continuation:
     finish_reason: str
 
 
+@dataclass
+class BackendStats:
+    """Counters of a generation backend since it was built (tokens and forward calls).
+
+    Attributes:
+        prefill_tokens: context tokens fed to prefill forwards (scoring excluded).
+        reprefill_tokens: tokens of [prompt, verified prefix, token] that were
+            prefilled again after the scoring pass (0 for a splicing backend
+            whose cache was large enough).
+        decode_steps: sequential decode forwards (one per step, whatever the batch size).
+    """
+
+    prefill_tokens: int = 0
+    reprefill_tokens: int = 0
+    decode_steps: int = 0
+
+    def copy(self) -> "BackendStats":
+        return dataclasses.replace(self)
+
+
 @runtime_checkable
 class GenerationBackend(Protocol):
-    """What the speculative rollout needs from an inference engine."""
+    """What the speculative rollout needs from an inference engine (paper Alg. 1, steps 1 and 4).
+
+    ``score_drafts`` has the contract of :meth:`spec_rl.scoring.PolicyScorer.score`
+    and also returns a handle; ``continue_from`` cuts row i to prompt + n_i,
+    feeds ``first_tokens[i]`` (None: just release the row) and samples up to
+    ``budgets[i]`` more tokens; ``extra_contexts`` are generated from scratch in
+    the same batches. It returns continuations for the handle's rows, then the
+    extras. ``release`` frees a handle that will not be continued. ``stats``
+    counts prefill/re-prefill tokens and decode steps.
+    """
+
+    stats: BackendStats
+
+    @property
+    def device(self) -> torch.device: ...
 
     def generate(
-        self,
-        contexts: Sequence[Sequence[int]],
-        budgets: Sequence[int],
-        settings: SamplingSettings,
-        seed: int,
+        self, contexts: Sequence[Sequence[int]], budgets: Sequence[int], settings: SamplingSettings, seed: int
     ) -> list[Continuation]:
         """Sample up to ``budgets[i]`` tokens after ``contexts[i]`` for every i."""
         ...
+
+    def score_drafts(self, prompts: Sequence[Sequence[int]], drafts: Sequence[Sequence[int]]) -> tuple[DraftScores, Any]: ...
+
+    def continue_from(
+        self,
+        handle: Any,
+        accepted_lens: Sequence[int],
+        first_tokens: Sequence[int | None],
+        budgets: Sequence[int],
+        settings: SamplingSettings,
+        seed: int,
+        extra_contexts: Sequence[Sequence[int]] = (),
+        extra_budgets: Sequence[int] = (),
+    ) -> list[Continuation]: ...
+
+    def release(self, handle: Any) -> None: ...
+
+
+@dataclass
+class ScoredDrafts:
+    """Handle of :class:`ReprefillBackend`: the rows scored by ``score_drafts``."""
+
+    prompts: list[list[int]]
+    drafts: list[list[int]]
+    used: bool = False
+
+
+class ReprefillBackend:
+    """``score_drafts``/``continue_from``/``release`` for a backend that only generates from contexts.
+
+    Scoring runs :attr:`scorer` (a :class:`~spec_rl.scoring.PolicyScorer`);
+    the continuation prefills [prompt, y_<n, token] again, as the SPEC-RL
+    reference implementation does, and counts those tokens in
+    ``stats.reprefill_tokens``. Subclasses set ``scorer`` and ``stats`` and
+    implement ``generate``.
+    """
+
+    scorer: PolicyScorer
+    stats: BackendStats
+
+    def generate(self, contexts, budgets, settings, seed) -> list[Continuation]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def score_drafts(self, prompts, drafts) -> tuple[DraftScores, ScoredDrafts]:
+        """Score the drafts (one forward per chunk) and keep the rows for :meth:`continue_from`."""
+        rows = ScoredDrafts([list(map(int, p)) for p in prompts], [list(map(int, d)) for d in drafts])
+        return self.scorer.score(rows.prompts, rows.drafts), rows
+
+    def continue_from(
+        self, handle: ScoredDrafts, accepted_lens, first_tokens, budgets, settings, seed, extra_contexts=(), extra_budgets=()
+    ) -> list[Continuation]:
+        """Generate from [prompt, y_<n, first token] per scored row (re-prefilled), then from each extra context."""
+        if not isinstance(handle, ScoredDrafts) or handle.used:
+            raise ValueError("handle must come from this backend's score_drafts and be continued once")
+        handle.used = True
+        rows = len(handle.prompts)
+        results: list[Continuation | None] = [None] * (rows + len(extra_contexts))
+        todo, contexts, todo_budgets = [], [], []
+        for i, (n, tok, budget) in enumerate(zip(accepted_lens, first_tokens, budgets)):
+            if tok is None or budget == 0:
+                results[i] = Continuation([], [], "length")
+                continue
+            todo.append(i)
+            contexts.append(handle.prompts[i] + handle.drafts[i][: int(n)] + [int(tok)])
+            todo_budgets.append(int(budget))
+        self.stats.reprefill_tokens += sum(len(c) for c in contexts)
+        todo += [rows + k for k in range(len(extra_contexts))]
+        contexts += [list(c) for c in extra_contexts]
+        todo_budgets += [int(b) for b in extra_budgets]
+        for i, c in zip(todo, self.generate(contexts, todo_budgets, settings, seed)):
+            results[i] = c
+        return results  # type: ignore[return-value]
+
+    def release(self, handle: ScoredDrafts) -> None:
+        """Nothing is held between scoring and continuation: just mark the handle used."""
+        handle.used = True
 
 
 def eos_token_ids(model, tokenizer=None) -> set[int]:
@@ -65,7 +173,7 @@ def eos_token_ids(model, tokenizer=None) -> set[int]:
     return ids
 
 
-class TransformersBackend:
+class TransformersBackend(ReprefillBackend):
     """Batched sampling with a transformers causal LM and its KV cache.
 
     Contexts are left-padded; positions come from the attention mask, so
@@ -79,9 +187,18 @@ class TransformersBackend:
         pad_id: id used for left padding (any valid id; it is masked out).
         max_batch_size: sequences per forward batch (memory bound).
         progress: show a tqdm bar over decode steps.
+        max_tokens_per_forward: chunk bound of the scoring pass (see :class:`~spec_rl.scoring.PolicyScorer`).
     """
 
-    def __init__(self, model, eos_ids: set[int] | Sequence[int], pad_id: int, max_batch_size: int = 256, progress: bool = False):
+    def __init__(
+        self,
+        model,
+        eos_ids: set[int] | Sequence[int],
+        pad_id: int,
+        max_batch_size: int = 256,
+        progress: bool = False,
+        max_tokens_per_forward: int | None = None,
+    ):
         if not eos_ids:
             raise ValueError("eos_ids must contain at least one end-of-sequence id (see spec_rl.generation.eos_token_ids)")
         if max_batch_size < 1:
@@ -91,6 +208,8 @@ class TransformersBackend:
         self.pad_id = int(pad_id)
         self.max_batch_size = int(max_batch_size)
         self.progress = progress
+        self.scorer = PolicyScorer(model, self.pad_id, max_tokens_per_forward)
+        self.stats = BackendStats()
 
     @property
     def device(self) -> torch.device:
@@ -165,7 +284,9 @@ class TransformersBackend:
         # batch (and the KV cache) once they are a quarter of it: decode cost on CPU scales with
         # the batch, and a few long responses should not keep every row alive.
         rows = torch.arange(bsz, device=device)
+        self.stats.prefill_tokens += int(attn.sum())
         for t in steps:
+            self.stats.decode_steps += 1
             out = self.model(
                 input_ids=step_ids,
                 attention_mask=attn,

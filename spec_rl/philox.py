@@ -1,7 +1,7 @@
 """Counter-based uniforms for the acceptance test (Philox4x32-10).
 
 Every accept/reject decision of SPEC-RL draws one uniform u_i per draft token
-(DESIGN.md, "Randomness"). The uniform is a pure function of
+(docs/design.md, "Randomness"). The uniform is a pure function of
 ``(seed, uid, token_index, stream)``, so a decision never depends on batch
 order, padding, or which backend (torch reference, Triton kernel) ran it.
 
@@ -39,6 +39,10 @@ PHILOX_ROUNDS = 10
 
 STREAM_ACCEPT = 0
 STREAM_RANDOM_REUSE = 1
+
+#: XORed into a step's seed to seed the continuation's sampler, so the decode
+#: loop draws from a different generator state than the token at n.
+SEED_SALT_CONTINUATION = 0x5EED
 
 _MASK32 = 0xFFFFFFFF
 _U24_SCALE = 2.0**-24

@@ -1,7 +1,7 @@
 """The sampling distribution: temperature, top-k and top-p applied to logits.
 
-SPEC-RL compares log-probabilities of the *sampling* distribution (DESIGN.md,
-rule step 1): the draft was drawn from softmax(process(logits)), so it must be
+SPEC-RL compares log-probabilities of the *sampling* distribution (paper
+Sec. 3; docs/design.md, rule step 1): the draft was drawn from softmax(process(logits)), so it must be
 re-scored with exactly the same processing. Generation backends and the
 verifier both call :func:`sampling_log_softmax`, so they cannot drift apart.
 
@@ -50,6 +50,10 @@ class SamplingSettings:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def budget(self, prompt_len: int, max_model_len: int) -> int:
+        """Response budget in tokens before reuse: ``min(max_tokens, max_model_len - prompt_len)`` (may be <= 0)."""
+        return min(int(self.max_tokens), int(max_model_len) - int(prompt_len))
 
     @property
     def is_plain(self) -> bool:

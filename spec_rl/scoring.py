@@ -1,8 +1,8 @@
 """The scoring pass: one forward of the current policy over [prompt, draft].
 
 Token y_i of the draft is scored by the policy's output at the position
-*before* it (the first response token by the last prompt position; DESIGN.md
-rule step 1). The scorer returns, for every draft token, the final hidden
+*before* it (the first response token by the last prompt position; paper
+Sec. 3, docs/design.md "The rule", step 1). The scorer returns, for every draft token, the final hidden
 state at that position, so ``verify`` can apply the LM head itself (the fused
 kernel path never materialises [N, V] logits). Models whose logits are not a
 plain linear map of the last hidden state (logit soft-capping or scaling) are
@@ -14,22 +14,35 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .sampling import token_logprobs
+
 import torch
 
 
 @dataclass
 class DraftScores:
-    """Per-draft-token policy outputs, right-padded to R = max draft length.
+    """The current policy's scores of B drafts, right-padded to R = max draft length.
 
-    Exactly one of ``hidden_states`` ([B, R, d], with ``lm_head_weight``
-    [V, d] and optional ``lm_head_bias`` [V]) or ``logits`` ([B, R, V]) is set.
-    Row i of either scores draft token i.
+    Exactly one source is set: ``new_logprobs`` [B, R] (sampling log-probs,
+    already computed), ``logits`` [B, R, V], or ``hidden_states`` [B, R, d]
+    with ``lm_head_weight`` [V, d] and optional ``lm_head_bias`` [V] (the
+    fused path: logits are never formed for the whole batch). Row i of any
+    source scores draft token i, i.e. it is the output at the position
+    *before* token i.
     """
 
-    hidden_states: torch.Tensor | None
-    logits: torch.Tensor | None
-    lm_head_weight: torch.Tensor | None
-    lm_head_bias: torch.Tensor | None
+    hidden_states: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    lm_head_weight: torch.Tensor | None = None
+    lm_head_bias: torch.Tensor | None = None
+    new_logprobs: torch.Tensor | None = None
+
+    @property
+    def source(self) -> str:
+        """Which source is set: "new_logprobs", "logits" or "hidden_states"."""
+        if self.new_logprobs is not None:
+            return "new_logprobs"
+        return "logits" if self.logits is not None else "hidden_states"
 
     def logits_at(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
         """Logits [K, V] (float32) at draft positions (rows[k], cols[k])."""
@@ -38,6 +51,116 @@ class DraftScores:
         h = self.hidden_states[rows, cols].float()
         b = self.lm_head_bias.float() if self.lm_head_bias is not None else None
         return torch.nn.functional.linear(h, self.lm_head_weight.float(), b)
+
+
+def response_positions(prompt_lens: torch.Tensor, max_r: int, width: int | None = None) -> torch.Tensor:
+    """Positions [B, max_r] whose output scores response token i: ``len(prompt) - 1 + i``.
+
+    Clamped to ``width - 1`` (the padded sequence width) where a row's response
+    is shorter than ``max_r``; those padded rows are masked by the caller.
+    """
+    pos = prompt_lens.unsqueeze(1) - 1 + torch.arange(max_r, device=prompt_lens.device).unsqueeze(0)
+    return pos if width is None else pos.clamp(max=width - 1)
+
+
+def right_padded(seqs: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded input_ids [B, L] int64 and attention_mask [B, L] int64 (positions 0..len-1 per row)."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long, device=device)
+    attn = torch.zeros((len(seqs), width), dtype=torch.long, device=device)
+    for row, s in enumerate(seqs):
+        ids[row, : len(s)] = torch.as_tensor(list(s), dtype=torch.long)
+        attn[row, : len(s)] = 1
+    return ids, attn
+
+
+class ScoringHead:
+    """How a causal LM's final hidden states become logits, checked once per model.
+
+    ``uses_hidden_states`` is True when ``logits == lm_head(decoder(...).last_hidden_state)``
+    (checked on a 4-token input), so scoring can return hidden states and let
+    ``verify`` apply the LM head (the fused path). Models with logit
+    soft-capping or scaling fail the check and are scored from full logits.
+
+    Attributes:
+        model: the transformers causal LM.
+        decoder: its base model (``model.<base_model_prefix>``) or None.
+        lm_head: ``model.get_output_embeddings()``.
+    """
+
+    def __init__(self, model):
+        self.model = model
+        base = getattr(model, "base_model_prefix", None)
+        decoder = getattr(model, base, None) if base else None
+        self.decoder = decoder if isinstance(decoder, torch.nn.Module) and decoder is not model else None
+        self.lm_head = model.get_output_embeddings()
+        self._uses_hidden: bool | None = None
+
+    @property
+    def uses_hidden_states(self) -> bool:
+        if self._uses_hidden is None:
+            self._uses_hidden = self._check()
+        return self._uses_hidden
+
+    @property
+    def width(self) -> int:
+        """Last dimension of :meth:`states`: d for hidden states, V for logits."""
+        return self.lm_head.weight.shape[1] if self.uses_hidden_states else self.lm_head.weight.shape[0]
+
+    @torch.no_grad()
+    def _check(self) -> bool:
+        head = self.lm_head
+        if self.decoder is None or not isinstance(head, torch.nn.Linear):
+            return False
+        ids = torch.arange(4, device=head.weight.device).unsqueeze(0) % head.weight.shape[0]
+        full = self.model(input_ids=ids).logits.float()
+        mine = head(self.decoder(input_ids=ids).last_hidden_state).float()
+        return bool(torch.allclose(full, mine, rtol=1e-3, atol=1e-3))
+
+    def states(self, hidden: bool | None = None, **forward_kwargs) -> torch.Tensor:
+        """One forward: final hidden states (``hidden``, default :attr:`uses_hidden_states`) or logits [.., L, d|V]."""
+        if self.uses_hidden_states if hidden is None else hidden:
+            return self.decoder(**forward_kwargs).last_hidden_state
+        return self.model(**forward_kwargs).logits
+
+    def draft_scores(self, values: torch.Tensor) -> DraftScores:
+        """Wrap per-draft-token outputs [B, R, d|V] of :meth:`states` as :class:`DraftScores`."""
+        if self.uses_hidden_states:
+            return DraftScores(hidden_states=values, lm_head_weight=self.lm_head.weight, lm_head_bias=getattr(self.lm_head, "bias", None))
+        return DraftScores(logits=values)
+
+
+def response_states(
+    model, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int,
+    head: ScoringHead | None = None,
+) -> torch.Tensor:
+    """THE scoring forward: outputs [B, R, d|V] that score each response token (R = max length, >= 1).
+
+    Sequences [prompt, response] are right-padded; response token i of row b is
+    scored by the output at position ``len(prompt_b) - 1 + i``. With ``head``
+    the outputs are whatever ``head.states`` returns (hidden states on the fused
+    path), else the model's logits. Gradients flow unless the caller disables them.
+    """
+    device = next(model.parameters()).device
+    max_r = max([len(r) for r in responses] + [1])
+    ids, attn = right_padded([list(p) + list(r) for p, r in zip(prompts, responses)], pad_id, device)
+    states = head.states(input_ids=ids, attention_mask=attn) if head is not None else model(input_ids=ids, attention_mask=attn).logits
+    plen = torch.tensor([len(p) for p in prompts], device=device)
+    pos = response_positions(plen, max_r, ids.shape[1])
+    return states.gather(1, pos.unsqueeze(-1).expand(-1, -1, states.shape[-1]))
+
+
+def response_logprobs(
+    model, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int,
+    temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+) -> torch.Tensor:
+    """Sampling log-probs [B, R] float32 of each response token under ``model`` (padding: meaningless, mask it)."""
+    logits = response_states(model, prompts, responses, pad_id)
+    max_r = logits.shape[1]
+    targets = torch.zeros((len(responses), max_r), dtype=torch.long, device=logits.device)
+    for b, r in enumerate(responses):
+        targets[b, : len(r)] = torch.as_tensor(list(r), dtype=torch.long)
+    return token_logprobs(logits, targets, temperature, top_k, top_p)
 
 
 class PolicyScorer:
@@ -56,32 +179,25 @@ class PolicyScorer:
     def __init__(self, model, pad_id: int, max_tokens_per_forward: int | None = None):
         self.model = model
         self.pad_id = int(pad_id)
+        self.head = ScoringHead(model)
         if max_tokens_per_forward is None:
             max_tokens_per_forward = 65536 if self.device.type == "cuda" else 4096
         self.max_tokens_per_forward = int(max_tokens_per_forward)
-        self._hidden_path: bool | None = None
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def _decoder(self):
-        base = getattr(self.model, "base_model_prefix", None)
-        decoder = getattr(self.model, base, None) if base else None
-        return decoder if isinstance(decoder, torch.nn.Module) and decoder is not self.model else None
-
-    @torch.no_grad()
-    def _check_hidden_path(self) -> bool:
-        """Is logits == lm_head(last_hidden_state)? Checked once on a 4-token input."""
-        head = self.model.get_output_embeddings()
-        decoder = self._decoder()
-        if decoder is None or not isinstance(head, torch.nn.Linear):
-            return False
-        ids = torch.arange(4, device=self.device).unsqueeze(0) % head.weight.shape[0]
-        full = self.model(input_ids=ids).logits.float()
-        hidden = decoder(input_ids=ids).last_hidden_state
-        mine = head(hidden).float()
-        return bool(torch.allclose(full, mine, rtol=1e-3, atol=1e-3))
+    def _chunks(self, lengths: Sequence[int]) -> list[list[int]]:
+        """Rows sorted by length, greedily packed so each chunk's padded size fits max_tokens_per_forward."""
+        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+        chunks: list[list[int]] = []
+        for i in order:
+            if chunks and lengths[i] * (len(chunks[-1]) + 1) <= self.max_tokens_per_forward:
+                chunks[-1].append(i)
+            else:
+                chunks.append([i])
+        return chunks
 
     @torch.no_grad()
     def score(self, prompts: Sequence[Sequence[int]], drafts: Sequence[Sequence[int]]) -> DraftScores:
@@ -93,52 +209,18 @@ class PolicyScorer:
 
         Returns:
             :class:`DraftScores` with R = max draft length (at least 1).
+
+        Raises:
+            ValueError: ``prompts`` and ``drafts`` differ in length.
         """
         if len(prompts) != len(drafts):
             raise ValueError(f"prompts ({len(prompts)}) and drafts ({len(drafts)}) must have the same length")
-        if self._hidden_path is None:
-            self._hidden_path = self._check_hidden_path()
         bsz = len(prompts)
         max_r = max([len(d) for d in drafts] + [1])
-        head = self.model.get_output_embeddings()
-        width = head.weight.shape[1] if self._hidden_path else head.weight.shape[0]
         out = None
-        order = sorted(range(bsz), key=lambda i: len(prompts[i]) + len(drafts[i]))
-        start = 0
-        while start < bsz:
-            # Greedy chunking by padded token count.
-            end = start + 1
-            while end < bsz:
-                longest = max(len(prompts[i]) + len(drafts[i]) for i in order[start : end + 1])
-                if longest * (end + 1 - start) > self.max_tokens_per_forward:
-                    break
-                end += 1
-            chunk = order[start:end]
-            values = self._score_chunk([prompts[i] for i in chunk], [drafts[i] for i in chunk], max_r)
+        for chunk in self._chunks([len(p) + len(d) for p, d in zip(prompts, drafts)]):
+            values = response_states(self.model, [prompts[i] for i in chunk], [drafts[i] for i in chunk], self.pad_id, self.head)
             if out is None:
-                out = torch.zeros((bsz, max_r, width), dtype=values.dtype, device=values.device)
-            out[torch.tensor(chunk, device=values.device)] = values
-            start = end
-        if self._hidden_path:
-            return DraftScores(out, None, head.weight, getattr(head, "bias", None))
-        return DraftScores(None, out, None, None)
-
-    def _score_chunk(self, prompts, drafts, max_r: int) -> torch.Tensor:
-        device = self.device
-        bsz = len(prompts)
-        seqs = [list(p) + list(d) for p, d in zip(prompts, drafts)]
-        width = max(len(s) for s in seqs)
-        ids = torch.full((bsz, width), self.pad_id, dtype=torch.long, device=device)
-        attn = torch.zeros((bsz, width), dtype=torch.long, device=device)
-        for row, s in enumerate(seqs):
-            ids[row, : len(s)] = torch.as_tensor(s, dtype=torch.long)
-            attn[row, : len(s)] = 1
-        # Right padding: positions are 0..L-1 for every row, padding sits after the sequence.
-        if self._hidden_path:
-            states = self._decoder()(input_ids=ids, attention_mask=attn).last_hidden_state
-        else:
-            states = self.model(input_ids=ids, attention_mask=attn).logits
-        # Draft token i of row b is scored at position len(prompt_b) - 1 + i.
-        plen = torch.tensor([len(p) for p in prompts], device=device)
-        pos = (plen.unsqueeze(1) - 1 + torch.arange(max_r, device=device).unsqueeze(0)).clamp(max=width - 1)
-        return states.gather(1, pos.unsqueeze(-1).expand(-1, -1, states.shape[-1]))
+                out = torch.zeros((bsz, max_r, self.head.width), dtype=values.dtype, device=values.device)
+            out[torch.tensor(chunk, device=values.device), : values.shape[1]] = values
+        return self.head.draft_scores(out)

@@ -1,8 +1,8 @@
-"""Public verification entry point: validates inputs, then dispatches.
+"""Public verification entry point: validate the inputs once, then dispatch.
 
-``verify`` implements the SPEC-RL acceptance rule (arXiv 2509.23232, Alg. 1;
-DESIGN.md "The rule") for a batch of drafts. It accepts the policy's scores in
-one of three forms:
+``verify`` implements the SPEC-RL acceptance rule (arXiv 2509.23232, Sec. 3,
+Alg. 1; docs/design.md "The rule") for a batch of drafts. It accepts the
+policy's scores in one of three forms:
 
 * ``new_logprobs`` [B, R]: already computed sampling log-probs;
 * ``logits`` [B, R, V]: logits aligned with the draft (row i scores draft
@@ -12,30 +12,54 @@ one of three forms:
   for the whole batch.
 
 Backends: ``"reference"`` is the torch implementation in
-:mod:`spec_rl.reference` (CPU and CUDA). ``"triton"`` is the fused kernels
+:mod:`spec_rl.acceptance` (CPU and CUDA). ``"triton"`` is the fused kernels
 of :mod:`spec_rl.kernels` (CUDA; on CPU only under ``TRITON_INTERPRET=1``,
 for tests). ``"auto"`` uses Triton on CUDA tensors when it is installed and
 the settings are plain (top_k = 0, top_p = 1; the kernels do not filter the
 vocabulary), and the reference otherwise. Both give identical decisions: the
 uniforms are the same Philox bits and the test is done in float64.
+
+Internally the validated inputs travel as one :class:`_Checked` bundle: the
+scores as :class:`~spec_rl.scoring.DraftScores` and the distribution as
+:class:`~spec_rl.sampling.SamplingSettings`, so the keyword list below is
+written once.
 """
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
 
 import torch
 
-from .reference import VerifyResult, lenience_to_log, lengths_mask, reference_verify
+from .acceptance import VerifyResult, lenience_to_log, lengths_mask, make_result, random_reuse_index, reference_verify
+from .sampling import SamplingSettings
+from .scoring import DraftScores
 
-_BACKENDS = ("auto", "reference", "triton")
+BACKENDS = ("auto", "reference", "triton")
+STRATEGIES = ("spec", "random")
 
 
-def _pick_backend(backend: str, device: torch.device, top_k: int, top_p: float, has_scores: bool) -> str:
+@dataclass
+class _Checked:
+    """Validated verification inputs (padding positions of ``draft_ids`` zeroed)."""
+
+    draft_ids: torch.Tensor
+    old_logprobs: torch.Tensor
+    lengths: torch.Tensor
+    uids: torch.Tensor
+    scores: DraftScores
+    settings: SamplingSettings
+    log_lenience: float
+    backend: str
+
+
+def _pick_backend(backend: str, device: torch.device, settings: SamplingSettings, scores: DraftScores) -> str:
     """Resolve "auto" to a concrete backend (see the module docstring)."""
+    if scores.source == "new_logprobs":
+        return "reference"  # nothing to score: no kernel needed
     if backend != "auto":
         return backend
-    if device.type != "cuda" or not has_scores or top_k != 0 or top_p < 1.0:
+    if device.type != "cuda" or scores.source == "new_logprobs" or not settings.is_plain:
         return "reference"
     try:
         from . import kernels
@@ -44,7 +68,21 @@ def _pick_backend(backend: str, device: torch.device, top_k: int, top_p: float, 
     return "triton" if kernels.is_available(device) else "reference"
 
 
-def _check_no_nan(name: str, tensor: torch.Tensor, valid_rows: torch.Tensor | None = None) -> None:
+def _check_tensor(name: str, t, shape: tuple[int, ...] | None, kind: str, device: torch.device | None = None) -> None:
+    """``check_shape_dtype_device``-style check: a tensor of ``shape`` (None: any), integer or float, on ``device``."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+    if kind == "float" and not t.is_floating_point():
+        raise TypeError(f"{name} must be a float tensor, got {t.dtype}")
+    if kind == "int" and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
+        raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device} but draft_ids is on {device}; move all inputs to one device")
+
+
+def _check_finite(name: str, tensor: torch.Tensor, valid_rows: torch.Tensor | None = None) -> None:
     values = tensor if valid_rows is None else tensor[valid_rows]
     if values.is_floating_point() and bool((torch.isnan(values) | (values == float("inf"))).any()):
         raise ValueError(
@@ -53,15 +91,18 @@ def _check_no_nan(name: str, tensor: torch.Tensor, valid_rows: torch.Tensor | No
         )
 
 
-def _resolve_lengths(
-    draft_ids: torch.Tensor, response_mask: torch.Tensor | None, lengths: torch.Tensor | None
-) -> torch.Tensor:
+def _check_logprobs(name: str, lp: torch.Tensor, valid: torch.Tensor, hint: str = "") -> None:
+    _check_finite(name, lp, valid)
+    if bool((lp[valid] > 1e-4).any()):
+        raise ValueError(f"{name} must be log-probabilities (<= 0); got positive values{hint}")
+
+
+def _resolve_lengths(draft_ids: torch.Tensor, response_mask, lengths) -> torch.Tensor:
     bsz, max_len = draft_ids.shape
     if response_mask is not None and lengths is not None:
         raise ValueError("pass either response_mask or lengths, not both")
     if response_mask is not None:
-        if response_mask.shape != draft_ids.shape:
-            raise ValueError(f"response_mask has shape {tuple(response_mask.shape)}, expected draft_ids' shape {(bsz, max_len)}")
+        _check_tensor("response_mask", response_mask, (bsz, max_len), "any")
         mask = response_mask.to(torch.bool)
         lens = mask.sum(dim=1)
         if not torch.equal(mask, lengths_mask(lens, max_len)):
@@ -72,14 +113,110 @@ def _resolve_lengths(
         return lens.to(torch.int64)
     if lengths is None:
         return torch.full((bsz,), max_len, dtype=torch.int64, device=draft_ids.device)
-    if lengths.shape != (bsz,):
-        raise ValueError(f"lengths has shape {tuple(lengths.shape)}, expected ({bsz},)")
-    if lengths.is_floating_point():
-        raise TypeError(f"lengths must be an integer tensor, got {lengths.dtype}")
+    _check_tensor("lengths", lengths, (bsz,), "int")
     lens = lengths.to(device=draft_ids.device, dtype=torch.int64)
     if bool(((lens < 0) | (lens > max_len)).any()):
         raise ValueError(f"lengths must lie in [0, {max_len}] (the padded draft length)")
     return lens
+
+
+def _check_scores(scores: DraftScores, shape: tuple[int, int], device: torch.device) -> int | None:
+    """Shapes, dtypes and devices of the one score source; returns the vocabulary size (None for new_logprobs)."""
+    if sum(x is not None for x in (scores.new_logprobs, scores.logits, scores.hidden_states)) != 1:
+        raise ValueError("pass exactly one of new_logprobs, logits, or hidden_states (with lm_head_weight)")
+    if scores.new_logprobs is not None:
+        _check_tensor("new_logprobs", scores.new_logprobs, shape, "float", device)
+        return None
+    if scores.logits is not None:
+        _check_tensor("logits", scores.logits, None, "float", device)
+        if scores.logits.dim() != 3 or tuple(scores.logits.shape[:2]) != shape:
+            raise ValueError(f"logits has shape {tuple(scores.logits.shape)}, expected [B, R, V] with [B, R] = {shape}")
+        return scores.logits.shape[2]
+    hidden, weight, bias = scores.hidden_states, scores.lm_head_weight, scores.lm_head_bias
+    if weight is None:
+        raise ValueError("hidden_states needs lm_head_weight [V, d]")
+    _check_tensor("hidden_states", hidden, None, "float", device)
+    if hidden.dim() != 3 or tuple(hidden.shape[:2]) != shape:
+        raise ValueError(f"hidden_states has shape {tuple(hidden.shape)}, expected [B, R, d] with [B, R] = {shape}")
+    _check_tensor("lm_head_weight", weight, None, "float", device)
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[2]:
+        raise ValueError(f"lm_head_weight has shape {tuple(weight.shape)}, expected [V, d] with d = {hidden.shape[2]}")
+    if bias is not None:
+        _check_tensor("lm_head_bias", bias, (weight.shape[0],), "float", device)
+    return weight.shape[0]
+
+
+def _scan_scores(scores: DraftScores, valid: torch.Tensor) -> None:
+    """NaN/+inf scan of logits or hidden states (the kernels flag these themselves)."""
+    if scores.logits is not None:
+        _check_finite("logits", scores.logits, valid)
+    elif scores.hidden_states is not None:
+        _check_finite("hidden_states", scores.hidden_states, valid)
+        _check_finite("lm_head_weight", scores.lm_head_weight)
+
+
+def _check_uids(uids, bsz: int, device: torch.device) -> torch.Tensor:
+    if uids is None:
+        return torch.arange(bsz, device=device, dtype=torch.int64)
+    if not isinstance(uids, torch.Tensor) or uids.shape != (bsz,):
+        raise ValueError(f"uids must be a [{bsz}] int64 tensor of per-sample ids")
+    _check_tensor("uids", uids, (bsz,), "int")
+    return uids.to(device=device, dtype=torch.int64)
+
+
+def _validate(draft_ids, old_logprobs, scores, response_mask, lengths, settings, log_lenience, uids, backend) -> _Checked:
+    """Every input check of :func:`verify`, in one place."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if not isinstance(draft_ids, torch.Tensor) or draft_ids.dim() != 2:
+        raise ValueError("draft_ids must be a [B, R] tensor")
+    _check_tensor("draft_ids", draft_ids, None, "int")
+    shape, device = (draft_ids.shape[0], draft_ids.shape[1]), draft_ids.device
+    if not isinstance(old_logprobs, torch.Tensor) or tuple(old_logprobs.shape) != shape:
+        got = tuple(old_logprobs.shape) if isinstance(old_logprobs, torch.Tensor) else type(old_logprobs).__name__
+        raise ValueError(f"old_logprobs has shape {got}, expected draft_ids' shape {shape}")
+    _check_tensor("old_logprobs", old_logprobs, shape, "float", device)
+    vocab = _check_scores(scores, shape, device)
+    lens = _resolve_lengths(draft_ids, response_mask, lengths)
+    valid = lengths_mask(lens, shape[1])
+    chosen = _pick_backend(backend, device, settings, scores)
+    if scores.new_logprobs is not None:
+        _check_logprobs("new_logprobs", scores.new_logprobs, valid)
+    elif chosen == "reference":  # the kernels flag NaN themselves; scanning here would read the scores twice
+        _scan_scores(scores, valid)
+    _check_logprobs("old_logprobs", old_logprobs, valid, " — did you pass probabilities or logits?")
+    if vocab is not None and valid.any():
+        ids = draft_ids[valid]
+        if bool(((ids < 0) | (ids >= vocab)).any()):
+            raise ValueError(f"draft_ids contains ids outside [0, {vocab}) at unmasked positions (vocabulary size {vocab})")
+    safe_ids = torch.where(valid, draft_ids, torch.zeros((), dtype=draft_ids.dtype, device=device))
+    return _Checked(safe_ids, old_logprobs, lens, _check_uids(uids, shape[0], device), scores, settings, log_lenience, chosen)
+
+
+def _verify_triton(c: _Checked, seed: int, strategy: str, return_accept_mask: bool) -> VerifyResult:
+    from . import kernels
+
+    if not kernels.is_available(c.draft_ids.device):
+        raise RuntimeError(
+            f"backend='triton' is not available on {c.draft_ids.device}: install triton, and on CPU set "
+            "TRITON_INTERPRET=1 before importing spec_rl.kernels; or use backend='reference'"
+        )
+    if not c.settings.is_plain:
+        raise NotImplementedError(
+            "Triton verification kernels score softmax(logits / T) over the full vocabulary; "
+            "top_k/top_p filtering is only in the reference backend"
+        )
+    s = c.scores
+    lp_new, accept, n = kernels.verify_padded(
+        c.draft_ids, c.old_logprobs, c.lengths, c.uids,
+        seed=seed, log_lenience=c.log_lenience, temperature=c.settings.temperature,
+        logits=s.logits, hidden_states=s.hidden_states, lm_head_weight=s.lm_head_weight, lm_head_bias=s.lm_head_bias,
+        score_only=strategy == "random",
+    )  # fmt: skip
+    if strategy == "random":
+        n = random_reuse_index(seed, c.uids, c.lengths)
+        accept = lengths_mask(n, c.draft_ids.shape[1])
+    return make_result(lp_new, n, accept, c.lengths, return_accept_mask)
 
 
 def verify(
@@ -104,166 +241,73 @@ def verify(
     backend: str = "auto",
     return_accept_mask: bool = False,
 ) -> VerifyResult:
-    """Verify a batch of drafts under the current policy (SPEC-RL Alg. 1).
+    """Verify a batch of drafts under the current policy (SPEC-RL Sec. 3, Alg. 1).
 
-    Args:
-        draft_ids: [B, R] integer token ids of the drafts, right-padded
-            (values at padded positions are ignored).
-        old_logprobs: [B, R] float log-probs stored with the drafts (under the
-            policy that last validated them), each <= 0.
-        new_logprobs / logits / hidden_states (+ lm_head_weight,
-            lm_head_bias): exactly one score source, see the module docstring.
-        response_mask: [B, R] bool, True on a leading prefix of each row; or
-        lengths: [B] int draft lengths in [0, R]. Neither means all R valid.
-        temperature, top_k, top_p: the sampling settings that produced the
-            drafts (ignored when ``new_logprobs`` is given).
-        lenience: l >= 0 (1 = vanilla speculative decoding, inf = reuse all,
-            0 = reuse nothing); or log_lenience = log(l). Default l = 1.
-        seed: 64-bit seed of the acceptance uniforms.
-        uids: [B] int64 per-sample ids keying the uniforms (default
-            ``arange(B)``, which makes decisions depend on batch position:
-            pass stable ids in training).
-        strategy: "spec" (lenient acceptance) or "random" (random-reuse
-            ablation, paper Table 2: n uniform over 0..R).
-        backend: "auto" or "reference".
-        return_accept_mask: also return the per-token test outcome.
+    Parameters
+    ----------
+    draft_ids : [B, R] integer tensor
+        Token ids of the drafts, right-padded (values at padded positions are ignored).
+    old_logprobs : [B, R] float tensor
+        Log-probs stored with the drafts (under the policy that last validated them), each <= 0.
+    new_logprobs, logits, hidden_states (+ lm_head_weight, lm_head_bias)
+        Exactly one score source, see the module docstring.
+    response_mask : [B, R] bool, optional
+        True on a leading prefix of each row; or ``lengths`` [B] int draft
+        lengths in [0, R]. Neither means all R positions are valid.
+    temperature, top_k, top_p
+        The sampling settings that produced the drafts (ignored with ``new_logprobs``).
+    lenience, log_lenience
+        l >= 0 (1 = vanilla speculative decoding, inf = reuse all, 0 = reuse
+        nothing), or log(l). Default l = 1.
+    seed : int
+        64-bit seed of the acceptance uniforms.
+    uids : [B] int64, optional
+        Per-sample ids keying the uniforms (default ``arange(B)``, which makes
+        decisions depend on batch position: pass stable ids in training).
+    strategy : "spec" or "random"
+        Lenient acceptance, or the random-reuse ablation (paper Table 2: n uniform over 0..R).
+    backend : "auto", "reference" or "triton"
+    return_accept_mask : bool
+        Also return the per-token test outcome.
 
-    Returns:
-        :class:`~spec_rl.reference.VerifyResult`.
+    Returns
+    -------
+    :class:`~spec_rl.acceptance.VerifyResult`
 
-    Raises:
-        ValueError: shape mismatches, NaN scores or old logprobs at unmasked
-            positions, positive old logprobs, token ids outside [0, V),
-            negative or NaN lenience, bad temperature/top-k/top-p.
-        TypeError: wrong dtypes (non-integer ids, non-float scores).
+    Raises
+    ------
+    ValueError
+        Shape mismatches, NaN scores or old logprobs at unmasked positions, positive
+        logprobs, token ids outside [0, V), negative or NaN lenience, bad
+        temperature/top-k/top-p, unknown strategy or backend.
+    TypeError
+        Wrong dtypes (non-integer ids, non-float scores).
+    NotImplementedError
+        ``backend="triton"`` with top-k/top-p or a score dtype the kernels do not take.
+
+    Example
+    -------
+    >>> res = verify(ids, old, logits=logits, lengths=lens, lenience=math.exp(0.5), seed=step_seed, uids=uids)
+    >>> keep = [ids[b, : int(n)] for b, n in enumerate(res.accepted_len)]
     """
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-    if strategy not in ("spec", "random"):
-        raise ValueError(f"strategy must be 'spec' or 'random', got {strategy!r}")
-    if not isinstance(draft_ids, torch.Tensor) or draft_ids.dim() != 2:
-        raise ValueError("draft_ids must be a [B, R] tensor")
-    if draft_ids.is_floating_point() or draft_ids.dtype == torch.bool:
-        raise TypeError(f"draft_ids must be an integer tensor, got {draft_ids.dtype}")
-    bsz, max_len = draft_ids.shape
-    device = draft_ids.device
-    if not isinstance(old_logprobs, torch.Tensor) or old_logprobs.shape != draft_ids.shape:
-        got = tuple(old_logprobs.shape) if isinstance(old_logprobs, torch.Tensor) else type(old_logprobs).__name__
-        raise ValueError(f"old_logprobs has shape {got}, expected draft_ids' shape {(bsz, max_len)}")
-    if not old_logprobs.is_floating_point():
-        raise TypeError(f"old_logprobs must be a float tensor, got {old_logprobs.dtype}")
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
-    if int(top_k) != top_k or top_k < 0:
-        raise ValueError(f"top_k must be an integer >= 0 (0 disables), got {top_k!r}")
-    if not (0.0 < float(top_p) <= 1.0):
-        raise ValueError(f"top_p must be in (0, 1] (1 disables), got {top_p!r}")
-    log_l = lenience_to_log(lenience, log_lenience)
-
-    sources = [x is not None for x in (new_logprobs, logits, hidden_states)]
-    if sum(sources) != 1:
-        raise ValueError("pass exactly one of new_logprobs, logits, or hidden_states (with lm_head_weight)")
-
-    lens = _resolve_lengths(draft_ids, response_mask, lengths)
-    valid = lengths_mask(lens, max_len)
-    chosen = _pick_backend(backend, device, int(top_k), float(top_p), new_logprobs is None)
-    # The kernels flag NaN in logits/hidden states themselves; scanning here would read the scores twice.
-    scan_scores = chosen == "reference"
-
-    tensors = {"old_logprobs": old_logprobs}
-    vocab = None
-    if new_logprobs is not None:
-        if new_logprobs.shape != draft_ids.shape:
-            raise ValueError(f"new_logprobs has shape {tuple(new_logprobs.shape)}, expected {(bsz, max_len)}")
-        if not new_logprobs.is_floating_point():
-            raise TypeError(f"new_logprobs must be a float tensor, got {new_logprobs.dtype}")
-        tensors["new_logprobs"] = new_logprobs
-        _check_no_nan("new_logprobs", new_logprobs, valid)
-        if bool((new_logprobs[valid] > 1e-4).any()):
-            raise ValueError("new_logprobs must be log-probabilities (<= 0); got positive values")
-    elif logits is not None:
-        if logits.dim() != 3 or logits.shape[:2] != draft_ids.shape:
-            raise ValueError(f"logits has shape {tuple(logits.shape)}, expected [B, R, V] with [B, R] = {(bsz, max_len)}")
-        if not logits.is_floating_point():
-            raise TypeError(f"logits must be a float tensor, got {logits.dtype}")
-        tensors["logits"] = logits
-        vocab = logits.shape[2]
-        if scan_scores:
-            _check_no_nan("logits", logits, valid)
-    else:
-        if lm_head_weight is None:
-            raise ValueError("hidden_states needs lm_head_weight [V, d]")
-        if hidden_states.dim() != 3 or hidden_states.shape[:2] != draft_ids.shape:
-            raise ValueError(
-                f"hidden_states has shape {tuple(hidden_states.shape)}, expected [B, R, d] with [B, R] = {(bsz, max_len)}"
-            )
-        if lm_head_weight.dim() != 2 or lm_head_weight.shape[1] != hidden_states.shape[2]:
-            raise ValueError(
-                f"lm_head_weight has shape {tuple(lm_head_weight.shape)}, expected [V, d] with d = {hidden_states.shape[2]}"
-            )
-        if lm_head_bias is not None and lm_head_bias.shape != (lm_head_weight.shape[0],):
-            raise ValueError(f"lm_head_bias has shape {tuple(lm_head_bias.shape)}, expected ({lm_head_weight.shape[0]},)")
-        tensors.update(hidden_states=hidden_states, lm_head_weight=lm_head_weight)
-        if lm_head_bias is not None:
-            tensors["lm_head_bias"] = lm_head_bias
-        vocab = lm_head_weight.shape[0]
-        if scan_scores:
-            _check_no_nan("hidden_states", hidden_states, valid)
-            _check_no_nan("lm_head_weight", lm_head_weight)
-    for name, t in tensors.items():
-        if t.device != device:
-            raise ValueError(f"{name} is on {t.device} but draft_ids is on {device}; move all inputs to one device")
-
-    _check_no_nan("old_logprobs", old_logprobs, valid)
-    if bool((old_logprobs[valid] > 1e-4).any()):
-        raise ValueError("old_logprobs must be log-probabilities (<= 0); got positive values — did you pass probabilities or logits?")
-    if vocab is not None and valid.any():
-        ids = draft_ids[valid]
-        if bool(((ids < 0) | (ids >= vocab)).any()):
-            raise ValueError(f"draft_ids contains ids outside [0, {vocab}) at unmasked positions (vocabulary size {vocab})")
-    safe_ids = torch.where(valid, draft_ids, torch.zeros((), dtype=draft_ids.dtype, device=device))
-
-    if uids is None:
-        uids = torch.arange(bsz, device=device, dtype=torch.int64)
-    else:
-        if not isinstance(uids, torch.Tensor) or uids.shape != (bsz,):
-            raise ValueError(f"uids must be a [{bsz}] int64 tensor of per-sample ids")
-        if uids.is_floating_point():
-            raise TypeError(f"uids must be an integer tensor, got {uids.dtype}")
-        uids = uids.to(device=device, dtype=torch.int64)
-
-    args = dict(
-        seed=int(seed),
-        uids=uids,
-        log_lenience=log_l,
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    settings = SamplingSettings(temperature=temperature, top_p=top_p, top_k=top_k)
+    scores = DraftScores(
+        hidden_states=hidden_states, logits=logits, lm_head_weight=lm_head_weight, lm_head_bias=lm_head_bias,
         new_logprobs=new_logprobs,
-        logits=logits,
-        hidden_states=hidden_states,
-        lm_head_weight=lm_head_weight,
-        lm_head_bias=lm_head_bias,
-        temperature=float(temperature),
-        top_k=int(top_k),
-        top_p=float(top_p),
-        strategy=strategy,
-        return_accept_mask=return_accept_mask,
-    )
-    if chosen == "triton":
-        from . import kernels
-
-        if not kernels.is_available(device):
-            raise RuntimeError(
-                f"backend='triton' is not available on {device}: install triton, and on CPU set TRITON_INTERPRET=1 "
-                "before importing spec_rl.kernels; or use backend='reference'"
-            )
+    )  # fmt: skip
+    log_l = lenience_to_log(lenience, log_lenience)
+    c = _validate(draft_ids, old_logprobs, scores, response_mask, lengths, settings, log_l, uids, backend)
+    if c.backend == "triton":
         try:
-            return kernels.verify_triton(safe_ids, old_logprobs, lens, **args)
+            return _verify_triton(c, int(seed), strategy, return_accept_mask)
         except NotImplementedError:
             if backend == "triton":
                 raise
-            # Fall back to the NaN-checked reference for what the kernels do not cover.
-    if not scan_scores:  # fell back from the kernels: scan now
-        if logits is not None:
-            _check_no_nan("logits", logits, valid)
-        elif hidden_states is not None:
-            _check_no_nan("hidden_states", hidden_states, valid)
-    return reference_verify(safe_ids, old_logprobs, lens, **args)
+            _scan_scores(c.scores, lengths_mask(c.lengths, c.draft_ids.shape[1]))  # the fallback reads the scores
+    return reference_verify(
+        c.draft_ids, c.old_logprobs, c.lengths, c.uids, c.scores,
+        seed=int(seed), log_lenience=c.log_lenience, settings=c.settings, strategy=strategy,
+        return_accept_mask=return_accept_mask,
+    )  # fmt: skip

@@ -16,7 +16,9 @@ except Exception as exc:  # not installed, or a broken install: skip every kerne
 import spec_rl.kernels as K
 
 from spec_rl.philox import philox_uniform
-from spec_rl.reference import lengths_mask, reference_verify
+from spec_rl.acceptance import lengths_mask, reference_verify
+from spec_rl.sampling import SamplingSettings
+from spec_rl.scoring import DraftScores
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -81,10 +83,15 @@ def far_from_ties_old_logprobs(
     return old.float()
 
 
-def reference64(**kwargs):
-    """reference_verify in float64, inputs moved to the CPU."""
-    moved = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
-    return reference_verify(compute_dtype=torch.float64, **moved)
+def reference64(draft_ids, old_logprobs, lengths, *, uids, seed, log_lenience, temperature=1.0, top_k=0, top_p=1.0,
+                strategy="spec", return_accept_mask=False, **sources):
+    """reference_verify in float64, inputs moved to the CPU; ``sources`` are DraftScores fields."""
+    cpu = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in sources.items()}
+    return reference_verify(
+        draft_ids.cpu(), old_logprobs.cpu(), lengths.cpu(), uids.cpu(), DraftScores(**cpu),
+        seed=seed, log_lenience=log_lenience, settings=SamplingSettings(temperature=temperature, top_k=top_k, top_p=top_p),
+        strategy=strategy, return_accept_mask=return_accept_mask, compute_dtype=torch.float64,
+    )
 
 
 def assert_same_decisions(out, ref) -> None:

@@ -14,9 +14,10 @@ from tiny_models import full_forward_logprobs
 from spec_rl.cache import RolloutCache
 from spec_rl.engine import PagedEngine
 from spec_rl.generation import TransformersBackend
-from spec_rl.rollout import RolloutRequest, SpeculativeRollout, SplicingBackend
+from spec_rl.generation import GenerationBackend
+from spec_rl.rollout import RolloutRequest, SpeculativeRollout
 from spec_rl.sampling import SamplingSettings
-from spec_rl.scoring import PolicyScorer
+
 
 warnings.filterwarnings("ignore", message="spec_rl._C is not built")
 
@@ -39,7 +40,7 @@ def _first_tokens(scores, settings, gen=None):
 def test_greedy_continuation_from_spliced_prefix_equals_fresh_prefill():
     model = tiny_family_model("llama", seed=9)
     engine = PagedEngine(model, eos_ids={1}, pad_id=0, block_size=4, num_blocks=64)
-    assert isinstance(engine, SplicingBackend)
+    assert isinstance(engine, GenerationBackend)
     scores, handle = engine.score_drafts(PROMPTS, DRAFTS)
     first = _first_tokens(scores, GREEDY)
     scored = engine.stats.prefill_tokens
@@ -101,7 +102,7 @@ def test_speculative_rollout_with_engine_equals_transformers_backend():
         else:
             backend = TransformersBackend(model, {1}, pad_id=0)
         rollout = SpeculativeRollout(
-            PolicyScorer(model, pad_id=0), backend, RolloutCache(), settings, eos_ids=[1], max_model_len=64, lenience=1.0
+            backend, RolloutCache(), settings, eos_ids=[1], max_model_len=64, lenience=1.0
         )
         first = rollout.run(requests, step=0)
         _perturb(model, 0)  # the policy moves: some drafts are now rejected part-way

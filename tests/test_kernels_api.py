@@ -6,7 +6,7 @@ import pytest
 import torch
 from _kernel_helpers import DEVICE, HIDDEN_ATOL, LOGITS_ATOL, K, assert_lp_close, reference64
 
-from spec_rl.reference import lengths_mask, reference_verify
+from spec_rl.acceptance import lengths_mask, reference_verify
 from spec_rl.sampling import token_logprobs
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")

@@ -1,4 +1,4 @@
-"""From-logits kernel vs the float64 reference (spec_rl.reference.reference_verify)."""
+"""From-logits kernel vs the float64 reference (spec_rl.acceptance.reference_verify)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from _kernel_helpers import (
 )
 
 from spec_rl.philox import philox_uniform
-from spec_rl.reference import acceptance_test, lengths_mask, rejection_index
+from spec_rl.acceptance import acceptance_test, lengths_mask, rejection_index
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # interpreter: fp overflow to inf is intended
 

@@ -14,7 +14,7 @@ from _kernel_helpers import (
     reference64,
 )
 
-from spec_rl.reference import lengths_mask
+from spec_rl.acceptance import lengths_mask
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # interpreter: fp overflow to inf is intended
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import spec_rl.ops as ops
-from spec_rl.ops import reference
+from spec_rl.ops import torch_kv
 
 DEVICES = [
     "cpu",
@@ -83,7 +83,7 @@ def test_write_kv_matches_reference(device, dtype, block_size, head_dim, slot_dt
     cache = _poisoned(num_blocks, block_size, heads, head_dim, dtype, device)
     expected = cache.clone()
     ops.write_kv(cache, key, value, slots)
-    reference.write_kv(expected, key, value, slots)
+    torch_kv.write_kv(expected, key, value, slots)
     _assert_same_bits(cache, expected)
 
     # Independent oracle: each kept token is in its slot, every other slot is untouched.
@@ -107,7 +107,7 @@ def test_write_kv_direct_native_call_and_noncontiguous_inputs(device):
     value = _rand(gen, (10, 2, 8), torch.float32, device)
     slots = torch.tensor([0, 17, -1, 63, 5, -1, 32, 33, 48, 1], device=device)
     torch.ops.spec_rl.write_kv(cache, key, value, slots)
-    reference.write_kv(expected, key, value, slots)
+    torch_kv.write_kv(expected, key, value, slots)
     _assert_same_bits(cache, expected)
 
 
@@ -157,7 +157,7 @@ def test_splice_from_dense_matches_reference(device, dtype, block_size):
     cache = _poisoned(num_blocks, block_size, heads, dim, dtype, device)
     expected = cache.clone()
     ops.splice_from_dense(cache, key, value, tables, src, dst, lengths)
-    reference.splice_from_dense(expected, key, value, tables, src, dst, lengths)
+    torch_kv.splice_from_dense(expected, key, value, tables, src, dst, lengths)
     _assert_same_bits(cache, expected)
 
     written = torch.zeros(num_blocks, block_size, dtype=torch.bool)
@@ -179,7 +179,7 @@ def test_splice_int32_indices_direct_native(device):
     cache = _poisoned(num_blocks, 16, heads, dim, torch.bfloat16, device)
     expected = cache.clone()
     torch.ops.spec_rl.splice_from_dense(cache, key, value, tables.long(), src.int(), dst.int(), lengths.int())
-    reference.splice_from_dense(expected, key, value, tables, src, dst, lengths)
+    torch_kv.splice_from_dense(expected, key, value, tables, src, dst, lengths)
     _assert_same_bits(cache, expected)
 
 
@@ -205,7 +205,7 @@ def test_copy_blocks_matches_reference(device, dtype, mapping):
     expected = cache.clone()
     block_mapping = torch.tensor(mapping, device=device)
     ops.copy_blocks(cache, block_mapping)
-    reference.copy_blocks(expected, block_mapping)
+    torch_kv.copy_blocks(expected, block_mapping)
     _assert_same_bits(cache, expected)
     dsts = {d for _, d in mapping}
     for s, d in mapping:
@@ -279,7 +279,7 @@ def test_gather_kv_matches_reference(device, dtype, block_size):
     tables[1] = -1  # a zero-length sequence with no blocks
     for max_len in (None, int(lengths.max()) + 7):
         key, value = ops.gather_kv(cache, tables, lengths, max_len)
-        ref_k, ref_v = reference.gather_kv(cache, tables, lengths, max_len or int(lengths.max()))
+        ref_k, ref_v = torch_kv.gather_kv(cache, tables, lengths, max_len or int(lengths.max()))
         _assert_same_bits(key, ref_k)
         _assert_same_bits(value, ref_v)
         assert key.dtype == dtype and key.device.type == device
@@ -299,7 +299,7 @@ def test_gather_kv_empty_batch_and_int64_table(device):
     assert k.shape == (0, 1, 0, 8) and v.shape == (0, 1, 0, 8)
     tables = torch.tensor([[2, 0]], device=device)
     k, v = torch.ops.spec_rl.gather_kv(cache, tables, torch.tensor([6], dtype=torch.int32, device=device), 6)
-    ref_k, ref_v = reference.gather_kv(cache, tables, torch.tensor([6], device=device), 6)
+    ref_k, ref_v = torch_kv.gather_kv(cache, tables, torch.tensor([6], device=device), 6)
     _assert_same_bits(k, ref_k)
     _assert_same_bits(v, ref_v)
 
@@ -321,7 +321,7 @@ def test_ops_split_across_threads(device):
         key = _rand(gen, (tokens, heads, dim), torch.float32, device)
         value = _rand(gen, (tokens, heads, dim), torch.float32, device)
         ops.write_kv(cache, key, value, slots)
-        reference.write_kv(expected, key, value, slots)
+        torch_kv.write_kv(expected, key, value, slots)
         _assert_same_bits(cache, expected)
 
         lengths = torch.tensor([300, 0, 517, 64, 411], device=device)
@@ -333,18 +333,18 @@ def test_ops_split_across_threads(device):
         dense_v = _rand(gen, (5, heads, seq, dim), torch.float32, device)
         zeros = torch.zeros_like(lengths)
         ops.splice_from_dense(cache, dense_k, dense_v, tables, src, zeros, lengths)
-        reference.splice_from_dense(expected, dense_k, dense_v, tables, src, zeros, lengths)
+        torch_kv.splice_from_dense(expected, dense_k, dense_v, tables, src, zeros, lengths)
         _assert_same_bits(cache, expected)
 
         k, v = ops.gather_kv(cache, tables, lengths, seq + 3)
-        ref_k, ref_v = reference.gather_kv(cache, tables, lengths, seq + 3)
+        ref_k, ref_v = torch_kv.gather_kv(cache, tables, lengths, seq + 3)
         _assert_same_bits(k, ref_k)
         _assert_same_bits(v, ref_v)
 
         perm = torch.randperm(num_blocks, generator=gen).to(device)
         mapping = torch.stack([perm[:100], perm[50:150]], dim=1)  # half the sources are also destinations
         ops.copy_blocks(cache, mapping)
-        reference.copy_blocks(expected, mapping)
+        torch_kv.copy_blocks(expected, mapping)
         _assert_same_bits(cache, expected)
     finally:
         torch.set_num_threads(threads)
@@ -627,7 +627,7 @@ def test_write_kv_under_cuda_graph_capture():
     graph.replay()
     torch.cuda.synchronize()
     expected = _poisoned(4, 16, 2, 8, torch.bfloat16, device)
-    reference.write_kv(expected, key[[0, 2, 4]], value[[0, 2, 4]], torch.tensor([63, 17, 40], device=device))
+    torch_kv.write_kv(expected, key[[0, 2, 4]], value[[0, 2, 4]], torch.tensor([63, 17, 40], device=device))
     _assert_same_bits(cache, expected)
 
 
@@ -642,7 +642,7 @@ def test_write_kv_with_host_known_max_slot(device):
     slots = torch.tensor([3, -1, 17, 0, 9], device=device)
     got, want = _poisoned(4, 8, 2, 8, torch.float32, device), _poisoned(4, 8, 2, 8, torch.float32, device)
     ops.write_kv(got, key, value, slots, max_slot=17)
-    reference.write_kv(want, key, value, slots)
+    torch_kv.write_kv(want, key, value, slots)
     _assert_same_bits(got, want)
     with pytest.raises(ValueError, match="slot 32 >= cache capacity 32"):
         ops.write_kv(got, key, value, slots, max_slot=32)

@@ -18,8 +18,10 @@ PROMPTS = [[3, 11, 12, 13, 14], [3, 15, 16], [3, 17, 18, 19, 20, 21, 22]]
 def _rollout(model, eos=(1,), max_tokens=24, max_model_len=128, cache=None, **kw):
     settings = SamplingSettings(temperature=kw.pop("temperature", 1.0), max_tokens=max_tokens)
     return SpeculativeRollout(
-        PolicyScorer(model, pad_id=0, max_tokens_per_forward=kw.pop("max_tokens_per_forward", 65536)),
-        TransformersBackend(model, set(eos), pad_id=0, max_batch_size=kw.pop("max_batch_size", 256)),
+        TransformersBackend(
+            model, set(eos), pad_id=0, max_batch_size=kw.pop("max_batch_size", 256),
+            max_tokens_per_forward=kw.pop("max_tokens_per_forward", 65536),
+        ),
         cache if cache is not None else RolloutCache(),
         settings,
         eos_ids=list(eos),

@@ -7,7 +7,8 @@ import torch
 
 from spec_rl import verify
 from spec_rl.philox import STREAM_ACCEPT, bits_to_uniform, philox4x32, philox_uniform
-from spec_rl.reference import reference_verify
+from spec_rl.acceptance import reference_verify
+from spec_rl.scoring import DraftScores
 
 
 def _t(*values):
@@ -185,9 +186,9 @@ def test_random_reuse_is_uniform_over_0_to_R():
 
 def test_float64_reference_matches_float32_path():
     logits, ids, lengths, old = _random_case(seed=6)
-    a = reference_verify(ids, old, lengths, seed=1, uids=torch.arange(6), log_lenience=0.0, logits=logits)
-    b = reference_verify(ids, old, lengths, seed=1, uids=torch.arange(6), log_lenience=0.0, logits=logits,
-                         compute_dtype=torch.float64)
+    scores = DraftScores(logits=logits)
+    a = reference_verify(ids, old, lengths, torch.arange(6), scores, seed=1, log_lenience=0.0)
+    b = reference_verify(ids, old, lengths, torch.arange(6), scores, seed=1, log_lenience=0.0, compute_dtype=torch.float64)
     assert torch.allclose(a.new_logprobs, b.new_logprobs, atol=1e-5)
 
 
@@ -252,7 +253,7 @@ def test_positive_new_logprobs_and_inf_logits_raise():
 
 
 def test_lenience_of_the_wrong_type_names_the_argument():
-    from spec_rl.reference import lenience_to_log
+    from spec_rl.acceptance import lenience_to_log
 
     with pytest.raises(TypeError, match="lenience must be a real number"):
         lenience_to_log("2", None)

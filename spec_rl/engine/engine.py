@@ -38,7 +38,7 @@ import torch
 from .. import ops
 from ..generation import Continuation
 from ..sampling import SamplingSettings, sample_tokens
-from ..scoring import DraftScores, PolicyScorer
+from ..scoring import DraftScores, ScoringHead
 from .attention import build_batch, paged_attention_active
 from .blocks import BlockManager, OutOfBlocks
 
@@ -184,7 +184,7 @@ class PagedEngine:
         self._kv: list[torch.Tensor] | None = None  # allocated on first use
         self._ids = itertools.count()
         self._epoch = 0
-        self._scorer = PolicyScorer(model, self.pad_id)  # for its logits == lm_head(hidden) check
+        self.head = ScoringHead(model)  # decides hidden-state vs logits scoring
         self.stats = EngineStats()
         self._decode_kernel = None
         if dev.type == "cuda":
@@ -249,9 +249,7 @@ class PagedEngine:
                 raise ValueError(f"prompts[{i}] is empty; a prompt needs at least one token")
         self._ensure_cache()
         self._epoch += 1
-        if self._scorer._hidden_path is None:
-            self._scorer._hidden_path = self._scorer._check_hidden_path()
-        hidden = bool(self._scorer._hidden_path)
+        hidden = self.head.uses_hidden_states
         head = self.model.get_output_embeddings()
         bsz = len(prompts)
         max_r = max([len(d) for d in drafts] + [1])
@@ -269,8 +267,8 @@ class PagedEngine:
             raise
         handle = SpliceHandle(prompts, drafts, sids, self._epoch)
         if hidden:
-            return DraftScores(out, None, head.weight, getattr(head, "bias", None)), handle
-        return DraftScores(None, out, None, None), handle
+            return DraftScores(hidden_states=out, lm_head_weight=head.weight, lm_head_bias=getattr(head, "bias", None)), handle
+        return DraftScores(logits=out), handle
 
     def _score_rows(self, prompts, drafts, order, sids, resident, out, hidden) -> None:
         bsz, start = len(order), 0
@@ -610,7 +608,7 @@ class PagedEngine:
         self.stats.forwards += 1
         with paged_attention_active(self.model, batch):
             if hidden:
-                h = self._scorer._decoder()(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
+                h = self.head.decoder(input_ids=input_ids, position_ids=position_ids, use_cache=False).last_hidden_state
                 values = h[0, keep_t]
             else:
                 values = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=keep_t).logits[0]

@@ -27,13 +27,12 @@ log-probs of different sampling distributions would silently destroy reuse
 from __future__ import annotations
 
 import json
-import struct
 import os
-import tempfile
+import struct
 import warnings
 from pathlib import Path
 
-
+from ..atomic import atomic_save_safetensors
 from ..cache import CacheKey, Draft, DraftStore
 from ..sampling import SamplingSettings
 
@@ -127,10 +126,7 @@ class DirectoryDraftStore(DraftStore):
 
     def _write(self, key: CacheKey, draft: Draft) -> None:
         """Write ``draft`` (validated by :meth:`DraftStore.store`) to its file with an atomic rename."""
-        from safetensors.torch import save_file
-
         path = self.path_for(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
         metadata = {
             "format": _FORMAT,
             "format_version": _FORMAT_VERSION,
@@ -139,19 +135,8 @@ class DirectoryDraftStore(DraftStore):
             "version": str(draft.version),
             "settings": json.dumps(draft.settings.to_dict(), sort_keys=True),
         }
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".tmp", dir=path.parent)
-        os.close(fd)
-        try:
-            tensors = {"token_ids": draft.token_ids.contiguous(), "logprobs": draft.logprobs.contiguous()}
-            save_file(tensors, tmp, metadata=metadata)
-            if self.fsync:
-                with open(tmp, "rb+") as f:
-                    os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        tensors = {"token_ids": draft.token_ids, "logprobs": draft.logprobs}
+        atomic_save_safetensors(path, tensors, metadata, fsync=self.fsync)
 
     def clear(self) -> None:
         """Delete every draft file (the directory and its marker stay)."""

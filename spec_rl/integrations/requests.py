@@ -55,7 +55,7 @@ import torch
 
 from ..cache import CacheKey, Draft, DraftStore
 from ..philox import mix_seed
-from ..reference import lenience_to_log
+from ..acceptance import lenience_to_log
 from ..sampling import SamplingSettings
 from ..verify import verify
 

@@ -68,10 +68,9 @@ from transformers import TrainerCallback
 from ..cache import RolloutCache
 from ..generation import TransformersBackend, eos_token_ids
 from ..philox import mix_seed
-from ..reference import lenience_to_log
+from ..acceptance import lenience_to_log
 from ..rollout import STRATEGIES, RolloutRequest, RolloutResult, SpeculativeRollout
 from ..sampling import SamplingSettings
-from ..scoring import PolicyScorer
 
 __all__ = [
     "CACHE_FILENAME",
@@ -483,7 +482,6 @@ class SpecRLRollout:
             raise UnsupportedTrainerConfig("the model config has no max_position_embeddings; pass max_model_len=...")
         seed = self.seed if self.seed is not None else int(getattr(trainer.args, "seed", 0))
         self._rollout = SpeculativeRollout(
-            scorer=PolicyScorer(model, pad_id=pad),
             backend=TransformersBackend(model, eos_ids=eos, pad_id=pad),
             cache=self.cache,
             settings=self._settings,

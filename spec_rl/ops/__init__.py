@@ -5,13 +5,13 @@ ranges) and raises ``ValueError``/``TypeError`` naming the argument, then runs
 the compiled op ``torch.ops.spec_rl.<name>`` from the ``spec_rl._C`` extension
 (csrc/: C++ on CPU, CUDA on GPU). If the extension is not built (or has no
 kernels for the tensors' device), the pure-torch reference in
-:mod:`spec_rl.ops.reference` runs instead and a warning says so once per device.
+:mod:`spec_rl.ops.torch_kv` runs instead and a warning says so once per device.
 No out-of-bounds write can be reached from Python: every index is range-checked
 here before the native code runs, and the native ops check again (raising
 ``RuntimeError``) for callers of ``torch.ops.spec_rl.*``; under CUDA-graph capture,
 where no host check is possible, the CUDA kernels skip out-of-range rows.
 
-Layout and conventions: see :mod:`spec_rl.ops.reference`.
+Layout and conventions: see :mod:`spec_rl.ops.torch_kv`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import warnings
 
 import torch
 
-from . import reference
+from . import torch_kv
 
 _native = None  # None: not tried yet; False: not available; True: loaded
 _native_error = ""  # why spec_rl._C did not load (shown in the fallback warning)
@@ -86,7 +86,7 @@ def _impl(name: str, device: torch.device):
             stacklevel=3,
         )
         _warned.add(device.type)
-    return getattr(reference, name)
+    return getattr(torch_kv, name)
 
 
 def _check_cache(kv_cache: torch.Tensor) -> None:

@@ -2,7 +2,7 @@
 
 from .config import MODES, GRPOConfig
 from .grpo import GRPOTrainer
-from .loss import clipped_policy_loss, group_advantages, policy_logprobs, response_mask
+from .loss import clipped_policy_loss, group_advantages, response_mask
 from .run import load_policy, run_modes
 
 __all__ = [
@@ -12,7 +12,6 @@ __all__ = [
     "clipped_policy_loss",
     "group_advantages",
     "load_policy",
-    "policy_logprobs",
     "response_mask",
     "run_modes",
 ]

@@ -17,11 +17,15 @@ from ..cache import RolloutCache
 from ..generation import TransformersBackend, eos_token_ids
 from ..rollout import RolloutRequest, RolloutResult, SpeculativeRollout
 from ..sampling import SamplingSettings
-from ..scoring import PolicyScorer
+from ..scoring import response_logprobs
 from .config import GRPOConfig
-from .loss import clipped_policy_loss, group_advantages, policy_logprobs, response_mask
+from .loss import clipped_policy_loss, group_advantages, response_mask
 
 CACHE_FILE = "rollout_cache.safetensors"
+# Seeds of the per-step mini-batch split and the per-epoch prompt order: seed * stride + counter,
+# with prime strides so (seed, counter) pairs of nearby runs do not collide.
+_MINIBATCH_SEED_STRIDE = 1_000_003
+_EPOCH_SEED_STRIDE = 7919
 CHECKPOINT_DIR = "checkpoint"
 STATE_FILE = "trainer_state.json"
 
@@ -112,7 +116,6 @@ class GRPOTrainer:
 
         self.cache = RolloutCache()
         self.rollout = SpeculativeRollout(
-            scorer=PolicyScorer(model, self.pad_id),
             backend=self._make_backend(model, config),
             cache=self.cache,
             settings=self.settings,
@@ -160,8 +163,7 @@ class GRPOTrainer:
             self.optimizer.load_state_dict(torch.load(opt_path, map_location=self.device, weights_only=True))
         cache_path = self.out_dir / CACHE_FILE
         if cache_path.is_file():
-            loaded = RolloutCache.load(cache_path)
-            self.cache._entries = loaded._entries
+            self.cache.update(RolloutCache.load(cache_path))
         return True
 
     def _save(self, epoch: int) -> None:
@@ -190,7 +192,7 @@ class GRPOTrainer:
         self.model.train()
         masks = response_mask(result.response_ids, self.eos_ids)
         order = list(range(len(result.response_ids)))
-        random.Random(cfg.seed * 1_000_003 + self.step).shuffle(order)
+        random.Random(cfg.seed * _MINIBATCH_SEED_STRIDE + self.step).shuffle(order)
         minis = [order[i :: cfg.ppo_mini_batches] for i in range(cfg.ppo_mini_batches)]
         losses, clip_fracs = [], []
         for mini in minis:
@@ -206,7 +208,7 @@ class GRPOTrainer:
                 idx = mini[start : start + cfg.micro_batch_size]
                 prompts = [result.prompt_ids[i] for i in idx]
                 resps = [result.response_ids[i] for i in idx]
-                lp = policy_logprobs(self.model, prompts, resps, self.pad_id, cfg.temperature, cfg.top_k, cfg.top_p)
+                lp = response_logprobs(self.model, prompts, resps, self.pad_id, cfg.temperature, cfg.top_k, cfg.top_p)
                 width = lp.shape[1]
                 mask = masks[idx][:, :width].to(self.device)
                 old = torch.zeros_like(lp)
@@ -215,7 +217,7 @@ class GRPOTrainer:
                 ref = None
                 if self.ref_model is not None:
                     with torch.no_grad():
-                        ref = policy_logprobs(self.ref_model, prompts, resps, self.pad_id, cfg.temperature, cfg.top_k, cfg.top_p)
+                        ref = response_logprobs(self.ref_model, prompts, resps, self.pad_id, cfg.temperature, cfg.top_k, cfg.top_p)
                 loss, m = clipped_policy_loss(
                     lp,
                     old,
@@ -315,7 +317,7 @@ class GRPOTrainer:
         for epoch in range(self.start_epoch, cfg.epochs):
             # Shuffled every epoch: the cache is keyed by prompt ids, so order does not matter.
             order = list(range(len(self.examples)))
-            random.Random(cfg.seed * 7919 + epoch).shuffle(order)
+            random.Random(cfg.seed * _EPOCH_SEED_STRIDE + epoch).shuffle(order)
             steps = []
             for s in range(0, len(order), cfg.prompts_per_step):
                 rec = self.train_step(order[s : s + cfg.prompts_per_step], epoch)

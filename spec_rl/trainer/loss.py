@@ -17,7 +17,6 @@ from collections.abc import Sequence
 
 import torch
 
-from ..sampling import sampling_log_softmax
 
 
 def group_advantages(
@@ -61,44 +60,6 @@ def response_mask(response_ids: Sequence[Sequence[int]], eos_ids: set[int], widt
                 break
         mask[b, : min(end, width)] = True
     return mask
-
-
-def policy_logprobs(
-    model,
-    prompt_ids: Sequence[Sequence[int]],
-    response_ids: Sequence[Sequence[int]],
-    pad_id: int,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-) -> torch.Tensor:
-    """Sampling log-probs of each response token under ``model`` (with grad).
-
-    Sequences [prompt, response] are right-padded; response token i is scored
-    by the logits at position len(prompt) - 1 + i.
-
-    Returns:
-        [B, R] float32, R = max response length (values at padding are
-        meaningless; mask them).
-    """
-    device = next(model.parameters()).device
-    bsz = len(prompt_ids)
-    max_r = max([len(r) for r in response_ids] + [1])
-    seqs = [list(p) + list(r) for p, r in zip(prompt_ids, response_ids)]
-    width = max(len(s) for s in seqs)
-    ids = torch.full((bsz, width), pad_id, dtype=torch.long, device=device)
-    attn = torch.zeros((bsz, width), dtype=torch.long, device=device)
-    targets = torch.full((bsz, max_r), 0, dtype=torch.long, device=device)
-    for b, (s, r) in enumerate(zip(seqs, response_ids)):
-        ids[b, : len(s)] = torch.tensor(s, dtype=torch.long)
-        attn[b, : len(s)] = 1
-        targets[b, : len(r)] = torch.tensor(list(r), dtype=torch.long)
-    logits = model(input_ids=ids, attention_mask=attn).logits
-    plen = torch.tensor([len(p) for p in prompt_ids], device=device)
-    pos = (plen.unsqueeze(1) - 1 + torch.arange(max_r, device=device).unsqueeze(0)).clamp(max=width - 1)
-    picked = logits.gather(1, pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
-    logp = sampling_log_softmax(picked, temperature, top_k, top_p)
-    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
 def clipped_policy_loss(

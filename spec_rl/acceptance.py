@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from .philox import STREAM_ACCEPT, STREAM_RANDOM_REUSE, philox_uniform
-from .sampling import sampling_log_softmax
+from .sampling import SamplingSettings, token_logprobs
+from .scoring import DraftScores
 
 # Rows of logits materialised at once in the hidden-state path (bounds the
 # reference's extra memory to about this many rows x V x 4 bytes).
@@ -114,48 +115,47 @@ def lengths_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
     return torch.arange(max_len, device=lengths.device).unsqueeze(0) < lengths.unsqueeze(1)
 
 
-def _chunked_token_logprobs(logits_of, token_ids, temperature, top_k, top_p, dtype) -> torch.Tensor:
-    """Gather sampling log-probs of ``token_ids`` [N], forming logits ``logits_of(slice)`` chunk by chunk."""
-    out = torch.empty(token_ids.shape[0], dtype=dtype, device=token_ids.device)
-    for start in range(0, token_ids.shape[0], _LOGIT_ROWS_PER_CHUNK):
-        sl = slice(start, start + _LOGIT_ROWS_PER_CHUNK)
-        logp = sampling_log_softmax(logits_of(sl), temperature, top_k, top_p, dtype=dtype)
-        out[sl] = logp.gather(-1, token_ids[sl].long().unsqueeze(-1)).squeeze(-1)
-    return out
-
-
-def packed_logprobs_from_logits(
-    logits: torch.Tensor,
-    token_ids: torch.Tensor,
-    temperature: float,
-    top_k: int = 0,
-    top_p: float = 1.0,
+def draft_logprobs(
+    draft_ids: torch.Tensor,
+    lengths: torch.Tensor,
+    scores: DraftScores,
+    settings: SamplingSettings,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Sampling log-probs of ``token_ids`` [N] from ``logits`` [N, V]."""
-    return _chunked_token_logprobs(lambda sl: logits[sl], token_ids, temperature, top_k, top_p, dtype)
+    """Sampling log-probs [B, R] of the draft tokens under the scores (0 at padding).
 
-
-def packed_logprobs_from_hidden(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    token_ids: torch.Tensor,
-    temperature: float,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """Sampling log-probs of ``token_ids`` [N] from hidden states [N, d] and an LM head [V, d].
-
-    Logits are formed chunk by chunk in ``dtype`` (the float32 or float64
-    reference), never for all N rows at once.
+    Logits are formed at most :data:`_LOGIT_ROWS_PER_CHUNK` rows at a time, in
+    ``dtype`` (float32, or float64 for references), and only for valid rows.
     """
-    w = weight.to(dtype)
-    b = bias.to(dtype) if bias is not None else None
-    return _chunked_token_logprobs(
-        lambda sl: torch.nn.functional.linear(hidden[sl].to(dtype), w, b), token_ids, temperature, top_k, top_p, dtype
-    )
+    bsz, max_len = draft_ids.shape
+    valid = lengths_mask(lengths, max_len)
+    zero = torch.zeros((), dtype=dtype, device=draft_ids.device)
+    if scores.new_logprobs is not None:
+        return torch.where(valid, scores.new_logprobs.to(dtype), zero)
+    flat_ids = draft_ids[valid]
+    if scores.logits is not None:
+        rows = scores.logits[valid]
+
+        def logits_of(sl: slice) -> torch.Tensor:
+            return rows[sl]
+
+    else:
+        rows = scores.hidden_states[valid]
+        weight = scores.lm_head_weight.to(dtype)
+        bias = scores.lm_head_bias.to(dtype) if scores.lm_head_bias is not None else None
+
+        def logits_of(sl: slice) -> torch.Tensor:
+            return torch.nn.functional.linear(rows[sl].to(dtype), weight, bias)
+
+    packed = torch.empty(flat_ids.shape[0], dtype=dtype, device=draft_ids.device)
+    for start in range(0, flat_ids.shape[0], _LOGIT_ROWS_PER_CHUNK):
+        sl = slice(start, start + _LOGIT_ROWS_PER_CHUNK)
+        packed[sl] = token_logprobs(
+            logits_of(sl), flat_ids[sl], settings.temperature, settings.top_k, settings.top_p, dtype=dtype
+        )
+    out = torch.zeros(bsz, max_len, dtype=dtype, device=draft_ids.device)
+    out[valid] = packed
+    return out
 
 
 def acceptance_test(
@@ -200,70 +200,59 @@ def random_reuse_index(seed: int, uids: torch.Tensor, lengths: torch.Tensor) -> 
     return torch.minimum(n, lengths.to(torch.int64))
 
 
+def make_result(
+    new_logprobs: torch.Tensor, accepted_len: torch.Tensor, accept: torch.Tensor, lengths: torch.Tensor, return_accept_mask: bool
+) -> VerifyResult:
+    """Pack per-token outcomes and rejection indices as a :class:`VerifyResult` (one host sync for the stats)."""
+    full = accepted_len == lengths
+    draft_tokens, accepted_tokens, full_count = torch.stack([lengths.sum(), accepted_len.sum(), full.sum()]).tolist()
+    stats = VerifyStats(
+        num_samples=int(lengths.shape[0]),
+        draft_tokens=int(draft_tokens),
+        accepted_tokens=int(accepted_tokens),
+        full_reuse_count=int(full_count),
+    )
+    return VerifyResult(
+        new_logprobs=new_logprobs.to(torch.float32),
+        accepted_len=accepted_len.to(torch.int64),
+        full_reuse=full,
+        accept_mask=accept if return_accept_mask else None,
+        stats=stats,
+    )
+
+
 def reference_verify(
     draft_ids: torch.Tensor,
     old_logprobs: torch.Tensor,
     lengths: torch.Tensor,
+    uids: torch.Tensor,
+    scores: DraftScores,
     *,
     seed: int,
-    uids: torch.Tensor,
     log_lenience: float,
-    new_logprobs: torch.Tensor | None = None,
-    logits: torch.Tensor | None = None,
-    hidden_states: torch.Tensor | None = None,
-    lm_head_weight: torch.Tensor | None = None,
-    lm_head_bias: torch.Tensor | None = None,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
+    settings: SamplingSettings = SamplingSettings(),
     strategy: str = "spec",
     return_accept_mask: bool = False,
     compute_dtype: torch.dtype = torch.float32,
 ) -> VerifyResult:
-    """Verify B padded drafts; inputs are assumed valid (see ``spec_rl.verify``).
+    """Verify B padded drafts; inputs are assumed valid (see :func:`spec_rl.verify.verify`).
 
-    Shapes: draft_ids/old_logprobs [B, R]; lengths [B]; uids [B] int64;
-    new_logprobs [B, R] or logits [B, R, V] or hidden_states [B, R, d] with
-    lm_head_weight [V, d]. Row i of logits/hidden scores draft token i.
+    Shapes: draft_ids/old_logprobs [B, R]; lengths [B] int64; uids [B] int64;
+    ``scores`` holds exactly one source (new_logprobs [B, R], logits [B, R, V]
+    or hidden_states [B, R, d] with lm_head_weight [V, d]); row i scores draft
+    token i. ``settings`` gives temperature/top-k/top-p (max_tokens unused).
     ``strategy`` is "spec" (the lenient test) or "random" (random reuse).
     """
-    bsz, max_len = draft_ids.shape
-    valid = lengths_mask(lengths, max_len)
-    if new_logprobs is not None:
-        lp_new = torch.where(valid, new_logprobs.to(compute_dtype), torch.zeros((), dtype=compute_dtype, device=valid.device))
-    else:
-        flat_ids = draft_ids[valid]
-        if logits is not None:
-            packed = packed_logprobs_from_logits(logits[valid], flat_ids, temperature, top_k, top_p, compute_dtype)
-        else:
-            packed = packed_logprobs_from_hidden(
-                hidden_states[valid], lm_head_weight, lm_head_bias, flat_ids, temperature, top_k, top_p, compute_dtype
-            )
-        lp_new = torch.zeros(bsz, max_len, dtype=compute_dtype, device=draft_ids.device)
-        lp_new[valid] = packed
-
-    token_index = torch.arange(max_len, device=draft_ids.device, dtype=torch.int64).unsqueeze(0)
+    lp_new = draft_logprobs(draft_ids, lengths, scores, settings, compute_dtype)
+    max_len = draft_ids.shape[1]
     if strategy == "spec":
+        token_index = torch.arange(max_len, device=draft_ids.device, dtype=torch.int64).unsqueeze(0)
         u = philox_uniform(seed, uids.unsqueeze(1), token_index, stream=STREAM_ACCEPT)
-        accept = acceptance_test(lp_new, old_logprobs, u, log_lenience) & valid
+        accept = acceptance_test(lp_new, old_logprobs, u, log_lenience) & lengths_mask(lengths, max_len)
         n = rejection_index(accept, lengths)
     elif strategy == "random":
         n = random_reuse_index(seed, uids, lengths)
         accept = lengths_mask(n, max_len)
     else:
         raise ValueError(f"strategy must be 'spec' or 'random', got {strategy!r}")
-
-    full = n == lengths
-    stats = VerifyStats(
-        num_samples=bsz,
-        draft_tokens=int(lengths.sum()),
-        accepted_tokens=int(n.sum()),
-        full_reuse_count=int(full.sum()),
-    )
-    return VerifyResult(
-        new_logprobs=lp_new.to(torch.float32),
-        accepted_len=n,
-        full_reuse=full,
-        accept_mask=accept if return_accept_mask else None,
-        stats=stats,
-    )
+    return make_result(lp_new, n, accept, lengths, return_accept_mask)

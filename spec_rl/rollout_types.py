@@ -1,0 +1,103 @@
+"""What a speculative rollout takes and returns: requests, per-step statistics, results."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+
+@dataclass
+class RolloutRequest:
+    """One sample to produce: a prompt (token ids), its slot in the group, and an optional dataset id."""
+
+    prompt_ids: Sequence[int]
+    slot: int = 0
+    dataset_id: str | None = None
+
+
+@dataclass
+class RolloutStats:
+    """Per-step rollout statistics (tokens, samples, seconds).
+
+    ``reprefill_tokens``: tokens of [prompt, verified prefix, token] contexts that
+    the backend had to prefill again after the scoring pass (0 with a splicing backend).
+    """
+
+    num_samples: int = 0
+    drafts_found: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    full_reuse_count: int = 0
+    tokens_generated: int = 0
+    vanilla_tokens: int = 0
+    scoring_seconds: float = 0.0
+    generation_seconds: float = 0.0
+    assembly_seconds: float = 0.0
+    reprefill_tokens: int = 0
+
+    @property
+    def full_reuse_ratio(self) -> float:
+        """Fraction of all samples whose response was reused whole (no generation)."""
+        return self.full_reuse_count / self.num_samples if self.num_samples else 0.0
+
+    @property
+    def mean_verified_prefix(self) -> float:
+        """Mean verified-prefix length n (tokens) over samples that had a draft."""
+        return self.accepted_tokens / self.drafts_found if self.drafts_found else 0.0
+
+    @property
+    def rollout_seconds(self) -> float:
+        return self.scoring_seconds + self.generation_seconds + self.assembly_seconds
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(
+            full_reuse_ratio=self.full_reuse_ratio,
+            mean_verified_prefix=self.mean_verified_prefix,
+            rollout_seconds=self.rollout_seconds,
+            reused_tokens=self.accepted_tokens,
+        )
+        return d
+
+
+@dataclass
+class RolloutResult:
+    """Responses for B requests, in request order.
+
+    Attributes:
+        prompt_ids: B prompt id lists.
+        response_ids: B response id lists (EOS included when sampled).
+        logprobs: B lists of float log-probs of the response tokens under
+            the policy that ran this rollout (the "old" log-probs for PPO).
+        finish_reasons: "eos" or "length" (truncated at the budget).
+        verified_prefix_len: n per sample (0 when there was no draft).
+        draft_found: whether a draft existed for the sample.
+        stats: :class:`RolloutStats`.
+    """
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    logprobs: list[list[float]]
+    finish_reasons: list[str]
+    verified_prefix_len: list[int]
+    draft_found: list[bool]
+    stats: RolloutStats = field(default_factory=RolloutStats)
+
+    @property
+    def truncated(self) -> list[bool]:
+        return [r == "length" for r in self.finish_reasons]
+
+    def padded(self, pad_id: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        """Right-padded tensors: response_ids [B, R] int64, response_mask [B, R] bool, logprobs [B, R] float32."""
+        bsz = len(self.response_ids)
+        width = max([len(r) for r in self.response_ids] + [1])
+        ids = torch.full((bsz, width), pad_id, dtype=torch.long)
+        mask = torch.zeros((bsz, width), dtype=torch.bool)
+        lps = torch.zeros((bsz, width), dtype=torch.float32)
+        for b, (r, lp) in enumerate(zip(self.response_ids, self.logprobs)):
+            ids[b, : len(r)] = torch.tensor(r, dtype=torch.long)
+            mask[b, : len(r)] = True
+            lps[b, : len(r)] = torch.tensor(lp, dtype=torch.float32)
+        return {"response_ids": ids.to(device), "response_mask": mask.to(device), "logprobs": lps.to(device)}
