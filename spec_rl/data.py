@@ -117,6 +117,60 @@ def _detect_format(record: Mapping[str, Any]) -> str | None:
     return None
 
 
+def _text_field(record: Mapping[str, Any], name: str, fmt: str, where: str) -> str:
+    """``record[name]`` as a non-empty string, or a ValueError naming the location and the field."""
+    if name not in record:
+        raise ValueError(
+            f"{where}: {fmt} record lacks the field {name!r} (has {sorted(record)}); "
+            f"fix the data or pass the right fmt"
+        )
+    value = record[name]
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{where}: field {name!r} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _gsm8k_fields(record: Mapping[str, Any], where: str) -> tuple[str, str, str | None, str]:
+    """(question, gold answer, solution, uid key field) of a GSM8K record."""
+    question = _text_field(record, "question", "gsm8k", where)
+    solution = _text_field(record, "answer", "gsm8k", where)
+    gold = _gsm8k_gold(solution)
+    if gold is None:
+        raise ValueError(
+            f"{where}: GSM8K 'answer' must end with a line '#### <answer>', got {solution[-80:]!r}"
+        )
+    return question, gold, solution, "idx"
+
+
+def _math_answer(record: Mapping[str, Any], solution: str | None, where: str) -> str:
+    """The ``answer`` field (numbers accepted, whitespace stripped), else the solution's last ``\\boxed{...}``."""
+    if "answer" in record and record["answer"] is not None:
+        answer = record["answer"]
+        if isinstance(answer, (int, float)) and not isinstance(answer, bool):
+            answer = str(answer)
+        if not isinstance(answer, str) or not answer.strip():
+            raise ValueError(f"{where}: field 'answer' must be a non-empty string, got {answer!r}")
+        return answer.strip()
+    answer = extract_boxed(solution or "")
+    if not answer:
+        raise ValueError(
+            f"{where}: MATH record has no 'answer' and its 'solution' has no \\boxed{{...}} answer"
+        )
+    return answer
+
+
+def _math_fields(record: Mapping[str, Any], where: str) -> tuple[str, str, str | None, str]:
+    """(question, gold answer, solution or None, uid key field) of a MATH record."""
+    question = _text_field(record, "problem", "math", where)
+    solution = record.get("solution")
+    if solution is not None and not isinstance(solution, str):
+        raise ValueError(f"{where}: field 'solution' must be a string, got {type(solution).__name__}")
+    return question, _math_answer(record, solution, where), solution or None, "unique_id"
+
+
+_FIELD_READERS = {"gsm8k": _gsm8k_fields, "math": _math_fields}
+
+
 def _record_to_example(
     record: Mapping[str, Any],
     fmt: str,
@@ -128,65 +182,17 @@ def _record_to_example(
     """Convert one record; ``where`` names the location (file and line) for errors."""
     if not isinstance(record, Mapping):
         raise ValueError(f"{where}: expected a JSON object (dict), got {type(record).__name__}")
-
-    def field(name: str) -> str:
-        if name not in record:
-            raise ValueError(
-                f"{where}: {fmt} record lacks the field {name!r} (has {sorted(record)}); "
-                f"fix the data or pass the right fmt"
-            )
-        value = record[name]
-        if not isinstance(value, str) or not value.strip():
-            raise ValueError(f"{where}: field {name!r} must be a non-empty string, got {value!r}")
-        return value
-
-    if fmt == "gsm8k":
-        question = field("question")
-        solution = field("answer")
-        gold = _gsm8k_gold(solution)
-        if gold is None:
-            raise ValueError(
-                f"{where}: GSM8K 'answer' must end with a line '#### <answer>', got {solution[-80:]!r}"
-            )
-        key = record.get("idx", index)
-        return Example(
-            prompt=prompt_fn(question),
-            answer=gold,
-            uid=f"{uid_prefix}:{key}",
-            source="gsm8k",
-            solution=solution,
-            question=question,
-        )
-
-    if fmt == "math":
-        question = field("problem")
-        solution = record.get("solution")
-        if solution is not None and not isinstance(solution, str):
-            raise ValueError(f"{where}: field 'solution' must be a string, got {type(solution).__name__}")
-        if "answer" in record and record["answer"] is not None:
-            answer = record["answer"]
-            if isinstance(answer, (int, float)) and not isinstance(answer, bool):
-                answer = str(answer)
-            if not isinstance(answer, str) or not answer.strip():
-                raise ValueError(f"{where}: field 'answer' must be a non-empty string, got {answer!r}")
-            answer = answer.strip()
-        else:
-            answer = extract_boxed(solution or "")
-            if not answer:
-                raise ValueError(
-                    f"{where}: MATH record has no 'answer' and its 'solution' has no \\boxed{{...}} answer"
-                )
-        key = record.get("unique_id", index)
-        return Example(
-            prompt=prompt_fn(question),
-            answer=answer,
-            uid=f"{uid_prefix}:{key}",
-            source="math",
-            solution=solution or None,
-            question=question,
-        )
-
-    raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+    if fmt not in _FIELD_READERS:
+        raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+    question, answer, solution, key_field = _FIELD_READERS[fmt](record, where)
+    return Example(
+        prompt=prompt_fn(question),
+        answer=answer,
+        uid=f"{uid_prefix}:{record.get(key_field, index)}",
+        source=fmt,
+        solution=solution,
+        question=question,
+    )
 
 
 def _check_fmt_limit(fmt: str, limit: int | None) -> None:

@@ -202,6 +202,25 @@ def test_evaluate_policy(tiny_ckpt):
         dp.evaluate_policy(model, tok, [], max_new_tokens=4)
 
 
+def test_evaluate_policy_rng_and_full_eos_set(tiny_ckpt):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _, path = tiny_ckpt
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    exs = dp.demo_train_set()[:5]
+    torch.manual_seed(7)
+    expected = torch.rand(4)
+    torch.manual_seed(7)
+    dp.evaluate_policy(model, tok, exs, max_new_tokens=6, seed=3, batch_size=2)
+    assert torch.equal(torch.rand(4), expected)  # the caller's RNG stream is untouched
+    # Every id an EOS of the model: each response ends after one token, none truncated.
+    model.generation_config.eos_token_id = list(range(len(tok)))
+    r = dp.evaluate_policy(model, tok, exs, max_new_tokens=6, seed=3)
+    assert r["mean_response_tokens"] == 1 and r["truncated_fraction"] == 0
+
+
 def test_cached_build_does_not_retrain(tiny_ckpt, monkeypatch):
     root, path = tiny_ckpt
     mtime = (path / "model.safetensors").stat().st_mtime_ns
@@ -254,7 +273,7 @@ def test_config_validation():
     reason="set SPEC_RL_DEMO_CALIBRATION=1 to build (about 2 min on 2 cores, cached) and check the real demo policy",
 )
 def test_demo_policy_calibration():
-    """The default demo policy's warm-start calibration targets (issue 2): temperature-1 reward on
+    """The default demo policy's warm-start calibration targets: temperature-1 reward on
     the train set in [0.15, 0.6] and mean response length >= 48 tokens."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

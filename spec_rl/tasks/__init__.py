@@ -2,8 +2,11 @@
 
 ``spec_rl.tasks.arithmetic`` generates multi-step arithmetic word problems in
 GSM8K answer format; ``spec_rl.tasks.demo_policy`` trains (once, cached) the
-small transformers policy of the default demo job. The demo-policy names are
-imported lazily, so ``import spec_rl.tasks`` does not import transformers.
+small transformers policy of the default demo job from its parts:
+``demo_data`` (problem sets), ``demo_config`` (what shapes the checkpoint),
+``demo_tokenizer`` and ``demo_sft`` (model and warm-start). The demo-policy
+names are imported lazily, so ``import spec_rl.tasks`` does not import
+transformers.
 """
 
 from __future__ import annotations

@@ -55,15 +55,9 @@ _OBJECTS = [
 ]
 _CONTAINER_PLURAL = {"box": "boxes"}
 
-_OPS = ("add", "sub", "group", "scale", "share")
-
 
 def _plural(container: str) -> str:
     return _CONTAINER_PLURAL.get(container, container + "s")
-
-
-def _cap(s: str) -> str:
-    return s[0].upper() + s[1:]
 
 
 # Connectives that open each event sentence, by number of events. The
@@ -82,6 +76,16 @@ MAX_STEPS = max(_CONNECTIVES)
 
 
 _SLIPS = (-2, -1, 1, 2)
+
+# Wordings of "count goes up/down by b"; {friend} is drawn for every event, used or not.
+_ADD_EVENTS = ("{he} buys {b} more {obj}", "{he} finds {b} more {obj}", "{he} gets {b} {obj} from {friend}")
+_SUB_EVENTS = ("{he} gives {b} {obj} to {friend}", "{he} loses {b} {obj}", "{he} sells {b} {obj}")
+
+
+def _count_event(rng: random.Random, wordings: tuple[str, ...], he: str, b: int, obj: str) -> str:
+    """One wording of an add/sub event; draws the friend, then the wording (the generator's fixed order)."""
+    friend = rng.choice(_FRIENDS)
+    return rng.choice(wordings).format(he=he, b=b, obj=obj, friend=friend)
 
 
 def _one_problem(rng: random.Random, steps: int, max_value: int, max_operand: int, slip_prob: float = 0.0):
@@ -126,20 +130,12 @@ def _one_problem(rng: random.Random, steps: int, max_value: int, max_operand: in
         if op == "add":
             b = rng.randrange(1, min(max_operand, max_value - hi) + 1)
             x, wy = x + b, slip(w + b)
-            event = rng.choice([
-                f"{he} buys {b} more {obj}",
-                f"{he} finds {b} more {obj}",
-                f"{he} gets {b} {obj} from {rng.choice(_FRIENDS)}",
-            ])
+            event = _count_event(rng, _ADD_EVENTS, he, b, obj)
             calc = f"{w} + {b} = {wy}"
         elif op == "sub":
             b = rng.randrange(1, min(max_operand, lo - 1) + 1)
             x, wy = x - b, slip(w - b)
-            event = rng.choice([
-                f"{he} gives {b} {obj} to {rng.choice(_FRIENDS)}",
-                f"{he} loses {b} {obj}",
-                f"{he} sells {b} {obj}",
-            ])
+            event = _count_event(rng, _SUB_EVENTS, he, b, obj)
             calc = f"{w} - {b} = {wy}"
         elif op == "group":
             # k containers of m items each, with count + k*m <= max_value.

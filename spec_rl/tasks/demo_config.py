@@ -1,0 +1,118 @@
+"""What determines the demo checkpoint: :class:`DemoConfig` and its cache key."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from .arithmetic import TASK_VERSION
+from .demo_data import DEMO_TASK_OPTIONS, EVAL_SEED, TRAIN_SEED
+
+__all__ = ["DemoConfig", "RECIPE_VERSION"]
+
+#: Bumped whenever the training recipe (tokenizer, model, SFT) changes in a
+#: way the config hash would not see (part of the cache key).
+RECIPE_VERSION = 1
+
+# Fields that must be strictly positive (the others have their own range checks).
+_POSITIVE_FIELDS = (
+    "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+    "max_position_embeddings", "tokenizer_corpus", "sft_examples", "sft_steps", "batch_size", "lr",
+)
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """Everything that determines the demo checkpoint (its hash names the cache folder).
+
+    Model (Qwen2 architecture): ``hidden_size``, ``num_layers``,
+    ``num_heads``/``num_kv_heads`` (grouped-query attention),
+    ``intermediate_size`` (MLP width), ``max_position_embeddings`` (tokens).
+    Tokenizer: ``vocab_size`` (BPE target, including 256 byte tokens and 2
+    specials), trained on ``tokenizer_corpus`` generated problems.
+    SFT: ``sft_examples`` generated problems (seed ``sft_seed``, arithmetic
+    slips injected with probability ``slip_prob`` per written result), ``sft_steps``
+    optimizer steps of ``batch_size`` sequences, peak learning rate ``lr``
+    after ``warmup_steps``, cosine decay to ``lr * min_lr_ratio``,
+    ``weight_decay``; ``seed`` seeds model init and batch order.
+
+    Raises
+    ------
+    ValueError
+        A field is not a finite number, an int field holds a float, or a
+        value is out of range (the message names the field).
+
+    Example
+    -------
+    >>> DemoConfig.tiny().num_layers
+    1
+    """
+
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 4
+    intermediate_size: int = 512
+    max_position_embeddings: int = 384
+    vocab_size: int = 640
+    tokenizer_corpus: int = 2000
+    sft_examples: int = 8192
+    sft_seed: int = 42
+    slip_prob: float = 0.2
+    sft_steps: int = 700
+    batch_size: int = 32
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"DemoConfig.{f.name} must be a finite number, got {v!r}")
+            if isinstance(f.default, int) and not isinstance(v, int):
+                raise ValueError(f"DemoConfig.{f.name} must be an int, got {v!r}")
+        if not 0.0 <= self.slip_prob < 1.0:
+            raise ValueError(f"DemoConfig.slip_prob must be in [0, 1), got {self.slip_prob!r}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"DemoConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        if self.weight_decay < 0 or self.warmup_steps < 0:
+            raise ValueError("DemoConfig.weight_decay and DemoConfig.warmup_steps must be >= 0")
+        for name in _POSITIVE_FIELDS:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"DemoConfig.{name} must be > 0, got {getattr(self, name)!r}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"DemoConfig.hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"DemoConfig.num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})")
+        if self.vocab_size < 300:
+            raise ValueError(f"DemoConfig.vocab_size must be >= 300 (256 bytes + specials + merges), got {self.vocab_size}")
+
+    @classmethod
+    def tiny(cls, **overrides: Any) -> "DemoConfig":
+        """A seconds-to-build config for tests (an untrained-quality policy, ~40k parameters)."""
+        base = dict(
+            hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64,
+            vocab_size=400, tokenizer_corpus=200, sft_examples=64, sft_steps=3, batch_size=8, warmup_steps=1,
+        )
+        base.update(overrides)
+        return cls(**base)
+
+    def cache_key(self) -> str:
+        """12 hex digits of sha256 over the config, the task options and versions."""
+        payload = {
+            "config": dataclasses.asdict(self),
+            "task": dict(DEMO_TASK_OPTIONS),
+            "task_version": TASK_VERSION,
+            "recipe_version": RECIPE_VERSION,
+            "train_seed": TRAIN_SEED,
+            "eval_seed": EVAL_SEED,
+        }
+        blob = json.dumps(payload, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:12]

@@ -1,0 +1,77 @@
+"""The demo's problem sets: fixed RL train and held-out sets, and the SFT target format.
+
+All demo data comes from :func:`~spec_rl.tasks.arithmetic.generate_problems`
+with :data:`DEMO_TASK_OPTIONS`; the train and eval sets use fixed seeds, so
+the same prompts recur every epoch (which is what lets drafts be reused).
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Mapping
+
+from ..data import Example
+from .arithmetic import generate_problems
+
+__all__ = [
+    "DEMO_MAX_NEW_TOKENS",
+    "DEMO_TASK_OPTIONS",
+    "EVAL_SEED",
+    "TRAIN_SEED",
+    "demo_eval_set",
+    "demo_response",
+    "demo_train_set",
+]
+
+#: Options of :func:`~spec_rl.tasks.arithmetic.generate_problems` used for all demo data (read-only).
+DEMO_TASK_OPTIONS: Mapping[str, int] = MappingProxyType(
+    {"min_steps": 2, "max_steps": 3, "max_value": 20, "max_operand": 9}
+)
+
+#: Response budget (tokens, EOS included) that comfortably fits every demo
+#: response (the longest SFT target is 136 tokens, the mean about 82).
+DEMO_MAX_NEW_TOKENS = 160
+
+#: Seeds of the train and eval sets (part of the demo cache key).
+TRAIN_SEED = 1234
+EVAL_SEED = 5678
+_TRAIN_N = 256
+_EVAL_N = 128
+
+
+def demo_train_set() -> list[Example]:
+    """The fixed RL train set of the demo: 256 arithmetic problems.
+
+    Always the same problems (uids ``"arith:1234:<i>"``), so prompts recur
+    across epochs and drafts can be reused.
+    """
+    return generate_problems(_TRAIN_N, seed=TRAIN_SEED, **DEMO_TASK_OPTIONS)
+
+
+def demo_eval_set() -> list[Example]:
+    """The fixed held-out set of the demo: 128 problems, none of whose questions is in :func:`demo_train_set`."""
+    train_q = {e.question for e in demo_train_set()}
+    return generate_problems(_EVAL_N, seed=EVAL_SEED, exclude=train_q, **DEMO_TASK_OPTIONS)
+
+
+def demo_response(example: Example) -> str:
+    """The SFT target response for an example: ``" " + solution`` (EOS is appended as a token id).
+
+    Parameters
+    ----------
+    example : Example
+        A problem with a worked ``solution``.
+
+    Returns
+    -------
+    str
+        The response text the warm-start teaches for ``example.prompt``.
+
+    Raises
+    ------
+    ValueError
+        ``example.solution`` is None.
+    """
+    if example.solution is None:
+        raise ValueError(f"example {example.uid!r} has no solution; demo SFT needs worked solutions")
+    return " " + example.solution
