@@ -96,10 +96,10 @@ class RecordingRollout(SpecRLRollout):
     def __call__(self, prompts, trainer):
         training = trainer.model.training
         drafts = {}
-        if self._trainer is trainer and training:
+        if self.trainer is trainer and training:
             for i, req in enumerate(self.requests_for(prompts, trainer)):
                 key = CacheKey.make(req.prompt_ids, req.slot, req.dataset_id)
-                d = self.cache.lookup(key, self._settings)
+                d = self.cache.lookup(key, self.settings)
                 if d is not None:
                     drafts[i] = (d.token_ids.tolist(), d.logprobs.clone())
         out = super().__call__(prompts, trainer)

@@ -21,7 +21,7 @@ that dies.
 A lookup under different sampling settings is a miss (with one warning per
 distinct pair), exactly as in :class:`~spec_rl.cache.RolloutCache`: comparing
 log-probs of different sampling distributions would silently destroy reuse
-(DESIGN.md, rule step 1).
+(docs/design.md, "The rule").
 """
 
 from __future__ import annotations

@@ -50,7 +50,7 @@ from openrlhf.utils.agent import AgentExecutorBase
 
 from ..sampling import SamplingSettings
 from .draft_store import DirectoryDraftStore
-from .requests import SpecRequestBuilder
+from .requests import ContinuationRequest, SamplePlan, SpecRequestBuilder
 
 
 def _token_logprob(entry: Any, token: int) -> float:
@@ -125,6 +125,47 @@ class SpecRLAgentExecutor(AgentExecutorBase):
             )
         return self._builders[key]
 
+    @staticmethod
+    async def _score(
+        b: SpecRequestBuilder, plan: SamplePlan, sampling_params, llm_engine
+    ) -> tuple[list[float] | None, tuple[list[int], list[float]] | None]:
+        """The scoring request: lp_new of the draft tokens and the token sampled after them.
+
+        (None, None) without a draft.
+        """
+        if plan.scoring_ids is None:
+            return None, None
+        sp = deepcopy(sampling_params)
+        sp.prompt_logprobs, sp.max_tokens, sp.logprobs = 0, 1, 0
+        scored = await llm_engine.generate(plan.scoring_ids, sp)
+        if scored.prompt_logprobs is None:
+            raise RuntimeError("the vLLM engine returned no prompt_logprobs for the scoring request")
+        ids = plan.scoring_ids
+        rows = [[_token_logprob(scored.prompt_logprobs[j], ids[j])] for j in range(1, len(ids))]
+        new_lps = b.draft_logprobs_from_rows(plan, rows)
+        first = scored.outputs[0]
+        sample = None
+        if first.logprobs:
+            toks = list(first.token_ids)
+            sample = (toks, [_token_logprob(e, t) for e, t in zip(first.logprobs, toks)])
+        return new_lps, sample
+
+    @staticmethod
+    async def _continue(
+        cont: ContinuationRequest | None, sampling_params, llm_engine
+    ) -> tuple[list[int], list[float], bool]:
+        """The continuation request: new tokens, their log-probs, and whether it stopped at max_tokens."""
+        if cont is None:
+            return [], [], False
+        sp = deepcopy(sampling_params)
+        sp.max_tokens = cont.max_tokens
+        sp.logprobs = 0 if sampling_params.logprobs is None else sampling_params.logprobs
+        out = (await llm_engine.generate(cont.context_ids, sp)).outputs[0]
+        new_ids = list(out.token_ids)
+        if out.logprobs is None:
+            raise RuntimeError("the vLLM engine returned tokens without logprobs although logprobs was set")
+        return new_ids, [_token_logprob(e, t) for e, t in zip(out.logprobs, new_ids)], out.finish_reason == "length"
+
     async def execute(self, prompt, label, sampling_params, max_length: int, hf_tokenizer, llm_engine, images=None):
         # Slot first, before any await: the n calls of one prompt start in order (module docstring).
         slot = self._calls[prompt] % self.n
@@ -136,35 +177,10 @@ class SpecRLAgentExecutor(AgentExecutorBase):
         room = max_length - b.settings.max_tokens if getattr(sampling_params, "max_tokens", None) else max_length - 1
         prompt_ids = list(prompt_ids)[-max(room, 1):]  # keep room for the response, as OpenRLHF does
         plan = b.plan(prompt_ids, slot)
-        new_lps = sample = None
-        if plan.scoring_ids is not None:
-            sp = deepcopy(sampling_params)
-            sp.prompt_logprobs, sp.max_tokens, sp.logprobs = 0, 1, 0
-            scored = await llm_engine.generate(plan.scoring_ids, sp)
-            if scored.prompt_logprobs is None:
-                raise RuntimeError("the vLLM engine returned no prompt_logprobs for the scoring request")
-            ids = plan.scoring_ids
-            rows = [[_token_logprob(scored.prompt_logprobs[j], ids[j])] for j in range(1, len(ids))]
-            new_lps = b.draft_logprobs_from_rows(plan, rows)
-            first = scored.outputs[0]
-            if first.logprobs:
-                toks = list(first.token_ids)
-                sample = (toks, [_token_logprob(e, t) for e, t in zip(first.logprobs, toks)])
+        new_lps, sample = await self._score(b, plan, sampling_params, llm_engine)
         verified = b.verify(plan, new_lps, scoring_sample=sample)
         cont = b.continuation(plan, verified)
-        new_ids: list[int] = []
-        cont_lps: list[float] = []
-        truncated = False
-        if cont is not None:
-            sp = deepcopy(sampling_params)
-            sp.max_tokens = cont.max_tokens
-            sp.logprobs = 0 if sampling_params.logprobs is None else sampling_params.logprobs
-            out = (await llm_engine.generate(cont.context_ids, sp)).outputs[0]
-            new_ids = list(out.token_ids)
-            if out.logprobs is None:
-                raise RuntimeError("the vLLM engine returned tokens without logprobs although logprobs was set")
-            cont_lps = [_token_logprob(e, t) for e, t in zip(out.logprobs, new_ids)]
-            truncated = out.finish_reason == "length"
+        new_ids, cont_lps, truncated = await self._continue(cont, sampling_params, llm_engine)
         result = b.assemble(plan, verified, new_ids, cont_lps)
         if cont is None:
             truncated = result.finish_reason == "length"

@@ -4,8 +4,8 @@ Trainers such as verl and OpenRLHF do not hand us the model: they hand us a
 server (vLLM or SGLang) that takes token ids and sampling parameters and
 returns tokens, their log-probs and, on request, ``prompt_logprobs`` (the
 log-probability of every prompt token given the tokens before it, from one
-prefill). One sample of SPEC-RL (arXiv 2509.23232, Alg. 1; DESIGN.md "The
-rule") then takes at most two requests:
+prefill). One sample of SPEC-RL (arXiv 2509.23232, Alg. 1; docs/design.md
+"The rule") then takes at most two requests:
 
 1. :meth:`SpecRequestBuilder.plan` - look up the draft for (prompt ids, slot,
    dataset id); if there is one, the *scoring request* is prompt + draft
@@ -226,10 +226,6 @@ class SpecRequestBuilder:
         self.strategy = strategy
 
     # ------------------------------------------------------------ step 1
-    def budget(self, prompt_len: int) -> int:
-        """Response budget before reuse: min(response_length, max_model_len - prompt_len) tokens."""
-        return min(self.settings.max_tokens, self.max_model_len - prompt_len)
-
     def plan(self, prompt_ids: Sequence[int], slot: int, dataset_id: str | None = None) -> SamplePlan:
         """Look up the draft of one sample.
 
@@ -239,7 +235,7 @@ class SpecRequestBuilder:
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("prompt_ids is empty")
-        budget = self.budget(len(prompt))
+        budget = self.settings.budget(len(prompt), self.max_model_len)
         if budget < 1:
             raise ValueError(
                 f"prompt has {len(prompt)} tokens; max_model_len={self.max_model_len} leaves no room for a response: "
@@ -333,8 +329,8 @@ class SpecRequestBuilder:
                 but the stored draft was longer (it was cut to leave room in the
                 context), that token is a sample of pi_t at exactly the next
                 position, drawn with the rollout's sampling settings, so it is
-                kept as the first new token (DESIGN.md rule step 4: no extra
-                request for it). Otherwise it is ignored.
+                kept as the first new token (paper Alg. 1: no extra request for
+                it; docs/design.md "The rule"). Otherwise it is ignored.
 
         Raises:
             ValueError: a draft without ``new_logprobs``, a length mismatch, or the

@@ -42,35 +42,41 @@ The dataset id: ``rollout_func`` never sees the other columns. With
 that column first. Alternatively ``dataset_id_fn(prompt) -> str`` derives the id from
 the prompt itself. Without either, two dataset rows with the same prompt share drafts.
 
-What the adapter refuses at start (:class:`UnsupportedTrainerConfig`): vLLM generation
-(``use_vllm=True``; see docs/integrations.md for what colocate mode would need),
-``repetition_penalty != 1``, ``min_p``, extra ``generation_kwargs``, tools and
-environments, multimodal prompts, FSDP, a loaded rollout cache whose drafts were
-sampled with other settings, and a trainer whose per-token log-probs differ from
-``log_softmax(logits / temperature)`` (for example dropout left on during training).
+Start-up checks (:mod:`spec_rl.integrations.trl_checks`) refuse, with
+:class:`UnsupportedTrainerConfig`, what the rollout cannot honour: vLLM generation,
+repetition penalty, ``min_p``, extra ``generation_kwargs``, tools and environments,
+multimodal prompts, FSDP, cached drafts sampled with other settings, and per-token
+log-probs that differ from ``log_softmax(logits / temperature)``. Checkpoint
+persistence of the cache lives in :mod:`spec_rl.integrations.trl_checkpoint`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import math
 import os
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import TrainerCallback
 
-from ..cache import RolloutCache
-from ..generation import TransformersBackend, eos_token_ids
-from ..philox import mix_seed
 from ..acceptance import lenience_to_log
+from ..cache import RolloutCache
+from ..generation import TransformersBackend
+from ..philox import mix_seed
 from ..rollout import STRATEGIES, RolloutRequest, RolloutResult, SpeculativeRollout
 from ..sampling import SamplingSettings
+from .trl_batch import batch_requests, generation_tokens, group_size, tokenize_prompts, unwrapped_model
+from .trl_checkpoint import CACHE_FILENAME, RolloutCacheCallback, ranked_path
+from .trl_checks import (
+    UnsupportedTrainerConfig,
+    check_cache_settings,
+    check_trainer_args,
+    check_trainer_features,
+    check_trainer_logprobs,
+    sampling_settings_from_args,
+)
 
 __all__ = [
     "CACHE_FILENAME",
@@ -80,89 +86,14 @@ __all__ = [
     "sampling_settings_from_args",
 ]
 
-#: File name of the rollout cache inside a TRL checkpoint folder (``checkpoint-<step>/``).
-#: Processes other than rank 0 add ``.rank<k>`` before the suffix.
-CACHE_FILENAME = "spec_rl_rollout_cache.safetensors"
-
-
-class UnsupportedTrainerConfig(ValueError):
-    """The TRL trainer is configured in a way the speculative rollout cannot honour."""
-
-
-def sampling_settings_from_args(args) -> SamplingSettings:
-    """The sampling distribution TRL's ``GRPOConfig`` asks for, as :class:`SamplingSettings`.
-
-    ``temperature``, ``top_p``, ``top_k`` (``None`` read as 0) and ``max_completion_length``
-    (tokens) map one to one; the other generation options are checked by
-    :func:`check_trainer_args`.
-    """
-    top_k = getattr(args, "top_k", 0)
-    top_p = getattr(args, "top_p", 1.0)
-    max_len = getattr(args, "max_completion_length", None)
-    if max_len is None:
-        raise UnsupportedTrainerConfig(
-            "args.max_completion_length is None; set it to the response budget in tokens (e.g. 256)"
-        )
-    return SamplingSettings(
-        temperature=float(args.temperature),
-        top_p=1.0 if top_p is None else float(top_p),
-        top_k=0 if top_k is None else int(top_k),
-        max_tokens=int(max_len),
-    )
-
-
-def check_trainer_args(args) -> SamplingSettings:
-    """Validate a ``trl.GRPOConfig`` for speculative rollouts; return its sampling settings.
-
-    Raises:
-        UnsupportedTrainerConfig: naming the argument and the fix, for ``use_vllm=True``,
-            ``repetition_penalty != 1``, ``min_p`` set, non-empty ``generation_kwargs``,
-            a missing ``max_completion_length`` or temperature <= 0.
-    """
-    if getattr(args, "use_vllm", False):
-        mode = getattr(args, "vllm_mode", "colocate")
-        why = (
-            "TRL's vLLM server client sends one max_tokens for the whole batch, but a speculative continuation needs a "
-            "per-request budget (max_completion_length - verified prefix)"
-            if mode == "server"
-            else "a vLLM colocate backend (per-request SamplingParams with max_tokens, processed logprobs, the "
-            "trainer's weights synced before scoring) is not implemented here because it cannot be tested without a GPU"
-        )
-        raise UnsupportedTrainerConfig(
-            f"use_vllm=True (vllm_mode={mode!r}) is not supported by spec_rl.integrations.trl: {why}. "
-            "Set use_vllm=False to generate with the trainer's own model (see docs/integrations.md)."
-        )
-    rp = getattr(args, "repetition_penalty", 1.0)
-    if rp is not None and float(rp) != 1.0:
-        raise UnsupportedTrainerConfig(
-            f"repetition_penalty={rp}: the penalty makes each token's distribution depend on the sampled history "
-            "in a way the draft's stored log-probs do not record, so drafts cannot be verified; set repetition_penalty=1.0"
-        )
-    min_p = getattr(args, "min_p", None)
-    if min_p not in (None, 0, 0.0):
-        raise UnsupportedTrainerConfig(
-            f"min_p={min_p}: spec-rl's sampler implements temperature, top_k and top_p only; set min_p=None"
-        )
-    gk = getattr(args, "generation_kwargs", None)
-    if gk:
-        raise UnsupportedTrainerConfig(
-            f"generation_kwargs={gk!r}: spec-rl's generation backend samples with temperature/top_k/top_p/"
-            "max_completion_length only and would silently ignore these; remove generation_kwargs"
-        )
-    if getattr(args, "temperature", None) is None or not float(args.temperature) > 0:
-        raise UnsupportedTrainerConfig(
-            f"temperature={getattr(args, 'temperature', None)!r}: speculative rollouts need sampling log-probs; "
-            "set temperature > 0"
-        )
-    return sampling_settings_from_args(args)
-
-
-def _rank_suffix(process_index: int) -> str:
-    return (
-        CACHE_FILENAME
-        if process_index == 0
-        else CACHE_FILENAME.replace(".safetensors", f".rank{process_index}.safetensors")
-    )
+#: The ``spec_rl/*`` metrics logged per training call: (TRL metric name, RolloutStats key).
+_METRICS = (
+    ("spec_rl/full_reuse_ratio", "full_reuse_ratio"),
+    ("spec_rl/mean_verified_prefix", "mean_verified_prefix"),
+    ("spec_rl/reused_tokens", "reused_tokens"),
+    ("spec_rl/tokens_generated", "tokens_generated"),
+    ("spec_rl/rollout_seconds", "rollout_seconds"),
+)
 
 
 class SpecRLRollout:
@@ -171,14 +102,14 @@ class SpecRLRollout:
     Each call (one per generation batch) builds one :class:`~spec_rl.rollout.RolloutRequest`
     per prompt (token ids from the trainer's own tokenisation, slot within its group,
     dataset id), runs :class:`~spec_rl.rollout.SpeculativeRollout` with the trainer's
-    unwrapped model as both scorer (:class:`~spec_rl.scoring.PolicyScorer`) and generator
-    (:class:`~spec_rl.generation.TransformersBackend`), under the trainer's temperature,
+    unwrapped model as scorer and generator (:class:`~spec_rl.generation.TransformersBackend`,
+    which owns its :class:`~spec_rl.scoring.PolicyScorer`), under the trainer's temperature,
     top_p, top_k, max_completion_length and full EOS set (trainer's list, the model's
     generation config and the tokenizer), and returns what TRL expects.
 
     The rollout step is ``trainer.state.global_step``: it versions the cache entries and
     seeds the Philox acceptance uniforms (paper Alg. 1 with a counter-based generator,
-    DESIGN.md "Randomness"), so decisions change every step. The process index and a
+    docs/design.md "Randomness"), so decisions change every step. The process index and a
     counter of calls within one global step (several generations per optimizer step when
     ``steps_per_generation < gradient_accumulation_steps``) are mixed into the seed.
 
@@ -207,6 +138,9 @@ class SpecRLRollout:
 
     Attributes:
         cache: the :class:`~spec_rl.cache.RolloutCache`.
+        trainer: the trainer whose configuration was last validated (None before
+            :meth:`attach` or the first call).
+        settings: that trainer's :class:`~spec_rl.sampling.SamplingSettings` (None before).
         last_result: the :class:`~spec_rl.rollout.RolloutResult` of the latest call.
         last_requests: the requests of the latest call (prompt ids, slot, dataset id).
         history: one dict per call: ``mode``, ``step``, ``log_lenience``, ``strategy`` and the
@@ -258,10 +192,11 @@ class SpecRLRollout:
         self.last_result: RolloutResult | None = None
         self.last_requests: list[RolloutRequest] = []
         self.history: list[dict] = []
-        self._trainer = None
-        self._settings: SamplingSettings | None = None
+        self.trainer = None
+        self.settings: SamplingSettings | None = None
         self._rollout: SpeculativeRollout | None = None
         self._model_id: int | None = None
+        self._base_seed = 0
         self._pending_ids: list | None = None
         self._last_step: int | None = None
         self._calls_at_step = 0
@@ -283,99 +218,30 @@ class SpecRLRollout:
             UnsupportedTrainerConfig: the trainer's ``rollout_func`` is not this object;
                 a configuration :func:`check_trainer_args` rejects; tools or environments;
                 FSDP; cached drafts sampled with other settings; the trainer's log-probs
-                do not match ``log_softmax(logits / temperature)``.
+                do not match ``log_softmax(logits / temperature)`` (see
+                :mod:`spec_rl.integrations.trl_checks`).
         """
         if getattr(trainer, "rollout_func", None) is not self:
             raise UnsupportedTrainerConfig(
-                "trainer.rollout_func is not this SpecRLRollout; build the trainer with GRPOTrainer(..., rollout_func=spec) "
-                "and then call spec.attach(trainer)"
+                "trainer.rollout_func is not this SpecRLRollout; build the trainer with "
+                "GRPOTrainer(..., rollout_func=spec) and then call spec.attach(trainer)"
             )
         self._validate(trainer)
         if self.dataset_id_column is not None and not getattr(trainer, "_spec_rl_id_hook", False):
             self._hook_dataset_ids(trainer)
         if not getattr(trainer, "_spec_rl_callback", False):
-            trainer.add_callback(_CacheCallback(self))
+            trainer.add_callback(RolloutCacheCallback(self))
             trainer._spec_rl_callback = True
         return self
 
     def _validate(self, trainer) -> None:
-        args = trainer.args
-        settings = check_trainer_args(args)
-        if getattr(trainer, "tools", None) or getattr(trainer, "environment_factories", None):
-            raise UnsupportedTrainerConfig(
-                "tools / environment_factory: TRL appends tool output to the completion after rollout_func returns, "
-                "so the cached draft would not be the sampled sequence; build the trainer without tools to use spec-rl"
-            )
-        if getattr(trainer, "is_fsdp_enabled", False):
-            raise UnsupportedTrainerConfig(
-                "FSDP: the scoring forward and the decode loop need full parameters on each rank, which this adapter "
-                "does not gather; use DDP or DeepSpeed ZeRO-1/2 (ZeRO-3 params are gathered by TRL's unwrap context)"
-            )
-        if self.dataset_id_column is not None and getattr(args, "remove_unused_columns", False):
-            raise UnsupportedTrainerConfig(
-                f"dataset_id_column={self.dataset_id_column!r} needs the column in the batch, but "
-                "args.remove_unused_columns=True drops it; set remove_unused_columns=False"
-            )
-        self._check_cache_settings(settings)
+        settings = check_trainer_args(trainer.args)
+        check_trainer_features(trainer, self.dataset_id_column)
+        check_cache_settings(self.cache, settings)
         if self.check_logprobs:
-            self._check_trainer_logprobs(trainer, settings)
-        self._settings = settings
-        self._trainer = trainer
-
-    def _check_cache_settings(self, settings: SamplingSettings) -> None:
-        # The cache already treats a settings mismatch as a miss; at start we want an error instead of
-        # silent zero reuse (issue 5). RolloutCache has no public iterator, so read its entries here.
-        found = {d.settings for d in self.cache.drafts()}
-        other = [s for s in found if s != settings]
-        if other:
-            raise UnsupportedTrainerConfig(
-                f"the rollout cache holds drafts sampled with {other[0]} but the trainer samples with {settings}; "
-                "their log-probs are of different distributions, so none would be reused. Use the trainer settings "
-                "the drafts were recorded with, or start from an empty cache (delete the file / pass cache=RolloutCache())"
-            )
-
-    def _check_trainer_logprobs(self, trainer, settings: SamplingSettings) -> None:
-        """Compare TRL's per-token log-probs with log_softmax(logits / T) on a 12-token probe."""
-        fn = getattr(trainer, "_get_per_token_logps_and_entropies", None)
-        if fn is None:
-            raise UnsupportedTrainerConfig(
-                "this TRL version has no GRPOTrainer._get_per_token_logps_and_entropies, so the adapter cannot check "
-                "that the trainer's log-probs include the temperature; pass check_logprobs=False to skip (trl>=1.16 tested)"
-            )
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        device = next(model.parameters()).device
-        vocab = model.get_output_embeddings().weight.shape[0]
-        gen = torch.Generator().manual_seed(1234)
-        ids = torch.randint(0, vocab, (1, 12), generator=gen).to(device)
-        mask = torch.ones_like(ids)
-        keep = 8
-        with torch.no_grad():
-            trl_lp = fn(trainer.model, ids, mask, keep, batch_size=1)[0].double().cpu()[0]
-            was_training = model.training
-            model.eval()
-            try:
-                with trainer.accelerator.autocast():
-                    logits = model(input_ids=ids, attention_mask=mask).logits[0].double().cpu()
-            finally:
-                model.train(was_training)
-        tgt = ids[0, -keep:].cpu()
-        rows = logits[-keep - 1 : -1]
-        mine = torch.log_softmax(rows / settings.temperature, -1).gather(-1, tgt[:, None])[:, 0]
-        plain = torch.log_softmax(rows, -1).gather(-1, tgt[:, None])[:, 0]
-        err = float((trl_lp - mine).abs().max())
-        low_precision = next(model.parameters()).dtype != torch.float32 or bool(
-            getattr(trainer.args, "bf16", False) or getattr(trainer.args, "fp16", False)
-        )
-        tol = 5e-2 if low_precision else 1e-3
-        if not math.isfinite(err) or err > tol:
-            err_plain = float((trl_lp - plain).abs().max())
-            raise UnsupportedTrainerConfig(
-                f"the trainer's per-token log-probs differ from log_softmax(logits / temperature={settings.temperature}) "
-                f"by up to {err:.3g} on a probe sequence (tolerance {tol:g}; versus temperature 1: {err_plain:.3g}). "
-                "Verification would compare log-probs of different distributions. Causes: a logprob computation "
-                "without the temperature, or dropout active in training (set disable_dropout=True). "
-                "Pass check_logprobs=False only if you know the difference is intended."
-            )
+            check_trainer_logprobs(trainer, settings)
+        self.settings = settings
+        self.trainer = trainer
 
     def _hook_dataset_ids(self, trainer) -> None:
         original = getattr(trainer, "_generate_and_score_completions", None)
@@ -402,18 +268,23 @@ class SpecRLRollout:
         trainer._generate_and_score_completions = with_ids
         trainer._spec_rl_id_hook = True
 
-    # ------------------------------------------------------------------ rollout
-    def _tokenize(self, prompts: list, trainer) -> list[list[int]]:
-        tokenize = getattr(trainer, "_tokenize_prompts", None)
-        if tokenize is not None:
-            prompt_ids, images, multimodal = tokenize(prompts)
-            if images is not None or multimodal:
-                raise UnsupportedTrainerConfig(
-                    "multimodal prompts: the scoring pass and decode loop are text-only; use text or chat prompts"
+    # ------------------------------------------------------------------ requests
+    def _dataset_ids(self, prompts: list) -> list[str | None]:
+        """The dataset id of each prompt: from the hooked column, from ``dataset_id_fn``, or None."""
+        if self.dataset_id_column is not None:
+            if self._pending_ids is None:
+                raise RuntimeError(
+                    f"dataset_id_column={self.dataset_id_column!r} is set but the trainer is not hooked; call "
+                    "spec.attach(trainer) before trainer.train()"
                 )
-        else:  # older TRL: the same as its text path
-            prompt_ids = trainer.processing_class(text=prompts)["input_ids"]
-        return [[int(t) for t in (p.tolist() if isinstance(p, torch.Tensor) else p)] for p in prompt_ids]
+            if len(self._pending_ids) != len(prompts):
+                raise RuntimeError(
+                    f"read {len(self._pending_ids)} dataset ids but rollout_func got {len(prompts)} prompts"
+                )
+            return list(self._pending_ids)
+        if self.dataset_id_fn is not None:
+            return [str(self.dataset_id_fn(p)) for p in prompts]
+        return [None] * len(prompts)
 
     def requests_for(
         self, prompts: list, trainer, prompt_ids: Sequence[Sequence[int]] | None = None
@@ -430,53 +301,16 @@ class SpecRLRollout:
                 ``dataset_id_column`` is set but :meth:`attach` was not called.
         """
         if prompt_ids is None:
-            prompt_ids = self._tokenize(prompts, trainer)
-        training = bool(trainer.model.training)
-        group = (
-            trainer.num_generations
-            if training
-            else (getattr(trainer, "num_generations_eval", None) or trainer.num_generations)
-        )
+            prompt_ids = tokenize_prompts(prompts, trainer)
+        group = group_size(trainer)
         offset = trainer.accelerator.process_index * len(prompts)
-        if self.dataset_id_column is not None:
-            if self._pending_ids is None:
-                raise RuntimeError(
-                    f"dataset_id_column={self.dataset_id_column!r} is set but the trainer is not hooked; call "
-                    "spec.attach(trainer) before trainer.train()"
-                )
-            if len(self._pending_ids) != len(prompts):
-                raise RuntimeError(
-                    f"read {len(self._pending_ids)} dataset ids but rollout_func got {len(prompts)} prompts"
-                )
-            ids: list[str | None] = list(self._pending_ids)
-        elif self.dataset_id_fn is not None:
-            ids = [str(self.dataset_id_fn(p)) for p in prompts]
-        else:
-            ids = [None] * len(prompts)
-        requests = []
-        first_of_group: dict[int, int] = {}
-        for i, (p, did) in enumerate(zip(prompt_ids, ids)):
-            g = (offset + i) // group
-            j = first_of_group.setdefault(g, i)
-            if list(prompt_ids[j]) != list(p) or ids[j] != did:
-                raise RuntimeError(
-                    f"samples {j} and {i} fall in the same group of num_generations={group} but have different prompts; "
-                    "the batch is not laid out by TRL's RepeatSampler (each prompt repeated num_generations times in a "
-                    "row), so sample slots cannot be derived"
-                )
-            requests.append(RolloutRequest(prompt_ids=list(p), slot=(offset + i) % group, dataset_id=did))
-        return requests
+        return batch_requests(prompt_ids, self._dataset_ids(prompts), group, offset)
 
+    # ------------------------------------------------------------------ rollout
     def _ensure_rollout(self, model, trainer) -> SpeculativeRollout:
         if self._rollout is not None and self._model_id == id(model):
             return self._rollout
-        tok = getattr(trainer, "_tokenizer", None) or trainer.processing_class
-        eos = eos_token_ids(model, tok) | {int(x) for x in (getattr(trainer, "eos_token_ids", None) or [])}
-        if not eos:
-            raise UnsupportedTrainerConfig(
-                "neither the model nor the tokenizer declares an EOS id; set tokenizer.eos_token"
-            )
-        pad = tok.pad_token_id if tok.pad_token_id is not None else min(eos)
+        eos, pad = generation_tokens(model, trainer)
         max_len = self.max_model_len or getattr(model.config.get_text_config(), "max_position_embeddings", None)
         if max_len is None:
             raise UnsupportedTrainerConfig("the model config has no max_position_embeddings; pass max_model_len=...")
@@ -484,7 +318,7 @@ class SpecRLRollout:
         self._rollout = SpeculativeRollout(
             backend=TransformersBackend(model, eos_ids=eos, pad_id=pad),
             cache=self.cache,
-            settings=self._settings,
+            settings=self.settings,
             eos_ids=eos,
             max_model_len=int(max_len),
             lenience=self.lenience,
@@ -497,24 +331,34 @@ class SpecRLRollout:
         self._model_id = id(model)
         return self._rollout
 
-    def _unwrapped(self, trainer):
-        try:
-            from trl.models.utils import unwrap_model_for_generation
-        except ImportError:  # pragma: no cover - older layouts
-            unwrap_model_for_generation = None
-        if unwrap_model_for_generation is None:
-            return contextlib.nullcontext(trainer.accelerator.unwrap_model(trainer.model))
-        args = trainer.args
-        kwargs = {
-            "gather_deepspeed3_params": getattr(args, "ds3_gather_for_generation", True),
-            "gradient_checkpointing_kwargs": getattr(args, "gradient_checkpointing_kwargs", None),
-        }
-        # Older trl 1.x releases take fewer keyword arguments here.
-        accepted = inspect.signature(unwrap_model_for_generation).parameters
-        kwargs = {k: v for k, v in kwargs.items() if k in accepted}
-        return unwrap_model_for_generation(
-            getattr(trainer, "model_wrapped", trainer.model), trainer.accelerator, **kwargs
-        )
+    def _call_salt(self, training: bool, step: int, process_index: int) -> int:
+        """Seed salt of this call: process index and the call's count within its step (training) or eval."""
+        if training:
+            self._calls_at_step = self._calls_at_step + 1 if step == self._last_step else 0
+            self._last_step = step
+            return mix_seed(process_index, self._calls_at_step)
+        self._eval_calls += 1
+        return mix_seed(process_index, -self._eval_calls)
+
+    def _run_rollout(self, requests, trainer, training: bool, step: int) -> tuple[RolloutResult, SpeculativeRollout]:
+        """One speculative rollout on the unwrapped model in eval mode, under the trainer's autocast.
+
+        Evaluation samples plainly into a throw-away cache, so it never overwrites drafts.
+        """
+        salt = self._call_salt(training, step, trainer.accelerator.process_index)
+        cache, strategy = (self.cache, self.strategy) if training else (RolloutCache(), "off")
+        with unwrapped_model(trainer) as model, torch.no_grad():
+            was_training = model.training
+            model.eval()  # deterministic scoring and sampling (no dropout)
+            try:
+                rollout = self._ensure_rollout(model, trainer)
+                with trainer.accelerator.autocast():
+                    result = rollout.run(
+                        requests, step=step, seed=self._base_seed ^ salt, cache=cache, strategy=strategy
+                    )
+            finally:
+                model.train(was_training)
+        return result, rollout
 
     def __call__(self, prompts: list, trainer) -> dict[str, list]:
         """TRL's ``rollout_func``: one completion per prompt.
@@ -530,7 +374,7 @@ class SpecRLRollout:
             (nats, float) of completion token t under the trainer's current model:
             ``log_softmax(logits / T)`` restricted to top-k/top-p when those are set.
         """
-        if self._trainer is not trainer:
+        if self.trainer is not trainer:
             self._validate(trainer)
             if self.dataset_id_column is not None and not getattr(trainer, "_spec_rl_id_hook", False):
                 raise RuntimeError(
@@ -541,55 +385,25 @@ class SpecRLRollout:
         training = bool(trainer.model.training)
         requests = self.requests_for(prompts, trainer)
         step = int(trainer.state.global_step)
-        if training:
-            self._calls_at_step = self._calls_at_step + 1 if step == self._last_step else 0
-            self._last_step = step
-        else:
-            self._eval_calls += 1
         t0 = time.perf_counter()
-        with self._unwrapped(trainer) as model, torch.no_grad():
-            was_training = model.training
-            model.eval()  # deterministic scoring and sampling (no dropout)
-            try:
-                rollout = self._ensure_rollout(model, trainer)
-                salt = mix_seed(
-                    trainer.accelerator.process_index, self._calls_at_step if training else -self._eval_calls
-                )
-                rollout.seed = self._base_seed ^ salt
-                with trainer.accelerator.autocast():
-                    if training:
-                        rollout.cache = self.cache
-                        rollout.strategy = self.strategy
-                        result = rollout.run(requests, step=step)
-                    else:
-                        # Evaluation: vanilla sampling into a throw-away cache, so eval never overwrites drafts.
-                        rollout.cache, rollout.strategy = RolloutCache(), "off"
-                        try:
-                            result = rollout.run(requests, step=step)
-                        finally:
-                            rollout.cache, rollout.strategy = self.cache, self.strategy
-            finally:
-                model.train(was_training)
+        result, rollout = self._run_rollout(requests, trainer, training, step)
         self.last_result = result
         self.last_requests = requests
         stats = result.stats.to_dict()
-        record = {
-            "mode": "train" if training else "eval",
-            "step": step,
-            "log_lenience": rollout.log_lenience,
-            "strategy": self.strategy if training else "off",
-            "wall_seconds": time.perf_counter() - t0,
-            **stats,
-        }
-        self.history.append(record)
+        self.history.append(
+            {
+                "mode": "train" if training else "eval",
+                "step": step,
+                "log_lenience": rollout.log_lenience,
+                "strategy": self.strategy if training else "off",
+                "wall_seconds": time.perf_counter() - t0,
+                **stats,
+            }
+        )
         if self.log_metrics and training and hasattr(trainer, "_log_metric"):
-            n = max(stats["num_samples"], 1)
-            trainer._log_metric("spec_rl/draft_found_ratio", stats["drafts_found"] / n)
-            trainer._log_metric("spec_rl/full_reuse_ratio", stats["full_reuse_ratio"])
-            trainer._log_metric("spec_rl/mean_verified_prefix", stats["mean_verified_prefix"])
-            trainer._log_metric("spec_rl/reused_tokens", float(stats["reused_tokens"]))
-            trainer._log_metric("spec_rl/tokens_generated", float(stats["tokens_generated"]))
-            trainer._log_metric("spec_rl/rollout_seconds", stats["rollout_seconds"])
+            trainer._log_metric("spec_rl/draft_found_ratio", stats["drafts_found"] / max(stats["num_samples"], 1))
+            for name, key in _METRICS:
+                trainer._log_metric(name, float(stats[key]))
         return {
             "prompt_ids": [list(p) for p in result.prompt_ids],
             "completion_ids": [list(r) for r in result.response_ids],
@@ -597,57 +411,26 @@ class SpecRLRollout:
         }
 
     # ------------------------------------------------------------------ persistence
+    @property
+    def process_index(self) -> int:
+        """The bound trainer's process index (0 before :meth:`attach` or the first call)."""
+        return int(self.trainer.accelerator.process_index) if self.trainer is not None else 0
+
     def checkpoint_file(self, checkpoint_dir: str | os.PathLike, process_index: int = 0) -> Path:
         """Where the cache of process ``process_index`` lives inside a checkpoint folder."""
-        return Path(checkpoint_dir) / _rank_suffix(process_index)
+        return ranked_path(Path(checkpoint_dir) / CACHE_FILENAME, process_index)
 
     def save_cache(self, path: str | os.PathLike) -> Path:
         """Write the cache atomically (see :meth:`spec_rl.cache.RolloutCache.save`)."""
         return self.cache.save(path)
 
+    def load_cache(self, path: str | os.PathLike) -> None:
+        """Replace the cache with the file at ``path``; check it against the trainer's settings once known.
 
-class _CacheCallback(TrainerCallback):
-    """Saves the rollout cache next to each TRL checkpoint and reloads it when training resumes."""
-
-    def __init__(self, spec: SpecRLRollout):
-        self.spec = spec
-
-    def _rank(self) -> int:
-        t = self.spec._trainer
-        return int(t.accelerator.process_index) if t is not None else 0
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        if state.global_step > 0 and len(self.spec.cache) == 0:
-            resume = getattr(args, "resume_from_checkpoint", None)
-            folder = (
-                Path(resume)
-                if isinstance(resume, str) and os.path.isdir(resume)
-                else Path(args.output_dir) / f"checkpoint-{state.global_step}"
-            )
-            path = self.spec.checkpoint_file(folder, self._rank())
-            if path.is_file():
-                self.spec.cache = RolloutCache.load(path)
-                self.spec._rollout = None  # rebuilt around the loaded cache
-                if self.spec._settings is not None:
-                    self.spec._check_cache_settings(self.spec._settings)
-            else:
-                warnings.warn(
-                    f"spec-rl: resuming at step {state.global_step} without a rollout cache at {path}; "
-                    "the first epoch after resuming generates from scratch",
-                    stacklevel=2,
-                )
-
-    def on_save(self, args, state, control, **kwargs):
-        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-        if folder.is_dir():
-            self.spec.cache.save(self.spec.checkpoint_file(folder, self._rank()))
-        if self.spec.cache_path is not None:
-            self.spec.cache.save(self._ranked(self.spec.cache_path))
-
-    def on_train_end(self, args, state, control, **kwargs):
-        if self.spec.cache_path is not None:
-            self.spec.cache.save(self._ranked(self.spec.cache_path))
-
-    def _ranked(self, path: Path) -> Path:
-        r = self._rank()
-        return path if r == 0 else path.with_name(f"{path.stem}.rank{r}{path.suffix}")
+        Raises:
+            UnsupportedTrainerConfig: the file's drafts were sampled with other settings
+                than those of the validated trainer.
+        """
+        self.cache = RolloutCache.load(path)
+        if self.settings is not None:
+            check_cache_settings(self.cache, self.settings)

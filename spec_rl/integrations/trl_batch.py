@@ -1,0 +1,138 @@
+"""What one ``rollout_func`` call reads from a TRL ``GRPOTrainer``.
+
+The prompts' token ids (the trainer's own tokenisation), each sample's slot within its
+group, the model to generate with (unwrapped the way TRL unwraps it for generation)
+and its special tokens. The layout these rely on is described in
+:mod:`spec_rl.integrations.trl`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Sequence
+
+import torch
+
+from ..generation import eos_token_ids
+from ..rollout import RolloutRequest
+from .trl_checks import UnsupportedTrainerConfig
+
+__all__ = ["batch_requests", "generation_tokens", "group_size", "tokenize_prompts", "unwrapped_model"]
+
+
+def tokenize_prompts(prompts: list, trainer) -> list[list[int]]:
+    """Token ids of each prompt, as TRL tokenises them for generation.
+
+    Parameters
+    ----------
+    prompts : list
+        Strings or chat message lists (the ``prompt`` column of each row).
+    trainer : trl.GRPOTrainer
+
+    Returns
+    -------
+    list of list of int
+        One id list per prompt, in order.
+
+    Raises
+    ------
+    UnsupportedTrainerConfig
+        Multimodal prompts (images or multimodal fields).
+    """
+    tokenize = getattr(trainer, "_tokenize_prompts", None)
+    if tokenize is not None:
+        prompt_ids, images, multimodal = tokenize(prompts)
+        if images is not None or multimodal:
+            raise UnsupportedTrainerConfig(
+                "multimodal prompts: the scoring pass and decode loop are text-only; use text or chat prompts"
+            )
+    else:  # older TRL: the same as its text path
+        prompt_ids = trainer.processing_class(text=prompts)["input_ids"]
+    return [[int(t) for t in (p.tolist() if isinstance(p, torch.Tensor) else p)] for p in prompt_ids]
+
+
+def group_size(trainer) -> int:
+    """Samples per prompt: ``num_generations`` in training, ``num_generations_eval`` (if set) in evaluation."""
+    if bool(trainer.model.training):
+        return trainer.num_generations
+    return getattr(trainer, "num_generations_eval", None) or trainer.num_generations
+
+
+def batch_requests(
+    prompt_ids: Sequence[Sequence[int]], dataset_ids: Sequence[str | None], group: int, offset: int
+) -> list[RolloutRequest]:
+    """One request per sample; sample i is slot ``(offset + i) % group`` of its group.
+
+    Parameters
+    ----------
+    prompt_ids : sequence of sequence of int
+        This process's prompts, each repeated ``group`` times in a row.
+    dataset_ids : sequence of str or None
+        One per prompt.
+    group : int
+        Samples per prompt (:func:`group_size`).
+    offset : int
+        Index of this process's first sample in the global batch
+        (``process_index * len(prompt_ids)``).
+
+    Returns
+    -------
+    list of RolloutRequest
+
+    Raises
+    ------
+    RuntimeError
+        Two samples of one group have different prompts or dataset ids (the batch is
+        not laid out by TRL's RepeatSampler, so slots would be wrong).
+    """
+    requests = []
+    first_of_group: dict[int, int] = {}
+    for i, (p, did) in enumerate(zip(prompt_ids, dataset_ids)):
+        g = (offset + i) // group
+        j = first_of_group.setdefault(g, i)
+        if list(prompt_ids[j]) != list(p) or dataset_ids[j] != did:
+            raise RuntimeError(
+                f"samples {j} and {i} fall in the same group of num_generations={group} but have different prompts; "
+                "the batch is not laid out by TRL's RepeatSampler (each prompt repeated num_generations times in a "
+                "row), so sample slots cannot be derived"
+            )
+        requests.append(RolloutRequest(prompt_ids=list(p), slot=(offset + i) % group, dataset_id=did))
+    return requests
+
+
+def unwrapped_model(trainer):
+    """Context manager yielding the trainer's model ready for generation (ZeRO-3 weights gathered)."""
+    try:
+        from trl.models.utils import unwrap_model_for_generation
+    except ImportError:  # pragma: no cover - older layouts
+        unwrap_model_for_generation = None
+    if unwrap_model_for_generation is None:
+        return contextlib.nullcontext(trainer.accelerator.unwrap_model(trainer.model))
+    args = trainer.args
+    kwargs = {
+        "gather_deepspeed3_params": getattr(args, "ds3_gather_for_generation", True),
+        "gradient_checkpointing_kwargs": getattr(args, "gradient_checkpointing_kwargs", None),
+    }
+    # Older trl 1.x releases take fewer keyword arguments here.
+    accepted = inspect.signature(unwrap_model_for_generation).parameters
+    kwargs = {k: v for k, v in kwargs.items() if k in accepted}
+    return unwrap_model_for_generation(getattr(trainer, "model_wrapped", trainer.model), trainer.accelerator, **kwargs)
+
+
+def generation_tokens(model, trainer) -> tuple[set[int], int]:
+    """The full EOS set (TRL's list, the model's generation config, the tokenizer) and the pad id.
+
+    Raises
+    ------
+    UnsupportedTrainerConfig
+        Neither the model nor the tokenizer declares an EOS id.
+    """
+    tok = getattr(trainer, "_tokenizer", None) or trainer.processing_class
+    eos = eos_token_ids(model, tok) | {int(x) for x in (getattr(trainer, "eos_token_ids", None) or [])}
+    if not eos:
+        raise UnsupportedTrainerConfig(
+            "neither the model nor the tokenizer declares an EOS id; set tokenizer.eos_token"
+        )
+    pad = tok.pad_token_id if tok.pad_token_id is not None else min(eos)
+    return eos, pad

@@ -1,0 +1,277 @@
+"""Start-up checks of a TRL ``GRPOTrainer`` for speculative rollouts.
+
+Each check raises :class:`UnsupportedTrainerConfig` naming the setting and the fix,
+before anything is generated. What is refused, and why:
+
+- vLLM generation (``use_vllm=True``; docs/integrations.md says what colocate mode
+  would need), ``repetition_penalty != 1``, ``min_p``, extra ``generation_kwargs``
+  (:func:`check_trainer_args`);
+- tools and environments, FSDP, a dataset-id column that the trainer drops
+  (:func:`check_trainer_features`);
+- a rollout cache whose drafts were sampled with other settings
+  (:func:`check_cache_settings`);
+- a trainer whose per-token log-probs differ from ``log_softmax(logits / temperature)``,
+  for example with dropout left on during training (:func:`check_trainer_logprobs`).
+
+Multimodal prompts are refused when they are tokenised (see
+:meth:`spec_rl.integrations.trl.SpecRLRollout.requests_for`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..cache import DraftStore
+from ..sampling import SamplingSettings, token_logprobs
+
+__all__ = [
+    "UnsupportedTrainerConfig",
+    "check_cache_settings",
+    "check_trainer_args",
+    "check_trainer_features",
+    "check_trainer_logprobs",
+    "sampling_settings_from_args",
+]
+
+#: Length of the random probe sequence and how many of its last tokens are scored.
+_PROBE_TOKENS, _PROBE_SCORED = 12, 8
+_PROBE_SEED = 1234
+#: Largest |TRL log-prob - log_softmax(logits / T)| accepted on the probe (nats).
+_TOL_FP32, _TOL_LOW_PRECISION = 1e-3, 5e-2
+
+
+class UnsupportedTrainerConfig(ValueError):
+    """The TRL trainer is configured in a way the speculative rollout cannot honour."""
+
+
+def sampling_settings_from_args(args) -> SamplingSettings:
+    """The sampling distribution TRL's ``GRPOConfig`` asks for, as :class:`SamplingSettings`.
+
+    ``temperature``, ``top_p``, ``top_k`` (``None`` read as 0) and ``max_completion_length``
+    (tokens) map one to one; the other generation options are checked by
+    :func:`check_trainer_args`.
+
+    Parameters
+    ----------
+    args : trl.GRPOConfig
+        The trainer's arguments (any object with those attributes).
+
+    Returns
+    -------
+    SamplingSettings
+
+    Raises
+    ------
+    UnsupportedTrainerConfig
+        ``max_completion_length`` is None.
+    """
+    top_k = getattr(args, "top_k", 0)
+    top_p = getattr(args, "top_p", 1.0)
+    max_len = getattr(args, "max_completion_length", None)
+    if max_len is None:
+        raise UnsupportedTrainerConfig(
+            "args.max_completion_length is None; set it to the response budget in tokens (e.g. 256)"
+        )
+    return SamplingSettings(
+        temperature=float(args.temperature),
+        top_p=1.0 if top_p is None else float(top_p),
+        top_k=0 if top_k is None else int(top_k),
+        max_tokens=int(max_len),
+    )
+
+
+def _check_no_vllm(args) -> None:
+    if not getattr(args, "use_vllm", False):
+        return
+    mode = getattr(args, "vllm_mode", "colocate")
+    why = (
+        "TRL's vLLM server client sends one max_tokens for the whole batch, but a speculative continuation needs a "
+        "per-request budget (max_completion_length - verified prefix)"
+        if mode == "server"
+        else "a vLLM colocate backend (per-request SamplingParams with max_tokens, processed logprobs, the "
+        "trainer's weights synced before scoring) is not implemented here because it cannot be tested without a GPU"
+    )
+    raise UnsupportedTrainerConfig(
+        f"use_vllm=True (vllm_mode={mode!r}) is not supported by spec_rl.integrations.trl: {why}. "
+        "Set use_vllm=False to generate with the trainer's own model (see docs/integrations.md)."
+    )
+
+
+def check_trainer_args(args) -> SamplingSettings:
+    """Validate a ``trl.GRPOConfig`` for speculative rollouts; return its sampling settings.
+
+    Parameters
+    ----------
+    args : trl.GRPOConfig
+        The trainer's arguments.
+
+    Returns
+    -------
+    SamplingSettings
+        See :func:`sampling_settings_from_args`.
+
+    Raises
+    ------
+    UnsupportedTrainerConfig
+        Naming the argument and the fix, for ``use_vllm=True``, ``repetition_penalty != 1``,
+        ``min_p`` set, non-empty ``generation_kwargs``, a missing ``max_completion_length``
+        or temperature <= 0.
+
+    Example
+    -------
+    >>> from trl import GRPOConfig
+    >>> check_trainer_args(GRPOConfig(output_dir="out", max_completion_length=64)).max_tokens
+    64
+    """
+    _check_no_vllm(args)
+    rp = getattr(args, "repetition_penalty", 1.0)
+    if rp is not None and float(rp) != 1.0:
+        raise UnsupportedTrainerConfig(
+            f"repetition_penalty={rp}: the penalty makes each token's distribution depend on the sampled history "
+            "in a way the draft's stored log-probs do not record, so drafts cannot be verified; "
+            "set repetition_penalty=1.0"
+        )
+    min_p = getattr(args, "min_p", None)
+    if min_p not in (None, 0, 0.0):
+        raise UnsupportedTrainerConfig(
+            f"min_p={min_p}: spec-rl's sampler implements temperature, top_k and top_p only; set min_p=None"
+        )
+    gk = getattr(args, "generation_kwargs", None)
+    if gk:
+        raise UnsupportedTrainerConfig(
+            f"generation_kwargs={gk!r}: spec-rl's generation backend samples with temperature/top_k/top_p/"
+            "max_completion_length only and would silently ignore these; remove generation_kwargs"
+        )
+    if getattr(args, "temperature", None) is None or not float(args.temperature) > 0:
+        raise UnsupportedTrainerConfig(
+            f"temperature={getattr(args, 'temperature', None)!r}: speculative rollouts need sampling log-probs; "
+            "set temperature > 0"
+        )
+    return sampling_settings_from_args(args)
+
+
+def check_trainer_features(trainer, dataset_id_column: str | None = None) -> None:
+    """Refuse trainer features the adapter cannot serve: tools, environments, FSDP.
+
+    Parameters
+    ----------
+    trainer : trl.GRPOTrainer
+    dataset_id_column : str or None
+        The adapter's dataset-id column; it must survive ``remove_unused_columns``.
+
+    Raises
+    ------
+    UnsupportedTrainerConfig
+        Naming the feature and the fix.
+    """
+    if getattr(trainer, "tools", None) or getattr(trainer, "environment_factories", None):
+        raise UnsupportedTrainerConfig(
+            "tools / environment_factory: TRL appends tool output to the completion after rollout_func returns, "
+            "so the cached draft would not be the sampled sequence; build the trainer without tools to use spec-rl"
+        )
+    if getattr(trainer, "is_fsdp_enabled", False):
+        raise UnsupportedTrainerConfig(
+            "FSDP: the scoring forward and the decode loop need full parameters on each rank, which this adapter "
+            "does not gather; use DDP or DeepSpeed ZeRO-1/2 (ZeRO-3 params are gathered by TRL's unwrap context)"
+        )
+    if dataset_id_column is not None and getattr(trainer.args, "remove_unused_columns", False):
+        raise UnsupportedTrainerConfig(
+            f"dataset_id_column={dataset_id_column!r} needs the column in the batch, but "
+            "args.remove_unused_columns=True drops it; set remove_unused_columns=False"
+        )
+
+
+def check_cache_settings(cache: DraftStore, settings: SamplingSettings) -> None:
+    """Refuse a cache whose drafts were sampled with other settings than the trainer's.
+
+    A lookup under other settings is a miss anyway; at start an error is better than a
+    run that silently reuses nothing.
+
+    Parameters
+    ----------
+    cache : RolloutCache
+        Any store with ``drafts()`` (every stored :class:`~spec_rl.cache.Draft`).
+    settings : SamplingSettings
+        The trainer's sampling settings.
+
+    Raises
+    ------
+    UnsupportedTrainerConfig
+        Naming the cached settings and the trainer's.
+    """
+    found = {d.settings for d in cache.drafts()}
+    other = [s for s in found if s != settings]
+    if other:
+        raise UnsupportedTrainerConfig(
+            f"the rollout cache holds drafts sampled with {other[0]} but the trainer samples with {settings}; "
+            "their log-probs are of different distributions, so none would be reused. Use the trainer settings "
+            "the drafts were recorded with, or start from an empty cache (delete the file / pass cache=RolloutCache())"
+        )
+
+
+def _probe_logits(trainer, model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Logits [T, V] (float64, CPU) of the unwrapped model in eval mode on the probe."""
+    was_training = model.training
+    model.eval()
+    try:
+        with trainer.accelerator.autocast():
+            return model(input_ids=ids, attention_mask=mask).logits[0].double().cpu()
+    finally:
+        model.train(was_training)
+
+
+def check_trainer_logprobs(trainer, settings: SamplingSettings) -> None:
+    """Compare TRL's per-token log-probs with ``log_softmax(logits / T)`` on a random probe.
+
+    The probe is 12 random token ids; TRL's ``_get_per_token_logps_and_entropies`` (on
+    the trainer's model, in its current train/eval mode) scores the last 8, and so does
+    ``log_softmax(logits / settings.temperature)`` of the unwrapped model in eval mode.
+
+    Parameters
+    ----------
+    trainer : trl.GRPOTrainer
+    settings : SamplingSettings
+        The trainer's sampling settings (its temperature is the one checked).
+
+    Raises
+    ------
+    UnsupportedTrainerConfig
+        The largest difference exceeds 1e-3 nats (5e-2 for bf16/fp16 weights or
+        autocast), or TRL lacks ``_get_per_token_logps_and_entropies``.
+    """
+    fn = getattr(trainer, "_get_per_token_logps_and_entropies", None)
+    if fn is None:
+        raise UnsupportedTrainerConfig(
+            "this TRL version has no GRPOTrainer._get_per_token_logps_and_entropies, so the adapter cannot check "
+            "that the trainer's log-probs include the temperature; pass check_logprobs=False to skip (trl>=1.16 tested)"
+        )
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    device = next(model.parameters()).device
+    vocab = model.get_output_embeddings().weight.shape[0]
+    gen = torch.Generator().manual_seed(_PROBE_SEED)
+    ids = torch.randint(0, vocab, (1, _PROBE_TOKENS), generator=gen).to(device)
+    mask = torch.ones_like(ids)
+    keep = _PROBE_SCORED
+    with torch.no_grad():
+        trl_lp = fn(trainer.model, ids, mask, keep, batch_size=1)[0].double().cpu()[0]
+        logits = _probe_logits(trainer, model, ids, mask)
+    tgt = ids[0, -keep:].cpu()
+    rows = logits[-keep - 1 : -1]
+    mine = token_logprobs(rows, tgt, settings.temperature, dtype=torch.float64)
+    plain = token_logprobs(rows, tgt, 1.0, dtype=torch.float64)
+    err = float((trl_lp - mine).abs().max())
+    low_precision = next(model.parameters()).dtype != torch.float32 or bool(
+        getattr(trainer.args, "bf16", False) or getattr(trainer.args, "fp16", False)
+    )
+    tol = _TOL_LOW_PRECISION if low_precision else _TOL_FP32
+    if not math.isfinite(err) or err > tol:
+        err_plain = float((trl_lp - plain).abs().max())
+        raise UnsupportedTrainerConfig(
+            f"the trainer's per-token log-probs differ from log_softmax(logits / temperature={settings.temperature}) "
+            f"by up to {err:.3g} on a probe sequence (tolerance {tol:g}; versus temperature 1: {err_plain:.3g}). "
+            "Verification would compare log-probs of different distributions. Causes: a logprob computation "
+            "without the temperature, or dropout active in training (set disable_dropout=True). "
+            "Pass check_logprobs=False only if you know the difference is intended."
+        )
