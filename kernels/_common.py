@@ -1,143 +1,51 @@
-"""Triton building blocks shared by the verification kernels.
+"""Constants and host-side helpers shared by every kernel module of spec_rl.kernels.
 
-* :func:`philox_uniform_tl` -- the in-kernel Philox4x32-10 uniform, the exact
-  contract of :mod:`spec_rl.philox` (key = (seed lo, seed hi), counter =
-  (token index, uid lo, uid hi, stream), u = ((x0 >> 8) + 1) * 2**-24).
-* :func:`finish_rows` -- the shared epilogue: new log-prob from (max, sum,
-  target logit), the lenient acceptance test of SPEC-RL (arXiv 2509.23232,
-  Alg. 1: accept iff ``log u <= log l + lp_new - lp_old``), the per-sample
-  first rejected index (an int32 atomic min, order-independent hence
-  deterministic) and the NaN flag.
-* host helpers that turn Python scalars into kernel arguments whose Triton
-  type never depends on the value (so one compiled kernel serves every seed).
-
-Numerics (all choices are here so both kernels agree):
-
-* logits stay in raw units; the softmax of ``z = x / T`` is accumulated as
-  ``exp2((x - m) * c)`` with ``c = log2(e) / T`` (one multiply per element,
-  no per-element division), and the log-prob is formed in float64 as
-  ``(x_target - m) / T - log(S)`` -- so the only fp32 rounding is in the
-  running sum S (relative error ~1e-7 per term, summed).
-* the running maximum starts at ``-FLT_MAX`` instead of ``-inf``, so a row
-  or lane that has only seen ``-inf`` logits never evaluates ``-inf - -inf``.
-* the acceptance margin is evaluated in float64 in the reference's exact
-  order ``(lp_new - lp_old) + log_l`` with ``lp_new`` rounded to float32
-  first, as :func:`spec_rl.acceptance.acceptance_test` does; ``log u`` is
-  the float64 log (libdevice ``__nv_log`` on the GPU, numpy's in the
-  interpreter; both are within 1 ulp of the exact value).
+* :data:`INTERPRET` -- whether the kernels were created by the Triton
+  interpreter (``TRITON_INTERPRET=1`` set before this package was imported).
+* numeric constants: ``LOG2E``, the initial running maximum ``NEG_FLT_MAX``,
+  the score dtypes the kernels take (``FLOAT_DTYPES``).
+* the lenience modes of the verification epilogue (``MODE_*``).
+* :class:`DraftRows` -- what a verification launch decides on, and helpers
+  that turn its Python scalars into kernel arguments whose Triton type never
+  depends on the value (so one compiled kernel serves every seed, lenience
+  and temperature), and the output buffers of a verification launch.
 """
 
 from __future__ import annotations
 
+import math
 import struct
+from dataclasses import dataclass
 
+import torch
 import triton
 import triton.language as tl
 
-from .philox import philox_uniform_tl
 
-try:  # generic dispatch module (triton >= 3.0); only used on the GPU path
-    from triton.language.extra import libdevice as _libdevice
-except Exception:  # pragma: no cover - very old triton
-    _libdevice = None
+@triton.jit
+def _interpreter_probe():
+    pass
 
-# Largest finite float32 (IEEE 754 binary32): initial running maximum.
+
+# triton.jit returns an InterpretedFunction when TRITON_INTERPRET=1 was set
+# before the decoration (triton reads the variable at that point, not later).
+INTERPRET = type(_interpreter_probe).__name__ == "InterpretedFunction"
+
+LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2(e))
+# Largest finite float32 (IEEE 754 binary32), negated: initial running maximum,
+# so a row or tile that has only seen -inf never evaluates -inf - -inf.
 NEG_FLT_MAX = tl.constexpr(-3.4028234663852886e38)
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-# Lenience modes (constexpr): finite log l, +inf (accept all), -inf (reject
-# all) -- the reference's conventions at the extremes -- and "score only"
-# (no decisions: the random-reuse strategy computes n on the host side).
-MODE_FINITE = 0
-MODE_ACCEPT_ALL = 1
-MODE_REJECT_ALL = 2
-MODE_SCORE_ONLY = 3
-
-
-@triton.jit
-def u32_from_i32_tl(word):
-    """Kernel scalar (passed as a signed int32) -> uint32 with the same bits."""
-    return word.to(tl.int32).to(tl.uint32, bitcast=True)
-
-
-@triton.jit
-def f64_from_words_tl(lo, hi):
-    """Rebuild a float64 from its IEEE bits passed as two signed int32 words."""
-    lo_u = lo.to(tl.int32).to(tl.uint32, bitcast=True).to(tl.int64)
-    bits = (hi.to(tl.int32).to(tl.int64) << 32) | lo_u
-    return bits.to(tl.float64, bitcast=True)
-
-
-@triton.jit
-def log_f64_tl(x, USE_LIBDEVICE: tl.constexpr):
-    """Natural log in float64 (libdevice on the GPU; the interpreter has no externs)."""
-    if USE_LIBDEVICE:
-        return _libdevice.log(x)
-    else:
-        return tl.log(x)
-
-
-@triton.jit
-def finish_rows(
-    row,
-    in_range,
-    valid,
-    sample,
-    token,
-    m,
-    s,
-    tgt,
-    lp_out_ptr,
-    acc_out_ptr,
-    n_ptr,
-    flag_ptr,
-    old_ptr,
-    uids_ptr,
-    k0,
-    k1,
-    log_l,
-    temperature,
-    MODE: tl.constexpr,
-    USE_LIBDEVICE: tl.constexpr,
-):
-    """Epilogue for a row (scalar) or a block of rows.
-
-    in_range: rows that exist (stores are masked by it); valid: rows that
-    are draft tokens (a subset).
-    m, s: float32 running max (raw logit units) and sum of exp((x - m) / T);
-    tgt: float32 raw logit of the draft token. Writes lp_out[row] (0 where not
-    valid), acc_out[row] (int8), lowers n[sample] to the first rejected token
-    index, and raises flag[0] when the row's scores contain NaN (or +inf,
-    which makes the normaliser NaN).
-    """
-    bad = valid & ((s != s) | (tgt != tgt))  # noqa: PLR0124 (x != x is the NaN test)
-    lp64 = (tgt.to(tl.float64) - m.to(tl.float64)) / temperature - log_f64_tl(s.to(tl.float64), USE_LIBDEVICE)
-    # A draft token with a -inf logit has log-prob -inf (also when the whole
-    # row is -inf, where the formula gives -inf + inf).
-    lp64 = tl.where(tgt == float("-inf"), float("-inf"), lp64)
-    lp = lp64.to(tl.float32)
-    lp = tl.where(bad, float("nan"), lp)
-    tl.store(lp_out_ptr + row, tl.where(valid, lp, 0.0), mask=in_range)
-    if MODE != 3:  # MODE_SCORE_ONLY: no decisions here
-        sample_safe = tl.where(valid, sample, 0)
-        if MODE == 0:
-            uid = tl.load(uids_ptr + sample_safe)
-            u = philox_uniform_tl(k0, k1, token, uid, 0)  # stream 0 = STREAM_ACCEPT
-            old = tl.load(old_ptr + row, mask=valid, other=0.0).to(tl.float64)
-            margin = (lp.to(tl.float64) - old) + log_l
-            # NaN margins (e.g. -inf - -inf) compare False: rejected, as in the reference.
-            accept = log_f64_tl(u.to(tl.float64), USE_LIBDEVICE) <= margin
-        elif MODE == 1:
-            accept = valid
-        else:
-            accept = valid & (token < 0)  # all False, with the right shape
-        accept = accept & valid & (bad == 0)
-        tl.store(acc_out_ptr + row, accept.to(tl.int8), mask=in_range)
-        tl.atomic_min(n_ptr + sample_safe, token, mask=valid & (accept == 0), sem="relaxed")
-    tl.atomic_max(flag_ptr + sample * 0, 1, mask=bad, sem="relaxed")
-
-
-# ----------------------------------------------------------------------------
-# host-side helpers
+# Lenience modes of the verification epilogue (its MODE constexpr): finite
+# log l, +inf (accept all), -inf (reject all) -- the reference's conventions
+# at the extremes -- and "score only" (log-probs, no decisions: the
+# random-reuse strategy draws n on the host). tl.constexpr so the kernels can
+# read them; launches pass the plain int from :func:`epilogue_mode`.
+MODE_FINITE = tl.constexpr(0)
+MODE_ACCEPT_ALL = tl.constexpr(1)
+MODE_REJECT_ALL = tl.constexpr(2)
+MODE_SCORE_ONLY = tl.constexpr(3)
 
 
 def split_u64(value: int) -> tuple[int, int]:
@@ -152,15 +60,83 @@ def as_i32(word: int) -> int:
     return word - (1 << 32) if word >= (1 << 31) else word
 
 
+def seed_words(seed: int) -> tuple[int, int]:
+    """The Philox key (seed lo, seed hi) as two signed int32 kernel arguments."""
+    lo, hi = split_u64(seed)
+    return as_i32(lo), as_i32(hi)
+
+
 def f64_words(x: float) -> tuple[int, int]:
     """IEEE-754 bits of a Python float as two signed int32 words (lo, hi)."""
     (bits,) = struct.unpack("<Q", struct.pack("<d", float(x)))
     return as_i32(bits & 0xFFFFFFFF), as_i32(bits >> 32)
 
 
-def lenience_mode(log_lenience: float) -> int:
-    if log_lenience == float("inf"):
-        return MODE_ACCEPT_ALL
-    if log_lenience == float("-inf"):
-        return MODE_REJECT_ALL
-    return MODE_FINITE
+def epilogue_mode(log_lenience: float, score_only: bool = False) -> int:
+    """The MODE of a verification launch: score only, or the lenience mode of ``log_lenience``."""
+    if score_only:
+        mode = MODE_SCORE_ONLY
+    elif log_lenience == float("inf"):
+        mode = MODE_ACCEPT_ALL
+    elif log_lenience == float("-inf"):
+        mode = MODE_REJECT_ALL
+    else:
+        mode = MODE_FINITE
+    return mode.value
+
+
+@dataclass
+class DraftRows:
+    """The draft tokens of one verification launch, one per scored row, and the test's settings.
+
+    Attributes:
+        ids: [n_rows] integer draft token ids (padded layout: [B * R], row-major).
+        old: [n_rows] float stored log-probs of those tokens.
+        lengths: [B] int64 draft lengths (tokens); uids: [B] int64 sample ids.
+        row_sample, row_token: [n_rows] int32 sample index (-1: padding row)
+            and token index of each row; None in the padded layout, where
+            row r is token r % R of sample r // R.
+        seed: 64-bit seed; log_lenience: log(l); temperature: T > 0.
+        mode: the epilogue's MODE (:func:`epilogue_mode`).
+    """
+
+    ids: torch.Tensor
+    old: torch.Tensor
+    lengths: torch.Tensor
+    uids: torch.Tensor
+    row_sample: torch.Tensor | None
+    row_token: torch.Tensor | None
+    seed: int
+    log_lenience: float
+    temperature: float
+    mode: int
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors of the launch (for device checks)."""
+        ts = (self.ids, self.old, self.lengths, self.uids, self.row_sample, self.row_token)
+        return [t for t in ts if t is not None]
+
+    def scalars(self) -> tuple:
+        """Scalar kernel arguments (k0, k1, log_l lo, log_l hi, T lo, T hi, c) with c = log2(e) / T.
+
+        float64 values travel as int32 word pairs (rebuilt in the kernel); an
+        infinite log l is passed as 0 (the mode carries it).
+        """
+        k0, k1 = seed_words(self.seed)
+        ll = self.log_lenience if math.isfinite(self.log_lenience) else 0.0
+        l_lo, l_hi = f64_words(ll)
+        t_lo, t_hi = f64_words(float(self.temperature))
+        return k0, k1, l_lo, l_hi, t_lo, t_hi, LOG2E / float(self.temperature)
+
+    def buffers(self, n_rows: int, device: torch.device):
+        """Outputs of the launch over ``n_rows`` rows.
+
+        Returns (log-probs [n_rows] float32, accept [n_rows] int8, rejection
+        index [B] int32 initialised to the draft lengths and lowered by the
+        kernel, NaN flag [1] int32).
+        """
+        lp = torch.empty(n_rows, dtype=torch.float32, device=device)
+        acc = torch.empty(n_rows, dtype=torch.int8, device=device)
+        n = self.lengths.to(device=device, dtype=torch.int32).clone()
+        flag = torch.zeros(1, dtype=torch.int32, device=device)
+        return lp, acc, n, flag

@@ -1,19 +1,24 @@
-"""Tile sizes for the verification kernels, chosen by a deterministic rule.
+"""Tile sizes and launch plans of every kernel, chosen by deterministic rules.
 
 Why not ``triton.autotune``: autotuning picks the fastest config by timing,
 which can differ between processes; a different BLOCK_V / BLOCK_N changes
 the floating-point summation order of the normaliser, hence the last bits of
 the log-probs, and a borderline accept/reject decision could flip between
-two runs on the same inputs (DESIGN.md: "Borderline accept/reject decisions
-must not flip between runs"). So the config is a pure function of
-(device capability, dtype, shapes), and ``benchmarks/gpu_suite.py --sweep``
-times the candidates below so the defaults can be pinned from measurements.
+two runs on the same inputs (docs/design.md "Randomness": the same seed gives
+the same decisions). So every config is a pure function of (device
+capability, dtype, shapes), and ``benchmarks/gpu_suite.py --sweep`` (and
+``benchmarks/bench_paged_attention.py --sweep``) time the candidates below so
+the defaults can be pinned from measurements.
+
+Contents: :class:`LogitsConfig`, :class:`LMHeadConfig` (verification) and
+:class:`PagedAttentionConfig` with the split-K planner of paged decode
+attention (:func:`plan_paged_decode`). This module needs torch only.
 
 Reasoning for the H100/H200 defaults (not yet measured on the device):
 
 * from-logits (memory-bound, 1 exp per element): BLOCK_V=2048 over 8 warps
   = 8 elements per thread per tile (one 16-byte load for bf16/fp16, two for
-  fp32; HOPPER.md: "16-byte accesses per thread"). The kernel prefetches the
+  fp32: 16-byte accesses per thread). The kernel prefetches the
   next tile, so 2 tiles per program are in flight. ptxas (sm_90a) gives ~40
   registers -> 6 programs = 48 warps per SM -> 6 * 2 * 4 KiB = 48 KiB of
   bf16 loads in flight per SM. Little's law: 4.8 TB/s / 132 SMs = 36 GB/s
@@ -87,7 +92,8 @@ class LMHeadConfig:
         return n_vtiles, per, -(-n_vtiles // per)
 
 
-def _next_pow2(x: int) -> int:
+def next_pow2(x: int) -> int:
+    """Smallest power of two >= x (1 for x <= 1)."""
     return 1 << max(0, int(x - 1).bit_length())
 
 
@@ -95,11 +101,11 @@ def default_logits_config(vocab: int, dtype: torch.dtype, interpret: bool) -> Lo
     """Deterministic from-logits config (see module docstring)."""
     if interpret:
         # The interpreter runs one numpy op per Triton op: big 2-D tiles are fastest.
-        block_v = max(16, min(1024, _next_pow2(vocab)))
+        block_v = max(16, min(1024, next_pow2(vocab)))
         return LogitsConfig(block_v=block_v, num_warps=4, block_r=max(1, min(64, 8192 // block_v)))
     per_thread = 8
     tile = 2048
-    block_v = max(16, min(tile, _next_pow2(vocab)))
+    block_v = max(16, min(tile, next_pow2(vocab)))
     # Small vocabularies: several rows per program keep the tile (and the
     # bytes in flight per thread) at the same size.
     block_r = max(1, min(16, tile // block_v))
@@ -144,3 +150,161 @@ LM_HEAD_SWEEP = [
     LMHeadConfig(128, 256, 64, 8, 3, target_splits=8),
     LMHeadConfig(128, 256, 64, 8, 3, target_splits=32),
 ]
+
+
+# ----------------------------------------------------------------------------
+# paged decode attention
+
+
+@dataclass(frozen=True)
+class PagedAttentionConfig:
+    """Tiles: ``block_n`` tokens per tile, ``num_warps``, ``num_stages`` (software pipelining of the
+    K/V loads; used by Triton on the ``tl.dot`` path), and whether to contract with ``tl.dot``."""
+
+    block_n: int
+    num_warps: int = 4
+    use_dot: bool = False
+    num_stages: int = 1
+
+    def __post_init__(self) -> None:
+        if self.block_n < 1 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"block_n must be a power of two >= 1, got {self.block_n}")
+        if self.use_dot and self.block_n < 16:
+            raise ValueError(f"block_n must be >= 16 with use_dot=True (tl.dot minimum), got {self.block_n}")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+
+
+def default_paged_attention_config(group: int, head_dim: int, dtype: torch.dtype) -> PagedAttentionConfig:
+    """Deterministic tile rule for a query group of ``group`` heads, head size ``head_dim``, cache ``dtype``.
+
+    Not yet timed on a GPU (benchmarks/bench_paged_attention.py --sweep times
+    the candidates in :data:`PAGED_ATTENTION_SWEEP`); the reasoning, from
+    ``ptxas -v`` for sm_90a (benchmarks/compile_check.py):
+
+    * bf16/fp16 caches, head_dim >= 16: the ``tl.dot`` path (query group
+      padded to 16 rows; the wasted MMA rows cost nothing in a kernel bound
+      by K/V bytes) with 2 pipeline stages, which Triton lowers to cp.async
+      prefetch of the next K/V tile into shared memory. At Qwen3-0.6B's
+      shape (G=2, D=128): 64 tokens x 8 warps -> 66 registers, 38 KiB smem,
+      no spills -> 3 programs (24 warps) per SM, 2 x 32 KiB of K/V in flight
+      per program. head_dim 256: 32 tokens (64 registers, 41 KiB smem);
+      head_dim <= 64: 128 tokens over 4 warps.
+    * fp32 caches (and head_dim < 16): the fp32 broadcast-and-sum path for
+      groups up to 4 -- the [G_PAD, BLOCK_N, D_PAD] float32 product capped at
+      8192 elements (64 per thread over 4 warps; 16384 spills at G=2,
+      D=128) -- and an IEEE fp32 ``tl.dot`` for larger groups.
+    """
+    g_pad = next_pow2(group)
+    d_pad = next_pow2(max(head_dim, 8))
+    if d_pad >= 16 and (dtype != torch.float32 or g_pad >= 8):
+        if d_pad <= 64:
+            return PagedAttentionConfig(block_n=128, num_warps=4, use_dot=True, num_stages=2)
+        return PagedAttentionConfig(block_n=64 if d_pad <= 128 else 32, num_warps=8, use_dot=True, num_stages=2)
+    block_n = max(8, min(128, 8192 // (g_pad * d_pad)))
+    return PagedAttentionConfig(block_n=block_n, num_warps=4, use_dot=False, num_stages=1)
+
+
+# Candidates timed by benchmarks/bench_paged_attention.py --sweep (and compiled by compile_check.py).
+PAGED_ATTENTION_SWEEP = [
+    PagedAttentionConfig(64, 8, True, 2),  # default at D=128, bf16
+    PagedAttentionConfig(64, 8, True, 3),
+    PagedAttentionConfig(64, 4, True, 3),
+    PagedAttentionConfig(128, 8, True, 2),
+    PagedAttentionConfig(32, 4, True, 3),
+    PagedAttentionConfig(32, 4, False, 1),  # fp32-exact broadcast path
+    PagedAttentionConfig(16, 4, False, 1),
+]
+
+
+def plan_splits(
+    batch: int, kv_heads: int, max_seq_len: int, block_n: int, sm_count: int, min_tokens_per_split: int = 256
+) -> tuple[int, int]:
+    """(num_splits, tokens_per_split) for the automatic split-K choice.
+
+    No split when the (sequence, kv head) programs already fill the device
+    (``batch * kv_heads >= sm_count``) or the context is short; otherwise
+    about two waves of programs, each partition at least
+    ``min_tokens_per_split`` tokens (vLLM's v2 decode kernel uses 512-token
+    partitions; 256 keeps the partials' traffic < 1% of the K/V bytes at
+    head_dim 128). ``tokens_per_split`` is a multiple of ``block_n``. A pure
+    function of its arguments, so the result is reproducible.
+    """
+    tiles = max(1, -(-max_seq_len // block_n))
+    programs = max(1, batch * kv_heads)
+    min_tiles = max(1, -(-min_tokens_per_split // block_n))
+    if programs >= sm_count or tiles < 2 * min_tiles:
+        return 1, tiles * block_n
+    want = -(-2 * sm_count // programs)
+    splits = max(1, min(want, tiles // min_tiles))
+    per = -(-tiles // splits)
+    return -(-tiles // per), per * block_n
+
+
+def splits_for(num_splits: int, max_seq_len: int, block_n: int) -> tuple[int, int]:
+    """(actual splits, tokens_per_split) for a requested ``num_splits`` (<= requested; empty partitions dropped)."""
+    tiles = max(1, -(-max_seq_len // block_n))
+    per = -(-tiles // max(1, min(num_splits, tiles)))
+    return -(-tiles // per), per * block_n
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached); 4 elsewhere (the interpreter's nominal device)."""
+    if device.type != "cuda":
+        return 4  # a nominal small device, so small interpreter tests exercise both split paths
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+@dataclass(frozen=True)
+class PagedDecodePlan:
+    """One paged decode launch: tiles, padded group / head sizes, contraction path and split-K partitions."""
+
+    config: PagedAttentionConfig
+    group: int  # query heads per kv head (G)
+    g_pad: int  # G padded to a power of two (>= 16 on the tl.dot path)
+    d_pad: int  # head_dim padded to a power of two (>= 8)
+    use_dot: bool
+    num_splits: int
+    tokens_per_split: int
+
+
+def plan_paged_decode(
+    batch: int,
+    q_heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    capacity: int,
+    *,
+    max_seq_len: int | None,
+    num_splits: int | None,
+    config: PagedAttentionConfig | None,
+    num_sms: int,
+) -> PagedDecodePlan:
+    """Plan a decode launch (a pure function of its arguments, so it is reproducible).
+
+    ``capacity`` is the block-table width in tokens; ``max_seq_len`` (a host
+    bound of the sequence lengths) only sizes the partitions. ``num_splits``
+    None plans split-K automatically (:func:`plan_splits`), an int asks for up
+    to that many partitions (:func:`splits_for`); ``num_sms`` is the device's
+    SM count (:func:`sm_count`).
+    """
+    group = q_heads // kv_heads
+    cfg = config or default_paged_attention_config(group, head_dim, dtype)
+    d_pad = next_pow2(max(head_dim, 8))
+    use_dot = cfg.use_dot and d_pad >= 16
+    g_pad = max(16, next_pow2(group)) if use_dot else next_pow2(group)
+    horizon = capacity if max_seq_len is None else min(max_seq_len, capacity)
+    if num_splits is None:
+        splits, per = plan_splits(batch, kv_heads, horizon, cfg.block_n, num_sms)
+    else:
+        splits, per = splits_for(num_splits, horizon, cfg.block_n)
+    return PagedDecodePlan(cfg, group, g_pad, d_pad, use_dot, splits, per)

@@ -23,7 +23,7 @@ consumed (software prefetch), and loads use ``evict_first`` since every byte
 is read exactly once.
 
 The draft token's logit is one extra scalar load; the epilogue
-(:func:`._common.finish_rows`) forms the log-prob, draws the Philox uniform,
+(:func:`.epilogue.finish_rows`) forms the log-prob, draws the Philox uniform,
 applies the test and lowers the sample's rejection index with an int32 atomic
 min (order-independent, hence deterministic).
 
@@ -35,14 +35,20 @@ Row addressing, without copying the logits:
 * packed  (PACKED=True): logits [N, V] with row stride stride_t; row r belongs
   to sample row_sample[r] (-1 = padding row, skipped) at token index
   row_token[r].
+
+:func:`launch_from_logits` picks the layout from the logits' rank and
+launches the kernel.
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-from ._common import NEG_FLT_MAX, f64_from_words_tl, finish_rows, u32_from_i32_tl
+from ._common import INTERPRET, NEG_FLT_MAX, DraftRows
+from .configs import LogitsConfig, default_logits_config
+from .epilogue import finish_rows
 
 
 @triton.jit
@@ -58,35 +64,12 @@ def _lane_update(m, s, x, c):
     do_not_specialize=["k0_w", "k1_w", "log_l_lo", "log_l_hi", "temp_lo", "temp_hi", "c_exp2"],
 )
 def verify_from_logits_kernel(
-    logits_ptr,
-    ids_ptr,
-    old_ptr,
-    lp_out_ptr,
-    acc_out_ptr,
-    n_ptr,
-    flag_ptr,
-    row_sample_ptr,
-    row_token_ptr,
-    lengths_ptr,
-    uids_ptr,
-    n_rows,
-    V,
-    T,
-    stride_b,
-    stride_t,
-    k0_w,
-    k1_w,
-    log_l_lo,
-    log_l_hi,
-    temp_lo,
-    temp_hi,
-    c_exp2,
-    PACKED: tl.constexpr,
-    MODE: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    USE_LIBDEVICE: tl.constexpr,
-):
+    logits_ptr, ids_ptr, old_ptr, lp_out_ptr, acc_out_ptr, n_ptr, flag_ptr,
+    row_sample_ptr, row_token_ptr, lengths_ptr, uids_ptr,
+    n_rows, V, T, stride_b, stride_t,
+    k0_w, k1_w, log_l_lo, log_l_hi, temp_lo, temp_hi, c_exp2,
+    PACKED: tl.constexpr, MODE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, USE_LIBDEVICE: tl.constexpr,
+):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_range = rows < n_rows
     if PACKED:
@@ -133,24 +116,43 @@ def verify_from_logits_kernel(
     tgt = tl.load(logits_ptr + row_off + tid, mask=valid, other=0.0).to(tl.float32)
 
     finish_rows(
-        rows,
-        in_range,
-        valid,
-        sample,
-        token,
-        m_row,
-        s_row,
-        tgt,
-        lp_out_ptr,
-        acc_out_ptr,
-        n_ptr,
-        flag_ptr,
-        old_ptr,
-        uids_ptr,
-        u32_from_i32_tl(k0_w),
-        u32_from_i32_tl(k1_w),
-        f64_from_words_tl(log_l_lo, log_l_hi),
-        f64_from_words_tl(temp_lo, temp_hi),
-        MODE,
-        USE_LIBDEVICE,
-    )
+        rows, in_range, valid, sample, token, m_row, s_row, tgt,
+        lp_out_ptr, acc_out_ptr, n_ptr, flag_ptr, old_ptr, uids_ptr,
+        k0_w, k1_w, log_l_lo, log_l_hi, temp_lo, temp_hi, MODE, USE_LIBDEVICE,
+    )  # fmt: skip
+
+
+def launch_from_logits(logits: torch.Tensor, rows: DraftRows, config: LogitsConfig | None = None):
+    """Run the from-logits kernel over ``rows``; inputs are validated by the caller.
+
+    Args:
+        logits: [N, V] (packed: ``rows`` has row tags) or [B, R, V] (padded),
+            bf16/fp16/fp32 with unit stride over V.
+        rows: the draft tokens, N or B * R of them.
+        config: tiles (default :func:`~.configs.default_logits_config`).
+
+    Returns:
+        (log-probs [n_rows] float32, accept [n_rows] int8, rejection index
+        [B] int32, NaN flag [1] int32), see :meth:`DraftRows.buffers`.
+    """
+    vocab = logits.shape[-1]
+    packed = logits.dim() == 2
+    if packed:
+        n_rows, T, stride_b, stride_t = logits.shape[0], logits.shape[0], 0, logits.stride(0)
+    else:
+        n_rows, T, stride_b, stride_t = logits.shape[0] * logits.shape[1], logits.shape[1], *logits.stride()[:2]
+    cfg = config or default_logits_config(vocab, logits.dtype, INTERPRET)
+    lp, acc, n, flag = rows.buffers(n_rows, logits.device)
+    if n_rows == 0:
+        return lp, acc, n, flag
+    k0, k1, l_lo, l_hi, t_lo, t_hi, c = rows.scalars()
+    verify_from_logits_kernel[(triton.cdiv(n_rows, cfg.block_r),)](
+        logits, rows.ids, rows.old, lp, acc, n, flag,
+        rows.row_sample if packed else n, rows.row_token if packed else n,  # unused pointer slots: any tensor
+        rows.lengths, rows.uids,
+        n_rows, vocab, T, stride_b, stride_t,
+        k0, k1, l_lo, l_hi, t_lo, t_hi, c,
+        PACKED=packed, MODE=rows.mode, BLOCK_R=cfg.block_r, BLOCK_V=cfg.block_v, USE_LIBDEVICE=not INTERPRET,
+        num_warps=cfg.num_warps,
+    )  # fmt: skip
+    return lp, acc, n, flag

@@ -17,8 +17,8 @@ Two launches:
    exactly one writer: no atomics on floats.
 2. ``lm_head_merge_kernel`` -- per row, merges the splits in the fixed order
    0..S-1 (deterministic; the merge used by verl's fused log-prob kernel, see
-   DESIGN.md "Facts from the field"), then runs the shared epilogue
-   (:func:`._common.finish_rows`).
+   docs/design.md "Facts from the field"), then runs the shared epilogue
+   (:func:`.epilogue.finish_rows`).
 
 Extra memory: 2 * S * N + N float32 (S = number of splits, ~16), i.e. O(N).
 
@@ -30,45 +30,28 @@ N / (BLOCK_M * resident row blocks) times instead of once per row block.
 The split count depends only on (V, BLOCK_N, tiles_per_split), never on N,
 so a row's log-prob -- and the decision -- does not depend on which other
 rows are in the batch (permutation and padding invariance).
+
+:func:`launch_lm_head` sizes the partials and runs both launches.
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-from ._common import NEG_FLT_MAX, f64_from_words_tl, finish_rows, u32_from_i32_tl
+from ._common import INTERPRET, NEG_FLT_MAX, DraftRows
+from .configs import LMHeadConfig, default_lm_head_config
+from .epilogue import finish_rows
 
 
 @triton.jit(do_not_specialize=["c_exp2"])
 def lm_head_partial_kernel(
-    h_ptr,
-    w_ptr,
-    bias_ptr,
-    ids_ptr,
-    row_off_ptr,
-    part_m_ptr,
-    part_s_ptr,
-    tgt_ptr,
-    N,
-    V,
-    D,
-    stride_h,
-    stride_w,
-    n_vtiles,
-    tiles_per_split,
-    num_splits,
-    c_exp2,
-    HAS_BIAS: tl.constexpr,
-    HAS_ROW_MAP: tl.constexpr,
-    ROW_ALIGN: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    FLATTEN: tl.constexpr,
-):
+    h_ptr, w_ptr, bias_ptr, ids_ptr, row_off_ptr, part_m_ptr, part_s_ptr, tgt_ptr,
+    N, V, D, stride_h, stride_w, n_vtiles, tiles_per_split, num_splits, c_exp2,
+    HAS_BIAS: tl.constexpr, HAS_ROW_MAP: tl.constexpr, ROW_ALIGN: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FLATTEN: tl.constexpr,
+):  # fmt: skip
     pid = tl.program_id(0)
     rb = pid // num_splits
     sp = pid - rb * num_splits
@@ -134,30 +117,11 @@ def lm_head_partial_kernel(
     do_not_specialize=["k0_w", "k1_w", "log_l_lo", "log_l_hi", "temp_lo", "temp_hi", "c_exp2"],
 )
 def lm_head_merge_kernel(
-    part_m_ptr,
-    part_s_ptr,
-    tgt_ptr,
-    old_ptr,
-    lp_out_ptr,
-    acc_out_ptr,
-    n_ptr,
-    flag_ptr,
-    row_sample_ptr,
-    row_token_ptr,
-    uids_ptr,
-    N,
-    num_splits,
-    k0_w,
-    k1_w,
-    log_l_lo,
-    log_l_hi,
-    temp_lo,
-    temp_hi,
-    c_exp2,
-    MODE: tl.constexpr,
-    BLOCK: tl.constexpr,
-    USE_LIBDEVICE: tl.constexpr,
-):
+    part_m_ptr, part_s_ptr, tgt_ptr, old_ptr, lp_out_ptr, acc_out_ptr, n_ptr, flag_ptr,
+    row_sample_ptr, row_token_ptr, uids_ptr, N, num_splits,
+    k0_w, k1_w, log_l_lo, log_l_hi, temp_lo, temp_hi, c_exp2,
+    MODE: tl.constexpr, BLOCK: tl.constexpr, USE_LIBDEVICE: tl.constexpr,
+):  # fmt: skip
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_range = rows < N
     sample = tl.load(row_sample_ptr + rows, mask=in_range, other=-1).to(tl.int32)
@@ -176,24 +140,76 @@ def lm_head_merge_kernel(
     tgt = tl.load(tgt_ptr + rows, mask=in_range, other=0.0)
 
     finish_rows(
-        rows,
-        in_range,
-        valid,
-        sample,
-        token,
-        m,
-        s,
-        tgt,
-        lp_out_ptr,
-        acc_out_ptr,
-        n_ptr,
-        flag_ptr,
-        old_ptr,
-        uids_ptr,
-        u32_from_i32_tl(k0_w),
-        u32_from_i32_tl(k1_w),
-        f64_from_words_tl(log_l_lo, log_l_hi),
-        f64_from_words_tl(temp_lo, temp_hi),
-        MODE,
-        USE_LIBDEVICE,
-    )
+        rows, in_range, valid, sample, token, m, s, tgt,
+        lp_out_ptr, acc_out_ptr, n_ptr, flag_ptr, old_ptr, uids_ptr,
+        k0_w, k1_w, log_l_lo, log_l_hi, temp_lo, temp_hi, MODE, USE_LIBDEVICE,
+    )  # fmt: skip
+
+
+def offsets_alignment(elem_size: int, *strides: int) -> int:
+    """Largest power of two p <= 16 bytes / elem_size dividing every stride (a tl.multiple_of hint)."""
+    p = max(1, 16 // elem_size)
+    while p > 1 and any(s % p for s in strides):
+        p //= 2
+    return p
+
+
+def launch_lm_head(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    rows: DraftRows,
+    *,
+    row_offsets: torch.Tensor | None = None,
+    row_align: int = 1,
+    config: LMHeadConfig | None = None,
+):
+    """Run the fused LM-head kernels over ``rows``; inputs are validated by the caller.
+
+    Args:
+        hidden: [N, d] rows, or any tensor addressed by ``row_offsets``;
+            bf16/fp16/fp32 with unit stride over d.
+        weight: [V, d] with unit stride over d; bias: optional [V].
+        rows: the draft tokens (with row tags), N of them.
+        row_offsets: optional [N] int64 element offset of each row in ``hidden``.
+        row_align: a power of two dividing every row offset (a load-width hint).
+        config: tiles (default :func:`~.configs.default_lm_head_config`).
+
+    Returns:
+        (log-probs [N] float32, accept [N] int8, rejection index [B] int32,
+        NaN flag [1] int32), see :meth:`DraftRows.buffers`.
+    """
+    device = hidden.device
+    vocab, d = weight.shape
+    n_rows = rows.ids.shape[0]
+    tensor_core = hidden.dtype == weight.dtype and hidden.dtype in (torch.bfloat16, torch.float16)
+    cfg = config or default_lm_head_config(d, vocab, hidden.dtype if tensor_core else torch.float32, INTERPRET)
+    # The Triton 3.x interpreter computes bf16 tl.dot wrongly (it treats the
+    # raw bf16 bits as integers); upcasting first is numerically what the
+    # tensor cores do (exact bf16 products, fp32 accumulation).
+    dot_fp32 = not tensor_core or (INTERPRET and hidden.dtype == torch.bfloat16)
+    lp, acc, n, flag = rows.buffers(n_rows, device)
+    if n_rows == 0:
+        return lp, acc, n, flag
+    n_vtiles, per_split, n_splits = cfg.splits(vocab)
+    part_m = torch.empty(n_splits, n_rows, dtype=torch.float32, device=device)
+    part_s = torch.empty(n_splits, n_rows, dtype=torch.float32, device=device)
+    tgt = torch.empty(n_rows, dtype=torch.float32, device=device)
+    k0, k1, l_lo, l_hi, t_lo, t_hi, c = rows.scalars()
+    lm_head_partial_kernel[(triton.cdiv(n_rows, cfg.block_m) * n_splits,)](
+        hidden, weight, bias if bias is not None else tgt,  # unused pointer slots: any tensor
+        rows.ids, row_offsets if row_offsets is not None else tgt, part_m, part_s, tgt,
+        n_rows, vocab, d, hidden.stride(0) if row_offsets is None else 0, weight.stride(0),
+        n_vtiles, per_split, n_splits, c,
+        HAS_BIAS=bias is not None, HAS_ROW_MAP=row_offsets is not None, ROW_ALIGN=row_align,
+        EVEN_K=d % cfg.block_k == 0, DOT_FP32=dot_fp32,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FLATTEN=cfg.flatten,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    lm_head_merge_kernel[(triton.cdiv(n_rows, cfg.merge_block),)](
+        part_m, part_s, tgt, rows.old, lp, acc, n, flag,
+        rows.row_sample, rows.row_token, rows.uids, n_rows, n_splits,
+        k0, k1, l_lo, l_hi, t_lo, t_hi, c,
+        MODE=rows.mode, BLOCK=cfg.merge_block, USE_LIBDEVICE=not INTERPRET, num_warps=4,
+    )  # fmt: skip
+    return lp, acc, n, flag

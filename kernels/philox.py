@@ -22,12 +22,22 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import as_i32, seed_words
+
 PHILOX_M0 = tl.constexpr(0xD2511F53)
 PHILOX_M1 = tl.constexpr(0xCD9E8D57)
 PHILOX_W0 = tl.constexpr(0x9E3779B9)
 PHILOX_W1 = tl.constexpr(0xBB67AE85)
 # 2**-24 is exact in float32; u = ((x0 >> 8) + 1) * 2**-24 lies in [2**-24, 1].
 U24_SCALE = tl.constexpr(5.9604644775390625e-08)
+# Streams (the counter's last word), as in spec_rl.philox: 0 acceptance test, 1 random reuse.
+STREAM_ACCEPT = tl.constexpr(0)
+
+
+@triton.jit
+def u32_from_i32_tl(word):
+    """Kernel scalar (passed as a signed int32) -> uint32 with the same bits."""
+    return word.to(tl.int32).to(tl.uint32, bitcast=True)
 
 
 @triton.jit
@@ -71,9 +81,9 @@ def _philox_uniform_kernel(out_ptr, uids_ptr, tokens_ptr, n, k0_w, k1_w, stream_
     ok = offs < n
     uid = tl.load(uids_ptr + offs, mask=ok, other=0)
     tok = tl.load(tokens_ptr + offs, mask=ok, other=0).to(tl.int32)
-    k0 = k0_w.to(tl.int32).to(tl.uint32, bitcast=True)
-    k1 = k1_w.to(tl.int32).to(tl.uint32, bitcast=True)
-    stream = stream_w.to(tl.int32).to(tl.uint32, bitcast=True)
+    k0 = u32_from_i32_tl(k0_w)
+    k1 = u32_from_i32_tl(k1_w)
+    stream = u32_from_i32_tl(stream_w)
     tl.store(out_ptr + offs, philox_uniform_tl(k0, k1, tok, uid, stream), mask=ok)
 
 
@@ -95,11 +105,6 @@ def _philox_words_kernel(out_ptr, in_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs * 4 + 3, x3.to(tl.int64), mask=ok)
 
 
-def _i32(word: int) -> int:
-    word &= 0xFFFFFFFF
-    return word - (1 << 32) if word >= (1 << 31) else word
-
-
 def philox_uniform_triton(seed: int, uids: torch.Tensor, token_index: torch.Tensor, stream: int = 0) -> torch.Tensor:
     """In-kernel counterpart of :func:`spec_rl.philox.philox_uniform` (same broadcasting).
 
@@ -117,11 +122,9 @@ def philox_uniform_triton(seed: int, uids: torch.Tensor, token_index: torch.Tens
     out = torch.empty(u.numel(), dtype=torch.float32, device=u.device)
     n = u.numel()
     if n:
-        s = int(seed) % (1 << 64)
         block = 256
-        _philox_uniform_kernel[(triton.cdiv(n, block),)](
-            out, u, t, n, _i32(s & 0xFFFFFFFF), _i32(s >> 32), _i32(int(stream)), BLOCK=block
-        )
+        k0, k1 = seed_words(seed)
+        _philox_uniform_kernel[(triton.cdiv(n, block),)](out, u, t, n, k0, k1, as_i32(int(stream)), BLOCK=block)
     return out.view(shape)
 
 

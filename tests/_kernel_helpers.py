@@ -16,7 +16,7 @@ except Exception as exc:  # not installed, or a broken install: skip every kerne
 import spec_rl.kernels as K
 
 from spec_rl.philox import philox_uniform
-from spec_rl.acceptance import lengths_mask, reference_verify
+from spec_rl.acceptance import lengths_mask, make_result, random_reuse_index, reference_verify
 from spec_rl.sampling import SamplingSettings
 from spec_rl.scoring import DraftScores
 
@@ -94,6 +94,26 @@ def reference64(draft_ids, old_logprobs, lengths, *, uids, seed, log_lenience, t
     )
 
 
+def kernel_verify(draft_ids, old_logprobs, lengths, *, uids, seed, log_lenience, temperature=1.0, strategy="spec",
+                  return_accept_mask=False, **kwargs):
+    """K.verify_padded packed as a VerifyResult the way spec_rl.verify's triton backend does.
+
+    ``kwargs``: the score source (logits= or hidden_states= with lm_head_weight=/lm_head_bias=) and
+    the tile overrides logits_config= / lm_head_config=. strategy="random" scores only and draws n
+    with the reference's random_reuse_index.
+    """
+    lp, accept, n = K.verify_padded(
+        draft_ids, old_logprobs, lengths, uids, seed=seed, log_lenience=log_lenience, temperature=temperature,
+        score_only=strategy == "random", **kwargs,
+    )
+    assert lp.dtype == torch.float32 and accept.dtype == torch.bool and n.dtype == torch.int64
+    if strategy == "random":
+        assert torch.equal(n.cpu(), lengths.cpu()) and not bool(accept.any())  # score-only contract
+        n = random_reuse_index(seed, uids, lengths.to(uids.device))
+        accept = lengths_mask(n, draft_ids.shape[1])
+    return make_result(lp, n, accept, lengths.to(n.device), return_accept_mask)
+
+
 def assert_same_decisions(out, ref) -> None:
     assert torch.equal(out.accepted_len.cpu(), ref.accepted_len), (out.accepted_len, ref.accepted_len)
     assert torch.equal(out.full_reuse.cpu(), ref.full_reuse)
@@ -111,6 +131,7 @@ __all__ = [
     "assert_lp_close",
     "assert_same_decisions",
     "far_from_ties_old_logprobs",
+    "kernel_verify",
     "lengths_mask",
     "math",
     "reference64",

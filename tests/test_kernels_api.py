@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _kernel_helpers import DEVICE, HIDDEN_ATOL, LOGITS_ATOL, K, assert_lp_close, reference64
+from _kernel_helpers import DEVICE, HIDDEN_ATOL, LOGITS_ATOL, K, assert_lp_close, kernel_verify, reference64
 
+from spec_rl import verify
 from spec_rl.acceptance import lengths_mask, reference_verify
 from spec_rl.sampling import token_logprobs
+from spec_rl.scoring import DraftScores
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
@@ -61,7 +63,7 @@ def test_packed_equals_padded(source):
     ids_p, old_p = c["ids"][valid].to(DEVICE), c["old"][valid].to(DEVICE)
     if source == "logits":
         packed = K.verify_packed_logits(c["logits"][valid].to(DEVICE), ids_p, old_p, **common)
-        padded = K.verify_triton(
+        padded = kernel_verify(
             c["ids"].to(DEVICE),
             c["old"].to(DEVICE),
             c["lengths"].to(DEVICE),
@@ -74,7 +76,7 @@ def test_packed_equals_padded(source):
         )
     else:
         packed = K.verify_packed_hidden(c["hidden"][valid].to(DEVICE), c["weight"].to(DEVICE), ids_p, old_p, **common)
-        padded = K.verify_triton(
+        padded = kernel_verify(
             c["ids"].to(DEVICE),
             c["old"].to(DEVICE),
             c["lengths"].to(DEVICE),
@@ -145,18 +147,24 @@ def test_score_only_helpers_match_reference_token_logprobs():
 
 
 def test_new_logprobs_source_is_the_reference():
+    """verify(backend="triton") with new_logprobs needs no kernel: it gives the reference's result."""
     c = _padded_case(4)
     new = -torch.rand(4, 6) * 5
-    kw = dict(seed=5, uids=c["uids"], log_lenience=0.3, new_logprobs=new, return_accept_mask=True)
+    kw = dict(seed=5, log_lenience=0.3, return_accept_mask=True)
     for strategy in ("spec", "random"):
-        out = K.verify_triton(
+        out = verify(
             c["ids"].to(DEVICE),
             c["old"].to(DEVICE),
-            c["lengths"].to(DEVICE),
+            lengths=c["lengths"].to(DEVICE),
+            uids=c["uids"].to(DEVICE),
+            new_logprobs=new.to(DEVICE),
             strategy=strategy,
-            **{k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()},
+            backend="triton",
+            **kw,
         )
-        ref = reference_verify(c["ids"], c["old"], c["lengths"], strategy=strategy, **kw)
+        ref = reference_verify(
+            c["ids"], c["old"], c["lengths"], c["uids"], DraftScores(new_logprobs=new), strategy=strategy, **kw
+        )
         assert torch.equal(out.accepted_len.cpu(), ref.accepted_len)
         assert torch.equal(out.accept_mask.cpu(), ref.accept_mask)
         assert torch.equal(out.new_logprobs.cpu(), ref.new_logprobs)
@@ -164,20 +172,20 @@ def test_new_logprobs_source_is_the_reference():
 
 def test_top_k_top_p_not_implemented_and_bad_arguments():
     c = _padded_case(5)
-    args = (c["ids"].to(DEVICE), c["old"].to(DEVICE), c["lengths"].to(DEVICE))
-    kw = dict(seed=0, uids=c["uids"].to(DEVICE), log_lenience=0.0, logits=c["logits"].to(DEVICE))
+    ids, old, lengths, uids = (c[k].to(DEVICE) for k in ("ids", "old", "lengths", "uids"))
+    logits = c["logits"].to(DEVICE)
+    kw = dict(lengths=lengths, uids=uids, log_lenience=0.0, logits=logits, backend="triton")
     with pytest.raises(NotImplementedError):
-        K.verify_triton(*args, top_k=50, **kw)
+        verify(ids, old, top_k=50, **kw)
     with pytest.raises(NotImplementedError):
-        K.verify_triton(*args, top_p=0.9, **kw)
+        verify(ids, old, top_p=0.9, **kw)
     with pytest.raises(ValueError, match="strategy"):
-        K.verify_triton(*args, strategy="greedy", **kw)
+        verify(ids, old, strategy="greedy", **kw)
+    padded = dict(seed=0, log_lenience=0.0, temperature=1.0)
     with pytest.raises(ValueError, match="exactly one"):
-        K.verify_triton(*args, seed=0, uids=c["uids"].to(DEVICE), log_lenience=0.0)
+        K.verify_padded(ids, old, lengths, uids, **padded)
     with pytest.raises(NotImplementedError):
-        K.verify_triton(
-            *args, seed=0, uids=c["uids"].to(DEVICE), log_lenience=0.0, logits=c["logits"].double().to(DEVICE)
-        )
+        K.verify_padded(ids, old, lengths, uids, logits=c["logits"].double().to(DEVICE), **padded)
     with pytest.raises(ValueError, match="block_v"):
         K.LogitsConfig(block_v=100, num_warps=4)
 
@@ -186,7 +194,7 @@ def test_is_available_and_fp32_reference_agreement():
     assert K.is_available(DEVICE)
     assert not K.is_available("meta")
     c = _padded_case(6)
-    out = K.verify_triton(
+    out = kernel_verify(
         c["ids"].to(DEVICE),
         c["old"].to(DEVICE),
         c["lengths"].to(DEVICE),

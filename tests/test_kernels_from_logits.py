@@ -1,4 +1,4 @@
-"""From-logits kernel vs the float64 reference (spec_rl.acceptance.reference_verify)."""
+"""From-logits kernel (K.verify_padded with logits) vs the float64 reference (spec_rl.acceptance.reference_verify)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from _kernel_helpers import (
     assert_lp_close,
     assert_same_decisions,
     far_from_ties_old_logprobs,
+    kernel_verify,
     reference64,
 )
 
@@ -44,7 +45,7 @@ def _case(bsz, max_len, vocab, lengths, dtype, *, seed=11, temperature=1.0, log_
 
 def _run(case, config=None, logits=None, **extra):
     lg = case["logits"] if logits is None else logits
-    out = K.verify_triton(
+    out = kernel_verify(
         case["ids"].to(DEVICE),
         case["old"].to(DEVICE),
         case["lengths"].to(DEVICE),
@@ -140,7 +141,7 @@ def test_padding_is_never_read():
     ids = case["ids"].clone()
     ids[1, 2:] = -5
     ids[2] = 10**6
-    out = K.verify_triton(
+    out = kernel_verify(
         ids.to(DEVICE),
         case["old"].to(DEVICE),
         case["lengths"].to(DEVICE),
@@ -161,7 +162,7 @@ def test_empty_batch_and_all_empty_responses():
     out, ref = _run(case)
     assert torch.equal(out.accepted_len.cpu(), torch.zeros(2, dtype=torch.int64))
     assert_same_decisions(out, ref)
-    empty = K.verify_triton(
+    empty = kernel_verify(
         torch.zeros(0, 3, dtype=torch.int64, device=DEVICE),
         torch.zeros(0, 3, device=DEVICE),
         torch.zeros(0, dtype=torch.int64, device=DEVICE),
@@ -212,7 +213,7 @@ def test_decisions_exactly_follow_the_rule_on_the_kernel_logprobs():
     u = philox_uniform(5, uids.unsqueeze(1), torch.arange(max_len).unsqueeze(0))
 
     def run(old):
-        return K.verify_triton(
+        return kernel_verify(
             ids.to(DEVICE),
             old.to(DEVICE),
             lengths.to(DEVICE),
@@ -245,7 +246,7 @@ def test_permutation_and_padding_invariance_and_determinism():
     ids_p[:, :6] = case["ids"][perm]
     old_p = torch.zeros(4, 6 + pad)
     old_p[:, :6] = case["old"][perm]
-    out_p = K.verify_triton(
+    out_p = kernel_verify(
         ids_p.to(DEVICE),
         old_p.to(DEVICE),
         case["lengths"][perm].to(DEVICE),

@@ -11,6 +11,7 @@ from _kernel_helpers import (
     assert_lp_close,
     assert_same_decisions,
     far_from_ties_old_logprobs,
+    kernel_verify,
     reference64,
 )
 
@@ -61,7 +62,7 @@ def _run(case, config=SMALL, hidden=None, weight=None, **extra):
     h = case["hidden"] if hidden is None else hidden
     w = case["weight"] if weight is None else weight
     bias = case["bias"].to(DEVICE) if case["bias"] is not None else None
-    out = K.verify_triton(
+    out = kernel_verify(
         case["ids"].to(DEVICE),
         case["old"].to(DEVICE),
         case["lengths"].to(DEVICE),
@@ -185,7 +186,7 @@ def test_strided_hidden_permutation_padding_invariance_and_determinism():
     ids[:, :5] = case["ids"][perm]
     old = torch.zeros(3, 9)
     old[:, :5] = case["old"][perm]
-    out_p = K.verify_triton(
+    out_p = kernel_verify(
         ids.to(DEVICE),
         old.to(DEVICE),
         case["lengths"][perm].to(DEVICE),

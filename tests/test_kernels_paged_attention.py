@@ -25,8 +25,14 @@ import pytest
 import torch
 from _kernel_helpers import DEVICE, K, triton  # noqa: F401  first: skips this module when triton is missing
 
-from spec_rl.kernels import paged_attention as PA
-from spec_rl.kernels.paged_attention import PagedAttentionConfig, paged_decode_attention, plan_splits, splits_for
+from spec_rl.kernels.configs import (
+    PagedAttentionConfig,
+    default_paged_attention_config,
+    next_pow2,
+    plan_splits,
+    splits_for,
+)
+from spec_rl.kernels.paged_attention import paged_decode_attention
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2**-8, 2**-8), torch.float16: (2**-10, 2**-10)}
 
@@ -102,7 +108,7 @@ BCAST16 = PagedAttentionConfig(block_n=16, use_dot=False)
 BCAST8 = PagedAttentionConfig(block_n=8, use_dot=False)
 DOT16 = PagedAttentionConfig(block_n=16, use_dot=True)
 
-# (seq_lens, q_heads, kv_heads, head_dim, block_size, cache dtype, query dtype, config; None = default_config)
+# (seq_lens, q_heads, kv_heads, head_dim, block_size, cache dtype, query dtype, config; None = default_paged_attention_config)
 CASES = [
     # GQA 1, multi-tile (16-token tiles over 16-token blocks), lengths 0 / 1 / exact multiple / ragged
     ([0, 1, 16, 37, 48], 2, 2, 32, 16, torch.float32, None, BCAST16),
@@ -132,7 +138,7 @@ CASES = [
 
 
 def _case_id(c) -> str:
-    path = "dot" if (c[7] or PA.default_config(c[1] // c[2], c[3], c[5])).use_dot else "bcast"
+    path = "dot" if (c[7] or default_paged_attention_config(c[1] // c[2], c[3], c[5])).use_dot else "bcast"
     return f"lens{c[0]}-G{c[1] // c[2]}-D{c[3]}-bs{c[4]}-{c[5]}-{path}".replace("torch.", "")
 
 
@@ -150,16 +156,16 @@ def test_matches_float64_reference(case):
 
 
 def test_default_config_rule():
-    assert PA.default_config(2, 128, torch.bfloat16) == PagedAttentionConfig(64, 8, True, 2)
-    assert PA.default_config(2, 128, torch.float32).use_dot is False
-    assert PA.default_config(8, 128, torch.float32).use_dot is True
-    assert PA.default_config(2, 8, torch.bfloat16).use_dot is False  # tl.dot needs K >= 16
+    assert default_paged_attention_config(2, 128, torch.bfloat16) == PagedAttentionConfig(64, 8, True, 2)
+    assert default_paged_attention_config(2, 128, torch.float32).use_dot is False
+    assert default_paged_attention_config(8, 128, torch.float32).use_dot is True
+    assert default_paged_attention_config(2, 8, torch.bfloat16).use_dot is False  # tl.dot needs K >= 16
     for g in (1, 2, 3, 4, 8, 16, 32):
         for d in (8, 16, 24, 32, 64, 128, 256):
             for dt in (torch.float32, torch.bfloat16):
-                cfg = PA.default_config(g, d, dt)
+                cfg = default_paged_attention_config(g, d, dt)
                 if not cfg.use_dot:  # the broadcast product stays within 8192 fp32 elements (no spills)
-                    assert PA._next_pow2(g) * cfg.block_n * PA._next_pow2(max(d, 8)) <= 8192 or cfg.block_n == 8
+                    assert next_pow2(g) * cfg.block_n * next_pow2(max(d, 8)) <= 8192 or cfg.block_n == 8
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -196,7 +202,7 @@ def test_automatic_split_on_small_batch_long_context():
     # Interpreter's nominal 4 SMs: 1 x 1 programs -> split-K is chosen automatically.
     lens = [600]
     q, kv, bt, sl = make_case(lens, 2, 1, 32, 16, seed=3)
-    cfg = PA.default_config(2, 32, torch.float32)
+    cfg = default_paged_attention_config(2, 32, torch.float32)
     assert plan_splits(1, 1, 600, cfg.block_n, 4)[0] > 1
     out = paged_decode_attention(q, kv, bt, sl, 32**-0.5, max_seq_len=600)
     assert_close(out, reference64(q, kv, bt, sl, 32**-0.5), kv, torch.float32)

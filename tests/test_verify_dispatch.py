@@ -44,3 +44,17 @@ def test_triton_backend_raises_on_nan_and_on_top_k():
     # auto falls back to the reference for top-k and still scans for NaN there.
     with pytest.raises(ValueError, match="NaN"):
         verify(ids, old, logits=logits, lengths=lengths, backend="auto", top_k=5)
+
+
+@pytest.mark.parametrize("source", ["logits", "hidden"])
+def test_triton_backend_random_reuse_matches_reference(source):
+    # strategy="random": the kernels only score (verify_padded(score_only=True)); n comes from the host draw.
+    hidden, weight, ids, lengths, logits, old = _case(seed=2)
+    kw = dict(lengths=lengths, temperature=0.8, lenience=1.2, seed=9, strategy="random", return_accept_mask=True)
+    scores = dict(logits=logits) if source == "logits" else dict(hidden_states=hidden, lm_head_weight=weight)
+    ref = verify(ids, old, backend="reference", **scores, **kw)
+    tri = verify(ids, old, backend="triton", **scores, **kw)
+    assert torch.equal(ref.accepted_len.cpu(), tri.accepted_len.cpu())
+    assert torch.equal(ref.accept_mask.cpu(), tri.accept_mask.cpu())
+    assert torch.allclose(ref.new_logprobs.cpu(), tri.new_logprobs.cpu(), atol=1e-4)
+    assert ref.stats.to_dict() == tri.stats.to_dict()
