@@ -113,6 +113,21 @@ def test_score_drafts_matches_policy_scorer():
     assert engine.blocks.num_free == 64
 
 
+def test_stats_are_backend_stats_and_count_every_generation_forward():
+    from spec_rl.generation import BackendStats, GenerationBackend
+
+    model = tiny_family_model("qwen2", seed=8)
+    engine = PagedEngine(model, eos_ids={1}, pad_id=0, block_size=4, num_blocks=64)
+    assert isinstance(engine, GenerationBackend) and isinstance(engine.stats, BackendStats)
+    engine.generate(PROMPTS, [6] * len(PROMPTS), SamplingSettings(max_tokens=6), seed=0)
+    assert engine.stats.decode_steps == engine.stats.forwards  # one prefill wave + the decode steps
+    _, handle = engine.score_drafts(PROMPTS, [[5, 6]] * len(PROMPTS))
+    assert engine.stats.decode_steps == engine.stats.forwards - 1  # the scoring forward is not a decode step
+    engine.release(handle)
+    engine.reset_stats()
+    assert engine.stats.to_dict() == dict.fromkeys(engine.stats.to_dict(), 0)
+
+
 def test_bad_arguments():
     model = tiny_family_model("qwen2")
     with pytest.raises(ValueError, match="eos_ids"):
@@ -157,7 +172,7 @@ def test_decode_through_the_triton_paged_kernel_matches_the_gather_path():
         calls.append(kwargs)
         return kernels.paged_decode_attention(*args, **kwargs)
 
-    triton._decode_kernel = counted
+    triton.runner.decode_kernel = counted
     want = plain.generate(prompts, [6, 6, 6], settings, seed=5)
     got = triton.generate(prompts, [6, 6, 6], settings, seed=5)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
@@ -174,7 +189,7 @@ def test_cuda_engine_matches_plain_forward(family):
     # The GPU path: CUDA paged KV ops (spec_rl._C) and the Triton decode kernel.
     model = tiny_family_model(family, seed=3).cuda()
     engine = PagedEngine(model, eos_ids={1}, pad_id=0, block_size=16, num_blocks=64)
-    assert engine._decode_kernel is not None
+    assert engine.runner.decode_kernel is not None
     outs = engine.generate(PROMPTS, [40] * len(PROMPTS), GREEDY, seed=0)
     for p, out in zip(PROMPTS, outs):
         ids, ref = list(p), []

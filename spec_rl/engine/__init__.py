@@ -1,12 +1,29 @@
-"""Paged generation engine: block manager, paged attention for transformers models, splicing API.
+"""Paged generation engine (docs/design.md "Paged KV cache").
 
-* :class:`BlockManager`, :class:`OutOfBlocks` -- refcounted KV blocks, block tables, copy-on-write.
-* :class:`PagedEngine` -- a :class:`~spec_rl.generation.GenerationBackend` with
-  :meth:`~PagedEngine.score_drafts` / :meth:`~PagedEngine.continue_from` for
-  speculative rollouts without re-prefill.
+* :mod:`.blocks` -- :class:`BlockManager`, :class:`OutOfBlocks`: refcounted KV blocks, block tables, copy-on-write.
+* :mod:`.sequence` -- :class:`PrefillGroup`, :class:`SequenceState`, :class:`SpliceHandle`: sequence state.
+* :mod:`.scheduler` -- :class:`Scheduler`: admission with worst-case block reservation, eviction, group split.
+* :mod:`.model_runner` -- :class:`ModelRunner`, :class:`EngineStats`: KV tensors, packed forward, prefill, decode.
+* :mod:`.attention` -- paged attention plugged into transformers' ``AttentionInterface``.
+* :mod:`.engine` -- :class:`PagedEngine`: a :class:`~spec_rl.generation.GenerationBackend` with
+  :meth:`~PagedEngine.score_drafts` / :meth:`~PagedEngine.continue_from` for speculative
+  rollouts without re-prefill.
 """
 
 from .blocks import BlockManager, OutOfBlocks
-from .engine import EngineStats, PagedEngine, SpliceHandle
+from .engine import PagedEngine
+from .model_runner import EngineStats, ModelRunner
+from .scheduler import Scheduler
+from .sequence import PrefillGroup, SequenceState, SpliceHandle
 
-__all__ = ["BlockManager", "OutOfBlocks", "EngineStats", "PagedEngine", "SpliceHandle"]
+__all__ = [
+    "BlockManager",
+    "EngineStats",
+    "ModelRunner",
+    "OutOfBlocks",
+    "PagedEngine",
+    "PrefillGroup",
+    "Scheduler",
+    "SequenceState",
+    "SpliceHandle",
+]

@@ -8,9 +8,9 @@ prompt's blocks (:meth:`BlockManager.fork`). A sequence that appends into a
 partially filled block that another sequence also holds first gets a private
 copy of it (copy-on-write): :meth:`BlockManager.append_slots` returns the
 ``(src, dst)`` pairs the engine must copy with :func:`spec_rl.ops.copy_blocks`
-in every layer *before* writing new K/V. The design follows the readable
-block manager of nano-vllm (refcounted blocks, a free list) as described in
-DESIGN.md; no code is taken from it.
+in every layer *before* writing new K/V (docs/design.md "Paged KV cache").
+The design follows the readable block manager of nano-vllm (refcounted
+blocks, a free list); no code is taken from it.
 
 Failure is explicit and atomic: an operation that needs more free blocks than
 exist raises :class:`OutOfBlocks` before changing any state.
@@ -205,10 +205,6 @@ class BlockManager:
         for b in self._tables.pop(seq):
             self._release(b)
         del self._lens[seq]
-
-    def reset(self) -> None:
-        """Forget every sequence; all blocks free."""
-        self.__init__(self.num_blocks, self.block_size)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if refcounts, tables and the free list disagree (for tests)."""
