@@ -1,6 +1,6 @@
 """Build script.
 
-- Maps the top-level kernels/ folder to spec_rl.kernels (DESIGN.md).
+- Maps the top-level kernels/ folder to spec_rl.kernels (docs/design.md "Module map").
 - Builds the paged KV-cache ops in csrc/ as the extension ``spec_rl._C``
   (torch.utils.cpp_extension, ninja): C++ CPU kernels always; the CUDA kernels
   (.cu) too when this torch is a CUDA build (torch.version.cuda) and a CUDA

@@ -5,14 +5,14 @@ slot within the group, hashed with BLAKE2b. Text is never used as a key, so
 two prompts that decode to the same string but tokenise differently never
 collide, and shuffling the data between epochs changes nothing. (The SPEC-RL
 reference implementation keys by decoded prompt text and needs unshuffled
-data; DESIGN.md "Facts from the field".)
+data; docs/design.md "Facts from the field".)
 
 Each entry stores the response token ids (int32), their log-probs (float32)
 under the policy that last validated them, the finish reason, the policy
 version (training step) and the sampling settings. A lookup under different
 sampling settings is a miss (with one warning per distinct pair of
 settings): comparing log-probs of different distributions would silently
-destroy reuse (DESIGN.md rule step 1).
+destroy reuse (docs/design.md "The rule", step 1).
 
 On disk the cache is one safetensors file, written to a temporary file in
 the same folder, fsynced and renamed over the old one, so a crash mid-write
@@ -139,7 +139,7 @@ class DraftStore:
     Subclasses implement ``_read(key) -> Draft | None`` and ``_write(key, draft)``.
     A lookup under other sampling settings than the draft's is a miss, with one
     warning per distinct pair: log-probs of different sampling distributions are not
-    comparable (DESIGN.md, rule step 1), and reusing them would silently destroy reuse.
+    comparable (docs/design.md "The rule", step 1), and reusing them would silently destroy reuse.
     Counters ``hits``, ``misses`` and ``settings_mismatches`` count this process's lookups.
     """
 

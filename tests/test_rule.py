@@ -1,4 +1,4 @@
-"""The acceptance rule (DESIGN.md; SPEC-RL Alg. 1) and its Philox uniforms."""
+"""The acceptance rule (paper Sec. 3, Alg. 1; docs/design.md "The rule") and its Philox uniforms."""
 
 import math
 

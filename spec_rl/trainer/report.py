@@ -127,7 +127,7 @@ def write_report(run_dir: str | Path, summary: dict[str, list[dict]], info: dict
     if png is not None:
         lines += ["![reward, generated tokens and rollout time per step](report.png)", ""]
     lines += ["At the rejection point SPEC-RL samples from the current policy, not from the residual distribution of "
-              "exact speculative sampling, so even l = 1 is not exactly on-policy (paper Sec. 3; DESIGN.md).", ""]
+              "exact speculative sampling, so even l = 1 is not exactly on-policy (paper Sec. 3; docs/design.md, 'The rule').", ""]
     md = run_dir / "report.md"
     md.write_text("\n".join(lines))
     out = {"summary": run_dir / "summary.json", "report": md}
