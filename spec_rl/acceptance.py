@@ -1,7 +1,7 @@
 """The SPEC-RL acceptance rule in plain torch: the executable specification.
 
 Rule (SPEC-RL, Liu et al. 2025, arXiv 2509.23232, Section 3 and Algorithm 1;
-DESIGN.md "The rule"): for a draft response y_1..y_R with stored log-probs
+docs/design.md "The rule"): for a draft response y_1..y_R with stored log-probs
 lp_old_i, the current policy scores every draft token in one forward pass
 (lp_new_i), and token i is accepted iff
 
@@ -10,6 +10,13 @@ lp_old_i, the current policy scores every draft token in one forward pass
 The rejection index n is the number of leading accepted tokens (0..R); the
 verified prefix y_<n is kept and the policy generates the rest. Everything is
 computed in log space; the ratio is never exponentiated.
+
+Exact acceptance (``acceptance="exact"``, docs/design.md "Exact acceptance"): a
+cached draft token is a fixed proposal, a point mass, so exact speculative
+sampling needs no old distribution: accept y_i iff ``log u_i <= lp_new_i``
+(the lenient test with lp_old = 0 and l = 1), and at the first rejection draw
+from pi_t with y_n removed and renormalised. Every position's marginal is then
+exactly pi_t, so the response is a fresh sample of the current policy.
 
 This module does no input validation (see :func:`spec_rl.verify.verify`);
 kernels are tested against it, in float64 for logprob accuracy.
@@ -26,6 +33,9 @@ import torch
 from .philox import STREAM_ACCEPT, STREAM_RANDOM_REUSE, philox_uniform
 from .sampling import SamplingSettings, token_logprobs
 from .scoring import DraftScores
+
+#: "lenient": the paper's rule (Alg. 1); "exact": lossless acceptance of a point-mass draft.
+ACCEPTANCE_RULES = ("lenient", "exact")
 
 # Rows of logits materialised at once in the hidden-state path (bounds the
 # reference's extra memory to about this many rows x V x 4 bytes).
@@ -234,6 +244,7 @@ def reference_verify(
     strategy: str = "spec",
     return_accept_mask: bool = False,
     compute_dtype: torch.dtype = torch.float32,
+    acceptance: str = "lenient",
 ) -> VerifyResult:
     """Verify B padded drafts; inputs are assumed valid (see :func:`spec_rl.verify.verify`).
 
@@ -241,8 +252,13 @@ def reference_verify(
     ``scores`` holds exactly one source (new_logprobs [B, R], logits [B, R, V]
     or hidden_states [B, R, d] with lm_head_weight [V, d]); row i scores draft
     token i. ``settings`` gives temperature/top-k/top-p (max_tokens unused).
-    ``strategy`` is "spec" (the lenient test) or "random" (random reuse).
+    ``strategy`` is "spec" (the acceptance test) or "random" (random reuse);
+    ``acceptance`` is "lenient" (paper Alg. 1) or "exact" (lp_old and l ignored).
     """
+    if acceptance == "exact":
+        old_logprobs, log_lenience = torch.zeros_like(old_logprobs), 0.0
+    elif acceptance != "lenient":
+        raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {acceptance!r}")
     lp_new = draft_logprobs(draft_ids, lengths, scores, settings, compute_dtype)
     max_len = draft_ids.shape[1]
     if strategy == "spec":

@@ -24,7 +24,8 @@ reinterpreted as unsigned); ``token_index`` and ``stream`` modulo 2**32.
 
 Streams: :data:`STREAM_ACCEPT` (0) keys the per-token acceptance uniforms;
 :data:`STREAM_RANDOM_REUSE` (1) keys the one uniform per sample used by the
-random-reuse ablation.
+random-reuse ablation; :data:`STREAM_SAMPLE` (2) keys the inverse-CDF sampling of generated tokens
+(:func:`spec_rl.sampling.keyed_sample`), indexed by absolute position in the sequence.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ PHILOX_ROUNDS = 10
 
 STREAM_ACCEPT = 0
 STREAM_RANDOM_REUSE = 1
+STREAM_SAMPLE = 2
 
 #: XORed into a step's seed to seed the continuation's sampler, so the decode
 #: loop draws from a different generator state than the token at n.

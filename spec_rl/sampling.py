@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .philox import STREAM_SAMPLE, philox_uniform
+
 
 @dataclass(frozen=True)
 class SamplingSettings:
@@ -135,4 +137,52 @@ def sample_tokens(
     """
     logp = sampling_log_softmax(logits, settings.temperature, settings.top_k, settings.top_p)
     ids = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+    return ids, logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+
+
+def keyed_sample(
+    logits: torch.Tensor,
+    settings: SamplingSettings,
+    seed: int,
+    uids: torch.Tensor,
+    positions: torch.Tensor,
+    exclude: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row by inverse CDF with a keyed uniform (docs/design.md "Randomness").
+
+    Row r draws ``u = philox_uniform(seed, uids[r], positions[r], STREAM_SAMPLE)`` and returns the
+    first token whose cumulative probability reaches ``u`` (vocabulary order, float64 sums). The
+    result is a pure function of (seed, uid, position, logits): the same whatever the batch
+    composition, so a sequence decoded one token per step and the same sequence decoded with
+    speculative multi-token steps produce the same tokens.
+
+    Parameters
+    ----------
+    logits : [N, V] float tensor
+    settings : the sampling settings (temperature, top-k, top-p)
+    seed : 64-bit seed
+    uids : [N] int64 per-sequence ids
+    positions : [N] int64 absolute positions of the sampled tokens in their sequences
+    exclude : [N] int64, optional
+        Token to remove from row r's distribution before sampling (renormalised): the residual of
+        exact speculative sampling with a point-mass draft. A row whose whole mass sits on the
+        excluded token samples from the full distribution instead.
+
+    Returns
+    -------
+    (token_ids [N] int64, logprobs [N] float32): logprobs are under the *full* sampling
+    distribution (the policy's log-prob of the token), also for residual samples.
+    """
+    logp = sampling_log_softmax(logits, settings.temperature, settings.top_k, settings.top_p)
+    probs = logp.double().exp()
+    if exclude is not None:
+        rows = torch.arange(probs.shape[0], device=probs.device)
+        residual = probs.clone()
+        residual[rows, exclude.long()] = 0.0
+        empty = residual.sum(-1) <= 0
+        probs = torch.where(empty.unsqueeze(-1), probs, residual)
+    cdf = torch.cumsum(probs, dim=-1)
+    u = philox_uniform(int(seed), uids.to(torch.int64), positions.to(torch.int64), stream=STREAM_SAMPLE).double()
+    target = (u * cdf[:, -1]).unsqueeze(-1)
+    ids = torch.searchsorted(cdf, target).squeeze(-1).clamp(max=probs.shape[-1] - 1)
     return ids, logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1)

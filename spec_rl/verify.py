@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .acceptance import VerifyResult, lenience_to_log, lengths_mask, make_result, random_reuse_index, reference_verify
+from .acceptance import ACCEPTANCE_RULES, VerifyResult, lenience_to_log, lengths_mask, make_result, random_reuse_index, reference_verify
 from .sampling import SamplingSettings
 from .scoring import DraftScores
 
@@ -240,6 +240,7 @@ def verify(
     strategy: str = "spec",
     backend: str = "auto",
     return_accept_mask: bool = False,
+    acceptance: str = "lenient",
 ) -> VerifyResult:
     """Verify a batch of drafts under the current policy (SPEC-RL Sec. 3, Alg. 1).
 
@@ -247,7 +248,7 @@ def verify(
     ----------
     draft_ids : [B, R] integer tensor
         Token ids of the drafts, right-padded (values at padded positions are ignored).
-    old_logprobs : [B, R] float tensor
+    old_logprobs : [B, R] float tensor, or None with ``acceptance="exact"``
         Log-probs stored with the drafts (under the policy that last validated them), each <= 0.
     new_logprobs, logits, hidden_states (+ lm_head_weight, lm_head_bias)
         Exactly one score source, see the module docstring.
@@ -269,6 +270,11 @@ def verify(
     backend : "auto", "reference" or "triton"
     return_accept_mask : bool
         Also return the per-token test outcome.
+    acceptance : "lenient" or "exact"
+        The paper's test (default), or exact speculative sampling of a point-mass draft: accept
+        y_i iff ``log u_i <= lp_new_i`` (old logprobs and lenience unused; docs/design.md
+        "Exact acceptance"). With "exact" the token at a rejection must be drawn from the
+        residual (pi_t without y_n, renormalised) for the response to be a fresh sample of pi_t.
 
     Returns
     -------
@@ -292,6 +298,15 @@ def verify(
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if acceptance not in ACCEPTANCE_RULES:
+        raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {acceptance!r}")
+    if acceptance == "exact":
+        if lenience not in (None, 1, 1.0) or log_lenience not in (None, 0, 0.0):
+            raise ValueError("lenience applies to acceptance='lenient' only; exact acceptance has no lenience")
+        if isinstance(draft_ids, torch.Tensor) and old_logprobs is None:
+            old_logprobs = torch.zeros(draft_ids.shape, dtype=torch.float32, device=draft_ids.device)
+        elif isinstance(old_logprobs, torch.Tensor):
+            old_logprobs = torch.zeros_like(old_logprobs)  # the exact test is the lenient one with lp_old = 0, l = 1
     settings = SamplingSettings(temperature=temperature, top_p=top_p, top_k=top_k)
     scores = DraftScores(
         hidden_states=hidden_states, logits=logits, lm_head_weight=lm_head_weight, lm_head_bias=lm_head_bias,

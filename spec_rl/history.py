@@ -1,0 +1,289 @@
+"""Drafts past the first rejection: a per-prompt index over every earlier response of that prompt.
+
+After the verified prefix is cut, SPEC-RL (paper Alg. 1) decodes the rest one token per step. The
+responses a prompt received before (all G slots of its group, earlier epochs, and the rejected suffix
+of the current draft) usually share long stretches with what the policy is about to write, so each
+decode step can propose several tokens taken from that history and verify them in the same forward
+(RhymeRL/HistoSpec, arXiv 2508.18588, and DAS, arXiv 2511.13841, draft from history the same way).
+
+:class:`SuffixAutomaton` indexes one prompt's responses (token ids, separated by :data:`SEPARATOR`):
+it finds, in amortised O(1) per generated token, the longest suffix of the sequence being generated
+that occurs somewhere in the history, and proposes the tokens that followed that occurrence.
+:class:`HistoryIndex` keeps one automaton per prompt, bounded in memory:
+
+* at most ``max_responses`` responses and ``max_tokens`` tokens per prompt (older ones are dropped
+  and the automaton is rebuilt from the rest), and
+* at most ``max_prompts`` prompts (the least recently used prompt is dropped first).
+
+The worst case is about ``max_prompts * max_tokens`` indexed tokens; an automaton holds at most two
+states per token. :meth:`HistoryIndex.save` writes the responses (not the automata, which are rebuilt
+on load) to one safetensors file, atomically.
+
+Proposals are deterministic given the history, so verifying them with the exact rule keeps the
+output distribution unchanged (docs/design.md "Speculation past the first rejection").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from .atomic import atomic_save_safetensors
+
+#: Separates responses in an automaton's text; never a token id.
+SEPARATOR = -1
+_FORMAT = "spec-rl-history"
+_FORMAT_VERSION = "1"
+
+
+class SuffixAutomaton:
+    """Suffix automaton over a growing token text (Blumer et al. 1985), with one end position per state.
+
+    States are parallel lists: ``trans`` (token -> state), ``link`` (suffix link), ``length`` (longest
+    string of the state) and ``endpos`` (end index in :attr:`text` of one occurrence: the first).
+    """
+
+    def __init__(self) -> None:
+        self.text: list[int] = []
+        self.trans: list[dict[int, int]] = [{}]
+        self.link: list[int] = [-1]
+        self.length: list[int] = [0]
+        self.endpos: list[int] = [-1]
+        self._last = 0
+        self.starts: list[int] = []  # text index where each response begins
+
+    def __len__(self) -> int:
+        return len(self.text)
+
+    def add_response(self, tokens: Sequence[int]) -> None:
+        """Append one response (and a separator) to the text."""
+        if self.text:
+            self._extend(SEPARATOR)
+        self.starts.append(len(self.text))
+        for t in tokens:
+            self._extend(int(t))
+
+    def _extend(self, c: int) -> None:
+        trans, link, length, endpos = self.trans, self.link, self.length, self.endpos
+        pos = len(self.text)
+        self.text.append(c)
+        cur = len(length)
+        trans.append({})
+        length.append(length[self._last] + 1)
+        link.append(0)
+        endpos.append(pos)
+        p = self._last
+        while p != -1 and c not in trans[p]:
+            trans[p][c] = cur
+            p = link[p]
+        if p != -1:
+            q = trans[p][c]
+            if length[p] + 1 == length[q]:
+                link[cur] = q
+            else:
+                clone = len(length)
+                trans.append(dict(trans[q]))
+                length.append(length[p] + 1)
+                link.append(link[q])
+                endpos.append(endpos[q])
+                while p != -1 and trans[p].get(c) == q:
+                    trans[p][c] = clone
+                    p = link[p]
+                link[q] = clone
+                link[cur] = clone
+        self._last = cur
+
+    def step(self, state: int, matched: int, token: int) -> tuple[int, int]:
+        """Extend a match (state, matched length) by ``token``: the longest suffix that still occurs."""
+        trans, link, length = self.trans, self.link, self.length
+        while state and token not in trans[state]:
+            state = link[state]
+            matched = length[state]
+        nxt = trans[state].get(token)
+        if nxt is None:
+            return 0, 0
+        return nxt, matched + 1
+
+    def continuation(self, state: int, k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the occurrence of ``state`` in the text (stops at a separator)."""
+        start = self.endpos[state] + 1
+        out = self.text[start : start + k]
+        if SEPARATOR in out:
+            out = out[: out.index(SEPARATOR)]
+        return out
+
+
+class SuffixProposer:
+    """Proposes up to k tokens for one sequence being decoded, from one prompt's automaton.
+
+    ``k`` adapts to the sequence's recent acceptance: it doubles (up to ``max_k``) after a step that
+    accepted every proposed token and falls to ``accepted + 1`` otherwise; nothing is proposed while
+    the current match is shorter than ``min_match`` tokens. At the start of a response (nothing
+    generated yet) it proposes the beginning of the most recent earlier response.
+
+    Args:
+        automaton: the prompt's :class:`SuffixAutomaton`.
+        prefix: tokens of the response generated so far (the verified prefix and the token at n).
+        max_k: most tokens proposed per step.
+        min_match: shortest suffix match that earns a proposal.
+    """
+
+    def __init__(self, automaton: SuffixAutomaton, prefix: Sequence[int] = (), max_k: int = 8, min_match: int = 2):
+        self.automaton = automaton
+        self.max_k = int(max_k)
+        self.min_match = int(min_match)
+        self.k = max(1, self.max_k // 2)
+        self.state, self.matched = 0, 0
+        self.at_start = len(prefix) == 0
+        self.proposed = 0
+        self.accepted = 0
+        for t in prefix[-64:]:  # a longer match than 64 tokens changes nothing in practice
+            self.state, self.matched = automaton.step(self.state, self.matched, int(t))
+
+    def propose(self, limit: int) -> list[int]:
+        """Up to ``min(k, limit)`` tokens expected next ([] when nothing matches)."""
+        k = min(self.k, int(limit))
+        if k <= 0:
+            return []
+        if self.at_start:
+            starts, text = self.automaton.starts, self.automaton.text
+            if not starts:
+                return []
+            out = text[starts[-1] : starts[-1] + k]
+            return out[: out.index(SEPARATOR)] if SEPARATOR in out else out
+        if self.matched < self.min_match:
+            return []
+        return self.automaton.continuation(self.state, k)
+
+    def update(self, proposal: Sequence[int], emitted: Sequence[int]) -> None:
+        """Feed the tokens emitted this step; ``proposal`` is what :meth:`propose` returned for it."""
+        accepted = 0
+        while accepted < len(proposal) and accepted < len(emitted) and proposal[accepted] == emitted[accepted]:
+            accepted += 1
+        if proposal:
+            self.proposed += len(proposal)
+            self.accepted += accepted
+            self.k = min(self.max_k, 2 * self.k) if accepted == len(proposal) else max(1, accepted + 1)
+        for t in emitted:
+            self.state, self.matched = self.automaton.step(self.state, self.matched, int(t))
+        if emitted:
+            self.at_start = False
+
+
+class HistoryIndex:
+    """Per-prompt suffix automata over earlier responses, bounded in memory (see the module docstring).
+
+    Prompts are identified by any hashable key; :class:`~spec_rl.rollout.SpeculativeRollout` uses the
+    draft key of slot 0 (prompt token ids + dataset id), so the G samples of a group share one index.
+
+    Args:
+        max_responses: responses kept per prompt (newest first).
+        max_tokens: tokens kept per prompt.
+        max_prompts: prompts kept (least recently used dropped first).
+
+    Raises:
+        ValueError: a bound below 1.
+    """
+
+    def __init__(self, max_responses: int = 32, max_tokens: int = 16384, max_prompts: int = 65536):
+        for name, value in (("max_responses", max_responses), ("max_tokens", max_tokens), ("max_prompts", max_prompts)):
+            if isinstance(value, bool) or int(value) != value or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        self.max_responses, self.max_tokens, self.max_prompts = int(max_responses), int(max_tokens), int(max_prompts)
+        self._responses: OrderedDict[bytes, list[list[int]]] = OrderedDict()
+        self._automata: dict[bytes, SuffixAutomaton] = {}
+
+    def __len__(self) -> int:
+        return len(self._responses)
+
+    def num_tokens(self) -> int:
+        """Indexed tokens over all prompts."""
+        return sum(len(r) for rs in self._responses.values() for r in rs)
+
+    def add(self, key: bytes, response: Sequence[int]) -> None:
+        """Index one more response of prompt ``key`` (evicting the oldest responses or prompts past the bounds)."""
+        tokens = [int(t) for t in response]
+        rs = self._responses.setdefault(key, [])
+        self._responses.move_to_end(key)
+        rs.append(tokens)
+        automaton = self._automata.get(key)
+        if len(rs) > self.max_responses or sum(len(r) for r in rs) > self.max_tokens:
+            while len(rs) > 1 and (len(rs) > self.max_responses or sum(len(r) for r in rs) > self.max_tokens):
+                rs.pop(0)
+            self._automata.pop(key, None)  # rebuilt from what is left on next use
+        elif automaton is not None:
+            automaton.add_response(tokens)
+        while len(self._responses) > self.max_prompts:
+            old, _ = self._responses.popitem(last=False)
+            self._automata.pop(old, None)
+
+    def automaton(self, key: bytes) -> SuffixAutomaton | None:
+        """The automaton of prompt ``key`` (built on first use), or None when it has no history."""
+        rs = self._responses.get(key)
+        if not rs:
+            return None
+        automaton = self._automata.get(key)
+        if automaton is None:
+            automaton = SuffixAutomaton()
+            for r in rs:
+                automaton.add_response(r)
+            self._automata[key] = automaton
+        return automaton
+
+    def proposer(self, key: bytes, prefix: Sequence[int] = (), max_k: int = 8) -> SuffixProposer | None:
+        """A :class:`SuffixProposer` for a sequence of prompt ``key`` whose response so far is ``prefix``."""
+        automaton = self.automaton(key)
+        return None if automaton is None else SuffixProposer(automaton, prefix, max_k=max_k)
+
+    # ------------------------------------------------------------------ disk
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write every prompt's responses to one safetensors file, atomically."""
+        keys = list(self._responses)
+        flat = [r for k in keys for r in self._responses[k]]
+        counts = torch.tensor([len(self._responses[k]) for k in keys], dtype=torch.int64)
+        lengths = torch.tensor([len(r) for r in flat], dtype=torch.int64)
+        tokens = torch.tensor([t for r in flat for t in r], dtype=torch.int64)
+        tensors = {"counts": counts, "lengths": lengths, "tokens": tokens}
+        meta = {"format": _FORMAT, "format_version": _FORMAT_VERSION, "keys": json.dumps([k.hex() for k in keys])}
+        return atomic_save_safetensors(path, tensors, meta)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, **bounds) -> "HistoryIndex":
+        """Read a file written by :meth:`save`.
+
+        Raises:
+            FileNotFoundError: no file at ``path``.
+            ValueError: not a spec-rl history file, or inconsistent contents.
+        """
+        from safetensors import safe_open
+
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no history index at {path}")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                t = {k: f.get_tensor(k) for k in f.keys()}
+            keys = [bytes.fromhex(k) for k in json.loads(meta.get("keys", "[]"))]
+        except Exception as exc:
+            raise ValueError(f"{path} is not a readable history index: {exc}") from exc
+        if meta.get("format") != _FORMAT or meta.get("format_version") != _FORMAT_VERSION:
+            raise ValueError(f"{path} is not a spec-rl history index (format={meta.get('format')!r})")
+        counts, lengths, tokens = t.get("counts"), t.get("lengths"), t.get("tokens")
+        if (counts is None or lengths is None or tokens is None or counts.numel() != len(keys)
+                or int(counts.sum()) != lengths.numel() or int(lengths.sum()) != tokens.numel()):  # fmt: skip
+            raise ValueError(f"{path}: response counts and lengths do not match the stored tokens (damaged file)")
+        index = cls(**bounds)
+        flat = tokens.tolist()
+        offsets = [0] + torch.cumsum(lengths, 0).tolist()
+        r = 0
+        for key, count in zip(keys, counts.tolist()):
+            for _ in range(count):
+                index.add(key, flat[offsets[r] : offsets[r + 1]])
+                r += 1
+        return index
