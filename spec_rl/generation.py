@@ -159,6 +159,19 @@ class ReprefillBackend:
         handle.used = True
 
 
+def backend_arguments(eos_ids, pad_id: int, max_batch_size: int) -> tuple[list[int], int, int]:
+    """Validated (sorted EOS ids, pad id, max batch size) shared by every generation backend.
+
+    Raises:
+        ValueError: no EOS id, or ``max_batch_size`` < 1.
+    """
+    if not eos_ids:
+        raise ValueError("eos_ids must contain at least one end-of-sequence id (see spec_rl.generation.eos_token_ids)")
+    if max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+    return sorted({int(x) for x in eos_ids}), int(pad_id), int(max_batch_size)
+
+
 def eos_token_ids(model, tokenizer=None) -> set[int]:
     """The full EOS set: generation_config and config may each list several ids."""
     ids: set[int] = set()
@@ -199,14 +212,8 @@ class TransformersBackend(ReprefillBackend):
         progress: bool = False,
         max_tokens_per_forward: int | None = None,
     ):
-        if not eos_ids:
-            raise ValueError("eos_ids must contain at least one end-of-sequence id (see spec_rl.generation.eos_token_ids)")
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model = model
-        self.eos_ids = sorted({int(x) for x in eos_ids})
-        self.pad_id = int(pad_id)
-        self.max_batch_size = int(max_batch_size)
+        self.eos_ids, self.pad_id, self.max_batch_size = backend_arguments(eos_ids, pad_id, max_batch_size)
         self.progress = progress
         self.scorer = PolicyScorer(model, self.pad_id, max_tokens_per_forward)
         self.stats = BackendStats()

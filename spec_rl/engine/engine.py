@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..generation import Continuation
+from ..generation import Continuation, backend_arguments
 from ..sampling import SamplingSettings
 from ..scoring import DraftScores, ScoringHead
 from .blocks import BlockManager
@@ -76,16 +76,8 @@ class PagedEngine:
         max_tokens_per_forward: int | None = None,
         progress: bool = False,
     ):
-        if not eos_ids:
-            raise ValueError(
-                "eos_ids must contain at least one end-of-sequence id (see spec_rl.generation.eos_token_ids)"
-            )
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model = model
-        self.eos_ids = sorted({int(x) for x in eos_ids})
-        self.pad_id = int(pad_id)
-        self.max_batch_size = int(max_batch_size)
+        self.eos_ids, self.pad_id, self.max_batch_size = backend_arguments(eos_ids, pad_id, max_batch_size)
         self.progress = progress
         if max_tokens_per_forward is None:
             max_tokens_per_forward = 32768 if self.device.type == "cuda" else 4096
