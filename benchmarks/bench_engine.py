@@ -1,4 +1,4 @@
-"""Paged engine benchmark (issue 4): decode throughput and splicing vs re-prefill.
+"""Paged engine benchmark: decode throughput and splicing vs re-prefill.
 
 One command (also run by ``benchmarks/gpu_check.sh``):
 
@@ -12,10 +12,9 @@ Sections, all measured in one run on one device:
    :class:`spec_rl.engine.PagedEngine` and with transformers ``generate``
    (``min_new_tokens`` = ``max_new_tokens``, ``top_k=0``), and with our own
    :class:`spec_rl.generation.TransformersBackend` decode loop. Reported:
-   tokens/s and ms per decode step; target (issue 4, H200, Qwen3-0.6B shape,
-   batch 64, 512 tokens, bf16): engine >= 5x ``generate``'s tokens/s
-   (measured on the H200 on 2026-11-30 by the issue's author: 80 ms/step for
-   ``generate``).
+   tokens/s and ms per decode step; target (H200, Qwen3-0.6B shape, batch
+   64, 512 tokens, bf16): engine >= 5x ``generate``'s tokens/s (``generate``
+   measured at 80 ms/step on an H200 on 2026-11-30, see benchmarks/RESULTS.md).
 2. **Speculative rollout: splice vs re-prefill.** Drafts come from one
    vanilla rollout; the policy is then perturbed (Gaussian noise through the
    LM head, ``--perturb`` nats of logit noise) so drafts are cut at varied rejection indices; the
@@ -33,7 +32,9 @@ target), ``demo`` (the CPU demo policy from ``spec_rl.tasks.demo_policy``,
 fp32), ``tiny`` (a 2-layer random Qwen2 for a smoke run of this script).
 Without CUDA the qwen3-0.6b preset prints "no CUDA device" and exits 0.
 
-Prints a table and writes JSON to ``--json`` (default ``$OUT/engine.json``
+Times are host wall clock around device synchronizes, one timed run per row
+after a short warm-up (``_harness.wall_time``). Prints a table and writes JSON
+(with ``_harness.provenance``) to ``--json`` (default ``$OUT/engine.json``
 when OUT is set).
 """
 
@@ -41,15 +42,10 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime as _dt
-import json
-import os
-import platform
 import sys
-import time
 
 import torch
-from _provenance import commit  # benchmarks/ is on sys.path when a script here runs
+from _harness import Column, Table, default_json_path, provenance, wall_time, write_json  # benchmarks/ on sys.path
 
 from spec_rl.cache import RolloutCache
 from spec_rl.engine import PagedEngine
@@ -64,11 +60,6 @@ PRESETS = {
     "demo": (64, 48, 160),
     "tiny": (8, 12, 24),
 }
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def build_model(preset: str, device: torch.device):
@@ -109,46 +100,45 @@ def _suppressed_eos(vocab: int) -> int:
     return vocab - 1
 
 
+def _time_generate(name, backend, contexts, new_tokens, settings, device) -> dict:
+    """Tokens generated and wall seconds of one ``backend.generate`` over the whole batch."""
+    # Warm-up over the full batch with a short budget: allocates the cache and touches its
+    # pages (first-touch page faults cost ~1 s on CPU), compiles kernels.
+    backend.generate(contexts, [min(8, new_tokens)] * len(contexts), settings, seed=0)
+    outs, timing = wall_time(lambda: backend.generate(contexts, [new_tokens] * len(contexts), settings, seed=0), device)
+    return {"name": name, "tokens": sum(len(o.token_ids) for o in outs), "seconds": timing.median}
+
+
+def _time_hf_generate(model, prompts, new_tokens, device) -> dict:
+    """transformers ``generate`` with the same budget (``min_new_tokens`` = ``max_new_tokens``, no top-k/p)."""
+    ids = prompts.to(device)
+    mask = torch.ones_like(ids)
+    kwargs = dict(
+        max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+        pad_token_id=0,
+    )
+    warm = {**kwargs, "max_new_tokens": 4, "min_new_tokens": 4}
+    model.generate(input_ids=ids[:2, :8], attention_mask=mask[:2, :8], **warm)
+    out, timing = wall_time(lambda: model.generate(input_ids=ids, attention_mask=mask, **kwargs), device)
+    return {"name": "transformers generate", "tokens": int((out.shape[1] - prompts.shape[1]) * prompts.shape[0]),
+            "seconds": timing.median}
+
+
 def bench_decode(model, vocab, batch, prompt_len, new_tokens, device, skip_generate) -> list[dict]:
     gen = torch.Generator().manual_seed(1)
     # Prompts avoid the last id, which serves as the (unreachable in practice) EOS of the engine runs.
     prompts = torch.randint(0, vocab - 1, (batch, prompt_len), generator=gen)
     settings = SamplingSettings(temperature=1.0, top_p=1.0, top_k=0, max_tokens=new_tokens)
     eos = [_suppressed_eos(vocab)]
-    rows = []
-
-    def timed(fn):
-        _sync(device)
-        t0 = time.perf_counter()
-        out = fn()
-        _sync(device)
-        return out, time.perf_counter() - t0
-
     contexts = prompts.tolist()
-    budgets = [new_tokens] * batch
-    engine = PagedEngine(model, eos, pad_id=0)
-    # Warm-up over the full batch with a short budget: allocates the cache and touches its
-    # pages (first-touch page faults cost ~1 s on CPU), compiles kernels.
-    engine.generate(contexts, [min(8, new_tokens)] * batch, settings, seed=0)
-    outs, secs = timed(lambda: engine.generate(contexts, budgets, settings, seed=0))
-    toks = sum(len(o.token_ids) for o in outs)
-    rows.append({"name": "spec-rl PagedEngine.generate", "tokens": toks, "seconds": secs})
-
-    backend = TransformersBackend(model, eos, pad_id=0)
-    backend.generate(contexts, [min(8, new_tokens)] * batch, settings, seed=0)
-    outs, secs = timed(lambda: backend.generate(contexts, budgets, settings, seed=0))
-    rows.append({"name": "spec-rl TransformersBackend (HF KV cache)", "tokens": sum(len(o.token_ids) for o in outs), "seconds": secs})
-
+    rows = [
+        _time_generate("spec-rl PagedEngine.generate", PagedEngine(model, eos, pad_id=0), contexts, new_tokens,
+                       settings, device),
+        _time_generate("spec-rl TransformersBackend (HF KV cache)", TransformersBackend(model, eos, pad_id=0),
+                       contexts, new_tokens, settings, device),
+    ]
     if not skip_generate:
-        ids = prompts.to(device)
-        mask = torch.ones_like(ids)
-        kwargs = dict(
-            max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-            pad_token_id=0,
-        )
-        model.generate(input_ids=ids[:2, :8], attention_mask=mask[:2, :8], **{**kwargs, "max_new_tokens": 4, "min_new_tokens": 4})
-        out, secs = timed(lambda: model.generate(input_ids=ids, attention_mask=mask, **kwargs))
-        rows.append({"name": "transformers generate", "tokens": int((out.shape[1] - prompt_len) * batch), "seconds": secs})
+        rows.append(_time_hf_generate(model, prompts, new_tokens, device))
     for r in rows:
         r["tokens_per_s"] = r["tokens"] / r["seconds"]
         r["ms_per_step"] = 1000 * r["seconds"] / new_tokens
@@ -186,15 +176,11 @@ def bench_splice(model, vocab, batch, prompt_len, new_tokens, device, perturb) -
             rollout = SpeculativeRollout(backend, cache, settings, eos, max_len, strategy="spec", seed=0)
             if isinstance(backend, PagedEngine):
                 backend.reset_stats()
-            _sync(device)
-            t0 = time.perf_counter()
-            res = rollout.run(requests, step=2)
-            _sync(device)
-            secs = time.perf_counter() - t0
+            res, timing = wall_time(lambda: rollout.run(requests, step=2), device)
             st = res.stats
             row = {
                 "name": name,
-                "seconds": secs,
+                "seconds": timing.median,
                 "draft_tokens": st.draft_tokens,
                 "accepted_tokens": st.accepted_tokens,
                 "generated_tokens": st.tokens_generated,
@@ -210,16 +196,32 @@ def bench_splice(model, vocab, batch, prompt_len, new_tokens, device, perturb) -
     return rows
 
 
+DECODE_TABLE = Table(
+    Column("method", 48, "<"),
+    Column("tokens/s", 10, fmt="{:.1f}"),
+    Column("ms/step", 9, fmt="{:.2f}"),
+    Column("engine speedup", 15, fmt="{:.2f}x"),
+)
+SPLICE_TABLE = Table(
+    Column("path", 48, "<"),
+    Column("seconds", 8, fmt="{:.2f}"),
+    Column("accepted", 9, fmt="{:d}"),
+    Column("generated", 10, fmt="{:d}"),
+    Column("re-prefill tok", 15, fmt="{:d}"),
+)
+
+
 def print_table(result: dict) -> None:
     print(f"=== spec-rl paged engine ({result['device']}, preset {result['preset']}, commit {result['commit'][:12]})")
     print(f"decode: batch {result['batch']}, prompt {result['prompt_len']}, {result['new_tokens']} new tokens")
-    print(f"{'method':48s} {'tokens/s':>10s} {'ms/step':>9s} {'engine speedup':>15s}")
+    print(DECODE_TABLE.header())
     for r in result["decode"]:
-        print(f"{r['name']:48s} {r['tokens_per_s']:10.1f} {r['ms_per_step']:9.2f} {r['engine_speedup_vs_this']:14.2f}x")
+        print(DECODE_TABLE.row(r["name"], r["tokens_per_s"], r["ms_per_step"], r["engine_speedup_vs_this"]))
     print("speculative rollout, same drafts and seed (policy perturbed):")
-    print(f"{'path':48s} {'seconds':>8s} {'accepted':>9s} {'generated':>10s} {'re-prefill tok':>15s}")
+    print(SPLICE_TABLE.header())
     for r in result["splice"]:
-        print(f"{r['name']:48s} {r['seconds']:8.2f} {r['accepted_tokens']:9d} {r['generated_tokens']:10d} {r['reprefill_tokens']:15d}")
+        counts = (r["accepted_tokens"], r["generated_tokens"], r["reprefill_tokens"])
+        print(SPLICE_TABLE.row(r["name"], r["seconds"], *counts))
     s = result["splice"]
     if len(s) == 2 and s[0]["seconds"] > 0:
         print(f"splice / re-prefill rollout time: {s[0]['seconds'] / s[1]['seconds']:.2f}x")
@@ -236,8 +238,8 @@ def main(argv=None) -> int:
                     help="std (nats) of the logit noise added through the LM head before the splice section")
     ap.add_argument("--skip-generate", action="store_true", help="do not time transformers generate")
     ap.add_argument("--skip-splice", action="store_true")
-    default_json = os.path.join(os.environ["OUT"], "engine.json") if os.environ.get("OUT") else None
-    ap.add_argument("--json", default=default_json)
+    ap.add_argument("--json", default=default_json_path("engine.json"),
+                    help="write results here (default $OUT/engine.json)")
     args = ap.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     preset = args.preset or ("qwen3-0.6b" if device.type == "cuda" else "demo")
@@ -253,10 +255,7 @@ def main(argv=None) -> int:
             ap.error(f"{name} must be >= 1")
     model, vocab = build_model(preset, device)
     result = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
-        "torch": torch.__version__,
-        "commit": commit(),
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        **provenance(device),
         "preset": preset,
         "batch": batch,
         "prompt_len": prompt_len,
@@ -265,13 +264,13 @@ def main(argv=None) -> int:
     with torch.no_grad():
         result["decode"] = bench_decode(model, vocab, batch, prompt_len, new_tokens, device, args.skip_generate)
     result["perturb"] = args.perturb
-    result["splice"] = [] if args.skip_splice else bench_splice(model, vocab, batch, prompt_len, new_tokens, device, args.perturb)
+    if args.skip_splice:
+        result["splice"] = []
+    else:
+        result["splice"] = bench_splice(model, vocab, batch, prompt_len, new_tokens, device, args.perturb)
     print_table(result)
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"wrote {args.json}")
+        write_json(args.json, result)
     return 0
 
 

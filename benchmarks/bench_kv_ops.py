@@ -2,16 +2,21 @@
 
     pytest benchmarks/bench_kv_ops.py                         # CPU (and CUDA when visible)
     pytest benchmarks/bench_kv_ops.py --benchmark-json out.json
+    python benchmarks/bench_kv_ops.py [pytest args]           # the same, e.g. --help
 
 Three implementations per op: ``native`` (torch.ops.spec_rl.*, the compiled
 csrc/ kernels with their own argument checks), ``wrapper`` (spec_rl.ops: the
 Python validation, then the native op) and ``reference`` (the pure-torch
 semantics in spec_rl.ops.torch_kv). One layer of a Qwen3-0.6B-shaped model:
 8 KV heads x head_dim 128, block size 16. Nothing is asserted about speed here;
-correctness lives in tests/test_ops_kv.py.
+correctness lives in tests/test_ops_kv.py. Each timed call waits for the device
+(``_harness.synced``); benchmarks/conftest.py adds the harness provenance to
+the JSON's ``machine_info``.
 """
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 import torch
@@ -19,6 +24,7 @@ import torch
 pytest.importorskip("pytest_benchmark")
 
 import spec_rl.ops as ops
+from _harness import run_pytest_file, synced  # benchmarks/ is on sys.path when a script here runs
 from spec_rl.ops import torch_kv
 
 HEADS, DIM, BLOCK = 8, 128, 16
@@ -35,13 +41,7 @@ def _fn(impl: str, name: str):
 
 
 def _timed(benchmark, device, fn, *args):
-    def call():
-        out = fn(*args)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        return out
-
-    benchmark(call)
+    benchmark(synced(fn, device), *args)
 
 
 def _dtype(device):
@@ -108,3 +108,7 @@ def test_copy_blocks(benchmark, device, impl):
     cache = _cache(256, device)
     mapping = torch.stack([torch.arange(0, 64), torch.arange(128, 192)], dim=1).to(device)  # 64 partial blocks
     _timed(benchmark, device, fn, cache, mapping)
+
+
+if __name__ == "__main__":
+    sys.exit(run_pytest_file(__file__))

@@ -4,7 +4,7 @@ One command (also run by ``benchmarks/gpu_check.sh``):
 
     python benchmarks/bench_paged_attention.py [--batch 64] [--context 1024] [--sweep] [--json PATH]
 
-Shapes (issue 4): Qwen3-0.6B attention (16 query heads, 8 kv heads,
+Shapes: Qwen3-0.6B attention (16 query heads, 8 kv heads,
 head_dim 128), bf16, block_size 16, one decode token per sequence against
 ``--context`` cached tokens per sequence (all sequences equally long, block
 ids shuffled over the cache), batch 64 / context 1024; and a small-batch
@@ -26,7 +26,8 @@ Rows per shape:
 
 K/V bandwidth of an attention row = K/V bytes read / time; "frac copy" =
 that / the copy's bandwidth (read + write bytes / time). Times are medians of
-``triton.testing.do_bench`` (CUDA events, L2 flushed between runs).
+``triton.testing.do_bench`` (CUDA events, L2 flushed between runs;
+``_harness.measure``, which also records the 20th/80th percentiles).
 
 Prints a table and writes JSON to --json (default $OUT/paged_attention.json
 when OUT is set). Without a CUDA device it prints the plan (bytes, default
@@ -36,18 +37,13 @@ tiles, split choice for a 132-SM H100/H200) and exits 0: "no CUDA device".
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import json
 import math
-import os
-import platform
 import sys
 import traceback
 
 import torch
-from _provenance import commit  # benchmarks/ is on sys.path when a script here runs
+import _harness as H  # benchmarks/ is on sys.path when a script here runs
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 NOMINAL_SMS = 132  # H100 SXM / H200: used only for the CPU-side plan
 
 
@@ -61,11 +57,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--kv-heads", type=int, default=8, help="kv heads (Qwen3-0.6B: 8)")
     ap.add_argument("--head-dim", type=int, default=128, help="head size (Qwen3-0.6B: 128)")
     ap.add_argument("--block-size", type=int, default=16, help="tokens per cache block")
-    ap.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES))
+    ap.add_argument("--dtype", default="bf16", choices=sorted(H.DTYPES))
     ap.add_argument("--rep-ms", type=int, default=100, help="do_bench time budget per measurement (ms)")
     ap.add_argument("--sweep", action="store_true", help="also time every config in paged_attention.SWEEP")
-    default_json = os.path.join(os.environ["OUT"], "paged_attention.json") if os.environ.get("OUT") else None
-    ap.add_argument("--json", default=default_json, help="write results here (default $OUT/paged_attention.json)")
+    ap.add_argument("--json", default=H.default_json_path("paged_attention.json"),
+                    help="write results here (default $OUT/paged_attention.json)")
     args = ap.parse_args(argv)
     for name in ("batch", "context", "q_heads", "kv_heads", "head_dim", "block_size", "rep_ms"):
         if getattr(args, name) < 1:
@@ -77,7 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def shapes(args) -> list[dict]:
     """The benchmarked shapes with their K/V byte counts (CPU-only logic)."""
-    elt = torch.empty(0, dtype=_DTYPES[args.dtype]).element_size()
+    elt = torch.empty(0, dtype=H.DTYPES[args.dtype]).element_size()
     out = [{"label": f"B={args.batch} ctx={args.context}", "batch": args.batch, "context": args.context}]
     if args.long_batch > 0:
         out.append(
@@ -96,7 +92,7 @@ def plan(args, sm_count: int) -> list[dict]:
     """Default tiles and automatic split choice per shape (needs triton, not CUDA)."""
     from spec_rl.kernels import paged_attention as PA
 
-    dtype = _DTYPES[args.dtype]
+    dtype = H.DTYPES[args.dtype]
     cfg = PA.default_config(args.q_heads // args.kv_heads, args.head_dim, dtype)
     rows = []
     for s in shapes(args):
@@ -105,112 +101,13 @@ def plan(args, sm_count: int) -> list[dict]:
     return rows
 
 
-def compile_variants(sweep: bool = False) -> list[tuple]:
-    """Kernel variants for benchmarks/compile_check.py: (name, kernel, signature, constexprs, div16 args, warps, stages).
-
-    Defaults (:func:`default_config`) at the shapes the engine meets: Qwen3
-    (G=2, D=128), Llama-3-8B (G=4, D=128), G=8, D=64 and D=256, fp16, the
-    fp32 broadcast path, the tiny test models' D=8; split and no split; the
-    merge kernel. ``sweep`` adds every :data:`SWEEP` config at the Qwen3 shape.
-    """
-    from spec_rl.kernels import paged_attention as PA
-
-    def sig(dt: str) -> dict:
-        return {
-            "q_ptr": f"*{dt}",
-            "kv_ptr": f"*{dt}",
-            "bt_ptr": "*i32",
-            "seq_lens_ptr": "*i32",
-            "out_ptr": f"*{dt}",
-            "part_acc_ptr": "*fp32",
-            "part_ml_ptr": "*fp32",
-            "qk_scale": "fp32",
-            "stride_qb": "i32",
-            "stride_qh": "i32",
-            "stride_ob": "i32",
-            "stride_oh": "i32",
-            "stride_blk": "i32",
-            "stride_kv": "i32",
-            "stride_tok": "i32",
-            "stride_head": "i32",
-            "stride_btb": "i32",
-            "tokens_per_split": "i32",
-            "num_splits": "i32",
-        }
-
-    names = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
-    shapes_ = [(2, 128, torch.bfloat16), (4, 128, torch.bfloat16), (8, 128, torch.bfloat16), (2, 64, torch.bfloat16)]
-    shapes_ += [(2, 256, torch.bfloat16), (2, 128, torch.float16), (2, 128, torch.float32), (2, 8, torch.float32)]
-    todo = [(g, d, dt, PA.default_config(g, d, dt), split) for g, d, dt in shapes_ for split in (False, True)]
-    if sweep:
-        todo += [(2, 128, torch.bfloat16, c, False) for c in PA.SWEEP]
-    out = []
-    for g, d, dt, cfg, split in todo:
-        d_pad = PA._next_pow2(max(d, 8))
-        use_dot = cfg.use_dot and d_pad >= 16
-        const = {
-            "G": g,
-            "G_PAD": max(16, PA._next_pow2(g)) if use_dot else PA._next_pow2(g),
-            "D": d,
-            "D_PAD": d_pad,
-            "BLOCK_SIZE": 16,
-            "BLOCK_N": cfg.block_n,
-            "USE_DOT": use_dot,
-            "DOT_F32": dt == torch.float32,
-            "SPLIT": split,
-        }
-        s = sig(names[dt])
-        div = [k for k, v in s.items() if v.startswith("*")] + ["stride_qb", "stride_qh", "stride_ob", "stride_oh"]
-        div += ["stride_blk", "stride_kv"] + (["stride_tok", "stride_head"] if d % 16 == 0 else [])
-        name = (
-            f"paged_decode {names[dt]} G={g} D={d} split={split} BLOCK_N={cfg.block_n} "
-            f"{'dot' if use_dot else 'bcast'} w{cfg.num_warps} s{cfg.num_stages}"
-        )
-        out.append((name, PA.paged_decode_kernel, s, const, div, cfg.num_warps, cfg.num_stages))
-    msig = {
-        "part_acc_ptr": "*fp32",
-        "part_ml_ptr": "*fp32",
-        "out_ptr": "*bf16",
-        "stride_ob": "i32",
-        "stride_oh": "i32",
-        "num_splits": "i32",
-    }
-    out.append(
-        (
-            "paged_decode_merge bf16 D=128",
-            PA.paged_decode_merge_kernel,
-            msig,
-            {"D": 128, "D_PAD": 128},
-            ["part_acc_ptr", "part_ml_ptr", "out_ptr", "stride_ob", "stride_oh"],
-            2,
-            1,
-        )
-    )
-    return out
-
-
-def _bench(fn, rep_ms: int) -> float:
-    import triton
-
-    return float(triton.testing.do_bench(fn, warmup=max(10, rep_ms // 4), rep=rep_ms, return_mode="median"))
-
-
-def _measure(name, fn, args, rows, **extra):
-    rec = {"name": name, **extra}
-    try:
-        fn()
-        torch.cuda.synchronize()
-        rec["ms"] = _bench(fn, args.rep_ms)
-    except Exception as exc:  # noqa: BLE001  (a failing row is reported, not fatal)
-        rec["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-        traceback.print_exc(limit=2)
-    rows.append(rec)
-    print(f"  {name:<48} {rec['ms'] * 1e3:9.1f} us" if "ms" in rec else f"  {name:<48} {rec['error']}", flush=True)
-    return rec
+def _progress(rec: dict) -> str:
+    name = rec["name"]
+    return f"  {name:<48} {rec['ms'] * 1e3:9.1f} us" if "ms" in rec else f"  {name:<48} {rec['error']}"
 
 
 def _inputs(args, batch, context, dev, gen):
-    dtype = _DTYPES[args.dtype]
+    dtype = H.DTYPES[args.dtype]
     bs = args.block_size
     pages = -(-context // bs)
     num_blocks = batch * pages + 8
@@ -246,72 +143,39 @@ def run_shape(args, K, PA, shape, dev, gen, rows, checks, sm_count) -> None:
     )
     q, kv, bt, sl = _inputs(args, batch, context, dev, gen)
     scale = args.head_dim**-0.5
-    tag = {"section": section, "kv_bytes": kv_bytes}
+
+    def measure(name, fn, **extra):
+        return H.measure(name, fn, rows, rep_ms=args.rep_ms, progress=_progress, section=section, kv_bytes=kv_bytes,
+                         **extra)
 
     src = torch.empty(kv_bytes, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
-    _measure("copy K/V bytes (floor, read+write)", lambda: dst.copy_(src), args, rows, **tag, floor=True)
+    measure("copy K/V bytes (floor, read+write)", lambda: dst.copy_(src), floor=True)
     src = dst = None  # free the floor's buffers before the attention rows
 
     out = torch.empty_like(q)
+
+    def ours(**kw):
+        return lambda: K.paged_decode_attention(q, kv, bt, sl, scale, out=out, **kw)
+
     cfg = PA.default_config(args.q_heads // args.kv_heads, args.head_dim, kv.dtype)
     auto_splits, _ = PA.plan_splits(batch, args.kv_heads, context, cfg.block_n, sm_count)
-    _measure(
-        f"ours: paged decode (auto, splits={auto_splits})",
-        lambda: K.paged_decode_attention(q, kv, bt, sl, scale, out=out, max_seq_len=context, validate=False),
-        args,
-        rows,
-        **tag,
-        ours=True,
-    )
-    _measure(
-        "ours: no split",
-        lambda: K.paged_decode_attention(q, kv, bt, sl, scale, out=out, num_splits=1, validate=False),
-        args,
-        rows,
-        **tag,
-    )
+    measure(f"ours: paged decode (auto, splits={auto_splits})", ours(max_seq_len=context, validate=False), ours=True)
+    measure("ours: no split", ours(num_splits=1, validate=False))
     if auto_splits == 1:
         forced = max(2, -(-2 * sm_count // (batch * args.kv_heads)))
-        _measure(
-            f"ours: split-K (num_splits={forced})",
-            lambda: K.paged_decode_attention(
-                q, kv, bt, sl, scale, out=out, num_splits=forced, max_seq_len=context, validate=False
-            ),
-            args,
-            rows,
-            **tag,
-        )
-    _measure(
-        "ours: auto, with range checks (1 host sync)",
-        lambda: K.paged_decode_attention(q, kv, bt, sl, scale, out=out, max_seq_len=context),
-        args,
-        rows,
-        **tag,
-    )
+        measure(f"ours: split-K (num_splits={forced})", ours(num_splits=forced, max_seq_len=context, validate=False))
+    measure("ours: auto, with range checks (1 host sync)", ours(max_seq_len=context))
     if args.sweep:
         for c in PA.SWEEP:
-            _measure(
-                f"  sweep {c}",
-                lambda c=c: K.paged_decode_attention(
-                    q, kv, bt, sl, scale, out=out, max_seq_len=context, config=c, validate=False
-                ),
-                args,
-                rows,
-                **tag,
-                config=str(c),
-            )
-    _measure(
-        "gather + SDPA (enable_gqa)",
-        lambda: _sdpa(q, *_gather_dense(kv, bt, context), scale),
-        args,
-        rows,
-        **tag,
-        baseline="gather_sdpa",
-    )
+            measure(f"  sweep {c}", ours(max_seq_len=context, config=c, validate=False), config=str(c))
+    def gather_sdpa():
+        return _sdpa(q, *_gather_dense(kv, bt, context), scale)
+
+    measure("gather + SDPA (enable_gqa)", gather_sdpa, baseline="gather_sdpa")
     k_d, v_d = _gather_dense(kv, bt, context)
     k_d, v_d = k_d.contiguous(), v_d.contiguous()
-    _measure("SDPA alone on dense K/V", lambda: _sdpa(q, k_d, v_d, scale), args, rows, **tag, baseline="sdpa_dense")
+    measure("SDPA alone on dense K/V", lambda: _sdpa(q, k_d, v_d, scale), baseline="sdpa_dense")
 
     # accuracy of every variant against fp32 SDPA over the same (bf16) inputs
     ref = _sdpa(q.float(), k_d.float(), v_d.float(), scale)
@@ -340,26 +204,31 @@ def finish(rows) -> None:
                     r[f"speedup_vs_{label}"] = b["ms"] / r["ms"]
 
 
+TABLE = H.Table(
+    H.Column("shape", 18, "<"),
+    H.Column("method", 48, "<"),
+    H.Column("us", 9, fmt="{:.1f}"),
+    H.Column("GB/s", 8, fmt="{:.0f}"),
+    H.Column("frac copy", 9, fmt="{:.2f}"),
+    H.Column("speedups", 0, "<", gap="  "),
+)
+
+
 def print_table(results) -> None:
     meta = results["meta"]
     print(
         f"\n=== spec-rl paged decode attention: {meta['device']}, Hq={meta['q_heads']} kv={meta['kv_heads']} "
         f"D={meta['head_dim']} bs={meta['block_size']} {meta['dtype']}, commit {meta['commit']}, {meta['date']} ==="
     )
-    print(f"{'shape':<18} {'method':<48} {'us':>9} {'GB/s':>8} {'frac copy':>9}  speedups")
+    print(TABLE.header())
     for r in results["rows"]:
         if "ms" not in r:
-            print(f"{r['section']:<18} {r['name']:<48} {'-':>9} {'-':>8} {'-':>9}  {r.get('error', '')}")
+            print(TABLE.row(r["section"], r["name"], None, None, None, r.get("error", "")))
             continue
         frac = r.get("fraction_of_copy_bandwidth")
-        notes = ", ".join(f"{k[11:]} {v:.2f}x" for k, v in r.items() if k.startswith("speedup_vs_"))
-        print(
-            f"{r['section']:<18} {r['name']:<48} {r['ms'] * 1e3:>9.1f} {r['gb_per_s']:>8.0f} "
-            f"{'-' if frac is None else f'{frac:.2f}':>9}  {notes}"
-        )
+        print(TABLE.row(r["section"], r["name"], r["ms"] * 1e3, r["gb_per_s"], frac, H.speedup_notes(r)))
     print("GB/s: K/V bytes read / time (copy: read + write); frac copy: fraction of the copy's bandwidth")
-    for k, v in results["checks"].items():
-        print(f"check {k}: {v:.3g}")
+    H.print_checks(results["checks"])
 
 
 def main(argv=None) -> int:
@@ -375,27 +244,17 @@ def main(argv=None) -> int:
         except ImportError as exc:  # triton missing: the plan needs spec_rl.kernels
             print(f"  (no plan: {exc})")
         return 0
-    os.environ.pop("TRITON_INTERPRET", None)
-    import spec_rl.kernels as K
-    import triton
+    K = H.compiled_kernels("bench_paged_attention")
+    if K is None:
+        return 2
     from spec_rl.kernels import paged_attention as PA
 
-    if PA.INTERPRET:
-        print("bench_paged_attention: spec_rl.kernels was imported in interpreter mode; unset TRITON_INTERPRET.")
-        return 2
     dev = torch.device("cuda")
-    props = torch.cuda.get_device_properties(dev)
+    sm_count = torch.cuda.get_device_properties(dev).multi_processor_count
     meta = {
-        "device": props.name,
-        "sm_count": props.multi_processor_count,
-        "capability": f"{props.major}.{props.minor}",
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
-        "commit": commit(),
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        **H.provenance(dev),
         **{k: getattr(args, k) for k in ("q_heads", "kv_heads", "head_dim", "block_size", "dtype")},
-        "plan": plan(args, props.multi_processor_count),
+        "plan": plan(args, sm_count),
     }
     print(f"bench_paged_attention on {meta['device']} ({meta['sm_count']} SMs), commit {meta['commit']}", flush=True)
     rows: list[dict] = []
@@ -403,7 +262,7 @@ def main(argv=None) -> int:
     gen = torch.Generator(device=dev).manual_seed(0)
     for shape in shapes(args):
         try:
-            run_shape(args, K, PA, shape, dev, gen, rows, checks, props.multi_processor_count)
+            run_shape(args, K, PA, shape, dev, gen, rows, checks, sm_count)
         except Exception as exc:  # noqa: BLE001  one failing shape is reported, the others still run
             traceback.print_exc(limit=3)
             rows.append({"name": "shape failed", "section": shape["label"], "error": f"{type(exc).__name__}: {exc}"})
@@ -412,10 +271,7 @@ def main(argv=None) -> int:
     results = {"meta": meta, "rows": rows, "checks": checks}
     print_table(results)
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-        print(f"\nwrote {args.json}")
+        H.write_json(args.json, results, announce="\nwrote")
     bad = [k for k, v in checks.items() if not math.isfinite(v) or v > 2e-2]
     if bad:
         print(f"bench_paged_attention: accuracy check failed: {bad}")

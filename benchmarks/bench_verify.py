@@ -2,36 +2,38 @@
 
     pytest benchmarks/bench_verify.py                 # CPU: torch reference only, small shapes
     pytest benchmarks/bench_verify.py --benchmark-json out.json
+    python benchmarks/bench_verify.py [pytest args]   # the same, e.g. --help
 
 On a CUDA machine the shapes grow and the Triton kernels are timed too
-(``torch.cuda.synchronize`` inside each timed call). Kernels are never timed
-under the Triton interpreter: those numbers say nothing about performance.
-For the issue-#3 comparison table (floors, Liger, CCE) use
-``benchmarks/gpu_suite.py``.
+(``torch.cuda.synchronize`` inside each timed call, ``_harness.synced``).
+Kernels are never timed under the Triton interpreter: those numbers say
+nothing about performance. For the comparison table against the floors,
+Liger-Kernel and Cut Cross-Entropy use ``benchmarks/gpu_suite.py``.
+benchmarks/conftest.py adds the harness provenance to the JSON's ``machine_info``.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
 
 pytest.importorskip("pytest_benchmark")
 
-from spec_rl.philox import philox_uniform
+from _harness import random_lm_head, run_pytest_file, synced  # benchmarks/ is on sys.path when a script here runs
+
 from spec_rl.acceptance import reference_verify
+from spec_rl.philox import philox_uniform
+from spec_rl.scoring import DraftScores
 
 CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if CUDA else "cpu")
 # (B, R, V, d): small on CPU, realistic on GPU (Qwen3 vocabulary).
 SHAPE = (32, 512, 151936, 2048) if CUDA else (4, 64, 4096, 256)
 DTYPE = torch.bfloat16 if CUDA else torch.float32
-
-
-def _sync():
-    if CUDA:
-        torch.cuda.synchronize()
+SEED, LOG_LENIENCE = 1, 0.5
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +41,7 @@ def inputs():
     bsz, max_len, vocab, d = SHAPE
     gen = torch.Generator(device=DEV).manual_seed(0)
     hidden = torch.randn(bsz, max_len, d, device=DEV, generator=gen).to(DTYPE)
-    weight = (torch.randn(vocab, d, device=DEV, generator=gen) * (2.5 / d**0.5)).to(DTYPE)
+    weight = random_lm_head(vocab, d, DTYPE, DEV, gen)
     ids = torch.randint(0, vocab, (bsz, max_len), device=DEV, generator=gen)
     old = -torch.rand(bsz, max_len, device=DEV, generator=gen) * 4
     lengths = torch.randint(max_len // 2, max_len + 1, (bsz,), device=DEV, generator=gen)
@@ -57,76 +59,46 @@ def _kernels():
     return K
 
 
-def _common(x):
-    return dict(seed=1, uids=x["uids"], log_lenience=0.5)
+def _drafts(x):
+    return x["ids"], x["old"], x["lengths"], x["uids"]
 
 
 def test_bench_reference_from_logits(benchmark, inputs):
-    x = inputs
-
-    def run():
-        out = reference_verify(x["ids"], x["old"], x["lengths"], logits=x["logits"], **_common(x))
-        _sync()
-        return out
-
-    benchmark(run)
+    scores = DraftScores(logits=inputs["logits"])
+    benchmark(synced(reference_verify, DEV), *_drafts(inputs), scores, seed=SEED, log_lenience=LOG_LENIENCE)
 
 
 def test_bench_reference_from_hidden(benchmark, inputs):
-    x = inputs
-
-    def run():
-        out = reference_verify(
-            x["ids"], x["old"], x["lengths"], hidden_states=x["hidden"], lm_head_weight=x["weight"], **_common(x)
-        )
-        _sync()
-        return out
-
-    benchmark(run)
+    scores = DraftScores(hidden_states=inputs["hidden"], lm_head_weight=inputs["weight"])
+    benchmark(synced(reference_verify, DEV), *_drafts(inputs), scores, seed=SEED, log_lenience=LOG_LENIENCE)
 
 
 def test_bench_reference_philox(benchmark, inputs):
-    max_len = inputs["ids"].shape[1]
-    idx = torch.arange(max_len, device=DEV).unsqueeze(0)
-
-    def run():
-        u = philox_uniform(1, inputs["uids"].unsqueeze(1), idx)
-        _sync()
-        return u
-
-    benchmark(run)
+    idx = torch.arange(inputs["ids"].shape[1], device=DEV).unsqueeze(0)
+    benchmark(synced(philox_uniform, DEV), SEED, inputs["uids"].unsqueeze(1), idx)
 
 
 def test_bench_triton_from_logits(benchmark, inputs):
     K = _kernels()
-    x = inputs
-
-    def run():
-        return K.verify_triton(x["ids"], x["old"], x["lengths"], logits=x["logits"], **_common(x))
-
-    benchmark(run)
+    benchmark(
+        synced(K.verify_padded, DEV), *_drafts(inputs), seed=SEED, log_lenience=LOG_LENIENCE, temperature=1.0,
+        logits=inputs["logits"],
+    )
 
 
 def test_bench_triton_fused_lm_head(benchmark, inputs):
     K = _kernels()
-    x = inputs
-
-    def run():
-        return K.verify_triton(
-            x["ids"], x["old"], x["lengths"], hidden_states=x["hidden"], lm_head_weight=x["weight"], **_common(x)
-        )
-
-    benchmark(run)
+    benchmark(
+        synced(K.verify_padded, DEV), *_drafts(inputs), seed=SEED, log_lenience=LOG_LENIENCE, temperature=1.0,
+        hidden_states=inputs["hidden"], lm_head_weight=inputs["weight"],
+    )
 
 
 def test_bench_triton_philox(benchmark, inputs):
     K = _kernels()
-    max_len = inputs["ids"].shape[1]
-    idx = torch.arange(max_len, device=DEV).unsqueeze(0)
+    idx = torch.arange(inputs["ids"].shape[1], device=DEV).unsqueeze(0)
+    benchmark(synced(K.philox_uniform_triton, DEV), SEED, inputs["uids"].unsqueeze(1), idx)
 
-    def run():
-        u = K.philox_uniform_triton(1, inputs["uids"].unsqueeze(1), idx)
-        _sync()
-        return u
 
-    benchmark(run)
+if __name__ == "__main__":
+    sys.exit(run_pytest_file(__file__))

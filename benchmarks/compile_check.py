@@ -3,7 +3,9 @@
 Triton can lower a kernel to PTX and run its bundled ``ptxas`` without a
 device, so this script catches GPU-only compile errors (which the CPU
 interpreter cannot) and reports registers / spills / shared memory per
-kernel and config, from ``ptxas -v``. It does not time anything.
+kernel and config, from ``ptxas -v``. It does not time anything. The
+variants (kernel, signature, constexprs, warps / stages) are listed in
+``benchmarks/compile_variants.py``.
 
 Usage (TRITON_INTERPRET must be unset):
 
@@ -13,12 +15,13 @@ Usage (TRITON_INTERPRET must be unset):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
+
+from _harness import Column, Table, provenance, write_json  # benchmarks/ is on sys.path when a script here runs
 
 
 def _ptxas_report(ptx: str, arch: str) -> dict:
@@ -65,6 +68,43 @@ def _compile(fn, signature: dict, constexprs: dict, div16: list[str], arch: int,
     return triton.compile(src, target=target, options=options.__dict__)
 
 
+def _report_table(kernel_width: int) -> Table:
+    gap = dict(gap="  ")
+    return Table(
+        Column("kernel", kernel_width, "<"),
+        Column("status", 6, "<", **gap),
+        Column("regs", 4, **gap),
+        Column("spill_st", 8, **gap),
+        Column("spill_ld", 8, **gap),
+        Column("smem_bytes", 10, **gap),
+        Column("wgmma", 5, **gap),
+        Column("v4_loads", 8, **gap),
+    )
+
+
+def _status(rec: dict) -> str:
+    if rec.get("error") is not None or rec.get("ptxas_rc", 0) != 0:
+        return "FAIL"
+    if rec["kernel"].startswith("from_logits") and not rec.get("vector_loads"):
+        return "FAIL"  # the logits stream must be read with 16-byte vector loads
+    return "ok"
+
+
+def print_report(results: list[dict]) -> bool:
+    """One line per kernel (``ptxas -v`` numbers); True when every kernel compiled cleanly."""
+    table = _report_table(max(len(r["kernel"]) for r in results))
+    print(table.header())
+    ok = True
+    for r in results:
+        status = _status(r)
+        ok &= status == "ok"
+        keys = ("registers", "spill_stores", "spill_loads", "shared", "uses_wgmma", "vector_loads")
+        print(table.row(r["kernel"], status, *(str(r.get(k)) for k in keys)))
+        if r.get("error"):
+            print("    " + r["error"].replace("\n", "\n    ")[:3000])
+    return ok
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90 = H100/H200)")
@@ -75,185 +115,22 @@ def main(argv=None) -> int:
         print("compile_check: unset TRITON_INTERPRET (the interpreter compiles nothing)")
         return 2
     import torch  # noqa: F401
-    from spec_rl.kernels import configs
-    from spec_rl.kernels.from_logits import verify_from_logits_kernel
-    from spec_rl.kernels.lm_head import lm_head_merge_kernel, lm_head_partial_kernel
+    from compile_variants import all_variants  # benchmarks/ is on sys.path when a script here runs
 
     arch = args.arch
     ptx_arch = f"{arch}a" if arch >= 90 else str(arch)
-    results = []
-
-    logits_cfgs = (
-        configs.LOGITS_SWEEP
-        if args.sweep
-        else [configs.LogitsConfig(4096, 8), configs.LogitsConfig(2048, 8), configs.LogitsConfig(1024, 4, block_r=4)]
-    )
-    for dtype in ("bf16", "fp32"):
-        for cfg in logits_cfgs:
-            for packed in (True, False):
-                for mode in (0, 3):
-                    sig = {
-                        "logits_ptr": f"*{dtype}",
-                        "ids_ptr": "*i64",
-                        "old_ptr": "*fp32",
-                        "lp_out_ptr": "*fp32",
-                        "acc_out_ptr": "*i8",
-                        "n_ptr": "*i32",
-                        "flag_ptr": "*i32",
-                        "row_sample_ptr": "*i32",
-                        "row_token_ptr": "*i32",
-                        "lengths_ptr": "*i64",
-                        "uids_ptr": "*i64",
-                        "n_rows": "i32",
-                        "V": "i32",
-                        "T": "i32",
-                        "stride_b": "i32",
-                        "stride_t": "i32",
-                        "k0_w": "i32",
-                        "k1_w": "i32",
-                        "log_l_lo": "i32",
-                        "log_l_hi": "i32",
-                        "temp_lo": "i32",
-                        "temp_hi": "i32",
-                        "c_exp2": "fp32",
-                    }
-                    const = {
-                        "PACKED": packed,
-                        "MODE": mode,
-                        "BLOCK_R": cfg.block_r,
-                        "BLOCK_V": cfg.block_v,
-                        "USE_LIBDEVICE": True,
-                    }
-                    div = [k for k, v in sig.items() if v.startswith("*")] + ["V", "T", "stride_b", "stride_t"]
-                    name = (
-                        f"from_logits {dtype} packed={packed} mode={mode} BLOCK_R={cfg.block_r} BLOCK_V={cfg.block_v} "
-                        f"warps={cfg.num_warps}"
-                    )
-                    results.append(
-                        _run(name, verify_from_logits_kernel, sig, const, div, arch, ptx_arch, cfg.num_warps, 1)
-                    )
-
-    lm_variants = [
-        ("bf16", cfg, False, False, True)
-        for cfg in (configs.LM_HEAD_SWEEP if args.sweep else [configs.LM_HEAD_SWEEP[0]])
-    ]
-    # fp16 + bias + ragged d; fp32 (IEEE dot) with the default fp32 config.
-    lm_variants.append(("fp16", configs.LM_HEAD_SWEEP[0], True, False, False))
-    lm_variants.append(("fp32", configs.LMHeadConfig(64, 64, 32, 4, 3), True, True, False))
-    for dtype, cfg, has_bias, dot_fp32, even_k in lm_variants:
-        for row_map in (False, True):
-            sig = {
-                "h_ptr": f"*{dtype}",
-                "w_ptr": f"*{dtype}",
-                "bias_ptr": "*fp32",
-                "ids_ptr": "*i64",
-                "row_off_ptr": "*i64",
-                "part_m_ptr": "*fp32",
-                "part_s_ptr": "*fp32",
-                "tgt_ptr": "*fp32",
-                "N": "i32",
-                "V": "i32",
-                "D": "i32",
-                "stride_h": "i32",
-                "stride_w": "i32",
-                "n_vtiles": "i32",
-                "tiles_per_split": "i32",
-                "num_splits": "i32",
-                "c_exp2": "fp32",
-            }
-            const = {
-                "HAS_BIAS": has_bias,
-                "HAS_ROW_MAP": row_map,
-                "ROW_ALIGN": 8,
-                "EVEN_K": even_k,
-                "DOT_FP32": dot_fp32,
-                "BLOCK_M": cfg.block_m,
-                "BLOCK_N": cfg.block_n,
-                "BLOCK_K": cfg.block_k,
-                "FLATTEN": cfg.flatten,
-            }
-            div = [k for k, v in sig.items() if v.startswith("*")] + ["V", "D", "stride_h", "stride_w"]
-            name = (
-                f"lm_head_partial {dtype} bias={has_bias} even_k={even_k} row_map={row_map} "
-                f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} "
-                f"splits~{cfg.target_splits}" + (" flatten" if cfg.flatten else "")
-            )
-            results.append(
-                _run(name, lm_head_partial_kernel, sig, const, div, arch, ptx_arch, cfg.num_warps, cfg.num_stages)
-            )
-    sig = {
-        "part_m_ptr": "*fp32",
-        "part_s_ptr": "*fp32",
-        "tgt_ptr": "*fp32",
-        "old_ptr": "*fp32",
-        "lp_out_ptr": "*fp32",
-        "acc_out_ptr": "*i8",
-        "n_ptr": "*i32",
-        "flag_ptr": "*i32",
-        "row_sample_ptr": "*i32",
-        "row_token_ptr": "*i32",
-        "uids_ptr": "*i64",
-        "N": "i32",
-        "num_splits": "i32",
-        "k0_w": "i32",
-        "k1_w": "i32",
-        "log_l_lo": "i32",
-        "log_l_hi": "i32",
-        "temp_lo": "i32",
-        "temp_hi": "i32",
-        "c_exp2": "fp32",
-    }
-    for mode in (0, 1, 2, 3):
-        const = {"MODE": mode, "BLOCK": 256, "USE_LIBDEVICE": True}
-        div = [k for k, v in sig.items() if v.startswith("*")] + ["N"]
-        results.append(_run(f"lm_head_merge mode={mode}", lm_head_merge_kernel, sig, const, div, arch, ptx_arch, 4, 1))
-
-    from spec_rl.kernels.philox import _philox_uniform_kernel, _philox_words_kernel
-
-    sig = {
-        "out_ptr": "*fp32",
-        "uids_ptr": "*i64",
-        "tokens_ptr": "*i32",
-        "n": "i32",
-        "k0_w": "i32",
-        "k1_w": "i32",
-        "stream_w": "i32",
-    }
-    results.append(_run("philox_uniform", _philox_uniform_kernel, sig, {"BLOCK": 256}, [], arch, ptx_arch, 4, 1))
-    sig = {"out_ptr": "*i64", "in_ptr": "*i64", "n": "i32"}
-    results.append(_run("philox_words", _philox_words_kernel, sig, {"BLOCK": 64}, [], arch, ptx_arch, 4, 1))
-
-    # Paged decode attention (issue 4): variants listed next to its benchmark.
-    from bench_paged_attention import compile_variants
-
-    for name, fn, sig, const, div, warps, stages in compile_variants(sweep=args.sweep):
-        results.append(_run(name, fn, sig, const, div, arch, ptx_arch, warps, stages))
-
-    width = max(len(r["kernel"]) for r in results)
-    print(f"{'kernel':<{width}}  status  regs  spill_st  spill_ld  smem_bytes  wgmma  v4_loads")
-    ok = True
-    for r in results:
-        status = "ok" if r.get("error") is None and r.get("ptxas_rc", 0) == 0 else "FAIL"
-        if r["kernel"].startswith("from_logits") and not r.get("vector_loads"):
-            status = "FAIL"  # the logits stream must be read with 16-byte vector loads
-        ok &= status == "ok"
-        print(
-            f"{r['kernel']:<{width}}  {status:<6}  {r.get('registers')!s:>4}  {r.get('spill_stores')!s:>8}  "
-            f"{r.get('spill_loads')!s:>8}  {r.get('shared')!s:>10}  {r.get('uses_wgmma')!s:>5}  "
-            f"{r.get('vector_loads')!s:>8}"
-        )
-        if r.get("error"):
-            print("    " + r["error"].replace("\n", "\n    ")[:3000])
+    results = [_run(v, arch, ptx_arch) for v in all_variants(args.sweep)]
+    ok = print_report(results)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"arch": arch, "results": results}, f, indent=2)
+        write_json(args.json, {"arch": arch, "provenance": provenance("cpu"), "results": results}, announce=None)
     return 0 if ok else 1
 
 
-def _run(name, fn, sig, const, div, arch, ptx_arch, num_warps, num_stages) -> dict:
-    rec: dict = {"kernel": name}
+def _run(v, arch: int, ptx_arch: str) -> dict:
+    """Compile one :class:`compile_variants.Variant`; its ptxas numbers, or ``error``."""
+    rec: dict = {"kernel": v.name}
     try:
-        cc = _compile(fn, sig, const, div, arch, num_warps, num_stages)
+        cc = _compile(v.kernel, v.signature, v.constexprs, v.div16, arch, v.num_warps, v.num_stages)
         rec["shared"] = getattr(cc.metadata, "shared", None)
         rec.update(_ptxas_report(cc.asm["ptx"], ptx_arch))
         ptx = cc.asm.get("ptx", "")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One command for the GPU checks of the verification kernels (issue #3):
+# One command for the GPU checks (verification kernels, paged KV ops, paged attention, engine):
 #   1. install this checkout (no dependency resolution: the machine's torch and
 #      triton are used as they are; wheels in .whl/ are installed first, e.g.
 #      liger-kernel and cut-cross-entropy for the competitor rows),
@@ -9,7 +9,7 @@
 #   3. the test suite on CUDA: pytest tests -m "not slow",
 #   4. the benchmark suite (benchmarks/gpu_suite.py; SWEEP=1 adds the config sweep),
 #   5. paged decode attention (benchmarks/bench_paged_attention.py) and the paged engine
-#      (benchmarks/bench_engine.py: decode vs transformers generate, splice vs re-prefill; issue #4).
+#      (benchmarks/bench_engine.py: decode vs transformers generate, splice vs re-prefill).
 # Full logs go to $OUT (default ./gpu-check-out); the short table is printed last.
 #
 # Usage: bash benchmarks/gpu_check.sh          (or: make gpu-check)
@@ -72,11 +72,11 @@ sweep=""
 # shellcheck disable=SC2086
 $PY benchmarks/gpu_suite.py --json "$OUT/gpu_suite.json" $sweep ${SUITE_ARGS:-} > "$OUT/gpu_suite.log" 2>&1 || status=1
 
-echo "== paged decode attention benchmark (issue 4)"
+echo "== paged decode attention benchmark"
 # shellcheck disable=SC2086
 $PY benchmarks/bench_paged_attention.py --json "$OUT/paged_attention.json" $sweep > "$OUT/paged_attention.log" 2>&1 || status=1
 
-echo "== paged engine benchmark (issue 4: decode vs transformers generate; splice vs re-prefill)"
+echo "== paged engine benchmark (decode vs transformers generate; splice vs re-prefill)"
 # shellcheck disable=SC2086
 $PY benchmarks/bench_engine.py --json "$OUT/engine.json" ${ENGINE_ARGS:-} > "$OUT/engine.log" 2>&1 || status=1
 

@@ -1,11 +1,64 @@
 // Argument checks shared by the CPU and CUDA paged KV-cache ops (see kv_common.h).
 #include "kv_common.h"
 
+#include <ATen/ops/zeros_like.h>
 #include <c10/util/Exception.h>
+#include <torch/library.h>
 
 #include <vector>
 
 namespace spec_rl {
+namespace {
+
+// Per sequence b with ends[b] > begins[b]: the block-table columns holding logical
+// positions [begins[b], ends[b]) exist and hold block ids in [0, num_blocks).
+// block_tables: [B, max_blocks], begins/ends: [B], all int64 on the CPU.
+void check_table_range(const char* op, const at::Tensor& block_tables_cpu, const at::Tensor& begins_cpu,
+                       const at::Tensor& ends_cpu, int64_t block_size, int64_t num_blocks) {
+  const int64_t bsz = block_tables_cpu.size(0);
+  const int64_t cols = block_tables_cpu.size(1);
+  const int64_t* bt = block_tables_cpu.data_ptr<int64_t>();
+  const int64_t* begins = begins_cpu.data_ptr<int64_t>();
+  const int64_t* ends = ends_cpu.data_ptr<int64_t>();
+  for (int64_t b = 0; b < bsz; ++b) {
+    if (ends[b] <= begins[b]) continue;  // zero-length sequence: touches no block
+    const int64_t first = begins[b] / block_size;
+    const int64_t last = (ends[b] - 1) / block_size;  // inclusive
+    TORCH_CHECK(last < cols, op, ": sequence ", b, " needs ", last + 1, " blocks but block_tables has ", cols,
+                " columns");
+    for (int64_t c = first; c <= last; ++c) {
+      const int64_t id = bt[b * cols + c];
+      TORCH_CHECK(id >= 0 && id < num_blocks, op, ": block_tables[", b, ", ", c, "] = ", id,
+                  " is out of range [0, ", num_blocks, ")");
+    }
+  }
+}
+
+// starts/lengths of splice_from_dense: all >= 0 and src_starts + lengths <= seq_len.
+void check_splice_ranges(const char* op, const at::Tensor& src_cpu, const at::Tensor& dst_cpu,
+                         const at::Tensor& len_cpu, int64_t seq_len) {
+  const int64_t* src = src_cpu.data_ptr<int64_t>();
+  const int64_t* dst = dst_cpu.data_ptr<int64_t>();
+  const int64_t* len = len_cpu.data_ptr<int64_t>();
+  for (int64_t b = 0; b < src_cpu.numel(); ++b) {
+    TORCH_CHECK(src[b] >= 0, op, ": src_starts[", b, "] = ", src[b], " must be >= 0");
+    TORCH_CHECK(dst[b] >= 0, op, ": dst_starts[", b, "] = ", dst[b], " must be >= 0");
+    TORCH_CHECK(len[b] >= 0, op, ": lengths[", b, "] = ", len[b], " must be >= 0");
+    TORCH_CHECK(src[b] + len[b] <= seq_len, op, ": src_starts[", b, "] + lengths[", b, "] = ", src[b] + len[b],
+                " exceeds the dense length S = ", seq_len);
+  }
+}
+
+// gather_kv: lengths >= 0 and max(lengths) <= max_len.
+void check_gather_lengths(const char* op, const at::Tensor& len_cpu, int64_t max_len) {
+  const int64_t* len = len_cpu.data_ptr<int64_t>();
+  for (int64_t b = 0; b < len_cpu.numel(); ++b) {
+    TORCH_CHECK(len[b] >= 0, op, ": lengths[", b, "] = ", len[b], " must be >= 0");
+    TORCH_CHECK(len[b] <= max_len, op, ": lengths[", b, "] = ", len[b], " exceeds max_len = ", max_len);
+  }
+}
+
+}  // namespace
 
 void check_cache(const char* op, const at::Tensor& kv_cache) {
   TORCH_CHECK(kv_cache.defined(), op, ": kv_cache is undefined");
@@ -48,41 +101,6 @@ void check_slot_range(const char* op, const at::Tensor& slots_cpu, int64_t capac
   for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK(s[i] < capacity, op, ": slot_mapping[", i, "] = ", s[i], " is >= the cache capacity ", capacity,
                 " (num_blocks * block_size); allocate more blocks or fix the slot mapping");
-  }
-}
-
-void check_table_range(const char* op, const at::Tensor& block_tables_cpu, const at::Tensor& begins_cpu,
-                       const at::Tensor& ends_cpu, int64_t block_size, int64_t num_blocks) {
-  const int64_t bsz = block_tables_cpu.size(0);
-  const int64_t cols = block_tables_cpu.size(1);
-  const int64_t* bt = block_tables_cpu.data_ptr<int64_t>();
-  const int64_t* begins = begins_cpu.data_ptr<int64_t>();
-  const int64_t* ends = ends_cpu.data_ptr<int64_t>();
-  for (int64_t b = 0; b < bsz; ++b) {
-    if (ends[b] <= begins[b]) continue;  // zero-length sequence: touches no block
-    const int64_t first = begins[b] / block_size;
-    const int64_t last = (ends[b] - 1) / block_size;  // inclusive
-    TORCH_CHECK(last < cols, op, ": sequence ", b, " needs ", last + 1, " blocks but block_tables has ", cols,
-                " columns");
-    for (int64_t c = first; c <= last; ++c) {
-      const int64_t id = bt[b * cols + c];
-      TORCH_CHECK(id >= 0 && id < num_blocks, op, ": block_tables[", b, ", ", c, "] = ", id,
-                  " is out of range [0, ", num_blocks, ")");
-    }
-  }
-}
-
-void check_splice_ranges(const char* op, const at::Tensor& src_cpu, const at::Tensor& dst_cpu,
-                         const at::Tensor& len_cpu, int64_t seq_len) {
-  const int64_t* src = src_cpu.data_ptr<int64_t>();
-  const int64_t* dst = dst_cpu.data_ptr<int64_t>();
-  const int64_t* len = len_cpu.data_ptr<int64_t>();
-  for (int64_t b = 0; b < src_cpu.numel(); ++b) {
-    TORCH_CHECK(src[b] >= 0, op, ": src_starts[", b, "] = ", src[b], " must be >= 0");
-    TORCH_CHECK(dst[b] >= 0, op, ": dst_starts[", b, "] = ", dst[b], " must be >= 0");
-    TORCH_CHECK(len[b] >= 0, op, ": lengths[", b, "] = ", len[b], " must be >= 0");
-    TORCH_CHECK(src[b] + len[b] <= seq_len, op, ": src_starts[", b, "] + lengths[", b, "] = ", src[b] + len[b],
-                " exceeds the dense length S = ", seq_len);
   }
 }
 
@@ -167,12 +185,31 @@ void validate_gather(const at::Tensor& kv_cache, const at::Tensor& block_tables,
   TORCH_CHECK(max_len >= 0, op, ": max_len must be >= 0, got ", max_len);
 }
 
-void check_gather_lengths(const char* op, const at::Tensor& len_cpu, int64_t max_len) {
-  const int64_t* len = len_cpu.data_ptr<int64_t>();
-  for (int64_t b = 0; b < len_cpu.numel(); ++b) {
-    TORCH_CHECK(len[b] >= 0, op, ": lengths[", b, "] = ", len[b], " must be >= 0");
-    TORCH_CHECK(len[b] <= max_len, op, ": lengths[", b, "] = ", len[b], " exceeds max_len = ", max_len);
-  }
+SpliceIndices checked_splice_indices(const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                                     const at::Tensor& src_starts, const at::Tensor& dst_starts,
+                                     const at::Tensor& lengths, int64_t seq_len) {
+  const char* op = "spec_rl::splice_from_dense";
+  SpliceIndices idx{at::Tensor(), host_long(src_starts), host_long(dst_starts), host_long(lengths)};
+  check_splice_ranges(op, idx.src, idx.dst, idx.len, seq_len);
+  idx.tables = host_long(block_tables);
+  check_table_range(op, idx.tables, idx.dst, idx.dst.add(idx.len), kv_cache.size(2), kv_cache.size(0));
+  return idx;
+}
+
+GatherIndices checked_gather_indices(const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                                     const at::Tensor& lengths, int64_t max_len) {
+  const char* op = "spec_rl::gather_kv";
+  GatherIndices idx{host_long(block_tables), host_long(lengths)};
+  check_gather_lengths(op, idx.len, max_len);
+  check_table_range(op, idx.tables, at::zeros_like(idx.len), idx.len, kv_cache.size(2), kv_cache.size(0));
+  return idx;
+}
+
+void register_kv_ops(torch::Library& m, const KvOpImpls& impls) {
+  m.impl("write_kv", impls.write_kv);
+  m.impl("splice_from_dense", impls.splice_from_dense);
+  m.impl("copy_blocks", impls.copy_blocks);
+  m.impl("gather_kv", impls.gather_kv);
 }
 
 }  // namespace spec_rl

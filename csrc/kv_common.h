@@ -5,14 +5,19 @@
 //   kv_cache[:, 1] values. Logical position p of a sequence with block table bt
 //   lives in slot bt[p / block_size] * block_size + p % block_size; negative
 //   slots are padding and are skipped (vLLM's slot_mapping convention).
-// The semantics are those of spec_rl/ops/reference.py; these ops re-check every
-// argument so that a direct torch.ops.spec_rl.* call cannot write out of bounds.
+// The semantics are those of spec_rl/ops/torch_kv.py (docs/design.md "Paged KV cache");
+// these ops re-check every argument so that a direct torch.ops.spec_rl.* call cannot
+// write out of bounds.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <tuple>
+
+namespace torch {
+class Library;
+}  // namespace torch
 
 namespace spec_rl {
 
@@ -25,22 +30,40 @@ void check_kv(const char* op, const char* name, const at::Tensor& t, const at::T
 // An index tensor: `dims`-D, int32 or int64, on kv_cache's device.
 void check_index(const char* op, const char* name, const at::Tensor& t, const at::Tensor& kv_cache, int64_t dims);
 
-// Range checks on CPU index tensors (the CUDA ops copy their indices to the host first).
-// slots: [T] int32/int64; every slot < capacity (negative = padding).
-void check_slot_range(const char* op, const at::Tensor& slots_cpu, int64_t capacity);
-// Per sequence b with ends[b] > begins[b]: the block-table columns holding logical
-// positions [begins[b], ends[b]) exist and hold block ids in [0, num_blocks).
-// block_tables: [B, max_blocks], begins/ends: [B], all int64 on the CPU.
-void check_table_range(const char* op, const at::Tensor& block_tables_cpu, const at::Tensor& begins_cpu,
-                       const at::Tensor& ends_cpu, int64_t block_size, int64_t num_blocks);
 // An index tensor as contiguous int64 on the CPU (copies a CUDA tensor to the host: synchronises).
 at::Tensor host_long(const at::Tensor& t);
-// starts/lengths of splice_from_dense: all >= 0 and src_starts + lengths <= seq_len.
-void check_splice_ranges(const char* op, const at::Tensor& src_cpu, const at::Tensor& dst_cpu,
-                         const at::Tensor& len_cpu, int64_t seq_len);
+
+// Range checks on CPU index tensors (the CUDA ops copy their indices to the host first).
+// slots: [T] int64; every slot < capacity (negative = padding).
+void check_slot_range(const char* op, const at::Tensor& slots_cpu, int64_t capacity);
 // block_mapping [M, 2] int64: ids in [0, num_blocks), no destination twice.
 // Returns true when some destination block is also a source (the copy must be staged).
 bool check_block_mapping(const char* op, const at::Tensor& mapping_cpu, int64_t num_blocks);
+
+// splice_from_dense's indices as int64 host tensors, range-checked: starts and lengths
+// >= 0, src_starts + lengths <= seq_len, and the block-table entries of the written
+// positions [dst_starts, dst_starts + lengths) exist and lie in [0, num_blocks).
+struct SpliceIndices {
+  at::Tensor tables, src, dst, len;
+};
+SpliceIndices checked_splice_indices(const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                                     const at::Tensor& src_starts, const at::Tensor& dst_starts,
+                                     const at::Tensor& lengths, int64_t seq_len);
+// gather_kv's indices as int64 host tensors, range-checked: 0 <= lengths <= max_len and
+// the block-table entries of positions [0, lengths) exist and lie in [0, num_blocks).
+struct GatherIndices {
+  at::Tensor tables, len;
+};
+GatherIndices checked_gather_indices(const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                                     const at::Tensor& lengths, int64_t max_len);
+
+// Calls f(t.data_ptr<int32_t>()) or f(t.data_ptr<int64_t>()) by the dtype of an index
+// tensor that check_index accepted (so that a kernel template is instantiated per index type).
+template <typename F>
+auto with_index_ptr(const at::Tensor& t, F&& f) {
+  if (t.scalar_type() == at::kInt) return f(t.data_ptr<int32_t>());
+  return f(t.data_ptr<int64_t>());
+}
 
 // Shape / dtype / device checks of each op (everything except index ranges), shared by
 // the CPU and CUDA implementations so both reject exactly the same calls.
@@ -52,8 +75,17 @@ void validate_splice(const at::Tensor& kv_cache, const at::Tensor& key, const at
 void validate_copy_blocks(const at::Tensor& kv_cache, const at::Tensor& block_mapping);
 void validate_gather(const at::Tensor& kv_cache, const at::Tensor& block_tables, const at::Tensor& lengths,
                      int64_t max_len);
-// gather_kv: lengths >= 0 and max(lengths) <= max_len.
-void check_gather_lengths(const char* op, const at::Tensor& len_cpu, int64_t max_len);
+
+// The four ops of one dispatch key (CPU or CUDA), registered by register_kv_ops.
+struct KvOpImpls {
+  void (*write_kv)(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, bool);
+  void (*splice_from_dense)(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const at::Tensor&, const at::Tensor&);
+  void (*copy_blocks)(at::Tensor&, const at::Tensor&);
+  std::tuple<at::Tensor, at::Tensor> (*gather_kv)(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t);
+};
+// m.impl of each op (call inside TORCH_LIBRARY_IMPL(spec_rl, <key>, m)).
+void register_kv_ops(torch::Library& m, const KvOpImpls& impls);
 
 // ---- CPU ops (kv_ops_cpu.cpp) ----
 void write_kv_cpu(at::Tensor& kv_cache, const at::Tensor& key, const at::Tensor& value, const at::Tensor& slot_mapping,

@@ -2,7 +2,7 @@
 // compile standalone with nvcc (benchmarks/compile_check_csrc.sh instantiates
 // every launcher for sm_90 on a machine without a GPU or a CUDA build of torch).
 //
-// Semantics: spec_rl/ops/reference.py. Cache layout per layer:
+// Semantics: spec_rl/ops/torch_kv.py (docs/design.md "Paged KV cache"). Cache layout per layer:
 // [num_blocks, 2, block_size, H, D] (NHD); block tables [B, cols]; slot =
 // block * block_size + offset; negative slots are padding and are skipped.
 //
@@ -185,22 +185,38 @@ cudaError_t launch_write_kv(void* cache, const void* key, const void* value, con
   });
 }
 
+// Launch shape of splice / gather: rows of a head's D elements moved in units U, `tile`
+// tokens per CTA, bsz sequences of `len` positions.
+struct TokenTiles {
+  int64_t d_units;
+  int64_t tile;
+  unsigned grid;
+};
+
+// Picks the unit for rows of row_bytes at the three base pointers, then calls
+// launch(U{}, tiles) with the matching tiling; returns its launch error.
+template <typename F>
+inline cudaError_t with_token_tiles(int64_t row_bytes, int elem_bytes, const void* const* ptrs, int64_t heads,
+                                    int64_t bsz, int64_t len, F&& launch) {
+  return with_unit(unit_bytes(row_bytes, elem_bytes, ptrs, 3), [&](auto unit) {
+    const int64_t d_units = row_bytes / static_cast<int64_t>(sizeof(unit));
+    const int64_t tile = tile_for(heads * d_units);
+    return launch(unit, TokenTiles{d_units, tile, grid_for(bsz * ((len + tile - 1) / tile))});
+  });
+}
+
 template <typename TBL>
 cudaError_t launch_splice(void* cache, const void* key, const void* value, const TBL* tables,
                           const int64_t* src_starts, const int64_t* dst_starts, const int64_t* lengths, int64_t bsz,
                           int64_t heads, int64_t seq, int64_t dim, int64_t block_size, int64_t num_blocks,
                           int64_t cols, int elem_bytes, cudaStream_t stream) {
   if (bsz == 0 || seq == 0) return cudaSuccess;
-  const int64_t row_bytes = dim * elem_bytes;
   const void* ptrs[3] = {cache, key, value};
-  return with_unit(unit_bytes(row_bytes, elem_bytes, ptrs, 3), [&](auto unit) {
+  return with_token_tiles(dim * elem_bytes, elem_bytes, ptrs, heads, bsz, seq, [&](auto unit, TokenTiles t) {
     using U = decltype(unit);
-    const int64_t d_units = row_bytes / static_cast<int64_t>(sizeof(U));
-    const int64_t tile = tile_for(heads * d_units);
-    const int64_t work = bsz * ((seq + tile - 1) / tile);
-    splice_kernel<U, TBL><<<grid_for(work), kThreads, 0, stream>>>(
+    splice_kernel<U, TBL><<<t.grid, kThreads, 0, stream>>>(
         static_cast<U*>(cache), static_cast<const U*>(key), static_cast<const U*>(value), tables, src_starts,
-        dst_starts, lengths, bsz, heads, seq, d_units, block_size, num_blocks, cols, tile);
+        dst_starts, lengths, bsz, heads, seq, t.d_units, block_size, num_blocks, cols, t.tile);
     return cudaGetLastError();
   });
 }
@@ -210,16 +226,12 @@ cudaError_t launch_gather(void* out_k, void* out_v, const void* cache, const TBL
                           int64_t bsz, int64_t heads, int64_t max_len, int64_t dim, int64_t block_size,
                           int64_t num_blocks, int64_t cols, int elem_bytes, cudaStream_t stream) {
   if (bsz == 0 || max_len == 0) return cudaSuccess;
-  const int64_t row_bytes = dim * elem_bytes;
   const void* ptrs[3] = {out_k, out_v, cache};
-  return with_unit(unit_bytes(row_bytes, elem_bytes, ptrs, 3), [&](auto unit) {
+  return with_token_tiles(dim * elem_bytes, elem_bytes, ptrs, heads, bsz, max_len, [&](auto unit, TokenTiles t) {
     using U = decltype(unit);
-    const int64_t d_units = row_bytes / static_cast<int64_t>(sizeof(U));
-    const int64_t tile = tile_for(heads * d_units);
-    const int64_t work = bsz * ((max_len + tile - 1) / tile);
-    gather_kernel<U, TBL><<<grid_for(work), kThreads, 0, stream>>>(
+    gather_kernel<U, TBL><<<t.grid, kThreads, 0, stream>>>(
         static_cast<U*>(out_k), static_cast<U*>(out_v), static_cast<const U*>(cache), tables, lengths, bsz, heads,
-        max_len, d_units, block_size, num_blocks, cols, tile);
+        max_len, t.d_units, block_size, num_blocks, cols, t.tile);
     return cudaGetLastError();
   });
 }

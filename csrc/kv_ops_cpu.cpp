@@ -1,4 +1,4 @@
-// CPU implementations of the paged KV-cache ops (semantics: spec_rl/ops/reference.py).
+// CPU implementations of the paged KV-cache ops (semantics: spec_rl/ops/torch_kv.py).
 //
 // All four ops only move bytes, so they work on raw rows of element_size()
 // bytes and need no per-dtype code: one build serves float32, float16 and
@@ -8,7 +8,6 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros_like.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
@@ -60,15 +59,14 @@ void write_kv_cpu(at::Tensor& kv_cache, const at::Tensor& key_in, const at::Tens
 void splice_from_dense_cpu(at::Tensor& kv_cache, const at::Tensor& key_in, const at::Tensor& value_in,
                            const at::Tensor& block_tables_in, const at::Tensor& src_starts,
                            const at::Tensor& dst_starts, const at::Tensor& lengths) {
-  const char* op = "spec_rl::splice_from_dense";
   validate_splice(kv_cache, key_in, value_in, block_tables_in, src_starts, dst_starts, lengths);
   const int64_t bsz = key_in.size(0), heads = key_in.size(1), seq = key_in.size(2);
   const int64_t block_size = kv_cache.size(2);
-  const at::Tensor src = host_long(src_starts), dst = host_long(dst_starts), len = host_long(lengths);
-  const at::Tensor tables = host_long(block_tables_in);
-  check_splice_ranges(op, src, dst, len, seq);
-  const at::Tensor dst_end = dst.add(len);
-  check_table_range(op, tables, dst, dst_end, block_size, kv_cache.size(0));
+  const SpliceIndices idx = checked_splice_indices(kv_cache, block_tables_in, src_starts, dst_starts, lengths, seq);
+  const at::Tensor& src = idx.src;
+  const at::Tensor& dst = idx.dst;
+  const at::Tensor& len = idx.len;
+  const at::Tensor& tables = idx.tables;
 
   // Token t of the flattened batch belongs to sequence b with first[b] <= t < first[b + 1].
   const int64_t* s0 = src.data_ptr<int64_t>();
@@ -139,12 +137,10 @@ void copy_blocks_cpu(at::Tensor& kv_cache, const at::Tensor& block_mapping) {
 
 std::tuple<at::Tensor, at::Tensor> gather_kv_cpu(const at::Tensor& kv_cache, const at::Tensor& block_tables,
                                                  const at::Tensor& lengths, int64_t max_len) {
-  const char* op = "spec_rl::gather_kv";
   validate_gather(kv_cache, block_tables, lengths, max_len);
-  const at::Tensor len = host_long(lengths);
-  const at::Tensor tables = host_long(block_tables);
-  check_gather_lengths(op, len, max_len);
-  check_table_range(op, tables, at::zeros_like(len), len, kv_cache.size(2), kv_cache.size(0));
+  const GatherIndices idx = checked_gather_indices(kv_cache, block_tables, lengths, max_len);
+  const at::Tensor& len = idx.len;
+  const at::Tensor& tables = idx.tables;
 
   const int64_t bsz = tables.size(0), heads = kv_cache.size(3), dim = kv_cache.size(4);
   at::Tensor key = at::empty({bsz, heads, max_len, dim}, kv_cache.options());
@@ -184,10 +180,7 @@ std::tuple<at::Tensor, at::Tensor> gather_kv_cpu(const at::Tensor& kv_cache, con
 }
 
 TORCH_LIBRARY_IMPL(spec_rl, CPU, m) {
-  m.impl("write_kv", &write_kv_cpu);
-  m.impl("splice_from_dense", &splice_from_dense_cpu);
-  m.impl("copy_blocks", &copy_blocks_cpu);
-  m.impl("gather_kv", &gather_kv_cpu);
+  register_kv_ops(m, {&write_kv_cpu, &splice_from_dense_cpu, &copy_blocks_cpu, &gather_kv_cpu});
 }
 
 }  // namespace spec_rl

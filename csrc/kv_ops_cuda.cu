@@ -10,7 +10,6 @@
 #include "kv_kernels.cuh"
 
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros_like.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -28,6 +27,10 @@ void check_launch(const char* op, cudaError_t err) {
   TORCH_CHECK(err == cudaSuccess, op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
 }
 
+int elem_bytes(const at::Tensor& kv_cache) {
+  return static_cast<int>(kv_cache.element_size());
+}
+
 }  // namespace
 
 void write_kv_cuda(at::Tensor& kv_cache, const at::Tensor& key_in, const at::Tensor& value_in,
@@ -40,18 +43,12 @@ void write_kv_cuda(at::Tensor& kv_cache, const at::Tensor& key_in, const at::Ten
   if (num_tokens == 0) return;
   const at::Tensor key = key_in.contiguous(), value = value_in.contiguous();
   const at::Tensor slots = slot_mapping.contiguous();
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int64_t heads = kv_cache.size(3), dim = kv_cache.size(4), block_size = kv_cache.size(2);
-  const int elem = static_cast<int>(kv_cache.element_size());
-  cudaError_t err;
-  if (slots.scalar_type() == at::kInt) {
-    err = kv_cuda::launch_write_kv(kv_cache.data_ptr(), key.data_ptr(), value.data_ptr(), slots.data_ptr<int32_t>(),
-                                   num_tokens, heads, dim, block_size, kv_cache.size(0), elem, stream);
-  } else {
-    err = kv_cuda::launch_write_kv(kv_cache.data_ptr(), key.data_ptr(), value.data_ptr(), slots.data_ptr<int64_t>(),
-                                   num_tokens, heads, dim, block_size, kv_cache.size(0), elem, stream);
-  }
-  check_launch(op, err);
+  check_launch(op, with_index_ptr(slots, [&](const auto* slot_ids) {
+                 return kv_cuda::launch_write_kv(kv_cache.data_ptr(), key.data_ptr(), value.data_ptr(), slot_ids,
+                                                 num_tokens, heads, dim, block_size, kv_cache.size(0),
+                                                 elem_bytes(kv_cache), c10::cuda::getCurrentCUDAStream());
+               }));
 }
 
 void splice_from_dense_cuda(at::Tensor& kv_cache, const at::Tensor& key_in, const at::Tensor& value_in,
@@ -62,30 +59,21 @@ void splice_from_dense_cuda(at::Tensor& kv_cache, const at::Tensor& key_in, cons
   const c10::cuda::CUDAGuard guard(kv_cache.device());
   const int64_t bsz = key_in.size(0), heads = key_in.size(1), seq = key_in.size(2), dim = key_in.size(3);
   const int64_t block_size = kv_cache.size(2), num_blocks = kv_cache.size(0);
-  if (!capturing()) {
-    const at::Tensor src = host_long(src_starts), dst = host_long(dst_starts), len = host_long(lengths);
-    check_splice_ranges(op, src, dst, len, seq);
-    check_table_range(op, host_long(block_tables), dst, dst.add(len), block_size, num_blocks);
-  }
+  // Range checks on host copies of the indices (one sync); the kernels read the device tensors.
+  if (!capturing()) checked_splice_indices(kv_cache, block_tables, src_starts, dst_starts, lengths, seq);
   if (bsz == 0) return;
   const at::Tensor key = key_in.contiguous(), value = value_in.contiguous();
   const at::Tensor src = src_starts.to(at::kLong).contiguous();
   const at::Tensor dst = dst_starts.to(at::kLong).contiguous();
   const at::Tensor len = lengths.to(at::kLong).contiguous();
   const at::Tensor tables = block_tables.contiguous();
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const int elem = static_cast<int>(kv_cache.element_size());
-  cudaError_t err;
-  if (tables.scalar_type() == at::kInt) {
-    err = kv_cuda::launch_splice(kv_cache.data_ptr(), key.data_ptr(), value.data_ptr(), tables.data_ptr<int32_t>(),
-                                 src.data_ptr<int64_t>(), dst.data_ptr<int64_t>(), len.data_ptr<int64_t>(), bsz,
-                                 heads, seq, dim, block_size, num_blocks, tables.size(1), elem, stream);
-  } else {
-    err = kv_cuda::launch_splice(kv_cache.data_ptr(), key.data_ptr(), value.data_ptr(), tables.data_ptr<int64_t>(),
-                                 src.data_ptr<int64_t>(), dst.data_ptr<int64_t>(), len.data_ptr<int64_t>(), bsz,
-                                 heads, seq, dim, block_size, num_blocks, tables.size(1), elem, stream);
-  }
-  check_launch(op, err);
+  check_launch(op, with_index_ptr(tables, [&](const auto* table_ids) {
+                 return kv_cuda::launch_splice(kv_cache.data_ptr(), key.data_ptr(), value.data_ptr(), table_ids,
+                                               src.data_ptr<int64_t>(), dst.data_ptr<int64_t>(),
+                                               len.data_ptr<int64_t>(), bsz, heads, seq, dim, block_size,
+                                               num_blocks, tables.size(1), elem_bytes(kv_cache),
+                                               c10::cuda::getCurrentCUDAStream());
+               }));
 }
 
 void copy_blocks_cuda(at::Tensor& kv_cache, const at::Tensor& block_mapping) {
@@ -101,10 +89,9 @@ void copy_blocks_cuda(at::Tensor& kv_cache, const at::Tensor& block_mapping) {
   const int64_t block_numel = kv_cache.numel() / num_blocks;
   at::Tensor buffer;
   if (staged) buffer = at::empty({rows, block_numel}, kv_cache.options());
-  const int elem = static_cast<int>(kv_cache.element_size());
   check_launch(op, kv_cuda::launch_copy_blocks(kv_cache.data_ptr(), staged ? buffer.data_ptr() : nullptr,
-                                               mapping.data_ptr<int64_t>(), rows, block_numel * elem, num_blocks,
-                                               elem, c10::cuda::getCurrentCUDAStream()));
+                                               mapping.data_ptr<int64_t>(), rows, block_numel * elem_bytes(kv_cache),
+                                               num_blocks, elem_bytes(kv_cache), c10::cuda::getCurrentCUDAStream()));
 }
 
 std::tuple<at::Tensor, at::Tensor> gather_kv_cuda(const at::Tensor& kv_cache, const at::Tensor& block_tables,
@@ -113,38 +100,25 @@ std::tuple<at::Tensor, at::Tensor> gather_kv_cuda(const at::Tensor& kv_cache, co
   validate_gather(kv_cache, block_tables, lengths, max_len);
   const c10::cuda::CUDAGuard guard(kv_cache.device());
   const int64_t num_blocks = kv_cache.size(0), block_size = kv_cache.size(2);
-  if (!capturing()) {
-    const at::Tensor len = host_long(lengths);
-    check_gather_lengths(op, len, max_len);
-    check_table_range(op, host_long(block_tables), at::zeros_like(len), len, block_size, num_blocks);
-  }
+  // Range checks on host copies of the indices (one sync); the kernels read the device tensors.
+  if (!capturing()) checked_gather_indices(kv_cache, block_tables, lengths, max_len);
   const int64_t bsz = block_tables.size(0), heads = kv_cache.size(3), dim = kv_cache.size(4);
   at::Tensor key = at::empty({bsz, heads, max_len, dim}, kv_cache.options());
   at::Tensor value = at::empty({bsz, heads, max_len, dim}, kv_cache.options());
   if (key.numel() == 0) return {key, value};
   const at::Tensor len = lengths.to(at::kLong).contiguous();
   const at::Tensor tables = block_tables.contiguous();
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const int elem = static_cast<int>(kv_cache.element_size());
-  cudaError_t err;
-  if (tables.scalar_type() == at::kInt) {
-    err = kv_cuda::launch_gather(key.data_ptr(), value.data_ptr(), kv_cache.data_ptr(), tables.data_ptr<int32_t>(),
-                                 len.data_ptr<int64_t>(), bsz, heads, max_len, dim, block_size, num_blocks,
-                                 tables.size(1), elem, stream);
-  } else {
-    err = kv_cuda::launch_gather(key.data_ptr(), value.data_ptr(), kv_cache.data_ptr(), tables.data_ptr<int64_t>(),
-                                 len.data_ptr<int64_t>(), bsz, heads, max_len, dim, block_size, num_blocks,
-                                 tables.size(1), elem, stream);
-  }
-  check_launch(op, err);
+  check_launch(op, with_index_ptr(tables, [&](const auto* table_ids) {
+                 return kv_cuda::launch_gather(key.data_ptr(), value.data_ptr(), kv_cache.data_ptr(), table_ids,
+                                               len.data_ptr<int64_t>(), bsz, heads, max_len, dim, block_size,
+                                               num_blocks, tables.size(1), elem_bytes(kv_cache),
+                                               c10::cuda::getCurrentCUDAStream());
+               }));
   return {key, value};
 }
 
 TORCH_LIBRARY_IMPL(spec_rl, CUDA, m) {
-  m.impl("write_kv", &write_kv_cuda);
-  m.impl("splice_from_dense", &splice_from_dense_cuda);
-  m.impl("copy_blocks", &copy_blocks_cuda);
-  m.impl("gather_kv", &gather_kv_cuda);
+  register_kv_ops(m, {&write_kv_cuda, &splice_from_dense_cuda, &copy_blocks_cuda, &gather_kv_cuda});
 }
 
 }  // namespace spec_rl

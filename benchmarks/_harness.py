@@ -1,0 +1,341 @@
+"""The one harness every script in benchmarks/ runs on: timing, provenance and output.
+
+Timing
+    :func:`gpu_time` (CUDA events through ``triton.testing.do_bench``, L2 flushed
+    between runs), :func:`wall_time` (``time.perf_counter`` around a device
+    synchronize, for whole pipelines and for the CPU), :func:`synced` (a callable
+    for pytest-benchmark that waits for the device) and :func:`measure`, which
+    turns one timed call into a result row (a failing call becomes an ``error``
+    row instead of ending the run).
+Provenance
+    :func:`commit` and :func:`provenance`: commit, date, device, torch / triton /
+    Python versions, recorded in every JSON file (and, via benchmarks/conftest.py,
+    in pytest-benchmark's ``machine_info``).
+Output
+    :class:`Table` / :class:`Column` for the aligned text tables the scripts
+    print, :func:`write_json` for the JSON record, :func:`default_json_path`
+    for the ``--json`` default under ``$OUT``.
+Inputs
+    :data:`DTYPES` and :func:`random_lm_head`, shared by the verification benchmarks.
+
+Example
+-------
+>>> import torch
+>>> _, t = wall_time(lambda: torch.ones(4).sum(), "cpu", warmup=1, repeats=3)
+>>> t.runs
+3
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any, Callable
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# Spread of a timing: these quantiles of the per-run times.
+LOW_Q, HIGH_Q = 0.2, 0.8
+
+
+# ---------------------------------------------------------------- timing
+
+
+def _quantile(sorted_values: list[float], q: float) -> float:
+    """Linear interpolation between order statistics (numpy's default)."""
+    pos = q * (len(sorted_values) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Median and spread of repeated runs, all in one unit (ms or s).
+
+    ``low`` / ``high`` are the 20th / 80th percentiles; with one run all three
+    are that run's time.
+    """
+
+    median: float
+    low: float
+    high: float
+    runs: int
+
+    @classmethod
+    def from_samples(cls, samples: list[float]) -> "Timing":
+        ordered = sorted(samples)
+        return cls(statistics.median(ordered), _quantile(ordered, LOW_Q), _quantile(ordered, HIGH_Q), len(ordered))
+
+    def record(self, key: str) -> dict:
+        """``{key: median, key_p20: low, key_p80: high, "runs": runs}`` for a result row."""
+        return {key: self.median, f"{key}_p20": self.low, f"{key}_p80": self.high, "runs": self.runs}
+
+
+def sync(device: torch.device | str) -> None:
+    """Wait for the device's queued work (no-op on CPU)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def synced(fn: Callable, device: torch.device | str) -> Callable:
+    """``fn`` followed by :func:`sync`, so that a host timer (pytest-benchmark) sees the device time."""
+
+    def call(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        sync(device)
+        return out
+
+    return call
+
+
+def wall_time(fn: Callable[[], Any], device: torch.device | str, *, warmup: int = 0, repeats: int = 1):
+    """Host wall-clock time of ``fn()``: ``warmup`` untimed calls, then ``repeats`` timed ones.
+
+    Each timed call is bracketed by device synchronizes, so queued kernels are
+    counted. Returns ``(output of the last call, Timing in seconds)``.
+    """
+    for _ in range(warmup):
+        fn()
+    samples, out = [], None
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        out = fn()
+        sync(device)
+        samples.append(time.perf_counter() - t0)
+    return out, Timing.from_samples(samples)
+
+
+def gpu_time(fn: Callable[[], Any], rep_ms: int) -> Timing:
+    """CUDA-event time of ``fn()`` in ms from ``triton.testing.do_bench`` (``rep_ms`` budget, L2 flushed).
+
+    The warm-up budget is a quarter of ``rep_ms`` (at least 10 ms); the median
+    is the one ``do_bench(return_mode="median")`` reports.
+    """
+    import triton
+
+    times = triton.testing.do_bench(fn, warmup=max(10, rep_ms // 4), rep=rep_ms, return_mode="all")
+    return Timing.from_samples([float(t) for t in times])
+
+
+def peak_extra_mb(fn: Callable[[], Any]) -> float:
+    """Peak CUDA memory allocated during one ``fn()`` beyond what was allocated before it, in MiB."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    del out
+    return (peak - base) / 2**20
+
+
+def measure(
+    name: str,
+    fn: Callable[[], Any],
+    rows: list[dict],
+    *,
+    rep_ms: int,
+    memory: bool = False,
+    progress: Callable[[dict], str] | None = None,
+    **extra,
+) -> dict:
+    """Time one GPU call into a row ``{"name", **extra, "ms", "ms_p20", "ms_p80", "runs"[, "extra_mb"]}``.
+
+    One untimed call first (compilation, first-call costs), then :func:`gpu_time`;
+    ``memory`` adds :func:`peak_extra_mb`. An exception becomes ``row["error"]``
+    (first line, 300 characters) so a failing competitor does not end the run.
+    The row is appended to ``rows``; ``progress(row)`` is printed when given.
+    """
+    rec = {"name": name, **extra}
+    try:
+        fn()
+        torch.cuda.synchronize()
+        rec.update(gpu_time(fn, rep_ms).record("ms"))
+        if memory:
+            rec["extra_mb"] = peak_extra_mb(fn)
+    except Exception as exc:  # noqa: BLE001  (a failing row is reported, not fatal)
+        rec["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        traceback.print_exc(limit=2)
+    rows.append(rec)
+    if progress is not None:
+        print(progress(rec), flush=True)
+    return rec
+
+
+def compiled_kernels(script: str):
+    """``spec_rl.kernels`` built for the GPU, or None (after saying why) when the interpreter made them.
+
+    ``TRITON_INTERPRET`` is dropped first; it only matters if the package was
+    not imported yet (interpreter timings say nothing about a GPU).
+    """
+    os.environ.pop("TRITON_INTERPRET", None)
+    import spec_rl.kernels as K
+
+    if K.INTERPRET:
+        print(f"{script}: spec_rl.kernels was imported in interpreter mode (TRITON_INTERPRET set); unset it.")
+        return None
+    return K
+
+
+# ---------------------------------------------------------------- provenance
+
+
+def commit() -> str:
+    """``$SPEC_RL_COMMIT``, else ``git rev-parse HEAD`` (+ "-dirty" with uncommitted changes), else "unknown"."""
+    env = os.environ.get("SPEC_RL_COMMIT")
+    if env:
+        return env
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        head = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
+        dirty = subprocess.run(
+            ["git", "-C", here, "status", "--porcelain"], capture_output=True, text=True, check=False
+        )
+        return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.CalledProcessError):  # no git: still benchmark
+        return "unknown"
+
+
+def _triton_version() -> str | None:
+    if "triton" in sys.modules:
+        return sys.modules["triton"].__version__
+    for dist in ("triton", "pytorch-triton"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def device_description(device: torch.device | str) -> dict:
+    """``{"device": name}`` (+ ``sm_count``, ``capability`` on CUDA; core count and threads on CPU)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return {"device": f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"}
+    props = torch.cuda.get_device_properties(device)
+    return {"device": props.name, "sm_count": props.multi_processor_count, "capability": f"{props.major}.{props.minor}"}
+
+
+def provenance(device: torch.device | str | None = None) -> dict:
+    """Where a result comes from: device, torch / triton / Python versions, commit and UTC date.
+
+    ``device`` defaults to CUDA when visible, else the CPU.
+    """
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return {
+        **device_description(device),
+        "torch": torch.__version__,
+        "triton": _triton_version(),
+        "python": platform.python_version(),
+        "commit": commit(),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+# ---------------------------------------------------------------- output
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of a text table.
+
+    ``width``/``align`` as in a format spec ("<" left, ">" right; width 0: no
+    padding); ``fmt`` formats numbers (strings are printed as they are, None as
+    "-"); ``gap`` is the text between this column and the one before it.
+    """
+
+    header: str
+    width: int = 0
+    align: str = ">"
+    fmt: str = "{}"
+    gap: str = " "
+
+
+class Table:
+    """Aligned text table: ``header()`` and ``row(*cells)`` return one line each.
+
+    Example
+    -------
+    >>> t = Table(Column("method", 8, "<"), Column("ms", 6, fmt="{:.2f}"))
+    >>> t.header(), t.row("ours", 1.5), t.row("theirs", None)
+    ('method       ms', 'ours       1.50', 'theirs        -')
+    """
+
+    def __init__(self, *columns: Column) -> None:
+        self.columns = columns
+
+    def _line(self, cells) -> str:
+        parts = []
+        for i, (col, cell) in enumerate(zip(self.columns, cells)):
+            if cell is None:
+                text = "-"
+            elif isinstance(cell, str):
+                text = cell
+            else:
+                text = col.fmt.format(cell)
+            parts.append(("" if i == 0 else col.gap) + (f"{text:{col.align}{col.width}}" if col.width else text))
+        return "".join(parts)
+
+    def header(self) -> str:
+        return self._line([c.header for c in self.columns])
+
+    def row(self, *cells) -> str:
+        return self._line(cells)
+
+
+def speedup_notes(row: dict) -> str:
+    """"label 1.23x, ..." from a row's ``speedup_vs_<label>`` entries (the notes column of the tables)."""
+    prefix = "speedup_vs_"
+    return ", ".join(f"{k[len(prefix):]} {v:.2f}x" for k, v in row.items() if k.startswith(prefix))
+
+
+def print_checks(checks: dict) -> None:
+    """One ``check <name>: <value>`` line per accuracy check, after a table."""
+    for k, v in checks.items():
+        print(f"check {k}: {v:.3g}")
+
+
+def default_json_path(filename: str) -> str | None:
+    """``$OUT/filename`` when ``OUT`` is set (the device runs collect ``$OUT``), else None."""
+    return os.path.join(os.environ["OUT"], filename) if os.environ.get("OUT") else None
+
+
+def write_json(path: str, record: dict, *, announce: str | None = "wrote") -> None:
+    """Write ``record`` as indented JSON (creating the folder); print ``"{announce} {path}"`` unless None."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(record, f, indent=2)
+    if announce is not None:
+        print(f"{announce} {path}")
+
+
+# ---------------------------------------------------------------- inputs
+
+
+def random_lm_head(vocab: int, d: int, dtype: torch.dtype, device, gen: torch.Generator) -> torch.Tensor:
+    """[vocab, d] LM-head weight scaled so that unit-variance hidden states give logits of std ~2.5."""
+    return (torch.randn(vocab, d, device=device, generator=gen) * (2.5 / math.sqrt(d))).to(dtype)
+
+
+def run_pytest_file(path: str) -> int:
+    """``python benchmarks/bench_x.py [pytest args]`` runs that file under pytest (``--help`` included)."""
+    import pytest
+
+    return int(pytest.main([path, *sys.argv[1:]]))

@@ -1,0 +1,195 @@
+"""The kernel variants benchmarks/compile_check.py compiles for sm_90: signatures, constexprs, launch shapes.
+
+Each :class:`Variant` names one Triton kernel specialisation: the argument
+types (``signature``: "*bf16", "i32", ...), the constexpr values, the
+arguments promised to be multiples of 16 (``div16``, what the launchers'
+alignment lets Triton assume) and warps / stages. The lists follow the
+launchers in spec_rl.kernels: the default configs at the shapes the package
+meets, plus every sweep config with ``sweep=True``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+
+class Variant(NamedTuple):
+    name: str
+    kernel: Any  # a triton.JITFunction
+    signature: dict
+    constexprs: dict
+    div16: list
+    num_warps: int
+    num_stages: int
+
+
+# Arguments every verification epilogue takes (from-logits kernel, LM-head merge):
+# the old log-probs, the outputs, the NaN flag and the packed row map ...
+EPILOGUE_PTRS = {
+    "old_ptr": "*fp32",
+    "lp_out_ptr": "*fp32",
+    "acc_out_ptr": "*i8",
+    "n_ptr": "*i32",
+    "flag_ptr": "*i32",
+    "row_sample_ptr": "*i32",
+    "row_token_ptr": "*i32",
+}
+# ... and the rule's scalars: the Philox key words, log-lenience and temperature as the int32 halves of
+# their float64 bits, and the exp2 scale of the softmax.
+RULE_SCALARS = {
+    "k0_w": "i32",
+    "k1_w": "i32",
+    "log_l_lo": "i32",
+    "log_l_hi": "i32",
+    "temp_lo": "i32",
+    "temp_hi": "i32",
+    "c_exp2": "fp32",
+}
+
+
+def _pointers(signature: dict, *more: str) -> list[str]:
+    """Every pointer argument (the launchers pass 16-byte aligned tensors) plus ``more``."""
+    return [k for k, v in signature.items() if v.startswith("*")] + list(more)
+
+
+def from_logits_variants(sweep: bool) -> list[Variant]:
+    from spec_rl.kernels import configs
+    from spec_rl.kernels.from_logits import verify_from_logits_kernel
+
+    cfgs = configs.LOGITS_SWEEP if sweep else [
+        configs.LogitsConfig(4096, 8), configs.LogitsConfig(2048, 8), configs.LogitsConfig(1024, 4, block_r=4)
+    ]
+    out = []
+    for dtype in ("bf16", "fp32"):
+        sig = {
+            "logits_ptr": f"*{dtype}",
+            "ids_ptr": "*i64",
+            **EPILOGUE_PTRS,
+            "lengths_ptr": "*i64",
+            "uids_ptr": "*i64",
+            "n_rows": "i32",
+            "V": "i32",
+            "T": "i32",
+            "stride_b": "i32",
+            "stride_t": "i32",
+            **RULE_SCALARS,
+        }
+        div = _pointers(sig, "V", "T", "stride_b", "stride_t")
+        for cfg in cfgs:
+            for packed in (True, False):
+                for mode in (0, 3):
+                    const = dict(PACKED=packed, MODE=mode, BLOCK_R=cfg.block_r, BLOCK_V=cfg.block_v, USE_LIBDEVICE=True)
+                    name = (
+                        f"from_logits {dtype} packed={packed} mode={mode} BLOCK_R={cfg.block_r} BLOCK_V={cfg.block_v} "
+                        f"warps={cfg.num_warps}"
+                    )
+                    out.append(Variant(name, verify_from_logits_kernel, sig, const, div, cfg.num_warps, 1))
+    return out
+
+
+def lm_head_variants(sweep: bool) -> list[Variant]:
+    from spec_rl.kernels import configs
+    from spec_rl.kernels.lm_head import lm_head_merge_kernel, lm_head_partial_kernel
+
+    bf16_cfgs = configs.LM_HEAD_SWEEP if sweep else configs.LM_HEAD_SWEEP[:1]
+    todo = [("bf16", cfg, False, False, True) for cfg in bf16_cfgs]
+    # fp16 + bias + ragged d; fp32 (IEEE dot) with the default fp32 config.
+    todo.append(("fp16", configs.LM_HEAD_SWEEP[0], True, False, False))
+    todo.append(("fp32", configs.LMHeadConfig(64, 64, 32, 4, 3), True, True, False))
+    out = []
+    for dtype, cfg, has_bias, dot_fp32, even_k in todo:
+        sig = {
+            "h_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "bias_ptr": "*fp32", "ids_ptr": "*i64", "row_off_ptr": "*i64",
+            "part_m_ptr": "*fp32", "part_s_ptr": "*fp32", "tgt_ptr": "*fp32",
+            "N": "i32", "V": "i32", "D": "i32", "stride_h": "i32", "stride_w": "i32",
+            "n_vtiles": "i32", "tiles_per_split": "i32", "num_splits": "i32", "c_exp2": "fp32",
+        }
+        for row_map in (False, True):
+            const = dict(
+                HAS_BIAS=has_bias, HAS_ROW_MAP=row_map, ROW_ALIGN=8, EVEN_K=even_k, DOT_FP32=dot_fp32,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FLATTEN=cfg.flatten,
+            )
+            name = (
+                f"lm_head_partial {dtype} bias={has_bias} even_k={even_k} row_map={row_map} "
+                f"{cfg.block_m}x{cfg.block_n}x{cfg.block_k} w{cfg.num_warps} s{cfg.num_stages} "
+                f"splits~{cfg.target_splits}" + (" flatten" if cfg.flatten else "")
+            )
+            div = _pointers(sig, "V", "D", "stride_h", "stride_w")
+            out.append(Variant(name, lm_head_partial_kernel, sig, const, div, cfg.num_warps, cfg.num_stages))
+    sig = {
+        "part_m_ptr": "*fp32", "part_s_ptr": "*fp32", "tgt_ptr": "*fp32", **EPILOGUE_PTRS, "uids_ptr": "*i64",
+        "N": "i32", "num_splits": "i32", **RULE_SCALARS,
+    }
+    for mode in (0, 1, 2, 3):
+        const = {"MODE": mode, "BLOCK": 256, "USE_LIBDEVICE": True}
+        out.append(Variant(f"lm_head_merge mode={mode}", lm_head_merge_kernel, sig, const, _pointers(sig, "N"), 4, 1))
+    return out
+
+
+def philox_variants() -> list[Variant]:
+    from spec_rl.kernels.philox import _philox_uniform_kernel, _philox_words_kernel
+
+    sig = {"out_ptr": "*fp32", "uids_ptr": "*i64", "tokens_ptr": "*i32", "n": "i32", "k0_w": "i32", "k1_w": "i32",
+           "stream_w": "i32"}
+    words = {"out_ptr": "*i64", "in_ptr": "*i64", "n": "i32"}
+    return [
+        Variant("philox_uniform", _philox_uniform_kernel, sig, {"BLOCK": 256}, [], 4, 1),
+        Variant("philox_words", _philox_words_kernel, words, {"BLOCK": 64}, [], 4, 1),
+    ]
+
+
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def _paged_signature(dt: str) -> dict:
+    ints = ("stride_qb", "stride_qh", "stride_ob", "stride_oh", "stride_blk", "stride_kv", "stride_tok",
+            "stride_head", "stride_btb", "tokens_per_split", "num_splits")
+    return {
+        "q_ptr": f"*{dt}", "kv_ptr": f"*{dt}", "bt_ptr": "*i32", "seq_lens_ptr": "*i32", "out_ptr": f"*{dt}",
+        "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "qk_scale": "fp32", **{k: "i32" for k in ints},
+    }
+
+
+def paged_attention_variants(sweep: bool) -> list[Variant]:
+    """Paged decode attention at the engine's shapes, split and not, and the merge kernel.
+
+    Defaults (``default_config``) for Qwen3 (G=2, D=128), Llama-3-8B (G=4,
+    D=128), G=8, D=64 and D=256, fp16, the fp32 broadcast path and the tiny
+    test models' D=8; ``sweep`` adds every ``SWEEP`` config at the Qwen3 shape.
+    """
+    from spec_rl.kernels import paged_attention as PA
+
+    shapes = [(2, 128, torch.bfloat16), (4, 128, torch.bfloat16), (8, 128, torch.bfloat16), (2, 64, torch.bfloat16)]
+    shapes += [(2, 256, torch.bfloat16), (2, 128, torch.float16), (2, 128, torch.float32), (2, 8, torch.float32)]
+    todo = [(g, d, dt, PA.default_config(g, d, dt), split) for g, d, dt in shapes for split in (False, True)]
+    if sweep:
+        todo += [(2, 128, torch.bfloat16, c, False) for c in PA.SWEEP]
+    out = []
+    for g, d, dt, cfg, split in todo:
+        d_pad = PA._next_pow2(max(d, 8))
+        use_dot = cfg.use_dot and d_pad >= 16
+        const = dict(
+            G=g, G_PAD=max(16, PA._next_pow2(g)) if use_dot else PA._next_pow2(g), D=d, D_PAD=d_pad, BLOCK_SIZE=16,
+            BLOCK_N=cfg.block_n, USE_DOT=use_dot, DOT_F32=dt == torch.float32, SPLIT=split,
+        )
+        sig = _paged_signature(_DTYPE_NAMES[dt])
+        div = _pointers(sig, "stride_qb", "stride_qh", "stride_ob", "stride_oh", "stride_blk", "stride_kv")
+        div += ["stride_tok", "stride_head"] if d % 16 == 0 else []
+        name = (
+            f"paged_decode {_DTYPE_NAMES[dt]} G={g} D={d} split={split} BLOCK_N={cfg.block_n} "
+            f"{'dot' if use_dot else 'bcast'} w{cfg.num_warps} s{cfg.num_stages}"
+        )
+        out.append(Variant(name, PA.paged_decode_kernel, sig, const, div, cfg.num_warps, cfg.num_stages))
+    msig = {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": "*bf16", "stride_ob": "i32", "stride_oh": "i32",
+            "num_splits": "i32"}
+    mdiv = ["part_acc_ptr", "part_ml_ptr", "out_ptr", "stride_ob", "stride_oh"]
+    out.append(Variant("paged_decode_merge bf16 D=128", PA.paged_decode_merge_kernel, msig, {"D": 128, "D_PAD": 128},
+                       mdiv, 2, 1))
+    return out
+
+
+def all_variants(sweep: bool) -> list[Variant]:
+    """Every variant, in the order compile_check.py reports them."""
+    return from_logits_variants(sweep) + lm_head_variants(sweep) + philox_variants() + paged_attention_variants(sweep)
