@@ -59,7 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--block-size", type=int, default=16, help="tokens per cache block")
     ap.add_argument("--dtype", default="bf16", choices=sorted(H.DTYPES))
     ap.add_argument("--rep-ms", type=int, default=100, help="do_bench time budget per measurement (ms)")
-    ap.add_argument("--sweep", action="store_true", help="also time every config in paged_attention.SWEEP")
+    ap.add_argument("--sweep", action="store_true", help="also time every config in configs.PAGED_ATTENTION_SWEEP")
     ap.add_argument("--json", default=H.default_json_path("paged_attention.json"),
                     help="write results here (default $OUT/paged_attention.json)")
     args = ap.parse_args(argv)
@@ -90,13 +90,14 @@ def shapes(args) -> list[dict]:
 
 def plan(args, sm_count: int) -> list[dict]:
     """Default tiles and automatic split choice per shape (needs triton, not CUDA)."""
+    from spec_rl.kernels import configs as C
     from spec_rl.kernels import paged_attention as PA
 
     dtype = H.DTYPES[args.dtype]
-    cfg = PA.default_config(args.q_heads // args.kv_heads, args.head_dim, dtype)
+    cfg = C.default_paged_attention_config(args.q_heads // args.kv_heads, args.head_dim, dtype)
     rows = []
     for s in shapes(args):
-        splits, per = PA.plan_splits(s["batch"], args.kv_heads, s["context"], cfg.block_n, sm_count)
+        splits, per = C.plan_splits(s["batch"], args.kv_heads, s["context"], cfg.block_n, sm_count)
         rows.append({**s, "config": str(cfg), "num_splits": splits, "tokens_per_split": per})
     return rows
 
@@ -158,8 +159,8 @@ def run_shape(args, K, PA, shape, dev, gen, rows, checks, sm_count) -> None:
     def ours(**kw):
         return lambda: K.paged_decode_attention(q, kv, bt, sl, scale, out=out, **kw)
 
-    cfg = PA.default_config(args.q_heads // args.kv_heads, args.head_dim, kv.dtype)
-    auto_splits, _ = PA.plan_splits(batch, args.kv_heads, context, cfg.block_n, sm_count)
+    cfg = C.default_paged_attention_config(args.q_heads // args.kv_heads, args.head_dim, kv.dtype)
+    auto_splits, _ = C.plan_splits(batch, args.kv_heads, context, cfg.block_n, sm_count)
     measure(f"ours: paged decode (auto, splits={auto_splits})", ours(max_seq_len=context, validate=False), ours=True)
     measure("ours: no split", ours(num_splits=1, validate=False))
     if auto_splits == 1:
@@ -167,7 +168,7 @@ def run_shape(args, K, PA, shape, dev, gen, rows, checks, sm_count) -> None:
         measure(f"ours: split-K (num_splits={forced})", ours(num_splits=forced, max_seq_len=context, validate=False))
     measure("ours: auto, with range checks (1 host sync)", ours(max_seq_len=context))
     if args.sweep:
-        for c in PA.SWEEP:
+        for c in C.PAGED_ATTENTION_SWEEP:
             measure(f"  sweep {c}", ours(max_seq_len=context, config=c, validate=False), config=str(c))
     def gather_sdpa():
         return _sdpa(q, *_gather_dense(kv, bt, context), scale)
@@ -247,6 +248,7 @@ def main(argv=None) -> int:
     K = H.compiled_kernels("bench_paged_attention")
     if K is None:
         return 2
+    from spec_rl.kernels import configs as C
     from spec_rl.kernels import paged_attention as PA
 
     dev = torch.device("cuda")

@@ -155,23 +155,24 @@ def _paged_signature(dt: str) -> dict:
 def paged_attention_variants(sweep: bool) -> list[Variant]:
     """Paged decode attention at the engine's shapes, split and not, and the merge kernel.
 
-    Defaults (``default_config``) for Qwen3 (G=2, D=128), Llama-3-8B (G=4,
+    Defaults (``default_paged_attention_config``) for Qwen3 (G=2, D=128), Llama-3-8B (G=4,
     D=128), G=8, D=64 and D=256, fp16, the fp32 broadcast path and the tiny
     test models' D=8; ``sweep`` adds every ``SWEEP`` config at the Qwen3 shape.
     """
+    from spec_rl.kernels import configs as C
     from spec_rl.kernels import paged_attention as PA
 
     shapes = [(2, 128, torch.bfloat16), (4, 128, torch.bfloat16), (8, 128, torch.bfloat16), (2, 64, torch.bfloat16)]
     shapes += [(2, 256, torch.bfloat16), (2, 128, torch.float16), (2, 128, torch.float32), (2, 8, torch.float32)]
-    todo = [(g, d, dt, PA.default_config(g, d, dt), split) for g, d, dt in shapes for split in (False, True)]
+    todo = [(g, d, dt, C.default_paged_attention_config(g, d, dt), split) for g, d, dt in shapes for split in (False, True)]
     if sweep:
-        todo += [(2, 128, torch.bfloat16, c, False) for c in PA.SWEEP]
+        todo += [(2, 128, torch.bfloat16, c, False) for c in C.PAGED_ATTENTION_SWEEP]
     out = []
     for g, d, dt, cfg, split in todo:
-        d_pad = PA._next_pow2(max(d, 8))
+        d_pad = C.next_pow2(max(d, 8))
         use_dot = cfg.use_dot and d_pad >= 16
         const = dict(
-            G=g, G_PAD=max(16, PA._next_pow2(g)) if use_dot else PA._next_pow2(g), D=d, D_PAD=d_pad, BLOCK_SIZE=16,
+            G=g, G_PAD=max(16, C.next_pow2(g)) if use_dot else C.next_pow2(g), D=d, D_PAD=d_pad, BLOCK_SIZE=16,
             BLOCK_N=cfg.block_n, USE_DOT=use_dot, DOT_F32=dt == torch.float32, SPLIT=split,
         )
         sig = _paged_signature(_DTYPE_NAMES[dt])

@@ -60,10 +60,7 @@ import triton.language as tl
 
 from ._common import INTERPRET, LOG2E, NEG_FLT_MAX
 from .checks import check_block_ranges, check_paged_device, check_paged_options, validate_paged_decode
-from .configs import PAGED_ATTENTION_SWEEP as SWEEP  # noqa: F401  (the benchmarks read these names here)
 from .configs import PagedAttentionConfig, PagedDecodePlan, plan_paged_decode, plan_splits, sm_count, splits_for
-from .configs import default_paged_attention_config as default_config  # noqa: F401
-from .configs import next_pow2 as _next_pow2  # noqa: F401
 
 
 @triton.jit
@@ -340,9 +337,7 @@ def paged_decode_attention(
 
 __all__ = [
     "INTERPRET",
-    "SWEEP",
     "PagedAttentionConfig",
-    "default_config",
     "paged_decode_attention",
     "paged_decode_kernel",
     "paged_decode_merge_kernel",
