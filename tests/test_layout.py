@@ -74,3 +74,13 @@ def test_no_citation_of_files_or_trackers_we_do_not_ship():
 def test_design_doc_is_shipped_and_linked():
     assert (ROOT / "docs" / "design.md").is_file()
     assert "docs/design.md" in (ROOT / "README.md").read_text()
+
+
+def test_repository_kernels_folder_is_not_mistaken_for_the_hub_kernels_package():
+    """From the repository root, `import kernels` finds our folder: it must import nothing and look unusable."""
+    import subprocess
+    import sys
+
+    code = "import kernels, sys; print(kernels.__version__, len(kernels.__all__), 'triton' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["0", "0", "False"]
