@@ -15,7 +15,11 @@ import sys
 import time
 from pathlib import Path
 
-from .trainer.config import GRPOConfig
+from .trainer.config import ACCEPTANCE_RULES, MODE_PRESETS, GRPOConfig
+
+#: What the demo compares by default: plain vanilla (the reference), SPEC-RL (lenient, with tail
+#: speculation), SPEC-RL with exact acceptance, and vanilla with history speculation alone.
+DEMO_MODES = ("vanilla", "spec", "exact", "histspec")
 
 # Demo defaults, tuned so both modes finish in a few minutes on 2 CPU cores.
 DEMO_DEFAULTS = dict(
@@ -69,7 +73,18 @@ def build_parser() -> argparse.ArgumentParser:
     cmp = t.add_mutually_exclusive_group()
     cmp.add_argument("--compare", dest="compare", action="store_true", default=None, help="also run vanilla GRPO on identical seeds")
     cmp.add_argument("--no-compare", dest="compare", action="store_false", help="run only the selected mode")
-    t.add_argument("--modes", help="comma-separated modes to run, e.g. vanilla,spec,random (overrides the flags above)")
+    t.add_argument(
+        "--modes",
+        help="comma-separated runs, from vanilla, spec, exact, random, histspec (vanilla decoding with history "
+        "speculation); overrides the flags above. Demo default: vanilla,spec,exact,histspec",
+    )
+    t.add_argument("--acceptance", choices=ACCEPTANCE_RULES, default="lenient",
+                   help="lenient: the paper's rule; exact: lossless acceptance (the response is a fresh sample of the policy)")
+    hist = t.add_mutually_exclusive_group()
+    hist.add_argument("--history-spec", dest="history_spec", action="store_true", default=None,
+                      help="verify tokens drafted from the prompt's earlier responses in every decode step (default on for spec)")
+    hist.add_argument("--no-history-spec", dest="history_spec", action="store_false", help="decode one token per step")
+    t.add_argument("--spec-tokens", type=int, default=8, help="most history-drafted tokens verified per decode step")
     t.add_argument("--epochs", type=int)
     t.add_argument("--group-size", type=int, help="samples per prompt (G)")
     t.add_argument("--prompts-per-step", type=int)
@@ -104,12 +119,16 @@ def build_parser() -> argparse.ArgumentParser:
 def _modes(args: argparse.Namespace, demo: bool) -> list[str]:
     if args.modes:
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-        bad = [m for m in modes if m not in ("vanilla", "spec", "random")]
+        bad = [m for m in modes if m not in MODE_PRESETS]
         if bad or not modes:
-            raise SystemExit(f"spec-rl: --modes takes vanilla, spec, random; got {args.modes!r}")
+            raise SystemExit(f"spec-rl: --modes takes {', '.join(MODE_PRESETS)}; got {args.modes!r}")
         return modes
     main = "vanilla" if (args.no_spec or args.lenience == 0) else args.reuse
+    if main == "spec" and args.acceptance == "exact":
+        main = "exact"
     compare = args.compare if args.compare is not None else demo
+    if demo and args.compare is None and main == "spec":
+        return list(DEMO_MODES)
     if compare and main != "vanilla":
         return ["vanilla", main]
     return [main]
@@ -127,6 +146,7 @@ def _load_examples(args: argparse.Namespace):
 
 def cmd_train(args: argparse.Namespace) -> int:
     from .rewards import get_reward_fn
+    from .trainer.report import closing_lines
     from .trainer.run import run_modes
 
     demo = args.model is None
@@ -140,6 +160,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     config = GRPOConfig(
         lenience=args.lenience if args.lenience > 0 else 0.0,
+        acceptance=args.acceptance,
+        history_spec=args.history_spec,
+        spec_tokens=args.spec_tokens,
         epochs=pick("epochs"),
         group_size=pick("group_size"),
         prompts_per_step=pick("prompts_per_step"),
@@ -192,17 +215,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         model_path, examples, reward_fn, config, modes, out, progress=not args.no_progress, resume=args.resume
     )
     print(f"done in {time.perf_counter() - t0:.1f} s; report: {out / 'report.md'}, plot: {out / 'report.png'}")
-    if "vanilla" in summary:
-        for mode in summary:
-            if mode == "vanilla":
-                continue
-            for v, s in zip(summary["vanilla"], summary[mode]):
-                if s["epoch"] >= 2:
-                    print(
-                        f"epoch {s['epoch']}: {mode}/vanilla generated tokens {s['generated_tokens'] / max(v['generated_tokens'], 1):.2f}x, "
-                        f"rollout time {s['rollout_seconds'] / max(v['rollout_seconds'], 1e-9):.2f}x, "
-                        f"reward {s['mean_reward'] - v['mean_reward']:+.3f}"
-                    )
+    for line in closing_lines(summary):
+        print(line)
     return 0
 
 

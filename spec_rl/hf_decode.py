@@ -201,15 +201,17 @@ class SpeculativeDecoder:
     def run(self, kv: KVRows, rows: list[DecodeRow]) -> None:
         """Decode every row until EOS or its budget; rows are updated in place."""
         live = [r for r in rows if r.finish is None]
+        if not live:
+            return
         if len(live) != len(rows):
-            kv.select(torch.tensor([i for i, r in enumerate(rows) if r.finish is None], device=kv.mask.device))
+            kv.select(torch.tensor([i for i, r in enumerate(rows) if r.finish is None], dtype=torch.long, device=kv.mask.device))
         while live:
             self._step(kv, live)
             keep = [i for i, r in enumerate(live) if r.finish is None]
             if len(keep) < len(live) and (not keep or len(keep) * 4 <= 3 * len(live)):
                 live = [live[i] for i in keep]
                 if live:
-                    kv.select(torch.tensor(keep, device=kv.mask.device))
+                    kv.select(torch.tensor(keep, dtype=torch.long, device=kv.mask.device))
             elif len(keep) < len(live):
                 # Finished rows ride along until a quarter of the batch is done: they decode
                 # nothing (their outputs are ignored) but avoid a cache copy every step.

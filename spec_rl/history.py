@@ -205,6 +205,12 @@ class HistoryIndex:
         """Indexed tokens over all prompts."""
         return sum(len(r) for rs in self._responses.values() for r in rs)
 
+    def update(self, other: "HistoryIndex") -> None:
+        """Index every response of ``other`` (e.g. one just loaded from disk), oldest first."""
+        for key, responses in other._responses.items():
+            for r in responses:
+                self.add(key, r)
+
     def add(self, key: bytes, response: Sequence[int]) -> None:
         """Index one more response of prompt ``key`` (evicting the oldest responses or prompts past the bounds)."""
         tokens = [int(t) for t in response]

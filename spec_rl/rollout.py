@@ -22,9 +22,17 @@ batch of (prompt, sample slot) requests:
 Budget per sample: min(max_response_len, max_model_len - prompt_len) - n
 (:meth:`SamplingSettings.budget <spec_rl.sampling.SamplingSettings.budget>`).
 
-Deviation from exact speculative sampling (as in the paper; docs/design.md):
-at the rejection point the token is drawn from pi_t, not from the residual
-max(0, pi_t - pi_old); even l = 1 is therefore not exactly on-policy.
+Acceptance rules (docs/design.md "The rule", "Exact acceptance"): ``"lenient"``
+is the paper's; at the rejection point the token is drawn from pi_t, not from
+the residual max(0, pi_t - pi_old), so even l = 1 is not exactly on-policy.
+``"exact"`` accepts y_i with probability pi_t(y_i) and draws the token at n
+from pi_t without y_n (renormalised): the response is a fresh sample of pi_t.
+
+Speculation past the first rejection (docs/design.md "Speculation past the
+first rejection"): with a :class:`~spec_rl.history.HistoryIndex`, every decode
+step of the continuation also verifies up to k tokens drafted from the
+prompt's earlier responses. Sampling is keyed by (seed, uid, position), so
+this changes no token, only the number of sequential decode steps.
 """
 
 from __future__ import annotations
@@ -37,12 +45,13 @@ from typing import Any
 
 import torch
 
-from .acceptance import lenience_to_log
+from .acceptance import ACCEPTANCE_RULES, lenience_to_log
 from .cache import CacheKey, Draft, DraftStore
-from .generation import Continuation, GenerationBackend
+from .generation import BackendStats, Continuation, GenerationBackend
+from .history import HistoryIndex
 from .philox import SEED_SALT_CONTINUATION, mix_seed
 from .rollout_types import RolloutRequest, RolloutResult, RolloutStats
-from .sampling import SamplingSettings, sample_tokens
+from .sampling import SamplingSettings, keyed_sample
 from .verify import verify
 
 STRATEGIES = ("spec", "random", "off")
@@ -58,7 +67,7 @@ class _Batch:
     budgets: list[int]
     keys: list[CacheKey]
     step: int
-    seed: int  # this step's seed
+    seed: int  # this step's seed (acceptance uniforms)
     store: DraftStore
     strategy: str
     stats: RolloutStats
@@ -68,6 +77,12 @@ class _Batch:
     logprobs: list[list[float]] = field(default_factory=list)
     finish: list[str | None] = field(default_factory=list)
     prefix_len: list[int] = field(default_factory=list)
+    group_keys: list[bytes] = field(default_factory=list)  # history key per request (its slot-0 draft key)
+
+    @property
+    def sample_seed(self) -> int:
+        """Seed of the sampled tokens: the token at n and the whole continuation."""
+        return self.seed ^ SEED_SALT_CONTINUATION
 
     def __post_init__(self) -> None:
         bsz = len(self.prompts)
@@ -100,9 +115,13 @@ class SpeculativeRollout:
             neither looked up nor scored, but responses are still cached).
         seed: run seed; per-step seeds are derived with :func:`spec_rl.philox.mix_seed`.
         verify_backend: passed to :func:`spec_rl.verify.verify`.
+        acceptance: "lenient" (the paper's rule, default) or "exact" (lossless; lenience unused).
+        history: per-prompt index of earlier responses; when given, continuations verify
+            history-drafted tokens at every decode step (tail speculation) and every stored
+            response is indexed.
 
     Raises:
-        ValueError: unknown strategy, empty ``eos_ids``, ``max_model_len`` < 2, bad lenience.
+        ValueError: unknown strategy or acceptance, empty ``eos_ids``, ``max_model_len`` < 2, bad lenience.
     """
 
     def __init__(
@@ -117,7 +136,11 @@ class SpeculativeRollout:
         strategy: str = "spec",
         seed: int = 0,
         verify_backend: str = "auto",
+        acceptance: str = "lenient",
+        history: HistoryIndex | None = None,
     ):
+        if acceptance not in ACCEPTANCE_RULES:
+            raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {acceptance!r}")
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         if not eos_ids:
@@ -135,6 +158,8 @@ class SpeculativeRollout:
         self.strategy = strategy
         self.seed = int(seed)
         self.verify_backend = verify_backend
+        self.acceptance = acceptance
+        self.history = history
 
     def budget(self, prompt_len: int) -> int:
         """Response budget before reuse: min(max_tokens, max_model_len - prompt_len)."""
@@ -161,6 +186,7 @@ class SpeculativeRollout:
                 response under ``max_model_len``, or an unknown strategy.
         """
         t0 = time.perf_counter()
+        counters0 = self.backend.stats.copy()
         batch = self._plan(requests, step, seed, cache, strategy)
         self._lookup(batch)
         t1 = time.perf_counter()
@@ -170,15 +196,17 @@ class SpeculativeRollout:
         t3 = time.perf_counter()
         self._store(batch)
         stats = batch.stats
+        self._count_backend(batch, counters0)
         stats.assembly_seconds = (t1 - t0) + (time.perf_counter() - t3)
         stats.scoring_seconds, stats.generation_seconds = t2 - t1, t3 - t2
+        drafted = set(batch.drafted)
         return RolloutResult(
             prompt_ids=batch.prompts,
             response_ids=batch.responses,
             logprobs=batch.logprobs,
             finish_reasons=[f or "length" for f in batch.finish],
             verified_prefix_len=batch.prefix_len,
-            draft_found=[i in set(batch.drafted) for i in range(len(batch.prompts))],
+            draft_found=[i in drafted for i in range(len(batch.prompts))],
             stats=stats,
         )
 
@@ -203,7 +231,10 @@ class SpeculativeRollout:
         keys = [CacheKey.make(p, r.slot, r.dataset_id) for p, r in zip(prompts, requests)]
         step_seed = mix_seed(self.seed if seed is None else int(seed), step)
         store = self.cache if cache is None else cache
-        return _Batch(prompts, budgets, keys, step, step_seed, store, strategy, RolloutStats(num_samples=len(prompts)))
+        batch = _Batch(prompts, budgets, keys, step, step_seed, store, strategy, RolloutStats(num_samples=len(prompts)))
+        if self.history is not None:
+            batch.group_keys = [CacheKey.make(p, 0, r.dataset_id).digest for p, r in zip(prompts, requests)]
+        return batch
 
     def _lookup(self, batch: _Batch) -> None:
         """Drafts from the store (none when the strategy is "off"); an empty draft counts as none."""
@@ -220,7 +251,7 @@ class SpeculativeRollout:
         try:
             n, lp_new = self._verify(batch, draft_ids, scores)
             rejected = [row for row in range(len(draft_ids)) if n[row] < len(draft_ids[row])]
-            sampled = self._tokens_at_rejection(batch, scores, rejected, n)
+            sampled = self._tokens_at_rejection(batch, scores, rejected, n, draft_ids)
             for row, i in enumerate(batch.drafted):
                 self._accept_prefix(batch, i, draft_ids[row], n[row], lp_new[row], sampled.get(row))
             _sync(self.backend.device)
@@ -245,22 +276,30 @@ class SpeculativeRollout:
             logits=scores.logits, hidden_states=scores.hidden_states,
             lm_head_weight=scores.lm_head_weight, lm_head_bias=scores.lm_head_bias,
             lengths=lengths, temperature=self.settings.temperature, top_k=self.settings.top_k,
-            top_p=self.settings.top_p, log_lenience=self.log_lenience, seed=batch.seed, uids=uids,
-            strategy=batch.strategy, backend=self.verify_backend,
+            top_p=self.settings.top_p, seed=batch.seed, uids=uids, strategy=batch.strategy, backend=self.verify_backend,
+            acceptance=self.acceptance, log_lenience=None if self.acceptance == "exact" else self.log_lenience,
         )  # fmt: skip
         batch.stats.draft_tokens = int(lengths.sum())
         batch.stats.accepted_tokens = int(result.accepted_len.sum())
         return result.accepted_len.tolist(), result.new_logprobs.cpu()
 
-    def _tokens_at_rejection(self, batch: _Batch, scores, rows: list[int], n: list[int]) -> dict[int, tuple[int, float]]:
-        """Sample the token at position n of each rejected row from the scoring output there (rule step 4)."""
+    def _tokens_at_rejection(self, batch: _Batch, scores, rows: list[int], n: list[int], drafts) -> dict[int, tuple[int, float]]:
+        """Sample the token at position n of each rejected row from the scoring output there (rule step 4).
+
+        Keyed by (uid, absolute position) like every decoded token; under exact acceptance the
+        rejected draft token is excluded (the residual of a point-mass draft).
+        """
         if not rows:
             return {}
         device = self.backend.device
-        gen = torch.Generator(device=device)
-        gen.manual_seed(batch.seed % (1 << 63))
         logits = scores.logits_at(torch.tensor(rows, device=device), torch.tensor([n[r] for r in rows], device=device))
-        tok, tok_lp = sample_tokens(logits, self.settings, gen)
+        requests = [batch.drafted[r] for r in rows]
+        uids = torch.tensor([batch.keys[i].uid for i in requests], dtype=torch.long, device=device)
+        positions = torch.tensor([len(batch.prompts[i]) + n[r] for i, r in zip(requests, rows)], device=device)
+        exclude = None
+        if self.acceptance == "exact":
+            exclude = torch.tensor([drafts[r][n[r]] for r in rows], dtype=torch.long, device=device)
+        tok, tok_lp = keyed_sample(logits, self.settings, batch.sample_seed, uids, positions, exclude)
         return {r: (t, lp) for r, t, lp in zip(rows, tok.tolist(), tok_lp.tolist())}
 
     def _accept_prefix(self, batch: _Batch, i: int, draft: list[int], n: int, lp_new: torch.Tensor, sampled) -> None:
@@ -289,12 +328,13 @@ class SpeculativeRollout:
         extra = [i for i in todo if i not in drafted]
         contexts = [batch.prompts[i] + batch.responses[i] for i in extra]
         budgets = [batch.budgets[i] - len(batch.responses[i]) for i in extra]
-        seed = batch.seed ^ SEED_SALT_CONTINUATION
-        reprefill0 = self.backend.stats.reprefill_tokens
+        seed = batch.sample_seed
         if handle is None:
             if not extra:
                 return
-            order, conts = extra, self.backend.generate(contexts, budgets, self.settings, seed)
+            order = extra
+            conts = self.backend.generate(contexts, budgets, self.settings, seed, uids=self._uids(batch, order),
+                                          proposers=self._proposers(batch, order))  # fmt: skip
         else:
             live = [batch.finish[i] is None for i in batch.drafted]
             try:
@@ -304,6 +344,8 @@ class SpeculativeRollout:
                     [batch.responses[i][-1] if ok else None for i, ok in zip(batch.drafted, live)],
                     [batch.budgets[i] - len(batch.responses[i]) if ok else 0 for i, ok in zip(batch.drafted, live)],
                     self.settings, seed, extra_contexts=contexts, extra_budgets=budgets,
+                    uids=self._uids(batch, batch.drafted + extra),
+                    proposers=self._proposers(batch, [i if ok else None for i, ok in zip(batch.drafted, live)] + extra),
                 )  # fmt: skip
             except BaseException:
                 self.backend.release(handle)
@@ -312,7 +354,6 @@ class SpeculativeRollout:
         for i, c in zip(order, conts):
             if batch.finish[i] is None:
                 self._append(batch, i, c)
-        batch.stats.reprefill_tokens = self.backend.stats.reprefill_tokens - reprefill0
         _sync(self.backend.device)
 
     @staticmethod
@@ -322,8 +363,30 @@ class SpeculativeRollout:
         batch.finish[i] = c.finish_reason
         batch.stats.tokens_generated += len(c.token_ids)
 
+    @staticmethod
+    def _uids(batch: _Batch, requests: Sequence[int]) -> list[int]:
+        return [batch.keys[i].uid for i in requests]
+
+    def _proposers(self, batch: _Batch, requests: Sequence[int | None]) -> list | None:
+        """History drafters for the requests (None entries: rows that will not decode)."""
+        if self.history is None:
+            return None
+        return [None if i is None else self.history.proposer(batch.group_keys[i], batch.responses[i]) for i in requests]
+
     def _store(self, batch: _Batch) -> None:
-        """Every response becomes next epoch's draft of its request."""
+        """Every response becomes next epoch's draft of its request (and enters the prompt's history)."""
         for i, key in enumerate(batch.keys):
             batch.store.store(key, batch.responses[i], batch.logprobs[i], batch.finish[i], batch.step, self.settings)
+            if self.history is not None:
+                self.history.add(batch.group_keys[i], batch.responses[i])
         batch.stats.vanilla_tokens = sum(len(r) for r in batch.responses)
+
+    def _count_backend(self, batch: _Batch, before: BackendStats) -> None:
+        """Backend work of this call: re-prefilled tokens, decode steps, history-drafted tokens."""
+        now, s = self.backend.stats, batch.stats
+        s.reprefill_tokens = now.reprefill_tokens - before.reprefill_tokens
+        s.decode_steps = now.decode_steps - before.decode_steps
+        s.tail_proposed = now.proposed_tokens - before.proposed_tokens
+        s.tail_accepted = now.accepted_tokens - before.accepted_tokens
+        generated = [len(r) - p for r, p in zip(batch.responses, batch.prefix_len)]
+        s.longest_continuation = max(generated, default=0)

@@ -23,6 +23,10 @@ class RolloutStats:
 
     ``reprefill_tokens``: tokens of [prompt, verified prefix, token] contexts that
     the backend had to prefill again after the scoring pass (0 with a splicing backend).
+    ``decode_steps``: sequential generation forwards after the scoring pass (what sets the
+    time of a memory-bound decode); ``longest_continuation``: most tokens any sample generated
+    (the token at n included); ``tail_proposed``/``tail_accepted``: history-drafted tokens
+    verified in decode steps and how many were accepted.
     """
 
     num_samples: int = 0
@@ -36,6 +40,10 @@ class RolloutStats:
     generation_seconds: float = 0.0
     assembly_seconds: float = 0.0
     reprefill_tokens: int = 0
+    decode_steps: int = 0
+    longest_continuation: int = 0
+    tail_proposed: int = 0
+    tail_accepted: int = 0
 
     @property
     def full_reuse_ratio(self) -> float:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .sampling import token_logprobs
+from .tree_scoring import TreeKV, chunk_groups, gather_scores, pack_groups, supports_tree_attention, tree_inputs
 
 import torch
 
@@ -166,23 +167,29 @@ def response_logprobs(
 class PolicyScorer:
     """Runs the scoring forward of a transformers causal LM.
 
+    Two layouts: **tree** (default where the model's attention takes custom 4-D masks): the rows
+    of each group (identical prompts) are packed into one sequence, the prompt once and then the
+    trie of the group's drafts (:mod:`spec_rl.tree_scoring`), so shared prefixes are computed
+    once; **rows**: one right-padded row per [prompt, draft]. Both give the same scores up to
+    floating-point summation order.
+
     Args:
         model: transformers ``PreTrainedModel`` with ``get_output_embeddings()``.
-        pad_id: id used for right padding (masked out).
-        max_tokens_per_forward: bound on padded B x L tokens per forward
-            call; larger batches are split sample-wise after sorting by
-            length. Default: 4096 on CPU (small chunks waste little padding
-            and stay in cache: 2.7x faster than one big batch in the demo),
-            65536 on GPU.
+        pad_id: id used for padding (masked out).
+        max_tokens_per_forward: bound on padded rows x length per forward call; larger batches are
+            split after sorting by length. Default: 4096 on CPU (small chunks waste little padding
+            and stay in cache: 2.7x faster than one big batch in the demo), 65536 on GPU.
+        tree: use the tree layout (None: whenever the model supports it).
     """
 
-    def __init__(self, model, pad_id: int, max_tokens_per_forward: int | None = None):
+    def __init__(self, model, pad_id: int, max_tokens_per_forward: int | None = None, tree: bool | None = None):
         self.model = model
         self.pad_id = int(pad_id)
         self.head = ScoringHead(model)
         if max_tokens_per_forward is None:
             max_tokens_per_forward = 65536 if self.device.type == "cuda" else 4096
         self.max_tokens_per_forward = int(max_tokens_per_forward)
+        self.tree = supports_tree_attention(model) if tree is None else bool(tree)
 
     @property
     def device(self) -> torch.device:
@@ -199,7 +206,6 @@ class PolicyScorer:
                 chunks.append([i])
         return chunks
 
-    @torch.no_grad()
     def score(self, prompts: Sequence[Sequence[int]], drafts: Sequence[Sequence[int]]) -> DraftScores:
         """Score every draft token under the current policy.
 
@@ -213,14 +219,42 @@ class PolicyScorer:
         Raises:
             ValueError: ``prompts`` and ``drafts`` differ in length.
         """
+        return self.score_with_kv(prompts, drafts, keep_kv=False)[0]
+
+    @torch.no_grad()
+    def score_with_kv(self, prompts, drafts, keep_kv: bool = True) -> tuple[DraftScores, TreeKV | None]:
+        """:meth:`score`, also returning the forward's keys and values (tree layout only) for a continuation."""
         if len(prompts) != len(drafts):
             raise ValueError(f"prompts ({len(prompts)}) and drafts ({len(drafts)}) must have the same length")
-        bsz = len(prompts)
         max_r = max([len(d) for d in drafts] + [1])
-        out = None
+        out = torch.zeros((len(prompts), max_r, self.head.width), dtype=self._dtype(), device=self.device)
+        if self.tree:
+            kv = self._score_tree(prompts, drafts, out, keep_kv)
+            return self.head.draft_scores(out), kv
         for chunk in self._chunks([len(p) + len(d) for p, d in zip(prompts, drafts)]):
             values = response_states(self.model, [prompts[i] for i in chunk], [drafts[i] for i in chunk], self.pad_id, self.head)
-            if out is None:
-                out = torch.zeros((bsz, max_r, self.head.width), dtype=values.dtype, device=values.device)
-            out[torch.tensor(chunk, device=values.device), : values.shape[1]] = values
-        return self.head.draft_scores(out)
+            out[torch.tensor(chunk, device=values.device), : values.shape[1]] = values.to(out.dtype)
+        return self.head.draft_scores(out), None
+
+    def _dtype(self) -> torch.dtype:
+        return self.head.lm_head.weight.dtype
+
+    def _score_tree(self, prompts, drafts, out: torch.Tensor, keep_kv: bool) -> TreeKV | None:
+        from .hf_decode import cache_argument
+
+        impl = getattr(self.model.config, "_attn_implementation", "sdpa")
+        additive = self.head.lm_head.weight.dtype if impl == "eager" else None
+        kv = TreeKV() if keep_kv else None
+        for groups in chunk_groups(pack_groups(prompts, drafts), self.max_tokens_per_forward):
+            ids, pos, mask = tree_inputs(groups, self.pad_id, self.device, additive)
+            if keep_kv:
+                hidden = self.head.uses_hidden_states
+                target = self.head.decoder if hidden else self.model
+                res = target(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True)
+                states = res.last_hidden_state if hidden else res.logits
+                cache = getattr(res, cache_argument(self.model), None) or getattr(res, "past_key_values", None)
+                kv.add(groups, [(layer.keys, layer.values) for layer in cache.layers])
+            else:
+                states = self.head.states(input_ids=ids, position_ids=pos, attention_mask=mask)
+            gather_scores(states, groups, out)
+        return kv

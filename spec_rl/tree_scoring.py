@@ -151,3 +151,55 @@ def gather_scores(states: torch.Tensor, groups: Sequence[PackedGroup], out: torc
         out[torch.tensor(dst_row, device=dev), torch.tensor(dst_col, device=dev)] = states[
             torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)
         ].to(out.dtype)
+
+
+def supports_tree_attention(model) -> bool:
+    """True when the model's attention takes our custom 4-D masks (SDPA or eager, no sliding window)."""
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return False
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    if getattr(text, "use_sliding_window", False) or "sliding_attention" in (getattr(text, "layer_types", None) or []):
+        return False
+    return getattr(cfg, "_attn_implementation", None) in TREE_ATTENTION_IMPLEMENTATIONS
+
+
+def chunk_groups(groups: Sequence[PackedGroup], max_tokens: int) -> list[list[PackedGroup]]:
+    """Groups sorted by packed length, cut so each chunk's padded size (rows x longest) fits ``max_tokens``."""
+    chunks: list[list[PackedGroup]] = []
+    for g in sorted(groups, key=lambda g: len(g.tokens)):
+        if chunks and len(g.tokens) * (len(chunks[-1]) + 1) <= max_tokens:
+            chunks[-1].append(g)
+        else:
+            chunks.append([g])
+    return chunks
+
+
+@dataclass
+class TreeKV:
+    """Keys and values of a tree-packed scoring forward, kept so a continuation needs no second prefill.
+
+    ``chunks[c]`` holds one forward's groups and its per-layer K/V [rows, kv_heads, T, head_dim];
+    ``where[i]`` locates draft i as (chunk, row in the chunk, member index in the group).
+    """
+
+    chunks: list[tuple[list[PackedGroup], list[tuple[torch.Tensor, torch.Tensor]]]] = field(default_factory=list)
+    where: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+
+    def add(self, groups: list[PackedGroup], layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        c = len(self.chunks)
+        self.chunks.append((groups, layers))
+        for row, g in enumerate(groups):
+            for m, draft in enumerate(g.members):
+                self.where[draft] = (c, row, m)
+
+    def prompt_len(self, draft: int) -> int:
+        c, row, _ = self.where[draft]
+        return self.chunks[c][0][row].prompt_len
+
+    def context(self, draft: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (keys [H, P + n, D], values) of [prompt, the draft's first n tokens]."""
+        c, row, m = self.where[draft]
+        groups, layers = self.chunks[c]
+        idx = torch.tensor(groups[row].path(m, n), device=layers[0][0].device)
+        return [(k[row].index_select(1, idx), v[row].index_select(1, idx)) for k, v in layers]

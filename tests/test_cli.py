@@ -32,7 +32,7 @@ def test_train_on_local_model_and_gsm8k_file(model_dir, tmp_path, capsys):
     assert set(summary) == {"vanilla", "spec"}
     assert summary["spec"][1]["drafts_found"] == 8
     printed = capsys.readouterr().out
-    assert "reward" in printed and "spec/vanilla generated tokens" in printed
+    assert "reward" in printed and "spec/vanilla, epochs 2+: generated tokens" in printed and "decode steps" in printed
 
 
 def test_bad_cli_input(tmp_path, model_dir, capsys):

@@ -95,12 +95,12 @@ def test_speculative_rollout_with_engine_equals_transformers_backend():
     settings = SamplingSettings(temperature=1.0, top_k=1, max_tokens=30)
     requests = [RolloutRequest(p, s, dataset_id=f"p{i}") for i, p in enumerate(PROMPTS + [[4, 9]]) for s in range(2)]
     results = {}
-    for name in ("transformers", "engine"):
+    for name in ("reprefill", "transformers", "engine"):
         model = tiny_family_model("qwen2", seed=12)
         if name == "engine":
             backend = PagedEngine(model, eos_ids={1}, pad_id=0, block_size=4, num_blocks=128)
-        else:
-            backend = TransformersBackend(model, {1}, pad_id=0)
+        else:  # the transformers backend splices the scoring K/V, or (splice=False) prefills again
+            backend = TransformersBackend(model, {1}, pad_id=0, splice=name == "transformers")
         rollout = SpeculativeRollout(
             backend, RolloutCache(), settings, eos_ids=[1], max_model_len=64, lenience=1.0
         )
@@ -113,7 +113,8 @@ def test_speculative_rollout_with_engine_equals_transformers_backend():
         third = rollout.run(requests + [RolloutRequest([4, 9, 9], s) for s in range(2)], step=2)
         results[name] = (first, second, third, backend)
     (f_t, s_t, t_t, _), (f_e, s_e, t_e, engine) = results["transformers"], results["engine"]
-    for a, b in ((f_t, f_e), (s_t, s_e), (t_t, t_e)):
+    f_r, s_r, t_r, _ = results["reprefill"]
+    for a, b in ((f_t, f_e), (s_t, s_e), (t_t, t_e), (f_r, f_e), (s_r, s_e), (t_r, t_e)):
         assert a.response_ids == b.response_ids
         assert a.finish_reasons == b.finish_reasons
         assert a.verified_prefix_len == b.verified_prefix_len
@@ -122,7 +123,8 @@ def test_speculative_rollout_with_engine_equals_transformers_backend():
     # the perturbation made some drafts partially accepted, so both paths did continue from a prefix
     partial = [n for n, r, ok in zip(s_e.verified_prefix_len, s_e.response_ids, s_e.draft_found) if ok and n < len(r)]
     assert partial
-    assert s_t.stats.reprefill_tokens > 0
+    assert s_r.stats.reprefill_tokens > 0
+    assert s_t.stats.reprefill_tokens == 0 and t_t.stats.reprefill_tokens == 0
     assert s_e.stats.reprefill_tokens == 0 and t_e.stats.reprefill_tokens == 0
     # engine prefill over steps 1-2 = the scoring passes + prompts without drafts, nothing else
     assert engine.stats.reprefill_tokens == 0

@@ -16,7 +16,8 @@ every sequence, with explicit ``position_ids``. Per layer the function writes
 the new K/V through the slot mapping (:func:`spec_rl.ops.write_kv`), then
 attends each sequence's queries over its paged K/V:
 
-- CPU (and prefill everywhere): :func:`spec_rl.ops.gather_kv` to dense
+- CPU, and on every device for prefill and multi-query (speculative) decode
+  steps: :func:`spec_rl.ops.gather_kv` to dense
   [B, H_kv, L, D] + ``torch.nn.functional.scaled_dot_product_attention`` with a
   causal + length mask and GQA;
 - CUDA decode (one query per sequence): ``spec_rl.kernels.paged_decode_attention``

@@ -8,6 +8,12 @@ the :class:`~spec_rl.engine.scheduler.Scheduler` (what runs next) and the
 - :meth:`PagedEngine.generate` prefills, then decodes the active sequences
   together. Identical contexts (the G samples of a group) are prefilled once
   and forked: they share the prompt's blocks.
+- Sampling is keyed (docs/design.md "Randomness"): the token at absolute
+  position p of the row with uid u depends only on (seed, u, p) and the
+  logits, not on the batch. With per-row proposers, a decode step also feeds
+  up to ``max_k`` tokens drafted from the prompt's history and keeps those the
+  policy samples itself (:mod:`spec_rl.engine.sampler`); the output is the
+  same as without them, in fewer decode steps.
 - The speculative path (paper Sec. 3, Alg. 1; docs/design.md "The rule"):
   :meth:`PagedEngine.score_drafts` runs one forward over [prompt, draft] per
   row, keeps the K/V in the cache and returns the per-draft-token scores; after
@@ -27,6 +33,7 @@ from ..sampling import SamplingSettings
 from ..scoring import DraftScores, ScoringHead
 from .blocks import BlockManager
 from .model_runner import CacheLayout, EngineStats, ModelRunner
+from .sampler import KeyedSampler
 from .scheduler import Scheduler
 from .sequence import SpliceHandle, group_by_context
 
@@ -59,9 +66,12 @@ class PagedEngine:
         max_tokens_per_forward: most tokens in one prefill/scoring forward
             (default 4096 on CPU, 32768 on GPU).
         progress: tqdm bar over decode steps.
+        max_k: most proposed tokens fed per sequence and decode step when the caller passes
+            proposers (default 8; 0 turns speculation off).
 
     Raises:
-        ValueError: bad sizes, empty ``eos_ids``, or a model with sliding-window layers.
+        ValueError: bad sizes, a negative ``max_k``, empty ``eos_ids``, or a model with
+            sliding-window layers.
     """
 
     def __init__(
@@ -75,10 +85,14 @@ class PagedEngine:
         max_batch_size: int = 256,
         max_tokens_per_forward: int | None = None,
         progress: bool = False,
+        max_k: int = 8,
     ):
         self.model = model
         self.eos_ids, self.pad_id, self.max_batch_size = backend_arguments(eos_ids, pad_id, max_batch_size)
         self.progress = progress
+        if isinstance(max_k, bool) or int(max_k) != max_k or max_k < 0:
+            raise ValueError(f"max_k must be an integer >= 0, got {max_k!r}")
+        self.max_k = int(max_k)
         if max_tokens_per_forward is None:
             max_tokens_per_forward = 32768 if self.device.type == "cuda" else 4096
         if max_tokens_per_forward < 1:
@@ -90,7 +104,7 @@ class PagedEngine:
         self.blocks = BlockManager(num_blocks, block_size)  # validates both
         self.block_size = self.blocks.block_size
         self.head = ScoringHead(model)  # decides hidden-state vs logits scoring
-        self.runner = ModelRunner(model, self.head, self.blocks, layout, self.eos_ids)
+        self.runner = ModelRunner(model, self.head, self.blocks, layout)
         self.scheduler = Scheduler(self.blocks, self.max_batch_size, self.max_tokens_per_forward)
         self.epoch = 0  # bumped by every call: a SpliceHandle is valid only right after its score_drafts
 
@@ -107,9 +121,23 @@ class PagedEngine:
         self.runner.stats = EngineStats()
 
     def generate(
-        self, contexts: Sequence[Sequence[int]], budgets: Sequence[int], settings: SamplingSettings, seed: int
+        self,
+        contexts: Sequence[Sequence[int]],
+        budgets: Sequence[int],
+        settings: SamplingSettings,
+        seed: int,
+        *,
+        uids: Sequence[int] | None = None,
+        proposers: Sequence[object | None] | None = None,
     ) -> list[Continuation]:
         """Sample up to ``budgets[i]`` tokens after ``contexts[i]`` (GenerationBackend protocol).
+
+        Args:
+            uids: per context, the uid that keys its sampling uniforms (default: 0..n-1).
+                The token at absolute position p (= tokens before it) is keyed by (seed, uid, p).
+            proposers: per context, None or a proposer of drafts for its next tokens
+                (:class:`~spec_rl.history.SuffixProposer`, built for an empty response);
+                default: no speculation. It is told every token sampled for its row.
 
         Returns one :class:`~spec_rl.generation.Continuation` per context, in order.
 
@@ -118,10 +146,18 @@ class PagedEngine:
             OutOfBlocks: one context plus its budget cannot fit even in an empty cache.
         """
         check_same_length(len(contexts), "contexts", budgets=budgets)
+        sampler = self._sampler(settings, seed, len(contexts), uids, proposers, "contexts")
         results: list[Continuation | None] = [None] * len(contexts)
         groups = group_by_context(contexts, budgets, results)
+        return self._run(groups, [], results, sampler)
+
+    def _sampler(self, settings, seed: int, rows: int, uids, proposers, what: str) -> KeyedSampler:
+        """The :class:`KeyedSampler` of one call, after checking ``settings``, ``uids`` and ``proposers``."""
         _check_settings(settings)
-        return self._run(groups, [], results, settings, seed)
+        uids = list(range(rows)) if uids is None else [int(u) for u in uids]
+        proposers = [None] * rows if proposers is None else list(proposers)
+        check_same_length(rows, what, uids=uids, proposers=proposers)
+        return KeyedSampler(settings, seed, uids, proposers, self.max_k, self.eos_ids)
 
     @torch.no_grad()
     def score_drafts(
@@ -181,6 +217,9 @@ class PagedEngine:
         seed: int,
         extra_contexts: Sequence[Sequence[int]] = (),
         extra_budgets: Sequence[int] = (),
+        *,
+        uids: Sequence[int] | None = None,
+        proposers: Sequence[object | None] | None = None,
     ) -> list[Continuation]:
         """Continue scored rows from their verified prefix, without prefilling it again.
 
@@ -192,6 +231,10 @@ class PagedEngine:
         ``extra_contexts`` are generated from scratch in the same decode batches
         (as :meth:`generate`). Every sequence of the handle is freed afterwards,
         also when an argument is rejected.
+
+        ``uids`` and ``proposers`` (as in :meth:`generate`) cover the handle's rows
+        first, then ``extra_contexts``; uids default to 0..n-1. A row's proposer must
+        already know its verified prefix and ``first_tokens[i]``.
 
         Returns:
             Continuations for the handle's rows (not including ``first_tokens``),
@@ -213,20 +256,20 @@ class PagedEngine:
                 rows, "the handle's rows", accepted_lens=accepted_lens, first_tokens=first_tokens, budgets=budgets
             )
             check_same_length(len(extra_contexts), "extra_contexts", extra_budgets=extra_budgets)
-            _check_settings(settings)
+            sampler = self._sampler(
+                settings, seed, rows + len(extra_contexts), uids, proposers, "the handle's rows + extra_contexts"
+            )
             extra = group_by_context(extra_contexts, extra_budgets, results, ("extra_contexts", "extra_budgets"), rows)
             resumed, groups = self.scheduler.resume_scored_rows(handle, accepted_lens, first_tokens, budgets, results)
         finally:
             self.release(handle)  # rows not resumed: their blocks are free from here on
-        return self._run(groups + extra, resumed, results, settings, seed)
+        return self._run(groups + extra, resumed, results, sampler)
 
     @torch.no_grad()
-    def _run(self, groups, resumed, results: list[Continuation | None], settings: SamplingSettings, seed: int):
+    def _run(self, groups, resumed, results: list[Continuation | None], sampler: KeyedSampler):
         """Schedule, prefill and decode until every sequence finished; fills ``results``."""
         self.runner.allocate_cache()
         self.epoch += 1
-        gen = torch.Generator(device=self.device)
-        gen.manual_seed(int(seed) % (1 << 63))
         sched, runner = self.scheduler, self.runner
         sched.add(groups, resumed)
         bar = None
@@ -237,10 +280,10 @@ class PagedEngine:
         try:
             while sched.has_work:
                 for wave in sched.prefill_waves(sched.schedule()):
-                    sched.running.extend(runner.prefill(wave, settings, gen))
+                    sched.running.extend(runner.prefill(wave, sampler))
                 step = [s for s in sched.running if not s.finished]
                 if step:
-                    runner.decode(step, settings, gen)
+                    runner.decode(step, sampler)
                     if bar is not None:
                         bar.update(len(step))
                 sched.retire(results)

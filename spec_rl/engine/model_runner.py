@@ -1,4 +1,4 @@
-"""Model runner of the paged engine: the KV cache tensors, the packed forward, prefill, decode, sampling.
+"""Model runner of the paged engine: the KV cache tensors, the packed forward, prefill, decode steps.
 
 Every forward is *packed*: one row [1, T] holding the new tokens of all
 sequences, with explicit position ids. The model's own modeling code does the
@@ -16,10 +16,10 @@ import torch
 
 from .. import ops
 from ..generation import BackendStats
-from ..sampling import SamplingSettings, sample_tokens
 from ..scoring import ScoringHead, response_positions
 from .attention import build_batch, paged_attention_active
 from .blocks import BlockManager, OutOfBlocks
+from .sampler import KeyedSampler
 from .sequence import PrefillGroup, SequenceState
 
 DEFAULT_CPU_KV_BYTES = 1 << 30  # KV budget on CPU when neither num_blocks nor kv_cache_bytes is given
@@ -36,8 +36,11 @@ class EngineStats(BackendStats):
             evicted for lack of blocks (part of prefill_tokens; 0 when the cache is large enough).
         decode_steps: forwards run by generate/continue_from (prefill waves and decode steps;
             the scoring pass is not counted).
+        proposed_tokens: history tokens proposed in decode steps (speculation past the cut).
+        accepted_tokens: proposed tokens that equalled the policy's sample and were kept.
         scoring_tokens: tokens fed by :meth:`PagedEngine.score_drafts` (part of prefill_tokens).
-        decode_tokens: tokens fed in decode steps (one per active sequence per step).
+        decode_tokens: tokens fed in decode steps (per active sequence and step: its pending
+            token and its proposed tokens).
         shared_prefill_tokens: context tokens not prefilled because a group shares them.
         cow_copies: blocks copied on write.
         forwards: model forward calls, scoring included.
@@ -113,7 +116,7 @@ def find_decode_kernel(device: torch.device):
 
 
 class ModelRunner:
-    """Runs packed forwards of one model over the paged KV cache and samples from them.
+    """Runs packed forwards of one model over the paged KV cache: prefill and decode steps.
 
     Parameters
     ----------
@@ -125,8 +128,6 @@ class ModelRunner:
         the engine's block manager; the runner appends slots and applies copy-on-write.
     layout:
         the cache layout (:class:`CacheLayout`).
-    eos_ids:
-        the complete EOS set.
 
     Attributes
     ----------
@@ -138,12 +139,11 @@ class ModelRunner:
         the :class:`EngineStats` the runner counts into.
     """
 
-    def __init__(self, model, head: ScoringHead, blocks: BlockManager, layout: CacheLayout, eos_ids):
+    def __init__(self, model, head: ScoringHead, blocks: BlockManager, layout: CacheLayout):
         self.model = model
         self.head = head
         self.blocks = blocks
         self.layout = layout
-        self.eos_ids = {int(x) for x in eos_ids}
         self.kv_caches: list[torch.Tensor] | None = None
         self.decode_kernel = find_decode_kernel(self.device)
         self.stats = EngineStats()
@@ -238,17 +238,19 @@ class ModelRunner:
             self.stats.cow_copies += len(pairs)
 
     # ------------------------------------------------------- prefill / decode
-    def prefill(
-        self, groups: list[PrefillGroup], settings: SamplingSettings, gen: torch.Generator
-    ) -> list[SequenceState]:
-        """One forward over the contexts of ``groups``; fork each group's members and sample their first tokens."""
+    def prefill(self, groups: list[PrefillGroup], sampler: KeyedSampler) -> list[SequenceState]:
+        """One forward over the contexts of ``groups``; fork each group's members and sample their first tokens.
+
+        Member m of a group draws its first token at position ``len(context)`` with its own uid,
+        so the G members of a group diverge although they share the context's blocks.
+        """
         roots = [self.new_sequence() for _ in groups]
         items = [(root, g.context, 0) for root, g in zip(roots, groups)]
         logits = self.forward(items, [[len(g.context) - 1] for g in groups], hidden=False)
         self.stats.prefill_tokens += sum(len(g.context) for g in groups)
         self.stats.reprefill_tokens += sum(len(g.context) for g in groups if g.reprefill)
         self.stats.decode_steps += 1
-        rows, seqs = [], []
+        rows, seqs, positions = [], [], []
         for k, (g, root) in enumerate(zip(groups, roots)):
             for m, member in enumerate(g.members):
                 seq_id = root
@@ -258,24 +260,45 @@ class ModelRunner:
                     self.stats.shared_prefill_tokens += len(g.context)
                 seqs.append(SequenceState(seq_id, member.result_index, member.budget))
                 rows.append(k)
-        self.sample(seqs, torch.cat(logits, 0)[torch.tensor(rows, device=self.device)], settings, gen)
+                positions.append(len(g.context))
+        ids, lps = sampler.sample(seqs, torch.cat(logits, 0)[torch.tensor(rows, device=self.device)], positions)
+        for seq, token, lp in zip(seqs, ids, lps):
+            sampler.record(seq, [], [token], [lp])
         return seqs
 
-    def decode(self, seqs: list[SequenceState], settings: SamplingSettings, gen: torch.Generator) -> None:
-        """One decode step: feed each sequence's pending token, sample the next one."""
-        items = [(s.seq_id, [s.pending_token], self.blocks.length(s.seq_id)) for s in seqs]
-        logits = self.forward(items, [[0] for _ in seqs], hidden=False, relative=True)
-        self.stats.decode_tokens += len(seqs)
-        self.stats.decode_steps += 1
-        self.sample(seqs, torch.cat(logits, 0), settings, gen)
+    def decode(self, seqs: list[SequenceState], sampler: KeyedSampler) -> None:
+        """One decode step: feed each sequence's pending token and its proposal, keep what is accepted.
 
-    def sample(
-        self, seqs: list[SequenceState], logits: torch.Tensor, settings: SamplingSettings, gen: torch.Generator
-    ) -> None:
-        """Sample one token per sequence from ``logits`` [len(seqs), V] and record it with its log-prob."""
-        ids, lps = sample_tokens(logits.float(), settings, gen)
-        for s, token, lp in zip(seqs, ids.tolist(), lps.tolist()):
-            s.append(token, lp, self.eos_ids)
+        A sequence with proposal p (maybe empty) feeds [pending] + p in one forward; the sample
+        after fed token j sits at position ``start + 1 + j`` (``start`` = tokens cached before the
+        step). The accepted proposals and the sample after them are kept
+        (:meth:`KeyedSampler.record`), and the K/V slots of rejected proposals are given back at
+        once (:meth:`BlockManager.truncate`): the sequence then holds exactly the K/V of the tokens
+        before its new pending token, as if it had been decoded one token per step.
+
+        Attention: a step in which no sequence has a proposal feeds one query per sequence and
+        uses the one-query decode kernel on CUDA (when available). A step with proposals has
+        several queries per sequence and takes the prefill attention path (gather + SDPA with a
+        causal mask) on every device: the Triton decode kernel only takes one query per sequence.
+        """
+        props = [sampler.proposal(s) for s in seqs]
+        starts = [self.blocks.length(s.seq_id) for s in seqs]
+        items = [(s.seq_id, [s.pending_token] + p, start) for s, p, start in zip(seqs, props, starts)]
+        logits = self.forward(items, [range(1 + len(p)) for p in props], hidden=False, relative=True)
+        self.stats.decode_tokens += sum(1 + len(p) for p in props)
+        self.stats.decode_steps += 1
+        rows = [s for s, p in zip(seqs, props) for _ in range(1 + len(p))]
+        positions = [start + 1 + j for start, p in zip(starts, props) for j in range(1 + len(p))]
+        ids, lps = sampler.sample(rows, torch.cat(logits, 0), positions)
+        at = 0
+        for seq, p, start in zip(seqs, props, starts):
+            fed = 1 + len(p)
+            accepted, kept = sampler.record(seq, p, ids[at : at + fed], lps[at : at + fed])
+            at += fed
+            if p:
+                self.stats.proposed_tokens += len(p)
+                self.stats.accepted_tokens += min(accepted, kept)
+                self.blocks.truncate(seq.seq_id, start + kept)  # roll back the rejected proposals' K/V
 
     # ------------------------------------------------------------ scoring
     def score(

@@ -3,8 +3,11 @@
 Admission reserves the worst case (docs/design.md "Paged KV cache"): a
 sequence or group is admitted only when the free blocks cover the most that
 every running sequence can still take (its remaining budget), so a decode step
-never runs out of blocks midway. What does not fit waits until running
-sequences finish and free their blocks. When nothing runs and the next group
+never runs out of blocks midway. A speculative decode step feeds the pending
+token and up to ``budget - 1`` proposed tokens, so even before the rejected
+ones are given back it holds no more slots than its remaining budget reserves:
+the reservation is the same with or without speculation. What does not fit
+waits until running sequences finish and free their blocks. When nothing runs and the next group
 still does not fit (too many blocks, or more members than ``max_batch_size``),
 the group is split into single members; a single sequence that cannot fit an
 empty cache raises :class:`~spec_rl.engine.blocks.OutOfBlocks`.
@@ -68,7 +71,11 @@ class Scheduler:
 
     # ------------------------------------------------------------ block needs
     def sequence_need(self, seq: SequenceState) -> int:
-        """Most blocks ``seq`` can still take: K/V growth of its remaining budget (+1 copy-on-write)."""
+        """Most blocks ``seq`` can still take: K/V growth of its remaining budget (+1 copy-on-write).
+
+        Also the peak of a speculative step: its 1 + k fed tokens never exceed the budget
+        (k <= budget - 1), and tokens + budget stays constant after the rollback.
+        """
         return self.blocks.append_cost(seq.seq_id, seq.budget)
 
     def group_need(self, group: PrefillGroup) -> int:

@@ -7,6 +7,18 @@ from dataclasses import asdict, dataclass
 
 MODES = ("vanilla", "spec", "random")
 GENERATION_BACKENDS = ("auto", "transformers", "paged")
+ACCEPTANCE_RULES = ("lenient", "exact")
+
+#: Run labels of ``run_modes``/``--modes`` and the config fields each one sets. Plain "vanilla"
+#: is the reference of every ratio; "histspec" is vanilla decoding with history speculation only
+#: (the HistoSpec-style baseline), "exact" is SPEC-RL with lossless acceptance.
+MODE_PRESETS = {
+    "vanilla": dict(mode="vanilla", history_spec=False),
+    "histspec": dict(mode="vanilla", history_spec=True),
+    "spec": dict(mode="spec"),
+    "exact": dict(mode="spec", acceptance="exact"),
+    "random": dict(mode="random"),
+}
 
 
 @dataclass
@@ -17,6 +29,11 @@ class GRPOConfig:
         mode: "vanilla" (plain GRPO, no draft reuse), "spec" (SPEC-RL) or
             "random" (random-reuse ablation, paper Table 2).
         lenience: SPEC-RL lenience l (paper default for GRPO: e^0.5, Sec. 4).
+        acceptance: "lenient" (the paper's rule) or "exact" (lossless: accept y_i with
+            probability pi_t(y_i), residual draw at the rejection; lenience unused).
+        history_spec: verify history-drafted tokens in every decode step (tail speculation;
+            changes no token, only decode steps). None: on for "spec" and "random", off for "vanilla".
+        spec_tokens: most history-drafted tokens per decode step (0 disables tail speculation).
         epochs: passes over the training prompts.
         group_size: G samples per prompt.
         prompts_per_step: prompts per rollout/update step.
@@ -43,6 +60,9 @@ class GRPOConfig:
 
     mode: str = "spec"
     lenience: float = math.exp(0.5)
+    acceptance: str = "lenient"
+    history_spec: bool | None = None
+    spec_tokens: int = 8
     epochs: int = 5
     group_size: int = 4
     prompts_per_step: int = 64
@@ -70,6 +90,10 @@ class GRPOConfig:
             raise ValueError(f"generation_backend must be one of {GENERATION_BACKENDS}, got {self.generation_backend!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.acceptance not in ACCEPTANCE_RULES:
+            raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {self.acceptance!r}")
+        if isinstance(self.spec_tokens, bool) or int(self.spec_tokens) != self.spec_tokens or self.spec_tokens < 0:
+            raise ValueError(f"spec_tokens must be an integer >= 0 (0 disables tail speculation), got {self.spec_tokens!r}")
         if not (self.lenience >= 0):
             raise ValueError(f"lenience must be >= 0 (0 means vanilla GRPO), got {self.lenience!r}")
         for name in ("epochs", "group_size", "prompts_per_step", "ppo_mini_batches", "micro_batch_size", "max_response_len"):
@@ -89,6 +113,12 @@ class GRPOConfig:
         if self.mode == "vanilla" or (self.mode == "spec" and self.lenience == 0):
             return "off"
         return "spec" if self.mode == "spec" else "random"
+
+    @property
+    def uses_history(self) -> bool:
+        """Whether rollouts verify history-drafted tokens (tail speculation)."""
+        on = self.mode != "vanilla" if self.history_spec is None else bool(self.history_spec)
+        return on and self.spec_tokens > 0
 
     def to_dict(self) -> dict:
         d = asdict(self)

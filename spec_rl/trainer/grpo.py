@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ..cache import RolloutCache
+from ..history import HistoryIndex
 from ..generation import TransformersBackend, eos_token_ids
 from ..rollout import RolloutRequest, RolloutResult, SpeculativeRollout
 from ..sampling import SamplingSettings
@@ -22,6 +23,7 @@ from .config import GRPOConfig
 from .loss import clipped_policy_loss, group_advantages, response_mask
 
 CACHE_FILE = "rollout_cache.safetensors"
+HISTORY_FILE = "history.safetensors"
 # Seeds of the per-step mini-batch split and the per-epoch prompt order: seed * stride + counter,
 # with prime strides so (seed, counter) pairs of nearby runs do not collide.
 _MINIBATCH_SEED_STRIDE = 1_000_003
@@ -41,6 +43,9 @@ _SUMMED = (
     "scoring_seconds",
     "generation_seconds",
     "assembly_seconds",
+    "decode_steps",
+    "tail_proposed",
+    "tail_accepted",
     "reward_sum",
     "truncated",
     "train_seconds",
@@ -68,6 +73,7 @@ class GRPOTrainer:
         out_dir: run directory (metrics.jsonl, checkpoint/, rollout cache).
         progress: show a tqdm progress bar.
         log: callable for one-line messages (default print).
+        label: name of this run in records and reports (default ``config.mode``).
     """
 
     def __init__(
@@ -80,6 +86,7 @@ class GRPOTrainer:
         out_dir: str | os.PathLike,
         progress: bool = True,
         log: Callable[[str], None] = print,
+        label: str | None = None,
     ):
         if len(train_examples) == 0:
             raise ValueError("train_examples is empty; give the trainer at least one prompt")
@@ -93,6 +100,7 @@ class GRPOTrainer:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.progress = progress
         self.log = log
+        self.label = label or config.mode
 
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if self.pad_id is None:
@@ -115,6 +123,7 @@ class GRPOTrainer:
                 )
 
         self.cache = RolloutCache()
+        self.history = HistoryIndex() if config.uses_history else None
         self.rollout = SpeculativeRollout(
             backend=self._make_backend(model, config),
             cache=self.cache,
@@ -124,6 +133,8 @@ class GRPOTrainer:
             lenience=config.lenience,
             strategy=config.rollout_strategy,
             seed=config.seed,
+            acceptance=config.acceptance,
+            history=self.history,
         )
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         self.ref_model = None
@@ -141,8 +152,8 @@ class GRPOTrainer:
         if choice == "paged":
             from ..engine import PagedEngine
 
-            return PagedEngine(model, self.eos_ids, self.pad_id)
-        return TransformersBackend(model, self.eos_ids, self.pad_id)
+            return PagedEngine(model, self.eos_ids, self.pad_id, max_k=config.spec_tokens)
+        return TransformersBackend(model, self.eos_ids, self.pad_id, max_k=config.spec_tokens)
 
     # ------------------------------------------------------------- resume
     def resume(self) -> bool:
@@ -164,6 +175,9 @@ class GRPOTrainer:
         cache_path = self.out_dir / CACHE_FILE
         if cache_path.is_file():
             self.cache.update(RolloutCache.load(cache_path))
+        history_path = self.out_dir / HISTORY_FILE
+        if self.history is not None and history_path.is_file():
+            self.history.update(HistoryIndex.load(history_path))
         return True
 
     def _save(self, epoch: int) -> None:
@@ -185,6 +199,8 @@ class GRPOTrainer:
         if old.exists():
             shutil.rmtree(old)
         self.cache.save(self.out_dir / CACHE_FILE)
+        if self.history is not None:
+            self.history.save(self.out_dir / HISTORY_FILE)
 
     # ------------------------------------------------------------- training
     def _update(self, result: RolloutResult, advantages: torch.Tensor) -> dict[str, float]:
@@ -259,7 +275,9 @@ class GRPOTrainer:
         upd = self._update(result, advantages)
         train_seconds = time.perf_counter() - t0
         record = {
-            "mode": cfg.mode,
+            "mode": self.label,
+            "acceptance": cfg.acceptance,
+            "history_spec": cfg.uses_history,
             "lenience": cfg.lenience,
             "epoch": epoch,
             "step": self.step,
@@ -277,7 +295,7 @@ class GRPOTrainer:
         return record
 
     @staticmethod
-    def _epoch_record(epoch: int, steps: list[dict], mode: str, lenience: float) -> dict:
+    def _epoch_record(epoch: int, steps: list[dict], mode: str, lenience: float, acceptance: str = "lenient") -> dict:
         tot = {k: sum(s.get(k, 0) for s in steps) for k in _SUMMED if k != "steps"}
         n = max(tot["num_samples"], 1)
         return {
@@ -299,6 +317,12 @@ class GRPOTrainer:
             "rollout_seconds": tot["scoring_seconds"] + tot["generation_seconds"] + tot["assembly_seconds"],
             "scoring_seconds": tot["scoring_seconds"],
             "generation_seconds": tot["generation_seconds"],
+            "other_seconds": tot["assembly_seconds"],
+            "decode_steps": tot["decode_steps"],
+            "longest_continuation": max((s.get("longest_continuation", 0) for s in steps), default=0),
+            "tail_proposed": tot["tail_proposed"],
+            "tail_accepted": tot["tail_accepted"],
+            "acceptance": acceptance,
             "train_seconds": tot["train_seconds"],
         }
 
@@ -312,7 +336,7 @@ class GRPOTrainer:
             from tqdm.auto import tqdm
 
             bar = tqdm(
-                total=(cfg.epochs - self.start_epoch) * steps_per_epoch, desc=f"GRPO [{cfg.mode}]", unit="step", leave=False
+                total=(cfg.epochs - self.start_epoch) * steps_per_epoch, desc=f"GRPO [{self.label}]", unit="step", leave=False
             )
         for epoch in range(self.start_epoch, cfg.epochs):
             # Shuffled every epoch: the cache is keyed by prompt ids, so order does not matter.
@@ -325,7 +349,7 @@ class GRPOTrainer:
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(epoch=epoch + 1, reward=f"{rec['mean_reward']:.3f}", gen=rec["tokens_generated"])
-            record = self._epoch_record(epoch + 1, steps, cfg.mode, cfg.lenience)
+            record = self._epoch_record(epoch + 1, steps, self.label, cfg.lenience, cfg.acceptance)
             records.append(record)
             if cfg.save_checkpoint:
                 self._save(epoch)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .config import GRPOConfig
+from .config import MODE_PRESETS, GRPOConfig
 from .grpo import CHECKPOINT_DIR, GRPOTrainer, resolve_device
 from .report import format_row, header_row, write_report
 
@@ -50,12 +50,19 @@ def run_modes(
 ) -> dict[str, list[dict]]:
     """Train each mode from ``model_path`` with identical seeds; write the report.
 
-    Each mode runs in ``out_dir/<mode>/`` (metrics.jsonl, checkpoint/,
+    ``modes`` are labels of :data:`~spec_rl.trainer.config.MODE_PRESETS` ("vanilla", "spec",
+    "exact", "random", "histspec"); each runs in ``out_dir/<label>/`` (metrics.jsonl, checkpoint/,
     rollout cache); ``out_dir`` gets summary.json, report.md, report.png.
 
     Returns:
-        {mode: [per-epoch record, ...]}.
+        {label: [per-epoch record, ...]}.
+
+    Raises:
+        ValueError: an unknown mode label.
     """
+    bad = [m for m in modes if m not in MODE_PRESETS]
+    if bad:
+        raise ValueError(f"unknown mode(s) {bad}; choose from {list(MODE_PRESETS)}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     device = resolve_device(config.device)
@@ -68,7 +75,7 @@ def run_modes(
         previous_summary = {}
     log(header_row())
     for mode in modes:
-        cfg = dataclasses.replace(config, mode=mode)
+        cfg = dataclasses.replace(config, **MODE_PRESETS[mode])
         mode_dir = out_dir / mode
         start_path = model_path
         if resume and (mode_dir / CHECKPOINT_DIR / "config.json").is_file():
@@ -77,7 +84,7 @@ def run_modes(
             (mode_dir / "metrics.jsonl").unlink()
         torch.manual_seed(cfg.seed)
         model, tokenizer = load_policy(start_path, device)
-        trainer = GRPOTrainer(model, tokenizer, train_examples, reward_fn, cfg, mode_dir, progress=progress, log=log)
+        trainer = GRPOTrainer(model, tokenizer, train_examples, reward_fn, cfg, mode_dir, progress=progress, log=log, label=mode)
         if resume and trainer.resume():
             log(f"[{mode}] resumed at epoch {trainer.start_epoch + 1} with {len(trainer.cache)} cached drafts")
         records = list(previous_summary.get(mode, []))[: trainer.start_epoch] if resume else []
