@@ -106,8 +106,14 @@ class GenerationBackend(Protocol):
         *,
         uids: Sequence[int] | None = None,
         proposers: Sequence[Any] | None = None,
+        sources: Sequence[int] | None = None,
     ) -> list[Continuation]:
-        """``uids``/``proposers`` cover the handle's rows, then the extra contexts."""
+        """``uids``/``proposers`` cover the handle's rows, then the extra contexts.
+
+        ``sources[i]`` (default i) is the handle row whose draft holds row i's verified prefix: row i
+        continues from [prompt, drafts[sources[i]][:accepted_lens[i]], first_tokens[i]]. Rows of one
+        group share a prompt, so under exact acceptance a sample may continue another slot's draft.
+        """
         ...
 
     def release(self, handle: Any) -> None: ...
@@ -145,7 +151,7 @@ class ReprefillBackend:
 
     def continue_from(
         self, handle: ScoredDrafts, accepted_lens, first_tokens, budgets, settings, seed, extra_contexts=(), extra_budgets=(),
-        *, uids=None, proposers=None,
+        *, uids=None, proposers=None, sources=None,
     ) -> list[Continuation]:  # fmt: skip
         """Generate from [prompt, y_<n, first token] per scored row (re-prefilled), then from each extra context."""
         if not isinstance(handle, ScoredDrafts) or handle.used:
@@ -162,7 +168,8 @@ class ReprefillBackend:
                 results[i] = Continuation([], [], "length")
                 continue
             todo.append(i)
-            contexts.append(handle.prompts[i] + handle.drafts[i][: int(n)] + [int(tok)])
+            src = i if sources is None else int(sources[i])
+            contexts.append(handle.prompts[i] + handle.drafts[src][: int(n)] + [int(tok)])
             todo_budgets.append(int(budget))
         self.stats.reprefill_tokens += sum(len(c) for c in contexts)
         todo += [rows + k for k in range(len(extra_contexts))]

@@ -212,59 +212,72 @@ class SpeculativeDecoder:
                 live = [live[i] for i in keep]
                 if live:
                     kv.select(torch.tensor(keep, dtype=torch.long, device=kv.mask.device))
-            elif len(keep) < len(live):
-                # Finished rows ride along until a quarter of the batch is done: they decode
-                # nothing (their outputs are ignored) but avoid a cache copy every step.
-                pass
+            # Otherwise finished rows ride along until a quarter of the batch is done: they sample
+            # nothing, but dropping them one by one would copy the whole cache every step.
             if live and kv.width > 2 * int(kv.mask.sum(1).max()) + 16:
                 kv.compact()
 
-    def _step(self, kv: KVRows, rows: list[DecodeRow]) -> None:
-        dev = kv.mask.device
-        active = [r.finish is None for r in rows]
+    def _inputs(self, rows: list[DecodeRow], active: list[bool]):
+        """Per row: [last token, proposal...] right-padded to one width; which positions are fed."""
         props = [
             (r.proposer.propose(min(self.max_k, r.budget - 1)) if ok and r.proposer is not None and self.max_k else [])
             for r, ok in zip(rows, active)
         ]
-        width = 1 + max(len(p) for p in props)
+        lens = torch.tensor([len(p) for p in props], dtype=torch.long)
+        width = 1 + int(lens.max())
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        fed = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, (r, p) in enumerate(zip(rows, props)):
-            ids[i, 0] = r.last
-            ids[i, 1 : 1 + len(p)] = torch.tensor(p, dtype=torch.long)
-            fed[i, : 1 + len(p)] = 1 if active[i] else 0
-            fed[i, 0] = 1  # finished rows keep a valid query so attention never sees an empty row
+        ids[:, 0] = torch.tensor([r.last for r in rows], dtype=torch.long)
+        flat = [t for p in props for t in p]
+        if flat:
+            row_of = torch.repeat_interleave(torch.arange(len(rows)), lens)
+            col_of = torch.arange(len(flat)) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens) + 1
+            ids[row_of, col_of] = torch.tensor(flat, dtype=torch.long)
+        col = torch.arange(width)
+        fed = (col.unsqueeze(0) <= lens.unsqueeze(1)) & torch.tensor(active).unsqueeze(1)
+        fed[:, 0] = True  # finished rows keep one valid query so attention never sees an empty row
+        return props, lens, ids, fed
+
+    def _step(self, kv: KVRows, rows: list[DecodeRow]) -> None:
+        dev = kv.mask.device
+        active = [r.finish is None for r in rows]
+        props, lens, ids, fed = self._inputs(rows, active)
+        width = ids.shape[1]
         positions = torch.tensor([r.position for r in rows], dtype=torch.long).unsqueeze(1) + torch.arange(width)
-        kv.mask = torch.cat([kv.mask, fed.to(dev)], dim=1)
+        kv.mask = torch.cat([kv.mask, fed.to(dev, torch.long)], dim=1)
         out = self.model(
             input_ids=ids.to(dev), attention_mask=kv.mask, position_ids=positions.to(dev), use_cache=True,
             **{self.cache_arg: kv.cache},
         )  # fmt: skip
         kv.cache = getattr(out, self.cache_arg, None) or getattr(out, "past_key_values", None)
         self.counters.steps += 1
-        sel = [(i, j) for i, p in enumerate(props) if active[i] for j in range(1 + len(p))]
-        rows_t = torch.tensor([i for i, _ in sel], device=dev)
-        cols_t = torch.tensor([j for _, j in sel], device=dev)
-        toks, lps = self.sample(
-            out.logits[rows_t, cols_t].float(), [rows[i].uid for i, _ in sel], [rows[i].position + 1 + j for i, j in sel]
-        )
-        at = 0
-        for i, (r, p) in enumerate(zip(rows, props)):
+        # A sample after every fed position of the live rows, keyed by the position it fills.
+        want = fed & torch.tensor(active).unsqueeze(1)
+        where = want.nonzero()
+        uid_t = torch.tensor([r.uid for r in rows], dtype=torch.long)
+        toks, lps = keyed_sample(
+            out.logits[where[:, 0].to(dev), where[:, 1].to(dev)].float(), self.settings, self.seed,
+            uid_t[where[:, 0]].to(dev), (positions[where[:, 0], where[:, 1]] + 1).to(dev),
+        )  # fmt: skip
+        samples = torch.full((len(rows), width), -1, dtype=torch.long)
+        samples[want] = toks.cpu()
+        logps = torch.zeros((len(rows), width), dtype=torch.float32)
+        logps[want] = lps.cpu()
+        col = torch.arange(width)
+        # Proposal j+1 is accepted while every sample so far equals the proposal it checks.
+        match = (samples[:, :-1] == ids[:, 1:]) & (col[:-1].unsqueeze(0) < lens.unsqueeze(1))
+        accepted = match.long().cumprod(1).sum(1)
+        # Fed positions past the accepted ones hold K/V of rejected proposals: roll them back.
+        kv.mask[:, -width:] *= (col.unsqueeze(0) <= accepted.unsqueeze(1)).to(dev, torch.long)
+        s_rows, lp_rows, acc = samples.tolist(), logps.tolist(), accepted.tolist()
+        for i, r in enumerate(rows):
             if not active[i]:
                 continue
-            s, lp = toks[at : at + 1 + len(p)], lps[at : at + 1 + len(p)]
-            at += 1 + len(p)
-            accepted = 0
-            while accepted < len(p) and s[accepted] == p[accepted]:
-                accepted += 1
-            kept = _emit(r, s[: accepted + 1], lp[: accepted + 1], self.eos)
-            self.counters.proposed += len(p)
-            self.counters.accepted += min(accepted, kept)
+            kept = _emit(r, s_rows[i][: acc[i] + 1], lp_rows[i][: acc[i] + 1], self.eos)
+            self.counters.proposed += len(props[i])
+            self.counters.accepted += min(acc[i], kept)
             if r.proposer is not None:
-                r.proposer.update(p, s[:kept])
-            # Fed positions past the accepted ones hold K/V of rejected proposals: roll them back.
-            kv.mask[i, kv.width - width + 1 + accepted :] = 0
-            r.last = s[kept - 1]
+                r.proposer.update(props[i], r.tokens[-kept:])
+            r.last = r.tokens[-1]
             r.position += kept
         if self.on_step is not None:
             self.on_step(sum(active))

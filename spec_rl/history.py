@@ -11,12 +11,13 @@ it finds, in amortised O(1) per generated token, the longest suffix of the seque
 that occurs somewhere in the history, and proposes the tokens that followed that occurrence.
 :class:`HistoryIndex` keeps one automaton per prompt, bounded in memory:
 
-* at most ``max_responses`` responses and ``max_tokens`` tokens per prompt (older ones are dropped
-  and the automaton is rebuilt from the rest), and
+* at most ``max_responses`` responses and ``max_tokens`` tokens per prompt (when a prompt reaches
+  twice either bound, its oldest responses are dropped down to the bound and the automaton is
+  rebuilt from the rest, so rebuilds are rare), and
 * at most ``max_prompts`` prompts (the least recently used prompt is dropped first).
 
-The worst case is about ``max_prompts * max_tokens`` indexed tokens; an automaton holds at most two
-states per token. :meth:`HistoryIndex.save` writes the responses (not the automata, which are rebuilt
+The worst case is about ``2 * max_prompts * max_tokens`` indexed tokens; an automaton holds at most
+two states per token (about 0.5 KB of Python objects per indexed token). :meth:`HistoryIndex.save` writes the responses (not the automata, which are rebuilt
 on load) to one safetensors file, atomically.
 
 Proposals are deterministic given the history, so verifying them with the exact rule keeps the
@@ -190,7 +191,7 @@ class HistoryIndex:
         ValueError: a bound below 1.
     """
 
-    def __init__(self, max_responses: int = 32, max_tokens: int = 16384, max_prompts: int = 65536):
+    def __init__(self, max_responses: int = 16, max_tokens: int = 8192, max_prompts: int = 16384):
         for name, value in (("max_responses", max_responses), ("max_tokens", max_tokens), ("max_prompts", max_prompts)):
             if isinstance(value, bool) or int(value) != value or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -218,7 +219,8 @@ class HistoryIndex:
         self._responses.move_to_end(key)
         rs.append(tokens)
         automaton = self._automata.get(key)
-        if len(rs) > self.max_responses or sum(len(r) for r in rs) > self.max_tokens:
+        # Trim only at twice the bounds, so the rebuild that trimming costs happens rarely.
+        if len(rs) > 2 * self.max_responses or sum(len(r) for r in rs) > 2 * self.max_tokens:
             while len(rs) > 1 and (len(rs) > self.max_responses or sum(len(r) for r in rs) > self.max_tokens):
                 rs.pop(0)
             self._automata.pop(key, None)  # rebuilt from what is left on next use

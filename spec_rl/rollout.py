@@ -52,6 +52,7 @@ from .history import HistoryIndex
 from .philox import SEED_SALT_CONTINUATION, mix_seed
 from .rollout_types import RolloutRequest, RolloutResult, RolloutStats
 from .sampling import SamplingSettings, keyed_sample
+from .tree_verify import WalkResult, walk_tries
 from .verify import verify
 
 STRATEGIES = ("spec", "random", "off")
@@ -78,6 +79,7 @@ class _Batch:
     finish: list[str | None] = field(default_factory=list)
     prefix_len: list[int] = field(default_factory=list)
     group_keys: list[bytes] = field(default_factory=list)  # history key per request (its slot-0 draft key)
+    sources: list[int] = field(default_factory=list)  # per request: the scored row whose draft holds its prefix
 
     @property
     def sample_seed(self) -> int:
@@ -91,6 +93,7 @@ class _Batch:
         self.logprobs = [[] for _ in range(bsz)]
         self.finish = [None] * bsz
         self.prefix_len = [0] * bsz
+        self.sources = [0] * bsz
 
 
 def _sync(device: torch.device) -> None:
@@ -249,19 +252,27 @@ class SpeculativeRollout:
         draft_ids = [batch.drafts[i].token_ids[: batch.budgets[i]].tolist() for i in batch.drafted]
         scores, handle = self.backend.score_drafts([batch.prompts[i] for i in batch.drafted], draft_ids)
         try:
-            n, lp_new = self._verify(batch, draft_ids, scores)
-            rejected = [row for row in range(len(draft_ids)) if n[row] < len(draft_ids[row])]
-            sampled = self._tokens_at_rejection(batch, scores, rejected, n, draft_ids)
+            walk = self._exact_walk(batch, draft_ids, scores) if self.acceptance == "exact" else self._lenient(batch, draft_ids, scores)
+            batch.stats.draft_tokens = sum(len(d) for d in draft_ids)
+            batch.stats.accepted_tokens = sum(walk.n)
             for row, i in enumerate(batch.drafted):
-                self._accept_prefix(batch, i, draft_ids[row], n[row], lp_new[row], sampled.get(row))
+                src = walk.source[row]
+                whole = len(draft_ids[src]) == len(batch.drafts[batch.drafted[src]])
+                end = batch.drafts[batch.drafted[src]].finish_reason if whole else "length"
+                self._accept_prefix(batch, i, walk, row, end)
             _sync(self.backend.device)
         except BaseException:
             self.backend.release(handle)
             raise
         return handle
 
-    def _verify(self, batch: _Batch, draft_ids: list[list[int]], scores) -> tuple[list[int], torch.Tensor]:
-        """Rejection index n per drafted row and the current policy's log-probs [rows, R] (CPU)."""
+    def _exact_walk(self, batch: _Batch, draft_ids: list[list[int]], scores) -> WalkResult:
+        """Exact acceptance: each sample follows the policy's keyed samples down its group's trie of drafts."""
+        prompts = [batch.prompts[i] for i in batch.drafted]
+        return walk_tries(prompts, draft_ids, scores, self.settings, batch.sample_seed, self._uids(batch, batch.drafted))
+
+    def _lenient(self, batch: _Batch, draft_ids: list[list[int]], scores) -> WalkResult:
+        """The paper's rule (or random reuse): n per row by :func:`~spec_rl.verify.verify`, the token at n from pi_t."""
         device = self.backend.device
         max_r = max([len(d) for d in draft_ids] + [1])
         ids_t = torch.zeros((len(draft_ids), max_r), dtype=torch.long, device=device)
@@ -270,51 +281,40 @@ class SpeculativeRollout:
             ids_t[row, : len(d)] = torch.tensor(d, dtype=torch.long)
             old_t[row, : len(d)] = batch.drafts[i].logprobs[: len(d)].to(device)
         lengths = torch.tensor([len(d) for d in draft_ids], dtype=torch.long, device=device)
-        uids = torch.tensor([batch.keys[i].uid for i in batch.drafted], dtype=torch.long, device=device)
+        uids = torch.tensor(self._uids(batch, batch.drafted), dtype=torch.long, device=device)
         result = verify(
             ids_t, old_t,
             logits=scores.logits, hidden_states=scores.hidden_states,
             lm_head_weight=scores.lm_head_weight, lm_head_bias=scores.lm_head_bias,
             lengths=lengths, temperature=self.settings.temperature, top_k=self.settings.top_k,
-            top_p=self.settings.top_p, seed=batch.seed, uids=uids, strategy=batch.strategy, backend=self.verify_backend,
-            acceptance=self.acceptance, log_lenience=None if self.acceptance == "exact" else self.log_lenience,
+            top_p=self.settings.top_p, log_lenience=self.log_lenience, seed=batch.seed, uids=uids,
+            strategy=batch.strategy, backend=self.verify_backend,
         )  # fmt: skip
-        batch.stats.draft_tokens = int(lengths.sum())
-        batch.stats.accepted_tokens = int(result.accepted_len.sum())
-        return result.accepted_len.tolist(), result.new_logprobs.cpu()
+        n, lp_new = result.accepted_len.tolist(), result.new_logprobs.cpu()
+        rows = [row for row in range(len(draft_ids)) if n[row] < len(draft_ids[row])]
+        walk = WalkResult(n, list(range(len(n))), [d[:k] for d, k in zip(draft_ids, n)],
+                          [lp_new[row, : n[row]].tolist() for row in range(len(n))], [None] * len(n), [None] * len(n))  # fmt: skip
+        if rows:  # the token at n, keyed by (uid, absolute position) like every decoded token (rule step 4)
+            logits = scores.logits_at(torch.tensor(rows, device=device), torch.tensor([n[r] for r in rows], device=device))
+            positions = torch.tensor([len(batch.prompts[batch.drafted[r]]) + n[r] for r in rows], device=device)
+            tok, tok_lp = keyed_sample(logits, self.settings, batch.sample_seed, uids[rows], positions)
+            for r, t, lp in zip(rows, tok.tolist(), tok_lp.tolist()):
+                walk.next_token[r], walk.next_logprob[r] = t, lp
+        return walk
 
-    def _tokens_at_rejection(self, batch: _Batch, scores, rows: list[int], n: list[int], drafts) -> dict[int, tuple[int, float]]:
-        """Sample the token at position n of each rejected row from the scoring output there (rule step 4).
-
-        Keyed by (uid, absolute position) like every decoded token; under exact acceptance the
-        rejected draft token is excluded (the residual of a point-mass draft).
-        """
-        if not rows:
-            return {}
-        device = self.backend.device
-        logits = scores.logits_at(torch.tensor(rows, device=device), torch.tensor([n[r] for r in rows], device=device))
-        requests = [batch.drafted[r] for r in rows]
-        uids = torch.tensor([batch.keys[i].uid for i in requests], dtype=torch.long, device=device)
-        positions = torch.tensor([len(batch.prompts[i]) + n[r] for i, r in zip(requests, rows)], device=device)
-        exclude = None
-        if self.acceptance == "exact":
-            exclude = torch.tensor([drafts[r][n[r]] for r in rows], dtype=torch.long, device=device)
-        tok, tok_lp = keyed_sample(logits, self.settings, batch.sample_seed, uids, positions, exclude)
-        return {r: (t, lp) for r, t, lp in zip(rows, tok.tolist(), tok_lp.tolist())}
-
-    def _accept_prefix(self, batch: _Batch, i: int, draft: list[int], n: int, lp_new: torch.Tensor, sampled) -> None:
-        """Request i keeps y_<n (+ the token at n); full reuse keeps the draft's finish reason."""
-        batch.responses[i] = draft[:n]
-        batch.logprobs[i] = lp_new[:n].tolist()
-        batch.prefix_len[i] = n
-        if n == len(draft):
+    def _accept_prefix(self, batch: _Batch, i: int, walk: WalkResult, row: int, end_reason: str) -> None:
+        """Request i keeps its verified prefix (+ the token at n); a walk that ended on a draft's end is a full reuse."""
+        batch.responses[i] = list(walk.tokens[row])
+        batch.logprobs[i] = list(walk.logprobs[row])
+        batch.prefix_len[i] = walk.n[row]
+        batch.sources[i] = walk.source[row]
+        token = walk.next_token[row]
+        if token is None:
             batch.stats.full_reuse_count += 1
-            whole = len(draft) == len(batch.drafts[i])
-            batch.finish[i] = batch.drafts[i].finish_reason if whole else "length"
+            batch.finish[i] = end_reason
             return
-        token, token_lp = sampled
         batch.responses[i].append(token)
-        batch.logprobs[i].append(token_lp)
+        batch.logprobs[i].append(walk.next_logprob[row])
         batch.stats.tokens_generated += 1
         if token in self.eos_ids:
             batch.finish[i] = "eos"
@@ -346,6 +346,7 @@ class SpeculativeRollout:
                     self.settings, seed, extra_contexts=contexts, extra_budgets=budgets,
                     uids=self._uids(batch, batch.drafted + extra),
                     proposers=self._proposers(batch, [i if ok else None for i, ok in zip(batch.drafted, live)] + extra),
+                    **self._sources(batch),
                 )  # fmt: skip
             except BaseException:
                 self.backend.release(handle)
@@ -362,6 +363,12 @@ class SpeculativeRollout:
         batch.logprobs[i] = batch.logprobs[i] + list(c.logprobs)
         batch.finish[i] = c.finish_reason
         batch.stats.tokens_generated += len(c.token_ids)
+
+    @staticmethod
+    def _sources(batch: _Batch) -> dict:
+        """``sources=`` for continue_from, only when a row continues another row's draft (exact acceptance)."""
+        src = [batch.sources[i] for i in batch.drafted]
+        return {"sources": src} if any(s != row for row, s in enumerate(src)) else {}
 
     @staticmethod
     def _uids(batch: _Batch, requests: Sequence[int]) -> list[int]:

@@ -117,7 +117,7 @@ class TransformersBackend(ReprefillBackend):
 
     def continue_from(
         self, handle, accepted_lens, first_tokens, budgets, settings, seed, extra_contexts=(), extra_budgets=(), *,
-        uids=None, proposers=None,
+        uids=None, proposers=None, sources=None,
     ) -> list[Continuation]:  # fmt: skip
         """Continue scored rows from [prompt, y_<n, first token], then generate the extra contexts.
 
@@ -129,7 +129,7 @@ class TransformersBackend(ReprefillBackend):
         """
         if not isinstance(handle, SplicedDrafts):
             return super().continue_from(handle, accepted_lens, first_tokens, budgets, settings, seed,
-                                         extra_contexts, extra_budgets, uids=uids, proposers=proposers)  # fmt: skip
+                                         extra_contexts, extra_budgets, uids=uids, proposers=proposers, sources=sources)  # fmt: skip
         if handle.used:
             raise ValueError("handle must come from this backend's score_drafts and be continued once")
         handle.used = True
@@ -144,9 +144,10 @@ class TransformersBackend(ReprefillBackend):
         live = [i for i in range(n_rows) if first_tokens[i] is not None and int(budgets[i]) > 0]
         for i in set(range(n_rows)) - set(live):
             results[i] = Continuation([], [], "length")
+        src = list(range(n_rows)) if sources is None else [int(s) for s in sources]
         rows = [DecodeRow(out=i, uid=uids[i], last=int(first_tokens[i]), position=handle.kv.prompt_len(i) + int(accepted_lens[i]),
                           budget=int(budgets[i]), proposer=proposers[i]) for i in live]  # fmt: skip
-        contexts = [handle.kv.context(i, int(accepted_lens[i])) for i in live]
+        contexts = [handle.kv.context(src[i], int(accepted_lens[i])) for i in live]
         handle.kv = None  # the scoring K/V are no longer needed once gathered
         extras = [k for k in range(len(extra_contexts)) if int(extra_budgets[k]) > 0]
         for k in set(range(len(extra_contexts))) - set(extras):

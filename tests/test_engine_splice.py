@@ -7,6 +7,7 @@ single scoring pass.
 
 import warnings
 
+import pytest
 import torch
 from engine_models import greedy_reference, tiny_family_model
 from tiny_models import full_forward_logprobs
@@ -130,3 +131,93 @@ def test_speculative_rollout_with_engine_equals_transformers_backend():
     assert engine.stats.reprefill_tokens == 0
     assert engine.stats.prefill_tokens - engine.stats.scoring_tokens == len([4, 9, 9])  # its group, prefilled once
     assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+# One group of five samples (shared prompt, ends mid-block) and a second prompt. Under exact
+# acceptance a sample may continue another sample's draft: rows 1 and 4 both continue row 0's
+# draft, longer than row 0's own verified prefix; row 2 continues row 3's draft, and row 3 itself
+# is released (no first token).
+GROUP = [3, 11, 12, 13, 14]
+SRC_PROMPTS = [GROUP] * 5 + [[3, 15, 16]]
+SRC_DRAFTS = [
+    [4, 5, 6, 7, 8, 9, 10],
+    [4, 5, 6, 2, 9],
+    [7, 8, 9, 10, 11, 12],
+    [7, 8, 9, 10, 11, 12, 13, 2, 4],
+    [13],
+    [5, 6],
+]
+SOURCES = [0, 0, 3, 3, 0, 5]
+SRC_ACCEPT = [2, 5, 8, 1, 7, 2]
+SRC_FIRST = [9, 12, 6, None, 14, 7]
+SRC_UIDS = [500 + i for i in range(6)]
+
+
+def _continue_with_sources(backend, settings, budget, extra=((), ())):
+    _, handle = backend.score_drafts(SRC_PROMPTS, SRC_DRAFTS)
+    budgets = [budget] * 5 + [0]  # row 5 (its own source) has nothing left to sample
+    return backend.continue_from(
+        handle, SRC_ACCEPT, SRC_FIRST, budgets, settings, 17, *extra, uids=SRC_UIDS + [600], sources=SOURCES
+    )
+
+
+@pytest.mark.parametrize("num_blocks, budget, max_tokens", [(128, 20, 16), (14, 20, 16), (17, 40, 64)])
+def test_rows_continuing_other_rows_drafts_equal_a_fresh_prefill(num_blocks, budget, max_tokens):
+    # 14 blocks of 4 cannot hold all six scored rows: the oldest (among them source row 0) are evicted.
+    # 17 blocks hold them, but not the decode of the first: resumed forks give up their K/V.
+    settings = SamplingSettings(temperature=0.9, max_tokens=budget)
+    model = tiny_family_model("llama", seed=21)
+    extra = ([[3, 17, 18]], [15])
+    backend = TransformersBackend(model, {1}, pad_id=0, splice=False)
+    fresh = _continue_with_sources(backend, settings, budget, extra)
+    engine = PagedEngine(model, {1}, 0, block_size=4, num_blocks=num_blocks, max_tokens_per_forward=max_tokens)
+    outs = _continue_with_sources(engine, settings, budget, extra)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in fresh]
+    assert [o.finish_reason for o in outs] == [o.finish_reason for o in fresh]
+    for a, b in zip(outs, fresh):
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
+    assert [len(o.token_ids) for o in outs[3::2]] == [0, 0]  # the released row and the zero budget
+    for i in (0, 1, 2, 4):  # the K/V a row continued from is its source's draft prefix
+        context = GROUP + SRC_DRAFTS[SOURCES[i]][: SRC_ACCEPT[i]] + [SRC_FIRST[i]]
+        ref = full_forward_logprobs(model, context, outs[i].token_ids, temperature=0.9)
+        assert torch.allclose(torch.tensor(outs[i].logprobs, dtype=torch.float64), ref, atol=1e-4)
+    st = engine.stats
+    assert (st.reprefill_tokens > 0) == (num_blocks != 128)
+    if num_blocks == 128:  # nothing but the scoring pass and the extra context was prefilled
+        assert st.prefill_tokens == st.scoring_tokens + 3
+    assert engine.blocks.num_free == num_blocks
+    engine.blocks.check_invariants()
+
+
+def test_scoring_eviction_of_a_source_is_prefilled_again():
+    settings = SamplingSettings(temperature=1.0, top_k=1, max_tokens=20)
+    model = tiny_family_model("qwen3", seed=22)
+    engine = PagedEngine(model, eos_ids={1}, pad_id=0, block_size=4, num_blocks=14, max_tokens_per_forward=16)
+    _, handle = engine.score_drafts(SRC_PROMPTS, SRC_DRAFTS)
+    assert handle.seq_ids[0] is None and handle.seq_ids[3] is not None  # source 0 evicted, source 3 resident
+    outs = engine.continue_from(handle, SRC_ACCEPT, SRC_FIRST, [20] * 6, settings, 0, sources=SOURCES)
+    for i in (0, 1, 2, 4):
+        context = GROUP + SRC_DRAFTS[SOURCES[i]][: SRC_ACCEPT[i]] + [SRC_FIRST[i]]
+        assert outs[i].token_ids == greedy_reference(model, context, 20, eos_ids={1})
+    # rows 0, 1 and 4 (source 0) are prefilled again; row 2 forks the resident row 3
+    assert engine.stats.reprefill_tokens == sum(len(GROUP) + SRC_ACCEPT[i] + 1 for i in (0, 1, 4))
+    assert engine.blocks.num_free == 14
+    engine.blocks.check_invariants()
+
+
+@pytest.mark.parametrize(
+    "sources, accept, match",
+    [
+        ([0, 1], SRC_ACCEPT, "sources"),  # one entry short
+        ([0, 0, 3, 6, 0, 5], SRC_ACCEPT, "sources"),  # out of range
+        ([0, 0, 3, 3, 5, 5], SRC_ACCEPT, "sources"),  # a row of another prompt
+        (SOURCES, [2, 5, 8, 1, 8, 2], r"accepted_lens\[4\]"),  # longer than the source's draft
+    ],
+)
+def test_bad_sources_are_rejected_and_free_the_handle(sources, accept, match):
+    engine = PagedEngine(tiny_family_model("qwen2", seed=23), eos_ids={1}, pad_id=0, block_size=4, num_blocks=64)
+    _, handle = engine.score_drafts(SRC_PROMPTS, SRC_DRAFTS)
+    with pytest.raises(ValueError, match=match):
+        engine.continue_from(handle, accept, SRC_FIRST, [20] * 6, GREEDY, 0, sources=sources)
+    assert engine.blocks.num_free == 64
+    engine.blocks.check_invariants()

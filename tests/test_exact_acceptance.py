@@ -113,3 +113,33 @@ def test_lenient_rule_at_l1_stays_the_papers():
 def test_unknown_acceptance_rule_is_refused():
     with pytest.raises(ValueError, match="acceptance"):
         SpeculativeRollout(TablePolicy(), RolloutCache(), SamplingSettings(), [EOS], 16, acceptance="fast")
+
+
+def test_exact_mode_reproduces_vanilla_decoding_token_for_token():
+    """Keyed sampling makes the exact walk + continuation the same function as fresh decoding."""
+    from tiny_models import tiny_model
+
+    from spec_rl.history import HistoryIndex
+    from spec_rl.transformers_backend import TransformersBackend
+
+    model = tiny_model(seed=21, bias_eos=-0.5).double()
+    settings = SamplingSettings(temperature=1.0, max_tokens=24)
+    prompts = [[3, 11, 12, 13], [3, 15, 16], [3, 17, 18, 19, 20]]
+    requests = [RolloutRequest(p, s, dataset_id=f"q{i}") for i, p in enumerate(prompts) for s in range(3)]
+
+    def rollout(acceptance, strategy, cache, history=None):
+        backend = TransformersBackend(model, {1}, pad_id=0)
+        return SpeculativeRollout(backend, cache, settings, [1], 64, strategy=strategy, seed=9, acceptance=acceptance,
+                                  history=history, lenience=None if acceptance == "exact" else 1.0)
+
+    cache = RolloutCache()
+    rollout("lenient", "off", cache).run(requests, step=0)  # last epoch's responses become the drafts
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)  # the policy moved since
+    exact = rollout("exact", "spec", cache, HistoryIndex()).run(requests, step=1)
+    fresh = rollout("lenient", "off", RolloutCache()).run(requests, step=1)
+    assert exact.response_ids == fresh.response_ids
+    for a, b in zip(exact.logprobs, fresh.logprobs):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5)
+    assert exact.stats.accepted_tokens > 0 and exact.stats.tokens_generated < fresh.stats.tokens_generated

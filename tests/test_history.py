@@ -65,18 +65,24 @@ def test_proposer_at_response_start_uses_the_latest_response():
 
 
 def test_index_bounds_eviction_and_roundtrip(tmp_path):
-    idx = HistoryIndex(max_responses=3, max_tokens=12, max_prompts=2)
+    idx = HistoryIndex(max_responses=2, max_tokens=100, max_prompts=2)
     idx.add(b"a", [1, 2, 3])
     idx.add(b"a", [4, 5, 6])
     assert idx.automaton(b"a").text == [1, 2, 3, SEPARATOR, 4, 5, 6]
-    idx.add(b"a", [7, 8, 9, 10, 11])  # 11 tokens: still within max_tokens
-    idx.add(b"a", [12])  # 4 responses > 3: the oldest goes
-    assert idx.automaton(b"a").text == [4, 5, 6, SEPARATOR, 7, 8, 9, 10, 11, SEPARATOR, 12]
+    idx.add(b"a", [7, 8])
+    idx.add(b"a", [9])  # 4 responses = twice the bound: still kept (trimming waits for 2x)
+    assert idx.automaton(b"a").text == [1, 2, 3, SEPARATOR, 4, 5, 6, SEPARATOR, 7, 8, SEPARATOR, 9]
+    idx.add(b"a", [10, 11])  # 5 > 2 x 2: trimmed down to the 2 newest, automaton rebuilt
+    assert idx.automaton(b"a").text == [9, SEPARATOR, 10, 11]
+    small = HistoryIndex(max_responses=10, max_tokens=3)
+    for r in ([1, 2, 3], [4, 5, 6], [7]):
+        small.add(b"t", r)  # 7 tokens > 2 x 3: down to the newest that fit in 3 tokens
+    assert small.automaton(b"t").text == [7]
     idx.add(b"b", [1])
     idx.add(b"c", [2])  # 3 prompts > 2: the least recently used ("a") goes
     assert idx.automaton(b"a") is None and len(idx) == 2
     path = idx.save(tmp_path / "h.safetensors")
-    again = HistoryIndex.load(path, max_responses=3, max_tokens=12, max_prompts=2)
+    again = HistoryIndex.load(path, max_responses=2, max_tokens=100, max_prompts=2)
     assert again.automaton(b"b").text == [1] and again.automaton(b"c").text == [2]
     assert again.num_tokens() == idx.num_tokens() == 2
 

@@ -17,8 +17,9 @@ the :class:`~spec_rl.engine.scheduler.Scheduler` (what runs next) and the
 - The speculative path (paper Sec. 3, Alg. 1; docs/design.md "The rule"):
   :meth:`PagedEngine.score_drafts` runs one forward over [prompt, draft] per
   row, keeps the K/V in the cache and returns the per-draft-token scores; after
-  verification :meth:`PagedEngine.continue_from` cuts each row to prompt + n,
-  feeds the token sampled at position prompt + n and decodes on. Nothing is
+  verification :meth:`PagedEngine.continue_from` cuts each row to prompt + n
+  (or forks the row whose draft holds its verified prefix), feeds the token
+  sampled at position prompt + n and decodes on. Nothing is
   prefilled twice unless blocks ran out (counted in ``stats.reprefill_tokens``).
 """
 
@@ -220,10 +221,15 @@ class PagedEngine:
         *,
         uids: Sequence[int] | None = None,
         proposers: Sequence[object | None] | None = None,
+        sources: Sequence[int] | None = None,
     ) -> list[Continuation]:
         """Continue scored rows from their verified prefix, without prefilling it again.
 
-        Row i is cut to prompt + accepted_lens[i] tokens (blocks past it freed),
+        Row i continues [prompt, drafts[s][:n], first_tokens[i]] with s = ``sources[i]``
+        (default i) and n = ``accepted_lens[i]``: it resumes on the scored sequence
+        of row s cut to prompt + n tokens (a row continuing another row's draft gets a
+        copy-on-write fork of it, so several rows may share one source, and the
+        source itself may continue with another n or be released).
         ``first_tokens[i]`` (sampled by the caller from the scoring output at
         position prompt + n - 1) is fed at position prompt + n, and up to
         ``budgets[i]`` more tokens are sampled. A row with ``first_tokens[i]`` None
@@ -242,7 +248,8 @@ class PagedEngine:
 
         Raises:
             TypeError: ``handle`` does not come from :meth:`score_drafts`, or bad ``settings``.
-            ValueError: stale or reused handle, mismatched lengths, n outside [0, len(draft)].
+            ValueError: stale or reused handle, mismatched lengths, a source that is not a
+                row of the same prompt, n outside [0, len(draft of the source)].
         """
         if not isinstance(handle, SpliceHandle):
             raise TypeError(f"handle must come from score_drafts, got {type(handle).__name__}")
@@ -252,15 +259,17 @@ class PagedEngine:
         rows = len(handle.seq_ids)
         results: list[Continuation | None] = [None] * (rows + len(extra_contexts))
         try:
-            check_same_length(
-                rows, "the handle's rows", accepted_lens=accepted_lens, first_tokens=first_tokens, budgets=budgets
-            )
+            sources = range(rows) if sources is None else sources
+            named = dict(accepted_lens=accepted_lens, first_tokens=first_tokens, budgets=budgets, sources=sources)
+            check_same_length(rows, "the handle's rows", **named)
             check_same_length(len(extra_contexts), "extra_contexts", extra_budgets=extra_budgets)
             sampler = self._sampler(
                 settings, seed, rows + len(extra_contexts), uids, proposers, "the handle's rows + extra_contexts"
             )
             extra = group_by_context(extra_contexts, extra_budgets, results, ("extra_contexts", "extra_budgets"), rows)
-            resumed, groups = self.scheduler.resume_scored_rows(handle, accepted_lens, first_tokens, budgets, results)
+            resumed, groups = self.scheduler.resume_scored_rows(
+                handle, accepted_lens, first_tokens, budgets, results, sources, self.runner.fork_sequence
+            )
         finally:
             self.release(handle)  # rows not resumed: their blocks are free from here on
         return self._run(groups + extra, resumed, results, sampler)

@@ -167,6 +167,12 @@ class ModelRunner:
         self.blocks.allocate(seq_id, 0)
         return seq_id
 
+    def fork_sequence(self, parent: int, length: int | None = None) -> int:
+        """A new sequence sharing ``parent``'s first ``length`` tokens (default: all); returns its id."""
+        seq_id = next(self._seq_ids)
+        self.blocks.fork(parent, seq_id, length)
+        return seq_id
+
     # ------------------------------------------------------------------ forward
     def forward(self, items, want, hidden: bool, relative: bool = False) -> list[torch.Tensor]:
         """One packed forward.
@@ -255,8 +261,7 @@ class ModelRunner:
             for m, member in enumerate(g.members):
                 seq_id = root
                 if m > 0:
-                    seq_id = next(self._seq_ids)
-                    self.blocks.fork(root, seq_id)
+                    seq_id = self.fork_sequence(root)
                     self.stats.shared_prefill_tokens += len(g.context)
                 seqs.append(SequenceState(seq_id, member.result_index, member.budget))
                 rows.append(k)

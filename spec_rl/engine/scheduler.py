@@ -12,7 +12,8 @@ still does not fit (too many blocks, or more members than ``max_batch_size``),
 the group is split into single members; a single sequence that cannot fit an
 empty cache raises :class:`~spec_rl.engine.blocks.OutOfBlocks`.
 
-Resumed sequences (continued from a scoring pass) already hold blocks, so they
+Resumed sequences (continued from a scoring pass, or forked from the scored
+row whose draft holds their verified prefix) already hold blocks, so they
 are admitted first; if none of them fits while nothing runs, the newest gives
 up its K/V and is prefilled again later (counted as re-prefill).
 """
@@ -20,7 +21,7 @@ up its K/V and is prefilled again later (counted as re-prefill).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from ..generation import Continuation
 from .blocks import BlockManager, OutOfBlocks
@@ -209,34 +210,76 @@ class Scheduler:
         first_tokens: Sequence[int | None],
         budgets: Sequence[int],
         results: list[Continuation | None],
+        sources: Sequence[int],
+        fork: Callable[[int, int], int],
     ) -> tuple[list[SequenceState], list[PrefillGroup]]:
-        """Cut each scored row to prompt + n and turn it into a sequence to resume.
+        """Cut each scored row to its verified prefix and turn it into a sequence to resume.
 
-        Ownership of a resumed row's blocks moves from the handle to the returned
-        sequence (``handle.seq_ids[i] = None``). A row whose K/V was evicted while
-        scoring becomes a re-prefill group of [prompt, y_<n, first token]; a row with
-        no first token or a zero budget gets an empty continuation in ``results``.
+        Row i continues [prompt, drafts[sources[i]][:n], first token]. A row whose
+        source is another row gets a fork of the source's sequence (``fork(parent,
+        length)`` returns the new id), made before any row is cut, so a source may
+        itself continue with another n or be released. Ownership of a row resumed on
+        its own sequence moves from the handle to the returned sequence
+        (``handle.seq_ids[i] = None``); the caller releases what the handle still holds.
+        A row whose source's K/V was evicted while scoring becomes a re-prefill group
+        of [prompt, prefix, first token] (rows with the same context share one); a row
+        with no first token or a zero budget gets an empty continuation in ``results``.
 
         Raises:
-            ValueError: n outside [0, len(draft)] or a negative budget.
+            ValueError: see :func:`check_resume_arguments`; nothing changed then.
         """
-        for i, draft in enumerate(handle.drafts):  # check every row before any block changes hands
-            n, budget = int(accepted_lens[i]), int(budgets[i])
-            if not 0 <= n <= len(draft):
-                raise ValueError(f"accepted_lens[{i}] = {n} is outside [0, {len(draft)}] (the draft length)")
-            if budget < 0:
-                raise ValueError(f"budgets[{i}] = {budget} is negative")
-        resumed: list[SequenceState] = []
-        reprefill: list[PrefillGroup] = []
-        for i, seq_id in enumerate(handle.seq_ids):
-            n, token, budget = int(accepted_lens[i]), first_tokens[i], int(budgets[i])
-            prefix = handle.prompts[i] + handle.drafts[i][:n]
-            if token is None or budget == 0:
-                results[i] = empty_continuation()
-            elif seq_id is None:  # evicted while scoring: prefill prompt + prefix + token again
-                reprefill.append(PrefillGroup(prefix + [int(token)], [GroupMember(i, budget)], reprefill=True))
-            else:
-                self.blocks.truncate(seq_id, len(prefix))
+        sources = check_resume_arguments(handle, accepted_lens, budgets, sources)
+        lens = [len(p) + int(n) for p, n in zip(handle.prompts, accepted_lens)]
+        live = [i for i in range(len(lens)) if first_tokens[i] is not None and int(budgets[i]) > 0]
+        for i in set(range(len(lens))) - set(live):
+            results[i] = empty_continuation()
+        held: dict[int, int] = {}  # row -> the sequence it resumes on
+        for i in live:  # forks first: a source is cut or freed only once its children share its blocks
+            parent = handle.seq_ids[sources[i]]
+            if sources[i] != i and parent is not None:
+                held[i] = fork(parent, lens[i])
+        for i in live:
+            own = handle.seq_ids[i]
+            if sources[i] == i and own is not None:
+                self.blocks.truncate(own, lens[i])
                 handle.seq_ids[i] = None
-                resumed.append(SequenceState(seq_id, i, budget, pending_token=int(token), context=prefix))
-        return resumed, reprefill
+                held[i] = own
+        resumed: list[SequenceState] = []
+        reprefill: dict[tuple[int, ...], PrefillGroup] = {}
+        for i in live:
+            prefix = handle.prompts[i] + handle.drafts[sources[i]][: int(accepted_lens[i])]
+            token, budget = int(first_tokens[i]), int(budgets[i])
+            if i in held:
+                resumed.append(SequenceState(held[i], i, budget, pending_token=token, context=prefix))
+            else:  # evicted while scoring: prefill prompt + prefix + token again
+                key = tuple(prefix + [token])
+                group = reprefill.setdefault(key, PrefillGroup(list(key), [], reprefill=True))
+                group.members.append(GroupMember(i, budget))
+        return resumed, list(reprefill.values())
+
+
+def check_resume_arguments(
+    handle: SpliceHandle, accepted_lens: Sequence[int], budgets: Sequence[int], sources: Sequence[int]
+) -> list[int]:
+    """Check the per-row arguments of a continue_from (lengths already match); returns ``sources`` as ints.
+
+    Raises:
+        ValueError: a source that is not a row index or has another prompt, n outside
+            [0, len(draft of the source)], or a negative budget.
+    """
+    rows = len(handle.drafts)
+    checked = []
+    for i in range(rows):
+        s, n, budget = sources[i], int(accepted_lens[i]), int(budgets[i])
+        if isinstance(s, bool) or int(s) != s or not 0 <= s < rows:
+            raise ValueError(f"sources[{i}] = {s!r} is not a row index in [0, {rows})")
+        s = int(s)
+        if handle.prompts[s] != handle.prompts[i]:
+            raise ValueError(f"sources[{i}] = {s} names a row with another prompt; rows continue drafts of their group")
+        if not 0 <= n <= len(handle.drafts[s]):
+            limit = len(handle.drafts[s])
+            raise ValueError(f"accepted_lens[{i}] = {n} is outside [0, {limit}] (the length of draft {s})")
+        if budget < 0:
+            raise ValueError(f"budgets[{i}] = {budget} is negative")
+        checked.append(s)
+    return checked

@@ -1,0 +1,181 @@
+"""Rollout benchmark: what SPEC-RL's reuse and tail speculation do to rollout TIME, without training.
+
+    python benchmarks/bench_rollout.py [--preset demo|qwen3-0.6b|tiny] [--backend auto|transformers|paged]
+
+One run on one device. The drafts are real: ``--history-epochs`` vanilla rollouts of the same requests
+fill the rollout cache (last epoch's response per sample) and the history index (every response).
+Then the policy is perturbed (relative Gaussian noise ``--perturb`` on every weight: the policy moved
+since the drafts were sampled) and ONE rollout step is measured per mode, each from its own copy of
+the same cache and history, with the same seed and step:
+
+* ``vanilla``: plain decoding, one token per step (the reference of every ratio);
+* ``histspec``: vanilla decoding + history speculation (the HistoSpec-style baseline);
+* ``spec``: SPEC-RL, lenient acceptance (l = ``--lenience``) + history speculation;
+* ``exact``: SPEC-RL, exact (lossless) acceptance + history speculation.
+
+Printed per mode: generated tokens, decode steps (sequential forwards after scoring), longest
+continuation, rollout seconds split into scoring / decode / other, and the ratios of tokens, decode
+steps and seconds to vanilla. Times are host wall clock around device synchronizes, one timed step
+per mode after a warm-up step. JSON (with provenance) goes to ``--json`` (default ``$OUT/rollout.json``).
+
+Presets: ``demo`` (the CPU demo policy and its task: 64 prompts x G=4, 160 tokens; the shape of the
+default demo), ``qwen3-0.6b`` (random Qwen3-0.6B-shaped weights, bf16, 64 random prompts x G=8,
+512 tokens; GPU only), ``tiny`` (a float64 smoke run). Without CUDA the qwen3-0.6b preset says so and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import sys
+
+import torch
+from _harness import Column, Table, default_json_path, provenance, sync, write_json  # benchmarks/ on sys.path
+
+from spec_rl.cache import RolloutCache
+from spec_rl.generation import eos_token_ids
+from spec_rl.history import HistoryIndex
+from spec_rl.rollout import RolloutRequest, SpeculativeRollout
+from spec_rl.sampling import SamplingSettings
+
+# name: (prompts, group size, max tokens, dtype)
+PRESETS = {"demo": (64, 4, 160, torch.float32), "qwen3-0.6b": (64, 8, 512, torch.bfloat16), "tiny": (6, 2, 24, torch.float64)}
+MODES = {  # name: (strategy, acceptance, history speculation)
+    "vanilla": ("off", "lenient", False),
+    "histspec": ("off", "lenient", True),
+    "spec": ("spec", "lenient", True),
+    "exact": ("spec", "exact", True),
+}
+
+
+def build(preset: str, device: torch.device):
+    """(model, prompts as token lists, EOS ids, pad id) for a preset."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    n_prompts, _, _, dtype = PRESETS[preset]
+    if preset == "demo":
+        from spec_rl.tasks.demo_policy import build_demo_policy, demo_train_set
+        from spec_rl.trainer.run import load_policy
+
+        model, tok = load_policy(build_demo_policy(progress=False), device)
+        prompts = [tok(e.prompt)["input_ids"] for e in demo_train_set()[:n_prompts]]
+        return model, prompts, sorted(eos_token_ids(model, tok)), tok.pad_token_id
+    torch.manual_seed(0)
+    if preset == "qwen3-0.6b":
+        cfg = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                          num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
+                          tie_word_embeddings=True, eos_token_id=151645)  # fmt: skip
+        model = Qwen3ForCausalLM(cfg)
+    else:
+        cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, eos_token_id=1)  # fmt: skip
+        model = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():  # random weights sample near-uniform text; a sharper head gives text with structure
+        model.get_output_embeddings().weight.mul_(4.0)
+    model = model.to(device=device, dtype=dtype).eval()
+    gen = torch.Generator().manual_seed(1)
+    prompts = torch.randint(2, cfg.vocab_size, (n_prompts, 32 if preset != "tiny" else 6), generator=gen).tolist()
+    return model, prompts, [cfg.eos_token_id], 0
+
+
+def make_backend(model, eos, pad, name: str, device: torch.device):
+    if name == "auto":
+        name = "paged" if device.type == "cuda" else "transformers"
+    if name == "paged":
+        from spec_rl.engine import PagedEngine
+
+        return PagedEngine(model, eos, pad)
+    from spec_rl.transformers_backend import TransformersBackend
+
+    return TransformersBackend(model, eos, pad)
+
+
+def perturb(model, scale: float, seed: int = 7) -> None:
+    """Relative Gaussian noise on every weight: the policy that scores the drafts is not the one that sampled them."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            noise = torch.randn(p.shape, generator=gen).to(p.device, p.dtype)
+            p.add_(noise * p.detach().float().std().to(p.dtype) * scale)
+
+
+def timed_step(rollout: SpeculativeRollout, requests, step: int, device) -> dict:
+    sync(device)
+    res = rollout.run(requests, step)
+    sync(device)
+    s = res.stats
+    return {"generated_tokens": s.tokens_generated, "decode_steps": s.decode_steps, "longest": s.longest_continuation,
+            "rollout_s": s.rollout_seconds, "scoring_s": s.scoring_seconds, "decode_s": s.generation_seconds,
+            "other_s": s.assembly_seconds, "full_reuse": s.full_reuse_ratio, "tail_accept": s.tail_accepted / max(s.tail_proposed, 1)}  # fmt: skip
+
+
+def run(args) -> dict:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.preset == "qwen3-0.6b" and device.type != "cuda":
+        print("bench_rollout: the qwen3-0.6b preset needs a CUDA device; nothing was measured")
+        return {}
+    model, prompts, eos, pad = build(args.preset, device)
+    _, group, max_tokens, _ = PRESETS[args.preset]
+    settings = SamplingSettings(temperature=1.0, max_tokens=max_tokens)
+    requests = [RolloutRequest(p, s, dataset_id=f"p{i}") for i, p in enumerate(prompts) for s in range(group)]
+    max_len = max(len(p) for p in prompts) + max_tokens + 1
+    backend = make_backend(model, eos, pad, args.backend, device)
+    cache, history = RolloutCache(), HistoryIndex()
+    filler = SpeculativeRollout(backend, cache, settings, eos, max_len, strategy="off", seed=args.seed, history=history)
+    for step in range(args.history_epochs):
+        filler.run(requests, step)
+    perturb(model, args.perturb)
+    rows = {}
+    for name, (strategy, acceptance, hist) in MODES.items():
+        for attempt in ("warm-up", "timed"):
+            ro = SpeculativeRollout(backend, copy.deepcopy(cache), settings, eos, max_len, strategy=strategy, seed=args.seed,
+                                    acceptance=acceptance, lenience=None if acceptance == "exact" else args.lenience,
+                                    history=copy.deepcopy(history) if hist else None)  # fmt: skip
+            rows[name] = timed_step(ro, requests, args.history_epochs, device)
+    base = rows["vanilla"]
+    for r in rows.values():
+        for k in ("generated_tokens", "decode_steps", "rollout_s"):
+            r[f"{k}_ratio"] = r[k] / base[k] if base[k] else float("nan")
+    return {"preset": args.preset, "backend": type(backend).__name__, "perturb": args.perturb,
+            "lenience": args.lenience, "rows": rows, **provenance(device)}  # fmt: skip
+
+
+def print_table(record: dict) -> None:
+    spec = [("mode", 9, "<", "{}"), ("gen tokens", 10, ">", "{:d}"), ("steps", 6, ">", "{:d}"), ("longest", 7, ">", "{:d}"),
+            ("rollout s", 9, ">", "{:.3f}"), ("scoring s", 9, ">", "{:.3f}"), ("decode s", 8, ">", "{:.3f}"),
+            ("other s", 7, ">", "{:.3f}"), ("tokens x", 8, ">", "{:.3f}"), ("steps x", 7, ">", "{:.3f}"),
+            ("time x", 6, ">", "{:.3f}"), ("tail acc", 8, ">", "{:.2f}")]  # fmt: skip
+    table = Table(*[Column(h, w, a, f, gap="  ") for h, w, a, f in spec])
+    print(f"bench_rollout: preset {record['preset']}, {record['backend']}, perturb {record['perturb']}, "
+          f"l = {record['lenience']:.4g}, device {record.get('device')}, commit {record.get('commit')}")
+    print(table.header())
+    for name, r in record["rows"].items():
+        print(table.row(name, r["generated_tokens"], r["decode_steps"], r["longest"], r["rollout_s"], r["scoring_s"],
+                        r["decode_s"], r["other_s"], r["generated_tokens_ratio"], r["decode_steps_ratio"],
+                        r["rollout_s_ratio"], r["tail_accept"]))  # fmt: skip
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", choices=list(PRESETS), default="demo")
+    ap.add_argument("--backend", choices=["auto", "transformers", "paged"], default="auto")
+    ap.add_argument("--device", help="default: cuda if available, else cpu")
+    ap.add_argument("--history-epochs", type=int, default=2, help="vanilla rollouts that fill the cache and history")
+    ap.add_argument("--perturb", type=float, default=0.02, help="relative weight noise applied before the measured step")
+    ap.add_argument("--lenience", type=float, default=math.exp(0.5))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=default_json_path("rollout.json"))
+    args = ap.parse_args(argv)
+    if args.history_epochs < 1:
+        ap.error("--history-epochs must be >= 1 (the drafts come from them)")
+    record = run(args)
+    if record:
+        print_table(record)
+        if args.json:
+            write_json(args.json, record)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
