@@ -219,10 +219,16 @@ class SpeculativeDecoder:
 
     def _inputs(self, rows: list[DecodeRow], active: list[bool]):
         """Per row: [last token, proposal...] right-padded to one width; which positions are fed."""
-        props = [
-            (r.proposer.propose(min(self.max_k, r.budget - 1)) if ok and r.proposer is not None and self.max_k else [])
-            for r, ok in zip(rows, active)
-        ]
+        def propose(r: DecodeRow, ok: bool, fill: int = 0) -> list[int]:
+            if not ok or r.proposer is None or not self.max_k:
+                return []
+            return r.proposer.propose(min(self.max_k, r.budget - 1), fill=fill)
+
+        props = [propose(r, ok) for r, ok in zip(rows, active)]
+        longest = max(len(p) for p in props)
+        # Every row is padded to the longest proposal and padding is computed anyway: fill it with
+        # more of each row's history continuation, which costs nothing here.
+        props = [propose(r, ok, longest) if len(p) < longest else p for r, ok, p in zip(rows, active, props)]
         lens = torch.tensor([len(p) for p in props], dtype=torch.long)
         width = 1 + int(lens.max())
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)

@@ -143,12 +143,19 @@ class SuffixProposer:
         self.at_start = len(prefix) == 0
         self.proposed = 0
         self.accepted = 0
+        self.asked = 0  # the adaptive part of the last proposal
         for t in prefix[-64:]:  # a longer match than 64 tokens changes nothing in practice
             self.state, self.matched = automaton.step(self.state, self.matched, int(t))
 
-    def propose(self, limit: int) -> list[int]:
-        """Up to ``min(k, limit)`` tokens expected next ([] when nothing matches)."""
-        k = min(self.k, int(limit))
+    def propose(self, limit: int, fill: int = 0) -> list[int]:
+        """Up to ``min(k, limit)`` tokens expected next ([] when nothing matches).
+
+        ``fill`` asks for up to that many tokens whatever the adaptive k (still at most ``limit``):
+        a batched backend that computes padding positions anyway fills them with proposals, which
+        cost nothing extra there. The adaptive k only learns from the first k of them.
+        """
+        self.asked = min(self.k, int(limit))
+        k = min(max(self.k, int(fill)), int(limit))
         if k <= 0:
             return []
         if self.at_start:
@@ -169,7 +176,8 @@ class SuffixProposer:
         if proposal:
             self.proposed += len(proposal)
             self.accepted += accepted
-            self.k = min(self.max_k, 2 * self.k) if accepted == len(proposal) else max(1, accepted + 1)
+            asked = min(self.asked, len(proposal))
+            self.k = min(self.max_k, 2 * self.k) if accepted >= asked else max(1, accepted + 1)
         for t in emitted:
             self.state, self.matched = self.automaton.step(self.state, self.matched, int(t))
         if emitted:
@@ -213,10 +221,15 @@ class HistoryIndex:
                 self.add(key, r)
 
     def add(self, key: bytes, response: Sequence[int]) -> None:
-        """Index one more response of prompt ``key`` (evicting the oldest responses or prompts past the bounds)."""
+        """Index one more response of prompt ``key`` (evicting the oldest responses or prompts past the bounds).
+
+        A response the prompt's index already holds (a draft reused whole) adds nothing and is skipped.
+        """
         tokens = [int(t) for t in response]
         rs = self._responses.setdefault(key, [])
         self._responses.move_to_end(key)
+        if tokens in rs:
+            return
         rs.append(tokens)
         automaton = self._automata.get(key)
         # Trim only at twice the bounds, so the rebuild that trimming costs happens rarely.

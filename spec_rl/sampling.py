@@ -174,7 +174,7 @@ def keyed_sample(
     distribution (the policy's log-prob of the token), also for residual samples.
     """
     logp = sampling_log_softmax(logits, settings.temperature, settings.top_k, settings.top_p)
-    probs = logp.double().exp()
+    probs = logp.exp().double()  # exp in float32, sums in float64
     if exclude is not None:
         rows = torch.arange(probs.shape[0], device=probs.device)
         residual = probs.clone()

@@ -56,47 +56,42 @@ class PackedGroup:
 
 
 def _pack_group(prompt: Sequence[int], drafts: Sequence[Sequence[int]], members: list[int]) -> PackedGroup:
-    """Build the trie (children in insertion order), then relabel it in preorder."""
+    """Lay out the trie in preorder from the drafts sorted lexicographically.
+
+    In sorted order each draft adds the tokens after its longest common prefix (LCP) with the draft
+    before it, contiguously: that is the trie's preorder (children by token id). The subtree of the
+    node at depth e of draft j ends where the first later draft with LCP <= e begins.
+    """
     plen = len(prompt)
-    tokens = list(prompt)
-    children: list[dict[int, int]] = [{} for _ in range(plen)]
-    draft_nodes = []
-    for d in drafts:
-        node, nodes = plen - 1, []
-        for t in d:
-            child = children[node].get(t)
-            if child is None:
-                child = len(tokens)
-                tokens.append(int(t))
-                children.append({})
-                children[node][t] = child
-            nodes.append(child)
-            node = child
-        draft_nodes.append(nodes)
-    # Preorder of the trie below the last prompt token (iterative DFS; children in insertion order).
-    order, stack = list(range(plen - 1)), [plen - 1]
-    while stack:
-        node = stack.pop()
-        order.append(node)
-        stack.extend(reversed(list(children[node].values())))
-    new_of = [0] * len(tokens)
-    for new, old in enumerate(order):
-        new_of[old] = new
-    depth = [0] * len(tokens)
-    parent = [-1] * len(tokens)
-    for old in range(len(tokens)):
-        for child in children[old].values():
-            parent[new_of[child]] = new_of[old]
-    for i in range(1, plen):
-        parent[i] = i - 1
-    size = [1] * len(tokens)
-    for i in range(len(tokens) - 1, 0, -1):
-        size[parent[i]] += size[i]
-    for i in range(1, len(tokens)):
-        depth[i] = depth[parent[i]] + 1
-    group = PackedGroup([tokens[o] for o in order], depth, size, members=members, prompt_len=plen)
-    for nodes in draft_nodes:
-        pos = [new_of[n] for n in nodes]
+    order = sorted(range(len(drafts)), key=lambda k: list(drafts[k]))
+    tokens, depth = list(prompt), list(range(plen))
+    node_pos: list[list[int]] = [[] for _ in drafts]
+    laid = []  # per sorted draft: (first new position, LCP, length)
+    prev: list[int] = []
+    for k in order:
+        d = [int(t) for t in drafts[k]]
+        lcp = 0
+        while lcp < min(len(prev), len(d)) and prev[lcp] == d[lcp]:
+            lcp += 1
+        base = len(tokens)
+        tokens += d[lcp:]
+        depth += range(plen + lcp, plen + len(d))
+        node_pos[k] = (node_pos[order[len(laid) - 1]][:lcp] if laid else []) + list(range(base, base + len(d) - lcp))
+        laid.append((base, lcp, len(d)))
+        prev = d
+    total = len(tokens)
+    end = [total] * total  # the prompt chain and the last branches reach the end of the row
+    for j, (base, lcp, length) in enumerate(laid):
+        reach = length  # depths below `reach` still look for a later draft that leaves their subtree
+        for later_base, later_lcp, _ in laid[j + 1 :]:
+            if later_lcp < reach:
+                lo = max(later_lcp, lcp)
+                end[base + lo - lcp : base + reach - lcp] = [later_base] * (reach - lo)
+                reach = later_lcp
+            if reach <= lcp:
+                break
+    group = PackedGroup(tokens, depth, [e - i for i, e in enumerate(end)], members=members, prompt_len=plen)
+    for pos in node_pos:
         group.node_pos.append(pos)
         group.score_pos.append(([plen - 1] + pos[:-1]) if pos else [])
     return group

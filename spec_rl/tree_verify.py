@@ -28,30 +28,35 @@ import torch
 
 from .sampling import SamplingSettings, keyed_sample
 
+#: Draft positions sampled per walking row in the first pass (doubling afterwards).
+_FIRST_WINDOW = 16
+
 
 @dataclass
 class _Trie:
-    """A group's drafts as a trie; node 0 is the prompt. ``rep[v]``: the longest draft through node v."""
+    """A group's drafts as a trie; node 0 is the prompt. ``rep[v]``: the longest draft through node v;
+    ``path[row]``: the nodes of a draft's tokens (``path[row][d]`` is the node after d + 1 tokens)."""
 
     children: list[dict[int, int]] = field(default_factory=lambda: [{}])
-    depth: list[int] = field(default_factory=lambda: [0])
     rep: list[int] = field(default_factory=lambda: [-1])
+    path: dict[int, list[int]] = field(default_factory=dict)
 
     def insert(self, row: int, draft: Sequence[int], lengths: Sequence[int]) -> None:
-        node = 0
+        node, nodes = 0, []
         for t in draft:
             if self.rep[node] < 0 or lengths[self.rep[node]] < len(draft):
                 self.rep[node] = row
             child = self.children[node].get(int(t))
             if child is None:
-                child = len(self.depth)
+                child = len(self.rep)
                 self.children[node][int(t)] = child
                 self.children.append({})
-                self.depth.append(self.depth[node] + 1)
                 self.rep.append(row)
+            nodes.append(child)
             node = child
         if self.rep[node] < 0 or lengths[self.rep[node]] < len(draft):
             self.rep[node] = row
+        self.path[row] = nodes
 
 
 @dataclass
@@ -84,6 +89,14 @@ def walk_tries(
 ) -> WalkResult:
     """Exact verification of every drafted row against its group's trie (see the module docstring).
 
+    Each pass samples, for every walking row at once, the policy's keyed tokens along the draft it
+    currently follows (the longest draft through its node), from its depth to that draft's end; the
+    row accepts up to the first sample that differs from the draft. If that sample is another child
+    of the node there, the row switches to the draft through that child and walks on in the next pass;
+    otherwise it stops, and the sample is its token at n. A pass covers a window of depths that
+    doubles from pass to pass (16, 32, ...), so a row that stops early does not pay for sampling the
+    rest of its draft, and the whole walk costs a few vectorised passes.
+
     Parameters
     ----------
     prompts, drafts : per row, the prompt ids and the (budget-cut) draft ids
@@ -102,30 +115,51 @@ def walk_tries(
     for row, (p, d) in enumerate(zip(prompts, drafts)):
         tries.setdefault(tuple(int(t) for t in p), _Trie()).insert(row, d, lengths)
     trie_of = [tries[tuple(int(t) for t in p)] for p in prompts]
-    node = [0] * bsz
     out = WalkResult([0] * bsz, list(range(bsz)), [[] for _ in range(bsz)], [[] for _ in range(bsz)], [None] * bsz, [None] * bsz)
-    walking = [r for r in range(bsz) if lengths[trie_of[r].rep[0]] > 0]
+    follow = [trie_of[r].rep[0] for r in range(bsz)]  # the draft each row walks along
+    walking = [r for r in range(bsz) if lengths[follow[r]] > 0]
     device = scores.lm_head_weight.device if scores.logits is None else scores.logits.device
-    uid_t = torch.tensor([int(u) for u in uids], dtype=torch.long)
+    window = _FIRST_WINDOW
     while walking:
-        reps = [trie_of[r].rep[node[r]] for r in walking]
-        depth = [trie_of[r].depth[node[r]] for r in walking]
-        logits = scores.logits_at(torch.tensor(reps, device=device), torch.tensor(depth, device=device))
-        positions = torch.tensor([len(prompts[r]) + d for r, d in zip(walking, depth)], dtype=torch.long)
-        toks, lps = keyed_sample(logits, settings, seed, uid_t[walking].to(device), positions.to(device))
-        still = []
-        for r, rep, tok, lp in zip(walking, reps, toks.tolist(), lps.tolist()):
-            child = trie_of[r].children[node[r]].get(tok)
-            if child is None:  # off the trie: the token at n, already drawn from the policy
-                out.next_token[r], out.next_logprob[r], out.source[r] = tok, lp, rep
-                continue
-            node[r] = child
-            out.tokens[r].append(tok)
-            out.logprobs[r].append(lp)
-            out.n[r] += 1
-            rep_next = trie_of[r].rep[child]
-            out.source[r] = rep_next
-            if lengths[rep_next] > out.n[r]:
+        # (row, draft, from depth, to depth): a window that doubles per pass, so rows that stop early
+        # do not pay for sampling the rest of their draft.
+        segs = [(r, follow[r], out.n[r], min(lengths[follow[r]], out.n[r] + window)) for r in walking]
+        window *= 2
+        rep_idx = torch.tensor([f for _, f, a, b in segs for _ in range(a, b)], device=device)
+        cols = torch.tensor([c for _, _, a, b in segs for c in range(a, b)], device=device)
+        uid_idx = torch.tensor([int(uids[r]) for r, _, a, b in segs for _ in range(a, b)], dtype=torch.long, device=device)
+        pos = torch.tensor([len(prompts[r]) + c for r, _, a, b in segs for c in range(a, b)], dtype=torch.long, device=device)
+        toks, lps = keyed_sample(scores.logits_at(rep_idx, cols), settings, seed, uid_idx, pos)
+        toks, lps = toks.tolist(), lps.tolist()
+        at, still = 0, []
+        for r, f, a, b in segs:
+            sampled, logps = toks[at : at + b - a], lps[at : at + b - a]
+            at += b - a
+            if _advance(out, trie_of[r], r, f, a, drafts[f], sampled, logps, follow, lengths):
                 still.append(r)
         walking = still
     return out
+
+
+def _advance(out: WalkResult, trie: _Trie, r: int, f: int, start: int, draft, sampled, logps, follow, lengths) -> bool:
+    """Accept row r's samples along draft f from depth ``start``; True while the walk goes on."""
+    k = 0
+    while k < len(sampled) and sampled[k] == draft[start + k]:
+        k += 1
+    out.tokens[r] += sampled[:k]
+    out.logprobs[r] += logps[:k]
+    out.n[r] = start + k
+    out.source[r] = f
+    if k == len(sampled):  # the window matched: walk on, unless the draft it followed ends here
+        return out.n[r] < lengths[f]
+    node = trie.path[f][start + k - 1] if start + k > 0 else 0
+    child = trie.children[node].get(sampled[k])
+    if child is None:  # off the trie: the token at n, already drawn from the policy
+        out.next_token[r], out.next_logprob[r] = sampled[k], logps[k]
+        return False
+    g = trie.rep[child]  # another draft of the group continues with exactly this token
+    out.tokens[r].append(sampled[k])
+    out.logprobs[r].append(logps[k])
+    out.n[r] = start + k + 1
+    out.source[r], follow[r] = g, g
+    return len(trie.path[g]) > out.n[r]  # walk on unless that draft ends right here

@@ -102,3 +102,11 @@ def test_load_rejects_damaged_files(tmp_path):
         HistoryIndex.load(tmp_path / "missing.safetensors")
     with pytest.raises(ValueError, match="max_tokens"):
         HistoryIndex(max_tokens=0)
+
+
+def test_a_response_already_indexed_is_not_added_again():
+    idx = HistoryIndex()
+    idx.add(b"p", [1, 2, 3])
+    idx.add(b"p", [1, 2, 3])  # a draft reused whole comes back unchanged
+    idx.add(b"p", [1, 2])
+    assert idx.automaton(b"p").text == [1, 2, 3, SEPARATOR, 1, 2] and idx.num_tokens() == 5
