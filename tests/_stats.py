@@ -31,3 +31,17 @@ def assert_fits(counts: torch.Tensor, probs: torch.Tensor) -> None:
         return
     crit = chi2_critical(df)
     assert stat < crit, f"chi-square {stat:.1f} >= {crit:.1f} (df {df}): counts {counts.tolist()} vs probs {probs.tolist()}"
+
+
+def assert_same_distribution(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Two-sample chi-square homogeneity test on count vectors over the same bins (p = 1e-4)."""
+    a, b = a.double().flatten(), b.double().flatten()
+    keep = (a + b) > 0
+    a, b = a[keep], b[keep]
+    na, nb = a.sum(), b.sum()
+    pooled = (a + b) / (na + nb)
+    stat = float((((a - na * pooled) ** 2) / (na * pooled) + ((b - nb * pooled) ** 2) / (nb * pooled)).sum())
+    df = int(keep.sum()) - 1
+    if df > 0:
+        crit = chi2_critical(df)
+        assert stat < crit, f"two-sample chi-square {stat:.1f} >= {crit:.1f} (df {df})"

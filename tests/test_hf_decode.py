@@ -69,3 +69,30 @@ def test_compact_keeps_each_rows_real_positions():
     assert kv.mask.tolist() == [[1, 1, 1], [1, 1, 1]]
     assert kv.cache.layers[0].keys[0, 0, :, 0].tolist() == [2.0, 6.0, 8.0]
     assert kv.cache.layers[0].values[1, 0, :, 0].tolist() == [110.0, 112.0, 118.0]
+
+
+def test_speculation_keeps_the_next_token_marginals():
+    """Independent seeds: speculative and plain decoding sample the same distribution (two-sample chi-square)."""
+    from _stats import assert_same_distribution
+
+    from spec_rl.transformers_backend import TransformersBackend
+
+    model = tiny_model(seed=5, bias_eos=-3.0)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)  # a peaked policy, so history drafts are often right
+    settings = SamplingSettings(temperature=1.0, max_tokens=6)
+    contexts = [[3, 11, 12]] * 3000
+    plain = TransformersBackend(model, {1}, pad_id=0, max_k=0).generate(contexts, [6] * 3000, settings, seed=1,
+                                                                          uids=list(range(3000)))  # fmt: skip
+    history = SuffixAutomaton()
+    for c in plain[:50]:
+        history.add_response(c.token_ids)
+    proposers = [SuffixProposer(history, max_k=4) for _ in contexts]
+    spec = TransformersBackend(model, {1}, pad_id=0, max_k=4).generate(contexts, [6] * 3000, settings, seed=2,
+                                                                         uids=list(range(3000)), proposers=proposers)  # fmt: skip
+    assert sum(p.accepted for p in proposers) > 3000  # speculation really ran
+    vocab = model.config.vocab_size
+    for pos in (1, 2, 4):
+        a = torch.bincount(torch.tensor([c.token_ids[pos] for c in plain if len(c.token_ids) > pos]), minlength=vocab)
+        b = torch.bincount(torch.tensor([c.token_ids[pos] for c in spec if len(c.token_ids) > pos]), minlength=vocab)
+        assert_same_distribution(a, b)

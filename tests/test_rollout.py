@@ -1,5 +1,6 @@
 """Scoring alignment, generation backend, and speculative rollout assembly on a tiny model."""
 
+import copy
 import math
 
 import pytest
@@ -151,3 +152,27 @@ def test_random_reuse_strategy_and_bad_arguments():
         _rollout(model, lenience=-math.e)
     with pytest.raises(ValueError, match="empty prompt"):
         ro.run([RolloutRequest([], 0)], 2)
+
+
+@pytest.mark.parametrize("strategy", ["spec", "off"])
+def test_tail_speculation_changes_decode_steps_never_tokens(strategy):
+    from spec_rl.history import HistoryIndex
+
+    model = tiny_model(seed=9).double()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(60.0)  # a peaked policy: earlier responses predict the next ones
+    reqs = [RolloutRequest(p, s, dataset_id=f"p{i}") for i, p in enumerate(PROMPTS) for s in range(4)]
+    runs = {}
+    for name, history in (("plain", None), ("tail", HistoryIndex())):
+        m = copy.deepcopy(model)
+        ro = _rollout(m, lenience=1.0, seed=2, strategy=strategy, history=history, max_tokens=30)
+        out = [ro.run(reqs, step=0)]
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()), dtype=p.dtype) * 0.002)
+        out.append(ro.run(reqs, step=1))
+        runs[name] = out
+    for a, b in zip(runs["plain"], runs["tail"]):
+        assert a.response_ids == b.response_ids and a.finish_reasons == b.finish_reasons
+    assert runs["tail"][1].stats.tail_accepted > 0
+    assert runs["tail"][1].stats.decode_steps < runs["plain"][1].stats.decode_steps
