@@ -9,12 +9,14 @@
 #   3. the test suite on CUDA: pytest tests -m "not slow",
 #   4. the benchmark suite (benchmarks/gpu_suite.py; SWEEP=1 adds the config sweep),
 #   5. paged decode attention (benchmarks/bench_paged_attention.py) and the paged engine
-#      (benchmarks/bench_engine.py: decode vs transformers generate, splice vs re-prefill).
+#      (benchmarks/bench_engine.py: decode vs transformers generate, splice vs re-prefill),
+#   6. the rollout benchmark (benchmarks/bench_rollout.py --preset qwen3-0.6b: generated tokens,
+#      decode steps and rollout time of vanilla / histspec / spec / exact at fixed drafts).
 # Full logs go to $OUT (default ./gpu-check-out); the short table is printed last.
 #
 # Usage: bash benchmarks/gpu_check.sh          (or: make gpu-check)
 # Env:   PYTHON (default python3), OUT, SWEEP=1, SUITE_ARGS="--d 2048" (extra gpu_suite.py args),
-#        ENGINE_ARGS="--new-tokens 256" (extra bench_engine.py args),
+#        ENGINE_ARGS="--new-tokens 256" (extra bench_engine.py args), ROLLOUT_ARGS (extra bench_rollout.py args),
 #        SPEC_RL_COMMIT (recorded in the JSON when .git is absent).
 set -u
 cd "$(dirname "$0")/.."
@@ -80,6 +82,10 @@ echo "== paged engine benchmark (decode vs transformers generate; splice vs re-p
 # shellcheck disable=SC2086
 $PY benchmarks/bench_engine.py --json "$OUT/engine.json" ${ENGINE_ARGS:-} > "$OUT/engine.log" 2>&1 || status=1
 
+echo "== rollout benchmark (tokens, decode steps and time per mode at fixed drafts)"
+# shellcheck disable=SC2086
+$PY benchmarks/bench_rollout.py --preset qwen3-0.6b --json "$OUT/rollout.json" ${ROLLOUT_ARGS:-} > "$OUT/rollout.log" 2>&1 || status=1
+
 echo
 echo "== summary (full logs in $OUT)"
 echo "tests exit code: $test_rc"
@@ -89,4 +95,6 @@ sed -n '/^=== spec-rl paged decode attention/,$p' "$OUT/paged_attention.log"
 [ -s "$OUT/paged_attention.json" ] || tail -n 30 "$OUT/paged_attention.log"
 sed -n '/^=== spec-rl paged engine/,$p' "$OUT/engine.log"
 [ -s "$OUT/engine.json" ] || tail -n 30 "$OUT/engine.log"
+sed -n '/^bench_rollout:/,$p' "$OUT/rollout.log"
+[ -s "$OUT/rollout.json" ] || tail -n 30 "$OUT/rollout.log"
 exit $status
