@@ -378,7 +378,9 @@ class SpeculativeRollout:
         """History drafters for the requests (None entries: rows that will not decode)."""
         if self.history is None:
             return None
-        return [None if i is None else self.history.proposer(batch.group_keys[i], batch.responses[i]) for i in requests]
+        max_k = int(getattr(self.backend, "max_k", 8))  # the backend's cap on drafted tokens per step
+        return [None if i is None else self.history.proposer(batch.group_keys[i], batch.responses[i], max_k=max_k)
+                for i in requests]  # fmt: skip
 
     def _store(self, batch: _Batch) -> None:
         """Every response becomes next epoch's draft of its request (and enters the prompt's history)."""

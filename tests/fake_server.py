@@ -8,7 +8,8 @@ log-probs are *raw* (log_softmax of unscaled logits) and come as one row per
 prompt position 1..L-1 plus a dummy last row, each a one-element list, with
 the scored token ids alongside (verl's ``extract_prompt_logprobs`` layout).
 Without ``max_tokens`` the budget is min(response_length, room), as verl's
-server does. Every call is recorded.
+server does. A ``seed`` (vLLM) or ``sampling_seed`` (SGLang) parameter seeds the
+request's sampler, as on those servers. Every call is recorded.
 """
 
 from __future__ import annotations
@@ -33,6 +34,17 @@ class TinyServer:
         with torch.no_grad():
             return self.model(input_ids=torch.tensor([ids])).logits[0].float()
 
+    @staticmethod
+    def _seed(request_id: str, prompt_ids: list[int], params: dict) -> int:
+        """A request's sampling seed: its ``seed`` (vLLM) or ``sampling_seed`` (SGLang) parameter, as those
+        servers seed a per-request generator with it; otherwise one derived from the request's content,
+        so results do not depend on call order."""
+        seed = params.get("seed", params.get("sampling_seed"))
+        if seed is not None:
+            return int(seed) & ((1 << 63) - 1)
+        digest = hashlib.blake2b(repr((request_id, prompt_ids)).encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") >> 1
+
     def run(self, request_id: str, prompt_ids: list[int], params: dict) -> dict:
         """Returns token_ids, log_probs (or None), prompt_logprobs rows / ids (or None), finish_reason."""
         prompt_ids = [int(t) for t in prompt_ids]
@@ -51,9 +63,7 @@ class TinyServer:
             raw = torch.log_softmax(self._logits(prompt_ids), -1)
             rows = [[float(raw[j - 1, prompt_ids[j]])] for j in range(1, len(prompt_ids))] + [[0.0]]
             row_ids = [[prompt_ids[j]] for j in range(1, len(prompt_ids))] + [[0]]
-        # deterministic per request content, independent of call order
-        digest = hashlib.blake2b(repr((request_id, prompt_ids)).encode(), digest_size=8).digest()
-        gen = torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
+        gen = torch.Generator().manual_seed(self._seed(request_id, prompt_ids, params))
         ctx, out, lps = list(prompt_ids), [], []
         finish = "length"
         for _ in range(max_tokens):
@@ -79,3 +89,17 @@ class TinyServer:
             "finish_reason": finish,
         }
 
+
+class FixedServer(TinyServer):
+    """A server whose next-token distribution is ``probs`` after any context (no model).
+
+    Prompt tokens outside the support get log-prob -inf; only the draft rows are read.
+    """
+
+    def __init__(self, probs: torch.Tensor, eos_ids, max_model_len: int, step: int | None = 1,
+                 response_length: int | None = None):
+        super().__init__(None, eos_ids, max_model_len, step=step, response_length=response_length)
+        self.log_probs = torch.log(probs.double()).float()
+
+    def _logits(self, ids: list[int]) -> torch.Tensor:
+        return self.log_probs.expand(len(ids), -1)

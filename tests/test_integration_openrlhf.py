@@ -25,7 +25,7 @@ from openrlhf.utils.agent import AgentExecutorBase  # noqa: E402
 from spec_rl.integrations.draft_store import DirectoryDraftStore  # noqa: E402
 from spec_rl.integrations.openrlhf import SpecRLAgentExecutor  # noqa: E402
 
-from fake_server import TinyServer  # noqa: E402
+from fake_server import FixedServer, TinyServer  # noqa: E402
 from tiny_models import full_forward_logprobs, tiny_model, tiny_tokenizer  # noqa: E402
 
 MAX_LEN, N = 14, 2
@@ -40,7 +40,8 @@ class FakeVLLMEngine:
         self.count += 1
         sp = sampling_params
         params = dict(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, max_tokens=sp.max_tokens,
-                      logprobs=sp.logprobs is not None, prompt_logprobs=sp.prompt_logprobs)
+                      logprobs=sp.logprobs is not None, prompt_logprobs=sp.prompt_logprobs,
+                      seed=getattr(sp, "seed", None))
         r = self.core.run(str(self.count), prompt_token_ids, params)
         ids = list(prompt_token_ids)
         plp = None
@@ -57,7 +58,7 @@ def params(**kw):
     return SimpleNamespace(**base)
 
 
-def run_epoch(executor, engine, tok, sp=None):
+def run_epoch(executor, engine, tok, sp=None, prompts=PROMPTS):
     """OpenRLHF's pattern: per prompt, gather n execute() calls; prompts run concurrently."""
     sp = sp or params()
 
@@ -65,7 +66,7 @@ def run_epoch(executor, engine, tok, sp=None):
         return await asyncio.gather(*[executor.execute(prompt, "7", sp, MAX_LEN, tok, engine) for _ in range(N)])
 
     async def go():
-        return await asyncio.gather(*[one(p) for p in PROMPTS])
+        return await asyncio.gather(*[one(p) for p in prompts])
 
     return [o for group in asyncio.run(go()) for o in group]
 
@@ -138,3 +139,35 @@ def test_executor_refuses_temperature_with_raw_prompt_logprobs(env):
         run_epoch(ex, env["engine"], env["tok"], params(temperature=0.6))
     with pytest.raises(ValueError, match="n_samples_per_prompt"):
         SpecRLAgentExecutor(env["dir"], 0)
+
+
+def test_executor_exact_mode_resamples_the_rejected_token(env):
+    # A fixed policy that puts 0.6 on "apples": drafts hold it often, so rejections of it are resampled.
+    tok = env["tok"]
+    probs = torch.zeros(len(tok))
+    probs[[21, 22, 23, 1]] = torch.tensor([0.6, 0.25, 0.1, 0.05])
+    core = FixedServer(probs, {1}, max_model_len=MAX_LEN)
+    engine = FakeVLLMEngine(core)
+    prompts = [f"Tom has {d} apples" for d in range(10)] + [f"Ann buys {d} more" for d in range(10)]
+    with pytest.raises(ValueError, match="has no lenience"):
+        SpecRLAgentExecutor(env["dir"], N, lenience=1.2, acceptance="exact")
+    ex = SpecRLAgentExecutor(env["dir"], N, acceptance="exact")
+    ep1 = run_epoch(ex, engine, tok, prompts=prompts)
+    core.calls = []
+    ep2 = run_epoch(SpecRLAgentExecutor(env["dir"], N, acceptance="exact"), engine, tok, prompts=prompts)
+    resampled = 0
+    for a, b in zip(ep1, ep2):
+        (start, end), = a["action_ranges"]
+        draft, resp, logs = a["observation_tokens"][start:end], b["observation_tokens"][start:], b["extra_logs"]
+        assert logs["spec_rl/exact_acceptance"] == 1.0
+        lp = torch.tensor(b["rollout_log_probs"][start:])
+        torch.testing.assert_close(lp, torch.log(probs)[resp], atol=1e-5, rtol=0)  # pi_t's log-probs
+        n = int(logs["spec_rl/verified_prefix_len"])
+        assert resp[:n] == draft[:n]
+        if n < logs["spec_rl/draft_len"]:  # a rejection among the scored tokens
+            assert resp[n] != draft[n]  # drawn from the residual
+        resampled += int(logs["spec_rl/resamples"])
+    assert resampled >= 1
+    seeded = [c for c in core.calls if c["params"]["prompt_logprobs"] is None]
+    assert seeded and all(c["params"]["seed"] is not None for c in seeded)
+

@@ -1,14 +1,18 @@
-"""The framework-neutral request builder (no trainer library needed)."""
+"""The framework-neutral request builder (no trainer library needed), lenient and exact acceptance."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import pytest
 import torch
+from _stats import assert_fits
+from fake_server import FixedServer
 
 from spec_rl.cache import CacheKey, RolloutCache
-from spec_rl.integrations.requests import SpecRequestBuilder, check_server_settings
+from spec_rl.integrations.exact import draw_continuation, residual_seeds
+from spec_rl.integrations.requests import ContinuationRequest, SpecRequestBuilder, check_server_settings
 from spec_rl.philox import mix_seed
 from spec_rl.sampling import SamplingSettings
 from spec_rl.verify import verify
@@ -100,3 +104,112 @@ def test_no_draft_path_and_eos_finish():
     assert res.finish_reason == "eos" and cache.lookup(CacheKey.make([5, 6], 0, "ds:1"), S).version == 9
     with pytest.raises(ValueError, match="no room"):
         b.plan(list(range(10)), 0)
+
+
+# ---------------------------------------------------------------- exact acceptance
+V, EOS = 4, 3
+PROBS = torch.tensor([0.6, 0.25, 0.1, 0.05])  # the fixed next-token distribution; drafts hold token 0
+EXACT_S = SamplingSettings(temperature=1.0, max_tokens=2)
+
+
+def test_exact_options_and_requests():
+    with pytest.raises(ValueError, match="has no lenience"):
+        builder(acceptance="exact", lenience=2.0)
+    with pytest.raises(ValueError, match="no exact form"):
+        builder(acceptance="exact", strategy="random")
+    with pytest.raises(ValueError, match="max_resample_attempts"):
+        builder(acceptance="exact", max_resample_attempts=0)
+    cache = RolloutCache()
+    b = builder(cache, acceptance="exact", seed=5, seed_param="sampling_seed", max_resample_attempts=4)
+    assert b.log_lenience == 0.0
+    prompt, draft = [7, 8, 9], [4, 5, 6]
+    cache.store(CacheKey.make(prompt, 0), draft, [-1.0, -2.0, -0.5], "eos", 2, S)
+    plan = b.plan(prompt, 0)
+    new = [-0.1, -3.0, -0.2]
+    for step in range(40):  # find a step whose uniforms reject somewhere
+        v = b.verify(plan, new, step=step)
+        if v.n < len(draft):
+            break
+    ref = verify(torch.tensor([draft]), None, new_logprobs=torch.tensor([new]), seed=mix_seed(5, step),
+                 uids=torch.tensor([plan.key.uid]), backend="reference", acceptance="exact")
+    assert v.n == int(ref.accepted_len[0]) < len(draft)
+    assert v.rejected == draft[v.n] and v.rejected_logprob == pytest.approx(new[v.n])
+    cont = b.continuation(plan, v)
+    assert cont.excluded == draft[v.n] and cont.context_ids == prompt + draft[: v.n]
+    assert cont.seeds == residual_seeds(mix_seed(5, step), plan.key.uid, 4) and len(set(cont.seeds)) == 4
+    params = b.continuation_sampling_params({"temperature": 1.0, "prompt_logprobs": 0}, cont, cont.seeds[1])
+    assert params == {"temperature": 1.0, "max_tokens": cont.max_tokens, "logprobs": True,
+                      "sampling_seed": cont.seeds[1]}
+    with pytest.raises(ValueError, match="begins with the rejected draft token"):
+        b.assemble(plan, v, [draft[v.n]], [-0.5])
+    res = b.assemble(plan, v, [1], [-0.5], resamples=2)
+    assert res.metrics["exact_acceptance"] is True and res.metrics["resamples"] == 2
+    lenient = builder(RolloutCache()).assemble(plan, b.verify(plan, new, step=0), [], [], store=False)
+    assert lenient.metrics["exact_acceptance"] is False and lenient.metrics["resamples"] == 0
+
+
+def test_draw_continuation_resends_and_gives_up():
+    req = ContinuationRequest([1, 2], 3, excluded=0, excluded_logprob=-0.01, seeds=[11, 12, 13])
+    sent = []
+
+    async def send(seed, first=(0, 0, 2)):
+        sent.append(seed)
+        return [first[len(sent) - 1], 1], [-0.1, -0.2]
+
+    out, resamples = asyncio.run(draw_continuation(req, send))
+    assert out[0] == [2, 1] and resamples == 2 and sent == [11, 12, 13]
+
+    async def always_excluded(seed):
+        return [0], [-0.01]
+
+    with pytest.raises(RuntimeError, match="rejected draft token 0 first in all 3"):
+        asyncio.run(draw_continuation(req, always_excluded))
+    sent.clear()
+    plain = ContinuationRequest([1, 2], 3)  # lenient: one request, the server's own randomness
+    assert asyncio.run(draw_continuation(plain, send)) == (([0, 1], [-0.1, -0.2]), 0) and sent == [None]
+    assert asyncio.run(draw_continuation(None, send, nothing="none")) == ("none", 0)
+
+
+async def _one_exact_sample(b, server, index):
+    """The verl/OpenRLHF request sequence for one sample, against a server with a fixed distribution."""
+    plan = b.plan([0, 1], 0, f"ds:{index}")
+    scored = server.run("r", plan.scoring_ids, b.scoring_sampling_params({"temperature": 1.0}))
+    lps = b.draft_logprobs_from_rows(plan, scored["prompt_logprobs"], scored["prompt_ids"])
+    v = b.verify(plan, lps, step=1, scoring_sample=(scored["token_ids"], scored["log_probs"]))
+    cont = b.continuation(plan, v)
+
+    async def send(seed):
+        r = server.run("r", cont.context_ids, b.continuation_sampling_params({"temperature": 1.0}, cont, seed))
+        return r["token_ids"], r["log_probs"]
+
+    (ids, new_lps), resamples = await draw_continuation(cont, send, nothing=([], []))
+    return v.n, b.assemble(plan, v, ids, new_lps, resamples=resamples)
+
+
+def test_exact_token_at_the_rejection_follows_the_residual():
+    # Every draft is [0, 0]. Exact acceptance keeps token 0 with probability 0.6 at each position and
+    # otherwise draws from the residual (PROBS without token 0, renormalised), so each position's
+    # marginal is PROBS, whatever the draft.
+    server = FixedServer(PROBS, {EOS}, max_model_len=8)
+    cache = RolloutCache()
+    # 16 attempts (the default) fail with probability 0.6 ** 16 per rejection, about once in 3500 rejections
+    b = SpecRequestBuilder(cache, EXACT_S, 8, [EOS], acceptance="exact", seed=3, max_resample_attempts=64)
+    n_samples = 2000  # (the verl test runs 5000 through the agent loop)
+    for i in range(n_samples):
+        cache.store(CacheKey.make([0, 1], 0, f"ds:{i}"), [0, 0], [-0.5, -0.5], "length", 0, EXACT_S)
+
+    async def go():
+        return [await _one_exact_sample(b, server, i) for i in range(n_samples)]
+
+    out = asyncio.run(go())
+    first = torch.tensor([r.response_ids[0] for _, r in out])
+    second = torch.tensor([r.response_ids[1] for _, r in out if len(r.response_ids) > 1])
+    at_rejection = torch.tensor([r.response_ids[0] for n, r in out if n == 0])
+    assert_fits(torch.bincount(first, minlength=V), PROBS)
+    assert_fits(torch.bincount(second, minlength=V), PROBS)
+    residual = PROBS.clone()
+    residual[0] = 0
+    assert_fits(torch.bincount(at_rejection, minlength=V), residual / residual.sum())
+    assert sum(r.metrics["resamples"] for _, r in out) > 100  # the continuation began with 0: resent
+    for _, r in out:  # log-probs are pi_t's, not the residual's
+        assert r.logprobs == pytest.approx([math.log(PROBS[t]) for t in r.response_ids], abs=1e-5)

@@ -23,8 +23,10 @@ datasets = pytest.importorskip("datasets", reason="datasets is not installed (a 
 from tiny_models import tiny_model
 
 from spec_rl.cache import CacheKey, RolloutCache
+from spec_rl.history import SEPARATOR, HistoryIndex
 from spec_rl.integrations.trl import (
     CACHE_FILENAME,
+    HISTORY_FILENAME,
     SpecRLRollout,
     UnsupportedTrainerConfig,
     check_trainer_args,
@@ -136,6 +138,21 @@ class RecordingRollout(SpecRLRollout):
         return out
 
 
+def _indexed(index, key) -> list[list[int]]:
+    """The responses a history index holds for one prompt key."""
+    automaton = index.automaton(key)
+    if automaton is None:
+        return []
+    out, cur = [], []
+    for t in automaton.text + [SEPARATOR]:
+        if t == SEPARATOR:
+            out.append(cur)
+            cur = []
+        else:
+            cur.append(t)
+    return out
+
+
 def _trainer(tmp_path, spec, args=None, model=None, tok=None, eval_dataset=None):
     from trl import GRPOTrainer
 
@@ -152,10 +169,13 @@ def _trainer(tmp_path, spec, args=None, model=None, tok=None, eval_dataset=None)
     )
 
 
-def _run_three_epochs(tmp_path, lenience, eval_dataset=None, **config):
+def _run_three_epochs(tmp_path, lenience, eval_dataset=None, spec_kw=None, model=None, **config):
     tok = _tokenizer()
-    spec = RecordingRollout(lenience=lenience, dataset_id_column="id", cache_path=tmp_path / "cache.safetensors")
-    trainer = _trainer(tmp_path, spec, args=_config(tmp_path, **config), tok=tok, eval_dataset=eval_dataset)
+    spec_kw = spec_kw or {}
+    spec = RecordingRollout(lenience=lenience, dataset_id_column="id", cache_path=tmp_path / "cache.safetensors",
+                            **spec_kw)
+    trainer = _trainer(tmp_path, spec, args=_config(tmp_path, **config), tok=tok, eval_dataset=eval_dataset,
+                       model=model(tok) if model is not None else None)
     spec.attach(trainer)
     trainer.train()
     recs = [r for r in spec.records if r["training"]]
@@ -178,13 +198,15 @@ def _run_three_epochs(tmp_path, lenience, eval_dataset=None, **config):
             assert c[-1] == tok.eos_token_id or len(c) == MAX_COMPLETION
         # Returned log-probs are the trainer's own per-token log-probs for the same tokens.
         assert r["lp_err"] < 1e-4, r["lp_err"]
-        # The verified prefix is the cached draft's prefix, token for token.
+        # The verified prefix is the cached draft's prefix, token for token (with exact acceptance a
+        # sample may follow the draft of another slot of its group: docs/design.md "Exact acceptance").
         for i, (draft_ids, _) in r["drafts"].items():
             n = r["prefix"][i]
             assert r["found"][i]
-            assert 0 <= n <= len(draft_ids)
-            assert out["completion_ids"][i][:n] == draft_ids[:n]
-            if n == len(draft_ids):
+            group = [r["drafts"][j][0] for j in r["drafts"] if j // NUM_GEN == i // NUM_GEN]
+            candidates = group if spec.acceptance == "exact" else [draft_ids]
+            assert any(0 <= n <= len(d) and out["completion_ids"][i][:n] == d[:n] for d in candidates)
+            if n == len(draft_ids) and spec.acceptance == "lenient":
                 assert out["completion_ids"][i] == draft_ids
     return spec, trainer, tok, recs[:steps_per_epoch], recs[steps_per_epoch:]
 
@@ -323,13 +345,19 @@ def test_grpo_trainer_partial_reuse_continues_from_the_verified_prefix(tmp_path)
     # l = 0.5 < 1: each token of an unchanged policy's draft is kept with probability 0.5, so
     # drafts are cut and the rest is generated: prefix + continuation, with TRL-matching log-probs
     # (checked per call in _run_three_epochs).
-    spec, _, _, first, later = _run_three_epochs(
+    spec, _, tok, first, later = _run_three_epochs(
         tmp_path, 0.5, eval_dataset=_dataset(), eval_strategy="epoch", per_device_eval_batch_size=2 * NUM_GEN
     )
     # Evaluation rollouts sample without drafts and leave the training cache alone.
     evals = [r for r in spec.records if not r["training"]]
     assert len(evals) >= 3
     assert all(r["stats"]["drafts_found"] == 0 and r["lp_err"] < 1e-4 for r in evals)
+    # ... and the history index: it holds training completions only.
+    trained = {tuple(c) for r in spec.records if r["training"] for c in r["out"]["completion_ids"]}
+    indexed = [tuple(x) for i, p in enumerate(PROMPTS)
+               for x in _indexed(spec.history_index, CacheKey.make(tok(p)["input_ids"], 0, f"toy:{i}").digest)]
+    assert indexed and set(indexed) <= trained
+    assert any(tuple(c) not in trained for r in evals for c in r["out"]["completion_ids"])
     assert len(spec.cache) == len(PROMPTS) * NUM_GEN
     # Every draft was last written by an epoch-3 training step (steps 4, 5), not by the final evaluation (step 6).
     versions = {d.version for d in spec.cache.drafts()}
@@ -355,12 +383,67 @@ def test_resume_reloads_the_cache_from_the_checkpoint(tmp_path):
     steps = trainer.state.global_step
     ckpt = tmp_path / "out" / f"checkpoint-{steps}"
     assert len(RolloutCache.load(ckpt / CACHE_FILENAME)) == len(PROMPTS) * NUM_GEN
+    # The history index is saved beside the cache: every prompt's responses (the group's drafts).
+    saved = HistoryIndex.load(ckpt / HISTORY_FILENAME)
+    assert len(saved) == len(PROMPTS)
+    for prompt in PROMPTS:
+        ids = tok(prompt)["input_ids"]
+        for slot in range(NUM_GEN):
+            draft = spec.cache.lookup(CacheKey.make(ids, slot), spec.settings)
+            assert draft.token_ids.tolist() in _indexed(saved, CacheKey.make(ids, 0).digest)
 
     # A fresh process: new adapter with an empty cache, same model, resumed for a second epoch.
     fresh = SpecRLRollout(lenience=math.exp(0.5))
     resumed = _trainer(tmp_path, fresh, args=_config(tmp_path, num_train_epochs=2), model=trainer.model, tok=tok)
     fresh.attach(resumed)
+    loaded, load = [], fresh.load_history
+    fresh.load_history = lambda path: (loaded.append(path), load(path))
     resumed.train(resume_from_checkpoint=str(ckpt))
     train_calls = [h for h in fresh.history if h["mode"] == "train"]
     assert len(train_calls) == steps
     assert all(h["drafts_found"] == h["num_samples"] for h in train_calls)
+    assert loaded == [ckpt / HISTORY_FILENAME]
+    for prompt in PROMPTS:  # the restored responses are still indexed (next to the new epoch's)
+        key = CacheKey.make(tok(prompt)["input_ids"], 0).digest
+        assert all(r in _indexed(fresh.history_index, key) for r in _indexed(saved, key))
+
+
+def _peaked_model(tok):
+    # Sharper logits: an unchanged policy then samples its own drafts again with high probability,
+    # which is what exact acceptance (accept y_i with probability pi_t(y_i)) reuses.
+    model = _model(tok)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    return model
+
+
+@pytest.mark.slow
+def test_exact_acceptance_reuses_drafts_and_records_the_mode(tmp_path):
+    spec, trainer, _, first, later = _run_three_epochs(
+        tmp_path, math.exp(0.5), spec_kw={"acceptance": "exact"}, model=_peaked_model, temperature=0.2
+    )
+    assert all(h["acceptance"] == "exact" and h["history_spec"] is True for h in spec.history)
+    assert all(r["stats"]["drafts_found"] == 0 for r in first)
+    accepted = sum(r["stats"]["accepted_tokens"] for r in later)
+    drafted = sum(r["stats"]["draft_tokens"] for r in later)
+    assert all(r["stats"]["drafts_found"] == r["stats"]["num_samples"] for r in later)
+    assert accepted >= 0.5 * drafted
+    assert any("spec_rl/decode_steps" in h and "spec_rl/tail_accepted" in h for h in trainer.state.log_history)
+
+
+def test_acceptance_and_history_options():
+    with pytest.raises(ValueError, match="has no lenience"):
+        SpecRLRollout(acceptance="exact", lenience=2.0)
+    with pytest.raises(ValueError, match="has no lenience"):
+        SpecRLRollout(acceptance="exact", log_lenience=0.3)
+    with pytest.raises(ValueError, match="no exact form"):
+        SpecRLRollout(acceptance="exact", strategy="random")
+    with pytest.raises(ValueError, match="acceptance"):
+        SpecRLRollout(acceptance="strict")
+    with pytest.raises(ValueError, match="spec_tokens"):
+        SpecRLRollout(spec_tokens=-1)
+    exact = SpecRLRollout(acceptance="exact")  # the default lenience is "not set"
+    assert exact.acceptance == "exact" and exact.lenience is None and exact.log_lenience is None
+    assert isinstance(exact.history_index, HistoryIndex)
+    assert SpecRLRollout(history_spec=False).history_index is None
+    assert SpecRLRollout(spec_tokens=0).history_index is None

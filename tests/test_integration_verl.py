@@ -28,12 +28,14 @@ from verl.experimental.agent_loop.agent_loop import DictConfigWrap, _agent_loop_
 from verl.workers.rollout.replica import TokenOutput  # noqa: E402
 
 import spec_rl.integrations.verl as sv  # noqa: E402
-from spec_rl.cache import CacheKey  # noqa: E402
+from spec_rl.cache import CacheKey, RolloutCache  # noqa: E402
 from spec_rl.integrations.draft_store import DirectoryDraftStore  # noqa: E402
+from spec_rl.integrations.exact import residual_seeds  # noqa: E402
 from spec_rl.philox import mix_seed  # noqa: E402
 from spec_rl.verify import verify  # noqa: E402
 
-from fake_server import TinyServer  # noqa: E402
+from _stats import assert_fits  # noqa: E402
+from fake_server import FixedServer, TinyServer  # noqa: E402
 from tiny_models import full_forward_logprobs, tiny_model, tiny_tokenizer  # noqa: E402
 
 PROMPT_LEN, RESPONSE_LEN, N = 12, 8, 2
@@ -258,3 +260,112 @@ def test_processed_mode_allows_temperature_and_missing_dir_raises(setup, monkeyp
     with pytest.raises(InstantiationException, match="SPEC_RL_DRAFT_DIR") as info:
         asyncio.run(build())
     assert isinstance(info.value.__cause__, ValueError)
+
+
+# ---------------------------------------------------------------- exact acceptance
+SUPPORT = [21, 22, 23, 1]  # "apples", "has", "buys", EOS
+SUPPORT_P = [0.6, 0.25, 0.1, 0.05]
+
+
+def fixed_probs(vocab: int) -> torch.Tensor:
+    p = torch.zeros(vocab)
+    p[SUPPORT] = torch.tensor(SUPPORT_P)
+    return p
+
+
+def exact_setup(tmp_path, tok, response_length=RESPONSE_LEN, store=None):
+    sv._STORES.clear()
+    d = str(tmp_path / "drafts")
+    # many small drafts: skip the fsyncs, or keep them in memory (any DraftStore serves the loop)
+    sv._STORES[os.path.abspath(d)] = store if store is not None else DirectoryDraftStore(d, fsync=False)
+    core = FixedServer(fixed_probs(len(tok)), {1}, max_model_len=PROMPT_LEN + response_length, step=1,
+                       response_length=response_length)
+    return make_config(response_length=response_length), VerlServer(core), d
+
+
+def many_rows(count):
+    """One sample each of ``count`` dataset rows with the same prompt (distinct ids, so distinct uids)."""
+    return [{"raw_prompt": [{"role": "user", "content": PROMPTS[0]}], "priority": 0, "data_source": "toy",
+             "extra_info": {"index": i}} for i in range(count)]
+
+
+def run_rows(cfg, server, tok, rows_, **loop_kwargs):
+    params = dict(temperature=1.0, top_p=1.0, top_k=-1, repetition_penalty=1.0, logprobs=False)
+
+    async def go():
+        loop = new_loop(cfg, server, tok, **loop_kwargs)  # stateless per sample: one serves every row
+        return await asyncio.gather(*[loop.run(dict(params), **row) for row in rows_])
+
+    return asyncio.run(go())
+
+
+def test_exact_mode_resamples_the_rejected_token(tmp_path, tok):
+    cfg, server, d = exact_setup(tmp_path, tok)
+    rows_ = many_rows(40)
+    ep1 = run_rows(cfg, server, tok, rows_, cache_dir=d, acceptance="exact")  # no drafts yet: plain sampling
+    assert all("seed" not in c["params"] for c in server.core.calls)
+    server.core.calls, server.core.step = [], 2
+    ep2 = run_rows(cfg, server, tok, rows_, cache_dir=d, acceptance="exact")
+    log_p = torch.log(fixed_probs(len(tok)))
+    resampled = 0
+    for i, (a, b) in enumerate(zip(ep1, ep2)):
+        draft, resp, fields = a.response_ids, b.response_ids, b.extra_fields
+        assert fields["spec_rl/exact_acceptance"] is True
+        n = fields["spec_rl/verified_prefix_len"]
+        uid = CacheKey.make(a.prompt_ids, 0, f"toy:{i}").uid
+        expect = verify(torch.tensor([draft]), None, new_logprobs=log_p[draft][None], seed=mix_seed(0, 2),
+                        uids=torch.tensor([uid]), backend="reference", acceptance="exact")
+        assert n == int(expect.accepted_len[0]) and resp[:n] == draft[:n]
+        torch.testing.assert_close(torch.tensor(b.response_logprobs), log_p[resp], atol=1e-5, rtol=0)
+        if n == fields["spec_rl/draft_len"]:  # no rejection among the scored tokens
+            continue
+        assert resp[n] != draft[n]  # the token at the rejection comes from the residual
+        conts = [c for c in server.core.calls if c["prompt_ids"] == a.prompt_ids + draft[:n]
+                 and c["params"].get("prompt_logprobs") is None]
+        mine = [c for c in conts if c["params"]["seed"] in set(residual_seeds(mix_seed(0, 2), uid))]
+        assert len(mine) == fields["spec_rl/resamples"] + 1 and len({c["params"]["seed"] for c in mine}) == len(mine)
+        resampled += fields["spec_rl/resamples"]
+    assert resampled >= 1
+
+
+def test_exact_mode_token_at_the_rejection_follows_the_residual(tmp_path, tok):
+    # Every draft is [apples, apples]: accepted with probability 0.6 at each position, otherwise the token
+    # comes from the residual (SUPPORT_P without "apples", renormalised); the marginal stays SUPPORT_P.
+    store = RolloutCache()
+    cfg, server, d = exact_setup(tmp_path, tok, response_length=2, store=store)
+    rows_ = many_rows(5000)
+    prompt = asyncio.run(_prompt_ids(cfg, server, tok, d))
+    settings = sv.settings_from_rollout_config(cfg.actor_rollout_ref.rollout)
+    for i in range(len(rows_)):
+        store.store(CacheKey.make(prompt, 0, f"toy:{i}"), [21, 21], [-0.5, -0.5], "length", 0, settings)
+    # 16 attempts (the default) fail with probability 0.6 ** 16 per rejection: about once in 5000 samples here
+    out = run_rows(cfg, server, tok, rows_, cache_dir=d, acceptance="exact", max_resample_attempts=64)
+    bins = {t: k for k, t in enumerate(SUPPORT)}
+    first = torch.tensor([bins[o.response_ids[0]] for o in out])
+    at_rejection = torch.tensor([bins[o.response_ids[0]] for o in out if o.extra_fields["spec_rl/verified_prefix_len"] == 0])
+    p = torch.tensor(SUPPORT_P)
+    assert_fits(torch.bincount(first, minlength=4), p)
+    residual = torch.cat([torch.zeros(1), p[1:] / p[1:].sum()])
+    assert_fits(torch.bincount(at_rejection, minlength=4), residual)
+    assert sum(o.extra_fields["spec_rl/resamples"] for o in out) > 100
+
+
+async def _prompt_ids(cfg, server, tok, d):
+    loop = new_loop(cfg, server, tok, cache_dir=d)
+    return await loop.ct_build_initial_tokens(many_rows(1)[0]["raw_prompt"])
+
+
+def test_exact_mode_options(setup):
+    async def build(**kw):
+        return new_loop(setup["cfg"], setup["server"], setup["tok"], cache_dir=setup["cache_dir"], **kw)
+
+    with pytest.raises(InstantiationException, match="has no lenience"):
+        asyncio.run(build(acceptance="exact", lenience=1.6))
+    assert asyncio.run(build(acceptance="exact")).builder.seed_param == "seed"
+    sglang = make_config(name="sglang")
+    loop = asyncio.run(_build_with(sglang, setup, acceptance="exact"))
+    assert loop.builder.seed_param == "sampling_seed" and loop.builder.acceptance == "exact"
+
+
+async def _build_with(cfg, setup, **kw):
+    return new_loop(cfg, setup["server"], setup["tok"], cache_dir=setup["cache_dir"], **kw)

@@ -36,6 +36,12 @@ Budget: OpenRLHF's ``max_length`` is prompt + response; ``sampling_params.max_to
 The same log-prob restriction as for verl applies: vLLM's prompt logprobs are
 raw, so temperature must be 1 with no top-k/top-p unless
 ``prompt_logprobs_mode="processed"``.
+
+``acceptance="exact"`` (lossless): after a rejection the continuation's vLLM
+``SamplingParams`` get a per-attempt ``seed`` and the request is resent while
+its first token is the rejected draft token (the residual draw of
+:mod:`spec_rl.integrations.exact`; 1 / (1 - p) requests per rejection on
+average).
 """
 
 from __future__ import annotations
@@ -44,12 +50,14 @@ import inspect
 import math
 from collections import defaultdict
 from copy import deepcopy
+from functools import partial
 from typing import Any, Callable
 
 from openrlhf.utils.agent import AgentExecutorBase
 
 from ..sampling import SamplingSettings
 from .draft_store import DirectoryDraftStore
+from .exact import MAX_RESIDUAL_ATTEMPTS, check_acceptance, draw_continuation
 from .requests import ContinuationRequest, SamplePlan, SpecRequestBuilder
 
 
@@ -72,11 +80,14 @@ class SpecRLAgentExecutor(AgentExecutorBase):
         seed: run seed of the acceptance uniforms.
         prompt_logprobs_mode: "raw" (vLLM) or "processed".
         eos_token_ids: EOS ids (default: the tokenizer's eos_token_id).
+        acceptance: "lenient" (the paper's rule) or "exact" (lossless; leave
+            lenience at its default).
+        max_resample_attempts: continuation attempts at one rejection (exact).
 
     Raises:
-        ValueError: n_samples_per_prompt < 1; at the first ``execute``, sampling
-            settings whose log-probs cannot be scored (see
-            :func:`spec_rl.integrations.requests.check_server_settings`).
+        ValueError: n_samples_per_prompt < 1; a lenience with ``acceptance="exact"``;
+            at the first ``execute``, sampling settings whose log-probs cannot be
+            scored (see :func:`spec_rl.integrations.requests.check_server_settings`).
     """
 
     def __init__(
@@ -88,6 +99,8 @@ class SpecRLAgentExecutor(AgentExecutorBase):
         seed: int = 0,
         prompt_logprobs_mode: str = "raw",
         eos_token_ids: list[int] | None = None,
+        acceptance: str = "lenient",
+        max_resample_attempts: int = MAX_RESIDUAL_ATTEMPTS,
     ) -> None:
         if int(n_samples_per_prompt) != n_samples_per_prompt or n_samples_per_prompt < 1:
             raise ValueError(
@@ -100,6 +113,9 @@ class SpecRLAgentExecutor(AgentExecutorBase):
         self.seed = int(seed)
         self.prompt_logprobs_mode = prompt_logprobs_mode
         self.eos_token_ids = eos_token_ids
+        self.acceptance = acceptance
+        self.max_resample_attempts = max_resample_attempts
+        check_acceptance(acceptance, "spec", self.lenience, None, math.exp(0.5))  # fail now, not at the first execute
         self._calls: dict[str, int] = defaultdict(int)
         self._builders: dict[tuple, SpecRequestBuilder] = {}
 
@@ -122,6 +138,7 @@ class SpecRLAgentExecutor(AgentExecutorBase):
                 self.store, settings, int(max_length), eos, lenience=self.lenience, seed=self.seed,
                 prompt_logprobs_mode=self.prompt_logprobs_mode,
                 repetition_penalty=float(getattr(sampling_params, "repetition_penalty", 1.0) or 1.0),
+                acceptance=self.acceptance, max_resample_attempts=self.max_resample_attempts,
             )
         return self._builders[key]
 
@@ -152,14 +169,14 @@ class SpecRLAgentExecutor(AgentExecutorBase):
 
     @staticmethod
     async def _continue(
-        cont: ContinuationRequest | None, sampling_params, llm_engine
+        cont: ContinuationRequest, sampling_params, llm_engine, seed: int | None = None
     ) -> tuple[list[int], list[float], bool]:
         """The continuation request: new tokens, their log-probs, and whether it stopped at max_tokens."""
-        if cont is None:
-            return [], [], False
         sp = deepcopy(sampling_params)
         sp.max_tokens = cont.max_tokens
         sp.logprobs = 0 if sampling_params.logprobs is None else sampling_params.logprobs
+        if seed is not None:
+            sp.seed = int(seed)
         out = (await llm_engine.generate(cont.context_ids, sp)).outputs[0]
         new_ids = list(out.token_ids)
         if out.logprobs is None:
@@ -180,8 +197,9 @@ class SpecRLAgentExecutor(AgentExecutorBase):
         new_lps, sample = await self._score(b, plan, sampling_params, llm_engine)
         verified = b.verify(plan, new_lps, scoring_sample=sample)
         cont = b.continuation(plan, verified)
-        new_ids, cont_lps, truncated = await self._continue(cont, sampling_params, llm_engine)
-        result = b.assemble(plan, verified, new_ids, cont_lps)
+        send = partial(self._continue, cont, sampling_params, llm_engine)  # send(seed)
+        (new_ids, cont_lps, truncated), resamples = await draw_continuation(cont, send, nothing=([], [], False))
+        result = b.assemble(plan, verified, new_ids, cont_lps, resamples=resamples)
         if cont is None:
             truncated = result.finish_reason == "length"
         response = result.response_ids

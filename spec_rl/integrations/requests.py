@@ -27,150 +27,51 @@ Deviation from the in-process rollout (:mod:`spec_rl.rollout`): the token at
 the rejection point is sampled by the continuation request (one re-prefill
 of prompt + y_<n, mostly a prefix-cache hit), not from the scoring pass,
 because a server returns log-probs of prompt tokens, not samples at them.
-The paper's own deviation applies as well: that token comes from pi_t, not
-from the residual of exact speculative sampling.
+With the paper's (lenient, default) rule that token comes from pi_t, not from
+the residual of exact speculative sampling.
+
+**Exact acceptance** (``acceptance="exact"``, docs/design.md "Exact
+acceptance"): accept y_i iff ``log u_i <= lp_new_i``; the token at a rejection
+n must come from the residual, pi_t without y_n renormalised. The server
+samples the continuation from pi_t, so the residual is drawn by rejection
+resampling: the continuation carries a per-attempt sampling seed (``seed``
+for vLLM, ``sampling_seed`` for SGLang: ``seed_param``), and when its first
+token is y_n it is sent again under the next seed, at most
+``max_resample_attempts`` times. A draw of pi_t conditioned on "first token
+!= y_n" is exactly a residual token followed by a fresh continuation, so the
+response is a fresh sample of pi_t. It costs 1 / (1 - pi_t(y_n))
+continuation requests per rejection on average (one extra request per
+accepted draft token, averaged over the test); :mod:`spec_rl.integrations.exact`
+gives the numbers and the failure bound.
 
 **Log-prob mode.** The rule compares log-probs of the *sampling*
-distribution, softmax(process(logits)) with the rollout's temperature,
-top-k and top-p. vLLM computes ``prompt_logprobs`` from the raw logits
-(temperature and top-k/top-p are not applied; verl's distillation code says
-the same: "temperature has no effect on prompt_logprobs"), whatever its
-``logprobs_mode``; the sampled-token log-probs follow ``logprobs_mode``
-(verl sets ``processed_logprobs``). A raw log-prob cannot be rescaled to
-temperature T: log softmax(z/T)_y = z_y/T - logsumexp(z/T) needs the whole
-logit vector, and the server returns one number per position. So with
-``prompt_logprobs_mode="raw"`` (the default, true for vLLM) this module
-refuses any temperature != 1, top-k or top-p at construction, with an error
-that says so; ``"processed"`` is for a server known to apply the sampling
-processing to prompt log-probs.
+distribution; vLLM's prompt log-probs are raw, so with
+``prompt_logprobs_mode="raw"`` (the default) temperature must be 1 with no
+top-k/top-p (:mod:`spec_rl.integrations.server_checks` explains why and
+checks it at construction).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-
 import torch
 
-from ..cache import CacheKey, Draft, DraftStore
-from ..philox import mix_seed
 from ..acceptance import lenience_to_log
+from ..cache import CacheKey, DraftStore
+from ..philox import mix_seed
 from ..sampling import SamplingSettings
 from ..verify import verify
+from .exact import MAX_RESIDUAL_ATTEMPTS, check_acceptance, residual_seeds
+from .request_types import Assembled, ContinuationRequest, SamplePlan, Verified
+from .server_checks import PROMPT_LOGPROBS_MODES, check_server_settings
 
-PROMPT_LOGPROBS_MODES = ("raw", "processed")
+__all__ = [
+    "PROMPT_LOGPROBS_MODES", "Assembled", "ContinuationRequest", "SamplePlan", "SpecRequestBuilder", "Verified",
+    "check_server_settings",
+]
+
 STRATEGIES = ("spec", "random")
-
-
-def check_server_settings(
-    settings: SamplingSettings,
-    prompt_logprobs_mode: str = "raw",
-    repetition_penalty: float = 1.0,
-    logprobs_mode: str | None = None,
-) -> None:
-    """Refuse a sampling configuration whose log-probs the server cannot score faithfully.
-
-    Args:
-        settings: the rollout's sampling settings.
-        prompt_logprobs_mode: "raw" (log_softmax of the raw logits: vLLM) or
-            "processed" (temperature/top-k/top-p applied).
-        repetition_penalty: must be 1 (a penalty makes the sampling
-            distribution depend on the tokens generated so far, which the
-            scoring prefill does not reproduce).
-        logprobs_mode: the server's mode for *sampled* token log-probs
-            (vLLM's ``logprobs_mode``), or None if unknown. Logits modes are
-            refused (they are not log-probabilities).
-
-    Raises:
-        ValueError: naming the setting and the fix.
-    """
-    if prompt_logprobs_mode not in PROMPT_LOGPROBS_MODES:
-        raise ValueError(f"prompt_logprobs_mode must be one of {PROMPT_LOGPROBS_MODES}, got {prompt_logprobs_mode!r}")
-    if prompt_logprobs_mode == "raw" and not (settings.temperature == 1.0 and settings.is_plain):
-        raise ValueError(
-            f"the rollout samples with temperature={settings.temperature}, top_k={settings.top_k}, "
-            f"top_p={settings.top_p}, but the server's prompt_logprobs are raw (log_softmax of unscaled logits; "
-            "vLLM ignores temperature/top-k/top-p for prompt logprobs), and a raw log-prob cannot be rescaled "
-            "without the full logit vector. Use temperature=1.0, top_k=-1 (or 0), top_p=1.0, or set "
-            "prompt_logprobs_mode='processed' only if your server applies them to prompt logprobs."
-        )
-    if not (isinstance(repetition_penalty, (int, float)) and float(repetition_penalty) == 1.0):
-        raise ValueError(
-            f"repetition_penalty={repetition_penalty!r} is not supported: the penalised distribution depends on "
-            "previously generated tokens, which the scoring prefill does not apply; set it to 1.0"
-        )
-    if logprobs_mode is not None and logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
-        raise ValueError(
-            f"logprobs_mode={logprobs_mode!r} returns logits, not log-probabilities; drafts need sampling "
-            "log-probs: set the rollout's logprobs_mode to 'processed_logprobs'"
-        )
-
-
-@dataclass
-class SamplePlan:
-    """What to do for one sample, before any request.
-
-    Attributes:
-        key: cache key (prompt ids, slot, dataset id).
-        prompt_ids: the prompt's token ids.
-        budget: min(response_length, max_model_len - len(prompt)) tokens.
-        draft: the cached draft, or None (no draft, empty draft, or reuse off).
-        draft_ids: the draft tokens that will be scored (cut so that
-            prompt + draft + 1 generated token fits max_model_len).
-        old_logprobs: their stored log-probs (float32).
-    """
-
-    key: CacheKey
-    prompt_ids: list[int]
-    budget: int
-    draft: Draft | None = None
-    draft_ids: list[int] = field(default_factory=list)
-    old_logprobs: list[float] = field(default_factory=list)
-
-    @property
-    def scoring_ids(self) -> list[int] | None:
-        """Token ids of the scoring request (prompt + draft), or None when there is no draft."""
-        return self.prompt_ids + self.draft_ids if self.draft_ids else None
-
-
-@dataclass
-class Verified:
-    """Outcome of the acceptance test for one sample.
-
-    Attributes:
-        n: rejection index (tokens of the draft kept), 0 without a draft.
-        prefix_ids: draft[:n], plus the scoring request's sampled token when
-            it directly follows the accepted tokens (see :meth:`SpecRequestBuilder.verify`).
-        prefix_logprobs: their log-probs under the current weights.
-        full_reuse: the whole stored draft is kept: nothing to generate.
-        step: training step used for the seed and stored as the version.
-    """
-
-    n: int
-    prefix_ids: list[int]
-    prefix_logprobs: list[float]
-    full_reuse: bool
-    step: int | None
-    sampled: int = 0
-
-
-@dataclass
-class ContinuationRequest:
-    """Generate up to ``max_tokens`` tokens after ``context_ids`` (= prompt + verified prefix)."""
-
-    context_ids: list[int]
-    max_tokens: int
-
-
-@dataclass
-class Assembled:
-    """The sample's response (tokens, log-probs) and its per-sample metrics."""
-
-    response_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
-    metrics: dict
 
 
 class SpecRequestBuilder:
@@ -188,10 +89,17 @@ class SpecRequestBuilder:
         strategy: "spec" or "random" (random-reuse ablation, paper Table 2).
         prompt_logprobs_mode, repetition_penalty, logprobs_mode: see
             :func:`check_server_settings` (checked here, at construction).
+        acceptance: "lenient" (the paper's rule, default) or "exact" (lossless: the
+            token at a rejection is drawn from the residual by resampling the
+            continuation; no lenience, strategy "spec" only).
+        seed_param: name of the per-request sampling seed in the server's sampling
+            parameters: "seed" (vLLM) or "sampling_seed" (SGLang).
+        max_resample_attempts: continuation attempts at one rejection (exact acceptance).
 
     Raises:
         ValueError: unusable settings (see :func:`check_server_settings`),
-            max_model_len < 2, empty eos_ids, bad lenience or strategy.
+            max_model_len < 2, empty eos_ids, bad lenience, strategy or acceptance
+            (see :func:`~spec_rl.integrations.exact.check_acceptance`).
     """
 
     def __init__(
@@ -207,17 +115,26 @@ class SpecRequestBuilder:
         prompt_logprobs_mode: str = "raw",
         repetition_penalty: float = 1.0,
         logprobs_mode: str | None = None,
+        acceptance: str = "lenient",
+        seed_param: str = "seed",
+        max_resample_attempts: int = MAX_RESIDUAL_ATTEMPTS,
     ) -> None:
         check_server_settings(settings, prompt_logprobs_mode, repetition_penalty, logprobs_mode)
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+        if log_lenience is not None:
+            lenience = None
+        lenience, log_lenience = check_acceptance(acceptance, strategy, lenience, log_lenience, math.exp(0.5))
+        if isinstance(max_resample_attempts, bool) or int(max_resample_attempts) != max_resample_attempts or max_resample_attempts < 1:
+            raise ValueError(f"max_resample_attempts must be an integer >= 1, got {max_resample_attempts!r}")
         if int(max_model_len) != max_model_len or max_model_len < 2:
             raise ValueError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
         if not eos_ids:
             raise ValueError("eos_ids must list at least one end-of-sequence id (e.g. the tokenizer's eos_token_id)")
-        if log_lenience is not None:
-            lenience = None
         self.log_lenience = lenience_to_log(lenience, log_lenience)
+        self.acceptance = acceptance
+        self.seed_param = str(seed_param)
+        self.max_resample_attempts = int(max_resample_attempts)
         self.store = store
         self.settings = settings
         self.max_model_len = int(max_model_len)
@@ -332,6 +249,9 @@ class SpecRequestBuilder:
                 kept as the first new token (paper Alg. 1: no extra request for
                 it; docs/design.md "The rule"). Otherwise it is ignored.
 
+        With exact acceptance a rejection at n < R records the rejected token
+        (``Verified.rejected``) for :meth:`continuation`.
+
         Raises:
             ValueError: a draft without ``new_logprobs``, a length mismatch, or the
                 errors of :func:`spec_rl.verify.verify` (NaN, positive log-probs).
@@ -354,10 +274,13 @@ class SpecRequestBuilder:
             uids=torch.tensor([plan.key.uid], dtype=torch.int64),
             strategy=self.strategy,
             backend="reference",
+            acceptance=self.acceptance,
         )
         n = int(res.accepted_len[0])
         full = n == len(plan.draft_ids) and len(plan.draft_ids) == len(plan.draft)
         out = Verified(n, plan.draft_ids[:n], [float(x) for x in new[0, :n].tolist()], full, step_used)
+        if self.acceptance == "exact" and n < len(plan.draft_ids):
+            out.rejected, out.rejected_logprob = plan.draft_ids[n], float(new[0, n])
         if not full and n == len(plan.draft_ids) and n < plan.budget and scoring_sample is not None:
             ids, lps = scoring_sample
             if ids and lps:
@@ -368,7 +291,11 @@ class SpecRequestBuilder:
 
     # ------------------------------------------------------------ step 3
     def continuation(self, plan: SamplePlan, verified: Verified) -> ContinuationRequest | None:
-        """The generation request after the verified prefix, or None when nothing is left to generate."""
+        """The generation request after the verified prefix, or None when nothing is left to generate.
+
+        After an exact-acceptance rejection it carries the token to exclude and one server seed
+        per attempt (:func:`~spec_rl.integrations.exact.residual_seeds` of the step seed and uid).
+        """
         if verified.full_reuse:
             return None
         if verified.sampled and verified.prefix_ids[-1] in self.eos_ids:
@@ -376,12 +303,20 @@ class SpecRequestBuilder:
         remaining = plan.budget - len(verified.prefix_ids)
         if remaining < 1:
             return None
-        return ContinuationRequest(plan.prompt_ids + verified.prefix_ids, remaining)
+        request = ContinuationRequest(plan.prompt_ids + verified.prefix_ids, remaining)
+        if verified.rejected is not None:
+            request.excluded, request.excluded_logprob = verified.rejected, verified.rejected_logprob
+            step_seed = mix_seed(self.seed, verified.step if verified.step is not None else 0)
+            request.seeds = residual_seeds(step_seed, plan.key.uid, self.max_resample_attempts)
+        return request
 
-    def continuation_sampling_params(self, base: dict, request: ContinuationRequest) -> dict:
-        """Sampling parameters of the continuation: base + max_tokens (remaining budget) + logprobs."""
+    def continuation_sampling_params(self, base: dict, request: ContinuationRequest, seed: int | None = None) -> dict:
+        """Sampling parameters of the continuation: base + max_tokens (remaining budget) + logprobs (+ the seed)."""
         params = {k: v for k, v in base.items() if k != "prompt_logprobs"}
-        return {**params, "max_tokens": request.max_tokens, "logprobs": True}
+        params.update(max_tokens=request.max_tokens, logprobs=True)
+        if seed is not None:
+            params[self.seed_param] = int(seed)
+        return params
 
     # ------------------------------------------------------------ step 4
     def assemble(
@@ -392,6 +327,7 @@ class SpecRequestBuilder:
         new_logprobs: Sequence[float] | None = (),
         step: int | None = None,
         store: bool = True,
+        resamples: int = 0,
     ) -> Assembled:
         """[y_<n, new tokens] with their log-probs; stores it as the next draft.
 
@@ -401,11 +337,19 @@ class SpecRequestBuilder:
             step: the weight version the continuation reported, if any
                 (used when the scoring request did not report one).
             store: write the result to the store (False for validation).
+            resamples: continuation attempts discarded because they began with
+                the rejected token (exact acceptance; recorded in the metrics).
 
         Raises:
-            ValueError: missing or mismatched log-probs, or more tokens than the budget.
+            ValueError: missing or mismatched log-probs, more tokens than the budget,
+                or (exact acceptance) a continuation that begins with the rejected token.
         """
         new_ids = [int(t) for t in new_ids]
+        if verified.rejected is not None and new_ids and new_ids[0] == verified.rejected:
+            raise ValueError(
+                f"exact acceptance: the continuation begins with the rejected draft token {verified.rejected}; "
+                "send it through spec_rl.integrations.exact.draw_continuation, which resamples it"
+            )
         if new_logprobs is None:
             raise ValueError("the continuation returned no log-probs; request them (logprobs=True / logprobs=0)")
         new_lps = [float(x) for x in new_logprobs]
@@ -431,5 +375,7 @@ class SpecRequestBuilder:
             "full_reuse": verified.full_reuse,
             "tokens_generated": len(new_ids) + verified.sampled,
             "response_len": len(response),
+            "exact_acceptance": self.acceptance == "exact",
+            "resamples": int(resamples),
         }
         return Assembled(response, lps, finish, metrics)

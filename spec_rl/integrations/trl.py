@@ -63,12 +63,12 @@ import torch
 
 from ..acceptance import lenience_to_log
 from ..cache import RolloutCache
-from ..generation import TransformersBackend
-from ..philox import mix_seed
-from ..rollout import STRATEGIES, RolloutRequest, RolloutResult, SpeculativeRollout
+from ..history import HistoryIndex
+from ..rollout import STRATEGIES, RolloutRequest, RolloutResult
 from ..sampling import SamplingSettings
-from .trl_batch import batch_requests, generation_tokens, group_size, tokenize_prompts, unwrapped_model
-from .trl_checkpoint import CACHE_FILENAME, RolloutCacheCallback, ranked_path
+from .exact import check_acceptance
+from .trl_batch import batch_requests, group_size, hook_dataset_ids, tokenize_prompts, unwrapped_model
+from .trl_checkpoint import CACHE_FILENAME, HISTORY_FILENAME, RolloutCacheCallback, history_path, ranked_path
 from .trl_checks import (
     UnsupportedTrainerConfig,
     check_cache_settings,
@@ -77,9 +77,11 @@ from .trl_checks import (
     check_trainer_logprobs,
     sampling_settings_from_args,
 )
+from .trl_rollout import CallSeeds, RolloutOptions, TrainerRollouts
 
 __all__ = [
     "CACHE_FILENAME",
+    "HISTORY_FILENAME",
     "SpecRLRollout",
     "UnsupportedTrainerConfig",
     "check_trainer_args",
@@ -93,6 +95,8 @@ _METRICS = (
     ("spec_rl/reused_tokens", "reused_tokens"),
     ("spec_rl/tokens_generated", "tokens_generated"),
     ("spec_rl/rollout_seconds", "rollout_seconds"),
+    ("spec_rl/decode_steps", "decode_steps"),
+    ("spec_rl/tail_accepted", "tail_accepted"),
 )
 
 
@@ -114,17 +118,32 @@ class SpecRLRollout:
     ``steps_per_generation < gradient_accumulation_steps``) are mixed into the seed.
 
     Evaluation batches (``trainer.model.training`` False) are generated without drafts and
-    are not stored, so they never overwrite training drafts.
+    are not stored (in the cache or the history), so they never overwrite training drafts;
+    they may use the history's drafts, which changes no token (:mod:`~spec_rl.integrations.trl_rollout`).
+
+    Tail speculation (``history_spec``, docs/design.md "Speculation past the first
+    rejection"): a :class:`~spec_rl.history.HistoryIndex` of every earlier training response
+    per prompt drafts up to ``spec_tokens`` tokens per decode step, verified in the same
+    forward. It changes the number of decode steps, not the tokens (up to floating-point
+    rounding of the logits). The index is saved beside the cache with every checkpoint.
 
     Args:
         lenience: l >= 0 (paper default e^0.5 for GRPO, Sec. 4); or
         log_lenience: log(l).
         strategy: "spec", "random" (random-reuse ablation) or "off" (vanilla, still cached).
+        acceptance: "lenient" (the paper's rule, default) or "exact" (lossless: every
+            completion is distributed as a fresh sample of the current policy; takes no
+            lenience, so leave ``lenience`` at its default; not with strategy "random").
+        history_spec: keep a history index and verify history-drafted tokens in every
+            decode step (tail speculation; lossless).
+        spec_tokens: most history-drafted tokens per decode step (the backend's ``max_k``;
+            0 disables tail speculation).
         seed: run seed for the acceptance uniforms and sampling; default ``trainer.args.seed``.
         cache: an existing :class:`~spec_rl.cache.RolloutCache` (default: a new one, or
             the file at ``cache_path`` if it exists).
         cache_path: a ``.safetensors`` file loaded at start if present and written
-            atomically at every checkpoint save and at the end of training.
+            atomically at every checkpoint save and at the end of training; the history
+            index goes beside it (:func:`~spec_rl.integrations.trl_checkpoint.history_path`).
         dataset_id_column: name of a dataset column holding a stable row id (read through
             :meth:`attach`; requires ``remove_unused_columns=False``, TRL's default).
         dataset_id_fn: alternative: ``fn(prompt) -> str`` giving the id from the prompt.
@@ -138,15 +157,19 @@ class SpecRLRollout:
 
     Attributes:
         cache: the :class:`~spec_rl.cache.RolloutCache`.
+        history_index: the :class:`~spec_rl.history.HistoryIndex` (None without tail speculation).
         trainer: the trainer whose configuration was last validated (None before
             :meth:`attach` or the first call).
         settings: that trainer's :class:`~spec_rl.sampling.SamplingSettings` (None before).
         last_result: the :class:`~spec_rl.rollout.RolloutResult` of the latest call.
         last_requests: the requests of the latest call (prompt ids, slot, dataset id).
-        history: one dict per call: ``mode``, ``step``, ``log_lenience``, ``strategy`` and the
-            rollout statistics (:meth:`spec_rl.rollout.RolloutStats.to_dict`).
+        history: one dict per call: ``mode``, ``step``, ``log_lenience``, ``strategy``,
+            ``acceptance``, ``history_spec`` and the rollout statistics
+            (:meth:`spec_rl.rollout.RolloutStats.to_dict`).
 
     Raises:
+        ValueError: bad lenience, strategy, acceptance (exact with a lenience other than
+            the default) or spec_tokens.
         UnsupportedTrainerConfig: see :func:`check_trainer_args` and :meth:`attach`.
     """
 
@@ -164,6 +187,9 @@ class SpecRLRollout:
         verify_backend: str = "auto",
         check_logprobs: bool = True,
         log_metrics: bool = True,
+        acceptance: str = "lenient",
+        history_spec: bool = True,
+        spec_tokens: int = 8,
     ):
         if dataset_id_column is not None and dataset_id_fn is not None:
             raise ValueError("pass either dataset_id_column or dataset_id_fn, not both")
@@ -173,16 +199,26 @@ class SpecRLRollout:
             raise TypeError("dataset_id_fn must be a callable prompt -> str")
         if max_model_len is not None and int(max_model_len) < 2:
             raise ValueError(f"max_model_len must be >= 2 tokens, got {max_model_len}")
+        if isinstance(spec_tokens, bool) or int(spec_tokens) != spec_tokens or spec_tokens < 0:
+            raise ValueError(f"spec_tokens must be an integer >= 0 (0 disables tail speculation), got {spec_tokens!r}")
         if log_lenience is not None:
             lenience = None
-        self.lenience = lenience
-        self.log_lenience = log_lenience
+        # Fail on a bad lenience, strategy or acceptance now rather than at the first rollout.
+        lenience_to_log(lenience, log_lenience)
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+        self.lenience, self.log_lenience = check_acceptance(acceptance, strategy, lenience, log_lenience, math.exp(0.5))
         self.strategy = strategy
+        self.acceptance = acceptance
         self.seed = seed
         self.cache_path = Path(cache_path) if cache_path is not None else None
         if cache is None and self.cache_path is not None and self.cache_path.is_file():
             cache = RolloutCache.load(self.cache_path)
         self.cache = cache if cache is not None else RolloutCache()
+        self.history_index: HistoryIndex | None = None
+        if history_spec and spec_tokens > 0:
+            saved = history_path(self.cache_path) if self.cache_path is not None else None
+            self.history_index = HistoryIndex.load(saved) if saved is not None and saved.is_file() else HistoryIndex()
         self.dataset_id_column = dataset_id_column
         self.dataset_id_fn = dataset_id_fn
         self.max_model_len = None if max_model_len is None else int(max_model_len)
@@ -194,17 +230,12 @@ class SpecRLRollout:
         self.history: list[dict] = []
         self.trainer = None
         self.settings: SamplingSettings | None = None
-        self._rollout: SpeculativeRollout | None = None
-        self._model_id: int | None = None
-        self._base_seed = 0
+        self._options = RolloutOptions(self.lenience, self.log_lenience, strategy, acceptance, verify_backend,
+                                       int(spec_tokens), self.max_model_len, seed)  # fmt: skip
+        self._rollouts: TrainerRollouts | None = None
+        self._rollouts_key: tuple | None = None
+        self._seeds = CallSeeds()
         self._pending_ids: list | None = None
-        self._last_step: int | None = None
-        self._calls_at_step = 0
-        self._eval_calls = 0
-        # Fail on a bad lenience or strategy now rather than at the first rollout.
-        lenience_to_log(self.lenience, self.log_lenience)
-        if strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
 
     # ------------------------------------------------------------------ setup
     def attach(self, trainer) -> SpecRLRollout:
@@ -244,29 +275,10 @@ class SpecRLRollout:
         self.trainer = trainer
 
     def _hook_dataset_ids(self, trainer) -> None:
-        original = getattr(trainer, "_generate_and_score_completions", None)
-        if original is None:
-            raise UnsupportedTrainerConfig(
-                "this TRL version has no GRPOTrainer._generate_and_score_completions to read the dataset-id column "
-                "from; use dataset_id_fn=... instead (trl>=1.16 tested)"
-            )
-        column = self.dataset_id_column
+        hook_dataset_ids(trainer, self.dataset_id_column, self._set_pending_ids)
 
-        def with_ids(inputs, *a, **kw):
-            missing = [i for i, row in enumerate(inputs) if column not in row]
-            if missing:
-                raise KeyError(
-                    f"dataset_id_column={column!r} is missing from batch rows {missing[:5]}; add that column to the "
-                    "dataset (a stable id per row) or drop dataset_id_column"
-                )
-            self._pending_ids = [str(row[column]) for row in inputs]
-            try:
-                return original(inputs, *a, **kw)
-            finally:
-                self._pending_ids = None
-
-        trainer._generate_and_score_completions = with_ids
-        trainer._spec_rl_id_hook = True
+    def _set_pending_ids(self, ids: list[str] | None) -> None:
+        self._pending_ids = ids
 
     # ------------------------------------------------------------------ requests
     def _dataset_ids(self, prompts: list) -> list[str | None]:
@@ -307,58 +319,27 @@ class SpecRLRollout:
         return batch_requests(prompt_ids, self._dataset_ids(prompts), group, offset)
 
     # ------------------------------------------------------------------ rollout
-    def _ensure_rollout(self, model, trainer) -> SpeculativeRollout:
-        if self._rollout is not None and self._model_id == id(model):
-            return self._rollout
-        eos, pad = generation_tokens(model, trainer)
-        max_len = self.max_model_len or getattr(model.config.get_text_config(), "max_position_embeddings", None)
-        if max_len is None:
-            raise UnsupportedTrainerConfig("the model config has no max_position_embeddings; pass max_model_len=...")
-        seed = self.seed if self.seed is not None else int(getattr(trainer.args, "seed", 0))
-        self._rollout = SpeculativeRollout(
-            backend=TransformersBackend(model, eos_ids=eos, pad_id=pad),
-            cache=self.cache,
-            settings=self.settings,
-            eos_ids=eos,
-            max_model_len=int(max_len),
-            lenience=self.lenience,
-            log_lenience=self.log_lenience,
-            strategy=self.strategy,
-            seed=seed,
-            verify_backend=self.verify_backend,
-        )
-        self._base_seed = seed
-        self._model_id = id(model)
-        return self._rollout
+    def _rollouts_for(self, model, trainer) -> TrainerRollouts:
+        """The training/evaluation rollouts of ``model`` (rebuilt for another model, history index or settings)."""
+        key = (id(model), id(self.history_index), self.settings)
+        if self._rollouts is None or self._rollouts_key != key:
+            self._rollouts = TrainerRollouts(model, trainer, self.settings, self.cache, self.history_index, self._options)
+            self._rollouts_key = key
+        return self._rollouts
 
-    def _call_salt(self, training: bool, step: int, process_index: int) -> int:
-        """Seed salt of this call: process index and the call's count within its step (training) or eval."""
-        if training:
-            self._calls_at_step = self._calls_at_step + 1 if step == self._last_step else 0
-            self._last_step = step
-            return mix_seed(process_index, self._calls_at_step)
-        self._eval_calls += 1
-        return mix_seed(process_index, -self._eval_calls)
-
-    def _run_rollout(self, requests, trainer, training: bool, step: int) -> tuple[RolloutResult, SpeculativeRollout]:
-        """One speculative rollout on the unwrapped model in eval mode, under the trainer's autocast.
-
-        Evaluation samples plainly into a throw-away cache, so it never overwrites drafts.
-        """
-        salt = self._call_salt(training, step, trainer.accelerator.process_index)
-        cache, strategy = (self.cache, self.strategy) if training else (RolloutCache(), "off")
+    def _run_rollout(self, requests, trainer, training: bool, step: int) -> tuple[RolloutResult, TrainerRollouts]:
+        """One speculative rollout on the unwrapped model in eval mode, under the trainer's autocast."""
+        salt = self._seeds.salt(training, step, trainer.accelerator.process_index)
         with unwrapped_model(trainer) as model, torch.no_grad():
             was_training = model.training
             model.eval()  # deterministic scoring and sampling (no dropout)
             try:
-                rollout = self._ensure_rollout(model, trainer)
+                rollouts = self._rollouts_for(model, trainer)
                 with trainer.accelerator.autocast():
-                    result = rollout.run(
-                        requests, step=step, seed=self._base_seed ^ salt, cache=cache, strategy=strategy
-                    )
+                    result = rollouts.run(requests, training, step, salt, self.cache)
             finally:
                 model.train(was_training)
-        return result, rollout
+        return result, rollouts
 
     def __call__(self, prompts: list, trainer) -> dict[str, list]:
         """TRL's ``rollout_func``: one completion per prompt.
@@ -386,7 +367,7 @@ class SpecRLRollout:
         requests = self.requests_for(prompts, trainer)
         step = int(trainer.state.global_step)
         t0 = time.perf_counter()
-        result, rollout = self._run_rollout(requests, trainer, training, step)
+        result, rollouts = self._run_rollout(requests, trainer, training, step)
         self.last_result = result
         self.last_requests = requests
         stats = result.stats.to_dict()
@@ -394,8 +375,10 @@ class SpecRLRollout:
             {
                 "mode": "train" if training else "eval",
                 "step": step,
-                "log_lenience": rollout.log_lenience,
+                "log_lenience": rollouts.train.log_lenience,
                 "strategy": self.strategy if training else "off",
+                "acceptance": self.acceptance,
+                "history_spec": self.history_index is not None,
                 "wall_seconds": time.perf_counter() - t0,
                 **stats,
             }
@@ -434,3 +417,17 @@ class SpecRLRollout:
         self.cache = RolloutCache.load(path)
         if self.settings is not None:
             check_cache_settings(self.cache, self.settings)
+
+    def history_file(self, checkpoint_dir: str | os.PathLike, process_index: int = 0) -> Path:
+        """Where the history index of process ``process_index`` lives inside a checkpoint folder."""
+        return ranked_path(Path(checkpoint_dir) / HISTORY_FILENAME, process_index)
+
+    def load_history(self, path: str | os.PathLike) -> None:
+        """Replace the history index with the file at ``path`` (written by :meth:`HistoryIndex.save`).
+
+        Raises:
+            RuntimeError: tail speculation is off (``history_spec=False`` or ``spec_tokens=0``).
+        """
+        if self.history_index is None:
+            raise RuntimeError("this SpecRLRollout has no history index (history_spec=False or spec_tokens=0)")
+        self.history_index = HistoryIndex.load(path)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -18,7 +18,7 @@ from ..generation import eos_token_ids
 from ..rollout import RolloutRequest
 from .trl_checks import UnsupportedTrainerConfig
 
-__all__ = ["batch_requests", "generation_tokens", "group_size", "tokenize_prompts", "unwrapped_model"]
+__all__ = ["batch_requests", "generation_tokens", "group_size", "hook_dataset_ids", "tokenize_prompts", "unwrapped_model"]
 
 
 def tokenize_prompts(prompts: list, trainer) -> list[list[int]]:
@@ -136,3 +136,40 @@ def generation_tokens(model, trainer) -> tuple[set[int], int]:
         )
     pad = tok.pad_token_id if tok.pad_token_id is not None else min(eos)
     return eos, pad
+
+
+def hook_dataset_ids(trainer, column: str, set_ids: Callable[[list[str] | None], None]) -> None:
+    """Wrap ``trainer._generate_and_score_completions`` to read ``column`` of the batch rows first.
+
+    ``set_ids(ids)`` receives the rows' ids (as str, in order) before the wrapped call and None
+    after it; the rollout_func called inside reads them.
+
+    Raises
+    ------
+    UnsupportedTrainerConfig
+        This TRL version has no ``_generate_and_score_completions``.
+    KeyError
+        (at a call) batch rows without ``column``.
+    """
+    original = getattr(trainer, "_generate_and_score_completions", None)
+    if original is None:
+        raise UnsupportedTrainerConfig(
+            "this TRL version has no GRPOTrainer._generate_and_score_completions to read the dataset-id column "
+            "from; use dataset_id_fn=... instead (trl>=1.16 tested)"
+        )
+
+    def with_ids(inputs, *a, **kw):
+        missing = [i for i, row in enumerate(inputs) if column not in row]
+        if missing:
+            raise KeyError(
+                f"dataset_id_column={column!r} is missing from batch rows {missing[:5]}; add that column to the "
+                "dataset (a stable id per row) or drop dataset_id_column"
+            )
+        set_ids([str(row[column]) for row in inputs])
+        try:
+            return original(inputs, *a, **kw)
+        finally:
+            set_ids(None)
+
+    trainer._generate_and_score_completions = with_ids
+    trainer._spec_rl_id_hook = True

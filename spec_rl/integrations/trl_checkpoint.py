@@ -1,9 +1,11 @@
-"""The rollout cache saved with TRL checkpoints and reloaded when training resumes.
+"""The rollout cache and history index saved with TRL checkpoints and reloaded when training resumes.
 
 Each process keeps the drafts of the samples it generated, so each writes its own
-file: ``checkpoint-<step>/spec_rl_rollout_cache.safetensors`` for rank 0 and
-``...rollout_cache.rank<k>.safetensors`` for rank k > 0. Writes are atomic
-(:meth:`spec_rl.cache.RolloutCache.save`).
+files: ``checkpoint-<step>/spec_rl_rollout_cache.safetensors`` for rank 0 and
+``...rollout_cache.rank<k>.safetensors`` for rank k > 0, and, with tail speculation,
+the history index beside it (``spec_rl_history.safetensors``, ``...history.rank<k>...``).
+Every write is atomic (:meth:`spec_rl.cache.RolloutCache.save`,
+:meth:`spec_rl.history.HistoryIndex.save`).
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ from transformers import TrainerCallback
 if TYPE_CHECKING:
     from .trl import SpecRLRollout
 
-__all__ = ["CACHE_FILENAME", "RolloutCacheCallback", "ranked_path"]
+__all__ = ["CACHE_FILENAME", "HISTORY_FILENAME", "RolloutCacheCallback", "history_path", "ranked_path"]
 
 #: File name of the rollout cache inside a TRL checkpoint folder (``checkpoint-<step>/``).
 #: Processes other than rank 0 add ``.rank<k>`` before the suffix.
 CACHE_FILENAME = "spec_rl_rollout_cache.safetensors"
+#: File name of the history index inside a TRL checkpoint folder (ranked the same way).
+HISTORY_FILENAME = "spec_rl_history.safetensors"
 
 
 def ranked_path(path: str | os.PathLike, process_index: int) -> Path:
@@ -37,39 +41,61 @@ def ranked_path(path: str | os.PathLike, process_index: int) -> Path:
     return path if process_index == 0 else path.with_name(f"{path.stem}.rank{process_index}{path.suffix}")
 
 
+def history_path(cache_path: str | os.PathLike) -> Path:
+    """The history index file kept beside a rollout cache file given as ``cache_path``.
+
+    Example
+    -------
+    >>> history_path("runs/cache.safetensors").name
+    'cache.history.safetensors'
+    """
+    path = Path(cache_path)
+    return path.with_name(f"{path.stem}.history{path.suffix}")
+
+
 class RolloutCacheCallback(TrainerCallback):
-    """Saves the adapter's rollout cache next to each TRL checkpoint and reloads it on resume.
+    """Saves the adapter's rollout cache (and history index) with each TRL checkpoint; reloads them on resume.
 
     Registered by :meth:`spec_rl.integrations.trl.SpecRLRollout.attach`. It uses the
-    adapter's public ``cache``, ``cache_path``, ``process_index``, ``checkpoint_file`` and
-    ``load_cache``.
+    adapter's public ``cache``, ``history_index``, ``cache_path``, ``process_index``,
+    ``checkpoint_file``, ``history_file``, ``load_cache`` and ``load_history``.
     """
 
     def __init__(self, spec: SpecRLRollout):
         self.spec = spec
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if state.global_step > 0 and len(self.spec.cache) == 0:
-            resume = getattr(args, "resume_from_checkpoint", None)
-            folder = (
-                Path(resume)
-                if isinstance(resume, str) and os.path.isdir(resume)
-                else Path(args.output_dir) / f"checkpoint-{state.global_step}"
-            )
-            path = self.spec.checkpoint_file(folder, self.spec.process_index)
+        if state.global_step == 0:
+            return
+        spec, rank = self.spec, self.spec.process_index
+        resume = getattr(args, "resume_from_checkpoint", None)
+        folder = (
+            Path(resume)
+            if isinstance(resume, str) and os.path.isdir(resume)
+            else Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        )
+        if len(spec.cache) == 0:
+            path = spec.checkpoint_file(folder, rank)
             if path.is_file():
-                self.spec.load_cache(path)
+                spec.load_cache(path)
             else:
                 warnings.warn(
                     f"spec-rl: resuming at step {state.global_step} without a rollout cache at {path}; "
                     "the first epoch after resuming generates from scratch",
                     stacklevel=2,
                 )
+        if spec.history_index is not None and len(spec.history_index) == 0:
+            path = spec.history_file(folder, rank)
+            if path.is_file():  # without one, tail speculation starts from an empty history (still lossless)
+                spec.load_history(path)
 
     def on_save(self, args, state, control, **kwargs):
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         if folder.is_dir():
-            self.spec.cache.save(self.spec.checkpoint_file(folder, self.spec.process_index))
+            rank = self.spec.process_index
+            self.spec.cache.save(self.spec.checkpoint_file(folder, rank))
+            if self.spec.history_index is not None:
+                self.spec.history_index.save(self.spec.history_file(folder, rank))
         self._save_at_cache_path()
 
     def on_train_end(self, args, state, control, **kwargs):
@@ -77,4 +103,7 @@ class RolloutCacheCallback(TrainerCallback):
 
     def _save_at_cache_path(self) -> None:
         if self.spec.cache_path is not None:
-            self.spec.cache.save(ranked_path(self.spec.cache_path, self.spec.process_index))
+            rank = self.spec.process_index
+            self.spec.cache.save(ranked_path(self.spec.cache_path, rank))
+            if self.spec.history_index is not None:
+                self.spec.history_index.save(ranked_path(history_path(self.spec.cache_path), rank))

@@ -34,6 +34,13 @@ Where its inputs come from (read in verl 0.9.1's source):
   ``extra_fields["global_steps"]`` (vLLM/SGLang servers report the step of
   the weights they hold); without it, the draft's version + 1.
 
+With ``acceptance: exact`` the continuation after a rejection carries a
+per-attempt sampling seed (``seed`` for vLLM; ``sampling_seed`` when the
+rollout's ``name`` is ``sglang``; it overrides the seed verl injects under
+``full_determinism``) and is resent while its first token is the rejected
+draft token: the residual draw of :mod:`spec_rl.integrations.exact`, exact,
+at 1 / (1 - p) continuation requests per rejection on average.
+
 The cache is a :class:`~spec_rl.integrations.draft_store.DirectoryDraftStore`
 (one file per draft, atomic renames) on a directory every worker can reach.
 Validation batches and greedy rows (sampling parameters that differ from the
@@ -47,12 +54,14 @@ Configure it with an agent-loop YAML (see docs/integrations.md):
       _target_: spec_rl.integrations.verl.SpecRLAgentLoop
       cache_dir: /shared/spec_rl_drafts
       lenience: 1.6487
+      acceptance: lenient   # or exact (lossless; no lenience then)
 """
 
 from __future__ import annotations
 
 import math
 import os
+from functools import partial
 from typing import Any
 from uuid import uuid4
 
@@ -61,7 +70,8 @@ from verl.utils.profiler import simple_timer
 
 from ..sampling import SamplingSettings
 from .draft_store import DirectoryDraftStore
-from .requests import SpecRequestBuilder
+from .exact import MAX_RESIDUAL_ATTEMPTS, draw_continuation
+from .requests import ContinuationRequest, SpecRequestBuilder
 
 AGENT_NAME = "spec_rl_agent"
 CACHE_DIR_ENV = "SPEC_RL_DRAFT_DIR"
@@ -135,12 +145,15 @@ class SpecRLAgentLoop(AgentLoopBase):
         prompt_logprobs_mode: "raw" (vLLM: temperature must be 1, no top-k/top-p)
             or "processed"; see :mod:`spec_rl.integrations.requests`.
         eos_token_ids: EOS ids (default: the tokenizer's eos_token_id).
+        acceptance: "lenient" (the paper's rule) or "exact" (lossless; leave
+            lenience at its default).
+        max_resample_attempts: continuation attempts at one rejection (exact).
 
     Raises:
         ValueError: no cache directory, or a rollout configuration whose log-probs
             cannot be compared (temperature != 1 with raw prompt logprobs, top-k,
-            top-p, repetition penalty, a logits ``logprobs_mode``), raised when
-            the first sample's loop is built.
+            top-p, repetition penalty, a logits ``logprobs_mode``), or a lenience
+            with ``acceptance="exact"``, raised when the first sample's loop is built.
     """
 
     def __init__(
@@ -152,6 +165,8 @@ class SpecRLAgentLoop(AgentLoopBase):
         strategy: str = "spec",
         prompt_logprobs_mode: str = "raw",
         eos_token_ids: list[int] | None = None,
+        acceptance: str = "lenient",
+        max_resample_attempts: int = MAX_RESIDUAL_ATTEMPTS,
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
@@ -180,6 +195,9 @@ class SpecRLAgentLoop(AgentLoopBase):
             prompt_logprobs_mode=prompt_logprobs_mode,
             repetition_penalty=float(_cfg(rc, "repetition_penalty", 1.0) or 1.0),
             logprobs_mode=_cfg(rc, "logprobs_mode", None),
+            acceptance=acceptance,
+            seed_param="sampling_seed" if str(_cfg(rc, "name", "vllm")).lower() == "sglang" else "seed",
+            max_resample_attempts=max_resample_attempts,
         )
 
     def _is_training_request(self, sampling_params: dict[str, Any]) -> bool:
@@ -228,22 +246,23 @@ class SpecRLAgentLoop(AgentLoopBase):
                 sample = (list(scored.token_ids), scored.log_probs)
             verified = b.verify(plan, new_lps, step, scoring_sample=sample)
             cont = b.continuation(plan, verified)
-            new_ids, cont_lps, cont_step = [], [], None
-            if cont is not None:
-                out = await self.server_manager.generate(
-                    request_id=request_id,
-                    prompt_ids=cont.context_ids,
-                    sampling_params=b.continuation_sampling_params(base, cont),
-                )
-                new_ids, cont_lps = list(out.token_ids), out.log_probs
-                cont_step = (out.extra_fields or {}).get("global_steps")
-                if new_ids and cont_lps is None:
-                    raise RuntimeError(
-                        "the rollout server returned tokens without log_probs although logprobs=True was sent"
-                    )
-            result = b.assemble(plan, verified, new_ids, cont_lps or [], step=cont_step)
+            send = partial(self._continue, request_id, base, cont)  # send(seed)
+            (new_ids, cont_lps, cont_step), resamples = await draw_continuation(cont, send, nothing=([], [], None))
+            result = b.assemble(plan, verified, new_ids, cont_lps or [], step=cont_step, resamples=resamples)
         extra.update({f"spec_rl/{k}": v for k, v in result.metrics.items()})
         return self._output(prompt_ids, result.response_ids, result.logprobs, metrics, extra)
+
+    async def _continue(self, request_id: str, base: dict, cont: ContinuationRequest, seed: int | None):
+        """One continuation request (same request id: same server) -> (new ids, their log-probs, weight step)."""
+        out = await self.server_manager.generate(
+            request_id=request_id,
+            prompt_ids=cont.context_ids,
+            sampling_params=self.builder.continuation_sampling_params(base, cont, seed),
+        )
+        new_ids, lps = list(out.token_ids), out.log_probs
+        if new_ids and lps is None:
+            raise RuntimeError("the rollout server returned tokens without log_probs although logprobs=True was sent")
+        return new_ids, lps, (out.extra_fields or {}).get("global_steps")
 
     def _output(self, prompt_ids, response_ids, logprobs, metrics, extra) -> AgentLoopOutput:
         r = self.response_length

@@ -1,0 +1,121 @@
+"""The speculative rollouts behind :class:`~spec_rl.integrations.trl.SpecRLRollout`.
+
+One :class:`TrainerRollouts` per model holds two :class:`~spec_rl.rollout.SpeculativeRollout`
+objects over one :class:`~spec_rl.transformers_backend.TransformersBackend`:
+
+* the **training** rollout: the adapter's draft cache, strategy, acceptance rule and history index
+  (tail speculation, docs/design.md "Speculation past the first rejection"), whose responses
+  become the next epoch's drafts and enter the history;
+* the **evaluation** rollout: strategy "off" (plain sampling) into a throw-away cache per call,
+  reading the history through :class:`ReadOnlyHistory`. History drafts are verified with
+  "sample == proposal", so they make evaluation decode in fewer steps without changing a token,
+  and evaluation responses never enter the index or the cache.
+
+:class:`CallSeeds` gives each call its seed salt (process index, call count within a step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..cache import RolloutCache
+from ..history import HistoryIndex, SuffixProposer
+from ..philox import mix_seed
+from ..rollout import RolloutRequest, RolloutResult, SpeculativeRollout
+from ..sampling import SamplingSettings
+from ..transformers_backend import TransformersBackend
+from .trl_batch import generation_tokens
+from .trl_checks import UnsupportedTrainerConfig
+
+__all__ = ["CallSeeds", "ReadOnlyHistory", "RolloutOptions", "TrainerRollouts"]
+
+
+class ReadOnlyHistory:
+    """A view of a :class:`~spec_rl.history.HistoryIndex` that proposes drafts and ignores ``add``."""
+
+    def __init__(self, index: HistoryIndex):
+        self.index = index
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def proposer(self, key: bytes, prefix: Sequence[int] = (), max_k: int = 8) -> SuffixProposer | None:
+        return self.index.proposer(key, prefix, max_k=max_k)
+
+    def add(self, key: bytes, response: Sequence[int]) -> None:
+        """Evaluation responses are not indexed."""
+
+
+@dataclass(frozen=True)
+class RolloutOptions:
+    """The adapter's rollout options (see :class:`~spec_rl.integrations.trl.SpecRLRollout`)."""
+
+    lenience: float | None
+    log_lenience: float | None
+    strategy: str
+    acceptance: str
+    verify_backend: str
+    spec_tokens: int
+    max_model_len: int | None
+    seed: int | None
+
+
+class TrainerRollouts:
+    """The training and evaluation rollouts of one model (module docstring).
+
+    Args:
+        model: the trainer's unwrapped model.
+        trainer: the ``GRPOTrainer`` (special tokens, run seed).
+        settings: the trainer's sampling settings.
+        cache: the training draft cache.
+        history: the history index (None: no tail speculation).
+        options: the adapter's options.
+
+    Raises:
+        UnsupportedTrainerConfig: no ``max_model_len`` and none in the model config.
+    """
+
+    def __init__(self, model, trainer, settings: SamplingSettings, cache: RolloutCache,
+                 history: HistoryIndex | None, options: RolloutOptions):  # fmt: skip
+        eos, pad = generation_tokens(model, trainer)
+        max_len = options.max_model_len or getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        if max_len is None:
+            raise UnsupportedTrainerConfig("the model config has no max_position_embeddings; pass max_model_len=...")
+        self.seed = options.seed if options.seed is not None else int(getattr(trainer.args, "seed", 0))
+        backend = TransformersBackend(model, eos_ids=eos, pad_id=pad, max_k=options.spec_tokens)
+        common = dict(backend=backend, settings=settings, eos_ids=eos, max_model_len=int(max_len), seed=self.seed,
+                      verify_backend=options.verify_backend, acceptance=options.acceptance)  # fmt: skip
+        self.history = history
+        self.train = SpeculativeRollout(cache=cache, lenience=options.lenience, log_lenience=options.log_lenience,
+                                        strategy=options.strategy, history=history, **common)  # fmt: skip
+        view = ReadOnlyHistory(history) if history is not None else None
+        self.eval = SpeculativeRollout(cache=RolloutCache(), strategy="off", history=view, **common)
+
+    def run(self, requests: list[RolloutRequest], training: bool, step: int, salt: int,
+            cache: RolloutCache) -> RolloutResult:  # fmt: skip
+        """One rollout call; evaluation samples plainly into a fresh throw-away cache."""
+        if training:
+            return self.train.run(requests, step=step, seed=self.seed ^ salt, cache=cache)
+        return self.eval.run(requests, step=step, seed=self.seed ^ salt, cache=RolloutCache())
+
+
+class CallSeeds:
+    """Seed salt of each ``rollout_func`` call: the process index and the call's count within its step.
+
+    Several generation batches may share one global step (``steps_per_generation <
+    gradient_accumulation_steps``); evaluation calls count on their own (negative) axis.
+    """
+
+    def __init__(self) -> None:
+        self._last_step: int | None = None
+        self._calls_at_step = 0
+        self._eval_calls = 0
+
+    def salt(self, training: bool, step: int, process_index: int) -> int:
+        if training:
+            self._calls_at_step = self._calls_at_step + 1 if step == self._last_step else 0
+            self._last_step = step
+            return mix_seed(process_index, self._calls_at_step)
+        self._eval_calls += 1
+        return mix_seed(process_index, -self._eval_calls)
