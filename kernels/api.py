@@ -3,9 +3,10 @@
 * :func:`verify_padded` -- padded [B, R] drafts, for ``spec_rl.verify``'s
   ``"triton"`` backend: tensors in, (new log-probs, per-token outcome,
   rejection index) out. Inputs are assumed validated by ``spec_rl.verify``
-  except for NaN in logits / hidden states / LM-head weight, which the
-  kernels detect with an in-kernel flag (a ValueError is raised; no result
-  is returned).
+  except for scores without a valid distribution (NaN or +inf logits, or a
+  row of -inf logits, from logits / hidden states / LM-head weight), which the
+  kernels detect with an in-kernel flag (a ValueError naming the (sample,
+  token) positions is raised; no result is returned).
 * packed entry points for trainers that never pad:
   :func:`verify_packed_logits`, :func:`verify_packed_hidden` (rows of
   logits [N, V] / hidden states [N, d], each row tagged with its sample and
@@ -55,9 +56,9 @@ class PackedVerifyOutput:
     accepted_len: torch.Tensor
 
 
-def _packed_output(launched, source: str, score_only: bool) -> PackedVerifyOutput:
+def _packed_output(launched, rows: DraftRows, source: str, score_only: bool) -> PackedVerifyOutput:
     lp, acc, n, flag = launched
-    raise_if_flagged(flag, source)
+    raise_if_flagged(flag, source, lp, (rows.row_sample, rows.row_token))
     return PackedVerifyOutput(lp, None if score_only else acc.bool(), n.to(torch.int64))
 
 
@@ -131,7 +132,8 @@ def verify_packed_logits(
         :class:`PackedVerifyOutput`.
 
     Raises:
-        ValueError: NaN (or +inf) in a scored row's logits, or shape errors.
+        ValueError: a scored row without a valid distribution (NaN or +inf
+            logits, or every logit -inf), named as (sample, token); or shape errors.
         RuntimeError: the kernels cannot run on the inputs' device.
     """
     if logits.dim() != 2:
@@ -145,7 +147,7 @@ def verify_packed_logits(
         seed=seed, log_lenience=log_lenience, temperature=temperature, mode=mode,
     )  # fmt: skip
     check_device(logits, *rows.tensors())
-    return _packed_output(launch_from_logits(logits, rows, config), "logits", score_only)
+    return _packed_output(launch_from_logits(logits, rows, config), rows, "logits", score_only)
 
 
 def verify_packed_hidden(
@@ -191,7 +193,8 @@ def verify_packed_hidden(
         :class:`PackedVerifyOutput`.
 
     Raises:
-        ValueError: NaN (or overflow to +inf) in a scored row's logits, or shape errors.
+        ValueError: a scored row without a valid distribution (NaN, overflow to
+            +inf, or every logit -inf), named as (sample, token); or shape errors.
         RuntimeError: the kernels cannot run on the inputs' device.
     """
     if hidden.dim() != 2 or lm_head_weight.dim() != 2 or hidden.shape[-1] != lm_head_weight.shape[1]:
@@ -220,13 +223,15 @@ def verify_packed_hidden(
     check_device(hidden, weight, bias, *rows.tensors())
     row_align = min(align, max(1, 16 // hidden.element_size()))
     launched = launch_lm_head(hidden, weight, bias, rows, row_offsets=row_offsets, row_align=row_align, config=config)
-    return _packed_output(launched, _HIDDEN_SOURCE, score_only)
+    return _packed_output(launched, rows, _HIDDEN_SOURCE, score_only)
 
 
 def _score_only_tags(rows: int, device: torch.device):
+    """Tags of N rows scored on their own: token r of one sample (errors name row r as (0, r))."""
     zeros = torch.zeros(rows, dtype=torch.int32, device=device)
+    tokens = torch.arange(rows, dtype=torch.int32, device=device)
     one = torch.zeros(1, dtype=torch.int64, device=device)
-    return dict(row_sample=zeros, row_token=zeros, lengths=one, uids=one, seed=0, log_lenience=0.0)
+    return dict(row_sample=zeros, row_token=tokens, lengths=one, uids=one, seed=0, log_lenience=0.0)
 
 
 def logprobs_from_logits(
@@ -235,7 +240,7 @@ def logprobs_from_logits(
     """log softmax(logits / T)[token] for logits [N, V] and ids [N] -> [N] float32 (one read of the logits).
 
     Raises:
-        ValueError: NaN (or +inf) logits.
+        ValueError: a row without a valid distribution (NaN or +inf logits, or all -inf), named as (0, row).
     """
     rows = logits.shape[0]
     old = torch.zeros(rows, dtype=torch.float32, device=logits.device)
@@ -257,7 +262,7 @@ def logprobs_from_hidden(
     """log softmax((hidden @ W.T + b) / T)[token] for hidden [N, d] -> [N] float32, logits never materialised.
 
     Raises:
-        ValueError: NaN (or overflow) in the logits.
+        ValueError: a row without a valid distribution (NaN, overflow, or all -inf), named as (0, row).
     """
     rows = hidden.shape[0]
     old = torch.zeros(rows, dtype=torch.float32, device=hidden.device)
@@ -377,7 +382,8 @@ def verify_padded(
     Raises
     ------
     ValueError
-        NaN (or +inf) in the scored logits; not exactly one score source;
+        A scored position without a valid distribution (NaN or +inf logits, or
+        every logit -inf), named as (sample, token); not exactly one score source;
         hidden_states without lm_head_weight.
     NotImplementedError
         Scores that are not bf16/fp16/fp32 (e.g. float64): use the reference.
@@ -399,12 +405,12 @@ def verify_padded(
     inputs = (draft_ids, old_logprobs, lengths, uids, settings)
     if logits is not None:
         lp_new, accept, n, flag = _padded_from_logits(logits, *inputs, logits_config)
-        raise_if_flagged(flag, "logits")
+        raise_if_flagged(flag, "logits", lp_new)
     else:
         lp_new, accept, n, flag = _padded_from_hidden(
             hidden_states, lm_head_weight, lm_head_bias, *inputs, lm_head_config
         )
-        raise_if_flagged(flag, _HIDDEN_SOURCE)
+        raise_if_flagged(flag, _HIDDEN_SOURCE, lp_new)
     if score_only:  # the kernel made no decisions (its accept buffer is unwritten)
         accept = torch.zeros_like(accept)
     return lp_new, accept, n.to(torch.int64)

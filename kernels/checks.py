@@ -2,7 +2,7 @@
 
 Verification (:mod:`.api`): :func:`is_available`, :func:`check_device`,
 :func:`packed_rows` (the packed per-row inputs), :func:`raise_if_flagged`
-(the kernels' NaN flag). Paged decode attention (:mod:`.paged_attention`):
+(the kernels' flag of rows without a valid distribution). Paged decode attention (:mod:`.paged_attention`):
 :func:`validate_paged_decode` (shapes, dtypes, devices, strides; no sync),
 :func:`check_block_ranges` (one device->host sync), :func:`check_paged_device`,
 :func:`check_paged_options`. Every error names the argument and the fix.
@@ -56,13 +56,25 @@ def check_device(*tensors: torch.Tensor | None) -> None:
             raise ValueError(f"all inputs must be on {dev}; got a tensor on {t.device}")
 
 
-def raise_if_flagged(flag: torch.Tensor, source: str) -> None:
-    """Raise the NaN error when the kernel's flag is set (one device->host sync)."""
-    if int(flag.item()):
-        raise ValueError(
-            f"{source} contain NaN (or +inf) at unmasked positions; the policy forward produced invalid scores "
-            "(check for overflow in fp16, or mask those positions out)"
-        )
+def raise_if_flagged(flag: torch.Tensor, source: str, lp: torch.Tensor, tags=None) -> None:
+    """Raise the invalid-scores error when the kernel's flag is set (one device->host sync when not).
+
+    The kernel sets the flag, and the row's log-prob to NaN, for every scored row without a valid
+    distribution: a NaN or +inf logit, or every logit -inf. The error names those rows as (sample,
+    token): directly for [B, R] ``lp``; through ``tags`` = (row_sample [N], row_token [N]) for packed
+    [N] ``lp``. The wording is spec_rl.verify's reference backend's, so both backends fail alike.
+    """
+    if not int(flag.item()):
+        return
+    rows = torch.nonzero(torch.isnan(lp))
+    total = rows.shape[0]
+    first = rows[:8] if lp.dim() == 2 else torch.stack([tags[0][rows[:8, 0]], tags[1][rows[:8, 0]]], 1)
+    listing = ", ".join(f"({b}, {t})" for b, t in first.tolist()) + (", ..." if total > 8 else "")
+    raise ValueError(
+        f"{source} give no valid distribution at {total} scored position{'s' if total != 1 else ''} (sample, token): "
+        f"{listing}: NaN, +inf, or every logit -inf. The policy forward produced invalid "
+        "scores: check it for overflow (fp16/bf16, huge hidden states), or mask those positions out with lengths"
+    )
 
 
 def unit_stride(t: torch.Tensor) -> torch.Tensor:

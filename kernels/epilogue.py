@@ -15,7 +15,8 @@ Numerics (all choices are here so both kernels agree):
   ``(x_target - m) / T - log(S)`` -- so the only fp32 rounding is in the
   running sum S (relative error ~1e-7 per term, summed).
 * the running maximum starts at ``-FLT_MAX`` instead of ``-inf``, so a row
-  or lane that has only seen ``-inf`` logits never evaluates ``-inf - -inf``.
+  or lane that has only seen ``-inf`` logits never evaluates ``-inf - -inf``;
+  a row whose logits are all ``-inf`` ends with sum 0 and is flagged.
 * the acceptance margin is evaluated in float64 in the reference's exact
   order ``(lp_new - lp_old) + log_l`` with ``lp_new`` rounded to float32
   first, as :func:`spec_rl.acceptance.acceptance_test` does; ``log u`` is
@@ -68,15 +69,18 @@ def finish_rows(
     m, s: float32 running max (raw logit units) and sum of exp((x - m) / T);
     tgt: float32 raw logit of the draft token. Writes lp_out[row] (0 where not
     valid), acc_out[row] (int8; not written in MODE_SCORE_ONLY), lowers
-    n[sample] to the first rejected token index, and raises flag[0] when the
-    row's scores contain NaN (or +inf, which makes the normaliser NaN).
+    n[sample] to the first rejected token index, and raises flag[0] (and writes a
+    NaN log-prob) when the row has no valid distribution: its scores contain NaN
+    (or +inf, which makes the normaliser NaN), or every logit is -inf (s == 0).
     k0_w, k1_w: the Philox key; (log_l_lo, log_l_hi), (temp_lo, temp_hi): log l
     and T as float64 bits in int32 words (the kernel scalars of
     :meth:`~._common.DraftRows.scalars`).
     """
     log_l = f64_from_words_tl(log_l_lo, log_l_hi)
     temperature = f64_from_words_tl(temp_lo, temp_hi)
-    bad = valid & ((s != s) | (tgt != tgt))  # noqa: PLR0124 (x != x is the NaN test)
+    # No valid distribution: NaN somewhere (a +inf logit makes the normaliser NaN too), or s == 0,
+    # i.e. every logit of the row is -inf (the running max never left -FLT_MAX).
+    bad = valid & ((s != s) | (tgt != tgt) | (s == 0.0))  # noqa: PLR0124 (x != x is the NaN test)
     lp64 = (tgt.to(tl.float64) - m.to(tl.float64)) / temperature - log_f64_tl(s.to(tl.float64), USE_LIBDEVICE)
     # A draft token with a -inf logit has log-prob -inf (also when the whole
     # row is -inf, where the formula gives -inf + inf).

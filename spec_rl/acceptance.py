@@ -18,7 +18,8 @@ sampling needs no old distribution: accept y_i iff ``log u_i <= lp_new_i``
 from pi_t with y_n removed and renormalised. Every position's marginal is then
 exactly pi_t, so the response is a fresh sample of the current policy.
 
-This module does no input validation (see :func:`spec_rl.verify.verify`);
+This module does no input validation (see :func:`spec_rl.verify.verify`), but it refuses
+scores that give no distribution (:func:`raise_if_no_distribution`), as the kernels do;
 kernels are tested against it, in float64 for logprob accuracy.
 """
 
@@ -33,13 +34,20 @@ import torch
 from .philox import STREAM_ACCEPT, STREAM_RANDOM_REUSE, philox_uniform
 from .sampling import SamplingSettings, token_logprobs
 from .scoring import DraftScores
+from .validation import invalid_scores_message
 
 #: "lenient": the paper's rule (Alg. 1); "exact": lossless acceptance of a point-mass draft.
 ACCEPTANCE_RULES = ("lenient", "exact")
 
-# Rows of logits materialised at once in the hidden-state path (bounds the
-# reference's extra memory to about this many rows x V x 4 bytes).
+#: How each score source is named in errors (the Triton kernels use the same names).
+SCORE_NAMES = {"logits": "logits", "hidden_states": "logits (hidden_states @ lm_head_weight.T)"}
+
+# Logits materialised at once in the hidden-state path: at most 1024 rows and about
+# _LOGIT_ELEMENTS_PER_CHUNK values (16 MiB in float32; the log-softmax holds about three such
+# buffers), so the reference's extra memory stays far below the full [N, V] logits
+# (benchmarks/bench_memory.py). Small vocabularies keep 1024-row chunks.
 _LOGIT_ROWS_PER_CHUNK = 1024
+_LOGIT_ELEMENTS_PER_CHUNK = 1 << 22
 
 
 @dataclass
@@ -134,7 +142,8 @@ def draft_logprobs(
 ) -> torch.Tensor:
     """Sampling log-probs [B, R] of the draft tokens under the scores (0 at padding).
 
-    Logits are formed at most :data:`_LOGIT_ROWS_PER_CHUNK` rows at a time, in
+    Logits are formed a chunk of rows at a time (at most :data:`_LOGIT_ROWS_PER_CHUNK` rows and
+    about :data:`_LOGIT_ELEMENTS_PER_CHUNK` values), in
     ``dtype`` (float32, or float64 for references), and only for valid rows.
     """
     bsz, max_len = draft_ids.shape
@@ -158,14 +167,29 @@ def draft_logprobs(
             return torch.nn.functional.linear(rows[sl].to(dtype), weight, bias)
 
     packed = torch.empty(flat_ids.shape[0], dtype=dtype, device=draft_ids.device)
-    for start in range(0, flat_ids.shape[0], _LOGIT_ROWS_PER_CHUNK):
-        sl = slice(start, start + _LOGIT_ROWS_PER_CHUNK)
+    vocab = scores.logits.shape[-1] if scores.logits is not None else scores.lm_head_weight.shape[0]
+    chunk = max(1, min(_LOGIT_ROWS_PER_CHUNK, _LOGIT_ELEMENTS_PER_CHUNK // vocab))
+    for start in range(0, flat_ids.shape[0], chunk):
+        sl = slice(start, start + chunk)
         packed[sl] = token_logprobs(
             logits_of(sl), flat_ids[sl], settings.temperature, settings.top_k, settings.top_p, dtype=dtype
         )
     out = torch.zeros(bsz, max_len, dtype=dtype, device=draft_ids.device)
     out[valid] = packed
     return out
+
+
+def raise_if_no_distribution(lp_new: torch.Tensor, source: str) -> None:
+    """ValueError naming the (sample, token) positions of [B, R] ``lp_new`` that are NaN (one host sync).
+
+    A scored log-prob is NaN exactly when its row of logits has no distribution: a NaN or +inf logit
+    (e.g. hidden states whose logits overflow), or every logit -inf. ``source`` is a key of
+    :data:`SCORE_NAMES`; log-probs given as ``new_logprobs`` are checked by ``verify`` itself.
+    """
+    bad = torch.isnan(lp_new)
+    if source != "new_logprobs" and bool(bad.any()):
+        where = torch.nonzero(bad)
+        raise ValueError(invalid_scores_message(SCORE_NAMES[source], where[:8].tolist(), where.shape[0]))
 
 
 def acceptance_test(
@@ -254,12 +278,14 @@ def reference_verify(
     token i. ``settings`` gives temperature/top-k/top-p (max_tokens unused).
     ``strategy`` is "spec" (the acceptance test) or "random" (random reuse);
     ``acceptance`` is "lenient" (paper Alg. 1) or "exact" (lp_old and l ignored).
+    Raises ValueError for scored positions without a distribution (:func:`raise_if_no_distribution`).
     """
     if acceptance == "exact":
         old_logprobs, log_lenience = torch.zeros_like(old_logprobs), 0.0
     elif acceptance != "lenient":
         raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {acceptance!r}")
     lp_new = draft_logprobs(draft_ids, lengths, scores, settings, compute_dtype)
+    raise_if_no_distribution(lp_new, scores.source)
     max_len = draft_ids.shape[1]
     if strategy == "spec":
         token_index = torch.arange(max_len, device=draft_ids.device, dtype=torch.int64).unsqueeze(0)

@@ -16,7 +16,9 @@ destroy reuse (docs/design.md "The rule", step 1).
 
 On disk the cache is one safetensors file, written to a temporary file in
 the same folder, fsynced and renamed over the old one, so a crash mid-write
-leaves the previous file intact.
+leaves the previous file intact. Everything is checked twice: a draft when it is
+stored (a float id is refused, never rounded) and the whole file when it is
+loaded (a damaged file is one ValueError naming the file and the problem).
 """
 
 from __future__ import annotations
@@ -32,12 +34,15 @@ from pathlib import Path
 import torch
 
 from .atomic import atomic_save_safetensors
-from .sampling import SamplingSettings
+from .sampling import SamplingSettings, check_settings
+from .stored_files import FileCheck, read_safetensors
+from .validation import INT64_MAX, as_float_vector, as_id_vector, check_int, logprob_problem
 
 FINISH_REASONS = ("eos", "length")
 _FORMAT = "spec-rl-rollout-cache"
 _FORMAT_VERSION = "1"
 _KEY_BYTES = 16
+_FIX = "delete the file or restore a backup (without a cache the next epoch generates every response afresh)"
 
 
 @dataclass(frozen=True)
@@ -59,23 +64,27 @@ class CacheKey:
         """Build a key.
 
         Args:
-            prompt_ids: the prompt's token ids (list or 1-D integer tensor).
+            prompt_ids: the prompt's token ids (list, numpy array or 1-D integer tensor), each in [0, 2**63).
             slot: sample index within the group, 0 <= slot.
             dataset_id: optional stable id of the dataset row (e.g. "gsm8k:17").
+
+        Raises:
+            TypeError: ids that are not integers (floats are never rounded), a non-integer slot, a
+                dataset id that is not a str.
+            ValueError: ids not 1-D or out of range, a negative slot.
         """
-        if isinstance(prompt_ids, torch.Tensor):
-            if prompt_ids.dim() != 1 or prompt_ids.is_floating_point():
-                raise ValueError("prompt_ids must be a 1-D integer tensor or a list of ints")
-            ids = [int(x) for x in prompt_ids.tolist()]
-        else:
-            ids = [int(x) for x in prompt_ids]
-        if int(slot) != slot or slot < 0:
-            raise ValueError(f"slot must be an integer >= 0 (the sample's index within its group), got {slot!r}")
+        ids = as_id_vector("prompt_ids", prompt_ids, high=INT64_MAX)
+        slot = check_int("slot", slot, low=0, high=INT64_MAX, hint=" (the sample's index within its group)")
+        if dataset_id is not None and not isinstance(dataset_id, str):
+            raise TypeError(
+                f"dataset_id must be a str or None, got {type(dataset_id).__name__} {dataset_id!r} "
+                f"(e.g. dataset_id=\"gsm8k:{dataset_id}\")"
+            )
         h = hashlib.blake2b(digest_size=_KEY_BYTES, person=b"spec-rl-cache-1")
         h.update((dataset_id if dataset_id is not None else "\x00none").encode("utf-8"))
         h.update(b"\xff")
-        h.update(int(slot).to_bytes(8, "little", signed=False))
-        h.update(torch.tensor(ids, dtype=torch.int64).numpy().tobytes())
+        h.update(slot.to_bytes(8, "little", signed=False))
+        h.update(ids.cpu().contiguous().numpy().tobytes())  # int64 little-endian, as keys always were
         return cls(h.digest())
 
 
@@ -111,26 +120,38 @@ def make_draft(
     """Validate a response and its log-probs and pack them as a :class:`Draft` (CPU copies).
 
     Raises:
-        ValueError: length mismatch, unknown finish reason, NaN or positive logprobs,
-            token ids outside int32.
+        TypeError: ids that are not integers (floats are never rounded, bools are not ids), log-probs
+            that are not numbers, a non-integer version, settings that are not a SamplingSettings.
+        ValueError: ids or log-probs not 1-D, length mismatch, unknown finish reason, NaN or positive
+            logprobs, token ids outside [0, 2**31), a negative version.
     """
-    ids = torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1)
-    lps = torch.as_tensor(logprobs, dtype=torch.float32).reshape(-1)
+    ids = as_id_vector("token_ids", token_ids)
+    lps = as_float_vector("logprobs", logprobs)
     if ids.numel() != lps.numel():
         raise ValueError(f"token_ids ({ids.numel()}) and logprobs ({lps.numel()}) must have the same length")
-    if finish_reason not in FINISH_REASONS:
+    if not isinstance(finish_reason, str) or finish_reason not in FINISH_REASONS:
         raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {finish_reason!r}")
-    if bool(torch.isnan(lps).any()) or bool((lps > 1e-4).any()):
-        raise ValueError("logprobs must be log-probabilities (<= 0, not NaN)")
-    if bool((ids < 0).any()) or bool((ids > torch.iinfo(torch.int32).max).any()):
-        raise ValueError("token_ids must be non-negative int32 values")
+    problem = logprob_problem(lps)
+    if problem:
+        raise ValueError(f"logprobs {problem}")
+    version = check_int("version", version, low=0, hint=" (the training step of the policy that validated the draft)")
+    check_settings(settings)
     return Draft(
         token_ids=ids.to(torch.int32).cpu().clone(),
         logprobs=lps.cpu().clone(),
         finish_reason=finish_reason,
-        version=int(version),
+        version=version,
         settings=settings,
     )
+
+
+def check_key(key) -> CacheKey:
+    """``key`` itself, or a TypeError when it is not a :class:`CacheKey`."""
+    if not isinstance(key, CacheKey):
+        raise TypeError(
+            f"key must be a CacheKey (CacheKey.make(prompt_ids, slot, dataset_id)), got {type(key).__name__}"
+        )
+    return key
 
 
 class DraftStore:
@@ -159,8 +180,13 @@ class DraftStore:
         raise NotImplementedError
 
     def lookup(self, key: CacheKey, settings: SamplingSettings) -> Draft | None:
-        """Return the draft for ``key`` if it was sampled with ``settings``, else None."""
-        draft = self._read(key)
+        """Return the draft for ``key`` if it was sampled with ``settings``, else None.
+
+        Raises:
+            TypeError: ``key`` is not a CacheKey or ``settings`` not a SamplingSettings.
+        """
+        check_settings(settings)
+        draft = self._read(check_key(key))
         if draft is None:
             self.misses += 1
             return None
@@ -189,12 +215,12 @@ class DraftStore:
         version: int,
         settings: SamplingSettings,
     ) -> None:
-        """Insert or replace the draft for ``key``.
+        """Insert or replace the draft for ``key`` (validated here, so nothing bad reaches a file).
 
         Raises:
-            ValueError: see :func:`make_draft`.
+            TypeError, ValueError: see :func:`make_draft`; TypeError for a ``key`` that is not a CacheKey.
         """
-        self._write(key, make_draft(token_ids, logprobs, finish_reason, version, settings))
+        self._write(check_key(key), make_draft(token_ids, logprobs, finish_reason, version, settings))
 
 
 class RolloutCache(DraftStore):
@@ -269,41 +295,64 @@ class RolloutCache(DraftStore):
         return atomic_save_safetensors(path, tensors, metadata)
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "RolloutCache":
-        """Read a cache written by :meth:`save`.
+    def load(cls, path: str | os.PathLike, vocab_size: int | None = None) -> "RolloutCache":
+        """Read a cache written by :meth:`save`, checking everything in it first.
+
+        Args:
+            path: the .safetensors file.
+            vocab_size: when given, every stored token id must lie in [0, vocab_size) (without it:
+                in the int32 range).
 
         Raises:
             FileNotFoundError: no file at ``path``.
-            ValueError: the file is not a spec-rl rollout cache or is inconsistent.
+            ValueError: the file is not a spec-rl rollout cache, or is damaged: one error naming the
+                file and what is wrong (a missing or mistyped tensor or metadata field, settings that
+                are not valid JSON, offsets that do not rise from 0 to the token count, NaN or positive
+                log-probs, ids out of range, indices past their tables, a key stored twice).
+            TypeError: ``vocab_size`` is not an integer.
         """
-        from safetensors import safe_open
-
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"no rollout cache at {path}")
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                meta = f.metadata() or {}
-                tensors = {k: f.get_tensor(k) for k in f.keys()}
-        except Exception as exc:  # safetensors raises its own error types
-            raise ValueError(f"{path} is not a readable safetensors file: {exc}") from exc
-        if meta.get("format") != _FORMAT:
-            raise ValueError(f"{path} is not a spec-rl rollout cache (format={meta.get('format')!r})")
-        if meta.get("format_version") != _FORMAT_VERSION:
-            raise ValueError(f"{path} has cache format version {meta.get('format_version')!r}; expected {_FORMAT_VERSION}")
-        settings_list = [SamplingSettings(**d) for d in json.loads(meta["settings"])]
-        keys, offsets = tensors["keys"], tensors["offsets"]
-        n = keys.shape[0]
-        if offsets.numel() != n + 1 or int(offsets[-1]) != tensors["token_ids"].numel():
-            raise ValueError(f"{path}: offsets do not match the stored tokens (corrupt file)")
+        if vocab_size is not None:
+            vocab_size = check_int("vocab_size", vocab_size, low=1)
         cache = cls()
-        for i in range(n):
-            a, b = int(offsets[i]), int(offsets[i + 1])
-            cache._entries[bytes(keys[i].tolist())] = Draft(
-                token_ids=tensors["token_ids"][a:b].clone(),
-                logprobs=tensors["logprobs"][a:b].clone(),
-                finish_reason=FINISH_REASONS[int(tensors["finish"][i])],
-                version=int(tensors["versions"][i]),
-                settings=settings_list[int(tensors["settings_index"][i])],
-            )
+        cache._entries = _read_cache_file(path, vocab_size)
         return cache
+
+
+def _read_cache_file(path: str | os.PathLike, vocab_size: int | None) -> dict[bytes, Draft]:
+    """The drafts of a cache file by key digest, after checking every tensor and field of it."""
+    path, meta, tensors = read_safetensors(path, "rollout cache")
+    if meta.get("format") != _FORMAT:
+        raise ValueError(f"{path} is not a spec-rl rollout cache (format={meta.get('format')!r})")
+    if meta.get("format_version") != _FORMAT_VERSION:
+        raise ValueError(f"{path} has cache format version {meta.get('format_version')!r}; expected {_FORMAT_VERSION}")
+    check = FileCheck(path, meta, tensors, _FIX)
+    stored_settings = check.json_field("settings", list, "a JSON list of sampling settings")
+    settings_list = [check.settings(d, f"settings[{i}]") for i, d in enumerate(stored_settings)]
+    keys = check.tensor("keys", torch.uint8, (None, _KEY_BYTES))
+    n = keys.shape[0]
+    offsets = check.tensor("offsets", torch.int64, (n + 1,))
+    ids = check.tensor("token_ids", torch.int32, (None,))
+    lps = check.tensor("logprobs", torch.float32, (ids.numel(),))
+    versions = check.tensor("versions", torch.int64, (n,))
+    finish = check.tensor("finish", torch.uint8, (n,))
+    settings_index = check.tensor("settings_index", torch.int32, (n,))
+    check.offsets("offsets", offsets, ids.numel())
+    check.token_ids("token_ids", ids, vocab_size)
+    check.logprobs("logprobs", lps)
+    check.in_range("finish", finish, len(FINISH_REASONS))
+    check.in_range("settings_index", settings_index, len(settings_list))
+    check.non_negative("versions", versions)
+    digests = [bytes(k) for k in keys.tolist()]
+    check.unique("keys", digests)
+    bounds = offsets.tolist()
+    rows = zip(digests, versions.tolist(), finish.tolist(), settings_index.tolist())
+    return {
+        digest: Draft(
+            token_ids=ids[bounds[i] : bounds[i + 1]].clone(),
+            logprobs=lps[bounds[i] : bounds[i + 1]].clone(),
+            finish_reason=FINISH_REASONS[f],
+            version=v,
+            settings=settings_list[si],
+        )
+        for i, (digest, v, f, si) in enumerate(rows)
+    }

@@ -35,11 +35,14 @@ from pathlib import Path
 import torch
 
 from .atomic import atomic_save_safetensors
+from .stored_files import FileCheck, read_safetensors
+from .validation import as_id_vector, check_int
 
 #: Separates responses in an automaton's text; never a token id.
 SEPARATOR = -1
 _FORMAT = "spec-rl-history"
 _FORMAT_VERSION = "1"
+_FIX = "delete the file or restore a backup (without it speculation restarts from an empty history)"
 
 
 class SuffixAutomaton:
@@ -224,8 +227,12 @@ class HistoryIndex:
         """Index one more response of prompt ``key`` (evicting the oldest responses or prompts past the bounds).
 
         A response the prompt's index already holds (a draft reused whole) adds nothing and is skipped.
+
+        Raises:
+            TypeError: ids that are not integers (never rounded).
+            ValueError: ids not 1-D or outside [0, 2**31) (a negative id would read as :data:`SEPARATOR`).
         """
-        tokens = [int(t) for t in response]
+        tokens = as_id_vector("response", response).tolist()
         rs = self._responses.setdefault(key, [])
         self._responses.move_to_end(key)
         if tokens in rs:
@@ -274,32 +281,25 @@ class HistoryIndex:
         return atomic_save_safetensors(path, tensors, meta)
 
     @classmethod
-    def load(cls, path: str | os.PathLike, **bounds) -> "HistoryIndex":
-        """Read a file written by :meth:`save`.
+    def load(cls, path: str | os.PathLike, vocab_size: int | None = None, **bounds) -> "HistoryIndex":
+        """Read a file written by :meth:`save`, checking everything in it first.
+
+        Args:
+            path: the .safetensors file.
+            vocab_size: when given, every stored token id must lie in [0, vocab_size) (without it:
+                in the int32 range).
+            bounds: ``max_responses``, ``max_tokens``, ``max_prompts`` of the new index.
 
         Raises:
             FileNotFoundError: no file at ``path``.
-            ValueError: not a spec-rl history file, or inconsistent contents.
+            ValueError: not a spec-rl history file, or a damaged one: one error naming the file and
+                what is wrong (missing or mistyped tensors or keys, counts and lengths that do not add
+                up, negative lengths, ids out of range, a prompt stored twice).
         """
-        from safetensors import safe_open
-
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"no history index at {path}")
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                meta = f.metadata() or {}
-                t = {k: f.get_tensor(k) for k in f.keys()}
-            keys = [bytes.fromhex(k) for k in json.loads(meta.get("keys", "[]"))]
-        except Exception as exc:
-            raise ValueError(f"{path} is not a readable history index: {exc}") from exc
-        if meta.get("format") != _FORMAT or meta.get("format_version") != _FORMAT_VERSION:
-            raise ValueError(f"{path} is not a spec-rl history index (format={meta.get('format')!r})")
-        counts, lengths, tokens = t.get("counts"), t.get("lengths"), t.get("tokens")
-        if (counts is None or lengths is None or tokens is None or counts.numel() != len(keys)
-                or int(counts.sum()) != lengths.numel() or int(lengths.sum()) != tokens.numel()):  # fmt: skip
-            raise ValueError(f"{path}: response counts and lengths do not match the stored tokens (damaged file)")
+        if vocab_size is not None:
+            vocab_size = check_int("vocab_size", vocab_size, low=1)
         index = cls(**bounds)
+        keys, counts, lengths, tokens = _read_history_file(path, vocab_size)
         flat = tokens.tolist()
         offsets = [0] + torch.cumsum(lengths, 0).tolist()
         r = 0
@@ -308,3 +308,27 @@ class HistoryIndex:
                 index.add(key, flat[offsets[r] : offsets[r + 1]])
                 r += 1
         return index
+
+
+def _read_history_file(path: str | os.PathLike, vocab_size: int | None):
+    """(keys, counts [P], lengths [sum counts], tokens [sum lengths]) of a history file, checked."""
+    path, meta, tensors = read_safetensors(path, "history index")
+    if meta.get("format") != _FORMAT or meta.get("format_version") != _FORMAT_VERSION:
+        raise ValueError(f"{path} is not a spec-rl history index (format={meta.get('format')!r})")
+    check = FileCheck(path, meta, tensors, _FIX)
+    what = "a JSON list of hex strings (one per prompt)"
+    hex_keys = check.json_field("keys", list, what)
+    bad = [k for k in hex_keys if not isinstance(k, str) or len(k) % 2 or any(c not in "0123456789abcdefABCDEF" for c in k)]
+    if bad:
+        raise check.fail(f"metadata 'keys' must be {what}, got {bad[0]!r}")
+    keys = [bytes.fromhex(k) for k in hex_keys]
+    check.unique("keys", keys)
+    counts = check.tensor("counts", torch.int64, (len(keys),))
+    lengths = check.tensor("lengths", torch.int64, (None,))
+    tokens = check.tensor("tokens", torch.int64, (None,))
+    check.non_negative("counts", counts)
+    check.non_negative("lengths", lengths)
+    if int(counts.sum()) != lengths.numel() or int(lengths.sum()) != tokens.numel():
+        raise check.fail("response counts and lengths do not match the stored tokens (damaged file)")
+    check.token_ids("tokens", tokens, vocab_size)
+    return keys, counts, lengths, tokens

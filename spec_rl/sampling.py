@@ -15,11 +15,12 @@ log-probability -inf.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import torch
 
 from .philox import STREAM_SAMPLE, philox_uniform
+from .validation import check_int, check_real
 
 
 @dataclass(frozen=True)
@@ -41,14 +42,37 @@ class SamplingSettings:
     max_tokens: int = 256
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature > 0):
-            raise ValueError(f"temperature must be a finite number > 0, got {self.temperature!r}")
-        if not (0.0 < float(self.top_p) <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r} (use 1.0 to disable nucleus sampling)")
-        if int(self.top_k) != self.top_k or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r} (use 0 to disable top-k)")
-        if int(self.max_tokens) != self.max_tokens or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        # Stored as plain Python numbers (numpy scalars included), so equal settings compare, hash and
+        # serialise equal; bools and strings are refused rather than read as numbers.
+        temperature = check_real("temperature", self.temperature)
+        if not (math.isfinite(temperature) and temperature > 0):
+            raise ValueError(
+                f"temperature must be a finite number > 0, got {temperature} "
+                "(greedy decoding has no usable log-probabilities; use e.g. temperature=0.1)"
+            )
+        top_p = check_real("top_p", self.top_p)
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p} (use 1.0 to disable nucleus sampling)")
+        top_k = check_int("top_k", self.top_k, low=0, hint=" (use 0 to disable top-k)")
+        max_tokens = check_int("max_tokens", self.max_tokens, low=1, hint=" (the response budget in tokens)")
+        for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("max_tokens", max_tokens)):
+            object.__setattr__(self, name, value)
+
+    @classmethod
+    def from_dict(cls, data, name: str = "settings") -> "SamplingSettings":
+        """Settings from :meth:`to_dict`'s output (e.g. read back from a file).
+
+        Raises:
+            ValueError: ``data`` is not a dict, or has fields the settings do not have.
+            TypeError, ValueError: a field of the wrong type or value (as the constructor).
+        """
+        names = [f.name for f in fields(cls)]
+        if not isinstance(data, dict):
+            raise ValueError(f"{name} must be an object with fields {names}, got {type(data).__name__}")
+        unknown = sorted(set(data) - set(names))
+        if unknown:
+            raise ValueError(f"{name} has unknown fields {unknown} (expected {names})")
+        return cls(**data)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -61,6 +85,32 @@ class SamplingSettings:
     def is_plain(self) -> bool:
         """True when the distribution is softmax(logits / T) over the full vocabulary."""
         return self.top_k == 0 and self.top_p >= 1.0
+
+
+def check_settings(settings, name: str = "settings") -> SamplingSettings:
+    """``settings`` itself, or a TypeError when it is not a :class:`SamplingSettings` (e.g. a dict or None)."""
+    if not isinstance(settings, SamplingSettings):
+        raise TypeError(
+            f"{name} must be a SamplingSettings, got {type(settings).__name__} "
+            "(build one with SamplingSettings(temperature=..., top_p=..., top_k=..., max_tokens=...))"
+        )
+    return settings
+
+
+def _raise_if_no_distribution(total: torch.Tensor, labels=None) -> None:
+    """ValueError naming the rows whose probability mass ``total`` [N] is NaN or 0 (one host sync).
+
+    ``labels(r)`` describes row r (e.g. its uid and position)."""
+    bad = ~(total > 0)  # NaN compares False
+    if not bool(bad.any()):
+        return
+    rows = torch.nonzero(bad).flatten().tolist()
+    named = ", ".join(f"row {r}" + (f" ({labels(r)})" if labels else "") for r in rows[:8]) + (", ..." if len(rows) > 8 else "")
+    raise ValueError(
+        f"logits {named} {'has' if len(rows) == 1 else 'have'} no sampling distribution: NaN or +inf logits, or "
+        "every token has probability 0 after temperature/top-k/top-p. The policy forward produced invalid "
+        "scores: check it for overflow (fp16/bf16) or fully masked rows"
+    )
 
 
 def sampling_log_softmax(
@@ -120,6 +170,7 @@ def token_logprobs(
     return logp.gather(-1, token_ids.long().unsqueeze(-1)).squeeze(-1)
 
 
+@torch.no_grad()  # sampling is never differentiated: no graph over [N, V]
 def sample_tokens(
     logits: torch.Tensor,
     settings: SamplingSettings,
@@ -134,12 +185,20 @@ def sample_tokens(
 
     Returns:
         (token_ids [B] int64, logprobs [B] float32).
+
+    Raises:
+        TypeError: ``settings`` is not a :class:`SamplingSettings`.
+        ValueError: a row without a distribution (NaN or +inf logits, or no token left).
     """
+    check_settings(settings)
     logp = sampling_log_softmax(logits, settings.temperature, settings.top_k, settings.top_p)
-    ids = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
+    probs = logp.exp()
+    _raise_if_no_distribution(probs.sum(-1))  # instead of multinomial's "invalid distribution" error
+    ids = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     return ids, logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
 
 
+@torch.no_grad()  # sampling is never differentiated: no graph over [N, V]
 def keyed_sample(
     logits: torch.Tensor,
     settings: SamplingSettings,
@@ -172,7 +231,17 @@ def keyed_sample(
     -------
     (token_ids [N] int64, logprobs [N] float32): logprobs are under the *full* sampling
     distribution (the policy's log-prob of the token), also for residual samples.
+
+    Raises
+    ------
+    TypeError
+        ``settings`` is not a :class:`SamplingSettings`, or ``seed`` is not an integer.
+    ValueError
+        A row without a distribution (NaN or +inf logits, or every token -inf), named with its uid
+        and position.
     """
+    check_settings(settings)
+    seed = check_int("seed", seed, hint=" (a 64-bit seed, taken modulo 2**64)")
     logp = sampling_log_softmax(logits, settings.temperature, settings.top_k, settings.top_p)
     probs = logp.exp().double()  # exp in float32, sums in float64
     if exclude is not None:
@@ -182,7 +251,8 @@ def keyed_sample(
         empty = residual.sum(-1) <= 0
         probs = torch.where(empty.unsqueeze(-1), probs, residual)
     cdf = torch.cumsum(probs, dim=-1)
-    u = philox_uniform(int(seed), uids.to(torch.int64), positions.to(torch.int64), stream=STREAM_SAMPLE).double()
+    _raise_if_no_distribution(cdf[:, -1], lambda r: f"uid {int(uids[r])}, position {int(positions[r])}")
+    u = philox_uniform(seed, uids.to(torch.int64), positions.to(torch.int64), stream=STREAM_SAMPLE).double()
     target = (u * cdf[:, -1]).unsqueeze(-1)
     ids = torch.searchsorted(cdf, target).squeeze(-1).clamp(max=probs.shape[-1] - 1)
     return ids, logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1)

@@ -45,8 +45,13 @@ class DraftScores:
             return "new_logprobs"
         return "logits" if self.logits is not None else "hidden_states"
 
+    @torch.no_grad()
     def logits_at(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-        """Logits [K, V] (float32) at draft positions (rows[k], cols[k]); the LM head runs in at least float32."""
+        """Logits [K, V] (float32) at draft positions (rows[k], cols[k]); the LM head runs in at least float32.
+
+        For sampling (the token at a rejection), never for training: no autograd graph is built, even
+        when the LM head is a Parameter with ``requires_grad=True``.
+        """
         if self.logits is not None:
             return self.logits[rows, cols].float()
         dtype = torch.promote_types(self.lm_head_weight.dtype, torch.float32)

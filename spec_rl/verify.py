@@ -34,6 +34,7 @@ import torch
 from .acceptance import ACCEPTANCE_RULES, VerifyResult, lenience_to_log, lengths_mask, make_result, random_reuse_index, reference_verify
 from .sampling import SamplingSettings
 from .scoring import DraftScores
+from .validation import check_int, format_positions
 
 BACKENDS = ("auto", "reference", "triton")
 STRATEGIES = ("spec", "random")
@@ -51,6 +52,11 @@ class _Checked:
     settings: SamplingSettings
     log_lenience: float
     backend: str
+
+
+def _detached(t):
+    """``t.detach()`` for a tensor (a view: no copy), anything else unchanged (checked later)."""
+    return t.detach() if isinstance(t, torch.Tensor) else t
 
 
 def _pick_backend(backend: str, device: torch.device, settings: SamplingSettings, scores: DraftScores) -> str:
@@ -71,7 +77,8 @@ def _pick_backend(backend: str, device: torch.device, settings: SamplingSettings
 def _check_tensor(name: str, t, shape: tuple[int, ...] | None, kind: str, device: torch.device | None = None) -> None:
     """``check_shape_dtype_device``-style check: a tensor of ``shape`` (None: any), integer or float, on ``device``."""
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        hint = f" (e.g. torch.tensor({name}))" if isinstance(t, (list, tuple)) or hasattr(t, "__array__") else ""
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}{hint}")
     if shape is not None and tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
     if kind == "float" and not t.is_floating_point():
@@ -82,12 +89,15 @@ def _check_tensor(name: str, t, shape: tuple[int, ...] | None, kind: str, device
         raise ValueError(f"{name} is on {t.device} but draft_ids is on {device}; move all inputs to one device")
 
 
-def _check_finite(name: str, tensor: torch.Tensor, valid_rows: torch.Tensor | None = None) -> None:
-    values = tensor if valid_rows is None else tensor[valid_rows]
-    if values.is_floating_point() and bool((torch.isnan(values) | (values == float("inf"))).any()):
+def _check_finite(name: str, lp: torch.Tensor, valid: torch.Tensor) -> None:
+    """NaN/+inf in [B, R] log-probs at valid positions: a ValueError naming the first (sample, token) positions."""
+    bad = valid & (torch.isnan(lp) | (lp == float("inf")))
+    if bool(bad.any()):
+        where = torch.nonzero(bad)
         raise ValueError(
-            f"{name} contains NaN or +inf at unmasked positions; the policy forward produced invalid scores "
-            "(check for overflow in fp16, or mask those positions out)"
+            f"{name} contains NaN or +inf at {where.shape[0]} unmasked position(s) (sample, token): "
+            f"{format_positions(where[:8].tolist(), where.shape[0])}; the policy forward produced invalid scores "
+            "(check for overflow in fp16, or mask those positions out with lengths)"
         )
 
 
@@ -146,20 +156,9 @@ def _check_scores(scores: DraftScores, shape: tuple[int, int], device: torch.dev
     return weight.shape[0]
 
 
-def _scan_scores(scores: DraftScores, valid: torch.Tensor) -> None:
-    """NaN/+inf scan of logits or hidden states (the kernels flag these themselves)."""
-    if scores.logits is not None:
-        _check_finite("logits", scores.logits, valid)
-    elif scores.hidden_states is not None:
-        _check_finite("hidden_states", scores.hidden_states, valid)
-        _check_finite("lm_head_weight", scores.lm_head_weight)
-
-
 def _check_uids(uids, bsz: int, device: torch.device) -> torch.Tensor:
     if uids is None:
         return torch.arange(bsz, device=device, dtype=torch.int64)
-    if not isinstance(uids, torch.Tensor) or uids.shape != (bsz,):
-        raise ValueError(f"uids must be a [{bsz}] int64 tensor of per-sample ids")
     _check_tensor("uids", uids, (bsz,), "int")
     return uids.to(device=device, dtype=torch.int64)
 
@@ -168,10 +167,12 @@ def _validate(draft_ids, old_logprobs, scores, response_mask, lengths, settings,
     """Every input check of :func:`verify`, in one place."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if not isinstance(draft_ids, torch.Tensor) or draft_ids.dim() != 2:
-        raise ValueError("draft_ids must be a [B, R] tensor")
     _check_tensor("draft_ids", draft_ids, None, "int")
+    if draft_ids.dim() != 2:
+        raise ValueError(f"draft_ids must be a [B, R] tensor, got shape {tuple(draft_ids.shape)}")
     shape, device = (draft_ids.shape[0], draft_ids.shape[1]), draft_ids.device
+    if device.type == "meta":
+        raise ValueError("draft_ids is on the meta device (it holds no data); verify needs tensors with values")
     if not isinstance(old_logprobs, torch.Tensor) or tuple(old_logprobs.shape) != shape:
         got = tuple(old_logprobs.shape) if isinstance(old_logprobs, torch.Tensor) else type(old_logprobs).__name__
         raise ValueError(f"old_logprobs has shape {got}, expected draft_ids' shape {shape}")
@@ -182,8 +183,8 @@ def _validate(draft_ids, old_logprobs, scores, response_mask, lengths, settings,
     chosen = _pick_backend(backend, device, settings, scores)
     if scores.new_logprobs is not None:
         _check_logprobs("new_logprobs", scores.new_logprobs, valid)
-    elif chosen == "reference":  # the kernels flag NaN themselves; scanning here would read the scores twice
-        _scan_scores(scores, valid)
+    # Logits or hidden states are not scanned here: both backends flag the positions without a valid
+    # distribution while scoring (one read of the scores), with the same error.
     _check_logprobs("old_logprobs", old_logprobs, valid, " — did you pass probabilities or logits?")
     if vocab is not None and valid.any():
         ids = draft_ids[valid]
@@ -279,15 +280,19 @@ def verify(
     Returns
     -------
     :class:`~spec_rl.acceptance.VerifyResult`
+        Tensors without autograd history: verification runs under ``torch.no_grad()`` on detached
+        inputs, so it never keeps a graph (or its memory) alive.
 
     Raises
     ------
     ValueError
-        Shape mismatches, NaN scores or old logprobs at unmasked positions, positive
-        logprobs, token ids outside [0, V), negative or NaN lenience, bad
-        temperature/top-k/top-p, unknown strategy or backend.
+        Shape mismatches; scores without a valid distribution at unmasked positions (NaN or +inf
+        logits, or every logit -inf: the same error, naming the (sample, token) positions, on every
+        backend); NaN or positive logprobs; token ids outside [0, V); negative or NaN lenience; bad
+        temperature/top-k/top-p values; unknown strategy or backend; meta tensors.
     TypeError
-        Wrong dtypes (non-integer ids, non-float scores).
+        Wrong types: non-tensor inputs, non-integer ids, non-float scores, a non-integer seed,
+        a non-number temperature/top-p or non-integer top-k.
     NotImplementedError
         ``backend="triton"`` with top-k/top-p or a score dtype the kernels do not take.
 
@@ -308,21 +313,24 @@ def verify(
         elif isinstance(old_logprobs, torch.Tensor):
             old_logprobs = torch.zeros_like(old_logprobs)  # the exact test is the lenient one with lp_old = 0, l = 1
     settings = SamplingSettings(temperature=temperature, top_p=top_p, top_k=top_k)
-    scores = DraftScores(
-        hidden_states=hidden_states, logits=logits, lm_head_weight=lm_head_weight, lm_head_bias=lm_head_bias,
-        new_logprobs=new_logprobs,
-    )  # fmt: skip
+    seed = check_int("seed", seed, hint=" (the 64-bit seed of the acceptance uniforms, taken modulo 2**64)")
     log_l = lenience_to_log(lenience, log_lenience)
-    c = _validate(draft_ids, old_logprobs, scores, response_mask, lengths, settings, log_l, uids, backend)
-    if c.backend == "triton":
-        try:
-            return _verify_triton(c, int(seed), strategy, return_accept_mask)
-        except NotImplementedError:
-            if backend == "triton":
-                raise
-            _scan_scores(c.scores, lengths_mask(c.lengths, c.draft_ids.shape[1]))  # the fallback reads the scores
-    return reference_verify(
-        c.draft_ids, c.old_logprobs, c.lengths, c.uids, c.scores,
-        seed=int(seed), log_lenience=c.log_lenience, settings=c.settings, strategy=strategy,
-        return_accept_mask=return_accept_mask,
-    )  # fmt: skip
+    # Verification never needs gradients: detached inputs and no_grad keep a policy's LM-head Parameter
+    # (requires_grad=True) or hidden states from a forward with a graph from growing one here.
+    with torch.no_grad():
+        scores = DraftScores(
+            hidden_states=_detached(hidden_states), logits=_detached(logits), lm_head_weight=_detached(lm_head_weight),
+            lm_head_bias=_detached(lm_head_bias), new_logprobs=_detached(new_logprobs),
+        )  # fmt: skip
+        c = _validate(_detached(draft_ids), _detached(old_logprobs), scores, response_mask, lengths, settings, log_l, uids, backend)
+        if c.backend == "triton":
+            try:
+                return _verify_triton(c, seed, strategy, return_accept_mask)
+            except NotImplementedError:
+                if backend == "triton":
+                    raise
+        return reference_verify(
+            c.draft_ids, c.old_logprobs, c.lengths, c.uids, c.scores,
+            seed=seed, log_lenience=c.log_lenience, settings=c.settings, strategy=strategy,
+            return_accept_mask=return_accept_mask,
+        )  # fmt: skip

@@ -116,3 +116,60 @@ def test_bad_input(tmp_path):
         SamplingSettings(temperature=0)
     with pytest.raises(ValueError, match="top_k"):
         SamplingSettings(top_k=-1)
+
+
+@pytest.mark.parametrize(
+    "change, error, words",
+    [
+        (dict(token_ids=[1.7, 2.2]), TypeError, "token_ids must hold integers, got float"),
+        (dict(token_ids=torch.tensor([1.0, 2.0])), TypeError, "token_ids must hold integers, got torch.float32"),
+        (dict(token_ids=torch.tensor([[1, 2]])), ValueError, "token_ids must be 1-D, got shape (1, 2)"),
+        (dict(token_ids=[True, False]), TypeError, "token_ids must hold integers, got bool True"),
+        (dict(token_ids=["1", "2"]), TypeError, "token_ids must be a sequence of ints or a 1-D integer tensor"),
+        (dict(token_ids=[2**31, 1]), ValueError, "token_ids must be token ids in [0, 2**31 - 1], got 2147483648"),
+        (dict(token_ids=[2**70, 1]), ValueError, "token_ids must be token ids in [0, 2**31 - 1]"),
+        (dict(token_ids=[-3, 1]), ValueError, "token_ids must be token ids in [0, 2**31 - 1], got -3"),
+        (dict(logprobs=[[-0.1, -0.2]]), ValueError, "logprobs must be 1-D, got shape (1, 2)"),
+        (dict(logprobs=["x", "y"]), TypeError, "logprobs must be a sequence of floats or a 1-D float tensor"),
+        (dict(logprobs=[-0.1, float("nan")]), ValueError, "logprobs must be log-probabilities (<= 0, not NaN)"),
+        (dict(settings={"temperature": 1.0}), TypeError, "settings must be a SamplingSettings, got dict"),
+        (dict(settings=None), TypeError, "settings must be a SamplingSettings, got NoneType"),
+        (dict(version=1.9), TypeError, "version must be an integer, got float 1.9"),
+        (dict(version=True), TypeError, "version must be an integer, got bool"),
+        (dict(version="3"), TypeError, "version must be an integer, got str"),
+        (dict(version=-1), ValueError, "version must be >= 0, got -1"),
+        (dict(finish_reason=None), ValueError, "finish_reason must be one of ('eos', 'length'), got None"),
+        (dict(key=b"abc"), TypeError, "key must be a CacheKey (CacheKey.make(prompt_ids, slot, dataset_id)), got bytes"),
+    ],
+)
+def test_store_refuses_bad_drafts_at_store_time(tmp_path, change, error, words):
+    from spec_rl.integrations.draft_store import DirectoryDraftStore
+
+    args = dict(key=CacheKey.make([1], 0), token_ids=[1, 2], logprobs=[-0.1, -0.2], finish_reason="eos", version=0, settings=S)
+    args.update(change)
+    for store in (RolloutCache(), DirectoryDraftStore(tmp_path / "d")):
+        with pytest.raises(error) as info:
+            store.store(**args)
+        assert words in str(info.value)
+        assert len(store) == 0  # nothing half-stored
+
+
+def test_lookup_refuses_bad_arguments():
+    cache = RolloutCache()
+    with pytest.raises(TypeError, match="settings must be a SamplingSettings, got NoneType"):
+        cache.lookup(CacheKey.make([1], 0), None)
+    with pytest.raises(TypeError, match="key must be a CacheKey"):
+        cache.lookup("abc", S)
+
+
+def test_store_takes_numpy_and_int32_tensors_unchanged():
+    import numpy as np
+
+    cache = RolloutCache()
+    k = CacheKey.make([1], 0)
+    cache.store(k, np.array([4, 5], dtype=np.int64), np.array([-0.5, -1.0]), "eos", np.int64(3), S)
+    d = cache.lookup(k, S)
+    assert d.token_ids.tolist() == [4, 5] and d.logprobs.tolist() == [-0.5, -1.0] and d.version == 3
+    assert type(d.version) is int
+    cache.store(k, torch.tensor([7], dtype=torch.int32), torch.tensor([-0.25]), "length", 4, S)
+    assert cache.lookup(k, S).token_ids.tolist() == [7]

@@ -21,7 +21,10 @@ that dies.
 A lookup under different sampling settings is a miss (with one warning per
 distinct pair), exactly as in :class:`~spec_rl.cache.RolloutCache`: comparing
 log-probs of different sampling distributions would silently destroy reuse
-(docs/design.md, "The rule").
+(docs/design.md, "The rule"). A file that cannot be read, or whose contents are
+not a valid draft (unknown finish reason, NaN or positive log-probs, ids out of
+range, lengths that disagree, broken settings), is a miss with a warning naming
+the file and the problem; the next store of that key replaces it.
 """
 
 from __future__ import annotations
@@ -32,9 +35,11 @@ import struct
 import warnings
 from pathlib import Path
 
+import torch
+
 from ..atomic import atomic_save_safetensors
-from ..cache import CacheKey, Draft, DraftStore
-from ..sampling import SamplingSettings
+from ..cache import CacheKey, Draft, DraftStore, make_draft
+from ..stored_files import FileCheck
 
 _FORMAT = "spec-rl-draft"
 _FORMAT_VERSION = "1"
@@ -106,7 +111,6 @@ class DirectoryDraftStore(DraftStore):
             (header_len,) = struct.unpack("<Q", data[:8])
             meta = json.loads(data[8 : 8 + header_len]).get("__metadata__") or {}
             tensors = load(data)
-            ids, lps = tensors["token_ids"], tensors["logprobs"]
         except FileNotFoundError:
             return None
         except Exception as exc:  # a damaged file (not a torn write: writes are atomic) is a miss, not a crash
@@ -116,13 +120,12 @@ class DirectoryDraftStore(DraftStore):
         if (meta.get("format"), meta.get("format_version"), meta.get("key")) != expected:
             warnings.warn(f"draft store: {path} is not a draft of this key/format; treating it as a miss", stacklevel=3)
             return None
-        return Draft(
-            token_ids=ids,
-            logprobs=lps,
-            finish_reason=meta["finish_reason"],
-            version=int(meta["version"]),
-            settings=SamplingSettings(**json.loads(meta["settings"])),
-        )
+        try:
+            return _draft_from_file(FileCheck(path, meta, tensors, "treating it as a miss"))
+        except (TypeError, ValueError) as exc:
+            problem = getattr(exc, "problem", exc)  # a DamagedFileError's text without the path again
+            warnings.warn(f"draft store: {path} is damaged ({problem}); treating it as a miss", stacklevel=3)
+            return None
 
     def _write(self, key: CacheKey, draft: Draft) -> None:
         """Write ``draft`` (validated by :meth:`DraftStore.store`) to its file with an atomic rename."""
@@ -145,3 +148,11 @@ class DirectoryDraftStore(DraftStore):
                 p.unlink()
             except FileNotFoundError:
                 pass
+
+
+def _draft_from_file(check: FileCheck) -> Draft:
+    """The draft of one store file, checked as :meth:`DraftStore.store` checks a new one."""
+    ids = check.tensor("token_ids", torch.int32, (None,))
+    lps = check.tensor("logprobs", torch.float32, (ids.numel(),))
+    settings = check.settings(check.json_field("settings", dict, "a JSON object of sampling settings"), "settings")
+    return make_draft(ids, lps, check.meta.get("finish_reason"), check.count_field("version"), settings)

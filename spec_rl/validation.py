@@ -1,0 +1,155 @@
+"""Argument checks of the public API, one helper per kind of value (in the flashinfer
+``check_shape_dtype_device`` style): a wrong type is a TypeError, a wrong value a ValueError, and every
+message names the argument, what it takes and what it got. Nothing is coerced silently: a float is
+never rounded to an id, a bool is never a number.
+
+* :func:`check_int`, :func:`check_real` -- Python scalars (numpy scalars are accepted and returned as
+  plain ``int``/``float``).
+* :func:`as_id_vector`, :func:`as_float_vector` -- 1-D token ids / log-probs from a list, a numpy
+  array or a tensor.
+* :func:`logprob_problem`, :func:`format_positions`, :func:`invalid_scores_message` -- shared
+  wording of value checks.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+_BOUND_TEXT = {INT32_MAX: "2**31 - 1", INT64_MAX: "2**63 - 1"}
+_TENSOR_KIND = {"int": "integer", "float": "float"}
+#: Stored log-probs may exceed 0 by this much (float rounding of a log-softmax near 0).
+LOGPROB_SLACK = 1e-4
+
+
+def _got(value) -> str:
+    """``type value`` for the error messages (``NoneType`` alone for None)."""
+    return "NoneType" if value is None else f"{type(value).__name__} {value!r}"
+
+
+def _bound(high: int) -> str:
+    return _BOUND_TEXT.get(high, str(high))
+
+
+def check_int(name: str, value, *, low: int | None = None, high: int | None = None, hint: str = "") -> int:
+    """``value`` as a Python int; TypeError unless it is an integer (not a bool, not a float), ValueError outside [low, high].
+
+    Example
+    -------
+    >>> check_int("slot", 2, low=0)
+    2
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {_got(value)}{hint}")
+    value = int(value)
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}{hint}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be <= {high}, got {value}{hint}")
+    return value
+
+
+def check_real(name: str, value, hint: str = "") -> float:
+    """``value`` as a Python float; TypeError unless it is a real number (numpy scalars included, bool not)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {_got(value)}{hint}")
+    return float(value)
+
+
+def _as_tensor(name: str, values, kind: str, high: int) -> torch.Tensor:
+    """``values`` as a tensor without changing its dtype; TypeError/ValueError naming ``name`` otherwise."""
+    if isinstance(values, torch.Tensor):
+        return values
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+        raise TypeError(f"{name} must be a sequence of {kind}s or a 1-D {_TENSOR_KIND[kind]} tensor, got {type(values).__name__}")
+    if len(values) == 0:
+        return torch.zeros(0, dtype=torch.int64 if kind == "int" else torch.float32)
+    try:
+        return torch.as_tensor(values)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
+        big = [v for v in values if isinstance(v, numbers.Integral) and not -(2**63) <= int(v) <= INT64_MAX]
+        if kind == "int" and big:
+            raise ValueError(f"{name} must be token ids in [0, {_bound(high)}], got {big[0]}") from exc
+        odd = [v for v in values if not isinstance(v, numbers.Number)][:1]
+        got = f"got {_got(odd[0])}" if odd else str(exc)
+        raise TypeError(f"{name} must be a sequence of {kind}s or a 1-D {_TENSOR_KIND[kind]} tensor, {got}") from exc
+
+
+def _check_1d(name: str, t: torch.Tensor) -> None:
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
+    if t.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device (it holds no data); pass a tensor with values")
+
+
+def _not_an_int(values, t: torch.Tensor) -> str:
+    """The offending element of a list (``float 1.7``), or the dtype of an array/tensor."""
+    if isinstance(values, (list, tuple)):
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                return _got(v)
+    return str(t.dtype)
+
+
+def as_id_vector(name: str, values, *, high: int = INT32_MAX) -> torch.Tensor:
+    """Token ids as a 1-D int64 tensor (same device) with every id in [0, high].
+
+    Accepts a list/tuple of ints, a numpy integer array or an integer tensor; floats (even 2.0), bools
+    and strings are refused, never rounded.
+
+    Raises
+    ------
+    TypeError
+        Not integers.
+    ValueError
+        Not 1-D, or an id outside [0, high].
+    """
+    t = _as_tensor(name, values, "int", high)
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        raise TypeError(f"{name} must hold integers, got {_not_an_int(values, t)}; ids are never rounded")
+    _check_1d(name, t)
+    t = t.to(torch.int64)
+    if t.numel():
+        lo, hi = torch.stack([t.min(), t.max()]).tolist()
+        if lo < 0 or hi > high:
+            raise ValueError(f"{name} must be token ids in [0, {_bound(high)}], got {lo if lo < 0 else hi}")
+    return t
+
+
+def as_float_vector(name: str, values) -> torch.Tensor:
+    """Real values as a 1-D float32 tensor (same device); TypeError for strings, bools or complex numbers."""
+    t = _as_tensor(name, values, "float", INT64_MAX)
+    if t.dtype == torch.bool or t.is_complex():
+        raise TypeError(f"{name} must hold real numbers, got {t.dtype}")
+    _check_1d(name, t)
+    return t.to(torch.float32)
+
+
+def logprob_problem(lps: torch.Tensor) -> str | None:
+    """Why ``lps`` are not log-probabilities (NaN, or above 0 by more than float rounding), or None."""
+    if lps.numel() and bool((torch.isnan(lps) | (lps > LOGPROB_SLACK)).any()):
+        bad = lps[torch.isnan(lps) | (lps > LOGPROB_SLACK)][0].item()
+        return f"must be log-probabilities (<= 0, not NaN), got {bad}"
+    return None
+
+
+def format_positions(positions: list[tuple[int, ...]], total: int, limit: int = 8) -> str:
+    """``"(1, 2), (3, 0)"`` for the first ``limit`` positions, with ``", ..."`` when there are more."""
+    text = ", ".join("(" + ", ".join(str(int(i)) for i in p) + ")" for p in positions[:limit])
+    return text + (", ..." if total > limit else "")
+
+
+def invalid_scores_message(source: str, positions: list[tuple[int, int]], total: int) -> str:
+    """The error for scored positions without a valid distribution (the Triton kernels word it the same).
+
+    ``source`` names the scores ("logits", or "logits (hidden_states @ lm_head_weight.T)");
+    ``positions`` are the first (sample, token) pairs of ``total``.
+    """
+    return (
+        f"{source} give no valid distribution at {total} scored position{'s' if total != 1 else ''} (sample, token): "
+        f"{format_positions(positions, total)}: NaN, +inf, or every logit -inf. The policy forward produced invalid "
+        "scores: check it for overflow (fp16/bf16, huge hidden states), or mask those positions out with lengths"
+    )
