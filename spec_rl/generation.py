@@ -73,6 +73,13 @@ class GenerationBackend(Protocol):
     the same batches. It returns continuations for the handle's rows, then the
     extras. ``release`` frees a handle that will not be continued. ``stats``
     counts prefill/re-prefill tokens and decode steps.
+
+    Optional attributes (not part of the runtime check; absent or None means unknown):
+    ``vocab_size`` (token ids it accepts and returns lie in [0, vocab_size)) and
+    ``max_positions`` (the model's ``max_position_embeddings``: context + budget never pass it).
+    :class:`~spec_rl.rollout.SpeculativeRollout` checks prompts, drafts and every continuation
+    against them (:mod:`spec_rl.backend_checks`); without ``vocab_size`` it takes V from the
+    scoring pass and, before any scoring, checks only that ids are >= 0.
     """
 
     stats: BackendStats
@@ -140,6 +147,8 @@ class ReprefillBackend:
 
     scorer: PolicyScorer
     stats: BackendStats
+    vocab_size: int | None = None  # unknown unless a subclass says (see GenerationBackend)
+    max_positions: int | None = None
 
     def generate(self, contexts, budgets, settings, seed, *, uids=None, proposers=None) -> list[Continuation]:
         raise NotImplementedError  # pragma: no cover - abstract

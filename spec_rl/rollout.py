@@ -46,18 +46,25 @@ from typing import Any
 import torch
 
 from .acceptance import ACCEPTANCE_RULES, lenience_to_log
+from .backend_checks import (
+    BackendContractError, backend_name, check_backend, check_continuations, check_model_len, check_scored,
+    scores_vocab_size, token_ids,
+)  # fmt: skip
 from .cache import CacheKey, Draft, DraftStore
 from .generation import BackendStats, Continuation, GenerationBackend
 from .history import HistoryIndex
 from .philox import SEED_SALT_CONTINUATION, mix_seed
-from .rollout_types import RolloutRequest, RolloutResult, RolloutStats
-from .sampling import SamplingSettings, keyed_sample
+from .rollout_types import (
+    RolloutRequest, RolloutResult, RolloutStats, check_draft_ids, check_store, check_unique_samples, request_prompts,
+)  # fmt: skip
+from .sampling import SamplingSettings, check_settings, keyed_sample
 from .tree_verify import WalkResult, walk_tries
+from .validation import check_int
 from .verify import verify
 
 STRATEGIES = ("spec", "random", "off")
 
-__all__ = ["STRATEGIES", "RolloutRequest", "RolloutResult", "RolloutStats", "SpeculativeRollout"]
+__all__ = ["STRATEGIES", "BackendContractError", "RolloutRequest", "RolloutResult", "RolloutStats", "SpeculativeRollout"]
 
 
 @dataclass
@@ -72,6 +79,7 @@ class _Batch:
     store: DraftStore
     strategy: str
     stats: RolloutStats
+    vocab_size: int | None = None  # the backend's, or the scoring pass's V when the backend does not say
     drafts: list[Draft | None] = field(default_factory=list)
     drafted: list[int] = field(default_factory=list)  # requests with a non-empty draft
     responses: list[list[int]] = field(default_factory=list)
@@ -123,8 +131,15 @@ class SpeculativeRollout:
             history-drafted tokens at every decode step (tail speculation) and every stored
             response is indexed.
 
+    Everything the backend returns is checked (:mod:`spec_rl.backend_checks`; a violation raises
+    :class:`~spec_rl.backend_checks.BackendContractError` naming the backend), against its
+    ``vocab_size`` and ``max_positions`` where it has them.
+
     Raises:
-        ValueError: unknown strategy or acceptance, empty ``eos_ids``, ``max_model_len`` < 2, bad lenience.
+        TypeError: a backend, cache or settings of the wrong kind; non-integer ``max_model_len``,
+            ``seed`` or EOS ids.
+        ValueError: unknown strategy or acceptance, empty ``eos_ids`` or ids outside the vocabulary,
+            ``max_model_len`` < 2 or past the model's ``max_position_embeddings``, bad lenience.
     """
 
     def __init__(
@@ -142,27 +157,33 @@ class SpeculativeRollout:
         acceptance: str = "lenient",
         history: HistoryIndex | None = None,
     ):
+        check_backend(backend)
+        check_settings(settings)
         if acceptance not in ACCEPTANCE_RULES:
             raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {acceptance!r}")
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         if not eos_ids:
             raise ValueError("eos_ids must list at least one end-of-sequence id")
-        if max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+        vocab = getattr(backend, "vocab_size", None)
+        self.eos_ids = set(token_ids("eos_ids", list(eos_ids), vocab, backend_name(backend)))
+        self.max_model_len = check_model_len(max_model_len, backend)
         if log_lenience is not None:
             lenience = None
         self.log_lenience = lenience_to_log(lenience, log_lenience)
         self.backend = backend
-        self.cache = cache
+        self.cache = check_store("cache", cache)
         self.settings = settings
-        self.eos_ids = {int(x) for x in eos_ids}
-        self.max_model_len = int(max_model_len)
         self.strategy = strategy
-        self.seed = int(seed)
+        self.seed = check_int("seed", seed)
         self.verify_backend = verify_backend
         self.acceptance = acceptance
         self.history = history
+
+    @property
+    def vocab_size(self) -> int | None:
+        """The backend's ``vocab_size`` (None: unknown until a scoring pass gives V)."""
+        return getattr(self.backend, "vocab_size", None)
 
     def budget(self, prompt_len: int) -> int:
         """Response budget before reuse: min(max_tokens, max_model_len - prompt_len)."""
@@ -179,15 +200,27 @@ class SpeculativeRollout:
     ) -> RolloutResult:
         """Produce one response per request; stores them with version ``step``.
 
+        The call never builds an autograd graph, whatever the caller's grad mode: it runs under
+        ``torch.no_grad()`` (the scores hold the LM head as a Parameter, and verifying them with
+        grad on would keep every chunk of logits alive for a backward that never comes). Not
+        ``inference_mode``: the drafts it stores must stay ordinary tensors.
+
         Args:
             requests: the samples to produce (prompt ids, slot, dataset id).
             step: training step (derives this step's seed; the stored drafts' version).
             seed, cache, strategy: per-call overrides of the constructor's values.
 
         Raises:
-            ValueError: an empty prompt, a prompt that leaves no room for a
-                response under ``max_model_len``, or an unknown strategy.
+            TypeError: a request that is not a :class:`RolloutRequest`, non-integer ids, step or seed.
+            ValueError: an empty prompt, a prompt that leaves no room for a response under
+                ``max_model_len``, an id outside the vocabulary in a prompt or a stored draft
+                (naming the request), two requests for the same sample, or an unknown strategy.
+            BackendContractError: the backend returned something its contract rules out.
         """
+        with torch.no_grad():
+            return self._run(requests, step, seed, cache, strategy)
+
+    def _run(self, requests, step, seed, cache, strategy) -> RolloutResult:
         t0 = time.perf_counter()
         counters0 = self.backend.stats.copy()
         batch = self._plan(requests, step, seed, cache, strategy)
@@ -219,11 +252,12 @@ class SpeculativeRollout:
         strategy = self.strategy if strategy is None else strategy
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-        prompts = [list(map(int, r.prompt_ids)) for r in requests]
+        step = check_int("step", step)
+        seed = self.seed if seed is None else check_int("seed", seed)
+        store = self.cache if cache is None else check_store("cache", cache)
+        prompts = request_prompts(requests, self.vocab_size, backend_name(self.backend))
         budgets = []
         for i, p in enumerate(prompts):
-            if not p:
-                raise ValueError(f"requests[{i}] has an empty prompt")
             b = self.budget(len(p))
             if b < 1:
                 raise ValueError(
@@ -232,9 +266,9 @@ class SpeculativeRollout:
                 )
             budgets.append(b)
         keys = [CacheKey.make(p, r.slot, r.dataset_id) for p, r in zip(prompts, requests)]
-        step_seed = mix_seed(self.seed if seed is None else int(seed), step)
-        store = self.cache if cache is None else cache
-        batch = _Batch(prompts, budgets, keys, step, step_seed, store, strategy, RolloutStats(num_samples=len(prompts)))
+        check_unique_samples(keys)
+        stats = RolloutStats(num_samples=len(prompts))
+        batch = _Batch(prompts, budgets, keys, step, mix_seed(seed, step), store, strategy, stats, self.vocab_size)
         if self.history is not None:
             batch.group_keys = [CacheKey.make(p, 0, r.dataset_id).digest for p, r in zip(prompts, requests)]
         return batch
@@ -245,13 +279,17 @@ class SpeculativeRollout:
             batch.drafts = [batch.store.lookup(k, self.settings) for k in batch.keys]
         batch.drafted = [i for i, d in enumerate(batch.drafts) if d is not None and len(d) > 0]
         batch.stats.drafts_found = len(batch.drafted)
+        check_draft_ids(batch.drafts, batch.drafted, batch.vocab_size, backend_name(self.backend))
 
     def _score_and_verify(self, batch: _Batch) -> Any:
         """Score the drafts, verify them, and take the token at each rejection point. Returns the backend handle."""
         # A draft longer than today's budget (a max_model_len change) is cut to the budget.
         draft_ids = [batch.drafts[i].token_ids[: batch.budgets[i]].tolist() for i in batch.drafted]
-        scores, handle = self.backend.score_drafts([batch.prompts[i] for i in batch.drafted], draft_ids)
+        out = self.backend.score_drafts([batch.prompts[i] for i in batch.drafted], draft_ids)
+        handle = out[1] if isinstance(out, tuple) and len(out) == 2 else None
         try:
+            scores, _ = check_scored(out, len(draft_ids), max(len(d) for d in draft_ids), self._source("score_drafts"))
+            batch.vocab_size = batch.vocab_size or scores_vocab_size(scores)
             walk = self._exact_walk(batch, draft_ids, scores) if self.acceptance == "exact" else self._lenient(batch, draft_ids, scores)
             batch.stats.draft_tokens = sum(len(d) for d in draft_ids)
             batch.stats.accepted_tokens = sum(walk.n)
@@ -262,9 +300,13 @@ class SpeculativeRollout:
                 self._accept_prefix(batch, i, walk, row, end)
             _sync(self.backend.device)
         except BaseException:
-            self.backend.release(handle)
+            if handle is not None:
+                self.backend.release(handle)
             raise
         return handle
+
+    def _source(self, method: str) -> str:  # "PagedEngine.generate": names the backend in errors
+        return f"{backend_name(self.backend)}.{method}"
 
     def _exact_walk(self, batch: _Batch, draft_ids: list[list[int]], scores) -> WalkResult:
         """Exact acceptance: each sample follows the policy's keyed samples down its group's trie of drafts."""
@@ -332,18 +374,19 @@ class SpeculativeRollout:
         if handle is None:
             if not extra:
                 return
-            order = extra
+            order, asked, method = extra, budgets, "generate"
             conts = self.backend.generate(contexts, budgets, self.settings, seed, uids=self._uids(batch, order),
                                           proposers=self._proposers(batch, order))  # fmt: skip
         else:
             live = [batch.finish[i] is None for i in batch.drafted]
+            rows = [batch.budgets[i] - len(batch.responses[i]) if ok else 0 for i, ok in zip(batch.drafted, live)]
+            order, asked, method = list(batch.drafted) + extra, rows + budgets, "continue_from"
             try:
                 conts = self.backend.continue_from(
                     handle,
                     [batch.prefix_len[i] for i in batch.drafted],
                     [batch.responses[i][-1] if ok else None for i, ok in zip(batch.drafted, live)],
-                    [batch.budgets[i] - len(batch.responses[i]) if ok else 0 for i, ok in zip(batch.drafted, live)],
-                    self.settings, seed, extra_contexts=contexts, extra_budgets=budgets,
+                    rows, self.settings, seed, extra_contexts=contexts, extra_budgets=budgets,
                     uids=self._uids(batch, batch.drafted + extra),
                     proposers=self._proposers(batch, [i if ok else None for i, ok in zip(batch.drafted, live)] + extra),
                     **self._sources(batch),
@@ -351,7 +394,7 @@ class SpeculativeRollout:
             except BaseException:
                 self.backend.release(handle)
                 raise
-            order = list(batch.drafted) + extra
+        check_continuations(conts, asked, source=self._source(method), vocab_size=batch.vocab_size, eos_ids=self.eos_ids)
         for i, c in zip(order, conts):
             if batch.finish[i] is None:
                 self._append(batch, i, c)

@@ -1,4 +1,4 @@
-"""What a speculative rollout takes and returns: requests, per-step statistics, results."""
+"""What a speculative rollout takes and returns: requests (and their checks), per-step statistics, results."""
 
 from __future__ import annotations
 
@@ -6,6 +6,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import torch
+
+from .backend_checks import token_ids
+from .cache import Draft, DraftStore
 
 
 @dataclass
@@ -15,6 +18,68 @@ class RolloutRequest:
     prompt_ids: Sequence[int]
     slot: int = 0
     dataset_id: str | None = None
+
+
+def request_prompts(requests: Sequence[RolloutRequest], vocab_size: int | None, owner: str) -> list[list[int]]:
+    """The prompts of ``requests`` as lists of ints, each non-empty and in [0, vocab_size).
+
+    Raises:
+        TypeError: a request that is not a :class:`RolloutRequest`, or non-integer ids.
+        ValueError: an empty prompt or an id outside the vocabulary of ``owner`` (the message names the request).
+    """
+    prompts = []
+    for i, r in enumerate(requests):
+        if not isinstance(r, RolloutRequest):
+            raise TypeError(f"requests[{i}] must be a RolloutRequest, got {type(r).__name__}")
+        prompts.append(token_ids(f"requests[{i}].prompt_ids", r.prompt_ids, vocab_size, owner))
+        if not prompts[-1]:
+            raise ValueError(f"requests[{i}] has an empty prompt")
+    return prompts
+
+
+def check_store(name: str, store) -> DraftStore:
+    """``store`` if it is a :class:`~spec_rl.cache.DraftStore`, else a TypeError naming ``name``."""
+    if not isinstance(store, DraftStore):
+        raise TypeError(f"{name} must be a DraftStore (RolloutCache, DirectoryDraftStore), got {type(store).__name__}")
+    return store
+
+
+def check_draft_ids(drafts: Sequence[Draft | None], rows: Sequence[int], vocab_size: int | None, owner: str) -> None:
+    """Refuse a stored draft (``drafts[i]`` for i in ``rows``) with an id outside [0, vocab_size).
+
+    Raises:
+        ValueError: naming the request; such a store was filled by another model or tokenizer.
+    """
+    for i in rows:
+        ids = drafts[i].token_ids
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or (vocab_size is not None and high >= vocab_size):
+            where = f"[0, {vocab_size}) (the vocabulary of {owner})" if vocab_size else "the ids >= 0"
+            raise ValueError(
+                f"the stored draft of requests[{i}] holds token id {low if low < 0 else high} outside {where}: the "
+                "store was filled by another model or tokenizer; start from a fresh one"
+            )
+
+
+def check_unique_samples(keys: Sequence) -> None:
+    """Refuse two requests with one cache key (same prompt, slot and dataset id).
+
+    They would share one cache entry (the second response overwrites the first) and one uid, so
+    the same sampling uniforms: both would get the same response. Refused rather than warned
+    about, since a warning would still train on duplicated samples and lose one of the drafts.
+
+    Raises:
+        ValueError: naming both request indices.
+    """
+    first: dict[bytes, int] = {}
+    for i, key in enumerate(keys):
+        j = first.setdefault(key.digest, i)
+        if j != i:
+            raise ValueError(
+                f"requests[{j}] and requests[{i}] are the same sample (same prompt, slot and dataset_id): they would "
+                "share one cache entry and one sampling key; give the samples of a prompt distinct slots 0..G-1, "
+                "and repeated prompts distinct dataset_id values"
+            )
 
 
 @dataclass

@@ -11,7 +11,9 @@
   the tokens are those of one-token-per-step decoding.
 
 Sampling follows the settings exactly (temperature, top-k, top-p; no hidden defaults such as
-transformers' ``generate`` top_k=50) and stops at any id of the complete EOS set.
+transformers' ``generate`` top_k=50) and stops at any id of the complete EOS set. Token ids are
+checked against the model's vocabulary and every context + budget against its
+``max_position_embeddings`` before anything runs; no call builds an autograd graph.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .backend_checks import ModelLimits
 from .generation import BackendStats, Continuation, ReprefillBackend, ScoredDrafts, backend_arguments
 from .hf_decode import DecodeRow, KVRows, SpeculativeDecoder, prefill
 from .sampling import SamplingSettings
@@ -35,7 +38,7 @@ class SplicedDrafts(ScoredDrafts):
         self.kv = kv
 
 
-class TransformersBackend(ReprefillBackend):
+class TransformersBackend(ModelLimits, ReprefillBackend):
     """Batched generation with a transformers causal LM (see the module docstring).
 
     Args:
@@ -78,14 +81,18 @@ class TransformersBackend(ReprefillBackend):
         return next(self.model.parameters()).device
 
     # ------------------------------------------------------------------ protocol
+    @torch.no_grad()
     def generate(self, contexts, budgets, settings: SamplingSettings, seed: int, *, uids=None, proposers=None) -> list[Continuation]:
         """Sample up to ``budgets[i]`` tokens after ``contexts[i]``; ``uids[i]`` keys row i's sampling (default i).
 
         Raises:
-            ValueError: mismatched lengths, an empty context or a negative budget.
+            TypeError: non-integer ids or budgets.
+            ValueError: mismatched lengths, an empty context, a negative budget, an id outside the
+                vocabulary, or a context + budget past ``max_positions``.
         """
         if len(contexts) != len(budgets):
             raise ValueError(f"contexts ({len(contexts)}) and budgets ({len(budgets)}) must have the same length")
+        contexts = self.checked_contexts(contexts, budgets)
         uids = list(range(len(contexts))) if uids is None else [int(u) for u in uids]
         proposers = [None] * len(contexts) if proposers is None else list(proposers)
         results: list[Continuation | None] = [None] * len(contexts)
@@ -107,14 +114,19 @@ class TransformersBackend(ReprefillBackend):
             self._decode(kv, rows, settings, seed, results)
         return results  # type: ignore[return-value]
 
+    @torch.no_grad()
     def score_drafts(self, prompts, drafts) -> tuple[DraftScores, ScoredDrafts]:
-        """Score the drafts; keep the forward's K/V when :attr:`splice` is on and the tree layout ran."""
-        prompts = [list(map(int, p)) for p in prompts]
-        drafts = [list(map(int, d)) for d in drafts]
+        """Score the drafts; keep the forward's K/V when :attr:`splice` is on and the tree layout ran.
+
+        Raises:
+            ValueError: mismatched lengths, an id outside the vocabulary, or a prompt + draft past ``max_positions``.
+        """
+        prompts, drafts = self.checked_rows(prompts, drafts)
         scores, kv = self.scorer.score_with_kv(prompts, drafts, keep_kv=self.splice)
         handle = SplicedDrafts(prompts, drafts, kv) if kv is not None else ScoredDrafts(prompts, drafts)
         return scores, handle
 
+    @torch.no_grad()
     def continue_from(
         self, handle, accepted_lens, first_tokens, budgets, settings, seed, extra_contexts=(), extra_budgets=(), *,
         uids=None, proposers=None, sources=None,
@@ -125,23 +137,18 @@ class TransformersBackend(ReprefillBackend):
         None or budget 0 get an empty "length" continuation.
 
         Raises:
-            ValueError: a handle that is not this backend's or was already used; mismatched lengths.
+            ValueError: a handle that is not this backend's or was already used; mismatched lengths;
+                an id outside the vocabulary or a sequence past ``max_positions``.
         """
         if not isinstance(handle, SplicedDrafts):
             return super().continue_from(handle, accepted_lens, first_tokens, budgets, settings, seed,
                                          extra_contexts, extra_budgets, uids=uids, proposers=proposers, sources=sources)  # fmt: skip
-        if handle.used:
-            raise ValueError("handle must come from this backend's score_drafts and be continued once")
-        handle.used = True
+        live, extra_contexts = self._check_spliced(handle, accepted_lens, first_tokens, budgets, extra_contexts, extra_budgets)
         n_rows = len(handle.prompts)
-        for name, seq in (("accepted_lens", accepted_lens), ("first_tokens", first_tokens), ("budgets", budgets)):
-            if len(seq) != n_rows:
-                raise ValueError(f"{name} has {len(seq)} entries; the handle has {n_rows} rows")
         total = n_rows + len(extra_contexts)
         uids = list(range(total)) if uids is None else [int(u) for u in uids]
         proposers = [None] * total if proposers is None else list(proposers)
         results: list[Continuation | None] = [None] * total
-        live = [i for i in range(n_rows) if first_tokens[i] is not None and int(budgets[i]) > 0]
         for i in set(range(n_rows)) - set(live):
             results[i] = Continuation([], [], "length")
         src = list(range(n_rows)) if sources is None else [int(s) for s in sources]
@@ -174,6 +181,27 @@ class TransformersBackend(ReprefillBackend):
             handle.kv = None
 
     # ------------------------------------------------------------------ internals
+    def _check_spliced(self, handle, accepted_lens, first_tokens, budgets, extra_contexts, extra_budgets):
+        """Check a continue_from of a spliced handle (released on an error); returns (live rows, extra contexts)."""
+        if handle.used:
+            raise ValueError("handle must come from this backend's score_drafts and be continued once")
+        try:
+            n_rows = len(handle.prompts)
+            for name, seq in (("accepted_lens", accepted_lens), ("first_tokens", first_tokens), ("budgets", budgets)):
+                if len(seq) != n_rows:
+                    raise ValueError(f"{name} has {len(seq)} entries; the handle has {n_rows} rows")
+            live = [i for i in range(n_rows) if first_tokens[i] is not None and int(budgets[i]) > 0]
+            for i in live:
+                self.check_first_token(i, first_tokens[i], handle.kv.prompt_len(i) + int(accepted_lens[i]) + 1, int(budgets[i]))
+            if len(extra_contexts) != len(extra_budgets):
+                raise ValueError(f"extra_contexts ({len(extra_contexts)}) and extra_budgets ({len(extra_budgets)}) differ in length")
+            extra = self.checked_contexts(extra_contexts, extra_budgets, ("extra_contexts", "extra_budgets"))
+        except BaseException:
+            self.release(handle)
+            raise
+        handle.used = True
+        return live, extra
+
     def _prefill_rows(self, contexts, budgets, uids, proposers, outs, settings, seed) -> tuple[KVRows, list[DecodeRow]]:
         """Prefill the contexts and sample each row's first token (keyed at position len(context))."""
         kv, logits = prefill(self.model, contexts, self.pad_id)

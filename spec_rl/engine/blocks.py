@@ -13,13 +13,16 @@ The design follows the readable block manager of nano-vllm (refcounted
 blocks, a free list); no code is taken from it.
 
 Failure is explicit and atomic: an operation that needs more free blocks than
-exist raises :class:`OutOfBlocks` before changing any state.
+exist raises :class:`OutOfBlocks`, and one with a bad argument (a token count
+that is not an integer >= 0, an unknown block) raises before changing any state.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Hashable
+
+from ..validation import check_int
 
 
 class OutOfBlocks(RuntimeError):
@@ -50,15 +53,15 @@ class BlockManager:
         block_size: tokens per block (>= 1).
 
     Sequences are identified by any hashable id chosen by the caller.
+
+    Raises:
+        TypeError: a size or token count that is not an integer (floats are never truncated).
+        ValueError: a size < 1 or a negative token count.
     """
 
     def __init__(self, num_blocks: int, block_size: int):
-        if int(num_blocks) != num_blocks or num_blocks < 1:
-            raise ValueError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
-        if int(block_size) != block_size or block_size < 1:
-            raise ValueError(f"block_size must be an integer >= 1, got {block_size!r}")
-        self.num_blocks = int(num_blocks)
-        self.block_size = int(block_size)
+        self.num_blocks = check_int("num_blocks", num_blocks, low=1)
+        self.block_size = check_int("block_size", block_size, low=1)
         self._free: deque[int] = deque(range(self.num_blocks))
         self._ref = [0] * self.num_blocks
         self._tables: dict[Hashable, list[int]] = {}
@@ -71,6 +74,14 @@ class BlockManager:
         return len(self._free)
 
     def refcount(self, block: int) -> int:
+        """References to ``block`` (0: free).
+
+        Raises:
+            IndexError: ``block`` is not in [0, num_blocks).
+        """
+        block = check_int("block", block)
+        if not 0 <= block < self.num_blocks:
+            raise IndexError(f"block {block} is outside [0, {self.num_blocks})")
         return self._ref[block]
 
     def has(self, seq: Hashable) -> bool:
@@ -121,10 +132,9 @@ class BlockManager:
             ValueError: ``seq`` exists already or ``num_tokens`` < 0.
             OutOfBlocks: too few free blocks (nothing changed).
         """
+        num_tokens = check_int("num_tokens", num_tokens, low=0)
         if seq in self._tables:
             raise ValueError(f"sequence {seq!r} already exists; free it first")
-        if num_tokens < 0:
-            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         need = self.blocks_for(num_tokens)
         if need > len(self._free):
             raise OutOfBlocks(need, len(self._free), f"allocate {num_tokens} tokens for {seq!r}")
@@ -145,7 +155,7 @@ class BlockManager:
         if child in self._tables:
             raise ValueError(f"sequence {child!r} already exists; free it first")
         plen = self._lens[parent]
-        length = plen if length is None else int(length)
+        length = plen if length is None else check_int("length", length)
         if not 0 <= length <= plen:
             raise ValueError(f"fork length must be in [0, {plen}] (the parent's length), got {length}")
         shared = self._tables[parent][: self.blocks_for(length)]
@@ -165,8 +175,7 @@ class BlockManager:
         Raises:
             OutOfBlocks: too few free blocks (nothing changed).
         """
-        if num_tokens < 0:
-            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        num_tokens = check_int("num_tokens", num_tokens, low=0)
         cost = self.append_cost(seq, num_tokens)
         if cost > len(self._free):
             raise OutOfBlocks(cost, len(self._free), f"append {num_tokens} tokens to {seq!r}")
@@ -190,6 +199,7 @@ class BlockManager:
         append into it copies it first (copy-on-write), so other holders never see the write.
         """
         self._require(seq)
+        new_len = check_int("new_len", new_len)
         if not 0 <= new_len <= self._lens[seq]:
             raise ValueError(f"new_len must be in [0, {self._lens[seq]}] (the current length), got {new_len}")
         table = self._tables[seq]

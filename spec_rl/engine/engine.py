@@ -29,9 +29,11 @@ from collections.abc import Sequence
 
 import torch
 
+from ..backend_checks import ModelLimits
 from ..generation import Continuation, backend_arguments
-from ..sampling import SamplingSettings
+from ..sampling import SamplingSettings, check_settings
 from ..scoring import DraftScores, ScoringHead
+from ..validation import check_int
 from .blocks import BlockManager
 from .model_runner import CacheLayout, EngineStats, ModelRunner
 from .sampler import KeyedSampler
@@ -46,12 +48,7 @@ def check_same_length(expected: int, what: str, **named: Sequence) -> None:
             raise ValueError(f"{name} ({len(values)}) and {what} ({expected}) must have the same length")
 
 
-def _check_settings(settings) -> None:
-    if not isinstance(settings, SamplingSettings):
-        raise TypeError(f"settings must be a SamplingSettings, got {type(settings).__name__}")
-
-
-class PagedEngine:
+class PagedEngine(ModelLimits):
     """Generation backend over a paged KV cache for transformers causal LMs (Llama, Qwen2, Qwen3 families).
 
     Args:
@@ -62,7 +59,7 @@ class PagedEngine:
         block_size: tokens per KV block (default 16).
         num_blocks: blocks in the cache; default: as many as ``kv_cache_bytes`` allows.
         kv_cache_bytes: KV memory budget in bytes when ``num_blocks`` is None
-            (default 1 GiB on CPU, 40% of free memory on CUDA).
+            (default 1 GiB on CPU, 40% of free memory on CUDA); it must hold at least one block.
         max_batch_size: most sequences decoded together.
         max_tokens_per_forward: most tokens in one prefill/scoring forward
             (default 4096 on CPU, 32768 on GPU).
@@ -70,9 +67,14 @@ class PagedEngine:
         max_k: most proposed tokens fed per sequence and decode step when the caller passes
             proposers (default 8; 0 turns speculation off).
 
+    Token ids are checked against :attr:`vocab_size` and every context + budget against
+    :attr:`max_positions` before a block is taken; a call that fails (bad arguments, or an error
+    inside a forward) frees every block it took.
+
     Raises:
-        ValueError: bad sizes, a negative ``max_k``, empty ``eos_ids``, or a model with
-            sliding-window layers.
+        TypeError: non-integer sizes.
+        ValueError: bad sizes (``block_size`` < 1, a ``kv_cache_bytes`` that holds no block), a
+            negative ``max_k``, empty ``eos_ids``, or a model with sliding-window layers.
     """
 
     def __init__(
@@ -100,6 +102,7 @@ class PagedEngine:
             raise ValueError(f"max_tokens_per_forward must be >= 1, got {max_tokens_per_forward}")
         self.max_tokens_per_forward = int(max_tokens_per_forward)
         layout = CacheLayout.from_model(model)  # rejects sliding-window layers and unsupported dtypes
+        block_size = check_int("block_size", block_size, low=1)
         if num_blocks is None:
             num_blocks = layout.num_blocks_for(block_size, self.device, kv_cache_bytes)
         self.blocks = BlockManager(num_blocks, block_size)  # validates both
@@ -143,18 +146,28 @@ class PagedEngine:
         Returns one :class:`~spec_rl.generation.Continuation` per context, in order.
 
         Raises:
-            ValueError: mismatched lengths, an empty context or a negative budget.
+            TypeError: non-integer ids or budgets.
+            ValueError: mismatched lengths, an empty context, a negative budget, an id outside the
+                vocabulary, or a context + budget past :attr:`max_positions`.
             OutOfBlocks: one context plus its budget cannot fit even in an empty cache.
         """
         check_same_length(len(contexts), "contexts", budgets=budgets)
+        contexts = self.checked_contexts(contexts, budgets)
         sampler = self._sampler(settings, seed, len(contexts), uids, proposers, "contexts")
         results: list[Continuation | None] = [None] * len(contexts)
         groups = group_by_context(contexts, budgets, results)
         return self._run(groups, [], results, sampler)
 
+    def _check_first_tokens(self, handle: SpliceHandle, accepted_lens, first_tokens, budgets) -> None:
+        """Each given first token is an id, and its row (prompt + n + the token + budget) fits the positions."""
+        for i, token in enumerate(first_tokens):
+            if token is not None:
+                n, budget = check_int(f"accepted_lens[{i}]", accepted_lens[i]), check_int(f"budgets[{i}]", budgets[i])
+                self.check_first_token(i, token, len(handle.prompts[i]) + n + 1, budget)
+
     def _sampler(self, settings, seed: int, rows: int, uids, proposers, what: str) -> KeyedSampler:
         """The :class:`KeyedSampler` of one call, after checking ``settings``, ``uids`` and ``proposers``."""
-        _check_settings(settings)
+        check_settings(settings)
         uids = list(range(rows)) if uids is None else [int(u) for u in uids]
         proposers = [None] * rows if proposers is None else list(proposers)
         check_same_length(rows, what, uids=uids, proposers=proposers)
@@ -175,15 +188,13 @@ class PagedEngine:
             no other engine call may run in between.
 
         Raises:
-            ValueError: mismatched lengths or an empty prompt.
+            TypeError: non-integer ids.
+            ValueError: mismatched lengths, an empty prompt, an id outside the vocabulary, or a
+                prompt + draft past :attr:`max_positions`.
             OutOfBlocks: one row cannot fit even in an empty cache.
         """
         check_same_length(len(prompts), "prompts", drafts=drafts)
-        prompts = [[int(t) for t in p] for p in prompts]
-        drafts = [[int(t) for t in d] for d in drafts]
-        for i, p in enumerate(prompts):
-            if not p:
-                raise ValueError(f"prompts[{i}] is empty; a prompt needs at least one token")
+        prompts, drafts = self.checked_rows(prompts, drafts)
         self.runner.allocate_cache()
         self.epoch += 1
         dtype = self.runner.layout.dtype if self.head.uses_hidden_states else torch.float32
@@ -266,7 +277,10 @@ class PagedEngine:
             sampler = self._sampler(
                 settings, seed, rows + len(extra_contexts), uids, proposers, "the handle's rows + extra_contexts"
             )
-            extra = group_by_context(extra_contexts, extra_budgets, results, ("extra_contexts", "extra_budgets"), rows)
+            names = ("extra_contexts", "extra_budgets")
+            self._check_first_tokens(handle, accepted_lens, first_tokens, budgets)
+            extra_contexts = self.checked_contexts(extra_contexts, extra_budgets, names)
+            extra = group_by_context(extra_contexts, extra_budgets, results, names, rows)
             resumed, groups = self.scheduler.resume_scored_rows(
                 handle, accepted_lens, first_tokens, budgets, results, sources, self.runner.fork_sequence
             )
@@ -276,17 +290,20 @@ class PagedEngine:
 
     @torch.no_grad()
     def _run(self, groups, resumed, results: list[Continuation | None], sampler: KeyedSampler):
-        """Schedule, prefill and decode until every sequence finished; fills ``results``."""
-        self.runner.allocate_cache()
+        """Schedule, prefill and decode until every sequence finished; fills ``results``.
+
+        On any error every sequence of the call (``resumed`` included) is freed before it propagates.
+        """
         self.epoch += 1
         sched, runner = self.scheduler, self.runner
         sched.add(groups, resumed)
         bar = None
-        if self.progress:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(desc="decode", leave=False, unit="tok")
         try:
+            self.runner.allocate_cache()
+            if self.progress:
+                from tqdm.auto import tqdm
+
+                bar = tqdm(desc="decode", leave=False, unit="tok")
             while sched.has_work:
                 for wave in sched.prefill_waves(sched.schedule()):
                     sched.running.extend(runner.prefill(wave, sampler))

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .. import ops
+from ..validation import check_int
 from ..generation import BackendStats
 from ..scoring import ScoringHead, response_positions
 from .attention import build_batch, paged_attention_active
@@ -94,14 +95,26 @@ class CacheLayout:
         return self.num_layers * 2 * int(block_size) * self.kv_heads * self.head_dim * self.dtype.itemsize
 
     def num_blocks_for(self, block_size: int, device: torch.device, kv_cache_bytes: int | None = None) -> int:
-        """Blocks that fit ``kv_cache_bytes`` (default: 1 GiB on CPU, 40% of free memory on CUDA), at least 1."""
-        if kv_cache_bytes is None:
-            if device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(device)
-                kv_cache_bytes = int(CUDA_FREE_MEMORY_SHARE * free)
-            else:
-                kv_cache_bytes = DEFAULT_CPU_KV_BYTES
-        return max(1, int(kv_cache_bytes) // self.bytes_per_block(block_size))
+        """Blocks that fit ``kv_cache_bytes`` (default: 1 GiB on CPU, 40% of free memory on CUDA).
+
+        Raises:
+            TypeError: a non-integer ``kv_cache_bytes``.
+            ValueError: ``kv_cache_bytes`` < 1, or too small for one block.
+        """
+        cuda_share = kv_cache_bytes is None and device.type == "cuda"
+        if cuda_share:
+            kv_cache_bytes = int(CUDA_FREE_MEMORY_SHARE * torch.cuda.mem_get_info(device)[0])
+        elif kv_cache_bytes is None:
+            kv_cache_bytes = DEFAULT_CPU_KV_BYTES
+        kv_cache_bytes = check_int("kv_cache_bytes", kv_cache_bytes, low=1)
+        per_block = self.bytes_per_block(block_size)
+        if kv_cache_bytes < per_block:
+            what = f"{CUDA_FREE_MEMORY_SHARE:.0%} of free CUDA memory" if cuda_share else "kv_cache_bytes"
+            raise ValueError(
+                f"{what}={kv_cache_bytes} holds no KV block ({per_block} bytes at block_size={block_size}); "
+                "raise kv_cache_bytes or pass num_blocks"
+            )
+        return kv_cache_bytes // per_block
 
 
 def find_decode_kernel(device: torch.device):
@@ -248,9 +261,22 @@ class ModelRunner:
         """One forward over the contexts of ``groups``; fork each group's members and sample their first tokens.
 
         Member m of a group draws its first token at position ``len(context)`` with its own uid,
-        so the G members of a group diverge although they share the context's blocks.
+        so the G members of a group diverge although they share the context's blocks. On an
+        error every sequence made here is freed before it propagates (none is running yet).
         """
-        roots = [self.new_sequence() for _ in groups]
+        made: list[int] = []
+        try:
+            return self._prefill(groups, sampler, made)
+        except BaseException:
+            for seq_id in made:
+                if self.blocks.has(seq_id):
+                    self.blocks.free(seq_id)
+            raise
+
+    def _prefill(self, groups: list[PrefillGroup], sampler: KeyedSampler, made: list[int]) -> list[SequenceState]:
+        for _ in groups:
+            made.append(self.new_sequence())
+        roots = list(made)
         items = [(root, g.context, 0) for root, g in zip(roots, groups)]
         logits = self.forward(items, [[len(g.context) - 1] for g in groups], hidden=False)
         self.stats.prefill_tokens += sum(len(g.context) for g in groups)
@@ -262,6 +288,7 @@ class ModelRunner:
                 seq_id = root
                 if m > 0:
                     seq_id = self.fork_sequence(root)
+                    made.append(seq_id)
                     self.stats.shared_prefill_tokens += len(g.context)
                 seqs.append(SequenceState(seq_id, member.result_index, member.budget))
                 rows.append(k)
