@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from .faults import fault_point
+
 TMP_SUFFIX = ".tmp"
 
 
@@ -31,6 +33,32 @@ def fsync_dir(folder: str | os.PathLike) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    """Flush one file's data to disk."""
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def is_leftover(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is the temporary file of an interrupted :func:`atomic_write` (``.<name>.<random>.tmp``)."""
+    name = Path(path).name
+    return name.startswith(".") and name.endswith(TMP_SUFFIX)
+
+
+def remove_leftovers(folder: str | os.PathLike) -> list[Path]:
+    """Delete the temporary files that killed writers left directly in ``folder``; returns what was removed.
+
+    Only plain files named like :func:`atomic_write`'s temporaries are touched; a missing folder is fine.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    removed = [p for p in folder.iterdir() if p.is_file() and not p.is_symlink() and is_leftover(p)]
+    for p in removed:
+        p.unlink(missing_ok=True)
+    return removed
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[str], None], fsync: bool = True) -> Path:
@@ -56,8 +84,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None], fsync: b
     try:
         write(tmp)
         if fsync:
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
+            fsync_file(tmp)
+        fault_point(f"write:{path.name}")
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

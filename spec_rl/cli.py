@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from .trainer.config import ACCEPTANCE_RULES, MODE_PRESETS, GRPOConfig
+from .trainer.config import ACCEPTANCE_RULES, MODE_PRESETS, ConfigError, GRPOConfig
 
 #: What the demo compares by default: plain vanilla (the reference), SPEC-RL (lenient, with tail
 #: speculation), SPEC-RL with exact acceptance, and vanilla with history speculation alone.
@@ -43,6 +43,31 @@ MODEL_DEFAULTS = dict(
 )
 
 
+#: GRPOConfig fields whose flag is not ``--`` + the field name with dashes.
+_FLAGS = {"generation_backend": "--backend", "save_checkpoint": "--no-checkpoint", "mode": "--modes"}
+
+
+class UsageError(SystemExit):
+    """A bad command line or input: :func:`main` prints "spec-rl: error: <message>" and exits with status 2.
+
+    ``str(err)`` is the message (so callers of :func:`main` can match it); ``err.code`` is 2.
+    """
+
+    def __init__(self, message: str):
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (no usage block), raised as :class:`UsageError`."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
     if math.isnan(value) or value < 0:
@@ -50,8 +75,18 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="spec-rl", description="Speculative rollouts for RL on LLMs (SPEC-RL).")
+    p = _Parser(prog="spec-rl", description="Speculative rollouts for RL on LLMs (SPEC-RL).")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser(
         "train",
@@ -63,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--data-format", default="auto", choices=["auto", "gsm8k", "math"], help="format of --data")
     t.add_argument("--hf-dataset", help="load prompts with the `datasets` library instead of --data (name or local path)")
     t.add_argument("--hf-split", default="train", help="split for --hf-dataset")
-    t.add_argument("--limit", type=int, help="use only the first N prompts")
+    t.add_argument("--limit", type=_positive_int, help="use only the first N prompts (also of the demo's train set)")
     t.add_argument("--out", help="run directory (default: runs/<timestamp>)")
     t.add_argument("--reward", default="math", help="reward function name")
     mode = t.add_mutually_exclusive_group()
@@ -121,7 +156,7 @@ def _modes(args: argparse.Namespace, demo: bool) -> list[str]:
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
         bad = [m for m in modes if m not in MODE_PRESETS]
         if bad or not modes:
-            raise SystemExit(f"spec-rl: --modes takes {', '.join(MODE_PRESETS)}; got {args.modes!r}")
+            raise UsageError(f"--modes takes {', '.join(MODE_PRESETS)}; got {args.modes!r}")
         return modes
     main = "vanilla" if (args.no_spec or args.lenience == 0) else args.reuse
     if main == "spec" and args.acceptance == "exact":
@@ -134,31 +169,38 @@ def _modes(args: argparse.Namespace, demo: bool) -> list[str]:
     return [main]
 
 
-def _load_examples(args: argparse.Namespace):
+def _load_examples(args: argparse.Namespace, demo: bool):
+    """The training prompts: the demo's train set, --data or --hf-dataset, cut to --limit."""
     from .data import load_hf_dataset, load_jsonl
 
-    if args.data and args.hf_dataset:
-        raise SystemExit("spec-rl: pass either --data or --hf-dataset, not both")
-    if args.data:
-        return load_jsonl(args.data, fmt=args.data_format, limit=args.limit)
-    return load_hf_dataset(args.hf_dataset, split=args.hf_split, fmt=args.data_format, limit=args.limit)
+    if demo:
+        if args.data or args.hf_dataset:
+            raise UsageError("--data needs --model (the demo policy only knows the demo task)")
+        from .tasks.demo_data import demo_train_set
+
+        examples = demo_train_set()[: args.limit]
+    elif args.data and args.hf_dataset:
+        raise UsageError("pass either --data or --hf-dataset, not both")
+    elif args.data:
+        examples = load_jsonl(args.data, fmt=args.data_format, limit=args.limit)
+    elif args.hf_dataset:
+        examples = load_hf_dataset(args.hf_dataset, split=args.hf_split, fmt=args.data_format, limit=args.limit)
+    else:
+        raise UsageError("--model needs training prompts: pass --data FILE.jsonl or --hf-dataset NAME")
+    if not examples:
+        raise UsageError("no training prompts were loaded")
+    return examples
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    from .rewards import get_reward_fn
-    from .trainer.report import closing_lines
-    from .trainer.run import run_modes
-
-    demo = args.model is None
-    if demo and (args.data or args.hf_dataset):
-        raise SystemExit("spec-rl: --data needs --model (the demo policy only knows the demo task)")
+def _config(args: argparse.Namespace, demo: bool) -> GRPOConfig:
+    """GRPOConfig from the flags; the demo and a user's model have different defaults."""
     defaults = DEMO_DEFAULTS if demo else MODEL_DEFAULTS
-    modes = _modes(args, demo)
+
     def pick(name: str):
         value = getattr(args, name)
         return defaults[name] if value is None else value
 
-    config = GRPOConfig(
+    return GRPOConfig(
         lenience=args.lenience if args.lenience > 0 else 0.0,
         acceptance=args.acceptance,
         history_spec=args.history_spec,
@@ -182,34 +224,52 @@ def cmd_train(args: argparse.Namespace) -> int:
         generation_backend=args.backend,
         save_checkpoint=not args.no_checkpoint,
     )
+
+
+def _model_path(args: argparse.Namespace, demo: bool) -> Path:
     if demo:
-        from .tasks.demo_policy import build_demo_policy, demo_train_set
+        from .tasks.demo_policy import build_demo_policy
 
         t0 = time.perf_counter()
-        model_path = build_demo_policy(cache_dir=args.cache_dir, progress=not args.no_progress)
-        print(f"demo policy: {model_path} ({time.perf_counter() - t0:.1f} s)")
-        examples = demo_train_set()
-    else:
-        model_path = Path(args.model)
-        if not (model_path / "config.json").is_file():
-            raise FileNotFoundError(
-                f"--model {model_path}: not a transformers checkpoint directory (no config.json); "
-                "pass a local folder written by save_pretrained (the hub is not used)"
-            )
-        if not args.data and not args.hf_dataset:
-            raise SystemExit("spec-rl: --model needs training prompts: pass --data FILE.jsonl or --hf-dataset NAME")
-        examples = _load_examples(args)
-        if args.limit is not None and args.data is None:
-            examples = examples[: args.limit]
-    if not examples:
-        raise SystemExit("spec-rl: no training prompts were loaded")
+        path = build_demo_policy(cache_dir=args.cache_dir, progress=not args.no_progress)
+        print(f"demo policy: {path} ({time.perf_counter() - t0:.1f} s)")
+        return path
+    path = Path(args.model)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"--model {path}: not a transformers checkpoint directory (no config.json); "
+            "pass a local folder written by save_pretrained (the hub is not used)"
+        )
+    return path
 
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from .rewards import get_reward_fn
+    from .trainer.config import resolve_device
+    from .trainer.report import closing_lines
+    from .trainer.rundir import plan_run
+    from .trainer.run import run_modes
+
+    demo = args.model is None
+    if args.no_progress:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # "Loading weights" / "Writing model shards" bars
+    modes = _modes(args, demo)
+    config = _config(args, demo)
+    resolve_device(config.device)
+    reward_fn = get_reward_fn(args.reward)
+    if args.resume and not args.out:
+        raise UsageError("--resume needs --out DIR, the run directory to continue")
     out = Path(args.out) if args.out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    model_path = None if demo else _model_path(args, demo)
+    examples = _load_examples(args, demo)
+    plan_run(out, modes, args.resume)  # before the demo policy build, which can take minutes
+    model_path = model_path or _model_path(args, demo)
     print(
         f"run dir: {out} | modes: {', '.join(modes)} | prompts: {len(examples)} | G={config.group_size} | "
         f"epochs={config.epochs} | lenience l={config.lenience:.4g}"
     )
-    reward_fn = get_reward_fn(args.reward)
     t0 = time.perf_counter()
     summary = run_modes(
         model_path, examples, reward_fn, config, modes, out, progress=not args.no_progress, resume=args.resume
@@ -220,19 +280,29 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _one_line(err: Exception) -> str:
+    """The message of a bad-input error, naming the flag where a GRPOConfig field was at fault."""
+    if isinstance(err, ConfigError):
+        return f"{_FLAGS.get(err.field, '--' + err.field.replace('_', '-'))} {err.requirement}"
+    return str(err)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command == "train":
+    """``spec-rl``: bad arguments or inputs print one "spec-rl: error: ..." line and exit with status 2.
+
+    ``SPEC_RL_DEBUG=1`` keeps the traceback of such errors for bug reports.
+    """
+    try:
+        args = build_parser().parse_args(argv)
         try:
             return cmd_train(args)
         except (ValueError, TypeError, FileNotFoundError) as err:
-            # Bad arguments or inputs: one clear line and exit status 2, as argparse does.
-            # SPEC_RL_DEBUG=1 keeps the traceback for bug reports.
             if os.environ.get("SPEC_RL_DEBUG"):
                 raise
-            parser.exit(2, f"spec-rl: error: {err}\n")
-    return 2
+            raise UsageError(_one_line(err)) from None
+    except UsageError as err:
+        sys.stderr.write(f"spec-rl: error: {err}\n")
+        raise
 
 
 if __name__ == "__main__":

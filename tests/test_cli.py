@@ -1,6 +1,7 @@
 """`spec-rl train` on a local checkpoint and real GSM8K-format data."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -49,3 +50,134 @@ def test_bad_cli_input(tmp_path, model_dir, capsys):
         main(["train", "--lenience", "-1"])
     with pytest.raises(SystemExit, match="--modes"):
         main(["train", "--model", str(model_dir), "--data", "x", "--modes", "fast"])
+
+
+def _error_line(capsys, argv) -> str:
+    """Run the CLI, expect exit status 2 and exactly one stderr line "spec-rl: error: ..."; return that line."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("spec-rl: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    return err.strip()
+
+
+@pytest.fixture()
+def data_file(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(
+        json.dumps({"question": f"Tom has {a} apples . Ann buys {b} more . how many ?", "answer": f"#### {a + b}"})
+        + "\n"
+        for a, b in [(1, 2), (3, 4)]
+    ))  # fmt: skip
+    return path
+
+
+def _train_argv(model_dir, data_file, out, *extra):
+    return ["train", "--model", str(model_dir), "--data", str(data_file), "--out", str(out), "--epochs", "1",
+            "--group-size", "2", "--prompts-per-step", "2", "--max-response-len", "4", "--modes", "vanilla",
+            "--no-progress", *extra]  # fmt: skip
+
+
+# (flags, what the one error line must contain): the flag at fault and what it must be.
+BAD_FLAGS = [
+    (["--clip-high", "nan"], ["--clip-high must be a finite number >= 0", "got nan"]),
+    (["--clip-low", "nan"], ["--clip-low must be a finite number in [0, 1)", "got nan"]),
+    (["--clip-low", "1"], ["--clip-low must be a finite number in [0, 1)", "got 1.0"]),
+    (["--kl-coef", "nan"], ["--kl-coef must be a finite number >= 0", "0 turns the KL term off"]),
+    (["--kl-coef", "inf"], ["--kl-coef must be a finite number >= 0", "got inf"]),
+    (["--lr", "nan"], ["--lr must be a finite number > 0", "got nan"]),
+    (["--lr", "0"], ["--lr must be a finite number > 0"]),
+    (["--temperature", "nan"], ["--temperature must be a finite number > 0"]),
+    (["--top-p", "1.5"], ["--top-p must be a finite number in (0, 1]", "1 disables"]),
+    (["--lenience", "nan"], ["argument --lenience: must be a number >= 0 (or inf)", "'nan'"]),
+    (["--max-model-len", "0"], ["--max-model-len must be an integer >= 2", "None: the model's max_posit", "got 0"]),
+    (["--max-model-len", "-5"], ["--max-model-len must be an integer >= 2", "got -5"]),
+    (["--max-model-len", "100000"], ["--max-model-len must be <= the model's max_position_embeddings (128)", "100000"]),
+    (["--seed", "1e23"], ["argument --seed: invalid int value: '1e23'", "--help"]),
+    (["--seed", "abc"], ["argument --seed: invalid int value: 'abc'"]),
+    (["--seed", str(10**23)], ["--seed must be an integer in [-2**63, 2**64 - 1]"]),
+    (["--limit", "0"], ["argument --limit: must be an integer >= 1", "'0'"]),
+    (["--device", "tpu9"], ["--device must be auto, cpu, cuda, cuda:<index> or mps", "'tpu9'"]),
+    (["--spec-tokens", "-1"], ["--spec-tokens must be an integer >= 0", "0 disables tail speculation"]),
+    (["--epochs", "0"], ["--epochs must be an integer >= 1"]),
+]
+
+
+@pytest.mark.parametrize("flags, expected", BAD_FLAGS, ids=[" ".join(flags) for flags, _ in BAD_FLAGS])
+def test_bad_flag_values_give_one_line_naming_the_flag(flags, expected, model_dir, data_file, tmp_path, capsys):
+    line = _error_line(capsys, _train_argv(model_dir, data_file, tmp_path / "run", *flags))
+    for text in expected:
+        assert text in line, line
+    assert not (tmp_path / "run" / "vanilla" / "metrics.jsonl").exists()  # refused before training
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the machine has CUDA")
+def test_cuda_device_on_a_cpu_machine(model_dir, data_file, tmp_path, capsys):
+    line = _error_line(capsys, _train_argv(model_dir, data_file, tmp_path / "run", "--device", "cuda"))
+    assert "--device is 'cuda' but this machine has no CUDA device; use auto or cpu" in line
+
+
+def test_out_must_be_a_writable_folder(model_dir, data_file, tmp_path, capsys):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("mine")
+    line = _error_line(capsys, _train_argv(model_dir, data_file, a_file))
+    assert f"--out {a_file} is a file, not a folder" in line and a_file.read_text() == "mine"
+    line = _error_line(capsys, _train_argv(model_dir, data_file, a_file / "run"))
+    assert f"--out {a_file / 'run'}: cannot create the folder (Not a directory); choose a writable place" in line
+    if os.geteuid() == 0:  # root writes anywhere it has permission bits for; /sys refuses new folders
+        unwritable = Path("/sys/spec-rl-run")
+        if not Path("/sys").is_dir():
+            pytest.skip("no /sys to test an unwritable --out as root")
+    else:
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        unwritable = locked / "run"
+    line = _error_line(capsys, _train_argv(model_dir, data_file, unwritable))
+    assert f"--out {unwritable}: cannot create the folder (" in line and "choose a writable place" in line
+
+
+def test_existing_run_is_refused_without_resume_and_kept(model_dir, data_file, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(_train_argv(model_dir, data_file, out)) == 0
+    capsys.readouterr()
+    metrics = (out / "vanilla" / "metrics.jsonl").read_text()
+    line = _error_line(capsys, _train_argv(model_dir, data_file, out, "--epochs", "2"))
+    assert f"--out {out} already holds a run (" in line and "pass --resume to continue it, or a fresh --out" in line
+    assert (out / "vanilla" / "metrics.jsonl").read_text() == metrics and (out / "vanilla" / "checkpoint-1").is_dir()
+    # --modes spec into the same folder is refused too (it would drop vanilla's results).
+    _error_line(capsys, _train_argv(model_dir, data_file, out, "--modes", "spec"))
+
+
+def test_resume_needs_a_run_and_a_checkpoint(model_dir, data_file, tmp_path, capsys):
+    line = _error_line(capsys, _train_argv(model_dir, data_file, tmp_path / "empty", "--resume"))
+    assert "holds no run to resume" in line and "drop --resume" in line
+    argv = [a for a in _train_argv(model_dir, data_file, tmp_path, "--resume") if a not in (str(tmp_path), "--out")]
+    assert _error_line(capsys, argv).endswith("--resume needs --out DIR, the run directory to continue")
+    out = tmp_path / "run"
+    assert main(_train_argv(model_dir, data_file, out, "--no-checkpoint")) == 0
+    line = _error_line(capsys, _train_argv(model_dir, data_file, out, "--resume", "--epochs", "2"))
+    assert "vanilla has 1 finished epoch(s) in summary.json but no complete checkpoint" in line
+    assert "--no-checkpoint" in line and "fresh --out" in line
+
+
+def test_limit_applies_to_the_demo_train_set():
+    from spec_rl.cli import _load_examples, build_parser
+
+    args = build_parser().parse_args(["train", "--limit", "5"])
+    assert len(_load_examples(args, demo=True)) == 5
+    args = build_parser().parse_args(["train"])
+    assert len(_load_examples(args, demo=True)) == 256
+
+
+def test_resume_with_a_subset_of_modes_keeps_the_others(model_dir, data_file, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(_train_argv(model_dir, data_file, out, "--modes", "vanilla,spec")) == 0
+    spec = json.loads((out / "summary.json").read_text())["spec"]
+    assert main(_train_argv(model_dir, data_file, out, "--modes", "vanilla", "--epochs", "2", "--resume")) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["spec"] == spec and [r["epoch"] for r in summary["vanilla"]] == [1, 2]
+    assert json.loads((out / "run_info.json").read_text())["modes"] == ["vanilla", "spec"]
+    assert "[vanilla] resumed at epoch 2" in capsys.readouterr().out
+    steps = [json.loads(x)["step"] for x in (out / "vanilla" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1]

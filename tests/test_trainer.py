@@ -8,7 +8,8 @@ import torch
 from tiny_models import tiny_model, tiny_tokenizer
 
 from spec_rl.trainer import GRPOConfig, GRPOTrainer, clipped_policy_loss, group_advantages, response_mask
-from spec_rl.trainer.run import run_modes
+from spec_rl.trainer.checkpoint import latest_checkpoint
+from spec_rl.trainer.run import load_policy, run_modes
 
 
 def test_group_advantages():
@@ -134,8 +135,9 @@ def test_two_epoch_end_to_end_reuses_drafts_and_resumes(tmp_path):
                 "rollout_seconds", "scoring_seconds"):
         assert key in on_disk["spec"][1]
     assert (out / "report.md").is_file() and (out / "report.png").stat().st_size > 1000
-    assert (out / "spec" / "checkpoint" / "config.json").is_file()
-    assert (out / "spec" / "rollout_cache.safetensors").is_file()
+    ckpt = latest_checkpoint(out / "spec")  # the version LATEST names: a transformers checkpoint + trainer files
+    assert ckpt.path.name == "checkpoint-2" and (ckpt.path / "config.json").is_file()
+    assert (ckpt.path / "rollout_cache.safetensors").is_file()
     # Resume: a third epoch starts from the checkpoint and its cache (drafts found at once).
     cfg3 = _config(epochs=3, lr=1e-3, lenience=math.exp(0.5), save_checkpoint=True)
     summary = run_modes(model_dir, EXAMPLES, _reward, cfg3, ["spec"], out, progress=False, resume=True, log=lambda s: None)
@@ -159,3 +161,68 @@ def test_paged_backend_in_the_trainer_splices_without_reprefill(tmp_path):
         GRPOConfig(generation_backend="vllm")
     auto = GRPOTrainer(tiny_model(seed=0), tiny_tokenizer(), EXAMPLES, _reward, _config(), tmp_path, progress=False)
     assert type(auto.rollout.backend).__name__ == "TransformersBackend"  # CPU default (see GRPOConfig)
+
+
+# (field, bad value, the message must contain): every float is finite where it must be and in range;
+# counts are integers (no float or bool coercion).
+BAD_CONFIG = [
+    ("clip_high", float("nan"), "clip_high must be a finite number >= 0, got nan"),
+    ("clip_low", float("nan"), "clip_low must be a finite number in [0, 1), got nan"),
+    ("clip_low", 1.0, "clip_low must be a finite number in [0, 1)"),
+    ("kl_coef", float("nan"), "kl_coef must be a finite number >= 0 (0 turns the KL term off), got nan"),
+    ("kl_coef", float("inf"), "kl_coef must be a finite number >= 0"),
+    ("lr", float("nan"), "lr must be a finite number > 0, got nan"),
+    ("lr", float("inf"), "lr must be a finite number > 0, got inf"),
+    ("lenience", float("nan"), "lenience must be a number (inf allowed) >= 0"),
+    ("weight_decay", float("nan"), "weight_decay must be a finite number >= 0"),
+    ("max_grad_norm", 0.0, "max_grad_norm must be a number (inf allowed) > 0"),
+    ("temperature", float("nan"), "temperature must be a finite number > 0"),
+    ("top_p", 0.0, "top_p must be a finite number in (0, 1]"),
+    ("top_p", "abc", "top_p must be a finite number in (0, 1] (1 disables nucleus sampling), got 'abc'"),
+    ("top_k", float("nan"), "top_k must be an integer >= 0 (0 disables top-k), got nan"),
+    ("max_model_len", 0, "max_model_len must be an integer >= 2 (None: the model's max_position_embeddings), got 0"),
+    ("max_model_len", 8.7, "max_model_len must be an integer >= 2"),
+    ("seed", 1.9, "seed must be an integer in [-2**63, 2**64 - 1], got 1.9"),
+    ("seed", 10**23, "seed must be an integer in [-2**63, 2**64 - 1]"),
+    ("seed", None, "seed must be an integer"),
+    ("epochs", 2.0, "epochs must be an integer >= 1, got 2.0"),
+    ("group_size", True, "group_size must be an integer >= 1, got True"),
+    ("spec_tokens", -1, "spec_tokens must be an integer >= 0 (0 disables tail speculation)"),
+    ("save_checkpoint", 1, "save_checkpoint must be True or False, got 1"),
+    ("device", "tpu9", "device must be auto, cpu, cuda, cuda:<index> or mps, got 'tpu9'"),
+]
+
+
+@pytest.mark.parametrize("field, value, message", BAD_CONFIG, ids=[f"{f}={v!r}" for f, v, _ in BAD_CONFIG])
+def test_config_refuses_bad_values_naming_the_field(field, value, message):
+    from spec_rl.trainer.config import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        GRPOConfig(**{field: value})
+    assert message in str(info.value) and info.value.field == field
+
+
+def test_max_model_len_above_the_models_positions_is_refused(tmp_path):
+    from spec_rl.trainer.config import ConfigError
+
+    match = r"max_model_len must be <= the model's max_position_embeddings \(128\), got 129"
+    with pytest.raises(ConfigError, match=match):
+        GRPOTrainer(tiny_model(), tiny_tokenizer(), EXAMPLES, _reward, _config(max_model_len=129), tmp_path)
+
+
+def test_resume_restores_records_and_drops_metrics_past_the_checkpoint(tmp_path):
+    cfg = _config(epochs=2, lr=1e-3, save_checkpoint=True, prompts_per_step=2)
+    first = GRPOTrainer(tiny_model(seed=0), tiny_tokenizer(), EXAMPLES, _reward, cfg, tmp_path, progress=False)
+    records = first.train()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    # A killed third epoch: one more step listed, and a line cut short by the kill.
+    redone = lines[-1].replace('"step": 3', '"step": 4')
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n" + redone + '\n{"mode": "sp')
+    ckpt = latest_checkpoint(tmp_path)
+    again = GRPOTrainer(load_policy(ckpt.path)[0], tiny_tokenizer(), EXAMPLES, _reward, cfg, tmp_path, progress=False)
+    assert again.resume() and (again.step, again.start_epoch) == (4, 2) and again.records == records
+    assert (tmp_path / "metrics.jsonl").read_text().splitlines() == lines
+    assert again.train() == records  # nothing left to do: the records of the finished epochs
+    # load_policy also takes the run directory and loads the version LATEST names.
+    model, _ = load_policy(tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), first.model.state_dict().values()))

@@ -3,11 +3,105 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass
+
+import torch
 
 MODES = ("vanilla", "spec", "random")
 GENERATION_BACKENDS = ("auto", "transformers", "paged")
 ACCEPTANCE_RULES = ("lenient", "exact")
+
+#: Integer fields that count something and must be >= 1.
+_COUNTS = ("epochs", "group_size", "prompts_per_step", "ppo_mini_batches", "micro_batch_size", "max_response_len")
+
+
+class ConfigError(ValueError):
+    """A bad setting: ``field`` names it and ``requirement`` says what it must be and what it got.
+
+    ``str(err)`` reads "<field> <requirement>"; the CLI prints the flag instead of the field.
+    """
+
+    def __init__(self, field: str, requirement: str):
+        super().__init__(f"{field} {requirement}")
+        self.field, self.requirement = field, requirement
+
+
+def check_int(name: str, value, low: int, high: int | None = None, hint: str = "", span: str = "") -> int:
+    """Raise :class:`ConfigError` unless ``value`` is an int (not a bool, not a float) in [low, high].
+
+    ``span`` replaces the range in the message (e.g. "in [0, 2**64 - 1]").
+    """
+    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    ok = ok and low <= value and (high is None or value <= high)
+    if not ok:
+        span = span or (f">= {low}" if high is None else f"in [{low}, {high}]")
+        raise ConfigError(name, f"must be an integer {span}{f' ({hint})' if hint else ''}, got {value!r}")
+    return int(value)
+
+
+def check_float(
+    name: str,
+    value,
+    low: float,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+    allow_inf: bool = False,
+    hint: str = "",
+) -> float:
+    """Raise :class:`ConfigError` unless ``value`` is a real number (not NaN; inf only if allowed) in range.
+
+    The range is [low, high] with ``low_open``/``high_open`` making that end exclusive; no ``high``
+    means no upper end.
+    """
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and not math.isnan(value)
+    ok = ok and (allow_inf or math.isfinite(value))
+    ok = ok and (value > low if low_open else value >= low)
+    ok = ok and (high is None or (value < high if high_open else value <= high))
+    if not ok:
+        if high is None:
+            span = f"{'>' if low_open else '>='} {low:g}"
+        else:
+            span = f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+        kind = "a number (inf allowed)" if allow_inf else "a finite number"
+        raise ConfigError(name, f"must be {kind} {span}{f' ({hint})' if hint else ''}, got {value!r}")
+    return float(value)
+
+
+def parse_device(name: str) -> torch.device | None:
+    """The torch device ``name`` names (None for "auto"); :class:`ConfigError` for a string torch cannot parse."""
+    if name == "auto":
+        return None
+    try:
+        return torch.device(name)
+    except (RuntimeError, TypeError, ValueError):
+        raise ConfigError("device", f"must be auto, cpu, cuda, cuda:<index> or mps, got {name!r}") from None
+
+
+def resolve_device(name: str) -> torch.device:
+    """The device to train on: "auto" picks CUDA when present, else CPU.
+
+    Raises:
+        ConfigError: ``name`` is not a device string, or names a device this machine does not have.
+    """
+    device = parse_device(name)
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ConfigError("device", f"is {name!r} but this machine has no CUDA device; use auto or cpu")
+        if device.index is not None and device.index >= count:
+            last = f"cuda:{count - 1}"
+            raise ConfigError("device", f"is {name!r} but this machine has {count} CUDA device(s): cuda:0..{last}")
+    elif device.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise ConfigError("device", f"is {name!r} but MPS is not available on this machine; use auto or cpu")
+    elif device.type != "cpu":
+        raise ConfigError("device", f"must be auto, cpu, cuda, cuda:<index> or mps, got {name!r}")
+    return device
+
 
 #: Run labels of ``run_modes``/``--modes`` and the config fields each one sets. Plain "vanilla"
 #: is the reference of every ratio; "histspec" is vanilla decoding with history speculation only
@@ -86,26 +180,32 @@ class GRPOConfig:
     generation_backend: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.generation_backend not in GENERATION_BACKENDS:
-            raise ValueError(f"generation_backend must be one of {GENERATION_BACKENDS}, got {self.generation_backend!r}")
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.acceptance not in ACCEPTANCE_RULES:
-            raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {self.acceptance!r}")
-        if isinstance(self.spec_tokens, bool) or int(self.spec_tokens) != self.spec_tokens or self.spec_tokens < 0:
-            raise ValueError(f"spec_tokens must be an integer >= 0 (0 disables tail speculation), got {self.spec_tokens!r}")
-        if not (self.lenience >= 0):
-            raise ValueError(f"lenience must be >= 0 (0 means vanilla GRPO), got {self.lenience!r}")
-        for name in ("epochs", "group_size", "prompts_per_step", "ppo_mini_batches", "micro_batch_size", "max_response_len"):
+        choice_fields = (("generation_backend", GENERATION_BACKENDS), ("mode", MODES), ("acceptance", ACCEPTANCE_RULES))
+        for name, choices in choice_fields:
+            if getattr(self, name) not in choices:
+                raise ConfigError(name, f"must be one of {choices}, got {getattr(self, name)!r}")
+        for name in _COUNTS:
+            check_int(name, getattr(self, name), low=1)
+        check_int("spec_tokens", self.spec_tokens, low=0, hint="0 disables tail speculation")
+        check_int("top_k", self.top_k, low=0, hint="0 disables top-k")
+        check_int("seed", self.seed, low=-(2**63), high=2**64 - 1, span="in [-2**63, 2**64 - 1]")
+        if self.max_model_len is not None:
+            check_int("max_model_len", self.max_model_len, low=2, hint="None: the model's max_position_embeddings")
+        check_float("lenience", self.lenience, low=0.0, allow_inf=True,
+                    hint="0 means vanilla GRPO, inf accepts every draft")  # fmt: skip
+        check_float("lr", self.lr, low=0.0, low_open=True)
+        check_float("weight_decay", self.weight_decay, low=0.0)
+        check_float("max_grad_norm", self.max_grad_norm, low=0.0, low_open=True, allow_inf=True)
+        check_float("clip_low", self.clip_low, low=0.0, high=1.0, high_open=True)
+        check_float("clip_high", self.clip_high, low=0.0)
+        check_float("kl_coef", self.kl_coef, low=0.0, hint="0 turns the KL term off")
+        check_float("temperature", self.temperature, low=0.0, low_open=True)
+        check_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True, hint="1 disables nucleus sampling")
+        for name in ("history_spec", "scale_adv_by_std", "save_checkpoint"):
             value = getattr(self, name)
-            if int(value) != value or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if self.lr <= 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if self.clip_low < 0 or self.clip_high < 0 or self.clip_low >= 1:
-            raise ValueError("clip_low must be in [0, 1) and clip_high >= 0")
-        if self.kl_coef < 0:
-            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
+            if not (isinstance(value, bool) or (value is None and name == "history_spec")):
+                raise ConfigError(name, f"must be True or False, got {value!r}")
+        parse_device(self.device)
 
     @property
     def rollout_strategy(self) -> str:

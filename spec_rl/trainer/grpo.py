@@ -6,30 +6,37 @@ import copy
 import json
 import os
 import random
-import shutil
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
+from ..atomic import atomic_write_text
 from ..cache import RolloutCache
+from ..faults import fault_point
 from ..history import HistoryIndex
 from ..generation import TransformersBackend, eos_token_ids
 from ..rollout import RolloutRequest, RolloutResult, SpeculativeRollout
 from ..sampling import SamplingSettings
 from ..scoring import response_logprobs
-from .config import GRPOConfig
+from .checkpoint import (
+    CACHE_FILE,
+    HISTORY_FILE,
+    OPTIMIZER_FILE,
+    Checkpoint,
+    commit_checkpoint,
+    latest_checkpoint,
+    remove_stale,
+)
+from .config import ConfigError, GRPOConfig, resolve_device
 from .loss import clipped_policy_loss, group_advantages, response_mask
 
-CACHE_FILE = "rollout_cache.safetensors"
-HISTORY_FILE = "history.safetensors"
 # Seeds of the per-step mini-batch split and the per-epoch prompt order: seed * stride + counter,
 # with prime strides so (seed, counter) pairs of nearby runs do not collide.
 _MINIBATCH_SEED_STRIDE = 1_000_003
 _EPOCH_SEED_STRIDE = 7919
-CHECKPOINT_DIR = "checkpoint"
-STATE_FILE = "trainer_state.json"
+METRICS_FILE = "metrics.jsonl"
 
 # Per-epoch fields summed over steps; the rest are derived in _epoch_record.
 _SUMMED = (
@@ -53,12 +60,6 @@ _SUMMED = (
 )
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 class GRPOTrainer:
     """GRPO (group-normalised advantages, clipped loss) with speculative rollouts.
 
@@ -70,10 +71,17 @@ class GRPOTrainer:
             :class:`spec_rl.data.Example`.
         reward_fn: ``reward_fn(completion_text, gold_answer) -> float``.
         config: :class:`GRPOConfig`.
-        out_dir: run directory (metrics.jsonl, checkpoint/, rollout cache).
+        out_dir: run directory: metrics.jsonl (one line per step) and the checkpoint versions
+            (see :mod:`spec_rl.trainer.checkpoint`).
         progress: show a tqdm progress bar.
         log: callable for one-line messages (default print).
         label: name of this run in records and reports (default ``config.mode``).
+        ref_model: frozen reference of the KL term (default: a copy of ``model`` as given); pass
+            the initial policy when ``model`` was loaded from a checkpoint to resume.
+
+    Raises:
+        ValueError: no examples, no pad/EOS token, a prompt too long, or ``config.max_model_len``
+            above the model's ``max_position_embeddings``.
     """
 
     def __init__(
@@ -87,6 +95,7 @@ class GRPOTrainer:
         progress: bool = True,
         log: Callable[[str], None] = print,
         label: str | None = None,
+        ref_model=None,
     ):
         if len(train_examples) == 0:
             raise ValueError("train_examples is empty; give the trainer at least one prompt")
@@ -108,9 +117,7 @@ class GRPOTrainer:
         self.eos_ids = eos_token_ids(model, tokenizer)
         if not self.eos_ids:
             raise ValueError("no EOS id found in the model's generation_config/config or the tokenizer; set eos_token_id")
-        max_model_len = config.max_model_len or getattr(model.config, "max_position_embeddings", None)
-        if not max_model_len:
-            raise ValueError("cannot infer max_model_len from the model config; set GRPOConfig.max_model_len")
+        max_model_len = self._max_model_len(model, config)
         self.settings = SamplingSettings(
             temperature=config.temperature, top_p=config.top_p, top_k=config.top_k, max_tokens=config.max_response_len
         )
@@ -139,10 +146,28 @@ class GRPOTrainer:
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         self.ref_model = None
         if config.kl_coef > 0:
-            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+            ref = copy.deepcopy(model) if ref_model is None else ref_model.to(self.device)
+            self.ref_model = ref.eval().requires_grad_(False)
         self.step = 0
         self.start_epoch = 0
-        self.metrics_path = self.out_dir / "metrics.jsonl"
+        #: One record per finished epoch, saved with every checkpoint and restored by :meth:`resume`.
+        self.records: list[dict] = []
+        self.metrics_path = self.out_dir / METRICS_FILE
+
+    @staticmethod
+    def _max_model_len(model, config: GRPOConfig) -> int:
+        """``config.max_model_len``, or the model's ``max_position_embeddings``; never above the latter."""
+        positions = getattr(model.config, "max_position_embeddings", None)
+        if config.max_model_len is None:
+            if not positions:
+                raise ValueError("cannot infer max_model_len from the model config; set GRPOConfig.max_model_len")
+            return int(positions)
+        if positions and config.max_model_len > positions:
+            raise ConfigError(
+                "max_model_len",
+                f"must be <= the model's max_position_embeddings ({positions}), got {config.max_model_len}",
+            )
+        return config.max_model_len
 
     def _make_backend(self, model, config: GRPOConfig):
         """The generation backend named by ``config.generation_backend`` ("auto": paged on CUDA)."""
@@ -157,50 +182,58 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------- resume
     def resume(self) -> bool:
-        """Restore optimizer, counters and rollout cache from ``out_dir`` if a checkpoint exists.
+        """Restore optimizer, counters, epoch records, rollout cache and history from the committed checkpoint.
 
-        The model weights must already be loaded from ``out_dir/checkpoint``
-        by the caller (see :func:`spec_rl.trainer.run.load_policy`).
-        Returns True when a checkpoint was found.
+        The model weights must already be loaded from that checkpoint by the caller
+        (``latest_checkpoint(out_dir).path``; :func:`spec_rl.trainer.run.load_policy` does both).
+        Everything after the checkpoint is redone: metrics.jsonl keeps only the steps before it, and
+        uncommitted checkpoint versions and temporary files of a killed run are deleted.
+        Returns True when a checkpoint was found (with none, the run starts over at step 0).
         """
-        ckpt = self.out_dir / CHECKPOINT_DIR
-        if not (ckpt / STATE_FILE).is_file():
-            return False
-        state = json.loads((ckpt / STATE_FILE).read_text())
-        self.step = int(state["step"])
-        self.start_epoch = int(state["epoch"]) + 1
-        opt_path = ckpt / "optimizer.pt"
+        ckpt = latest_checkpoint(self.out_dir, log=self.log)
+        remove_stale(self.out_dir, keep=ckpt)
+        if ckpt is not None:
+            self._restore(ckpt)
+        self._trim_metrics()
+        return ckpt is not None
+
+    def _restore(self, ckpt: Checkpoint) -> None:
+        self.step, self.start_epoch = ckpt.step, ckpt.epoch
+        self.records = list(ckpt.state.get("records", []))
+        opt_path = ckpt.path / OPTIMIZER_FILE
         if opt_path.is_file():
             self.optimizer.load_state_dict(torch.load(opt_path, map_location=self.device, weights_only=True))
-        cache_path = self.out_dir / CACHE_FILE
-        if cache_path.is_file():
-            self.cache.update(RolloutCache.load(cache_path))
-        history_path = self.out_dir / HISTORY_FILE
-        if self.history is not None and history_path.is_file():
-            self.history.update(HistoryIndex.load(history_path))
-        return True
+        if (ckpt.path / CACHE_FILE).is_file():
+            self.cache.update(RolloutCache.load(ckpt.path / CACHE_FILE))
+        if self.history is not None and (ckpt.path / HISTORY_FILE).is_file():
+            self.history.update(HistoryIndex.load(ckpt.path / HISTORY_FILE))
 
-    def _save(self, epoch: int) -> None:
-        """Checkpoint (transformers format) + optimizer + state, then the cache; each written atomically."""
-        final = self.out_dir / CHECKPOINT_DIR
-        tmp = self.out_dir / f".{CHECKPOINT_DIR}.tmp"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        self.model.save_pretrained(tmp)
-        self.tokenizer.save_pretrained(tmp)
-        torch.save(self.optimizer.state_dict(), tmp / "optimizer.pt")
-        (tmp / STATE_FILE).write_text(json.dumps({"epoch": epoch, "step": self.step, "config": self.config.to_dict()}))
-        old = self.out_dir / f".{CHECKPOINT_DIR}.old"
-        if old.exists():
-            shutil.rmtree(old)
-        if final.exists():
-            final.rename(old)
-        tmp.rename(final)
-        if old.exists():
-            shutil.rmtree(old)
-        self.cache.save(self.out_dir / CACHE_FILE)
-        if self.history is not None:
-            self.history.save(self.out_dir / HISTORY_FILE)
+    def _trim_metrics(self) -> None:
+        """Drop metrics lines of steps >= ``self.step`` (and torn lines) so redone steps are not listed twice."""
+        if not self.metrics_path.is_file():
+            return
+        kept = []
+        for line in self.metrics_path.read_text().splitlines():
+            try:
+                if int(json.loads(line)["step"]) < self.step:
+                    kept.append(line + "\n")
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut short by the kill
+        atomic_write_text(self.metrics_path, "".join(kept))
+
+    def _save(self, epoch: int) -> Checkpoint:
+        """Commit model (transformers format), optimizer, cache, history and trainer state as one version."""
+
+        def write_files(folder) -> None:
+            self.model.save_pretrained(folder)
+            self.tokenizer.save_pretrained(folder)
+            torch.save(self.optimizer.state_dict(), folder / OPTIMIZER_FILE)
+            self.cache.save(folder / CACHE_FILE)
+            if self.history is not None:
+                self.history.save(folder / HISTORY_FILE)
+
+        state = {"epoch": epoch + 1, "step": self.step, "config": self.config.to_dict(), "records": self.records}
+        return commit_checkpoint(self.out_dir, state, write_files)
 
     # ------------------------------------------------------------- training
     def _update(self, result: RolloutResult, advantages: torch.Tensor) -> dict[str, float]:
@@ -291,6 +324,7 @@ class GRPOTrainer:
         }
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        fault_point("step.end")
         self.step += 1
         return record
 
@@ -327,9 +361,13 @@ class GRPOTrainer:
         }
 
     def train(self, on_epoch: Callable[[dict], None] | None = None) -> list[dict]:
-        """Run ``config.epochs`` epochs; returns one record per epoch (see module README)."""
+        """Run epochs ``start_epoch + 1 .. config.epochs``; returns one record per finished epoch.
+
+        The returned list (also ``self.records``) starts with the records restored by :meth:`resume`.
+        With ``config.save_checkpoint`` every epoch ends with a committed checkpoint, then
+        ``on_epoch(record)``.
+        """
         cfg = self.config
-        records = []
         steps_per_epoch = -(-len(self.examples) // cfg.prompts_per_step)
         bar = None
         if self.progress:
@@ -350,11 +388,11 @@ class GRPOTrainer:
                     bar.update(1)
                     bar.set_postfix(epoch=epoch + 1, reward=f"{rec['mean_reward']:.3f}", gen=rec["tokens_generated"])
             record = self._epoch_record(epoch + 1, steps, self.label, cfg.lenience, cfg.acceptance)
-            records.append(record)
+            self.records.append(record)
             if cfg.save_checkpoint:
                 self._save(epoch)
             if on_epoch is not None:
                 on_epoch(record)
         if bar is not None:
             bar.close()
-        return records
+        return list(self.records)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..atomic import atomic_write_text
+from ..atomic import atomic_write, atomic_write_text
 
 # Columns printed per epoch (key, header, format).
 EPOCH_COLUMNS = (
@@ -131,7 +131,13 @@ def _step_metrics(run_dir: Path, mode: str) -> list[dict]:
     path = run_dir / mode / "metrics.jsonl"
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    steps = []
+    for line in path.read_text().splitlines():
+        try:
+            steps.append(json.loads(line))
+        except ValueError:
+            continue  # the last line of a killed run may be cut short; resume rewrites the file
+    return steps
 
 
 def plot(run_dir: Path, modes: list[str]) -> Path | None:
@@ -162,8 +168,7 @@ def plot(run_dir: Path, modes: list[str]) -> Path | None:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    out = run_dir / "report.png"
-    fig.savefig(out, dpi=110)
+    out = atomic_write(run_dir / "report.png", lambda tmp: fig.savefig(tmp, dpi=110, format="png"), fsync=False)
     plt.close(fig)
     return out
 
@@ -196,17 +201,22 @@ def _comparison_markdown(summary: dict[str, list[dict]]) -> list[str]:
     return lines
 
 
-def write_report(run_dir: str | Path, summary: dict[str, list[dict]], info: dict) -> dict[str, Path]:
+def write_report(
+    run_dir: str | Path, summary: dict[str, list[dict]], info: dict, plot_png: bool = True
+) -> dict[str, Path]:
     """Write summary.json, run_info.json, report.md and report.png into ``run_dir`` (each file atomically).
 
     ``summary`` maps each run label ("vanilla", "spec", "exact", ...) to its list of per-epoch
-    records; ``info`` (config, model, device) goes to run_info.json.
+    records; ``info`` (config, model, device) goes to run_info.json. ``plot_png=False`` keeps the
+    report.png already there (the plot is the slow part; the trainer redraws it when a run ends).
     """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
     atomic_write_text(run_dir / "run_info.json", json.dumps(info, indent=2, default=str))
-    png = plot(run_dir, list(summary.keys()))
+    png = plot(run_dir, list(summary.keys())) if plot_png else None
+    if png is None and not plot_png and (run_dir / "report.png").is_file():
+        png = run_dir / "report.png"
     lines = ["# spec-rl run report", "", f"Model: `{info.get('model')}`; device: {info.get('device')}; "
              f"lenience l = {info.get('lenience'):.4g} (log l = {info.get('log_lenience'):.3g}); runs: "
              + ", ".join(f"{m} ({(r[0].get('acceptance') if r else '?')} acceptance)" for m, r in summary.items()) + ".", "",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import platform
 import time
@@ -12,20 +11,29 @@ from pathlib import Path
 
 import torch
 
-from .config import MODE_PRESETS, GRPOConfig
-from .grpo import CHECKPOINT_DIR, GRPOTrainer, resolve_device
+from ..atomic import remove_leftovers
+from .checkpoint import latest_checkpoint
+from .config import MODE_PRESETS, GRPOConfig, resolve_device
+from .grpo import GRPOTrainer
 from .report import format_row, header_row, write_report
+from .rundir import plan_run, read_summary
 
 
 def load_policy(path: str | Path, device: torch.device | str = "cpu"):
     """Load a transformers causal LM and its tokenizer from a local directory.
 
+    ``path`` is a checkpoint folder (with config.json), or a trainer's run directory (``out/<mode>``),
+    whose committed checkpoint (named by its ``LATEST`` file) is loaded.
+
     Raises:
-        FileNotFoundError: ``path`` is not a directory with a config.json.
+        FileNotFoundError: ``path`` is neither a directory with a config.json nor a run directory
+            with a complete checkpoint.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path)
+    if not (path / "config.json").is_file() and (ckpt := latest_checkpoint(path)) is not None:
+        path = ckpt.path
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
             f"{path} is not a transformers checkpoint directory (no config.json); pass --model a local model folder"
@@ -35,6 +43,21 @@ def load_policy(path: str | Path, device: torch.device | str = "cpu"):
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return model.to(device).eval(), tokenizer
+
+
+def _run_info(model_path, device, config: GRPOConfig, summary: dict, train_prompts: int) -> dict:
+    return {
+        "model": str(model_path),
+        "device": str(device),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "lenience": config.lenience,
+        "log_lenience": math.log(config.lenience) if config.lenience > 0 else float("-inf"),
+        "config": config.to_dict(),
+        "modes": list(summary),
+        "train_prompts": train_prompts,
+    }
 
 
 def run_modes(
@@ -48,64 +71,57 @@ def run_modes(
     resume: bool = False,
     log: Callable[[str], None] = print,
 ) -> dict[str, list[dict]]:
-    """Train each mode from ``model_path`` with identical seeds; write the report.
+    """Train each mode from ``model_path`` with identical seeds; write the report after every epoch.
 
     ``modes`` are labels of :data:`~spec_rl.trainer.config.MODE_PRESETS` ("vanilla", "spec",
-    "exact", "random", "histspec"); each runs in ``out_dir/<label>/`` (metrics.jsonl, checkpoint/,
-    rollout cache); ``out_dir`` gets summary.json, report.md, report.png.
+    "exact", "random", "histspec"); each runs in ``out_dir/<label>/`` (metrics.jsonl and checkpoint
+    versions, see :mod:`spec_rl.trainer.checkpoint`); ``out_dir`` gets summary.json, run_info.json
+    and report.md after every epoch (each written atomically) and report.png when a mode ends.
+    With ``resume`` every label continues from its committed checkpoint (a label without one, and
+    without finished epochs, starts at epoch 1), and the records of labels not in ``modes`` stay
+    in summary.json.
 
     Returns:
-        {label: [per-epoch record, ...]}.
+        {label: [per-epoch record, ...]} (with ``resume``: every label of the run directory).
 
     Raises:
         ValueError: an unknown mode label.
+        RunDirError: ``out_dir`` holds a run and ``resume`` is False, holds none to resume, lacks a
+            checkpoint to resume from, or is not writable (see :func:`~spec_rl.trainer.rundir.plan_run`).
     """
     bad = [m for m in modes if m not in MODE_PRESETS]
     if bad:
         raise ValueError(f"unknown mode(s) {bad}; choose from {list(MODE_PRESETS)}")
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     device = resolve_device(config.device)
-    summary: dict[str, list[dict]] = {}
-    if resume and (out_dir / "summary.json").is_file():
-        # Keep the records of modes this call does not rerun.
-        summary = {m: r for m, r in json.loads((out_dir / "summary.json").read_text()).items() if m not in modes}
-        previous_summary = json.loads((out_dir / "summary.json").read_text())
-    else:
-        previous_summary = {}
+    plan = plan_run(out_dir, modes, resume)
+    for folder in [out_dir, *(out_dir / label for label in MODE_PRESETS)]:
+        remove_leftovers(folder)  # temporary files of a killed writer; checkpoint versions: trainer.resume
+    summary = read_summary(out_dir) if resume else {}
     log(header_row())
     for mode in modes:
         cfg = dataclasses.replace(config, **MODE_PRESETS[mode])
         mode_dir = out_dir / mode
-        start_path = model_path
-        if resume and (mode_dir / CHECKPOINT_DIR / "config.json").is_file():
-            start_path = mode_dir / CHECKPOINT_DIR
-        elif not resume and (mode_dir / "metrics.jsonl").exists():
-            (mode_dir / "metrics.jsonl").unlink()
+        ckpt = plan[mode]
         torch.manual_seed(cfg.seed)
-        model, tokenizer = load_policy(start_path, device)
-        trainer = GRPOTrainer(model, tokenizer, train_examples, reward_fn, cfg, mode_dir, progress=progress, log=log, label=mode)
-        if resume and trainer.resume():
-            log(f"[{mode}] resumed at epoch {trainer.start_epoch + 1} with {len(trainer.cache)} cached drafts")
-        records = list(previous_summary.get(mode, []))[: trainer.start_epoch] if resume else []
+        model, tokenizer = load_policy(model_path if ckpt is None else ckpt.path, device)
+        # The KL reference is the initial policy, also when the trained weights come from a checkpoint.
+        ref = load_policy(model_path, device)[0] if ckpt is not None and cfg.kl_coef > 0 else None
+        trainer = GRPOTrainer(model, tokenizer, train_examples, reward_fn, cfg, mode_dir, progress=progress, log=log,
+                              label=mode, ref_model=ref)  # fmt: skip
+        if resume:
+            if trainer.resume():
+                log(f"[{mode}] resumed at epoch {trainer.start_epoch + 1} with {len(trainer.cache)} cached drafts")
+            else:
+                log(f"[{mode}] no checkpoint in {mode_dir}; starting at epoch 1")
 
-        def on_epoch(rec: dict, _mode: str = mode) -> None:
+        def on_epoch(rec: dict, _mode: str = mode, _trainer: GRPOTrainer = trainer) -> None:
             log(format_row(_mode, rec))
+            summary[_mode] = list(_trainer.records)
+            info = _run_info(model_path, device, config, summary, len(train_examples))
+            write_report(out_dir, summary, info, plot_png=False)
 
-        records += trainer.train(on_epoch=on_epoch)
-        summary[mode] = records
-        info = {
-            "model": str(model_path),
-            "device": str(device),
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "lenience": config.lenience,
-            "log_lenience": math.log(config.lenience) if config.lenience > 0 else float("-inf"),
-            "config": config.to_dict(),
-            "modes": list(modes),
-            "train_prompts": len(train_examples),
-        }
-        write_report(out_dir, summary, info)
-        del trainer, model
+        summary[mode] = trainer.train(on_epoch=on_epoch)
+        write_report(out_dir, summary, _run_info(model_path, device, config, summary, len(train_examples)))
+        del trainer, model, ref
     return summary
