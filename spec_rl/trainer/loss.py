@@ -106,7 +106,7 @@ def clipped_policy_loss(
         delta = torch.where(mask, ref_logprobs - logprobs, torch.zeros_like(logprobs))
         kl = torch.exp(delta) - delta - 1.0
         per_token = per_token + kl_coef * kl
-        kl_value = float((kl * m).sum() / m.sum().clamp(min=1))
+        kl_value = float((kl.detach() * m).sum() / m.sum().clamp(min=1))
     loss = (per_token * m).sum() / denom
     with torch.no_grad():
         clipped = ((ratio < 1.0 - clip_low) | (ratio > 1.0 + clip_high)) & mask
