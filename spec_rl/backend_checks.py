@@ -170,6 +170,37 @@ def checked_rows(prompts: Sequence, drafts: Sequence, vocab_size: int | None, li
     return prompts, drafts
 
 
+def check_same_length(expected: int, what: str, **named: Sequence) -> None:
+    """Raise ValueError naming the first of ``named`` whose length is not ``expected`` (the length of ``what``)."""
+    for name, values in named.items():
+        if len(values) != expected:
+            raise ValueError(f"{name} ({len(values)}) and {what} ({expected}) must have the same length")
+
+
+def check_continue_rows(prompts, drafts, accepted_lens, budgets, sources) -> list[int]:
+    """The per-row arguments of a ``continue_from`` over scored rows (``prompts``/``drafts``); returns the sources.
+
+    Raises:
+        ValueError: a source that is not a row index or has another prompt, n outside
+            [0, len(draft of the source)], or a negative budget.
+    """
+    rows = len(drafts)
+    checked = []
+    for i in range(rows):
+        s, n, budget = sources[i], check_int(f"accepted_lens[{i}]", accepted_lens[i]), check_int(f"budgets[{i}]", budgets[i])
+        if isinstance(s, bool) or int(s) != s or not 0 <= s < rows:
+            raise ValueError(f"sources[{i}] = {s!r} is not a row index in [0, {rows})")
+        s = int(s)
+        if prompts[s] != prompts[i]:
+            raise ValueError(f"sources[{i}] = {s} names a row with another prompt; rows continue drafts of their group")
+        if not 0 <= n <= len(drafts[s]):
+            raise ValueError(f"accepted_lens[{i}] = {n} is outside [0, {len(drafts[s])}] (the length of draft {s})")
+        if budget < 0:
+            raise ValueError(f"budgets[{i}] = {budget} is negative")
+        checked.append(s)
+    return checked
+
+
 class ModelLimits:
     """Mixin of the backends that run a transformers ``model``: its limits and the input checks against them."""
 
@@ -192,6 +223,23 @@ class ModelLimits:
     def checked_rows(self, prompts, drafts) -> tuple[list[list[int]], list[list[int]]]:
         """:func:`checked_rows` against this model's limits."""
         return checked_rows(prompts, drafts, self.vocab_size, self.max_positions, type(self).__name__)
+
+    def check_continue(self, handle, accepted_lens, first_tokens, budgets, sources) -> list[int]:
+        """Every per-row argument of ``continue_from`` over a handle with ``prompts``/``drafts``; returns the sources.
+
+        Raises:
+            ValueError: mismatched lengths, see :func:`check_continue_rows`, or a first token outside
+                the vocabulary or a row past the model's positions.
+        """
+        rows = len(handle.drafts)
+        sources = range(rows) if sources is None else sources
+        named = dict(accepted_lens=accepted_lens, first_tokens=first_tokens, budgets=budgets, sources=sources)
+        check_same_length(rows, "the handle's rows", **named)
+        checked = check_continue_rows(handle.prompts, handle.drafts, accepted_lens, budgets, sources)
+        for i, token in enumerate(first_tokens):
+            if token is not None:
+                self.check_first_token(i, token, len(handle.prompts[i]) + int(accepted_lens[i]) + 1, int(budgets[i]))
+        return checked
 
     def check_first_token(self, row: int, token, length: int, budget: int) -> None:
         """Row ``row`` of a continuation: ``token`` is an id, and ``length`` tokens (its context with the

@@ -47,6 +47,18 @@ MODEL_DEFAULTS = dict(
 _FLAGS = {"generation_backend": "--backend", "save_checkpoint": "--no-checkpoint", "mode": "--modes"}
 
 
+class _DefaultsHelp(argparse.HelpFormatter):
+    """Add "(default: X)" where it tells something: not for None/False defaults, store-false flags, or help
+    text that already names its default."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        skip = action.default in (None, False, argparse.SUPPRESS) or isinstance(action, argparse._StoreFalseAction)
+        if skip or "default" in text or not action.option_strings:
+            return text
+        return text + " (default: %(default)s)"
+
+
 class UsageError(SystemExit):
     """A bad command line or input: :func:`main` prints "spec-rl: error: <message>" and exits with status 2.
 
@@ -91,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser(
         "train",
         help="GRPO training with speculative rollouts (no arguments: the offline demo, vanilla vs SPEC-RL)",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsHelp,
     )
     t.add_argument("--model", help="local transformers checkpoint directory (default: the embedded demo policy)")
     t.add_argument("--data", help="training prompts: a GSM8K- or MATH-format .jsonl file (default: the demo task)")
@@ -104,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     mode = t.add_mutually_exclusive_group()
     mode.add_argument("--no-spec", action="store_true", help="vanilla GRPO (same as --lenience 0)")
     mode.add_argument("--reuse", choices=["spec", "random"], default="spec", help="draft reuse: lenient test or random-reuse ablation")
-    t.add_argument("--lenience", type=_positive_float, default=math.exp(0.5), help="SPEC-RL lenience l (e^0.5 = paper's GRPO default)")
+    t.add_argument("--lenience", type=_positive_float, default=None,
+                   help="SPEC-RL lenience l (default e^0.5, the paper's GRPO setting; 0 means vanilla)")
     cmp = t.add_mutually_exclusive_group()
     cmp.add_argument("--compare", dest="compare", action="store_true", default=None, help="also run vanilla GRPO on identical seeds")
     cmp.add_argument("--no-compare", dest="compare", action="store_false", help="run only the selected mode")
@@ -152,11 +165,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _modes(args: argparse.Namespace, demo: bool) -> list[str]:
-    if args.modes:
+    modes = _chosen_modes(args, demo)
+    _check_combinations(args, modes)
+    return modes
+
+
+def _check_combinations(args: argparse.Namespace, modes: list[str]) -> None:
+    """Refuse flag combinations that would silently do something else than they say."""
+    if args.acceptance == "exact" and not {"spec", "exact"} & set(modes):
+        raise UsageError("--acceptance exact applies to SPEC-RL runs (spec, exact); the selected runs reuse no drafts")
+    if args.acceptance == "exact" and args.lenience not in (None, 1.0):
+        raise UsageError("--lenience applies to lenient acceptance only; exact acceptance has no lenience")
+    if "histspec" in modes and (args.history_spec is False or args.spec_tokens == 0):
+        raise UsageError("histspec is vanilla with history speculation: drop --no-history-spec / --spec-tokens 0, or run vanilla")
+
+
+def _chosen_modes(args: argparse.Namespace, demo: bool) -> list[str]:
+    if args.modes is not None:
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
         bad = [m for m in modes if m not in MODE_PRESETS]
         if bad or not modes:
             raise UsageError(f"--modes takes {', '.join(MODE_PRESETS)}; got {args.modes!r}")
+        if len(set(modes)) != len(modes):
+            raise UsageError(f"--modes names a run twice: {args.modes!r} (each run has one folder)")
         return modes
     main = "vanilla" if (args.no_spec or args.lenience == 0) else args.reuse
     if main == "spec" and args.acceptance == "exact":
@@ -201,7 +232,7 @@ def _config(args: argparse.Namespace, demo: bool) -> GRPOConfig:
         return defaults[name] if value is None else value
 
     return GRPOConfig(
-        lenience=args.lenience if args.lenience > 0 else 0.0,
+        lenience=math.exp(0.5) if args.lenience is None else args.lenience,
         acceptance=args.acceptance,
         history_spec=args.history_spec,
         spec_tokens=args.spec_tokens,

@@ -1,4 +1,4 @@
-"""Policy evaluation: sample one response per prompt and score it with a reward function.
+"""Policy evaluation: sample fresh responses to held-out prompts and score them with a reward function.
 
 Decoding goes through :class:`~spec_rl.generation.TransformersBackend`, the
 same sampler the rollouts use (exact temperature/top-k/top-p, the model's full
@@ -18,7 +18,7 @@ from .rewards import RewardFn, math_reward
 from .sampling import SamplingSettings
 from .tasks.demo_data import DEMO_MAX_NEW_TOKENS
 
-__all__ = ["evaluate_policy"]
+__all__ = ["evaluate_heldout", "evaluate_policy"]
 
 
 def _check_positive_int(name: str, value) -> None:
@@ -116,4 +116,68 @@ def evaluate_policy(
         "mean_response_tokens": sum(len(out.token_ids) for out in outs) / n,
         "truncated_fraction": sum(out.finish_reason != "eos" for out in outs) / n,
         "num_examples": n,
+    }
+
+
+@torch.no_grad()
+def evaluate_heldout(
+    model,
+    tokenizer,
+    examples: Sequence[Example],
+    settings: SamplingSettings,
+    samples_per_prompt: int = 4,
+    seed: int = 0,
+    *,
+    batch_size: int = 256,
+    reward_fn: RewardFn = math_reward,
+) -> dict[str, float]:
+    """Held-out quality of the current policy: fresh samples and greedy decoding (never from a cache).
+
+    ``samples_per_prompt`` responses per prompt are sampled with the training sampling ``settings``
+    (keyed by (seed, prompt index, sample index)), and one greedy response per prompt (top-k = 1,
+    the same budget). This is the number to compare modes on: the rollout reward under reuse is
+    biased towards drafts that were already correct.
+
+    Returns
+    -------
+    dict
+        ``heldout_reward`` (mean reward of the samples), ``heldout_greedy_accuracy`` (mean reward of
+        the greedy responses), ``heldout_response_tokens`` (mean sampled response length, EOS
+        included), ``heldout_prompts``.
+
+    Raises
+    ------
+    ValueError
+        Empty ``examples``, ``samples_per_prompt`` or ``batch_size`` < 1, or no pad/EOS id.
+    """
+    if not examples:
+        raise ValueError("examples is empty; pass at least one held-out Example")
+    _check_positive_int("samples_per_prompt", samples_per_prompt)
+    _check_positive_int("batch_size", batch_size)
+    eos_ids, pad = eos_token_ids(model, tokenizer), tokenizer.pad_token_id
+    if not eos_ids or pad is None:
+        raise ValueError("tokenizer needs eos_token_id and pad_token_id (set tokenizer.pad_token)")
+    backend = TransformersBackend(model, eos_ids, pad, max_batch_size=int(batch_size), max_k=0)
+    prompts = [tokenizer(e.prompt, add_special_tokens=False)["input_ids"] for e in examples]
+    greedy = SamplingSettings(top_k=1, max_tokens=settings.max_tokens)
+    was_training = model.training
+    model.eval()
+    try:
+        contexts = [p for p in prompts for _ in range(samples_per_prompt)]
+        sampled = backend.generate(contexts, [settings.max_tokens] * len(contexts), settings, seed)
+        argmax = backend.generate(prompts, [settings.max_tokens] * len(prompts), greedy, seed)
+    finally:
+        if was_training:
+            model.train()
+
+    def score(outs, golds) -> list[float]:
+        return [float(reward_fn(tokenizer.decode(o.token_ids, skip_special_tokens=True), g)) for o, g in zip(outs, golds)]
+
+    rewards = score(sampled, [e.answer for e in examples for _ in range(samples_per_prompt)])
+    greedy_rewards = score(argmax, [e.answer for e in examples])
+    return {
+        "heldout_reward": sum(rewards) / len(rewards),
+        "heldout_greedy_accuracy": sum(greedy_rewards) / len(greedy_rewards),
+        "heldout_response_tokens": sum(len(o.token_ids) for o in sampled) / len(sampled),
+        "heldout_prompts": len(examples),
     }

@@ -163,10 +163,17 @@ class ReprefillBackend:
         *, uids=None, proposers=None, sources=None,
     ) -> list[Continuation]:  # fmt: skip
         """Generate from [prompt, y_<n, first token] per scored row (re-prefilled), then from each extra context."""
+        from .backend_checks import check_continue_rows, check_same_length  # (it imports this module)
+
         if not isinstance(handle, ScoredDrafts) or handle.used:
             raise ValueError("handle must come from this backend's score_drafts and be continued once")
         handle.used = True
         rows = len(handle.prompts)
+        sources = range(rows) if sources is None else sources
+        check_same_length(rows, "the handle's rows", accepted_lens=accepted_lens, first_tokens=first_tokens,
+                          budgets=budgets, sources=sources)  # fmt: skip
+        sources = check_continue_rows(handle.prompts, handle.drafts, accepted_lens, budgets, sources)
+        check_same_length(len(extra_contexts), "extra_contexts", extra_budgets=extra_budgets)
         results: list[Continuation | None] = [None] * (rows + len(extra_contexts))
         total = rows + len(extra_contexts)
         uids = list(range(total)) if uids is None else list(uids)
@@ -177,8 +184,7 @@ class ReprefillBackend:
                 results[i] = Continuation([], [], "length")
                 continue
             todo.append(i)
-            src = i if sources is None else int(sources[i])
-            contexts.append(handle.prompts[i] + handle.drafts[src][: int(n)] + [int(tok)])
+            contexts.append(handle.prompts[i] + handle.drafts[sources[i]][: int(n)] + [int(tok)])
             todo_budgets.append(int(budget))
         self.stats.reprefill_tokens += sum(len(c) for c in contexts)
         todo += [rows + k for k in range(len(extra_contexts))]

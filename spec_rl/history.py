@@ -137,8 +137,12 @@ class SuffixProposer:
         min_match: shortest suffix match that earns a proposal.
     """
 
-    def __init__(self, automaton: SuffixAutomaton, prefix: Sequence[int] = (), max_k: int = 8, min_match: int = 2):
+    def __init__(
+        self, automaton: SuffixAutomaton, prefix: Sequence[int] = (), max_k: int = 8, min_match: int = 2,
+        vocab_size: int | None = None,
+    ):  # fmt: skip
         self.automaton = automaton
+        self.vocab_size = vocab_size  # proposals stop before an id the model cannot read
         self.max_k = int(max_k)
         self.min_match = int(min_match)
         self.k = max(1, self.max_k // 2)
@@ -166,10 +170,16 @@ class SuffixProposer:
             if not starts:
                 return []
             out = text[starts[-1] : starts[-1] + k]
-            return out[: out.index(SEPARATOR)] if SEPARATOR in out else out
-        if self.matched < self.min_match:
+            out = out[: out.index(SEPARATOR)] if SEPARATOR in out else out
+        elif self.matched < self.min_match:
             return []
-        return self.automaton.continuation(self.state, k)
+        else:
+            out = self.automaton.continuation(self.state, k)
+        if self.vocab_size is not None:
+            for i, t in enumerate(out):
+                if not 0 <= t < self.vocab_size:
+                    return out[:i]
+        return out
 
     def update(self, proposal: Sequence[int], emitted: Sequence[int]) -> None:
         """Feed the tokens emitted this step; ``proposal`` is what :meth:`propose` returned for it."""
@@ -263,10 +273,13 @@ class HistoryIndex:
             self._automata[key] = automaton
         return automaton
 
-    def proposer(self, key: bytes, prefix: Sequence[int] = (), max_k: int = 8) -> SuffixProposer | None:
-        """A :class:`SuffixProposer` for a sequence of prompt ``key`` whose response so far is ``prefix``."""
+    def proposer(
+        self, key: bytes, prefix: Sequence[int] = (), max_k: int = 8, vocab_size: int | None = None
+    ) -> SuffixProposer | None:
+        """A :class:`SuffixProposer` for a sequence of prompt ``key`` whose response so far is ``prefix``
+        (its proposals never hold an id outside [0, ``vocab_size``) when that is given)."""
         automaton = self.automaton(key)
-        return None if automaton is None else SuffixProposer(automaton, prefix, max_k=max_k)
+        return None if automaton is None else SuffixProposer(automaton, prefix, max_k=max_k, vocab_size=vocab_size)
 
     # ------------------------------------------------------------------ disk
     def save(self, path: str | os.PathLike) -> Path:

@@ -1,38 +1,23 @@
 """Speculative rollout: reuse last epoch's responses as drafts (SPEC-RL, paper Sec. 3, Alg. 1).
 
-One call of :meth:`SpeculativeRollout.run` is a short sequence of phases over a
-batch of (prompt, sample slot) requests:
+:meth:`SpeculativeRollout.run` is a short sequence of phases over a batch of (prompt, slot) requests:
+**lookup** each request's draft ("no draft" is explicit: generated from scratch); **score** the
+drafts under the current policy in one batched forward (``backend.score_drafts``); **verify** them:
+rejection index n per sample; **token at n**: n == R reuses the draft whole, otherwise the token at
+position n is sampled from the scoring pass's own output there (no extra forward); **continue**: the
+backend decodes on from [prompt, y_<n, token] with the remaining budget (``backend.continue_from``;
+both built-in backends keep the scoring pass's K/V, a backend that cannot prefills that context again
+and counts it in ``stats.reprefill_tokens``); **assemble** [y_<n, new] with the scoring pass's
+log-probs for the prefix and the sampling log-probs for the new part; **store** the responses as next
+epoch's drafts. Budget per sample: min(max_response_len, max_model_len - prompt_len) - n.
 
-1. **lookup** each request's draft in the draft store ("no draft" is explicit:
-   such requests are generated from scratch);
-2. **score** all drafts under the current policy in one batched forward
-   (``backend.score_drafts``);
-3. **verify** them (:func:`~spec_rl.verify.verify`): rejection index n per sample;
-4. **token at n**: n == R reuses the draft whole; otherwise the token at
-   position n is sampled from the scoring pass's own output there (no extra
-   forward; docs/design.md, rule step 4);
-5. **continue**: the backend decodes on from [prompt, y_<n, token] with the
-   remaining budget (``backend.continue_from``; the paged engine keeps the
-   scoring pass's K/V, the transformers backend prefills that context again
-   and counts it in ``stats.reprefill_tokens``);
-6. **assemble** [y_<n, new]: log-probs are the scoring pass's for the prefix
-   and the sampling log-probs for the new part;
-7. **store** the responses as next epoch's drafts.
-
-Budget per sample: min(max_response_len, max_model_len - prompt_len) - n
-(:meth:`SamplingSettings.budget <spec_rl.sampling.SamplingSettings.budget>`).
-
-Acceptance rules (docs/design.md "The rule", "Exact acceptance"): ``"lenient"``
-is the paper's; at the rejection point the token is drawn from pi_t, not from
-the residual max(0, pi_t - pi_old), so even l = 1 is not exactly on-policy.
-``"exact"`` accepts y_i with probability pi_t(y_i) and draws the token at n
-from pi_t without y_n (renormalised): the response is a fresh sample of pi_t.
-
-Speculation past the first rejection (docs/design.md "Speculation past the
-first rejection"): with a :class:`~spec_rl.history.HistoryIndex`, every decode
-step of the continuation also verifies up to k tokens drafted from the
-prompt's earlier responses. Sampling is keyed by (seed, uid, position), so
-this changes no token, only the number of sequential decode steps.
+Acceptance (docs/design.md "The rule", "Exact acceptance"): ``"lenient"`` is the paper's rule; the
+token at a rejection is drawn from pi_t, not from the residual max(0, pi_t - pi_old), so even l = 1 is
+not exactly on-policy. ``"exact"`` accepts a draft token iff the policy's keyed sample there equals it,
+walking the trie of the group's drafts (:mod:`spec_rl.tree_verify`): every response is then a fresh
+sample of pi_t. With a :class:`~spec_rl.history.HistoryIndex`, every decode step of the continuation
+also verifies up to k tokens drafted from the prompt's earlier responses (docs/design.md "Speculation
+past the first rejection"); sampling is keyed by (seed, uid, position), so that changes no token.
 """
 
 from __future__ import annotations
@@ -104,6 +89,13 @@ class _Batch:
         self.sources = [0] * bsz
 
 
+def _check_strategy(strategy: str, acceptance: str) -> None:
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if strategy == "random" and acceptance == "exact":
+        raise ValueError("strategy='random' (the random-reuse ablation) ignores the scores; acceptance='exact' does not apply")
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -161,8 +153,7 @@ class SpeculativeRollout:
         check_settings(settings)
         if acceptance not in ACCEPTANCE_RULES:
             raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {acceptance!r}")
-        if strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+        _check_strategy(strategy, acceptance)
         if not eos_ids:
             raise ValueError("eos_ids must list at least one end-of-sequence id")
         vocab = getattr(backend, "vocab_size", None)
@@ -250,8 +241,7 @@ class SpeculativeRollout:
     def _plan(self, requests, step, seed, cache, strategy) -> _Batch:
         """Validate the requests; budgets, cache keys and this step's seed."""
         strategy = self.strategy if strategy is None else strategy
-        if strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+        _check_strategy(strategy, self.acceptance)
         step = check_int("step", step)
         seed = self.seed if seed is None else check_int("seed", seed)
         store = self.cache if cache is None else check_store("cache", cache)
@@ -422,7 +412,8 @@ class SpeculativeRollout:
         if self.history is None:
             return None
         max_k = int(getattr(self.backend, "max_k", 8))  # the backend's cap on drafted tokens per step
-        return [None if i is None else self.history.proposer(batch.group_keys[i], batch.responses[i], max_k=max_k)
+        vocab = getattr(self.backend, "vocab_size", None)
+        return [None if i is None else self.history.proposer(batch.group_keys[i], batch.responses[i], max_k, vocab)
                 for i in requests]  # fmt: skip
 
     def _store(self, batch: _Batch) -> None:

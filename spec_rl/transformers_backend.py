@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .backend_checks import ModelLimits
+from .backend_checks import ModelLimits, check_same_length
 from .generation import BackendStats, Continuation, ReprefillBackend, ScoredDrafts, backend_arguments
 from .hf_decode import DecodeRow, KVRows, SpeculativeDecoder, prefill
 from .sampling import SamplingSettings
@@ -143,7 +143,9 @@ class TransformersBackend(ModelLimits, ReprefillBackend):
         if not isinstance(handle, SplicedDrafts):
             return super().continue_from(handle, accepted_lens, first_tokens, budgets, settings, seed,
                                          extra_contexts, extra_budgets, uids=uids, proposers=proposers, sources=sources)  # fmt: skip
-        live, extra_contexts = self._check_spliced(handle, accepted_lens, first_tokens, budgets, extra_contexts, extra_budgets)
+        live, extra_contexts, sources = self._check_spliced(
+            handle, accepted_lens, first_tokens, budgets, extra_contexts, extra_budgets, sources
+        )
         n_rows = len(handle.prompts)
         total = n_rows + len(extra_contexts)
         uids = list(range(total)) if uids is None else [int(u) for u in uids]
@@ -151,7 +153,7 @@ class TransformersBackend(ModelLimits, ReprefillBackend):
         results: list[Continuation | None] = [None] * total
         for i in set(range(n_rows)) - set(live):
             results[i] = Continuation([], [], "length")
-        src = list(range(n_rows)) if sources is None else [int(s) for s in sources]
+        src = sources
         rows = [DecodeRow(out=i, uid=uids[i], last=int(first_tokens[i]), position=handle.kv.prompt_len(i) + int(accepted_lens[i]),
                           budget=int(budgets[i]), proposer=proposers[i]) for i in live]  # fmt: skip
         contexts = [handle.kv.context(src[i], int(accepted_lens[i])) for i in live]
@@ -181,26 +183,20 @@ class TransformersBackend(ModelLimits, ReprefillBackend):
             handle.kv = None
 
     # ------------------------------------------------------------------ internals
-    def _check_spliced(self, handle, accepted_lens, first_tokens, budgets, extra_contexts, extra_budgets):
-        """Check a continue_from of a spliced handle (released on an error); returns (live rows, extra contexts)."""
+    def _check_spliced(self, handle, accepted_lens, first_tokens, budgets, extra_contexts, extra_budgets, sources):
+        """Check a continue_from of a spliced handle (released on an error); returns (live rows, extras, sources)."""
         if handle.used:
             raise ValueError("handle must come from this backend's score_drafts and be continued once")
         try:
-            n_rows = len(handle.prompts)
-            for name, seq in (("accepted_lens", accepted_lens), ("first_tokens", first_tokens), ("budgets", budgets)):
-                if len(seq) != n_rows:
-                    raise ValueError(f"{name} has {len(seq)} entries; the handle has {n_rows} rows")
-            live = [i for i in range(n_rows) if first_tokens[i] is not None and int(budgets[i]) > 0]
-            for i in live:
-                self.check_first_token(i, first_tokens[i], handle.kv.prompt_len(i) + int(accepted_lens[i]) + 1, int(budgets[i]))
-            if len(extra_contexts) != len(extra_budgets):
-                raise ValueError(f"extra_contexts ({len(extra_contexts)}) and extra_budgets ({len(extra_budgets)}) differ in length")
+            sources = self.check_continue(handle, accepted_lens, first_tokens, budgets, sources)
+            live = [i for i in range(len(handle.prompts)) if first_tokens[i] is not None and int(budgets[i]) > 0]
+            check_same_length(len(extra_contexts), "extra_contexts", extra_budgets=extra_budgets)
             extra = self.checked_contexts(extra_contexts, extra_budgets, ("extra_contexts", "extra_budgets"))
         except BaseException:
             self.release(handle)
             raise
         handle.used = True
-        return live, extra
+        return live, extra, sources
 
     def _prefill_rows(self, contexts, budgets, uids, proposers, outs, settings, seed) -> tuple[KVRows, list[DecodeRow]]:
         """Prefill the contexts and sample each row's first token (keyed at position len(context))."""

@@ -306,6 +306,8 @@ def verify(
     if acceptance not in ACCEPTANCE_RULES:
         raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {acceptance!r}")
     if acceptance == "exact":
+        if strategy == "random":
+            raise ValueError("strategy='random' (the random-reuse ablation) ignores the scores; acceptance='exact' does not apply")
         if lenience not in (None, 1, 1.0) or log_lenience not in (None, 0, 0.0):
             raise ValueError("lenience applies to acceptance='lenient' only; exact acceptance has no lenience")
         if isinstance(draft_ids, torch.Tensor) and old_logprobs is None:

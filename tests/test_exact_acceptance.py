@@ -143,3 +143,18 @@ def test_exact_mode_reproduces_vanilla_decoding_token_for_token():
     for a, b in zip(exact.logprobs, fresh.logprobs):
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5)
     assert exact.stats.accepted_tokens > 0 and exact.stats.tokens_generated < fresh.stats.tokens_generated
+
+
+def test_random_reuse_with_exact_acceptance_is_refused_everywhere():
+    from spec_rl import verify
+    from spec_rl.trainer.config import ConfigError, GRPOConfig
+
+    with pytest.raises(ValueError, match="random"):
+        SpeculativeRollout(TablePolicy(), RolloutCache(), SamplingSettings(), [EOS], 16, strategy="random", acceptance="exact")
+    rollout = SpeculativeRollout(TablePolicy(), RolloutCache(), SamplingSettings(), [EOS], 16, acceptance="exact")
+    with pytest.raises(ValueError, match="random"):
+        rollout.run([RolloutRequest([PROMPT], 0)], step=0, strategy="random")
+    with pytest.raises(ValueError, match="random"):
+        verify(torch.zeros(1, 2, dtype=torch.long), None, new_logprobs=torch.zeros(1, 2), strategy="random", acceptance="exact")
+    with pytest.raises(ConfigError, match="acceptance"):
+        GRPOConfig(mode="random", acceptance="exact")

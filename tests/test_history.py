@@ -110,3 +110,11 @@ def test_a_response_already_indexed_is_not_added_again():
     idx.add(b"p", [1, 2, 3])  # a draft reused whole comes back unchanged
     idx.add(b"p", [1, 2])
     assert idx.automaton(b"p").text == [1, 2, 3, SEPARATOR, 1, 2] and idx.num_tokens() == 5
+
+
+def test_proposals_never_hold_an_id_the_model_cannot_read():
+    sam = SuffixAutomaton()
+    sam.add_response([5, 6, 7, 900, 8])  # 900: from a history recorded with another tokenizer, say
+    p = SuffixProposer(sam, prefix=[5, 6], max_k=8, vocab_size=100)
+    assert p.propose(100) == [7]
+    assert SuffixProposer(sam, prefix=[5, 6], max_k=8).propose(100) == [7, 900, 8]

@@ -291,3 +291,34 @@ def test_run_builds_no_autograd_graph_even_when_the_caller_has_grad_on(monkeypat
     for draft in rollout.cache.drafts():
         assert not draft.logprobs.requires_grad and not draft.token_ids.requires_grad
     assert all(isinstance(x, float) for lp in result.logprobs for x in lp)
+
+
+@pytest.mark.parametrize("make", ["splice", "reprefill", "engine"])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(sources=[0, 7]), "sources\\[1\\] = 7 is not a row index"),
+        (dict(sources=[1, 1]), "another prompt"),
+        (dict(accepted_lens=[3, 5]), "accepted_lens\\[1\\] = 5 is outside"),
+        (dict(accepted_lens=[-1, 0]), "accepted_lens\\[0\\] = -1 is outside"),
+        (dict(budgets=[2, -1]), "budgets\\[1\\] = -1 is negative"),
+        (dict(sources=[0]), "sources \\(1\\) and the handle's rows \\(2\\)"),
+    ],
+)
+def test_every_backend_checks_continue_from_arguments(make, kwargs, match):
+    from spec_rl.engine import PagedEngine
+    from spec_rl.transformers_backend import TransformersBackend
+
+    model = tiny_model(seed=3)
+    if make == "engine":
+        backend = PagedEngine(model, {1}, pad_id=0, block_size=4, num_blocks=64)
+    else:
+        backend = TransformersBackend(model, {1}, pad_id=0, splice=make == "splice")
+    _, handle = backend.score_drafts([[5, 6, 7], [9, 10]], [[11, 12, 13], [30, 31]])
+    args = dict(accepted_lens=[1, 1], first_tokens=[4, 4], budgets=[2, 2], sources=None)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        backend.continue_from(handle, args["accepted_lens"], args["first_tokens"], args["budgets"], SamplingSettings(),
+                              0, sources=args["sources"])  # fmt: skip
+    if make == "engine":
+        assert backend.blocks.num_free == backend.blocks.num_blocks

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..backend_checks import ModelLimits
+from ..backend_checks import ModelLimits, check_same_length
 from ..generation import Continuation, backend_arguments
 from ..sampling import SamplingSettings, check_settings
 from ..scoring import DraftScores, ScoringHead
@@ -39,13 +39,6 @@ from .model_runner import CacheLayout, EngineStats, ModelRunner
 from .sampler import KeyedSampler
 from .scheduler import Scheduler
 from .sequence import SpliceHandle, group_by_context
-
-
-def check_same_length(expected: int, what: str, **named: Sequence) -> None:
-    """Raise ValueError naming the first of ``named`` whose length is not ``expected`` (the length of ``what``)."""
-    for name, values in named.items():
-        if len(values) != expected:
-            raise ValueError(f"{name} ({len(values)}) and {what} ({expected}) must have the same length")
 
 
 class PagedEngine(ModelLimits):
@@ -158,13 +151,6 @@ class PagedEngine(ModelLimits):
         groups = group_by_context(contexts, budgets, results)
         return self._run(groups, [], results, sampler)
 
-    def _check_first_tokens(self, handle: SpliceHandle, accepted_lens, first_tokens, budgets) -> None:
-        """Each given first token is an id, and its row (prompt + n + the token + budget) fits the positions."""
-        for i, token in enumerate(first_tokens):
-            if token is not None:
-                n, budget = check_int(f"accepted_lens[{i}]", accepted_lens[i]), check_int(f"budgets[{i}]", budgets[i])
-                self.check_first_token(i, token, len(handle.prompts[i]) + n + 1, budget)
-
     def _sampler(self, settings, seed: int, rows: int, uids, proposers, what: str) -> KeyedSampler:
         """The :class:`KeyedSampler` of one call, after checking ``settings``, ``uids`` and ``proposers``."""
         check_settings(settings)
@@ -270,15 +256,12 @@ class PagedEngine(ModelLimits):
         rows = len(handle.seq_ids)
         results: list[Continuation | None] = [None] * (rows + len(extra_contexts))
         try:
-            sources = range(rows) if sources is None else sources
-            named = dict(accepted_lens=accepted_lens, first_tokens=first_tokens, budgets=budgets, sources=sources)
-            check_same_length(rows, "the handle's rows", **named)
+            sources = self.check_continue(handle, accepted_lens, first_tokens, budgets, sources)
             check_same_length(len(extra_contexts), "extra_contexts", extra_budgets=extra_budgets)
             sampler = self._sampler(
                 settings, seed, rows + len(extra_contexts), uids, proposers, "the handle's rows + extra_contexts"
             )
             names = ("extra_contexts", "extra_budgets")
-            self._check_first_tokens(handle, accepted_lens, first_tokens, budgets)
             extra_contexts = self.checked_contexts(extra_contexts, extra_budgets, names)
             extra = group_by_context(extra_contexts, extra_budgets, results, names, rows)
             resumed, groups = self.scheduler.resume_scored_rows(

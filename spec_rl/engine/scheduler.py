@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 
+from ..backend_checks import check_continue_rows
 from ..generation import Continuation
 from .blocks import BlockManager, OutOfBlocks
 from .sequence import GroupMember, PrefillGroup, SequenceState, SpliceHandle, empty_continuation
@@ -226,9 +227,9 @@ class Scheduler:
         with no first token or a zero budget gets an empty continuation in ``results``.
 
         Raises:
-            ValueError: see :func:`check_resume_arguments`; nothing changed then.
+            ValueError: see :func:`spec_rl.backend_checks.check_continue_rows`; nothing changed then.
         """
-        sources = check_resume_arguments(handle, accepted_lens, budgets, sources)
+        sources = check_continue_rows(handle.prompts, handle.drafts, accepted_lens, budgets, sources)
         lens = [len(p) + int(n) for p, n in zip(handle.prompts, accepted_lens)]
         live = [i for i in range(len(lens)) if first_tokens[i] is not None and int(budgets[i]) > 0]
         for i in set(range(len(lens))) - set(live):
@@ -256,30 +257,3 @@ class Scheduler:
                 group = reprefill.setdefault(key, PrefillGroup(list(key), [], reprefill=True))
                 group.members.append(GroupMember(i, budget))
         return resumed, list(reprefill.values())
-
-
-def check_resume_arguments(
-    handle: SpliceHandle, accepted_lens: Sequence[int], budgets: Sequence[int], sources: Sequence[int]
-) -> list[int]:
-    """Check the per-row arguments of a continue_from (lengths already match); returns ``sources`` as ints.
-
-    Raises:
-        ValueError: a source that is not a row index or has another prompt, n outside
-            [0, len(draft of the source)], or a negative budget.
-    """
-    rows = len(handle.drafts)
-    checked = []
-    for i in range(rows):
-        s, n, budget = sources[i], int(accepted_lens[i]), int(budgets[i])
-        if isinstance(s, bool) or int(s) != s or not 0 <= s < rows:
-            raise ValueError(f"sources[{i}] = {s!r} is not a row index in [0, {rows})")
-        s = int(s)
-        if handle.prompts[s] != handle.prompts[i]:
-            raise ValueError(f"sources[{i}] = {s} names a row with another prompt; rows continue drafts of their group")
-        if not 0 <= n <= len(handle.drafts[s]):
-            limit = len(handle.drafts[s])
-            raise ValueError(f"accepted_lens[{i}] = {n} is outside [0, {limit}] (the length of draft {s})")
-        if budget < 0:
-            raise ValueError(f"budgets[{i}] = {budget} is negative")
-        checked.append(s)
-    return checked

@@ -40,8 +40,10 @@ class ReadOnlyHistory:
     def __len__(self) -> int:
         return len(self.index)
 
-    def proposer(self, key: bytes, prefix: Sequence[int] = (), max_k: int = 8) -> SuffixProposer | None:
-        return self.index.proposer(key, prefix, max_k=max_k)
+    def proposer(
+        self, key: bytes, prefix: Sequence[int] = (), max_k: int = 8, vocab_size: int | None = None
+    ) -> SuffixProposer | None:
+        return self.index.proposer(key, prefix, max_k=max_k, vocab_size=vocab_size)
 
     def add(self, key: bytes, response: Sequence[int]) -> None:
         """Evaluation responses are not indexed."""

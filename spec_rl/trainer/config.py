@@ -184,6 +184,8 @@ class GRPOConfig:
         for name, choices in choice_fields:
             if getattr(self, name) not in choices:
                 raise ConfigError(name, f"must be one of {choices}, got {getattr(self, name)!r}")
+        if self.mode == "random" and self.acceptance == "exact":
+            raise ConfigError("acceptance", "'exact' does not apply to the random-reuse ablation (mode 'random' ignores the scores)")
         for name in _COUNTS:
             check_int(name, getattr(self, name), low=1)
         check_int("spec_tokens", self.spec_tokens, low=0, hint="0 disables tail speculation")

@@ -311,6 +311,7 @@ class GRPOTrainer:
             "mode": self.label,
             "acceptance": cfg.acceptance,
             "history_spec": cfg.uses_history,
+            "strategy": cfg.rollout_strategy,
             "lenience": cfg.lenience,
             "epoch": epoch,
             "step": self.step,
@@ -357,6 +358,8 @@ class GRPOTrainer:
             "tail_proposed": tot["tail_proposed"],
             "tail_accepted": tot["tail_accepted"],
             "acceptance": acceptance,
+            "history_spec": bool(steps and steps[0].get("history_spec")),
+            "strategy": steps[0].get("strategy") if steps else None,
             "train_seconds": tot["train_seconds"],
         }
 

@@ -118,6 +118,9 @@ def closing_lines(summary: dict[str, list[dict]], from_epoch: int = 2) -> list[s
     for r in run_ratios(summary, from_epoch):
         if r["mode"] == "vanilla":
             continue
+        if not r["epochs"]:  # e.g. a one-epoch run: no drafts yet, nothing to compare
+            lines.append(f"{r['mode']}/vanilla: no epoch >= {from_epoch} to compare (the first epoch has no drafts)")
+            continue
         lines.append(
             f"{r['mode']}/vanilla, epochs {from_epoch}+: generated tokens {_fmt(r['generated_tokens_ratio'], '.2f')}x, "
             f"decode steps {_fmt(r['decode_steps_ratio'], '.2f')}x, rollout time {_fmt(r['rollout_seconds_ratio'], '.2f')}x "
@@ -125,6 +128,12 @@ def closing_lines(summary: dict[str, list[dict]], from_epoch: int = 2) -> list[s
             f"{_fmt(r['final_reward_minus_vanilla'], '+.3f')}"
         )
     return lines
+
+
+def _describe(rec: dict) -> str:
+    """How a run rolled out, from its first epoch record: reuse rule and tail speculation."""
+    reuse = "no draft reuse" if rec.get("mode") == "vanilla" or rec.get("strategy") == "off" else f"{rec.get('acceptance')} acceptance"
+    return f"{reuse}, tail speculation {'on' if rec.get('history_spec') else 'off'}"
 
 
 def _step_metrics(run_dir: Path, mode: str) -> list[dict]:
@@ -219,7 +228,7 @@ def write_report(
         png = run_dir / "report.png"
     lines = ["# spec-rl run report", "", f"Model: `{info.get('model')}`; device: {info.get('device')}; "
              f"lenience l = {info.get('lenience'):.4g} (log l = {info.get('log_lenience'):.3g}); runs: "
-             + ", ".join(f"{m} ({(r[0].get('acceptance') if r else '?')} acceptance)" for m, r in summary.items()) + ".", "",
+             + ", ".join(f"{m} ({_describe(r[0]) if r else '?'})" for m, r in summary.items()) + ".", "",
              "## Per-epoch results", "", markdown_table(summary), ""]  # fmt: skip
     lines += _comparison_markdown(summary)
     if png is not None:

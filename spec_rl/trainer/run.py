@@ -56,6 +56,8 @@ def _run_info(model_path, device, config: GRPOConfig, summary: dict, train_promp
         "log_lenience": math.log(config.lenience) if config.lenience > 0 else float("-inf"),
         "config": config.to_dict(),
         "modes": list(summary),
+        # each run's own settings: the base config with its MODE_PRESETS fields applied
+        "runs": {m: dataclasses.replace(config, **MODE_PRESETS[m]).to_dict() for m in summary if m in MODE_PRESETS},
         "train_prompts": train_prompts,
     }
 
@@ -92,6 +94,7 @@ def run_modes(
     bad = [m for m in modes if m not in MODE_PRESETS]
     if bad:
         raise ValueError(f"unknown mode(s) {bad}; choose from {list(MODE_PRESETS)}")
+    configs = {mode: dataclasses.replace(config, **MODE_PRESETS[mode]) for mode in modes}  # all checked before any trains
     out_dir = Path(out_dir)
     device = resolve_device(config.device)
     plan = plan_run(out_dir, modes, resume)
@@ -100,7 +103,7 @@ def run_modes(
     summary = read_summary(out_dir) if resume else {}
     log(header_row())
     for mode in modes:
-        cfg = dataclasses.replace(config, **MODE_PRESETS[mode])
+        cfg = configs[mode]
         mode_dir = out_dir / mode
         ckpt = plan[mode]
         torch.manual_seed(cfg.seed)
