@@ -38,6 +38,8 @@ from .validation import invalid_scores_message
 
 #: "lenient": the paper's rule (Alg. 1); "exact": lossless acceptance of a point-mass draft.
 ACCEPTANCE_RULES = ("lenient", "exact")
+#: The paper's lenience per RL algorithm (App. A.1): GRPO e^0.5, PPO e^0.3, DAPO e^0.15.
+LENIENCE_DEFAULTS = {"grpo": math.exp(0.5), "ppo": math.exp(0.3), "dapo": math.exp(0.15)}
 
 #: How each score source is named in errors (the Triton kernels use the same names).
 SCORE_NAMES = {"logits": "logits", "hidden_states": "logits (hidden_states @ lm_head_weight.T)"}
@@ -223,15 +225,27 @@ def rejection_index(accept: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor
     return torch.minimum(n, lengths).to(torch.int64)
 
 
-def random_reuse_index(seed: int, uids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Random-reuse ablation (paper Table 2): n uniform over {0, ..., length}.
+#: Random-reuse strategies (paper Table 2): "random" draws n uniformly over {0, ..., length} (a draft
+#: may be reused whole); "random-ref" is the SPEC-RL reference implementation's variant,
+#: n = floor(u * length), uniform over {0, ..., length - 1}: never a full reuse.
+RANDOM_STRATEGIES = ("random", "random-ref")
 
-    n = min(floor(u * (length + 1)), length) with u from the random-reuse
+
+def random_reuse_index(seed: int, uids: torch.Tensor, lengths: torch.Tensor, strategy: str = "random") -> torch.Tensor:
+    """Random-reuse ablation (paper Table 2): the rejection index ignores the scores.
+
+    ``"random"``: n = min(floor(u * (length + 1)), length), uniform over {0, ..., length};
+    ``"random-ref"``: n = min(floor(u * length), length - 1) (0 for an empty draft), uniform over
+    {0, ..., length - 1}, as the reference implementation draws it. u comes from the random-reuse
     Philox stream at token index 0.
     """
     u = philox_uniform(seed, uids, torch.zeros_like(uids), stream=STREAM_RANDOM_REUSE).double()
+    lengths = lengths.to(torch.int64)
+    if strategy == "random-ref":
+        n = torch.floor(u * lengths.double()).to(torch.int64)
+        return torch.minimum(n, (lengths - 1).clamp(min=0))
     n = torch.floor(u * (lengths.double() + 1)).to(torch.int64)
-    return torch.minimum(n, lengths.to(torch.int64))
+    return torch.minimum(n, lengths)
 
 
 def make_result(
@@ -276,7 +290,7 @@ def reference_verify(
     ``scores`` holds exactly one source (new_logprobs [B, R], logits [B, R, V]
     or hidden_states [B, R, d] with lm_head_weight [V, d]); row i scores draft
     token i. ``settings`` gives temperature/top-k/top-p (max_tokens unused).
-    ``strategy`` is "spec" (the acceptance test) or "random" (random reuse);
+    ``strategy`` is "spec" (the acceptance test), "random" or "random-ref" (random reuse);
     ``acceptance`` is "lenient" (paper Alg. 1) or "exact" (lp_old and l ignored).
     Raises ValueError for scored positions without a distribution (:func:`raise_if_no_distribution`).
     """
@@ -292,9 +306,9 @@ def reference_verify(
         u = philox_uniform(seed, uids.unsqueeze(1), token_index, stream=STREAM_ACCEPT)
         accept = acceptance_test(lp_new, old_logprobs, u, log_lenience) & lengths_mask(lengths, max_len)
         n = rejection_index(accept, lengths)
-    elif strategy == "random":
-        n = random_reuse_index(seed, uids, lengths)
+    elif strategy in RANDOM_STRATEGIES:
+        n = random_reuse_index(seed, uids, lengths, strategy)
         accept = lengths_mask(n, max_len)
     else:
-        raise ValueError(f"strategy must be 'spec' or 'random', got {strategy!r}")
+        raise ValueError(f"strategy must be 'spec', 'random' or 'random-ref', got {strategy!r}")
     return make_result(lp_new, n, accept, lengths, return_accept_mask)

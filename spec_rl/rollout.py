@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from .acceptance import ACCEPTANCE_RULES, lenience_to_log
+from .adaptive import DEFAULT_TARGET_DRIFT
 from .backend_checks import (
     BackendContractError, backend_name, check_backend, check_continuations, check_model_len, check_scored,
     scores_vocab_size, token_ids,
@@ -42,12 +43,12 @@ from .philox import SEED_SALT_CONTINUATION, mix_seed
 from .rollout_types import (
     RolloutRequest, RolloutResult, RolloutStats, check_draft_ids, check_store, check_unique_samples, request_prompts,
 )  # fmt: skip
-from .sampling import SamplingSettings, check_settings, keyed_sample
+from .sampling import SamplingSettings, check_settings
+from .lenient import lenient_prefixes
 from .tree_verify import WalkResult, walk_tries
 from .validation import check_int
-from .verify import verify
 
-STRATEGIES = ("spec", "random", "off")
+STRATEGIES = ("spec", "random", "random-ref", "off")
 
 __all__ = ["STRATEGIES", "BackendContractError", "RolloutRequest", "RolloutResult", "RolloutStats", "SpeculativeRollout"]
 
@@ -92,8 +93,8 @@ class _Batch:
 def _check_strategy(strategy: str, acceptance: str) -> None:
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-    if strategy == "random" and acceptance == "exact":
-        raise ValueError("strategy='random' (the random-reuse ablation) ignores the scores; acceptance='exact' does not apply")
+    if strategy.startswith("random") and acceptance == "exact":
+        raise ValueError(f"strategy={strategy!r} (the random-reuse ablation) ignores the scores; acceptance='exact' does not apply")
 
 
 def _sync(device: torch.device) -> None:
@@ -111,11 +112,14 @@ class SpeculativeRollout:
         settings: sampling settings (drafts are reused only under equal settings).
         eos_ids: the model's complete EOS set.
         max_model_len: context limit of the model (prompt + response tokens).
-        lenience: l >= 0 (paper default e^0.5 for GRPO); or
+        lenience: l >= 0 (paper default e^0.5 for GRPO), or "auto": chosen every step so that the
+            accepted tokens drift by at most ``target_drift`` nats on average (:mod:`spec_rl.adaptive`); or
         log_lenience: log(l).
-        strategy: "spec" (lenient verification), "random" (random-reuse
-            ablation, paper Table 2) or "off" (vanilla rollout: drafts are
-            neither looked up nor scored, but responses are still cached).
+        target_drift: the bound of ``lenience="auto"`` (mean |lp_new - lp_old| of accepted tokens, nats).
+        strategy: "spec" (lenient verification), "random" / "random-ref" (random-reuse
+            ablation, paper Table 2: n uniform over 0..R, or over 0..R-1 as in the reference
+            implementation) or "off" (vanilla rollout: drafts are neither looked up nor scored,
+            but responses are still cached).
         seed: run seed; per-step seeds are derived with :func:`spec_rl.philox.mix_seed`.
         verify_backend: passed to :func:`spec_rl.verify.verify`.
         acceptance: "lenient" (the paper's rule, default) or "exact" (lossless; lenience unused).
@@ -148,6 +152,7 @@ class SpeculativeRollout:
         verify_backend: str = "auto",
         acceptance: str = "lenient",
         history: HistoryIndex | None = None,
+        target_drift: float = DEFAULT_TARGET_DRIFT,
     ):
         check_backend(backend)
         check_settings(settings)
@@ -161,7 +166,9 @@ class SpeculativeRollout:
         self.max_model_len = check_model_len(max_model_len, backend)
         if log_lenience is not None:
             lenience = None
-        self.log_lenience = lenience_to_log(lenience, log_lenience)
+        auto = isinstance(lenience, str) and lenience == "auto"
+        self.log_lenience = None if auto else lenience_to_log(lenience, log_lenience)  # None: adaptive
+        self.target_drift = float(target_drift)
         self.backend = backend
         self.cache = check_store("cache", cache)
         self.settings = settings
@@ -304,35 +311,15 @@ class SpeculativeRollout:
         return walk_tries(prompts, draft_ids, scores, self.settings, batch.sample_seed, self._uids(batch, batch.drafted))
 
     def _lenient(self, batch: _Batch, draft_ids: list[list[int]], scores) -> WalkResult:
-        """The paper's rule (or random reuse): n per row by :func:`~spec_rl.verify.verify`, the token at n from pi_t."""
-        device = self.backend.device
-        max_r = max([len(d) for d in draft_ids] + [1])
-        ids_t = torch.zeros((len(draft_ids), max_r), dtype=torch.long, device=device)
-        old_t = torch.zeros((len(draft_ids), max_r), dtype=torch.float32, device=device)
-        for row, (i, d) in enumerate(zip(batch.drafted, draft_ids)):
-            ids_t[row, : len(d)] = torch.tensor(d, dtype=torch.long)
-            old_t[row, : len(d)] = batch.drafts[i].logprobs[: len(d)].to(device)
-        lengths = torch.tensor([len(d) for d in draft_ids], dtype=torch.long, device=device)
-        uids = torch.tensor(self._uids(batch, batch.drafted), dtype=torch.long, device=device)
-        result = verify(
-            ids_t, old_t,
-            logits=scores.logits, hidden_states=scores.hidden_states,
-            lm_head_weight=scores.lm_head_weight, lm_head_bias=scores.lm_head_bias,
-            lengths=lengths, temperature=self.settings.temperature, top_k=self.settings.top_k,
-            top_p=self.settings.top_p, log_lenience=self.log_lenience, seed=batch.seed, uids=uids,
-            strategy=batch.strategy, backend=self.verify_backend,
+        """The paper's rule (or random reuse) at this step's l: see :mod:`spec_rl.lenient`."""
+        out = lenient_prefixes(
+            draft_ids, [batch.drafts[i].logprobs for i in batch.drafted], [len(batch.prompts[i]) for i in batch.drafted],
+            self._uids(batch, batch.drafted), scores, self.settings, log_lenience=self.log_lenience,
+            target_drift=self.target_drift, seed=batch.seed, sample_seed=batch.sample_seed, strategy=batch.strategy,
+            verify_backend=self.verify_backend, device=self.backend.device,
         )  # fmt: skip
-        n, lp_new = result.accepted_len.tolist(), result.new_logprobs.cpu()
-        rows = [row for row in range(len(draft_ids)) if n[row] < len(draft_ids[row])]
-        walk = WalkResult(n, list(range(len(n))), [d[:k] for d, k in zip(draft_ids, n)],
-                          [lp_new[row, : n[row]].tolist() for row in range(len(n))], [None] * len(n), [None] * len(n))  # fmt: skip
-        if rows:  # the token at n, keyed by (uid, absolute position) like every decoded token (rule step 4)
-            logits = scores.logits_at(torch.tensor(rows, device=device), torch.tensor([n[r] for r in rows], device=device))
-            positions = torch.tensor([len(batch.prompts[batch.drafted[r]]) + n[r] for r in rows], device=device)
-            tok, tok_lp = keyed_sample(logits, self.settings, batch.sample_seed, uids[rows], positions)
-            for r, t, lp in zip(rows, tok.tolist(), tok_lp.tolist()):
-                walk.next_token[r], walk.next_logprob[r] = t, lp
-        return walk
+        batch.stats.log_lenience, batch.stats.reused_drift = out.log_lenience, out.drift
+        return out.walk
 
     def _accept_prefix(self, batch: _Batch, i: int, walk: WalkResult, row: int, end_reason: str) -> None:
         """Request i keeps its verified prefix (+ the token at n); a walk that ended on a draft's end is a full reuse."""

@@ -109,6 +109,8 @@ class RolloutStats:
     longest_continuation: int = 0
     tail_proposed: int = 0
     tail_accepted: int = 0
+    log_lenience: float = 0.0
+    reused_drift: float = 0.0
 
     @property
     def full_reuse_ratio(self) -> float:

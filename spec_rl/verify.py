@@ -31,13 +31,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .acceptance import ACCEPTANCE_RULES, VerifyResult, lenience_to_log, lengths_mask, make_result, random_reuse_index, reference_verify
+from .acceptance import ACCEPTANCE_RULES, RANDOM_STRATEGIES, VerifyResult, lenience_to_log, lengths_mask, make_result, random_reuse_index, reference_verify
 from .sampling import SamplingSettings
 from .scoring import DraftScores
 from .validation import check_int, format_positions
 
 BACKENDS = ("auto", "reference", "triton")
-STRATEGIES = ("spec", "random")
+STRATEGIES = ("spec", "random", "random-ref")
 
 
 @dataclass
@@ -212,10 +212,10 @@ def _verify_triton(c: _Checked, seed: int, strategy: str, return_accept_mask: bo
         c.draft_ids, c.old_logprobs, c.lengths, c.uids,
         seed=seed, log_lenience=c.log_lenience, temperature=c.settings.temperature,
         logits=s.logits, hidden_states=s.hidden_states, lm_head_weight=s.lm_head_weight, lm_head_bias=s.lm_head_bias,
-        score_only=strategy == "random",
+        score_only=strategy in RANDOM_STRATEGIES,
     )  # fmt: skip
-    if strategy == "random":
-        n = random_reuse_index(seed, c.uids, c.lengths)
+    if strategy in RANDOM_STRATEGIES:
+        n = random_reuse_index(seed, c.uids, c.lengths, strategy)
         accept = lengths_mask(n, c.draft_ids.shape[1])
     return make_result(lp_new, n, accept, c.lengths, return_accept_mask)
 
@@ -266,8 +266,9 @@ def verify(
     uids : [B] int64, optional
         Per-sample ids keying the uniforms (default ``arange(B)``, which makes
         decisions depend on batch position: pass stable ids in training).
-    strategy : "spec" or "random"
-        Lenient acceptance, or the random-reuse ablation (paper Table 2: n uniform over 0..R).
+    strategy : "spec", "random" or "random-ref"
+        Lenient acceptance, or the random-reuse ablation (paper Table 2): n uniform over 0..R
+        ("random"), or over 0..R-1 as in the reference implementation ("random-ref": never a full reuse).
     backend : "auto", "reference" or "triton"
     return_accept_mask : bool
         Also return the per-token test outcome.
@@ -306,8 +307,8 @@ def verify(
     if acceptance not in ACCEPTANCE_RULES:
         raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {acceptance!r}")
     if acceptance == "exact":
-        if strategy == "random":
-            raise ValueError("strategy='random' (the random-reuse ablation) ignores the scores; acceptance='exact' does not apply")
+        if strategy in RANDOM_STRATEGIES:
+            raise ValueError(f"strategy={strategy!r} (the random-reuse ablation) ignores the scores; acceptance='exact' does not apply")
         if lenience not in (None, 1, 1.0) or log_lenience not in (None, 0, 0.0):
             raise ValueError("lenience applies to acceptance='lenient' only; exact acceptance has no lenience")
         if isinstance(draft_ids, torch.Tensor) and old_logprobs is None:

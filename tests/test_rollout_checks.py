@@ -269,14 +269,16 @@ def test_run_builds_no_autograd_graph_even_when_the_caller_has_grad_on(monkeypat
     model = tiny_model(seed=10)
     assert model.lm_head.weight.requires_grad  # the LM head reaches verify as a Parameter
     seen = []
-    real_verify = rollout_module.verify
+    import spec_rl.lenient as lenient_module  # where the rollout's lenient rule calls verify
+
+    real_verify = lenient_module.verify
 
     def spy(*args, **kwargs):
         result = real_verify(*args, **kwargs)
         seen.append((torch.is_grad_enabled(), result.new_logprobs.requires_grad))
         return result
 
-    monkeypatch.setattr(rollout_module, "verify", spy)
+    monkeypatch.setattr(lenient_module, "verify", spy)
     kw = dict(lenience=1.0) if acceptance == "lenient" else dict(lenience=None)
     rollout = _rollout(TransformersBackend(model, {1}, pad_id=0), max_tokens=8, acceptance=acceptance, **kw)
     rollout.run(_requests(), step=0)

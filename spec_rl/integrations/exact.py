@@ -79,8 +79,8 @@ def check_acceptance(
         raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {acceptance!r}")
     if acceptance == "lenient":
         return lenience, log_lenience
-    if strategy == "random":
-        raise ValueError("strategy='random' (random reuse) ignores the scores and has no exact form; use strategy='spec'")
+    if strategy in ("random", "random-ref"):
+        raise ValueError(f"strategy={strategy!r} (random reuse) ignores the scores and has no exact form; use strategy='spec'")
     unset = log_lenience is None and (lenience is None or lenience == 1 or lenience == default_lenience)
     if not unset:
         given = f"log_lenience={log_lenience!r}" if log_lenience is not None else f"lenience={lenience!r}"
