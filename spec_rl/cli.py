@@ -87,6 +87,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.0 < value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1), got {text!r}")
+    return value
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -111,6 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--hf-dataset", help="load prompts with the `datasets` library instead of --data (name or local path)")
     t.add_argument("--hf-split", default="train", help="split for --hf-dataset")
     t.add_argument("--limit", type=_positive_int, help="use only the first N prompts (also of the demo's train set)")
+    t.add_argument("--eval-data", help="held-out prompts (same formats as --data), evaluated before training and after "
+                   "every epoch: fresh samples and greedy accuracy (the demo has its own held-out set)")
+    t.add_argument("--eval-fraction", type=_fraction,
+                   help="hold out this fraction of the distinct --data prompts for evaluation (chosen with --seed; "
+                   "never trained on; --limit applies before the split)")
+    t.add_argument("--eval-samples", type=int, help="fresh samples per held-out prompt at each evaluation (default 4)")
+    t.add_argument("--no-eval", action="store_true", help="no held-out evaluation (saves its time; runs are then "
+                   "not compared on quality)")
     t.add_argument("--out", help="run directory (default: runs/<timestamp>)")
     t.add_argument("--reward", default="math", help="reward function name")
     mode = t.add_mutually_exclusive_group()
@@ -223,6 +241,45 @@ def _load_examples(args: argparse.Namespace, demo: bool):
     return examples
 
 
+def _heldout_examples(args: argparse.Namespace, demo: bool, examples: list) -> tuple[list, list | None]:
+    """(training prompts, held-out prompts or None) from --eval-data, --eval-fraction, --no-eval (demo: its own set)."""
+    from .data import load_jsonl
+    from .evaluation import heldout_split
+
+    chosen = [flag for flag, on in (("--eval-data", args.eval_data), ("--eval-fraction", args.eval_fraction is not None),
+                                    ("--eval-samples", args.eval_samples is not None)) if on]  # fmt: skip
+    if args.no_eval:
+        if chosen:
+            raise UsageError(f"--no-eval turns held-out evaluation off; drop {' and '.join(chosen)}")
+        return examples, None
+    if args.eval_data and args.eval_fraction is not None:
+        raise UsageError("pass either --eval-data or --eval-fraction, not both (one held-out set)")
+    if demo:
+        if args.eval_data or args.eval_fraction is not None:
+            raise UsageError("--eval-data and --eval-fraction need --model: the demo evaluates on its own held-out set")
+        from .tasks.demo_data import demo_eval_set
+
+        return examples, demo_eval_set()
+    if args.eval_fraction is not None:
+        try:
+            return heldout_split(examples, args.eval_fraction, args.seed)
+        except ValueError as err:
+            raise UsageError(f"--eval-fraction {args.eval_fraction:g}: {err}") from None
+    if not args.eval_data:
+        if args.eval_samples is not None:
+            raise UsageError("--eval-samples needs a held-out set: pass --eval-data FILE or --eval-fraction F")
+        print("held-out evaluation: off (no held-out set; pass --eval-data FILE or --eval-fraction F)")
+        return examples, None
+    evals = load_jsonl(args.eval_data, fmt=args.data_format)
+    if not evals:
+        raise UsageError(f"--eval-data {args.eval_data}: no held-out prompts were loaded")
+    overlap = {e.prompt for e in evals} & {e.prompt for e in examples}
+    if overlap:
+        sys.stderr.write(f"spec-rl: warning: {len(overlap)} --eval-data prompt(s) are also training prompts; "
+                         "their held-out numbers measure memorisation\n")  # fmt: skip
+    return examples, evals
+
+
 def _config(args: argparse.Namespace, demo: bool) -> GRPOConfig:
     """GRPOConfig from the flags; the demo and a user's model have different defaults."""
     defaults = DEMO_DEFAULTS if demo else MODEL_DEFAULTS
@@ -254,6 +311,7 @@ def _config(args: argparse.Namespace, demo: bool) -> GRPOConfig:
         device=args.device,
         generation_backend=args.backend,
         save_checkpoint=not args.no_checkpoint,
+        **({} if args.eval_samples is None else {"eval_samples": args.eval_samples}),
     )
 
 
@@ -294,17 +352,17 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise UsageError("--resume needs --out DIR, the run directory to continue")
     out = Path(args.out) if args.out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     model_path = None if demo else _model_path(args, demo)
-    examples = _load_examples(args, demo)
+    examples, evals = _heldout_examples(args, demo, _load_examples(args, demo))
     plan_run(out, modes, args.resume)  # before the demo policy build, which can take minutes
     model_path = model_path or _model_path(args, demo)
+    heldout = f"{len(evals)} prompts x {config.eval_samples} samples + greedy" if evals else "off"
     print(
         f"run dir: {out} | modes: {', '.join(modes)} | prompts: {len(examples)} | G={config.group_size} | "
-        f"epochs={config.epochs} | lenience l={config.lenience:.4g}"
+        f"epochs={config.epochs} | lenience l={config.lenience:.4g} | held-out: {heldout}"
     )
     t0 = time.perf_counter()
-    summary = run_modes(
-        model_path, examples, reward_fn, config, modes, out, progress=not args.no_progress, resume=args.resume
-    )
+    summary = run_modes(model_path, examples, reward_fn, config, modes, out, progress=not args.no_progress,
+                        resume=args.resume, eval_examples=evals)  # fmt: skip
     print(f"done in {time.perf_counter() - t0:.1f} s; report: {out / 'report.md'}, plot: {out / 'report.png'}")
     for line in closing_lines(summary):
         print(line)

@@ -181,3 +181,57 @@ def test_resume_with_a_subset_of_modes_keeps_the_others(model_dir, data_file, tm
     assert "[vanilla] resumed at epoch 2" in capsys.readouterr().out
     steps = [json.loads(x)["step"] for x in (out / "vanilla" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1]
+
+
+# Held-out flags: (extra flags, what the one error line must contain). "EVAL" is replaced by a held-out file.
+BAD_EVAL_FLAGS = [
+    (["--eval-fraction", "0"], "argument --eval-fraction: must be a number in (0, 1), got '0'"),
+    (["--eval-fraction", "1"], "argument --eval-fraction: must be a number in (0, 1), got '1'"),
+    (["--eval-fraction", "nan"], "argument --eval-fraction: must be a number in (0, 1)"),
+    (["--eval-fraction", "half"], "argument --eval-fraction: must be a number in (0, 1), got 'half'"),
+    (["--eval-samples", "0", "--eval-fraction", "0.5"], "--eval-samples must be an integer >= 1, got 0"),
+    (["--eval-samples", "2.5"], "argument --eval-samples: invalid int value: '2.5'"),
+    (["--eval-data", "EVAL", "--eval-fraction", "0.5"], "pass either --eval-data or --eval-fraction, not both"),
+    (["--no-eval", "--eval-data", "EVAL"], "--no-eval turns held-out evaluation off; drop --eval-data"),
+    (["--no-eval", "--eval-samples", "2"], "--no-eval turns held-out evaluation off; drop --eval-samples"),
+    (["--eval-samples", "2"], "--eval-samples needs a held-out set: pass --eval-data FILE or --eval-fraction F"),
+    (["--eval-data", "MISSING"], "MISSING"),
+    (["--limit", "1", "--eval-fraction", "0.5"], "--eval-fraction 0.5: 1 distinct prompt(s) cannot be split"),
+]
+
+
+@pytest.mark.parametrize("flags, expected", BAD_EVAL_FLAGS, ids=[" ".join(f) for f, _ in BAD_EVAL_FLAGS])
+def test_bad_heldout_flags_give_one_line(flags, expected, model_dir, data_file, tmp_path, capsys):
+    names = {"EVAL": str(data_file), "MISSING": str(tmp_path / "missing.jsonl")}
+    flags = [names.get(f, f) for f in flags]
+    line = _error_line(capsys, _train_argv(model_dir, data_file, tmp_path / "run", *flags))
+    assert names.get(expected, expected) in line, line
+    assert not (tmp_path / "run" / "vanilla" / "metrics.jsonl").exists()
+
+
+def test_demo_refuses_heldout_files(capsys):
+    line = _error_line(capsys, ["train", "--eval-fraction", "0.2", "--no-progress"])
+    assert "--eval-data and --eval-fraction need --model: the demo evaluates on its own held-out set" in line
+
+
+def test_eval_fraction_and_eval_data_evaluate_every_epoch(model_dir, data_file, tmp_path, capsys):
+    out = tmp_path / "frac"
+    assert main(_train_argv(model_dir, data_file, out, "--eval-fraction", "0.5", "--eval-samples", "2",
+                            "--modes", "vanilla,spec", "--epochs", "2")) == 0  # fmt: skip
+    summary = json.loads((out / "summary.json").read_text())
+    info = json.loads((out / "run_info.json").read_text())
+    assert info["train_prompts"] == 1 and info["eval_prompts"] == 1 and info["config"]["eval_samples"] == 2
+    for mode in ("vanilla", "spec"):
+        assert all("heldout_reward" in r and "heldout_greedy_accuracy" in r for r in summary[mode])
+        assert "start_heldout_reward" in summary[mode][0]
+    printed = capsys.readouterr().out
+    assert "held-out: 1 prompts x 2 samples + greedy" in printed
+    assert "vanilla: held-out reward" in printed and "final held-out reward" in printed
+    assert "| held-out |" in (out / "report.md").read_text()
+    out = tmp_path / "file"
+    assert main(_train_argv(model_dir, data_file, out, "--eval-data", str(data_file))) == 0
+    assert json.loads((out / "run_info.json").read_text())["eval_prompts"] == 2
+    assert "2 --eval-data prompt(s) are also training prompts" in capsys.readouterr().err
+    out = tmp_path / "off"
+    assert main(_train_argv(model_dir, data_file, out, "--no-eval")) == 0
+    assert "heldout_reward" not in json.loads((out / "summary.json").read_text())["vanilla"][0]

@@ -2,10 +2,11 @@
 
 The CLI runs in a subprocess (tests/crash_cli.py: the real ``main`` plus a reward that pays a tiny random
 policy) on a tiny Qwen2 policy and four GSM8K-format prompts: vanilla then spec, 2 epochs of 2 steps,
-a KL term (so a resumed run must also restore the reference policy). It is killed at named points
+a KL term (so a resumed run must also restore the reference policy), and a held-out evaluation
+before training and after every epoch (two held-out prompts). It is killed at named points
 (the ``SPEC_RL_FAULT`` hook, spec_rl/faults.py) and at random instants; ``--resume`` must then give
 the per-epoch records and per-step metrics of an uninterrupted run with the same seed (rewards,
-generated tokens, decode steps: every field but timings), with no step listed twice and no
+generated tokens, decode steps, held-out rewards: every field but timings), with no step listed twice and no
 temporary file or uncommitted checkpoint left behind.
 """
 
@@ -30,6 +31,14 @@ from spec_rl.trainer.rundir import run_contents
 DRIVER = Path(__file__).resolve().parent / "crash_cli.py"
 MODES = ("vanilla", "spec")
 PROBLEMS = [(1, 2), (3, 4), (2, 2), (5, 1)]
+HELDOUT = [(1, 1), (4, 3)]
+
+
+def _gsm8k_lines(problems) -> str:
+    return "".join(
+        json.dumps({"question": f"Tom has {a} apples . Ann buys {b} more . how many now ?",
+                    "answer": f"{a} + {b} = {a + b} #### {a + b}"}) + "\n" for a, b in problems
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -38,17 +47,16 @@ def inputs(tmp_path_factory):
     policy = root / "policy"
     tiny_model(seed=0).save_pretrained(policy)
     tiny_tokenizer().save_pretrained(policy)
-    data = root / "data.jsonl"
-    data.write_text("".join(
-        json.dumps({"question": f"Tom has {a} apples . Ann buys {b} more . how many now ?",
-                    "answer": f"{a} + {b} = {a + b} #### {a + b}"}) + "\n" for a, b in PROBLEMS
-    ))  # fmt: skip
-    return policy, data
+    data, heldout = root / "data.jsonl", root / "heldout.jsonl"
+    data.write_text(_gsm8k_lines(PROBLEMS))
+    heldout.write_text(_gsm8k_lines(HELDOUT))
+    return policy, data, heldout
 
 
 def _argv(inputs, out: Path, resume: bool) -> list[str]:
-    policy, data = inputs
-    argv = ["train", "--model", str(policy), "--data", str(data), "--out", str(out), "--modes", ",".join(MODES),
+    policy, data, heldout = inputs
+    argv = ["train", "--model", str(policy), "--data", str(data), "--eval-data", str(heldout), "--eval-samples", "2",
+            "--out", str(out), "--modes", ",".join(MODES),
             "--epochs", "2", "--group-size", "4", "--prompts-per-step", "2", "--max-response-len", "8",
             "--lr", "5e-2", "--lenience", "1", "--kl-coef", "0.05", "--seed", "3", "--reward", "gold_word",
             "--no-progress"]  # fmt: skip
@@ -101,6 +109,7 @@ def uninterrupted(inputs, tmp_path_factory):
     summary, steps = _results(out)
     assert [r["epoch"] for r in summary["spec"]] == [1, 2] and summary["spec"][1]["reused_tokens"] > 0
     assert any(r["mean_reward"] > 0 for r in summary["spec"])  # the weights move: resume has something to get right
+    assert all("heldout_reward" in r for r in summary["spec"]) and "start_heldout_reward" in summary["vanilla"][0]
     return summary, steps, time.perf_counter() - t0
 
 

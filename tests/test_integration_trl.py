@@ -24,6 +24,7 @@ from tiny_models import tiny_model
 
 from spec_rl.cache import CacheKey, RolloutCache
 from spec_rl.history import SEPARATOR, HistoryIndex
+from spec_rl.reward_split import ORIGINS
 from spec_rl.integrations.trl import (
     CACHE_FILENAME,
     HISTORY_FILENAME,
@@ -345,9 +346,20 @@ def test_grpo_trainer_partial_reuse_continues_from_the_verified_prefix(tmp_path)
     # l = 0.5 < 1: each token of an unchanged policy's draft is kept with probability 0.5, so
     # drafts are cut and the rest is generated: prefix + continuation, with TRL-matching log-probs
     # (checked per call in _run_three_epochs).
-    spec, _, tok, first, later = _run_three_epochs(
+    spec, trainer, tok, first, later = _run_three_epochs(
         tmp_path, 0.5, eval_dataset=_dataset(), eval_strategy="epoch", per_device_eval_batch_size=2 * NUM_GEN
     )
+    # The reward split by response origin: counts per call, and weighted by them it is TRL's reward.
+    logged = [h for h in trainer.state.log_history if "spec_rl/count_fresh" in h]
+    assert len(logged) == len(first) + len(later) and all("reward" in h for h in logged)
+    for h in logged:
+        counts = {o: h[f"spec_rl/count_{o}"] for o in ORIGINS}
+        assert sum(counts.values()) == 2 * NUM_GEN
+        assert all((f"spec_rl/reward_{o}" in h) == (counts[o] > 0) for o in ORIGINS)
+        mean = sum(counts[o] * h[f"spec_rl/reward_{o}"] for o in ORIGINS if counts[o]) / (2 * NUM_GEN)
+        assert mean == pytest.approx(h["reward"], rel=1e-5)
+    assert all(h["spec_rl/count_fresh"] == 2 * NUM_GEN for h in logged[: len(first)])
+    assert sum(h["spec_rl/count_partly_reused"] for h in logged) > 0
     # Evaluation rollouts sample without drafts and leave the training cache alone.
     evals = [r for r in spec.records if not r["training"]]
     assert len(evals) >= 3

@@ -69,6 +69,7 @@ from ..sampling import SamplingSettings
 from .exact import check_acceptance
 from .trl_batch import batch_requests, group_size, hook_dataset_ids, tokenize_prompts, unwrapped_model
 from .trl_checkpoint import CACHE_FILENAME, HISTORY_FILENAME, RolloutCacheCallback, history_path, ranked_path
+from .trl_metrics import hook_reward_split, log_rollout_metrics
 from .trl_checks import (
     UnsupportedTrainerConfig,
     check_cache_settings,
@@ -87,18 +88,6 @@ __all__ = [
     "check_trainer_args",
     "sampling_settings_from_args",
 ]
-
-#: The ``spec_rl/*`` metrics logged per training call: (TRL metric name, RolloutStats key).
-_METRICS = (
-    ("spec_rl/full_reuse_ratio", "full_reuse_ratio"),
-    ("spec_rl/mean_verified_prefix", "mean_verified_prefix"),
-    ("spec_rl/reused_tokens", "reused_tokens"),
-    ("spec_rl/tokens_generated", "tokens_generated"),
-    ("spec_rl/rollout_seconds", "rollout_seconds"),
-    ("spec_rl/decode_steps", "decode_steps"),
-    ("spec_rl/tail_accepted", "tail_accepted"),
-)
-
 
 class SpecRLRollout:
     """A ``rollout_func`` for ``trl.GRPOTrainer`` that reuses last epoch's completions as drafts.
@@ -153,7 +142,13 @@ class SpecRLRollout:
         verify_backend: passed to :func:`spec_rl.verify.verify` ("auto", "reference", "triton").
         check_logprobs: at :meth:`attach`, compare the trainer's per-token log-probs with
             ``log_softmax(logits / temperature)`` on a probe sequence and raise on mismatch.
-        log_metrics: report ``spec_rl/*`` metrics through the trainer's metric log.
+        log_metrics: report ``spec_rl/*`` metrics through the trainer's metric log: the reuse
+            statistics of every training rollout and, once :meth:`attach` hooked the trainer, the
+            rollout reward split by response origin (``spec_rl/reward_reused_whole``,
+            ``spec_rl/reward_partly_reused``, ``spec_rl/reward_fresh`` and ``spec_rl/count_*``;
+            :mod:`~spec_rl.integrations.trl_metrics`). TRL's own ``reward`` is biased upward under
+            reuse (reused completions lean towards ones that were already correct): compare runs on
+            TRL's evaluation metrics, whose completions are sampled fresh.
 
     Attributes:
         cache: the :class:`~spec_rl.cache.RolloutCache`.
@@ -243,7 +238,7 @@ class SpecRLRollout:
 
         Call once after building the ``GRPOTrainer`` (with ``rollout_func=self``) and
         before ``trainer.train()``. Without it the same checks run at the first rollout,
-        but ``dataset_id_column`` and checkpoint saving need it.
+        but ``dataset_id_column``, checkpoint saving and the reward split by origin need it.
 
         Raises:
             UnsupportedTrainerConfig: the trainer's ``rollout_func`` is not this object;
@@ -260,6 +255,8 @@ class SpecRLRollout:
         self._validate(trainer)
         if self.dataset_id_column is not None and not getattr(trainer, "_spec_rl_id_hook", False):
             self._hook_dataset_ids(trainer)
+        if self.log_metrics and hasattr(trainer, "_log_metric") and not getattr(trainer, "_spec_rl_reward_hook", False):
+            hook_reward_split(trainer, self)
         if not getattr(trainer, "_spec_rl_callback", False):
             trainer.add_callback(RolloutCacheCallback(self))
             trainer._spec_rl_callback = True
@@ -384,9 +381,7 @@ class SpecRLRollout:
             }
         )
         if self.log_metrics and training and hasattr(trainer, "_log_metric"):
-            trainer._log_metric("spec_rl/draft_found_ratio", stats["drafts_found"] / max(stats["num_samples"], 1))
-            for name, key in _METRICS:
-                trainer._log_metric(name, float(stats[key]))
+            log_rollout_metrics(trainer, stats)
         return {
             "prompt_ids": [list(p) for p in result.prompt_ids],
             "completion_ids": [list(r) for r in result.response_ids],

@@ -9,7 +9,9 @@ Run directory of :func:`run_modes` (``spec-rl train --out DIR``)::
     DIR/<label>/checkpoint-<steps>/              transformers checkpoint + optimizer.pt, rollout cache,
                                                  history index, trainer_state.json, COMPLETE marker
 
-A checkpoint version commits as one unit (:mod:`spec_rl.trainer.checkpoint`): resume after a kill at any
+Each epoch record holds the rollout statistics, the rollout reward split by response origin and, with
+held-out examples, the held-out evaluation after that epoch (the first record also the warm start's);
+see :class:`GRPOTrainer` and :mod:`spec_rl.trainer.heldout`. A checkpoint version commits as one unit (:mod:`spec_rl.trainer.checkpoint`): resume after a kill at any
 instant continues from the last finished epoch with the records of an uninterrupted run. Load a trained
 policy with ``load_policy("DIR/spec")`` or ``from_pretrained("DIR/spec/checkpoint-<steps>")``.
 """

@@ -13,7 +13,9 @@ GENERATION_BACKENDS = ("auto", "transformers", "paged")
 ACCEPTANCE_RULES = ("lenient", "exact")
 
 #: Integer fields that count something and must be >= 1.
-_COUNTS = ("epochs", "group_size", "prompts_per_step", "ppo_mini_batches", "micro_batch_size", "max_response_len")
+_COUNTS = (
+    "epochs", "group_size", "prompts_per_step", "ppo_mini_batches", "micro_batch_size", "max_response_len", "eval_samples",
+)  # fmt: skip
 
 
 class ConfigError(ValueError):
@@ -141,7 +143,11 @@ class GRPOConfig:
         temperature, top_k, top_p, max_response_len: sampling settings.
         max_model_len: context limit (prompt + response); None = the model's
             max_position_embeddings.
-        seed: seeds data order, sampling and acceptance uniforms.
+        seed: seeds data order, sampling and acceptance uniforms (and the held-out evaluation's,
+            :func:`spec_rl.trainer.heldout.heldout_seed`).
+        eval_samples: fresh samples per held-out prompt at each evaluation (epoch 0 and after
+            every epoch), drawn with the training sampling settings; used when the trainer gets
+            held-out examples.
         save_checkpoint: write a transformers checkpoint (and the rollout
             cache) after every epoch so a run can resume.
         generation_backend: "paged" (:class:`spec_rl.engine.PagedEngine`: paged
@@ -175,6 +181,7 @@ class GRPOConfig:
     max_response_len: int = 256
     max_model_len: int | None = None
     seed: int = 0
+    eval_samples: int = 4
     save_checkpoint: bool = True
     device: str = "auto"
     generation_backend: str = "auto"

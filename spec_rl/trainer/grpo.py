@@ -15,8 +15,9 @@ import torch
 from ..atomic import atomic_write_text
 from ..cache import RolloutCache
 from ..faults import fault_point
-from ..history import HistoryIndex
 from ..generation import TransformersBackend, eos_token_ids
+from ..history import HistoryIndex
+from ..reward_split import origin_sums, response_origins
 from ..rollout import RolloutRequest, RolloutResult, SpeculativeRollout
 from ..sampling import SamplingSettings
 from ..scoring import response_logprobs
@@ -30,7 +31,10 @@ from .checkpoint import (
     remove_stale,
 )
 from .config import ConfigError, GRPOConfig, resolve_device
+from .heldout import START, HeldoutEvaluator
 from .loss import clipped_policy_loss, group_advantages, response_mask
+from .records import epoch_record
+from .report import format_row
 
 # Seeds of the per-step mini-batch split and the per-epoch prompt order: seed * stride + counter,
 # with prime strides so (seed, counter) pairs of nearby runs do not collide.
@@ -38,30 +42,17 @@ _MINIBATCH_SEED_STRIDE = 1_000_003
 _EPOCH_SEED_STRIDE = 7919
 METRICS_FILE = "metrics.jsonl"
 
-# Per-epoch fields summed over steps; the rest are derived in _epoch_record.
-_SUMMED = (
-    "num_samples",
-    "drafts_found",
-    "draft_tokens",
-    "accepted_tokens",
-    "full_reuse_count",
-    "tokens_generated",
-    "vanilla_tokens",
-    "scoring_seconds",
-    "generation_seconds",
-    "assembly_seconds",
-    "decode_steps",
-    "tail_proposed",
-    "tail_accepted",
-    "reward_sum",
-    "truncated",
-    "train_seconds",
-    "steps",
-)
-
-
 class GRPOTrainer:
     """GRPO (group-normalised advantages, clipped loss) with speculative rollouts.
+
+    Records: one line per step in ``metrics.jsonl`` and one record per finished epoch in ``records``
+    (:mod:`spec_rl.trainer.records`): rollout counters and times, the rollout reward ``mean_reward``
+    and its split by response origin (``reward_<origin>``, ``count_<origin>`` for reused_whole,
+    partly_reused, fresh; :mod:`spec_rl.reward_split`). With held-out examples every epoch record also
+    holds the evaluation after that epoch (``heldout_reward``, ``heldout_greedy_accuracy``,
+    ``heldout_response_tokens``, ``heldout_prompts``, ``heldout_seed``, ``heldout_seconds``), and the
+    first one the warm-start evaluation under the same names prefixed ``start_``
+    (:mod:`spec_rl.trainer.heldout`). Records are checkpointed with their epoch.
 
     Args:
         model: a transformers causal LM (trained in place).
@@ -78,10 +69,17 @@ class GRPOTrainer:
         label: name of this run in records and reports (default ``config.mode``).
         ref_model: frozen reference of the KL term (default: a copy of ``model`` as given); pass
             the initial policy when ``model`` was loaded from a checkpoint to resume.
+        eval_examples: held-out examples (like ``train_examples``, none of them a training prompt).
+            With them the policy is evaluated before training (epoch 0) and after every epoch
+            (``config.eval_samples`` fresh samples per prompt and greedy decoding; the fields and
+            their layout in the records: :mod:`spec_rl.trainer.heldout`). None: no evaluation.
+        initial_heldout: the warm-start evaluation when it is already known (the fields of
+            :data:`spec_rl.trainer.heldout.FIELDS` for the same initial weights, run seed and
+            held-out set, e.g. from another mode of the same run); None: evaluated here.
 
     Raises:
-        ValueError: no examples, no pad/EOS token, a prompt too long, or ``config.max_model_len``
-            above the model's ``max_position_embeddings``.
+        ValueError: no examples, no pad/EOS token, a prompt too long (training or held-out), or
+            ``config.max_model_len`` above the model's ``max_position_embeddings``.
     """
 
     def __init__(
@@ -96,6 +94,8 @@ class GRPOTrainer:
         log: Callable[[str], None] = print,
         label: str | None = None,
         ref_model=None,
+        eval_examples: Sequence | None = None,
+        initial_heldout: dict | None = None,
     ):
         if len(train_examples) == 0:
             raise ValueError("train_examples is empty; give the trainer at least one prompt")
@@ -122,12 +122,15 @@ class GRPOTrainer:
             temperature=config.temperature, top_p=config.top_p, top_k=config.top_k, max_tokens=config.max_response_len
         )
         self.prompt_ids = [tokenizer(e.prompt)["input_ids"] for e in self.examples]
-        for e, ids in zip(self.examples, self.prompt_ids):
-            if len(ids) >= max_model_len:
-                raise ValueError(
-                    f"prompt {e.uid!r} has {len(ids)} tokens, not less than max_model_len={max_model_len}; "
-                    "filter long prompts or raise max_model_len"
-                )
+        self._check_prompt_lengths(self.examples, self.prompt_ids, max_model_len, "prompt")
+        self.heldout = None
+        if eval_examples is not None:
+            eval_ids = [tokenizer(e.prompt)["input_ids"] for e in eval_examples]
+            self._check_prompt_lengths(eval_examples, eval_ids, max_model_len, "held-out prompt")
+            self.heldout = HeldoutEvaluator(eval_examples, tokenizer, self.settings, config.eval_samples, reward_fn,
+                                            config.seed, max_model_len)  # fmt: skip
+        #: The warm-start evaluation (set by :meth:`train` when it runs epoch 1).
+        self.initial_heldout = initial_heldout
 
         self.cache = RolloutCache()
         self.history = HistoryIndex() if config.uses_history else None
@@ -153,6 +156,15 @@ class GRPOTrainer:
         #: One record per finished epoch, saved with every checkpoint and restored by :meth:`resume`.
         self.records: list[dict] = []
         self.metrics_path = self.out_dir / METRICS_FILE
+
+    @staticmethod
+    def _check_prompt_lengths(examples: Sequence, prompt_ids: list[list[int]], max_model_len: int, what: str) -> None:
+        for e, ids in zip(examples, prompt_ids):
+            if len(ids) >= max_model_len:
+                raise ValueError(
+                    f"{what} {getattr(e, 'uid', '?')!r} has {len(ids)} tokens, not less than max_model_len={max_model_len}; "
+                    "filter long prompts or raise max_model_len"
+                )
 
     @staticmethod
     def _max_model_len(model, config: GRPOConfig) -> int:
@@ -317,6 +329,7 @@ class GRPOTrainer:
             "step": self.step,
             "mean_reward": float(rewards.mean()),
             "reward_sum": float(rewards.sum()),
+            **origin_sums(response_origins(result), rewards.tolist()),
             "mean_response_len": sum(len(r) for r in result.response_ids) / len(result.response_ids),
             "truncated": sum(result.truncated),
             "train_seconds": train_seconds,
@@ -329,46 +342,32 @@ class GRPOTrainer:
         self.step += 1
         return record
 
-    @staticmethod
-    def _epoch_record(epoch: int, steps: list[dict], mode: str, lenience: float, acceptance: str = "lenient") -> dict:
-        tot = {k: sum(s.get(k, 0) for s in steps) for k in _SUMMED if k != "steps"}
-        n = max(tot["num_samples"], 1)
-        return {
-            "mode": mode,
-            "lenience": lenience,
-            "epoch": epoch,
-            "steps": len(steps),
-            "samples": tot["num_samples"],
-            "mean_reward": tot["reward_sum"] / n,
-            "generated_tokens": tot["tokens_generated"],
-            "reused_tokens": tot["accepted_tokens"],
-            "vanilla_tokens": tot["vanilla_tokens"],
-            "draft_tokens": tot["draft_tokens"],
-            "drafts_found": tot["drafts_found"],
-            "full_reuse_ratio": tot["full_reuse_count"] / n,
-            "mean_verified_prefix": tot["accepted_tokens"] / tot["drafts_found"] if tot["drafts_found"] else 0.0,
-            "mean_response_len": tot["vanilla_tokens"] / n,
-            "truncated_frac": tot["truncated"] / n,
-            "rollout_seconds": tot["scoring_seconds"] + tot["generation_seconds"] + tot["assembly_seconds"],
-            "scoring_seconds": tot["scoring_seconds"],
-            "generation_seconds": tot["generation_seconds"],
-            "other_seconds": tot["assembly_seconds"],
-            "decode_steps": tot["decode_steps"],
-            "longest_continuation": max((s.get("longest_continuation", 0) for s in steps), default=0),
-            "tail_proposed": tot["tail_proposed"],
-            "tail_accepted": tot["tail_accepted"],
-            "acceptance": acceptance,
-            "history_spec": bool(steps and steps[0].get("history_spec")),
-            "strategy": steps[0].get("strategy") if steps else None,
-            "train_seconds": tot["train_seconds"],
-        }
+    def _warm_start_evaluation(self) -> dict | None:
+        """The epoch-0 evaluation when this call trains epoch 1 (computed unless given); logged as an epoch-0 row."""
+        if self.heldout is None or self.start_epoch > 0:
+            return None
+        if self.initial_heldout is None:
+            self.initial_heldout = self.heldout.evaluate(self.model, 0)
+        self.log(format_row(self.label, {"epoch": 0, **self.initial_heldout}))
+        return self.initial_heldout
+
+    def _epoch_end(self, epoch: int, steps: list[dict], start: dict | None) -> dict:
+        """The record of a finished epoch (0-based ``epoch``), with the held-out evaluation after it."""
+        cfg = self.config
+        record = epoch_record(epoch + 1, steps, self.label, cfg.lenience, cfg.acceptance)
+        if self.heldout is not None:
+            record.update(self.heldout.evaluate(self.model, epoch + 1))
+            if start is not None and epoch == 0:
+                record.update({START + k: v for k, v in start.items()})
+        return record
 
     def train(self, on_epoch: Callable[[dict], None] | None = None) -> list[dict]:
         """Run epochs ``start_epoch + 1 .. config.epochs``; returns one record per finished epoch.
 
         The returned list (also ``self.records``) starts with the records restored by :meth:`resume`.
-        With ``config.save_checkpoint`` every epoch ends with a committed checkpoint, then
-        ``on_epoch(record)``.
+        With held-out examples the policy is evaluated before epoch 1 and after every epoch
+        (:mod:`spec_rl.trainer.heldout`). With ``config.save_checkpoint`` every epoch ends with a
+        committed checkpoint, then ``on_epoch(record)``.
         """
         cfg = self.config
         steps_per_epoch = -(-len(self.examples) // cfg.prompts_per_step)
@@ -379,6 +378,7 @@ class GRPOTrainer:
             bar = tqdm(
                 total=(cfg.epochs - self.start_epoch) * steps_per_epoch, desc=f"GRPO [{self.label}]", unit="step", leave=False
             )
+        start = self._warm_start_evaluation()
         for epoch in range(self.start_epoch, cfg.epochs):
             # Shuffled every epoch: the cache is keyed by prompt ids, so order does not matter.
             order = list(range(len(self.examples)))
@@ -390,7 +390,7 @@ class GRPOTrainer:
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(epoch=epoch + 1, reward=f"{rec['mean_reward']:.3f}", gen=rec["tokens_generated"])
-            record = self._epoch_record(epoch + 1, steps, self.label, cfg.lenience, cfg.acceptance)
+            record = self._epoch_end(epoch, steps, start)
             self.records.append(record)
             if cfg.save_checkpoint:
                 self._save(epoch)

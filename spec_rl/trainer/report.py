@@ -3,7 +3,10 @@
 What a reader compares is time, and rollout time follows the number of sequential decode steps
 (the longest continuation of a batch), not the number of generated tokens. So every comparison
 with plain vanilla shows three ratios side by side: generated tokens, decode steps and rollout
-seconds, plus the split of rollout time into scoring, decode and other work.
+seconds, plus the split of rollout time into scoring, decode and other work. What a reader compares
+quality on is the held-out evaluation (fresh samples and greedy decoding, :mod:`spec_rl.trainer.heldout`):
+the rollout reward is biased upward under reuse (:mod:`spec_rl.reward_split`), so it is shown split by
+the origin of the responses and never used to compare runs.
 """
 
 from __future__ import annotations
@@ -11,12 +14,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..atomic import atomic_write, atomic_write_text
+from ..atomic import atomic_write_text
+from ..reward_split import ORIGINS
+from .heldout import heldout_curve, start_point
+from .report_plot import plot
 
 # Columns printed per epoch (key, header, format).
 EPOCH_COLUMNS = (
     ("epoch", "epoch", "{:d}"),
-    ("mean_reward", "reward", "{:.3f}"),
+    ("heldout_reward", "held-out", "{:.3f}"),
+    ("heldout_greedy_accuracy", "greedy", "{:.3f}"),
+    ("mean_reward", "rollout reward", "{:.3f}"),
     ("generated_tokens", "gen tokens", "{:d}"),
     ("reused_tokens", "reused tokens", "{:d}"),
     ("full_reuse_ratio", "full reuse", "{:.2f}"),
@@ -24,13 +32,16 @@ EPOCH_COLUMNS = (
     ("longest_continuation", "longest", "{:d}"),
     ("rollout_seconds", "rollout s", "{:.1f}"),
     ("scoring_seconds", "scoring s", "{:.1f}"),
+    ("heldout_seconds", "eval s", "{:.1f}"),
 )
 #: Summed over epochs for the run-level ratios.
 _TOTALS = ("generated_tokens", "decode_steps", "rollout_seconds", "scoring_seconds", "generation_seconds", "other_seconds")
 
 
 def _cell(rec: dict, key: str, fmt: str) -> str:
-    value = rec.get(key, 0)
+    value = rec.get(key)
+    if value is None:  # not measured (no held-out set, the epoch-0 row, a run from an older version)
+        return "-"
     return fmt.format(int(value) if fmt.endswith("d}") else value)
 
 
@@ -44,10 +55,16 @@ def header_row() -> str:
     return " | ".join([f"{'mode':>8}"] + [h.rjust(max(len(h), 8)) for _, h, _ in EPOCH_COLUMNS])
 
 
+def _with_start(records: list[dict]) -> list[dict]:
+    """The records, preceded by the warm-start evaluation as an epoch-0 row when there is one."""
+    start = start_point(records)
+    return records if start is None else [start, *records]
+
+
 def markdown_table(summary: dict[str, list[dict]]) -> str:
     lines = ["| mode | " + " | ".join(h for _, h, _ in EPOCH_COLUMNS) + " |", "|" + "---|" * (len(EPOCH_COLUMNS) + 1)]
     for mode, records in summary.items():
-        for rec in records:
+        for rec in _with_start(records):
             lines.append("| " + mode + " | " + " | ".join(_cell(rec, k, fmt) for k, _, fmt in EPOCH_COLUMNS) + " |")
     return "\n".join(lines)
 
@@ -56,8 +73,17 @@ def _ratio(a: float, b: float) -> float | None:
     return a / b if b else None
 
 
+def _minus(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a - b
+
+
 def comparison(summary: dict[str, list[dict]]) -> list[dict]:
-    """Per-epoch ratios of every other run to plain vanilla: tokens, decode steps, rollout time, reward gap."""
+    """Per-epoch ratios of every other run to plain vanilla: tokens, decode steps, rollout time; quality gaps.
+
+    ``heldout_reward_minus_vanilla`` and ``greedy_accuracy_minus_vanilla`` (None without a held-out
+    evaluation) are the gaps to compare runs on; ``reward_minus_vanilla`` is the rollout reward's gap,
+    biased under reuse.
+    """
     if "vanilla" not in summary:
         return []
     base = {r["epoch"]: r for r in summary["vanilla"]}
@@ -73,8 +99,30 @@ def comparison(summary: dict[str, list[dict]]) -> list[dict]:
                     "decode_steps_ratio": _ratio(rec.get("decode_steps", 0), v.get("decode_steps", 0)),
                     "rollout_seconds_ratio": _ratio(rec["rollout_seconds"], v["rollout_seconds"]),
                     "reward_minus_vanilla": rec["mean_reward"] - v["mean_reward"],
+                    "heldout_reward_minus_vanilla": _minus(rec.get("heldout_reward"), v.get("heldout_reward")),
+                    "greedy_accuracy_minus_vanilla": _minus(rec.get("heldout_greedy_accuracy"),
+                                                            v.get("heldout_greedy_accuracy")),
                 })  # fmt: skip
     return rows
+
+
+def _final_quality(records: list[dict], vanilla: dict[int, dict]) -> dict:
+    """Rollout and held-out numbers of the last epoch this run shares with vanilla, and their gaps."""
+    shared = [r for r in records if r["epoch"] in vanilla]
+    if not shared:
+        return {"final_epoch": None, "final_reward_minus_vanilla": None, "final_heldout_reward": None,
+                "final_heldout_greedy_accuracy": None, "final_heldout_reward_minus_vanilla": None,
+                "final_greedy_accuracy_minus_vanilla": None}  # fmt: skip
+    last = shared[-1]
+    v = vanilla[last["epoch"]]
+    return {
+        "final_epoch": last["epoch"],
+        "final_reward_minus_vanilla": last["mean_reward"] - v["mean_reward"],
+        "final_heldout_reward": last.get("heldout_reward"),
+        "final_heldout_greedy_accuracy": last.get("heldout_greedy_accuracy"),
+        "final_heldout_reward_minus_vanilla": _minus(last.get("heldout_reward"), v.get("heldout_reward")),
+        "final_greedy_accuracy_minus_vanilla": _minus(last.get("heldout_greedy_accuracy"), v.get("heldout_greedy_accuracy")),
+    }
 
 
 def run_ratios(summary: dict[str, list[dict]], from_epoch: int = 2) -> list[dict]:
@@ -83,7 +131,10 @@ def run_ratios(summary: dict[str, list[dict]], from_epoch: int = 2) -> list[dict
     Returns one dict per run (vanilla included, ratios 1): summed ``generated_tokens``,
     ``decode_steps``, ``rollout_seconds`` and their ratios to vanilla; the rollout time split
     (scoring, decode, other seconds); ``scoring_share`` = scoring seconds / vanilla rollout
-    seconds; ``final_reward_minus_vanilla`` at the last shared epoch.
+    seconds; at the last epoch shared with vanilla (``final_epoch``): ``final_heldout_reward``,
+    ``final_heldout_greedy_accuracy`` and their gaps to vanilla (``final_heldout_reward_minus_vanilla``,
+    ``final_greedy_accuracy_minus_vanilla``; None without a held-out evaluation), and the rollout
+    reward's gap ``final_reward_minus_vanilla`` (biased under reuse).
     """
     if "vanilla" not in summary:
         return []
@@ -93,16 +144,15 @@ def run_ratios(summary: dict[str, list[dict]], from_epoch: int = 2) -> list[dict
         return {k: sum(r.get(k, 0) for r in records if r["epoch"] in epochs) for k in _TOTALS}
 
     base = total(summary["vanilla"])
-    last_v = {r["epoch"]: r["mean_reward"] for r in summary["vanilla"]}
+    vanilla = {r["epoch"]: r for r in summary["vanilla"]}
     out = []
     for mode, records in summary.items():
         t = total(records)
-        shared = [r for r in records if r["epoch"] in last_v]
         out.append({
             "mode": mode, **t,
             **{f"{k}_ratio": _ratio(t[k], base[k]) for k in ("generated_tokens", "decode_steps", "rollout_seconds")},
             "scoring_share": _ratio(t["scoring_seconds"], base["rollout_seconds"]),
-            "final_reward_minus_vanilla": (shared[-1]["mean_reward"] - last_v[shared[-1]["epoch"]]) if shared else None,
+            **_final_quality(records, vanilla),
             "epochs": sorted(epochs),
         })  # fmt: skip
     return out
@@ -112,20 +162,45 @@ def _fmt(x: float | None, spec: str) -> str:
     return "n/a" if x is None else format(x, spec)
 
 
+def heldout_progress(mode: str, records: list[dict]) -> str | None:
+    """"<mode>: held-out reward a -> b, greedy accuracy c -> d (epochs 0 -> E, N prompts)", or None."""
+    curve = heldout_curve(records)
+    if not curve:
+        return None
+    first, last = curve[0], curve[-1]
+    return (f"{mode}: held-out reward {first['heldout_reward']:.3f} -> {last['heldout_reward']:.3f}, greedy accuracy "
+            f"{first['heldout_greedy_accuracy']:.3f} -> {last['heldout_greedy_accuracy']:.3f} (epochs {first['epoch']} -> "
+            f"{last['epoch']}, {last.get('heldout_prompts', '?')} held-out prompts)")  # fmt: skip
+
+
+def _final_heldout_text(r: dict) -> str:
+    if r["final_heldout_reward"] is None:
+        return "held-out: not evaluated (no held-out set)"
+    return (f"final held-out reward {r['final_heldout_reward']:.3f} ({_fmt(r['final_heldout_reward_minus_vanilla'], '+.3f')} "
+            f"vs vanilla), greedy accuracy {r['final_heldout_greedy_accuracy']:.3f} "
+            f"({_fmt(r['final_greedy_accuracy_minus_vanilla'], '+.3f')})")  # fmt: skip
+
+
 def closing_lines(summary: dict[str, list[dict]], from_epoch: int = 2) -> list[str]:
-    """The console summary: every run vs plain vanilla, epochs >= ``from_epoch`` summed."""
-    lines = []
+    """The console summary: vanilla's held-out progress, then every run vs vanilla (epochs >= ``from_epoch``).
+
+    Runs are compared on held-out numbers (fresh samples, greedy accuracy) and on rollout cost; without
+    vanilla, each run's held-out progress.
+    """
+    if "vanilla" not in summary:
+        return [line for mode, recs in summary.items() if (line := heldout_progress(mode, recs)) is not None]
+    lines = [line] if (line := heldout_progress("vanilla", summary["vanilla"])) is not None else []
     for r in run_ratios(summary, from_epoch):
         if r["mode"] == "vanilla":
             continue
         if not r["epochs"]:  # e.g. a one-epoch run: no drafts yet, nothing to compare
-            lines.append(f"{r['mode']}/vanilla: no epoch >= {from_epoch} to compare (the first epoch has no drafts)")
+            lines.append(f"{r['mode']}/vanilla: no epoch >= {from_epoch} to compare (the first epoch has no drafts); "
+                         + _final_heldout_text(r))  # fmt: skip
             continue
         lines.append(
             f"{r['mode']}/vanilla, epochs {from_epoch}+: generated tokens {_fmt(r['generated_tokens_ratio'], '.2f')}x, "
             f"decode steps {_fmt(r['decode_steps_ratio'], '.2f')}x, rollout time {_fmt(r['rollout_seconds_ratio'], '.2f')}x "
-            f"(scoring {_fmt(r['scoring_share'], '.0%')} of vanilla's rollout), final reward "
-            f"{_fmt(r['final_reward_minus_vanilla'], '+.3f')}"
+            f"(scoring {_fmt(r['scoring_share'], '.0%')} of vanilla's rollout); " + _final_heldout_text(r)
         )
     return lines
 
@@ -136,50 +211,21 @@ def _describe(rec: dict) -> str:
     return f"{reuse}, tail speculation {'on' if rec.get('history_spec') else 'off'}"
 
 
-def _step_metrics(run_dir: Path, mode: str) -> list[dict]:
-    path = run_dir / mode / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    steps = []
-    for line in path.read_text().splitlines():
-        try:
-            steps.append(json.loads(line))
-        except ValueError:
-            continue  # the last line of a killed run may be cut short; resume rewrites the file
-    return steps
-
-
-def plot(run_dir: Path, modes: list[str]) -> Path | None:
-    """PNG with reward, generated tokens, decode steps and rollout seconds per training step, one line per run."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = (("mean_reward", "mean reward"), ("tokens_generated", "tokens generated"),
-              ("decode_steps", "decode steps"), ("rollout_seconds", "rollout seconds"))  # fmt: skip
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4))
-    any_data = False
-    for mode in modes:
-        steps = _step_metrics(run_dir, mode)
-        if not steps:
-            continue
-        any_data = True
-        x = [s["step"] + 1 for s in steps]
-        for ax, (key, _) in zip(axes, panels):
-            ax.plot(x, [s.get(key, 0) for s in steps], marker="o", ms=3, label=mode)
-    if not any_data:
-        plt.close(fig)
-        return None
-    for ax, (_, title) in zip(axes, panels):
-        ax.set_title(title + " per step")
-        ax.set_xlabel("training step")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    out = atomic_write(run_dir / "report.png", lambda tmp: fig.savefig(tmp, dpi=110, format="png"), fsync=False)
-    plt.close(fig)
-    return out
+def _origin_markdown(summary: dict[str, list[dict]]) -> list[str]:
+    """The rollout reward of each epoch split by response origin, beside the held-out reward."""
+    heads = " | ".join(f"{o.replace('_', ' ')} (n)" for o in ORIGINS)
+    lines = ["## Rollout reward by response origin", "",
+             "With lenient acceptance the rollout reward is biased upward: a draft survives the test when the policy "
+             "still likes it, and it likes responses that were rewarded, so responses reused whole lean towards ones "
+             "that were already correct. With exact acceptance every response is a fresh sample of the policy, so the "
+             "total is unbiased although the origins differ in reward. Compare runs on the held-out reward.", "",
+             f"| run | epoch | rollout reward | {heads} | held-out reward |", "|---|---|---|" + "---|" * len(ORIGINS) + "---|"]  # fmt: skip
+    for mode, records in summary.items():
+        for rec in records:
+            cells = [f"{_fmt(rec.get(f'reward_{o}'), '.3f')} ({rec.get(f'count_{o}', 0)})" for o in ORIGINS]
+            lines.append(f"| {mode} | {rec['epoch']} | {rec['mean_reward']:.3f} | " + " | ".join(cells)
+                         + f" | {_fmt(rec.get('heldout_reward'), '.3f')} |")  # fmt: skip
+    return lines + [""]
 
 
 def _comparison_markdown(summary: dict[str, list[dict]]) -> list[str]:
@@ -188,26 +234,40 @@ def _comparison_markdown(summary: dict[str, list[dict]]) -> list[str]:
     if totals:
         lines += ["## Relative to plain vanilla, epochs 2+ summed", "",
                   "| run | tokens ratio | decode steps ratio | rollout time ratio | scoring s | decode s | other s | "
-                  "scoring / vanilla rollout | final reward - vanilla |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+                  "scoring / vanilla rollout | final held-out reward - vanilla | final greedy accuracy - vanilla |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for r in totals:
             lines.append(
                 f"| {r['mode']} | {_fmt(r['generated_tokens_ratio'], '.3f')} | {_fmt(r['decode_steps_ratio'], '.3f')} | "
                 f"{_fmt(r['rollout_seconds_ratio'], '.3f')} | {r['scoring_seconds']:.2f} | {r['generation_seconds']:.2f} | "
-                f"{r['other_seconds']:.2f} | {_fmt(r['scoring_share'], '.1%')} | {_fmt(r['final_reward_minus_vanilla'], '+.3f')} |"
+                f"{r['other_seconds']:.2f} | {_fmt(r['scoring_share'], '.1%')} | "
+                f"{_fmt(r['final_heldout_reward_minus_vanilla'], '+.3f')} | {_fmt(r['final_greedy_accuracy_minus_vanilla'], '+.3f')} |"
             )
         lines.append("")
     comp = comparison(summary)
     if comp:
         lines += ["## Per epoch, relative to plain vanilla", "",
-                  "| run | epoch | tokens ratio | decode steps ratio | rollout time ratio | reward - vanilla |",
-                  "|---|---|---|---|---|---|"]  # fmt: skip
+                  "| run | epoch | tokens ratio | decode steps ratio | rollout time ratio | held-out reward - vanilla | "
+                  "greedy accuracy - vanilla |", "|---|---|---|---|---|---|---|"]  # fmt: skip
         for c in comp:
             lines.append(
                 f"| {c['mode']} | {c['epoch']} | {_fmt(c['generated_tokens_ratio'], '.3f')} | {_fmt(c['decode_steps_ratio'], '.3f')} | "
-                f"{_fmt(c['rollout_seconds_ratio'], '.3f')} | {c['reward_minus_vanilla']:+.3f} |"
+                f"{_fmt(c['rollout_seconds_ratio'], '.3f')} | {_fmt(c['heldout_reward_minus_vanilla'], '+.3f')} | "
+                f"{_fmt(c['greedy_accuracy_minus_vanilla'], '+.3f')} |"
             )
         lines.append("")
     return lines
+
+
+def _heldout_note(info: dict) -> list[str]:
+    prompts = info.get("eval_prompts") or 0
+    if not prompts:
+        return ["No held-out evaluation (no held-out set): the rollout reward above is biased under reuse and does "
+                "not compare runs.", ""]  # fmt: skip
+    samples = (info.get("config") or {}).get("eval_samples", "?")
+    return [f"Held-out evaluation: {prompts} prompts not trained on, {samples} fresh samples each with the training "
+            "sampling settings (`held-out`) and one greedy response (`greedy`), before training (epoch 0) and after "
+            "every epoch, with the same seed in every run; never from the rollout cache.", ""]  # fmt: skip
 
 
 def write_report(
@@ -223,16 +283,18 @@ def write_report(
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
     atomic_write_text(run_dir / "run_info.json", json.dumps(info, indent=2, default=str))
-    png = plot(run_dir, list(summary.keys())) if plot_png else None
+    png = plot(run_dir, summary) if plot_png else None
     if png is None and not plot_png and (run_dir / "report.png").is_file():
         png = run_dir / "report.png"
     lines = ["# spec-rl run report", "", f"Model: `{info.get('model')}`; device: {info.get('device')}; "
              f"lenience l = {info.get('lenience'):.4g} (log l = {info.get('log_lenience'):.3g}); runs: "
              + ", ".join(f"{m} ({_describe(r[0]) if r else '?'})" for m, r in summary.items()) + ".", "",
-             "## Per-epoch results", "", markdown_table(summary), ""]  # fmt: skip
+             *_heldout_note(info), "## Per-epoch results", "", markdown_table(summary), ""]  # fmt: skip
     lines += _comparison_markdown(summary)
+    lines += _origin_markdown(summary)
     if png is not None:
-        lines += ["![reward, generated tokens, decode steps and rollout time per step](report.png)", ""]
+        lines += ["![held-out reward per epoch; reward, generated tokens, decode steps and rollout time per step]"
+                  "(report.png)", ""]  # fmt: skip
     lines += ["Lenient acceptance (the paper's rule) samples the token at a rejection from the current policy, not from "
               "the residual of exact speculative sampling, so even l = 1 is not exactly on-policy; exact acceptance "
               "is (paper Sec. 3; docs/design.md, 'The rule' and 'Exact acceptance').", ""]

@@ -45,7 +45,7 @@ def load_policy(path: str | Path, device: torch.device | str = "cpu"):
     return model.to(device).eval(), tokenizer
 
 
-def _run_info(model_path, device, config: GRPOConfig, summary: dict, train_prompts: int) -> dict:
+def _run_info(model_path, device, config: GRPOConfig, summary: dict, train_prompts: int, eval_prompts: int) -> dict:
     return {
         "model": str(model_path),
         "device": str(device),
@@ -59,6 +59,8 @@ def _run_info(model_path, device, config: GRPOConfig, summary: dict, train_promp
         # each run's own settings: the base config with its MODE_PRESETS fields applied
         "runs": {m: dataclasses.replace(config, **MODE_PRESETS[m]).to_dict() for m in summary if m in MODE_PRESETS},
         "train_prompts": train_prompts,
+        # held-out evaluation: prompts x config.eval_samples fresh samples + greedy, at epochs 0..E (0: off)
+        "eval_prompts": eval_prompts,
     }
 
 
@@ -72,6 +74,7 @@ def run_modes(
     progress: bool = True,
     resume: bool = False,
     log: Callable[[str], None] = print,
+    eval_examples: Sequence | None = None,
 ) -> dict[str, list[dict]]:
     """Train each mode from ``model_path`` with identical seeds; write the report after every epoch.
 
@@ -81,7 +84,9 @@ def run_modes(
     and report.md after every epoch (each written atomically) and report.png when a mode ends.
     With ``resume`` every label continues from its committed checkpoint (a label without one, and
     without finished epochs, starts at epoch 1), and the records of labels not in ``modes`` stay
-    in summary.json.
+    in summary.json. With ``eval_examples`` every run is evaluated on them before training and after
+    every epoch (:mod:`spec_rl.trainer.heldout`); the warm-start evaluation is computed once and
+    shared, since every run starts from the same weights with the same seed.
 
     Returns:
         {label: [per-epoch record, ...]} (with ``resume``: every label of the run directory).
@@ -101,6 +106,12 @@ def run_modes(
     for folder in [out_dir, *(out_dir / label for label in MODE_PRESETS)]:
         remove_leftovers(folder)  # temporary files of a killed writer; checkpoint versions: trainer.resume
     summary = read_summary(out_dir) if resume else {}
+    num_eval = len(eval_examples) if eval_examples is not None else 0
+
+    def info() -> dict:
+        return _run_info(model_path, device, config, summary, len(train_examples), num_eval)
+
+    initial = None  # the warm-start evaluation, shared by the runs
     log(header_row())
     for mode in modes:
         cfg = configs[mode]
@@ -111,7 +122,7 @@ def run_modes(
         # The KL reference is the initial policy, also when the trained weights come from a checkpoint.
         ref = load_policy(model_path, device)[0] if ckpt is not None and cfg.kl_coef > 0 else None
         trainer = GRPOTrainer(model, tokenizer, train_examples, reward_fn, cfg, mode_dir, progress=progress, log=log,
-                              label=mode, ref_model=ref)  # fmt: skip
+                              label=mode, ref_model=ref, eval_examples=eval_examples, initial_heldout=initial)  # fmt: skip
         if resume:
             if trainer.resume():
                 log(f"[{mode}] resumed at epoch {trainer.start_epoch + 1} with {len(trainer.cache)} cached drafts")
@@ -121,10 +132,10 @@ def run_modes(
         def on_epoch(rec: dict, _mode: str = mode, _trainer: GRPOTrainer = trainer) -> None:
             log(format_row(_mode, rec))
             summary[_mode] = list(_trainer.records)
-            info = _run_info(model_path, device, config, summary, len(train_examples))
-            write_report(out_dir, summary, info, plot_png=False)
+            write_report(out_dir, summary, info(), plot_png=False)
 
         summary[mode] = trainer.train(on_epoch=on_epoch)
-        write_report(out_dir, summary, _run_info(model_path, device, config, summary, len(train_examples)))
+        initial = initial or trainer.initial_heldout
+        write_report(out_dir, summary, info())
         del trainer, model, ref
     return summary

@@ -1,0 +1,82 @@
+"""The ``spec_rl/*`` metrics :class:`~spec_rl.integrations.trl.SpecRLRollout` logs to TRL's metric log.
+
+Per training rollout: the reuse statistics (:data:`ROLLOUT_METRICS`). Per training batch, once TRL
+has scored it: the reward split by response origin (:mod:`spec_rl.reward_split`), read by wrapping
+the trainer's ``_calculate_rewards`` (trl 1.16.0: it returns ``rewards_per_func`` [B_global, F],
+gathered over processes; the logged ``reward`` is their ``reward_weights``-weighted ``nansum``, NaN for
+a row every function left unscored). TRL's own ``reward`` mixes the three origins and is biased
+upward under reuse; TRL's evaluation (``eval_strategy``) samples fresh, without drafts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..reward_split import ORIGINS, origin_sums, response_origins
+from .trl_checks import UnsupportedTrainerConfig
+
+__all__ = ["ROLLOUT_METRICS", "hook_reward_split", "log_rollout_metrics", "weighted_rewards"]
+
+#: The ``spec_rl/*`` metrics logged per training call: (TRL metric name, RolloutStats key).
+ROLLOUT_METRICS = (
+    ("spec_rl/full_reuse_ratio", "full_reuse_ratio"),
+    ("spec_rl/mean_verified_prefix", "mean_verified_prefix"),
+    ("spec_rl/reused_tokens", "reused_tokens"),
+    ("spec_rl/tokens_generated", "tokens_generated"),
+    ("spec_rl/rollout_seconds", "rollout_seconds"),
+    ("spec_rl/decode_steps", "decode_steps"),
+    ("spec_rl/tail_accepted", "tail_accepted"),
+)
+
+
+def log_rollout_metrics(trainer, stats: dict) -> None:
+    """Log the reuse statistics of one training rollout (``RolloutStats.to_dict()``)."""
+    trainer._log_metric("spec_rl/draft_found_ratio", stats["drafts_found"] / max(stats["num_samples"], 1))
+    for name, key in ROLLOUT_METRICS:
+        trainer._log_metric(name, float(stats[key]))
+
+
+def weighted_rewards(trainer, rewards_per_func: torch.Tensor) -> list[float]:
+    """The reward TRL logs per row: ``nansum(rewards_per_func * reward_weights)``, NaN where every function gave NaN."""
+    weights = trainer.reward_weights.to(rewards_per_func.device).unsqueeze(0)
+    rewards = (rewards_per_func * weights).nansum(dim=1)
+    rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
+    return rewards.tolist()
+
+
+def hook_reward_split(trainer, spec) -> None:
+    """Wrap ``trainer._calculate_rewards`` to log ``spec_rl/reward_<origin>`` and ``spec_rl/count_<origin>``.
+
+    Each training batch logs, for every origin (reused whole, partly reused, fresh), the mean reward
+    (one value per response, so TRL's average over processes weighs them by count; not logged for an
+    origin without a response) and this process's count of scored responses (TRL averages it over
+    processes). The origins are those of
+    ``spec.last_result``, the rollout of the batch being scored.
+
+    Raises:
+        UnsupportedTrainerConfig: this TRL version has no ``_calculate_rewards``.
+    """
+    original = getattr(trainer, "_calculate_rewards", None)
+    if original is None:
+        raise UnsupportedTrainerConfig(
+            "this TRL version has no GRPOTrainer._calculate_rewards to read the rewards from; pass log_metrics=False "
+            "(trl>=1.16 tested)"
+        )
+
+    def with_split(inputs, prompts, *a, **kw):
+        rewards_per_func = original(inputs, prompts, *a, **kw)
+        result = spec.last_result
+        if trainer.model.training and result is not None and len(result.response_ids) == len(prompts):
+            start = trainer.accelerator.process_index * len(prompts)
+            local = weighted_rewards(trainer, rewards_per_func[start : start + len(prompts)])
+            origins = response_origins(result)
+            sums = origin_sums(origins, local)
+            for origin in ORIGINS:
+                trainer._log_metric(f"spec_rl/count_{origin}", float(sums[f"count_{origin}"]))
+            for origin, reward in zip(origins, local):
+                if reward == reward:  # not NaN: TRL leaves unscored rows out of its reward too
+                    trainer._log_metric(f"spec_rl/reward_{origin}", float(reward))
+        return rewards_per_func
+
+    trainer._calculate_rewards = with_split
+    trainer._spec_rl_reward_hook = True

@@ -1,0 +1,68 @@
+"""The trainer's records: one per training step (metrics.jsonl) and one per epoch (summary.json).
+
+An epoch record sums its steps' counters and derives the rates from the sums; the rollout reward is
+also split by the origin of each response (:mod:`spec_rl.reward_split`: ``reward_<origin>`` and
+``count_<origin>``). The held-out fields of an epoch record are described in
+:mod:`spec_rl.trainer.heldout`.
+"""
+
+from __future__ import annotations
+
+from ..reward_split import ORIGINS, origin_means
+
+# Per-epoch fields summed over steps; the rest are derived in epoch_record.
+SUMMED = (
+    "num_samples",
+    "drafts_found",
+    "draft_tokens",
+    "accepted_tokens",
+    "full_reuse_count",
+    "tokens_generated",
+    "vanilla_tokens",
+    "scoring_seconds",
+    "generation_seconds",
+    "assembly_seconds",
+    "decode_steps",
+    "tail_proposed",
+    "tail_accepted",
+    "reward_sum",
+    "truncated",
+    "train_seconds",
+    *(f"{kind}_{origin}" for origin in ORIGINS for kind in ("reward_sum", "count")),
+)
+
+
+def epoch_record(epoch: int, steps: list[dict], mode: str, lenience: float, acceptance: str = "lenient") -> dict:
+    """The record of one finished epoch from its step records (``epoch`` is 1-based)."""
+    tot = {k: sum(s.get(k, 0) for s in steps) for k in SUMMED}
+    n = max(tot["num_samples"], 1)
+    return {
+        "mode": mode,
+        "lenience": lenience,
+        "epoch": epoch,
+        "steps": len(steps),
+        "samples": tot["num_samples"],
+        "mean_reward": tot["reward_sum"] / n,
+        **origin_means(tot),
+        "generated_tokens": tot["tokens_generated"],
+        "reused_tokens": tot["accepted_tokens"],
+        "vanilla_tokens": tot["vanilla_tokens"],
+        "draft_tokens": tot["draft_tokens"],
+        "drafts_found": tot["drafts_found"],
+        "full_reuse_ratio": tot["full_reuse_count"] / n,
+        "mean_verified_prefix": tot["accepted_tokens"] / tot["drafts_found"] if tot["drafts_found"] else 0.0,
+        "mean_response_len": tot["vanilla_tokens"] / n,
+        "truncated_frac": tot["truncated"] / n,
+        "rollout_seconds": tot["scoring_seconds"] + tot["generation_seconds"] + tot["assembly_seconds"],
+        "scoring_seconds": tot["scoring_seconds"],
+        "generation_seconds": tot["generation_seconds"],
+        "other_seconds": tot["assembly_seconds"],
+        "decode_steps": tot["decode_steps"],
+        "longest_continuation": max((s.get("longest_continuation", 0) for s in steps), default=0),
+        "tail_proposed": tot["tail_proposed"],
+        "tail_accepted": tot["tail_accepted"],
+        "acceptance": acceptance,
+        "history_spec": bool(steps and steps[0].get("history_spec")),
+        "strategy": steps[0].get("strategy") if steps else None,
+        "train_seconds": tot["train_seconds"],
+    }

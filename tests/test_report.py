@@ -1,0 +1,62 @@
+"""Run reports compare runs on held-out numbers: console rows, closing lines, report.md and report.png."""
+
+import json
+
+from spec_rl.trainer.report import closing_lines, format_row, run_ratios, write_report
+
+
+def _record(epoch, tokens, seconds, heldout=None, greedy=None, reward=0.3, start=None):
+    rec = {"epoch": epoch, "mode": "x", "mean_reward": reward, "generated_tokens": tokens, "decode_steps": tokens // 10,
+           "rollout_seconds": seconds, "scoring_seconds": 0.1, "generation_seconds": seconds - 0.1, "other_seconds": 0.0,
+           "reward_reused_whole": None, "count_reused_whole": 0, "reward_partly_reused": None, "count_partly_reused": 0,
+           "reward_fresh": reward, "count_fresh": 16}  # fmt: skip
+    if heldout is not None:
+        rec.update(heldout_reward=heldout, heldout_greedy_accuracy=greedy, heldout_prompts=8, heldout_seconds=0.5)
+    if start is not None:
+        rec.update(start_heldout_reward=start[0], start_heldout_greedy_accuracy=start[1], start_heldout_prompts=8)
+    return rec
+
+
+SUMMARY = {
+    "vanilla": [_record(1, 1000, 2.0, 0.30, 0.50, start=(0.25, 0.60)), _record(2, 1000, 2.0, 0.40, 0.55)],
+    "spec": [_record(1, 1000, 2.0, 0.30, 0.50, start=(0.25, 0.60)), _record(2, 200, 0.8, 0.35, 0.58, reward=0.5)],
+}
+
+
+def test_closing_lines_compare_heldout_numbers_not_rollout_reward():
+    lines = closing_lines(SUMMARY)
+    assert lines[0] == ("vanilla: held-out reward 0.250 -> 0.400, greedy accuracy 0.600 -> 0.550 (epochs 0 -> 2, "
+                        "8 held-out prompts)")  # fmt: skip
+    assert lines[1].startswith("spec/vanilla, epochs 2+: generated tokens 0.20x, decode steps 0.20x, rollout time 0.40x")
+    assert "final held-out reward 0.350 (-0.050 vs vanilla), greedy accuracy 0.580 (+0.030)" in lines[1]
+    spec = [r for r in run_ratios(SUMMARY) if r["mode"] == "spec"][0]
+    assert spec["final_reward_minus_vanilla"] > 0 > spec["final_heldout_reward_minus_vanilla"]  # the bias, in numbers
+    no_eval = {m: [{k: v for k, v in r.items() if "heldout" not in k} for r in recs] for m, recs in SUMMARY.items()}
+    (line,) = closing_lines(no_eval)
+    assert line.endswith("held-out: not evaluated (no held-out set)")
+    assert closing_lines({"spec": SUMMARY["spec"]}) == ["spec: held-out reward 0.250 -> 0.350, greedy accuracy 0.600 -> "
+                                                        "0.580 (epochs 0 -> 2, 8 held-out prompts)"]  # fmt: skip
+
+
+def test_rows_show_dashes_for_what_was_not_measured():
+    row = format_row("spec", {"epoch": 0, "heldout_reward": 0.25, "heldout_greedy_accuracy": 0.6})
+    cells = [c.strip() for c in row.split("|")]
+    assert cells[:4] == ["spec", "0", "0.250", "0.600"] and set(cells[4:]) == {"-"}
+
+
+def test_report_has_the_warm_start_row_the_origin_table_and_the_heldout_panel(tmp_path):
+    info = {"model": "m", "device": "cpu", "lenience": 1.6, "log_lenience": 0.5, "eval_prompts": 8,
+            "config": {"eval_samples": 4}}  # fmt: skip
+    for mode in SUMMARY:
+        (tmp_path / mode).mkdir()
+        steps = [{"step": i, "mean_reward": 0.3, "tokens_generated": 100, "decode_steps": 10, "rollout_seconds": 1.0}
+                 for i in range(2)]  # fmt: skip
+        (tmp_path / mode / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    out = write_report(tmp_path, SUMMARY, info)
+    md = out["report"].read_text()
+    assert "| vanilla | 0 | 0.250 | 0.600 | - |" in md and "| spec | 2 | 0.350 | 0.580 | 0.500 |" in md
+    assert "## Rollout reward by response origin" in md and "| spec | 2 | 0.500 | n/a (0) | n/a (0) | 0.500 (16) | 0.350 |" in md
+    assert "8 prompts not trained on, 4 fresh samples each" in md
+    assert "| spec | 0.200 | 0.200 | 0.400 |" in md and "| -0.050 | +0.030 |" in md
+    assert out["plot"].stat().st_size > 10_000
+    assert json.loads(out["summary"].read_text()) == SUMMARY
