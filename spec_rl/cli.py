@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from .sweep import add_parser as add_sweep_parser
+from .sweep import cmd_sweep
 from .trainer.config import ACCEPTANCE_RULES, MODE_PRESETS, ConfigError, GRPOConfig
 
 #: What the demo compares by default: plain vanilla (the reference), SPEC-RL (lenient, with tail
@@ -80,10 +82,15 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see `{self.prog} --help`)")
 
 
-def _positive_float(text: str) -> float:
-    value = float(text)
+def _lenience(text: str) -> float | str:
+    if text == "auto":
+        return "auto"
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
     if math.isnan(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a number >= 0 (or inf), got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be a number >= 0 (or inf), or auto; got {text!r}")
     return value
 
 
@@ -115,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="GRPO training with speculative rollouts (no arguments: the offline demo, vanilla vs SPEC-RL)",
         formatter_class=_DefaultsHelp,
     )
+    add_sweep_parser(sub)
     t.add_argument("--model", help="local transformers checkpoint directory (default: the embedded demo policy)")
     t.add_argument("--data", help="training prompts: a GSM8K- or MATH-format .jsonl file (default: the demo task)")
     t.add_argument("--data-format", default="auto", choices=["auto", "gsm8k", "math"], help="format of --data")
@@ -133,8 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--reward", default="math", help="reward function name")
     mode = t.add_mutually_exclusive_group()
     mode.add_argument("--no-spec", action="store_true", help="vanilla GRPO (same as --lenience 0)")
-    mode.add_argument("--reuse", choices=["spec", "random"], default="spec", help="draft reuse: lenient test or random-reuse ablation")
-    t.add_argument("--lenience", type=_positive_float, default=None,
+    mode.add_argument("--reuse", choices=["spec", "random", "random-ref"], default="spec",
+                      help="draft reuse: the acceptance test, or the random-reuse ablation (random: n uniform over 0..L; "
+                      "random-ref: over 0..L-1, as in the reference implementation)")
+    t.add_argument("--target-drift", type=float, default=None,
+                   help="with --lenience auto: bound on the mean |lp_new - lp_old| of reused tokens, nats (default 0.1)")
+    t.add_argument("--lenience", type=_lenience, default=None,
                    help="SPEC-RL lenience l (default e^0.5, the paper's GRPO setting; 0 means vanilla)")
     cmp = t.add_mutually_exclusive_group()
     cmp.add_argument("--compare", dest="compare", action="store_true", default=None, help="also run vanilla GRPO on identical seeds")
@@ -280,6 +292,10 @@ def _heldout_examples(args: argparse.Namespace, demo: bool, examples: list) -> t
     return examples, evals
 
 
+def _fmt_lenience(lenience) -> str:
+    return lenience if isinstance(lenience, str) else f"{lenience:.4g}"
+
+
 def _config(args: argparse.Namespace, demo: bool) -> GRPOConfig:
     """GRPOConfig from the flags; the demo and a user's model have different defaults."""
     defaults = DEMO_DEFAULTS if demo else MODEL_DEFAULTS
@@ -289,7 +305,9 @@ def _config(args: argparse.Namespace, demo: bool) -> GRPOConfig:
         return defaults[name] if value is None else value
 
     return GRPOConfig(
-        lenience=math.exp(0.5) if args.lenience is None else args.lenience,
+        lenience=args.lenience,  # None: the paper's default for the algorithm (GRPO e^0.5, DAPO e^0.15)
+        algorithm="dapo" if args.clip_higher else "grpo",
+        **({} if args.target_drift is None else {"target_drift": args.target_drift}),
         acceptance=args.acceptance,
         history_spec=args.history_spec,
         spec_tokens=args.spec_tokens,
@@ -358,7 +376,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     heldout = f"{len(evals)} prompts x {config.eval_samples} samples + greedy" if evals else "off"
     print(
         f"run dir: {out} | modes: {', '.join(modes)} | prompts: {len(examples)} | G={config.group_size} | "
-        f"epochs={config.epochs} | lenience l={config.lenience:.4g} | held-out: {heldout}"
+        f"epochs={config.epochs} | lenience l={_fmt_lenience(config.lenience)} | held-out: {heldout}"
     )
     t0 = time.perf_counter()
     summary = run_modes(model_path, examples, reward_fn, config, modes, out, progress=not args.no_progress,
@@ -384,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         try:
-            return cmd_train(args)
+            return cmd_sweep(args) if args.command == "sweep" else cmd_train(args)
         except (ValueError, TypeError, FileNotFoundError) as err:
             if os.environ.get("SPEC_RL_DEBUG"):
                 raise

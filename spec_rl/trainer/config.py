@@ -8,7 +8,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-MODES = ("vanilla", "spec", "random")
+from ..acceptance import LENIENCE_DEFAULTS
+from ..adaptive import DEFAULT_TARGET_DRIFT
+
+MODES = ("vanilla", "spec", "random", "random-ref")
 GENERATION_BACKENDS = ("auto", "transformers", "paged")
 ACCEPTANCE_RULES = ("lenient", "exact")
 
@@ -16,6 +19,13 @@ ACCEPTANCE_RULES = ("lenient", "exact")
 _COUNTS = (
     "epochs", "group_size", "prompts_per_step", "ppo_mini_batches", "micro_batch_size", "max_response_len", "eval_samples",
 )  # fmt: skip
+
+
+def log_lenience_of(lenience) -> float | str:
+    """log l for the records ("auto" stays "auto"; l = 0 is -inf)."""
+    if lenience == "auto":
+        return "auto"
+    return math.log(lenience) if lenience > 0 else float("-inf")
 
 
 class ConfigError(ValueError):
@@ -114,6 +124,8 @@ MODE_PRESETS = {
     "spec": dict(mode="spec"),
     "exact": dict(mode="spec", acceptance="exact"),
     "random": dict(mode="random"),
+    "random-ref": dict(mode="random-ref"),
+    "auto": dict(mode="spec", lenience="auto"),
 }
 
 
@@ -122,9 +134,16 @@ class GRPOConfig:
     """GRPO with optional speculative rollouts.
 
     Attributes:
-        mode: "vanilla" (plain GRPO, no draft reuse), "spec" (SPEC-RL) or
-            "random" (random-reuse ablation, paper Table 2).
-        lenience: SPEC-RL lenience l (paper default for GRPO: e^0.5, Sec. 4).
+        mode: "vanilla" (plain GRPO, no draft reuse), "spec" (SPEC-RL), "random" (random-reuse
+            ablation, paper Table 2: n uniform over 0..L) or "random-ref" (the reference
+            implementation's variant: n uniform over 0..L-1, never a full reuse).
+        lenience: SPEC-RL lenience l (paper defaults, App. A.1: GRPO e^0.5, PPO e^0.3, DAPO e^0.15;
+            :data:`spec_rl.acceptance.LENIENCE_DEFAULTS`), or "auto": chosen every step so that the
+            reused tokens drift by at most ``target_drift`` nats (:mod:`spec_rl.adaptive`).
+            None (default): the paper's value for ``algorithm``; ``lenience_source`` then records it.
+        algorithm: "grpo", "ppo" or "dapo" (DAPO's clip-higher): which paper default lenience applies.
+        lenience_source: how the lenience was chosen (set by the config; "" means given explicitly).
+        target_drift: the bound of ``lenience="auto"`` (mean |lp_new - lp_old| of accepted tokens).
         acceptance: "lenient" (the paper's rule) or "exact" (lossless: accept y_i with
             probability pi_t(y_i), residual draw at the rejection; lenience unused).
         history_spec: verify history-drafted tokens in every decode step (tail speculation;
@@ -159,7 +178,10 @@ class GRPOConfig:
     """
 
     mode: str = "spec"
-    lenience: float = math.exp(0.5)
+    lenience: float | str | None = None
+    algorithm: str = "grpo"
+    lenience_source: str = ""
+    target_drift: float = DEFAULT_TARGET_DRIFT
     acceptance: str = "lenient"
     history_spec: bool | None = None
     spec_tokens: int = 8
@@ -187,12 +209,17 @@ class GRPOConfig:
     generation_backend: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.algorithm not in LENIENCE_DEFAULTS:
+            raise ConfigError("algorithm", f"must be one of {tuple(LENIENCE_DEFAULTS)}, got {self.algorithm!r}")
+        if self.lenience is None:
+            self.lenience = LENIENCE_DEFAULTS[self.algorithm]
+            self.lenience_source = f"paper default for {self.algorithm.upper()} (App. A.1)"
         choice_fields = (("generation_backend", GENERATION_BACKENDS), ("mode", MODES), ("acceptance", ACCEPTANCE_RULES))
         for name, choices in choice_fields:
             if getattr(self, name) not in choices:
                 raise ConfigError(name, f"must be one of {choices}, got {getattr(self, name)!r}")
-        if self.mode == "random" and self.acceptance == "exact":
-            raise ConfigError("acceptance", "'exact' does not apply to the random-reuse ablation (mode 'random' ignores the scores)")
+        if self.mode.startswith("random") and self.acceptance == "exact":
+            raise ConfigError("acceptance", f"'exact' does not apply to the random-reuse ablation (mode {self.mode!r} ignores the scores)")
         for name in _COUNTS:
             check_int(name, getattr(self, name), low=1)
         check_int("spec_tokens", self.spec_tokens, low=0, hint="0 disables tail speculation")
@@ -200,8 +227,10 @@ class GRPOConfig:
         check_int("seed", self.seed, low=-(2**63), high=2**64 - 1, span="in [-2**63, 2**64 - 1]")
         if self.max_model_len is not None:
             check_int("max_model_len", self.max_model_len, low=2, hint="None: the model's max_position_embeddings")
-        check_float("lenience", self.lenience, low=0.0, allow_inf=True,
-                    hint="0 means vanilla GRPO, inf accepts every draft")  # fmt: skip
+        if self.lenience != "auto":
+            check_float("lenience", self.lenience, low=0.0, allow_inf=True,
+                        hint="0 means vanilla GRPO, inf accepts every draft, 'auto' adapts it")  # fmt: skip
+        check_float("target_drift", self.target_drift, low=0.0, low_open=True, hint="nats")
         check_float("lr", self.lr, low=0.0, low_open=True)
         check_float("weight_decay", self.weight_decay, low=0.0)
         check_float("max_grad_norm", self.max_grad_norm, low=0.0, low_open=True, allow_inf=True)
@@ -221,7 +250,7 @@ class GRPOConfig:
         """The rollout strategy this mode uses ("off" for vanilla and for lenience 0)."""
         if self.mode == "vanilla" or (self.mode == "spec" and self.lenience == 0):
             return "off"
-        return "spec" if self.mode == "spec" else "random"
+        return self.mode
 
     @property
     def uses_history(self) -> bool:
@@ -231,5 +260,6 @@ class GRPOConfig:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d["log_lenience"] = math.log(self.lenience) if self.lenience > 0 else float("-inf")
+        d["log_lenience"] = log_lenience_of(self.lenience)
+        d["lenience_source"] = self.lenience_source or "given"
         return d

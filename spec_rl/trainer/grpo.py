@@ -141,6 +141,7 @@ class GRPOTrainer:
             eos_ids=sorted(self.eos_ids),
             max_model_len=max_model_len,
             lenience=config.lenience,
+            target_drift=config.target_drift,
             strategy=config.rollout_strategy,
             seed=config.seed,
             acceptance=config.acceptance,

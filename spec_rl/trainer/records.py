@@ -32,6 +32,11 @@ SUMMED = (
 )
 
 
+def _mean(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
 def epoch_record(epoch: int, steps: list[dict], mode: str, lenience: float, acceptance: str = "lenient") -> dict:
     """The record of one finished epoch from its step records (``epoch`` is 1-based)."""
     tot = {k: sum(s.get(k, 0) for s in steps) for k in SUMMED}
@@ -61,6 +66,9 @@ def epoch_record(epoch: int, steps: list[dict], mode: str, lenience: float, acce
         "longest_continuation": max((s.get("longest_continuation", 0) for s in steps), default=0),
         "tail_proposed": tot["tail_proposed"],
         "tail_accepted": tot["tail_accepted"],
+        # the l the steps used (it varies under lenience "auto") and the drift of the tokens they reused
+        "log_lenience": _mean([s.get("log_lenience") for s in steps if s.get("drafts_found")]),
+        "reused_drift": _mean([s.get("reused_drift") for s in steps if s.get("drafts_found")]),
         "acceptance": acceptance,
         "history_spec": bool(steps and steps[0].get("history_spec")),
         "strategy": steps[0].get("strategy") if steps else None,

@@ -205,6 +205,10 @@ def closing_lines(summary: dict[str, list[dict]], from_epoch: int = 2) -> list[s
     return lines
 
 
+def _num(x, spec: str) -> str:
+    return format(x, spec) if isinstance(x, (int, float)) else str(x)
+
+
 def _describe(rec: dict) -> str:
     """How a run rolled out, from its first epoch record: reuse rule and tail speculation."""
     reuse = "no draft reuse" if rec.get("mode") == "vanilla" or rec.get("strategy") == "off" else f"{rec.get('acceptance')} acceptance"
@@ -287,7 +291,8 @@ def write_report(
     if png is None and not plot_png and (run_dir / "report.png").is_file():
         png = run_dir / "report.png"
     lines = ["# spec-rl run report", "", f"Model: `{info.get('model')}`; device: {info.get('device')}; "
-             f"lenience l = {info.get('lenience'):.4g} (log l = {info.get('log_lenience'):.3g}); runs: "
+             f"lenience l = {_num(info.get('lenience'), '.4g')} (log l = {_num(info.get('log_lenience'), '.3g')}; "
+             f"{(info.get('config') or {}).get('lenience_source', 'given')}); runs: "
              + ", ".join(f"{m} ({_describe(r[0]) if r else '?'})" for m, r in summary.items()) + ".", "",
              *_heldout_note(info), "## Per-epoch results", "", markdown_table(summary), ""]  # fmt: skip
     lines += _comparison_markdown(summary)

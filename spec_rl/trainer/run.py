@@ -13,7 +13,7 @@ import torch
 
 from ..atomic import remove_leftovers
 from .checkpoint import latest_checkpoint
-from .config import MODE_PRESETS, GRPOConfig, resolve_device
+from .config import MODE_PRESETS, GRPOConfig, log_lenience_of, resolve_device
 from .grpo import GRPOTrainer
 from .report import format_row, header_row, write_report
 from .rundir import plan_run, read_summary
@@ -53,7 +53,7 @@ def _run_info(model_path, device, config: GRPOConfig, summary: dict, train_promp
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "lenience": config.lenience,
-        "log_lenience": math.log(config.lenience) if config.lenience > 0 else float("-inf"),
+        "log_lenience": log_lenience_of(config.lenience),
         "config": config.to_dict(),
         "modes": list(summary),
         # each run's own settings: the base config with its MODE_PRESETS fields applied
