@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="draft reuse: the acceptance test, or the random-reuse ablation (random: n uniform over 0..L; "
                       "random-ref: over 0..L-1, as in the reference implementation)")
     t.add_argument("--target-drift", type=float, default=None,
-                   help="with --lenience auto: bound on the mean |lp_new - lp_old| of reused tokens, nats (default 0.1)")
+                   help="with --lenience auto: bound on the mean |lp_new - lp_old| of reused tokens, nats (default 0.014)")
     t.add_argument("--lenience", type=_lenience, default=None,
                    help="SPEC-RL lenience l (default e^0.5, the paper's GRPO setting; 0 means vanilla)")
     cmp = t.add_mutually_exclusive_group()

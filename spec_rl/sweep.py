@@ -90,6 +90,18 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
+def _paired_se(runs: list[dict], vanilla: list[dict]) -> float:
+    """Standard error of the mean per-seed held-out gap to vanilla (seed k against vanilla's seed k).
+
+    Pairing removes what the seeds share (the held-out draw, the prompt order); nan with < 2 pairs.
+    """
+    gaps = [r["heldout_reward"] - v["heldout_reward"] for r, v in zip(runs, vanilla)
+            if r["heldout_reward"] is not None and v["heldout_reward"] is not None]  # fmt: skip
+    if len(gaps) < 2:
+        return float("nan")
+    return statistics.stdev(gaps) / math.sqrt(len(gaps))
+
+
 def aggregate(results: dict[str, list[dict]]) -> list[dict]:
     """Per setting: mean/std over seeds of every total, and ratios to vanilla's means."""
     rows = []
@@ -103,6 +115,7 @@ def aggregate(results: dict[str, list[dict]]) -> list[dict]:
             row[f"{key}_ratio"] = row[key] / base[key] if base.get(key) else float("nan")
         row["speedup"] = 1.0 / row["rollout_seconds_ratio"] if row["rollout_seconds_ratio"] else float("nan")
         row["heldout_minus_vanilla"] = row["heldout_reward"] - base_reward
+        row["heldout_paired_se"] = _paired_se(runs, results.get("vanilla", []))
         rows.append(row)
     return rows
 
@@ -110,7 +123,7 @@ def aggregate(results: dict[str, list[dict]]) -> list[dict]:
 def markdown(rows: list[dict], info: dict) -> str:
     """The sweep table in the layout of the paper's Tables 2-3, the paper's numbers beside ours."""
     head = ("| setting | gen tokens (epochs 2+) | tokens vs vanilla | rollout s | speed-up | decode steps vs vanilla | "
-            "held-out reward (mean ± std) | vs vanilla | greedy acc. | paper tokens (M) | paper speed-up | paper AVG |")  # fmt: skip
+            "held-out reward (mean ± std) | vs vanilla (paired ± s.e.) | greedy acc. | paper tokens (M) | paper speed-up | paper AVG |")  # fmt: skip
     lines = [f"Sweep: preset {info['preset']}, seeds {info['seeds']}, commit {info.get('commit')}, {info.get('date')}, "
              f"device {info.get('device')}.", "", head, "|" + "---|" * 12]  # fmt: skip
     for r in rows:
@@ -118,7 +131,7 @@ def markdown(rows: list[dict], info: dict) -> str:
         lines.append(
             f"| {r['setting']} | {r['generated_tokens']:.0f} | {r['generated_tokens_ratio']:.3f} | {r['rollout_seconds']:.1f} | "
             f"{r['speedup']:.2f}x | {r['decode_steps_ratio']:.3f} | {r['heldout_reward']:.3f} ± {r['heldout_reward_std']:.3f} | "
-            f"{r['heldout_minus_vanilla']:+.3f} | {r['heldout_greedy_accuracy']:.3f} | {p.get('tokens_m') or '-'} | "
+            f"{r['heldout_minus_vanilla']:+.3f} ± {r['heldout_paired_se']:.3f} | {r['heldout_greedy_accuracy']:.3f} | {p.get('tokens_m') or '-'} | "
             f"{(str(p['speedup']) + 'x') if p.get('speedup') else '-'} | {p.get('avg', '-')} |"
         )
     return "\n".join(lines) + "\n"
@@ -244,8 +257,8 @@ def add_parser(sub) -> None:
         description=__doc__.split("\n\n")[0],
     )
     s.add_argument("--preset", choices=list(PRESETS), default="full",
-                   help="small: 128 prompts, 3 epochs, 64 held-out prompts x 2 (about 10 minutes on 2 CPU cores); "
-                   "full: the demo's 256 prompts, 5 epochs, 128 held-out prompts x 4 (default)")  # fmt: skip
+                   help="small: 256 prompts, 4 epochs, 64 held-out prompts x 4 (about 25 minutes for 3 seeds on 2 CPU cores); "
+                   "full: the demo's 256 prompts, 5 epochs, 128 held-out prompts x 4 (about 40 minutes; default)")  # fmt: skip
     s.add_argument("--seeds", type=int, default=3, help="training seeds per setting (default 3)")
     s.add_argument("--settings", help="comma-separated subset of: " + ", ".join(x.name for x in SETTINGS))
     s.add_argument("--out", default="runs/sweep", help="sweep directory (a finished run is skipped: rerun to continue)")

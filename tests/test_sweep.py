@@ -64,7 +64,10 @@ def test_aggregate_and_table_layout():
     row = rows[1]
     assert row["generated_tokens_ratio"] == pytest.approx(0.2) and row["speedup"] == pytest.approx(2.5)
     assert row["heldout_reward"] == pytest.approx(0.4) and row["heldout_reward_std"] == pytest.approx(0.0283, abs=1e-3)
+    # paired gaps to vanilla's same seed: -0.02, +0.02 -> s.e. = stdev / sqrt(2) = 0.02
+    assert row["heldout_paired_se"] == pytest.approx(0.02) and rows[0]["heldout_paired_se"] == 0.0
     md = markdown(rows, {"preset": "small", "seeds": 2})
+    assert "+0.000 ± 0.020" in md
     assert "| l=e^0.5 | 20 | 0.200 |" in md and str(PAPER["l=e^0.5"]["speedup"]) in md
     with pytest.raises(ValueError, match="preset"):
         run_sweep(".", [], [], _parity, GRPOConfig(), ".", "huge", 1)
