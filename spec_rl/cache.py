@@ -145,6 +145,23 @@ def make_draft(
     )
 
 
+def draft_fits(draft: Draft, settings: SamplingSettings) -> bool:
+    """Whether ``draft`` can be scored and reused under ``settings``.
+
+    Equal settings, or the same sampling distribution with another budget (``max_tokens``) where the
+    draft is still a valid response under today's budget: it ended (EOS) within it, or it is at least
+    as long (the rollout cuts it to the budget). A draft cut by a smaller old budget is not: reusing it
+    whole would end a response the policy would have continued.
+    """
+    if draft.settings == settings:
+        return True
+    if not draft.settings.same_distribution(settings):
+        return False
+    if len(draft) >= settings.max_tokens:
+        return True
+    return draft.finish_reason != "length"
+
+
 def check_key(key) -> CacheKey:
     """``key`` itself, or a TypeError when it is not a :class:`CacheKey`."""
     if not isinstance(key, CacheKey):
@@ -190,16 +207,21 @@ class DraftStore:
         if draft is None:
             self.misses += 1
             return None
-        if draft.settings != settings:
+        if not draft_fits(draft, settings):
             self.misses += 1
             self.settings_mismatches += 1
             pair = (draft.settings, settings)
             if pair not in self._warned:
                 self._warned.add(pair)
+                why = (
+                    f"it was cut by its smaller budget (max_tokens={draft.settings.max_tokens}) and would "
+                    f"end a response the policy continues"
+                    if draft.settings.same_distribution(settings)
+                    else "log-probs of different sampling distributions are not comparable"
+                )
                 warnings.warn(
                     f"{self._name}: draft was sampled with {draft.settings} but the lookup asks for {settings}; "
-                    f"treating it as a miss (log-probs of different sampling distributions are not comparable). "
-                    f"To reuse drafts, {self._fix}.",
+                    f"treating it as a miss ({why}). To reuse drafts, {self._fix}.",
                     stacklevel=2,
                 )
             return None

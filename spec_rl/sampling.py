@@ -58,6 +58,15 @@ class SamplingSettings:
         for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("max_tokens", max_tokens)):
             object.__setattr__(self, name, value)
 
+    def same_distribution(self, other: "SamplingSettings") -> bool:
+        """True when ``other`` samples from the same distribution (temperature, top_p, top_k equal).
+
+        The budget ``max_tokens`` does not change any token's log-prob, only where a response is
+        cut, so drafts recorded under another budget can still be scored (see
+        :func:`spec_rl.cache.draft_fits`).
+        """
+        return (self.temperature, self.top_p, self.top_k) == (other.temperature, other.top_p, other.top_k)
+
     @classmethod
     def from_dict(cls, data, name: str = "settings") -> "SamplingSettings":
         """Settings from :meth:`to_dict`'s output (e.g. read back from a file).

