@@ -183,9 +183,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--backend",
         default="auto",
-        choices=("auto", "transformers", "paged"),
-        help="generation backend: paged KV engine (no re-prefill of verified prefixes) or the transformers "
-        "decode loop; auto = paged on CUDA, transformers on CPU",
+        choices=("auto", "transformers", "paged", "vllm"),
+        help="generation backend: paged KV engine (no re-prefill of verified prefixes), the transformers "
+        "decode loop, or vLLM (needs vllm installed; scoring stays on the trained model); auto = paged on CUDA, "
+        "transformers on CPU",
     )
     t.add_argument("--cache-dir", help="where the demo policy is cached (default $SPEC_RL_CACHE or ~/.cache/spec-rl)")
     t.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint and rollout cache")

@@ -200,6 +200,31 @@ class ReprefillBackend:
         handle.used = True
 
 
+def split_zero_budgets(contexts, budgets) -> tuple[list[Continuation | None], list[int]]:
+    """The results slots of a ``generate`` call and the rows to generate.
+
+    Rows with budget 0 get an empty "length" :class:`Continuation` at once; the others are returned
+    as indices to generate.
+
+    Raises:
+        ValueError: mismatched lengths, a negative budget, an empty context.
+    """
+    if len(contexts) != len(budgets):
+        raise ValueError(f"contexts ({len(contexts)}) and budgets ({len(budgets)}) must have the same length")
+    results: list[Continuation | None] = [None] * len(contexts)
+    todo = []
+    for i, (ctx, budget) in enumerate(zip(contexts, budgets)):
+        if budget < 0:
+            raise ValueError(f"budgets[{i}] = {budget} is negative")
+        if len(ctx) == 0:
+            raise ValueError(f"contexts[{i}] is empty; a context needs at least one token (the prompt)")
+        if budget == 0:
+            results[i] = Continuation([], [], "length")
+        else:
+            todo.append(i)
+    return results, todo
+
+
 def backend_arguments(eos_ids, pad_id: int, max_batch_size: int) -> tuple[list[int], int, int]:
     """Validated (sorted EOS ids, pad id, max batch size) shared by every generation backend.
 

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from .backend_checks import ModelLimits, check_same_length
-from .generation import BackendStats, Continuation, ReprefillBackend, ScoredDrafts, backend_arguments
+from .generation import BackendStats, Continuation, ReprefillBackend, ScoredDrafts, backend_arguments, split_zero_budgets
 from .hf_decode import DecodeRow, KVRows, SpeculativeDecoder, prefill
 from .sampling import SamplingSettings
 from .scoring import DraftScores, PolicyScorer
@@ -90,22 +90,10 @@ class TransformersBackend(ModelLimits, ReprefillBackend):
             ValueError: mismatched lengths, an empty context, a negative budget, an id outside the
                 vocabulary, or a context + budget past ``max_positions``.
         """
-        if len(contexts) != len(budgets):
-            raise ValueError(f"contexts ({len(contexts)}) and budgets ({len(budgets)}) must have the same length")
+        results, todo = split_zero_budgets(contexts, budgets)
         contexts = self.checked_contexts(contexts, budgets)
         uids = list(range(len(contexts))) if uids is None else [int(u) for u in uids]
         proposers = [None] * len(contexts) if proposers is None else list(proposers)
-        results: list[Continuation | None] = [None] * len(contexts)
-        todo = []
-        for i, (ctx, budget) in enumerate(zip(contexts, budgets)):
-            if budget < 0:
-                raise ValueError(f"budgets[{i}] = {budget} is negative")
-            if len(ctx) == 0:
-                raise ValueError(f"contexts[{i}] is empty; a context needs at least one token (the prompt)")
-            if budget == 0:
-                results[i] = Continuation([], [], "length")
-            else:
-                todo.append(i)
         todo.sort(key=lambda i: len(contexts[i]))  # less left padding per batch
         for start in range(0, len(todo), self.max_batch_size):
             chunk = todo[start : start + self.max_batch_size]

@@ -224,3 +224,35 @@ def test_min_tokens_counts_from_the_request_start(engine):
         assert got == [EOS] * 5
     finally:
         reload(engine, seed=0)
+
+
+def test_trainer_on_vllm_backend(tmp_path):
+    # spec-rl's own trainer with generation on vLLM: returned log-probs are pi_t's sampling log-probs
+    # (checked against a float64 forward of the trained model AFTER each update: the weights were pushed),
+    # and epoch 2 reuses drafts.
+    from spec_rl.data import Example
+    from spec_rl.trainer import GRPOConfig, GRPOTrainer
+    from spec_rl.vllm_backend import VLLMBackend
+
+    model = save_checkpoint(tmp_path / "init", seed=1)
+    examples = [Example(p, "7", f"t:{i}", "arith") for i, p in enumerate(PROMPTS)]
+    cfg = GRPOConfig(epochs=2, group_size=4, prompts_per_step=3, max_response_len=10, lr=3e-3, seed=0,
+                     save_checkpoint=False, generation_backend="vllm", max_model_len=MAX_LEN)  # fmt: skip
+    trainer = GRPOTrainer(model, tiny_tokenizer(), examples, lambda text, gold: float("apples" in text), cfg,
+                          tmp_path / "run", progress=False, log=lambda s: None)  # fmt: skip
+    backend = trainer.rollout.backend
+    assert isinstance(backend, VLLMBackend)
+    try:
+        for epoch in (1, 2):
+            before = [p.detach().clone() for p in model.parameters()]
+            record = trainer.train_step(range(3), epoch=epoch)
+            assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+            # fresh samples from the engine now must follow the updated weights
+            prompt = trainer.prompt_ids[0]
+            (cont,) = backend.generate([prompt], [6], trainer.settings, seed=epoch)
+            ref = full_forward_logprobs(model.double(), prompt, cont.token_ids)
+            model.float()
+            torch.testing.assert_close(torch.tensor(cont.logprobs, dtype=torch.float64), ref, atol=1e-4, rtol=0)
+        assert record["reused_tokens"] > 0 and record["num_samples"] == 12
+    finally:
+        backend.close()

@@ -12,7 +12,7 @@ from ..acceptance import LENIENCE_DEFAULTS
 from ..adaptive import DEFAULT_TARGET_DRIFT
 
 MODES = ("vanilla", "spec", "random", "random-ref")
-GENERATION_BACKENDS = ("auto", "transformers", "paged")
+GENERATION_BACKENDS = ("auto", "transformers", "paged", "vllm")
 ACCEPTANCE_RULES = ("lenient", "exact")
 
 #: Integer fields that count something and must be >= 1.
@@ -174,7 +174,9 @@ class GRPOConfig:
             (:class:`spec_rl.generation.TransformersBackend`), or "auto": paged
             on CUDA, transformers on CPU (measured: the paged engine decodes
             17-30% slower than the transformers loop for the CPU demo policy,
-            whose cost is per-layer Python overhead, not attention).
+            whose cost is per-layer Python overhead, not attention), or "vllm"
+            (:class:`spec_rl.vllm_backend.VLLMBackend`: continuations on an offline vLLM engine,
+            weights pushed after every update; needs vLLM).
     """
 
     mode: str = "spec"

@@ -135,7 +135,7 @@ class GRPOTrainer:
         self.cache = RolloutCache()
         self.history = HistoryIndex() if config.uses_history else None
         self.rollout = SpeculativeRollout(
-            backend=self._make_backend(model, config),
+            backend=self._make_backend(model, config, max_model_len),
             cache=self.cache,
             settings=self.settings,
             eos_ids=sorted(self.eos_ids),
@@ -182,11 +182,16 @@ class GRPOTrainer:
             )
         return config.max_model_len
 
-    def _make_backend(self, model, config: GRPOConfig):
+    def _make_backend(self, model, config: GRPOConfig, max_model_len: int):
         """The generation backend named by ``config.generation_backend`` ("auto": paged on CUDA)."""
         choice = config.generation_backend
         if choice == "auto":
             choice = "paged" if next(model.parameters()).device.type == "cuda" else "transformers"
+        if choice == "vllm":
+            from ..vllm_backend import VLLMBackend
+
+            return VLLMBackend(model, self.tokenizer, sorted(self.eos_ids), self.pad_id, self.out_dir / "vllm-weights",
+                               max_model_len)  # fmt: skip
         if choice == "paged":
             from ..engine import PagedEngine
 
@@ -319,6 +324,9 @@ class GRPOTrainer:
         advantages = group_advantages(rewards, cfg.group_size, cfg.scale_adv_by_std)
         t0 = time.perf_counter()
         upd = self._update(result, advantages)
+        sync = getattr(self.rollout.backend, "sync_weights", None)
+        if sync is not None:  # an engine that keeps its own copy of the weights (vLLM)
+            sync()
         train_seconds = time.perf_counter() - t0
         record = {
             "mode": self.label,
