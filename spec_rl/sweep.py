@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .atomic import atomic_write_text
+from .atomic import atomic_write_text, remove_leftovers
 
 #: Held-out accuracy AVG, generated tokens (millions) and rollout speed-up reported by the paper
 #: (arXiv 2509.23232, Qwen3-1.7B GRPO; Table 3 lenience, Table 2 random reuse, Table 1 vanilla).
@@ -120,6 +120,11 @@ def aggregate(results: dict[str, list[dict]]) -> list[dict]:
     return rows
 
 
+def _num(x: float) -> str:
+    """Three decimals, or "-" where there is no value (a standard error over fewer than 2 seeds)."""
+    return "-" if x is None or math.isnan(x) else f"{x:.3f}"
+
+
 def markdown(rows: list[dict], info: dict) -> str:
     """The sweep table in the layout of the paper's Tables 2-3, the paper's numbers beside ours."""
     head = ("| setting | gen tokens (epochs 2+) | tokens vs vanilla | rollout s | speed-up | decode steps vs vanilla | "
@@ -131,7 +136,7 @@ def markdown(rows: list[dict], info: dict) -> str:
         lines.append(
             f"| {r['setting']} | {r['generated_tokens']:.0f} | {r['generated_tokens_ratio']:.3f} | {r['rollout_seconds']:.1f} | "
             f"{r['speedup']:.2f}x | {r['decode_steps_ratio']:.3f} | {r['heldout_reward']:.3f} ± {r['heldout_reward_std']:.3f} | "
-            f"{r['heldout_minus_vanilla']:+.3f} ± {r['heldout_paired_se']:.3f} | {r['heldout_greedy_accuracy']:.3f} | {p.get('tokens_m') or '-'} | "
+            f"{r['heldout_minus_vanilla']:+.3f} ± {_num(r['heldout_paired_se'])} | {r['heldout_greedy_accuracy']:.3f} | {p.get('tokens_m') or '-'} | "
             f"{(str(p['speedup']) + 'x') if p.get('speedup') else '-'} | {p.get('avg', '-')} |"
         )
     return "\n".join(lines) + "\n"
@@ -195,7 +200,10 @@ def run_sweep(
     for setting, k in todo:
         run_dir = out_dir / setting.name / f"seed{k}"
         summary = run_dir / "summary.json"
-        if not (summary.is_file() and _finished(summary, setting.mode, base_config.epochs)):
+        if summary.is_file() and _finished(summary, setting.mode, base_config.epochs):
+            remove_leftovers(run_dir)  # temporary files of a writer killed after the summary was committed
+            log(f"{setting.name} seed {k}: finished earlier, skipped")
+        else:
             cfg = dataclasses.replace(base_config, seed=base_config.seed + k, **dict(setting.overrides))
             run_modes(model_path, train_examples, reward_fn, cfg, [setting.mode], run_dir, progress=False,
                       resume=run_dir.is_dir() and any(run_dir.iterdir()), log=lambda _m: None, eval_examples=eval_examples)  # fmt: skip
@@ -284,6 +292,10 @@ def cmd_sweep(args) -> int:
         settings = tuple(known[n] for n in names if n in known)
         if "vanilla" not in names:
             settings = (known["vanilla"],) + settings  # every ratio is to vanilla
+    if args.no_progress:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # "Loading weights" / "Writing model shards" bars
     prompts, epochs, eval_prompts, eval_samples = PRESETS[args.preset]
     model_path = build_demo_policy(cache_dir=args.cache_dir, progress=not args.no_progress)
     base = GRPOConfig(**{**DEMO_DEFAULTS, "epochs": epochs, "eval_samples": eval_samples})

@@ -101,6 +101,7 @@ BAD_FLAGS = [
     (["--device", "tpu9"], ["--device must be auto, cpu, cuda, cuda:<index> or mps", "'tpu9'"]),
     (["--spec-tokens", "-1"], ["--spec-tokens must be an integer >= 0", "0 disables tail speculation"]),
     (["--epochs", "0"], ["--epochs must be an integer >= 1"]),
+    (["--target-drift", "0.05"], ["--target-drift only applies with lenience='auto'"]),
 ]
 
 
@@ -235,3 +236,16 @@ def test_eval_fraction_and_eval_data_evaluate_every_epoch(model_dir, data_file, 
     out = tmp_path / "off"
     assert main(_train_argv(model_dir, data_file, out, "--no-eval")) == 0
     assert "heldout_reward" not in json.loads((out / "summary.json").read_text())["vanilla"][0]
+
+
+def test_vllm_backend_without_vllm_is_refused_before_the_run(model_dir, data_file, tmp_path, capsys):
+    pytest.importorskip("torch")
+    try:
+        import vllm  # noqa: F401
+
+        pytest.skip("vLLM is installed here")
+    except ImportError:
+        pass
+    line = _error_line(capsys, _train_argv(model_dir, data_file, tmp_path / "run", "--backend", "vllm"))
+    assert "--backend vllm needs vLLM installed" in line
+    assert not (tmp_path / "run").exists()  # nothing written

@@ -68,6 +68,8 @@ def test_aggregate_and_table_layout():
     assert row["heldout_paired_se"] == pytest.approx(0.02) and rows[0]["heldout_paired_se"] == 0.0
     md = markdown(rows, {"preset": "small", "seeds": 2})
     assert "+0.000 ± 0.020" in md
+    one_seed = markdown(aggregate({k: v[:1] for k, v in runs.items()}), {"preset": "small", "seeds": 1})
+    assert "nan" not in one_seed and "+0.000 ± - |" in one_seed  # no standard error from one pair
     assert "| l=e^0.5 | 20 | 0.200 |" in md and str(PAPER["l=e^0.5"]["speedup"]) in md
     with pytest.raises(ValueError, match="preset"):
         run_sweep(".", [], [], _parity, GRPOConfig(), ".", "huge", 1)

@@ -233,6 +233,9 @@ class GRPOConfig:
             check_float("lenience", self.lenience, low=0.0, allow_inf=True,
                         hint="0 means vanilla GRPO, inf accepts every draft, 'auto' adapts it")  # fmt: skip
         check_float("target_drift", self.target_drift, low=0.0, low_open=True, hint="nats")
+        if self.lenience != "auto" and self.target_drift != DEFAULT_TARGET_DRIFT:
+            raise ConfigError("target_drift", f"only applies with lenience='auto' (lenience is {self.lenience!r}); "
+                              "drop it or set lenience='auto'")  # fmt: skip
         check_float("lr", self.lr, low=0.0, low_open=True)
         check_float("weight_decay", self.weight_decay, low=0.0)
         check_float("max_grad_norm", self.max_grad_norm, low=0.0, low_open=True, allow_inf=True)
