@@ -134,18 +134,22 @@ def tree_inputs(groups: Sequence[PackedGroup], pad_id: int, device: torch.device
 
 def gather_scores(states: torch.Tensor, groups: Sequence[PackedGroup], out: torch.Tensor) -> None:
     """Copy each member's scoring outputs from ``states`` [B, T, W] (row b = groups[b]) into ``out`` [N, R, W]."""
-    rows, cols, dst_row, dst_col = [], [], [], []
+    # one list of positions, the rest as segment arithmetic (per-token Python lists were ~4% of scoring)
+    row_of, member_of, lengths, cols = [], [], [], []
     for b, g in enumerate(groups):
         for member, positions in zip(g.members, g.score_pos):
-            rows += [b] * len(positions)
+            row_of.append(b)
+            member_of.append(member)
+            lengths.append(len(positions))
             cols += positions
-            dst_row += [member] * len(positions)
-            dst_col += range(len(positions))
-    if rows:
+    if cols:
         dev = states.device
-        out[torch.tensor(dst_row, device=dev), torch.tensor(dst_col, device=dev)] = states[
-            torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)
-        ].to(out.dtype)
+        lens = torch.tensor(lengths)
+        starts = torch.cumsum(lens, 0) - lens
+        dst_col = torch.arange(len(cols)) - torch.repeat_interleave(starts, lens)
+        rows = torch.repeat_interleave(torch.tensor(row_of), lens)
+        dst_row = torch.repeat_interleave(torch.tensor(member_of), lens)
+        out[dst_row.to(dev), dst_col.to(dev)] = states[rows.to(dev), torch.tensor(cols, device=dev)].to(out.dtype)
 
 
 def supports_tree_attention(model) -> bool:
