@@ -94,24 +94,23 @@ def _lenience(text: str) -> float | str:
     return value
 
 
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0.0 < value < 1.0:
-        raise argparse.ArgumentTypeError(f"must be a number in (0, 1), got {text!r}")
-    return value
+def _checked(parse, ok, requirement: str):
+    """An argparse ``type``: ``parse(text)`` that passes ``ok``, else "must be <requirement>, got <text>"."""
+
+    def convert(text: str):
+        try:
+            value = parse(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {requirement}, got {text!r}")
+        return value
+
+    return convert
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return value
+_fraction = _checked(float, lambda v: 0.0 < v < 1.0, "a number in (0, 1)")
+_positive_int = _checked(int, lambda v: v >= 1, "an integer >= 1")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -10,6 +10,8 @@ machine with a CUDA device nothing is set and the kernels are compiled.
 
 import os
 
+import pytest
+
 try:
     import torch
 
@@ -19,3 +21,14 @@ except Exception:  # pragma: no cover
 
 if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture()
+def model_dir(tmp_path):
+    """A tiny Qwen2 policy and its tokenizer saved as a local checkpoint (tests/tiny_models.py)."""
+    from tiny_models import tiny_model, tiny_tokenizer
+
+    path = tmp_path / "policy"
+    tiny_model(seed=0).save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path

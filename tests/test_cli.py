@@ -5,19 +5,10 @@ import os
 from pathlib import Path
 
 import pytest
-from tiny_models import tiny_model, tiny_tokenizer
 
 from spec_rl.cli import main
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
-
-
-@pytest.fixture()
-def model_dir(tmp_path):
-    path = tmp_path / "policy"
-    tiny_model(seed=0).save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)
-    return path
 
 
 @pytest.mark.skipif(not (SHARED / "gsm8k_test.jsonl").is_file(), reason="shared GSM8K file not present")

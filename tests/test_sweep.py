@@ -4,7 +4,6 @@ import json
 import math
 
 import pytest
-from tiny_models import tiny_model, tiny_tokenizer
 
 from spec_rl.data import Example
 from spec_rl.sweep import PAPER, SETTINGS, Setting, aggregate, markdown, run_sweep
@@ -18,14 +17,6 @@ def _examples(pairs, tag):
 
 def _parity(text: str, gold: str) -> float:
     return float(len(text) % 2)
-
-
-@pytest.fixture()
-def model_dir(tmp_path):
-    path = tmp_path / "policy"
-    tiny_model(seed=0).save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)
-    return path
 
 
 def test_sweep_runs_every_setting_and_seed_and_resumes(model_dir, tmp_path):
