@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from .philox import STREAM_ACCEPT, STREAM_RANDOM_REUSE, philox_uniform
-from .sampling import SamplingSettings, token_logprobs
+from .sampling import SamplingSettings, sampling_log_softmax
 from .scoring import DraftScores
 from .validation import invalid_scores_message
 
@@ -145,40 +145,49 @@ def draft_logprobs(
     """Sampling log-probs [B, R] of the draft tokens under the scores (0 at padding).
 
     Logits are formed a chunk of rows at a time (at most :data:`_LOGIT_ROWS_PER_CHUNK` rows and
-    about :data:`_LOGIT_ELEMENTS_PER_CHUNK` values), in
-    ``dtype`` (float32, or float64 for references), and only for valid rows.
+    about :data:`_LOGIT_ELEMENTS_PER_CHUNK` values), in ``dtype`` (float32, or float64 for
+    references), only for valid positions, and once per distinct output when ``scores.same_as``
+    says which positions share one (the tree-packed scorer: drafts of a group with a common prefix).
     """
     bsz, max_len = draft_ids.shape
     valid = lengths_mask(lengths, max_len)
     zero = torch.zeros((), dtype=dtype, device=draft_ids.device)
     if scores.new_logprobs is not None:
         return torch.where(valid, scores.new_logprobs.to(dtype), zero)
-    flat_ids = draft_ids[valid]
+    flat_valid = valid.reshape(-1).nonzero().squeeze(1)
+    flat_ids = draft_ids.reshape(-1)[flat_valid]
+    source = scores.logits if scores.logits is not None else scores.hidden_states
+    outputs = source.reshape(-1, source.shape[-1])
+    if scores.same_as is not None:  # one row per distinct output; index[k] says which one scores entry k
+        distinct, index = torch.unique(scores.same_as.reshape(-1)[flat_valid], return_inverse=True)
+    else:
+        distinct, index = flat_valid, torch.arange(flat_valid.shape[0], device=draft_ids.device)
     if scores.logits is not None:
-        rows = scores.logits[valid]
 
         def logits_of(sl: slice) -> torch.Tensor:
-            return rows[sl]
+            return outputs[distinct[sl]]
 
     else:
-        rows = scores.hidden_states[valid]
         weight = scores.lm_head_weight.to(dtype)
         bias = scores.lm_head_bias.to(dtype) if scores.lm_head_bias is not None else None
 
         def logits_of(sl: slice) -> torch.Tensor:
-            return torch.nn.functional.linear(rows[sl].to(dtype), weight, bias)
+            return torch.nn.functional.linear(outputs[distinct[sl]].to(dtype), weight, bias)
 
     packed = torch.empty(flat_ids.shape[0], dtype=dtype, device=draft_ids.device)
     vocab = scores.logits.shape[-1] if scores.logits is not None else scores.lm_head_weight.shape[0]
     chunk = max(1, min(_LOGIT_ROWS_PER_CHUNK, _LOGIT_ELEMENTS_PER_CHUNK // vocab))
-    for start in range(0, flat_ids.shape[0], chunk):
-        sl = slice(start, start + chunk)
-        packed[sl] = token_logprobs(
-            logits_of(sl), flat_ids[sl], settings.temperature, settings.top_k, settings.top_p, dtype=dtype
-        )
-    out = torch.zeros(bsz, max_len, dtype=dtype, device=draft_ids.device)
-    out[valid] = packed
-    return out
+    order = torch.argsort(index, stable=True)  # entries grouped by output, so a chunk of outputs is a range
+    sorted_index = index[order]
+    starts = torch.arange(0, distinct.shape[0] + chunk, chunk, device=draft_ids.device)
+    bounds = torch.searchsorted(sorted_index, starts).tolist()
+    for c, start in enumerate(range(0, distinct.shape[0], chunk)):
+        entries = order[bounds[c] : bounds[c + 1]]
+        logp = sampling_log_softmax(logits_of(slice(start, start + chunk)), settings.temperature, settings.top_k, settings.top_p, dtype=dtype)
+        packed[entries] = logp[index[entries] - start, flat_ids[entries]]
+    out = torch.zeros(bsz * max_len, dtype=dtype, device=draft_ids.device)
+    out[flat_valid] = packed
+    return out.view(bsz, max_len)
 
 
 def raise_if_no_distribution(lp_new: torch.Tensor, source: str) -> None:

@@ -215,6 +215,7 @@ def keyed_sample(
     uids: torch.Tensor,
     positions: torch.Tensor,
     exclude: torch.Tensor | None = None,
+    index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row by inverse CDF with a keyed uniform (docs/design.md "Randomness").
 
@@ -235,6 +236,9 @@ def keyed_sample(
         Token to remove from row r's distribution before sampling (renormalised): the residual of
         exact speculative sampling with a point-mass draft. A row whose whole mass sits on the
         excluded token samples from the full distribution instead.
+    index : [N] int64, optional
+        Row r samples from ``logits[index[r]]`` (``logits`` then holds U distinct rows, computed
+        once: e.g. the G samples of a group at the same draft position); not with ``exclude``.
 
     Returns
     -------
@@ -251,6 +255,8 @@ def keyed_sample(
     """
     check_settings(settings)
     seed = check_int("seed", seed, hint=" (a 64-bit seed, taken modulo 2**64)")
+    if index is not None and exclude is not None:
+        raise ValueError("keyed_sample takes index or exclude, not both (index logits[index] first)")
     logp = sampling_log_softmax(logits, settings.temperature, settings.top_k, settings.top_p)
     probs = logp.exp().double()  # exp in float32, sums in float64
     if exclude is not None:
@@ -260,6 +266,8 @@ def keyed_sample(
         empty = residual.sum(-1) <= 0
         probs = torch.where(empty.unsqueeze(-1), probs, residual)
     cdf = torch.cumsum(probs, dim=-1)
+    if index is not None:  # one distribution per distinct row, one uniform per sample
+        cdf, logp = cdf[index], logp[index]
     _raise_if_no_distribution(cdf[:, -1], lambda r: f"uid {int(uids[r])}, position {int(positions[r])}")
     u = philox_uniform(seed, uids.to(torch.int64), positions.to(torch.int64), stream=STREAM_SAMPLE).double()
     target = (u * cdf[:, -1]).unsqueeze(-1)

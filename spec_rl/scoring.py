@@ -30,6 +30,11 @@ class DraftScores:
     fused path: logits are never formed for the whole batch). Row i of any
     source scores draft token i, i.e. it is the output at the position
     *before* token i.
+
+    ``same_as`` [B, R] int64 (optional, set by the tree-packed scorer): the flat index
+    ``b' * R + r'`` of a position scored by the *same* output as (b, r) (same prompt and same
+    draft prefix), so the LM head and log-softmax run once per distinct output
+    (:func:`spec_rl.acceptance.draft_logprobs`, :meth:`distinct_logits_at`). Padding points at itself.
     """
 
     hidden_states: torch.Tensor | None = None
@@ -37,6 +42,7 @@ class DraftScores:
     lm_head_weight: torch.Tensor | None = None
     lm_head_bias: torch.Tensor | None = None
     new_logprobs: torch.Tensor | None = None
+    same_as: torch.Tensor | None = None
 
     @property
     def source(self) -> str:
@@ -52,12 +58,27 @@ class DraftScores:
         For sampling (the token at a rejection), never for training: no autograd graph is built, even
         when the LM head is a Parameter with ``requires_grad=True``.
         """
+        logits, index = self.distinct_logits_at(rows, cols)
+        return logits if index is None else logits[index]
+
+    @torch.no_grad()
+    def distinct_logits_at(self, rows: torch.Tensor, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [U, V] (float32) of the distinct outputs at (rows[k], cols[k]), and index [K] into them.
+
+        ``index`` is None when no dedup applies (then U = K, in order). With :attr:`same_as` the LM
+        head runs once per distinct output: the G samples of a group walking the same draft share them.
+        """
         if self.logits is not None:
-            return self.logits[rows, cols].float()
+            return self.logits[rows, cols].float(), None
         dtype = torch.promote_types(self.lm_head_weight.dtype, torch.float32)
-        h = self.hidden_states[rows, cols].to(dtype)
+        index = None
+        if self.same_as is not None:
+            distinct, index = torch.unique(self.same_as[rows, cols], return_inverse=True)
+            h = self.hidden_states.reshape(-1, self.hidden_states.shape[-1])[distinct].to(dtype)
+        else:
+            h = self.hidden_states[rows, cols].to(dtype)
         b = self.lm_head_bias.to(dtype) if self.lm_head_bias is not None else None
-        return torch.nn.functional.linear(h, self.lm_head_weight.to(dtype), b).float()
+        return torch.nn.functional.linear(h, self.lm_head_weight.to(dtype), b).float(), index
 
 
 def response_positions(prompt_lens: torch.Tensor, max_r: int, width: int | None = None) -> torch.Tensor:
@@ -130,11 +151,12 @@ class ScoringHead:
             return self.decoder(**forward_kwargs).last_hidden_state
         return self.model(**forward_kwargs).logits
 
-    def draft_scores(self, values: torch.Tensor) -> DraftScores:
-        """Wrap per-draft-token outputs [B, R, d|V] of :meth:`states` as :class:`DraftScores`."""
+    def draft_scores(self, values: torch.Tensor, same_as: torch.Tensor | None = None) -> DraftScores:
+        """Wrap per-draft-token outputs [B, R, d|V] of :meth:`states` (and ``same_as``) as :class:`DraftScores`."""
         if self.uses_hidden_states:
-            return DraftScores(hidden_states=values, lm_head_weight=self.lm_head.weight, lm_head_bias=getattr(self.lm_head, "bias", None))
-        return DraftScores(logits=values)
+            weight, bias = self.lm_head.weight, getattr(self.lm_head, "bias", None)
+            return DraftScores(hidden_states=values, lm_head_weight=weight, lm_head_bias=bias, same_as=same_as)
+        return DraftScores(logits=values, same_as=same_as)
 
 
 def response_states(
@@ -236,8 +258,9 @@ class PolicyScorer:
         max_r = max([len(d) for d in drafts] + [1])
         out = torch.zeros((len(prompts), max_r, self.head.width), dtype=self._dtype(), device=self.device)
         if self.tree:
-            kv = self._score_tree(prompts, drafts, out, keep_kv)
-            return self.head.draft_scores(out), kv
+            same_as = torch.arange(out.shape[0] * max_r, device=self.device).view(out.shape[0], max_r)
+            kv = self._score_tree(prompts, drafts, out, same_as, keep_kv)
+            return self.head.draft_scores(out, same_as), kv
         for chunk in self._chunks([len(p) + len(d) for p, d in zip(prompts, drafts)]):
             values = response_states(self.model, [prompts[i] for i in chunk], [drafts[i] for i in chunk], self.pad_id, self.head)
             out[torch.tensor(chunk, device=values.device), : values.shape[1]] = values.to(out.dtype)
@@ -246,7 +269,7 @@ class PolicyScorer:
     def _dtype(self) -> torch.dtype:
         return self.head.lm_head.weight.dtype
 
-    def _score_tree(self, prompts, drafts, out: torch.Tensor, keep_kv: bool) -> TreeKV | None:
+    def _score_tree(self, prompts, drafts, out: torch.Tensor, same_as: torch.Tensor, keep_kv: bool) -> TreeKV | None:
         from .hf_decode import cache_argument
 
         impl = getattr(self.model.config, "_attn_implementation", "sdpa")
@@ -263,5 +286,5 @@ class PolicyScorer:
                 kv.add(groups, [(layer.keys, layer.values) for layer in cache.layers])
             else:
                 states = self.head.states(input_ids=ids, position_ids=pos, attention_mask=mask)
-            gather_scores(states, groups, out)
+            gather_scores(states, groups, out, same_as)
         return kv

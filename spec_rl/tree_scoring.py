@@ -63,15 +63,15 @@ def _pack_group(prompt: Sequence[int], drafts: Sequence[Sequence[int]], members:
     node at depth e of draft j ends where the first later draft with LCP <= e begins.
     """
     plen = len(prompt)
-    order = sorted(range(len(drafts)), key=lambda k: list(drafts[k]))
+    order = sorted(range(len(drafts)), key=lambda k: drafts[k])
     tokens, depth = list(prompt), list(range(plen))
     node_pos: list[list[int]] = [[] for _ in drafts]
     laid = []  # per sorted draft: (first new position, LCP, length)
     prev: list[int] = []
     for k in order:
-        d = [int(t) for t in drafts[k]]
-        lcp = 0
-        while lcp < min(len(prev), len(d)) and prev[lcp] == d[lcp]:
+        d = drafts[k]
+        lcp, most = 0, min(len(prev), len(d))
+        while lcp < most and prev[lcp] == d[lcp]:
             lcp += 1
         base = len(tokens)
         tokens += d[lcp:]
@@ -102,7 +102,8 @@ def pack_groups(prompts: Sequence[Sequence[int]], drafts: Sequence[Sequence[int]
     by_prompt: dict[tuple[int, ...], list[int]] = {}
     for i, p in enumerate(prompts):
         by_prompt.setdefault(tuple(int(t) for t in p), []).append(i)
-    return [_pack_group(list(key), [drafts[i] for i in rows], rows) for key, rows in by_prompt.items()]
+    as_ints = [d if isinstance(d, list) else [int(t) for t in d] for d in drafts]
+    return [_pack_group(list(key), [as_ints[i] for i in rows], rows) for key, rows in by_prompt.items()]
 
 
 def tree_inputs(groups: Sequence[PackedGroup], pad_id: int, device: torch.device, additive_dtype: torch.dtype | None = None):
@@ -117,11 +118,11 @@ def tree_inputs(groups: Sequence[PackedGroup], pad_id: int, device: torch.device
     pos = torch.zeros((bsz, width), dtype=torch.long)
     start = torch.arange(width).unsqueeze(0).repeat(bsz, 1)  # pads: subtree = themselves
     end = start + 1
-    for b, g in enumerate(groups):
-        n = len(g.tokens)
-        ids[b, :n] = torch.tensor(g.tokens)
-        pos[b, :n] = torch.tensor(g.depth)
-        end[b, :n] = start[b, :n] + torch.tensor(g.size)
+    # one host tensor per field for the whole chunk: row-major order of `filled` is the concatenation order
+    filled = start < torch.tensor([len(g.tokens) for g in groups]).unsqueeze(1)
+    ids[filled] = torch.tensor([t for g in groups for t in g.tokens], dtype=torch.long)
+    pos[filled] = torch.tensor([d for g in groups for d in g.depth], dtype=torch.long)
+    end[filled] = start[filled] + torch.tensor([z for g in groups for z in g.size], dtype=torch.long)
     i = torch.arange(width).view(1, width, 1)
     j = torch.arange(width).view(1, 1, width)
     # query i sees key j iff j is an ancestor of i (or i itself): j <= i < j + size[j]
@@ -132,8 +133,12 @@ def tree_inputs(groups: Sequence[PackedGroup], pad_id: int, device: torch.device
     return ids.to(device), pos.to(device), mask
 
 
-def gather_scores(states: torch.Tensor, groups: Sequence[PackedGroup], out: torch.Tensor) -> None:
-    """Copy each member's scoring outputs from ``states`` [B, T, W] (row b = groups[b]) into ``out`` [N, R, W]."""
+def gather_scores(states: torch.Tensor, groups: Sequence[PackedGroup], out: torch.Tensor, same_as: torch.Tensor) -> None:
+    """Copy each member's scoring outputs from ``states`` [B, T, W] (row b = groups[b]) into ``out`` [N, R, W].
+
+    ``same_as`` [N, R] (see :class:`~spec_rl.scoring.DraftScores`) gets, for every copied entry, the
+    flat index of the first entry copied from the same (row, position): drafts sharing a prefix.
+    """
     # one list of positions, the rest as segment arithmetic (per-token Python lists were ~4% of scoring)
     row_of, member_of, lengths, cols = [], [], [], []
     for b, g in enumerate(groups):
@@ -142,14 +147,21 @@ def gather_scores(states: torch.Tensor, groups: Sequence[PackedGroup], out: torc
             member_of.append(member)
             lengths.append(len(positions))
             cols += positions
-    if cols:
-        dev = states.device
-        lens = torch.tensor(lengths)
-        starts = torch.cumsum(lens, 0) - lens
-        dst_col = torch.arange(len(cols)) - torch.repeat_interleave(starts, lens)
-        rows = torch.repeat_interleave(torch.tensor(row_of), lens)
-        dst_row = torch.repeat_interleave(torch.tensor(member_of), lens)
-        out[dst_row.to(dev), dst_col.to(dev)] = states[rows.to(dev), torch.tensor(cols, device=dev)].to(out.dtype)
+    if not cols:
+        return
+    dev = states.device
+    lens = torch.tensor(lengths)
+    starts = torch.cumsum(lens, 0) - lens
+    dst_col = torch.arange(len(cols)) - torch.repeat_interleave(starts, lens)
+    rows = torch.repeat_interleave(torch.tensor(row_of), lens)
+    dst_row = torch.repeat_interleave(torch.tensor(member_of), lens)
+    cols_t = torch.tensor(cols)
+    out[dst_row.to(dev), dst_col.to(dev)] = states[rows.to(dev), cols_t.to(dev)].to(out.dtype)
+    dst = dst_row * out.shape[1] + dst_col
+    key_index = torch.unique(rows * states.shape[1] + cols_t, return_inverse=True)[1]
+    first = torch.full((int(key_index.max()) + 1,), out.shape[0] * out.shape[1], dtype=torch.long)
+    first = first.scatter_reduce(0, key_index, dst, "amin")  # per distinct output: its first entry
+    same_as.view(-1)[dst.to(same_as.device)] = first[key_index].to(same_as.device)
 
 
 def supports_tree_attention(model) -> bool:

@@ -22,7 +22,7 @@ node of draft j's first d tokens, and drafts that share a prefix share those nod
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -30,33 +30,6 @@ from .sampling import SamplingSettings, keyed_sample
 
 #: Draft positions sampled per walking row in the first pass (doubling afterwards).
 _FIRST_WINDOW = 16
-
-
-@dataclass
-class _Trie:
-    """A group's drafts as a trie; node 0 is the prompt. ``rep[v]``: the longest draft through node v;
-    ``path[row]``: the nodes of a draft's tokens (``path[row][d]`` is the node after d + 1 tokens)."""
-
-    children: list[dict[int, int]] = field(default_factory=lambda: [{}])
-    rep: list[int] = field(default_factory=lambda: [-1])
-    path: dict[int, list[int]] = field(default_factory=dict)
-
-    def insert(self, row: int, draft: Sequence[int], lengths: Sequence[int]) -> None:
-        node, nodes = 0, []
-        for t in draft:
-            if self.rep[node] < 0 or lengths[self.rep[node]] < len(draft):
-                self.rep[node] = row
-            child = self.children[node].get(int(t))
-            if child is None:
-                child = len(self.rep)
-                self.children[node][int(t)] = child
-                self.children.append({})
-                self.rep.append(row)
-            nodes.append(child)
-            node = child
-        if self.rep[node] < 0 or lengths[self.rep[node]] < len(draft):
-            self.rep[node] = row
-        self.path[row] = nodes
 
 
 @dataclass
@@ -111,38 +84,54 @@ def walk_tries(
     """
     bsz = len(drafts)
     lengths = [len(d) for d in drafts]
-    tries: dict[tuple[int, ...], _Trie] = {}
-    for row, (p, d) in enumerate(zip(prompts, drafts)):
-        tries.setdefault(tuple(int(t) for t in p), _Trie()).insert(row, d, lengths)
-    trie_of = [tries[tuple(int(t) for t in p)] for p in prompts]
+    drafts = [d if isinstance(d, list) else [int(t) for t in d] for d in drafts]
+    by_prompt: dict[tuple[int, ...], list[int]] = {}
+    for row, p in enumerate(prompts):
+        by_prompt.setdefault(tuple(int(t) for t in p), []).append(row)
+    group_of: list[list[int]] = [[] for _ in range(bsz)]
+    for rows in by_prompt.values():
+        rows.sort(key=lambda r: (-lengths[r], r))  # longest first (ties: first row): the draft a walk follows
+        for r in rows:
+            group_of[r] = rows
     out = WalkResult([0] * bsz, list(range(bsz)), [[] for _ in range(bsz)], [[] for _ in range(bsz)], [None] * bsz, [None] * bsz)
-    follow = [trie_of[r].rep[0] for r in range(bsz)]  # the draft each row walks along
+    follow = [group_of[r][0] for r in range(bsz)]  # the draft each row walks along
     walking = [r for r in range(bsz) if lengths[follow[r]] > 0]
     device = scores.lm_head_weight.device if scores.logits is None else scores.logits.device
+    prompt_lens = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+    uid_t = torch.tensor([int(u) for u in uids], dtype=torch.long)
     window = _FIRST_WINDOW
     while walking:
         # (row, draft, from depth, to depth): a window that doubles per pass, so rows that stop early
         # do not pay for sampling the rest of their draft.
         segs = [(r, follow[r], out.n[r], min(lengths[follow[r]], out.n[r] + window)) for r in walking]
         window *= 2
-        rep_idx = torch.tensor([f for _, f, a, b in segs for _ in range(a, b)], device=device)
-        cols = torch.tensor([c for _, _, a, b in segs for c in range(a, b)], device=device)
-        uid_idx = torch.tensor([int(uids[r]) for r, _, a, b in segs for _ in range(a, b)], dtype=torch.long, device=device)
-        pos = torch.tensor([len(prompts[r]) + c for r, _, a, b in segs for c in range(a, b)], dtype=torch.long, device=device)
-        toks, lps = keyed_sample(scores.logits_at(rep_idx, cols), settings, seed, uid_idx, pos)
-        toks, lps = toks.tolist(), lps.tolist()
+        toks, lps = _sample_segments(segs, scores, settings, seed, uid_t, prompt_lens, device)
         at, still = 0, []
         for r, f, a, b in segs:
             sampled, logps = toks[at : at + b - a], lps[at : at + b - a]
             at += b - a
-            if _advance(out, trie_of[r], r, f, a, drafts[f], sampled, logps, follow, lengths):
+            if _advance(out, group_of[r], r, f, a, drafts, sampled, logps, follow, lengths):
                 still.append(r)
         walking = still
     return out
 
 
-def _advance(out: WalkResult, trie: _Trie, r: int, f: int, start: int, draft, sampled, logps, follow, lengths) -> bool:
+def _sample_segments(segs, scores, settings, seed, uid_t, prompt_lens, device) -> tuple[list[int], list[float]]:
+    """The policy's keyed samples at depths [a, b) of draft f for each segment (row, f, a, b), concatenated."""
+    rows_t, follow_t, a_t, b_t = (torch.tensor(col, dtype=torch.long) for col in zip(*segs))
+    counts = b_t - a_t
+    offsets = torch.cumsum(counts, 0) - counts
+    depth = torch.arange(int(counts.sum())) - torch.repeat_interleave(offsets - a_t, counts)
+    row_of = torch.repeat_interleave(rows_t, counts)
+    logits, index = scores.distinct_logits_at(torch.repeat_interleave(follow_t, counts).to(device), depth.to(device))
+    pos = (prompt_lens[row_of] + depth).to(device)
+    toks, lps = keyed_sample(logits, settings, seed, uid_t[row_of].to(device), pos, index=index)
+    return toks.tolist(), lps.tolist()
+
+
+def _advance(out: WalkResult, group: list[int], r: int, f: int, start: int, drafts, sampled, logps, follow, lengths) -> bool:
     """Accept row r's samples along draft f from depth ``start``; True while the walk goes on."""
+    draft = drafts[f]
     k = 0
     while k < len(sampled) and sampled[k] == draft[start + k]:
         k += 1
@@ -152,14 +141,15 @@ def _advance(out: WalkResult, trie: _Trie, r: int, f: int, start: int, draft, sa
     out.source[r] = f
     if k == len(sampled):  # the window matched: walk on, unless the draft it followed ends here
         return out.n[r] < lengths[f]
-    node = trie.path[f][start + k - 1] if start + k > 0 else 0
-    child = trie.children[node].get(sampled[k])
-    if child is None:  # off the trie: the token at n, already drawn from the policy
-        out.next_token[r], out.next_logprob[r] = sampled[k], logps[k]
+    depth, token = start + k, sampled[k]
+    # another draft of the group through this node (same first `depth` tokens) continuing with `token`:
+    # the longest such (the group is sorted longest first), as a trie's child would give
+    g = next((g for g in group if lengths[g] > depth and drafts[g][depth] == token and drafts[g][:depth] == draft[:depth]), None)
+    if g is None:  # off the trie: the token at n, already drawn from the policy
+        out.next_token[r], out.next_logprob[r] = token, logps[k]
         return False
-    g = trie.rep[child]  # another draft of the group continues with exactly this token
-    out.tokens[r].append(sampled[k])
+    out.tokens[r].append(token)
     out.logprobs[r].append(logps[k])
-    out.n[r] = start + k + 1
+    out.n[r] = depth + 1
     out.source[r], follow[r] = g, g
-    return len(trie.path[g]) > out.n[r]  # walk on unless that draft ends right here
+    return lengths[g] > out.n[r]  # walk on unless that draft ends right here

@@ -163,6 +163,25 @@ def test_scores_for_the_wrong_rows_are_refused_and_the_handle_released():
     assert broken.released == 1
 
 
+@pytest.mark.parametrize("bad", ["out of range", "wrong shape", "float"])
+def test_a_bad_same_as_is_refused(bad):
+    import dataclasses
+
+    model = tiny_model(seed=2)
+    plain = _rollout(TransformersBackend(model, {1}, pad_id=0), max_tokens=6, lenience=1.0)
+    plain.run(_requests(), step=0)
+    corrupt = {
+        "out of range": lambda s: s.same_as + s.same_as.numel(),
+        "wrong shape": lambda s: s.same_as[:, :-1],
+        "float": lambda s: s.same_as.double(),
+    }[bad]
+    broken = Tampered(model, tamper_scores=lambda s: dataclasses.replace(s, same_as=corrupt(s)))
+    rollout = SpeculativeRollout(broken, plain.cache, plain.settings, [1], 64, lenience=1.0)
+    with pytest.raises(BackendContractError, match=r"Tampered\.score_drafts returned same_as .*expected None or int64 \[6, 6\]"):
+        rollout.run(_requests(), step=1)
+    assert broken.released == 1
+
+
 def test_valid_backends_pass_every_check():
     model = tiny_model(seed=3, bias_eos=1.0)
     rollout = _rollout(TransformersBackend(model, {1}, pad_id=0), max_tokens=10, lenience=1.0)

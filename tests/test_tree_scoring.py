@@ -51,6 +51,14 @@ def test_tree_scores_equal_separate_scores(impl):
         states = model(input_ids=ids, position_ids=pos, attention_mask=mask).logits
         want = response_states(model, prompts, drafts, pad_id=0)
     out = torch.zeros_like(want)
-    gather_scores(states, groups, out)
+    width = out.shape[1]
+    same_as = torch.arange(len(drafts) * width).view(len(drafts), width)
+    gather_scores(states, groups, out, same_as)
     for i, d in enumerate(drafts):
         assert torch.allclose(out[i, : len(d)], want[i, : len(d)], atol=2e-5), i
+    # same_as: the first (lowest flat index) entry with the same prompt and draft prefix; padding: itself
+    for i, d in enumerate(drafts):
+        for r in range(width):
+            twins = [j for j in range(len(drafts)) if prompts[j] == prompts[i] and len(drafts[j]) > r and drafts[j][:r] == d[:r]]
+            want_index = min(twins) * width + r if r < len(d) else i * width + r
+            assert int(same_as[i, r]) == want_index, (i, r)
