@@ -16,6 +16,7 @@ import torch
 from .acceptance import draft_logprobs, raise_if_no_distribution
 from .adaptive import accepted_drift, choose_log_lenience
 from .sampling import SamplingSettings, keyed_sample
+from .tree_scoring import int64_tensor
 from .tree_verify import WalkResult
 from .verify import verify
 
@@ -60,12 +61,14 @@ def lenient_prefixes(
     """Rejection index and token at n of every drafted row (``log_lenience`` None: adaptive, see module docstring)."""
     max_r = max([len(d) for d in draft_ids] + [1])
     # one host tensor per field, then one copy to the device (per-row torch.tensor calls cost ~7% of scoring)
-    ids_t = torch.tensor([list(d) + [0] * (max_r - len(d)) for d in draft_ids], dtype=torch.long).reshape(-1, max_r)
+    lengths = int64_tensor([len(d) for d in draft_ids])
+    valid = torch.arange(max_r).unsqueeze(0) < lengths.unsqueeze(1)
+    ids_t = torch.zeros((len(draft_ids), max_r), dtype=torch.long)
+    ids_t[valid] = int64_tensor([t for d in draft_ids for t in d])
     old_t = torch.zeros((len(draft_ids), max_r), dtype=torch.float32)
-    for row, (d, old) in enumerate(zip(draft_ids, old_logprobs)):
-        old_t[row, : len(d)] = old[: len(d)]
-    ids_t, old_t = ids_t.to(device), old_t.to(device)
-    lengths = torch.tensor([len(d) for d in draft_ids], dtype=torch.long, device=device)
+    if draft_ids:
+        old_t[valid] = torch.cat([old[: len(d)].float() for d, old in zip(draft_ids, old_logprobs)])
+    ids_t, old_t, lengths = ids_t.to(device), old_t.to(device), lengths.to(device)
     uids_t = torch.tensor(list(uids), dtype=torch.long, device=device)
     common = dict(lengths=lengths, seed=seed, uids=uids_t, strategy=strategy, backend=verify_backend)
     result = verify(ids_t, old_t, **_score_source(ids_t, lengths, scores, settings, verify_backend, device),

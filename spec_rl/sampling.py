@@ -266,10 +266,31 @@ def keyed_sample(
         empty = residual.sum(-1) <= 0
         probs = torch.where(empty.unsqueeze(-1), probs, residual)
     cdf = torch.cumsum(probs, dim=-1)
-    if index is not None:  # one distribution per distinct row, one uniform per sample
-        cdf, logp = cdf[index], logp[index]
-    _raise_if_no_distribution(cdf[:, -1], lambda r: f"uid {int(uids[r])}, position {int(positions[r])}")
+    total = cdf[:, -1] if index is None else cdf[:, -1][index]
+    _raise_if_no_distribution(total, lambda r: f"uid {int(uids[r])}, position {int(positions[r])}")
     u = philox_uniform(seed, uids.to(torch.int64), positions.to(torch.int64), stream=STREAM_SAMPLE).double()
-    target = (u * cdf[:, -1]).unsqueeze(-1)
-    ids = torch.searchsorted(cdf, target).squeeze(-1).clamp(max=probs.shape[-1] - 1)
-    return ids, logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    target = u * total
+    if index is None:
+        ids = torch.searchsorted(cdf, target.unsqueeze(-1)).squeeze(-1).clamp(max=probs.shape[-1] - 1)
+        return ids, logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    ids = _search_shared_rows(cdf, index, target).clamp(max=probs.shape[-1] - 1)
+    return ids, logp[index, ids]
+
+
+def _search_shared_rows(cdf: torch.Tensor, index: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``searchsorted(cdf[index], target)`` without forming cdf[index] [N, V]: the targets of each
+    distinct row are laid out as one row of a [U, K] table (K = most samples of one row), searched at once.
+    The comparisons are the same as on ``cdf[index]``, so the tokens are too."""
+    if index.numel() == 0:
+        return index.clone()
+    order = torch.argsort(index, stable=True)
+    counts = torch.bincount(index, minlength=cdf.shape[0])
+    starts = torch.cumsum(counts, 0) - counts
+    sorted_rows = index[order]
+    rank = torch.arange(index.shape[0], device=index.device) - starts[sorted_rows]
+    table = torch.full((cdf.shape[0], int(counts.max())), 2.0, dtype=cdf.dtype, device=cdf.device)  # 2.0: unused slots
+    table[sorted_rows, rank] = target[order]
+    found = torch.searchsorted(cdf, table)
+    ids = torch.empty_like(index)
+    ids[order] = found[sorted_rows, rank]
+    return ids

@@ -19,13 +19,21 @@ nodes) is what a continuation needs as its KV context.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import array
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 #: attention implementations whose masks we know how to build (bool for sdpa, additive for eager)
 TREE_ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
+
+
+def int64_tensor(values: Iterable[int]) -> torch.Tensor:
+    """A CPU int64 tensor of Python ints, built through ``array.array`` (3-4x faster than ``torch.tensor``
+    on a list: that was ~5% of a demo scoring call)."""
+    buf = array.array("q", values)
+    return torch.frombuffer(buf, dtype=torch.int64) if len(buf) else torch.zeros(0, dtype=torch.int64)
 
 
 @dataclass
@@ -119,10 +127,10 @@ def tree_inputs(groups: Sequence[PackedGroup], pad_id: int, device: torch.device
     start = torch.arange(width).unsqueeze(0).repeat(bsz, 1)  # pads: subtree = themselves
     end = start + 1
     # one host tensor per field for the whole chunk: row-major order of `filled` is the concatenation order
-    filled = start < torch.tensor([len(g.tokens) for g in groups]).unsqueeze(1)
-    ids[filled] = torch.tensor([t for g in groups for t in g.tokens], dtype=torch.long)
-    pos[filled] = torch.tensor([d for g in groups for d in g.depth], dtype=torch.long)
-    end[filled] = start[filled] + torch.tensor([z for g in groups for z in g.size], dtype=torch.long)
+    filled = start < int64_tensor([len(g.tokens) for g in groups]).unsqueeze(1)
+    ids[filled] = int64_tensor([t for g in groups for t in g.tokens])
+    pos[filled] = int64_tensor([d for g in groups for d in g.depth])
+    end[filled] = start[filled] + int64_tensor([z for g in groups for z in g.size])
     i = torch.arange(width).view(1, width, 1)
     j = torch.arange(width).view(1, 1, width)
     # query i sees key j iff j is an ancestor of i (or i itself): j <= i < j + size[j]
@@ -149,16 +157,14 @@ def gather_scores(states: torch.Tensor, groups: Sequence[PackedGroup], out: torc
             cols += positions
     if not cols:
         return
-    dev = states.device
-    lens = torch.tensor(lengths)
+    dev, width = states.device, states.shape[-1]
+    lens = int64_tensor(lengths)
     starts = torch.cumsum(lens, 0) - lens
     dst_col = torch.arange(len(cols)) - torch.repeat_interleave(starts, lens)
-    rows = torch.repeat_interleave(torch.tensor(row_of), lens)
-    dst_row = torch.repeat_interleave(torch.tensor(member_of), lens)
-    cols_t = torch.tensor(cols)
-    out[dst_row.to(dev), dst_col.to(dev)] = states[rows.to(dev), cols_t.to(dev)].to(out.dtype)
-    dst = dst_row * out.shape[1] + dst_col
-    key_index = torch.unique(rows * states.shape[1] + cols_t, return_inverse=True)[1]
+    src = torch.repeat_interleave(int64_tensor(row_of), lens) * states.shape[1] + int64_tensor(cols)
+    dst = torch.repeat_interleave(int64_tensor(member_of), lens) * out.shape[1] + dst_col
+    out.view(-1, width).index_copy_(0, dst.to(dev), states.reshape(-1, width).index_select(0, src.to(dev)).to(out.dtype))
+    key_index = torch.unique(src, return_inverse=True)[1]
     first = torch.full((int(key_index.max()) + 1,), out.shape[0] * out.shape[1], dtype=torch.long)
     first = first.scatter_reduce(0, key_index, dst, "amin")  # per distinct output: its first entry
     same_as.view(-1)[dst.to(same_as.device)] = first[key_index].to(same_as.device)

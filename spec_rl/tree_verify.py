@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from .sampling import SamplingSettings, keyed_sample
+from .tree_scoring import int64_tensor
 
 #: Draft positions sampled per walking row in the first pass (doubling afterwards).
 _FIRST_WINDOW = 16
@@ -97,8 +98,8 @@ def walk_tries(
     follow = [group_of[r][0] for r in range(bsz)]  # the draft each row walks along
     walking = [r for r in range(bsz) if lengths[follow[r]] > 0]
     device = scores.lm_head_weight.device if scores.logits is None else scores.logits.device
-    prompt_lens = torch.tensor([len(p) for p in prompts], dtype=torch.long)
-    uid_t = torch.tensor([int(u) for u in uids], dtype=torch.long)
+    prompt_lens = int64_tensor([len(p) for p in prompts])
+    uid_t = int64_tensor([int(u) for u in uids])
     window = _FIRST_WINDOW
     while walking:
         # (row, draft, from depth, to depth): a window that doubles per pass, so rows that stop early
@@ -118,7 +119,7 @@ def walk_tries(
 
 def _sample_segments(segs, scores, settings, seed, uid_t, prompt_lens, device) -> tuple[list[int], list[float]]:
     """The policy's keyed samples at depths [a, b) of draft f for each segment (row, f, a, b), concatenated."""
-    rows_t, follow_t, a_t, b_t = (torch.tensor(col, dtype=torch.long) for col in zip(*segs))
+    rows_t, follow_t, a_t, b_t = (int64_tensor(col) for col in zip(*segs))
     counts = b_t - a_t
     offsets = torch.cumsum(counts, 0) - counts
     depth = torch.arange(int(counts.sum())) - torch.repeat_interleave(offsets - a_t, counts)

@@ -108,6 +108,9 @@ def test_keyed_sample_with_index_equals_sampling_the_indexed_rows():
         want_tok, want_lp = keyed_sample(logits[index], settings, 7, uids, positions)
         assert torch.equal(tok, want_tok) and torch.equal(lp, want_lp)
         assert len(set(tok.tolist())) > 3  # real samples
+    empty = torch.zeros(0, dtype=torch.long)
+    tok, lp = keyed_sample(logits, SamplingSettings(), 7, empty, empty, index=empty)
+    assert tok.shape == (0,) and lp.shape == (0,)
     with pytest.raises(ValueError, match="index or exclude"):
         keyed_sample(logits, SamplingSettings(), 7, uids, positions, exclude=torch.zeros(300, dtype=torch.long), index=index)
 
