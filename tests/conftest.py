@@ -32,3 +32,17 @@ def model_dir(tmp_path):
     tiny_model(seed=0).save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session", params=[False, True], ids=["prefix-cache-off", "prefix-cache-on"])
+def vllm_engine(request, tmp_path_factory):
+    """A real vLLM AsyncLLM on a tiny Qwen2 (tests/vllm_env.py), prefix caching off and on; one per
+    setting for the whole session (an engine takes ~25 s to start), shared by the vLLM test files."""
+    from vllm_env import save_checkpoint, start_engine, stop_engine
+
+    path = tmp_path_factory.mktemp("vllm-ckpt")
+    model = save_checkpoint(path, seed=0)
+    env = start_engine(path, request.param)
+    env["model"] = model
+    yield env
+    stop_engine(env)

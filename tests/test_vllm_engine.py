@@ -4,7 +4,7 @@
 with SPEC_RL_REQUIRE_VLLM=1, so a broken engine install fails the run instead of skipping. Elsewhere
 (the main virtualenv) the file is skipped.
 
-The engine is vLLM's ``AsyncLLM`` on a tiny Qwen2 built here (float32, block size 32), once with
+The engine is vLLM's ``AsyncLLM`` on a tiny Qwen2 (tests/vllm_env.py; float32, block size 32), once with
 prefix caching off and once on. ``OpenRLHFActor`` stands in for OpenRLHF's ``RolloutRayActor``
 (its ``generate`` and ``generate_responses``, read in openrlhf 0.11.2) without Ray. Weights change
 between epochs by rewriting the checkpoint and calling the workers' ``reload_weights``.
@@ -26,18 +26,17 @@ if os.environ.get("SPEC_RL_REQUIRE_VLLM") == "1":
 pytest.importorskip("vllm", reason="vLLM is not installed here (make test-vllm builds .venv-vllm)")
 pytest.importorskip("openrlhf.utils.agent", reason="openrlhf is not installed here (make test-vllm installs it)")
 
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of K/V cache: plenty for the tiny model
-
-from vllm import AsyncEngineArgs, SamplingParams  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 from vllm.v1.engine.async_llm import AsyncLLM  # noqa: E402
+from vllm_env import EOS, MAX_LEN, reload, save_checkpoint  # noqa: E402
 
 from spec_rl.integrations.openrlhf import SpecRLAgentExecutor, request_params  # noqa: E402
 from spec_rl.integrations.request_types import ContinuationRequest  # noqa: E402
 
 from tiny_models import full_forward_logprobs, tiny_tokenizer  # noqa: E402
 
-MAX_LEN, N, EOS = 72, 2, 1
+N = 2
 # prompts longer than one 32-token block (the CPU backend's block sizes are multiples of 32), so that with prefix caching on the scoring request's
 # prompt blocks are cached by the time it runs (the case that returned garbage rows)
 _BASE = [
@@ -46,36 +45,6 @@ _BASE = [
     "how many apples : Tom has 7 apples , Ann has 2 apples , Tom sells 4 apples , Ann buys 6 more",
 ]
 PROMPTS = [p + " . " + q for p, q in zip(_BASE, _BASE[1:] + _BASE[:1])]
-
-
-def save_checkpoint(path, seed: int, eos_heavy: bool = False) -> torch.nn.Module:
-    """A tiny Qwen2 (head_dim 64: a size the CPU attention backend has) and its tokenizer under ``path``.
-
-    ``eos_heavy``: the residual stream's dimension 0 is a large constant and the LM head reads EOS
-    from it, so p(EOS) > 0.9999 after any context (for the min_tokens check).
-    """
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    tok = tiny_tokenizer()
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
-                      eos_token_id=EOS, pad_token_id=0, tie_word_embeddings=False)  # fmt: skip
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.08)
-        if eos_heavy:
-            model.model.embed_tokens.weight[:, 0] = 200.0
-            for layer in model.model.layers:
-                layer.self_attn.o_proj.weight[0] = 0.0
-                layer.mlp.down_proj.weight[0] = 0.0
-            model.lm_head.weight[:, 0] = 0.0
-            model.lm_head.weight[EOS, 0] = 1.5
-    model.save_pretrained(path, safe_serialization=True)
-    tok.save_pretrained(path)
-    return model
 
 
 class OpenRLHFActor:
@@ -98,38 +67,9 @@ class OpenRLHFActor:
         ])
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["prefix-cache-off", "prefix-cache-on"])
-def engine(request, tmp_path_factory):
-    path = tmp_path_factory.mktemp("ckpt")
-    model = save_checkpoint(path, seed=0)
-    args = AsyncEngineArgs(model=str(path), dtype="float32", max_model_len=MAX_LEN, block_size=32,
-                           enable_prefix_caching=request.param, enforce_eager=True, seed=0,
-                           max_num_seqs=16, max_num_batched_tokens=512,
-                           gpu_memory_utilization=0.2)  # on CPU: the share of RAM reserved  # fmt: skip
-    loop = asyncio.new_event_loop()
-    llm = loop.run_until_complete(_start(args))
-    yield dict(llm=llm, loop=loop, path=path, model=model, tok=tiny_tokenizer(), caching=request.param)
-    llm.shutdown()
-    pending = asyncio.all_tasks(loop)  # the engine's output handler: cancel it before the loop closes
-    for task in pending:
-        task.cancel()
-    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-    loop.close()
-
-
-async def _start(args):
-    return AsyncLLM.from_engine_args(args)
-
-
-def reload(env, seed: int) -> None:
-    """New weights into the running engine: rewrite the checkpoint, reload it, drop cached K/V."""
-    env["model"] = save_checkpoint(env["path"], seed=seed)
-
-    async def go():
-        await env["llm"].collective_rpc("reload_weights")
-        await env["llm"].reset_prefix_cache()
-
-    env["loop"].run_until_complete(go())
+@pytest.fixture()
+def engine(vllm_engine):
+    return vllm_engine
 
 
 def run_epoch(env, executor, sp, prompts=PROMPTS):
@@ -208,9 +148,7 @@ def test_new_weights_partial_reuse_and_budgets(engine):
 def test_min_tokens_counts_from_the_request_start(engine):
     # vLLM counts min_tokens per request: copied unchanged into a continuation one token into the
     # response, it forbids EOS where the policy has p(EOS) > 0.9999. request_params removes it.
-    save_checkpoint(engine["path"], seed=0, eos_heavy=True)
-    engine["loop"].run_until_complete(engine["llm"].collective_rpc("reload_weights"))
-    engine["loop"].run_until_complete(engine["llm"].reset_prefix_cache())
+    reload(engine, seed=0, eos_heavy=True)
     try:
         prompt = engine["tok"](PROMPTS[1], add_special_tokens=False)["input_ids"]
         actor = OpenRLHFActor(engine["llm"], None)
