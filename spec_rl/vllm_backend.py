@@ -23,6 +23,7 @@ number of sequential decode steps a batched engine needs for it.
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Sequence
 
@@ -80,8 +81,46 @@ class VLLMBackend(ModelLimits, ReprefillBackend):
                           max_num_batched_tokens=max(8192, int(max_model_len)))  # fmt: skip
         kwargs.update(engine_kwargs)
         self.llm = vllm.LLM(**kwargs)
+        self.owns_engine = True
         self._sampling_params = vllm.SamplingParams
         self._tokens_prompt = vllm.inputs.TokensPrompt
+
+    @classmethod
+    def on_engine(cls, llm, model, eos_ids: Sequence[int], pad_id: int) -> VLLMBackend:
+        """Continuations on an engine someone else owns and keeps in sync (TRL's colocate ``vllm.LLM``).
+
+        The engine must return processed log-probs (``logprobs_mode="processed_logprobs"``, TRL's
+        setting). :meth:`sync_weights` and :meth:`close` then do nothing: the owner pushes the weights
+        before each rollout and shuts the engine down.
+
+        Raises:
+            ValueError: no EOS id, or an engine whose ``logprobs_mode`` is not processed.
+        """
+        import vllm
+
+        config = getattr(getattr(llm, "llm_engine", None), "model_config", None)
+        mode = str(getattr(config, "logprobs_mode", "processed_logprobs"))
+        if "processed_logprobs" not in mode:
+            raise ValueError(
+                f"the vLLM engine returns {mode}; speculative rollouts need sampling log-probs: build it with "
+                "logprobs_mode='processed_logprobs'"
+            )
+        engine_dtype, model_dtype = getattr(config, "dtype", None), next(model.parameters()).dtype
+        if engine_dtype is not None and engine_dtype != model_dtype:
+            warnings.warn(
+                f"the vLLM engine runs in {engine_dtype} but the trained model in {model_dtype}: continuation "
+                "log-probs (stored as the next drafts' old log-probs) will differ from the trainer's scores by "
+                "the precision gap (measured 1e-3 to 3e-2 nats for bfloat16 vs float32); build the engine in the "
+                "model's dtype",
+                stacklevel=2,
+            )
+        self = cls.__new__(cls)
+        self.model, self.llm, self.owns_engine, self.workdir = model, llm, False, None
+        self.eos_ids, self.pad_id, _ = backend_arguments(eos_ids, pad_id, 1)
+        self.scorer = PolicyScorer(model, self.pad_id)
+        self.stats = BackendStats()
+        self._sampling_params, self._tokens_prompt = vllm.SamplingParams, vllm.inputs.TokensPrompt
+        return self
 
     @property
     def device(self) -> torch.device:
@@ -96,7 +135,9 @@ class VLLMBackend(ModelLimits, ReprefillBackend):
         tmp.rmdir()
 
     def sync_weights(self) -> None:
-        """Push the trainer's current weights into the engine and drop its prefix cache."""
+        """Push the trainer's current weights into the engine and drop its prefix cache (not on an engine it does not own)."""
+        if not self.owns_engine:
+            return
         self._write_weights()
         self.llm.collective_rpc("reload_weights")
         self.llm.reset_prefix_cache()
@@ -136,7 +177,9 @@ class VLLMBackend(ModelLimits, ReprefillBackend):
         return Continuation(ids, lps, finish)
 
     def close(self) -> None:
-        """Shut the engine down (its worker processes exit)."""
+        """Shut the engine down (its worker processes exit); an engine it does not own is left running."""
+        if not self.owns_engine:
+            return
         engine = getattr(self.llm, "llm_engine", None)
         shutdown = getattr(engine, "shutdown", None) or getattr(getattr(engine, "engine_core", None), "shutdown", None)
         if shutdown is not None:

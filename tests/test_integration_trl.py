@@ -269,13 +269,21 @@ def test_attach_rejects_sampling_the_verifier_cannot_honour(built, monkeypatch, 
         spec.attach(trainer)
 
 
-def test_vllm_is_refused_with_a_reason(tmp_path):
+def test_vllm_server_sleep_and_tensor_parallel_are_refused_with_a_reason(tmp_path):
     from trl import GRPOConfig
 
-    for mode, why in (("colocate", "colocate backend"), ("server", "per-request budget")):
-        args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, use_vllm=True, vllm_mode=mode)
+    cases = (
+        (dict(vllm_mode="server"), "per-request budget"),
+        (dict(vllm_mode="colocate", vllm_enable_sleep_mode=True), "vllm_enable_sleep_mode=False"),
+        (dict(vllm_mode="colocate", vllm_tensor_parallel_size=2), "vllm_tensor_parallel_size=1"),
+    )
+    for extra, why in cases:
+        args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, use_vllm=True, max_completion_length=8, **extra)
         with pytest.raises(UnsupportedTrainerConfig, match=why):
             check_trainer_args(args)
+    # plain colocate mode passes (tests/test_vllm_trl.py runs it on a real engine)
+    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, use_vllm=True, vllm_mode="colocate", max_completion_length=8)
+    assert check_trainer_args(args).max_tokens == 8
 
 
 def test_plain_config_maps_to_sampling_settings(tmp_path):

@@ -3,9 +3,9 @@
 Each check raises :class:`UnsupportedTrainerConfig` naming the setting and the fix,
 before anything is generated. What is refused, and why:
 
-- vLLM generation (``use_vllm=True``; docs/integrations.md says what colocate mode
-  would need), ``repetition_penalty != 1``, ``min_p``, extra ``generation_kwargs``
-  (:func:`check_trainer_args`);
+- vLLM server mode (per-request budgets and seeds cannot be sent), colocate mode with sleep
+  mode or tensor parallelism, ``repetition_penalty != 1``, ``min_p``, extra ``generation_kwargs``
+  (:func:`check_trainer_args`); plain colocate mode is supported (``trl_rollout.trainer_backend``);
 - tools and environments, FSDP, a dataset-id column that the trainer drops
   (:func:`check_trainer_features`);
 - a rollout cache whose drafts were sampled with other settings
@@ -82,21 +82,30 @@ def sampling_settings_from_args(args) -> SamplingSettings:
     )
 
 
-def _check_no_vllm(args) -> None:
+def _check_vllm(args) -> None:
+    """vLLM generation: colocate mode on one process per engine, awake; server mode is refused."""
     if not getattr(args, "use_vllm", False):
         return
     mode = getattr(args, "vllm_mode", "colocate")
-    why = (
-        "TRL's vLLM server client sends one max_tokens for the whole batch, but a speculative continuation needs a "
-        "per-request budget (max_completion_length - verified prefix)"
-        if mode == "server"
-        else "a vLLM colocate backend (per-request SamplingParams with max_tokens, processed logprobs, the "
-        "trainer's weights synced before scoring) is not implemented here because it cannot be tested without a GPU"
-    )
-    raise UnsupportedTrainerConfig(
-        f"use_vllm=True (vllm_mode={mode!r}) is not supported by spec_rl.integrations.trl: {why}. "
-        "Set use_vllm=False to generate with the trainer's own model (see docs/integrations.md)."
-    )
+    if mode == "server":
+        raise UnsupportedTrainerConfig(
+            "use_vllm=True with vllm_mode='server' is not supported by spec_rl.integrations.trl: TRL's server client "
+            "sends one max_tokens and one set of generation_kwargs (seed) per batch, but a speculative continuation "
+            "needs a per-request budget (max_completion_length - verified prefix) and a per-request seed. Use "
+            "vllm_mode='colocate', or use_vllm=False (see docs/integrations.md)."
+        )
+    if getattr(args, "vllm_enable_sleep_mode", False):
+        raise UnsupportedTrainerConfig(
+            "vllm_enable_sleep_mode=True: TRL wakes the engine's K/V cache only inside its own generate(), so the "
+            "speculative rollout's requests would find it asleep; set vllm_enable_sleep_mode=False"
+        )
+    tp = int(getattr(args, "vllm_tensor_parallel_size", 1) or 1)
+    if tp > 1:
+        raise UnsupportedTrainerConfig(
+            f"vllm_tensor_parallel_size={tp}: TRL gathers the prompts of a tensor-parallel group so that every rank "
+            "sends the same requests, which rollout_func does not do; use vllm_tensor_parallel_size=1 (one engine "
+            "per process)"
+        )
 
 
 def check_trainer_args(args) -> SamplingSettings:
@@ -115,7 +124,8 @@ def check_trainer_args(args) -> SamplingSettings:
     Raises
     ------
     UnsupportedTrainerConfig
-        Naming the argument and the fix, for ``use_vllm=True``, ``repetition_penalty != 1``,
+        Naming the argument and the fix, for vLLM server mode (colocate mode is supported, without
+        sleep mode and with one engine per process), ``repetition_penalty != 1``,
         ``min_p`` set, non-empty ``generation_kwargs``, a missing ``max_completion_length``
         or temperature <= 0.
 
@@ -125,7 +135,7 @@ def check_trainer_args(args) -> SamplingSettings:
     >>> check_trainer_args(GRPOConfig(output_dir="out", max_completion_length=64)).max_tokens
     64
     """
-    _check_no_vllm(args)
+    _check_vllm(args)
     rp = getattr(args, "repetition_penalty", 1.0)
     if rp is not None and float(rp) != 1.0:
         raise UnsupportedTrainerConfig(

@@ -1,7 +1,8 @@
 """The speculative rollouts behind :class:`~spec_rl.integrations.trl.SpecRLRollout`.
 
 One :class:`TrainerRollouts` per model holds two :class:`~spec_rl.rollout.SpeculativeRollout`
-objects over one :class:`~spec_rl.transformers_backend.TransformersBackend`:
+objects over one backend (:func:`trainer_backend`: a :class:`~spec_rl.transformers_backend.TransformersBackend`
+on the trainer's model, or the trainer's colocated vLLM engine):
 
 * the **training** rollout: the adapter's draft cache, strategy, acceptance rule and history index
   (tail speculation, docs/design.md "Speculation past the first rejection"), whose responses
@@ -28,7 +29,7 @@ from ..transformers_backend import TransformersBackend
 from .trl_batch import generation_tokens
 from .trl_checks import UnsupportedTrainerConfig
 
-__all__ = ["CallSeeds", "ReadOnlyHistory", "RolloutOptions", "TrainerRollouts"]
+__all__ = ["CallSeeds", "ReadOnlyHistory", "RolloutOptions", "TrainerRollouts", "trainer_backend"]
 
 
 class ReadOnlyHistory:
@@ -85,7 +86,7 @@ class TrainerRollouts:
         if max_len is None:
             raise UnsupportedTrainerConfig("the model config has no max_position_embeddings; pass max_model_len=...")
         self.seed = options.seed if options.seed is not None else int(getattr(trainer.args, "seed", 0))
-        backend = TransformersBackend(model, eos_ids=eos, pad_id=pad, max_k=options.spec_tokens)
+        backend = trainer_backend(model, trainer, eos, pad, options.spec_tokens)
         common = dict(backend=backend, settings=settings, eos_ids=eos, max_model_len=int(max_len), seed=self.seed,
                       verify_backend=options.verify_backend, acceptance=options.acceptance)  # fmt: skip
         self.history = history
@@ -100,6 +101,26 @@ class TrainerRollouts:
         if training:
             return self.train.run(requests, step=step, seed=self.seed ^ salt, cache=cache)
         return self.eval.run(requests, step=step, seed=self.seed ^ salt, cache=RolloutCache())
+
+
+def trainer_backend(model, trainer, eos_ids, pad_id: int, spec_tokens: int):
+    """The generation backend: the trainer's colocated vLLM engine when it has one, else its own model.
+
+    With ``use_vllm=True, vllm_mode="colocate"`` continuations and fresh samples run on TRL's
+    ``vllm.LLM`` (per-request ``max_tokens`` and keyed seeds, processed log-probs; TRL pushes the
+    weights before every ``rollout_func`` call) and drafts are scored by the trainer's own model, as
+    without vLLM. vLLM decodes without our history drafts (no tail speculation there).
+    """
+    args = trainer.args
+    if getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", "colocate") == "colocate":
+        from ..vllm_backend import VLLMBackend
+
+        llm = getattr(getattr(trainer, "vllm_generation", None), "llm", None) or getattr(trainer, "llm", None)
+        if llm is None:
+            raise UnsupportedTrainerConfig("use_vllm=True with vllm_mode='colocate' but the trainer has no vLLM engine "
+                                           "(trainer.vllm_generation.llm); is this trl >= 1.0?")  # fmt: skip
+        return VLLMBackend.on_engine(llm, model, eos_ids, pad_id)
+    return TransformersBackend(model, eos_ids=eos_ids, pad_id=pad_id, max_k=spec_tokens)
 
 
 class CallSeeds:
