@@ -9,7 +9,9 @@ which our history index could draft inside the engine. This script checks them t
 random tiny Qwen2 samples 400 x 30 tokens at temperature 1 from one prompt, plainly and with each
 proposer, and compares P(token == previous token), which a lossless speculative decoder leaves
 unchanged whatever it proposes. ``RepeatLast`` proposes the previous token k times (the hardest case
-for a biased verifier). A two-proportion z-test against the plain run is printed per proposer.
+for a biased verifier). A two-proportion z-test against the plain run is printed per proposer (it treats
+the pairs of one sequence as independent, so it overstates z somewhat; the requests are not seeded, so the
+counts move from run to run).
 """
 
 from __future__ import annotations

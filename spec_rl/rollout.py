@@ -45,6 +45,7 @@ from .rollout_types import (
 )  # fmt: skip
 from .sampling import SamplingSettings, check_settings
 from .lenient import lenient_prefixes
+from .shared_outputs import check_shared_outputs
 from .tree_verify import WalkResult, walk_tries
 from .validation import check_int
 
@@ -286,6 +287,7 @@ class SpeculativeRollout:
         handle = out[1] if isinstance(out, tuple) and len(out) == 2 else None
         try:
             scores, _ = check_scored(out, len(draft_ids), max(len(d) for d in draft_ids), self._source("score_drafts"))
+            check_shared_outputs(scores.same_as, [batch.prompts[i] for i in batch.drafted], draft_ids, self._source("score_drafts"))
             batch.vocab_size = batch.vocab_size or scores_vocab_size(scores)
             walk = self._exact_walk(batch, draft_ids, scores) if self.acceptance == "exact" else self._lenient(batch, draft_ids, scores)
             batch.stats.draft_tokens = sum(len(d) for d in draft_ids)

@@ -251,12 +251,16 @@ def keyed_sample(
         ``settings`` is not a :class:`SamplingSettings`, or ``seed`` is not an integer.
     ValueError
         A row without a distribution (NaN or +inf logits, or every token -inf), named with its uid
-        and position.
+        and position; logits not [N, V]; uids, positions, exclude or index of another length than
+        the samples, or exclude outside [0, V), index outside [0, N_logits).
+    TypeError
+        uids, positions, exclude or index not integer tensors.
     """
     check_settings(settings)
     seed = check_int("seed", seed, hint=" (a 64-bit seed, taken modulo 2**64)")
     if index is not None and exclude is not None:
         raise ValueError("keyed_sample takes index or exclude, not both (index logits[index] first)")
+    uids, positions, exclude, index = _checked_rows(logits, uids, positions, exclude, index)
     logp = sampling_log_softmax(logits, settings.temperature, settings.top_k, settings.top_p)
     probs = logp.exp().double()  # exp in float32, sums in float64
     if exclude is not None:
@@ -275,6 +279,33 @@ def keyed_sample(
         return ids, logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     ids = _search_shared_rows(cdf, index, target).clamp(max=probs.shape[-1] - 1)
     return ids, logp[index, ids]
+
+
+def _index_vector(name: str, t, n: int | None, high: int | None = None) -> torch.Tensor:
+    """``t`` as an int64 1-D tensor of length ``n`` (any length when None), values in [0, high) when given;
+    else a TypeError/ValueError naming ``name``."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a 1-D integer torch.Tensor, got {type(t).__name__}")
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
+    if t.dim() != 1 or (n is not None and t.shape[0] != n):
+        raise ValueError(f"{name} must have shape [{'N' if n is None else n}] (one entry per sample), got {list(t.shape)}")
+    if high is not None and t.numel() and (int(t.min()) < 0 or int(t.max()) >= high):
+        raise ValueError(f"{name} holds values outside [0, {high}): min {int(t.min())}, max {int(t.max())}")
+    return t.long()
+
+
+def _checked_rows(logits, uids, positions, exclude, index):
+    """keyed_sample's per-sample arguments, checked against the logits [U, V] (U = N without ``index``)."""
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+        got = list(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise ValueError(f"logits must be a [N, V] tensor, got {got}")
+    if index is not None:
+        index = _index_vector("index", index, None, high=logits.shape[0])
+    n = logits.shape[0] if index is None else index.shape[0]
+    if exclude is not None:
+        exclude = _index_vector("exclude", exclude, n, high=logits.shape[1])
+    return _index_vector("uids", uids, n), _index_vector("positions", positions, n), exclude, index
 
 
 def _search_shared_rows(cdf: torch.Tensor, index: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -101,11 +101,11 @@ class VLLMBackend(ModelLimits, ReprefillBackend):
         import vllm
 
         config = getattr(getattr(llm, "llm_engine", None), "model_config", None)
-        mode = str(getattr(config, "logprobs_mode", "processed_logprobs"))
-        if "processed_logprobs" not in mode:
+        mode = str(getattr(config, "logprobs_mode", "unknown (no llm.llm_engine.model_config.logprobs_mode)"))
+        if "processed_logprobs" not in mode:  # fail closed: raw or unknown log-probs are not the sampling ones
             raise ValueError(
-                f"the vLLM engine returns {mode}; speculative rollouts need sampling log-probs: build it with "
-                "logprobs_mode='processed_logprobs'"
+                f"the vLLM engine's logprobs_mode is {mode}; speculative rollouts need sampling log-probs: build it "
+                "with logprobs_mode='processed_logprobs'"
             )
         engine_dtype, model_dtype = getattr(config, "dtype", None), next(model.parameters()).dtype
         if engine_dtype is not None and engine_dtype != model_dtype:

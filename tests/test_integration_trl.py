@@ -11,6 +11,7 @@ finds its draft and almost every draft token is accepted.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import math
 import os
 
@@ -276,14 +277,23 @@ def test_vllm_server_sleep_and_tensor_parallel_are_refused_with_a_reason(tmp_pat
         (dict(vllm_mode="server"), "per-request budget"),
         (dict(vllm_mode="colocate", vllm_enable_sleep_mode=True), "vllm_enable_sleep_mode=False"),
         (dict(vllm_mode="colocate", vllm_tensor_parallel_size=2), "vllm_tensor_parallel_size=1"),
+        (dict(vllm_mode="colocate", vllm_structured_outputs_regex=r"\d+"), "unset vllm_structured_outputs_regex"),
     )
     for extra, why in cases:
         args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, use_vllm=True, max_completion_length=8, **extra)
         with pytest.raises(UnsupportedTrainerConfig, match=why):
             check_trainer_args(args)
-    # plain colocate mode passes (tests/test_vllm_trl.py runs it on a real engine)
+    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, use_vllm=True, max_completion_length=8)
+    args.vllm_mode = "colocated"  # a typo set after construction
+    with pytest.raises(UnsupportedTrainerConfig, match="'colocate' \\(supported\\) and 'server'"):
+        check_trainer_args(args)
+    # plain colocate mode passes where vLLM is installed (tests/test_vllm_trl.py runs it on a real engine)
     args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, use_vllm=True, vllm_mode="colocate", max_completion_length=8)
-    assert check_trainer_args(args).max_tokens == 8
+    if importlib.util.find_spec("vllm") is None:
+        with pytest.raises(UnsupportedTrainerConfig, match="vLLM is not installed"):
+            check_trainer_args(args)
+    else:
+        assert check_trainer_args(args).max_tokens == 8
 
 
 def test_plain_config_maps_to_sampling_settings(tmp_path):

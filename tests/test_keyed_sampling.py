@@ -38,7 +38,7 @@ def test_residual_removes_the_excluded_token_and_renormalises():
     logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(5))
     p = torch.softmax(logits[0].double(), -1)
     exclude = torch.full((n,), 2)
-    ids, lps = keyed_sample(logits.expand(n, vocab), SamplingSettings(), 3, torch.arange(n), torch.zeros(n), exclude)
+    ids, lps = keyed_sample(logits.expand(n, vocab), SamplingSettings(), 3, torch.arange(n), torch.zeros(n, dtype=torch.long), exclude)
     q = p.clone()
     q[2] = 0
     q /= q.sum()

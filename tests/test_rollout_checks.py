@@ -163,21 +163,36 @@ def test_scores_for_the_wrong_rows_are_refused_and_the_handle_released():
     assert broken.released == 1
 
 
-@pytest.mark.parametrize("bad", ["out of range", "wrong shape", "float"])
+_SAME_AS_CORRUPTIONS = {  # form errors, then entries that name a position with another prefix or column
+    "out of range": lambda s: s.same_as + s.same_as.numel(),
+    "wrong shape": lambda s: s.same_as[:, :-1],
+    "float": lambda s: s.same_as.double(),
+    "all zeros": lambda s: torch.zeros_like(s.same_as),
+    "rows rolled": lambda s: s.same_as.roll(2, dims=0),
+    "columns flipped": lambda s: s.same_as.flip(1),
+    "last slot": lambda s: torch.full_like(s.same_as, s.same_as.numel() - 1),
+    "a twin that differs": lambda s: _point_first_entry_at_another_row(s.same_as),
+}
+
+
+def _point_first_entry_at_another_row(same):
+    out = same.clone()
+    out[2, 1] = 1  # draft 2's token 1 "scored like" draft 0's token 1, a draft of another prompt
+    return out
+
+
+@pytest.mark.parametrize("bad", list(_SAME_AS_CORRUPTIONS))
 def test_a_bad_same_as_is_refused(bad):
     import dataclasses
 
     model = tiny_model(seed=2)
     plain = _rollout(TransformersBackend(model, {1}, pad_id=0), max_tokens=6, lenience=1.0)
     plain.run(_requests(), step=0)
-    corrupt = {
-        "out of range": lambda s: s.same_as + s.same_as.numel(),
-        "wrong shape": lambda s: s.same_as[:, :-1],
-        "float": lambda s: s.same_as.double(),
-    }[bad]
+    corrupt = _SAME_AS_CORRUPTIONS[bad]
     broken = Tampered(model, tamper_scores=lambda s: dataclasses.replace(s, same_as=corrupt(s)))
     rollout = SpeculativeRollout(broken, plain.cache, plain.settings, [1], 64, lenience=1.0)
-    with pytest.raises(BackendContractError, match=r"Tampered\.score_drafts returned same_as .*expected None or int64 \[6, 6\]"):
+    match = "expected None or int64 \\[6, 6\\]|indices outside" if bad in ("out of range", "wrong shape", "float") else "does not name a position scored by the same output"
+    with pytest.raises(BackendContractError, match=r"Tampered\.score_drafts returned same_as.*(" + match + ")"):
         rollout.run(_requests(), step=1)
     assert broken.released == 1
 

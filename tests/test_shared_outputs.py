@@ -160,3 +160,61 @@ def test_exact_walk_equals_a_plain_trie_walk(shared):
         longest = {tuple(p): max(len(d) for q, d in zip(prompts, drafts) if q == p) for p in prompts}
         switched += sum(len(drafts[walk.source[b]]) < longest[tuple(p)] for b, p in enumerate(prompts))
     assert switched > 0
+
+
+def test_keyed_sample_refuses_bad_index_exclude_and_row_arguments():
+    logits, s = torch.randn(3, 10), SamplingSettings()
+    n5 = torch.arange(5)
+    bad_index = [
+        (torch.tensor([0, 1, 3, 0, 0]), ValueError, r"index holds values outside \[0, 3\)"),
+        (torch.tensor([0, -1, 0, 0, 0]), ValueError, r"index holds values outside \[0, 3\)"),
+        (torch.zeros(5), TypeError, "index must be an integer tensor"),
+        (torch.zeros(5, dtype=torch.bool), TypeError, "index must be an integer tensor"),
+        (torch.zeros(5, 1, dtype=torch.long), ValueError, r"index must have shape \[N\]"),
+        ([0, 1, 2, 0, 1], TypeError, "index must be a 1-D integer torch.Tensor"),
+    ]
+    for index, err, match in bad_index:
+        with pytest.raises(err, match=match):
+            keyed_sample(logits, s, 0, n5, n5, index=index)
+    with pytest.raises(ValueError, match=r"uids must have shape \[5\]"):
+        keyed_sample(logits, s, 0, torch.arange(3), n5, index=torch.zeros(5, dtype=torch.long))
+    # int32 is fine and gives the same tokens as int64
+    got = keyed_sample(logits, s, 0, n5, n5, index=torch.tensor([0, 1, 2, 0, 1], dtype=torch.int32))
+    want = keyed_sample(logits, s, 0, n5, n5, index=torch.tensor([0, 1, 2, 0, 1]))
+    assert torch.equal(got[0], want[0])
+    n3 = torch.arange(3)
+    bad_exclude = [
+        (torch.tensor([-1, 0, 0]), ValueError, r"exclude holds values outside \[0, 10\)"),
+        (torch.tensor([10, 0, 0]), ValueError, r"exclude holds values outside \[0, 10\)"),
+        (torch.tensor([1.0, 0.0, 0.0]), TypeError, "exclude must be an integer tensor"),
+        (torch.tensor([1, 0]), ValueError, r"exclude must have shape \[3\]"),
+    ]
+    for exclude, err, match in bad_exclude:
+        with pytest.raises(err, match=match):
+            keyed_sample(logits, s, 0, n3, n3, exclude=exclude)
+    with pytest.raises(ValueError, match=r"positions must have shape \[3\]"):
+        keyed_sample(logits, s, 0, n3, torch.arange(4))
+    with pytest.raises(ValueError, match=r"logits must be a \[N, V\] tensor"):
+        keyed_sample(logits[0], s, 0, n3, n3)
+
+
+def test_check_shared_outputs_accepts_the_truth_and_refuses_another_prefix():
+    from spec_rl.backend_checks import BackendContractError
+    from spec_rl.shared_outputs import check_shared_outputs
+
+    prompts, drafts = _groups(7)
+    _, _, _, same_as = _scores(prompts, drafts, 7)
+    check_shared_outputs(same_as, prompts, drafts, "B.score_drafts")  # the brute-force truth passes
+    check_shared_outputs(None, prompts, drafts, "B.score_drafts")
+    width = same_as.shape[1]
+    wrong = 0
+    for b, d in enumerate(drafts):  # point (b, r) at a representative of the same prompt whose prefix differs
+        for c, e in enumerate(drafts):
+            for r in range(1, min(len(d), len(e))):
+                if prompts[b] == prompts[c] and d[:r] != e[:r] and int(same_as[c, r]) == c * width + r:
+                    bad = same_as.clone()
+                    bad[b, r] = c * width + r
+                    with pytest.raises(BackendContractError, match=rf"same_as\[{b}, {r}\]"):
+                        check_shared_outputs(bad, prompts, drafts, "B.score_drafts")
+                    wrong += 1
+    assert wrong > 0

