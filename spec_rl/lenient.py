@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .acceptance import draft_logprobs, raise_if_no_distribution
 from .adaptive import accepted_drift, choose_log_lenience
 from .sampling import SamplingSettings, keyed_sample
 from .tree_scoring import int64_tensor
@@ -29,17 +28,6 @@ class LenientOutcome:
     walk: WalkResult
     log_lenience: float
     drift: float
-
-
-def _score_source(ids_t, lengths, scores, settings: SamplingSettings, verify_backend: str, device: torch.device) -> dict:
-    """verify's score arguments: the draft log-probs computed once per distinct output when the scorer
-    marked shared outputs (``scores.same_as``: tree-packed groups) and no fused kernel would run, else the raw scores."""
-    if scores.same_as is not None and (verify_backend == "reference" or (verify_backend == "auto" and device.type != "cuda")):
-        lp_new = draft_logprobs(ids_t, lengths, scores, settings)
-        raise_if_no_distribution(lp_new, scores.source)
-        return dict(new_logprobs=lp_new)
-    return dict(logits=scores.logits, hidden_states=scores.hidden_states, lm_head_weight=scores.lm_head_weight,
-                lm_head_bias=scores.lm_head_bias, temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p)  # fmt: skip
 
 
 def lenient_prefixes(
@@ -71,8 +59,11 @@ def lenient_prefixes(
     ids_t, old_t, lengths = ids_t.to(device), old_t.to(device), lengths.to(device)
     uids_t = torch.tensor(list(uids), dtype=torch.long, device=device)
     common = dict(lengths=lengths, seed=seed, uids=uids_t, strategy=strategy, backend=verify_backend)
-    result = verify(ids_t, old_t, **_score_source(ids_t, lengths, scores, settings, verify_backend, device),
-                    log_lenience=0.0 if log_lenience is None else log_lenience, **common)  # fmt: skip
+    result = verify(
+        ids_t, old_t, logits=scores.logits, hidden_states=scores.hidden_states, lm_head_weight=scores.lm_head_weight,
+        lm_head_bias=scores.lm_head_bias, same_as=scores.same_as, temperature=settings.temperature, top_k=settings.top_k,
+        top_p=settings.top_p, log_lenience=0.0 if log_lenience is None else log_lenience, **common,
+    )  # fmt: skip
     if log_lenience is None and strategy == "spec":  # adaptive: decide again at the chosen l (same uniforms)
         log_lenience = choose_log_lenience(result.new_logprobs, old_t, lengths, uids_t, seed, target_drift)
         result = verify(ids_t, old_t, new_logprobs=result.new_logprobs, log_lenience=log_lenience, **common)

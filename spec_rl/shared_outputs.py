@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from .backend_checks import BackendContractError
-from .tree_scoring import int64_tensor
+from .tree_scoring import int64_tensor, rows_by_prompt
 
 __all__ = ["check_shared_outputs"]
 
@@ -66,8 +66,9 @@ def _matches(t: torch.Tensor, prompts, drafts) -> torch.Tensor:
     valid = cols < lengths.unsqueeze(1)
     ids = torch.zeros((bsz, width), dtype=torch.long)
     ids[valid] = int64_tensor([x for d in drafts for x in d])  # the rollout's id lists (ints)
-    groups: dict[tuple[int, ...], int] = {}
-    group = int64_tensor([groups.setdefault(tuple(p), len(groups)) for p in prompts])
+    group = torch.zeros(bsz, dtype=torch.long)
+    for g, rows in enumerate(rows_by_prompt(prompts).values()):
+        group[rows] = g
     tb, tr = t // width, t % width
     ok = (tr == cols) & (cols < lengths[tb]) & (group[tb] == group.unsqueeze(1))
     ok &= t.view(-1)[t.view(-1)].view(bsz, width) == t  # the representative names itself

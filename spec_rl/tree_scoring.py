@@ -36,6 +36,19 @@ def int64_tensor(values: Iterable[int]) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=torch.int64) if len(buf) else torch.zeros(0, dtype=torch.int64)
 
 
+def rows_by_prompt(prompts: Sequence[Sequence[int]]) -> dict[tuple[int, ...], list[int]]:
+    """Row indices grouped by prompt (identical token ids), groups in order of first appearance."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, p in enumerate(prompts):
+        groups.setdefault(tuple(p) if isinstance(p, list) else tuple(int(t) for t in p), []).append(i)
+    return groups
+
+
+def as_id_lists(seqs: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Each sequence as a list of ints (lists are taken as they are: the rollout passes int lists)."""
+    return [s if isinstance(s, list) else [int(t) for t in s] for s in seqs]
+
+
 @dataclass
 class PackedGroup:
     """One packed row: the prompt and the trie of its drafts, in preorder.
@@ -107,11 +120,8 @@ def _pack_group(prompt: Sequence[int], drafts: Sequence[Sequence[int]], members:
 
 def pack_groups(prompts: Sequence[Sequence[int]], drafts: Sequence[Sequence[int]]) -> list[PackedGroup]:
     """Group rows by prompt (identical token ids) and pack each group; every prompt must be non-empty."""
-    by_prompt: dict[tuple[int, ...], list[int]] = {}
-    for i, p in enumerate(prompts):
-        by_prompt.setdefault(tuple(int(t) for t in p), []).append(i)
-    as_ints = [d if isinstance(d, list) else [int(t) for t in d] for d in drafts]
-    return [_pack_group(list(key), [as_ints[i] for i in rows], rows) for key, rows in by_prompt.items()]
+    as_ints = as_id_lists(drafts)
+    return [_pack_group(list(key), [as_ints[i] for i in rows], rows) for key, rows in rows_by_prompt(prompts).items()]
 
 
 def tree_inputs(groups: Sequence[PackedGroup], pad_id: int, device: torch.device, additive_dtype: torch.dtype | None = None):

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from .sampling import SamplingSettings, keyed_sample
-from .tree_scoring import int64_tensor
+from .tree_scoring import as_id_lists, int64_tensor, rows_by_prompt
 
 #: Draft positions sampled per walking row in the first pass (doubling afterwards).
 _FIRST_WINDOW = 16
@@ -85,12 +85,9 @@ def walk_tries(
     """
     bsz = len(drafts)
     lengths = [len(d) for d in drafts]
-    drafts = [d if isinstance(d, list) else [int(t) for t in d] for d in drafts]
-    by_prompt: dict[tuple[int, ...], list[int]] = {}
-    for row, p in enumerate(prompts):
-        by_prompt.setdefault(tuple(int(t) for t in p), []).append(row)
+    drafts = as_id_lists(drafts)
     group_of: list[list[int]] = [[] for _ in range(bsz)]
-    for rows in by_prompt.values():
+    for rows in rows_by_prompt(prompts).values():
         rows.sort(key=lambda r: (-lengths[r], r))  # longest first (ties: first row): the draft a walk follows
         for r in rows:
             group_of[r] = rows

