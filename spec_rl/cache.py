@@ -146,20 +146,14 @@ def make_draft(
 
 
 def draft_fits(draft: Draft, settings: SamplingSettings) -> bool:
-    """Whether ``draft`` can be scored and reused under ``settings``.
+    """Whether ``draft`` can be scored under ``settings``: it was sampled from the same distribution.
 
-    Equal settings, or the same sampling distribution with another budget (``max_tokens``) where the
-    draft is still a valid response under today's budget: it ended (EOS) within it, or it is at least
-    as long (the rollout cuts it to the budget). A draft cut by a smaller old budget is not: reusing it
-    whole would end a response the policy would have continued.
+    The budget (``max_tokens``) changes no token's log-prob, only where a response ends, so a draft
+    recorded under another budget is still looked up; what part of it is valid under today's budget
+    and EOS set, and whether it is a whole response or a prefix to continue, is decided where it is
+    reused (:mod:`spec_rl.draft_validity`).
     """
-    if draft.settings == settings:
-        return True
-    if not draft.settings.same_distribution(settings):
-        return False
-    if len(draft) >= settings.max_tokens:
-        return True
-    return draft.finish_reason != "length"
+    return draft.settings.same_distribution(settings)
 
 
 def check_key(key) -> CacheKey:
@@ -182,7 +176,7 @@ class DraftStore:
     """
 
     _name = "draft store"
-    _fix = "use the same temperature/top-k/top-p/max_tokens, or start from an empty store"
+    _fix = "use the same temperature/top-k/top-p, or start from an empty store"
 
     def __init__(self) -> None:
         self._warned: set[tuple[SamplingSettings, SamplingSettings]] = set()
@@ -197,7 +191,10 @@ class DraftStore:
         raise NotImplementedError
 
     def lookup(self, key: CacheKey, settings: SamplingSettings) -> Draft | None:
-        """Return the draft for ``key`` if it was sampled with ``settings``, else None.
+        """Return the draft for ``key`` if it was sampled from the distribution of ``settings``, else None.
+
+        The draft comes back as stored: cut it to today's budget and EOS set before reusing it
+        (:func:`spec_rl.draft_validity.draft_views`).
 
         Raises:
             TypeError: ``key`` is not a CacheKey or ``settings`` not a SamplingSettings.
@@ -213,15 +210,10 @@ class DraftStore:
             pair = (draft.settings, settings)
             if pair not in self._warned:
                 self._warned.add(pair)
-                why = (
-                    f"it was cut by its smaller budget (max_tokens={draft.settings.max_tokens}) and would "
-                    f"end a response the policy continues"
-                    if draft.settings.same_distribution(settings)
-                    else "log-probs of different sampling distributions are not comparable"
-                )
                 warnings.warn(
                     f"{self._name}: draft was sampled with {draft.settings} but the lookup asks for {settings}; "
-                    f"treating it as a miss ({why}). To reuse drafts, {self._fix}.",
+                    f"treating it as a miss (log-probs of different sampling distributions are not comparable). "
+                    f"To reuse drafts, {self._fix}.",
                     stacklevel=2,
                 )
             return None
@@ -249,7 +241,7 @@ class RolloutCache(DraftStore):
     """In-memory map from :class:`CacheKey` to :class:`Draft`, with atomic save/load."""
 
     _name = "rollout cache"
-    _fix = "use the same temperature/top-k/top-p/max_tokens, or clear the cache"
+    _fix = "use the same temperature/top-k/top-p, or clear the cache"
 
     def __init__(self) -> None:
         super().__init__()

@@ -18,6 +18,7 @@ from pathlib import Path
 from .sweep import add_parser as add_sweep_parser
 from .sweep import cmd_sweep
 from .trainer.config import ACCEPTANCE_RULES, MODE_PRESETS, ConfigError, GRPOConfig
+from .trainer.resume_check import ConfigChangeError
 
 #: What the demo compares by default: plain vanilla (the reference), SPEC-RL (lenient, with tail
 #: speculation), SPEC-RL with exact acceptance, and vanilla with history speculation alone.
@@ -46,7 +47,10 @@ MODEL_DEFAULTS = dict(
 
 
 #: GRPOConfig fields whose flag is not ``--`` + the field name with dashes.
-_FLAGS = {"generation_backend": "--backend", "save_checkpoint": "--no-checkpoint", "mode": "--modes"}
+_FLAGS = {
+    "generation_backend": "--backend", "save_checkpoint": "--no-checkpoint", "mode": "--modes",
+    "log_lenience": "--lenience", "eos_ids": "the EOS set of --model", "data": "--data/--eval-data",
+}  # fmt: skip
 
 
 class _DefaultsHelp(argparse.HelpFormatter):
@@ -178,6 +182,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--clip-higher", action="store_true", help="DAPO clip-higher: clip_high = 0.28")
     t.add_argument("--kl-coef", type=float, default=0.0, help="k3 KL to the frozen initial policy")
     t.add_argument("--seed", type=int, default=0)
+    _add_run_flags(t)
+    return p
+
+
+def _add_run_flags(t: argparse.ArgumentParser) -> None:
+    """Where and how the run executes: device, backend, run directory, resume, checkpoints, progress."""
     t.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     t.add_argument(
         "--backend",
@@ -189,9 +199,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--cache-dir", help="where the demo policy is cached (default $SPEC_RL_CACHE or ~/.cache/spec-rl)")
     t.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint and rollout cache")
+    t.add_argument(
+        "--allow-config-change", action="store_true",
+        help="with --resume: continue although the model, data, sampling settings, budgets, EOS set, acceptance, "
+        "lenience or seed changed (recorded in run_info.json; stored drafts are cut or continued to fit)",
+    )  # fmt: skip
     t.add_argument("--no-checkpoint", action="store_true", help="do not save checkpoints/cache after each epoch")
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
-    return p
 
 
 def _modes(args: argparse.Namespace, demo: bool) -> list[str]:
@@ -374,6 +388,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     reward_fn = get_reward_fn(args.reward)
     if args.resume and not args.out:
         raise UsageError("--resume needs --out DIR, the run directory to continue")
+    if args.allow_config_change and not args.resume:
+        raise UsageError("--allow-config-change applies to --resume only; add --resume --out DIR, or drop it")
     out = Path(args.out) if args.out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     model_path = None if demo else _model_path(args, demo)
     examples, evals = _heldout_examples(args, demo, _load_examples(args, demo))
@@ -386,7 +402,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     )
     t0 = time.perf_counter()
     summary = run_modes(model_path, examples, reward_fn, config, modes, out, progress=not args.no_progress,
-                        resume=args.resume, eval_examples=evals)  # fmt: skip
+                        resume=args.resume, eval_examples=evals, allow_config_change=args.allow_config_change)  # fmt: skip
     print(f"done in {time.perf_counter() - t0:.1f} s; report: {out / 'report.md'}, plot: {out / 'report.png'}")
     for line in closing_lines(summary):
         print(line)
@@ -396,8 +412,15 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _one_line(err: Exception) -> str:
     """The message of a bad-input error, naming the flag where a GRPOConfig field was at fault."""
     if isinstance(err, ConfigError):
-        return f"{_FLAGS.get(err.field, '--' + err.field.replace('_', '-'))} {err.requirement}"
+        return f"{_flag(err.field)} {err.requirement}"
+    if isinstance(err, ConfigChangeError):
+        return err.describe(_flag)
     return str(err)
+
+
+def _flag(field: str) -> str:
+    """The command-line flag of a GRPOConfig (or run fingerprint) field."""
+    return _FLAGS.get(field, "--" + field.replace("_", "-"))
 
 
 def main(argv: list[str] | None = None) -> int:

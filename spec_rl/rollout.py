@@ -37,6 +37,7 @@ from .backend_checks import (
     scores_vocab_size, token_ids,
 )  # fmt: skip
 from .cache import CacheKey, Draft, DraftStore
+from .draft_validity import draft_views
 from .generation import BackendStats, Continuation, GenerationBackend
 from .history import HistoryIndex
 from .philox import SEED_SALT_CONTINUATION, mix_seed
@@ -73,6 +74,7 @@ class _Batch:
     logprobs: list[list[float]] = field(default_factory=list)
     finish: list[str | None] = field(default_factory=list)
     prefix_len: list[int] = field(default_factory=list)
+    kv_len: list[int] = field(default_factory=list)  # draft tokens whose K/V the continuation keeps (before the fed token)
     group_keys: list[bytes] = field(default_factory=list)  # history key per request (its slot-0 draft key)
     sources: list[int] = field(default_factory=list)  # per request: the scored row whose draft holds its prefix
 
@@ -88,6 +90,7 @@ class _Batch:
         self.logprobs = [[] for _ in range(bsz)]
         self.finish = [None] * bsz
         self.prefix_len = [0] * bsz
+        self.kv_len = [0] * bsz
         self.sources = [0] * bsz
 
 
@@ -281,8 +284,9 @@ class SpeculativeRollout:
 
     def _score_and_verify(self, batch: _Batch) -> Any:
         """Score the drafts, verify them, and take the token at each rejection point. Returns the backend handle."""
-        # A draft longer than today's budget (a max_model_len change) is cut to the budget.
-        draft_ids = [batch.drafts[i].token_ids[: batch.budgets[i]].tolist() for i in batch.drafted]
+        # Only the part of a draft that is valid under today's budget and EOS set is scored and tested.
+        views = draft_views([batch.drafts[i].token_ids for i in batch.drafted], [batch.budgets[i] for i in batch.drafted], self.eos_ids)
+        draft_ids = [batch.drafts[i].token_ids[: v.length].tolist() for i, v in zip(batch.drafted, views)]
         out = self.backend.score_drafts([batch.prompts[i] for i in batch.drafted], draft_ids)
         handle = out[1] if isinstance(out, tuple) and len(out) == 2 else None
         try:
@@ -293,10 +297,7 @@ class SpeculativeRollout:
             batch.stats.draft_tokens = sum(len(d) for d in draft_ids)
             batch.stats.accepted_tokens = sum(walk.n)
             for row, i in enumerate(batch.drafted):
-                src = walk.source[row]
-                whole = len(draft_ids[src]) == len(batch.drafts[batch.drafted[src]])
-                end = batch.drafts[batch.drafted[src]].finish_reason if whole else "length"
-                self._accept_prefix(batch, i, walk, row, end)
+                self._accept_prefix(batch, i, walk, row, views[walk.source[row]].finish_reason)
             _sync(self.backend.device)
         except BaseException:
             if handle is not None:
@@ -323,16 +324,24 @@ class SpeculativeRollout:
         batch.stats.log_lenience, batch.stats.reused_drift = out.log_lenience, out.drift
         return out.walk
 
-    def _accept_prefix(self, batch: _Batch, i: int, walk: WalkResult, row: int, end_reason: str) -> None:
-        """Request i keeps its verified prefix (+ the token at n); a walk that ended on a draft's end is a full reuse."""
+    def _accept_prefix(self, batch: _Batch, i: int, walk: WalkResult, row: int, end_reason: str | None) -> None:
+        """Request i keeps its verified prefix (+ the token at n).
+
+        A walk that ended on a draft's end is a full reuse when that draft is a whole response today
+        (``end_reason``); a draft that is only a prefix (None) is continued from its end: its last
+        token is fed again as the continuation's first token, with the K/V of the tokens before it kept.
+        """
         batch.responses[i] = list(walk.tokens[row])
         batch.logprobs[i] = list(walk.logprobs[row])
-        batch.prefix_len[i] = walk.n[row]
+        batch.prefix_len[i] = batch.kv_len[i] = walk.n[row]
         batch.sources[i] = walk.source[row]
         token = walk.next_token[row]
         if token is None:
-            batch.stats.full_reuse_count += 1
-            batch.finish[i] = end_reason
+            if end_reason is not None:
+                batch.stats.full_reuse_count += 1
+                batch.finish[i] = end_reason
+            else:
+                batch.kv_len[i] -= 1  # the continuation feeds the draft's last token itself
             return
         batch.responses[i].append(token)
         batch.logprobs[i].append(walk.next_logprob[row])
@@ -363,7 +372,7 @@ class SpeculativeRollout:
             try:
                 conts = self.backend.continue_from(
                     handle,
-                    [batch.prefix_len[i] for i in batch.drafted],
+                    [batch.kv_len[i] for i in batch.drafted],
                     [batch.responses[i][-1] if ok else None for i, ok in zip(batch.drafted, live)],
                     rows, self.settings, seed, extra_contexts=contexts, extra_budgets=budgets,
                     uids=self._uids(batch, batch.drafted + extra),

@@ -88,9 +88,9 @@ def walk_tries(
     drafts = as_id_lists(drafts)
     group_of: list[list[int]] = [[] for _ in range(bsz)]
     for rows in rows_by_prompt(prompts).values():
-        rows.sort(key=lambda r: (-lengths[r], r))  # longest first (ties: first row): the draft a walk follows
+        distinct = _distinct_drafts(rows, drafts, lengths)
         for r in rows:
-            group_of[r] = rows
+            group_of[r] = distinct
     out = WalkResult([0] * bsz, list(range(bsz)), [[] for _ in range(bsz)], [[] for _ in range(bsz)], [None] * bsz, [None] * bsz)
     follow = [group_of[r][0] for r in range(bsz)]  # the draft each row walks along
     walking = [r for r in range(bsz) if lengths[follow[r]] > 0]
@@ -112,6 +112,22 @@ def walk_tries(
                 still.append(r)
         walking = still
     return out
+
+
+def _distinct_drafts(rows: list[int], drafts: list[list[int]], lengths: list[int]) -> list[int]:
+    """One row per distinct draft of a group, longest first (ties: first row): the drafts a walk can follow.
+
+    Identical drafts are one path of the trie, so searching one of them is enough; this keeps the
+    search at a rejection linear in the number of distinct drafts, not in the group size.
+    """
+    seen: set[tuple[int, ...]] = set()
+    distinct = []
+    for r in sorted(rows, key=lambda r: (-lengths[r], r)):
+        key = tuple(drafts[r])
+        if key not in seen:
+            seen.add(key)
+            distinct.append(r)
+    return distinct
 
 
 def _sample_segments(segs, scores, settings, seed, uid_t, prompt_lens, device) -> tuple[list[int], list[float]]:

@@ -153,6 +153,36 @@ def test_resume_needs_a_run_and_a_checkpoint(model_dir, data_file, tmp_path, cap
     assert "--no-checkpoint" in line and "fresh --out" in line
 
 
+def test_resume_with_another_budget_is_refused_or_continues_without_cut_responses(model_dir, data_file, tmp_path, capsys):
+    from spec_rl.cache import RolloutCache
+    from spec_rl.trainer.checkpoint import CACHE_FILE, latest_checkpoint
+    from spec_rl.trainer.run import policy_eos_ids
+
+    out = tmp_path / "run"
+    assert main(_train_argv(model_dir, data_file, out, "--modes", "spec")) == 0  # budget 4
+    capsys.readouterr()
+    longer = ["--modes", "spec", "--epochs", "3", "--max-response-len", "12", "--resume"]
+    line = _error_line(capsys, _train_argv(model_dir, data_file, out, *longer))
+    assert "--max-response-len: 4 -> 12" in line and "--allow-config-change" in line and "fresh --out" in line
+    assert len(json.loads((out / "summary.json").read_text())["spec"]) == 1  # nothing was touched
+    assert main(_train_argv(model_dir, data_file, out, *longer, "--allow-config-change")) == 0
+    assert "max_response_len 4 -> 12 (recorded in run_info.json)" in capsys.readouterr().out
+    info = json.loads((out / "run_info.json").read_text())
+    assert [(c["field"], c["old"], c["new"]) for c in info["config_changes"]] == [("max_response_len", 4, 12)]
+    assert info["fingerprint"]["max_response_len"] == 12
+    # The responses of the resumed epochs (the drafts stored at the end): none is cut short by the old budget.
+    cache = RolloutCache.load(latest_checkpoint(out / "spec").path / CACHE_FILE)
+    eos = policy_eos_ids(model_dir)
+    drafts = cache.drafts()
+    assert drafts and all(d.token_ids[-1].item() in eos or len(d) == 12 for d in drafts)
+    assert any(len(d) > 4 for d in drafts)
+    # the same command again: the run is complete, nothing is done
+    assert main(_train_argv(model_dir, data_file, out, *longer)) == 0
+    assert "is complete (3 epochs of spec); nothing to do" in capsys.readouterr().out
+    line = _error_line(capsys, _train_argv(model_dir, data_file, tmp_path / "new", "--allow-config-change"))
+    assert "--allow-config-change applies to --resume only" in line
+
+
 def test_limit_applies_to_the_demo_train_set():
     from spec_rl.cli import _load_examples, build_parser
 

@@ -154,6 +154,22 @@ def test_executor_budget_after_policy_change(env):
     assert partial >= 1
 
 
+def test_executor_continues_drafts_a_smaller_budget_cut(env):
+    # max_tokens 3 in epoch 1, 8 in epoch 2, same weights: cut drafts are accepted whole and continued.
+    ex = SpecRLAgentExecutor(env["dir"], N)
+    ep1 = run_epoch(ex, env["engine"], env["tok"], params(max_tokens=3))
+    ep2 = run_epoch(ex, env["engine"], env["tok"], params(max_tokens=8))
+    continued = 0
+    for a, b in zip(ep1, ep2):
+        (start, end), = a["action_ranges"]
+        draft, resp = a["observation_tokens"][start:end], b["observation_tokens"][start:]
+        assert 1 not in resp[:-1] and (resp[-1] == 1 or len(resp) == min(8, MAX_LEN - start))
+        if len(draft) == 3 and draft[-1] != 1 and len(a["observation_tokens"]) < MAX_LEN:
+            continued += 1
+            assert resp[:3] == draft and len(resp) > 3 and b["extra_logs"]["spec_rl/full_reuse"] == 0.0
+    assert continued >= 1
+
+
 def test_executor_refuses_temperature_with_raw_prompt_logprobs(env):
     ex = SpecRLAgentExecutor(env["dir"], N)
     with pytest.raises(ValueError, match="temperature=0.6"):

@@ -106,6 +106,50 @@ def test_no_draft_path_and_eos_finish():
         b.plan(list(range(10)), 0)
 
 
+# ---------------------------------------------------------------- drafts that no longer fit (spec_rl.draft_validity)
+def test_draft_with_an_eos_inside_is_cut_after_it_and_reused_whole():
+    cache = RolloutCache()
+    b = builder(cache, max_model_len=16, lenience=math.inf)
+    prompt = [7, 8, 9]
+    cache.store(CacheKey.make(prompt, 0), [4, 1, 5, 6], [-1.0] * 4, "length", 0, S)  # EOS (1) inside
+    plan = b.plan(prompt, 0)
+    assert plan.draft_ids == [4, 1] and plan.old_logprobs == [-1.0, -1.0] and plan.draft_end == "eos"
+    v = b.verify(plan, [-0.5, -0.5], step=1, scoring_sample=([6], [-0.1]))
+    assert v.full_reuse and v.prefix_ids == [4, 1] and b.continuation(plan, v) is None
+    res = b.assemble(plan, v)
+    assert res.response_ids == [4, 1] and res.finish_reason == "eos"
+
+
+def test_draft_cut_by_a_smaller_budget_is_continued_not_returned():
+    cache = RolloutCache()
+    b = builder(cache, max_model_len=16, lenience=math.inf)  # today's budget: min(6, 16 - 3) = 6
+    prompt = [7, 8, 9]
+    cache.store(CacheKey.make(prompt, 0), [4, 5], [-1.0, -1.0], "length", 0, SamplingSettings(max_tokens=2))
+    plan = b.plan(prompt, 0)
+    assert plan.draft_ids == [4, 5] and plan.draft_end is None  # a prefix only
+    v = b.verify(plan, [-0.5, -0.5], step=1, scoring_sample=([6], [-0.1]))
+    assert not v.full_reuse and v.n == 2 and v.prefix_ids == [4, 5, 6]
+    cont = b.continuation(plan, v)
+    assert cont.context_ids == prompt + [4, 5, 6] and cont.max_tokens == 6 - 3
+    res = b.assemble(plan, v, [2, 1], [-0.2, -0.3])
+    assert res.response_ids == [4, 5, 6, 2, 1] and res.finish_reason == "eos"
+    # the same without a scoring sample: the continuation starts right after the draft
+    v = b.verify(plan, [-0.5, -0.5], step=1)
+    assert b.continuation(plan, v).context_ids == prompt + [4, 5] and b.continuation(plan, v).max_tokens == 4
+
+
+def test_draft_longer_than_the_budget_is_cut_to_it_and_ends_by_length():
+    cache = RolloutCache()
+    b = builder(cache, max_model_len=16, lenience=math.inf)
+    prompt = [7, 8, 9]
+    cache.store(CacheKey.make(prompt, 0), [4, 5, 6, 2, 3, 4, 5, 6], [-1.0] * 8, "length", 0, SamplingSettings(max_tokens=8))
+    plan = b.plan(prompt, 0)
+    assert plan.draft_ids == [4, 5, 6, 2, 3, 4] and plan.draft_end == "length"
+    v = b.verify(plan, [-0.5] * 6, step=1, scoring_sample=([6], [-0.1]))
+    assert v.full_reuse and b.continuation(plan, v) is None
+    assert b.assemble(plan, v).finish_reason == "length"
+
+
 # ---------------------------------------------------------------- exact acceptance
 V, EOS = 4, 3
 PROBS = torch.tensor([0.6, 0.25, 0.1, 0.05])  # the fixed next-token distribution; drafts hold token 0

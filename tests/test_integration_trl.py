@@ -313,14 +313,37 @@ def test_cached_drafts_with_other_settings_fail_at_start(tmp_path):
 
 
 def test_cached_drafts_under_another_budget_are_accepted_at_start(tmp_path):
-    # Recorded under max_completion_length=3: same distribution, so not refused (drafts that still fit
-    # are reused; ones a smaller budget cut are looked up as misses, see test_cache.py).
+    # Recorded under max_completion_length=3: same distribution, so not refused (drafts are cut to today's
+    # budget and EOS set; ones a smaller budget cut are continued, see test_draft_validity.py).
     cache = RolloutCache()
     old = SamplingSettings(temperature=1.0, max_tokens=3)
     cache.store(CacheKey.make([5, 6], 0), [7, 8, 9], [-1.0, -2.0, -0.5], "length", 3, old)
     spec = SpecRLRollout(cache=cache)
     trainer = _trainer(tmp_path, spec, args=_config(tmp_path))
     spec.attach(trainer)
+
+
+def test_length_curriculum_continues_drafts_the_shorter_budget_cut(tmp_path):
+    # One epoch at max_completion_length=3, then the same adapter (and cache) at 10, same weights (lr 1e-9):
+    # the drafts cut at 3 are accepted whole and continued, never returned as finished at 3 tokens.
+    tok = _tokenizer()
+    model = _model(tok)
+    spec = SpecRLRollout(lenience=math.exp(0.5))
+    short = _trainer(tmp_path, spec, args=_config(tmp_path, num_train_epochs=1, max_completion_length=3), model=model, tok=tok)
+    spec.attach(short)
+    short.train()
+    cut = [d for d in spec.cache.drafts() if len(d) == 3 and d.token_ids[-1].item() != tok.eos_token_id]
+    assert cut
+    spec2 = SpecRLRollout(cache=spec.cache, lenience=math.exp(0.5))
+    longer = _trainer(tmp_path, spec2, args=_config(tmp_path, num_train_epochs=1), model=model, tok=tok)
+    spec2.attach(longer)
+    longer.train()
+    train = [h for h in spec2.history if h["mode"] == "train"]
+    assert all(h["drafts_found"] == h["num_samples"] for h in train)
+    for d in spec2.cache.drafts():  # the responses of the second epoch
+        ids = d.token_ids.tolist()
+        assert tok.eos_token_id not in ids[:-1] and (ids[-1] == tok.eos_token_id or len(ids) == MAX_COMPLETION)
+    assert sum(len(d) > 3 for d in spec2.cache.drafts()) >= len(cut)
 
 
 def test_logprobs_without_temperature_fail_at_start(tmp_path):

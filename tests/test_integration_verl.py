@@ -207,6 +207,32 @@ def test_two_workers_share_one_cache_directory(setup):
     assert all(c["params"].get("prompt_logprobs") == 0 for c in core.calls)
 
 
+def test_drafts_that_no_longer_fit_are_cut_or_continued(setup):
+    # Epoch 1 under response_length=3; epoch 2 under 8 with the same weights (l = e^0.5 accepts every
+    # token): a draft the old budget cut is a prefix only and is continued, never returned as finished.
+    cfg, server, tok, d = setup["cfg"], setup["server"], setup["tok"], setup["cache_dir"]
+    ep1 = run_epoch(make_config(response_length=3), server, tok, cache_dir=d)
+    short = [i for i, o in enumerate(ep1) if len(o.response_ids) == 3 and o.response_ids[-1] != 1 and i > 0]
+    assert short
+    # and one draft with an EOS inside (a user-filled store or an EOS set that grew): cut after the EOS
+    settings = sv.settings_from_rollout_config(cfg.actor_rollout_ref.rollout)
+    key0 = CacheKey.make(ep1[0].prompt_ids, 0, "toy:0")
+    inside = [5, 1, 6, 7]
+    DirectoryDraftStore(d).store(key0, inside, full_forward_logprobs(setup["model"], ep1[0].prompt_ids, inside).float(),
+                                 "length", 1, settings)  # fmt: skip
+    server.core.calls, server.core.step = [], 2
+    ep2 = run_epoch(cfg, server, tok, cache_dir=d)
+    assert ep2[0].response_ids == [5, 1] and ep2[0].extra_fields["spec_rl/full_reuse"] is True
+    for i in short:
+        a, b = ep1[i], ep2[i]
+        assert b.response_ids[:3] == a.response_ids and len(b.response_ids) > 3
+        assert b.extra_fields["spec_rl/full_reuse"] is False
+        assert b.extra_fields["spec_rl/verified_prefix_len"] == 3
+    for b in ep2:
+        assert 1 not in b.response_ids[:-1] and b.response_mask == [1] * len(b.response_ids)
+        assert b.response_ids[-1] == 1 or len(b.response_ids) == RESPONSE_LEN
+
+
 def test_slot_and_dataset_id():
     assert [sv.slot_of({"priority": p}, 4) for p in range(9)] == [0, 1, 2, 3, 0, 1, 2, 3, 0]
     assert sv.slot_of({"priority": 5, "spec_rl_slot": 3}, 4) == 3

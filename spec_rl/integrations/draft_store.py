@@ -66,7 +66,7 @@ class DirectoryDraftStore(DraftStore):
     """
 
     _name = "draft store"
-    _fix = "use the same temperature/top-k/top-p/max_tokens, or point the run at a new directory"
+    _fix = "use the same temperature/top-k/top-p, or point the run at a new directory"
 
     def __init__(self, root: str | os.PathLike, fsync: bool = True) -> None:
         super().__init__()

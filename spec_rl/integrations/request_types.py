@@ -23,9 +23,12 @@ class SamplePlan:
         prompt_ids: the prompt's token ids.
         budget: min(response_length, max_model_len - len(prompt)) tokens.
         draft: the cached draft, or None (no draft, empty draft, or reuse off).
-        draft_ids: the draft tokens that will be scored (cut so that
-            prompt + draft + 1 generated token fits max_model_len).
+        draft_ids: the draft tokens that will be scored: its valid part under today's budget and
+            EOS set (:mod:`spec_rl.draft_validity`), cut so that prompt + draft + 1 generated token
+            fits max_model_len.
         old_logprobs: their stored log-probs (float32).
+        draft_end: "eos" / "length" when ``draft_ids`` are a whole response today (reused whole if
+            all accepted), None when they are a prefix only (decoding continues after them).
     """
 
     key: CacheKey
@@ -34,6 +37,7 @@ class SamplePlan:
     draft: Draft | None = None
     draft_ids: list[int] = field(default_factory=list)
     old_logprobs: list[float] = field(default_factory=list)
+    draft_end: str | None = None
 
     @property
     def scoring_ids(self) -> list[int] | None:
@@ -50,7 +54,7 @@ class Verified:
         prefix_ids: draft[:n], plus the scoring request's sampled token when
             it directly follows the accepted tokens (see :meth:`SpecRequestBuilder.verify`).
         prefix_logprobs: their log-probs under the current weights.
-        full_reuse: the whole stored draft is kept: nothing to generate.
+        full_reuse: the scored draft is kept whole and is a whole response today: nothing to generate.
         step: training step used for the seed and stored as the version.
         sampled: 1 when the scoring request's sampled token was kept, else 0.
         rejected: exact acceptance only: the draft token y_n rejected at n (the

@@ -59,6 +59,7 @@ import torch
 
 from ..acceptance import lenience_to_log
 from ..cache import CacheKey, DraftStore
+from ..draft_validity import draft_view
 from ..philox import mix_seed
 from ..sampling import SamplingSettings
 from ..verify import verify
@@ -163,10 +164,13 @@ class SpecRequestBuilder:
         draft = self.store.lookup(key, self.settings)
         if draft is None or len(draft) == 0:
             return plan
-        # The scoring request generates one token (servers need max_tokens >= 1), so it
-        # needs one free position after the draft.
-        cut = min(len(draft), budget, self.max_model_len - len(prompt) - 1)
+        # Only the part valid under today's budget and EOS set is reused (spec_rl.draft_validity). The
+        # scoring request generates one token (servers need max_tokens >= 1), so it needs one free
+        # position after the draft: a draft cut for that room is a prefix, whatever it was.
+        view = draft_view(draft.token_ids, budget, self.eos_ids)
+        cut = min(view.length, self.max_model_len - len(prompt) - 1)
         plan.draft = draft
+        plan.draft_end = view.finish_reason if cut == view.length else None
         plan.draft_ids = [int(t) for t in draft.token_ids[:cut].tolist()]
         plan.old_logprobs = [float(x) for x in draft.logprobs[:cut].tolist()]
         return plan
@@ -277,7 +281,7 @@ class SpecRequestBuilder:
             acceptance=self.acceptance,
         )
         n = int(res.accepted_len[0])
-        full = n == len(plan.draft_ids) and len(plan.draft_ids) == len(plan.draft)
+        full = n == len(plan.draft_ids) and plan.draft_end is not None
         out = Verified(n, plan.draft_ids[:n], [float(x) for x in new[0, :n].tolist()], full, step_used)
         if self.acceptance == "exact" and n < len(plan.draft_ids):
             out.rejected, out.rejected_logprob = plan.draft_ids[n], float(new[0, n])
@@ -360,7 +364,7 @@ class SpecRequestBuilder:
         if len(response) > plan.budget:
             raise ValueError(f"response has {len(response)} tokens, more than the budget {plan.budget}")
         if verified.full_reuse:
-            finish = plan.draft.finish_reason
+            finish = plan.draft_end
         elif response and response[-1] in self.eos_ids:
             finish = "eos"
         else:

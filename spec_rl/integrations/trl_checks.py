@@ -226,8 +226,8 @@ def check_cache_settings(cache: DraftStore, settings: SamplingSettings) -> None:
         Naming the cached settings and the trainer's.
     """
     found = {d.settings for d in cache.drafts()}
-    # Another budget (max_completion_length) is fine: those drafts are cut to it, or, where a smaller
-    # budget cut them, looked up as misses (spec_rl.cache.draft_fits).
+    # Another budget (max_completion_length) is fine: drafts are cut to today's budget and EOS set, and
+    # ones a smaller budget cut are continued (spec_rl.draft_validity).
     other = [s for s in found if not s.same_distribution(settings)]
     if other:
         raise UnsupportedTrainerConfig(

@@ -8,14 +8,17 @@ import platform
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
 from ..atomic import remove_leftovers
+from ..generation import eos_token_ids
 from .checkpoint import latest_checkpoint
 from .config import MODE_PRESETS, GRPOConfig, log_lenience_of, resolve_device
 from .grpo import GRPOTrainer
 from .report import format_row, header_row, write_report
+from .resume_check import check_resume, run_fingerprint, stored_info
 from .rundir import plan_run, read_summary
 
 
@@ -43,6 +46,19 @@ def load_policy(path: str | Path, device: torch.device | str = "cpu"):
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return model.to(device).eval(), tokenizer
+
+
+def policy_eos_ids(path: str | Path) -> set[int]:
+    """The EOS set of the checkpoint at ``path`` (generation config, model config and tokenizer), without
+    loading its weights; the same set :func:`~spec_rl.generation.eos_token_ids` gives for the loaded model."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    try:
+        generation = GenerationConfig.from_pretrained(path)
+    except OSError:  # no generation_config.json: transformers derives it from config.json
+        generation = None
+    holder = SimpleNamespace(generation_config=generation, config=AutoConfig.from_pretrained(path))
+    return eos_token_ids(holder, AutoTokenizer.from_pretrained(path))
 
 
 def _run_info(model_path, device, config: GRPOConfig, summary: dict, train_prompts: int, eval_prompts: int) -> dict:
@@ -75,6 +91,7 @@ def run_modes(
     resume: bool = False,
     log: Callable[[str], None] = print,
     eval_examples: Sequence | None = None,
+    allow_config_change: bool = False,
 ) -> dict[str, list[dict]]:
     """Train each mode from ``model_path`` with identical seeds; write the report after every epoch.
 
@@ -86,7 +103,10 @@ def run_modes(
     without finished epochs, starts at epoch 1), and the records of labels not in ``modes`` stay
     in summary.json. With ``eval_examples`` every run is evaluated on them before training and after
     every epoch (:mod:`spec_rl.trainer.heldout`); the warm-start evaluation is computed once and
-    shared, since every run starts from the same weights with the same seed.
+    shared, since every run starts from the same weights with the same seed. A resume compares the
+    run's configuration with the stored one (:mod:`spec_rl.trainer.resume_check`): a change of what a
+    response can be is refused unless ``allow_config_change``, which records it in run_info.json; a
+    resume of a run whose every mode finished ``config.epochs`` epochs does nothing.
 
     Returns:
         {label: [per-epoch record, ...]} (with ``resume``: every label of the run directory).
@@ -95,6 +115,8 @@ def run_modes(
         ValueError: an unknown mode label.
         RunDirError: ``out_dir`` holds a run and ``resume`` is False, holds none to resume, lacks a
             checkpoint to resume from, or is not writable (see :func:`~spec_rl.trainer.rundir.plan_run`).
+        ConfigChangeError: ``resume`` under another configuration of what a response can be, without
+            ``allow_config_change``.
     """
     bad = [m for m in modes if m not in MODE_PRESETS]
     if bad:
@@ -107,9 +129,20 @@ def run_modes(
         remove_leftovers(folder)  # temporary files of a killed writer; checkpoint versions: trainer.resume
     summary = read_summary(out_dir) if resume else {}
     num_eval = len(eval_examples) if eval_examples is not None else 0
+    if resume and all(plan[m] is not None and len(summary.get(m, [])) >= configs[m].epochs for m in modes):
+        log(f"--resume: the run in {out_dir} is complete ({config.epochs} epochs of {', '.join(modes)}); nothing to do")
+        return summary
+    fingerprint = run_fingerprint(config, model_path, policy_eos_ids(model_path), train_examples, eval_examples)
+    changes = (stored_info(out_dir) or {}).get("config_changes", []) if resume else []
+    if resume:
+        new_changes = check_resume(out_dir, fingerprint, allow_config_change)
+        for c in new_changes:
+            log(f"--allow-config-change: {c['field']} {c['old']!r} -> {c['new']!r} (recorded in run_info.json)")
+        changes = changes + new_changes
 
     def info() -> dict:
-        return _run_info(model_path, device, config, summary, len(train_examples), num_eval)
+        return {**_run_info(model_path, device, config, summary, len(train_examples), num_eval),
+                "fingerprint": fingerprint, "config_changes": changes}  # fmt: skip
 
     initial = None  # the warm-start evaluation, shared by the runs
     log(header_row())

@@ -1,0 +1,98 @@
+"""Resuming a run under another configuration: what is compared, what is refused, what is recorded.
+
+A resumed run reuses the rollout cache of the run it continues. A change of what a response can be
+(the model, the data, the sampling settings, the budgets, the EOS set, acceptance, lenience or the
+seed) would otherwise go unnoticed: the old drafts would be scored as if they came from this run.
+``--resume`` therefore compares the stored fingerprint of the run (run_info.json, "fingerprint") with
+the new one and refuses any difference, naming each changed field; with ``--allow-config-change``
+it goes on, records the change in run_info.json ("config_changes"), and the stored drafts are cut
+to today's budget and EOS set or continued (:mod:`spec_rl.draft_validity`), as every reuse is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Collection, Sequence
+from pathlib import Path
+
+from .config import GRPOConfig
+from .rundir import INFO_FILE, RunDirError
+
+#: GRPOConfig fields that change what a response can be (as to_dict() writes them).
+RESPONSE_FIELDS = (
+    "temperature", "top_k", "top_p", "max_response_len", "max_model_len", "acceptance", "log_lenience",
+    "target_drift", "seed",
+)  # fmt: skip
+
+
+class ConfigChangeError(RunDirError):
+    """``--resume`` under a configuration that changes what a response can be.
+
+    Attributes:
+        out_dir: the run directory.
+        changes: [(field, stored value, new value)], fields by their fingerprint names (GRPOConfig
+            fields, plus "model", "data" and "eos_ids").
+    """
+
+    def __init__(self, out_dir, changes: list[tuple[str, object, object]]):
+        self.out_dir, self.changes = out_dir, changes
+        super().__init__(self.describe())
+
+    def describe(self, name=lambda field: field) -> str:
+        """The message, each changed field shown by ``name(field)`` (e.g. the CLI's flag for it)."""
+        shown = "; ".join(f"{name(k)}: {old!r} -> {new!r}" for k, old, new in self.changes)
+        return (
+            f"--resume: {self.out_dir} was run with another configuration of what a response can be ({shown}); "
+            "start a new run with a fresh --out, or pass --allow-config-change to continue (the change is "
+            "recorded in run_info.json, and stored drafts are cut to the new budget and EOS set or continued)"
+        )
+
+
+def data_digest(examples: Sequence, eval_examples: Sequence | None) -> str:
+    """A short hash of the train and held-out examples (prompt, answer, uid of each, in order)."""
+    h = hashlib.blake2b(digest_size=12)
+    for part in (examples, eval_examples or ()):
+        for ex in part:
+            h.update(json.dumps([ex.prompt, ex.answer, ex.uid]).encode("utf-8"))
+        h.update(b"\xff")
+    return h.hexdigest()
+
+
+def run_fingerprint(config: GRPOConfig, model_path, eos_ids: Collection[int], examples: Sequence, eval_examples) -> dict:
+    """What a response of this run depends on: the fields compared by :func:`check_resume`."""
+    cfg = config.to_dict()
+    out = {field: cfg[field] for field in RESPONSE_FIELDS}
+    out.update(model=str(model_path), eos_ids=sorted(int(e) for e in eos_ids), data=data_digest(examples, eval_examples))
+    return out
+
+
+def stored_info(out_dir: str | Path) -> dict | None:
+    """run_info.json of ``out_dir`` (None when there is none or it is not a JSON object)."""
+    path = Path(out_dir) / INFO_FILE
+    try:
+        info = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) else None
+
+
+def check_resume(out_dir: str | Path, fingerprint: dict, allow_change: bool) -> list[dict]:
+    """Compare the stored run's fingerprint with ``fingerprint``; the changes to record (empty: none).
+
+    A run directory written before fingerprints were stored is compared on the config fields its
+    run_info.json holds.
+
+    Raises:
+        ConfigChangeError: a field differs and ``allow_change`` is False.
+    """
+    info = stored_info(out_dir) or {}
+    old = info.get("fingerprint") or {k: v for k, v in (info.get("config") or {}).items() if k in RESPONSE_FIELDS}
+    changes = [(k, old[k], v) for k, v in fingerprint.items() if k in old and old[k] != v]
+    if not changes:
+        return []
+    if not allow_change:
+        raise ConfigChangeError(out_dir, changes)
+    date = time.strftime("%Y-%m-%d %H:%M:%S")
+    return [{"date": date, "field": k, "old": old, "new": new} for k, old, new in changes]
