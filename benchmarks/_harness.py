@@ -335,7 +335,7 @@ def random_lm_head(vocab: int, d: int, dtype: torch.dtype, device, gen: torch.Ge
 
 
 def run_pytest_file(path: str) -> int:
-    """``python benchmarks/bench_x.py [pytest args]`` runs that file under pytest (``--help`` included)."""
+    """``python benchmarks/bench_<op>.py [pytest args]`` runs that file under pytest (``--help`` included)."""
     import pytest
 
     return int(pytest.main([path, *sys.argv[1:]]))

@@ -11,7 +11,7 @@ Sections, all measured in one run on one device:
    EOS suppressed so every row runs the full budget), with
    :class:`spec_rl.engine.PagedEngine` and with transformers ``generate``
    (``min_new_tokens`` = ``max_new_tokens``, ``top_k=0``), and with our own
-   :class:`spec_rl.generation.TransformersBackend` decode loop. Reported:
+   :class:`spec_rl.backends.transformers_backend.TransformersBackend` decode loop. Reported:
    tokens/s and ms per decode step; target (H200, Qwen3-0.6B shape, batch
    64, 512 tokens, bf16): engine >= 5x ``generate``'s tokens/s (``generate``
    measured at 80 ms/step on an H200 on 2026-11-30, see benchmarks/RESULTS.md).
@@ -19,7 +19,7 @@ Sections, all measured in one run on one device:
    vanilla rollout; the policy is then perturbed (Gaussian noise through the
    LM head, ``--perturb`` nats of logit noise) so drafts are cut at varied rejection indices; the
    same drafts, cache contents and seed go through
-   :class:`spec_rl.rollout.SpeculativeRollout` twice: with the engine
+   :class:`spec_rl.rollout.speculative.SpeculativeRollout` twice: with the engine
    (scoring forward writes K/V into the paged cache, generation continues from
    prompt + n) and with PolicyScorer + TransformersBackend (the reference
    SPEC-RL path: scoring pass, then the generation backend prefills
@@ -47,12 +47,11 @@ import sys
 import torch
 from _harness import Column, Table, default_json_path, provenance, wall_time, write_json  # benchmarks/ on sys.path
 
-from spec_rl.cache import RolloutCache
+from spec_rl.backends.transformers_backend import TransformersBackend
+from spec_rl.drafts.cache import RolloutCache
 from spec_rl.engine import PagedEngine
-from spec_rl.generation import TransformersBackend
-from spec_rl.rollout import RolloutRequest, SpeculativeRollout
-from spec_rl.sampling import SamplingSettings
-
+from spec_rl.rollout.speculative import RolloutRequest, SpeculativeRollout
+from spec_rl.sampling.distribution import SamplingSettings
 
 PRESETS = {
     # name: (batch, prompt_len, new_tokens)

@@ -7,14 +7,14 @@ that the [N, V] logits are never built whole (paper Sec. 3; docs/design.md "Data
 Two calls are measured, each with the caller's grad mode ON and the LM head an
 ``nn.Parameter`` (requires_grad), as in a training loop:
 
-* ``verify``: :func:`spec_rl.verify.verify` on N draft tokens;
+* ``verify``: :func:`spec_rl.acceptance.dispatch.verify` on N draft tokens;
 * ``rollout``: :meth:`SpeculativeRollout.run` over the same N draft tokens (B drafts of R = N / B
   tokens from a stub backend that scores with hidden states), the whole step.
 
 Printed per row: peak memory allocated during the call beyond what was allocated before it
 (MiB), the size of the full [N, V] float32 logits (MiB) and their ratio. An autograd graph kept
 over the chunked logits would push the ratio past 1 (it did: 1.75 before the rollout ran under
-``no_grad``); ``--check`` exits with status 1 when a ratio is >= 1 (tests/test_bench_memory_smoke.py
+``no_grad``); ``--check`` exits with status 1 when a ratio is >= 1 (tests/benchmarks/test_bench_memory_smoke.py
 runs it on CPU). Memory is counted by ``torch.cuda.max_memory_allocated`` on CUDA
 (``_harness.peak_extra_mb``) and, on the CPU, from the allocation events of ``torch.profiler``
 (every tensor allocation and free, in order). JSON (with provenance) goes to ``--json``
@@ -29,12 +29,13 @@ import sys
 import torch
 from _harness import Column, Table, default_json_path, peak_extra_mb, provenance, random_lm_head, write_json
 
-from spec_rl.cache import CacheKey, RolloutCache
-from spec_rl.generation import BackendStats, Continuation, ReprefillBackend
-from spec_rl.rollout import RolloutRequest, SpeculativeRollout
-from spec_rl.sampling import SamplingSettings
-from spec_rl.scoring import DraftScores
-from spec_rl.verify import verify
+from spec_rl.acceptance.dispatch import verify
+from spec_rl.acceptance.scores import DraftScores
+from spec_rl.backends.protocol import BackendStats, Continuation
+from spec_rl.backends.reprefill import ReprefillBackend
+from spec_rl.drafts.cache import CacheKey, RolloutCache
+from spec_rl.rollout.speculative import RolloutRequest, SpeculativeRollout
+from spec_rl.sampling.distribution import SamplingSettings
 
 MIB = 2**20
 

@@ -33,11 +33,11 @@ import sys
 import torch
 from _harness import Column, Table, default_json_path, provenance, sync, write_json  # benchmarks/ on sys.path
 
-from spec_rl.cache import RolloutCache
-from spec_rl.generation import eos_token_ids
-from spec_rl.history import HistoryIndex
-from spec_rl.rollout import RolloutRequest, SpeculativeRollout
-from spec_rl.sampling import SamplingSettings
+from spec_rl.backends.protocol import eos_token_ids
+from spec_rl.drafts.cache import RolloutCache
+from spec_rl.drafts.history import HistoryIndex
+from spec_rl.rollout.speculative import RolloutRequest, SpeculativeRollout
+from spec_rl.sampling.distribution import SamplingSettings
 
 # name: (prompts, group size, max tokens, dtype)
 PRESETS = {"demo": (64, 4, 160, torch.float32), "qwen3-0.6b": (64, 8, 512, torch.bfloat16), "tiny": (6, 2, 24, torch.float64)}
@@ -86,7 +86,7 @@ def make_backend(model, eos, pad, name: str, device: torch.device):
         from spec_rl.engine import PagedEngine
 
         return PagedEngine(model, eos, pad)
-    from spec_rl.transformers_backend import TransformersBackend
+    from spec_rl.backends.transformers_backend import TransformersBackend
 
     return TransformersBackend(model, eos, pad)
 

@@ -24,9 +24,9 @@ pytest.importorskip("pytest_benchmark")
 
 from _harness import random_lm_head, run_pytest_file, synced  # benchmarks/ is on sys.path when a script here runs
 
-from spec_rl.acceptance import reference_verify
-from spec_rl.philox import philox_uniform
-from spec_rl.scoring import DraftScores
+from spec_rl.acceptance.reference import reference_verify
+from spec_rl.acceptance.scores import DraftScores
+from spec_rl.sampling.philox import philox_uniform
 
 CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if CUDA else "cpu")

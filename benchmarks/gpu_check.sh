@@ -4,7 +4,7 @@
 #      triton are used as they are; wheels in .whl/ are installed first, e.g.
 #      liger-kernel and cut-cross-entropy for the competitor rows),
 #   2. the sm_90 compile check (registers / spills from ptxas),
-#   2b. the paged KV ops: nvcc compile check of csrc/ and tests/test_ops_kv.py on CUDA
+#   2b. the paged KV ops: nvcc compile check of csrc/ and tests/engine/test_ops_kv.py on CUDA
 #      (the install step builds spec_rl._C with its CUDA kernels),
 #   3. the test suite on CUDA: pytest tests -m "not slow",
 #   4. the benchmark suite (benchmarks/gpu_suite.py; SWEEP=1 adds the config sweep),
@@ -57,7 +57,7 @@ echo "== paged KV ops (csrc -> spec_rl._C, built by the install step)"
 PYTHON=$PY bash benchmarks/compile_check_csrc.sh > "$OUT/compile_check_csrc.log" 2>&1 || status=1
 tail -n 4 "$OUT/compile_check_csrc.log"
 $PY -P -c 'import spec_rl.ops as o; print("spec_rl._C native cpu:", o.native_available("cpu"), "cuda:", o.native_available("cuda"))' 2>&1 | tee -a "$OUT/ops_kv.log"
-$PY -P -m pytest -q -p no:cacheprovider tests/test_ops_kv.py >> "$OUT/ops_kv.log" 2>&1 || status=1
+$PY -P -m pytest -q -p no:cacheprovider tests/engine/test_ops_kv.py >> "$OUT/ops_kv.log" 2>&1 || status=1
 tail -n 3 "$OUT/ops_kv.log"
 
 echo "== tests (CUDA)"

@@ -68,8 +68,8 @@ def main(argv=None) -> int:
     from trl import GRPOConfig, GRPOTrainer
 
     from spec_rl.integrations.trl import SpecRLRollout, check_trainer_args
-    from spec_rl.rewards import math_reward
     from spec_rl.tasks.demo_data import demo_train_set
+    from spec_rl.tasks.rewards import math_reward
 
     model, tok = load_policy(args.model)
     problems = demo_train_set()[: args.prompts]

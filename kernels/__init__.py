@@ -3,7 +3,7 @@
 Public API:
 
 * :func:`verify_padded` -- padded [B, R] drafts in, (new log-probs, accept,
-  rejection index) out: the ``"triton"`` backend of ``spec_rl.verify``.
+  rejection index) out: the ``"triton"`` backend of ``spec_rl.acceptance.dispatch``.
 * :func:`verify_packed_logits`, :func:`verify_packed_hidden`,
   :func:`rows_from_cu_seqlens`, :class:`PackedVerifyOutput` -- packed rows
   (no padding) for trainers.

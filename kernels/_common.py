@@ -49,7 +49,7 @@ MODE_SCORE_ONLY = tl.constexpr(3)
 
 
 def split_u64(value: int) -> tuple[int, int]:
-    """(low, high) 32-bit words of ``value`` modulo 2**64 (spec_rl.philox's key/uid split)."""
+    """(low, high) 32-bit words of ``value`` modulo 2**64 (spec_rl.sampling.philox's key/uid split)."""
     v = int(value) % (1 << 64)
     return v & 0xFFFFFFFF, v >> 32
 

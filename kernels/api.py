@@ -1,8 +1,8 @@
 """Public entry points of the Triton verification kernels.
 
-* :func:`verify_padded` -- padded [B, R] drafts, for ``spec_rl.verify``'s
+* :func:`verify_padded` -- padded [B, R] drafts, for ``spec_rl.acceptance.dispatch``'s
   ``"triton"`` backend: tensors in, (new log-probs, per-token outcome,
-  rejection index) out. Inputs are assumed validated by ``spec_rl.verify``
+  rejection index) out. Inputs are assumed validated by ``spec_rl.acceptance.dispatch``
   except for scores without a valid distribution (NaN or +inf logits, or a
   row of -inf logits, from logits / hidden states / LM-head weight), which the
   kernels detect with an in-kernel flag (a ValueError naming the (sample,
@@ -17,7 +17,7 @@
 
 Decision rule (SPEC-RL, arXiv 2509.23232, Sec. 3, Alg. 1; docs/design.md
 "The rule"): token i of sample b is accepted iff ``log u_i <= log(l) +
-lp_new_i - lp_old_i`` with u_i = Philox(seed, uid_b, i) (spec_rl.philox);
+lp_new_i - lp_old_i`` with u_i = Philox(seed, uid_b, i) (spec_rl.sampling.philox);
 the accepted length n_b is the first rejected token index (or the draft
 length). The kernels live beside their launchers in :mod:`.from_logits` and
 :mod:`.lm_head`.
@@ -114,7 +114,7 @@ def verify_packed_logits(
             stride. Row r scores ``draft_ids[r]`` (the logits at the position
             before that token).
         draft_ids: [N] integer token ids in [0, V) (not range-checked here;
-            ``spec_rl.verify`` validates ids).
+            ``spec_rl.acceptance.dispatch`` validates ids).
         old_logprobs: [N] float stored log-probs (<= 0).
         row_sample: [N] int sample index in [0, B) of each row; -1 marks a
             padding row (not read, log-prob 0, not accepted).
@@ -274,7 +274,7 @@ def logprobs_from_hidden(
 
 
 # ----------------------------------------------------------------------------
-# padded API (spec_rl.verify's "triton" backend)
+# padded API (spec_rl.acceptance.dispatch's "triton" backend)
 
 
 def _padded_from_logits(logits, draft_ids, old_logprobs, lengths, uids, settings, config):
@@ -337,7 +337,7 @@ def verify_padded(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Score right-padded drafts and apply the acceptance test in one pass over the scores.
 
-    Inputs are assumed validated by ``spec_rl.verify`` (shapes, devices, ids
+    Inputs are assumed validated by ``spec_rl.acceptance.dispatch`` (shapes, devices, ids
     in [0, V), lenience); this function checks only what the kernels need.
 
     Parameters

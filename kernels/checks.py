@@ -62,7 +62,7 @@ def raise_if_flagged(flag: torch.Tensor, source: str, lp: torch.Tensor, tags=Non
     The kernel sets the flag, and the row's log-prob to NaN, for every scored row without a valid
     distribution: a NaN or +inf logit, or every logit -inf. The error names those rows as (sample,
     token): directly for [B, R] ``lp``; through ``tags`` = (row_sample [N], row_token [N]) for packed
-    [N] ``lp``. The wording is spec_rl.verify's reference backend's, so both backends fail alike.
+    [N] ``lp``. The wording is spec_rl.acceptance.dispatch's reference backend's, so both backends fail alike.
     """
     if not int(flag.item()):
         return

@@ -19,7 +19,7 @@ Numerics (all choices are here so both kernels agree):
   a row whose logits are all ``-inf`` ends with sum 0 and is flagged.
 * the acceptance margin is evaluated in float64 in the reference's exact
   order ``(lp_new - lp_old) + log_l`` with ``lp_new`` rounded to float32
-  first, as :func:`spec_rl.acceptance.acceptance_test` does; ``log u`` is
+  first, as :func:`spec_rl.acceptance.reference.acceptance_test` does; ``log u`` is
   the float64 log (libdevice ``__nv_log`` on the GPU, numpy's in the
   interpreter; both are within 1 ulp of the exact value).
 """

@@ -45,7 +45,7 @@ blocks) cannot leak into the result. A sequence with ``seq_len == 0``
 attends to nothing and gets an all-zero output row (the empty-sum
 convention; FlashAttention-style kernels do the same).
 
-Accuracy (asserted in tests/test_kernels_paged_attention.py against a
+Accuracy (asserted in tests/kernels/test_kernels_paged_attention.py against a
 float64 gather + softmax over the same inputs): fp32 caches within ~1e-5;
 bf16 / fp16 within a few units of the output dtype's rounding (the final
 rounding of the output, plus the rounding of the probabilities before the

@@ -1,6 +1,6 @@
-"""Philox4x32-10 inside Triton kernels, bit-identical to :mod:`spec_rl.philox`.
+"""Philox4x32-10 inside Triton kernels, bit-identical to :mod:`spec_rl.sampling.philox`.
 
-Contract (spec_rl/philox.py): key = (seed & 0xFFFFFFFF, seed >> 32), counter =
+Contract (spec_rl/sampling/philox.py): key = (seed & 0xFFFFFFFF, seed >> 32), counter =
 (token_index, uid lo, uid hi, stream), ten rounds of
 
     (hi0, lo0) = mulhilo32(M0, c0);  (hi1, lo1) = mulhilo32(M1, c2)
@@ -30,7 +30,7 @@ PHILOX_W0 = tl.constexpr(0x9E3779B9)
 PHILOX_W1 = tl.constexpr(0xBB67AE85)
 # 2**-24 is exact in float32; u = ((x0 >> 8) + 1) * 2**-24 lies in [2**-24, 1].
 U24_SCALE = tl.constexpr(5.9604644775390625e-08)
-# Streams (the counter's last word), as in spec_rl.philox: 0 acceptance test, 1 random reuse.
+# Streams (the counter's last word), as in spec_rl.sampling.philox: 0 acceptance test, 1 random reuse.
 STREAM_ACCEPT = tl.constexpr(0)
 
 
@@ -61,7 +61,7 @@ def philox_words_tl(k0, k1, c0, c1, c2, c3):
 
 @triton.jit
 def philox_uniform_tl(k0, k1, token, uid, stream):
-    """u(seed, uid, token, stream) in (0, 1], float32, bit-identical to spec_rl.philox.
+    """u(seed, uid, token, stream) in (0, 1], float32, bit-identical to spec_rl.sampling.philox.
 
     k0, k1: uint32 seed words; token: int32/uint32 token index (taken modulo
     2**32); uid: int64 (two's complement reinterpreted as unsigned, as the
@@ -106,7 +106,7 @@ def _philox_words_kernel(out_ptr, in_ptr, n, BLOCK: tl.constexpr):
 
 
 def philox_uniform_triton(seed: int, uids: torch.Tensor, token_index: torch.Tensor, stream: int = 0) -> torch.Tensor:
-    """In-kernel counterpart of :func:`spec_rl.philox.philox_uniform` (same broadcasting).
+    """In-kernel counterpart of :func:`spec_rl.sampling.philox.philox_uniform` (same broadcasting).
 
     Args:
         seed: Python int (modulo 2**64). uids: int64 tensor. token_index:

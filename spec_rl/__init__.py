@@ -1,9 +1,55 @@
-"""spec-rl: speculative rollouts for on-policy RL on LLMs (SPEC-RL, arXiv 2509.23232)."""
+"""spec-rl: speculative rollouts for on-policy RL on LLMs (SPEC-RL, arXiv 2509.23232).
 
-from .acceptance import VerifyResult, VerifyStats
-from .sampling import SamplingSettings
-from .verify import verify
+The public names, in one place. Each lives in the subpackage of its layer (docs/design.md "Layers"):
+util < ops < sampling < acceptance < drafts < backends < engine < rollout < tasks < trainer <
+integrations < cli. They are imported on first use, so ``import spec_rl`` stays cheap (no transformers,
+no trainer) and a name costs only the layers below it.
+"""
+
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = ["SamplingSettings", "VerifyResult", "VerifyStats", "verify", "__version__"]
+#: public name -> the module that defines it
+_PUBLIC = {
+    "SamplingSettings": "spec_rl.sampling.distribution",
+    "keyed_sample": "spec_rl.sampling.distribution",
+    "verify": "spec_rl.acceptance.dispatch",
+    "VerifyResult": "spec_rl.acceptance.reference",
+    "VerifyStats": "spec_rl.acceptance.reference",
+    "DraftScores": "spec_rl.acceptance.scores",
+    "CacheKey": "spec_rl.drafts.cache",
+    "RolloutCache": "spec_rl.drafts.cache",
+    "DirectoryDraftStore": "spec_rl.drafts.directory",
+    "HistoryIndex": "spec_rl.drafts.history",
+    "draft_views": "spec_rl.drafts.validity",
+    "GenerationBackend": "spec_rl.backends.protocol",
+    "PolicyScorer": "spec_rl.backends.scoring",
+    "TransformersBackend": "spec_rl.backends.transformers_backend",
+    "VLLMBackend": "spec_rl.backends.vllm_backend",
+    "PagedEngine": "spec_rl.engine.engine",
+    "RolloutRequest": "spec_rl.rollout.types",
+    "RolloutResult": "spec_rl.rollout.types",
+    "SpeculativeRollout": "spec_rl.rollout.speculative",
+    "GRPOConfig": "spec_rl.trainer.config",
+    "GRPOTrainer": "spec_rl.trainer.grpo",
+    "run_modes": "spec_rl.trainer.run",
+    "load_policy": "spec_rl.trainer.run",
+}
+
+__all__ = sorted(_PUBLIC) + ["__version__"]
+
+
+def __getattr__(name: str):
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'spec_rl' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))

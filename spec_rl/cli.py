@@ -15,36 +15,18 @@ import sys
 import time
 from pathlib import Path
 
-from .sweep import add_parser as add_sweep_parser
-from .sweep import cmd_sweep
-from .trainer.config import ACCEPTANCE_RULES, MODE_PRESETS, ConfigError, GRPOConfig
+from .trainer.config import (
+    ACCEPTANCE_RULES,
+    DEMO_DEFAULTS,
+    DEMO_MODES,
+    MODE_PRESETS,
+    MODEL_DEFAULTS,
+    ConfigError,
+    GRPOConfig,
+)
 from .trainer.resume_check import ConfigChangeError
-
-#: What the demo compares by default: plain vanilla (the reference), SPEC-RL (lenient, with tail
-#: speculation), SPEC-RL with exact acceptance, and vanilla with history speculation alone.
-DEMO_MODES = ("vanilla", "spec", "exact", "histspec")
-
-# Demo defaults, tuned so both modes finish in a few minutes on 2 CPU cores.
-DEMO_DEFAULTS = dict(
-    epochs=5,
-    group_size=4,
-    prompts_per_step=64,
-    lr=3e-4,
-    max_response_len=160,
-    ppo_mini_batches=2,
-    micro_batch_size=128,
-)
-# Defaults for a user's own model and data (paper-like settings, Sec. 4).
-MODEL_DEFAULTS = dict(
-    epochs=3,
-    group_size=8,
-    prompts_per_step=32,
-    lr=1e-6,
-    max_response_len=1024,
-    ppo_mini_batches=1,
-    micro_batch_size=8,
-)
-
+from .trainer.sweep import add_parser as add_sweep_parser
+from .trainer.sweep import cmd_sweep
 
 #: GRPOConfig fields whose flag is not ``--`` + the field name with dashes.
 _FLAGS = {
@@ -246,7 +228,7 @@ def _chosen_modes(args: argparse.Namespace, demo: bool) -> list[str]:
 
 def _load_examples(args: argparse.Namespace, demo: bool):
     """The training prompts: the demo's train set, --data or --hf-dataset, cut to --limit."""
-    from .data import load_hf_dataset, load_jsonl
+    from .tasks.data import load_hf_dataset, load_jsonl
 
     if demo:
         if args.data or args.hf_dataset:
@@ -269,8 +251,8 @@ def _load_examples(args: argparse.Namespace, demo: bool):
 
 def _heldout_examples(args: argparse.Namespace, demo: bool, examples: list) -> tuple[list, list | None]:
     """(training prompts, held-out prompts or None) from --eval-data, --eval-fraction, --no-eval (demo: its own set)."""
-    from .data import load_jsonl
-    from .evaluation import heldout_split
+    from .tasks.data import load_jsonl
+    from .tasks.evaluation import heldout_split
 
     chosen = [flag for flag, on in (("--eval-data", args.eval_data), ("--eval-fraction", args.eval_fraction is not None),
                                     ("--eval-samples", args.eval_samples is not None)) if on]  # fmt: skip
@@ -365,11 +347,11 @@ def _model_path(args: argparse.Namespace, demo: bool) -> Path:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from .rewards import get_reward_fn
+    from .tasks.rewards import get_reward_fn
     from .trainer.config import resolve_device
     from .trainer.report import closing_lines
-    from .trainer.rundir import plan_run
     from .trainer.run import run_modes
+    from .trainer.rundir import plan_run
 
     demo = args.model is None
     if args.no_progress:

@@ -15,10 +15,10 @@ except Exception as exc:  # not installed, or a broken install: skip every kerne
 
 import spec_rl.kernels as K
 
-from spec_rl.philox import philox_uniform
-from spec_rl.acceptance import lengths_mask, make_result, random_reuse_index, reference_verify
-from spec_rl.sampling import SamplingSettings
-from spec_rl.scoring import DraftScores
+from spec_rl.acceptance.reference import lengths_mask, make_result, random_reuse_index, reference_verify
+from spec_rl.acceptance.scores import DraftScores
+from spec_rl.sampling.distribution import SamplingSettings
+from spec_rl.sampling.philox import philox_uniform
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -96,7 +96,7 @@ def reference64(draft_ids, old_logprobs, lengths, *, uids, seed, log_lenience, t
 
 def kernel_verify(draft_ids, old_logprobs, lengths, *, uids, seed, log_lenience, temperature=1.0, strategy="spec",
                   return_accept_mask=False, **kwargs):
-    """K.verify_padded packed as a VerifyResult the way spec_rl.verify's triton backend does.
+    """K.verify_padded packed as a VerifyResult the way spec_rl.acceptance.dispatch's triton backend does.
 
     ``kwargs``: the score source (logits= or hidden_states= with lm_head_weight=/lm_head_bias=) and
     the tile overrides logits_config= / lm_head_config=. strategy="random" scores only and draws n

@@ -1,4 +1,4 @@
-"""``spec-rl train`` with a test reward, run in a subprocess by tests/test_crash_safety.py (which kills it).
+"""``spec-rl train`` with a test reward, run in a subprocess by tests/trainer/test_crash_safety.py (which kills it).
 
 The reward pays responses whose text contains the gold answer, so a tiny random policy gets groups
 with signal and its weights change every step (the math reward never pays it: all advantages 0).
@@ -6,8 +6,8 @@ with signal and its weights change every step (the math reward never pays it: al
 
 import sys
 
-from spec_rl import rewards
 from spec_rl.cli import main
+from spec_rl.tasks import rewards
 
 
 def gold_word_reward(text: str, gold: str) -> float:

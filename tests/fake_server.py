@@ -18,7 +18,7 @@ import hashlib
 
 import torch
 
-from spec_rl.sampling import sampling_log_softmax
+from spec_rl.sampling.distribution import sampling_log_softmax
 
 
 class TinyServer:

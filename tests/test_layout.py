@@ -1,9 +1,12 @@
-"""The code stays easy to follow: module and function sizes, and citations that point at files we ship.
+"""The code stays easy to follow: layers, module and function sizes, and citations that point at files we ship.
 
+Layers (docs/design.md "Layers"): spec_rl/ is a stack of subpackages; a module imports only from its own
+layer or the layers below (an AST walk over every import, also those inside functions), no module is
+part of an import cycle, and nothing imports the root package (it holds the public names only).
 Limits (docs/design.md "Conventions"): a module in spec_rl/ or kernels/ is at most 450 lines, a
 function at most 80 lines without its docstring, and no comment or docstring cites a file the
-repository does not contain (DESIGN-style notes outside the repo) or an issue number of a tracker the
-user does not have.
+repository does not contain (a path of ours that does not exist, DESIGN-style notes outside the repo)
+or an issue number of a tracker the user does not have.
 """
 
 from __future__ import annotations
@@ -48,6 +51,122 @@ def _function_lengths(path: Path) -> list[tuple[str, int]]:
     return out
 
 
+LAYERS_LINE = re.compile(r"^Layers, lowest first: (.+)$", re.M)
+
+
+def layer_order() -> list[str]:
+    """The layer order, written once in docs/design.md ("Layers, lowest first: util < ops < ...")."""
+    found = LAYERS_LINE.findall((ROOT / "docs" / "design.md").read_text())
+    assert len(found) == 1, "docs/design.md must state the layer order once, as 'Layers, lowest first: a < b < ...'"
+    return [name.strip().strip("`") for name in found[0].split("<")]
+
+
+#: Submodules of spec_rl built from other folders: kernels/ (installed as spec_rl.kernels) and csrc/ (spec_rl._C).
+BUILT_ELSEWHERE = ("kernels", "_C")
+
+
+def import_graph(package: Path) -> dict[str, set[str]]:
+    """module -> the modules of the same package it imports (anywhere in the file; names imported from a
+    module count as importing it, a submodule imported by name as importing the submodule; the submodules
+    in BUILT_ELSEWHERE are outside the layers)."""
+    name = package.name
+    modules = {}
+    for path in package.rglob("*.py"):
+        parts = path.relative_to(package.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {}
+    for mod, path in modules.items():
+        is_pkg = path.name == "__init__.py"
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                here = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                base = ".".join(here[: len(here) - node.level + 1] + ([node.module] if node.module else [])) if node.level else node.module
+                targets.update(
+                    f"{base}.{a.name}" if f"{base}.{a.name}" in modules or a.name in BUILT_ELSEWHERE else base
+                    for a in node.names
+                )
+        # the nearest module of ours for each target (spec_rl.kernels and spec_rl._C are not in the folder)
+        graph[mod] = {t for t in targets if t in modules and t != mod and (t.startswith(name + ".") or t == name)}
+    return graph
+
+
+def layering_problems(package: Path, order: list[str]) -> list[str]:
+    """Every upward import, import of the root package, unknown layer and import cycle in ``package``."""
+    graph, name = import_graph(package), package.name
+    rank = {layer: i for i, layer in enumerate(order)}
+
+    def layer(mod: str) -> str:
+        return mod.split(".")[1] if "." in mod else "(root)"
+
+    problems = [f"{m}: not in any layer of {order}" for m in graph if m != name and layer(m) not in rank]
+    for mod, targets in sorted(graph.items()):
+        for t in sorted(targets):
+            if t == name and mod != name:
+                problems.append(f"{mod} imports the root package {name} (import from the defining module)")
+            elif mod != name and layer(t) in rank and layer(mod) in rank and rank[layer(t)] > rank[layer(mod)]:
+                problems.append(f"{mod} ({layer(mod)}) imports {t} from a layer above ({layer(t)})")
+    problems += [f"import cycle: {' -> '.join(c)}" for c in _cycles(graph)]
+    return problems
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle through each strongly connected component with more than one module (iterative DFS)."""
+    state, cycles = {}, []
+    for start in sorted(graph):
+        if start in state:
+            continue
+        stack = [(start, iter(sorted(graph[start])))]
+        path, state[start] = [start], "open"
+        while stack:
+            node, children = stack[-1]
+            child = next(children, None)
+            if child is None:
+                stack.pop()
+                path.pop()
+                state[node] = "done"
+            elif state.get(child) == "open":
+                cycles.append(path[path.index(child):] + [child])
+            elif child not in state:
+                state[child] = "open"
+                path.append(child)
+                stack.append((child, iter(sorted(graph.get(child, ())))))
+    return cycles
+
+
+def test_layers_hold():
+    problems = layering_problems(ROOT / "spec_rl", layer_order())
+    assert not problems, "\n".join(problems)
+
+
+def test_every_subpackage_is_a_layer_and_says_what_it_may_import():
+    order = layer_order()
+    subpackages = sorted(p.parent.name for p in (ROOT / "spec_rl").glob("*/__init__.py"))
+    assert set(subpackages) | {"cli"} == set(order) | {"cli"}, (subpackages, order)
+    for sub in subpackages:
+        doc = ast.get_docstring(ast.parse((ROOT / "spec_rl" / sub / "__init__.py").read_text())) or ""
+        assert f"Layer {order.index(sub)}:" in doc and "may import" in doc, f"spec_rl/{sub}/__init__.py docstring"
+
+
+def test_the_layering_check_catches_an_upward_import_and_a_cycle(tmp_path):
+    pkg = tmp_path / "pkg"
+    for layer in ("low", "high"):
+        (pkg / layer).mkdir(parents=True)
+        (pkg / layer / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "high" / "a.py").write_text("from ..low import b\n")
+    (pkg / "low" / "b.py").write_text("x = 1\n")
+    assert layering_problems(pkg, ["low", "high"]) == []
+    (pkg / "low" / "b.py").write_text("def f():\n    from ..high.a import b\n")  # upward, and a cycle a -> b -> a
+    problems = layering_problems(pkg, ["low", "high"])
+    assert any("imports pkg.high.a from a layer above" in p for p in problems), problems
+    assert any(p.startswith("import cycle:") and "pkg.high.a" in p and "pkg.low.b" in p for p in problems), problems
+    (pkg / "low" / "c.py").write_text("import pkg\n")
+    assert any("imports the root package" in p for p in layering_problems(pkg, ["low", "high"]))
+
+
 def test_modules_exist():
     assert len(_modules()) > 20
 
@@ -69,6 +188,22 @@ def test_no_citation_of_files_or_trackers_we_do_not_ship():
                     if FORBIDDEN.search(line):
                         bad.append(f"{path.relative_to(ROOT)}:{lineno}: {line.strip()}")
     assert not bad, "cite docs/design.md or the paper instead:\n" + "\n".join(bad)
+
+
+OUR_PATH = re.compile(r"(?<![\w/.-])((?:spec_rl|kernels|csrc|benchmarks|tests|docs|examples)/[\w/.-]*\w\.(?:py|md|sh|cpp|cu|cuh))\b")
+
+
+def test_cited_paths_of_ours_exist():
+    """Every path into our own folders that code, docs or the README cites names a file we ship."""
+    texts = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    texts += [p for folder in CODE_DIRS + ("examples",) for p in (ROOT / folder).rglob("*") if p.suffix in CODE_SUFFIXES]
+    missing = []
+    for path in texts:
+        for lineno, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            for cited in OUR_PATH.findall(line):
+                if not (ROOT / cited).exists():
+                    missing.append(f"{path.relative_to(ROOT)}:{lineno}: {cited}")
+    assert not missing, "cited paths that do not exist:\n" + "\n".join(missing)
 
 
 def test_design_doc_is_shipped_and_linked():

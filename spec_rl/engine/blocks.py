@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Hashable
 
-from ..validation import check_int
+from ..util.validation import check_int
 
 
 class OutOfBlocks(RuntimeError):

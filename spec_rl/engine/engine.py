@@ -29,11 +29,12 @@ from collections.abc import Sequence
 
 import torch
 
-from ..backend_checks import ModelLimits, check_same_length
-from ..generation import Continuation, backend_arguments
-from ..sampling import SamplingSettings, check_settings
-from ..scoring import DraftScores, ScoringHead
-from ..validation import check_int
+from ..acceptance.scores import DraftScores
+from ..backends.checks import ModelLimits, check_same_length
+from ..backends.protocol import Continuation, backend_arguments
+from ..backends.scoring import ScoringHead
+from ..sampling.distribution import SamplingSettings, check_settings
+from ..util.validation import check_int
 from .blocks import BlockManager
 from .model_runner import CacheLayout, EngineStats, ModelRunner
 from .sampler import KeyedSampler
@@ -47,7 +48,7 @@ class PagedEngine(ModelLimits):
     Args:
         model: a transformers causal LM whose attention modules dispatch through
             ``AttentionInterface`` (all current Llama/Qwen2/Qwen3 code does).
-        eos_ids: the complete EOS set (:func:`spec_rl.generation.eos_token_ids`).
+        eos_ids: the complete EOS set (:func:`spec_rl.backends.protocol.eos_token_ids`).
         pad_id: kept for interface parity with TransformersBackend (packed input needs no padding).
         block_size: tokens per KV block (default 16).
         num_blocks: blocks in the cache; default: as many as ``kv_cache_bytes`` allows.
@@ -111,7 +112,7 @@ class PagedEngine(ModelLimits):
 
     @property
     def stats(self) -> EngineStats:
-        """Counters since construction or :meth:`reset_stats` (a :class:`~spec_rl.generation.BackendStats`)."""
+        """Counters since construction or :meth:`reset_stats` (a :class:`~spec_rl.backends.protocol.BackendStats`)."""
         return self.runner.stats
 
     def reset_stats(self) -> None:
@@ -133,10 +134,10 @@ class PagedEngine(ModelLimits):
             uids: per context, the uid that keys its sampling uniforms (default: 0..n-1).
                 The token at absolute position p (= tokens before it) is keyed by (seed, uid, p).
             proposers: per context, None or a proposer of drafts for its next tokens
-                (:class:`~spec_rl.history.SuffixProposer`, built for an empty response);
+                (:class:`~spec_rl.drafts.history.SuffixProposer`, built for an empty response);
                 default: no speculation. It is told every token sampled for its row.
 
-        Returns one :class:`~spec_rl.generation.Continuation` per context, in order.
+        Returns one :class:`~spec_rl.backends.protocol.Continuation` per context, in order.
 
         Raises:
             TypeError: non-integer ids or budgets.
@@ -165,8 +166,8 @@ class PagedEngine(ModelLimits):
     ) -> tuple[DraftScores, SpliceHandle]:
         """One forward over [prompt, draft] per row; K/V stay in the paged cache.
 
-        Same output contract as :meth:`spec_rl.scoring.PolicyScorer.score`: row i of the
-        returned :class:`~spec_rl.scoring.DraftScores` scores draft token i (the output at
+        Same output contract as :meth:`spec_rl.backends.scoring.PolicyScorer.score`: row i of the
+        returned :class:`~spec_rl.acceptance.scores.DraftScores` scores draft token i (the output at
         position len(prompt) - 1 + i), R = max draft length (at least 1).
 
         Returns:

@@ -15,9 +15,10 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .. import ops
-from ..validation import check_int
-from ..generation import BackendStats
-from ..scoring import ScoringHead, response_positions
+from ..acceptance.scores import response_positions
+from ..backends.protocol import BackendStats
+from ..backends.scoring import ScoringHead
+from ..util.validation import check_int
 from .attention import build_batch, paged_attention_active
 from .blocks import BlockManager, OutOfBlocks
 from .sampler import KeyedSampler
@@ -136,7 +137,7 @@ class ModelRunner:
     model:
         a transformers causal LM whose attention dispatches through ``AttentionInterface``.
     head:
-        its :class:`~spec_rl.scoring.ScoringHead` (hidden-state or logits outputs).
+        its :class:`~spec_rl.backends.scoring.ScoringHead` (hidden-state or logits outputs).
     blocks:
         the engine's block manager; the runner appends slots and applies copy-on-write.
     layout:
@@ -342,7 +343,7 @@ class ModelRunner:
         (so the caller can free it on an error). Returns, per row, the outputs
         [max(len(draft), 1), d|V] (hidden states or logits, the head's choice) that
         score draft token i: the output at position ``len(prompt) - 1 + i``
-        (:func:`spec_rl.scoring.response_positions`).
+        (:func:`spec_rl.acceptance.scores.response_positions`).
         """
         rlens = [max(len(drafts[r]), 1) for r in rows]
         positions = response_positions(torch.tensor([len(prompts[r]) for r in rows]), max(rlens))

@@ -1,15 +1,15 @@
 """Sampling side of the paged engine: keyed samples, history proposals and their acceptance.
 
-Every token the engine samples is drawn with :func:`~spec_rl.sampling.keyed_sample` from a uniform
+Every token the engine samples is drawn with :func:`~spec_rl.sampling.distribution.keyed_sample` from a uniform
 keyed by (seed, uid, absolute position) (docs/design.md "Randomness"): the token at position p of
 sequence uid is a pure function of the seed and the logits there, whatever else is in the batch.
 
 A decode step may also feed up to ``max_k`` tokens proposed from the prompt's history
-(:class:`~spec_rl.history.SuffixProposer`) after the pending token. The policy samples at every fed
+(:class:`~spec_rl.drafts.history.SuffixProposer`) after the pending token. The policy samples at every fed
 position; the proposals are accepted while they equal those samples, and the sample after the last
 accepted one is kept too. A proposal is therefore accepted exactly when the keyed sample at its
 position *is* that token, so a sequence comes out token for token as one-token-per-step decoding
-would produce it (lossless; the same rule as :class:`spec_rl.hf_decode.SpeculativeDecoder`).
+would produce it (lossless; the same rule as :class:`spec_rl.backends.hf_decode.SpeculativeDecoder`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..sampling import SamplingSettings, keyed_sample
+from ..sampling.distribution import SamplingSettings, keyed_sample
 from .sequence import SequenceState
 
 
@@ -35,7 +35,7 @@ class KeyedSampler:
         per result row (the caller's result index), the uid that keys its uniforms.
     proposers:
         per result row, an object with ``propose(limit) -> list[int]`` and
-        ``update(proposal, emitted)`` (a :class:`~spec_rl.history.SuffixProposer`), or None.
+        ``update(proposal, emitted)`` (a :class:`~spec_rl.drafts.history.SuffixProposer`), or None.
         It must already know the row's response up to the engine's first sampled token;
         every token the engine samples for the row is reported to it through ``update``.
     max_k:

@@ -23,8 +23,8 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 
-from ..backend_checks import check_continue_rows
-from ..generation import Continuation
+from ..backends.checks import check_continue_rows
+from ..backends.protocol import Continuation
 from .blocks import BlockManager, OutOfBlocks
 from .sequence import GroupMember, PrefillGroup, SequenceState, SpliceHandle, empty_continuation
 
@@ -227,7 +227,7 @@ class Scheduler:
         with no first token or a zero budget gets an empty continuation in ``results``.
 
         Raises:
-            ValueError: see :func:`spec_rl.backend_checks.check_continue_rows`; nothing changed then.
+            ValueError: see :func:`spec_rl.backends.checks.check_continue_rows`; nothing changed then.
         """
         sources = check_continue_rows(handle.prompts, handle.drafts, accepted_lens, budgets, sources)
         lens = [len(p) + int(n) for p, n in zip(handle.prompts, accepted_lens)]

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from ..generation import Continuation
+from ..backends.protocol import Continuation
 
 
 class GroupMember(NamedTuple):

@@ -1,4 +1,5 @@
-"""Adapters that plug spec-rl's speculative rollouts into existing RL trainers.
+"""Adapters that plug spec-rl's speculative rollouts into existing RL trainers (TRL, verl, OpenRLHF).
+Layer 10: may import every layer below (util .. trainer).
 
 Each adapter lives in its own module and imports its trainer library lazily, so
 importing ``spec_rl.integrations`` never requires any of them:
@@ -11,5 +12,5 @@ importing ``spec_rl.integrations`` never requires any of them:
 - :mod:`spec_rl.integrations.requests` (framework-neutral per-sample requests, with
   :mod:`~spec_rl.integrations.request_types` and :mod:`~spec_rl.integrations.server_checks`),
   :mod:`spec_rl.integrations.exact` (exact acceptance: its options and the residual draw on a server) and
-  :mod:`spec_rl.integrations.draft_store` (a draft cache shared by many processes through a directory).
+  :mod:`spec_rl.drafts.directory` (a draft cache shared by many processes through a directory).
 """

@@ -1,7 +1,7 @@
 """Exact (lossless) acceptance in the adapters: its options, and the residual draw on a server.
 
 ``acceptance="exact"`` (docs/design.md "Exact acceptance") accepts draft token y_i with probability
-pi_t(y_i | x, y_<i) (``log u_i <= lp_new_i`` with keyed uniforms, :func:`spec_rl.verify.verify`) and
+pi_t(y_i | x, y_<i) (``log u_i <= lp_new_i`` with keyed uniforms, :func:`spec_rl.acceptance.dispatch.verify`) and
 draws the token at the first rejection n from the *residual*: pi_t(. | x, y_<n) without y_n,
 renormalised. The response is then distributed exactly as a fresh sample of pi_t. The old log-probs
 and the lenience play no part, so exact acceptance takes no lenience, and the random-reuse ablation
@@ -33,8 +33,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ..acceptance import ACCEPTANCE_RULES
-from ..philox import mix_seed
+from ..acceptance.reference import ACCEPTANCE_RULES
+from ..sampling.philox import mix_seed
 
 __all__ = ["MAX_RESIDUAL_ATTEMPTS", "check_acceptance", "draw_continuation", "residual_seeds"]
 

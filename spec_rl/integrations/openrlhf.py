@@ -13,7 +13,7 @@ sampling_params)`` returns a vLLM ``RequestOutput``. (Read in openrlhf 0.11.2:
 (:mod:`spec_rl.integrations.requests`): scoring request with
 ``prompt_logprobs=0`` on prompt + draft, verification, continuation with
 ``max_tokens`` = remaining budget, assembly, store in a
-:class:`~spec_rl.integrations.draft_store.DirectoryDraftStore`.
+:class:`~spec_rl.drafts.directory.DirectoryDraftStore`.
 
 What OpenRLHF does not pass, and how it is filled in:
 
@@ -55,8 +55,8 @@ from typing import Any, Callable
 
 from openrlhf.utils.agent import AgentExecutorBase
 
-from ..sampling import SamplingSettings
-from .draft_store import DirectoryDraftStore
+from ..drafts.directory import DirectoryDraftStore
+from ..sampling.distribution import SamplingSettings
 from .exact import MAX_RESIDUAL_ATTEMPTS, check_acceptance, draw_continuation
 from .requests import ContinuationRequest, SamplePlan, SpecRequestBuilder
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..cache import CacheKey, Draft
+from ..drafts.cache import CacheKey, Draft
 
 __all__ = ["Assembled", "ContinuationRequest", "SamplePlan", "Verified"]
 
@@ -24,7 +24,7 @@ class SamplePlan:
         budget: min(response_length, max_model_len - len(prompt)) tokens.
         draft: the cached draft, or None (no draft, empty draft, or reuse off).
         draft_ids: the draft tokens that will be scored: its valid part under today's budget and
-            EOS set (:mod:`spec_rl.draft_validity`), cut so that prompt + draft + 1 generated token
+            EOS set (:mod:`spec_rl.drafts.validity`), cut so that prompt + draft + 1 generated token
             fits max_model_len.
         old_logprobs: their stored log-probs (float32).
         draft_end: "eos" / "length" when ``draft_ids`` are a whole response today (reused whole if

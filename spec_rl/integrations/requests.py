@@ -23,7 +23,7 @@ prefill). One sample of SPEC-RL (arXiv 2509.23232, Alg. 1; docs/design.md
    lp_new for the prefix and the server's sampling log-probs for the new
    part; the result is stored as the next epoch's draft.
 
-Deviation from the in-process rollout (:mod:`spec_rl.rollout`): the token at
+Deviation from the in-process rollout (:mod:`spec_rl.rollout.speculative`): the token at
 the rejection point is sampled by the continuation request (one re-prefill
 of prompt + y_<n, mostly a prefix-cache hit), not from the scoring pass,
 because a server returns log-probs of prompt tokens, not samples at them.
@@ -55,14 +55,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+
 import torch
 
-from ..acceptance import lenience_to_log
-from ..cache import CacheKey, DraftStore
-from ..draft_validity import draft_view
-from ..philox import mix_seed
-from ..sampling import SamplingSettings
-from ..verify import verify
+from ..acceptance.dispatch import verify
+from ..acceptance.reference import lenience_to_log
+from ..drafts.cache import CacheKey, DraftStore
+from ..drafts.validity import draft_view
+from ..sampling.distribution import SamplingSettings
+from ..sampling.philox import mix_seed
 from .exact import MAX_RESIDUAL_ATTEMPTS, check_acceptance, residual_seeds
 from .request_types import Assembled, ContinuationRequest, SamplePlan, Verified
 from .server_checks import PROMPT_LOGPROBS_MODES, check_server_settings
@@ -79,8 +80,8 @@ class SpecRequestBuilder:
     """Builds and interprets the per-sample requests of a speculative rollout.
 
     Args:
-        store: a draft store (:class:`spec_rl.cache.RolloutCache` or
-            :class:`spec_rl.integrations.draft_store.DirectoryDraftStore`).
+        store: a draft store (:class:`spec_rl.drafts.cache.RolloutCache` or
+            :class:`spec_rl.drafts.directory.DirectoryDraftStore`).
         settings: sampling settings; ``settings.max_tokens`` is the
             response length (trainer's max response tokens).
         max_model_len: context limit of the server (prompt + response tokens).
@@ -164,7 +165,7 @@ class SpecRequestBuilder:
         draft = self.store.lookup(key, self.settings)
         if draft is None or len(draft) == 0:
             return plan
-        # Only the part valid under today's budget and EOS set is reused (spec_rl.draft_validity). The
+        # Only the part valid under today's budget and EOS set is reused (spec_rl.drafts.validity). The
         # scoring request generates one token (servers need max_tokens >= 1), so it needs one free
         # position after the draft: a draft cut for that room is a prefix, whatever it was.
         view = draft_view(draft.token_ids, budget, self.eos_ids)
@@ -258,7 +259,7 @@ class SpecRequestBuilder:
 
         Raises:
             ValueError: a draft without ``new_logprobs``, a length mismatch, or the
-                errors of :func:`spec_rl.verify.verify` (NaN, positive log-probs).
+                errors of :func:`spec_rl.acceptance.dispatch.verify` (NaN, positive log-probs).
         """
         step_used = self.step_for(plan, step)
         if not plan.draft_ids:

@@ -14,7 +14,7 @@ so; ``"processed"`` is for a server known to apply the sampling processing to pr
 
 from __future__ import annotations
 
-from ..sampling import SamplingSettings
+from ..sampling.distribution import SamplingSettings
 
 __all__ = ["PROMPT_LOGPROBS_MODES", "check_server_settings"]
 

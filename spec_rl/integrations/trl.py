@@ -61,15 +61,14 @@ from typing import Any
 
 import torch
 
-from ..acceptance import lenience_to_log
-from ..cache import RolloutCache
-from ..history import HistoryIndex
-from ..rollout import STRATEGIES, RolloutRequest, RolloutResult
-from ..sampling import SamplingSettings
+from ..acceptance.reference import lenience_to_log
+from ..drafts.cache import RolloutCache
+from ..drafts.history import HistoryIndex
+from ..rollout.speculative import STRATEGIES, RolloutRequest, RolloutResult
+from ..sampling.distribution import SamplingSettings
 from .exact import check_acceptance
 from .trl_batch import batch_requests, group_size, hook_dataset_ids, tokenize_prompts, unwrapped_model
 from .trl_checkpoint import CACHE_FILENAME, HISTORY_FILENAME, RolloutCacheCallback, history_path, ranked_path
-from .trl_metrics import hook_reward_split, log_rollout_metrics
 from .trl_checks import (
     UnsupportedTrainerConfig,
     check_cache_settings,
@@ -78,6 +77,7 @@ from .trl_checks import (
     check_trainer_logprobs,
     sampling_settings_from_args,
 )
+from .trl_metrics import hook_reward_split, log_rollout_metrics
 from .trl_rollout import CallSeeds, RolloutOptions, TrainerRollouts
 
 __all__ = [
@@ -92,11 +92,11 @@ __all__ = [
 class SpecRLRollout:
     """A ``rollout_func`` for ``trl.GRPOTrainer`` that reuses last epoch's completions as drafts.
 
-    Each call (one per generation batch) builds one :class:`~spec_rl.rollout.RolloutRequest`
+    Each call (one per generation batch) builds one :class:`~spec_rl.rollout.speculative.RolloutRequest`
     per prompt (token ids from the trainer's own tokenisation, slot within its group,
-    dataset id), runs :class:`~spec_rl.rollout.SpeculativeRollout` with the trainer's
-    unwrapped model as scorer and generator (:class:`~spec_rl.generation.TransformersBackend`,
-    which owns its :class:`~spec_rl.scoring.PolicyScorer`), under the trainer's temperature,
+    dataset id), runs :class:`~spec_rl.rollout.speculative.SpeculativeRollout` with the trainer's
+    unwrapped model as scorer and generator (:class:`~spec_rl.backends.transformers_backend.TransformersBackend`,
+    which owns its :class:`~spec_rl.backends.scoring.PolicyScorer`), under the trainer's temperature,
     top_p, top_k, max_completion_length and full EOS set (trainer's list, the model's
     generation config and the tokenizer), and returns what TRL expects.
 
@@ -111,7 +111,7 @@ class SpecRLRollout:
     they may use the history's drafts, which changes no token (:mod:`~spec_rl.integrations.trl_rollout`).
 
     Tail speculation (``history_spec``, docs/design.md "Speculation past the first
-    rejection"): a :class:`~spec_rl.history.HistoryIndex` of every earlier training response
+    rejection"): a :class:`~spec_rl.drafts.history.HistoryIndex` of every earlier training response
     per prompt drafts up to ``spec_tokens`` tokens per decode step, verified in the same
     forward. It changes the number of decode steps, not the tokens (up to floating-point
     rounding of the logits). The index is saved beside the cache with every checkpoint.
@@ -128,7 +128,7 @@ class SpecRLRollout:
         spec_tokens: most history-drafted tokens per decode step (the backend's ``max_k``;
             0 disables tail speculation).
         seed: run seed for the acceptance uniforms and sampling; default ``trainer.args.seed``.
-        cache: an existing :class:`~spec_rl.cache.RolloutCache` (default: a new one, or
+        cache: an existing :class:`~spec_rl.drafts.cache.RolloutCache` (default: a new one, or
             the file at ``cache_path`` if it exists).
         cache_path: a ``.safetensors`` file loaded at start if present and written
             atomically at every checkpoint save and at the end of training; the history
@@ -139,7 +139,7 @@ class SpecRLRollout:
         max_model_len: context limit (prompt + completion tokens); default the model's
             ``max_position_embeddings``. Budget per sample:
             ``min(max_completion_length, max_model_len - prompt_len) - n``.
-        verify_backend: passed to :func:`spec_rl.verify.verify` ("auto", "reference", "triton").
+        verify_backend: passed to :func:`spec_rl.acceptance.dispatch.verify` ("auto", "reference", "triton").
         check_logprobs: at :meth:`attach`, compare the trainer's per-token log-probs with
             ``log_softmax(logits / temperature)`` on a probe sequence and raise on mismatch.
         log_metrics: report ``spec_rl/*`` metrics through the trainer's metric log: the reuse
@@ -151,16 +151,16 @@ class SpecRLRollout:
             TRL's evaluation metrics, whose completions are sampled fresh.
 
     Attributes:
-        cache: the :class:`~spec_rl.cache.RolloutCache`.
-        history_index: the :class:`~spec_rl.history.HistoryIndex` (None without tail speculation).
+        cache: the :class:`~spec_rl.drafts.cache.RolloutCache`.
+        history_index: the :class:`~spec_rl.drafts.history.HistoryIndex` (None without tail speculation).
         trainer: the trainer whose configuration was last validated (None before
             :meth:`attach` or the first call).
-        settings: that trainer's :class:`~spec_rl.sampling.SamplingSettings` (None before).
-        last_result: the :class:`~spec_rl.rollout.RolloutResult` of the latest call.
+        settings: that trainer's :class:`~spec_rl.sampling.distribution.SamplingSettings` (None before).
+        last_result: the :class:`~spec_rl.rollout.speculative.RolloutResult` of the latest call.
         last_requests: the requests of the latest call (prompt ids, slot, dataset id).
         history: one dict per call: ``mode``, ``step``, ``log_lenience``, ``strategy``,
             ``acceptance``, ``history_spec`` and the rollout statistics
-            (:meth:`spec_rl.rollout.RolloutStats.to_dict`).
+            (:meth:`spec_rl.rollout.speculative.RolloutStats.to_dict`).
 
     Raises:
         ValueError: bad lenience, strategy, acceptance (exact with a lenience other than
@@ -298,7 +298,7 @@ class SpecRLRollout:
     def requests_for(
         self, prompts: list, trainer, prompt_ids: Sequence[Sequence[int]] | None = None
     ) -> list[RolloutRequest]:
-        """The :class:`~spec_rl.rollout.RolloutRequest` of each prompt of one ``rollout_func`` call.
+        """The :class:`~spec_rl.rollout.speculative.RolloutRequest` of each prompt of one ``rollout_func`` call.
 
         Slot of sample i: ``(process_index * len(prompts) + i) % G`` with G =
         ``trainer.num_generations`` (``num_generations_eval`` in evaluation); see the module
@@ -399,7 +399,7 @@ class SpecRLRollout:
         return ranked_path(Path(checkpoint_dir) / CACHE_FILENAME, process_index)
 
     def save_cache(self, path: str | os.PathLike) -> Path:
-        """Write the cache atomically (see :meth:`spec_rl.cache.RolloutCache.save`)."""
+        """Write the cache atomically (see :meth:`spec_rl.drafts.cache.RolloutCache.save`)."""
         return self.cache.save(path)
 
     def load_cache(self, path: str | os.PathLike) -> None:

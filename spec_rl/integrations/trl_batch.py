@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..generation import eos_token_ids
-from ..rollout import RolloutRequest
+from ..backends.protocol import eos_token_ids
+from ..rollout.speculative import RolloutRequest
 from .trl_checks import UnsupportedTrainerConfig
 
 __all__ = ["batch_requests", "generation_tokens", "group_size", "hook_dataset_ids", "tokenize_prompts", "unwrapped_model"]

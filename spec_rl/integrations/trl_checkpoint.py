@@ -4,8 +4,8 @@ Each process keeps the drafts of the samples it generated, so each writes its ow
 files: ``checkpoint-<step>/spec_rl_rollout_cache.safetensors`` for rank 0 and
 ``...rollout_cache.rank<k>.safetensors`` for rank k > 0, and, with tail speculation,
 the history index beside it (``spec_rl_history.safetensors``, ``...history.rank<k>...``).
-Every write is atomic (:meth:`spec_rl.cache.RolloutCache.save`,
-:meth:`spec_rl.history.HistoryIndex.save`).
+Every write is atomic (:meth:`spec_rl.drafts.cache.RolloutCache.save`,
+:meth:`spec_rl.drafts.history.HistoryIndex.save`).
 """
 
 from __future__ import annotations
@@ -13,12 +13,8 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from transformers import TrainerCallback
-
-if TYPE_CHECKING:
-    from .trl import SpecRLRollout
 
 __all__ = ["CACHE_FILENAME", "HISTORY_FILENAME", "RolloutCacheCallback", "history_path", "ranked_path"]
 
@@ -61,7 +57,7 @@ class RolloutCacheCallback(TrainerCallback):
     ``checkpoint_file``, ``history_file``, ``load_cache`` and ``load_history``.
     """
 
-    def __init__(self, spec: SpecRLRollout):
+    def __init__(self, spec):  # a spec_rl.integrations.trl.SpecRLRollout (not imported: it imports this module)
         self.spec = spec
 
     def on_train_begin(self, args, state, control, **kwargs):

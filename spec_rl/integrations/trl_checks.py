@@ -24,8 +24,8 @@ import math
 
 import torch
 
-from ..cache import DraftStore
-from ..sampling import SamplingSettings, token_logprobs
+from ..drafts.cache import DraftStore
+from ..sampling.distribution import SamplingSettings, token_logprobs
 
 __all__ = [
     "UnsupportedTrainerConfig",
@@ -216,7 +216,7 @@ def check_cache_settings(cache: DraftStore, settings: SamplingSettings) -> None:
     Parameters
     ----------
     cache : RolloutCache
-        Any store with ``drafts()`` (every stored :class:`~spec_rl.cache.Draft`).
+        Any store with ``drafts()`` (every stored :class:`~spec_rl.drafts.cache.Draft`).
     settings : SamplingSettings
         The trainer's sampling settings.
 
@@ -227,7 +227,7 @@ def check_cache_settings(cache: DraftStore, settings: SamplingSettings) -> None:
     """
     found = {d.settings for d in cache.drafts()}
     # Another budget (max_completion_length) is fine: drafts are cut to today's budget and EOS set, and
-    # ones a smaller budget cut are continued (spec_rl.draft_validity).
+    # ones a smaller budget cut are continued (spec_rl.drafts.validity).
     other = [s for s in found if not s.same_distribution(settings)]
     if other:
         raise UnsupportedTrainerConfig(

@@ -1,7 +1,7 @@
 """The ``spec_rl/*`` metrics :class:`~spec_rl.integrations.trl.SpecRLRollout` logs to TRL's metric log.
 
 Per training rollout: the reuse statistics (:data:`ROLLOUT_METRICS`). Per training batch, once TRL
-has scored it: the reward split by response origin (:mod:`spec_rl.reward_split`), read by wrapping
+has scored it: the reward split by response origin (:mod:`spec_rl.rollout.reward_split`), read by wrapping
 the trainer's ``_calculate_rewards`` (trl 1.16.0: it returns ``rewards_per_func`` [B_global, F],
 gathered over processes; the logged ``reward`` is their ``reward_weights``-weighted ``nansum``, NaN for
 a row every function left unscored). TRL's own ``reward`` mixes the three origins and is biased
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..reward_split import ORIGINS, origin_sums, response_origins
+from ..rollout.reward_split import ORIGINS, origin_sums, response_origins
 from .trl_checks import UnsupportedTrainerConfig
 
 __all__ = ["ROLLOUT_METRICS", "hook_reward_split", "log_rollout_metrics", "weighted_rewards"]

@@ -1,7 +1,7 @@
 """The speculative rollouts behind :class:`~spec_rl.integrations.trl.SpecRLRollout`.
 
-One :class:`TrainerRollouts` per model holds two :class:`~spec_rl.rollout.SpeculativeRollout`
-objects over one backend (:func:`trainer_backend`: a :class:`~spec_rl.transformers_backend.TransformersBackend`
+One :class:`TrainerRollouts` per model holds two :class:`~spec_rl.rollout.speculative.SpeculativeRollout`
+objects over one backend (:func:`trainer_backend`: a :class:`~spec_rl.backends.transformers_backend.TransformersBackend`
 on the trainer's model, or the trainer's colocated vLLM engine):
 
 * the **training** rollout: the adapter's draft cache, strategy, acceptance rule and history index
@@ -20,12 +20,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..cache import RolloutCache
-from ..history import HistoryIndex, SuffixProposer
-from ..philox import mix_seed
-from ..rollout import RolloutRequest, RolloutResult, SpeculativeRollout
-from ..sampling import SamplingSettings
-from ..transformers_backend import TransformersBackend
+from ..backends.transformers_backend import TransformersBackend
+from ..drafts.cache import RolloutCache
+from ..drafts.history import HistoryIndex, SuffixProposer
+from ..rollout.speculative import RolloutRequest, RolloutResult, SpeculativeRollout
+from ..sampling.distribution import SamplingSettings
+from ..sampling.philox import mix_seed
 from .trl_batch import generation_tokens
 from .trl_checks import UnsupportedTrainerConfig
 
@@ -33,7 +33,7 @@ __all__ = ["CallSeeds", "ReadOnlyHistory", "RolloutOptions", "TrainerRollouts", 
 
 
 class ReadOnlyHistory:
-    """A view of a :class:`~spec_rl.history.HistoryIndex` that proposes drafts and ignores ``add``."""
+    """A view of a :class:`~spec_rl.drafts.history.HistoryIndex` that proposes drafts and ignores ``add``."""
 
     def __init__(self, index: HistoryIndex):
         self.index = index
@@ -113,7 +113,7 @@ def trainer_backend(model, trainer, eos_ids, pad_id: int, spec_tokens: int):
     """
     args = trainer.args
     if getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", "colocate") == "colocate":
-        from ..vllm_backend import VLLMBackend
+        from ..backends.vllm_backend import VLLMBackend
 
         llm = getattr(getattr(trainer, "vllm_generation", None), "llm", None) or getattr(trainer, "llm", None)
         if llm is None:

@@ -41,7 +41,7 @@ rollout's ``name`` is ``sglang``; it overrides the seed verl injects under
 draft token: the residual draw of :mod:`spec_rl.integrations.exact`, exact,
 at 1 / (1 - p) continuation requests per rejection on average.
 
-The cache is a :class:`~spec_rl.integrations.draft_store.DirectoryDraftStore`
+The cache is a :class:`~spec_rl.drafts.directory.DirectoryDraftStore`
 (one file per draft, atomic renames) on a directory every worker can reach.
 Validation batches and greedy rows (sampling parameters that differ from the
 training settings) are generated plainly and never touch the cache.
@@ -68,8 +68,8 @@ from uuid import uuid4
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput, register
 from verl.utils.profiler import simple_timer
 
-from ..sampling import SamplingSettings
-from .draft_store import DirectoryDraftStore
+from ..drafts.directory import DirectoryDraftStore
+from ..sampling.distribution import SamplingSettings
 from .exact import MAX_RESIDUAL_ATTEMPTS, draw_continuation
 from .requests import ContinuationRequest, SpecRequestBuilder
 

@@ -1,4 +1,5 @@
-"""Paged KV-cache ops: validated Python entry points.
+"""Paged KV-cache ops: validated Python entry points of the C++/CUDA ops (spec_rl._C) and pure-torch versions.
+Layer 1: may import util (and the compiled spec_rl._C).
 
 Each function checks its arguments (shapes, dtypes, devices, slot and block
 ranges) and raises ``ValueError``/``TypeError`` naming the argument, then runs

@@ -1,4 +1,5 @@
-"""Tasks: procedurally generated problems and the embedded demo policy.
+"""Tasks: data loaders, rewards, held-out evaluation, the procedurally generated demo task and its policy.
+Layer 8: may import util .. rollout (evaluation generates with a backend).
 
 ``spec_rl.tasks.arithmetic`` generates multi-step arithmetic word problems in
 GSM8K answer format; ``spec_rl.tasks.demo_policy`` trains (once, cached) the

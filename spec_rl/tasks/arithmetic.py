@@ -34,7 +34,7 @@ from __future__ import annotations
 import random
 import re
 
-from ..data import Example, format_prompt
+from .data import Example, format_prompt
 
 __all__ = ["generate_problems", "check_solution", "TASK_VERSION"]
 
@@ -195,7 +195,7 @@ def generate_problems(
             policy calibrated arithmetic noise that RL can remove.
 
     Returns:
-        list of ``n`` :class:`~spec_rl.data.Example` with ``prompt =
+        list of ``n`` :class:`~spec_rl.tasks.data.Example` with ``prompt =
         format_prompt(question)``, ``answer`` the final count as a decimal
         string, ``solution`` ending in ``"#### <answer>"`` (unless a slip was
         injected), ``source="arith"``

@@ -10,8 +10,8 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Mapping
 
-from ..data import Example
 from .arithmetic import generate_problems
+from .data import Example
 
 __all__ = [
     "DEMO_MAX_NEW_TOKENS",

@@ -19,7 +19,7 @@ build record), loadable with ``AutoModelForCausalLM.from_pretrained(path)`` /
 
 The default configuration is tuned (measured on a 2-core CPU, about 2
 minutes of SFT) so that the warm-started policy, sampling at temperature 1
-without top-k/top-p, scores a mean :func:`~spec_rl.rewards.math_reward` of
+without top-k/top-p, scores a mean :func:`~spec_rl.tasks.rewards.math_reward` of
 about 0.3 on :func:`demo_train_set` (greedy decoding: about 0.7) with
 responses of about 84 tokens (EOS included; all well under 160); see
 :func:`evaluate_policy`.
@@ -39,7 +39,6 @@ from pathlib import Path
 
 import torch
 
-from ..evaluation import evaluate_policy
 from .arithmetic import TASK_VERSION, generate_problems
 from .demo_config import RECIPE_VERSION, DemoConfig
 from .demo_data import (
@@ -52,6 +51,7 @@ from .demo_data import (
 from .demo_sft import make_demo_model
 from .demo_sft import run_sft as _sft  # module-level name, so tests can replace the SFT step
 from .demo_tokenizer import EOS_TOKEN, PAD_TOKEN, build_demo_tokenizer
+from .evaluation import evaluate_policy
 
 __all__ = [
     "DemoConfig",

@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..data import Example
+from .data import Example
 from .demo_config import DemoConfig
 from .demo_data import DEMO_MAX_NEW_TOKENS, demo_response
 

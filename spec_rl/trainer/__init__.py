@@ -1,4 +1,5 @@
-"""Small GRPO trainer with speculative rollouts (SPEC-RL).
+"""The small GRPO trainer: config, loss, records, reports, checkpoints, held-out evaluation per epoch, the sweep.
+Layer 9: may import every layer below (util .. tasks).
 
 Run directory of :func:`run_modes` (``spec-rl train --out DIR``)::
 

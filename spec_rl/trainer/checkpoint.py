@@ -29,8 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..atomic import atomic_write_text, fsync_dir, fsync_file, remove_leftovers
-from ..faults import fault_point
+from ..util.atomic import atomic_write_text, fsync_dir, fsync_file, remove_leftovers
+from ..util.faults import fault_point
 
 POINTER = "LATEST"
 MARKER = "COMPLETE"

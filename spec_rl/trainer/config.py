@@ -8,8 +8,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..acceptance import LENIENCE_DEFAULTS
-from ..adaptive import DEFAULT_TARGET_DRIFT
+from ..acceptance.adaptive import DEFAULT_TARGET_DRIFT
+from ..acceptance.reference import LENIENCE_DEFAULTS
 
 MODES = ("vanilla", "spec", "random", "random-ref")
 GENERATION_BACKENDS = ("auto", "transformers", "paged", "vllm")
@@ -138,8 +138,8 @@ class GRPOConfig:
             ablation, paper Table 2: n uniform over 0..L) or "random-ref" (the reference
             implementation's variant: n uniform over 0..L-1, never a full reuse).
         lenience: SPEC-RL lenience l (paper defaults, App. A.1: GRPO e^0.5, PPO e^0.3, DAPO e^0.15;
-            :data:`spec_rl.acceptance.LENIENCE_DEFAULTS`), or "auto": chosen every step so that the
-            reused tokens drift by at most ``target_drift`` nats (:mod:`spec_rl.adaptive`).
+            :data:`spec_rl.acceptance.reference.LENIENCE_DEFAULTS`), or "auto": chosen every step so that the
+            reused tokens drift by at most ``target_drift`` nats (:mod:`spec_rl.acceptance.adaptive`).
             None (default): the paper's value for ``algorithm``; ``lenience_source`` then records it.
         algorithm: "grpo", "ppo" or "dapo" (DAPO's clip-higher): which paper default lenience applies.
         lenience_source: how the lenience was chosen (set by the config; "" means given explicitly).
@@ -171,11 +171,11 @@ class GRPOConfig:
             cache) after every epoch so a run can resume.
         generation_backend: "paged" (:class:`spec_rl.engine.PagedEngine`: paged
             KV cache, drafts spliced without re-prefill), "transformers"
-            (:class:`spec_rl.generation.TransformersBackend`), or "auto": paged
+            (:class:`spec_rl.backends.transformers_backend.TransformersBackend`), or "auto": paged
             on CUDA, transformers on CPU (measured: the paged engine decodes
             17-30% slower than the transformers loop for the CPU demo policy,
             whose cost is per-layer Python overhead, not attention), or "vllm"
-            (:class:`spec_rl.vllm_backend.VLLMBackend`: continuations on an offline vLLM engine,
+            (:class:`spec_rl.backends.vllm_backend.VLLMBackend`: continuations on an offline vLLM engine,
             weights pushed after every update; needs vLLM).
     """
 
@@ -268,3 +268,29 @@ class GRPOConfig:
         d["log_lenience"] = log_lenience_of(self.lenience)
         d["lenience_source"] = self.lenience_source or "given"
         return d
+
+
+#: What the demo compares by default: plain vanilla (the reference), SPEC-RL (lenient, with tail
+#: speculation), SPEC-RL with exact acceptance, and vanilla with history speculation alone.
+DEMO_MODES = ("vanilla", "spec", "exact", "histspec")
+
+# Demo defaults, tuned so both modes finish in a few minutes on 2 CPU cores.
+DEMO_DEFAULTS = dict(
+    epochs=5,
+    group_size=4,
+    prompts_per_step=64,
+    lr=3e-4,
+    max_response_len=160,
+    ppo_mini_batches=2,
+    micro_batch_size=128,
+)
+# Defaults for a user's own model and data (paper-like settings, Sec. 4).
+MODEL_DEFAULTS = dict(
+    epochs=3,
+    group_size=8,
+    prompts_per_step=32,
+    lr=1e-6,
+    max_response_len=1024,
+    ppo_mini_batches=1,
+    micro_batch_size=8,
+)

@@ -1,4 +1,4 @@
-"""A small GRPO trainer whose rollouts go through :class:`~spec_rl.rollout.SpeculativeRollout`."""
+"""A small GRPO trainer whose rollouts go through :class:`~spec_rl.rollout.speculative.SpeculativeRollout`."""
 
 from __future__ import annotations
 
@@ -12,15 +12,16 @@ from pathlib import Path
 
 import torch
 
-from ..atomic import atomic_write_text
-from ..cache import RolloutCache
-from ..faults import fault_point
-from ..generation import TransformersBackend, eos_token_ids
-from ..history import HistoryIndex
-from ..reward_split import origin_sums, response_origins
-from ..rollout import RolloutRequest, RolloutResult, SpeculativeRollout
-from ..sampling import SamplingSettings
-from ..scoring import response_logprobs
+from ..backends.protocol import eos_token_ids
+from ..backends.scoring import response_logprobs
+from ..backends.transformers_backend import TransformersBackend
+from ..drafts.cache import RolloutCache
+from ..drafts.history import HistoryIndex
+from ..rollout.reward_split import origin_sums, response_origins
+from ..rollout.speculative import RolloutRequest, RolloutResult, SpeculativeRollout
+from ..sampling.distribution import SamplingSettings
+from ..util.atomic import atomic_write_text
+from ..util.faults import fault_point
 from .checkpoint import (
     CACHE_FILE,
     HISTORY_FILE,
@@ -48,7 +49,7 @@ class GRPOTrainer:
     Records: one line per step in ``metrics.jsonl`` and one record per finished epoch in ``records``
     (:mod:`spec_rl.trainer.records`): rollout counters and times, the rollout reward ``mean_reward``
     and its split by response origin (``reward_<origin>``, ``count_<origin>`` for reused_whole,
-    partly_reused, fresh; :mod:`spec_rl.reward_split`). With held-out examples every epoch record also
+    partly_reused, fresh; :mod:`spec_rl.rollout.reward_split`). With held-out examples every epoch record also
     holds the evaluation after that epoch (``heldout_reward``, ``heldout_greedy_accuracy``,
     ``heldout_response_tokens``, ``heldout_prompts``, ``heldout_seed``, ``heldout_seconds``), and the
     first one the warm-start evaluation under the same names prefixed ``start_``
@@ -59,7 +60,7 @@ class GRPOTrainer:
         tokenizer: its tokenizer (used to encode prompts and decode responses).
         train_examples: objects with ``prompt`` (str), ``answer`` (str) and
             ``uid`` (str, a stable dataset id) attributes, e.g.
-            :class:`spec_rl.data.Example`.
+            :class:`spec_rl.tasks.data.Example`.
         reward_fn: ``reward_fn(completion_text, gold_answer) -> float``.
         config: :class:`GRPOConfig`.
         out_dir: run directory: metrics.jsonl (one line per step) and the checkpoint versions
@@ -188,7 +189,7 @@ class GRPOTrainer:
         if choice == "auto":
             choice = "paged" if next(model.parameters()).device.type == "cuda" else "transformers"
         if choice == "vllm":
-            from ..vllm_backend import VLLMBackend
+            from ..backends.vllm_backend import VLLMBackend
 
             return VLLMBackend(model, self.tokenizer, sorted(self.eos_ids), self.pad_id, self.out_dir / "vllm-weights",
                                max_model_len)  # fmt: skip

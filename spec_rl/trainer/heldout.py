@@ -2,7 +2,7 @@
 
 Each evaluation samples ``GRPOConfig.eval_samples`` fresh responses per held-out prompt with the
 training sampling settings and decodes one greedy response per prompt
-(:func:`spec_rl.evaluation.evaluate_heldout`); nothing comes from the rollout cache or the history.
+(:func:`spec_rl.tasks.evaluation.evaluate_heldout`); nothing comes from the rollout cache or the history.
 Its seed is :func:`heldout_seed` (run seed, epoch): the same for every mode, so the modes of one run
 are compared on the same uniforms (docs/design.md "Randomness"), and the warm-start evaluation of
 every mode gives the same numbers.
@@ -28,9 +28,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from ..evaluation import evaluate_heldout
-from ..philox import mix_seed
-from ..sampling import SamplingSettings
+from ..sampling.distribution import SamplingSettings
+from ..sampling.philox import mix_seed
+from ..tasks.evaluation import evaluate_heldout
 
 __all__ = ["EVAL_BATCH_SIZE", "FIELDS", "START", "HeldoutEvaluator", "heldout_curve", "heldout_seed", "start_point"]
 

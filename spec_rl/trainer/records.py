@@ -1,14 +1,14 @@
 """The trainer's records: one per training step (metrics.jsonl) and one per epoch (summary.json).
 
 An epoch record sums its steps' counters and derives the rates from the sums; the rollout reward is
-also split by the origin of each response (:mod:`spec_rl.reward_split`: ``reward_<origin>`` and
+also split by the origin of each response (:mod:`spec_rl.rollout.reward_split`: ``reward_<origin>`` and
 ``count_<origin>``). The held-out fields of an epoch record are described in
 :mod:`spec_rl.trainer.heldout`.
 """
 
 from __future__ import annotations
 
-from ..reward_split import ORIGINS, origin_means
+from ..rollout.reward_split import ORIGINS, origin_means
 
 # Per-epoch fields summed over steps; the rest are derived in epoch_record.
 SUMMED = (

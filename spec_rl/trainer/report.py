@@ -5,7 +5,7 @@ What a reader compares is time, and rollout time follows the number of sequentia
 with plain vanilla shows three ratios side by side: generated tokens, decode steps and rollout
 seconds, plus the split of rollout time into scoring, decode and other work. What a reader compares
 quality on is the held-out evaluation (fresh samples and greedy decoding, :mod:`spec_rl.trainer.heldout`):
-the rollout reward is biased upward under reuse (:mod:`spec_rl.reward_split`), so it is shown split by
+the rollout reward is biased upward under reuse (:mod:`spec_rl.rollout.reward_split`), so it is shown split by
 the origin of the responses and never used to compare runs.
 """
 
@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..atomic import atomic_write_text
-from ..reward_split import ORIGINS
+from ..rollout.reward_split import ORIGINS
+from ..util.atomic import atomic_write_text
 from .heldout import heldout_curve, start_point
 from .report_plot import plot
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..atomic import atomic_write
+from ..util.atomic import atomic_write
 from .heldout import heldout_curve
 
 # Per-step panels (metrics.jsonl key, title).

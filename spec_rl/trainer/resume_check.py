@@ -6,7 +6,7 @@ seed) would otherwise go unnoticed: the old drafts would be scored as if they ca
 ``--resume`` therefore compares the stored fingerprint of the run (run_info.json, "fingerprint") with
 the new one and refuses any difference, naming each changed field; with ``--allow-config-change``
 it goes on, records the change in run_info.json ("config_changes"), and the stored drafts are cut
-to today's budget and EOS set or continued (:mod:`spec_rl.draft_validity`), as every reuse is.
+to today's budget and EOS set or continued (:mod:`spec_rl.drafts.validity`), as every reuse is.
 """
 
 from __future__ import annotations

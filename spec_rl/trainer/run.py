@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import platform
 import time
 from collections.abc import Callable, Sequence
@@ -12,8 +11,8 @@ from types import SimpleNamespace
 
 import torch
 
-from ..atomic import remove_leftovers
-from ..generation import eos_token_ids
+from ..backends.protocol import eos_token_ids
+from ..util.atomic import remove_leftovers
 from .checkpoint import latest_checkpoint
 from .config import MODE_PRESETS, GRPOConfig, log_lenience_of, resolve_device
 from .grpo import GRPOTrainer
@@ -50,7 +49,7 @@ def load_policy(path: str | Path, device: torch.device | str = "cpu"):
 
 def policy_eos_ids(path: str | Path) -> set[int]:
     """The EOS set of the checkpoint at ``path`` (generation config, model config and tokenizer), without
-    loading its weights; the same set :func:`~spec_rl.generation.eos_token_ids` gives for the loaded model."""
+    loading its weights; the same set :func:`~spec_rl.backends.protocol.eos_token_ids` gives for the loaded model."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     try:

@@ -1,0 +1,323 @@
+"""The SPEC-RL acceptance rule in plain torch: the executable specification.
+
+Rule (SPEC-RL, Liu et al. 2025, arXiv 2509.23232, Section 3 and Algorithm 1;
+docs/design.md "The rule"): for a draft response y_1..y_R with stored log-probs
+lp_old_i, the current policy scores every draft token in one forward pass
+(lp_new_i), and token i is accepted iff
+
+    log u_i <= log(l) + lp_new_i - lp_old_i,     u_i ~ U(0, 1]  (keyed Philox)
+
+The rejection index n is the number of leading accepted tokens (0..R); the
+verified prefix y_<n is kept and the policy generates the rest. Everything is
+computed in log space; the ratio is never exponentiated.
+
+Exact acceptance (``acceptance="exact"``, docs/design.md "Exact acceptance"): a
+cached draft token is a fixed proposal, a point mass, so exact speculative
+sampling needs no old distribution: accept y_i iff ``log u_i <= lp_new_i``
+(the lenient test with lp_old = 0 and l = 1), and at the first rejection draw
+from pi_t with y_n removed and renormalised. Every position's marginal is then
+exactly pi_t, so the response is a fresh sample of the current policy.
+
+This module does no input validation (see :func:`spec_rl.acceptance.dispatch.verify`), but it refuses
+scores that give no distribution (:func:`raise_if_no_distribution`), as the kernels do;
+kernels are tested against it, in float64 for logprob accuracy.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import torch
+
+from ..sampling.distribution import SamplingSettings, sampling_log_softmax
+from ..sampling.philox import STREAM_ACCEPT, STREAM_RANDOM_REUSE, philox_uniform
+from ..util.validation import invalid_scores_message
+from .scores import DraftScores
+
+#: "lenient": the paper's rule (Alg. 1); "exact": lossless acceptance of a point-mass draft.
+ACCEPTANCE_RULES = ("lenient", "exact")
+#: The paper's lenience per RL algorithm (App. A.1): GRPO e^0.5, PPO e^0.3, DAPO e^0.15.
+LENIENCE_DEFAULTS = {"grpo": math.exp(0.5), "ppo": math.exp(0.3), "dapo": math.exp(0.15)}
+
+#: How each score source is named in errors (the Triton kernels use the same names).
+SCORE_NAMES = {"logits": "logits", "hidden_states": "logits (hidden_states @ lm_head_weight.T)"}
+
+# Logits materialised at once in the hidden-state path: at most 1024 rows and about
+# _LOGIT_ELEMENTS_PER_CHUNK values (16 MiB in float32; the log-softmax holds about three such
+# buffers), so the reference's extra memory stays far below the full [N, V] logits
+# (benchmarks/bench_memory.py). Small vocabularies keep 1024-row chunks.
+_LOGIT_ROWS_PER_CHUNK = 1024
+_LOGIT_ELEMENTS_PER_CHUNK = 1 << 22
+
+
+@dataclass
+class VerifyStats:
+    """Summary of one verification call (counts are tokens or samples)."""
+
+    num_samples: int
+    draft_tokens: int
+    accepted_tokens: int
+    full_reuse_count: int
+
+    @property
+    def full_reuse_ratio(self) -> float:
+        """Fraction of samples whose whole draft was accepted."""
+        return self.full_reuse_count / self.num_samples if self.num_samples else 0.0
+
+    @property
+    def mean_accepted_len(self) -> float:
+        """Mean verified-prefix length in tokens."""
+        return self.accepted_tokens / self.num_samples if self.num_samples else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted tokens / draft tokens."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "num_samples": self.num_samples,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "full_reuse_count": self.full_reuse_count,
+            "full_reuse_ratio": self.full_reuse_ratio,
+            "mean_accepted_len": self.mean_accepted_len,
+            "acceptance_rate": self.acceptance_rate,
+        }
+
+
+@dataclass
+class VerifyResult:
+    """Output of verification for a batch of B drafts padded to length R.
+
+    Attributes:
+        new_logprobs: [B, R] float32, log pi_t(y_i | x, y_<i) under the
+            sampling distribution; 0 at padded positions.
+        accepted_len: [B] int64, the rejection index n (number of leading
+            accepted tokens, 0..length).
+        full_reuse: [B] bool, n == length (the whole draft is kept).
+        accept_mask: [B, R] bool per-token test outcome (False at padding),
+            or None when not requested.
+        stats: counts over the batch.
+    """
+
+    new_logprobs: torch.Tensor
+    accepted_len: torch.Tensor
+    full_reuse: torch.Tensor
+    accept_mask: torch.Tensor | None
+    stats: VerifyStats
+
+
+def lenience_to_log(lenience: float | None, log_lenience: float | None) -> float:
+    """Return log(l) from either form (default l = 1, vanilla speculative decoding)."""
+    if lenience is not None and log_lenience is not None:
+        raise ValueError("pass either lenience or log_lenience, not both")
+    for name, value in (("lenience", lenience), ("log_lenience", log_lenience)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+            raise TypeError(f"{name} must be a real number (e.g. {name}=1.65), got {type(value).__name__} {value!r}")
+    if log_lenience is not None:
+        if math.isnan(log_lenience):
+            raise ValueError("log_lenience must not be NaN (use -inf to disable reuse, +inf to reuse everything)")
+        return float(log_lenience)
+    if lenience is None:
+        return 0.0
+    if math.isnan(lenience) or lenience < 0:
+        raise ValueError(
+            f"lenience must be >= 0 (0 disables reuse, 1 is vanilla speculative decoding, inf reuses everything), got {lenience!r}"
+        )
+    return math.log(lenience) if lenience > 0 else float("-inf")
+
+
+def lengths_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
+    """[B] lengths -> [B, max_len] bool mask of valid (leading) positions."""
+    return torch.arange(max_len, device=lengths.device).unsqueeze(0) < lengths.unsqueeze(1)
+
+
+def draft_logprobs(
+    draft_ids: torch.Tensor,
+    lengths: torch.Tensor,
+    scores: DraftScores,
+    settings: SamplingSettings,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Sampling log-probs [B, R] of the draft tokens under the scores (0 at padding).
+
+    Logits are formed a chunk of rows at a time (at most :data:`_LOGIT_ROWS_PER_CHUNK` rows and
+    about :data:`_LOGIT_ELEMENTS_PER_CHUNK` values), in ``dtype`` (float32, or float64 for
+    references), only for valid positions, and once per distinct output when ``scores.same_as``
+    says which positions share one (the tree-packed scorer: drafts of a group with a common prefix).
+    """
+    bsz, max_len = draft_ids.shape
+    valid = lengths_mask(lengths, max_len)
+    zero = torch.zeros((), dtype=dtype, device=draft_ids.device)
+    if scores.new_logprobs is not None:
+        return torch.where(valid, scores.new_logprobs.to(dtype), zero)
+    flat_valid = valid.reshape(-1).nonzero().squeeze(1)
+    flat_ids = draft_ids.reshape(-1)[flat_valid]
+    source = scores.logits if scores.logits is not None else scores.hidden_states
+    outputs = source.reshape(-1, source.shape[-1])
+    if scores.same_as is not None:  # one row per distinct output; index[k] says which one scores entry k
+        distinct, index = torch.unique(scores.same_as.reshape(-1)[flat_valid], return_inverse=True)
+    else:
+        distinct, index = flat_valid, torch.arange(flat_valid.shape[0], device=draft_ids.device)
+    if scores.logits is not None:
+
+        def logits_of(sl: slice) -> torch.Tensor:
+            return outputs[distinct[sl]]
+
+    else:
+        weight = scores.lm_head_weight.to(dtype)
+        bias = scores.lm_head_bias.to(dtype) if scores.lm_head_bias is not None else None
+
+        def logits_of(sl: slice) -> torch.Tensor:
+            return torch.nn.functional.linear(outputs[distinct[sl]].to(dtype), weight, bias)
+
+    packed = torch.empty(flat_ids.shape[0], dtype=dtype, device=draft_ids.device)
+    vocab = scores.logits.shape[-1] if scores.logits is not None else scores.lm_head_weight.shape[0]
+    chunk = max(1, min(_LOGIT_ROWS_PER_CHUNK, _LOGIT_ELEMENTS_PER_CHUNK // vocab))
+    order = torch.argsort(index, stable=True)  # entries grouped by output, so a chunk of outputs is a range
+    sorted_index = index[order]
+    starts = torch.arange(0, distinct.shape[0] + chunk, chunk, device=draft_ids.device)
+    bounds = torch.searchsorted(sorted_index, starts).tolist()
+    for c, start in enumerate(range(0, distinct.shape[0], chunk)):
+        entries = order[bounds[c] : bounds[c + 1]]
+        logp = sampling_log_softmax(logits_of(slice(start, start + chunk)), settings.temperature, settings.top_k, settings.top_p, dtype=dtype)
+        packed[entries] = logp[index[entries] - start, flat_ids[entries]]
+    out = torch.zeros(bsz * max_len, dtype=dtype, device=draft_ids.device)
+    out[flat_valid] = packed
+    return out.view(bsz, max_len)
+
+
+def raise_if_no_distribution(lp_new: torch.Tensor, source: str) -> None:
+    """ValueError naming the (sample, token) positions of [B, R] ``lp_new`` that are NaN (one host sync).
+
+    A scored log-prob is NaN exactly when its row of logits has no distribution: a NaN or +inf logit
+    (e.g. hidden states whose logits overflow), or every logit -inf. ``source`` is a key of
+    :data:`SCORE_NAMES`; log-probs given as ``new_logprobs`` are checked by ``verify`` itself.
+    """
+    bad = torch.isnan(lp_new)
+    if source != "new_logprobs" and bool(bad.any()):
+        where = torch.nonzero(bad)
+        raise ValueError(invalid_scores_message(SCORE_NAMES[source], where[:8].tolist(), where.shape[0]))
+
+
+def acceptance_test(
+    new_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    uniforms: torch.Tensor,
+    log_lenience: float,
+) -> torch.Tensor:
+    """Per-token test ``log u <= log l + lp_new - lp_old`` (paper Alg. 1), in float64.
+
+    Conventions at the extremes: log l = +inf accepts every token; log l =
+    -inf rejects every token; lp_new = -inf (token impossible now) is
+    rejected for any finite l.
+    """
+    if log_lenience == float("inf"):
+        return torch.ones_like(new_logprobs, dtype=torch.bool)
+    if log_lenience == float("-inf"):
+        return torch.zeros_like(new_logprobs, dtype=torch.bool)
+    margin = new_logprobs.double() - old_logprobs.double() + log_lenience
+    # NaN margin (e.g. -inf - -inf) compares False: rejected.
+    return torch.log(uniforms.double()) <= margin
+
+
+def rejection_index(accept: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """First rejected position within each row's length: [B, R] bool, [B] -> [B] int64."""
+    valid = lengths_mask(lengths, accept.shape[1])
+    rejected = valid & ~accept
+    # Positions past the length count as "rejected" at index `length`.
+    first = torch.where(rejected, torch.arange(accept.shape[1], device=accept.device), accept.shape[1])
+    n = first.min(dim=1).values if accept.shape[1] else torch.zeros_like(lengths)
+    return torch.minimum(n, lengths).to(torch.int64)
+
+
+#: Random-reuse strategies (paper Table 2): "random" draws n uniformly over {0, ..., length} (a draft
+#: may be reused whole); "random-ref" is the SPEC-RL reference implementation's variant,
+#: n = floor(u * length), uniform over {0, ..., length - 1}: never a full reuse.
+RANDOM_STRATEGIES = ("random", "random-ref")
+
+
+def random_reuse_index(seed: int, uids: torch.Tensor, lengths: torch.Tensor, strategy: str = "random") -> torch.Tensor:
+    """Random-reuse ablation (paper Table 2): the rejection index ignores the scores.
+
+    ``"random"``: n = min(floor(u * (length + 1)), length), uniform over {0, ..., length};
+    ``"random-ref"``: n = min(floor(u * length), length - 1) (0 for an empty draft), uniform over
+    {0, ..., length - 1}, as the reference implementation draws it. u comes from the random-reuse
+    Philox stream at token index 0.
+    """
+    u = philox_uniform(seed, uids, torch.zeros_like(uids), stream=STREAM_RANDOM_REUSE).double()
+    lengths = lengths.to(torch.int64)
+    if strategy == "random-ref":
+        n = torch.floor(u * lengths.double()).to(torch.int64)
+        return torch.minimum(n, (lengths - 1).clamp(min=0))
+    n = torch.floor(u * (lengths.double() + 1)).to(torch.int64)
+    return torch.minimum(n, lengths)
+
+
+def make_result(
+    new_logprobs: torch.Tensor, accepted_len: torch.Tensor, accept: torch.Tensor, lengths: torch.Tensor, return_accept_mask: bool
+) -> VerifyResult:
+    """Pack per-token outcomes and rejection indices as a :class:`VerifyResult` (one host sync for the stats)."""
+    full = accepted_len == lengths
+    draft_tokens, accepted_tokens, full_count = torch.stack([lengths.sum(), accepted_len.sum(), full.sum()]).tolist()
+    stats = VerifyStats(
+        num_samples=int(lengths.shape[0]),
+        draft_tokens=int(draft_tokens),
+        accepted_tokens=int(accepted_tokens),
+        full_reuse_count=int(full_count),
+    )
+    return VerifyResult(
+        new_logprobs=new_logprobs.to(torch.float32),
+        accepted_len=accepted_len.to(torch.int64),
+        full_reuse=full,
+        accept_mask=accept if return_accept_mask else None,
+        stats=stats,
+    )
+
+
+def reference_verify(
+    draft_ids: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    lengths: torch.Tensor,
+    uids: torch.Tensor,
+    scores: DraftScores,
+    *,
+    seed: int,
+    log_lenience: float,
+    settings: SamplingSettings = SamplingSettings(),
+    strategy: str = "spec",
+    return_accept_mask: bool = False,
+    compute_dtype: torch.dtype = torch.float32,
+    acceptance: str = "lenient",
+) -> VerifyResult:
+    """Verify B padded drafts; inputs are assumed valid (see :func:`spec_rl.acceptance.dispatch.verify`).
+
+    Shapes: draft_ids/old_logprobs [B, R]; lengths [B] int64; uids [B] int64;
+    ``scores`` holds exactly one source (new_logprobs [B, R], logits [B, R, V]
+    or hidden_states [B, R, d] with lm_head_weight [V, d]); row i scores draft
+    token i. ``settings`` gives temperature/top-k/top-p (max_tokens unused).
+    ``strategy`` is "spec" (the acceptance test), "random" or "random-ref" (random reuse);
+    ``acceptance`` is "lenient" (paper Alg. 1) or "exact" (lp_old and l ignored).
+    Raises ValueError for scored positions without a distribution (:func:`raise_if_no_distribution`).
+    """
+    if acceptance == "exact":
+        old_logprobs, log_lenience = torch.zeros_like(old_logprobs), 0.0
+    elif acceptance != "lenient":
+        raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {acceptance!r}")
+    lp_new = draft_logprobs(draft_ids, lengths, scores, settings, compute_dtype)
+    raise_if_no_distribution(lp_new, scores.source)
+    max_len = draft_ids.shape[1]
+    if strategy == "spec":
+        token_index = torch.arange(max_len, device=draft_ids.device, dtype=torch.int64).unsqueeze(0)
+        u = philox_uniform(seed, uids.unsqueeze(1), token_index, stream=STREAM_ACCEPT)
+        accept = acceptance_test(lp_new, old_logprobs, u, log_lenience) & lengths_mask(lengths, max_len)
+        n = rejection_index(accept, lengths)
+    elif strategy in RANDOM_STRATEGIES:
+        n = random_reuse_index(seed, uids, lengths, strategy)
+        accept = lengths_mask(n, max_len)
+    else:
+        raise ValueError(f"strategy must be 'spec', 'random' or 'random-ref', got {strategy!r}")
+    return make_result(lp_new, n, accept, lengths, return_accept_mask)

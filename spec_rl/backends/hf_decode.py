@@ -1,0 +1,314 @@
+"""Decoding over a transformers KV cache: keyed sampling, multi-token speculation, rollback by masking.
+
+Used by :class:`spec_rl.backends.transformers_backend.TransformersBackend`. Rows of a batch sit left-padded in one
+``DynamicCache``; :class:`KVRows` keeps, beside the cache, the attention mask of every cached
+position (1 = a real token of that row). Each decode step feeds, per row, the last sampled token
+followed by up to k proposed tokens (drafts from the prompt's history, :mod:`spec_rl.drafts.history`), runs
+ONE forward, samples a token at every fed position with :func:`~spec_rl.sampling.distribution.keyed_sample` and
+keeps the longest run of proposals that equal the samples, plus the sample after it. A proposal is
+accepted exactly when the token the policy samples at its position (with that position's keyed
+uniform) is the proposal itself, so the output is token for token what plain one-token-per-step
+decoding would produce: the rollout distribution is unchanged (lossless), and a proposed token is
+accepted with probability p_t(token), as in exact speculative sampling with a point-mass draft.
+
+Rejected positions are rolled back by setting their mask to 0 (their K/V stay in the cache as holes);
+when holes make the cache much wider than its longest row, :meth:`KVRows.compact` gathers each row's
+real positions into a fresh, tightly left-padded cache.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..sampling.distribution import SamplingSettings, keyed_sample
+
+
+def cache_argument(model) -> str:
+    """transformers >= 5.24 names the KV cache argument ``cache``; earlier versions ``past_key_values``."""
+    return _cache_argument_of(type(model))
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_argument_of(model_class: type) -> str:  # inspect.signature per forward cost ~1% of a scoring call
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def _dynamic_cache(layers: Sequence[tuple[torch.Tensor, torch.Tensor]]):
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    for i, (k, v) in enumerate(layers):
+        cache.update(k, v, i)
+    return cache
+
+
+def _layers_of(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+@dataclass
+class KVRows:
+    """A left-padded batch in a ``DynamicCache`` with a per-position mask.
+
+    Attributes:
+        cache: the transformers cache (None before the first forward).
+        mask: [B, W] int64, 1 where the cache position holds a real token of the row.
+    """
+
+    cache: object
+    mask: torch.Tensor
+
+    @property
+    def width(self) -> int:
+        return int(self.mask.shape[1])
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only ``rows`` (finished rows leave the batch)."""
+        self.cache.batch_select_indices(rows)
+        self.mask = self.mask[rows]
+
+    def compact(self) -> None:
+        """Move each row's real positions into a tight left-padded cache (removes rollback holes)."""
+        counts = self.mask.sum(1)
+        new_w = int(counts.max())
+        b = self.mask.shape[0]
+        # Row r's real positions, in order, right-aligned into new_w columns.
+        order = torch.argsort(self.mask, dim=1, stable=True)[:, -new_w:] if new_w else self.mask[:, :0]
+        idx = order
+        new_mask = (torch.arange(new_w, device=self.mask.device).unsqueeze(0) >= (new_w - counts).unsqueeze(1)).long()
+        layers = []
+        for k, v in _layers_of(self.cache):
+            gi = idx.view(b, 1, new_w, 1).expand(b, k.shape[1], new_w, k.shape[3])
+            layers.append((k.gather(2, gi), v.gather(2, gi)))
+        self.cache = _dynamic_cache(layers)
+        self.mask = new_mask
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[list[tuple[torch.Tensor, torch.Tensor]]]) -> "KVRows":
+        """Build a left-padded batch from per-row K/V, each row a list over layers of ([H, L_r, D], [H, L_r, D])."""
+        lengths = [r[0][0].shape[1] for r in rows]
+        width = max(lengths)
+        mask = torch.zeros((len(rows), width), dtype=torch.long, device=rows[0][0][0].device)
+        for i, n in enumerate(lengths):
+            mask[i, width - n :] = 1
+        layers = []
+        for layer in range(len(rows[0])):
+            k0 = rows[0][layer][0]
+            keys = k0.new_zeros((len(rows), k0.shape[0], width, k0.shape[2]))
+            values = keys.clone()
+            for i, r in enumerate(rows):
+                keys[i, :, width - lengths[i] :] = r[layer][0]
+                values[i, :, width - lengths[i] :] = r[layer][1]
+            layers.append((keys, values))
+        return cls(_dynamic_cache(layers), mask)
+
+    def concat(self, other: "KVRows") -> "KVRows":
+        """Rows of ``self`` then rows of ``other`` in one batch (the narrower one padded on the left)."""
+        width = max(self.width, other.width)
+
+        def widen(kv: KVRows):
+            pad = width - kv.width
+            layers = [(torch.nn.functional.pad(k, (0, 0, pad, 0)), torch.nn.functional.pad(v, (0, 0, pad, 0))) for k, v in _layers_of(kv.cache)]
+            return layers, torch.nn.functional.pad(kv.mask, (pad, 0))
+
+        a, ma = widen(self)
+        b, mb = widen(other)
+        layers = [(torch.cat([ka, kb]), torch.cat([va, vb])) for (ka, va), (kb, vb) in zip(a, b)]
+        return KVRows(_dynamic_cache(layers), torch.cat([ma, mb]))
+
+
+@dataclass
+class DecodeRow:
+    """One sequence being decoded.
+
+    Attributes:
+        out: index of the row in the caller's results.
+        uid: key of its sampling uniforms.
+        last: the newest sampled token (its K/V is not in the cache yet).
+        position: absolute position of ``last`` in the sequence.
+        budget: tokens it may still emit (``last`` already counted).
+        proposer: drafts for its next tokens (:class:`~spec_rl.drafts.history.SuffixProposer`) or None.
+    """
+
+    out: int
+    uid: int
+    last: int
+    position: int
+    budget: int
+    proposer: object | None = None
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: str | None = None
+
+
+@dataclass
+class DecodeCounters:
+    """What a decode loop did: forwards (sequential steps), proposed and accepted draft tokens."""
+
+    steps: int = 0
+    proposed: int = 0
+    accepted: int = 0
+
+
+def _emit(row: DecodeRow, tokens: list[int], logprobs: list[float], eos: set[int]) -> int:
+    """Append up to the first EOS; returns how many tokens were kept."""
+    kept = len(tokens)
+    for i, t in enumerate(tokens):
+        if t in eos:
+            kept = i + 1
+            row.finish = "eos"
+            break
+    row.tokens += tokens[:kept]
+    row.logprobs += logprobs[:kept]
+    row.budget -= kept
+    if row.finish is None and row.budget <= 0:
+        row.finish = "length"
+    return kept
+
+
+class SpeculativeDecoder:
+    """The decode loop (see the module docstring) for one batch of rows sharing a :class:`KVRows`.
+
+    Args:
+        model: a transformers causal LM.
+        settings: sampling settings.
+        seed: seed of the keyed uniforms.
+        eos_ids: the complete EOS set.
+        max_k: most proposed tokens per row and step (0: no speculation).
+        pad_id: id fed at padding positions.
+        on_step: called with the number of live rows after every forward (progress bars).
+    """
+
+    def __init__(self, model, settings: SamplingSettings, seed: int, eos_ids, max_k: int, pad_id: int, on_step=None):
+        self.model = model
+        self.settings = settings
+        self.seed = int(seed)
+        self.eos = {int(e) for e in eos_ids}
+        self.max_k = int(max_k)
+        self.pad_id = int(pad_id)
+        self.on_step = on_step
+        self.cache_arg = cache_argument(model)
+        self.counters = DecodeCounters()
+
+    def sample(self, logits: torch.Tensor, uids: Sequence[int], positions: Sequence[int]):
+        dev = logits.device
+        ids, lps = keyed_sample(
+            logits, self.settings, self.seed, torch.tensor(list(uids), dtype=torch.long, device=dev),
+            torch.tensor(list(positions), dtype=torch.long, device=dev),
+        )  # fmt: skip
+        return ids.tolist(), lps.tolist()
+
+    @torch.no_grad()
+    def run(self, kv: KVRows, rows: list[DecodeRow]) -> None:
+        """Decode every row until EOS or its budget; rows are updated in place."""
+        live = [r for r in rows if r.finish is None]
+        if not live:
+            return
+        if len(live) != len(rows):
+            kv.select(torch.tensor([i for i, r in enumerate(rows) if r.finish is None], dtype=torch.long, device=kv.mask.device))
+        while live:
+            self._step(kv, live)
+            keep = [i for i, r in enumerate(live) if r.finish is None]
+            if len(keep) < len(live) and (not keep or len(keep) * 4 <= 3 * len(live)):
+                live = [live[i] for i in keep]
+                if live:
+                    kv.select(torch.tensor(keep, dtype=torch.long, device=kv.mask.device))
+            # Otherwise finished rows ride along until a quarter of the batch is done: they sample
+            # nothing, but dropping them one by one would copy the whole cache every step.
+            if live and kv.width > 2 * int(kv.mask.sum(1).max()) + 16:
+                kv.compact()
+
+    def _inputs(self, rows: list[DecodeRow], active: list[bool]):
+        """Per row: [last token, proposal...] right-padded to one width; which positions are fed."""
+        def propose(r: DecodeRow, ok: bool, fill: int = 0) -> list[int]:
+            if not ok or r.proposer is None or not self.max_k:
+                return []
+            return r.proposer.propose(min(self.max_k, r.budget - 1), fill=fill)
+
+        props = [propose(r, ok) for r, ok in zip(rows, active)]
+        longest = max(len(p) for p in props)
+        # Every row is padded to the longest proposal and padding is computed anyway: fill it with
+        # more of each row's history continuation, which costs nothing here.
+        props = [propose(r, ok, longest) if len(p) < longest else p for r, ok, p in zip(rows, active, props)]
+        lens = torch.tensor([len(p) for p in props], dtype=torch.long)
+        width = 1 + int(lens.max())
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        ids[:, 0] = torch.tensor([r.last for r in rows], dtype=torch.long)
+        flat = [t for p in props for t in p]
+        if flat:
+            row_of = torch.repeat_interleave(torch.arange(len(rows)), lens)
+            col_of = torch.arange(len(flat)) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens) + 1
+            ids[row_of, col_of] = torch.tensor(flat, dtype=torch.long)
+        col = torch.arange(width)
+        fed = (col.unsqueeze(0) <= lens.unsqueeze(1)) & torch.tensor(active).unsqueeze(1)
+        fed[:, 0] = True  # finished rows keep one valid query so attention never sees an empty row
+        return props, lens, ids, fed
+
+    def _step(self, kv: KVRows, rows: list[DecodeRow]) -> None:
+        dev = kv.mask.device
+        active = [r.finish is None for r in rows]
+        props, lens, ids, fed = self._inputs(rows, active)
+        width = ids.shape[1]
+        positions = torch.tensor([r.position for r in rows], dtype=torch.long).unsqueeze(1) + torch.arange(width)
+        kv.mask = torch.cat([kv.mask, fed.to(dev, torch.long)], dim=1)
+        out = self.model(
+            input_ids=ids.to(dev), attention_mask=kv.mask, position_ids=positions.to(dev), use_cache=True,
+            **{self.cache_arg: kv.cache},
+        )  # fmt: skip
+        kv.cache = getattr(out, self.cache_arg, None) or getattr(out, "past_key_values", None)
+        self.counters.steps += 1
+        # A sample after every fed position of the live rows, keyed by the position it fills.
+        want = fed & torch.tensor(active).unsqueeze(1)
+        where = want.nonzero()
+        uid_t = torch.tensor([r.uid for r in rows], dtype=torch.long)
+        toks, lps = keyed_sample(
+            out.logits[where[:, 0].to(dev), where[:, 1].to(dev)].float(), self.settings, self.seed,
+            uid_t[where[:, 0]].to(dev), (positions[where[:, 0], where[:, 1]] + 1).to(dev),
+        )  # fmt: skip
+        samples = torch.full((len(rows), width), -1, dtype=torch.long)
+        samples[want] = toks.cpu()
+        logps = torch.zeros((len(rows), width), dtype=torch.float32)
+        logps[want] = lps.cpu()
+        col = torch.arange(width)
+        # Proposal j+1 is accepted while every sample so far equals the proposal it checks.
+        match = (samples[:, :-1] == ids[:, 1:]) & (col[:-1].unsqueeze(0) < lens.unsqueeze(1))
+        accepted = match.long().cumprod(1).sum(1)
+        # Fed positions past the accepted ones hold K/V of rejected proposals: roll them back.
+        kv.mask[:, -width:] *= (col.unsqueeze(0) <= accepted.unsqueeze(1)).to(dev, torch.long)
+        s_rows, lp_rows, acc = samples.tolist(), logps.tolist(), accepted.tolist()
+        for i, r in enumerate(rows):
+            if not active[i]:
+                continue
+            kept = _emit(r, s_rows[i][: acc[i] + 1], lp_rows[i][: acc[i] + 1], self.eos)
+            self.counters.proposed += len(props[i])
+            self.counters.accepted += min(acc[i], kept)
+            if r.proposer is not None:
+                r.proposer.update(props[i], r.tokens[-kept:])
+            r.last = r.tokens[-1]
+            r.position += kept
+        if self.on_step is not None:
+            self.on_step(sum(active))
+
+
+def prefill(model, contexts: Sequence[Sequence[int]], pad_id: int) -> tuple[KVRows, torch.Tensor]:
+    """One forward over left-padded contexts: (the batch's :class:`KVRows`, logits [B, V] at each last position)."""
+    device = next(model.parameters()).device
+    width = max(len(c) for c in contexts)
+    ids = torch.full((len(contexts), width), int(pad_id), dtype=torch.long, device=device)
+    mask = torch.zeros((len(contexts), width), dtype=torch.long, device=device)
+    for row, ctx in enumerate(contexts):
+        ids[row, width - len(ctx) :] = torch.as_tensor(list(ctx), dtype=torch.long)
+        mask[row, width - len(ctx) :] = 1
+    arg = cache_argument(model)
+    with torch.no_grad():
+        out = model(
+            input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), use_cache=True,
+            logits_to_keep=1,
+        )  # fmt: skip
+    cache = getattr(out, arg, None) or getattr(out, "past_key_values", None)
+    return KVRows(cache, mask), out.logits[:, -1, :]

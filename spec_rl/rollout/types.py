@@ -1,0 +1,178 @@
+"""What a speculative rollout takes and returns: requests (and their checks), per-step statistics, results."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ..backends.checks import token_ids
+from ..drafts.cache import Draft, DraftStore
+
+
+@dataclass
+class RolloutRequest:
+    """One sample to produce: a prompt (token ids), its slot in the group, and an optional dataset id."""
+
+    prompt_ids: Sequence[int]
+    slot: int = 0
+    dataset_id: str | None = None
+
+
+def request_prompts(requests: Sequence[RolloutRequest], vocab_size: int | None, owner: str) -> list[list[int]]:
+    """The prompts of ``requests`` as lists of ints, each non-empty and in [0, vocab_size).
+
+    Raises:
+        TypeError: a request that is not a :class:`RolloutRequest`, or non-integer ids.
+        ValueError: an empty prompt or an id outside the vocabulary of ``owner`` (the message names the request).
+    """
+    prompts = []
+    for i, r in enumerate(requests):
+        if not isinstance(r, RolloutRequest):
+            raise TypeError(f"requests[{i}] must be a RolloutRequest, got {type(r).__name__}")
+        prompts.append(token_ids(f"requests[{i}].prompt_ids", r.prompt_ids, vocab_size, owner))
+        if not prompts[-1]:
+            raise ValueError(f"requests[{i}] has an empty prompt")
+    return prompts
+
+
+def check_store(name: str, store) -> DraftStore:
+    """``store`` if it is a :class:`~spec_rl.drafts.cache.DraftStore`, else a TypeError naming ``name``."""
+    if not isinstance(store, DraftStore):
+        raise TypeError(f"{name} must be a DraftStore (RolloutCache, DirectoryDraftStore), got {type(store).__name__}")
+    return store
+
+
+def check_draft_ids(drafts: Sequence[Draft | None], rows: Sequence[int], vocab_size: int | None, owner: str) -> None:
+    """Refuse a stored draft (``drafts[i]`` for i in ``rows``) with an id outside [0, vocab_size).
+
+    Raises:
+        ValueError: naming the request; such a store was filled by another model or tokenizer.
+    """
+    for i in rows:
+        ids = drafts[i].token_ids
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or (vocab_size is not None and high >= vocab_size):
+            where = f"[0, {vocab_size}) (the vocabulary of {owner})" if vocab_size else "the ids >= 0"
+            raise ValueError(
+                f"the stored draft of requests[{i}] holds token id {low if low < 0 else high} outside {where}: the "
+                "store was filled by another model or tokenizer; start from a fresh one"
+            )
+
+
+def check_unique_samples(keys: Sequence) -> None:
+    """Refuse two requests with one cache key (same prompt, slot and dataset id).
+
+    They would share one cache entry (the second response overwrites the first) and one uid, so
+    the same sampling uniforms: both would get the same response. Refused rather than warned
+    about, since a warning would still train on duplicated samples and lose one of the drafts.
+
+    Raises:
+        ValueError: naming both request indices.
+    """
+    first: dict[bytes, int] = {}
+    for i, key in enumerate(keys):
+        j = first.setdefault(key.digest, i)
+        if j != i:
+            raise ValueError(
+                f"requests[{j}] and requests[{i}] are the same sample (same prompt, slot and dataset_id): they would "
+                "share one cache entry and one sampling key; give the samples of a prompt distinct slots 0..G-1, "
+                "and repeated prompts distinct dataset_id values"
+            )
+
+
+@dataclass
+class RolloutStats:
+    """Per-step rollout statistics (tokens, samples, seconds).
+
+    ``reprefill_tokens``: tokens of [prompt, verified prefix, token] contexts that
+    the backend had to prefill again after the scoring pass (0 with a splicing backend).
+    ``decode_steps``: sequential generation forwards after the scoring pass (what sets the
+    time of a memory-bound decode); ``longest_continuation``: most tokens any sample generated
+    (the token at n included); ``tail_proposed``/``tail_accepted``: history-drafted tokens
+    verified in decode steps and how many were accepted.
+    """
+
+    num_samples: int = 0
+    drafts_found: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    full_reuse_count: int = 0
+    tokens_generated: int = 0
+    vanilla_tokens: int = 0
+    scoring_seconds: float = 0.0
+    generation_seconds: float = 0.0
+    assembly_seconds: float = 0.0
+    reprefill_tokens: int = 0
+    decode_steps: int = 0
+    longest_continuation: int = 0
+    tail_proposed: int = 0
+    tail_accepted: int = 0
+    log_lenience: float = 0.0
+    reused_drift: float = 0.0
+
+    @property
+    def full_reuse_ratio(self) -> float:
+        """Fraction of all samples whose response was reused whole (no generation)."""
+        return self.full_reuse_count / self.num_samples if self.num_samples else 0.0
+
+    @property
+    def mean_verified_prefix(self) -> float:
+        """Mean verified-prefix length n (tokens) over samples that had a draft."""
+        return self.accepted_tokens / self.drafts_found if self.drafts_found else 0.0
+
+    @property
+    def rollout_seconds(self) -> float:
+        return self.scoring_seconds + self.generation_seconds + self.assembly_seconds
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(
+            full_reuse_ratio=self.full_reuse_ratio,
+            mean_verified_prefix=self.mean_verified_prefix,
+            rollout_seconds=self.rollout_seconds,
+            reused_tokens=self.accepted_tokens,
+        )
+        return d
+
+
+@dataclass
+class RolloutResult:
+    """Responses for B requests, in request order.
+
+    Attributes:
+        prompt_ids: B prompt id lists.
+        response_ids: B response id lists (EOS included when sampled).
+        logprobs: B lists of float log-probs of the response tokens under
+            the policy that ran this rollout (the "old" log-probs for PPO).
+        finish_reasons: "eos" or "length" (truncated at the budget).
+        verified_prefix_len: n per sample (0 when there was no draft).
+        draft_found: whether a draft existed for the sample.
+        stats: :class:`RolloutStats`.
+    """
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    logprobs: list[list[float]]
+    finish_reasons: list[str]
+    verified_prefix_len: list[int]
+    draft_found: list[bool]
+    stats: RolloutStats = field(default_factory=RolloutStats)
+
+    @property
+    def truncated(self) -> list[bool]:
+        return [r == "length" for r in self.finish_reasons]
+
+    def padded(self, pad_id: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        """Right-padded tensors: response_ids [B, R] int64, response_mask [B, R] bool, logprobs [B, R] float32."""
+        bsz = len(self.response_ids)
+        width = max([len(r) for r in self.response_ids] + [1])
+        ids = torch.full((bsz, width), pad_id, dtype=torch.long)
+        mask = torch.zeros((bsz, width), dtype=torch.bool)
+        lps = torch.zeros((bsz, width), dtype=torch.float32)
+        for b, (r, lp) in enumerate(zip(self.response_ids, self.logprobs)):
+            ids[b, : len(r)] = torch.tensor(r, dtype=torch.long)
+            mask[b, : len(r)] = True
+            lps[b, : len(r)] = torch.tensor(lp, dtype=torch.float32)
+        return {"response_ids": ids.to(device), "response_mask": mask.to(device), "logprobs": lps.to(device)}

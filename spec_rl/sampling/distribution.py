@@ -1,0 +1,327 @@
+"""The sampling distribution: temperature, top-k and top-p applied to logits.
+
+SPEC-RL compares log-probabilities of the *sampling* distribution (paper
+Sec. 3; docs/design.md, rule step 1): the draft was drawn from softmax(process(logits)), so it must be
+re-scored with exactly the same processing. Generation backends and the
+verifier both call :func:`sampling_log_softmax`, so they cannot drift apart.
+
+Order of operations (as in transformers' and vLLM's samplers): divide by the
+temperature, then keep the top-k logits (ties at the k-th value are kept),
+then keep the smallest set of highest-probability tokens whose mass reaches
+top_p (the token that crosses top_p is kept). Tokens outside the support get
+log-probability -inf.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+import torch
+
+from ..util.validation import check_int, check_real
+from .philox import STREAM_SAMPLE, philox_uniform
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How responses are sampled; drafts are only reused under equal settings.
+
+    Attributes:
+        temperature: softmax temperature, > 0 (greedy decoding is not
+            supported: it has no usable log-probabilities).
+        top_p: nucleus mass in (0, 1]; 1 disables it.
+        top_k: number of top logits kept; 0 disables it.
+        max_tokens: maximum response length in tokens (the budget before the
+            model-length cap), >= 1.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        # Stored as plain Python numbers (numpy scalars included), so equal settings compare, hash and
+        # serialise equal; bools and strings are refused rather than read as numbers.
+        temperature = check_real("temperature", self.temperature)
+        if not (math.isfinite(temperature) and temperature > 0):
+            raise ValueError(
+                f"temperature must be a finite number > 0, got {temperature} "
+                "(greedy decoding has no usable log-probabilities; use e.g. temperature=0.1)"
+            )
+        top_p = check_real("top_p", self.top_p)
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p} (use 1.0 to disable nucleus sampling)")
+        top_k = check_int("top_k", self.top_k, low=0, hint=" (use 0 to disable top-k)")
+        max_tokens = check_int("max_tokens", self.max_tokens, low=1, hint=" (the response budget in tokens)")
+        for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("max_tokens", max_tokens)):
+            object.__setattr__(self, name, value)
+
+    def same_distribution(self, other: "SamplingSettings") -> bool:
+        """True when ``other`` samples from the same distribution (temperature, top_p, top_k equal).
+
+        The budget ``max_tokens`` does not change any token's log-prob, only where a response is
+        cut, so drafts recorded under another budget can still be scored (see
+        :func:`spec_rl.drafts.cache.draft_fits`).
+        """
+        return (self.temperature, self.top_p, self.top_k) == (other.temperature, other.top_p, other.top_k)
+
+    @classmethod
+    def from_dict(cls, data, name: str = "settings") -> "SamplingSettings":
+        """Settings from :meth:`to_dict`'s output (e.g. read back from a file).
+
+        Raises:
+            ValueError: ``data`` is not a dict, or has fields the settings do not have.
+            TypeError, ValueError: a field of the wrong type or value (as the constructor).
+        """
+        names = [f.name for f in fields(cls)]
+        if not isinstance(data, dict):
+            raise ValueError(f"{name} must be an object with fields {names}, got {type(data).__name__}")
+        unknown = sorted(set(data) - set(names))
+        if unknown:
+            raise ValueError(f"{name} has unknown fields {unknown} (expected {names})")
+        return cls(**data)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def budget(self, prompt_len: int, max_model_len: int) -> int:
+        """Response budget in tokens before reuse: ``min(max_tokens, max_model_len - prompt_len)`` (may be <= 0)."""
+        return min(int(self.max_tokens), int(max_model_len) - int(prompt_len))
+
+    @property
+    def is_plain(self) -> bool:
+        """True when the distribution is softmax(logits / T) over the full vocabulary."""
+        return self.top_k == 0 and self.top_p >= 1.0
+
+
+def check_settings(settings, name: str = "settings") -> SamplingSettings:
+    """``settings`` itself, or a TypeError when it is not a :class:`SamplingSettings` (e.g. a dict or None)."""
+    if not isinstance(settings, SamplingSettings):
+        raise TypeError(
+            f"{name} must be a SamplingSettings, got {type(settings).__name__} "
+            "(build one with SamplingSettings(temperature=..., top_p=..., top_k=..., max_tokens=...))"
+        )
+    return settings
+
+
+def _raise_if_no_distribution(total: torch.Tensor, labels=None) -> None:
+    """ValueError naming the rows whose probability mass ``total`` [N] is NaN or 0 (one host sync).
+
+    ``labels(r)`` describes row r (e.g. its uid and position)."""
+    bad = ~(total > 0)  # NaN compares False
+    if not bool(bad.any()):
+        return
+    rows = torch.nonzero(bad).flatten().tolist()
+    named = ", ".join(f"row {r}" + (f" ({labels(r)})" if labels else "") for r in rows[:8]) + (", ..." if len(rows) > 8 else "")
+    raise ValueError(
+        f"logits {named} {'has' if len(rows) == 1 else 'have'} no sampling distribution: NaN or +inf logits, or "
+        "every token has probability 0 after temperature/top-k/top-p. The policy forward produced invalid "
+        "scores: check it for overflow (fp16/bf16) or fully masked rows"
+    )
+
+
+def sampling_log_softmax(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Log-probabilities of the sampling distribution over the vocabulary.
+
+    Args:
+        logits: [..., V] raw logits, any float dtype.
+        temperature: > 0.
+        top_k: 0 disables; otherwise keep the k largest (ties kept).
+        top_p: 1 disables; otherwise nucleus filtering.
+        dtype: computation/output dtype (float32 by default; float64 for
+            references).
+
+    Returns:
+        [..., V] tensor of ``dtype``; -inf outside the support.
+    """
+    x = logits.to(dtype) / float(temperature)
+    vocab = x.shape[-1]
+    if top_k and top_k < vocab:
+        kth = torch.topk(x, int(top_k), dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        drop_sorted = mass_before >= top_p
+        drop_sorted[..., 0] = False  # always keep the most likely token
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return torch.log_softmax(x, dim=-1)
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Log-probability of ``token_ids`` under the sampling distribution.
+
+    Args:
+        logits: [..., V].
+        token_ids: [...] integer ids in [0, V).
+
+    Returns:
+        [...] tensor of ``dtype``.
+    """
+    logp = sampling_log_softmax(logits, temperature, top_k, top_p, dtype=dtype)
+    return logp.gather(-1, token_ids.long().unsqueeze(-1)).squeeze(-1)
+
+
+@torch.no_grad()  # sampling is never differentiated: no graph over [N, V]
+def sample_tokens(
+    logits: torch.Tensor,
+    settings: SamplingSettings,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row and return it with its sampling log-probability.
+
+    Args:
+        logits: [B, V].
+        settings: the sampling settings.
+        generator: optional torch generator on ``logits``' device.
+
+    Returns:
+        (token_ids [B] int64, logprobs [B] float32).
+
+    Raises:
+        TypeError: ``settings`` is not a :class:`SamplingSettings`.
+        ValueError: a row without a distribution (NaN or +inf logits, or no token left).
+    """
+    check_settings(settings)
+    logp = sampling_log_softmax(logits, settings.temperature, settings.top_k, settings.top_p)
+    probs = logp.exp()
+    _raise_if_no_distribution(probs.sum(-1))  # instead of multinomial's "invalid distribution" error
+    ids = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return ids, logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+
+
+@torch.no_grad()  # sampling is never differentiated: no graph over [N, V]
+def keyed_sample(
+    logits: torch.Tensor,
+    settings: SamplingSettings,
+    seed: int,
+    uids: torch.Tensor,
+    positions: torch.Tensor,
+    exclude: torch.Tensor | None = None,
+    index: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row by inverse CDF with a keyed uniform (docs/design.md "Randomness").
+
+    Row r draws ``u = philox_uniform(seed, uids[r], positions[r], STREAM_SAMPLE)`` and returns the
+    first token whose cumulative probability reaches ``u`` (vocabulary order, float64 sums). The
+    result is a pure function of (seed, uid, position, logits): the same whatever the batch
+    composition, so a sequence decoded one token per step and the same sequence decoded with
+    speculative multi-token steps produce the same tokens.
+
+    Parameters
+    ----------
+    logits : [N, V] float tensor
+    settings : the sampling settings (temperature, top-k, top-p)
+    seed : 64-bit seed
+    uids : [N] int64 per-sequence ids
+    positions : [N] int64 absolute positions of the sampled tokens in their sequences
+    exclude : [N] int64, optional
+        Token to remove from row r's distribution before sampling (renormalised): the residual of
+        exact speculative sampling with a point-mass draft. A row whose whole mass sits on the
+        excluded token samples from the full distribution instead.
+    index : [N] int64, optional
+        Row r samples from ``logits[index[r]]`` (``logits`` then holds U distinct rows, computed
+        once: e.g. the G samples of a group at the same draft position); not with ``exclude``.
+
+    Returns
+    -------
+    (token_ids [N] int64, logprobs [N] float32): logprobs are under the *full* sampling
+    distribution (the policy's log-prob of the token), also for residual samples.
+
+    Raises
+    ------
+    TypeError
+        ``settings`` is not a :class:`SamplingSettings`, or ``seed`` is not an integer.
+    ValueError
+        A row without a distribution (NaN or +inf logits, or every token -inf), named with its uid
+        and position; logits not [N, V]; uids, positions, exclude or index of another length than
+        the samples, or exclude outside [0, V), index outside [0, N_logits).
+    TypeError
+        uids, positions, exclude or index not integer tensors.
+    """
+    check_settings(settings)
+    seed = check_int("seed", seed, hint=" (a 64-bit seed, taken modulo 2**64)")
+    if index is not None and exclude is not None:
+        raise ValueError("keyed_sample takes index or exclude, not both (index logits[index] first)")
+    uids, positions, exclude, index = _checked_rows(logits, uids, positions, exclude, index)
+    logp = sampling_log_softmax(logits, settings.temperature, settings.top_k, settings.top_p)
+    probs = logp.exp().double()  # exp in float32, sums in float64
+    if exclude is not None:
+        rows = torch.arange(probs.shape[0], device=probs.device)
+        residual = probs.clone()
+        residual[rows, exclude.long()] = 0.0
+        empty = residual.sum(-1) <= 0
+        probs = torch.where(empty.unsqueeze(-1), probs, residual)
+    cdf = torch.cumsum(probs, dim=-1)
+    total = cdf[:, -1] if index is None else cdf[:, -1][index]
+    _raise_if_no_distribution(total, lambda r: f"uid {int(uids[r])}, position {int(positions[r])}")
+    u = philox_uniform(seed, uids.to(torch.int64), positions.to(torch.int64), stream=STREAM_SAMPLE).double()
+    target = u * total
+    if index is None:
+        ids = torch.searchsorted(cdf, target.unsqueeze(-1)).squeeze(-1).clamp(max=probs.shape[-1] - 1)
+        return ids, logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    ids = _search_shared_rows(cdf, index, target).clamp(max=probs.shape[-1] - 1)
+    return ids, logp[index, ids]
+
+
+def _index_vector(name: str, t, n: int | None, high: int | None = None) -> torch.Tensor:
+    """``t`` as an int64 1-D tensor of length ``n`` (any length when None), values in [0, high) when given;
+    else a TypeError/ValueError naming ``name``."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a 1-D integer torch.Tensor, got {type(t).__name__}")
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
+    if t.dim() != 1 or (n is not None and t.shape[0] != n):
+        raise ValueError(f"{name} must have shape [{'N' if n is None else n}] (one entry per sample), got {list(t.shape)}")
+    if high is not None and t.numel() and (int(t.min()) < 0 or int(t.max()) >= high):
+        raise ValueError(f"{name} holds values outside [0, {high}): min {int(t.min())}, max {int(t.max())}")
+    return t.long()
+
+
+def _checked_rows(logits, uids, positions, exclude, index):
+    """keyed_sample's per-sample arguments, checked against the logits [U, V] (U = N without ``index``)."""
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+        got = list(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise ValueError(f"logits must be a [N, V] tensor, got {got}")
+    if index is not None:
+        index = _index_vector("index", index, None, high=logits.shape[0])
+    n = logits.shape[0] if index is None else index.shape[0]
+    if exclude is not None:
+        exclude = _index_vector("exclude", exclude, n, high=logits.shape[1])
+    return _index_vector("uids", uids, n), _index_vector("positions", positions, n), exclude, index
+
+
+def _search_shared_rows(cdf: torch.Tensor, index: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``searchsorted(cdf[index], target)`` without forming cdf[index] [N, V]: the targets of each
+    distinct row are laid out as one row of a [U, K] table (K = most samples of one row), searched at once.
+    The comparisons are the same as on ``cdf[index]``, so the tokens are too."""
+    if index.numel() == 0:
+        return index.clone()
+    order = torch.argsort(index, stable=True)
+    counts = torch.bincount(index, minlength=cdf.shape[0])
+    starts = torch.cumsum(counts, 0) - counts
+    sorted_rows = index[order]
+    rank = torch.arange(index.shape[0], device=index.device) - starts[sorted_rows]
+    table = torch.full((cdf.shape[0], int(counts.max())), 2.0, dtype=cdf.dtype, device=cdf.device)  # 2.0: unused slots
+    table[sorted_rows, rank] = target[order]
+    found = torch.searchsorted(cdf, table)
+    ids = torch.empty_like(index)
+    ids[order] = found[sorted_rows, rank]
+    return ids

@@ -1,0 +1,232 @@
+"""Score the G drafts of a group in one row: the prompt once, then the trie of the drafts (tree attention).
+
+The G samples of a GRPO group share their prompt, and their drafts (last epoch's G responses) often
+share long prefixes too: on the demo task the trie of a group's 4 drafts holds about half of their
+tokens. Packing the prompt and that trie into a single sequence, with an attention mask that lets
+every token see exactly its ancestors and positions equal to the depth in the tree, computes every
+distinct (prefix, next token) once. The outputs are the same as scoring each [prompt, draft]
+separately (same keys, values and positions for every query), up to floating-point summation order.
+
+Layout of one packed row (preorder of the tree, so the subtree of node j is the index range
+``[j, j + size[j])`` and "j is an ancestor of i" is ``j <= i < j + size[j]``)::
+
+    prompt tokens 0 .. P-1 (a chain), then the drafts' trie below the last prompt token
+
+Draft token i of a draft is scored at the node of token i - 1, and token 0 at the last prompt token
+(paper Sec. 3, docs/design.md "The rule", step 1). The path of a draft (prompt positions, then its
+nodes) is what a continuation needs as its KV context.
+"""
+
+from __future__ import annotations
+
+import array
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+#: attention implementations whose masks we know how to build (bool for sdpa, additive for eager)
+TREE_ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
+
+
+def int64_tensor(values: Iterable[int]) -> torch.Tensor:
+    """A CPU int64 tensor of Python ints, built through ``array.array`` (3-4x faster than ``torch.tensor``
+    on a list: that was ~5% of a demo scoring call)."""
+    buf = array.array("q", values)
+    return torch.frombuffer(buf, dtype=torch.int64) if len(buf) else torch.zeros(0, dtype=torch.int64)
+
+
+def rows_by_prompt(prompts: Sequence[Sequence[int]]) -> dict[tuple[int, ...], list[int]]:
+    """Row indices grouped by prompt (identical token ids), groups in order of first appearance."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, p in enumerate(prompts):
+        groups.setdefault(tuple(p) if isinstance(p, list) else tuple(int(t) for t in p), []).append(i)
+    return groups
+
+
+def as_id_lists(seqs: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Each sequence as a list of ints (lists are taken as they are: the rollout passes int lists)."""
+    return [s if isinstance(s, list) else [int(t) for t in s] for s in seqs]
+
+
+@dataclass
+class PackedGroup:
+    """One packed row: the prompt and the trie of its drafts, in preorder.
+
+    Attributes:
+        tokens: token id per position.
+        depth: position id per position (the distance from the first prompt token).
+        size: subtree size per position.
+        members: indices (into the caller's draft list) of the drafts packed here.
+        score_pos: per member, the positions whose outputs score its tokens.
+        node_pos: per member, the position of each of its tokens.
+        prompt_len: P.
+    """
+
+    tokens: list[int]
+    depth: list[int]
+    size: list[int]
+    members: list[int] = field(default_factory=list)
+    score_pos: list[list[int]] = field(default_factory=list)
+    node_pos: list[list[int]] = field(default_factory=list)
+    prompt_len: int = 0
+
+    def path(self, member: int, n: int) -> list[int]:
+        """Positions of [prompt, the member's first n tokens]: its KV context after a cut at n."""
+        return list(range(self.prompt_len)) + self.node_pos[member][:n]
+
+
+def _pack_group(prompt: Sequence[int], drafts: Sequence[Sequence[int]], members: list[int]) -> PackedGroup:
+    """Lay out the trie in preorder from the drafts sorted lexicographically.
+
+    In sorted order each draft adds the tokens after its longest common prefix (LCP) with the draft
+    before it, contiguously: that is the trie's preorder (children by token id). The subtree of the
+    node at depth e of draft j ends where the first later draft with LCP <= e begins.
+    """
+    plen = len(prompt)
+    order = sorted(range(len(drafts)), key=lambda k: drafts[k])
+    tokens, depth = list(prompt), list(range(plen))
+    node_pos: list[list[int]] = [[] for _ in drafts]
+    laid = []  # per sorted draft: (first new position, LCP, length)
+    prev: list[int] = []
+    for k in order:
+        d = drafts[k]
+        lcp, most = 0, min(len(prev), len(d))
+        while lcp < most and prev[lcp] == d[lcp]:
+            lcp += 1
+        base = len(tokens)
+        tokens += d[lcp:]
+        depth += range(plen + lcp, plen + len(d))
+        node_pos[k] = (node_pos[order[len(laid) - 1]][:lcp] if laid else []) + list(range(base, base + len(d) - lcp))
+        laid.append((base, lcp, len(d)))
+        prev = d
+    total = len(tokens)
+    end = [total] * total  # the prompt chain and the last branches reach the end of the row
+    for j, (base, lcp, length) in enumerate(laid):
+        reach = length  # depths below `reach` still look for a later draft that leaves their subtree
+        for later_base, later_lcp, _ in laid[j + 1 :]:
+            if later_lcp < reach:
+                lo = max(later_lcp, lcp)
+                end[base + lo - lcp : base + reach - lcp] = [later_base] * (reach - lo)
+                reach = later_lcp
+            if reach <= lcp:
+                break
+    group = PackedGroup(tokens, depth, [e - i for i, e in enumerate(end)], members=members, prompt_len=plen)
+    for pos in node_pos:
+        group.node_pos.append(pos)
+        group.score_pos.append(([plen - 1] + pos[:-1]) if pos else [])
+    return group
+
+
+def pack_groups(prompts: Sequence[Sequence[int]], drafts: Sequence[Sequence[int]]) -> list[PackedGroup]:
+    """Group rows by prompt (identical token ids) and pack each group; every prompt must be non-empty."""
+    as_ints = as_id_lists(drafts)
+    return [_pack_group(list(key), [as_ints[i] for i in rows], rows) for key, rows in rows_by_prompt(prompts).items()]
+
+
+def tree_inputs(groups: Sequence[PackedGroup], pad_id: int, device: torch.device, additive_dtype: torch.dtype | None = None):
+    """input_ids [B, T], position_ids [B, T] and a 4-D attention mask [B, 1, T, T] for packed rows.
+
+    The mask is bool (True = attend) for SDPA, or additive (0 / dtype min) when ``additive_dtype``
+    is given (eager attention). Padding positions attend to themselves only, so no softmax row is empty.
+    """
+    width = max(len(g.tokens) for g in groups)
+    bsz = len(groups)
+    ids = torch.full((bsz, width), int(pad_id), dtype=torch.long)
+    pos = torch.zeros((bsz, width), dtype=torch.long)
+    start = torch.arange(width).unsqueeze(0).repeat(bsz, 1)  # pads: subtree = themselves
+    end = start + 1
+    # one host tensor per field for the whole chunk: row-major order of `filled` is the concatenation order
+    filled = start < int64_tensor([len(g.tokens) for g in groups]).unsqueeze(1)
+    ids[filled] = int64_tensor([t for g in groups for t in g.tokens])
+    pos[filled] = int64_tensor([d for g in groups for d in g.depth])
+    end[filled] = start[filled] + int64_tensor([z for g in groups for z in g.size])
+    i = torch.arange(width).view(1, width, 1)
+    j = torch.arange(width).view(1, 1, width)
+    # query i sees key j iff j is an ancestor of i (or i itself): j <= i < j + size[j]
+    mask = (j <= i) & (i < end.unsqueeze(1))
+    mask = mask.unsqueeze(1).to(device)
+    if additive_dtype is not None:
+        mask = torch.zeros(mask.shape, dtype=additive_dtype, device=device).masked_fill(~mask, torch.finfo(additive_dtype).min)
+    return ids.to(device), pos.to(device), mask
+
+
+def gather_scores(states: torch.Tensor, groups: Sequence[PackedGroup], out: torch.Tensor, same_as: torch.Tensor) -> None:
+    """Copy each member's scoring outputs from ``states`` [B, T, W] (row b = groups[b]) into ``out`` [N, R, W].
+
+    ``same_as`` [N, R] (see :class:`~spec_rl.acceptance.scores.DraftScores`) gets, for every copied entry, the
+    flat index of the first entry copied from the same (row, position): drafts sharing a prefix.
+    """
+    # one list of positions, the rest as segment arithmetic (per-token Python lists were ~4% of scoring)
+    row_of, member_of, lengths, cols = [], [], [], []
+    for b, g in enumerate(groups):
+        for member, positions in zip(g.members, g.score_pos):
+            row_of.append(b)
+            member_of.append(member)
+            lengths.append(len(positions))
+            cols += positions
+    if not cols:
+        return
+    dev, width = states.device, states.shape[-1]
+    lens = int64_tensor(lengths)
+    starts = torch.cumsum(lens, 0) - lens
+    dst_col = torch.arange(len(cols)) - torch.repeat_interleave(starts, lens)
+    src = torch.repeat_interleave(int64_tensor(row_of), lens) * states.shape[1] + int64_tensor(cols)
+    dst = torch.repeat_interleave(int64_tensor(member_of), lens) * out.shape[1] + dst_col
+    out.view(-1, width).index_copy_(0, dst.to(dev), states.reshape(-1, width).index_select(0, src.to(dev)).to(out.dtype))
+    key_index = torch.unique(src, return_inverse=True)[1]
+    first = torch.full((int(key_index.max()) + 1,), out.shape[0] * out.shape[1], dtype=torch.long)
+    first = first.scatter_reduce(0, key_index, dst, "amin")  # per distinct output: its first entry
+    same_as.view(-1)[dst.to(same_as.device)] = first[key_index].to(same_as.device)
+
+
+def supports_tree_attention(model) -> bool:
+    """True when the model's attention takes our custom 4-D masks (SDPA or eager, no sliding window)."""
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return False
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    if getattr(text, "use_sliding_window", False) or "sliding_attention" in (getattr(text, "layer_types", None) or []):
+        return False
+    return getattr(cfg, "_attn_implementation", None) in TREE_ATTENTION_IMPLEMENTATIONS
+
+
+def chunk_groups(groups: Sequence[PackedGroup], max_tokens: int) -> list[list[PackedGroup]]:
+    """Groups sorted by packed length, cut so each chunk's padded size (rows x longest) fits ``max_tokens``."""
+    chunks: list[list[PackedGroup]] = []
+    for g in sorted(groups, key=lambda g: len(g.tokens)):
+        if chunks and len(g.tokens) * (len(chunks[-1]) + 1) <= max_tokens:
+            chunks[-1].append(g)
+        else:
+            chunks.append([g])
+    return chunks
+
+
+@dataclass
+class TreeKV:
+    """Keys and values of a tree-packed scoring forward, kept so a continuation needs no second prefill.
+
+    ``chunks[c]`` holds one forward's groups and its per-layer K/V [rows, kv_heads, T, head_dim];
+    ``where[i]`` locates draft i as (chunk, row in the chunk, member index in the group).
+    """
+
+    chunks: list[tuple[list[PackedGroup], list[tuple[torch.Tensor, torch.Tensor]]]] = field(default_factory=list)
+    where: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+
+    def add(self, groups: list[PackedGroup], layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        c = len(self.chunks)
+        self.chunks.append((groups, layers))
+        for row, g in enumerate(groups):
+            for m, draft in enumerate(g.members):
+                self.where[draft] = (c, row, m)
+
+    def prompt_len(self, draft: int) -> int:
+        c, row, _ = self.where[draft]
+        return self.chunks[c][0][row].prompt_len
+
+    def context(self, draft: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (keys [H, P + n, D], values) of [prompt, the draft's first n tokens]."""
+        c, row, m = self.where[draft]
+        groups, layers = self.chunks[c]
+        idx = torch.tensor(groups[row].path(m, n), device=layers[0][0].device)
+        return [(k[row].index_select(1, idx), v[row].index_select(1, idx)) for k, v in layers]

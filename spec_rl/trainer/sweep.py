@@ -1,0 +1,305 @@
+"""``spec-rl sweep``: the paper's lenience and random-reuse ablations (Tables 2-3) on the embedded task.
+
+One command trains every setting over several seeds from the same warm start (the demo policy) and
+writes a table and a plot: generated tokens, rollout seconds, decode steps and held-out reward
+(mean and standard deviation over seeds) per setting, each relative to vanilla, with the paper's
+numbers beside ours. Settings: vanilla GRPO, random reuse (ours: n uniform over 0..L; and the
+reference implementation's, n uniform over 0..L-1), the lenience grid {1, e^0.2, e^0.5, e^1, e^2,
+inf}, exact acceptance and adaptive lenience. Every non-vanilla setting decodes with tail
+speculation (it changes no token, only time); plain vanilla is the reference of every ratio.
+
+Each (setting, seed) is an ordinary run directory (``<out>/<setting>/seed<k>/``, written by
+:func:`spec_rl.trainer.run.run_modes`, crash-safe); a finished one is skipped, so an interrupted
+sweep continues where it stopped when run again with the same ``--out``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..util.atomic import atomic_write_text, remove_leftovers
+
+#: Held-out accuracy AVG, generated tokens (millions) and rollout speed-up reported by the paper
+#: (arXiv 2509.23232, Qwen3-1.7B GRPO; Table 3 lenience, Table 2 random reuse, Table 1 vanilla).
+PAPER = {
+    "vanilla": {"avg": 46.7, "tokens_m": None, "speedup": 1.0},
+    "random": {"avg": 43.1, "tokens_m": 305, "speedup": 2.35},
+    "l=1": {"avg": 46.6, "tokens_m": 419, "speedup": 1.22},
+    "l=e^0.2": {"avg": 47.3, "tokens_m": 247, "speedup": 1.86},
+    "l=e^0.5": {"avg": 48.0, "tokens_m": 183, "speedup": 2.29},
+    "l=e^1": {"avg": 45.4, "tokens_m": 123, "speedup": 2.91},
+    "l=e^2": {"avg": 41.5, "tokens_m": 114, "speedup": 3.05},
+    "l=inf": {"avg": 40.1, "tokens_m": 40, "speedup": 14.86},
+}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One row of the sweep: a run label of :data:`~spec_rl.trainer.config.MODE_PRESETS` and config overrides."""
+
+    name: str
+    mode: str
+    overrides: tuple[tuple[str, object], ...] = ()
+
+
+SETTINGS = (
+    Setting("vanilla", "vanilla"),
+    Setting("random", "random"),
+    Setting("random-ref", "random-ref"),
+    Setting("l=1", "spec", (("lenience", 1.0),)),
+    Setting("l=e^0.2", "spec", (("lenience", math.exp(0.2)),)),
+    Setting("l=e^0.5", "spec", (("lenience", math.exp(0.5)),)),
+    Setting("l=e^1", "spec", (("lenience", math.exp(1.0)),)),
+    Setting("l=e^2", "spec", (("lenience", math.exp(2.0)),)),
+    Setting("l=inf", "spec", (("lenience", math.inf),)),
+    Setting("exact", "exact"),
+    Setting("auto", "spec", (("lenience", "auto"),)),
+)
+
+#: name: (train prompts, epochs, held-out prompts, fresh samples per held-out prompt)
+PRESETS = {"small": (256, 4, 64, 4), "full": (256, 5, 128, 4)}
+
+
+def _run_totals(records: list[dict]) -> dict:
+    """One run's numbers: epochs >= 2 summed for the cost, the last epoch for quality."""
+    later = [r for r in records if r["epoch"] >= 2]
+    last = records[-1]
+    return {
+        "generated_tokens": sum(r["generated_tokens"] for r in later),
+        "rollout_seconds": sum(r["rollout_seconds"] for r in later),
+        "decode_steps": sum(r.get("decode_steps", 0) for r in later),
+        "heldout_reward": last.get("heldout_reward"),
+        "heldout_greedy_accuracy": last.get("heldout_greedy_accuracy"),
+        "heldout_reward_start": records[0].get("start_heldout_reward"),
+        "final_rollout_reward": last["mean_reward"],
+        "log_lenience": [r.get("log_lenience") for r in records],
+    }
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    values = [v for v in values if v is not None]
+    if not values:
+        return float("nan"), float("nan")
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def _paired_se(runs: list[dict], vanilla: list[dict]) -> float:
+    """Standard error of the mean per-seed held-out gap to vanilla (seed k against vanilla's seed k).
+
+    Pairing removes what the seeds share (the held-out draw, the prompt order); nan with < 2 pairs.
+    """
+    gaps = [r["heldout_reward"] - v["heldout_reward"] for r, v in zip(runs, vanilla)
+            if r["heldout_reward"] is not None and v["heldout_reward"] is not None]  # fmt: skip
+    if len(gaps) < 2:
+        return float("nan")
+    return statistics.stdev(gaps) / math.sqrt(len(gaps))
+
+
+def aggregate(results: dict[str, list[dict]]) -> list[dict]:
+    """Per setting: mean/std over seeds of every total, and ratios to vanilla's means."""
+    rows = []
+    base = {k: _mean_std([r[k] for r in results.get("vanilla", [])])[0] for k in ("generated_tokens", "rollout_seconds", "decode_steps")}
+    base_reward = _mean_std([r["heldout_reward"] for r in results.get("vanilla", [])])[0]
+    for name, runs in results.items():
+        row = {"setting": name, "seeds": len(runs)}
+        for key in ("generated_tokens", "rollout_seconds", "decode_steps", "heldout_reward", "heldout_greedy_accuracy"):
+            row[key], row[f"{key}_std"] = _mean_std([r[key] for r in runs])
+        for key in ("generated_tokens", "rollout_seconds", "decode_steps"):
+            row[f"{key}_ratio"] = row[key] / base[key] if base.get(key) else float("nan")
+        row["speedup"] = 1.0 / row["rollout_seconds_ratio"] if row["rollout_seconds_ratio"] else float("nan")
+        row["heldout_minus_vanilla"] = row["heldout_reward"] - base_reward
+        row["heldout_paired_se"] = _paired_se(runs, results.get("vanilla", []))
+        rows.append(row)
+    return rows
+
+
+def _num(x: float) -> str:
+    """Three decimals, or "-" where there is no value (a standard error over fewer than 2 seeds)."""
+    return "-" if x is None or math.isnan(x) else f"{x:.3f}"
+
+
+def markdown(rows: list[dict], info: dict) -> str:
+    """The sweep table in the layout of the paper's Tables 2-3, the paper's numbers beside ours."""
+    head = ("| setting | gen tokens (epochs 2+) | tokens vs vanilla | rollout s | speed-up | decode steps vs vanilla | "
+            "held-out reward (mean ± std) | vs vanilla (paired ± s.e.) | greedy acc. | paper tokens (M) | paper speed-up | paper AVG |")  # fmt: skip
+    lines = [f"Sweep: preset {info['preset']}, seeds {info['seeds']}, commit {info.get('commit')}, {info.get('date')}, "
+             f"device {info.get('device')}.", "", head, "|" + "---|" * 12]  # fmt: skip
+    for r in rows:
+        p = PAPER.get(r["setting"], {})
+        lines.append(
+            f"| {r['setting']} | {r['generated_tokens']:.0f} | {r['generated_tokens_ratio']:.3f} | {r['rollout_seconds']:.1f} | "
+            f"{r['speedup']:.2f}x | {r['decode_steps_ratio']:.3f} | {r['heldout_reward']:.3f} ± {r['heldout_reward_std']:.3f} | "
+            f"{r['heldout_minus_vanilla']:+.3f} ± {_num(r['heldout_paired_se'])} | {r['heldout_greedy_accuracy']:.3f} | {p.get('tokens_m') or '-'} | "
+            f"{(str(p['speedup']) + 'x') if p.get('speedup') else '-'} | {p.get('avg', '-')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> Path:
+    """Tokens ratio and speed-up (left), held-out reward with the std over seeds (right), per setting."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["setting"] for r in rows]
+    x = range(len(rows))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5))
+    a.bar([i - 0.2 for i in x], [r["generated_tokens_ratio"] for r in rows], width=0.4, label="generated tokens vs vanilla")
+    a.bar([i + 0.2 for i in x], [r["rollout_seconds_ratio"] for r in rows], width=0.4, label="rollout time vs vanilla")
+    a.set_xticks(list(x), names, rotation=40, ha="right")
+    a.set_title("cost relative to vanilla (epochs 2+)")
+    a.legend()
+    a.grid(alpha=0.3, axis="y")
+    b.errorbar(list(x), [r["heldout_reward"] for r in rows], yerr=[r["heldout_reward_std"] for r in rows], fmt="o", capsize=4)
+    b.axhline(rows[0]["heldout_reward"] if rows and rows[0]["setting"] == "vanilla" else float("nan"), color="gray", ls="--", lw=1)
+    b.set_xticks(list(x), names, rotation=40, ha="right")
+    b.set_title("held-out reward after the last epoch (mean ± std over seeds)")
+    b.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def run_sweep(
+    model_path: str | Path,
+    train_examples,
+    eval_examples,
+    reward_fn: Callable[[str, str], float],
+    base_config,
+    out_dir: str | Path,
+    preset: str,
+    seeds: int,
+    settings=SETTINGS,
+    log: Callable[[str], None] = print,
+    progress: bool = True,
+) -> list[dict]:
+    """Train every (setting, seed) not finished yet, then write sweep.json, sweep.md and sweep.png.
+
+    Raises:
+        ValueError: an unknown preset or a number of seeds < 1.
+    """
+    from .run import run_modes
+
+    if preset not in PRESETS:
+        raise ValueError(f"preset must be one of {list(PRESETS)}, got {preset!r}")
+    if isinstance(seeds, bool) or int(seeds) != seeds or seeds < 1:
+        raise ValueError(f"seeds must be an integer >= 1, got {seeds!r}")
+    out_dir = Path(out_dir)
+    todo = [(s, k) for s in settings for k in range(int(seeds))]
+    bar = _progress(len(todo), progress)
+    results: dict[str, list[dict]] = {s.name: [] for s in settings}
+    for setting, k in todo:
+        run_dir = out_dir / setting.name / f"seed{k}"
+        summary = run_dir / "summary.json"
+        if summary.is_file() and _finished(summary, setting.mode, base_config.epochs):
+            remove_leftovers(run_dir)  # temporary files of a writer killed after the summary was committed
+            log(f"{setting.name} seed {k}: finished earlier, skipped")
+        else:
+            cfg = dataclasses.replace(base_config, seed=base_config.seed + k, **dict(setting.overrides))
+            run_modes(model_path, train_examples, reward_fn, cfg, [setting.mode], run_dir, progress=False,
+                      resume=run_dir.is_dir() and any(run_dir.iterdir()), log=lambda _m: None, eval_examples=eval_examples)  # fmt: skip
+        data = json.loads(summary.read_text())
+        results[setting.name].append(_run_totals(data[setting.mode]))
+        bar.update(1)
+    bar.close()
+    rows = aggregate(results)
+    info = _info(preset, seeds, base_config)
+    atomic_write_text(out_dir / "sweep.json", json.dumps({"info": info, "rows": rows, "runs": results}, indent=2, default=str))
+    atomic_write_text(out_dir / "sweep.md", markdown(rows, info))
+    plot(rows, out_dir / "sweep.png")
+    return rows
+
+
+def _finished(summary: Path, mode: str, epochs: int) -> bool:
+    try:
+        records = json.loads(summary.read_text()).get(mode, [])
+    except (OSError, ValueError):
+        return False
+    return len(records) >= epochs
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="sweep runs", unit="run", disable=not enabled)
+
+
+def _commit() -> str:
+    """The checkout's git commit (with -dirty for uncommitted changes), or "unknown" outside a checkout."""
+    import subprocess
+
+    here = Path(__file__).resolve().parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=here, capture_output=True, text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return sha[:12] + ("-dirty" if dirty else "")
+
+
+def _info(preset: str, seeds: int, config) -> dict:
+    import platform
+
+    import torch
+
+    return {"preset": preset, "seeds": seeds, "date": time.strftime("%Y-%m-%d %H:%M"), "commit": _commit(),
+            "device": f"{config.device} ({platform.machine()}, {torch.get_num_threads()} threads)",
+            "torch": torch.__version__, "python": platform.python_version(), "config": config.to_dict()}  # fmt: skip
+
+
+# ---------------------------------------------------------------------- command line
+def add_parser(sub) -> None:
+    """Register ``spec-rl sweep`` on the CLI's subparsers."""
+    s = sub.add_parser(
+        "sweep",
+        help="the paper's lenience / random-reuse ablations (Tables 2-3) over several seeds on the demo task",
+        description=__doc__.split("\n\n")[0],
+    )
+    s.add_argument("--preset", choices=list(PRESETS), default="full",
+                   help="small: 256 prompts, 4 epochs, 64 held-out prompts x 4 (about 25 minutes for 3 seeds on 2 CPU cores); "
+                   "full: the demo's 256 prompts, 5 epochs, 128 held-out prompts x 4 (about 40 minutes; default)")  # fmt: skip
+    s.add_argument("--seeds", type=int, default=3, help="training seeds per setting (default 3)")
+    s.add_argument("--settings", help="comma-separated subset of: " + ", ".join(x.name for x in SETTINGS))
+    s.add_argument("--out", default="runs/sweep", help="sweep directory (a finished run is skipped: rerun to continue)")
+    s.add_argument("--cache-dir", help="where the demo policy is cached (default $SPEC_RL_CACHE or ~/.cache/spec-rl)")
+    s.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def cmd_sweep(args) -> int:
+    """Run the sweep from the parsed ``spec-rl sweep`` arguments; prints the table."""
+    from ..tasks.demo_data import demo_eval_set, demo_train_set
+    from ..tasks.demo_policy import build_demo_policy
+    from ..tasks.rewards import math_reward
+    from .config import DEMO_DEFAULTS, GRPOConfig
+
+    settings = SETTINGS
+    if args.settings is not None:
+        names = [x.strip() for x in args.settings.split(",") if x.strip()]
+        known = {x.name: x for x in SETTINGS}
+        bad = [n for n in names if n not in known]
+        if bad or not names:
+            raise ValueError(f"--settings takes {', '.join(known)}; got {args.settings!r}")
+        settings = tuple(known[n] for n in names if n in known)
+        if "vanilla" not in names:
+            settings = (known["vanilla"],) + settings  # every ratio is to vanilla
+    if args.no_progress:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # "Loading weights" / "Writing model shards" bars
+    prompts, epochs, eval_prompts, eval_samples = PRESETS[args.preset]
+    model_path = build_demo_policy(cache_dir=args.cache_dir, progress=not args.no_progress)
+    base = GRPOConfig(**{**DEMO_DEFAULTS, "epochs": epochs, "eval_samples": eval_samples})
+    rows = run_sweep(model_path, demo_train_set()[:prompts], demo_eval_set()[:eval_prompts], math_reward, base,
+                     args.out, args.preset, args.seeds, settings, progress=not args.no_progress)  # fmt: skip
+    print((Path(args.out) / "sweep.md").read_text())
+    print(f"table: {Path(args.out) / 'sweep.md'}, plot: {Path(args.out) / 'sweep.png'}, data: {Path(args.out) / 'sweep.json'}")
+    return 0

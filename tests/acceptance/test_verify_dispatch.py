@@ -1,0 +1,60 @@
+"""verify() dispatch: the Triton backend gives the reference's decisions; auto stays on the reference on CPU."""
+
+import pytest
+import torch
+
+from spec_rl.acceptance.dispatch import verify
+
+kernels = pytest.importorskip("spec_rl.kernels")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(not kernels.is_available(DEVICE), reason="triton kernels not runnable here")
+
+
+def _case(seed=0, bsz=5, max_len=9, vocab=300, d=16):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(bsz, max_len, d, generator=g)
+    weight = torch.randn(vocab, d, generator=g) * 0.5
+    ids = torch.randint(0, vocab, (bsz, max_len), generator=g)
+    lengths = torch.tensor([0, 1, max_len, 4, 7])[:bsz]
+    logits = hidden @ weight.T
+    old = torch.log_softmax(logits / 0.8, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1) + torch.rand(bsz, max_len, generator=g) * 0.4 - 0.3
+    old = old.clamp(max=0)
+    return [t.to(DEVICE) for t in (hidden, weight, ids, lengths, logits, old)]
+
+
+@pytest.mark.parametrize("source", ["logits", "hidden"])
+def test_triton_backend_matches_reference(source):
+    hidden, weight, ids, lengths, logits, old = _case()
+    kw = dict(lengths=lengths, temperature=0.8, lenience=1.2, seed=77, uids=torch.arange(5, device=DEVICE) * 1000 + 3)
+    scores = dict(logits=logits) if source == "logits" else dict(hidden_states=hidden, lm_head_weight=weight)
+    ref = verify(ids, old, backend="reference", **scores, **kw)
+    tri = verify(ids, old, backend="triton", **scores, **kw)
+    assert torch.equal(ref.accepted_len.cpu(), tri.accepted_len.cpu())
+    assert torch.allclose(ref.new_logprobs.cpu(), tri.new_logprobs.cpu(), atol=1e-4)
+    assert ref.stats.to_dict() == tri.stats.to_dict()
+
+
+def test_triton_backend_raises_on_nan_and_on_top_k():
+    hidden, weight, ids, lengths, logits, old = _case(seed=1)
+    logits[2, 1, 5] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        verify(ids, old, logits=logits, lengths=lengths, backend="triton")
+    with pytest.raises(NotImplementedError):
+        verify(ids, old, logits=logits.nan_to_num(), lengths=lengths, backend="triton", top_k=5)
+    # auto falls back to the reference for top-k and still scans for NaN there.
+    with pytest.raises(ValueError, match="NaN"):
+        verify(ids, old, logits=logits, lengths=lengths, backend="auto", top_k=5)
+
+
+@pytest.mark.parametrize("source", ["logits", "hidden"])
+def test_triton_backend_random_reuse_matches_reference(source):
+    # strategy="random": the kernels only score (verify_padded(score_only=True)); n comes from the host draw.
+    hidden, weight, ids, lengths, logits, old = _case(seed=2)
+    kw = dict(lengths=lengths, temperature=0.8, lenience=1.2, seed=9, strategy="random", return_accept_mask=True)
+    scores = dict(logits=logits) if source == "logits" else dict(hidden_states=hidden, lm_head_weight=weight)
+    ref = verify(ids, old, backend="reference", **scores, **kw)
+    tri = verify(ids, old, backend="triton", **scores, **kw)
+    assert torch.equal(ref.accepted_len.cpu(), tri.accepted_len.cpu())
+    assert torch.equal(ref.accept_mask.cpu(), tri.accept_mask.cpu())
+    assert torch.allclose(ref.new_logprobs.cpu(), tri.new_logprobs.cpu(), atol=1e-4)
+    assert ref.stats.to_dict() == tri.stats.to_dict()

@@ -1,0 +1,98 @@
+"""Speculative decoding over the transformers cache is lossless: same tokens as one-token steps."""
+
+import random
+
+import pytest
+import torch
+from tiny_models import full_forward_logprobs, tiny_model
+
+from spec_rl.backends.hf_decode import DecodeRow, KVRows, SpeculativeDecoder, prefill
+from spec_rl.drafts.history import SuffixAutomaton, SuffixProposer
+from spec_rl.sampling.distribution import SamplingSettings
+
+PROMPTS = [[3, 11, 12, 13, 14], [3, 15, 16], [3, 17, 18, 19, 20, 21, 22], [4, 5], [6], [3, 11, 12, 13, 14]]
+
+
+def _decode(model, settings, budgets, max_k=0, automata=None, seed=7):
+    kv, logits = prefill(model, PROMPTS, pad_id=0)
+    dec = SpeculativeDecoder(model, settings, seed, eos_ids={1}, max_k=max_k, pad_id=0)
+    uids = [1000 + i for i in range(len(PROMPTS))]
+    toks, lps = dec.sample(logits.float(), uids, [len(p) for p in PROMPTS])
+    rows = []
+    for i, (p, t, lp, b) in enumerate(zip(PROMPTS, toks, lps, budgets)):
+        prop = SuffixProposer(automata[i], prefix=[t], max_k=max_k) if automata else None
+        row = DecodeRow(out=i, uid=uids[i], last=t, position=len(p), budget=b - 1, proposer=prop, tokens=[t], logprobs=[lp])
+        row.finish = "eos" if t == 1 else ("length" if b == 1 else None)
+        rows.append(row)
+    dec.run(kv, rows)
+    return rows, dec.counters
+
+
+def _noisy_copy(tokens, rng, vocab):
+    out = list(tokens)
+    for _ in range(max(1, len(out) // 6)):
+        if out:
+            out[rng.randrange(len(out))] = rng.randrange(3, vocab)
+    return out
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_speculation_gives_the_same_tokens_and_logprobs(temperature):
+    model = tiny_model(seed=11, bias_eos=-1.0)
+    settings = SamplingSettings(temperature=temperature, max_tokens=40)
+    budgets = [40, 25, 40, 3, 1, 40]
+    plain, c0 = _decode(model, settings, budgets)
+    rng = random.Random(0)
+    automata = []
+    for r in plain:  # history: a corrupted copy of the row's own output and another row's output
+        sam = SuffixAutomaton()
+        sam.add_response(_noisy_copy(r.tokens, rng, model.config.vocab_size))
+        sam.add_response(plain[(r.out + 1) % len(plain)].tokens)
+        automata.append(sam)
+    spec, c1 = _decode(model, settings, budgets, max_k=6, automata=automata)
+    for a, b, p in zip(plain, spec, PROMPTS):
+        assert a.tokens == b.tokens and a.finish == b.finish
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
+        ref = full_forward_logprobs(model, p, b.tokens, temperature=temperature)  # K/V after rollbacks are right
+        assert torch.allclose(torch.tensor(b.logprobs, dtype=torch.float64), ref, atol=1e-4)
+        assert len(b.tokens) <= budgets[b.out]
+    assert c1.accepted > 0 and c1.proposed > c1.accepted  # both accept and reject paths ran
+    assert c1.steps < c0.steps
+
+
+def test_compact_keeps_each_rows_real_positions():
+    k = torch.arange(2 * 1 * 5 * 2, dtype=torch.float32).view(2, 1, 5, 2)
+    from spec_rl.backends.hf_decode import _dynamic_cache
+
+    kv = KVRows(_dynamic_cache([(k, k + 100)]), torch.tensor([[0, 1, 0, 1, 1], [1, 1, 0, 0, 1]]))
+    kv.compact()
+    assert kv.mask.tolist() == [[1, 1, 1], [1, 1, 1]]
+    assert kv.cache.layers[0].keys[0, 0, :, 0].tolist() == [2.0, 6.0, 8.0]
+    assert kv.cache.layers[0].values[1, 0, :, 0].tolist() == [110.0, 112.0, 118.0]
+
+
+def test_speculation_keeps_the_next_token_marginals():
+    """Independent seeds: speculative and plain decoding sample the same distribution (two-sample chi-square)."""
+    from _stats import assert_same_distribution
+
+    from spec_rl.backends.transformers_backend import TransformersBackend
+
+    model = tiny_model(seed=5, bias_eos=-3.0)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)  # a peaked policy, so history drafts are often right
+    settings = SamplingSettings(temperature=1.0, max_tokens=6)
+    contexts = [[3, 11, 12]] * 3000
+    plain = TransformersBackend(model, {1}, pad_id=0, max_k=0).generate(contexts, [6] * 3000, settings, seed=1,
+                                                                          uids=list(range(3000)))  # fmt: skip
+    history = SuffixAutomaton()
+    for c in plain[:50]:
+        history.add_response(c.token_ids)
+    proposers = [SuffixProposer(history, max_k=4) for _ in contexts]
+    spec = TransformersBackend(model, {1}, pad_id=0, max_k=4).generate(contexts, [6] * 3000, settings, seed=2,
+                                                                         uids=list(range(3000)), proposers=proposers)  # fmt: skip
+    assert sum(p.accepted for p in proposers) > 3000  # speculation really ran
+    vocab = model.config.vocab_size
+    for pos in (1, 2, 4):
+        a = torch.bincount(torch.tensor([c.token_ids[pos] for c in plain if len(c.token_ids) > pos]), minlength=vocab)
+        b = torch.bincount(torch.tensor([c.token_ids[pos] for c in spec if len(c.token_ids) > pos]), minlength=vocab)
+        assert_same_distribution(a, b)

@@ -1,0 +1,26 @@
+"""The engine benchmark script runs end to end on CPU (tiny preset); no timing is asserted."""
+
+import json
+import sys
+
+from repo_paths import BENCHMARKS
+
+sys.path.insert(0, str(BENCHMARKS))
+
+import bench_engine  # noqa: E402
+
+
+def test_bench_engine_tiny_preset_writes_its_table(tmp_path, capsys):
+    out = tmp_path / "engine.json"
+    rc = bench_engine.main(["--preset", "tiny", "--device", "cpu", "--batch", "3", "--new-tokens", "6",
+                            "--prompt-len", "5", "--json", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    names = [r["name"] for r in result["decode"]]
+    assert names[0].startswith("spec-rl PagedEngine") and "transformers generate" in names
+    splice, reprefill = result["splice"]
+    # Same drafts, same seed: both paths verify the same tokens; only the re-prefill path prefills again.
+    assert splice["accepted_tokens"] == reprefill["accepted_tokens"]
+    assert splice["reprefill_tokens"] == 0
+    assert splice["engine_stats"]["prefill_tokens"] == splice["engine_stats"]["scoring_tokens"]
+    assert "=== spec-rl paged engine" in capsys.readouterr().out

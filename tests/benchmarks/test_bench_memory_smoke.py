@@ -1,0 +1,28 @@
+"""Verification on the hidden-state path never holds as much memory as the full logits (CPU, N=2048, V=16384).
+
+benchmarks/bench_memory.py measures the peak extra bytes of ``verify`` and of a whole
+``SpeculativeRollout.run`` with the caller's grad mode on and the LM head a Parameter; an autograd
+graph over the chunked logits would keep them all (2x the full [N, V] float32 logits before the
+rollout ran under ``no_grad``).
+"""
+
+import json
+import sys
+
+from repo_paths import BENCHMARKS
+
+sys.path.insert(0, str(BENCHMARKS))
+
+import bench_memory  # noqa: E402
+
+
+def test_peak_extra_memory_stays_below_the_full_logits(tmp_path, capsys):
+    out = tmp_path / "memory.json"
+    assert bench_memory.main(["--device", "cpu", "--check", "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["shape"] == {"tokens": 2048, "vocab": 16384, "hidden": 64, "batch": 16}
+    for name in ("verify", "rollout"):
+        row = record["rows"][name]
+        assert row["full_logits_mib"] == 128.0
+        assert 0 < row["peak_extra_mib"] < row["full_logits_mib"], (name, row)  # measured: 0.38x
+    assert "peak extra MiB" in capsys.readouterr().out

@@ -1,0 +1,22 @@
+"""The rollout benchmark runs end to end on CPU (tiny preset); no timing is asserted."""
+
+import json
+import sys
+
+from repo_paths import BENCHMARKS
+
+sys.path.insert(0, str(BENCHMARKS))
+
+import bench_rollout  # noqa: E402
+
+
+def test_bench_rollout_tiny_preset_reports_every_mode(tmp_path, capsys):
+    out = tmp_path / "rollout.json"
+    assert bench_rollout.main(["--preset", "tiny", "--device", "cpu", "--perturb", "0.5", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert set(rows) == {"vanilla", "histspec", "spec", "exact"}
+    assert rows["vanilla"]["generated_tokens_ratio"] == 1.0
+    # Lossless tail speculation generates the same number of tokens as vanilla decoding.
+    assert rows["histspec"]["generated_tokens"] == rows["vanilla"]["generated_tokens"]
+    assert rows["spec"]["generated_tokens"] < rows["vanilla"]["generated_tokens"]
+    assert "tokens x" in capsys.readouterr().out

@@ -1,0 +1,45 @@
+"""examples/trl_grpo.py runs end to end (tiny model, 2 epochs) and reuses drafts in epoch 2."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+from repo_paths import EXAMPLES
+
+pytest.importorskip("trl", reason="trl is not installed (pip install 'spec-rl[trl]')")
+
+SCRIPT = EXAMPLES / "trl_grpo.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("trl_grpo_example", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(tmp_path, capsys, *extra):
+    args = ["--model", "tiny", "--prompts", "4", "--epochs", "2", "--num-generations", "2",
+            "--max-completion-length", "12", "--out", str(tmp_path / "out"), *extra]  # fmt: skip
+    assert _load().main(args) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_example_reuses_drafts_in_the_second_epoch(tmp_path, capsys):
+    result = _run(tmp_path, capsys)
+    first, second = result["epochs"]
+    assert first["reused_tokens"] == 0 and first["tokens_generated"] > 0
+    assert second["reused_tokens"] > 0 and second["tokens_generated"] < first["tokens_generated"]
+    assert (tmp_path / "out" / "spec_rl_cache.safetensors").exists()
+
+
+def test_example_baseline_reuses_nothing(tmp_path, capsys):
+    result = _run(tmp_path, capsys, "--strategy", "off")
+    assert all(e["reused_tokens"] == 0 and e["tokens_generated"] > 0 for e in result["epochs"])
+
+
+def test_example_refuses_a_missing_checkpoint(tmp_path):
+    with pytest.raises(SystemExit, match="local checkpoint directory"):
+        _load().main(["--model", str(tmp_path / "nope")])

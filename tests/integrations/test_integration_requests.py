@@ -1,0 +1,259 @@
+"""The framework-neutral request builder (no trainer library needed), lenient and exact acceptance."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+import torch
+from _stats import assert_fits
+from fake_server import FixedServer
+
+from spec_rl.acceptance.dispatch import verify
+from spec_rl.drafts.cache import CacheKey, RolloutCache
+from spec_rl.integrations.exact import draw_continuation, residual_seeds
+from spec_rl.integrations.requests import ContinuationRequest, SpecRequestBuilder, check_server_settings
+from spec_rl.sampling.distribution import SamplingSettings
+from spec_rl.sampling.philox import mix_seed
+
+S = SamplingSettings(temperature=1.0, max_tokens=6)
+
+
+def builder(cache=None, max_model_len=10, **kw):
+    return SpecRequestBuilder(cache if cache is not None else RolloutCache(), S, max_model_len, [1], **kw)
+
+
+def test_settings_checks():
+    check_server_settings(S)  # plain sampling at T = 1 is fine with raw prompt logprobs
+    check_server_settings(SamplingSettings(temperature=0.6, top_k=5), "processed")
+    with pytest.raises(ValueError, match="temperature=0.6"):
+        check_server_settings(SamplingSettings(temperature=0.6))
+    with pytest.raises(ValueError, match="top_k=5"):
+        check_server_settings(SamplingSettings(top_k=5))
+    with pytest.raises(ValueError, match="prompt_logprobs_mode"):
+        check_server_settings(S, "scaled")
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        check_server_settings(S, repetition_penalty=1.2)
+    with pytest.raises(ValueError, match="processed_logprobs"):
+        check_server_settings(S, logprobs_mode="processed_logits")
+    with pytest.raises(ValueError, match="eos_ids"):
+        SpecRequestBuilder(RolloutCache(), S, 10, [])
+
+
+def test_plan_budget_rows_and_verify():
+    cache = RolloutCache()
+    b = builder(cache, max_model_len=10, lenience=1.0, seed=3)
+    prompt = [7, 8, 9]
+    assert b.plan(prompt, 0).scoring_ids is None  # no draft yet
+    key = CacheKey.make(prompt, 1)
+    cache.store(key, [4, 5, 6], [-1.0, -2.0, -0.5], "eos", 2, S)
+    plan = b.plan(prompt, 1)
+    assert plan.budget == min(6, 10 - 3) and plan.scoring_ids == [7, 8, 9, 4, 5, 6]
+    # verl's layout: row j is the log-prob of position j + 1; a dummy row ends it
+    rows = [[-9.0], [-9.0], [-1.5], [-2.5], [-0.25], [0.0]]
+    ids = [[8], [9], [4], [5], [6], [0]]
+    lp = b.draft_logprobs_from_rows(plan, rows, ids)
+    assert lp == [-1.5, -2.5, -0.25]
+    with pytest.raises(ValueError, match="scored token 5 at response position 0"):
+        b.draft_logprobs_from_rows(plan, rows, [[8], [9], [5], [5], [6], [0]])
+    with pytest.raises(ValueError, match="prompt-logprob rows"):
+        b.draft_logprobs_from_rows(plan, rows[:3])
+    v = b.verify(plan, lp, step=None)
+    assert v.step == 3  # draft version 2 + 1 when the server reports no step
+    expect = verify(torch.tensor([[4, 5, 6]]), torch.tensor([[-1.0, -2.0, -0.5]]), new_logprobs=torch.tensor([lp]),
+                    lenience=1.0, seed=mix_seed(3, 3), uids=torch.tensor([key.uid]), backend="reference")
+    assert v.n == int(expect.accepted_len[0]) and v.prefix_ids == [4, 5, 6][: v.n]
+    cont = b.continuation(plan, v)
+    if v.full_reuse:
+        assert cont is None
+    else:
+        assert cont.context_ids == prompt + [4, 5, 6][: v.n] and cont.max_tokens == plan.budget - v.n
+    with pytest.raises(ValueError, match="one per draft token"):
+        b.verify(plan, [-1.0])
+
+
+def test_cut_draft_keeps_the_scoring_sample_and_assembles():
+    cache = RolloutCache()
+    b = builder(cache, max_model_len=8, lenience=math.inf)
+    prompt = [7, 8, 9]  # budget = min(6, 8 - 3) = 5; scoring may hold 8 - 3 - 1 = 4 draft tokens
+    cache.store(CacheKey.make(prompt, 0), [4, 5, 6, 2, 3], [-1.0] * 5, "length", 0, S)
+    plan = b.plan(prompt, 0)
+    assert plan.draft_ids == [4, 5, 6, 2] and plan.budget == 5
+    v = b.verify(plan, [-1.0, -1.1, -0.9, -1.2], step=4, scoring_sample=([11], [-0.7]))
+    assert v.n == 4 and not v.full_reuse and v.prefix_ids == [4, 5, 6, 2, 11] and v.sampled == 1
+    assert b.continuation(plan, v) is None  # budget used up by the sampled token
+    res = b.assemble(plan, v, [], [])
+    assert res.response_ids == [4, 5, 6, 2, 11]
+    assert res.logprobs == pytest.approx([-1.0, -1.1, -0.9, -1.2, -0.7], abs=1e-6)  # float32 round trip
+    assert res.finish_reason == "length" and res.metrics["tokens_generated"] == 1
+    stored = cache.lookup(CacheKey.make(prompt, 0), S)
+    assert stored.token_ids.tolist() == [4, 5, 6, 2, 11] and stored.version == 4
+    with pytest.raises(ValueError, match="3 tokens but 1 log-probs"):
+        b.assemble(plan, b.verify(plan, [-1.0] * 4, step=4), [1, 2, 3], [-0.1])
+
+
+def test_no_draft_path_and_eos_finish():
+    cache = RolloutCache()
+    b = builder(cache)
+    plan = b.plan([5, 6], 0, "ds:1")
+    v = b.verify(plan, None)
+    cont = b.continuation(plan, v)
+    assert v.n == 0 and cont.context_ids == [5, 6] and cont.max_tokens == 6
+    res = b.assemble(plan, v, [3, 1], [-0.5, -0.25], step=9)
+    assert res.finish_reason == "eos" and cache.lookup(CacheKey.make([5, 6], 0, "ds:1"), S).version == 9
+    with pytest.raises(ValueError, match="no room"):
+        b.plan(list(range(10)), 0)
+
+
+# ---------------------------------------------------------------- drafts that no longer fit (spec_rl.drafts.validity)
+def test_draft_with_an_eos_inside_is_cut_after_it_and_reused_whole():
+    cache = RolloutCache()
+    b = builder(cache, max_model_len=16, lenience=math.inf)
+    prompt = [7, 8, 9]
+    cache.store(CacheKey.make(prompt, 0), [4, 1, 5, 6], [-1.0] * 4, "length", 0, S)  # EOS (1) inside
+    plan = b.plan(prompt, 0)
+    assert plan.draft_ids == [4, 1] and plan.old_logprobs == [-1.0, -1.0] and plan.draft_end == "eos"
+    v = b.verify(plan, [-0.5, -0.5], step=1, scoring_sample=([6], [-0.1]))
+    assert v.full_reuse and v.prefix_ids == [4, 1] and b.continuation(plan, v) is None
+    res = b.assemble(plan, v)
+    assert res.response_ids == [4, 1] and res.finish_reason == "eos"
+
+
+def test_draft_cut_by_a_smaller_budget_is_continued_not_returned():
+    cache = RolloutCache()
+    b = builder(cache, max_model_len=16, lenience=math.inf)  # today's budget: min(6, 16 - 3) = 6
+    prompt = [7, 8, 9]
+    cache.store(CacheKey.make(prompt, 0), [4, 5], [-1.0, -1.0], "length", 0, SamplingSettings(max_tokens=2))
+    plan = b.plan(prompt, 0)
+    assert plan.draft_ids == [4, 5] and plan.draft_end is None  # a prefix only
+    v = b.verify(plan, [-0.5, -0.5], step=1, scoring_sample=([6], [-0.1]))
+    assert not v.full_reuse and v.n == 2 and v.prefix_ids == [4, 5, 6]
+    cont = b.continuation(plan, v)
+    assert cont.context_ids == prompt + [4, 5, 6] and cont.max_tokens == 6 - 3
+    res = b.assemble(plan, v, [2, 1], [-0.2, -0.3])
+    assert res.response_ids == [4, 5, 6, 2, 1] and res.finish_reason == "eos"
+    # the same without a scoring sample: the continuation starts right after the draft
+    v = b.verify(plan, [-0.5, -0.5], step=1)
+    assert b.continuation(plan, v).context_ids == prompt + [4, 5] and b.continuation(plan, v).max_tokens == 4
+
+
+def test_draft_longer_than_the_budget_is_cut_to_it_and_ends_by_length():
+    cache = RolloutCache()
+    b = builder(cache, max_model_len=16, lenience=math.inf)
+    prompt = [7, 8, 9]
+    cache.store(CacheKey.make(prompt, 0), [4, 5, 6, 2, 3, 4, 5, 6], [-1.0] * 8, "length", 0, SamplingSettings(max_tokens=8))
+    plan = b.plan(prompt, 0)
+    assert plan.draft_ids == [4, 5, 6, 2, 3, 4] and plan.draft_end == "length"
+    v = b.verify(plan, [-0.5] * 6, step=1, scoring_sample=([6], [-0.1]))
+    assert v.full_reuse and b.continuation(plan, v) is None
+    assert b.assemble(plan, v).finish_reason == "length"
+
+
+# ---------------------------------------------------------------- exact acceptance
+V, EOS = 4, 3
+PROBS = torch.tensor([0.6, 0.25, 0.1, 0.05])  # the fixed next-token distribution; drafts hold token 0
+EXACT_S = SamplingSettings(temperature=1.0, max_tokens=2)
+
+
+def test_exact_options_and_requests():
+    with pytest.raises(ValueError, match="has no lenience"):
+        builder(acceptance="exact", lenience=2.0)
+    with pytest.raises(ValueError, match="no exact form"):
+        builder(acceptance="exact", strategy="random")
+    with pytest.raises(ValueError, match="max_resample_attempts"):
+        builder(acceptance="exact", max_resample_attempts=0)
+    cache = RolloutCache()
+    b = builder(cache, acceptance="exact", seed=5, seed_param="sampling_seed", max_resample_attempts=4)
+    assert b.log_lenience == 0.0
+    prompt, draft = [7, 8, 9], [4, 5, 6]
+    cache.store(CacheKey.make(prompt, 0), draft, [-1.0, -2.0, -0.5], "eos", 2, S)
+    plan = b.plan(prompt, 0)
+    new = [-0.1, -3.0, -0.2]
+    for step in range(40):  # find a step whose uniforms reject somewhere
+        v = b.verify(plan, new, step=step)
+        if v.n < len(draft):
+            break
+    ref = verify(torch.tensor([draft]), None, new_logprobs=torch.tensor([new]), seed=mix_seed(5, step),
+                 uids=torch.tensor([plan.key.uid]), backend="reference", acceptance="exact")
+    assert v.n == int(ref.accepted_len[0]) < len(draft)
+    assert v.rejected == draft[v.n] and v.rejected_logprob == pytest.approx(new[v.n])
+    cont = b.continuation(plan, v)
+    assert cont.excluded == draft[v.n] and cont.context_ids == prompt + draft[: v.n]
+    assert cont.seeds == residual_seeds(mix_seed(5, step), plan.key.uid, 4) and len(set(cont.seeds)) == 4
+    params = b.continuation_sampling_params({"temperature": 1.0, "prompt_logprobs": 0}, cont, cont.seeds[1])
+    assert params == {"temperature": 1.0, "max_tokens": cont.max_tokens, "logprobs": True,
+                      "sampling_seed": cont.seeds[1]}
+    with pytest.raises(ValueError, match="begins with the rejected draft token"):
+        b.assemble(plan, v, [draft[v.n]], [-0.5])
+    res = b.assemble(plan, v, [1], [-0.5], resamples=2)
+    assert res.metrics["exact_acceptance"] is True and res.metrics["resamples"] == 2
+    lenient = builder(RolloutCache()).assemble(plan, b.verify(plan, new, step=0), [], [], store=False)
+    assert lenient.metrics["exact_acceptance"] is False and lenient.metrics["resamples"] == 0
+
+
+def test_draw_continuation_resends_and_gives_up():
+    req = ContinuationRequest([1, 2], 3, excluded=0, excluded_logprob=-0.01, seeds=[11, 12, 13])
+    sent = []
+
+    async def send(seed, first=(0, 0, 2)):
+        sent.append(seed)
+        return [first[len(sent) - 1], 1], [-0.1, -0.2]
+
+    out, resamples = asyncio.run(draw_continuation(req, send))
+    assert out[0] == [2, 1] and resamples == 2 and sent == [11, 12, 13]
+
+    async def always_excluded(seed):
+        return [0], [-0.01]
+
+    with pytest.raises(RuntimeError, match="rejected draft token 0 first in all 3"):
+        asyncio.run(draw_continuation(req, always_excluded))
+    sent.clear()
+    plain = ContinuationRequest([1, 2], 3)  # lenient: one request, the server's own randomness
+    assert asyncio.run(draw_continuation(plain, send)) == (([0, 1], [-0.1, -0.2]), 0) and sent == [None]
+    assert asyncio.run(draw_continuation(None, send, nothing="none")) == ("none", 0)
+
+
+async def _one_exact_sample(b, server, index):
+    """The verl/OpenRLHF request sequence for one sample, against a server with a fixed distribution."""
+    plan = b.plan([0, 1], 0, f"ds:{index}")
+    scored = server.run("r", plan.scoring_ids, b.scoring_sampling_params({"temperature": 1.0}))
+    lps = b.draft_logprobs_from_rows(plan, scored["prompt_logprobs"], scored["prompt_ids"])
+    v = b.verify(plan, lps, step=1, scoring_sample=(scored["token_ids"], scored["log_probs"]))
+    cont = b.continuation(plan, v)
+
+    async def send(seed):
+        r = server.run("r", cont.context_ids, b.continuation_sampling_params({"temperature": 1.0}, cont, seed))
+        return r["token_ids"], r["log_probs"]
+
+    (ids, new_lps), resamples = await draw_continuation(cont, send, nothing=([], []))
+    return v.n, b.assemble(plan, v, ids, new_lps, resamples=resamples)
+
+
+def test_exact_token_at_the_rejection_follows_the_residual():
+    # Every draft is [0, 0]. Exact acceptance keeps token 0 with probability 0.6 at each position and
+    # otherwise draws from the residual (PROBS without token 0, renormalised), so each position's
+    # marginal is PROBS, whatever the draft.
+    server = FixedServer(PROBS, {EOS}, max_model_len=8)
+    cache = RolloutCache()
+    # 16 attempts (the default) fail with probability 0.6 ** 16 per rejection, about once in 3500 rejections
+    b = SpecRequestBuilder(cache, EXACT_S, 8, [EOS], acceptance="exact", seed=3, max_resample_attempts=64)
+    n_samples = 2000  # (the verl test runs 5000 through the agent loop)
+    for i in range(n_samples):
+        cache.store(CacheKey.make([0, 1], 0, f"ds:{i}"), [0, 0], [-0.5, -0.5], "length", 0, EXACT_S)
+
+    async def go():
+        return [await _one_exact_sample(b, server, i) for i in range(n_samples)]
+
+    out = asyncio.run(go())
+    first = torch.tensor([r.response_ids[0] for _, r in out])
+    second = torch.tensor([r.response_ids[1] for _, r in out if len(r.response_ids) > 1])
+    at_rejection = torch.tensor([r.response_ids[0] for n, r in out if n == 0])
+    assert_fits(torch.bincount(first, minlength=V), PROBS)
+    assert_fits(torch.bincount(second, minlength=V), PROBS)
+    residual = PROBS.clone()
+    residual[0] = 0
+    assert_fits(torch.bincount(at_rejection, minlength=V), residual / residual.sum())
+    assert sum(r.metrics["resamples"] for _, r in out) > 100  # the continuation began with 0: resent
+    for _, r in out:  # log-probs are pi_t's, not the residual's
+        assert r.logprobs == pytest.approx([math.log(PROBS[t]) for t in r.response_ids], abs=1e-5)

@@ -1,0 +1,52 @@
+"""Keyed inverse-CDF sampling: exact marginals (chi-square), batch independence, residual draws."""
+
+import math
+
+import pytest
+import torch
+from _stats import assert_fits
+
+from spec_rl.sampling.distribution import SamplingSettings, keyed_sample, sampling_log_softmax
+
+
+@pytest.mark.parametrize("settings", [SamplingSettings(), SamplingSettings(temperature=0.7, top_k=5), SamplingSettings(top_p=0.8)])
+def test_marginal_matches_the_sampling_distribution(settings):
+    n, vocab = 40000, 8
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(3)) * 1.5
+    ids, lps = keyed_sample(logits.expand(n, vocab), settings, seed=11, uids=torch.arange(n), positions=torch.full((n,), 7))
+    p = sampling_log_softmax(logits, settings.temperature, settings.top_k, settings.top_p)[0].double().exp()
+    assert_fits(torch.bincount(ids, minlength=vocab), p)
+    assert torch.allclose(lps, torch.log(p.float())[ids])
+
+
+def test_same_key_same_token_whatever_the_batch():
+    logits = torch.randn(50, 30, generator=torch.Generator().manual_seed(0))
+    uids = torch.randint(0, 2**62, (50,), generator=torch.Generator().manual_seed(1))
+    pos = torch.randint(0, 500, (50,), generator=torch.Generator().manual_seed(2))
+    a, _ = keyed_sample(logits, SamplingSettings(), 5, uids, pos)
+    perm = torch.randperm(50, generator=torch.Generator().manual_seed(4))
+    b, _ = keyed_sample(logits[perm], SamplingSettings(), 5, uids[perm], pos[perm])
+    assert torch.equal(a[perm], b)
+    c, _ = keyed_sample(logits[:7], SamplingSettings(), 5, uids[:7], pos[:7])  # a smaller batch
+    assert torch.equal(a[:7], c)
+    d, _ = keyed_sample(logits, SamplingSettings(), 6, uids, pos)  # another seed: other draws
+    assert not torch.equal(a, d)
+
+
+def test_residual_removes_the_excluded_token_and_renormalises():
+    n, vocab = 40000, 6
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(5))
+    p = torch.softmax(logits[0].double(), -1)
+    exclude = torch.full((n,), 2)
+    ids, lps = keyed_sample(logits.expand(n, vocab), SamplingSettings(), 3, torch.arange(n), torch.zeros(n, dtype=torch.long), exclude)
+    q = p.clone()
+    q[2] = 0
+    q /= q.sum()
+    assert_fits(torch.bincount(ids, minlength=vocab), q)  # token 2 never drawn, the rest in proportion
+    assert torch.allclose(lps, torch.log(p.float())[ids])  # log-probs stay the policy's own
+
+
+def test_residual_of_a_point_mass_falls_back_to_the_distribution():
+    logits = torch.tensor([[0.0, -math.inf, -math.inf]])
+    ids, lps = keyed_sample(logits, SamplingSettings(), 0, torch.tensor([1]), torch.tensor([0]), torch.tensor([0]))
+    assert ids.tolist() == [0] and lps.tolist() == [0.0]

@@ -1,0 +1,113 @@
+"""Final-answer extraction and the math-verify reward (spec_rl.tasks.rewards)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from repo_paths import SHARED_DATA
+
+from spec_rl.tasks.data import load_jsonl
+from spec_rl.tasks.rewards import REWARD_FUNCTIONS, extract_boxed, extract_final_answer, get_reward_fn, math_reward
+
+DATA = SHARED_DATA
+GSM8K = DATA / "gsm8k_test.jsonl"
+MATH500 = DATA / "math500_test.jsonl"
+
+
+def test_extract_final_answer():
+    assert extract_final_answer("a\nb = 72\n#### 72") == "72"
+    assert extract_final_answer("#### 1\n#### 2 \nmore text") == "2"
+    assert extract_final_answer("so $\\boxed{\\frac{1}{2}}$ and") == "\\frac{1}{2}"
+    assert extract_final_answer("\\boxed{1} then \\boxed{\\sqrt{x^{2}}}") == "\\sqrt{x^{2}}"
+    # unclosed last box (truncated generation): previous complete box
+    assert extract_final_answer("\\boxed{3} ... \\boxed{4") == "3"
+    # empty #### falls back to the box
+    assert extract_final_answer("\\boxed{5}\n####  \n") == "5"
+    assert extract_final_answer("no answer here") is None
+    assert extract_final_answer("") is None
+    assert extract_boxed("\\boxed{") is None
+
+
+@pytest.mark.parametrize(
+    "completion, gold, expected",
+    [
+        ("He has 70 + 2 = 72.\n#### 72", "72", 1.0),
+        ("#### 72", "72.0", 1.0),
+        ("#### 1,000", "1000", 1.0),
+        ("#### $18.", "18", 1.0),
+        ("#### 18 apples", "18", 1.0),
+        ("#### -3", "-3", 1.0),
+        ("#### 73", "72", 0.0),
+        ("The answer is $\\boxed{0.5}$.", "\\frac{1}{2}", 1.0),
+        ("The answer is $\\boxed{\\frac{1}{2}}$.", "0.5", 1.0),
+        ("$\\boxed{\\dfrac{14}{3}}$", "\\frac{14}{3}", 1.0),
+        ("$\\boxed{\\frac{13}{3}}$", "\\frac{14}{3}", 0.0),
+        ("\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}", "\\left( 3, \\frac{\\pi}{2} \\right)", 1.0),
+        ("\\boxed{(3, \\pi/2)}", "\\left( 3, \\frac{\\pi}{2} \\right)", 1.0),
+        ("\\boxed{3\\sqrt{2}}", "\\sqrt{18}", 1.0),
+        ("#### 2", "2x", 0.0),
+        ("the answer is 72", "72", 0.0),  # no final-answer marker
+        ("", "72", 0.0),
+        ("#### }{\\frac{{", "5", 0.0),
+        ("\\boxed{\\frac{1}{0}}", "5", 0.0),
+        ("#### " + "9" * 5000, "9", 0.0),
+        ("\x00\x01 #### \\\\\\", "1", 0.0),
+    ],
+)
+def test_math_reward(completion, gold, expected):
+    assert math_reward(completion, gold) == expected
+
+
+def test_math_reward_bad_gold():
+    with pytest.raises(TypeError, match="gold"):
+        math_reward("#### 1", None)
+    with pytest.raises(ValueError, match="gold"):
+        math_reward("#### 1", "  ")
+    assert math_reward(None, "1") == 0.0
+
+
+def test_math_reward_off_main_thread():
+    """math-verify's signal timeouts only work in the main thread; the reward must still work elsewhere."""
+    cases = [("\\boxed{0.5}", "\\frac{1}{2}", 1.0), ("\\boxed{x}", "5", 0.0), ("#### 7", "7", 1.0)]
+    results: list = []
+
+    def work():
+        try:
+            results.extend(math_reward(c, g) for c, g, _ in cases)
+        except BaseException as e:  # pragma: no cover - reported below
+            results.append(e)
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert results == [e for _, _, e in cases]
+
+
+@pytest.mark.skipif(not GSM8K.is_file(), reason=f"{GSM8K} not present")
+def test_gsm8k_gold_solutions_score_one():
+    exs = load_jsonl(GSM8K, limit=50)
+    assert [math_reward(e.solution, e.answer) for e in exs] == [1.0] * 50
+    # a solution scored against another problem's answer fails (when the answers differ)
+    wrong = [math_reward(a.solution, b.answer) for a, b in zip(exs, exs[1:]) if a.answer != b.answer]
+    assert wrong and all(r == 0.0 for r in wrong)
+
+
+@pytest.mark.skipif(not MATH500.is_file(), reason=f"{MATH500} not present")
+def test_math500_gold_solutions_score_one():
+    exs = load_jsonl(MATH500, limit=40)
+    assert [math_reward(e.solution, e.answer) for e in exs] == [1.0] * 40
+
+
+def test_registry():
+    assert REWARD_FUNCTIONS["math"] is math_reward
+    assert get_reward_fn("math") is math_reward
+
+    def mine(completion: str, gold: str) -> float:
+        return 0.5
+
+    assert get_reward_fn(mine) is mine
+    with pytest.raises(ValueError, match=r"unknown reward 'gsm'.*\['math'\]"):
+        get_reward_fn("gsm")
+    with pytest.raises(TypeError, match="reward"):
+        get_reward_fn(3)

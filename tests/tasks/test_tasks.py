@@ -1,0 +1,286 @@
+"""Arithmetic task generator and the demo policy build (spec_rl.tasks)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from spec_rl.tasks import check_solution, generate_problems
+from spec_rl.tasks import demo_policy as dp
+from spec_rl.tasks.data import format_prompt
+from spec_rl.tasks.rewards import math_reward
+
+# ---------------------------------------------------------------------------
+# An independent reading of the questions: recompute the answer from the text.
+# ---------------------------------------------------------------------------
+
+_CONN = r"^(?:First,|Then|Next,|After that,|Later,|Finally,) (?:he|she) "
+_SENTENCE_RULES = [
+    (re.compile(r"^\w+ has (\d+) \w+\.$"), lambda x, m: int(m[1])),
+    (re.compile(_CONN + r"(?:buys|finds) (\d+) more \w+\.$"), lambda x, m: x + int(m[1])),
+    (re.compile(_CONN + r"gets (\d+) \w+ from \w+\.$"), lambda x, m: x + int(m[1])),
+    (re.compile(_CONN + r"(?:gives (\d+) \w+ to \w+|loses (\d+) \w+|sells (\d+) \w+)\.$"),
+     lambda x, m: x - int(m[1] or m[2] or m[3])),
+    (re.compile(_CONN + r"buys (\d+) \w+ with (\d+) \w+ in each \w+\.$"), lambda x, m: x + int(m[1]) * int(m[2])),
+    (re.compile(_CONN + r"doubles (?:his|her) \w+\.$"), lambda x, m: 2 * x),
+    (re.compile(_CONN + r"triples (?:his|her) \w+\.$"), lambda x, m: 3 * x),
+    (re.compile(_CONN + r"splits (?:his|her) \w+ into (\d+) equal groups and keeps one group\.$"),
+     lambda x, m: _exact_div(x, int(m[1]))),
+]
+
+
+def _exact_div(a: int, b: int) -> int:
+    assert a % b == 0, f"{a} not divisible by {b}"
+    return a // b
+
+
+def recompute_answer(question: str) -> int:
+    sentences = re.findall(r"[^.?]+[.?]", question)
+    assert sentences[-1].strip().startswith("How many")
+    x = None
+    for s in sentences[:-1]:
+        s = s.strip()
+        for pattern, fn in _SENTENCE_RULES:
+            m = pattern.match(s)
+            if m:
+                x = fn(x, m)
+                break
+        else:
+            raise AssertionError(f"unparsed sentence {s!r}")
+        assert 0 < x < 100
+    return x
+
+
+def test_generate_is_deterministic_and_seeded():
+    a = generate_problems(40, seed=3)
+    b = generate_problems(40, seed=3)
+    c = generate_problems(40, seed=4)
+    assert a == b
+    assert [e.question for e in a] != [e.question for e in c]
+    assert [e.uid for e in a] == [f"arith:3:{i}" for i in range(40)]
+    assert len({e.question for e in a}) == 40
+    assert generate_problems(0, seed=1) == []
+
+
+def test_solutions_are_correct():
+    exs = generate_problems(300, seed=11)
+    n_ops = set()
+    for e in exs:
+        assert e.prompt == format_prompt(e.question)
+        assert e.source == "arith"
+        last = e.solution.split("\n")[-1]
+        assert last == f"#### {e.answer}"
+        assert int(e.answer) == recompute_answer(e.question)
+        assert check_solution(e.solution)
+        assert math_reward(e.solution, e.answer) == 1.0
+        assert math_reward(" " + e.solution, str(int(e.answer) + 1)) == 0.0
+        n_steps = len(e.solution.split("\n")) - 2
+        assert 2 <= n_steps <= 4
+        n_ops |= set(re.findall(r"\d ([-+*/]) \d", e.solution))
+    assert n_ops == {"+", "-", "*", "/"}
+
+
+def test_slips_keep_true_answer():
+    exs = generate_problems(400, seed=5, slip_prob=0.2)
+    assert all(int(e.answer) == recompute_answer(e.question) for e in exs)
+    ok = sum(e.solution.endswith(f"#### {e.answer}") for e in exs) / len(exs)
+    assert 0.3 < ok < 0.8
+    # without slips nothing changes and every solution is consistent
+    assert generate_problems(20, seed=5, slip_prob=0.0) == generate_problems(20, seed=5)
+    with pytest.raises(ValueError, match="slip_prob"):
+        generate_problems(3, slip_prob=1.0)
+
+
+def test_check_solution_rejects_wrong_steps():
+    (e,) = generate_problems(1, seed=0)
+    lines = e.solution.split("\n")
+    bad_final = "\n".join(lines[:-1] + [f"#### {int(e.answer) + 1}"])
+    assert not check_solution(bad_final)
+    m = re.search(r"= (\d+)", e.solution)
+    wrong = e.solution[: m.start(1)] + str(int(m[1]) + 1) + e.solution[m.end(1) :]
+    assert not check_solution(wrong)
+
+
+def test_generate_bad_args():
+    with pytest.raises(ValueError, match="n must be"):
+        generate_problems(-1)
+    with pytest.raises(ValueError, match="min_steps"):
+        generate_problems(3, min_steps=3, max_steps=2)
+    with pytest.raises(ValueError, match="max_value"):
+        generate_problems(3, max_value=5)
+    with pytest.raises(ValueError, match="seed"):
+        generate_problems(3, seed="a")
+
+
+def test_exclude_keeps_sets_disjoint():
+    base = generate_problems(50, seed=1)
+    other = generate_problems(50, seed=1, exclude={e.question for e in base})
+    assert not ({e.question for e in base} & {e.question for e in other})
+
+
+def test_demo_sets_fixed_and_disjoint():
+    train, evals = dp.demo_train_set(), dp.demo_eval_set()
+    assert len(train) == 256 and len(evals) == 128
+    assert train == dp.demo_train_set()
+    assert not ({e.question for e in train} & {e.question for e in evals})
+    assert len({e.uid for e in train + evals}) == 384
+    assert all(e.solution.endswith(f"#### {e.answer}") for e in train)
+
+
+# ---------------------------------------------------------------------------
+# Tokenizer and the (tiny) policy build
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    texts = [e.prompt + dp.demo_response(e) for e in generate_problems(200, seed=9)]
+    return dp.build_demo_tokenizer(texts, vocab_size=500)
+
+
+def test_tokenizer_round_trip_and_digits(tokenizer):
+    for e in generate_problems(20, seed=21):
+        s = e.prompt + dp.demo_response(e)
+        ids = tokenizer(s, add_special_tokens=False)["input_ids"]
+        assert tokenizer.decode(ids) == s
+        for t in tokenizer.convert_ids_to_tokens(ids):
+            digits = re.sub(r"\D", "", t)
+            assert len(digits) <= 1 and (not digits or t == digits), t
+    odd = "Ünïcödé 12,345 \t tabs\n\n and emoji 🙂 {}\\boxed{x}"
+    assert tokenizer.decode(tokenizer(odd, add_special_tokens=False)["input_ids"]) == odd
+    assert tokenizer.eos_token == dp.EOS_TOKEN and tokenizer.pad_token == dp.PAD_TOKEN
+    assert tokenizer.eos_token_id != tokenizer.pad_token_id
+    assert tokenizer(s, add_special_tokens=True)["input_ids"] == ids  # nothing added silently
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cache")
+    path = dp.build_demo_policy(root, progress=False, config=dp.DemoConfig.tiny())
+    return root, path
+
+
+def test_checkpoint_loads(tiny_ckpt):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root, path = tiny_ckpt
+    assert path.parent == root and path.name == f"demo-policy-{dp.DemoConfig.tiny().cache_key()}"
+    assert (path / "model.safetensors").is_file()
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    assert model.config.model_type == "qwen2"
+    assert model.config.eos_token_id == tok.eos_token_id
+    assert model.config.pad_token_id == tok.pad_token_id
+    assert model.generation_config.eos_token_id == tok.eos_token_id
+    assert model.generation_config.pad_token_id == tok.pad_token_id
+    assert model.config.vocab_size == len(tok)
+    info = json.loads((path / "demo_info.json").read_text())
+    assert info["num_parameters"] == sum(p.numel() for p in model.parameters())
+    assert info["steps"] == 3
+    # no leftovers of the temporary build directory
+    assert [p.name for p in root.iterdir()] == [path.name]
+
+
+def test_evaluate_policy(tiny_ckpt):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _, path = tiny_ckpt
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    exs = dp.demo_train_set()[:6]
+    r1 = dp.evaluate_policy(model, tok, exs, max_new_tokens=12, seed=1, batch_size=4)
+    r2 = dp.evaluate_policy(model, tok, exs, max_new_tokens=12, seed=1, batch_size=4)
+    assert r1 == r2
+    assert 0.0 <= r1["mean_reward"] <= 1.0
+    assert 1 <= r1["mean_response_tokens"] <= 12
+    assert r1["num_examples"] == 6
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        dp.evaluate_policy(model, tok, exs, max_new_tokens=0)
+    with pytest.raises(ValueError, match="examples"):
+        dp.evaluate_policy(model, tok, [], max_new_tokens=4)
+
+
+def test_evaluate_policy_rng_and_full_eos_set(tiny_ckpt):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _, path = tiny_ckpt
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    exs = dp.demo_train_set()[:5]
+    torch.manual_seed(7)
+    expected = torch.rand(4)
+    torch.manual_seed(7)
+    dp.evaluate_policy(model, tok, exs, max_new_tokens=6, seed=3, batch_size=2)
+    assert torch.equal(torch.rand(4), expected)  # the caller's RNG stream is untouched
+    # Every id an EOS of the model: each response ends after one token, none truncated.
+    model.generation_config.eos_token_id = list(range(len(tok)))
+    r = dp.evaluate_policy(model, tok, exs, max_new_tokens=6, seed=3)
+    assert r["mean_response_tokens"] == 1 and r["truncated_fraction"] == 0
+
+
+def test_cached_build_does_not_retrain(tiny_ckpt, monkeypatch):
+    root, path = tiny_ckpt
+    mtime = (path / "model.safetensors").stat().st_mtime_ns
+
+    def boom(*a, **k):
+        raise AssertionError("retrained although a cached checkpoint exists")
+
+    monkeypatch.setattr(dp, "_sft", boom)
+    assert dp.build_demo_policy(root, progress=False, config=dp.DemoConfig.tiny()) == path
+    assert (path / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+def test_failed_build_leaves_nothing(tmp_path, monkeypatch):
+    def crash(*a, **k):
+        raise RuntimeError("simulated crash during SFT")
+
+    monkeypatch.setattr(dp, "_sft", crash)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        dp.build_demo_policy(tmp_path, progress=False, config=dp.DemoConfig.tiny())
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_force_rebuild_and_env_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPEC_RL_CACHE", str(tmp_path / "env-cache"))
+    cfg = dp.DemoConfig.tiny(sft_steps=1)
+    path = dp.build_demo_policy(progress=False, config=cfg)
+    assert path.parent == tmp_path / "env-cache"
+    calls = []
+    real = dp._sft
+    monkeypatch.setattr(dp, "_sft", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert dp.build_demo_policy(progress=False, config=cfg, force=True) == path
+    assert calls == [1]
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
+    assert (path / "demo_info.json").is_file()
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="hidden_size"):
+        dp.DemoConfig(hidden_size=100, num_heads=6)
+    with pytest.raises(ValueError, match="sft_steps"):
+        dp.DemoConfig(sft_steps=0)
+    assert dp.DemoConfig().cache_key() != dp.DemoConfig(sft_steps=7).cache_key()
+    with pytest.raises(TypeError, match="config"):
+        dp.build_demo_policy("/nonexistent-never-created", config={"sft_steps": 1})
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    __import__("os").environ.get("SPEC_RL_DEMO_CALIBRATION") != "1",
+    reason="set SPEC_RL_DEMO_CALIBRATION=1 to build (about 2 min on 2 cores, cached) and check the real demo policy",
+)
+def test_demo_policy_calibration():
+    """The default demo policy's warm-start calibration targets: temperature-1 reward on
+    the train set in [0.15, 0.6] and mean response length >= 48 tokens."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = dp.build_demo_policy(progress=False)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    r = dp.evaluate_policy(model, tok, dp.demo_train_set(), max_new_tokens=160, seed=0)
+    assert 0.15 <= r["mean_reward"] <= 0.6, r
+    assert r["mean_response_tokens"] >= 48, r
+    assert r["truncated_fraction"] < 0.05, r

@@ -1,0 +1,273 @@
+"""`spec-rl train` on a local checkpoint and real GSM8K-format data."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from repo_paths import SHARED_DATA
+
+from spec_rl.cli import main
+
+SHARED = SHARED_DATA
+
+
+@pytest.mark.skipif(not (SHARED / "gsm8k_test.jsonl").is_file(), reason="shared GSM8K file not present")
+def test_train_on_local_model_and_gsm8k_file(model_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    rc = main([
+        "train", "--model", str(model_dir), "--data", str(SHARED / "gsm8k_test.jsonl"), "--limit", "4",
+        "--epochs", "2", "--group-size", "2", "--prompts-per-step", "4", "--max-response-len", "8",
+        "--max-model-len", "128", "--out", str(out), "--no-progress", "--compare", "--no-checkpoint",
+    ])
+    assert rc == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary) == {"vanilla", "spec"}
+    assert summary["spec"][1]["drafts_found"] == 8
+    printed = capsys.readouterr().out
+    assert "reward" in printed and "spec/vanilla, epochs 2+: generated tokens" in printed and "decode steps" in printed
+
+
+def test_bad_cli_input(tmp_path, model_dir, capsys):
+    # Bad input: one "spec-rl: error: ..." line and exit status 2 (argparse's convention), no traceback.
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--model", str(tmp_path / "nope"), "--data", str(tmp_path / "x.jsonl"), "--no-progress",
+              "--out", str(tmp_path / "r")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("spec-rl: error: --model") and "config.json" in err
+    with pytest.raises(SystemExit, match="--data"):
+        main(["train", "--model", str(model_dir), "--no-progress"])
+    with pytest.raises(SystemExit):
+        main(["train", "--lenience", "-1"])
+    with pytest.raises(SystemExit, match="--modes"):
+        main(["train", "--model", str(model_dir), "--data", "x", "--modes", "fast"])
+
+
+def _error_line(capsys, argv) -> str:
+    """Run the CLI, expect exit status 2 and exactly one stderr line "spec-rl: error: ..."; return that line."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("spec-rl: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    return err.strip()
+
+
+@pytest.fixture()
+def data_file(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(
+        json.dumps({"question": f"Tom has {a} apples . Ann buys {b} more . how many ?", "answer": f"#### {a + b}"})
+        + "\n"
+        for a, b in [(1, 2), (3, 4)]
+    ))  # fmt: skip
+    return path
+
+
+def _train_argv(model_dir, data_file, out, *extra):
+    return ["train", "--model", str(model_dir), "--data", str(data_file), "--out", str(out), "--epochs", "1",
+            "--group-size", "2", "--prompts-per-step", "2", "--max-response-len", "4", "--modes", "vanilla",
+            "--no-progress", *extra]  # fmt: skip
+
+
+# (flags, what the one error line must contain): the flag at fault and what it must be.
+BAD_FLAGS = [
+    (["--clip-high", "nan"], ["--clip-high must be a finite number >= 0", "got nan"]),
+    (["--clip-low", "nan"], ["--clip-low must be a finite number in [0, 1)", "got nan"]),
+    (["--clip-low", "1"], ["--clip-low must be a finite number in [0, 1)", "got 1.0"]),
+    (["--kl-coef", "nan"], ["--kl-coef must be a finite number >= 0", "0 turns the KL term off"]),
+    (["--kl-coef", "inf"], ["--kl-coef must be a finite number >= 0", "got inf"]),
+    (["--lr", "nan"], ["--lr must be a finite number > 0", "got nan"]),
+    (["--lr", "0"], ["--lr must be a finite number > 0"]),
+    (["--temperature", "nan"], ["--temperature must be a finite number > 0"]),
+    (["--top-p", "1.5"], ["--top-p must be a finite number in (0, 1]", "1 disables"]),
+    (["--lenience", "nan"], ["argument --lenience: must be a number >= 0 (or inf)", "'nan'"]),
+    (["--max-model-len", "0"], ["--max-model-len must be an integer >= 2", "None: the model's max_posit", "got 0"]),
+    (["--max-model-len", "-5"], ["--max-model-len must be an integer >= 2", "got -5"]),
+    (["--max-model-len", "100000"], ["--max-model-len must be <= the model's max_position_embeddings (128)", "100000"]),
+    (["--seed", "1e23"], ["argument --seed: invalid int value: '1e23'", "--help"]),
+    (["--seed", "abc"], ["argument --seed: invalid int value: 'abc'"]),
+    (["--seed", str(10**23)], ["--seed must be an integer in [-2**63, 2**64 - 1]"]),
+    (["--limit", "0"], ["argument --limit: must be an integer >= 1", "'0'"]),
+    (["--device", "tpu9"], ["--device must be auto, cpu, cuda, cuda:<index> or mps", "'tpu9'"]),
+    (["--spec-tokens", "-1"], ["--spec-tokens must be an integer >= 0", "0 disables tail speculation"]),
+    (["--epochs", "0"], ["--epochs must be an integer >= 1"]),
+    (["--target-drift", "0.05"], ["--target-drift only applies with lenience='auto'"]),
+]
+
+
+@pytest.mark.parametrize("flags, expected", BAD_FLAGS, ids=[" ".join(flags) for flags, _ in BAD_FLAGS])
+def test_bad_flag_values_give_one_line_naming_the_flag(flags, expected, model_dir, data_file, tmp_path, capsys):
+    line = _error_line(capsys, _train_argv(model_dir, data_file, tmp_path / "run", *flags))
+    for text in expected:
+        assert text in line, line
+    assert not (tmp_path / "run" / "vanilla" / "metrics.jsonl").exists()  # refused before training
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the machine has CUDA")
+def test_cuda_device_on_a_cpu_machine(model_dir, data_file, tmp_path, capsys):
+    line = _error_line(capsys, _train_argv(model_dir, data_file, tmp_path / "run", "--device", "cuda"))
+    assert "--device is 'cuda' but this machine has no CUDA device; use auto or cpu" in line
+
+
+def test_out_must_be_a_writable_folder(model_dir, data_file, tmp_path, capsys):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("mine")
+    line = _error_line(capsys, _train_argv(model_dir, data_file, a_file))
+    assert f"--out {a_file} is a file, not a folder" in line and a_file.read_text() == "mine"
+    line = _error_line(capsys, _train_argv(model_dir, data_file, a_file / "run"))
+    assert f"--out {a_file / 'run'}: cannot create the folder (Not a directory); choose a writable place" in line
+    if os.geteuid() == 0:  # root writes anywhere it has permission bits for; /sys refuses new folders
+        unwritable = Path("/sys/spec-rl-run")
+        if not Path("/sys").is_dir():
+            pytest.skip("no /sys to test an unwritable --out as root")
+    else:
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        unwritable = locked / "run"
+    line = _error_line(capsys, _train_argv(model_dir, data_file, unwritable))
+    assert f"--out {unwritable}: cannot create the folder (" in line and "choose a writable place" in line
+
+
+def test_existing_run_is_refused_without_resume_and_kept(model_dir, data_file, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(_train_argv(model_dir, data_file, out)) == 0
+    capsys.readouterr()
+    metrics = (out / "vanilla" / "metrics.jsonl").read_text()
+    line = _error_line(capsys, _train_argv(model_dir, data_file, out, "--epochs", "2"))
+    assert f"--out {out} already holds a run (" in line and "pass --resume to continue it, or a fresh --out" in line
+    assert (out / "vanilla" / "metrics.jsonl").read_text() == metrics and (out / "vanilla" / "checkpoint-1").is_dir()
+    # --modes spec into the same folder is refused too (it would drop vanilla's results).
+    _error_line(capsys, _train_argv(model_dir, data_file, out, "--modes", "spec"))
+
+
+def test_resume_needs_a_run_and_a_checkpoint(model_dir, data_file, tmp_path, capsys):
+    line = _error_line(capsys, _train_argv(model_dir, data_file, tmp_path / "empty", "--resume"))
+    assert "holds no run to resume" in line and "drop --resume" in line
+    argv = [a for a in _train_argv(model_dir, data_file, tmp_path, "--resume") if a not in (str(tmp_path), "--out")]
+    assert _error_line(capsys, argv).endswith("--resume needs --out DIR, the run directory to continue")
+    out = tmp_path / "run"
+    assert main(_train_argv(model_dir, data_file, out, "--no-checkpoint")) == 0
+    line = _error_line(capsys, _train_argv(model_dir, data_file, out, "--resume", "--epochs", "2"))
+    assert "vanilla has 1 finished epoch(s) in summary.json but no complete checkpoint" in line
+    assert "--no-checkpoint" in line and "fresh --out" in line
+
+
+def test_resume_with_another_budget_is_refused_or_continues_without_cut_responses(model_dir, data_file, tmp_path, capsys):
+    from spec_rl.drafts.cache import RolloutCache
+    from spec_rl.trainer.checkpoint import CACHE_FILE, latest_checkpoint
+    from spec_rl.trainer.run import policy_eos_ids
+
+    out = tmp_path / "run"
+    assert main(_train_argv(model_dir, data_file, out, "--modes", "spec")) == 0  # budget 4
+    capsys.readouterr()
+    longer = ["--modes", "spec", "--epochs", "3", "--max-response-len", "12", "--resume"]
+    line = _error_line(capsys, _train_argv(model_dir, data_file, out, *longer))
+    assert "--max-response-len: 4 -> 12" in line and "--allow-config-change" in line and "fresh --out" in line
+    assert len(json.loads((out / "summary.json").read_text())["spec"]) == 1  # nothing was touched
+    assert main(_train_argv(model_dir, data_file, out, *longer, "--allow-config-change")) == 0
+    assert "max_response_len 4 -> 12 (recorded in run_info.json)" in capsys.readouterr().out
+    info = json.loads((out / "run_info.json").read_text())
+    assert [(c["field"], c["old"], c["new"]) for c in info["config_changes"]] == [("max_response_len", 4, 12)]
+    assert info["fingerprint"]["max_response_len"] == 12
+    # The responses of the resumed epochs (the drafts stored at the end): none is cut short by the old budget.
+    cache = RolloutCache.load(latest_checkpoint(out / "spec").path / CACHE_FILE)
+    eos = policy_eos_ids(model_dir)
+    drafts = cache.drafts()
+    assert drafts and all(d.token_ids[-1].item() in eos or len(d) == 12 for d in drafts)
+    assert any(len(d) > 4 for d in drafts)
+    # the same command again: the run is complete, nothing is done
+    assert main(_train_argv(model_dir, data_file, out, *longer)) == 0
+    assert "is complete (3 epochs of spec); nothing to do" in capsys.readouterr().out
+    line = _error_line(capsys, _train_argv(model_dir, data_file, tmp_path / "new", "--allow-config-change"))
+    assert "--allow-config-change applies to --resume only" in line
+
+
+def test_limit_applies_to_the_demo_train_set():
+    from spec_rl.cli import _load_examples, build_parser
+
+    args = build_parser().parse_args(["train", "--limit", "5"])
+    assert len(_load_examples(args, demo=True)) == 5
+    args = build_parser().parse_args(["train"])
+    assert len(_load_examples(args, demo=True)) == 256
+
+
+def test_resume_with_a_subset_of_modes_keeps_the_others(model_dir, data_file, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(_train_argv(model_dir, data_file, out, "--modes", "vanilla,spec")) == 0
+    spec = json.loads((out / "summary.json").read_text())["spec"]
+    assert main(_train_argv(model_dir, data_file, out, "--modes", "vanilla", "--epochs", "2", "--resume")) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["spec"] == spec and [r["epoch"] for r in summary["vanilla"]] == [1, 2]
+    assert json.loads((out / "run_info.json").read_text())["modes"] == ["vanilla", "spec"]
+    assert "[vanilla] resumed at epoch 2" in capsys.readouterr().out
+    steps = [json.loads(x)["step"] for x in (out / "vanilla" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1]
+
+
+# Held-out flags: (extra flags, what the one error line must contain). "EVAL" is replaced by a held-out file.
+BAD_EVAL_FLAGS = [
+    (["--eval-fraction", "0"], "argument --eval-fraction: must be a number in (0, 1), got '0'"),
+    (["--eval-fraction", "1"], "argument --eval-fraction: must be a number in (0, 1), got '1'"),
+    (["--eval-fraction", "nan"], "argument --eval-fraction: must be a number in (0, 1)"),
+    (["--eval-fraction", "half"], "argument --eval-fraction: must be a number in (0, 1), got 'half'"),
+    (["--eval-samples", "0", "--eval-fraction", "0.5"], "--eval-samples must be an integer >= 1, got 0"),
+    (["--eval-samples", "2.5"], "argument --eval-samples: invalid int value: '2.5'"),
+    (["--eval-data", "EVAL", "--eval-fraction", "0.5"], "pass either --eval-data or --eval-fraction, not both"),
+    (["--no-eval", "--eval-data", "EVAL"], "--no-eval turns held-out evaluation off; drop --eval-data"),
+    (["--no-eval", "--eval-samples", "2"], "--no-eval turns held-out evaluation off; drop --eval-samples"),
+    (["--eval-samples", "2"], "--eval-samples needs a held-out set: pass --eval-data FILE or --eval-fraction F"),
+    (["--eval-data", "MISSING"], "MISSING"),
+    (["--limit", "1", "--eval-fraction", "0.5"], "--eval-fraction 0.5: 1 distinct prompt(s) cannot be split"),
+]
+
+
+@pytest.mark.parametrize("flags, expected", BAD_EVAL_FLAGS, ids=[" ".join(f) for f, _ in BAD_EVAL_FLAGS])
+def test_bad_heldout_flags_give_one_line(flags, expected, model_dir, data_file, tmp_path, capsys):
+    names = {"EVAL": str(data_file), "MISSING": str(tmp_path / "missing.jsonl")}
+    flags = [names.get(f, f) for f in flags]
+    line = _error_line(capsys, _train_argv(model_dir, data_file, tmp_path / "run", *flags))
+    assert names.get(expected, expected) in line, line
+    assert not (tmp_path / "run" / "vanilla" / "metrics.jsonl").exists()
+
+
+def test_demo_refuses_heldout_files(capsys):
+    line = _error_line(capsys, ["train", "--eval-fraction", "0.2", "--no-progress"])
+    assert "--eval-data and --eval-fraction need --model: the demo evaluates on its own held-out set" in line
+
+
+def test_eval_fraction_and_eval_data_evaluate_every_epoch(model_dir, data_file, tmp_path, capsys):
+    out = tmp_path / "frac"
+    assert main(_train_argv(model_dir, data_file, out, "--eval-fraction", "0.5", "--eval-samples", "2",
+                            "--modes", "vanilla,spec", "--epochs", "2")) == 0  # fmt: skip
+    summary = json.loads((out / "summary.json").read_text())
+    info = json.loads((out / "run_info.json").read_text())
+    assert info["train_prompts"] == 1 and info["eval_prompts"] == 1 and info["config"]["eval_samples"] == 2
+    for mode in ("vanilla", "spec"):
+        assert all("heldout_reward" in r and "heldout_greedy_accuracy" in r for r in summary[mode])
+        assert "start_heldout_reward" in summary[mode][0]
+    printed = capsys.readouterr().out
+    assert "held-out: 1 prompts x 2 samples + greedy" in printed
+    assert "vanilla: held-out reward" in printed and "final held-out reward" in printed
+    assert "| held-out |" in (out / "report.md").read_text()
+    out = tmp_path / "file"
+    assert main(_train_argv(model_dir, data_file, out, "--eval-data", str(data_file))) == 0
+    assert json.loads((out / "run_info.json").read_text())["eval_prompts"] == 2
+    assert "2 --eval-data prompt(s) are also training prompts" in capsys.readouterr().err
+    out = tmp_path / "off"
+    assert main(_train_argv(model_dir, data_file, out, "--no-eval")) == 0
+    assert "heldout_reward" not in json.loads((out / "summary.json").read_text())["vanilla"][0]
+
+
+def test_vllm_backend_without_vllm_is_refused_before_the_run(model_dir, data_file, tmp_path, capsys):
+    pytest.importorskip("torch")
+    try:
+        import vllm  # noqa: F401
+
+        pytest.skip("vLLM is installed here")
+    except ImportError:
+        pass
+    line = _error_line(capsys, _train_argv(model_dir, data_file, tmp_path / "run", "--backend", "vllm"))
+    assert "--backend vllm needs vLLM installed" in line
+    assert not (tmp_path / "run").exists()  # nothing written

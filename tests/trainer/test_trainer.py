@@ -1,0 +1,234 @@
+"""GRPO pieces: advantages, masks, loss; one training step; a 2-epoch end-to-end run."""
+
+import json
+import math
+
+import pytest
+import torch
+from tiny_models import tiny_model, tiny_tokenizer
+
+from spec_rl.trainer import GRPOConfig, GRPOTrainer, clipped_policy_loss, group_advantages, response_mask
+from spec_rl.trainer.checkpoint import latest_checkpoint
+from spec_rl.trainer.run import load_policy, run_modes
+
+
+def test_group_advantages():
+    r = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
+    adv = group_advantages(r, 4)
+    std = torch.tensor([1.0, 0, 0, 0]).std()
+    assert torch.allclose(adv[:4], (torch.tensor([1.0, 0, 0, 0]) - 0.25) / (std + 1e-6))
+    assert torch.equal(adv[4:], torch.zeros(4))  # all-equal group: no signal
+    assert torch.allclose(group_advantages(r, 4, scale_by_std=False)[:4], torch.tensor([0.75, -0.25, -0.25, -0.25]))
+    with pytest.raises(ValueError, match="groups of 3"):
+        group_advantages(r, 3)
+
+
+def test_response_mask_includes_eos_and_excludes_what_follows():
+    m = response_mask([[5, 6, 1, 7, 8], [5, 2], [5, 6, 7]], eos_ids={1, 2}, width=5)
+    assert m.tolist() == [
+        [True, True, True, False, False],
+        [True, True, False, False, False],
+        [True, True, True, False, False],
+    ]
+
+
+def test_clipped_loss_values_and_empty_batch():
+    lp = torch.tensor([[-1.0, -2.0], [-0.5, -0.1]], requires_grad=True)
+    old = torch.tensor([[-1.0, -1.0], [-1.0, -0.1]])
+    adv = torch.tensor([1.0, -1.0])
+    mask = torch.tensor([[True, True], [True, False]])
+    loss, m = clipped_policy_loss(lp, old, adv, mask, clip_low=0.2, clip_high=0.28)
+    ratio = torch.exp(lp.detach() - old)
+    expected = -(
+        min(ratio[0, 0], 1.0) * 1
+        + min(ratio[0, 1] * 1, max(ratio[0, 1], 0.8) * 1)
+        + min(-ratio[1, 0], -min(ratio[1, 0], 1.28))
+    ) / 3
+    assert loss.item() == pytest.approx(float(expected), rel=1e-6)
+    assert m["clip_frac"] == pytest.approx(2 / 3)
+    empty, _ = clipped_policy_loss(lp, old, adv, torch.zeros_like(mask))
+    assert empty.item() == 0.0 and not math.isnan(empty.item())
+    empty.backward()
+    none, _ = clipped_policy_loss(torch.zeros(0, 0, requires_grad=True), torch.zeros(0, 0), torch.zeros(0), torch.zeros(0, 0, dtype=torch.bool))
+    assert none.item() == 0.0
+
+
+def test_kl_term_needs_reference():
+    lp = torch.zeros(1, 2)
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        clipped_policy_loss(lp, lp, torch.ones(1), torch.ones(1, 2, dtype=torch.bool), kl_coef=0.1)
+    loss, m = clipped_policy_loss(lp, lp, torch.zeros(1), torch.ones(1, 2, dtype=torch.bool), kl_coef=0.1,
+                                  ref_logprobs=torch.tensor([[-0.5, 0.2]]))
+    k3 = [math.exp(d) - d - 1 for d in (-0.5, 0.2)]
+    assert loss.item() == pytest.approx(0.1 * sum(k3) / 2, rel=1e-5)
+
+
+class _Ex:
+    def __init__(self, prompt, answer, uid):
+        self.prompt, self.answer, self.uid = prompt, answer, uid
+
+
+EXAMPLES = [_Ex(f"Question: Tom has {a} apples . Ann buys {b} more . how many now ? Answer:", str(a + b), f"t:{a}:{b}")
+            for a, b in [(1, 2), (3, 4), (2, 2), (5, 1)]]
+
+
+def _reward(text: str, gold: str) -> float:
+    # Rewards responses that contain the digit of the gold answer: some groups then have signal.
+    return 1.0 if gold in text.split() else 0.0
+
+
+def _config(**kw):
+    base = dict(epochs=1, group_size=4, prompts_per_step=4, max_response_len=12, lr=1e-2, seed=0, save_checkpoint=False)
+    base.update(kw)
+    return GRPOConfig(**base)
+
+
+def test_one_step_changes_the_weights(tmp_path):
+    tok = tiny_tokenizer()
+    model = tiny_model(seed=0)
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = GRPOTrainer(model, tok, EXAMPLES, lambda t, g: float(len(t) % 2), _config(), tmp_path, progress=False)
+    rec = trainer.train_step(range(4), epoch=1)
+    changed = sum(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert changed > 0
+    assert rec["num_samples"] == 16 and 0 <= rec["mean_reward"] <= 1
+    assert (tmp_path / "metrics.jsonl").read_text().count("\n") == 1
+
+
+def test_all_zero_advantages_give_no_update(tmp_path):
+    tok = tiny_tokenizer()
+    model = tiny_model(seed=0)
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = GRPOTrainer(model, tok, EXAMPLES, lambda t, g: 1.0, _config(), tmp_path, progress=False)
+    rec = trainer.train_step(range(4), epoch=1)
+    assert rec["loss"] == 0.0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_bad_trainer_input(tmp_path):
+    with pytest.raises(ValueError, match="empty"):
+        GRPOTrainer(tiny_model(), tiny_tokenizer(), [], _reward, _config(), tmp_path)
+    with pytest.raises(ValueError, match="mode"):
+        GRPOConfig(mode="fast")
+    with pytest.raises(ValueError, match="lenience"):
+        GRPOConfig(lenience=-1)
+    with pytest.raises(ValueError, match="group_size"):
+        GRPOConfig(group_size=0)
+
+
+@pytest.mark.slow
+def test_two_epoch_end_to_end_reuses_drafts_and_resumes(tmp_path):
+    model_dir = tmp_path / "policy"
+    tiny_model(seed=0).save_pretrained(model_dir)
+    tiny_tokenizer().save_pretrained(model_dir)
+    cfg = _config(epochs=2, lr=1e-3, lenience=math.exp(0.5), save_checkpoint=True)
+    out = tmp_path / "run"
+    summary = run_modes(model_dir, EXAMPLES, _reward, cfg, ["vanilla", "spec"], out, progress=False, log=lambda s: None)
+    spec, vanilla = summary["spec"], summary["vanilla"]
+    assert [r["epoch"] for r in spec] == [1, 2]
+    assert spec[0]["drafts_found"] == 0 and spec[0]["reused_tokens"] == 0
+    assert spec[1]["drafts_found"] == 16 and spec[1]["reused_tokens"] > 0
+    assert spec[1]["generated_tokens"] < vanilla[1]["generated_tokens"]
+    assert vanilla[1]["reused_tokens"] == 0
+    on_disk = json.loads((out / "summary.json").read_text())
+    for key in ("epoch", "mean_reward", "generated_tokens", "reused_tokens", "full_reuse_ratio", "mean_verified_prefix",
+                "rollout_seconds", "scoring_seconds"):
+        assert key in on_disk["spec"][1]
+    assert (out / "report.md").is_file() and (out / "report.png").stat().st_size > 1000
+    ckpt = latest_checkpoint(out / "spec")  # the version LATEST names: a transformers checkpoint + trainer files
+    assert ckpt.path.name == "checkpoint-2" and (ckpt.path / "config.json").is_file()
+    assert (ckpt.path / "rollout_cache.safetensors").is_file()
+    # Resume: a third epoch starts from the checkpoint and its cache (drafts found at once).
+    cfg3 = _config(epochs=3, lr=1e-3, lenience=math.exp(0.5), save_checkpoint=True)
+    summary = run_modes(model_dir, EXAMPLES, _reward, cfg3, ["spec"], out, progress=False, resume=True, log=lambda s: None)
+    assert [r["epoch"] for r in summary["spec"]] == [1, 2, 3]
+    assert summary["spec"][2]["drafts_found"] == 16
+
+
+def test_paged_backend_in_the_trainer_splices_without_reprefill(tmp_path):
+    from spec_rl.engine import PagedEngine
+
+    cfg = _config(epochs=2, lr=1e-4, generation_backend="paged")
+    trainer = GRPOTrainer(tiny_model(seed=0), tiny_tokenizer(), EXAMPLES, _reward, cfg, tmp_path, progress=False)
+    assert isinstance(trainer.rollout.backend, PagedEngine)
+    first = trainer.train_step(range(4), epoch=1)
+    second = trainer.train_step(range(4), epoch=2)
+    assert first["drafts_found"] == 0
+    assert second["drafts_found"] == 16 and second["reused_tokens"] > 0
+    # Drafted rows continue from the spliced KV: no accepted token is prefilled again.
+    assert second["reprefill_tokens"] == 0
+    with pytest.raises(ValueError, match="generation_backend"):
+        GRPOConfig(generation_backend="sglang")
+    try:
+        import vllm  # noqa: F401
+    except ImportError:  # the main venv: a clear error naming what to install (tests/integrations/test_vllm_engine.py runs it)
+        with pytest.raises(ImportError, match="generation_backend='vllm' needs vLLM"):
+            GRPOTrainer(tiny_model(seed=0), tiny_tokenizer(), EXAMPLES, _reward, _config(generation_backend="vllm"),
+                        tmp_path, progress=False)  # fmt: skip
+    auto = GRPOTrainer(tiny_model(seed=0), tiny_tokenizer(), EXAMPLES, _reward, _config(), tmp_path, progress=False)
+    assert type(auto.rollout.backend).__name__ == "TransformersBackend"  # CPU default (see GRPOConfig)
+
+
+# (field, bad value, the message must contain): every float is finite where it must be and in range;
+# counts are integers (no float or bool coercion).
+BAD_CONFIG = [
+    ("clip_high", float("nan"), "clip_high must be a finite number >= 0, got nan"),
+    ("clip_low", float("nan"), "clip_low must be a finite number in [0, 1), got nan"),
+    ("clip_low", 1.0, "clip_low must be a finite number in [0, 1)"),
+    ("kl_coef", float("nan"), "kl_coef must be a finite number >= 0 (0 turns the KL term off), got nan"),
+    ("kl_coef", float("inf"), "kl_coef must be a finite number >= 0"),
+    ("lr", float("nan"), "lr must be a finite number > 0, got nan"),
+    ("lr", float("inf"), "lr must be a finite number > 0, got inf"),
+    ("lenience", float("nan"), "lenience must be a number (inf allowed) >= 0"),
+    ("weight_decay", float("nan"), "weight_decay must be a finite number >= 0"),
+    ("max_grad_norm", 0.0, "max_grad_norm must be a number (inf allowed) > 0"),
+    ("temperature", float("nan"), "temperature must be a finite number > 0"),
+    ("top_p", 0.0, "top_p must be a finite number in (0, 1]"),
+    ("top_p", "abc", "top_p must be a finite number in (0, 1] (1 disables nucleus sampling), got 'abc'"),
+    ("top_k", float("nan"), "top_k must be an integer >= 0 (0 disables top-k), got nan"),
+    ("max_model_len", 0, "max_model_len must be an integer >= 2 (None: the model's max_position_embeddings), got 0"),
+    ("max_model_len", 8.7, "max_model_len must be an integer >= 2"),
+    ("seed", 1.9, "seed must be an integer in [-2**63, 2**64 - 1], got 1.9"),
+    ("seed", 10**23, "seed must be an integer in [-2**63, 2**64 - 1]"),
+    ("seed", None, "seed must be an integer"),
+    ("epochs", 2.0, "epochs must be an integer >= 1, got 2.0"),
+    ("group_size", True, "group_size must be an integer >= 1, got True"),
+    ("spec_tokens", -1, "spec_tokens must be an integer >= 0 (0 disables tail speculation)"),
+    ("save_checkpoint", 1, "save_checkpoint must be True or False, got 1"),
+    ("device", "tpu9", "device must be auto, cpu, cuda, cuda:<index> or mps, got 'tpu9'"),
+]
+
+
+@pytest.mark.parametrize("field, value, message", BAD_CONFIG, ids=[f"{f}={v!r}" for f, v, _ in BAD_CONFIG])
+def test_config_refuses_bad_values_naming_the_field(field, value, message):
+    from spec_rl.trainer.config import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        GRPOConfig(**{field: value})
+    assert message in str(info.value) and info.value.field == field
+
+
+def test_max_model_len_above_the_models_positions_is_refused(tmp_path):
+    from spec_rl.trainer.config import ConfigError
+
+    match = r"max_model_len must be <= the model's max_position_embeddings \(128\), got 129"
+    with pytest.raises(ConfigError, match=match):
+        GRPOTrainer(tiny_model(), tiny_tokenizer(), EXAMPLES, _reward, _config(max_model_len=129), tmp_path)
+
+
+def test_resume_restores_records_and_drops_metrics_past_the_checkpoint(tmp_path):
+    cfg = _config(epochs=2, lr=1e-3, save_checkpoint=True, prompts_per_step=2)
+    first = GRPOTrainer(tiny_model(seed=0), tiny_tokenizer(), EXAMPLES, _reward, cfg, tmp_path, progress=False)
+    records = first.train()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    # A killed third epoch: one more step listed, and a line cut short by the kill.
+    redone = lines[-1].replace('"step": 3', '"step": 4')
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n" + redone + '\n{"mode": "sp')
+    ckpt = latest_checkpoint(tmp_path)
+    again = GRPOTrainer(load_policy(ckpt.path)[0], tiny_tokenizer(), EXAMPLES, _reward, cfg, tmp_path, progress=False)
+    assert again.resume() and (again.step, again.start_epoch) == (4, 2) and again.records == records
+    assert (tmp_path / "metrics.jsonl").read_text().splitlines() == lines
+    assert again.train() == records  # nothing left to do: the records of the finished epochs
+    # load_policy also takes the run directory and loads the version LATEST names.
+    model, _ = load_policy(tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), first.model.state_dict().values()))
