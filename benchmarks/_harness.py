@@ -19,10 +19,8 @@ Output
     failures that make a script exit non-zero, :func:`default_json_path`
     for the ``--json`` default under ``$OUT``.
 Kernels
-    :func:`kernels_for`: ``spec_rl.kernels`` compiled for CUDA, or run by the
-    Triton interpreter on the CPU (smoke runs), or None with the reason.
-    :func:`broken_shape_requested`: the hidden switch the smoke tests use to
-    add one shape that must fail.
+    :func:`kernels_for` (compiled for CUDA, interpreted on the CPU for smoke
+    runs); :func:`broken_shape_requested`, the tests' switch for a failing shape.
 Inputs
     :data:`DTYPES` and :func:`random_lm_head`, shared by the verification benchmarks.
 
@@ -176,8 +174,7 @@ def measure(
     end the run. The row is appended to ``rows``; ``progress(row)`` is printed
     (flushed) when given.
     """
-    rec = {"name": name, **extra}
-    on_cuda = torch.device(device).type == "cuda"
+    rec, on_cuda = {"name": name, **extra}, torch.device(device).type == "cuda"
     try:
         fn()
         sync(device)
@@ -405,8 +402,7 @@ class RunRecord:
     """
 
     def __init__(self, path: str | None, record: dict) -> None:
-        self.path = path
-        self.record = record
+        self.path, self.record = path, record
         record.setdefault("checks", {})
         record["status"] = "running"
         record["failures"] = []

@@ -145,6 +145,7 @@ fi
 
 SMOKE=${SMOKE:-0}
 FULL=${FULL:-0}
+[ "$SMOKE" = 1 ] && FULL=0  # the smoke run is the default run's code at tiny shapes
 PY=${PYTHON:-python3}
 DEST=${OUT:-$PWD/gpu-check-out}
 SITE=${SITE:-/tmp/spec-rl-site}
