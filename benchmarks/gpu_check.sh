@@ -26,6 +26,8 @@
 # The budgets are estimates (no stage has run on an H200 yet); the summary prints each stage's wall time
 # beside its budget. DEADLINE_S (default 540 s, 0 = none) bounds the whole run below the device's 10-minute
 # command limit: a stage gets min(its timeout, time left - 15 s) and is skipped when under 20 s are left.
+# FULL=1 does not fit one command: run it as further calls with STAGES subsets (e.g. STAGES="2", then "3 4 7";
+# stage 1's install in $SITE stays valid while the machine stays warm).
 #
 # $OUT receives exactly two files: gpu-check.tar.gz (logs/, json/, summary.md, meta.tsv, stages.tsv) and
 # summary.md (the stage table with wall time vs budget, then every measured table in RESULTS.md's format).
