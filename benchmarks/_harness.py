@@ -6,15 +6,21 @@ Timing
     synchronize, for whole pipelines and for the CPU), :func:`synced` (a callable
     for pytest-benchmark that waits for the device) and :func:`measure`, which
     turns one timed call into a result row (a failing call becomes an ``error``
-    row instead of ending the run).
+    row instead of ending the run; on the CPU it times with :func:`wall_time`,
+    for the smoke runs of the GPU scripts).
 Provenance
     :func:`commit` and :func:`provenance`: commit, date, device, torch / triton /
     Python versions, recorded in every JSON file (and, via benchmarks/conftest.py,
     in pytest-benchmark's ``machine_info``).
 Output
     :class:`Table` / :class:`Column` for the aligned text tables the scripts
-    print, :func:`write_json` for the JSON record, :func:`default_json_path`
+    print, :func:`write_json` for the JSON record (atomic rewrite),
+    :class:`RunRecord` for a record rewritten after every row, with the
+    failures that make a script exit non-zero, :func:`default_json_path`
     for the ``--json`` default under ``$OUT``.
+Kernels
+    :func:`kernels_for` (compiled for CUDA, interpreted on the CPU for smoke
+    runs); :func:`broken_shape_requested`, the tests' switch for a failing shape.
 Inputs
     :data:`DTYPES` and :func:`random_lm_head`, shared by the verification benchmarks.
 
@@ -47,6 +53,8 @@ import torch
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Spread of a timing: these quantiles of the per-run times.
 LOW_Q, HIGH_Q = 0.2, 0.8
+# Timed runs per row on the CPU (the smoke runs: the interpreter's times are not measurements).
+CPU_REPEATS = 2
 
 
 # ---------------------------------------------------------------- timing
@@ -152,22 +160,31 @@ def measure(
     rep_ms: int,
     memory: bool = False,
     progress: Callable[[dict], str] | None = None,
+    device: torch.device | str = "cuda",
     **extra,
 ) -> dict:
-    """Time one GPU call into a row ``{"name", **extra, "ms", "ms_p20", "ms_p80", "runs"[, "extra_mb"]}``.
+    """Time one call into a row ``{"name", **extra, "ms", "ms_p20", "ms_p80", "runs"[, "extra_mb"]}``.
 
-    One untimed call first (compilation, first-call costs), then :func:`gpu_time`;
-    ``memory`` adds :func:`peak_extra_mb`. An exception becomes ``row["error"]``
-    (first line, 300 characters) so a failing competitor does not end the run.
-    The row is appended to ``rows``; ``progress(row)`` is printed when given.
+    One untimed call first (compilation, first-call costs), then :func:`gpu_time`
+    on CUDA, or :func:`wall_time` (:data:`CPU_REPEATS` runs) on the CPU, where
+    the smoke runs of the GPU scripts time the interpreter (meaningless as a
+    number, but the same code path). ``memory`` adds :func:`peak_extra_mb` on
+    CUDA (``extra_mb`` is None on the CPU). An exception becomes
+    ``row["error"]`` (first line, 300 characters) so one failing row does not
+    end the run. The row is appended to ``rows``; ``progress(row)`` is printed
+    (flushed) when given.
     """
-    rec = {"name": name, **extra}
+    rec, on_cuda = {"name": name, **extra}, torch.device(device).type == "cuda"
     try:
         fn()
-        torch.cuda.synchronize()
-        rec.update(gpu_time(fn, rep_ms).record("ms"))
+        sync(device)
+        if on_cuda:
+            rec.update(gpu_time(fn, rep_ms).record("ms"))
+        else:
+            _, t = wall_time(fn, device, repeats=CPU_REPEATS)
+            rec.update(Timing(t.median * 1e3, t.low * 1e3, t.high * 1e3, t.runs).record("ms"))
         if memory:
-            rec["extra_mb"] = peak_extra_mb(fn)
+            rec["extra_mb"] = peak_extra_mb(fn) if on_cuda else None
     except Exception as exc:  # noqa: BLE001  (a failing row is reported, not fatal)
         rec["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
         traceback.print_exc(limit=2)
@@ -175,6 +192,12 @@ def measure(
     if progress is not None:
         print(progress(rec), flush=True)
     return rec
+
+
+def failed_rows(rows: list[dict]) -> list[str]:
+    """``"name: error"`` for every row that raised (rows marked ``optional`` excepted: third-party
+    competitors whose failure is reported in the table but is not ours)."""
+    return [f"{r['name']}: {r['error']}" for r in rows if "error" in r and not r.get("optional")]
 
 
 def compiled_kernels(script: str):
@@ -190,6 +213,37 @@ def compiled_kernels(script: str):
         print(f"{script}: spec_rl.kernels was imported in interpreter mode (TRITON_INTERPRET set); unset it.")
         return None
     return K
+
+
+def kernels_for(device: torch.device | str, script: str):
+    """``spec_rl.kernels`` runnable on ``device``, or None after printing why.
+
+    CUDA: the compiled kernels (:func:`compiled_kernels`). CPU: the Triton
+    interpreter, which needs ``TRITON_INTERPRET=1`` in the environment before
+    the package is imported (the smoke runs set it); its timings are not
+    measurements, only the code path is.
+    """
+    if torch.device(device).type == "cuda":
+        return compiled_kernels(script)
+    try:
+        import spec_rl.kernels as K
+    except ImportError as exc:
+        print(f"{script}: spec_rl.kernels is not importable ({exc})")
+        return None
+    if not K.is_available(device):
+        print(f"{script}: the kernels cannot run on {device}: set TRITON_INTERPRET=1 for a CPU smoke run")
+        return None
+    return K
+
+
+#: Environment switch used only by the tests of the smoke run: a comma-separated list of
+#: benchmark script names, each of which then adds one shape that must fail.
+BROKEN_SHAPE_ENV = "SPEC_RL_BENCH_BROKEN_SHAPE"
+
+
+def broken_shape_requested(script: str) -> bool:
+    """True when :data:`BROKEN_SHAPE_ENV` names ``script`` (e.g. "bench_paged_attention")."""
+    return script in os.environ.get(BROKEN_SHAPE_ENV, "").replace(" ", "").split(",")
 
 
 # ---------------------------------------------------------------- provenance
@@ -317,13 +371,70 @@ def default_json_path(filename: str) -> str | None:
 
 
 def write_json(path: str, record: dict, *, announce: str | None = "wrote") -> None:
-    """Write ``record`` as indented JSON (creating the folder); print ``"{announce} {path}"`` unless None."""
+    """Write ``record`` as indented JSON (creating the folder); print ``"{announce} {path}"`` unless None.
+
+    Atomic: written to ``path.tmp`` and renamed, so a run killed mid-write leaves the previous file.
+    """
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    with open(path, "w") as f:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
         json.dump(record, f, indent=2)
+    os.replace(tmp, path)
     if announce is not None:
-        print(f"{announce} {path}")
+        print(f"{announce} {path}", flush=True)
+
+
+class RunRecord:
+    """A benchmark's JSON record, rewritten (atomically) whenever a row or a check is added.
+
+    ``record`` is the script's own dict (provenance + its sections); this adds
+    ``status`` ("running", then "ok" or "failed"), ``checks`` ({name: value})
+    and ``failures`` (what makes the run fail: a failed shape, an error row, a
+    check beyond its bound). A run cut at any point leaves every finished row
+    on disk. ``path`` None: nothing is written.
+
+    Example
+    -------
+    >>> r = RunRecord(None, {"rows": []})
+    >>> r.check("max_abs_diff", 1e-6, 1e-3), r.finish()
+    (True, 0)
+    """
+
+    def __init__(self, path: str | None, record: dict) -> None:
+        self.path, self.record = path, record
+        record.setdefault("checks", {})
+        record["status"] = "running"
+        record["failures"] = []
+        self.save()
+
+    def save(self) -> None:
+        if self.path:
+            write_json(self.path, self.record, announce=None)
+
+    def fail(self, what: str) -> None:
+        """Record one failure (printed at once)."""
+        self.record["failures"].append(what)
+        print(f"FAILED: {what}", flush=True)
+        self.save()
+
+    def check(self, name: str, value: float, bound: float) -> bool:
+        """Record an accuracy check ``value <= bound`` (NaN / inf fail); False and a failure when it does not hold."""
+        value = float(value)
+        self.record["checks"][name] = value
+        ok = math.isfinite(value) and value <= bound
+        if not ok:
+            self.fail(f"check {name} = {value:.3g} exceeds {bound:.3g}")
+        self.save()
+        return ok
+
+    def finish(self) -> int:
+        """Mark the record done; 1 when anything failed, else 0 (the script's exit code)."""
+        self.record["status"] = "failed" if self.record["failures"] else "ok"
+        self.save()
+        if self.record["failures"]:
+            print(f"{len(self.record['failures'])} failure(s): " + "; ".join(self.record["failures"]), flush=True)
+        return 1 if self.record["failures"] else 0
 
 
 # ---------------------------------------------------------------- inputs

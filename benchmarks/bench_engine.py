@@ -1,6 +1,6 @@
 """Paged engine benchmark: decode throughput and splicing vs re-prefill.
 
-One command (also run by ``benchmarks/gpu_check.sh``):
+One command (stage 5 of ``benchmarks/gpu_check.sh``):
 
     python benchmarks/bench_engine.py [--preset qwen3-0.6b|demo|tiny] [--json PATH]
 
@@ -33,9 +33,11 @@ fp32), ``tiny`` (a 2-layer random Qwen2 for a smoke run of this script).
 Without CUDA the qwen3-0.6b preset prints "no CUDA device" and exits 0.
 
 Times are host wall clock around device synchronizes, one timed run per row
-after a short warm-up (``_harness.wall_time``). Prints a table and writes JSON
-(with ``_harness.provenance``) to ``--json`` (default ``$OUT/engine.json``
-when OUT is set).
+after a short warm-up (``_harness.wall_time``). Each row is printed as it is
+measured and the JSON (with ``_harness.provenance``; ``--json``, default
+``$OUT/engine.json`` when OUT is set) is rewritten after every row; the tables
+print last. Exit code 1 when a row raises or the splice path prefilled
+anything beyond the scoring pass.
 """
 
 from __future__ import annotations
@@ -43,9 +45,11 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
+import traceback
 
 import torch
-from _harness import Column, Table, default_json_path, provenance, wall_time, write_json  # benchmarks/ on sys.path
+
+from _harness import Column, RunRecord, Table, default_json_path, provenance, wall_time  # benchmarks/ on sys.path
 
 from spec_rl.backends.transformers_backend import TransformersBackend
 from spec_rl.drafts.cache import RolloutCache
@@ -123,32 +127,81 @@ def _time_hf_generate(model, prompts, new_tokens, device) -> dict:
             "seconds": timing.median}
 
 
-def bench_decode(model, vocab, batch, prompt_len, new_tokens, device, skip_generate) -> list[dict]:
+def _row_or_error(name: str, fn, rows: list, rec: RunRecord, show) -> dict:
+    """``fn()`` as a row (an exception becomes an ``error`` row and a failure); printed and saved at once."""
+    try:
+        row = fn()
+    except Exception as exc:  # noqa: BLE001  one failing row is reported, the others still run
+        traceback.print_exc(limit=3)
+        row = {"name": name, "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}
+        rec.fail(f"{name}: {row['error']}")
+    rows.append(row)
+    print(show(row) if "error" not in row else f"  {name:<48} {row['error']}", flush=True)
+    rec.save()
+    return row
+
+
+def bench_decode(model, vocab, batch, prompt_len, new_tokens, device, skip_generate, rec: RunRecord) -> list[dict]:
     gen = torch.Generator().manual_seed(1)
     # Prompts avoid the last id, which serves as the (unreachable in practice) EOS of the engine runs.
     prompts = torch.randint(0, vocab - 1, (batch, prompt_len), generator=gen)
     settings = SamplingSettings(temperature=1.0, top_p=1.0, top_k=0, max_tokens=new_tokens)
     eos = [_suppressed_eos(vocab)]
     contexts = prompts.tolist()
-    rows = [
-        _time_generate("spec-rl PagedEngine.generate", PagedEngine(model, eos, pad_id=0), contexts, new_tokens,
-                       settings, device),
-        _time_generate("spec-rl TransformersBackend (HF KV cache)", TransformersBackend(model, eos, pad_id=0),
-                       contexts, new_tokens, settings, device),
-    ]
-    if not skip_generate:
-        rows.append(_time_hf_generate(model, prompts, new_tokens, device))
-    for r in rows:
+    rows = rec.record["decode"]
+
+    def rate(r):
         r["tokens_per_s"] = r["tokens"] / r["seconds"]
         r["ms_per_step"] = 1000 * r["seconds"] / new_tokens
-    base = next((r for r in rows if r["name"] == "transformers generate"), rows[1])
-    for r in rows:
-        r["engine_speedup_vs_this"] = rows[0]["tokens_per_s"] / r["tokens_per_s"]
+        return r
+
+    def show(r):
+        return f"  {r['name']:<48} {r['tokens_per_s']:10.1f} tokens/s {r['ms_per_step']:8.2f} ms/step"
+
+    todo = [
+        ("spec-rl PagedEngine.generate", lambda: PagedEngine(model, eos, pad_id=0)),
+        ("spec-rl TransformersBackend (HF KV cache)", lambda: TransformersBackend(model, eos, pad_id=0)),
+    ]
+    for name, make in todo:
+        _row_or_error(name, lambda: rate(_time_generate(name, make(), contexts, new_tokens, settings, device)),
+                      rows, rec, show)
+    if not skip_generate:
+        _row_or_error("transformers generate", lambda: rate(_time_hf_generate(model, prompts, new_tokens, device)),
+                      rows, rec, show)
+    done = [r for r in rows if "error" not in r]
+    base = next((r for r in done if r["name"] == "transformers generate"), done[-1] if done else None)
+    engine = next((r for r in done if r["name"].startswith("spec-rl PagedEngine")), None)
+    for r in done:
+        if engine is not None:
+            r["engine_speedup_vs_this"] = engine["tokens_per_s"] / r["tokens_per_s"]
         r["baseline"] = base["name"]
+    rec.save()
     return rows
 
 
-def bench_splice(model, vocab, batch, prompt_len, new_tokens, device, perturb) -> list[dict]:
+def _splice_row(name, backend, seed_cache, requests, settings, eos, max_len, device) -> dict:
+    """One speculative rollout step (step 2) from a copy of the seeded cache, timed."""
+    cache = copy.deepcopy(seed_cache)
+    rollout = SpeculativeRollout(backend, cache, settings, eos, max_len, strategy="spec", seed=0)
+    if isinstance(backend, PagedEngine):
+        backend.reset_stats()
+    res, timing = wall_time(lambda: rollout.run(requests, step=2), device)
+    st = res.stats
+    row = {
+        "name": name,
+        "seconds": timing.median,
+        "draft_tokens": st.draft_tokens,
+        "accepted_tokens": st.accepted_tokens,
+        "generated_tokens": st.tokens_generated,
+        "reprefill_tokens": st.reprefill_tokens,
+        "full_reuse_ratio": st.full_reuse_ratio,
+    }
+    if isinstance(backend, PagedEngine):
+        row["engine_stats"] = backend.stats.to_dict()
+    return row
+
+
+def bench_splice(model, vocab, batch, prompt_len, new_tokens, device, perturb, rec: RunRecord) -> list[dict]:
     gen = torch.Generator().manual_seed(2)
     prompts = torch.randint(0, vocab - 1, (batch, prompt_len), generator=gen).tolist()
     settings = SamplingSettings(temperature=1.0, top_p=1.0, top_k=0, max_tokens=new_tokens)
@@ -165,33 +218,25 @@ def bench_splice(model, vocab, batch, prompt_len, new_tokens, device, perturb) -
         # The final norm makes |h| ~ sqrt(d), so N(0, perturb^2 / d) weight noise adds ~N(0, perturb^2) to each logit.
         noise = torch.randn(head.shape, generator=torch.Generator().manual_seed(3)) * (perturb / head.shape[1] ** 0.5)
         head.add_(noise.to(device=head.device, dtype=head.dtype))
-    rows = []
+    rows = rec.record["splice"]
+
+    def show(r):
+        return (f"  {r['name']:<48} {r['seconds']:8.2f} s, accepted {r['accepted_tokens']}, "
+                f"generated {r['generated_tokens']}, re-prefill tokens {r['reprefill_tokens']}")
+
     try:
         for name, backend in (
             ("splice: PagedEngine (scoring K/V kept)", engine),
             ("re-prefill: PolicyScorer + TransformersBackend", TransformersBackend(model, eos, pad_id=0)),
         ):
-            cache = copy.deepcopy(seed_cache)
-            rollout = SpeculativeRollout(backend, cache, settings, eos, max_len, strategy="spec", seed=0)
-            if isinstance(backend, PagedEngine):
-                backend.reset_stats()
-            res, timing = wall_time(lambda: rollout.run(requests, step=2), device)
-            st = res.stats
-            row = {
-                "name": name,
-                "seconds": timing.median,
-                "draft_tokens": st.draft_tokens,
-                "accepted_tokens": st.accepted_tokens,
-                "generated_tokens": st.tokens_generated,
-                "reprefill_tokens": st.reprefill_tokens,
-                "full_reuse_ratio": st.full_reuse_ratio,
-            }
-            if isinstance(backend, PagedEngine):
-                row["engine_stats"] = backend.stats.to_dict()
-            rows.append(row)
+            args = (name, backend, seed_cache, requests, settings, eos, max_len, device)
+            _row_or_error(name, lambda args=args: _splice_row(*args), rows, rec, show)
     finally:
         with torch.no_grad():
             head.copy_(saved)
+    splice = next((r for r in rows if r["name"].startswith("splice") and "error" not in r), None)
+    if splice is not None and splice["reprefill_tokens"] != 0:
+        rec.fail(f"the splice path prefilled {splice['reprefill_tokens']} tokens beyond the scoring pass (want 0)")
     return rows
 
 
@@ -215,14 +260,20 @@ def print_table(result: dict) -> None:
     print(f"decode: batch {result['batch']}, prompt {result['prompt_len']}, {result['new_tokens']} new tokens")
     print(DECODE_TABLE.header())
     for r in result["decode"]:
-        print(DECODE_TABLE.row(r["name"], r["tokens_per_s"], r["ms_per_step"], r["engine_speedup_vs_this"]))
+        if "error" in r:
+            print(f"{r['name']:<48} {r['error']}")
+            continue
+        print(DECODE_TABLE.row(r["name"], r["tokens_per_s"], r["ms_per_step"], r.get("engine_speedup_vs_this")))
     print("speculative rollout, same drafts and seed (policy perturbed):")
     print(SPLICE_TABLE.header())
     for r in result["splice"]:
+        if "error" in r:
+            print(f"{r['name']:<48} {r['error']}")
+            continue
         counts = (r["accepted_tokens"], r["generated_tokens"], r["reprefill_tokens"])
         print(SPLICE_TABLE.row(r["name"], r["seconds"], *counts))
-    s = result["splice"]
-    if len(s) == 2 and s[0]["seconds"] > 0:
+    s = [r for r in result["splice"] if "error" not in r]
+    if len(s) == 2 and s[1]["seconds"] > 0:
         print(f"splice / re-prefill rollout time: {s[0]['seconds'] / s[1]['seconds']:.2f}x")
 
 
@@ -259,18 +310,25 @@ def main(argv=None) -> int:
         "batch": batch,
         "prompt_len": prompt_len,
         "new_tokens": new_tokens,
+        "perturb": args.perturb,
+        "decode": [],
+        "splice": [],
     }
+    print(f"bench_engine: preset {preset}, batch {batch}, prompt {prompt_len}, {new_tokens} new tokens, "
+          f"device {result['device']}, commit {result['commit'][:12]}", flush=True)
+    rec = RunRecord(args.json, result)
     with torch.no_grad():
-        result["decode"] = bench_decode(model, vocab, batch, prompt_len, new_tokens, device, args.skip_generate)
-    result["perturb"] = args.perturb
-    if args.skip_splice:
-        result["splice"] = []
-    else:
-        result["splice"] = bench_splice(model, vocab, batch, prompt_len, new_tokens, device, args.perturb)
+        bench_decode(model, vocab, batch, prompt_len, new_tokens, device, args.skip_generate, rec)
+    if not args.skip_splice:
+        try:
+            bench_splice(model, vocab, batch, prompt_len, new_tokens, device, args.perturb, rec)
+        except Exception as exc:  # noqa: BLE001  e.g. the seeding rollout: report, keep the decode rows
+            traceback.print_exc(limit=3)
+            rec.fail(f"splice section: {type(exc).__name__}: {exc}".splitlines()[0][:300])
     print_table(result)
     if args.json:
-        write_json(args.json, result)
-    return 0
+        print(f"wrote {args.json}")
+    return rec.finish()
 
 
 if __name__ == "__main__":

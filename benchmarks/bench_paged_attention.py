@@ -1,6 +1,6 @@
 """GPU micro-benchmark: Triton paged decode attention vs gather + torch SDPA, and vs the copy floor.
 
-One command (also run by ``benchmarks/gpu_check.sh``):
+One command (stage 4 of ``benchmarks/gpu_check.sh``):
 
     python benchmarks/bench_paged_attention.py [--batch 64] [--context 1024] [--sweep] [--json PATH]
 
@@ -29,22 +29,28 @@ that / the copy's bandwidth (read + write bytes / time). Times are medians of
 ``triton.testing.do_bench`` (CUDA events, L2 flushed between runs;
 ``_harness.measure``, which also records the 20th/80th percentiles).
 
-Prints a table and writes JSON to --json (default $OUT/paged_attention.json
-when OUT is set). Without a CUDA device it prints the plan (bytes, default
-tiles, split choice for a 132-SM H100/H200) and exits 0: "no CUDA device".
+Each row is printed as it is measured and the JSON (--json, default
+$OUT/paged_attention.json when OUT is set) is rewritten after every row; the
+table prints last. Accuracy check per shape: every split variant within
+``ACCURACY_TOL`` of fp32 SDPA over the same inputs. Exit code 1 when any
+row, shape or check fails. Without a CUDA device (and without ``--device
+cpu``) it prints the plan (bytes, default tiles, split choice for a 132-SM
+H100/H200) and exits 0; ``--device cpu`` runs the same code under the Triton
+interpreter (``TRITON_INTERPRET=1``) at tiny shapes: the smoke run, whose
+times are not measurements.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import traceback
 
 import torch
 import _harness as H  # benchmarks/ is on sys.path when a script here runs
 
-NOMINAL_SMS = 132  # H100 SXM / H200: used only for the CPU-side plan
+NOMINAL_SMS = 132  # H100 SXM / H200: used for the CPU-side plan and the CPU smoke run
+ACCURACY_TOL = 2e-2  # max |ours - fp32 SDPA| over the output (bf16 inputs and output)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -60,6 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="bf16", choices=sorted(H.DTYPES))
     ap.add_argument("--rep-ms", type=int, default=100, help="do_bench time budget per measurement (ms)")
     ap.add_argument("--sweep", action="store_true", help="also time every config in configs.PAGED_ATTENTION_SWEEP")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default=None,
+                    help="default: cuda when visible (else print the plan); cpu = smoke run under the interpreter")
     ap.add_argument("--json", default=H.default_json_path("paged_attention.json"),
                     help="write results here (default $OUT/paged_attention.json)")
     args = ap.parse_args(argv)
@@ -83,6 +91,9 @@ def shapes(args) -> list[dict]:
                 "context": args.long_context,
             }
         )
+    if H.broken_shape_requested("bench_paged_attention"):
+        # q heads not a multiple of kv heads: the argument checks must reject it (smoke tests only).
+        out.append({"label": "broken: Hq % Hkv != 0", "batch": 2, "context": 32, "q_heads": 2 * args.kv_heads + 1})
     for s in out:
         s["kv_bytes"] = 2 * s["batch"] * s["context"] * args.kv_heads * args.head_dim * elt
     return out
@@ -91,7 +102,6 @@ def shapes(args) -> list[dict]:
 def plan(args, sm_count: int) -> list[dict]:
     """Default tiles and automatic split choice per shape (needs triton, not CUDA)."""
     from spec_rl.kernels import configs as C
-    from spec_rl.kernels import paged_attention as PA
 
     dtype = H.DTYPES[args.dtype]
     cfg = C.default_paged_attention_config(args.q_heads // args.kv_heads, args.head_dim, dtype)
@@ -107,7 +117,8 @@ def _progress(rec: dict) -> str:
     return f"  {name:<48} {rec['ms'] * 1e3:9.1f} us" if "ms" in rec else f"  {name:<48} {rec['error']}"
 
 
-def _inputs(args, batch, context, dev, gen):
+def _inputs(args, shape, dev, gen):
+    batch, context, q_heads = shape["batch"], shape["context"], shape.get("q_heads", args.q_heads)
     dtype = H.DTYPES[args.dtype]
     bs = args.block_size
     pages = -(-context // bs)
@@ -116,7 +127,7 @@ def _inputs(args, batch, context, dev, gen):
     perm = torch.randperm(num_blocks, device=dev, generator=gen)[: batch * pages]
     bt = perm.view(batch, pages).to(torch.int32)
     sl = torch.full((batch,), context, dtype=torch.int32, device=dev)
-    q = torch.randn(batch, args.q_heads, args.head_dim, device=dev, generator=gen).to(dtype)
+    q = torch.randn(batch, q_heads, args.head_dim, device=dev, generator=gen).to(dtype)
     return q, kv, bt, sl
 
 
@@ -134,20 +145,27 @@ def _sdpa(q, k, v, scale):
     return f(q.unsqueeze(2), k, v, scale=scale, enable_gqa=True).squeeze(2)
 
 
-def run_shape(args, K, PA, shape, dev, gen, rows, checks, sm_count) -> None:
+def run_shape(args, K, shape, dev, rec: H.RunRecord, sm_count: int) -> None:
+    """Every row of one shape (floor, ours, baselines), then its accuracy checks."""
+    from spec_rl.kernels import configs as C
+
     batch, context, kv_bytes = shape["batch"], shape["context"], shape["kv_bytes"]
     section = shape["label"]
     print(
-        f"\n{section}: Hq={args.q_heads} kv_heads={args.kv_heads} D={args.head_dim} {args.dtype}, "
-        f"K/V {kv_bytes / 1e6:.1f} MB",
+        f"\n{section}: Hq={shape.get('q_heads', args.q_heads)} kv_heads={args.kv_heads} D={args.head_dim} "
+        f"{args.dtype}, K/V {kv_bytes / 1e6:.1f} MB",
         flush=True,
     )
-    q, kv, bt, sl = _inputs(args, batch, context, dev, gen)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    q, kv, bt, sl = _inputs(args, shape, dev, gen)
     scale = args.head_dim**-0.5
+    rows = rec.record["rows"]
 
     def measure(name, fn, **extra):
-        return H.measure(name, fn, rows, rep_ms=args.rep_ms, progress=_progress, section=section, kv_bytes=kv_bytes,
-                         **extra)
+        row = H.measure(name, fn, rows, rep_ms=args.rep_ms, progress=_progress, device=dev, section=section,
+                        kv_bytes=kv_bytes, **extra)
+        rec.save()
+        return row
 
     src = torch.empty(kv_bytes, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
@@ -159,7 +177,7 @@ def run_shape(args, K, PA, shape, dev, gen, rows, checks, sm_count) -> None:
     def ours(**kw):
         return lambda: K.paged_decode_attention(q, kv, bt, sl, scale, out=out, **kw)
 
-    cfg = C.default_paged_attention_config(args.q_heads // args.kv_heads, args.head_dim, kv.dtype)
+    cfg = C.default_paged_attention_config(max(1, q.shape[1] // args.kv_heads), args.head_dim, kv.dtype)
     auto_splits, _ = C.plan_splits(batch, args.kv_heads, context, cfg.block_n, sm_count)
     measure(f"ours: paged decode (auto, splits={auto_splits})", ours(max_seq_len=context, validate=False), ours=True)
     measure("ours: no split", ours(num_splits=1, validate=False))
@@ -170,6 +188,7 @@ def run_shape(args, K, PA, shape, dev, gen, rows, checks, sm_count) -> None:
     if args.sweep:
         for c in C.PAGED_ATTENTION_SWEEP:
             measure(f"  sweep {c}", ours(max_seq_len=context, config=c, validate=False), config=str(c))
+
     def gather_sdpa():
         return _sdpa(q, *_gather_dense(kv, bt, context), scale)
 
@@ -182,7 +201,8 @@ def run_shape(args, K, PA, shape, dev, gen, rows, checks, sm_count) -> None:
     ref = _sdpa(q.float(), k_d.float(), v_d.float(), scale)
     for ns in (None, 1, 4):
         got = K.paged_decode_attention(q, kv, bt, sl, scale, num_splits=ns, max_seq_len=context)
-        checks[f"{section} num_splits={ns} max_abs_diff_vs_fp32_sdpa"] = float((got.float() - ref).abs().max())
+        rec.check(f"{section} num_splits={ns} max_abs_diff_vs_fp32_sdpa", (got.float() - ref).abs().max(),
+                  ACCURACY_TOL)
 
 
 def finish(rows) -> None:
@@ -232,53 +252,52 @@ def print_table(results) -> None:
     H.print_checks(results["checks"])
 
 
+def _print_plan(args) -> None:
+    print("bench_paged_attention: no CUDA device; nothing was measured. Plan for a 132-SM GPU:")
+    try:
+        for p in plan(args, NOMINAL_SMS):
+            print(
+                f"  {p['label']}: K/V {p['kv_bytes'] / 1e6:.1f} MB, {p['config']}, "
+                f"num_splits={p['num_splits']} ({p['tokens_per_split']} tokens each)"
+            )
+    except ImportError as exc:  # triton missing: the plan needs spec_rl.kernels
+        print(f"  (no plan: {exc})")
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_paged_attention: no CUDA device; nothing was measured. Plan for a 132-SM GPU:")
-        try:
-            for p in plan(args, NOMINAL_SMS):
-                print(
-                    f"  {p['label']}: K/V {p['kv_bytes'] / 1e6:.1f} MB, {p['config']}, "
-                    f"num_splits={p['num_splits']} ({p['tokens_per_split']} tokens each)"
-                )
-        except ImportError as exc:  # triton missing: the plan needs spec_rl.kernels
-            print(f"  (no plan: {exc})")
+    if args.device is None and not torch.cuda.is_available():
+        _print_plan(args)
         return 0
-    K = H.compiled_kernels("bench_paged_attention")
+    dev = torch.device(args.device or "cuda")
+    K = H.kernels_for(dev, "bench_paged_attention")
     if K is None:
         return 2
-    from spec_rl.kernels import configs as C
-    from spec_rl.kernels import paged_attention as PA
-
-    dev = torch.device("cuda")
-    sm_count = torch.cuda.get_device_properties(dev).multi_processor_count
+    sm_count = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else NOMINAL_SMS
     meta = {
         **H.provenance(dev),
         **{k: getattr(args, k) for k in ("q_heads", "kv_heads", "head_dim", "block_size", "dtype")},
         "plan": plan(args, sm_count),
     }
-    print(f"bench_paged_attention on {meta['device']} ({meta['sm_count']} SMs), commit {meta['commit']}", flush=True)
-    rows: list[dict] = []
-    checks: dict = {}
-    gen = torch.Generator(device=dev).manual_seed(0)
+    print(f"bench_paged_attention on {meta['device']} ({sm_count} SMs), commit {meta['commit']}", flush=True)
+    rec = H.RunRecord(args.json, {"meta": meta, "rows": []})
     for shape in shapes(args):
         try:
-            run_shape(args, K, PA, shape, dev, gen, rows, checks, sm_count)
+            run_shape(args, K, shape, dev, rec, sm_count)
         except Exception as exc:  # noqa: BLE001  one failing shape is reported, the others still run
             traceback.print_exc(limit=3)
-            rows.append({"name": "shape failed", "section": shape["label"], "error": f"{type(exc).__name__}: {exc}"})
-        torch.cuda.empty_cache()
-    finish(rows)
-    results = {"meta": meta, "rows": rows, "checks": checks}
-    print_table(results)
+            msg = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+            rec.record["rows"].append({"name": "shape failed", "section": shape["label"], "error": msg})
+            rec.save()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    finish(rec.record["rows"])
+    for what in H.failed_rows(rec.record["rows"]):
+        rec.fail(what)
+    print_table(rec.record)
     if args.json:
-        H.write_json(args.json, results, announce="\nwrote")
-    bad = [k for k, v in checks.items() if not math.isfinite(v) or v > 2e-2]
-    if bad:
-        print(f"bench_paged_attention: accuracy check failed: {bad}")
-        return 1
-    return 0
+        print(f"\nwrote {args.json}")
+    return rec.finish()
 
 
 if __name__ == "__main__":

@@ -16,7 +16,10 @@ the same cache and history, with the same seed and step:
 Printed per mode: generated tokens, decode steps (sequential forwards after scoring), longest
 continuation, rollout seconds split into scoring / decode / other, and the ratios of tokens, decode
 steps and seconds to vanilla. Times are host wall clock around device synchronizes, one timed step
-per mode after one untimed warm-up step. JSON (with provenance) goes to ``--json`` (default ``$OUT/rollout.json``).
+per mode after one untimed warm-up step. Each mode is printed as it is measured and the JSON (with
+provenance; ``--json``, default ``$OUT/rollout.json``) is rewritten after every mode. Exit code 1 when a
+mode raises. ``--prompts``, ``--group`` and ``--max-tokens`` resize a preset (stage 6 of
+``benchmarks/gpu_check.sh`` runs qwen3-0.6b at a size that fits its time budget).
 
 Presets: ``demo`` (the CPU demo policy and its task: 64 prompts x G=4, 160 tokens; the shape of the
 default demo), ``qwen3-0.6b`` (random Qwen3-0.6B-shaped weights, bf16, 64 random prompts x G=8,
@@ -29,9 +32,10 @@ import argparse
 import copy
 import math
 import sys
+import traceback
 
 import torch
-from _harness import Column, Table, default_json_path, provenance, sync, write_json  # benchmarks/ on sys.path
+from _harness import Column, RunRecord, Table, default_json_path, provenance, sync  # benchmarks/ on sys.path
 
 from spec_rl.backends.protocol import eos_token_ids
 from spec_rl.drafts.cache import RolloutCache
@@ -49,11 +53,12 @@ MODES = {  # name: (strategy, acceptance, history speculation)
 }
 
 
-def build(preset: str, device: torch.device):
-    """(model, prompts as token lists, EOS ids, pad id) for a preset."""
+def build(preset: str, device: torch.device, n_prompts: int | None = None):
+    """(model, prompts as token lists, EOS ids, pad id) for a preset (``n_prompts``: default the preset's)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    n_prompts, _, _, dtype = PRESETS[preset]
+    default_prompts, _, _, dtype = PRESETS[preset]
+    n_prompts = n_prompts or default_prompts
     if preset == "demo":
         from spec_rl.tasks.demo_policy import build_demo_policy, demo_train_set
         from spec_rl.trainer.run import load_policy
@@ -110,36 +115,53 @@ def timed_step(rollout: SpeculativeRollout, requests, step: int, device) -> dict
             "other_s": s.assembly_seconds, "full_reuse": s.full_reuse_ratio, "tail_accept": s.tail_accepted / max(s.tail_proposed, 1)}  # fmt: skip
 
 
-def run(args) -> dict:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if args.preset == "qwen3-0.6b" and device.type != "cuda":
-        print("bench_rollout: the qwen3-0.6b preset needs a CUDA device; nothing was measured")
-        return {}
-    model, prompts, eos, pad = build(args.preset, device)
+def _show(name: str, r: dict) -> str:
+    if "error" in r:
+        return f"  {name:<9} {r['error']}"
+    return (f"  {name:<9} {r['generated_tokens']} tokens, {r['decode_steps']} decode steps, "
+            f"{r['rollout_s']:.3f} s (scoring {r['scoring_s']:.3f}, decode {r['decode_s']:.3f})")
+
+
+def run(args, rec: RunRecord) -> None:
+    """Fill the history, perturb the policy, then one timed step per mode into ``rec.record["rows"]``."""
+    device = torch.device(rec.record["device_type"])
+    model, prompts, eos, pad = build(args.preset, device, args.prompts)
     _, group, max_tokens, _ = PRESETS[args.preset]
+    group, max_tokens = args.group or group, args.max_tokens or max_tokens
+    rec.record.update(prompts=len(prompts), group=group, max_tokens=max_tokens)
     settings = SamplingSettings(temperature=1.0, max_tokens=max_tokens)
     requests = [RolloutRequest(p, s, dataset_id=f"p{i}") for i, p in enumerate(prompts) for s in range(group)]
     max_len = max(len(p) for p in prompts) + max_tokens + 1
     backend = make_backend(model, eos, pad, args.backend, device)
+    rec.record["backend"] = type(backend).__name__
     cache, history = RolloutCache(), HistoryIndex()
     filler = SpeculativeRollout(backend, cache, settings, eos, max_len, strategy="off", seed=args.seed, history=history)
     for step in range(args.history_epochs):
         filler.run(requests, step)
     perturb(model, args.perturb)
-    rows = {}
+    rows = rec.record["rows"]
     modes = [("warm-up", MODES["spec"])] + list(MODES.items())  # one untimed step first (allocations, JIT)
     for name, (strategy, acceptance, hist) in modes:
-        ro = SpeculativeRollout(backend, copy.deepcopy(cache), settings, eos, max_len, strategy=strategy, seed=args.seed,
-                                acceptance=acceptance, lenience=None if acceptance == "exact" else args.lenience,
-                                history=copy.deepcopy(history) if hist else None)  # fmt: skip
-        rows[name] = timed_step(ro, requests, args.history_epochs, device)
-    rows.pop("warm-up")
-    base = rows["vanilla"]
+        try:
+            ro = SpeculativeRollout(backend, copy.deepcopy(cache), settings, eos, max_len, strategy=strategy,
+                                    seed=args.seed, acceptance=acceptance,
+                                    lenience=None if acceptance == "exact" else args.lenience,
+                                    history=copy.deepcopy(history) if hist else None)  # fmt: skip
+            row = timed_step(ro, requests, args.history_epochs, device)
+        except Exception as exc:  # noqa: BLE001  one failing mode is reported, the others still run
+            traceback.print_exc(limit=3)
+            row = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}
+            rec.fail(f"mode {name}: {row['error']}")
+        print(_show(name, row), flush=True)
+        if name != "warm-up":
+            rows[name] = row
+            rec.save()
+    base = rows.get("vanilla", {})
     for r in rows.values():
         for k in ("generated_tokens", "decode_steps", "rollout_s"):
-            r[f"{k}_ratio"] = r[k] / base[k] if base[k] else float("nan")
-    return {"preset": args.preset, "backend": type(backend).__name__, "perturb": args.perturb,
-            "lenience": args.lenience, "rows": rows, **provenance(device)}  # fmt: skip
+            if k in r:
+                r[f"{k}_ratio"] = r[k] / base[k] if base.get(k) else float("nan")
+    rec.save()
 
 
 def print_table(record: dict) -> None:
@@ -148,10 +170,14 @@ def print_table(record: dict) -> None:
             ("other s", 7, ">", "{:.3f}"), ("tokens x", 8, ">", "{:.3f}"), ("steps x", 7, ">", "{:.3f}"),
             ("time x", 6, ">", "{:.3f}"), ("tail acc", 8, ">", "{:.2f}")]  # fmt: skip
     table = Table(*[Column(h, w, a, f, gap="  ") for h, w, a, f in spec])
-    print(f"bench_rollout: preset {record['preset']}, {record['backend']}, perturb {record['perturb']}, "
+    print(f"bench_rollout: preset {record['preset']} ({record['prompts']} prompts x G={record['group']}, "
+          f"{record['max_tokens']} tokens), {record['backend']}, perturb {record['perturb']}, "
           f"l = {record['lenience']:.4g}, device {record.get('device')}, commit {record.get('commit')}")
     print(table.header())
     for name, r in record["rows"].items():
+        if "error" in r:
+            print(f"{name:<9}  {r['error']}")
+            continue
         print(table.row(name, r["generated_tokens"], r["decode_steps"], r["longest"], r["rollout_s"], r["scoring_s"],
                         r["decode_s"], r["other_s"], r["generated_tokens_ratio"], r["decode_steps_ratio"],
                         r["rollout_s_ratio"], r["tail_accept"]))  # fmt: skip
@@ -166,16 +192,33 @@ def main(argv=None) -> int:
     ap.add_argument("--perturb", type=float, default=0.02, help="relative weight noise applied before the measured step")
     ap.add_argument("--lenience", type=float, default=math.exp(0.5))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prompts", type=int, default=None, help="prompts (default: the preset's)")
+    ap.add_argument("--group", type=int, default=None, help="samples per prompt G (default: the preset's)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="response budget (default: the preset's)")
     ap.add_argument("--json", default=default_json_path("rollout.json"))
     args = ap.parse_args(argv)
     if args.history_epochs < 1:
         ap.error("--history-epochs must be >= 1 (the drafts come from them)")
-    record = run(args)
-    if record:
+    for name in ("prompts", "group", "max_tokens"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.preset == "qwen3-0.6b" and device.type != "cuda":
+        print("bench_rollout: the qwen3-0.6b preset needs a CUDA device; nothing was measured")
+        return 0
+    record = {"preset": args.preset, "backend": args.backend, "perturb": args.perturb, "lenience": args.lenience,
+              "history_epochs": args.history_epochs, "device_type": device.type, "rows": {}, **provenance(device)}
+    rec = RunRecord(args.json, record)
+    try:
+        run(args, rec)
+    except Exception as exc:  # noqa: BLE001  building the model or filling the history failed
+        traceback.print_exc(limit=3)
+        rec.fail(f"{type(exc).__name__}: {exc}".splitlines()[0][:300])
+    if record["rows"]:
         print_table(record)
-        if args.json:
-            write_json(args.json, record)
-    return 0
+    if args.json:
+        print(f"wrote {args.json}")
+    return rec.finish()
 
 
 if __name__ == "__main__":

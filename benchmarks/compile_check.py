@@ -9,12 +9,20 @@ variants (kernel, signature, constexprs, warps / stages) are listed in
 
 Usage (TRITON_INTERPRET must be unset):
 
-    python benchmarks/compile_check.py [--arch 90] [--sweep] [--json PATH]
+    python benchmarks/compile_check.py [--arch 90] [--sweep | --defaults-only] [--jobs 8] [--json PATH]
+
+``--defaults-only`` compiles only the configs the package picks at the Qwen3
+shapes (``compile_variants.default_variants``, the GPU check's stage 7);
+``--jobs`` compiles in that many forked processes. One line per kernel is
+printed as it compiles, the JSON is rewritten after every kernel, and the
+exit code is 1 when any kernel fails to compile or assemble, or the
+from-logits stream lacks 16-byte vector loads (``_status``).
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import re
 import subprocess
@@ -90,39 +98,59 @@ def _status(rec: dict) -> str:
     return "ok"
 
 
-def print_report(results: list[dict]) -> bool:
-    """One line per kernel (``ptxas -v`` numbers); True when every kernel compiled cleanly."""
-    table = _report_table(max(len(r["kernel"]) for r in results))
-    print(table.header())
-    ok = True
-    for r in results:
-        status = _status(r)
-        ok &= status == "ok"
-        keys = ("registers", "spill_stores", "spill_loads", "shared", "uses_wgmma", "vector_loads")
-        print(table.row(r["kernel"], status, *(str(r.get(k)) for k in keys)))
-        if r.get("error"):
-            print("    " + r["error"].replace("\n", "\n    ")[:3000])
-    return ok
+def print_row(table: Table, r: dict) -> bool:
+    """One line for one kernel (``ptxas -v`` numbers, flushed); True when it compiled cleanly."""
+    status = _status(r)
+    keys = ("registers", "spill_stores", "spill_loads", "shared", "uses_wgmma", "vector_loads")
+    print(table.row(r["kernel"], status, *(str(r.get(k)) for k in keys)), flush=True)
+    if r.get("error"):
+        print("    " + r["error"].replace("\n", "\n    ")[:3000], flush=True)
+    return status == "ok"
+
+
+_JOBS: list = []  # (variant, arch, ptx arch) of this run, inherited by the forked workers
+
+
+def _run_index(i: int) -> dict:
+    return _run(*_JOBS[i])
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90 = H100/H200)")
-    ap.add_argument("--sweep", action="store_true", help="compile every sweep config, not only the defaults")
-    ap.add_argument("--json", default=None, help="write the report as JSON here")
+    which = ap.add_mutually_exclusive_group()
+    which.add_argument("--sweep", action="store_true", help="compile every sweep config, not only the defaults")
+    which.add_argument("--defaults-only", action="store_true",
+                       help="only the configs the package picks at the Qwen3 shapes (compile_variants.default_variants)")
+    ap.add_argument("--jobs", type=int, default=1, help="compile in this many forked processes")
+    ap.add_argument("--json", default=None, help="write the report as JSON here (rewritten after every kernel)")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("compile_check: unset TRITON_INTERPRET (the interpreter compiles nothing)")
         return 2
     import torch  # noqa: F401
-    from compile_variants import all_variants  # benchmarks/ is on sys.path when a script here runs
+    from compile_variants import all_variants, default_variants  # benchmarks/ is on sys.path when a script here runs
 
     arch = args.arch
     ptx_arch = f"{arch}a" if arch >= 90 else str(arch)
-    results = [_run(v, arch, ptx_arch) for v in all_variants(args.sweep)]
-    ok = print_report(results)
-    if args.json:
-        write_json(args.json, {"arch": arch, "provenance": provenance("cpu"), "results": results}, announce=None)
+    variants = default_variants() if args.defaults_only else all_variants(args.sweep)
+    _JOBS[:] = [(v, arch, ptx_arch) for v in variants]
+    table = _report_table(max(len(v.name) for v in variants))
+    print(f"compile_check: {len(variants)} kernel variants for sm_{arch}, {args.jobs} job(s)", flush=True)
+    print(table.header(), flush=True)
+    record = {"arch": arch, "provenance": provenance("cpu"), "results": []}
+    ok = True
+    pool = multiprocessing.get_context("fork").Pool(args.jobs) if args.jobs > 1 else None
+    try:
+        results = pool.imap(_run_index, range(len(variants))) if pool else map(_run_index, range(len(variants)))
+        for rec in results:
+            record["results"].append(rec)
+            ok &= print_row(table, rec)
+            if args.json:
+                write_json(args.json, record, announce=None)
+    finally:
+        if pool is not None:
+            pool.close()
     return 0 if ok else 1
 
 

@@ -194,3 +194,33 @@ def paged_attention_variants(sweep: bool) -> list[Variant]:
 def all_variants(sweep: bool) -> list[Variant]:
     """Every variant, in the order compile_check.py reports them."""
     return from_logits_variants(sweep) + lm_head_variants(sweep) + philox_variants() + paged_attention_variants(sweep)
+
+
+def default_variants() -> list[Variant]:
+    """Only the configs the package picks on an H100/H200 at the Qwen3 shapes (bf16, V = 151936, G = 2, D = 128).
+
+    From-logits: ``default_logits_config`` (packed and padded, both rule modes); fused LM head: the
+    sm_90 default of ``default_lm_head_config`` (``LM_HEAD_SWEEP[0]``) with and without a row map, and
+    every merge mode; both Philox kernels; paged decode: ``default_paged_attention_config``, split and
+    not, and its merge. 15 variants (the GPU check's compile stage).
+    """
+    from spec_rl.kernels import configs
+
+    lg = configs.default_logits_config(151936, torch.bfloat16, interpret=False)
+    lm = configs.LM_HEAD_SWEEP[0]
+    pa = configs.default_paged_attention_config(2, 128, torch.bfloat16)
+
+    def keep(v: Variant) -> bool:
+        c, first = v.constexprs, next(iter(v.signature.values()))
+        kind = v.name.split()[0]
+        if kind == "from_logits":
+            return first == "*bf16" and (c["BLOCK_V"], c["BLOCK_R"], v.num_warps) == (lg.block_v, lg.block_r,
+                                                                                      lg.num_warps)
+        if kind == "lm_head_partial":
+            return first == "*bf16" and (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]) == (lm.block_m, lm.block_n,
+                                                                                       lm.block_k)
+        if kind == "paged_decode":
+            return first == "*bf16" and (c["G"], c["D"], c["BLOCK_N"]) == (2, 128, pa.block_n)
+        return kind in ("lm_head_merge", "philox_uniform", "philox_words", "paged_decode_merge")
+
+    return [v for v in all_variants(False) if keep(v)]

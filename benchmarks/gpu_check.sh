@@ -1,100 +1,285 @@
 #!/usr/bin/env bash
-# One command for the GPU checks (verification kernels, paged KV ops, paged attention, engine):
-#   1. install this checkout (no dependency resolution: the machine's torch and
-#      triton are used as they are; wheels in .whl/ are installed first, e.g.
-#      liger-kernel and cut-cross-entropy for the competitor rows),
-#   2. the sm_90 compile check (registers / spills from ptxas),
-#   2b. the paged KV ops: nvcc compile check of csrc/ and tests/engine/test_ops_kv.py on CUDA
-#      (the install step builds spec_rl._C with its CUDA kernels),
-#   3. the test suite on CUDA: pytest tests -m "not slow",
-#   4. the benchmark suite (benchmarks/gpu_suite.py; SWEEP=1 adds the config sweep),
-#   5. paged decode attention (benchmarks/bench_paged_attention.py) and the paged engine
-#      (benchmarks/bench_engine.py: decode vs transformers generate, splice vs re-prefill),
-#   6. the rollout benchmark (benchmarks/bench_rollout.py --preset qwen3-0.6b: generated tokens,
-#      decode steps and rollout time of vanilla / histspec / spec / exact at fixed drafts).
-# Full logs go to $OUT (default ./gpu-check-out); the short table is printed last.
+# The GPU check in one command, built for a short GPU window: stages in order of value, each under its
+# own `timeout`, the whole run under a deadline, and after every stage (and every 30 s within one) ONE
+# archive and a summary rewritten under $OUT, so a run cut at any point returns everything finished.
 #
-# Usage: bash benchmarks/gpu_check.sh          (or: make gpu-check)
-# Env:   PYTHON (default python3), OUT, SWEEP=1, SUITE_ARGS="--d 2048" (extra gpu_suite.py args),
-#        ENGINE_ARGS="--new-tokens 256" (extra bench_engine.py args), ROLLOUT_ARGS (extra bench_rollout.py args),
-#        SPEC_RL_COMMIT (recorded in the JSON when .git is absent).
+#   stage                                                    H200 budget  timeout  FULL=1 adds
+#   1 install   env, pip install (TORCH_CUDA_ARCH_LIST=9.0,       75 s     300 s
+#               MAX_JOBS=16, wheels from .whl/), spec_rl._C
+#               with its CUDA ops, compiled kernels
+#   2 tests     the GPU-relevant tests, -x --timeout=120:         150 s     240 s   the whole suite
+#               kernels, paged KV ops, engine, verify dispatch,
+#               invalid scores
+#   3 suite     verification kernels at RESULTS.md's shapes,       60 s     180 s   --sweep
+#               ours and floors first, Liger/CCE after
+#   4 paged     paged decode attention                             25 s      90 s   --sweep
+#   5 engine    decode vs transformers generate (128 new          45 s     150 s   512 new tokens
+#               tokens), splice vs re-prefill
+#   6 rollout   bench_rollout --preset qwen3-0.6b, 32 x G=4,      60 s     150 s   64 x G=8, 512 tokens
+#               256 tokens: vanilla / histspec / spec / exact
+#   -           RESERVED for the rollout cost-model comparison    (40 s)            (see the slot below)
+#               at the Qwen3-0.6B shape (a later change)
+#   7 compile   registers / spills from this Triton's ptxas,      25 s     120 s   sweep configs, csrc nvcc
+#               default configs only (15 kernels)
+#   total                                                        440 s (+40 reserved) = 480 s (8 min)
+#
+# The budgets are estimates (no stage has run on an H200 yet); the summary prints each stage's wall time
+# beside its budget. DEADLINE_S (default 540 s, 0 = none) bounds the whole run below the device's 10-minute
+# command limit: a stage gets min(its timeout, time left - 15 s) and is skipped when under 20 s are left.
+# FULL=1 does not fit one command: run it as further calls with STAGES subsets (e.g. STAGES="2", then "3 4 7";
+# stage 1's install in $SITE stays valid while the machine stays warm).
+#
+# $OUT receives exactly two files: gpu-check.tar.gz (logs/, json/, summary.md, meta.tsv, stages.tsv) and
+# summary.md (the stage table with wall time vs budget, then every measured table in RESULTS.md's format).
+#
+# Usage:  make gpu-check                 on the GPU machine, OUT set (default ./gpu-check-out)
+#         make gpu-check-smoke           SMOKE=1: this script on the CPU (Triton interpreter, tiny shapes,
+#                                        the venv's python, no install); CUDA-only parts say "skipped: no CUDA"
+# Env:    PYTHON (default python3), OUT, FULL=1, SMOKE=1, STAGES="3 4" (a subset), DEADLINE_S,
+#         WORK (the work folder; default a new one under $TMPDIR), SITE (install target, default
+#         /tmp/spec-rl-site), SPEC_RL_COMMIT (recorded when .git is absent), TORCH_CUDA_ARCH_LIST, MAX_JOBS.
 set -u
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-OUT=${OUT:-$PWD/gpu-check-out}
-mkdir -p "$OUT"
-export OUT PYTHONUNBUFFERED=1
-unset TRITON_INTERPRET
+SELF="$PWD/benchmarks/gpu_check.sh"
 
-if ! $PY -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
-    echo "gpu_check: no CUDA device visible to $PY; nothing to do."
-    exit 0
+GPU_TESTS="tests/kernels/test_kernels_from_logits.py tests/kernels/test_kernels_lm_head.py tests/kernels/test_kernels_paged_attention.py
+    tests/kernels/test_kernels_philox.py tests/kernels/test_kernels_api.py tests/engine/test_ops_kv.py tests/engine/test_engine_paged.py
+    tests/acceptance/test_verify_dispatch.py tests/acceptance/test_verify_invalid_scores.py"
+# Tiny shapes of the smoke run (the same scripts and code paths as the GPU run).
+SMOKE_SUITE="--device cpu --n 64 --vocab 512 --d 64 --tokens-per-sample 16 --rep-ms 1"
+SMOKE_PAGED="--device cpu --batch 2 --context 40 --long-batch 1 --long-context 100 --q-heads 4 --kv-heads 2 \
+--head-dim 32 --rep-ms 1"
+SMOKE_ENGINE="--preset tiny --device cpu --batch 3 --new-tokens 6 --prompt-len 5"
+SMOKE_ROLLOUT="--preset tiny --device cpu --perturb 0.5"
+
+# ---------------------------------------------------------------- stages (run as: gpu_check.sh __stage N)
+
+note() { echo "NOTE: $*"; }
+
+stage_1() {  # install
+    if [ "$SMOKE" = 1 ]; then
+        note "smoke: install skipped (make installed the package into the venv)"
+    else
+        export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}
+        nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem,memory.total --format=csv || true
+        rm -rf "$SITE" && mkdir -p "$SITE" || return 1
+        if ls .whl/*.whl >/dev/null 2>&1; then
+            echo "wheels from .whl/: $(cd .whl && ls ./*.whl | tr '\n' ' ')"
+            $PY -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .whl/*.whl || return 1
+        else
+            note "no .whl/ wheels (make gpu-wheels): math-verify tests skip, Liger/CCE rows are skipped"
+        fi
+        $PY -m pip install -q --no-build-isolation --no-deps --no-compile --target "$SITE" . || return 1
+    fi
+    local need=--require-cuda
+    [ "$SMOKE" = 1 ] && need=
+    # Exit 3: installed and importable, but something is missing (CUDA ops, compiled kernels): later stages run.
+    $PY -P benchmarks/gpu_env.py $need --json "$WORK/json/env.json"
+}
+
+stage_2() {  # GPU-relevant tests
+    # -P: the installed spec_rl (with spec_rl.kernels and spec_rl._C), not the source tree's spec_rl/.
+    if [ "$SMOKE" = 1 ]; then
+        local out rc
+        # shellcheck disable=SC2086
+        out=$($PY -P -m pytest -q -p no:cacheprovider --collect-only $GPU_TESTS 2>&1); rc=$?
+        echo "$out" | tail -n 3
+        [ $rc = 0 ] || return 1
+        note "skipped: no CUDA (the selection was collected; make test runs these files on the CPU)"
+    elif [ "$FULL" = 1 ]; then
+        $PY -P -m pytest -q -p no:cacheprovider -rs tests
+    else
+        local per_test="--timeout=120"
+        $PY -c 'import pytest_timeout' 2>/dev/null || { per_test=""; note "pytest-timeout absent: no per-test timeout"; }
+        # shellcheck disable=SC2086
+        $PY -P -m pytest -q -p no:cacheprovider -rs -x $per_test $GPU_TESTS
+    fi
+}
+
+stage_3() {  # verification-kernel suite
+    local args="" ; [ "$SMOKE" = 1 ] && args=$SMOKE_SUITE; [ "$FULL" = 1 ] && args="--sweep"
+    # shellcheck disable=SC2086
+    $PY benchmarks/gpu_suite.py $args --json "$WORK/json/gpu_suite.json"
+}
+
+stage_4() {  # paged decode attention
+    local args="" ; [ "$SMOKE" = 1 ] && args=$SMOKE_PAGED; [ "$FULL" = 1 ] && args="--sweep"
+    # shellcheck disable=SC2086
+    $PY benchmarks/bench_paged_attention.py $args --json "$WORK/json/paged_attention.json"
+}
+
+stage_5() {  # paged engine
+    local args="--preset qwen3-0.6b --new-tokens 128" ; [ "$SMOKE" = 1 ] && args=$SMOKE_ENGINE
+    [ "$FULL" = 1 ] && args="--preset qwen3-0.6b"
+    # shellcheck disable=SC2086
+    $PY benchmarks/bench_engine.py $args --json "$WORK/json/engine.json"
+}
+
+stage_6() {  # rollout modes at the Qwen3-0.6B shape
+    local args="--preset qwen3-0.6b --prompts 32 --group 4 --max-tokens 256" ; [ "$SMOKE" = 1 ] && args=$SMOKE_ROLLOUT
+    [ "$FULL" = 1 ] && args="--preset qwen3-0.6b"
+    # shellcheck disable=SC2086
+    $PY benchmarks/bench_rollout.py $args --json "$WORK/json/rollout.json"
+}
+
+# ---- RESERVED SLOT: the rollout cost-model comparison at the Qwen3-0.6B shape goes here, as its own stage
+# ---- between 6 and 7 (budget 40 s, already counted in the 480 s above): define it like stage_6, writing
+# ---- $WORK/json/<name>.json, add one `run_stage` line below, a row to the header table, and a section to
+# ---- benchmarks/gpu_report.py.
+
+stage_7() {  # compile check: this Triton's ptxas, default configs
+    unset TRITON_INTERPRET
+    if [ "$FULL" = 1 ]; then
+        $PY benchmarks/compile_check.py --sweep --jobs 16 --json "$WORK/json/compile_check.json" || return 1
+        PYTHON=$PY bash benchmarks/compile_check_csrc.sh
+    else
+        local jobs=8 ; [ "$SMOKE" = 1 ] && jobs=2
+        $PY benchmarks/compile_check.py --defaults-only --jobs $jobs --json "$WORK/json/compile_check.json"
+    fi
+}
+
+if [ "${1:-}" = "__stage" ]; then
+    "stage_$2"
+    exit $?
+fi
+
+# ---------------------------------------------------------------- the runner
+
+SMOKE=${SMOKE:-0}
+FULL=${FULL:-0}
+[ "$SMOKE" = 1 ] && FULL=0  # the smoke run is the default run's code at tiny shapes
+PY=${PYTHON:-python3}
+DEST=${OUT:-$PWD/gpu-check-out}
+SITE=${SITE:-/tmp/spec-rl-site}
+DEADLINE_S=${DEADLINE_S:-540}
+STAGES=" ${STAGES:-1 2 3 4 5 6 7} "
+WORK=${WORK:-$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")}
+mkdir -p "$DEST" "$WORK/logs" "$WORK/json" || exit 1
+: > "$WORK/stages.tsv"
+rm -f "$WORK/current.tsv"
+export SMOKE FULL PY SITE WORK PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+export OUT="$WORK/json"  # scripts that default their JSON to $OUT write into the archive, never into $DEST
+START=$(date +%s.%N)
+
+elapsed() { awk -v a="$START" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }'; }
+
+if [ "$SMOKE" = 1 ]; then
+    export TRITON_INTERPRET=1  # stage 7 unsets it (ptxas needs the compiler, not the interpreter)
+    MODE="smoke (CPU, Triton interpreter, tiny shapes)"
+else
+    unset TRITON_INTERPRET
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+    MODE="GPU$([ "$FULL" = 1 ] && echo ", FULL")"
 fi
 if [ -z "${SPEC_RL_COMMIT:-}" ] && git rev-parse HEAD >/dev/null 2>&1; then
-    SPEC_RL_COMMIT=$(git rev-parse HEAD)$(git status --porcelain | grep -q . && echo -dirty)
-    export SPEC_RL_COMMIT
+    SPEC_RL_COMMIT=$(git rev-parse HEAD)$(git status --porcelain --untracked-files=no | grep -q . && echo -dirty)
 fi
-
-status=0
+export SPEC_RL_COMMIT=${SPEC_RL_COMMIT:-unknown}
 {
-    echo "== install"
-    if ls .whl/*.whl >/dev/null 2>&1; then
-        $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/spec-rl-site .whl/*.whl && \
-            export PYTHONPATH=/tmp/spec-rl-site${PYTHONPATH:+:$PYTHONPATH}
+    printf 'mode\t%s\n' "$MODE"
+    printf 'commit\t%s\n' "$SPEC_RL_COMMIT"
+    printf 'started (UTC)\t%s\n' "$(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    printf 'host\t%s, %s CPUs\n' "$(uname -n)" "$(nproc 2>/dev/null || echo '?')"
+    printf 'python\t%s\n' "$($PY -c 'import sys; print(sys.version.split()[0])' 2>&1)"
+    printf 'deadline\t%s s (0 = none)\n' "$DEADLINE_S"
+} > "$WORK/meta.tsv"
+
+# summary.md and gpu-check.tar.gz, each written to a temporary name and renamed (atomic).
+snapshot() {
+    local tag=$$.${BASHPID:-0}
+    if ! $PY benchmarks/gpu_report.py --work "$WORK" 2>"$WORK/logs/report.err"; then
+        { echo "# spec-rl GPU check ($MODE)"; echo; echo "(gpu_report.py failed, see logs/report.err)"; echo;
+          cat "$WORK/stages.tsv" "$WORK/current.tsv" 2>/dev/null; } > "$WORK/summary.md"
     fi
-    $PY -m pip install -q --no-build-isolation --no-deps --force-reinstall . || exit 1
-    $PY -c 'import torch, triton, spec_rl.kernels as K; print("torch", torch.__version__, "triton", triton.__version__, "device", torch.cuda.get_device_name(), "kernels available:", K.is_available("cuda"))'
-    nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv 2>/dev/null || true
-} 2>&1 | tee "$OUT/install.log"
-[ "${PIPESTATUS[0]}" -eq 0 ] || { echo "gpu_check: install failed (see $OUT/install.log)"; exit 1; }
-if [ -d /tmp/spec-rl-site ]; then export PYTHONPATH=/tmp/spec-rl-site${PYTHONPATH:+:$PYTHONPATH}; fi
+    cp "$WORK/summary.md" "$DEST/.summary.md.$tag" && mv -f "$DEST/.summary.md.$tag" "$DEST/summary.md"
+    tar -czf "$DEST/.gpu-check.tar.gz.$tag" -C "$WORK" . 2>/dev/null
+    [ -s "$DEST/.gpu-check.tar.gz.$tag" ] && mv -f "$DEST/.gpu-check.tar.gz.$tag" "$DEST/gpu-check.tar.gz"
+    rm -f "$DEST/.gpu-check.tar.gz.$tag"
+}
 
-echo "== compile check (sm_90)"
-$PY benchmarks/compile_check.py --json "$OUT/compile_check.json" > "$OUT/compile_check.log" 2>&1 || status=1
-tail -n 3 "$OUT/compile_check.log"
+FAILED=0
+ABORT=""
+STAGE_PID=""
+# run_stage NUM NAME BUDGET_S TIMEOUT_S: run stage_NUM under `timeout`, log it, record it, snapshot.
+run_stage() {
+    local num=$1 name=$2 budget=$3 limit=$4 status note rc t0 wall left skip=""
+    LAST_RC=""
+    case "$STAGES" in *" $num "*) ;; *) return 0 ;; esac
+    local log="$WORK/logs/$num-$name.log"
+    [ -n "$ABORT" ] && skip="skipped: $ABORT"
+    if [ -z "$skip" ] && [ "$DEADLINE_S" != 0 ]; then
+        left=$(awk -v d="$DEADLINE_S" -v e="$(elapsed)" 'BEGIN { printf "%d", d - e - 15 }')
+        if [ "$left" -lt 20 ]; then skip="skipped: out of time"; elif [ "$left" -lt "$limit" ]; then limit=$left; fi
+    fi
+    if [ -n "$skip" ]; then
+        printf '%s\t%s\t%s\t\t%s\t\t\n' "$num" "$name" "$skip" "$budget" >> "$WORK/stages.tsv"
+        echo "== stage $num $name: $skip"
+        snapshot; return 0
+    fi
+    echo; echo "== stage $num $name (H200 budget ${budget} s, timeout ${limit} s) at $(elapsed) s"
+    printf '%s\t%s\trunning\t\t%s\t%s\t\n' "$num" "$name" "$budget" "$limit" > "$WORK/current.tsv"
+    snapshot
+    t0=$(date +%s.%N)
+    # In the background and waited for, so that a TERM to this script is handled at once (on_signal).
+    ( timeout -k 10 "$limit" bash "$SELF" __stage "$num" 2>&1 | tee "$log"; exit "${PIPESTATUS[0]}" ) &
+    STAGE_PID=$!
+    wait "$STAGE_PID"; rc=$?
+    STAGE_PID=""
+    LAST_RC=$rc
+    wall=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
+    # NOTE lines: "skipped: why" marks a stage that could not run here; the others are notes.
+    note=$(grep '^NOTE: ' "$log" | cut -c7- | grep -v '^skipped:' | paste -sd ';' - | sed 's/;/; /g' | tr '\t' ' ')
+    skip=$(grep '^NOTE: skipped:' "$log" | tail -n 1 | cut -c7- | tr '\t' ' ')
+    case $rc in
+        0) status=${skip:-ok} ;;
+        124 | 137) status="TIMEOUT after ${limit} s"; FAILED=1 ;;
+        *) status="FAIL (exit $rc)"; FAILED=1 ;;
+    esac
+    rm -f "$WORK/current.tsv"
+    printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$num" "$name" "$status" "$wall" "$budget" "$limit" "$note" \
+        >> "$WORK/stages.tsv"
+    echo "== stage $num $name: $status, ${wall} s (H200 budget ${budget} s)"
+    snapshot
+}
 
-echo "== paged KV ops (csrc -> spec_rl._C, built by the install step)"
-PYTHON=$PY bash benchmarks/compile_check_csrc.sh > "$OUT/compile_check_csrc.log" 2>&1 || status=1
-tail -n 4 "$OUT/compile_check_csrc.log"
-$PY -P -c 'import spec_rl.ops as o; print("spec_rl._C native cpu:", o.native_available("cpu"), "cuda:", o.native_available("cuda"))' 2>&1 | tee -a "$OUT/ops_kv.log"
-$PY -P -m pytest -q -p no:cacheprovider tests/engine/test_ops_kv.py >> "$OUT/ops_kv.log" 2>&1 || status=1
-tail -n 3 "$OUT/ops_kv.log"
+refresher() {
+    local s
+    trap 'kill $s 2>/dev/null; exit 0' TERM
+    while :; do sleep 30 & s=$!; wait $s; snapshot; done
+}
+on_signal() {
+    [ -n "$STAGE_PID" ] && pkill -TERM -P "$STAGE_PID" 2>/dev/null
+    [ -f "$WORK/current.tsv" ] && sed 's/\trunning\t/\tkilled (signal)\t/' "$WORK/current.tsv" >> "$WORK/stages.tsv"
+    rm -f "$WORK/current.tsv"; snapshot; exit 143
+}
 
-echo "== tests (CUDA)"
-# -P: do not put the repository root on sys.path, so the installed spec_rl
-# (with spec_rl.kernels) is imported, not the source tree's spec_rl/.
-$PY -P -m pytest -q -p no:cacheprovider tests -m "not slow" > "$OUT/tests.log" 2>&1
-test_rc=$?
-[ $test_rc -eq 0 ] || status=1
-tail -n 5 "$OUT/tests.log"
+if [ "$SMOKE" != 1 ] && ! $PY -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    printf '0\tpreflight\tFAIL: no CUDA device visible to %s (SMOKE=1 runs the CPU smoke check)\t\t\t\t\n' "$PY" \
+        >> "$WORK/stages.tsv"
+    snapshot; cat "$DEST/summary.md"; exit 1
+fi
+echo "gpu_check: $MODE; work folder $WORK; results in $DEST"
+refresher > /dev/null 2>&1 & REFRESHER=$!
+trap 'kill $REFRESHER 2>/dev/null' EXIT
+trap on_signal TERM INT
 
-echo "== benchmark suite"
-sweep=""
-[ "${SWEEP:-0}" = "1" ] && sweep="--sweep"
-# shellcheck disable=SC2086
-$PY benchmarks/gpu_suite.py --json "$OUT/gpu_suite.json" $sweep ${SUITE_ARGS:-} > "$OUT/gpu_suite.log" 2>&1 || status=1
+run_stage 1 install 75 300
+# Install or import failed (not exit 3, "installed, something missing"): nothing later can run.
+case "$LAST_RC" in "" | 0 | 3) ;; *) ABORT="install failed" ;; esac
+run_stage 2 tests 150 240
+run_stage 3 suite 60 180
+run_stage 4 paged 25 90
+run_stage 5 engine 45 150
+run_stage 6 rollout 60 150
+# (RESERVED SLOT: the rollout cost-model stage's run_stage line goes here; see above.)
+run_stage 7 compile 25 120
 
-echo "== paged decode attention benchmark"
-# shellcheck disable=SC2086
-$PY benchmarks/bench_paged_attention.py --json "$OUT/paged_attention.json" $sweep > "$OUT/paged_attention.log" 2>&1 || status=1
-
-echo "== paged engine benchmark (decode vs transformers generate; splice vs re-prefill)"
-# shellcheck disable=SC2086
-$PY benchmarks/bench_engine.py --json "$OUT/engine.json" ${ENGINE_ARGS:-} > "$OUT/engine.log" 2>&1 || status=1
-
-echo "== rollout benchmark (tokens, decode steps and time per mode at fixed drafts)"
-# shellcheck disable=SC2086
-$PY benchmarks/bench_rollout.py --preset qwen3-0.6b --json "$OUT/rollout.json" ${ROLLOUT_ARGS:-} > "$OUT/rollout.log" 2>&1 || status=1
-
+kill $REFRESHER 2>/dev/null
+wait $REFRESHER 2>/dev/null
+snapshot
 echo
-echo "== summary (full logs in $OUT)"
-echo "tests exit code: $test_rc"
-sed -n '/^=== spec-rl verification kernels/,$p' "$OUT/gpu_suite.log"
-[ -s "$OUT/gpu_suite.json" ] || tail -n 30 "$OUT/gpu_suite.log"
-sed -n '/^=== spec-rl paged decode attention/,$p' "$OUT/paged_attention.log"
-[ -s "$OUT/paged_attention.json" ] || tail -n 30 "$OUT/paged_attention.log"
-sed -n '/^=== spec-rl paged engine/,$p' "$OUT/engine.log"
-[ -s "$OUT/engine.json" ] || tail -n 30 "$OUT/engine.log"
-sed -n '/^bench_rollout:/,$p' "$OUT/rollout.log"
-[ -s "$OUT/rollout.json" ] || tail -n 30 "$OUT/rollout.log"
-exit $status
+cat "$DEST/summary.md"
+echo "== stages (all results: $DEST/summary.md and $DEST/gpu-check.tar.gz)"
+$PY benchmarks/gpu_report.py --work "$WORK" --stages-only
+echo "gpu_check: total $(elapsed) s, $([ "$FAILED" = 0 ] && echo "every stage passed or was skipped" || echo "FAILED")"
+exit $FAILED

@@ -1,6 +1,6 @@
 """GPU suite: our verification kernels against their floors and the fused-loss libraries.
 
-One command (also run by ``benchmarks/gpu_check.sh``):
+One command (stage 3 of ``benchmarks/gpu_check.sh``):
 
     python benchmarks/gpu_suite.py [--n 16384] [--vocab 151936] [--d 2048 4096] [--json PATH] [--sweep]
 
@@ -16,6 +16,11 @@ At N tokens, vocabulary V, hidden sizes d, bf16 (targets on an H200):
   Cut Cross-Entropy (reduction="none") when importable (target: >= 1.15x
   faster than both, <= 64 MB extra memory).
 
+Order: our kernels, their floors and eager torch at every shape first; the
+Liger / CCE rows after them (a run cut short still has ours); ``--sweep``
+configs within their sections. Each row is printed as it is measured and
+the JSON is rewritten after every row.
+
 Times are medians of ``triton.testing.do_bench`` (CUDA events; L2 flushed
 between runs; ``_harness.measure``, which also records the 20th/80th
 percentiles). "extra MB" is the peak allocated memory during one call
@@ -24,9 +29,17 @@ the matmul floor writes into a preallocated buffer). Our calls include the
 decisions and the host sync that reads the NaN flag. Liger/CCE compute
 -log p at temperature 1, so every method is timed at T = 1.
 
-Prints a table and writes JSON (with ``_harness.provenance``) to --json
-(default $OUT/gpu_suite.json when OUT is set). Exits 0 with a message when
-no CUDA device is present.
+Accuracy checks (fail the run): from-logits log-probs within
+``FROM_LOGITS_TOL`` nats of fp32 eager torch on the same logits; fused
+LM-head log-probs within ``FUSED_TOL`` nats of fp32 torch on the same bf16
+inputs. Exit code 1 when a shape or check of ours fails (a failing Liger /
+CCE row is reported, not fatal), 0 otherwise; without a CUDA device and
+without ``--device cpu`` it says so and exits 0. ``--device cpu`` runs the
+same code under the Triton interpreter (``TRITON_INTERPRET=1``) at tiny
+shapes: the smoke run, whose times are not measurements.
+
+Writes JSON (with ``_harness.provenance``) to --json (default
+$OUT/gpu_suite.json when OUT is set).
 """
 
 from __future__ import annotations
@@ -40,6 +53,8 @@ import torch
 import _harness as H  # benchmarks/ is on sys.path when a script here runs
 
 EAGER_CHUNK = 2048  # rows per chunk of the eager baseline (bounds its fp32 log-softmax memory)
+FROM_LOGITS_TOL = 1e-3  # nats: ours vs fp32 eager torch over the same logits
+FUSED_TOL = 2e-2  # nats: ours (bf16 tensor-core dot, fp32 accumulate) vs fp32 torch over the same inputs
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -52,19 +67,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--rep-ms", type=int, default=150, help="do_bench time budget per measurement (ms)")
     ap.add_argument("--sweep", action="store_true", help="also time every config of LOGITS_SWEEP / LM_HEAD_SWEEP")
     ap.add_argument("--skip-competitors", action="store_true", help="time only our kernels and the floors")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default=None,
+                    help="default: cuda when visible; cpu = smoke run under the Triton interpreter (tiny shapes)")
     ap.add_argument("--json", default=H.default_json_path("gpu_suite.json"),
                     help="write results here (default $OUT/gpu_suite.json)")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    for name in ("n", "vocab", "tokens_per_sample", "rep_ms"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
 
 
 def _progress(rec: dict) -> str:
-    status = f"{rec['ms']:.3f} ms, extra {rec['extra_mb']:.1f} MB" if "ms" in rec else rec["error"]
-    return f"  {rec['name']:<44} {status}"
+    if "ms" in rec:
+        extra = "" if rec.get("extra_mb") is None else f", extra {rec['extra_mb']:.1f} MB"
+        status = f"{rec['ms']:.3f} ms{extra}"
+    else:
+        status = rec.get("error") or rec.get("skipped", "")
+    return f"  {rec['name']:<48} {status}"
 
 
 @dataclass
 class Suite:
-    """One run's inputs (packed drafts of N tokens) and its result rows / accuracy checks."""
+    """One run's inputs (packed drafts of N tokens), its JSON record and the tensors kept for the competitors."""
 
     args: argparse.Namespace
     K: Any  # spec_rl.kernels
@@ -74,19 +99,30 @@ class Suite:
     ids: torch.Tensor  # [N] int64 draft tokens
     old: torch.Tensor  # [N] float32 old log-probs
     tags: dict  # row map, uids, seed, lenience: the packed verify keywords
-    rows: list = field(default_factory=list)
-    checks: dict = field(default_factory=dict)
+    rec: H.RunRecord
+    hidden: dict = field(default_factory=dict)  # d -> (h [N, d], W [V, d], our row, section tag)
+
+    @property
+    def rows(self) -> list:
+        return self.rec.record["rows"]
 
     def measure(self, name: str, fn: Callable[[], Any], **extra) -> dict:
-        return H.measure(name, fn, self.rows, rep_ms=self.args.rep_ms, memory=True, progress=_progress, **extra)
+        row = H.measure(name, fn, self.rows, rep_ms=self.args.rep_ms, memory=True, progress=_progress,
+                        device=self.dev, **extra)
+        self.rec.save()
+        return row
 
     def sweep(self, label: str, configs, run: Callable, **extra) -> None:
         """Time ``run(cfg)`` for every config (``--sweep``)."""
         for cfg in configs:
             self.measure(f"  sweep {label} {cfg}", lambda cfg=cfg: run(cfg), config=str(cfg), **extra)
 
+    def free(self) -> None:
+        if self.dev.type == "cuda":
+            torch.cuda.empty_cache()
 
-def build_suite(args, K, dev: torch.device) -> Suite:
+
+def build_suite(args, K, dev: torch.device, rec: H.RunRecord) -> Suite:
     """Packed drafts of ``--tokens-per-sample`` tokens per sample, seed 1234, lenience e^0.5."""
     n, vocab = args.n, args.vocab
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -99,7 +135,7 @@ def build_suite(args, K, dev: torch.device) -> Suite:
     row_sample, row_token, lengths = K.rows_from_cu_seqlens(cu)
     uids = torch.arange(lengths.numel(), device=dev, dtype=torch.int64)
     tags = dict(row_sample=row_sample, row_token=row_token, lengths=lengths, uids=uids, seed=1234, log_lenience=0.5)
-    return Suite(args, K, dev, H.DTYPES[args.dtype], gen, ids, old, tags)
+    return Suite(args, K, dev, H.DTYPES[args.dtype], gen, ids, old, tags, rec)
 
 
 def _eager_from_logits(logits, ids, temperature=1.0, chunk=EAGER_CHUNK):
@@ -114,7 +150,7 @@ def _liger_fn():
     try:
         from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
     except Exception as exc:
-        return None, f"liger-kernel not importable ({type(exc).__name__})"
+        return None, f"skipped: liger-kernel not importable ({type(exc).__name__})"
     loss = LigerFusedLinearCrossEntropyLoss(reduction="none")
 
     def run(h, w, ids):
@@ -127,7 +163,7 @@ def _cce_fn():
     try:
         from cut_cross_entropy import linear_cross_entropy
     except Exception as exc:
-        return None, f"cut-cross-entropy not importable ({type(exc).__name__})"
+        return None, f"skipped: cut-cross-entropy not importable ({type(exc).__name__})"
 
     def run(h, w, ids):
         return linear_cross_entropy(h, w, ids, reduction="none")
@@ -139,8 +175,14 @@ def _has_ms(*recs) -> bool:
     return all(r is not None and "ms" in r for r in recs)
 
 
+def _rates(s: Suite, section: str, key: str, per_ms: Callable[[dict], float]) -> None:
+    for rec in s.rows:
+        if rec.get("section", "").startswith(section) and "ms" in rec:
+            rec[key] = per_ms(rec)
+
+
 def section_logits(s: Suite) -> None:
-    """From materialised logits: ours vs the copy floor and eager torch."""
+    """From materialised logits: ours vs the copy floor and eager torch (+ the config sweep)."""
     from spec_rl.kernels import configs
 
     n, vocab, d0, K = s.args.n, s.args.vocab, s.args.d[0], s.K
@@ -156,78 +198,89 @@ def section_logits(s: Suite) -> None:
     dst = None  # free the copy target
     ours = s.measure("ours: from-logits kernel", lambda: K.verify_packed_logits(logits, s.ids, s.old, **s.tags), **tag)
     eager = s.measure("eager torch: chunked log_softmax+gather", lambda: _eager_from_logits(logits, s.ids), **tag)
-    lp_k = K.verify_packed_logits(logits, s.ids, s.old, **s.tags).new_logprobs
-    s.checks["from_logits_max_abs_diff_vs_eager_fp32"] = float((lp_k - _eager_from_logits(logits, s.ids)).abs().max())
+    if _has_ms(ours):
+        lp_k = K.verify_packed_logits(logits, s.ids, s.old, **s.tags).new_logprobs
+        diff = (lp_k - _eager_from_logits(logits, s.ids)).abs().max()
+        s.rec.check("from_logits_max_abs_diff_vs_eager_fp32", diff, FROM_LOGITS_TOL)
     if s.args.sweep:
         s.sweep("from-logits", configs.LOGITS_SWEEP,
                 lambda cfg: K.verify_packed_logits(logits, s.ids, s.old, config=cfg, **s.tags),
                 section="logits-sweep", bytes=logit_bytes)
-    for rec in s.rows:
-        if rec.get("section") in ("logits", "logits-sweep") and "ms" in rec:
-            rec["gb_per_s"] = rec["bytes"] / rec["ms"] / 1e6
+    _rates(s, "logits", "gb_per_s", lambda r: r["bytes"] / r["ms"] / 1e6)
     if _has_ms(copy, ours):
+        copy["fraction_of_copy_bandwidth"] = 1.0
         ours["fraction_of_copy_bandwidth"] = ours["gb_per_s"] / copy["gb_per_s"]
     if _has_ms(eager, ours):
         ours["speedup_vs_eager"] = eager["ms"] / ours["ms"]
+    s.rec.save()
 
 
-def _time_competitors(s: Suite, d: int, h, w, tag: dict, competitors: dict) -> dict:
-    """Eager torch and the fused-loss libraries (an unavailable one becomes an error row)."""
-    comps = {
-        "eager": s.measure(f"eager torch: matmul + chunked log_softmax d={d}",
-                           lambda: _eager_from_logits(h @ w.T, s.ids), **tag)
-    }
-    for label, (fn, err) in competitors.items():
+def section_hidden(s: Suite, d: int, broken: bool = False) -> None:
+    """Fused LM head at hidden size d: ours vs the matmul floor and eager torch (+ the config sweep).
+
+    ``broken``: the weight gets d + 8 columns, a shape the argument checks must reject (the
+    smoke tests' deliberately failing shape).
+    """
+    from spec_rl.kernels import configs
+
+    n, vocab, K = s.args.n, s.args.vocab, s.K
+    section = f"hidden-{d}" + ("-broken" if broken else "")
+    print(f"\nfused LM head: h [{n}, {d}] @ W[{vocab}, {d}]^T, {s.args.dtype}{' (broken shape)' if broken else ''}",
+          flush=True)
+    h = torch.randn(n, d, device=s.dev, dtype=s.dtype, generator=s.gen)
+    w = H.random_lm_head(vocab, d + (8 if broken else 0), s.dtype, s.dev, s.gen)
+    tag = dict(section=section, flops=2.0 * n * vocab * d)
+    out_buf = torch.empty(n, vocab, device=s.dev, dtype=s.dtype)
+    mm = s.measure(f"cuBLAS h @ W.T (floor) d={d}", lambda: torch.mm(h, w.T, out=out_buf), **tag)
+    out_buf = None  # free the 5 GB matmul output
+    s.free()
+    ours = s.measure(
+        f"ours: fused LM-head kernel d={d}", lambda: K.verify_packed_hidden(h, w, s.ids, s.old, **s.tags), **tag
+    )
+    eager = s.measure(f"eager torch: matmul + chunked log_softmax d={d}",
+                      lambda: _eager_from_logits(h @ w.T, s.ids), **tag)
+    if _has_ms(ours):
+        lp_k = K.verify_packed_hidden(h, w, s.ids, s.old, **s.tags).new_logprobs
+        w32 = w.float()
+        rows = [slice(c, c + EAGER_CHUNK) for c in range(0, n, EAGER_CHUNK)]
+        lp_e = torch.cat([_eager_from_logits(h[r].float() @ w32.T, s.ids[r]) for r in rows])
+        del w32
+        s.rec.check(f"fused_d{d}_max_abs_diff_vs_fp32_torch", (lp_k - lp_e).abs().max(), FUSED_TOL)
+    if s.args.sweep:
+        s.sweep("fused", configs.LM_HEAD_SWEEP,
+                lambda cfg: K.verify_packed_hidden(h, w, s.ids, s.old, config=cfg, **s.tags),
+                section=f"{section}-sweep", flops=tag["flops"])
+    _rates(s, section, "tflops", lambda r: r["flops"] / r["ms"] / 1e9)
+    if _has_ms(ours, mm):
+        mm["ratio_to_matmul"] = 1.0
+        ours["ratio_to_matmul"] = ours["ms"] / mm["ms"]
+    if _has_ms(ours, eager):
+        ours["speedup_vs_eager"] = eager["ms"] / ours["ms"]
+    s.rec.save()
+    if not broken:
+        s.hidden[d] = (h, w, ours, tag)
+
+
+def section_competitors(s: Suite, d: int, competitors: dict) -> None:
+    """Liger / CCE at hidden size d on the inputs ours was timed on (an unavailable one is a skipped row)."""
+    h, w, ours, tag = s.hidden[d]
+    for label, (fn, why) in competitors.items():
         if fn is None:
-            s.rows.append({"name": f"{label} d={d}", "section": tag["section"], "error": err})
-            print(f"  {label:<44} {err}")
+            s.rows.append({"name": f"{label} d={d}", "section": tag["section"], "skipped": why, "optional": True})
+            print(_progress(s.rows[-1]), flush=True)
+            s.rec.save()
             continue
 
         def run(fn=fn):
             with torch.no_grad():
                 return fn(h, w, s.ids)
 
-        comps[label] = s.measure(f"{label}: fused linear CE (reduction=none) d={d}", run, **tag)
-    return comps
-
-
-def section_hidden(s: Suite, d: int, competitors: dict) -> None:
-    """Fused LM head at hidden size d: ours vs the matmul floor, eager torch, Liger and CCE."""
-    from spec_rl.kernels import configs
-
-    n, vocab, K = s.args.n, s.args.vocab, s.K
-    print(f"\nfused LM head: h [{n}, {d}] @ W[{vocab}, {d}]^T, {s.args.dtype}", flush=True)
-    h = torch.randn(n, d, device=s.dev, dtype=s.dtype, generator=s.gen)
-    w = H.random_lm_head(vocab, d, s.dtype, s.dev, s.gen)
-    section = f"hidden-{d}"
-    tag = dict(section=section, flops=2.0 * n * vocab * d)
-    out_buf = torch.empty(n, vocab, device=s.dev, dtype=s.dtype)
-    mm = s.measure(f"cuBLAS h @ W.T (floor) d={d}", lambda: torch.mm(h, w.T, out=out_buf), **tag)
-    out_buf = None  # free the 5 GB matmul output
-    torch.cuda.empty_cache()
-    ours = s.measure(
-        f"ours: fused LM-head kernel d={d}", lambda: K.verify_packed_hidden(h, w, s.ids, s.old, **s.tags), **tag
-    )
-    comps = _time_competitors(s, d, h, w, tag, competitors)
-    lp_k = K.verify_packed_hidden(h, w, s.ids, s.old, **s.tags).new_logprobs
-    w32 = w.float()
-    rows = [slice(c, c + EAGER_CHUNK) for c in range(0, n, EAGER_CHUNK)]
-    lp_e = torch.cat([_eager_from_logits(h[r].float() @ w32.T, s.ids[r]) for r in rows])
-    del w32
-    s.checks[f"fused_d{d}_max_abs_diff_vs_fp32_torch"] = float((lp_k - lp_e).abs().max())
-    if s.args.sweep:
-        s.sweep("fused", configs.LM_HEAD_SWEEP,
-                lambda cfg: K.verify_packed_hidden(h, w, s.ids, s.old, config=cfg, **s.tags),
-                section=f"{section}-sweep", flops=tag["flops"])
-    for rec in s.rows:
-        if rec.get("section", "").startswith(section) and "ms" in rec:
+        rec = s.measure(f"{label}: fused linear CE (reduction=none) d={d}", run, optional=True, **tag)
+        if _has_ms(rec):
             rec["tflops"] = rec["flops"] / rec["ms"] / 1e9
-    if _has_ms(ours):
-        if _has_ms(mm):
-            ours["ratio_to_matmul"] = ours["ms"] / mm["ms"]
-        for label, rec in comps.items():
-            if _has_ms(rec):
+            if _has_ms(ours):
                 ours[f"speedup_vs_{label}"] = rec["ms"] / ours["ms"]
+        s.rec.save()
 
 
 TABLE = H.Table(
@@ -258,11 +311,11 @@ def print_table(results: dict) -> None:
     floors = {rec["section"]: rec for rec in results["rows"] if "(floor" in rec["name"] and "ms" in rec}
     for rec in results["rows"]:
         if "ms" not in rec:
-            print(TABLE.row(rec["name"], None, None, None, None, rec.get("error", "")))
+            print(TABLE.row(rec["name"], None, None, None, None, rec.get("error") or rec.get("skipped", "")))
             continue
         rate = rec.get("gb_per_s", rec.get("tflops", float("nan")))
         vs = _vs_floor(rec, floors.get(rec["section"].replace("-sweep", "")))
-        print(TABLE.row(rec["name"], rec["ms"], rate, vs, rec["extra_mb"], H.speedup_notes(rec)))
+        print(TABLE.row(rec["name"], rec["ms"], rate, vs, rec.get("extra_mb"), H.speedup_notes(rec)))
     print(
         "vs floor: from-logits = fraction of the copy's bandwidth (target >= 0.85); "
         "fused = time / matmul time (target <= 1.10)"
@@ -270,34 +323,52 @@ def print_table(results: dict) -> None:
     H.print_checks(results["checks"])
 
 
+def run_suite(args, K, dev: torch.device, rec: H.RunRecord) -> None:
+    """Every section in order: ours and the floors at every shape, then the competitors."""
+    suite = build_suite(args, K, dev, rec)
+    section_logits(suite)
+    suite.free()
+    for d in args.d:
+        section_hidden(suite, d)
+        suite.free()
+    if H.broken_shape_requested("gpu_suite"):
+        section_hidden(suite, args.d[0], broken=True)
+    if args.skip_competitors:
+        competitors = {"liger": (None, "skipped (--skip-competitors)"), "cce": (None, "skipped (--skip-competitors)")}
+    else:
+        competitors = {"liger": _liger_fn(), "cce": _cce_fn()}
+    for d in args.d:
+        section_competitors(suite, d, competitors)
+        suite.free()
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print("gpu_suite: no CUDA device available; nothing was measured (run this on a GPU machine).")
+    if args.device is None and not torch.cuda.is_available():
+        print("gpu_suite: no CUDA device available; nothing was measured (run this on a GPU machine, "
+              "or --device cpu for a smoke run under the Triton interpreter).")
         return 0
-    K = H.compiled_kernels("gpu_suite")
+    dev = torch.device(args.device or "cuda")
+    K = H.kernels_for(dev, "gpu_suite")
     if K is None:
         return 2
-    dev = torch.device("cuda")
     meta = {**H.provenance(dev), "n": args.n, "vocab": args.vocab, "dtype": args.dtype}
-    print(
-        f"gpu_suite on {meta['device']} ({meta['sm_count']} SMs), torch {meta['torch']}, triton {meta['triton']}, "
-        f"commit {meta['commit']}",
-        flush=True,
-    )
-    suite = build_suite(args, K, dev)
-    section_logits(suite)
-    torch.cuda.empty_cache()
-    liger = (None, "skipped") if args.skip_competitors else _liger_fn()
-    cce = (None, "skipped") if args.skip_competitors else _cce_fn()
-    for d in args.d:
-        section_hidden(suite, d, {"liger": liger, "cce": cce})
-        torch.cuda.empty_cache()
-    results = {"meta": meta, "rows": suite.rows, "checks": suite.checks}
-    print_table(results)
+    print(f"gpu_suite on {meta['device']} ({meta.get('sm_count', '-')} SMs), torch {meta['torch']}, "
+          f"triton {meta['triton']}, commit {meta['commit']}", flush=True)
+    rec = H.RunRecord(args.json, {"meta": meta, "rows": []})
+    try:
+        run_suite(args, K, dev, rec)
+    except Exception as exc:  # noqa: BLE001  a section that fails outside a row: record it, keep what was measured
+        import traceback
+
+        traceback.print_exc(limit=3)
+        rec.fail(f"suite stopped: {type(exc).__name__}: {exc}".splitlines()[0][:300])
+    for what in H.failed_rows(rec.record["rows"]):
+        rec.fail(what)
+    print_table(rec.record)
     if args.json:
-        H.write_json(args.json, results, announce="\nwrote")
-    return 0
+        print(f"\nwrote {args.json}")
+    return rec.finish()
 
 
 if __name__ == "__main__":

@@ -20,6 +20,10 @@ gold answer, else 0, checked with HuggingFace's ``math-verify`` library
 Reward functions have the signature ``fn(completion: str, gold: str) -> float``
 (completion: the generated response text only, without the prompt; gold:
 ``Example.answer``) and return a float in [0, 1].
+
+math-verify is a dependency of the package. Without it only step 2 can be
+decided: a comparison that needs step 3 raises :class:`MathVerifyUnavailable`
+instead of scoring 0 (a silent 0 would train on wrong rewards).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from fractions import Fraction
 from typing import Callable
 
 __all__ = [
+    "MathVerifyUnavailable",
     "RewardFn",
     "REWARD_FUNCTIONS",
     "extract_boxed",
@@ -138,6 +143,21 @@ def _plain_number(s: str, allow_units: bool = False) -> Fraction | None:
         return None
 
 
+class MathVerifyUnavailable(ImportError):
+    """math-verify is needed for this comparison (not two plain numbers) but cannot be imported."""
+
+
+def _require_math_verify() -> None:
+    """Raise :class:`MathVerifyUnavailable` (naming the fix) when ``math_verify`` cannot be imported."""
+    try:
+        import math_verify  # noqa: F401
+    except ImportError as exc:
+        raise MathVerifyUnavailable(
+            f"math_reward needs math-verify to compare non-numeric answers, and it cannot be imported ({exc}); "
+            "install it: pip install 'math-verify>=0.7' (offline: the wheels from `make gpu-wheels`)"
+        ) from exc
+
+
 def _in_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
@@ -203,7 +223,8 @@ def math_reward(completion: str, gold: str) -> float:
 
     Never raises on the completion: junk text, no final answer, an answer
     longer than :data:`MAX_ANSWER_CHARS` characters, or any error inside
-    math-verify gives 0.0. Thread-safe: math-verify's signal-based timeouts
+    math-verify gives 0.0. A missing math-verify is not such an error: it
+    raises (below). Thread-safe: math-verify's signal-based timeouts
     (``parsing_timeout`` / ``timeout_seconds``, 5 s each) are used only in the
     main thread; in other threads they are disabled (``None``), since
     ``signal.alarm`` only works in the main thread.
@@ -235,6 +256,7 @@ def math_reward(completion: str, gold: str) -> float:
     if gold_num is not None and pred_num is not None:
         return 1.0 if gold_num == pred_num else 0.0
 
+    _require_math_verify()  # outside the try: a missing library is not "not verified"
     try:
         timeout = _MV_TIMEOUT_S if _in_main_thread() else None
         if timeout is None:

@@ -154,14 +154,35 @@ def test_bad_arguments():
         PagedEngine(Qwen2ForCausalLM(cfg), eos_ids={1}, pad_id=0)
 
 
-def test_decode_through_the_triton_paged_kernel_matches_the_gather_path():
-    # On CUDA the engine decodes with spec_rl.kernels.paged_decode_attention; here the same
-    # call runs under the Triton interpreter, so the GPU wiring (argument order, int32 lengths,
-    # skipped range check) is exercised on CPU too.
-    kernels = pytest.importorskip("spec_rl.kernels")
+def paged_kernel_device():
+    """(device where spec_rl.kernels' paged decode attention can run here, or None, and why not).
+
+    CPU tensors need the Triton interpreter (the CPU suite's conftest sets TRITON_INTERPRET=1); on a
+    CUDA machine the kernels are compiled and take CUDA tensors only, so the test runs there on CUDA.
+    """
+    try:
+        from spec_rl import kernels
+    except ImportError as exc:
+        return None, f"spec_rl.kernels is not importable ({exc})"
     if not hasattr(kernels, "paged_decode_attention"):
-        pytest.skip("spec_rl.kernels has no paged_decode_attention")
-    model = tiny_family_model("qwen3", seed=6)
+        return None, "spec_rl.kernels has no paged_decode_attention"
+    if kernels.is_available("cpu"):
+        return "cpu", ""
+    if torch.cuda.is_available() and not kernels.INTERPRET:
+        return "cuda", ""
+    return None, "the Triton kernels run neither here on CPU (no TRITON_INTERPRET=1) nor on a CUDA device"
+
+
+def test_decode_through_the_triton_paged_kernel_matches_the_gather_path():
+    # The engine decodes with spec_rl.kernels.paged_decode_attention on CUDA; the same call runs under the
+    # Triton interpreter on CPU, so the GPU wiring (argument order, int32 lengths, skipped range check) is
+    # exercised on both. Same model, same seed: the kernel path and the gather + SDPA path agree.
+    device, why = paged_kernel_device()
+    if device is None:
+        pytest.skip(why)
+    from spec_rl import kernels
+
+    model = tiny_family_model("qwen3", seed=6).to(device)
     prompts = [[3, 11, 12, 13, 14], [3, 15, 16], [4]]
     settings = SamplingSettings(temperature=0.8, max_tokens=6)
     plain = PagedEngine(model, eos_ids={1}, pad_id=0, block_size=4, num_blocks=32)
@@ -169,17 +190,39 @@ def test_decode_through_the_triton_paged_kernel_matches_the_gather_path():
     calls = []
 
     def counted(*args, **kwargs):
-        calls.append(kwargs)
+        calls.append((args[0].device.type, kwargs))
         return kernels.paged_decode_attention(*args, **kwargs)
 
+    plain.runner.decode_kernel = None  # gather + SDPA (on CUDA the engine would pick the kernel itself)
     triton.runner.decode_kernel = counted
     want = plain.generate(prompts, [6, 6, 6], settings, seed=5)
     got = triton.generate(prompts, [6, 6, 6], settings, seed=5)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     for g, w in zip(got, want):
         assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-4)
-    # 5 decode steps x 2 layers went through the kernel, without its per-call host sync.
-    assert len(calls) == 5 * model.config.num_hidden_layers and all(c["validate"] is False for c in calls)
+    # 5 decode steps x 2 layers went through the kernel, on the model's device, without its per-call host sync.
+    assert len(calls) == 5 * model.config.num_hidden_layers
+    assert all(dev == device and kw["validate"] is False for dev, kw in calls)
+
+
+def test_paged_kernel_test_picks_a_device_the_kernels_run_on(tmp_path):
+    """The kernel test above must never hand CPU tensors to compiled kernels (a CUDA machine has no
+    TRITON_INTERPRET): run it the way the GPU check does, with the kernels compiled, on this machine."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "0"}  # conftest only sets it when unset: the kernels get compiled
+    test = f"{__file__}::test_decode_through_the_triton_paged_kernel_matches_the_gather_path"
+    # cwd outside the checkout: `python -m` puts the cwd first on sys.path, and the source tree's spec_rl/
+    # (without spec_rl.kernels) must not shadow the installed package.
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", test], env=env,
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    if torch.cuda.is_available():
+        assert "1 passed" in out.stdout, out.stdout[-3000:]
+    else:
+        assert "1 skipped" in out.stdout and "nor on a CUDA device" in out.stdout, out.stdout[-3000:]
 
 
 @pytest.mark.gpu
