@@ -162,6 +162,7 @@ def evaluate_heldout(
     batch_size: int = 256,
     reward_fn: RewardFn = math_reward,
     max_model_len: int | None = None,
+    samples_out: list | None = None,
 ) -> dict[str, float]:
     """Held-out quality of the current policy: fresh samples and greedy decoding (never from a cache).
 
@@ -191,6 +192,8 @@ def evaluate_heldout(
         ``fn(response_text, gold) -> float``.
     max_model_len : int, optional
         Context limit: the budget is then ``min(max_tokens, max_model_len - prompt_len)``.
+    samples_out : list, optional
+        Receives one (prompt ids, sampled response ids) pair per fresh sample, for diagnostics.
 
     Returns
     -------
@@ -225,6 +228,8 @@ def evaluate_heldout(
         (prompts, budgets, greedy, seed),
     ])  # fmt: skip
     rewards = _rewards(tokenizer, sampled, [e.answer for e in examples for _ in repeat], reward_fn)
+    if samples_out is not None:
+        samples_out.extend((p, list(o.token_ids)) for p, o in zip([p for p in prompts for _ in repeat], sampled))
     greedy_rewards = _rewards(tokenizer, argmax, [e.answer for e in examples], reward_fn)
     return {
         "heldout_reward": sum(rewards) / len(rewards),

@@ -13,6 +13,8 @@ epoch's record::
     heldout_reward            mean reward of the fresh samples
     heldout_greedy_accuracy   mean reward of the greedy responses
     heldout_response_tokens   mean sampled response length (tokens, EOS included)
+    heldout_entropy           mean per-token entropy of the policy on those samples (nats; :mod:`.diagnostics`)
+    heldout_kl_to_init        mean per-token KL(policy || warm start) on those samples (nats)
     heldout_prompts           held-out prompts evaluated
     heldout_seed              the sampling seed used
     heldout_seconds           wall time of the evaluation
@@ -31,6 +33,7 @@ from collections.abc import Callable, Sequence
 from ..sampling.distribution import SamplingSettings
 from ..sampling.philox import mix_seed
 from ..tasks.evaluation import evaluate_heldout
+from .diagnostics import DIAGNOSTIC_FIELDS, policy_drift
 
 __all__ = ["EVAL_BATCH_SIZE", "FIELDS", "START", "HeldoutEvaluator", "heldout_curve", "heldout_seed", "start_point"]
 
@@ -40,8 +43,8 @@ HELDOUT_SEED_SALT = 0x4E1D_0E7A
 #: 128 prompts x 4 samples + 128 greedy); 256 is the rollout's batch of 64 prompts x 4.
 EVAL_BATCH_SIZE = 256
 #: Fields one evaluation adds to a record.
-FIELDS = ("heldout_reward", "heldout_greedy_accuracy", "heldout_response_tokens", "heldout_prompts", "heldout_seed",
-          "heldout_seconds")  # fmt: skip
+FIELDS = ("heldout_reward", "heldout_greedy_accuracy", "heldout_response_tokens", *DIAGNOSTIC_FIELDS, "heldout_prompts",
+          "heldout_seed", "heldout_seconds")  # fmt: skip
 #: Prefix of the warm-start evaluation's fields in the first epoch record.
 START = "start_"
 
@@ -81,14 +84,21 @@ class HeldoutEvaluator:
         self.run_seed = run_seed
         self.max_model_len = max_model_len
         self.batch_size = batch_size
+        #: the initial policy (KL to the warm start) and the pad id of the diagnostics; set by the trainer
+        self.reference = None
+        self.pad_id: int | None = None
 
     def evaluate(self, model, epoch: int) -> dict:
         """The fields of :data:`FIELDS` for ``model`` as it is after ``epoch`` (0: before training)."""
         seed = heldout_seed(self.run_seed, epoch)
         t0 = time.perf_counter()
+        samples: list = []
         result = evaluate_heldout(model, self.tokenizer, self.examples, self.settings, self.samples_per_prompt, seed,
-                                  batch_size=self.batch_size, reward_fn=self.reward_fn,
-                                  max_model_len=self.max_model_len)  # fmt: skip
+                                  batch_size=self.batch_size, reward_fn=self.reward_fn, max_model_len=self.max_model_len,
+                                  samples_out=samples)  # fmt: skip
+        if self.pad_id is not None:
+            prompts, responses = [p for p, _ in samples], [r for _, r in samples]
+            result.update(policy_drift(model, self.reference, prompts, responses, self.pad_id, self.settings.temperature))
         return {**result, "heldout_seed": seed, "heldout_seconds": time.perf_counter() - t0}
 
 

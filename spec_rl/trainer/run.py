@@ -151,8 +151,9 @@ def run_modes(
         ckpt = plan[mode]
         torch.manual_seed(cfg.seed)
         model, tokenizer = load_policy(model_path if ckpt is None else ckpt.path, device)
-        # The KL reference is the initial policy, also when the trained weights come from a checkpoint.
-        ref = load_policy(model_path, device)[0] if ckpt is not None and cfg.kl_coef > 0 else None
+        # The initial policy (KL reference, diagnostics), also when the trained weights come from a checkpoint.
+        needs_initial = cfg.kl_coef > 0 or eval_examples is not None  # KL term, held-out KL to the warm start
+        ref = load_policy(model_path, device)[0] if ckpt is not None and needs_initial else None
         trainer = GRPOTrainer(model, tokenizer, train_examples, reward_fn, cfg, mode_dir, progress=progress, log=log,
                               label=mode, ref_model=ref, eval_examples=eval_examples, initial_heldout=initial)  # fmt: skip
         if resume:

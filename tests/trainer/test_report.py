@@ -54,7 +54,7 @@ def test_report_has_the_warm_start_row_the_origin_table_and_the_heldout_panel(tm
         (tmp_path / mode / "metrics.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
     out = write_report(tmp_path, SUMMARY, info)
     md = out["report"].read_text()
-    assert "| vanilla | 0 | 0.250 | 0.600 | - |" in md and "| spec | 2 | 0.350 | 0.580 | 0.500 |" in md
+    assert "| vanilla | 0 | 0.250 | 0.600 | - |" in md and "| spec | 2 | 0.350 | 0.580 | - | - | - | 0.500 |" in md
     assert "## Rollout reward by response origin" in md and "| spec | 2 | 0.500 | n/a (0) | n/a (0) | 0.500 (16) | 0.350 |" in md
     assert "8 prompts not trained on, 4 fresh samples each" in md
     assert "| spec | 0.200 | 0.200 | 0.400 |" in md and "| -0.050 | +0.030 |" in md
