@@ -13,9 +13,14 @@ the same cache and history, with the same seed and step:
 * ``spec``: SPEC-RL, lenient acceptance (l = ``--lenience``) + history speculation;
 * ``exact``: SPEC-RL, exact (lossless) acceptance + history speculation.
 
-Printed per mode: generated tokens, decode steps (sequential forwards after scoring), longest
-continuation, rollout seconds split into scoring / decode / other, and the ratios of tokens, decode
-steps and seconds to vanilla. Times are host wall clock around device synchronizes, one timed step
+First, epoch 1 (an empty cache, no history): ``e1-vanilla`` (plain decoding) against ``e1-siblings``
+(drafts only from the prompt and the group's other samples in flight). Then the modes above (history
+modes with sibling drafts too). Printed per mode: generated tokens, decode steps (sequential forwards
+after scoring), longest continuation, rollout seconds split into scoring / decode / other, the ratios
+of tokens, decode steps and seconds to vanilla (to e1-vanilla for the epoch-1 rows), the acceptance of
+drafted tokens, the query positions the decode steps computed (padding included), accepted drafted
+tokens per decode step and the mean width of a step (positions per row; the step-cost model of
+:mod:`spec_rl.backends.step_cost` chooses it). Times are host wall clock around device synchronizes, one timed step
 per mode after one untimed warm-up step. Each mode is printed as it is measured and the JSON (with
 provenance; ``--json``, default ``$OUT/rollout.json``) is rewritten after every mode. Exit code 1 when a
 mode raises. ``--prompts``, ``--group`` and ``--max-tokens`` resize a preset (stage 6 of
@@ -112,7 +117,25 @@ def timed_step(rollout: SpeculativeRollout, requests, step: int, device) -> dict
     s = res.stats
     return {"generated_tokens": s.tokens_generated, "decode_steps": s.decode_steps, "longest": s.longest_continuation,
             "rollout_s": s.rollout_seconds, "scoring_s": s.scoring_seconds, "decode_s": s.generation_seconds,
-            "other_s": s.assembly_seconds, "full_reuse": s.full_reuse_ratio, "tail_accept": s.tail_accepted / max(s.tail_proposed, 1)}  # fmt: skip
+            "other_s": s.assembly_seconds, "full_reuse": s.full_reuse_ratio, "tail_accept": s.tail_accepted / max(s.tail_proposed, 1),
+            "positions": s.decode_positions, "accepted_per_step": s.tail_accepted / max(s.decode_steps, 1),
+            "width": s.decode_positions / max(s.decode_rows, 1)}  # fmt: skip
+
+
+def first_epoch_rows(backend, requests, settings, eos, max_len, args, device, rec: RunRecord) -> None:
+    """Epoch 1 (empty cache, no history): plain decoding vs sibling drafts (and the prompt) only."""
+    for name, siblings in (("e1-warmup", True), ("e1-vanilla", False), ("e1-siblings", True)):
+        ro = SpeculativeRollout(backend, RolloutCache(), settings, eos, max_len, strategy="off", seed=args.seed,
+                                sibling_drafts=siblings)  # fmt: skip
+        row = timed_step(ro, requests, 0, device)
+        print(_show(name, row), flush=True)
+        if name != "e1-warmup":
+            rec.record["rows"][name] = row
+            rec.save()
+    e1 = rec.record["rows"]
+    for k in ("generated_tokens", "decode_steps", "rollout_s"):
+        e1["e1-siblings"][f"{k}_ratio"] = e1["e1-siblings"][k] / e1["e1-vanilla"][k] if e1["e1-vanilla"][k] else float("nan")
+        e1["e1-vanilla"][f"{k}_ratio"] = 1.0
 
 
 def _show(name: str, r: dict) -> str:
@@ -134,6 +157,8 @@ def run(args, rec: RunRecord) -> None:
     max_len = max(len(p) for p in prompts) + max_tokens + 1
     backend = make_backend(model, eos, pad, args.backend, device)
     rec.record["backend"] = type(backend).__name__
+    rec.record["step_cost"] = backend.step_cost().source  # measured (or read from the cache) before any timing
+    first_epoch_rows(backend, requests, settings, eos, max_len, args, device, rec)
     cache, history = RolloutCache(), HistoryIndex()
     filler = SpeculativeRollout(backend, cache, settings, eos, max_len, strategy="off", seed=args.seed, history=history)
     for step in range(args.history_epochs):
@@ -146,7 +171,7 @@ def run(args, rec: RunRecord) -> None:
             ro = SpeculativeRollout(backend, copy.deepcopy(cache), settings, eos, max_len, strategy=strategy,
                                     seed=args.seed, acceptance=acceptance,
                                     lenience=None if acceptance == "exact" else args.lenience,
-                                    history=copy.deepcopy(history) if hist else None)  # fmt: skip
+                                    history=copy.deepcopy(history) if hist else None, sibling_drafts=hist)  # fmt: skip
             row = timed_step(ro, requests, args.history_epochs, device)
         except Exception as exc:  # noqa: BLE001  one failing mode is reported, the others still run
             traceback.print_exc(limit=3)
@@ -157,7 +182,9 @@ def run(args, rec: RunRecord) -> None:
             rows[name] = row
             rec.save()
     base = rows.get("vanilla", {})
-    for r in rows.values():
+    for name, r in rows.items():
+        if name.startswith("e1-"):
+            continue
         for k in ("generated_tokens", "decode_steps", "rollout_s"):
             if k in r:
                 r[f"{k}_ratio"] = r[k] / base[k] if base.get(k) else float("nan")
@@ -168,7 +195,8 @@ def print_table(record: dict) -> None:
     spec = [("mode", 9, "<", "{}"), ("gen tokens", 10, ">", "{:d}"), ("steps", 6, ">", "{:d}"), ("longest", 7, ">", "{:d}"),
             ("rollout s", 9, ">", "{:.3f}"), ("scoring s", 9, ">", "{:.3f}"), ("decode s", 8, ">", "{:.3f}"),
             ("other s", 7, ">", "{:.3f}"), ("tokens x", 8, ">", "{:.3f}"), ("steps x", 7, ">", "{:.3f}"),
-            ("time x", 6, ">", "{:.3f}"), ("tail acc", 8, ">", "{:.2f}")]  # fmt: skip
+            ("time x", 6, ">", "{:.3f}"), ("tail acc", 8, ">", "{:.2f}"), ("positions", 9, ">", "{:d}"),
+            ("acc/step", 8, ">", "{:.2f}"), ("width", 5, ">", "{:.2f}")]  # fmt: skip
     table = Table(*[Column(h, w, a, f, gap="  ") for h, w, a, f in spec])
     print(f"bench_rollout: preset {record['preset']} ({record['prompts']} prompts x G={record['group']}, "
           f"{record['max_tokens']} tokens), {record['backend']}, perturb {record['perturb']}, "
@@ -180,7 +208,8 @@ def print_table(record: dict) -> None:
             continue
         print(table.row(name, r["generated_tokens"], r["decode_steps"], r["longest"], r["rollout_s"], r["scoring_s"],
                         r["decode_s"], r["other_s"], r["generated_tokens_ratio"], r["decode_steps_ratio"],
-                        r["rollout_s_ratio"], r["tail_accept"]))  # fmt: skip
+                        r["rollout_s_ratio"], r["tail_accept"], r["positions"], r["accepted_per_step"],
+                        r["width"]))  # fmt: skip
 
 
 def main(argv=None) -> int:

@@ -147,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     hist.add_argument("--history-spec", dest="history_spec", action="store_true", default=None,
                       help="verify tokens drafted from the prompt's earlier responses in every decode step (default on for spec)")
     hist.add_argument("--no-history-spec", dest="history_spec", action="store_false", help="decode one token per step")
+    t.add_argument("--no-sibling-drafts", dest="sibling_drafts", action="store_false",
+                   help="with tail speculation, draft from earlier epochs only, not from the other samples of the prompt "
+                   "being decoded at the same time")
     t.add_argument("--spec-tokens", type=int, default=8, help="most history-drafted tokens verified per decode step")
     t.add_argument("--epochs", type=int)
     t.add_argument("--group-size", type=int, help="samples per prompt (G)")
@@ -307,6 +310,7 @@ def _config(args: argparse.Namespace, demo: bool) -> GRPOConfig:
         acceptance=args.acceptance,
         history_spec=args.history_spec,
         spec_tokens=args.spec_tokens,
+        sibling_drafts=args.sibling_drafts,
         epochs=pick("epochs"),
         group_size=pick("group_size"),
         prompts_per_step=pick("prompts_per_step"),

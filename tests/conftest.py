@@ -22,6 +22,11 @@ except Exception:  # pragma: no cover
 if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Backends size speculation by a measured step cost (spec_rl.backends.step_cost); measuring takes seconds
+# and makes decode-step counts depend on the machine. Tests use the flat cost (verify every proposed
+# token) unless they pass a StepCost themselves; tests/backends/test_step_cost.py covers the measurement.
+os.environ.setdefault("SPEC_RL_STEP_COST", "flat")
+
 
 @pytest.fixture()
 def model_dir(tmp_path):

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import functools
 import inspect
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from ..sampling.distribution import SamplingSettings, keyed_sample
+from .step_cost import StepCost, acceptance_of, plan_proposals
 
 
 def cache_argument(model) -> str:
@@ -153,6 +155,8 @@ class DecodeCounters:
     steps: int = 0
     proposed: int = 0
     accepted: int = 0
+    rows: int = 0  # sequences per forward, summed over steps
+    positions: int = 0  # query positions computed, padding included
 
 
 def _emit(row: DecodeRow, tokens: list[int], logprobs: list[float], eos: set[int]) -> int:
@@ -182,9 +186,12 @@ class SpeculativeDecoder:
         max_k: most proposed tokens per row and step (0: no speculation).
         pad_id: id fed at padding positions.
         on_step: called with the number of live rows after every forward (progress bars).
+        step_cost: returns the backend's :class:`~spec_rl.backends.step_cost.StepCost` (called only when a
+            row has a proposal; default: a flat cost, i.e. always verify every proposed token).
     """
 
-    def __init__(self, model, settings: SamplingSettings, seed: int, eos_ids, max_k: int, pad_id: int, on_step=None):
+    def __init__(self, model, settings: SamplingSettings, seed: int, eos_ids, max_k: int, pad_id: int, on_step=None,
+                 step_cost=StepCost.flat):  # fmt: skip
         self.model = model
         self.settings = settings
         self.seed = int(seed)
@@ -192,6 +199,7 @@ class SpeculativeDecoder:
         self.max_k = int(max_k)
         self.pad_id = int(pad_id)
         self.on_step = on_step
+        self.step_cost = step_cost  # called (once measured, then cached) only when a row has a proposal
         self.cache_arg = cache_argument(model)
         self.counters = DecodeCounters()
 
@@ -224,17 +232,19 @@ class SpeculativeDecoder:
                 kv.compact()
 
     def _inputs(self, rows: list[DecodeRow], active: list[bool]):
-        """Per row: [last token, proposal...] right-padded to one width; which positions are fed."""
-        def propose(r: DecodeRow, ok: bool, fill: int = 0) -> list[int]:
-            if not ok or r.proposer is None or not self.max_k:
-                return []
-            return r.proposer.propose(min(self.max_k, r.budget - 1), fill=fill)
+        """Per row: [last token, proposal...] right-padded to one width; which positions are fed.
 
-        props = [propose(r, ok) for r, ok in zip(rows, active)]
-        longest = max(len(p) for p in props)
-        # Every row is padded to the longest proposal and padding is computed anyway: fill it with
-        # more of each row's history continuation, which costs nothing here.
-        props = [propose(r, ok, longest) if len(p) < longest else p for r, ok, p in zip(rows, active, props)]
+        Each live row's proposer offers up to min(max_k, budget - 1) tokens; :func:`plan_proposals`
+        picks the width that maximises expected tokens per second under the measured step cost (one
+        token when no row has a proposal or when speculation does not pay), and every row is fed
+        its proposal up to that width (padding is computed anyway, so a shorter row's own tokens fill it).
+        """
+        cands = [r.proposer.propose(min(self.max_k, r.budget - 1), fill=self.max_k)
+                 if ok and r.proposer is not None and self.max_k and r.budget > 1 else []
+                 for r, ok in zip(rows, active)]  # fmt: skip
+        props = cands
+        if any(cands):
+            props = plan_proposals(cands, [acceptance_of(r.proposer) for r in rows], self.step_cost(), padded=True)
         lens = torch.tensor([len(p) for p in props], dtype=torch.long)
         width = 1 + int(lens.max())
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
@@ -262,6 +272,8 @@ class SpeculativeDecoder:
         )  # fmt: skip
         kv.cache = getattr(out, self.cache_arg, None) or getattr(out, "past_key_values", None)
         self.counters.steps += 1
+        self.counters.rows += len(rows)
+        self.counters.positions += len(rows) * width
         # A sample after every fed position of the live rows, keyed by the position it fills.
         want = fed & torch.tensor(active).unsqueeze(1)
         where = want.nonzero()
@@ -312,3 +324,31 @@ def prefill(model, contexts: Sequence[Sequence[int]], pad_id: int) -> tuple[KVRo
         )  # fmt: skip
     cache = getattr(out, arg, None) or getattr(out, "past_key_values", None)
     return KVRows(cache, mask), out.logits[:, -1, :]
+
+
+@torch.no_grad()
+def time_decode_step(model, rows: int, width: int, pad_id: int, context: int = 64, repeats: int = 3) -> float:
+    """Median seconds of one decode step (forward + keyed samples at every fed position) over ``rows``
+    sequences of ``context`` cached tokens feeding ``width`` tokens each: a point of the backend's
+    :class:`~spec_rl.backends.step_cost.StepCost`. Random ids; the cache is cropped back after each run."""
+    device = next(model.parameters()).device
+    vocab = model.get_output_embeddings().weight.shape[0]
+    gen = torch.Generator().manual_seed(rows * 31 + width)
+    kv, _ = prefill(model, torch.randint(0, vocab, (rows, context), generator=gen).tolist(), pad_id)
+    arg, settings = cache_argument(model), SamplingSettings(max_tokens=width)
+    uids = torch.arange(rows * width, device=device)
+    mask = torch.cat([kv.mask, torch.ones((rows, width), dtype=torch.long, device=device)], dim=1)
+    positions = (context + torch.arange(width, device=device)).unsqueeze(0).expand(rows, width)
+    times = []
+    for _ in range(repeats):
+        ids = torch.randint(0, vocab, (rows, width), generator=gen).to(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{arg: kv.cache})
+        keyed_sample(out.logits.reshape(rows * width, -1).float(), settings, 0, uids, positions.reshape(-1))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+        kv.cache.crop(-width)  # drop the fed positions again
+    return sorted(times)[len(times) // 2]

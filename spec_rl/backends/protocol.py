@@ -48,8 +48,11 @@ class BackendStats:
             whose cache was large enough).
         decode_steps: sequential generation forwards (prefill waves and decode steps, whatever
             the batch size); the scoring pass is not counted.
-        proposed_tokens, accepted_tokens: history-drafted tokens verified in decode steps, and how
-            many of them were accepted.
+        proposed_tokens, accepted_tokens: drafted tokens verified in decode steps, and how many of
+            them were accepted.
+        decode_rows, decode_positions: sequences and query positions computed by decode steps, summed
+            over steps (padding included: a padded batch computes every row at the step's width), so
+            decode_positions / decode_rows is the mean width of a step.
     """
 
     prefill_tokens: int = 0
@@ -57,6 +60,8 @@ class BackendStats:
     decode_steps: int = 0
     proposed_tokens: int = 0
     accepted_tokens: int = 0
+    decode_rows: int = 0
+    decode_positions: int = 0
 
     def copy(self) -> "BackendStats":
         return dataclasses.replace(self)

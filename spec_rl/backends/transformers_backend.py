@@ -26,9 +26,10 @@ from ..acceptance.scores import DraftScores
 from ..sampling.distribution import SamplingSettings
 from ..sampling.groups import TreeKV
 from .checks import ModelLimits, check_same_length
-from .hf_decode import DecodeRow, KVRows, SpeculativeDecoder, prefill
+from .hf_decode import DecodeRow, KVRows, SpeculativeDecoder, prefill, time_decode_step
 from .protocol import BackendStats, Continuation, backend_arguments, split_zero_budgets
 from .reprefill import ReprefillBackend, ScoredDrafts
+from .step_cost import StepCost, cost_key, measured_cost
 from .scoring import PolicyScorer
 
 
@@ -52,6 +53,9 @@ class TransformersBackend(ModelLimits, ReprefillBackend):
         max_tokens_per_forward: chunk bound of the scoring pass (see :class:`~spec_rl.backends.scoring.PolicyScorer`).
         max_k: most history-drafted tokens verified per decode step (0 disables speculation).
         splice: keep the scoring forward's K/V for the continuation (costs memory until it is used).
+        step_cost: the decode-step cost curve that sizes speculation (default: measured on first use,
+            see :meth:`step_cost`; :meth:`StepCost.flat() <spec_rl.backends.step_cost.StepCost.flat>` always
+            verifies every proposed token).
 
     Raises:
         ValueError: no EOS id, ``max_batch_size`` < 1 or ``max_k`` < 0.
@@ -67,6 +71,7 @@ class TransformersBackend(ModelLimits, ReprefillBackend):
         max_tokens_per_forward: int | None = None,
         max_k: int = 8,
         splice: bool = True,
+        step_cost: StepCost | None = None,
     ):
         self.model = model
         self.eos_ids, self.pad_id, self.max_batch_size = backend_arguments(eos_ids, pad_id, max_batch_size)
@@ -77,6 +82,16 @@ class TransformersBackend(ModelLimits, ReprefillBackend):
         self.splice = bool(splice)
         self.scorer = PolicyScorer(model, self.pad_id, max_tokens_per_forward)
         self.stats = BackendStats()
+        self._step_cost: StepCost | None = step_cost
+
+    def step_cost(self) -> StepCost:
+        """The decode-step cost curve that sizes speculation (:mod:`spec_rl.backends.step_cost`): the one
+        given, else measured once for this model shape, dtype and device (a few seconds) and cached on disk."""
+        if self._step_cost is None:
+            key = cost_key("transformers", self.model, self.device)
+            self._step_cost = measured_cost(key, lambda r, w: time_decode_step(self.model, r, w, self.pad_id),
+                                            self.max_batch_size)  # fmt: skip
+        return self._step_cost
 
     @property
     def device(self) -> torch.device:
@@ -206,7 +221,7 @@ class TransformersBackend(ModelLimits, ReprefillBackend):
         return kv, rows
 
     def _decoder(self, settings, seed) -> SpeculativeDecoder:
-        return SpeculativeDecoder(self.model, settings, seed, self.eos_ids, self.max_k, self.pad_id)
+        return SpeculativeDecoder(self.model, settings, seed, self.eos_ids, self.max_k, self.pad_id, step_cost=self.step_cost)
 
     def _decode(self, kv: KVRows, rows: list[DecodeRow], settings, seed, results) -> None:
         dec = self._decoder(settings, seed)
@@ -224,5 +239,7 @@ class TransformersBackend(ModelLimits, ReprefillBackend):
         self.stats.decode_steps += dec.counters.steps
         self.stats.proposed_tokens += dec.counters.proposed
         self.stats.accepted_tokens += dec.counters.accepted
+        self.stats.decode_rows += dec.counters.rows
+        self.stats.decode_positions += dec.counters.positions
         for r in rows:
             results[r.out] = Continuation(r.tokens, r.logprobs, r.finish or "length")

@@ -33,6 +33,7 @@ from ..acceptance.scores import DraftScores
 from ..backends.checks import ModelLimits, check_same_length
 from ..backends.protocol import Continuation, backend_arguments
 from ..backends.scoring import ScoringHead
+from ..backends.step_cost import MEASURED_WIDTHS, StepCost, cost_key, measured_cost
 from ..sampling.distribution import SamplingSettings, check_settings
 from ..util.validation import check_int
 from .blocks import BlockManager
@@ -40,6 +41,7 @@ from .model_runner import CacheLayout, EngineStats, ModelRunner
 from .sampler import KeyedSampler
 from .scheduler import Scheduler
 from .sequence import SpliceHandle, group_by_context
+from .timing import paged_capacity, time_paged_step
 
 
 class PagedEngine(ModelLimits):
@@ -58,6 +60,8 @@ class PagedEngine(ModelLimits):
         max_tokens_per_forward: most tokens in one prefill/scoring forward
             (default 4096 on CPU, 32768 on GPU).
         progress: tqdm bar over decode steps.
+        step_cost: the decode-step cost curve that sizes speculation (default: measured on first use,
+            :meth:`step_cost`).
         max_k: most proposed tokens fed per sequence and decode step when the caller passes
             proposers (default 8; 0 turns speculation off).
 
@@ -83,8 +87,10 @@ class PagedEngine(ModelLimits):
         max_tokens_per_forward: int | None = None,
         progress: bool = False,
         max_k: int = 8,
+        step_cost: StepCost | None = None,
     ):
         self.model = model
+        self._step_cost = step_cost
         self.eos_ids, self.pad_id, self.max_batch_size = backend_arguments(eos_ids, pad_id, max_batch_size)
         self.progress = progress
         if isinstance(max_k, bool) or int(max_k) != max_k or max_k < 0:
@@ -158,7 +164,16 @@ class PagedEngine(ModelLimits):
         uids = list(range(rows)) if uids is None else [int(u) for u in uids]
         proposers = [None] * rows if proposers is None else list(proposers)
         check_same_length(rows, what, uids=uids, proposers=proposers)
-        return KeyedSampler(settings, seed, uids, proposers, self.max_k, self.eos_ids)
+        return KeyedSampler(settings, seed, uids, proposers, self.max_k, self.eos_ids, step_cost=self.step_cost)
+
+    def step_cost(self) -> StepCost:
+        """The decode-step cost curve that sizes speculation (:mod:`spec_rl.backends.step_cost`): the one
+        given, else measured once for this model shape, dtype and device and cached on disk."""
+        if self._step_cost is None:
+            rows = min(self.max_batch_size, paged_capacity(self.runner, 64, max(MEASURED_WIDTHS)))
+            key = cost_key("paged", self.model, self.device)
+            self._step_cost = measured_cost(key, lambda r, w: time_paged_step(self.runner, r, w), max(rows, 1))
+        return self._step_cost
 
     @torch.no_grad()
     def score_drafts(

@@ -314,11 +314,13 @@ class ModelRunner:
         several queries per sequence and takes the prefill attention path (gather + SDPA with a
         causal mask) on every device: the Triton decode kernel only takes one query per sequence.
         """
-        props = [sampler.proposal(s) for s in seqs]
+        props = sampler.proposals(seqs)
         starts = [self.blocks.length(s.seq_id) for s in seqs]
         items = [(s.seq_id, [s.pending_token] + p, start) for s, p, start in zip(seqs, props, starts)]
         logits = self.forward(items, [range(1 + len(p)) for p in props], hidden=False, relative=True)
         self.stats.decode_tokens += sum(1 + len(p) for p in props)
+        self.stats.decode_positions += sum(1 + len(p) for p in props)  # packed: no padding
+        self.stats.decode_rows += len(seqs)
         self.stats.decode_steps += 1
         rows = [s for s, p in zip(seqs, props) for _ in range(1 + len(p))]
         positions = [start + 1 + j for start, p in zip(starts, props) for j in range(1 + len(p))]

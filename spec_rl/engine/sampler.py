@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..backends.step_cost import StepCost, acceptance_of, plan_proposals
 from ..sampling.distribution import SamplingSettings, keyed_sample
 from .sequence import SequenceState
 
@@ -34,7 +35,7 @@ class KeyedSampler:
     uids:
         per result row (the caller's result index), the uid that keys its uniforms.
     proposers:
-        per result row, an object with ``propose(limit) -> list[int]`` and
+        per result row, an object with ``propose(limit, fill) -> list[int]`` and
         ``update(proposal, emitted)`` (a :class:`~spec_rl.drafts.history.SuffixProposer`), or None.
         It must already know the row's response up to the engine's first sampled token;
         every token the engine samples for the row is reported to it through ``update``.
@@ -42,6 +43,9 @@ class KeyedSampler:
         most proposed tokens per sequence and step (0 turns speculation off).
     eos_ids:
         the complete EOS set.
+    step_cost:
+        returns the engine's :class:`~spec_rl.backends.step_cost.StepCost` (default: flat, i.e. feed every
+        proposed token).
     """
 
     def __init__(
@@ -52,7 +56,9 @@ class KeyedSampler:
         proposers: Sequence[object | None],
         max_k: int,
         eos_ids,
+        step_cost=StepCost.flat,
     ):
+        self.step_cost = step_cost  # () -> StepCost, called only when a proposer offers tokens
         self.settings = settings
         self.seed = int(seed)
         self.uids = [int(u) for u in uids]
@@ -61,13 +67,23 @@ class KeyedSampler:
         self.eos_ids = {int(e) for e in eos_ids}
 
     def proposal(self, seq: SequenceState) -> list[int]:
-        """Tokens to feed after ``seq``'s pending one: at most ``min(max_k, budget - 1)``, so that the
-        step never emits more than the budget and never needs more slots than the budget reserved."""
+        """What ``seq``'s proposer offers after its pending token: at most ``min(max_k, budget - 1)``, so
+        that the step never emits more than the budget and never needs more slots than the budget reserved."""
         proposer = self.proposers[seq.result_index]
         limit = min(self.max_k, seq.budget - 1)
         if proposer is None or limit <= 0:
             return []
-        return [int(t) for t in proposer.propose(limit)][:limit]
+        return [int(t) for t in proposer.propose(limit, fill=limit)][:limit]
+
+    def proposals(self, seqs: Sequence[SequenceState]) -> list[list[int]]:
+        """The tokens each sequence feeds after its pending one this step: its proposal cut where the
+        expected tokens per second under the engine's step cost are highest (packed: per sequence;
+        :func:`~spec_rl.backends.step_cost.plan_proposals`). All empty when no proposer offers anything."""
+        offered = [self.proposal(s) for s in seqs]
+        if not any(offered):
+            return offered
+        probs = [acceptance_of(self.proposers[s.result_index]) for s in seqs]
+        return plan_proposals(offered, probs, self.step_cost(), padded=False)
 
     def sample(
         self, seqs: Sequence[SequenceState], logits: torch.Tensor, positions: Sequence[int]

@@ -35,14 +35,8 @@ from ..acceptance.exact_walk import WalkResult, walk_tries
 from ..acceptance.lenient import lenient_prefixes
 from ..acceptance.reference import ACCEPTANCE_RULES, lenience_to_log
 from ..backends.checks import (
-    BackendContractError,
-    backend_name,
-    check_backend,
-    check_continuations,
-    check_model_len,
-    check_scored,
-    scores_vocab_size,
-    token_ids,
+    BackendContractError, backend_name, check_backend, check_continuations, check_model_len, check_scored,
+    scores_vocab_size, token_ids,
 )  # fmt: skip
 from ..backends.protocol import BackendStats, Continuation, GenerationBackend
 from ..backends.shared_outputs import check_shared_outputs
@@ -52,14 +46,9 @@ from ..drafts.validity import draft_views
 from ..sampling.distribution import SamplingSettings, check_settings
 from ..sampling.philox import SEED_SALT_CONTINUATION, mix_seed
 from ..util.validation import check_int
+from .proposers import row_proposers
 from .types import (
-    RolloutRequest,
-    RolloutResult,
-    RolloutStats,
-    check_draft_ids,
-    check_store,
-    check_unique_samples,
-    request_prompts,
+    RolloutRequest, RolloutResult, RolloutStats, check_draft_ids, check_store, check_unique_samples, request_prompts,
 )  # fmt: skip
 
 STRATEGIES = ("spec", "random", "random-ref", "off")
@@ -142,6 +131,9 @@ class SpeculativeRollout:
         history: per-prompt index of earlier responses; when given, continuations verify
             history-drafted tokens at every decode step (tail speculation) and every stored
             response is indexed.
+        sibling_drafts: also draft from the tokens the other samples of the same prompt emit in the same
+            call (and from their stored drafts), so the first epoch and new prompts speculate too
+            (:mod:`spec_rl.drafts.siblings`; lossless like every proposal).
 
     Everything the backend returns is checked (:mod:`spec_rl.backends.checks`; a violation raises
     :class:`~spec_rl.backends.checks.BackendContractError` naming the backend), against its
@@ -168,6 +160,7 @@ class SpeculativeRollout:
         verify_backend: str = "auto",
         acceptance: str = "lenient",
         history: HistoryIndex | None = None,
+        sibling_drafts: bool = False,
         target_drift: float = DEFAULT_TARGET_DRIFT,
     ):
         check_backend(backend)
@@ -193,6 +186,7 @@ class SpeculativeRollout:
         self.verify_backend = verify_backend
         self.acceptance = acceptance
         self.history = history
+        self.sibling_drafts = bool(sibling_drafts)
 
     @property
     def vocab_size(self) -> int | None:
@@ -282,7 +276,7 @@ class SpeculativeRollout:
         check_unique_samples(keys)
         stats = RolloutStats(num_samples=len(prompts))
         batch = _Batch(prompts, budgets, keys, step, mix_seed(seed, step), store, strategy, stats, self.vocab_size)
-        if self.history is not None:
+        if self.history is not None or self.sibling_drafts:
             batch.group_keys = [CacheKey.make(p, 0, r.dataset_id).digest for p, r in zip(prompts, requests)]
         return batch
 
@@ -418,13 +412,12 @@ class SpeculativeRollout:
         return [batch.keys[i].uid for i in requests]
 
     def _proposers(self, batch: _Batch, requests: Sequence[int | None]) -> list | None:
-        """History drafters for the requests (None entries: rows that will not decode)."""
-        if self.history is None:
+        """Drafters for the requests (None entries: rows that will not decode): see :func:`row_proposers`."""
+        if self.history is None and not self.sibling_drafts:
             return None
-        max_k = int(getattr(self.backend, "max_k", 8))  # the backend's cap on drafted tokens per step
-        vocab = getattr(self.backend, "vocab_size", None)
-        return [None if i is None else self.history.proposer(batch.group_keys[i], batch.responses[i], max_k, vocab)
-                for i in requests]  # fmt: skip
+        drafts = {i: batch.drafts[i].token_ids.tolist() for i in batch.drafted}
+        return row_proposers(requests, batch.group_keys, batch.prompts, batch.responses, drafts, self.history,
+                             self.sibling_drafts, self.backend)  # fmt: skip
 
     def _store(self, batch: _Batch) -> None:
         """Every response becomes next epoch's draft of its request (and enters the prompt's history)."""
@@ -436,10 +429,11 @@ class SpeculativeRollout:
 
     def _count_backend(self, batch: _Batch, before: BackendStats) -> None:
         """Backend work of this call: re-prefilled tokens, decode steps, history-drafted tokens."""
-        now, s = self.backend.stats, batch.stats
-        s.reprefill_tokens = now.reprefill_tokens - before.reprefill_tokens
-        s.decode_steps = now.decode_steps - before.decode_steps
-        s.tail_proposed = now.proposed_tokens - before.proposed_tokens
-        s.tail_accepted = now.accepted_tokens - before.accepted_tokens
+        now = self.backend.stats
+        for ours, theirs in (("reprefill_tokens", "reprefill_tokens"), ("decode_steps", "decode_steps"),
+                             ("tail_proposed", "proposed_tokens"), ("tail_accepted", "accepted_tokens"),
+                             ("decode_rows", "decode_rows"), ("decode_positions", "decode_positions")):  # fmt: skip
+            setattr(batch.stats, ours, getattr(now, theirs) - getattr(before, theirs))
+        s = batch.stats
         generated = [len(r) - p for r, p in zip(batch.responses, batch.prefix_len)]
         s.longest_continuation = max(generated, default=0)

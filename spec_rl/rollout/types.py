@@ -91,7 +91,8 @@ class RolloutStats:
     ``decode_steps``: sequential generation forwards after the scoring pass (what sets the
     time of a memory-bound decode); ``longest_continuation``: most tokens any sample generated
     (the token at n included); ``tail_proposed``/``tail_accepted``: history-drafted tokens
-    verified in decode steps and how many were accepted.
+    verified in decode steps and how many were accepted; ``decode_rows``/``decode_positions``:
+    sequences and query positions (padding included) computed by the decode steps, summed over steps.
     """
 
     num_samples: int = 0
@@ -109,6 +110,8 @@ class RolloutStats:
     longest_continuation: int = 0
     tail_proposed: int = 0
     tail_accepted: int = 0
+    decode_rows: int = 0
+    decode_positions: int = 0
     log_lenience: float = 0.0
     reused_drift: float = 0.0
 

@@ -149,6 +149,8 @@ class GRPOConfig:
         history_spec: verify history-drafted tokens in every decode step (tail speculation;
             changes no token, only decode steps). None: on for "spec" and "random", off for "vanilla".
         spec_tokens: most history-drafted tokens per decode step (0 disables tail speculation).
+        sibling_drafts: with tail speculation, also draft from the tokens the other samples of the
+            same prompt emit in the same rollout (so the first epoch speculates too; lossless).
         epochs: passes over the training prompts.
         group_size: G samples per prompt.
         prompts_per_step: prompts per rollout/update step.
@@ -187,6 +189,7 @@ class GRPOConfig:
     acceptance: str = "lenient"
     history_spec: bool | None = None
     spec_tokens: int = 8
+    sibling_drafts: bool = True
     epochs: int = 5
     group_size: int = 4
     prompts_per_step: int = 64
@@ -244,7 +247,7 @@ class GRPOConfig:
         check_float("kl_coef", self.kl_coef, low=0.0, hint="0 turns the KL term off")
         check_float("temperature", self.temperature, low=0.0, low_open=True)
         check_float("top_p", self.top_p, low=0.0, high=1.0, low_open=True, hint="1 disables nucleus sampling")
-        for name in ("history_spec", "scale_adv_by_std", "save_checkpoint"):
+        for name in ("history_spec", "sibling_drafts", "scale_adv_by_std", "save_checkpoint"):
             value = getattr(self, name)
             if not (isinstance(value, bool) or (value is None and name == "history_spec")):
                 raise ConfigError(name, f"must be True or False, got {value!r}")

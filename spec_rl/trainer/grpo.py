@@ -68,8 +68,9 @@ class GRPOTrainer:
         progress: show a tqdm progress bar.
         log: callable for one-line messages (default print).
         label: name of this run in records and reports (default ``config.mode``).
-        ref_model: frozen reference of the KL term (default: a copy of ``model`` as given); pass
-            the initial policy when ``model`` was loaded from a checkpoint to resume.
+        ref_model: the initial policy, frozen: the KL term's reference and the held-out diagnostics'
+            (default: a copy of ``model`` as given); pass it when ``model`` was loaded from a checkpoint
+            to resume.
         eval_examples: held-out examples (like ``train_examples``, none of them a training prompt).
             With them the policy is evaluated before training (epoch 0) and after every epoch
             (``config.eval_samples`` fresh samples per prompt and greedy decoding; the fields and
@@ -135,29 +136,36 @@ class GRPOTrainer:
 
         self.cache = RolloutCache()
         self.history = HistoryIndex() if config.uses_history else None
-        self.rollout = SpeculativeRollout(
-            backend=self._make_backend(model, config, max_model_len),
-            cache=self.cache,
-            settings=self.settings,
-            eos_ids=sorted(self.eos_ids),
-            max_model_len=max_model_len,
-            lenience=config.lenience,
-            target_drift=config.target_drift,
-            strategy=config.rollout_strategy,
-            seed=config.seed,
-            acceptance=config.acceptance,
-            history=self.history,
-        )
+        self.rollout = self._make_rollout(model, config, max_model_len)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-        self.ref_model = None
-        if config.kl_coef > 0:
-            ref = copy.deepcopy(model) if ref_model is None else ref_model.to(self.device)
-            self.ref_model = ref.eval().requires_grad_(False)
+        self._set_initial_policy(model, ref_model)
         self.step = 0
         self.start_epoch = 0
         #: One record per finished epoch, saved with every checkpoint and restored by :meth:`resume`.
         self.records: list[dict] = []
         self.metrics_path = self.out_dir / METRICS_FILE
+
+    def _make_rollout(self, model, config: GRPOConfig, max_model_len: int) -> SpeculativeRollout:
+        rollout = SpeculativeRollout(
+            backend=self._make_backend(model, config, max_model_len), cache=self.cache, settings=self.settings,
+            eos_ids=sorted(self.eos_ids), max_model_len=max_model_len, lenience=config.lenience,
+            target_drift=config.target_drift, strategy=config.rollout_strategy, seed=config.seed,
+            acceptance=config.acceptance, history=self.history,
+            sibling_drafts=config.uses_history and config.sibling_drafts,
+        )  # fmt: skip
+        if config.uses_history and hasattr(rollout.backend, "step_cost"):
+            rollout.backend.step_cost()  # measured (or read from the cache) now, not inside the first rollout
+        return rollout
+
+    def _set_initial_policy(self, model, ref_model) -> None:
+        """The initial policy, frozen: the KL term's reference and the held-out diagnostics' (KL to the warm start)."""
+        initial = None
+        if self.config.kl_coef > 0 or self.heldout is not None:
+            initial = copy.deepcopy(model) if ref_model is None else ref_model.to(self.device)
+            initial = initial.eval().requires_grad_(False)
+        self.ref_model = initial if self.config.kl_coef > 0 else None
+        if self.heldout is not None:
+            self.heldout.reference, self.heldout.pad_id = initial, self.pad_id
 
     @staticmethod
     def _check_prompt_lengths(examples: Sequence, prompt_ids: list[list[int]], max_model_len: int, what: str) -> None:

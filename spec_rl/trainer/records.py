@@ -25,6 +25,8 @@ SUMMED = (
     "decode_steps",
     "tail_proposed",
     "tail_accepted",
+    "decode_rows",
+    "decode_positions",
     "reward_sum",
     "truncated",
     "train_seconds",
@@ -66,6 +68,8 @@ def epoch_record(epoch: int, steps: list[dict], mode: str, lenience: float, acce
         "longest_continuation": max((s.get("longest_continuation", 0) for s in steps), default=0),
         "tail_proposed": tot["tail_proposed"],
         "tail_accepted": tot["tail_accepted"],
+        "decode_positions": tot["decode_positions"],
+        "mean_step_width": tot["decode_positions"] / tot["decode_rows"] if tot["decode_rows"] else None,
         # the l the steps used (it varies under lenience "auto") and the drift of the tokens they reused
         "log_lenience": _mean([s.get("log_lenience") for s in steps if s.get("drafts_found")]),
         "reused_drift": _mean([s.get("reused_drift") for s in steps if s.get("drafts_found")]),

@@ -8,8 +8,9 @@ budget, filled under a smaller max_model_len, longer than today's budget, an EOS
 20,000 keyed rollouts are compared by a chi-square test (cells with expected count < 5 pooled,
 p > 0.001) with:
 
-* exact acceptance, with and without tail speculation: the fresh-sample distribution of the current
-  policy under today's budget and EOS set (and token for token what plain keyed decoding gives);
+* exact acceptance, with and without tail speculation (history and sibling drafts): the fresh-sample
+  distribution of the current policy under today's budget and EOS set (and token for token what plain
+  keyed decoding gives);
 * lenient l = 1: the paper's rule worked out by hand (accept d_i with probability
   min(1, p_new / p_old), the token at the first rejection from p_new, a complete valid draft kept
   whole, a prefix-only draft continued by p_new).
@@ -188,7 +189,8 @@ def _filled(draft: list[int], old_lps: list[float], finish: str, settings: Sampl
 def _rollout(model, cache, settings, *, eos=(EOS,), max_model_len=16, acceptance="exact", history=None, strategy="spec"):
     backend = TransformersBackend(model, eos_ids=list(eos), pad_id=4, max_batch_size=4096, max_k=3 if history else 0)
     return SpeculativeRollout(backend, cache, settings, list(eos), max_model_len, lenience=1.0, seed=11,
-                              acceptance=acceptance, history=history, strategy=strategy)  # fmt: skip
+                              acceptance=acceptance, history=history, strategy=strategy,
+                              sibling_drafts=history is not None)  # fmt: skip
 
 
 def _history(responses: list[list[int]]) -> HistoryIndex:

@@ -185,3 +185,26 @@ def test_a_row_alone_equals_the_same_row_in_a_batch():
         )
         _assert_same([batch[i]], [alone])
     assert plain[0].token_ids != plain[5].token_ids  # same context, other uid: another sample
+
+
+def test_the_step_cost_decides_how_much_the_engine_verifies_and_changes_no_token(tmp_path, monkeypatch):
+    from spec_rl.backends.step_cost import StepCost
+
+    model = tiny_model(seed=3)
+    settings = SamplingSettings(max_tokens=40)
+    plain = _engine(model).generate(PROMPTS, BUDGETS, settings, seed=9, uids=UIDS)
+    automata = _automata([c.token_ids for c in plain], model.config.vocab_size)
+    # a step costs what its fed tokens cost, with nothing fixed per step: verifying never pays
+    steep = StepCost((1, 64), (1, 9), ((1.0, 9.0), (64.0, 576.0)))
+    for cost, speculates in ((steep, False), (StepCost.flat(), True)):
+        engine = _engine(model, step_cost=cost)
+        out = engine.generate(PROMPTS, BUDGETS, settings, seed=9, uids=UIDS, proposers=_proposers(automata))
+        assert [c.token_ids for c in out] == [c.token_ids for c in plain]
+        stats = engine.stats
+        assert (stats.decode_positions > stats.decode_rows) == speculates and (stats.proposed_tokens > 0) == speculates
+    monkeypatch.setenv("SPEC_RL_CACHE", str(tmp_path))
+    monkeypatch.delenv("SPEC_RL_STEP_COST", raising=False)
+    engine = _engine(model, num_blocks=512)
+    measured = engine.step_cost()
+    assert measured.rows[0] == 1 and all(s > 0 for row in measured.seconds for s in row)
+    assert engine.stats.decode_steps == 0 and engine.blocks.num_free == 512  # the measurement left nothing behind

@@ -1,0 +1,196 @@
+"""How long a decode step takes, and how many drafted tokens each step should verify.
+
+A decode step that verifies drafted tokens feeds more positions per sequence; whether that pays depends
+on the device. On a CPU a forward costs about what its positions cost, so feeding every live row the
+longest proposal of the step (a padded batch) can cost more than the accepted tokens save; on a GPU a
+decode step is memory-bound and extra positions are nearly free until compute binds (DAS, arXiv
+2511.13841, sizes the draft budget the same way). So the width is chosen from a measured cost curve:
+
+* :class:`StepCost` holds forward seconds t(rows, fed tokens) measured once per model shape, dtype and
+  device (a few forwards at start, cached on disk under ``$SPEC_RL_CACHE``; :func:`measured_cost`);
+* :func:`plan_proposals` takes each row's proposal and its estimated per-token acceptance probability
+  a_r (the proposer's ``acceptance()``, e.g. :class:`~spec_rl.drafts.siblings.DraftSources`) and keeps, per row, the prefix that maximises the expected tokens emitted per second:
+  a step emits 1 + sum_j prod_{i<=j} a_r tokens for row r (a proposal is accepted token by token
+  until the first miss, then the policy's own sample follows), and costs t(rows, fed tokens).
+
+Padded backends (the transformers decode loop) feed every row the same width w, so the plan picks one
+w; packed backends (the paged engine) feed each row its own length, so the plan adds tokens in order of
+their acceptance probability. With no proposal anywhere, or when speculation does not pay, every row is
+fed one token: the step costs what plain decoding costs. The choice changes how many steps a response
+takes, never a token (acceptance is "sample == proposal", docs/design.md "Speculation past the first
+rejection").
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..util.atomic import atomic_write_text
+
+__all__ = ["StepCost", "acceptance_of", "cost_key", "measured_cost", "plan_proposals"]
+
+#: Rows and widths (fed tokens per row) timed by :func:`measured_cost`.
+MEASURED_ROWS = (1, 8, 32, 128, 256)
+MEASURED_WIDTHS = (1, 2, 3, 5, 9)
+_FORMAT = "spec-rl-step-cost-1"
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Forward seconds of a decode step on a grid of (rows, fed tokens per row), interpolated in between.
+
+    Attributes:
+        rows: ascending row counts of the grid.
+        widths: ascending fed tokens per row (1 = plain decoding).
+        seconds: [len(rows)][len(widths)] measured seconds per forward.
+        source: where the numbers come from (a measurement's cache key, or "flat").
+    """
+
+    rows: tuple[int, ...]
+    widths: tuple[int, ...]
+    seconds: tuple[tuple[float, ...], ...]
+    source: str = field(default="given", compare=False)
+
+    @classmethod
+    def flat(cls) -> "StepCost":
+        """A cost that does not grow with the width: every step verifies all it can (tests, a GPU's ideal)."""
+        return cls((1,), (1, 2), ((1.0, 1.0),), source="flat")
+
+    def __call__(self, rows: int, tokens: int) -> float:
+        """Seconds of one forward over ``rows`` sequences feeding ``tokens`` positions in all."""
+        width = tokens / max(rows, 1)
+        return _interp(self.rows, [_interp(self.widths, row, width) for row in self.seconds], rows)
+
+    def to_dict(self) -> dict:
+        return {"format": _FORMAT, "rows": list(self.rows), "widths": list(self.widths),
+                "seconds": [list(r) for r in self.seconds], "source": self.source}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "StepCost":
+        if data.get("format") != _FORMAT:
+            raise ValueError(f"not a step-cost table (format {data.get('format')!r})")
+        return cls(tuple(data["rows"]), tuple(data["widths"]), tuple(tuple(r) for r in data["seconds"]), data["source"])
+
+
+def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear y(x) through the points; linear extrapolation past the ends, never below 0."""
+    if len(xs) == 1:
+        return float(ys[0])
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+def acceptance_of(proposer) -> float:
+    """A proposer's estimated per-token acceptance probability (its ``acceptance()``; 1/2 when it has none)."""
+    estimate = getattr(proposer, "acceptance", None)
+    return float(estimate()) if estimate is not None else 0.5
+
+
+def _widths_cost(cost: StepCost, rows: int, widths: np.ndarray) -> np.ndarray:
+    """Seconds of a step of ``rows`` sequences at each fed-tokens-per-row value in ``widths`` (vectorised)."""
+    at_rows = [cost(rows, rows * w) for w in cost.widths]
+    seconds = np.interp(widths, cost.widths, at_rows)
+    if len(cost.widths) > 1:  # past the widest measured step: extend its last slope (np.interp would hold it flat)
+        slope = (at_rows[-1] - at_rows[-2]) / (cost.widths[-1] - cost.widths[-2])
+        seconds = np.where(widths > cost.widths[-1], at_rows[-1] + slope * (widths - cost.widths[-1]), seconds)
+    return np.maximum(seconds, 1e-12)
+
+
+def _gains(lengths: np.ndarray, probs: np.ndarray) -> np.ndarray:
+    """[rows, longest] p_r^j for j = 1..longest where j <= len_r, else 0: token j's chance to be kept."""
+    j = np.arange(1, int(lengths.max()) + 1)
+    return np.where(j[None, :] <= lengths[:, None], probs[:, None] ** j[None, :], 0.0)
+
+
+def _padded_plan(lengths: np.ndarray, probs: np.ndarray, rows: int, cost: StepCost) -> list[int]:
+    # width w feeds min(w - 1, len_r) proposed tokens of every row: expected gain = sum over j < w of column sums
+    gain = np.concatenate([[0.0], np.cumsum(_gains(lengths, probs).sum(0))])
+    widths = np.arange(1, len(gain) + 1, dtype=float)
+    best = int(np.argmax((rows + gain) / _widths_cost(cost, rows, widths)))
+    return np.minimum(best, lengths).tolist()
+
+
+def _packed_plan(lengths: np.ndarray, probs: np.ndarray, rows: int, cost: StepCost) -> list[int]:
+    # Every extra token adds its acceptance probability p^j; take them best first (a row's j-th token
+    # never comes before its (j-1)-th: p^j falls with j) and keep the prefix of choices with the best rate.
+    g = _gains(lengths, probs)
+    row_of = np.repeat(np.arange(rows)[:, None], g.shape[1], 1)[g > 0]
+    order = np.argsort(-g[g > 0], kind="stable")
+    gain = np.concatenate([[0.0], np.cumsum(g[g > 0][order])])
+    widths = (rows + np.arange(len(gain))) / rows
+    best = int(np.argmax((rows + gain) / _widths_cost(cost, rows, widths)))
+    return np.bincount(row_of[order][:best], minlength=rows).tolist()
+
+
+def plan_proposals(
+    proposals: Sequence[Sequence[int]], probs: Sequence[float], cost: StepCost, padded: bool
+) -> list[list[int]]:
+    """The prefix of each row's proposal to feed this step (see the module docstring).
+
+    Args:
+        proposals: per live row, the tokens its proposer offers (maybe none).
+        probs: per row, the estimated per-token acceptance probability in [0, 1].
+        cost: the backend's :class:`StepCost`.
+        padded: True for a backend that feeds every row the same width.
+
+    Returns:
+        per row, a prefix of its proposal (all empty when speculation does not pay).
+    """
+    lengths = np.array([len(p) for p in proposals], dtype=np.int64)
+    if not lengths.any():
+        return [[] for _ in proposals]
+    probs = np.clip(np.asarray(probs, dtype=float), 0.0, 1.0)
+    plan = (_padded_plan if padded else _packed_plan)(lengths, probs, len(proposals), cost)
+    return [list(p[:k]) for p, k in zip(proposals, plan)]
+
+
+def _cache_file(key: str) -> Path:
+    root = os.environ.get("SPEC_RL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "spec-rl")
+    return Path(root) / "step-cost" / f"{key}.json"
+
+
+def cost_key(kind: str, model, device: torch.device) -> str:
+    """What the cost curve depends on: backend kind, model shape and dtype, device, torch and its threads."""
+    cfg = model.config.to_dict() if hasattr(model.config, "to_dict") else {}
+    shape = {k: cfg.get(k) for k in ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                     "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")}  # fmt: skip
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu-{torch.get_num_threads()}threads"
+    dtype = str(next(model.parameters()).dtype)
+    blob = json.dumps([kind, shape, dtype, name, torch.__version__], sort_keys=True).encode()
+    return f"{kind}-{hashlib.sha256(blob).hexdigest()[:12]}"
+
+
+def measured_cost(key: str, time_forward: Callable[[int, int], float], max_rows: int) -> StepCost:
+    """The cost table under ``key``: read from the cache, else measured with ``time_forward`` and saved.
+
+    ``time_forward(rows, width)`` returns the seconds of one decode forward (a median of a few runs)
+    over ``rows`` sequences feeding ``width`` tokens each. Rows past ``max_rows`` are not measured.
+    ``SPEC_RL_STEP_COST=flat`` skips the measurement and uses :meth:`StepCost.flat`.
+    """
+    if os.environ.get("SPEC_RL_STEP_COST") == "flat":
+        return StepCost.flat()
+    path = _cache_file(key)
+    try:
+        return StepCost.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # absent or unreadable: measure again
+    rows = tuple(r for r in MEASURED_ROWS if r <= max_rows) or (1,)
+    t0 = time.perf_counter()
+    seconds = tuple(tuple(time_forward(r, w) for w in MEASURED_WIDTHS) for r in rows)
+    cost = StepCost(rows, MEASURED_WIDTHS, seconds, source=f"{key} (measured in {time.perf_counter() - t0:.1f} s)")
+    try:
+        atomic_write_text(path, json.dumps(cost.to_dict()))
+    except OSError:
+        pass  # a read-only cache folder only costs a measurement next time
+    return cost

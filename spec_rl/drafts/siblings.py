@@ -1,0 +1,121 @@
+"""Drafts from a group's siblings in flight: the G samples of one prompt propose tokens to each other.
+
+The G samples of a prompt are decoded in the same batch and their responses overlap heavily (Seer,
+arXiv 2511.14617: grouped speculation from sibling responses generated at the same time, lossless).
+:class:`SiblingTokens` keeps the tokens of every member of one group as they are emitted, plus read-only
+texts (the prompt, which responses often restate, and the group's stored drafts with their rejected
+suffixes), indexed by their n-grams; a member whose last tokens occurred in any of them is offered
+what followed that occurrence. Members decoded in lockstep are rarely ahead of each other, so most of
+the first epoch's proposals come from the prompt and from members that ran ahead (they accepted
+proposals, or were decoded in an earlier batch). This works where the history index has nothing (the
+first epoch, a new prompt).
+
+:class:`DraftSources` is the proposer of one decoding row: it asks its history proposer
+(:class:`~spec_rl.drafts.history.SuffixProposer`, earlier epochs) and the group's sibling tokens, keeps the
+longer proposal, and tracks the row's per-token acceptance for the step-width choice
+(:mod:`spec_rl.backends.step_cost`). Proposals are only ever proposals: a token is
+kept when the policy's keyed sample equals it, so they change the number of decode steps, never a token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["DraftSources", "SiblingTokens"]
+
+#: n-gram orders looked up, longest first: a longer match predicts the continuation better.
+NGRAMS = (4, 3, 2)
+
+
+class SiblingTokens:
+    """The responses of one group's members while they are decoded (and read-only texts), n-gram indexed.
+
+    Args:
+        texts: read-only token lists the members may copy from (the prompt, the group's stored drafts).
+    """
+
+    def __init__(self, texts: Sequence[Sequence[int]] = ()):
+        self.seqs: dict[object, list[int]] = {}
+        self.index: dict[tuple[int, ...], list[tuple[object, int]]] = {}
+        for i, text in enumerate(texts):
+            self.extend(("text", i), text)
+
+    def extend(self, member: object, tokens: Sequence[int]) -> None:
+        """Append ``tokens`` to ``member``'s sequence and index the n-grams that end in them."""
+        seq = self.seqs.setdefault(member, [])
+        for t in tokens:
+            seq.append(int(t))
+            end = len(seq) - 1
+            for n in NGRAMS:
+                if end + 1 >= n:
+                    self.index.setdefault(tuple(seq[end - n + 1 :]), []).append((member, end))
+
+    def continuation(self, member: object, k: int) -> tuple[list[int], int]:
+        """Up to ``k`` tokens that followed the longest n-gram ending ``member``'s sequence elsewhere.
+
+        Returns (tokens, n): the most recent occurrence with a continuation, of the longest order n that
+        has one ([] and 0 when none does). An occurrence at the member's own end is skipped.
+        """
+        seq = self.seqs.get(member, [])
+        for n in NGRAMS:
+            if len(seq) < n:
+                continue
+            for other, end in reversed(self.index.get(tuple(seq[-n:]), ())):
+                text = self.seqs[other]
+                if other == member and end >= len(seq) - 1:
+                    continue
+                follow = text[end + 1 : end + 1 + k]
+                if follow:
+                    return follow, n
+        return [], 0
+
+
+class DraftSources:
+    """One decoding row's proposer: the longer of its history proposal and its siblings' (module docstring).
+
+    Args:
+        history: the row's :class:`~spec_rl.drafts.history.SuffixProposer`, or None.
+        siblings: its group's :class:`SiblingTokens`, or None.
+        member: its key in ``siblings``.
+        prefix: the response so far (already extended into ``siblings`` by the caller).
+        vocab_size: proposals stop before an id outside [0, vocab_size).
+    """
+
+    def __init__(self, history, siblings: SiblingTokens | None, member: object, vocab_size: int | None = None):
+        self.history, self.siblings, self.member = history, siblings, member
+        self.vocab_size = vocab_size
+        self.accepted = 0  # proposed tokens kept
+        self.tested = 0  # proposed tokens checked: the kept ones and the first miss
+        self._from_history = False  # whether the last proposal was the history proposer's
+
+    def propose(self, limit: int, fill: int = 0) -> list[int]:
+        """Up to ``limit`` proposed tokens (``fill``: as :meth:`SuffixProposer.propose`)."""
+        if limit <= 0:
+            return []
+        out = self.history.propose(limit, fill) if self.history is not None else []
+        self._from_history = bool(out)
+        if self.siblings is not None and len(out) < limit:
+            tokens, _ = self.siblings.continuation(self.member, limit)
+            if len(tokens) > len(out):
+                out, self._from_history = tokens, False
+        if self.vocab_size is not None:
+            for i, t in enumerate(out):
+                if not 0 <= t < self.vocab_size:
+                    return out[:i]
+        return out
+
+    def update(self, proposal: Sequence[int], emitted: Sequence[int]) -> None:
+        """Feed the tokens emitted this step; ``proposal`` is what was fed after the pending token."""
+        kept = 0
+        while kept < len(proposal) and kept < len(emitted) and proposal[kept] == emitted[kept]:
+            kept += 1
+        self.accepted += kept
+        self.tested += kept + (1 if kept < len(proposal) and kept < len(emitted) else 0)
+        if self.history is not None:  # its statistics learn from its own proposals only
+            self.history.update(proposal if self._from_history else [], emitted)
+        if self.siblings is not None:
+            self.siblings.extend(self.member, emitted)
+
+    def acceptance(self) -> float:
+        """Estimated probability that the next proposed token is kept (uniform prior; 1/2 with no record)."""
+        return (self.accepted + 1.0) / (self.tested + 2.0)

@@ -1,0 +1,74 @@
+"""Sibling drafts (spec_rl.drafts.siblings): what a row is offered, and that it changes no token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import tiny_model
+
+from spec_rl.backends.transformers_backend import TransformersBackend
+from spec_rl.drafts.cache import RolloutCache
+from spec_rl.drafts.siblings import DraftSources, SiblingTokens
+from spec_rl.rollout.speculative import RolloutRequest, SpeculativeRollout
+from spec_rl.sampling.distribution import SamplingSettings
+
+
+def test_a_member_is_offered_what_followed_its_last_tokens_in_a_sibling():
+    group = SiblingTokens(texts=[[5, 6, 7, 8, 9]])
+    group.extend("a", [1, 2, 3, 4, 10, 11])
+    group.extend("b", [1, 2, 3])
+    assert group.continuation("b", 3) == ([4, 10, 11], 3)  # longest n-gram (1,2,3) -> what followed in "a"
+    group.extend("b", [7])
+    assert group.continuation("b", 5) == ([], 0)  # (3, 7) occurs nowhere; (7,) alone is below the shortest order
+    group.extend("c", [6, 7])
+    assert group.continuation("c", 2) == ([8, 9], 2)  # from the read-only text
+    group.extend("d", [2, 3, 4, 2, 3])
+    assert group.continuation("d", 2) == ([4, 2], 2)  # the most recent occurrence (its own earlier one) wins
+
+
+class _History:
+    def __init__(self, offer):
+        self.offer, self.updates = offer, []
+
+    def propose(self, limit, fill=0):
+        return self.offer[:limit]
+
+    def update(self, proposal, emitted):
+        self.updates.append((list(proposal), list(emitted)))
+
+
+def test_draft_sources_keep_the_longer_proposal_and_learn_the_acceptance():
+    group = SiblingTokens()
+    group.extend("a", [1, 2, 3, 4, 5, 6])
+    history = _History([9, 9])
+    row = DraftSources(history, group, "b", vocab_size=6)
+    group.extend("b", [1, 2])
+    assert row.propose(8) == [3, 4, 5]  # the siblings' (longer) offer, stopped before id 6 (outside the vocabulary)
+    assert row.acceptance() == pytest.approx(0.5)
+    row.update([3, 4, 5], [3, 4, 0])  # two kept, the third missed
+    assert (row.accepted, row.tested) == (2, 3) and row.acceptance() == pytest.approx(3 / 5)
+    assert history.updates == [([], [3, 4, 0])]  # the history proposer did not propose this step
+    assert group.seqs["b"] == [1, 2, 3, 4, 0]
+    assert DraftSources(_History([7, 7, 7]), None, "x").propose(2) == [7, 7]
+
+
+def test_sibling_drafts_give_plain_keyed_decoding_token_for_token_in_fewer_steps():
+    model = tiny_model(seed=2, bias_eos=-4.0).double()  # long responses: room for siblings to repeat
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40.0)  # peaked: the samples of one prompt mostly agree, as a trained policy's do
+    settings = SamplingSettings(temperature=1.0, max_tokens=24)
+    requests = [RolloutRequest([3, 4, 5], slot=s) for s in range(16)]
+
+    def run(siblings: bool):
+        # two decode batches of 8: the second batch's rows can follow the first batch's finished siblings
+        backend = TransformersBackend(model, eos_ids=[1], pad_id=0, max_k=4, max_batch_size=8)
+        rollout = SpeculativeRollout(backend, RolloutCache(), settings, [1], 64, strategy="off", seed=5,
+                                     sibling_drafts=siblings)  # fmt: skip
+        return rollout.run(requests, step=1)
+
+    plain, fast = run(False), run(True)
+    assert fast.response_ids == plain.response_ids
+    assert all(a == pytest.approx(b, abs=1e-9) for a, b in zip(fast.logprobs, plain.logprobs))
+    assert fast.stats.tail_proposed > 0 and fast.stats.tail_accepted > 0
+    assert fast.stats.decode_steps < plain.stats.decode_steps
+    assert torch.tensor([len(r) for r in plain.response_ids]).float().mean() > 8
