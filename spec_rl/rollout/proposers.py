@@ -13,7 +13,8 @@ def row_proposers(
     responses: Sequence[list[int]], drafts: dict[int, list[int]], history: HistoryIndex | None, sibling_drafts: bool,
     backend,
 ) -> list[DraftSources | None]:
-    """One :class:`~spec_rl.drafts.siblings.DraftSources` per request (None where the entry is None).
+    """One :class:`~spec_rl.drafts.siblings.DraftSources` per request (None where the entry is None, or where
+    there is nothing to draft from: no history for the prompt and no sibling drafts).
 
     Args:
         requests: request indices of the rows to decode, in the backend's row order (None: no decoding).
@@ -41,5 +42,6 @@ def row_proposers(
                 groups[key] = SiblingTokens([prompts[i]] + [d for j, d in drafts.items() if group_keys[j] == key])
             siblings = groups[key]
             siblings.extend(i, responses[i])
-        out.append(DraftSources(proposer, siblings, i, vocab))
+        # nothing to draft from: no proposer, so the row decodes exactly like plain decoding (no per-step work)
+        out.append(DraftSources(proposer, siblings, i, vocab) if proposer is not None or siblings is not None else None)
     return out

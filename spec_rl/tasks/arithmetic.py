@@ -36,7 +36,7 @@ import re
 
 from .data import Example, format_prompt
 
-__all__ = ["generate_problems", "check_solution", "TASK_VERSION"]
+__all__ = ["arithmetic_reward", "check_solution", "generate_problems", "TASK_VERSION"]
 
 #: Bumped whenever the generator's output changes (part of the demo cache key).
 TASK_VERSION = 1
@@ -285,3 +285,20 @@ def check_solution(solution: str) -> bool:
             return False
         current = eqs[-1][3]
     return lines[-1] == f"#### {current}"
+
+
+def arithmetic_reward(completion: str, gold: str) -> float:
+    """The demo task's verifiable reward: 1.0 when the worked solution is consistent and ends in the gold answer.
+
+    Every step is checked (:func:`check_solution`: each equation true, each line starting from the
+    previous result) and the last line must be ``#### <gold>``; else 0.0. A final answer alone is not
+    enough: on this task a slip propagates to the answer, so a right answer after a slip means steps
+    that do not follow from each other, and a final-answer-only reward pays for exactly that
+    (docs/design.md "The demo recipe").
+
+    Args:
+        completion: the response text (special tokens removed).
+        gold: the gold final answer, e.g. ``"45"``.
+    """
+    text = completion.strip()
+    return float(check_solution(text) and text.split("\n")[-1].strip() == f"#### {str(gold).strip()}")

@@ -47,6 +47,26 @@ def load_policy(path: str | Path, device: torch.device | str = "cpu"):
     return model.to(device).eval(), tokenizer
 
 
+def count_parameters(path: str | Path) -> int | None:
+    """Parameters of the checkpoint at ``path``, from its safetensors headers (no weight is read); None
+    when it has no safetensors file."""
+    import json
+    import struct
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    total = 0
+    for file in files:
+        with open(file, "rb") as f:
+            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+        for name, entry in header.items():
+            if name != "__metadata__":
+                n = 1
+                for dim in entry["shape"]:
+                    n *= int(dim)
+                total += n
+    return total if files else None
+
+
 def policy_eos_ids(path: str | Path) -> set[int]:
     """The EOS set of the checkpoint at ``path`` (generation config, model config and tokenizer), without
     loading its weights; the same set :func:`~spec_rl.backends.protocol.eos_token_ids` gives for the loaded model."""

@@ -276,9 +276,9 @@ def add_parser(sub) -> None:
 
 def cmd_sweep(args) -> int:
     """Run the sweep from the parsed ``spec-rl sweep`` arguments; prints the table."""
+    from ..tasks.arithmetic import arithmetic_reward
     from ..tasks.demo_data import demo_eval_set, demo_train_set
     from ..tasks.demo_policy import build_demo_policy
-    from ..tasks.rewards import math_reward
     from .config import DEMO_DEFAULTS, GRPOConfig
 
     settings = SETTINGS
@@ -298,7 +298,7 @@ def cmd_sweep(args) -> int:
     prompts, epochs, eval_prompts, eval_samples = PRESETS[args.preset]
     model_path = build_demo_policy(cache_dir=args.cache_dir, progress=not args.no_progress)
     base = GRPOConfig(**{**DEMO_DEFAULTS, "epochs": epochs, "eval_samples": eval_samples})
-    rows = run_sweep(model_path, demo_train_set()[:prompts], demo_eval_set()[:eval_prompts], math_reward, base,
+    run_sweep(model_path, demo_train_set()[:prompts], demo_eval_set()[:eval_prompts], arithmetic_reward, base,
                      args.out, args.preset, args.seeds, settings, progress=not args.no_progress)  # fmt: skip
     print((Path(args.out) / "sweep.md").read_text())
     print(f"table: {Path(args.out) / 'sweep.md'}, plot: {Path(args.out) / 'sweep.png'}, data: {Path(args.out) / 'sweep.json'}")

@@ -16,6 +16,7 @@ from pathlib import Path
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: tiny_models
 
+import torch.distributed  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from tiny_models import tiny_model  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
@@ -60,7 +61,14 @@ def main(out: str, epochs: int, resume: str | None) -> None:
     rank = trainer.accelerator.process_index
     record = {"rank": rank, "processes": trainer.accelerator.num_processes, "calls": spec.calls}
     Path(out, f"calls.rank{rank}.json").write_text(json.dumps(record))
+    # Tear the gloo group down before the interpreter exits: left to process teardown, its C++ threads
+    # are destroyed while joinable and the process aborts ("terminate called without an active exception").
+    trainer.accelerator.wait_for_everyone()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
     main(sys.argv[1], int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else None)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # results are written and the group is gone: skip teardown of library threads (see above)

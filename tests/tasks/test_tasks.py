@@ -103,6 +103,22 @@ def test_check_solution_rejects_wrong_steps():
     assert not check_solution(wrong)
 
 
+def test_arithmetic_reward_pays_consistent_solutions_with_the_gold_answer_only():
+    from spec_rl.tasks.arithmetic import arithmetic_reward
+
+    clean = generate_problems(50, seed=3)
+    assert all(arithmetic_reward(" " + e.solution + "\n", e.answer) == 1.0 for e in clean)
+    e = clean[0]
+    assert arithmetic_reward(e.solution, str(int(e.answer) + 1)) == 0.0  # another gold answer
+    m = re.search(r"= (\d+)", e.solution)
+    slipped = e.solution[: m.start(1)] + str(int(m[1]) + 1) + e.solution[m.end(1) :]
+    assert math_reward(slipped, e.answer) == 1.0  # the final answer is unchanged...
+    assert arithmetic_reward(slipped, e.answer) == 0.0  # ...but a step is wrong: no reward
+    # slipped solutions that propagate the slip end in a wrong answer: no reward either
+    noisy = [x for x in generate_problems(200, seed=5, slip_prob=0.3) if not x.solution.endswith(f"#### {x.answer}")]
+    assert noisy and all(arithmetic_reward(x.solution, x.answer) == 0.0 for x in noisy)
+
+
 def test_generate_bad_args():
     with pytest.raises(ValueError, match="n must be"):
         generate_problems(-1)

@@ -271,3 +271,14 @@ def test_vllm_backend_without_vllm_is_refused_before_the_run(model_dir, data_fil
     line = _error_line(capsys, _train_argv(model_dir, data_file, tmp_path / "run", "--backend", "vllm"))
     assert "--backend vllm needs vLLM installed" in line
     assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_the_header_line_states_the_policy_parameter_count(model_dir, data_file, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from spec_rl.trainer.run import count_parameters
+
+    expected = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model_dir).parameters())
+    assert count_parameters(model_dir) == expected and count_parameters(tmp_path) is None
+    assert main(_train_argv(model_dir, data_file, tmp_path / "run", "--no-eval")) == 0
+    assert f"policy: {expected:,} parameters" in capsys.readouterr().out
