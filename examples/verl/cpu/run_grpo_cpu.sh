@@ -46,7 +46,7 @@ exec bash "$HERE/../grpo_spec_rl.sh" \
     trainer.test_freq=-1 \
     trainer.save_freq=-1 \
     data.train_batch_size="$PROMPTS" \
-    data.max_prompt_length=64 \
+    data.max_prompt_length=96 \
     data.max_response_length=160 \
     data.dataloader_num_workers=0 \
     data.shuffle=False \
@@ -74,6 +74,7 @@ exec bash "$HERE/../grpo_spec_rl.sh" \
     actor_rollout_ref.rollout.gpu_memory_utilization=0.2 \
     actor_rollout_ref.rollout.max_num_seqs=64 \
     actor_rollout_ref.rollout.max_num_batched_tokens=2048 \
+    actor_rollout_ref.rollout.enable_chunked_prefill=False \
     actor_rollout_ref.rollout.checkpoint_engine.backend=naive \
     actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=16 \
     actor_rollout_ref.rollout.agent.num_workers=2 \
