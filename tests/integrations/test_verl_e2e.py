@@ -122,12 +122,13 @@ def test_every_sequence_is_consistent(runs):
 
 def test_rollout_logprobs_are_the_actors(runs):
     """verl recomputes every response's log-probs with the FSDP actor (both fp32); the rollout log-probs,
-    reused tokens' included, agree to within 1e-4 in probability (measured: at most 4e-6). With the weight
-    sync into vLLM skipped after the first step the gap was 0.34 at step 2, so a stale rollout policy fails."""
+    reused tokens' included, agree to within 1e-3 in probability (measured: at most 2.2e-5, benchmarks/RESULTS.md).
+    With the weight sync into vLLM skipped after the first step the gap was 0.34 at step 2: a stale rollout
+    policy fails this by far."""
     for name, run in runs.items():
         for s in run["steps"]:
             assert s["training/rollout_probs_diff_valid"] == 1, name
-            assert s["training/rollout_probs_diff_max"] < 1e-4, (name, s["training/rollout_probs_diff_max"])
+            assert s["training/rollout_probs_diff_max"] < 1e-3, (name, s["training/rollout_probs_diff_max"])
 
 
 def test_spec_rl_generates_fewer_tokens_than_off(runs):
