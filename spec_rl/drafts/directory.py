@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from ..util.atomic import atomic_save_safetensors
+from ..util.atomic import atomic_save_safetensors, remove_leftovers
 from .cache import CacheKey, Draft, DraftStore, make_draft
 from .stored_files import FileCheck
 
@@ -142,12 +142,15 @@ class DirectoryDraftStore(DraftStore):
         atomic_save_safetensors(path, tensors, metadata, fsync=self.fsync)
 
     def clear(self) -> None:
-        """Delete every draft file (the directory and its marker stay)."""
+        """Delete every draft file and the temporary files of writers that were killed mid-write (the
+        directory and its marker stay). A leftover temporary is never read as a draft, only disk space."""
         for p in self.root.glob("??/*.safetensors"):
             try:
                 p.unlink()
             except FileNotFoundError:
                 pass
+        for folder in self.root.glob("??"):
+            remove_leftovers(folder)
 
 
 def _draft_from_file(check: FileCheck) -> Draft:

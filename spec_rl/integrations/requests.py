@@ -73,7 +73,7 @@ __all__ = [
     "check_server_settings",
 ]
 
-STRATEGIES = ("spec", "random")
+STRATEGIES = ("spec", "random", "off")
 
 
 class SpecRequestBuilder:
@@ -88,7 +88,9 @@ class SpecRequestBuilder:
         eos_ids: the model's EOS ids (used to record the finish reason).
         lenience: l >= 0 (paper default e^0.5 for GRPO), or log_lenience.
         seed: run seed; per-step seeds are ``mix_seed(seed, step)``.
-        strategy: "spec" or "random" (random-reuse ablation, paper Table 2).
+        strategy: "spec", "random" (random-reuse ablation, paper Table 2) or "off" (the
+            baseline: no draft is looked up or scored, every response is generated whole and
+            stored; the same requests and bookkeeping otherwise).
         prompt_logprobs_mode, repetition_penalty, logprobs_mode: see
             :func:`check_server_settings` (checked here, at construction).
         acceptance: "lenient" (the paper's rule, default) or "exact" (lossless: the
@@ -122,6 +124,8 @@ class SpecRequestBuilder:
         max_resample_attempts: int = MAX_RESIDUAL_ATTEMPTS,
     ) -> None:
         check_server_settings(settings, prompt_logprobs_mode, repetition_penalty, logprobs_mode)
+        if strategy is False:  # YAML 1.1 reads an unquoted `strategy: off` as false
+            raise ValueError(f'strategy must be one of {STRATEGIES}, got False; in YAML write strategy: "off" (quoted)')
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         if log_lenience is not None:
@@ -146,7 +150,7 @@ class SpecRequestBuilder:
 
     # ------------------------------------------------------------ step 1
     def plan(self, prompt_ids: Sequence[int], slot: int, dataset_id: str | None = None) -> SamplePlan:
-        """Look up the draft of one sample.
+        """Look up the draft of one sample (none with strategy "off").
 
         Raises:
             ValueError: empty prompt, or a prompt that leaves no room for a response.
@@ -162,6 +166,8 @@ class SpecRequestBuilder:
             )
         key = CacheKey.make(prompt, slot, dataset_id)
         plan = SamplePlan(key=key, prompt_ids=prompt, budget=budget)
+        if self.strategy == "off":
+            return plan
         draft = self.store.lookup(key, self.settings)
         if draft is None or len(draft) == 0:
             return plan

@@ -65,7 +65,7 @@ from functools import partial
 from typing import Any
 from uuid import uuid4
 
-from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput, register
+from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput, _agent_loop_registry, register
 from verl.utils.profiler import simple_timer
 
 from ..drafts.directory import DirectoryDraftStore
@@ -131,7 +131,6 @@ def dataset_id_of(row: dict) -> str:
     return f"{row.get('data_source', '')}:{index}"
 
 
-@register(AGENT_NAME)
 class SpecRLAgentLoop(AgentLoopBase):
     """Single-turn agent loop with speculative rollouts.
 
@@ -141,7 +140,8 @@ class SpecRLAgentLoop(AgentLoopBase):
             ``SPEC_RL_DRAFT_DIR`` environment variable).
         lenience: l (default e^0.5, the paper's GRPO setting); 0 disables reuse.
         seed: run seed of the acceptance uniforms.
-        strategy: "spec" or "random".
+        strategy: "spec", "random" (random-reuse ablation) or "off" (the baseline: every
+            response generated whole by this same loop and stored; no draft is read).
         prompt_logprobs_mode: "raw" (vLLM: temperature must be 1, no top-k/top-p)
             or "processed"; see :mod:`spec_rl.integrations.requests`.
         eos_token_ids: EOS ids (default: the tokenizer's eos_token_id).
@@ -276,3 +276,10 @@ class SpecRLAgentLoop(AgentLoopBase):
             metrics=metrics,
             extra_fields=extra,
         )
+
+
+# verl's AgentLoopWorker loads the agent-loop YAML into its registry first and imports this module only
+# when it instantiates the first loop; registering unconditionally would then replace the YAML's entry
+# (with cache_dir, lenience, ...) by a bare one for every later sample. A configured entry is kept.
+if AGENT_NAME not in _agent_loop_registry:
+    register(AGENT_NAME)(SpecRLAgentLoop)

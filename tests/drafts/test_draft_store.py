@@ -105,3 +105,17 @@ def test_two_processes_share_one_directory(tmp_path):
         assert d.logprobs.tolist() == [-(writer + 1.0)] * n
         assert d.version == 5
     assert not list(tmp_path.glob("**/*.tmp"))
+
+
+def test_a_writer_killed_mid_write_leaves_the_old_draft_and_clear_removes_its_temporary(tmp_path):
+    store = DirectoryDraftStore(tmp_path)
+    key = CacheKey.make([3, 4], 1)
+    store.store(key, [7, 8], [-0.1, -0.2], "eos", 1, S)
+    path = store.path_for(key)
+    # what a SIGKILL between writing and renaming leaves: a temporary beside the target, the target untouched
+    leftover = path.parent / f".{path.name}.k1ll3d.tmp"
+    leftover.write_bytes(b"\x00" * 17)  # a partial write
+    got = store.lookup(key, S)
+    assert got.token_ids.tolist() == [7, 8] and got.version == 1 and len(store) == 1
+    store.clear()
+    assert not leftover.exists() and len(store) == 0 and store.lookup(key, S) is None

@@ -394,3 +394,51 @@ def test_exact_mode_options(setup):
 
 async def _build_with(cfg, setup, **kw):
     return new_loop(cfg, setup["server"], setup["tok"], cache_dir=setup["cache_dir"], **kw)
+
+
+# ---------------------------------------------------------------- strategy "off" and the agent-loop YAML
+def test_strategy_off_generates_everything_and_stores_it(setup):
+    cfg, server, tok, d = setup["cfg"], setup["server"], setup["tok"], setup["cache_dir"]
+    run_epoch(cfg, server, tok, cache_dir=d)  # drafts exist
+    server.core.calls, server.core.step = [], 2
+    ep2 = run_epoch(cfg, server, tok, cache_dir=d, strategy="off")
+    # no draft read or scored: one plain generation per sample with the full budget
+    assert len(server.core.calls) == len(rows()) and all("prompt_logprobs" not in c["params"] for c in server.core.calls)
+    for call in server.core.calls:
+        assert call["params"]["max_tokens"] == min(RESPONSE_LEN, PROMPT_LEN + RESPONSE_LEN - len(call["prompt_ids"]))
+    for i, out in enumerate(ep2):
+        f = out.extra_fields
+        assert f["spec_rl/draft_found"] is False and f["spec_rl/verified_prefix_len"] == 0
+        assert f["spec_rl/tokens_generated"] == f["spec_rl/response_len"] == len(out.response_ids)
+        # ... and stored, as spec-rl's own rollout does with reuse off
+        stored = DirectoryDraftStore(d).lookup(CacheKey.make(out.prompt_ids, i % N, "toy:0"), sv.settings_from_rollout_config(
+            cfg.actor_rollout_ref.rollout))  # fmt: skip
+        assert stored.token_ids.tolist() == out.response_ids and stored.version == 2
+
+
+def test_yaml_false_strategy_names_the_quoting(setup):
+    async def build():
+        return new_loop(setup["cfg"], setup["server"], setup["tok"], cache_dir=setup["cache_dir"], strategy=False)
+
+    with pytest.raises(InstantiationException, match='strategy: "off"'):
+        asyncio.run(build())
+
+
+def test_a_configured_entry_survives_the_import(setup):
+    """verl loads the agent-loop YAML into its registry before it imports our module (at the first
+    instantiation); the import must not replace that entry, or every later sample loses its arguments."""
+    import importlib
+
+    saved = dict(_agent_loop_registry)
+    try:
+        entry = OmegaConf.create({"name": sv.AGENT_NAME, "_target_": "spec_rl.integrations.verl.SpecRLAgentLoop",
+                                  "cache_dir": setup["cache_dir"], "lenience": 1.25})  # fmt: skip
+        _agent_loop_registry[sv.AGENT_NAME] = entry
+        importlib.reload(sv)
+        assert _agent_loop_registry[sv.AGENT_NAME] is entry
+        del _agent_loop_registry[sv.AGENT_NAME]
+        importlib.reload(sv)  # nothing configured: the import registers the loop by name
+        assert _agent_loop_registry[sv.AGENT_NAME] == {"_target_": "spec_rl.integrations.verl.SpecRLAgentLoop"}
+    finally:
+        _agent_loop_registry.clear()
+        _agent_loop_registry.update(saved)
