@@ -18,7 +18,7 @@ train set), one greedy response per problem is classified as
 
 It also prints the greedy error rate of every equation by operation and operand size, and the
 teacher-forced accuracy (argmax == gold token) on the problems' gold worked solutions. These are the
-measurements behind docs/design.md "The demo recipe, and why GRPO used to lower greedy accuracy".
+measurements behind docs/design.md "The demo recipe".
 """
 
 from __future__ import annotations

@@ -88,8 +88,7 @@ class TrainerRollouts:
         self.seed = options.seed if options.seed is not None else int(getattr(trainer.args, "seed", 0))
         backend = trainer_backend(model, trainer, eos, pad, options.spec_tokens)
         common = dict(backend=backend, settings=settings, eos_ids=eos, max_model_len=int(max_len), seed=self.seed,
-                      verify_backend=options.verify_backend, acceptance=options.acceptance,
-                      sibling_drafts=history is not None)  # with tail speculation, siblings draft too  # fmt: skip
+                      verify_backend=options.verify_backend, acceptance=options.acceptance)  # fmt: skip
         self.history = history
         self.train = SpeculativeRollout(cache=cache, lenience=options.lenience, log_lenience=options.log_lenience,
                                         strategy=options.strategy, history=history, **common)  # fmt: skip

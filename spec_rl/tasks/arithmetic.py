@@ -18,7 +18,7 @@ arXiv 2110.14168)::
     Finally, he loses 3 books, so he has 48 - 3 = 45 books.
     #### 45
 
-Design for a few-million-parameter learner (our own procedure, not taken
+Design for a sub-million-parameter learner (our own procedure, not taken
 from any dataset): counts stay in 1..``max_value`` and divisions are exact;
 restating each event after its connective turns "which event is next" into
 an induction-style copy; digits are tokenized one by one by the demo

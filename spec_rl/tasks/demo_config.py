@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .arithmetic import TASK_VERSION
-from .demo_data import DEMO_TASK_OPTIONS, EVAL_SEED, TRAIN_SEED
+from .demo_data import _EVAL_N, _TRAIN_N, DEMO_TASK_OPTIONS, EVAL_SEED, TRAIN_SEED
 
 __all__ = ["DemoConfig", "RECIPE_VERSION"]
 
@@ -113,6 +113,9 @@ class DemoConfig:
             "recipe_version": RECIPE_VERSION,
             "train_seed": TRAIN_SEED,
             "eval_seed": EVAL_SEED,
+            # The SFT set excludes the train and held-out questions, so their sizes change the policy.
+            "train_n": _TRAIN_N,
+            "eval_n": _EVAL_N,
         }
         blob = json.dumps(payload, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:12]

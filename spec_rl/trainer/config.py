@@ -150,7 +150,9 @@ class GRPOConfig:
             changes no token, only decode steps). None: on for "spec" and "random", off for "vanilla".
         spec_tokens: most history-drafted tokens per decode step (0 disables tail speculation).
         sibling_drafts: with tail speculation, also draft from the tokens the other samples of the
-            same prompt emit in the same rollout (so the first epoch speculates too; lossless).
+            same prompt emit in the same rollout (so the first epoch speculates too; lossless). Off by
+            default: on the CPU demo they cut decode steps but cost more time than they save
+            (benchmarks/RESULTS.md, "Speculating where it pays").
         epochs: passes over the training prompts.
         group_size: G samples per prompt.
         prompts_per_step: prompts per rollout/update step.
@@ -189,7 +191,7 @@ class GRPOConfig:
     acceptance: str = "lenient"
     history_spec: bool | None = None
     spec_tokens: int = 8
-    sibling_drafts: bool = True
+    sibling_drafts: bool = False
     epochs: int = 5
     group_size: int = 4
     prompts_per_step: int = 64
@@ -282,10 +284,11 @@ DEMO_DEFAULTS = dict(
     epochs=5,
     group_size=4,
     prompts_per_step=64,
-    lr=3e-4,
+    lr=1e-4,  # 3e-4 raised the sampled reward but cut greedy accuracy (docs/design.md "The demo recipe")
     max_response_len=160,
     ppo_mini_batches=2,
     micro_batch_size=128,
+    eval_samples=4,
 )
 # Defaults for a user's own model and data (paper-like settings, Sec. 4).
 MODEL_DEFAULTS = dict(
@@ -296,4 +299,5 @@ MODEL_DEFAULTS = dict(
     max_response_len=1024,
     ppo_mini_batches=1,
     micro_batch_size=8,
+    eval_samples=4,
 )
