@@ -13,9 +13,10 @@ the same cache and history, with the same seed and step:
 * ``spec``: SPEC-RL, lenient acceptance (l = ``--lenience``) + history speculation;
 * ``exact``: SPEC-RL, exact (lossless) acceptance + history speculation.
 
-First, epoch 1 (an empty cache, no history): ``e1-vanilla`` (plain decoding) against ``e1-siblings``
-(drafts only from the prompt and the group's other samples in flight). Then the modes above (history
-modes with sibling drafts too). Printed per mode: generated tokens, decode steps (sequential forwards
+First, epoch 1 (an empty cache, no history): ``e1-vanilla`` (plain decoding), ``e1-histspec`` (an
+empty history attached: every speculative mode's first epoch, which must cost what vanilla costs) and
+``e1-siblings`` (drafts only from the prompt and the group's other samples in flight). Then the modes
+above (history modes with sibling drafts too under ``--sibling-drafts``, as in the trainer). Printed per mode: generated tokens, decode steps (sequential forwards
 after scoring), longest continuation, rollout seconds split into scoring / decode / other, the ratios
 of tokens, decode steps and seconds to vanilla (to e1-vanilla for the epoch-1 rows), the acceptance of
 drafted tokens, the query positions the decode steps computed (padding included), accepted drafted
@@ -122,20 +123,28 @@ def timed_step(rollout: SpeculativeRollout, requests, step: int, device) -> dict
             "width": s.decode_positions / max(s.decode_rows, 1)}  # fmt: skip
 
 
+#: Epoch-1 rows: name -> (an empty history index attached, sibling drafts). ``e1-histspec`` is what every
+#: speculative mode does in its first epoch (nothing to draft: it must cost what vanilla costs).
+FIRST_EPOCH = {"e1-warmup": (True, True), "e1-vanilla": (False, False), "e1-histspec": (True, False),
+               "e1-siblings": (True, True)}  # fmt: skip
+
+
 def first_epoch_rows(backend, requests, settings, eos, max_len, args, device, rec: RunRecord) -> None:
-    """Epoch 1 (empty cache, no history): plain decoding vs sibling drafts (and the prompt) only."""
-    for name, siblings in (("e1-warmup", True), ("e1-vanilla", False), ("e1-siblings", True)):
+    """Epoch 1 (empty cache, empty history): plain decoding, the speculative modes' first epoch, and
+    sibling drafts (and the prompt) as the only source of drafts."""
+    e1 = rec.record["rows"]
+    for name, (hist, siblings) in FIRST_EPOCH.items():
         ro = SpeculativeRollout(backend, RolloutCache(), settings, eos, max_len, strategy="off", seed=args.seed,
-                                sibling_drafts=siblings)  # fmt: skip
+                                history=HistoryIndex() if hist else None, sibling_drafts=siblings)  # fmt: skip
         row = timed_step(ro, requests, 0, device)
         print(_show(name, row), flush=True)
         if name != "e1-warmup":
-            rec.record["rows"][name] = row
+            e1[name] = row
             rec.save()
-    e1 = rec.record["rows"]
-    for k in ("generated_tokens", "decode_steps", "rollout_s"):
-        e1["e1-siblings"][f"{k}_ratio"] = e1["e1-siblings"][k] / e1["e1-vanilla"][k] if e1["e1-vanilla"][k] else float("nan")
-        e1["e1-vanilla"][f"{k}_ratio"] = 1.0
+    for name in FIRST_EPOCH:
+        for k in ("generated_tokens", "decode_steps", "rollout_s"):
+            if name != "e1-warmup":
+                e1[name][f"{k}_ratio"] = e1[name][k] / e1["e1-vanilla"][k] if e1["e1-vanilla"][k] else float("nan")
 
 
 def _show(name: str, r: dict) -> str:
@@ -171,7 +180,8 @@ def run(args, rec: RunRecord) -> None:
             ro = SpeculativeRollout(backend, copy.deepcopy(cache), settings, eos, max_len, strategy=strategy,
                                     seed=args.seed, acceptance=acceptance,
                                     lenience=None if acceptance == "exact" else args.lenience,
-                                    history=copy.deepcopy(history) if hist else None, sibling_drafts=hist)  # fmt: skip
+                                    history=copy.deepcopy(history) if hist else None,
+                                    sibling_drafts=hist and args.sibling_drafts)  # fmt: skip
             row = timed_step(ro, requests, args.history_epochs, device)
         except Exception as exc:  # noqa: BLE001  one failing mode is reported, the others still run
             traceback.print_exc(limit=3)
@@ -224,6 +234,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=None, help="prompts (default: the preset's)")
     ap.add_argument("--group", type=int, default=None, help="samples per prompt G (default: the preset's)")
     ap.add_argument("--max-tokens", type=int, default=None, help="response budget (default: the preset's)")
+    ap.add_argument("--sibling-drafts", action="store_true", help="history modes also draft from the group's samples in flight")
     ap.add_argument("--json", default=default_json_path("rollout.json"))
     args = ap.parse_args(argv)
     if args.history_epochs < 1:

@@ -14,11 +14,14 @@ def test_bench_rollout_tiny_preset_reports_every_mode(tmp_path, capsys):
     out = tmp_path / "rollout.json"
     assert bench_rollout.main(["--preset", "tiny", "--device", "cpu", "--perturb", "0.5", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert set(rows) == {"e1-vanilla", "e1-siblings", "vanilla", "histspec", "spec", "exact"}
+    assert set(rows) == {"e1-vanilla", "e1-histspec", "e1-siblings", "vanilla", "histspec", "spec", "exact"}
     assert rows["vanilla"]["generated_tokens_ratio"] == 1.0 and rows["e1-vanilla"]["generated_tokens_ratio"] == 1.0
     # Lossless tail speculation (history, siblings) generates the same number of tokens as vanilla decoding.
     assert rows["histspec"]["generated_tokens"] == rows["vanilla"]["generated_tokens"]
     assert rows["e1-siblings"]["generated_tokens"] == rows["e1-vanilla"]["generated_tokens"]
+    # Nothing to draft (empty history, no siblings): the same steps over the same positions as vanilla.
+    for k in ("generated_tokens", "decode_steps", "positions"):
+        assert rows["e1-histspec"][k] == rows["e1-vanilla"][k], k
     for r in rows.values():  # what the steps computed: at least one position per row and step
         assert r["positions"] >= r["decode_steps"] and r["width"] >= 1.0 or r["decode_steps"] == 0
     assert rows["spec"]["generated_tokens"] < rows["vanilla"]["generated_tokens"]
