@@ -32,6 +32,7 @@ from .trainer.sweep import cmd_sweep
 _FLAGS = {
     "generation_backend": "--backend", "save_checkpoint": "--no-checkpoint", "mode": "--modes",
     "log_lenience": "--lenience", "eos_ids": "the EOS set of --model", "data": "--data/--eval-data",
+    "algorithm": "--clip-higher (the algorithm)",
 }  # fmt: skip
 
 

@@ -229,6 +229,8 @@ class GRPOConfig:
             raise ConfigError("acceptance", f"'exact' does not apply to the random-reuse ablation (mode {self.mode!r} ignores the scores)")
         for name in _COUNTS:
             check_int(name, getattr(self, name), low=1)
+        # GRPO's advantage is a reward minus its group's mean: one sample per group always gets 0, and nothing is learned.
+        check_int("group_size", self.group_size, low=2, hint="GRPO compares the G samples of a prompt; use G >= 2")
         check_int("spec_tokens", self.spec_tokens, low=0, hint="0 disables tail speculation")
         check_int("top_k", self.top_k, low=0, hint="0 disables top-k")
         check_int("seed", self.seed, low=-(2**63), high=2**64 - 1, span="in [-2**63, 2**64 - 1]")

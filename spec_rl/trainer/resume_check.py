@@ -2,7 +2,9 @@
 
 A resumed run reuses the rollout cache of the run it continues. A change of what a response can be
 (the model, the data, the sampling settings, the budgets, the EOS set, acceptance, lenience or the
-seed) would otherwise go unnoticed: the old drafts would be scored as if they came from this run.
+seed) would otherwise go unnoticed: the old drafts would be scored as if they came from this run. A
+change of the training recipe (learning rate, group size, clipping, KL, ...) would mix two recipes in
+one run, with modes restored from a checkpoint keeping the old optimizer state.
 ``--resume`` therefore compares the stored fingerprint of the run (run_info.json, "fingerprint") with
 the new one and refuses any difference, naming each changed field; with ``--allow-config-change``
 it goes on, records the change in run_info.json ("config_changes"), and the stored drafts are cut
@@ -25,6 +27,14 @@ RESPONSE_FIELDS = (
     "temperature", "top_k", "top_p", "max_response_len", "max_model_len", "acceptance", "log_lenience",
     "target_drift", "seed",
 )  # fmt: skip
+#: GRPOConfig fields that change how the policy is trained or measured: a run resumed under another
+#: value would mix two recipes in one report (a restored optimizer even keeps the old learning rate).
+#: Not compared: epochs (a resume may extend a run), micro_batch_size (memory only), speculation
+#: settings (they change decode steps, never a token), device and backend (keyed sampling).
+TRAINING_FIELDS = (
+    "algorithm", "group_size", "prompts_per_step", "ppo_mini_batches", "lr", "weight_decay", "max_grad_norm",
+    "clip_low", "clip_high", "kl_coef", "scale_adv_by_std", "eval_samples",
+)  # fmt: skip
 
 
 class ConfigChangeError(RunDirError):
@@ -44,7 +54,8 @@ class ConfigChangeError(RunDirError):
         """The message, each changed field shown by ``name(field)`` (e.g. the CLI's flag for it)."""
         shown = "; ".join(f"{name(k)}: {old!r} -> {new!r}" for k, old, new in self.changes)
         return (
-            f"--resume: {self.out_dir} was run with another configuration of what a response can be ({shown}); "
+            f"--resume: {self.out_dir} was run with another configuration of what a response can be or how the "
+            f"policy is trained ({shown}); "
             "start a new run with a fresh --out, or pass --allow-config-change to continue (the change is "
             "recorded in run_info.json, and stored drafts are cut to the new budget and EOS set or continued)"
         )
@@ -61,9 +72,9 @@ def data_digest(examples: Sequence, eval_examples: Sequence | None) -> str:
 
 
 def run_fingerprint(config: GRPOConfig, model_path, eos_ids: Collection[int], examples: Sequence, eval_examples) -> dict:
-    """What a response of this run depends on: the fields compared by :func:`check_resume`."""
+    """What a response of this run and its training depend on: the fields compared by :func:`check_resume`."""
     cfg = config.to_dict()
-    out = {field: cfg[field] for field in RESPONSE_FIELDS}
+    out = {field: cfg[field] for field in RESPONSE_FIELDS + TRAINING_FIELDS}
     out.update(model=str(model_path), eos_ids=sorted(int(e) for e in eos_ids), data=data_digest(examples, eval_examples))
     return out
 
@@ -88,7 +99,8 @@ def check_resume(out_dir: str | Path, fingerprint: dict, allow_change: bool) -> 
         ConfigChangeError: a field differs and ``allow_change`` is False.
     """
     info = stored_info(out_dir) or {}
-    old = info.get("fingerprint") or {k: v for k, v in (info.get("config") or {}).items() if k in RESPONSE_FIELDS}
+    compared = RESPONSE_FIELDS + TRAINING_FIELDS
+    old = info.get("fingerprint") or {k: v for k, v in (info.get("config") or {}).items() if k in compared}
     changes = [(k, old[k], v) for k, v in fingerprint.items() if k in old and old[k] != v]
     if not changes:
         return []

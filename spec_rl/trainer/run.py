@@ -124,7 +124,7 @@ def run_modes(
     every epoch (:mod:`spec_rl.trainer.heldout`); the warm-start evaluation is computed once and
     shared, since every run starts from the same weights with the same seed. A resume compares the
     run's configuration with the stored one (:mod:`spec_rl.trainer.resume_check`): a change of what a
-    response can be is refused unless ``allow_config_change``, which records it in run_info.json; a
+    response can be or of the training recipe is refused unless ``allow_config_change``, which records it in run_info.json; a
     resume of a run whose every mode finished ``config.epochs`` epochs does nothing.
 
     Returns:
@@ -148,13 +148,13 @@ def run_modes(
         remove_leftovers(folder)  # temporary files of a killed writer; checkpoint versions: trainer.resume
     summary = read_summary(out_dir) if resume else {}
     num_eval = len(eval_examples) if eval_examples is not None else 0
-    if resume and all(plan[m] is not None and len(summary.get(m, [])) >= configs[m].epochs for m in modes):
-        log(f"--resume: the run in {out_dir} is complete ({config.epochs} epochs of {', '.join(modes)}); nothing to do")
-        return summary
     fingerprint = run_fingerprint(config, model_path, policy_eos_ids(model_path), train_examples, eval_examples)
     changes = (stored_info(out_dir) or {}).get("config_changes", []) if resume else []
-    if resume:
+    if resume:  # compared first: a finished run resumed under other settings is refused too
         new_changes = check_resume(out_dir, fingerprint, allow_config_change)
+        if all(plan[m] is not None and len(summary.get(m, [])) >= configs[m].epochs for m in modes):
+            log(f"--resume: the run in {out_dir} is complete ({config.epochs} epochs of {', '.join(modes)}); nothing to do")
+            return summary
         for c in new_changes:
             log(f"--allow-config-change: {c['field']} {c['old']!r} -> {c['new']!r} (recorded in run_info.json)")
         changes = changes + new_changes

@@ -282,3 +282,19 @@ def test_the_header_line_states_the_policy_parameter_count(model_dir, data_file,
     assert count_parameters(model_dir) == expected and count_parameters(tmp_path) is None
     assert main(_train_argv(model_dir, data_file, tmp_path / "run", "--no-eval")) == 0
     assert f"policy: {expected:,} parameters" in capsys.readouterr().out
+
+
+def test_resume_under_another_training_recipe_is_refused_even_when_the_run_is_complete(model_dir, data_file, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(_train_argv(model_dir, data_file, out)) == 0  # 1 epoch of vanilla: complete
+    capsys.readouterr()
+    lr = json.loads((out / "run_info.json").read_text())["fingerprint"]["lr"]
+    for flags, shown in ((["--lr", "5e-4"], f"--lr: {lr!r} -> 0.0005"), (["--kl-coef", "0.1"], "--kl-coef: 0.0 -> 0.1")):
+        line = _error_line(capsys, _train_argv(model_dir, data_file, out, "--resume", *flags))
+        assert shown in line and "how the policy is trained" in line and "--allow-config-change" in line
+    assert json.loads((out / "run_info.json").read_text())["config_changes"] == []  # nothing was touched
+
+
+def test_a_group_of_one_is_refused(model_dir, data_file, tmp_path, capsys):
+    line = _error_line(capsys, _train_argv(model_dir, data_file, tmp_path / "run", "--group-size", "1"))
+    assert line.startswith("spec-rl: error: --group-size") and "G >= 2" in line
