@@ -125,6 +125,7 @@ def timed_step(rollout: SpeculativeRollout, requests, step: int, device) -> dict
 
 #: Epoch-1 rows: name -> (an empty history index attached, sibling drafts). ``e1-histspec`` is what every
 #: speculative mode does in its first epoch (nothing to draft: it must cost what vanilla costs).
+E1_REPEATS = 3
 FIRST_EPOCH = {"e1-warmup": (True, True), "e1-vanilla": (False, False), "e1-histspec": (True, False),
                "e1-siblings": (True, True)}  # fmt: skip
 
@@ -133,14 +134,19 @@ def first_epoch_rows(backend, requests, settings, eos, max_len, args, device, re
     """Epoch 1 (empty cache, empty history): plain decoding, the speculative modes' first epoch, and
     sibling drafts (and the prompt) as the only source of drafts."""
     e1 = rec.record["rows"]
-    for name, (hist, siblings) in FIRST_EPOCH.items():
-        ro = SpeculativeRollout(backend, RolloutCache(), settings, eos, max_len, strategy="off", seed=args.seed,
-                                history=HistoryIndex() if hist else None, sibling_drafts=siblings)  # fmt: skip
-        row = timed_step(ro, requests, 0, device)
-        print(_show(name, row), flush=True)
-        if name != "e1-warmup":
-            e1[name] = row
-            rec.save()
+    # One epoch-1 rollout varies by ~10% from run to run on a busy host: the rows are timed in turn
+    # ``E1_REPEATS`` times and each keeps its fastest (the decisions are keyed: every repeat is the same).
+    for rep in range(E1_REPEATS):
+        for name, (hist, siblings) in FIRST_EPOCH.items():
+            if name == "e1-warmup" and rep:
+                continue
+            ro = SpeculativeRollout(backend, RolloutCache(), settings, eos, max_len, strategy="off", seed=args.seed,
+                                    history=HistoryIndex() if hist else None, sibling_drafts=siblings)  # fmt: skip
+            row = timed_step(ro, requests, 0, device)
+            print(_show(name, row), flush=True)
+            if name != "e1-warmup" and (name not in e1 or row["rollout_s"] < e1[name]["rollout_s"]):
+                e1[name] = row
+                rec.save()
     for name in FIRST_EPOCH:
         for k in ("generated_tokens", "decode_steps", "rollout_s"):
             if name != "e1-warmup":
