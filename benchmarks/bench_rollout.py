@@ -20,8 +20,10 @@ above (history modes with sibling drafts too under ``--sibling-drafts``, as in t
 after scoring), longest continuation, rollout seconds split into scoring / decode / other, the ratios
 of tokens, decode steps and seconds to vanilla (to e1-vanilla for the epoch-1 rows), the acceptance of
 drafted tokens, the query positions the decode steps computed (padding included), accepted drafted
-tokens per decode step and the mean width of a step (positions per row; the step-cost model of
-:mod:`spec_rl.backends.step_cost` chooses it). Times are host wall clock around device synchronizes, one timed step
+tokens per decode step, the mean width of a step (positions per row; the step-cost model of
+:mod:`spec_rl.backends.step_cost` chooses it) and, for the lossless rows (e1-histspec, e1-siblings,
+histspec, exact), how many responses differ from plain decoding's (0 up to float32 rounding flips).
+Times are host wall clock around device synchronizes, one timed step
 per mode after one untimed warm-up step. Each mode is printed as it is measured and the JSON (with
 provenance; ``--json``, default ``$OUT/rollout.json``) is rewritten after every mode. Exit code 1 when a
 mode raises. ``--prompts``, ``--group`` and ``--max-tokens`` resize a preset (stage 6 of
@@ -120,7 +122,23 @@ def timed_step(rollout: SpeculativeRollout, requests, step: int, device) -> dict
             "rollout_s": s.rollout_seconds, "scoring_s": s.scoring_seconds, "decode_s": s.generation_seconds,
             "other_s": s.assembly_seconds, "full_reuse": s.full_reuse_ratio, "tail_accept": s.tail_accepted / max(s.tail_proposed, 1),
             "positions": s.decode_positions, "accepted_per_step": s.tail_accepted / max(s.decode_steps, 1),
-            "width": s.decode_positions / max(s.decode_rows, 1)}  # fmt: skip
+            "width": s.decode_positions / max(s.decode_rows, 1), RESPONSES: res.response_ids}  # fmt: skip
+
+
+#: Key of a row's responses while the run compares them; dropped before the JSON is written.
+RESPONSES = "_responses"
+#: Rows whose responses must equal their reference's (lossless), compared as ``differs``: how many differ.
+#: Under float32 a rounding difference can flip a sample; float64 tests assert 0.
+LOSSLESS = {"e1-histspec": "e1-vanilla", "e1-siblings": "e1-vanilla", "histspec": "vanilla", "exact": "vanilla"}
+
+
+def count_differences(rows: dict) -> None:
+    """Set ``differs`` (responses unlike the reference's) on every lossless row, then drop the responses."""
+    for name, ref in LOSSLESS.items():
+        if RESPONSES in rows.get(name, {}) and RESPONSES in rows.get(ref, {}):
+            rows[name]["differs"] = sum(a != b for a, b in zip(rows[name][RESPONSES], rows[ref][RESPONSES]))
+    for row in rows.values():
+        row.pop(RESPONSES, None)
 
 
 #: Epoch-1 rows: name -> (an empty history index attached, sibling drafts). ``e1-histspec`` is what every
@@ -197,6 +215,7 @@ def run(args, rec: RunRecord) -> None:
         if name != "warm-up":
             rows[name] = row
             rec.save()
+    count_differences(rows)
     base = rows.get("vanilla", {})
     for name, r in rows.items():
         if name.startswith("e1-"):
@@ -212,7 +231,7 @@ def print_table(record: dict) -> None:
             ("rollout s", 9, ">", "{:.3f}"), ("scoring s", 9, ">", "{:.3f}"), ("decode s", 8, ">", "{:.3f}"),
             ("other s", 7, ">", "{:.3f}"), ("tokens x", 8, ">", "{:.3f}"), ("steps x", 7, ">", "{:.3f}"),
             ("time x", 6, ">", "{:.3f}"), ("tail acc", 8, ">", "{:.2f}"), ("positions", 9, ">", "{:d}"),
-            ("acc/step", 8, ">", "{:.2f}"), ("width", 5, ">", "{:.2f}")]  # fmt: skip
+            ("acc/step", 8, ">", "{:.2f}"), ("width", 5, ">", "{:.2f}"), ("differs", 7, ">", "{:d}")]  # fmt: skip
     table = Table(*[Column(h, w, a, f, gap="  ") for h, w, a, f in spec])
     print(f"bench_rollout: preset {record['preset']} ({record['prompts']} prompts x G={record['group']}, "
           f"{record['max_tokens']} tokens), {record['backend']}, perturb {record['perturb']}, "
@@ -225,7 +244,7 @@ def print_table(record: dict) -> None:
         print(table.row(name, r["generated_tokens"], r["decode_steps"], r["longest"], r["rollout_s"], r["scoring_s"],
                         r["decode_s"], r["other_s"], r["generated_tokens_ratio"], r["decode_steps_ratio"],
                         r["rollout_s_ratio"], r["tail_accept"], r["positions"], r["accepted_per_step"],
-                        r["width"]))  # fmt: skip
+                        r["width"], r.get("differs")))  # fmt: skip
 
 
 def main(argv=None) -> int:

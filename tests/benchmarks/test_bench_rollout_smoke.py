@@ -22,6 +22,9 @@ def test_bench_rollout_tiny_preset_reports_every_mode(tmp_path, capsys):
     # Nothing to draft (empty history, no siblings): the same steps over the same positions as vanilla.
     for k in ("generated_tokens", "decode_steps", "positions"):
         assert rows["e1-histspec"][k] == rows["e1-vanilla"][k], k
+    # float64: the lossless rows give plain decoding's responses exactly; no response lists stay in the JSON.
+    assert all(rows[name]["differs"] == 0 for name in ("e1-histspec", "e1-siblings", "histspec", "exact"))
+    assert not any("_responses" in r for r in rows.values())
     for r in rows.values():  # what the steps computed: at least one position per row and step
         assert r["positions"] >= r["decode_steps"] and r["width"] >= 1.0 or r["decode_steps"] == 0
     assert rows["spec"]["generated_tokens"] < rows["vanilla"]["generated_tokens"]
