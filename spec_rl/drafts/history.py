@@ -45,6 +45,23 @@ _FORMAT_VERSION = "1"
 _FIX = "delete the file or restore a backup (without it speculation restarts from an empty history)"
 
 
+
+def in_vocab_prefix(tokens: list[int], vocab_size: int | None) -> list[int]:
+    """``tokens`` up to the first id outside [0, vocab_size) (all of them when vocab_size is None)."""
+    if vocab_size is not None:
+        for i, t in enumerate(tokens):
+            if not 0 <= t < vocab_size:
+                return tokens[:i]
+    return tokens
+
+
+def matched_prefix(proposal: Sequence[int], emitted: Sequence[int]) -> int:
+    """How many leading proposed tokens the step emitted as they were (the accepted drafted tokens)."""
+    n = 0
+    while n < len(proposal) and n < len(emitted) and proposal[n] == emitted[n]:
+        n += 1
+    return n
+
 class SuffixAutomaton:
     """Suffix automaton over a growing token text (Blumer et al. 1985), with one end position per state.
 
@@ -175,17 +192,11 @@ class SuffixProposer:
             return []
         else:
             out = self.automaton.continuation(self.state, k)
-        if self.vocab_size is not None:
-            for i, t in enumerate(out):
-                if not 0 <= t < self.vocab_size:
-                    return out[:i]
-        return out
+        return in_vocab_prefix(out, self.vocab_size)
 
     def update(self, proposal: Sequence[int], emitted: Sequence[int]) -> None:
         """Feed the tokens emitted this step; ``proposal`` is what :meth:`propose` returned for it."""
-        accepted = 0
-        while accepted < len(proposal) and accepted < len(emitted) and proposal[accepted] == emitted[accepted]:
-            accepted += 1
+        accepted = matched_prefix(proposal, emitted)
         if proposal:
             self.proposed += len(proposal)
             self.accepted += accepted

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from .history import in_vocab_prefix, matched_prefix
+
 __all__ = ["DraftSources", "SiblingTokens"]
 
 #: n-gram orders looked up, longest first: a longer match predicts the continuation better.
@@ -98,17 +100,11 @@ class DraftSources:
             tokens, _ = self.siblings.continuation(self.member, limit)
             if len(tokens) > len(out):
                 out, self._from_history = tokens, False
-        if self.vocab_size is not None:
-            for i, t in enumerate(out):
-                if not 0 <= t < self.vocab_size:
-                    return out[:i]
-        return out
+        return in_vocab_prefix(out, self.vocab_size)
 
     def update(self, proposal: Sequence[int], emitted: Sequence[int]) -> None:
         """Feed the tokens emitted this step; ``proposal`` is what was fed after the pending token."""
-        kept = 0
-        while kept < len(proposal) and kept < len(emitted) and proposal[kept] == emitted[kept]:
-            kept += 1
+        kept = matched_prefix(proposal, emitted)
         self.accepted += kept
         self.tested += kept + (1 if kept < len(proposal) and kept < len(emitted) else 0)
         if self.history is not None:  # its statistics learn from its own proposals only
