@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import functools
 import inspect
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from ..sampling.distribution import SamplingSettings, keyed_sample
-from .step_cost import StepCost, acceptance_of, plan_proposals
+from .step_cost import StepCost, acceptance_of, fastest_run, plan_proposals
 
 
 def cache_argument(model) -> str:
@@ -328,8 +327,9 @@ def prefill(model, contexts: Sequence[Sequence[int]], pad_id: int) -> tuple[KVRo
 
 @torch.no_grad()
 def time_decode_step(model, rows: int, width: int, pad_id: int, context: int = 64, repeats: int = 5) -> float:
-    """Fastest of ``repeats`` timed runs (after one untimed warm-up) of one decode step (forward + keyed samples at every fed position) over ``rows``
-    sequences of ``context`` cached tokens feeding ``width`` tokens each: a point of the backend's
+    """Seconds of one decode step (forward + keyed samples at every fed position) over ``rows`` sequences
+    of ``context`` cached tokens feeding ``width`` tokens each, the fastest of ``repeats``
+    (:func:`~spec_rl.backends.step_cost.fastest_run`): a point of the backend's
     :class:`~spec_rl.backends.step_cost.StepCost`. Random ids; the cache is cropped back after each run."""
     device = next(model.parameters()).device
     vocab = model.get_output_embeddings().weight.shape[0]
@@ -339,18 +339,10 @@ def time_decode_step(model, rows: int, width: int, pad_id: int, context: int = 6
     uids = torch.arange(rows * width, device=device)
     mask = torch.cat([kv.mask, torch.ones((rows, width), dtype=torch.long, device=device)], dim=1)
     positions = (context + torch.arange(width, device=device)).unsqueeze(0).expand(rows, width)
-    times = []
-    for _ in range(repeats + 1):
-        ids = torch.randint(0, vocab, (rows, width), generator=gen).to(device)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **{arg: kv.cache})
+    inputs = [torch.randint(0, vocab, (rows, width), generator=gen).to(device) for _ in range(repeats + 1)]
+
+    def step(i: int) -> None:
+        out = model(input_ids=inputs[i], attention_mask=mask, position_ids=positions, use_cache=True, **{arg: kv.cache})
         keyed_sample(out.logits.reshape(rows * width, -1).float(), settings, 0, uids, positions.reshape(-1))
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
-        kv.cache.crop(-width)  # drop the fed positions again
-    # The minimum: another process on the machine only ever adds time, and a slow sample cached
-    # here would make speculation look dear for as long as the cache lives.
-    return min(times[1:])
+
+    return fastest_run(step, device, repeats, after=lambda: kv.cache.crop(-width))  # drop the fed positions again

@@ -37,7 +37,7 @@ import torch
 
 from ..util.atomic import atomic_write_text
 
-__all__ = ["StepCost", "acceptance_of", "cost_key", "measured_cost", "plan_proposals"]
+__all__ = ["StepCost", "acceptance_of", "cost_key", "fastest_run", "measured_cost", "plan_proposals"]
 
 #: Rows and widths (fed tokens per row) timed by :func:`measured_cost`.
 MEASURED_ROWS = (1, 8, 32, 128, 256)
@@ -153,6 +153,27 @@ def plan_proposals(
     probs = np.clip(np.asarray(probs, dtype=float), 0.0, 1.0)
     plan = (_padded_plan if padded else _packed_plan)(lengths, probs, len(proposals), cost)
     return [list(p[:k]) for p, k in zip(proposals, plan)]
+
+
+def fastest_run(
+    step: Callable[[int], None], device: torch.device, repeats: int = 5, after: Callable[[], None] | None = None
+) -> float:
+    """Seconds of the fastest of ``repeats`` timed calls ``step(i)`` after one untimed warm-up (``i`` = 0),
+    synchronizing a CUDA device around each; ``after()`` (untimed) undoes what a call changed. The minimum, not the median: another process on the machine
+    only ever adds time, and a slow point cached here would make speculation look dear for as long as the
+    cache lives."""
+    times = []
+    for i in range(repeats + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        step(i)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+        if after is not None:
+            after()
+    return min(times[1:])
 
 
 def _cache_file(key: str) -> Path:

@@ -415,7 +415,8 @@ class SpeculativeRollout:
         """Drafters for the requests (None entries: rows that will not decode): see :func:`row_proposers`."""
         if self.history is None and not self.sibling_drafts:
             return None
-        drafts = {i: batch.drafts[i].token_ids.tolist() for i in batch.drafted}
+        # the group's drafts are sibling texts: listed only when siblings draft (not on every call)
+        drafts = {i: batch.drafts[i].token_ids.tolist() for i in batch.drafted} if self.sibling_drafts else {}
         return row_proposers(requests, batch.group_keys, batch.prompts, batch.responses, drafts, self.history,
                              self.sibling_drafts, self.backend)  # fmt: skip
 
