@@ -13,7 +13,9 @@ train set), one greedy response per problem is classified as
 * ``wrong arithmetic``: some equation ``a op b = c`` is false;
 * ``steps do not chain``: every equation is true but one starts from another value than the
   previous result (a copy error);
-* ``consistent but wrong``: the steps are consistent yet the answer is wrong (the question misread);
+* ``boxes worked as k + m``: a "k boxes with m in each" line adds k and m (the warm start's systematic
+  error, docs/design.md "The demo recipe");
+* ``consistent but wrong``: the steps are consistent yet the answer is wrong (the question misread otherwise);
 * ``format``: no ``#### <answer>`` line.
 
 It also prints the greedy error rate of every equation by operation and operand size, and the
@@ -39,6 +41,7 @@ from spec_rl.tasks.rewards import math_reward
 from spec_rl.trainer.run import load_policy
 
 EQUATION = re.compile(r"(\d+) ([-+*/]) (\d+) = (\d+)")
+BOXES_ADDED = re.compile(r"in each \w+, so \w+ has \d+ \+ \d+ = \d+ more")
 _EXACT = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b,
           "/": lambda a, b: a // b if b and a % b == 0 else None}  # fmt: skip
 
@@ -52,6 +55,8 @@ def classify(text: str, gold: str) -> str:
     consistent = check_solution(text.strip())
     if math_reward(text, gold) > 0:
         return "correct" if consistent else "correct answer, inconsistent steps"
+    if BOXES_ADDED.search(text):
+        return "boxes worked as k + m"
     if not arithmetic_ok:
         return "wrong arithmetic"
     return "steps do not chain" if not consistent else "consistent but wrong"

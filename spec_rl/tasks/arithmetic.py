@@ -23,7 +23,9 @@ from any dataset): counts stay in 1..``max_value`` and divisions are exact;
 restating each event after its connective turns "which event is next" into
 an induction-style copy; digits are tokenized one by one by the demo
 tokenizer. Optional *slips* (``slip_prob``) make some worked solutions
-contain a result off by 1 or 2, used for the demo policy's warm-start.
+contain a result off by 1 or 2, and an optional *misconception*
+(``misconception_prob``) works "k boxes with m in each" as k + m; both are
+used for the demo policy's warm start (docs/design.md "The demo recipe").
 
 Generation is deterministic given the seed: it uses only ``random.Random(seed)``
 (``randrange``/``choice``/``random``, whose output sequences Python keeps stable).
@@ -88,12 +90,30 @@ def _count_event(rng: random.Random, wordings: tuple[str, ...], he: str, b: int,
     return rng.choice(wordings).format(he=he, b=b, obj=obj, friend=friend)
 
 
-def _one_problem(rng: random.Random, steps: int, max_value: int, max_operand: int, slip_prob: float = 0.0):
+def _feasible_ops(x: int, w: int, max_value: int) -> list[str]:
+    """The events possible from true count ``x`` and believed count ``w`` (valid for both)."""
+    lo, hi = min(x, w), max(x, w)
+    options = []
+    if hi + 1 <= max_value:
+        options.append("add")
+    if hi + 4 <= max_value:
+        options.append("group")
+    if lo >= 2:
+        options.append("sub")
+    if 2 * hi <= max_value:
+        options.append("scale")
+    if any(x % k == 0 and w % k == 0 for k in (2, 3, 4, 5)):
+        options.append("share")
+    return options
+
+
+def _one_problem(rng: random.Random, steps: int, max_value: int, max_operand: int, slip_prob: float = 0.0,
+                 misconception_prob: float = 0.0):  # fmt: skip
     """Return (question, solution, answer) for one problem, or None if the draw hit a dead end.
 
     ``x`` is the true count (it defines the question and the answer); ``w`` is
-    the count the worked solution believes (equal to ``x`` unless a slip was
-    injected). Every event is chosen to be valid for both.
+    the count the worked solution believes (equal to ``x`` unless a slip or the
+    misconception was injected). Every event is chosen to be valid for both.
     """
 
     def slip(v: int) -> int:
@@ -111,19 +131,7 @@ def _one_problem(rng: random.Random, steps: int, max_value: int, max_operand: in
     s_lines = [opening]
     for conn in _CONNECTIVES[steps]:
         lo, hi = min(x, w), max(x, w)
-        # Ops feasible from the current count(s).
-        options = []
-        if hi + 1 <= max_value:
-            options.append("add")
-        if hi + 4 <= max_value:
-            options.append("group")
-        if lo >= 2:
-            options.append("sub")
-        if 2 * hi <= max_value:
-            options.append("scale")
-        divisors = [k for k in (2, 3, 4, 5) if x % k == 0 and w % k == 0]
-        if divisors:
-            options.append("share")
+        options = _feasible_ops(x, w, max_value)
         if not options:
             return None
         op = rng.choice(options)
@@ -141,17 +149,20 @@ def _one_problem(rng: random.Random, steps: int, max_value: int, max_operand: in
             # k containers of m items each, with count + k*m <= max_value.
             pairs = [(k, m) for k in range(2, 6) for m in range(2, 10) if hi + k * m <= max_value]
             k, m = rng.choice(pairs)
-            p = slip(k * m)
+            if misconception_prob and rng.random() < misconception_prob:
+                sign, p = "+", k + m  # the teacher's systematic error: adds the two numbers
+            else:
+                sign, p = "*", slip(k * m)
             x, wy = x + k * m, slip(w + p)
             event = f"{he} buys {k} {_plural(container)} with {m} {obj} in each {container}"
-            calc = f"{k} * {m} = {p} more, and {w} + {p} = {wy}"
+            calc = f"{k} {sign} {m} = {p} more, and {w} + {p} = {wy}"
         elif op == "scale":
             f = rng.choice([f for f in (2, 3) if f * hi <= max_value])
             x, wy = x * f, slip(w * f)
             event = f"{he} {'doubles' if f == 2 else 'triples'} {his} {obj}"
             calc = f"{w} * {f} = {wy}"
         else:  # share
-            k = rng.choice(divisors)
+            k = rng.choice([k for k in (2, 3, 4, 5) if x % k == 0 and w % k == 0])
             x, wy = x // k, slip(w // k)
             event = f"{he} splits {his} {obj} into {k} equal groups and keeps one group"
             calc = f"{w} / {k} = {wy}"
@@ -175,6 +186,7 @@ def generate_problems(
     unique: bool = True,
     exclude: set[str] | frozenset[str] | None = None,
     slip_prob: float = 0.0,
+    misconception_prob: float = 0.0,
 ) -> list[Example]:
     """Generate ``n`` arithmetic word problems with worked GSM8K-style solutions.
 
@@ -193,6 +205,11 @@ def generate_problems(
             while ``answer`` stays the true answer. 0 (default) gives correct
             solutions and consumes no extra randomness. Used to give the demo
             policy calibrated arithmetic noise that RL can remove.
+        misconception_prob: probability in [0, 1) that a "k boxes with m in each"
+            line is worked as ``k + m`` instead of ``k * m`` (a *systematic*
+            error, unlike slips: above 0.5 it is the rule the solutions follow
+            most often, so a model trained on them prefers it, and a right
+            answer needs the rarer rule). 0 (default) consumes no randomness.
 
     Returns:
         list of ``n`` :class:`~spec_rl.tasks.data.Example` with ``prompt =
@@ -221,6 +238,9 @@ def generate_problems(
         raise ValueError(f"max_operand must be >= 2, got {max_operand}")
     if isinstance(slip_prob, bool) or not isinstance(slip_prob, (int, float)) or not 0.0 <= slip_prob < 1.0:
         raise ValueError(f"slip_prob must be a float in [0, 1), got {slip_prob!r}")
+    if isinstance(misconception_prob, bool) or not isinstance(misconception_prob, (int, float)) \
+            or not 0.0 <= misconception_prob < 1.0:
+        raise ValueError(f"misconception_prob must be a float in [0, 1), got {misconception_prob!r}")
     rng = random.Random(seed)
     seen: set[str] = set(exclude or ())
     out: list[Example] = []
@@ -233,7 +253,7 @@ def generate_problems(
                 f"lower n or widen max_steps/max_value/max_operand"
             )
         steps = rng.randrange(min_steps, max_steps + 1)
-        drawn = _one_problem(rng, steps, max_value, max_operand, slip_prob)
+        drawn = _one_problem(rng, steps, max_value, max_operand, slip_prob, misconception_prob)
         if drawn is None:
             continue
         question, solution, answer = drawn

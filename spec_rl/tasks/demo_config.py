@@ -35,7 +35,8 @@ class DemoConfig:
     Tokenizer: ``vocab_size`` (BPE target, including 256 byte tokens and 2
     specials), trained on ``tokenizer_corpus`` generated problems.
     SFT: ``sft_examples`` generated problems (seed ``sft_seed``, arithmetic
-    slips injected with probability ``slip_prob`` per written result), ``sft_steps``
+    slips injected with probability ``slip_prob`` per written result, "k boxes with m in each"
+    worked as k + m with probability ``misconception_prob``), ``sft_steps``
     optimizer steps of ``batch_size`` sequences, peak learning rate ``lr``
     after ``warmup_steps``, cosine decay to ``lr * min_lr_ratio``,
     ``weight_decay``; ``seed`` seeds model init and batch order.
@@ -63,6 +64,7 @@ class DemoConfig:
     sft_examples: int = 8192
     sft_seed: int = 42
     slip_prob: float = 0.2
+    misconception_prob: float = 0.6
     sft_steps: int = 700
     batch_size: int = 32
     lr: float = 3e-3
@@ -78,8 +80,9 @@ class DemoConfig:
                 raise ValueError(f"DemoConfig.{f.name} must be a finite number, got {v!r}")
             if isinstance(f.default, int) and not isinstance(v, int):
                 raise ValueError(f"DemoConfig.{f.name} must be an int, got {v!r}")
-        if not 0.0 <= self.slip_prob < 1.0:
-            raise ValueError(f"DemoConfig.slip_prob must be in [0, 1), got {self.slip_prob!r}")
+        for name in ("slip_prob", "misconception_prob"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"DemoConfig.{name} must be in [0, 1), got {getattr(self, name)!r}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"DemoConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
         if self.weight_decay < 0 or self.warmup_steps < 0:

@@ -6,7 +6,8 @@ What :func:`build_demo_policy` makes (all in-process, offline):
 1. A byte-level BPE tokenizer with every digit its own token
    (:mod:`spec_rl.tasks.demo_tokenizer`).
 2. A small Qwen2-architecture causal LM, warm-started by SFT on worked
-   solutions with injected arithmetic slips (:mod:`spec_rl.tasks.demo_sft`),
+   solutions with injected arithmetic slips and one systematic error
+   (:mod:`spec_rl.tasks.demo_sft`),
    on problems disjoint from the demo train/eval sets
    (:mod:`spec_rl.tasks.demo_data`).
 
@@ -17,12 +18,12 @@ normal transformers directory (``config.json``, ``generation_config.json``,
 build record), loadable with ``AutoModelForCausalLM.from_pretrained(path)`` /
 ``AutoTokenizer.from_pretrained(path)``.
 
-The default configuration is tuned (measured on a 2-core CPU, about 2
-minutes of SFT) so that the warm-started policy, sampling at temperature 1
-without top-k/top-p, scores a mean :func:`~spec_rl.tasks.rewards.math_reward` of
-about 0.3 on :func:`demo_train_set` (greedy decoding: about 0.7) with
-responses of about 84 tokens (EOS included; all well under 160); see
-:func:`evaluate_policy`.
+The default configuration (measured on a 2-core CPU, about 2 minutes of SFT)
+gives a warm-started policy that, sampling at temperature 1 without
+top-k/top-p, earns a mean :func:`~spec_rl.tasks.arithmetic.arithmetic_reward`
+of about 0.24 on :func:`demo_eval_set` (greedy decoding: about 0.44; 0.06 on
+the problems with a "boxes" line, 0.70 on the others) with responses of about
+82 tokens (EOS included; all well under 160).
 
 This module also re-exports the demo's public names from those modules, so
 ``spec_rl.tasks.demo_policy`` is the one import a caller needs.
@@ -175,7 +176,8 @@ def _train_into(out: Path, cfg: DemoConfig, progress: bool) -> None:
     texts = [e.prompt + demo_response(e) for e in corpus]
     tokenizer = build_demo_tokenizer(texts, cfg.vocab_size, cfg.max_position_embeddings)
     sft_set = generate_problems(
-        cfg.sft_examples, seed=cfg.sft_seed, exclude=held_out, slip_prob=cfg.slip_prob, **DEMO_TASK_OPTIONS
+        cfg.sft_examples, seed=cfg.sft_seed, exclude=held_out, slip_prob=cfg.slip_prob,
+        misconception_prob=cfg.misconception_prob, **DEMO_TASK_OPTIONS
     )
     model = make_demo_model(cfg, tokenizer)
     record = _sft(model, tokenizer, cfg, sft_set, progress)

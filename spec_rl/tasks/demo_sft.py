@@ -9,9 +9,12 @@ linear warm-up and cosine decay, gradient clipping at 1.0, fixed seed.
 
 Some SFT solutions carry injected arithmetic slips (``DemoConfig.slip_prob``),
 so the warm-started policy samples calibrated arithmetic mistakes: its greedy
-answer is usually right but at temperature 1 it slips, which is exactly what
-RL on the 0/1 answer reward removes (the response format itself is learned
-cleanly).
+answer is usually right but at temperature 1 it slips. Most "k boxes with m in
+each" lines are worked as k + m (``DemoConfig.misconception_prob`` = 0.6: a
+systematic teacher error), so the policy prefers the wrong rule there and
+samples the right one 40% of the time. Both are what RL on the verifiable
+reward removes; the misconception is what lets it raise greedy accuracy
+(docs/design.md "The demo recipe").
 
 Everything here is deterministic given the config: the same operations in the
 same order give the same weights, which is what the checkpoint cache relies on.

@@ -93,6 +93,25 @@ def test_slips_keep_true_answer():
         generate_problems(3, slip_prob=1.0)
 
 
+def test_misconception_adds_instead_of_multiplying_and_keeps_the_true_answer():
+    from spec_rl.tasks.arithmetic import arithmetic_reward
+
+    exs = generate_problems(600, seed=7, misconception_prob=0.6)
+    assert all(int(e.answer) == recompute_answer(e.question) for e in exs)
+    group = [ln for e in exs for ln in e.solution.split("\n") if " in each " in ln]
+    added = [ln for ln in group if re.search(r"has (\d+) \+ (\d+) = (\d+) more", ln)]
+    for ln in added:  # k + m, written as the count of more items
+        k, m, p = map(int, re.search(r"has (\d+) \+ (\d+) = (\d+) more", ln).groups())
+        assert p == k + m
+    assert 0.5 < len(added) / len(group) < 0.7  # 0.6 of the group lines, no other line
+    assert all(" in each " in ln for e in exs for ln in e.solution.split("\n") if "more, and" in ln)
+    wrong = [e for e in exs if not e.solution.endswith(f"#### {e.answer}")]
+    assert wrong and all(check_solution(e.solution) and arithmetic_reward(e.solution, e.answer) == 0.0 for e in wrong)
+    assert generate_problems(30, seed=5, misconception_prob=0.0) == generate_problems(30, seed=5)
+    with pytest.raises(ValueError, match="misconception_prob"):
+        generate_problems(3, misconception_prob=1.0)
+
+
 def test_check_solution_rejects_wrong_steps():
     (e,) = generate_problems(1, seed=0)
     lines = e.solution.split("\n")
@@ -138,10 +157,10 @@ def test_exclude_keeps_sets_disjoint():
 
 def test_demo_sets_fixed_and_disjoint():
     train, evals = dp.demo_train_set(), dp.demo_eval_set()
-    assert len(train) == 256 and len(evals) == 128
+    assert len(train) == 256 and len(evals) == 640
     assert train == dp.demo_train_set()
     assert not ({e.question for e in train} & {e.question for e in evals})
-    assert len({e.uid for e in train + evals}) == 384
+    assert len({e.uid for e in train + evals}) == 896
     assert all(e.solution.endswith(f"#### {e.answer}") for e in train)
 
 
