@@ -122,7 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--eval-fraction", type=_fraction,
                    help="hold out this fraction of the distinct --data prompts for evaluation (chosen with --seed; "
                    "never trained on; --limit applies before the split)")
-    t.add_argument("--eval-samples", type=int, help="fresh samples per held-out prompt at each evaluation (default 4)")
+    t.add_argument("--eval-samples", type=int, help="fresh samples per held-out prompt per evaluation (default 4; demo 1)")
+    t.add_argument("--eval-every", type=int, default=1, metavar="N", help="evaluate after every N-th epoch (and always "
+                   "at the warm start and after the last; default 1)")
     t.add_argument("--no-eval", action="store_true", help="no held-out evaluation (saves its time; runs are then "
                    "not compared on quality)")
     t.add_argument("--out", help="run directory (default: runs/<timestamp>)")
@@ -339,6 +341,7 @@ def _config(args: argparse.Namespace, demo: bool) -> GRPOConfig:
         generation_backend=args.backend,
         save_checkpoint=not args.no_checkpoint,
         eval_samples=pick("eval_samples"),
+        eval_every=args.eval_every,
     )
 
 
@@ -395,7 +398,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     examples, evals = _heldout_examples(args, demo, _load_examples(args, demo))
     plan_run(out, modes, args.resume)  # before the demo policy build, which can take minutes
     model_path = model_path or _model_path(args, demo)
-    heldout = f"{len(evals)} prompts x {config.eval_samples} samples + greedy" if evals else "off"
+    heldout = f"{len(evals)} prompts x {config.eval_samples} sample(s) + greedy" if evals else "off"
     params = count_parameters(model_path)
     print(
         f"run dir: {out} | policy: {'?' if params is None else f'{params:,}'} parameters | modes: {', '.join(modes)} | "

@@ -271,10 +271,15 @@ def _heldout_note(info: dict) -> list[str]:
     if not prompts:
         return ["No held-out evaluation (no held-out set): the rollout reward above is biased under reuse and does "
                 "not compare runs.", ""]  # fmt: skip
-    samples = (info.get("config") or {}).get("eval_samples", "?")
-    return [f"Held-out evaluation: {prompts} prompts not trained on, {samples} fresh samples each with the training "
-            "sampling settings (`held-out`) and one greedy response (`greedy`), before training (epoch 0) and after "
-            "every epoch, with the same seed in every run; never from the rollout cache.", ""]  # fmt: skip
+    config = info.get("config") or {}
+    samples, every, epochs = config.get("eval_samples", "?"), config.get("eval_every", 1), config.get("epochs")
+    when = "every epoch" if every == 1 else f"every {every}th epoch and the last"
+    last_only = [m for m, c in (info.get("runs") or {}).items() if epochs and c.get("eval_every", 1) >= epochs > every]
+    lossless = (f" {' and '.join(last_only)} produce vanilla's responses token for token and are evaluated after the "
+                "last epoch only.") if last_only else ""  # fmt: skip
+    return [f"Held-out evaluation: {prompts} prompts not trained on, {samples} fresh sample(s) each with the training "
+            f"sampling settings (`held-out`) and one greedy response (`greedy`), before training (epoch 0) and after "
+            f"{when}, with the same seed in every run; never from the rollout cache.{lossless}", ""]  # fmt: skip
 
 
 def write_report(

@@ -14,7 +14,7 @@ import torch
 from ..backends.protocol import eos_token_ids
 from ..util.atomic import remove_leftovers
 from .checkpoint import latest_checkpoint
-from .config import MODE_PRESETS, GRPOConfig, log_lenience_of, resolve_device
+from .config import LOSSLESS_MODES, MODE_PRESETS, GRPOConfig, log_lenience_of, resolve_device
 from .grpo import GRPOTrainer
 from .report import format_row, header_row, write_report
 from .resume_check import check_resume, run_fingerprint, stored_info
@@ -80,6 +80,15 @@ def policy_eos_ids(path: str | Path) -> set[int]:
     return eos_token_ids(holder, AutoTokenizer.from_pretrained(path))
 
 
+def mode_configs(config: GRPOConfig, modes: Sequence[str]) -> dict[str, GRPOConfig]:
+    """Each label's config: ``config`` with its :data:`MODE_PRESETS` fields; beside vanilla the
+    :data:`LOSSLESS_MODES` are evaluated after the last epoch only (their evaluations would repeat vanilla's)."""
+    configs = {mode: dataclasses.replace(config, **MODE_PRESETS[mode]) for mode in modes if mode in MODE_PRESETS}
+    if "vanilla" in modes:
+        configs.update({m: dataclasses.replace(configs[m], eval_every=config.epochs) for m in configs if m in LOSSLESS_MODES})
+    return configs
+
+
 def _run_info(model_path, device, config: GRPOConfig, summary: dict, train_prompts: int, eval_prompts: int) -> dict:
     return {
         "model": str(model_path),
@@ -92,7 +101,7 @@ def _run_info(model_path, device, config: GRPOConfig, summary: dict, train_promp
         "config": config.to_dict(),
         "modes": list(summary),
         # each run's own settings: the base config with its MODE_PRESETS fields applied
-        "runs": {m: dataclasses.replace(config, **MODE_PRESETS[m]).to_dict() for m in summary if m in MODE_PRESETS},
+        "runs": {m: c.to_dict() for m, c in mode_configs(config, list(summary)).items()},
         "train_prompts": train_prompts,
         # held-out evaluation: prompts x config.eval_samples fresh samples + greedy, at epochs 0..E (0: off)
         "eval_prompts": eval_prompts,
@@ -121,7 +130,9 @@ def run_modes(
     With ``resume`` every label continues from its committed checkpoint (a label without one, and
     without finished epochs, starts at epoch 1), and the records of labels not in ``modes`` stay
     in summary.json. With ``eval_examples`` every run is evaluated on them before training and after
-    every epoch (:mod:`spec_rl.trainer.heldout`); the warm-start evaluation is computed once and
+    every ``config.eval_every``-th epoch (:mod:`spec_rl.trainer.heldout`; the lossless modes of
+    :data:`~spec_rl.trainer.config.LOSSLESS_MODES` beside vanilla only after the last: their responses
+    are vanilla's token for token); the warm-start evaluation is computed once and
     shared, since every run starts from the same weights with the same seed. A resume compares the
     run's configuration with the stored one (:mod:`spec_rl.trainer.resume_check`): a change of what a
     response can be or of the training recipe is refused unless ``allow_config_change``, which records it in run_info.json; a
@@ -140,7 +151,7 @@ def run_modes(
     bad = [m for m in modes if m not in MODE_PRESETS]
     if bad:
         raise ValueError(f"unknown mode(s) {bad}; choose from {list(MODE_PRESETS)}")
-    configs = {mode: dataclasses.replace(config, **MODE_PRESETS[mode]) for mode in modes}  # all checked before any trains
+    configs = mode_configs(config, modes)  # all checked before any trains
     out_dir = Path(out_dir)
     device = resolve_device(config.device)
     plan = plan_run(out_dir, modes, resume)

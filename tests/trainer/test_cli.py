@@ -214,6 +214,7 @@ BAD_EVAL_FLAGS = [
     (["--eval-fraction", "half"], "argument --eval-fraction: must be a number in (0, 1), got 'half'"),
     (["--eval-samples", "0", "--eval-fraction", "0.5"], "--eval-samples must be an integer >= 1, got 0"),
     (["--eval-samples", "2.5"], "argument --eval-samples: invalid int value: '2.5'"),
+    (["--eval-every", "0", "--eval-fraction", "0.5"], "--eval-every must be an integer >= 1, got 0"),
     (["--eval-data", "EVAL", "--eval-fraction", "0.5"], "pass either --eval-data or --eval-fraction, not both"),
     (["--no-eval", "--eval-data", "EVAL"], "--no-eval turns held-out evaluation off; drop --eval-data"),
     (["--no-eval", "--eval-samples", "2"], "--no-eval turns held-out evaluation off; drop --eval-samples"),
@@ -248,7 +249,7 @@ def test_eval_fraction_and_eval_data_evaluate_every_epoch(model_dir, data_file, 
         assert all("heldout_reward" in r and "heldout_greedy_accuracy" in r for r in summary[mode])
         assert "start_heldout_reward" in summary[mode][0]
     printed = capsys.readouterr().out
-    assert "held-out: 1 prompts x 2 samples + greedy" in printed
+    assert "held-out: 1 prompts x 2 sample(s) + greedy" in printed
     assert "vanilla: held-out reward" in printed and "final held-out reward" in printed
     assert "| held-out |" in (out / "report.md").read_text()
     out = tmp_path / "file"

@@ -74,6 +74,25 @@ def test_evaluations_run_at_epochs_0_to_E_with_keyed_seeds_and_land_in_the_recor
     assert [p["epoch"] for p in heldout_curve(records)] == [0, 1, 2]
 
 
+def test_eval_every_skips_epochs_but_always_evaluates_the_warm_start_and_the_last(tmp_path, seen_seeds):
+    records = _trainer(tmp_path, epochs=5, eval_every=2).train()
+    assert seen_seeds == [heldout_seed(5, e) for e in (0, 2, 4, 5)]
+    assert [p["epoch"] for p in heldout_curve(records)] == [0, 2, 4, 5]
+    assert "heldout_reward" not in records[0] and START + "heldout_reward" in records[0]
+    with pytest.raises(ValueError, match="eval_every"):
+        _config(eval_every=0)
+
+
+def test_lossless_modes_beside_vanilla_are_evaluated_after_the_last_epoch_only():
+    from spec_rl.trainer.run import mode_configs
+
+    base = _config(epochs=4)
+    together = mode_configs(base, ["vanilla", "spec", "exact", "histspec"])
+    assert {m: c.eval_every for m, c in together.items()} == {"vanilla": 1, "spec": 1, "exact": 4, "histspec": 4}
+    alone = mode_configs(base, ["exact", "histspec"])  # nothing to repeat: every epoch
+    assert {c.eval_every for c in alone.values()} == {1}
+
+
 def test_the_warm_start_evaluation_is_the_same_in_every_mode(tmp_path):
     starts = {}
     for mode in ("vanilla", "spec", "random"):
@@ -149,7 +168,7 @@ def test_demo_heldout_set_is_disjoint_from_the_train_set():
     from spec_rl.tasks.demo_data import demo_eval_set, demo_train_set
 
     train, evals = demo_train_set(), demo_eval_set()
-    assert len(evals) == 128 and evals == demo_eval_set()
+    assert len(evals) == 640 and evals == demo_eval_set()
     assert not {e.prompt for e in train} & {e.prompt for e in evals}
     assert not {e.uid for e in train} & {e.uid for e in evals}
 

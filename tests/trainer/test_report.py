@@ -56,7 +56,12 @@ def test_report_has_the_warm_start_row_the_origin_table_and_the_heldout_panel(tm
     md = out["report"].read_text()
     assert "| vanilla | 0 | 0.250 | 0.600 | - |" in md and "| spec | 2 | 0.350 | 0.580 | - | - | - | 0.500 |" in md
     assert "## Rollout reward by response origin" in md and "| spec | 2 | 0.500 | n/a (0) | n/a (0) | 0.500 (16) | 0.350 |" in md
-    assert "8 prompts not trained on, 4 fresh samples each" in md
+    assert "8 prompts not trained on, 4 fresh sample(s) each" in md and "after every epoch," in md
+    assert "evaluated after the last epoch only" not in md
+    info.update(config={"eval_samples": 1, "eval_every": 1, "epochs": 2},
+                runs={"vanilla": {"eval_every": 1}, "exact": {"eval_every": 2}, "histspec": {"eval_every": 2}})
+    md = write_report(tmp_path, SUMMARY, info, plot_png=False)["report"].read_text()
+    assert "exact and histspec produce vanilla's responses token for token and are evaluated after the last" in md
     assert "| spec | 0.200 | 0.200 | 0.400 |" in md and "| -0.050 | +0.030 |" in md
     assert out["plot"].stat().st_size > 10_000
     assert json.loads(out["summary"].read_text()) == SUMMARY
