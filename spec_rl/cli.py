@@ -123,8 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hold out this fraction of the distinct --data prompts for evaluation (chosen with --seed; "
                    "never trained on; --limit applies before the split)")
     t.add_argument("--eval-samples", type=int, help="fresh samples per held-out prompt per evaluation (default 4; demo 1)")
-    t.add_argument("--eval-every", type=int, default=1, metavar="N", help="evaluate after every N-th epoch (and always "
-                   "at the warm start and after the last; default 1)")
+    t.add_argument("--eval-every", type=int, metavar="N", help="evaluate after every N-th epoch (and always at the warm "
+                   "start and after the last; default 1)")
     t.add_argument("--no-eval", action="store_true", help="no held-out evaluation (saves its time; runs are then "
                    "not compared on quality)")
     t.add_argument("--out", help="run directory (default: runs/<timestamp>)")
@@ -265,7 +265,7 @@ def _heldout_examples(args: argparse.Namespace, demo: bool, examples: list) -> t
     from .tasks.evaluation import heldout_split
 
     chosen = [flag for flag, on in (("--eval-data", args.eval_data), ("--eval-fraction", args.eval_fraction is not None),
-                                    ("--eval-samples", args.eval_samples is not None)) if on]  # fmt: skip
+              ("--eval-samples", args.eval_samples is not None), ("--eval-every", args.eval_every is not None)) if on]
     if args.no_eval:
         if chosen:
             raise UsageError(f"--no-eval turns held-out evaluation off; drop {' and '.join(chosen)}")
@@ -284,8 +284,8 @@ def _heldout_examples(args: argparse.Namespace, demo: bool, examples: list) -> t
         except ValueError as err:
             raise UsageError(f"--eval-fraction {args.eval_fraction:g}: {err}") from None
     if not args.eval_data:
-        if args.eval_samples is not None:
-            raise UsageError("--eval-samples needs a held-out set: pass --eval-data FILE or --eval-fraction F")
+        if chosen:  # --eval-samples / --eval-every without a held-out set
+            raise UsageError(f"{chosen[0]} needs a held-out set: pass --eval-data FILE or --eval-fraction F")
         print("held-out evaluation: off (no held-out set; pass --eval-data FILE or --eval-fraction F)")
         return examples, None
     evals = load_jsonl(args.eval_data, fmt=args.data_format)
@@ -341,7 +341,7 @@ def _config(args: argparse.Namespace, demo: bool) -> GRPOConfig:
         generation_backend=args.backend,
         save_checkpoint=not args.no_checkpoint,
         eval_samples=pick("eval_samples"),
-        eval_every=args.eval_every,
+        eval_every=1 if args.eval_every is None else args.eval_every,
     )
 
 

@@ -214,8 +214,8 @@ def generate_problems(
     Returns:
         list of ``n`` :class:`~spec_rl.tasks.data.Example` with ``prompt =
         format_prompt(question)``, ``answer`` the final count as a decimal
-        string, ``solution`` ending in ``"#### <answer>"`` (unless a slip was
-        injected), ``source="arith"``
+        string, ``solution`` ending in ``"#### <answer>"`` (unless a slip or
+        the misconception changed a result), ``source="arith"``
         and ``uid = f"arith:{seed}:{i}"`` (i = index in the returned list).
 
     Raises:

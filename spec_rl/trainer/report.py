@@ -178,7 +178,7 @@ def heldout_progress(mode: str, records: list[dict]) -> str | None:
 
 def _final_heldout_text(r: dict) -> str:
     if r["final_heldout_reward"] is None:
-        return "held-out: not evaluated (no held-out set)"
+        return "held-out: not evaluated (--no-eval, or no held-out set)"
     return (f"final held-out reward {r['final_heldout_reward']:.3f} ({_fmt(r['final_heldout_reward_minus_vanilla'], '+.3f')} "
             f"vs vanilla), greedy accuracy {r['final_heldout_greedy_accuracy']:.3f} "
             f"({_fmt(r['final_greedy_accuracy_minus_vanilla'], '+.3f')})")  # fmt: skip
@@ -269,14 +269,15 @@ def _comparison_markdown(summary: dict[str, list[dict]]) -> list[str]:
 def _heldout_note(info: dict) -> list[str]:
     prompts = info.get("eval_prompts") or 0
     if not prompts:
-        return ["No held-out evaluation (no held-out set): the rollout reward above is biased under reuse and does "
+        return ["No held-out evaluation (--no-eval, or no held-out set): the rollout reward above is biased under reuse and does "
                 "not compare runs.", ""]  # fmt: skip
     config = info.get("config") or {}
     samples, every, epochs = config.get("eval_samples", "?"), config.get("eval_every", 1), config.get("epochs")
-    when = "every epoch" if every == 1 else f"every {every}th epoch and the last"
+    when = "every epoch" if every == 1 else f"every {every} epochs and after the last"
     last_only = [m for m, c in (info.get("runs") or {}).items() if epochs and c.get("eval_every", 1) >= epochs > every]
-    lossless = (f" {' and '.join(last_only)} produce vanilla's responses token for token and are evaluated after the "
-                "last epoch only.") if last_only else ""  # fmt: skip
+    produce, are = ("produce", "are") if len(last_only) > 1 else ("produces", "is")
+    lossless = (f" {' and '.join(last_only)} {produce} vanilla's responses token for token and, beside vanilla, {are} "
+                "evaluated at the warm start and after the last epoch only.") if last_only else ""  # fmt: skip
     return [f"Held-out evaluation: {prompts} prompts not trained on, {samples} fresh sample(s) each with the training "
             f"sampling settings (`held-out`) and one greedy response (`greedy`), before training (epoch 0) and after "
             f"{when}, with the same seed in every run; never from the rollout cache.{lossless}", ""]  # fmt: skip

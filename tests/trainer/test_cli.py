@@ -218,6 +218,8 @@ BAD_EVAL_FLAGS = [
     (["--eval-data", "EVAL", "--eval-fraction", "0.5"], "pass either --eval-data or --eval-fraction, not both"),
     (["--no-eval", "--eval-data", "EVAL"], "--no-eval turns held-out evaluation off; drop --eval-data"),
     (["--no-eval", "--eval-samples", "2"], "--no-eval turns held-out evaluation off; drop --eval-samples"),
+    (["--no-eval", "--eval-every", "2"], "--no-eval turns held-out evaluation off; drop --eval-every"),
+    (["--eval-every", "2"], "--eval-every needs a held-out set: pass --eval-data FILE or --eval-fraction F"),
     (["--eval-samples", "2"], "--eval-samples needs a held-out set: pass --eval-data FILE or --eval-fraction F"),
     (["--eval-data", "MISSING"], "MISSING"),
     (["--limit", "1", "--eval-fraction", "0.5"], "--eval-fraction 0.5: 1 distinct prompt(s) cannot be split"),

@@ -33,7 +33,7 @@ def test_closing_lines_compare_heldout_numbers_not_rollout_reward():
     assert spec["final_reward_minus_vanilla"] > 0 > spec["final_heldout_reward_minus_vanilla"]  # the bias, in numbers
     no_eval = {m: [{k: v for k, v in r.items() if "heldout" not in k} for r in recs] for m, recs in SUMMARY.items()}
     (line,) = closing_lines(no_eval)
-    assert line.endswith("held-out: not evaluated (no held-out set)")
+    assert line.endswith("held-out: not evaluated (--no-eval, or no held-out set)")
     assert closing_lines({"spec": SUMMARY["spec"]}) == ["spec: held-out reward 0.250 -> 0.350, greedy accuracy 0.600 -> "
                                                         "0.580 (epochs 0 -> 2, 8 held-out prompts)"]  # fmt: skip
 
@@ -61,7 +61,14 @@ def test_report_has_the_warm_start_row_the_origin_table_and_the_heldout_panel(tm
     info.update(config={"eval_samples": 1, "eval_every": 1, "epochs": 2},
                 runs={"vanilla": {"eval_every": 1}, "exact": {"eval_every": 2}, "histspec": {"eval_every": 2}})
     md = write_report(tmp_path, SUMMARY, info, plot_png=False)["report"].read_text()
-    assert "exact and histspec produce vanilla's responses token for token and are evaluated after the last" in md
+    assert ("exact and histspec produce vanilla's responses token for token and, beside vanilla, are evaluated at the "
+            "warm start and after the last epoch only.") in md
+    info["runs"] = {"vanilla": {"eval_every": 1}, "exact": {"eval_every": 2}}
+    md = write_report(tmp_path, SUMMARY, info, plot_png=False)["report"].read_text()
+    assert "exact produces vanilla's responses token for token and, beside vanilla, is evaluated" in md
+    info["config"]["eval_every"] = 2
+    md = write_report(tmp_path, SUMMARY, info, plot_png=False)["report"].read_text()
+    assert "after every 2 epochs and after the last," in md
     assert "| spec | 0.200 | 0.200 | 0.400 |" in md and "| -0.050 | +0.030 |" in md
     assert out["plot"].stat().st_size > 10_000
     assert json.loads(out["summary"].read_text()) == SUMMARY
