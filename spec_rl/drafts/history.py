@@ -45,7 +45,6 @@ _FORMAT_VERSION = "1"
 _FIX = "delete the file or restore a backup (without it speculation restarts from an empty history)"
 
 
-
 def in_vocab_prefix(tokens: list[int], vocab_size: int | None) -> list[int]:
     """``tokens`` up to the first id outside [0, vocab_size) (all of them when vocab_size is None)."""
     if vocab_size is not None:
@@ -61,6 +60,7 @@ def matched_prefix(proposal: Sequence[int], emitted: Sequence[int]) -> int:
     while n < len(proposal) and n < len(emitted) and proposal[n] == emitted[n]:
         n += 1
     return n
+
 
 class SuffixAutomaton:
     """Suffix automaton over a growing token text (Blumer et al. 1985), with one end position per state.

@@ -90,6 +90,11 @@ def _count_event(rng: random.Random, wordings: tuple[str, ...], he: str, b: int,
     return rng.choice(wordings).format(he=he, b=b, obj=obj, friend=friend)
 
 
+def _share_divisors(x: int, w: int) -> list[int]:
+    """Group counts k that split both the true count ``x`` and the believed count ``w`` exactly."""
+    return [k for k in (2, 3, 4, 5) if x % k == 0 and w % k == 0]
+
+
 def _feasible_ops(x: int, w: int, max_value: int) -> list[str]:
     """The events possible from true count ``x`` and believed count ``w`` (valid for both)."""
     lo, hi = min(x, w), max(x, w)
@@ -102,7 +107,7 @@ def _feasible_ops(x: int, w: int, max_value: int) -> list[str]:
         options.append("sub")
     if 2 * hi <= max_value:
         options.append("scale")
-    if any(x % k == 0 and w % k == 0 for k in (2, 3, 4, 5)):
+    if _share_divisors(x, w):
         options.append("share")
     return options
 
@@ -162,7 +167,7 @@ def _one_problem(rng: random.Random, steps: int, max_value: int, max_operand: in
             event = f"{he} {'doubles' if f == 2 else 'triples'} {his} {obj}"
             calc = f"{w} * {f} = {wy}"
         else:  # share
-            k = rng.choice([k for k in (2, 3, 4, 5) if x % k == 0 and w % k == 0])
+            k = rng.choice(_share_divisors(x, w))
             x, wy = x // k, slip(w // k)
             event = f"{he} splits {his} {obj} into {k} equal groups and keeps one group"
             calc = f"{w} / {k} = {wy}"
@@ -236,11 +241,9 @@ def generate_problems(
         raise ValueError(f"max_value must be >= 10, got {max_value}")
     if max_operand < 2:
         raise ValueError(f"max_operand must be >= 2, got {max_operand}")
-    if isinstance(slip_prob, bool) or not isinstance(slip_prob, (int, float)) or not 0.0 <= slip_prob < 1.0:
-        raise ValueError(f"slip_prob must be a float in [0, 1), got {slip_prob!r}")
-    if isinstance(misconception_prob, bool) or not isinstance(misconception_prob, (int, float)) \
-            or not 0.0 <= misconception_prob < 1.0:
-        raise ValueError(f"misconception_prob must be a float in [0, 1), got {misconception_prob!r}")
+    for name, prob in (("slip_prob", slip_prob), ("misconception_prob", misconception_prob)):
+        if isinstance(prob, bool) or not isinstance(prob, (int, float)) or not 0.0 <= prob < 1.0:
+            raise ValueError(f"{name} must be a float in [0, 1), got {prob!r}")
     rng = random.Random(seed)
     seen: set[str] = set(exclude or ())
     out: list[Example] = []

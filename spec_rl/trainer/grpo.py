@@ -373,9 +373,9 @@ class GRPOTrainer:
         """The record of a finished epoch (0-based ``epoch``), with the held-out evaluation after it."""
         cfg = self.config
         record = epoch_record(epoch + 1, steps, self.label, cfg.lenience, cfg.acceptance)
-        if self.heldout is not None and ((epoch + 1) % cfg.eval_every == 0 or epoch + 1 == cfg.epochs):
-            record.update(self.heldout.evaluate(self.model, epoch + 1))
         if self.heldout is not None:
+            if (epoch + 1) % cfg.eval_every == 0 or epoch + 1 == cfg.epochs:
+                record.update(self.heldout.evaluate(self.model, epoch + 1))
             if start is not None and epoch == 0:
                 record.update({START + k: v for k, v in start.items()})
         return record
