@@ -9,20 +9,24 @@ and with SPEC-RL on identical seeds and prints per-epoch rows.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import time
 from pathlib import Path
 
+from .cli_types import fraction as _fraction
+from .cli_types import lenience as _lenience
+from .cli_types import positive_int as _positive_int
 from .trainer.config import (
     ACCEPTANCE_RULES,
     DEMO_DEFAULTS,
     DEMO_LENIENCE,
     DEMO_LENIENCE_SOURCE,
     DEMO_MODES,
+    DEMO_REJECTION_DRAW,
     MODE_PRESETS,
     MODEL_DEFAULTS,
+    REJECTION_DRAWS,
     ConfigError,
     GRPOConfig,
 )
@@ -71,37 +75,6 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see `{self.prog} --help`)")
 
 
-def _lenience(text: str) -> float | str:
-    if text == "auto":
-        return "auto"
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if math.isnan(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a number >= 0 (or inf), or auto; got {text!r}")
-    return value
-
-
-def _checked(parse, ok, requirement: str):
-    """An argparse ``type``: ``parse(text)`` that passes ``ok``, else "must be <requirement>, got <text>"."""
-
-    def convert(text: str):
-        try:
-            value = parse(text)
-        except ValueError:
-            value = None
-        if value is None or not ok(value):
-            raise argparse.ArgumentTypeError(f"must be {requirement}, got {text!r}")
-        return value
-
-    return convert
-
-
-_fraction = _checked(float, lambda v: 0.0 < v < 1.0, "a number in (0, 1)")
-_positive_int = _checked(int, lambda v: v >= 1, "an integer >= 1")
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="spec-rl", description="Speculative rollouts for RL on LLMs (SPEC-RL).")
     sub = p.add_subparsers(dest="command", required=True)
@@ -139,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--target-drift", type=float, default=None,
                    help="with --lenience auto: bound on the mean |lp_new - lp_old| of reused tokens, nats (default 0.014)")
     t.add_argument("--lenience", type=_lenience, default=None,
-                   help="SPEC-RL lenience l (default: e^0.5, the paper's GRPO setting, with --model; e^0.2 on the demo, where e^0.5 costs held-out reward; 0 means vanilla)")
+                   help="SPEC-RL lenience l (default: e^0.5, the paper's GRPO setting, with --model; 1 on the demo, where e^0.5 costs held-out reward; 0 means vanilla)")
     cmp = t.add_mutually_exclusive_group()
     cmp.add_argument("--compare", dest="compare", action="store_true", default=None, help="also run vanilla GRPO on identical seeds")
     cmp.add_argument("--no-compare", dest="compare", action="store_false", help="run only the selected mode")
@@ -150,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument("--acceptance", choices=ACCEPTANCE_RULES, default="lenient",
                    help="lenient: the paper's rule; exact: lossless acceptance (the response is a fresh sample of the policy)")
+    t.add_argument("--rejection-draw", choices=REJECTION_DRAWS, default=None,
+                   help="the token at a lenient rejection: policy (the paper: from the current policy) or without-draft "
+                   "(the rejected draft token removed; exact speculative sampling for two-token choices); "
+                   "default: policy, without-draft on the demo")
     hist = t.add_mutually_exclusive_group()
     hist.add_argument("--history-spec", dest="history_spec", action="store_true", default=None,
                       help="verify tokens drafted from the prompt's earlier responses in every decode step (default on for spec)")
@@ -212,6 +189,8 @@ def _check_combinations(args: argparse.Namespace, modes: list[str]) -> None:
         raise UsageError("--acceptance exact applies to SPEC-RL runs (spec, exact); the selected runs reuse no drafts")
     if args.acceptance == "exact" and args.lenience not in (None, 1.0):
         raise UsageError("--lenience applies to lenient acceptance only; exact acceptance has no lenience")
+    if args.rejection_draw == "without-draft" and ("spec" not in modes or args.acceptance == "exact"):
+        raise UsageError("--rejection-draw applies to lenient SPEC-RL runs (spec); the selected runs draw no token at a lenient rejection")
     if "histspec" in modes and (args.history_spec is False or args.spec_tokens == 0):
         raise UsageError("histspec is vanilla with history speculation: drop --no-history-spec / --spec-tokens 0, or run vanilla")
 
@@ -302,6 +281,10 @@ def _fmt_lenience(lenience) -> str:
     return lenience if isinstance(lenience, str) else f"{lenience:.4g}"
 
 
+def _draw_note(config: GRPOConfig) -> str:
+    return " (rejection draw: without-draft)" if config.rejection_draw == "without-draft" else ""
+
+
 def _config(args: argparse.Namespace, demo: bool) -> GRPOConfig:
     """GRPOConfig from the flags; the demo and a user's model have different defaults."""
     defaults = DEMO_DEFAULTS if demo else MODEL_DEFAULTS
@@ -319,6 +302,7 @@ def _config(args: argparse.Namespace, demo: bool) -> GRPOConfig:
         algorithm="dapo" if args.clip_higher else "grpo",
         **({} if args.target_drift is None else {"target_drift": args.target_drift}),
         acceptance=args.acceptance,
+        rejection_draw=args.rejection_draw or (DEMO_REJECTION_DRAW if demo and args.acceptance == "lenient" else "policy"),
         history_spec=args.history_spec,
         spec_tokens=args.spec_tokens,
         sibling_drafts=args.sibling_drafts,
@@ -403,7 +387,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(
         f"run dir: {out} | policy: {'?' if params is None else f'{params:,}'} parameters | modes: {', '.join(modes)} | "
         f"prompts: {len(examples)} | G={config.group_size} | epochs={config.epochs} | "
-        f"lenience l={_fmt_lenience(config.lenience)} | held-out: {heldout}"
+        f"lenience l={_fmt_lenience(config.lenience)}{_draw_note(config)} | held-out: {heldout}"
     )
     t0 = time.perf_counter()
     summary = run_modes(model_path, examples, reward_fn, config, modes, out, progress=not args.no_progress,

@@ -3,6 +3,12 @@
 Token i of a draft is accepted iff ``log u_i <= log l + lp_new_i - lp_old_i`` (paper Sec. 3, Alg. 1;
 :func:`spec_rl.acceptance.dispatch.verify` decides), and the token at the rejection index n is then drawn from the
 scoring pass's own output at position n, keyed by (uid, absolute position) like every decoded token.
+The paper draws that token from pi_t itself, so the rejected draft token can be drawn again; with
+``rejection_draw="without-draft"`` it is drawn from pi_t with the rejected token removed (renormalised).
+Only q(y_n) of the draft is stored, not the whole old distribution q, so exact speculative sampling's
+residual max(0, p - q) cannot be formed; removing y_n is that residual when the vocabulary has two
+tokens, and in general it stops the rule from drawing the token it just rejected (docs/design.md
+"Lenient reuse and learning").
 With ``log_lenience=None`` the lenience is chosen for this step by :mod:`spec_rl.acceptance.adaptive`.
 """
 
@@ -45,8 +51,10 @@ def lenient_prefixes(
     strategy: str,
     verify_backend: str,
     device: torch.device,
+    rejection_draw: str = "policy",
 ) -> LenientOutcome:
-    """Rejection index and token at n of every drafted row (``log_lenience`` None: adaptive, see module docstring)."""
+    """Rejection index and token at n of every drafted row (``log_lenience`` None: adaptive; ``rejection_draw``:
+    "policy" or "without-draft", see module docstring)."""
     max_r = max([len(d) for d in draft_ids] + [1])
     # one host tensor per field, then one copy to the device (per-row torch.tensor calls cost ~7% of scoring)
     lengths = int64_tensor([len(d) for d in draft_ids])
@@ -72,9 +80,12 @@ def lenient_prefixes(
                       [lp_new[row, : n[row]].tolist() for row in range(len(n))], [None] * len(n), [None] * len(n))  # fmt: skip
     rows = [row for row in range(len(draft_ids)) if n[row] < len(draft_ids[row])]
     if rows:  # the token at n, from the scoring output there (rule step 4)
-        logits = scores.logits_at(torch.tensor(rows, device=device), torch.tensor([n[r] for r in rows], device=device))
+        rows_t, n_t = torch.tensor(rows, device=device), torch.tensor([n[r] for r in rows], device=device)
+        logits = scores.logits_at(rows_t, n_t)
         positions = torch.tensor([prompt_lens[r] + n[r] for r in rows], device=device)
-        tok, tok_lp = keyed_sample(logits, settings, sample_seed, uids_t[rows], positions)
+        # the random-reuse ablation's n is not a rejection: its token at n comes from pi_t
+        exclude = ids_t[rows_t, n_t] if rejection_draw == "without-draft" and strategy == "spec" else None
+        tok, tok_lp = keyed_sample(logits, settings, sample_seed, uids_t[rows], positions, exclude=exclude)
         for r, t, lp in zip(rows, tok.tolist(), tok_lp.tolist()):
             walk.next_token[r], walk.next_logprob[r] = t, lp
     drift = accepted_drift(result.new_logprobs, old_t, lengths, result.accepted_len)

@@ -38,6 +38,9 @@ from .scores import DraftScores
 
 #: "lenient": the paper's rule (Alg. 1); "exact": lossless acceptance of a point-mass draft.
 ACCEPTANCE_RULES = ("lenient", "exact")
+#: The token at a lenient rejection: "policy" draws it from pi_t (the paper, Alg. 1); "without-draft"
+#: from pi_t without the rejected draft token (spec_rl.acceptance.lenient).
+REJECTION_DRAWS = ("policy", "without-draft")
 #: The paper's lenience per RL algorithm (App. A.1): GRPO e^0.5, PPO e^0.3, DAPO e^0.15.
 LENIENCE_DEFAULTS = {"grpo": math.exp(0.5), "ppo": math.exp(0.3), "dapo": math.exp(0.15)}
 

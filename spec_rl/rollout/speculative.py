@@ -33,7 +33,7 @@ import torch
 from ..acceptance.adaptive import DEFAULT_TARGET_DRIFT
 from ..acceptance.exact_walk import WalkResult, walk_tries
 from ..acceptance.lenient import lenient_prefixes
-from ..acceptance.reference import ACCEPTANCE_RULES, lenience_to_log
+from ..acceptance.reference import ACCEPTANCE_RULES, REJECTION_DRAWS, lenience_to_log
 from ..backends.checks import (
     BackendContractError, backend_name, check_backend, check_continuations, check_model_len, check_scored,
     scores_vocab_size, token_ids,
@@ -128,6 +128,8 @@ class SpeculativeRollout:
         seed: run seed; per-step seeds are derived with :func:`spec_rl.sampling.philox.mix_seed`.
         verify_backend: passed to :func:`spec_rl.acceptance.dispatch.verify`.
         acceptance: "lenient" (the paper's rule, default) or "exact" (lossless; lenience unused).
+        rejection_draw: the token at a lenient rejection index: "policy" (default, the paper: from pi_t) or
+            "without-draft" (from pi_t without the rejected draft token; :mod:`spec_rl.acceptance.lenient`).
         history: per-prompt index of earlier responses; when given, continuations verify
             history-drafted tokens at every decode step (tail speculation) and every stored
             response is indexed.
@@ -162,12 +164,15 @@ class SpeculativeRollout:
         history: HistoryIndex | None = None,
         sibling_drafts: bool = False,
         target_drift: float = DEFAULT_TARGET_DRIFT,
+        rejection_draw: str = "policy",
     ):
         check_backend(backend)
         check_settings(settings)
         if acceptance not in ACCEPTANCE_RULES:
             raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {acceptance!r}")
         _check_strategy(strategy, acceptance)
+        if rejection_draw not in REJECTION_DRAWS:
+            raise ValueError(f"rejection_draw must be one of {REJECTION_DRAWS}, got {rejection_draw!r}")
         if not eos_ids:
             raise ValueError("eos_ids must list at least one end-of-sequence id")
         vocab = getattr(backend, "vocab_size", None)
@@ -185,6 +190,7 @@ class SpeculativeRollout:
         self.seed = check_int("seed", seed)
         self.verify_backend = verify_backend
         self.acceptance = acceptance
+        self.rejection_draw = rejection_draw
         self.history = history
         self.sibling_drafts = bool(sibling_drafts)
 
@@ -325,7 +331,7 @@ class SpeculativeRollout:
             draft_ids, [batch.drafts[i].logprobs for i in batch.drafted], [len(batch.prompts[i]) for i in batch.drafted],
             self._uids(batch, batch.drafted), scores, self.settings, log_lenience=self.log_lenience,
             target_drift=self.target_drift, seed=batch.seed, sample_seed=batch.sample_seed, strategy=batch.strategy,
-            verify_backend=self.verify_backend, device=self.backend.device,
+            verify_backend=self.verify_backend, device=self.backend.device, rejection_draw=self.rejection_draw,
         )  # fmt: skip
         batch.stats.log_lenience, batch.stats.reused_drift = out.log_lenience, out.drift
         return out.walk

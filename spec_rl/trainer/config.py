@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..acceptance.adaptive import DEFAULT_TARGET_DRIFT
-from ..acceptance.reference import LENIENCE_DEFAULTS
+from ..acceptance.reference import LENIENCE_DEFAULTS, REJECTION_DRAWS
 
 MODES = ("vanilla", "spec", "random", "random-ref")
 GENERATION_BACKENDS = ("auto", "transformers", "paged", "vllm")
@@ -120,12 +120,12 @@ def resolve_device(name: str) -> torch.device:
 #: is the reference of every ratio; "histspec" is vanilla decoding with history speculation only
 #: (the HistoSpec-style baseline), "exact" is SPEC-RL with lossless acceptance.
 MODE_PRESETS = {
-    "vanilla": dict(mode="vanilla", history_spec=False),
-    "histspec": dict(mode="vanilla", history_spec=True),
+    "vanilla": dict(mode="vanilla", history_spec=False, rejection_draw="policy"),
+    "histspec": dict(mode="vanilla", history_spec=True, rejection_draw="policy"),
     "spec": dict(mode="spec"),
-    "exact": dict(mode="spec", acceptance="exact"),
-    "random": dict(mode="random"),
-    "random-ref": dict(mode="random-ref"),
+    "exact": dict(mode="spec", acceptance="exact", rejection_draw="policy"),
+    "random": dict(mode="random", rejection_draw="policy"),
+    "random-ref": dict(mode="random-ref", rejection_draw="policy"),
     "auto": dict(mode="spec", lenience="auto"),
 }
 #: Labels whose responses are vanilla's token for token (exact acceptance, tail speculation verified
@@ -151,6 +151,8 @@ class GRPOConfig:
         target_drift: the bound of ``lenience="auto"`` (mean |lp_new - lp_old| of accepted tokens).
         acceptance: "lenient" (the paper's rule) or "exact" (lossless: accept y_i with
             probability pi_t(y_i), residual draw at the rejection; lenience unused).
+        rejection_draw: the token at a lenient rejection index: "policy" (the paper: from pi_t) or
+            "without-draft" (from pi_t without the rejected draft token); mode "spec" with lenient acceptance only.
         history_spec: verify history-drafted tokens in every decode step (tail speculation;
             changes no token, only decode steps). None: on for "spec" and "random", off for "vanilla".
         spec_tokens: most history-drafted tokens per decode step (0 disables tail speculation).
@@ -196,6 +198,7 @@ class GRPOConfig:
     lenience_source: str = ""
     target_drift: float = DEFAULT_TARGET_DRIFT
     acceptance: str = "lenient"
+    rejection_draw: str = "policy"
     history_spec: bool | None = None
     spec_tokens: int = 8
     sibling_drafts: bool = False
@@ -229,12 +232,16 @@ class GRPOConfig:
         if self.lenience is None:
             self.lenience = LENIENCE_DEFAULTS[self.algorithm]
             self.lenience_source = f"paper default for {self.algorithm.upper()} (App. A.1)"
-        choice_fields = (("generation_backend", GENERATION_BACKENDS), ("mode", MODES), ("acceptance", ACCEPTANCE_RULES))
+        choice_fields = (("generation_backend", GENERATION_BACKENDS), ("mode", MODES), ("acceptance", ACCEPTANCE_RULES),
+                         ("rejection_draw", REJECTION_DRAWS))  # fmt: skip
         for name, choices in choice_fields:
             if getattr(self, name) not in choices:
                 raise ConfigError(name, f"must be one of {choices}, got {getattr(self, name)!r}")
         if self.mode.startswith("random") and self.acceptance == "exact":
             raise ConfigError("acceptance", f"'exact' does not apply to the random-reuse ablation (mode {self.mode!r} ignores the scores)")
+        if self.rejection_draw != "policy" and (self.mode != "spec" or self.acceptance != "lenient"):
+            raise ConfigError("rejection_draw", f"{self.rejection_draw!r} applies to lenient SPEC-RL (mode 'spec', acceptance "
+                              f"'lenient'), not mode {self.mode!r} with acceptance {self.acceptance!r}; drop it")  # fmt: skip
         for name in _COUNTS:
             check_int(name, getattr(self, name), low=1)
         # GRPO's advantage is a reward minus its group's mean: one sample per group always gets 0, and nothing is learned.
@@ -301,12 +308,16 @@ DEMO_DEFAULTS = dict(
     # 640 held-out problems x 1 sample: a standard error <= 0.02 on the sampled reward and on greedy accuracy
     eval_samples=1,
 )
-#: The demo's lenience for GRPO: e^0.2, not the paper's e^0.5. On the demo task lenient reuse costs
-#: learning (spec-rl sweep, 6 seeds, 2026-12-02, benchmarks/RESULTS.md "Learning"): held-out reward
-#: -0.049 +- 0.005 (paired s.e.) against vanilla at e^0.5, -0.025 +- 0.003 at e^0.2 and -0.028 +- 0.003 at
-#: l = 1, at 3.17x / 2.65x / 2.67x the rollout speed. A user's own model keeps the paper's default.
-DEMO_LENIENCE = math.exp(0.2)
-DEMO_LENIENCE_SOURCE = "demo default for GRPO (held-out -0.025 +- 0.003 at e^0.2 vs -0.049 +- 0.005 at e^0.5, 6 seeds)"
+#: The demo's SPEC-RL rule: l = 1 with the token at a rejection drawn without the rejected draft token,
+#: not the paper's e^0.5 with a redraw from pi_t. On the demo task lenient reuse costs learning (spec-rl
+#: sweep, 6 seeds, 4 epochs, 2026-12-02, benchmarks/RESULTS.md "Learning"; paired gap to vanilla +- s.e.):
+#: held-out reward -0.049 +- 0.005 at e^0.5, -0.025 +- 0.003 at e^0.2, -0.028 +- 0.003 at l = 1 and
+#: -0.022 +- 0.003 at l = 1 without-draft, whose greedy gap is the smallest (-0.017 vs -0.039 to -0.072)
+#: at the same rollout time (2.86x vs 2.65x-3.17x). A user's own model keeps the paper's rule and default.
+DEMO_LENIENCE = 1.0
+DEMO_REJECTION_DRAW = "without-draft"
+DEMO_LENIENCE_SOURCE = ("demo default (l = 1 without-draft: held-out -0.022 +- 0.003, greedy -0.017 vs vanilla over "
+                        "6 seeds; e^0.5: -0.049 +- 0.005)")  # fmt: skip
 # Defaults for a user's own model and data (paper-like settings, Sec. 4).
 MODEL_DEFAULTS = dict(
     epochs=3,

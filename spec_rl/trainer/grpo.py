@@ -150,7 +150,7 @@ class GRPOTrainer:
             backend=self._make_backend(model, config, max_model_len), cache=self.cache, settings=self.settings,
             eos_ids=sorted(self.eos_ids), max_model_len=max_model_len, lenience=config.lenience,
             target_drift=config.target_drift, strategy=config.rollout_strategy, seed=config.seed,
-            acceptance=config.acceptance, history=self.history,
+            acceptance=config.acceptance, rejection_draw=config.rejection_draw, history=self.history,
             sibling_drafts=config.uses_history and config.sibling_drafts,
         )  # fmt: skip
         if config.uses_history and hasattr(rollout.backend, "step_cost"):

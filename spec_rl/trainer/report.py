@@ -283,6 +283,19 @@ def _heldout_note(info: dict) -> list[str]:
             f"{when}, with the same seed in every run; never from the rollout cache.{lossless}", ""]  # fmt: skip
 
 
+def _rejection_note(draw: str) -> str:
+    """What the token at a lenient rejection is drawn from (docs/design.md "The rule")."""
+    if draw == "without-draft":
+        how = ("from the current policy without the rejected draft token (renormalised): exact speculative sampling "
+               "when a choice has two tokens, not exactly on-policy in general (the draft's whole old distribution "
+               "is not stored)")  # fmt: skip
+    else:
+        how = ("from the current policy (the paper's rule), not from the residual of exact speculative sampling, so "
+               "even l = 1 is not exactly on-policy")  # fmt: skip
+    return (f"Lenient acceptance draws the token at a rejection {how}; exact acceptance is on-policy (paper Sec. 3; "
+            "docs/design.md, 'The rule' and 'Exact acceptance').")
+
+
 def write_report(
     run_dir: str | Path, summary: dict[str, list[dict]], info: dict, plot_png: bool = True
 ) -> dict[str, Path]:
@@ -309,9 +322,7 @@ def write_report(
     if png is not None:
         lines += ["![held-out reward per epoch; reward, generated tokens, decode steps and rollout time per step]"
                   "(report.png)", ""]  # fmt: skip
-    lines += ["Lenient acceptance (the paper's rule) samples the token at a rejection from the current policy, not from "
-              "the residual of exact speculative sampling, so even l = 1 is not exactly on-policy; exact acceptance "
-              "is (paper Sec. 3; docs/design.md, 'The rule' and 'Exact acceptance').", ""]
+    lines += [_rejection_note((info.get("config") or {}).get("rejection_draw", "policy")), ""]
     md = atomic_write_text(run_dir / "report.md", "\n".join(lines))
     out = {"summary": run_dir / "summary.json", "report": md}
     if png is not None:

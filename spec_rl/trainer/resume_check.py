@@ -24,7 +24,7 @@ from .rundir import INFO_FILE, RunDirError
 
 #: GRPOConfig fields that change what a response can be (as to_dict() writes them).
 RESPONSE_FIELDS = (
-    "temperature", "top_k", "top_p", "max_response_len", "max_model_len", "acceptance", "log_lenience",
+    "temperature", "top_k", "top_p", "max_response_len", "max_model_len", "acceptance", "rejection_draw", "log_lenience",
     "target_drift", "seed",
 )  # fmt: skip
 #: GRPOConfig fields that change how the policy is trained or measured: a run resumed under another

@@ -5,7 +5,8 @@ writes a table and a plot: generated tokens, rollout seconds, decode steps and h
 (mean and standard deviation over seeds) per setting, each relative to vanilla, with the paper's
 numbers beside ours. Settings: vanilla GRPO, random reuse (ours: n uniform over 0..L; and the
 reference implementation's, n uniform over 0..L-1), the lenience grid {1, e^0.2, e^0.5, e^1, e^2,
-inf}, exact acceptance and adaptive lenience. Every non-vanilla setting decodes with tail
+inf}, exact acceptance, adaptive lenience, and l in {1, e^0.2, e^0.5} with the token at a rejection
+drawn without the rejected draft token ("-excl", ``rejection_draw="without-draft"``). Every non-vanilla setting decodes with tail
 speculation (it changes no token, only time); plain vanilla is the reference of every ratio.
 
 Each (setting, seed) is an ordinary run directory (``<out>/<setting>/seed<k>/``, written by
@@ -61,6 +62,10 @@ SETTINGS = (
     Setting("l=inf", "spec", (("lenience", math.inf),)),
     Setting("exact", "exact"),
     Setting("auto", "spec", (("lenience", "auto"),)),
+    # "-excl": the token at a rejection is drawn without the rejected draft token (rejection_draw="without-draft")
+    Setting("l=1-excl", "spec", (("lenience", 1.0), ("rejection_draw", "without-draft"))),
+    Setting("l=e^0.2-excl", "spec", (("lenience", math.exp(0.2)), ("rejection_draw", "without-draft"))),
+    Setting("l=e^0.5-excl", "spec", (("lenience", math.exp(0.5)), ("rejection_draw", "without-draft"))),
 )
 
 #: name: (train prompts, epochs, held-out prompts, fresh samples per held-out prompt). The whole demo
@@ -267,8 +272,8 @@ def add_parser(sub) -> None:
         description=__doc__.split("\n\n")[0],
     )
     s.add_argument("--preset", choices=list(PRESETS), default="full",
-                   help="small: 256 prompts, 4 epochs (about 4 minutes per seed for vanilla, e^0.2, e^0.5 and exact on "
-                   "2 CPU cores); full: the demo's 5 epochs (default); both evaluate the demo's 640 held-out prompts x 1 "
+                   help="small: 256 prompts, 4 epochs (about 4 minutes per seed for vanilla, l=1, e^0.2, e^0.5 and exact "
+                   "on 2 CPU cores); full: the demo's 5 epochs (default); both evaluate the demo's 640 held-out prompts x 1 "
                    "sample + greedy at the warm start and after the last epoch")  # fmt: skip
     s.add_argument("--seeds", type=int, default=3, help="training seeds per setting (default 3)")
     s.add_argument("--settings", help="comma-separated subset of: " + ", ".join(x.name for x in SETTINGS))

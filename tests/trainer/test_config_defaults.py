@@ -41,3 +41,43 @@ def test_auto_lenience_and_random_ref_are_runs_of_their_own():
         build_parser().parse_args(["train", "--lenience", "often"])
     with pytest.raises(ConfigError, match="target_drift"):
         GRPOConfig(lenience="auto", target_drift=0.0)
+
+
+def test_the_demo_runs_l1_without_draft_and_a_users_model_the_papers_rule():
+    from spec_rl.cli import UsageError
+    from spec_rl.trainer.run import mode_configs
+
+    demo = _config(build_parser().parse_args(["train"]), demo=True)
+    assert demo.lenience == 1.0 and demo.rejection_draw == "without-draft" and "6 seeds" in demo.to_dict()["lenience_source"]
+    model = _config(build_parser().parse_args(["train", "--model", "m"]), demo=False)
+    assert model.lenience == pytest.approx(math.exp(0.5)) and model.rejection_draw == "policy"
+    paper = _config(build_parser().parse_args(["train", "--rejection-draw", "policy"]), demo=True)
+    assert paper.rejection_draw == "policy"
+    exact = _config(build_parser().parse_args(["train", "--acceptance", "exact"]), demo=True)
+    assert exact.rejection_draw == "policy"
+    # each run of the demo: only the lenient spec run draws without the draft token
+    runs = mode_configs(demo, ["vanilla", "spec", "exact", "histspec", "random"])
+    assert {m: c.rejection_draw for m, c in runs.items()} == {
+        "vanilla": "policy", "spec": "without-draft", "exact": "policy", "histspec": "policy", "random": "policy"}
+    for argv in (["--rejection-draw", "without-draft", "--modes", "vanilla,exact"],
+                 ["--rejection-draw", "without-draft", "--acceptance", "exact"]):
+        with pytest.raises(UsageError, match="--rejection-draw applies to lenient SPEC-RL runs"):
+            _modes(build_parser().parse_args(["train", *argv]), demo=True)
+    with pytest.raises(UsageError, match="invalid choice"):
+        build_parser().parse_args(["train", "--rejection-draw", "residual"])
+
+
+def test_resume_under_another_rejection_draw_is_refused(tmp_path):
+    import json
+
+    from spec_rl.trainer.resume_check import ConfigChangeError, check_resume, run_fingerprint
+
+    def fingerprint(draw):
+        return run_fingerprint(GRPOConfig(lenience=1.0, rejection_draw=draw), "m", [2], [], None)
+
+    (tmp_path / "run_info.json").write_text(json.dumps({"fingerprint": fingerprint("policy")}))
+    assert check_resume(tmp_path, fingerprint("policy"), allow_change=False) == []
+    with pytest.raises(ConfigChangeError, match="rejection_draw: 'policy' -> 'without-draft'"):
+        check_resume(tmp_path, fingerprint("without-draft"), allow_change=False)
+    (change,) = check_resume(tmp_path, fingerprint("without-draft"), allow_change=True)
+    assert change["field"] == "rejection_draw" and change["new"] == "without-draft"

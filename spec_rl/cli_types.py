@@ -1,0 +1,39 @@
+"""Value types of the ``spec-rl`` command line: each parses one flag's text or raises
+``argparse.ArgumentTypeError`` with the requirement it missed (argparse names the flag)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+
+def lenience(text: str) -> float | str:
+    """``--lenience``: a number >= 0 (inf allowed), or "auto"."""
+    if text == "auto":
+        return "auto"
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if math.isnan(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0 (or inf), or auto; got {text!r}")
+    return value
+
+
+def checked(parse, ok, requirement: str):
+    """An argparse ``type``: ``parse(text)`` that passes ``ok``, else "must be <requirement>, got <text>"."""
+
+    def convert(text: str):
+        try:
+            value = parse(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {requirement}, got {text!r}")
+        return value
+
+    return convert
+
+
+fraction = checked(float, lambda v: 0.0 < v < 1.0, "a number in (0, 1)")
+positive_int = checked(int, lambda v: v >= 1, "an integer >= 1")

@@ -1,0 +1,126 @@
+"""The token at a lenient rejection: drawn from pi_t (the paper) or from pi_t without the rejected draft token.
+
+Every sample's draft is one token y drawn from an old policy q and stored with log q(y), as a cached
+response is. The first response token is then counted over 24,000 keyed samples and compared by a
+chi-square test with its float64 law:
+
+    P(z) = sum_y q(y) [ a(y) 1[z = y] + (1 - a(y)) r_y(z) ],   a(y) = min(1, l p(y) / q(y)),
+
+with r_y = p for the paper's draw and r_y = p without y, renormalised, for "without-draft". With two
+tokens and l = 1 the second is exact speculative sampling (P = p): the residual max(0, p - q) then sits
+on the one token that is not y.
+"""
+
+import math
+
+import pytest
+import torch
+from _stats import assert_fits
+
+from spec_rl.acceptance.scores import DraftScores
+from spec_rl.backends.protocol import BackendStats
+from spec_rl.backends.reprefill import ReprefillBackend
+from spec_rl.drafts.cache import CacheKey, RolloutCache
+from spec_rl.rollout.speculative import RolloutRequest, SpeculativeRollout
+from spec_rl.sampling.distribution import SamplingSettings
+
+PROMPT, N = 9, 24000
+
+
+class FixedPolicy(ReprefillBackend):
+    """pi_t(. | anything) = ``probs`` (the prompt token has probability 0); one-token responses only."""
+
+    def __init__(self, probs: torch.Tensor):
+        self.stats = BackendStats()
+        self.scorer = self
+        self.probs = probs
+
+    @property
+    def device(self):
+        return torch.device("cpu")
+
+    def score(self, prompts, drafts):
+        width = max(len(d) for d in drafts)
+        logp = torch.full((10,), -math.inf, dtype=torch.float64)
+        logp[: len(self.probs)] = self.probs.log()
+        return DraftScores(logits=logp.float().expand(len(drafts), width, 10).clone())
+
+    def generate(self, contexts, budgets, settings, seed, *, uids=None, proposers=None):
+        assert not contexts, "one-token drafts are reused or rejected at n = 0: nothing is generated"
+        return []
+
+
+def law(p: torch.Tensor, q: torch.Tensor, lenience: float, draw: str) -> torch.Tensor:
+    """Float64 law of the first response token (module docstring)."""
+    out = torch.zeros_like(p)
+    for y in range(len(p)):
+        if q[y] == 0:
+            continue
+        a = min(1.0, lenience * float(p[y]) / float(q[y]))
+        redraw = p.clone()
+        if draw == "without-draft" and p[y] < 1:
+            redraw[y] = 0.0
+            redraw /= redraw.sum()
+        out += q[y] * (1 - a) * redraw
+        out[y] += q[y] * a
+    return out
+
+
+def first_tokens(p: torch.Tensor, q: torch.Tensor, lenience: float, draw: str, seed: int) -> tuple[torch.Tensor, list]:
+    """Counts of the first response token over N samples whose drafts are drawn from q; and (draft, token) pairs."""
+    settings = SamplingSettings(max_tokens=1)
+    drafts = torch.multinomial(q, N, replacement=True, generator=torch.Generator().manual_seed(seed)).tolist()
+    cache = RolloutCache()
+    requests = [RolloutRequest([PROMPT], slot=s) for s in range(N)]
+    for r, y in zip(requests, drafts):
+        cache.store(CacheKey.make(r.prompt_ids, r.slot), [y], [math.log(float(q[y]))], "length", 0, settings)
+    rollout = SpeculativeRollout(FixedPolicy(p), cache, settings, eos_ids=[len(p) - 1], max_model_len=8, seed=seed,
+                                 lenience=lenience, rejection_draw=draw)  # fmt: skip
+    result = rollout.run(requests, step=1)
+    tokens = [r[0] for r in result.response_ids]
+    return torch.bincount(torch.tensor(tokens), minlength=len(p)).double(), list(zip(drafts, tokens))
+
+
+@pytest.mark.parametrize("draw", ["policy", "without-draft"])
+@pytest.mark.parametrize("lenience", [1.0, math.exp(0.5)])
+def test_first_token_follows_its_float64_law(draw, lenience):
+    p = torch.tensor([0.45, 0.25, 0.2, 0.1], dtype=torch.float64)
+    q = torch.tensor([0.1, 0.5, 0.15, 0.25], dtype=torch.float64)
+    counts, _ = first_tokens(p, q, lenience, draw, seed=11)
+    assert_fits(counts, law(p, q, lenience, draw))
+
+
+def test_without_draft_is_exact_with_two_tokens_at_l1_and_the_paper_is_not():
+    p = torch.tensor([0.3, 0.7], dtype=torch.float64)
+    q = torch.tensor([0.6, 0.4], dtype=torch.float64)
+    assert torch.allclose(law(p, q, 1.0, "without-draft"), p)
+    counts, _ = first_tokens(p, q, 1.0, "without-draft", seed=5)
+    assert_fits(counts, p)
+    paper, _ = first_tokens(p, q, 1.0, "policy", seed=5)
+    assert_fits(paper, torch.tensor([0.39, 0.61], dtype=torch.float64))  # 0.3 kept + 0.3 rejected x 0.3 redrawn
+    assert float(paper[0]) / N > 0.37  # the old token is over-sampled by ~0.09 under the paper's draw
+
+
+def test_a_rejected_draft_token_is_never_drawn_again():
+    p = torch.tensor([0.45, 0.25, 0.2, 0.1], dtype=torch.float64)
+    q = torch.tensor([0.1, 0.5, 0.15, 0.25], dtype=torch.float64)
+    _, pairs = first_tokens(p, q, 1.0, "without-draft", seed=2)
+    rejected = [(y, z) for y, z in pairs if z != y]
+    assert len(rejected) > 0.2 * N  # token 1 (q 0.5, p 0.25) is rejected half the time
+    # a kept draft token is the only way z == y: its rate is exactly a(y) (no redraw of y after a rejection)
+    kept_1 = sum(1 for y, z in pairs if y == 1 and z == 1) / sum(1 for y, _ in pairs if y == 1)
+    assert abs(kept_1 - 0.5) < 0.02
+
+
+def test_bad_rejection_draw_is_refused():
+    from spec_rl.trainer.config import ConfigError, GRPOConfig
+
+    with pytest.raises(ValueError, match="rejection_draw must be one of"):
+        SpeculativeRollout(FixedPolicy(torch.tensor([0.5, 0.5])), RolloutCache(), SamplingSettings(), [1], 8,
+                           rejection_draw="residual")  # fmt: skip
+    with pytest.raises(ConfigError, match="rejection_draw"):
+        GRPOConfig(rejection_draw="residual")
+    for kw in (dict(mode="vanilla"), dict(acceptance="exact"), dict(mode="random")):
+        with pytest.raises(ConfigError, match="applies to lenient SPEC-RL"):
+            GRPOConfig(rejection_draw="without-draft", **kw)
+    assert GRPOConfig(rejection_draw="without-draft").rejection_draw == "without-draft"
