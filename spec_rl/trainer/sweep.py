@@ -97,13 +97,12 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
-def _paired_se(runs: list[dict], vanilla: list[dict]) -> float:
-    """Standard error of the mean per-seed held-out gap to vanilla (seed k against vanilla's seed k).
+def _paired_se(runs: list[dict], vanilla: list[dict], key: str = "heldout_reward") -> float:
+    """Standard error of the mean per-seed gap to vanilla in ``key`` (seed k against vanilla's seed k).
 
     Pairing removes what the seeds share (the held-out draw, the prompt order); nan with < 2 pairs.
     """
-    gaps = [r["heldout_reward"] - v["heldout_reward"] for r, v in zip(runs, vanilla)
-            if r["heldout_reward"] is not None and v["heldout_reward"] is not None]  # fmt: skip
+    gaps = [r[key] - v[key] for r, v in zip(runs, vanilla) if r.get(key) is not None and v.get(key) is not None]
     if len(gaps) < 2:
         return float("nan")
     return statistics.stdev(gaps) / math.sqrt(len(gaps))
@@ -113,7 +112,8 @@ def aggregate(results: dict[str, list[dict]]) -> list[dict]:
     """Per setting: mean/std over seeds of every total, and ratios to vanilla's means."""
     rows = []
     base = {k: _mean_std([r[k] for r in results.get("vanilla", [])])[0] for k in ("generated_tokens", "rollout_seconds", "decode_steps")}
-    base_reward = _mean_std([r["heldout_reward"] for r in results.get("vanilla", [])])[0]
+    vanilla = results.get("vanilla", [])
+    base_reward, base_greedy = (_mean_std([r[k] for r in vanilla])[0] for k in ("heldout_reward", "heldout_greedy_accuracy"))
     for name, runs in results.items():
         row = {"setting": name, "seeds": len(runs)}
         for key in ("generated_tokens", "rollout_seconds", "decode_steps", "heldout_reward", "heldout_greedy_accuracy"):
@@ -122,7 +122,9 @@ def aggregate(results: dict[str, list[dict]]) -> list[dict]:
             row[f"{key}_ratio"] = row[key] / base[key] if base.get(key) else float("nan")
         row["speedup"] = 1.0 / row["rollout_seconds_ratio"] if row["rollout_seconds_ratio"] else float("nan")
         row["heldout_minus_vanilla"] = row["heldout_reward"] - base_reward
-        row["heldout_paired_se"] = _paired_se(runs, results.get("vanilla", []))
+        row["heldout_paired_se"] = _paired_se(runs, vanilla)
+        row["greedy_minus_vanilla"] = row["heldout_greedy_accuracy"] - base_greedy
+        row["greedy_paired_se"] = _paired_se(runs, vanilla, "heldout_greedy_accuracy")
         rows.append(row)
     return rows
 
@@ -135,7 +137,8 @@ def _num(x: float) -> str:
 def markdown(rows: list[dict], info: dict) -> str:
     """The sweep table in the layout of the paper's Tables 2-3, the paper's numbers beside ours."""
     head = ("| setting | gen tokens (epochs 2+) | tokens vs vanilla | rollout s | speed-up | decode steps vs vanilla | "
-            "held-out reward (mean ± std) | vs vanilla (paired ± s.e.) | greedy acc. | paper tokens (M) | paper speed-up | paper AVG |")  # fmt: skip
+            "held-out reward (mean ± std) | vs vanilla (paired ± s.e.) | greedy acc. (vs vanilla, paired ± s.e.) | paper tokens (M) | "
+            "paper speed-up | paper AVG |")  # fmt: skip
     lines = [f"Sweep: preset {info['preset']}, seeds {info['seeds']}, commit {info.get('commit')}, {info.get('date')}, "
              f"device {info.get('device')}.", "", head, "|" + "---|" * 12]  # fmt: skip
     for r in rows:
@@ -143,14 +146,16 @@ def markdown(rows: list[dict], info: dict) -> str:
         lines.append(
             f"| {r['setting']} | {r['generated_tokens']:.0f} | {r['generated_tokens_ratio']:.3f} | {r['rollout_seconds']:.1f} | "
             f"{r['speedup']:.2f}x | {r['decode_steps_ratio']:.3f} | {r['heldout_reward']:.3f} ± {r['heldout_reward_std']:.3f} | "
-            f"{r['heldout_minus_vanilla']:+.3f} ± {_num(r['heldout_paired_se'])} | {r['heldout_greedy_accuracy']:.3f} | {p.get('tokens_m') or '-'} | "
+            f"{r['heldout_minus_vanilla']:+.3f} ± {_num(r['heldout_paired_se'])} | {r['heldout_greedy_accuracy']:.3f} "
+            f"({r['greedy_minus_vanilla']:+.3f} ± {_num(r['greedy_paired_se'])}) | {p.get('tokens_m') or '-'} | "
             f"{(str(p['speedup']) + 'x') if p.get('speedup') else '-'} | {p.get('avg', '-')} |"
         )
     return "\n".join(lines) + "\n"
 
 
 def plot(rows: list[dict], path: Path) -> Path:
-    """Tokens ratio and speed-up (left), held-out reward with the std over seeds (right), per setting."""
+    """Tokens ratio and rollout-time ratio (left); held-out reward and greedy accuracy minus vanilla's, paired
+    over seeds with their standard errors (right), per setting."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -165,10 +170,13 @@ def plot(rows: list[dict], path: Path) -> Path:
     a.set_title("cost relative to vanilla (epochs 2+)")
     a.legend()
     a.grid(alpha=0.3, axis="y")
-    b.errorbar(list(x), [r["heldout_reward"] for r in rows], yerr=[r["heldout_reward_std"] for r in rows], fmt="o", capsize=4)
-    b.axhline(rows[0]["heldout_reward"] if rows and rows[0]["setting"] == "vanilla" else float("nan"), color="gray", ls="--", lw=1)
+    for shift, key, label in ((-0.1, "heldout", "held-out reward"), (0.1, "greedy", "greedy accuracy")):
+        b.errorbar([i + shift for i in x], [r[f"{key}_minus_vanilla"] for r in rows],
+                   yerr=[r[f"{key}_paired_se"] for r in rows], fmt="o", capsize=4, label=label)  # fmt: skip
+    b.axhline(0.0, color="gray", ls="--", lw=1)
     b.set_xticks(list(x), names, rotation=40, ha="right")
-    b.set_title("held-out reward after the last epoch (mean ± std over seeds)")
+    b.set_title("after the last epoch, minus vanilla (paired mean ± s.e. over seeds)")
+    b.legend()
     b.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

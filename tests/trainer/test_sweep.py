@@ -48,8 +48,8 @@ def test_sweep_runs_every_setting_and_seed_and_resumes(model_dir, tmp_path):
 def test_aggregate_and_table_layout():
     runs = {
         "vanilla": [dict(generated_tokens=100, rollout_seconds=10.0, decode_steps=50, heldout_reward=0.4, heldout_greedy_accuracy=0.5)] * 2,
-        "l=e^0.5": [dict(generated_tokens=20, rollout_seconds=4.0, decode_steps=10, heldout_reward=r, heldout_greedy_accuracy=0.5)
-                    for r in (0.38, 0.42)],
+        "l=e^0.5": [dict(generated_tokens=20, rollout_seconds=4.0, decode_steps=10, heldout_reward=r, heldout_greedy_accuracy=g)
+                    for r, g in ((0.38, 0.44), (0.42, 0.48))],
     }  # fmt: skip
     rows = aggregate(runs)
     row = rows[1]
@@ -57,8 +57,10 @@ def test_aggregate_and_table_layout():
     assert row["heldout_reward"] == pytest.approx(0.4) and row["heldout_reward_std"] == pytest.approx(0.0283, abs=1e-3)
     # paired gaps to vanilla's same seed: -0.02, +0.02 -> s.e. = stdev / sqrt(2) = 0.02
     assert row["heldout_paired_se"] == pytest.approx(0.02) and rows[0]["heldout_paired_se"] == 0.0
+    # greedy: gaps -0.06, -0.02 -> mean -0.04, s.e. = stdev / sqrt(2) = 0.02
+    assert row["greedy_minus_vanilla"] == pytest.approx(-0.04) and row["greedy_paired_se"] == pytest.approx(0.02)
     md = markdown(rows, {"preset": "small", "seeds": 2})
-    assert "+0.000 ± 0.020" in md
+    assert "+0.000 ± 0.020 | 0.460 (-0.040 ± 0.020) |" in md and "| 0.500 (+0.000 ± 0.000) |" in md
     one_seed = markdown(aggregate({k: v[:1] for k, v in runs.items()}), {"preset": "small", "seeds": 1})
     assert "nan" not in one_seed and "+0.000 ± - |" in one_seed  # no standard error from one pair
     assert "| l=e^0.5 | 20 | 0.200 |" in md and str(PAPER["l=e^0.5"]["speedup"]) in md
