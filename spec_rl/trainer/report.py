@@ -266,7 +266,15 @@ def _comparison_markdown(summary: dict[str, list[dict]]) -> list[str]:
     return lines
 
 
-def _heldout_note(info: dict) -> list[str]:
+def _evaluated_after(records: list[dict], epochs) -> str:
+    """"the last epoch" or, e.g. after a resume that extended the run, "epochs 3 and 5": when a run was evaluated."""
+    done = [r["epoch"] for r in records if r.get("heldout_reward") is not None]
+    if not done or done == [epochs]:
+        return "the last epoch"
+    return f"epoch {done[0]}" if len(done) == 1 else f"epochs {', '.join(map(str, done[:-1]))} and {done[-1]}"
+
+
+def _heldout_note(info: dict, summary: dict | None = None) -> list[str]:
     prompts = info.get("eval_prompts") or 0
     if not prompts:
         return ["No held-out evaluation (--no-eval, or no held-out set): the rollout reward above is biased under reuse and does "
@@ -276,8 +284,9 @@ def _heldout_note(info: dict) -> list[str]:
     when = "every epoch" if every == 1 else f"every {every} epochs and after the last"
     last_only = [m for m, c in (info.get("runs") or {}).items() if epochs and c.get("eval_every", 1) >= epochs > every]
     produce, are = ("produce", "are") if len(last_only) > 1 else ("produces", "is")
+    after = sorted({_evaluated_after((summary or {}).get(m, []), epochs) for m in last_only})
     lossless = (f" {' and '.join(last_only)} {produce} vanilla's responses token for token and, beside vanilla, {are} "
-                "evaluated at the warm start and after the last epoch only.") if last_only else ""  # fmt: skip
+                f"evaluated at the warm start and after {' / '.join(after)} only.") if last_only else ""  # fmt: skip
     return [f"Held-out evaluation: {prompts} prompts not trained on, {samples} fresh sample(s) each with the training "
             f"sampling settings (`held-out`) and one greedy response (`greedy`), before training (epoch 0) and after "
             f"{when}, with the same seed in every run; never from the rollout cache.{lossless}", ""]  # fmt: skip
@@ -316,7 +325,7 @@ def write_report(
              f"lenience l = {_num(info.get('lenience'), '.4g')} (log l = {_num(info.get('log_lenience'), '.3g')}; "
              f"{(info.get('config') or {}).get('lenience_source', 'given')}); runs: "
              + ", ".join(f"{m} ({_describe(r[0]) if r else '?'})" for m, r in summary.items()) + ".", "",
-             *_heldout_note(info), "## Per-epoch results", "", markdown_table(summary), ""]  # fmt: skip
+             *_heldout_note(info, summary), "## Per-epoch results", "", markdown_table(summary), ""]  # fmt: skip
     lines += _comparison_markdown(summary)
     lines += _origin_markdown(summary)
     if png is not None:

@@ -76,3 +76,16 @@ def test_report_has_the_warm_start_row_the_origin_table_and_the_heldout_panel(tm
     assert "at a rejection from the current policy without the rejected draft token" in md and "paper's rule" not in md
     assert out["plot"].stat().st_size > 10_000
     assert json.loads(out["summary"].read_text()) == SUMMARY
+
+
+def test_the_heldout_note_names_the_epochs_a_lossless_run_was_evaluated_after_a_resume_extended_it():
+    from spec_rl.trainer.report import _heldout_note
+
+    info = {"eval_prompts": 8, "config": {"eval_samples": 1, "eval_every": 1, "epochs": 5},
+            "runs": {"vanilla": {"eval_every": 1}, "exact": {"eval_every": 5}}}  # fmt: skip
+    exact = [{"epoch": e, "heldout_reward": 0.3 if e in (3, 5) else None} for e in range(1, 6)]
+    (note, _) = _heldout_note(info, {"exact": exact})
+    assert "exact produces vanilla's responses token for token and, beside vanilla, is evaluated at the warm start " \
+           "and after epochs 3 and 5 only." in note
+    (note, _) = _heldout_note(info, {"exact": [{"epoch": e, "heldout_reward": 0.3 if e == 5 else None} for e in range(1, 6)]})
+    assert "after the last epoch only." in note
