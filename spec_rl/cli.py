@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lenient: the paper's rule; exact: lossless acceptance (the response is a fresh sample of the policy)")
     t.add_argument("--rejection-draw", choices=REJECTION_DRAWS, default=None,
                    help="the token at a lenient rejection: policy (the paper: from the current policy) or without-draft "
-                   "(the rejected draft token removed; exact speculative sampling for two-token choices); "
+                   "(the rejected draft token removed; at l = 1 exact speculative sampling for two-token choices); "
                    "default: policy, without-draft on the demo")
     hist = t.add_mutually_exclusive_group()
     hist.add_argument("--history-spec", dest="history_spec", action="store_true", default=None,

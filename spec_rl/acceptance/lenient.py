@@ -6,9 +6,9 @@ scoring pass's own output at position n, keyed by (uid, absolute position) like 
 The paper draws that token from pi_t itself, so the rejected draft token can be drawn again; with
 ``rejection_draw="without-draft"`` it is drawn from pi_t with the rejected token removed (renormalised).
 Only q(y_n) of the draft is stored, not the whole old distribution q, so exact speculative sampling's
-residual max(0, p - q) cannot be formed; removing y_n is that residual when the vocabulary has two
+residual max(0, p - q) cannot be formed; at l = 1, removing y_n is that residual when the vocabulary has two
 tokens, and in general it stops the rule from drawing the token it just rejected (docs/design.md
-"Lenient reuse and learning").
+"The rule"; its effect on learning: "The demo recipe").
 With ``log_lenience=None`` the lenience is chosen for this step by :mod:`spec_rl.acceptance.adaptive`.
 """
 

@@ -295,8 +295,8 @@ def _heldout_note(info: dict, summary: dict | None = None) -> list[str]:
 def _rejection_note(draw: str) -> str:
     """What the token at a lenient rejection is drawn from (docs/design.md "The rule")."""
     if draw == "without-draft":
-        how = ("from the current policy without the rejected draft token (renormalised): exact speculative sampling "
-               "when a choice has two tokens, not exactly on-policy in general (the draft's whole old distribution "
+        how = ("from the current policy without the rejected draft token (renormalised): at l = 1 exact speculative "
+               "sampling when a choice has two tokens, not exactly on-policy in general (the draft's whole old distribution "
                "is not stored)")  # fmt: skip
     else:
         how = ("from the current policy (the paper's rule), not from the residual of exact speculative sampling, so "
