@@ -34,10 +34,12 @@ from .trainer.resume_check import ConfigChangeError
 from .trainer.sweep import add_parser as add_sweep_parser
 from .trainer.sweep import cmd_sweep
 
+#: Runs of --modes that verify drafts with the lenient rule, i.e. draw a token at a lenient rejection.
+_LENIENT_RUNS = ("spec", "auto")
 #: GRPOConfig fields whose flag is not ``--`` + the field name with dashes.
 _FLAGS = {
     "generation_backend": "--backend", "save_checkpoint": "--no-checkpoint", "mode": "--modes",
-    "log_lenience": "--lenience", "eos_ids": "the EOS set of --model", "data": "--data/--eval-data",
+    "log_lenience": "--lenience (as log l)", "eos_ids": "the EOS set of --model", "data": "--data/--eval-data",
     "algorithm": "--clip-higher (the algorithm)",
 }  # fmt: skip
 
@@ -171,7 +173,7 @@ def _add_run_flags(t: argparse.ArgumentParser) -> None:
     t.add_argument(
         "--allow-config-change", action="store_true",
         help="with --resume: continue although the model, data, sampling settings, budgets, EOS set, acceptance, "
-        "lenience or seed changed (recorded in run_info.json; stored drafts are cut or continued to fit)",
+        "rejection draw, lenience or seed changed (recorded in run_info.json; stored drafts are cut or continued to fit)",
     )  # fmt: skip
     t.add_argument("--no-checkpoint", action="store_true", help="do not save checkpoints/cache after each epoch")
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -189,8 +191,9 @@ def _check_combinations(args: argparse.Namespace, modes: list[str]) -> None:
         raise UsageError("--acceptance exact applies to SPEC-RL runs (spec, exact); the selected runs reuse no drafts")
     if args.acceptance == "exact" and args.lenience not in (None, 1.0):
         raise UsageError("--lenience applies to lenient acceptance only; exact acceptance has no lenience")
-    if args.rejection_draw == "without-draft" and ("spec" not in modes or args.acceptance == "exact"):
-        raise UsageError("--rejection-draw applies to lenient SPEC-RL runs (spec); the selected runs draw no token at a lenient rejection")
+    if args.rejection_draw is not None and (args.acceptance == "exact" or not set(_LENIENT_RUNS) & set(modes)):
+        raise UsageError("--rejection-draw applies to lenient SPEC-RL runs (spec, auto), and the selected runs draw no token "
+                         "at a lenient rejection; drop --rejection-draw, or run spec with lenient acceptance")  # fmt: skip
     if "histspec" in modes and (args.history_spec is False or args.spec_tokens == 0):
         raise UsageError("histspec is vanilla with history speculation: drop --no-history-spec / --spec-tokens 0, or run vanilla")
 
@@ -281,8 +284,17 @@ def _fmt_lenience(lenience) -> str:
     return lenience if isinstance(lenience, str) else f"{lenience:.4g}"
 
 
-def _draw_note(config: GRPOConfig) -> str:
-    return " (rejection draw: without-draft)" if config.rejection_draw == "without-draft" else ""
+def _draw_note(config: GRPOConfig, modes: list[str]) -> str:
+    """The draw, in the header line, where a run uses one other than the paper's."""
+    used = config.rejection_draw != "policy" and set(_LENIENT_RUNS) & set(modes)
+    return f" (rejection draw: {config.rejection_draw})" if used else ""
+
+
+def _default_draw(args: argparse.Namespace, demo: bool) -> str:
+    """The demo's rule is l = 1 with the without-draft draw; a lenience or algorithm chosen on the command line
+    (and every --model run) gets the paper's draw."""
+    demo_rule = demo and args.acceptance == "lenient" and args.lenience is None and not args.clip_higher
+    return DEMO_REJECTION_DRAW if demo_rule else "policy"
 
 
 def _config(args: argparse.Namespace, demo: bool) -> GRPOConfig:
@@ -302,7 +314,7 @@ def _config(args: argparse.Namespace, demo: bool) -> GRPOConfig:
         algorithm="dapo" if args.clip_higher else "grpo",
         **({} if args.target_drift is None else {"target_drift": args.target_drift}),
         acceptance=args.acceptance,
-        rejection_draw=args.rejection_draw or (DEMO_REJECTION_DRAW if demo and args.acceptance == "lenient" else "policy"),
+        rejection_draw=args.rejection_draw or _default_draw(args, demo),
         history_spec=args.history_spec,
         spec_tokens=args.spec_tokens,
         sibling_drafts=args.sibling_drafts,
@@ -387,7 +399,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(
         f"run dir: {out} | policy: {'?' if params is None else f'{params:,}'} parameters | modes: {', '.join(modes)} | "
         f"prompts: {len(examples)} | G={config.group_size} | epochs={config.epochs} | "
-        f"lenience l={_fmt_lenience(config.lenience)}{_draw_note(config)} | held-out: {heldout}"
+        f"lenience l={_fmt_lenience(config.lenience)}{_draw_note(config, modes)} | held-out: {heldout}"
     )
     t0 = time.perf_counter()
     summary = run_modes(model_path, examples, reward_fn, config, modes, out, progress=not args.no_progress,

@@ -24,6 +24,7 @@ from ..sampling.groups import int64_tensor
 from .adaptive import accepted_drift, choose_log_lenience
 from .dispatch import verify
 from .exact_walk import WalkResult
+from .reference import REJECTION_DRAWS
 
 
 @dataclass
@@ -34,6 +35,24 @@ class LenientOutcome:
     walk: WalkResult
     log_lenience: float
     drift: float
+
+
+def check_rejection_draw(draw: str, strategy: str, acceptance: str, log_lenience: float | None) -> None:
+    """Refuse a draw that would not mean what it says (``log_lenience`` None: adaptive, whose l is >= 1).
+
+    Raises:
+        ValueError: an unknown draw; "without-draft" with a strategy other than "spec" or exact acceptance (they
+            draw no token at a lenient rejection), or below l = 1, where a token can be rejected although pi_t gives
+            it more than the draft did, and the residual keeps it.
+    """
+    if draw not in REJECTION_DRAWS:
+        raise ValueError(f"rejection_draw must be one of {REJECTION_DRAWS}, got {draw!r}")
+    if draw != "policy" and (strategy != "spec" or acceptance != "lenient"):
+        raise ValueError(f"rejection_draw={draw!r} applies to the lenient rule (strategy 'spec', acceptance 'lenient'), "
+                         f"not strategy {strategy!r} with acceptance {acceptance!r}; drop it")  # fmt: skip
+    if draw != "policy" and log_lenience is not None and log_lenience < 0:
+        raise ValueError(f"rejection_draw={draw!r} needs lenience l >= 1 (or 'auto'), got log l = {log_lenience:.3g}: "
+                         "below 1 the residual keeps the rejected token; drop it")  # fmt: skip
 
 
 def lenient_prefixes(

@@ -32,8 +32,8 @@ import torch
 
 from ..acceptance.adaptive import DEFAULT_TARGET_DRIFT
 from ..acceptance.exact_walk import WalkResult, walk_tries
-from ..acceptance.lenient import lenient_prefixes
-from ..acceptance.reference import ACCEPTANCE_RULES, REJECTION_DRAWS, lenience_to_log
+from ..acceptance.lenient import check_rejection_draw, lenient_prefixes
+from ..acceptance.reference import ACCEPTANCE_RULES, lenience_to_log
 from ..backends.checks import (
     BackendContractError, backend_name, check_backend, check_continuations, check_model_len, check_scored,
     scores_vocab_size, token_ids,
@@ -171,8 +171,6 @@ class SpeculativeRollout:
         if acceptance not in ACCEPTANCE_RULES:
             raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {acceptance!r}")
         _check_strategy(strategy, acceptance)
-        if rejection_draw not in REJECTION_DRAWS:
-            raise ValueError(f"rejection_draw must be one of {REJECTION_DRAWS}, got {rejection_draw!r}")
         if not eos_ids:
             raise ValueError("eos_ids must list at least one end-of-sequence id")
         vocab = getattr(backend, "vocab_size", None)
@@ -182,6 +180,7 @@ class SpeculativeRollout:
             lenience = None
         auto = isinstance(lenience, str) and lenience == "auto"
         self.log_lenience = None if auto else lenience_to_log(lenience, log_lenience)  # None: adaptive
+        check_rejection_draw(rejection_draw, strategy, acceptance, self.log_lenience)
         self.target_drift = float(target_drift)
         self.backend = backend
         self.cache = check_store("cache", cache)

@@ -340,6 +340,7 @@ class GRPOTrainer:
         record = {
             "mode": self.label,
             "acceptance": cfg.acceptance,
+            "rejection_draw": cfg.rejection_draw,
             "history_spec": cfg.uses_history,
             "strategy": cfg.rollout_strategy,
             "lenience": cfg.lenience,
@@ -372,7 +373,7 @@ class GRPOTrainer:
     def _epoch_end(self, epoch: int, steps: list[dict], start: dict | None) -> dict:
         """The record of a finished epoch (0-based ``epoch``), with the held-out evaluation after it."""
         cfg = self.config
-        record = epoch_record(epoch + 1, steps, self.label, cfg.lenience, cfg.acceptance)
+        record = epoch_record(epoch + 1, steps, self.label, cfg.lenience, cfg.acceptance, cfg.rejection_draw)
         if self.heldout is not None:
             if (epoch + 1) % cfg.eval_every == 0 or epoch + 1 == cfg.epochs:
                 record.update(self.heldout.evaluate(self.model, epoch + 1))

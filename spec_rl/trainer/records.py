@@ -39,7 +39,8 @@ def _mean(values: list) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def epoch_record(epoch: int, steps: list[dict], mode: str, lenience: float, acceptance: str = "lenient") -> dict:
+def epoch_record(epoch: int, steps: list[dict], mode: str, lenience: float, acceptance: str = "lenient",
+                 rejection_draw: str = "policy") -> dict:
     """The record of one finished epoch from its step records (``epoch`` is 1-based)."""
     tot = {k: sum(s.get(k, 0) for s in steps) for k in SUMMED}
     n = max(tot["num_samples"], 1)
@@ -74,6 +75,7 @@ def epoch_record(epoch: int, steps: list[dict], mode: str, lenience: float, acce
         "log_lenience": _mean([s.get("log_lenience") for s in steps if s.get("drafts_found")]),
         "reused_drift": _mean([s.get("reused_drift") for s in steps if s.get("drafts_found")]),
         "acceptance": acceptance,
+        "rejection_draw": rejection_draw,
         "history_spec": bool(steps and steps[0].get("history_spec")),
         "strategy": steps[0].get("strategy") if steps else None,
         "train_seconds": tot["train_seconds"],

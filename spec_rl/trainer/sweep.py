@@ -311,6 +311,8 @@ def cmd_sweep(args) -> int:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # "Loading weights" / "Writing model shards" bars
+    if args.seeds < 1:  # argparse made it an int; the message names the flag
+        raise ValueError(f"--seeds must be an integer >= 1, got {args.seeds}")
     prompts, epochs, eval_prompts, eval_samples = PRESETS[args.preset]
     model_path = build_demo_policy(cache_dir=args.cache_dir, progress=not args.no_progress)
     base = GRPOConfig(**{**DEMO_DEFAULTS, "epochs": epochs, "eval_samples": eval_samples, "eval_every": epochs})

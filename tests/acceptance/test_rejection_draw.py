@@ -115,12 +115,28 @@ def test_a_rejected_draft_token_is_never_drawn_again():
 def test_bad_rejection_draw_is_refused():
     from spec_rl.trainer.config import ConfigError, GRPOConfig
 
+    def rollout(**kw):
+        return SpeculativeRollout(FixedPolicy(torch.tensor([0.5, 0.5])), RolloutCache(), SamplingSettings(), [1], 8, **kw)
+
     with pytest.raises(ValueError, match="rejection_draw must be one of"):
-        SpeculativeRollout(FixedPolicy(torch.tensor([0.5, 0.5])), RolloutCache(), SamplingSettings(), [1], 8,
-                           rejection_draw="residual")  # fmt: skip
+        rollout(rejection_draw="residual")
+    # no lenient rejection to draw at: the ablation, reuse off, exact acceptance
+    for kw in (dict(strategy="random"), dict(strategy="off"), dict(acceptance="exact")):
+        with pytest.raises(ValueError, match="applies to the lenient rule"):
+            rollout(rejection_draw="without-draft", **kw)
+    # below l = 1 the residual keeps the rejected token (at l = 0 every draft token is "rejected")
+    for lenience in (0.0, 0.5):
+        with pytest.raises(ValueError, match="needs lenience l >= 1"):
+            rollout(rejection_draw="without-draft", lenience=lenience)
+    assert rollout(rejection_draw="without-draft", lenience="auto").rejection_draw == "without-draft"
+    assert rollout(rejection_draw="without-draft", lenience=1.0).rejection_draw == "without-draft"
     with pytest.raises(ConfigError, match="rejection_draw"):
         GRPOConfig(rejection_draw="residual")
     for kw in (dict(mode="vanilla"), dict(acceptance="exact"), dict(mode="random")):
         with pytest.raises(ConfigError, match="applies to lenient SPEC-RL"):
             GRPOConfig(rejection_draw="without-draft", **kw)
+    for lenience in (0.0, 0.5):
+        with pytest.raises(ConfigError, match="needs lenience >= 1"):
+            GRPOConfig(rejection_draw="without-draft", lenience=lenience)
     assert GRPOConfig(rejection_draw="without-draft").rejection_draw == "without-draft"
+    assert GRPOConfig(rejection_draw="without-draft", lenience="auto").rejection_draw == "without-draft"

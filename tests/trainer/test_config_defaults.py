@@ -53,16 +53,23 @@ def test_the_demo_runs_l1_without_draft_and_a_users_model_the_papers_rule():
     assert model.lenience == pytest.approx(math.exp(0.5)) and model.rejection_draw == "policy"
     paper = _config(build_parser().parse_args(["train", "--rejection-draw", "policy"]), demo=True)
     assert paper.rejection_draw == "policy"
-    exact = _config(build_parser().parse_args(["train", "--acceptance", "exact"]), demo=True)
-    assert exact.rejection_draw == "policy"
+    # the demo's rule is the pair (l = 1, without-draft): a lenience or algorithm of the user's gets the paper's draw
+    for argv in (["--acceptance", "exact"], ["--lenience", "2"], ["--lenience", "0"], ["--clip-higher"]):
+        assert _config(build_parser().parse_args(["train", *argv]), demo=True).rejection_draw == "policy", argv
+    mine = _config(build_parser().parse_args(["train", "--lenience", "2", "--rejection-draw", "without-draft"]), demo=True)
+    assert mine.lenience == 2.0 and mine.rejection_draw == "without-draft"
+    auto = build_parser().parse_args(["train", "--modes", "vanilla,auto", "--rejection-draw", "without-draft"])
+    assert _modes(auto, demo=True) == ["vanilla", "auto"]
     # each run of the demo: only the lenient spec run draws without the draft token
     runs = mode_configs(demo, ["vanilla", "spec", "exact", "histspec", "random"])
     assert {m: c.rejection_draw for m, c in runs.items()} == {
         "vanilla": "policy", "spec": "without-draft", "exact": "policy", "histspec": "policy", "random": "policy"}
-    for argv in (["--rejection-draw", "without-draft", "--modes", "vanilla,exact"],
-                 ["--rejection-draw", "without-draft", "--acceptance", "exact"]):
-        with pytest.raises(UsageError, match="--rejection-draw applies to lenient SPEC-RL runs"):
+    for argv in (["--rejection-draw", "without-draft", "--modes", "vanilla,exact"], ["--rejection-draw", "policy", "--no-spec"],
+                 ["--rejection-draw", "without-draft", "--acceptance", "exact"], ["--rejection-draw", "policy", "--reuse", "random"]):
+        with pytest.raises(UsageError, match="--rejection-draw applies to lenient SPEC-RL runs .* drop --rejection-draw"):
             _modes(build_parser().parse_args(["train", *argv]), demo=True)
+    with pytest.raises(ConfigError, match="needs lenience >= 1"):
+        _config(build_parser().parse_args(["train", "--lenience", "0.5", "--rejection-draw", "without-draft"]), demo=True)
     with pytest.raises(UsageError, match="invalid choice"):
         build_parser().parse_args(["train", "--rejection-draw", "residual"])
 
@@ -81,3 +88,16 @@ def test_resume_under_another_rejection_draw_is_refused(tmp_path):
         check_resume(tmp_path, fingerprint("without-draft"), allow_change=False)
     (change,) = check_resume(tmp_path, fingerprint("without-draft"), allow_change=True)
     assert change["field"] == "rejection_draw" and change["new"] == "without-draft"
+
+
+def test_the_header_and_the_records_name_the_draw_only_where_a_run_uses_it():
+    from spec_rl.cli import _draw_note
+    from spec_rl.trainer.records import epoch_record
+
+    demo = _config(build_parser().parse_args(["train"]), demo=True)
+    assert _draw_note(demo, ["vanilla", "spec", "exact", "histspec"]) == " (rejection draw: without-draft)"
+    assert _draw_note(demo, ["vanilla", "auto"]) == " (rejection draw: without-draft)"
+    assert _draw_note(demo, ["vanilla", "histspec"]) == "" and _draw_note(GRPOConfig(), ["spec"]) == ""
+    step = {"num_samples": 4, "reward_sum": 2.0}
+    assert epoch_record(1, [step], "spec", 1.0, "lenient", "without-draft")["rejection_draw"] == "without-draft"
+    assert epoch_record(1, [step], "exact", 1.0, "exact")["rejection_draw"] == "policy"
