@@ -128,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--rejection-draw", choices=REJECTION_DRAWS, default=None,
                    help="the token at a lenient rejection: policy (the paper: from the current policy) or without-draft "
                    "(the rejected draft token removed; at l = 1 exact speculative sampling for two-token choices); "
-                   "default: policy, without-draft on the demo")
+                   "default: policy; on the demo without-draft, unless --lenience other than 1 or --clip-higher is given")
     hist = t.add_mutually_exclusive_group()
     hist.add_argument("--history-spec", dest="history_spec", action="store_true", default=None,
                       help="verify tokens drafted from the prompt's earlier responses in every decode step (default on for spec)")
@@ -291,9 +291,10 @@ def _draw_note(config: GRPOConfig, modes: list[str]) -> str:
 
 
 def _default_draw(args: argparse.Namespace, demo: bool) -> str:
-    """The demo's rule is l = 1 with the without-draft draw; a lenience or algorithm chosen on the command line
-    (and every --model run) gets the paper's draw."""
-    demo_rule = demo and args.acceptance == "lenient" and args.lenience is None and not args.clip_higher
+    """The demo's rule is l = 1 with the without-draft draw; another lenience or algorithm chosen on the command
+    line (and every --model run) gets the paper's draw."""
+    demo_lenience = args.lenience is None or args.lenience == DEMO_LENIENCE
+    demo_rule = demo and args.acceptance == "lenient" and demo_lenience and not args.clip_higher
     return DEMO_REJECTION_DRAW if demo_rule else "policy"
 
 

@@ -242,10 +242,6 @@ class GRPOConfig:
         if self.rejection_draw != "policy" and (self.mode != "spec" or self.acceptance != "lenient"):
             raise ConfigError("rejection_draw", f"{self.rejection_draw!r} applies to lenient SPEC-RL (mode 'spec', acceptance "
                               f"'lenient'), not mode {self.mode!r} with acceptance {self.acceptance!r}; drop it")  # fmt: skip
-        if self.rejection_draw != "policy" and self.lenience != "auto" and isinstance(self.lenience, (int, float)) \
-                and self.lenience < 1:
-            raise ConfigError("rejection_draw", f"{self.rejection_draw!r} needs lenience >= 1 (or 'auto'), got "
-                              f"{self.lenience!r}: below 1 the residual keeps the rejected token; drop it")  # fmt: skip
         for name in _COUNTS:
             check_int(name, getattr(self, name), low=1)
         # GRPO's advantage is a reward minus its group's mean: one sample per group always gets 0, and nothing is learned.
@@ -259,6 +255,9 @@ class GRPOConfig:
             check_float("lenience", self.lenience, low=0.0, allow_inf=True,
                         hint="0 means vanilla GRPO, inf accepts every draft, 'auto' adapts it")  # fmt: skip
         check_float("target_drift", self.target_drift, low=0.0, low_open=True, hint="nats")
+        if self.rejection_draw != "policy" and self.lenience != "auto" and self.lenience < 1:  # a checked number now
+            raise ConfigError("rejection_draw", f"{self.rejection_draw!r} needs lenience >= 1 (or 'auto'), got "
+                              f"{self.lenience!r}: below 1 the residual keeps the rejected token; drop it")  # fmt: skip
         if self.lenience != "auto" and self.target_drift != DEFAULT_TARGET_DRIFT:
             raise ConfigError("target_drift", f"only applies with lenience='auto' (lenience is {self.lenience!r}); "
                               "drop it or set lenience='auto'")  # fmt: skip

@@ -292,11 +292,15 @@ def _heldout_note(info: dict, summary: dict | None = None) -> list[str]:
             f"{when}, with the same seed in every run; never from the rollout cache.{lossless}", ""]  # fmt: skip
 
 
-def _lenient_draw(info: dict) -> str:
-    """The draw of the run(s) that verify drafts leniently (mode "spec", lenient acceptance); "policy" if none differs."""
-    runs = (info.get("runs") or {}).values()
-    draws = {c.get("rejection_draw", "policy") for c in runs if c.get("mode") == "spec" and c.get("acceptance") == "lenient"}
-    return "without-draft" if "without-draft" in draws else "policy"
+def _lenient_draw(info: dict) -> str | None:
+    """The draw of the run(s) that verify drafts leniently (mode "spec", lenient acceptance); None when no run
+    does (run_info.json without per-run configs: the base config's draw)."""
+    if "runs" not in info:
+        return (info.get("config") or {}).get("rejection_draw", "policy")
+    runs = [c for c in info["runs"].values() if c.get("mode") == "spec" and c.get("acceptance") == "lenient"]
+    if not runs:
+        return None
+    return "without-draft" if any(c.get("rejection_draw") == "without-draft" for c in runs) else "policy"
 
 
 def _rejection_note(draw: str) -> str:
@@ -338,7 +342,8 @@ def write_report(
     if png is not None:
         lines += ["![held-out reward per epoch; reward, generated tokens, decode steps and rollout time per step]"
                   "(report.png)", ""]  # fmt: skip
-    lines += [_rejection_note(_lenient_draw(info)), ""]
+    draw = _lenient_draw(info)
+    lines += [_rejection_note(draw), ""] if draw else []
     md = atomic_write_text(run_dir / "report.md", "\n".join(lines))
     out = {"summary": run_dir / "summary.json", "report": md}
     if png is not None:

@@ -135,8 +135,13 @@ def test_bad_rejection_draw_is_refused():
     for kw in (dict(mode="vanilla"), dict(acceptance="exact"), dict(mode="random")):
         with pytest.raises(ConfigError, match="applies to lenient SPEC-RL"):
             GRPOConfig(rejection_draw="without-draft", **kw)
-    for lenience in (0.0, 0.5):
+    import numpy as np
+
+    for lenience in (0.0, 0.5, np.float32(0.5)):
         with pytest.raises(ConfigError, match="needs lenience >= 1"):
+            GRPOConfig(rejection_draw="without-draft", lenience=lenience)
+    for lenience in (-1.0, False):  # a bad lenience is named as such, not as a draw problem
+        with pytest.raises(ConfigError, match="^lenience"):
             GRPOConfig(rejection_draw="without-draft", lenience=lenience)
     assert GRPOConfig(rejection_draw="without-draft").rejection_draw == "without-draft"
     assert GRPOConfig(rejection_draw="without-draft", lenience="auto").rejection_draw == "without-draft"

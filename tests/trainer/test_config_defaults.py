@@ -56,6 +56,8 @@ def test_the_demo_runs_l1_without_draft_and_a_users_model_the_papers_rule():
     # the demo's rule is the pair (l = 1, without-draft): a lenience or algorithm of the user's gets the paper's draw
     for argv in (["--acceptance", "exact"], ["--lenience", "2"], ["--lenience", "0"], ["--clip-higher"]):
         assert _config(build_parser().parse_args(["train", *argv]), demo=True).rejection_draw == "policy", argv
+    # the demo's own lenience, given explicitly, is still the demo's rule (a resume that repeats it changes nothing)
+    assert _config(build_parser().parse_args(["train", "--lenience", "1"]), demo=True).rejection_draw == "without-draft"
     mine = _config(build_parser().parse_args(["train", "--lenience", "2", "--rejection-draw", "without-draft"]), demo=True)
     assert mine.lenience == 2.0 and mine.rejection_draw == "without-draft"
     auto = build_parser().parse_args(["train", "--modes", "vanilla,auto", "--rejection-draw", "without-draft"])

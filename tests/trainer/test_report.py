@@ -70,11 +70,14 @@ def test_report_has_the_warm_start_row_the_origin_table_and_the_heldout_panel(tm
     md = write_report(tmp_path, SUMMARY, info, plot_png=False)["report"].read_text()
     assert "after every 2 epochs and after the last," in md
     assert "| spec | 0.200 | 0.200 | 0.400 |" in md and "| -0.050 | +0.030 |" in md
+    assert "Lenient acceptance draws" not in md  # no lenient spec run among the runs: no paragraph about it
+    info["runs"]["spec"] = {"mode": "spec", "acceptance": "lenient"}  # written before rejection_draw existed
+    md = write_report(tmp_path, SUMMARY, info, plot_png=False)["report"].read_text()
     assert "at a rejection from the current policy (the paper's rule)" in md and "without the rejected" not in md
     info["config"]["rejection_draw"] = "without-draft"  # the base config; the note follows the runs that draw
     md = write_report(tmp_path, SUMMARY, info, plot_png=False)["report"].read_text()
-    assert "paper's rule" in md and "without the rejected" not in md  # no lenient spec run among the runs
-    info["runs"]["spec"] = {"mode": "spec", "acceptance": "lenient", "rejection_draw": "without-draft"}
+    assert "(the paper's rule)" in md
+    info["runs"]["spec"]["rejection_draw"] = "without-draft"
     md = write_report(tmp_path, SUMMARY, info, plot_png=False)["report"].read_text()
     assert "at a rejection from the current policy without the rejected draft token" in md and "paper's rule" not in md
     assert out["plot"].stat().st_size > 10_000
