@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..sampling.distribution import SamplingSettings, keyed_sample
+from .kv_buffer import in_place_cache
 from .step_cost import StepCost, acceptance_of, fastest_run, plan_proposals
 
 
@@ -40,12 +41,7 @@ def _cache_argument_of(model_class: type) -> str:  # inspect.signature per forwa
 
 
 def _dynamic_cache(layers: Sequence[tuple[torch.Tensor, torch.Tensor]]):
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
-    for i, (k, v) in enumerate(layers):
-        cache.update(k, v, i)
-    return cache
+    return in_place_cache(layers)  # decode steps append in place (no torch.cat of the whole cache per step)
 
 
 def _layers_of(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -307,13 +303,21 @@ class SpeculativeDecoder:
 
 
 def prefill(model, contexts: Sequence[Sequence[int]], pad_id: int) -> tuple[KVRows, torch.Tensor]:
-    """One forward over left-padded contexts: (the batch's :class:`KVRows`, logits [B, V] at each last position)."""
+    """One forward over left-padded contexts: (the batch's :class:`KVRows`, logits [B, V] at each last position).
+
+    Identical contexts (the G samples of one prompt) are computed once and their K/V copied to every
+    row that holds them (prefix sharing, as vLLM's prefix cache does): a GRPO batch of G samples per
+    prompt prefills 1/G of its tokens. Each row's values are those of a forward over its own context.
+    """
     device = next(model.parameters()).device
-    width = max(len(c) for c in contexts)
-    ids = torch.full((len(contexts), width), int(pad_id), dtype=torch.long, device=device)
-    mask = torch.zeros((len(contexts), width), dtype=torch.long, device=device)
-    for row, ctx in enumerate(contexts):
-        ids[row, width - len(ctx) :] = torch.as_tensor(list(ctx), dtype=torch.long)
+    index: dict[tuple[int, ...], int] = {}
+    row_of = [index.setdefault(tuple(int(t) for t in c), len(index)) for c in contexts]
+    distinct = list(index)
+    width = max(len(c) for c in distinct)
+    ids = torch.full((len(distinct), width), int(pad_id), dtype=torch.long, device=device)
+    mask = torch.zeros((len(distinct), width), dtype=torch.long, device=device)
+    for row, ctx in enumerate(distinct):
+        ids[row, width - len(ctx) :] = torch.as_tensor(ctx, dtype=torch.long)
         mask[row, width - len(ctx) :] = 1
     arg = cache_argument(model)
     with torch.no_grad():
@@ -322,7 +326,12 @@ def prefill(model, contexts: Sequence[Sequence[int]], pad_id: int) -> tuple[KVRo
             logits_to_keep=1,
         )  # fmt: skip
     cache = getattr(out, arg, None) or getattr(out, "past_key_values", None)
-    return KVRows(cache, mask), out.logits[:, -1, :]
+    logits = out.logits[:, -1, :]
+    if len(distinct) == len(contexts):
+        return KVRows(_dynamic_cache(_layers_of(cache)), mask), logits
+    rows = torch.tensor(row_of, dtype=torch.long, device=device)
+    layers = [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in _layers_of(cache)]
+    return KVRows(_dynamic_cache(layers), mask.index_select(0, rows)), logits.index_select(0, rows)
 
 
 @torch.no_grad()

@@ -42,7 +42,7 @@ __all__ = ["StepCost", "acceptance_of", "cost_key", "fastest_run", "measured_cos
 #: Rows and widths (fed tokens per row) timed by :func:`measured_cost`.
 MEASURED_ROWS = (1, 8, 32, 128, 256)
 MEASURED_WIDTHS = (1, 2, 3, 5, 9)
-_FORMAT = "spec-rl-step-cost-2"  # 2: the fastest run of each point, not the median
+_FORMAT = "spec-rl-step-cost-3"  # 2: the fastest run of each point, not the median; 3: in-place KV appends
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,30 @@ def test_speculation_gives_the_same_tokens_and_logprobs(temperature):
     assert c1.steps < c0.steps
 
 
+def test_prefill_computes_a_repeated_context_once_with_each_rows_values():
+    """The G samples of a prompt share one prefill; every row's K/V, mask and logits are its own forward's."""
+    model = tiny_model(seed=3).double()
+    contexts = [[3, 11, 12], [5, 6], [3, 11, 12], [7, 8, 9, 10], [5, 6], [3, 11, 12]]
+    fed = []
+    hook = model.register_forward_hook(lambda mod, args, kwargs, out: fed.append(kwargs["input_ids"].shape), with_kwargs=True)
+    kv, logits = prefill(model, contexts, pad_id=0)
+    hook.remove()
+    assert fed == [torch.Size([3, 4])]  # three distinct contexts, one forward
+    assert kv.mask.tolist() == [[0] * (4 - len(c)) + [1] * len(c) for c in contexts]
+    for row, ctx in enumerate(contexts):
+        alone, alone_logits = prefill(model, [ctx], pad_id=0)
+        assert torch.allclose(logits[row], alone_logits[0], atol=1e-10)
+        for (k, v), (k1, v1) in zip(_layers(kv), _layers(alone)):
+            assert torch.allclose(k[row, :, 4 - len(ctx) :], k1[0], atol=1e-10)
+            assert torch.allclose(v[row, :, 4 - len(ctx) :], v1[0], atol=1e-10)
+    kv.cache.layers[0].keys[0].zero_()  # rows are copies, not views of one another
+    assert kv.cache.layers[0].keys[2].abs().sum() > 0
+
+
+def _layers(kv):
+    return [(layer.keys, layer.values) for layer in kv.cache.layers]
+
+
 def test_compact_keeps_each_rows_real_positions():
     k = torch.arange(2 * 1 * 5 * 2, dtype=torch.float32).view(2, 1, 5, 2)
     from spec_rl.backends.hf_decode import _dynamic_cache
