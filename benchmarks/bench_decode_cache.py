@@ -1,0 +1,116 @@
+"""Decode-step benchmark: transformers' concatenating KV cache against spec-rl's in-place one.
+
+    python benchmarks/bench_decode_cache.py [--preset demo|qwen3-0.6b|tiny] [--rows 256] [--context 150]
+
+One decode step (a forward feeding ``--width`` tokens per row over ``--rows`` rows of ``--context`` cached
+positions, then the cache cut back) is timed with both caches holding the same keys and values:
+``DynamicCache`` (``torch.cat`` of the whole cache per layer per step) and the cache of
+:mod:`spec_rl.backends.kv_buffer` (new columns written into spare ones). The two are timed in turn,
+``--repeats`` times each, so a slow spell of the machine hits both; the table prints the median step of
+each and their ratio (in-place / concatenating), and checks that both give the same logits.
+Presets: ``demo`` (the CPU demo policy's shape, random weights, float32), ``qwen3-0.6b`` (random
+Qwen3-0.6B-shaped weights, bf16; GPU only), ``tiny`` (a smoke run). JSON: ``--json``, default
+``$OUT/decode_cache.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+from _harness import Column, Table, default_json_path, provenance, sync, write_json  # benchmarks/ on sys.path
+
+from spec_rl.backends.hf_decode import cache_argument
+from spec_rl.backends.kv_buffer import in_place_cache
+
+# name: (hidden, intermediate, layers, heads, kv heads, vocab, dtype)
+PRESETS = {
+    "demo": (128, 512, 2, 4, 4, 510, torch.float32),
+    "qwen3-0.6b": (1024, 3072, 28, 16, 8, 151936, torch.bfloat16),
+    "tiny": (32, 64, 2, 2, 2, 64, torch.float32),
+}
+
+
+def _model(preset: str, device: torch.device):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    hidden, inter, layers, heads, kv_heads, vocab, dtype = PRESETS[preset]
+    torch.manual_seed(0)
+    cfg = Qwen2Config(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, vocab_size=vocab, max_position_embeddings=4096)  # fmt: skip
+    cfg._attn_implementation = "sdpa"
+    return Qwen2ForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+
+
+def _concatenating_cache(layers):
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    for i, (k, v) in enumerate(layers):
+        cache.update(k.clone(), v.clone(), i)
+    return cache
+
+
+@torch.no_grad()
+def measure(preset: str, rows: int, context: int, width: int, repeats: int, device: torch.device) -> dict:
+    """Median seconds of one decode step with each cache, their ratio and the largest logit difference."""
+    model = _model(preset, device)
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, vocab, (rows, context), generator=gen).to(device)
+    first = model(input_ids=prompt, use_cache=True)
+    layers = [(layer.keys, layer.values) for layer in getattr(first, cache_argument(model), None).layers]
+    caches = {"concatenating": _concatenating_cache(layers), "in-place": in_place_cache(layers)}
+    ids = torch.randint(0, vocab, (rows, width), generator=gen).to(device)
+    mask = torch.ones((rows, context + width), dtype=torch.long, device=device)
+    pos = (context + torch.arange(width, device=device)).expand(rows, width)
+    times: dict[str, list[float]] = {name: [] for name in caches}
+    logits = {}
+    for i in range(repeats + 1):  # the first round is a warm-up
+        for name, cache in caches.items():
+            sync(device)
+            t0 = time.perf_counter()
+            out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{cache_argument(model): cache})
+            sync(device)
+            if i:
+                times[name].append(time.perf_counter() - t0)
+            logits[name] = out.logits.float()
+            cache.crop(-width)
+    med = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+    diff = float((logits["in-place"] - logits["concatenating"]).abs().max())
+    return {"rows": rows, "context": context, "width": width, "repeats": repeats, "concatenating_s": med["concatenating"],
+            "in_place_s": med["in-place"], "ratio": med["in-place"] / med["concatenating"], "max_logit_diff": diff}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", choices=list(PRESETS), default="demo")
+    ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--context", type=int, default=150)
+    ap.add_argument("--widths", default="1,6", help="comma-separated fed tokens per row")
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--device", help="default: cuda if available, else cpu")
+    ap.add_argument("--json", default=default_json_path("decode_cache.json"))
+    args = ap.parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.preset == "qwen3-0.6b" and device.type != "cuda":
+        print("bench_decode_cache: the qwen3-0.6b preset needs a CUDA device")
+        return 0
+    table = Table(Column("width", 5), Column("rows", 5), Column("context", 7), Column("concat ms", 10, fmt="{:.2f}"),
+                  Column("in-place ms", 11, fmt="{:.2f}"), Column("ratio", 6, fmt="{:.3f}"), Column("max |dlogit|", 12, fmt="{:.1e}"))  # fmt: skip
+    print(f"bench_decode_cache: preset {args.preset}, device {device}, {args.repeats} steps per cache, timed in turn")
+    print(table.header())
+    results = []
+    for width in [int(w) for w in args.widths.split(",")]:
+        r = measure(args.preset, args.rows, args.context, width, args.repeats, device)
+        results.append(r)
+        print(table.row(width, r["rows"], r["context"], r["concatenating_s"] * 1e3, r["in_place_s"] * 1e3, r["ratio"], r["max_logit_diff"]), flush=True)
+    if args.json:
+        write_json(args.json, {"preset": args.preset, "results": results, **provenance(device)})
+    return 0 if all(r["max_logit_diff"] == 0.0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,26 @@
+"""The decode-cache benchmark runs end to end on CPU (tiny preset); no timing is asserted."""
+
+import json
+import sys
+
+from repo_paths import BENCHMARKS
+
+sys.path.insert(0, str(BENCHMARKS))
+
+import bench_decode_cache  # noqa: E402
+
+
+def test_bench_decode_cache_tiny_preset_gives_identical_logits(tmp_path, capsys):
+    out = tmp_path / "decode_cache.json"
+    rc = bench_decode_cache.main(["--preset", "tiny", "--device", "cpu", "--rows", "3", "--context", "5",
+                                  "--widths", "1,3", "--repeats", "2", "--json", str(out)])  # fmt: skip
+    assert rc == 0
+    record = json.loads(out.read_text())
+    assert [r["width"] for r in record["results"]] == [1, 3]
+    assert all(r["max_logit_diff"] == 0.0 and r["concatenating_s"] > 0 and r["in_place_s"] > 0 for r in record["results"])
+    assert "in-place ms" in capsys.readouterr().out
+
+
+def test_bench_decode_cache_refuses_the_gpu_preset_on_cpu(capsys):
+    assert bench_decode_cache.main(["--preset", "qwen3-0.6b", "--device", "cpu", "--json", ""]) == 0
+    assert "needs a CUDA device" in capsys.readouterr().out
