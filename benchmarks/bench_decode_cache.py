@@ -25,23 +25,27 @@ from _harness import Column, Table, default_json_path, provenance, sync, write_j
 from spec_rl.backends.hf_decode import cache_argument
 from spec_rl.backends.kv_buffer import in_place_cache
 
-# name: (hidden, intermediate, layers, heads, kv heads, vocab, dtype)
+# name: (hidden, intermediate, layers, heads, kv heads, head dim, vocab, dtype)
 PRESETS = {
-    "demo": (128, 512, 2, 4, 4, 510, torch.float32),
-    "qwen3-0.6b": (1024, 3072, 28, 16, 8, 151936, torch.bfloat16),
-    "tiny": (32, 64, 2, 2, 2, 64, torch.float32),
+    "demo": (128, 512, 2, 4, 4, 32, 510, torch.float32),
+    "qwen3-0.6b": (1024, 3072, 28, 16, 8, 128, 151936, torch.bfloat16),
+    "tiny": (32, 64, 2, 2, 2, 16, 64, torch.float32),
 }
 
 
 def _model(preset: str, device: torch.device):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    """Random weights of the preset's shape (Qwen3 layers for qwen3-0.6b, Qwen2 otherwise), built on ``device``."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    hidden, inter, layers, heads, kv_heads, vocab, dtype = PRESETS[preset]
-    torch.manual_seed(0)
-    cfg = Qwen2Config(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
-                      num_key_value_heads=kv_heads, vocab_size=vocab, max_position_embeddings=4096)  # fmt: skip
+    hidden, inter, layers, heads, kv_heads, head_dim, vocab, dtype = PRESETS[preset]
+    config_class, model_class = (Qwen3Config, Qwen3ForCausalLM) if preset == "qwen3-0.6b" else (Qwen2Config, Qwen2ForCausalLM)
+    cfg = config_class(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
+                       num_key_value_heads=kv_heads, head_dim=head_dim, vocab_size=vocab, max_position_embeddings=4096)  # fmt: skip
     cfg._attn_implementation = "sdpa"
-    return Qwen2ForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+    torch.manual_seed(0)
+    with torch.device(device):  # initialised where it runs: a 0.6B model's CPU init alone takes seconds
+        model = model_class(cfg)
+    return model.to(dtype=dtype).eval()
 
 
 def _concatenating_cache(layers):
@@ -60,7 +64,7 @@ def measure(preset: str, rows: int, context: int, width: int, repeats: int, devi
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, vocab, (rows, context), generator=gen).to(device)
-    first = model(input_ids=prompt, use_cache=True)
+    first = model(input_ids=prompt, use_cache=True, logits_to_keep=1)  # [rows, 1, V]: no [rows, context, V] logits
     layers = [(layer.keys, layer.values) for layer in getattr(first, cache_argument(model), None).layers]
     caches = {"concatenating": _concatenating_cache(layers), "in-place": in_place_cache(layers)}
     ids = torch.randint(0, vocab, (rows, width), generator=gen).to(device)

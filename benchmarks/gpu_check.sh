@@ -15,13 +15,14 @@
 #   4 paged     paged decode attention                             25 s      90 s   --sweep
 #   5 engine    decode vs transformers generate (128 new          45 s     150 s   512 new tokens
 #               tokens), splice vs re-prefill
-#   6 rollout   bench_rollout --preset qwen3-0.6b, 32 x G=4,      60 s     150 s   64 x G=8, 512 tokens
-#               256 tokens: vanilla / histspec / spec / exact
-#   -           RESERVED for the rollout cost-model comparison    (40 s)            (see the slot below)
+#   6 rollout   bench_rollout --preset qwen3-0.6b, 32 x G=4,      75 s     165 s   64 x G=8, 512 tokens
+#               256 tokens: vanilla / histspec / spec / exact;
+#               bench_decode_cache (64 rows, 512 positions)
+#   -           RESERVED for the rollout cost-model comparison    (25 s)            (see the slot below)
 #               at the Qwen3-0.6B shape (a later change)
 #   7 compile   registers / spills from this Triton's ptxas,      25 s     120 s   sweep configs, csrc nvcc
 #               default configs only (15 kernels)
-#   total                                                        440 s (+40 reserved) = 480 s (8 min)
+#   total                                                        455 s (+25 reserved) = 480 s (8 min)
 #
 # The budgets are estimates (no stage has run on an H200 yet); the summary prints each stage's wall time
 # beside its budget. DEADLINE_S (default 540 s, 0 = none) bounds the whole run below the device's 10-minute
@@ -51,6 +52,7 @@ SMOKE_PAGED="--device cpu --batch 2 --context 40 --long-batch 1 --long-context 1
 --head-dim 32 --rep-ms 1"
 SMOKE_ENGINE="--preset tiny --device cpu --batch 3 --new-tokens 6 --prompt-len 5"
 SMOKE_ROLLOUT="--preset tiny --device cpu --perturb 0.5"
+SMOKE_CACHE="--preset tiny --device cpu --rows 3 --context 5 --repeats 2"
 
 # ---------------------------------------------------------------- stages (run as: gpu_check.sh __stage N)
 
@@ -115,15 +117,20 @@ stage_5() {  # paged engine
     $PY benchmarks/bench_engine.py $args --json "$WORK/json/engine.json"
 }
 
-stage_6() {  # rollout modes at the Qwen3-0.6B shape
+stage_6() {  # rollout modes at the Qwen3-0.6B shape, then one decode step: concatenating vs in-place KV cache
     local args="--preset qwen3-0.6b --prompts 32 --group 4 --max-tokens 256" ; [ "$SMOKE" = 1 ] && args=$SMOKE_ROLLOUT
     [ "$FULL" = 1 ] && args="--preset qwen3-0.6b"
+    local rc=0
     # shellcheck disable=SC2086
-    $PY benchmarks/bench_rollout.py $args --json "$WORK/json/rollout.json"
+    $PY benchmarks/bench_rollout.py $args --json "$WORK/json/rollout.json" || rc=$?
+    local cache_args="--preset qwen3-0.6b --rows 64 --context 512 --repeats 10" ; [ "$SMOKE" = 1 ] && cache_args=$SMOKE_CACHE
+    # shellcheck disable=SC2086
+    $PY benchmarks/bench_decode_cache.py $cache_args --json "$WORK/json/decode_cache.json" || { [ "$rc" = 0 ] && rc=1; }
+    return $rc
 }
 
 # ---- RESERVED SLOT: the rollout cost-model comparison at the Qwen3-0.6B shape goes here, as its own stage
-# ---- between 6 and 7 (budget 40 s, already counted in the 480 s above): define it like stage_6, writing
+# ---- between 6 and 7 (budget 25 s, already counted in the 480 s above): define it like stage_6, writing
 # ---- $WORK/json/<name>.json, add one `run_stage` line below, a row to the header table, and a section to
 # ---- benchmarks/gpu_report.py.
 
@@ -270,7 +277,7 @@ run_stage 2 tests 150 240
 run_stage 3 suite 60 180
 run_stage 4 paged 25 90
 run_stage 5 engine 45 150
-run_stage 6 rollout 60 150
+run_stage 6 rollout 75 165
 # (RESERVED SLOT: the rollout cost-model stage's run_stage line goes here; see above.)
 run_stage 7 compile 25 120
 

@@ -147,6 +147,19 @@ def section_rollout(rec: dict) -> list[str]:
     return out + [""] + _checks_and_failures(rec)
 
 
+def section_decode_cache(rec: dict) -> list[str]:
+    """Stage 6, second part: one decode step with transformers' concatenating KV cache vs spec-rl's in-place one."""
+    out = ["## Decode cache (stage 6, bench_decode_cache.py)", "",
+           f"Preset {rec.get('preset')}, {rec.get('device')}, commit `{rec.get('commit')}`; median of the steps, "
+           "the two caches timed in turn.", ""]
+    rows = [[_cell(r.get("width")), _cell(r.get("rows")), _cell(r.get("context")),
+             _cell(r.get("concatenating_s") and r["concatenating_s"] * 1e3, "{:.2f}"),
+             _cell(r.get("in_place_s") and r["in_place_s"] * 1e3, "{:.2f}"), _cell(r.get("ratio"), "{:.3f}"),
+             _cell(r.get("max_logit_diff"), "{:.1e}")] for r in rec.get("results", [])]
+    return out + table(["fed tokens per row", "rows", "context", "concatenating ms", "in-place ms", "ratio",
+                        "max logit difference"], rows)
+
+
 def section_compile(rec: dict) -> list[str]:
     """Stage 7: registers / spills / shared memory per kernel from ptxas."""
     prov = rec.get("provenance", {})
@@ -167,7 +180,8 @@ def section_env(rec: dict) -> list[str]:
 
 
 SECTIONS = [("env.json", section_env), ("gpu_suite.json", section_suite), ("paged_attention.json", section_paged), ("engine.json", section_engine),
-            ("rollout.json", section_rollout), ("compile_check.json", section_compile)]
+            ("rollout.json", section_rollout), ("decode_cache.json", section_decode_cache),
+            ("compile_check.json", section_compile)]
 
 
 def stage_table(work: str) -> list[str]:

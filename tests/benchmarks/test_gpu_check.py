@@ -124,3 +124,14 @@ def test_report_renders_gpu_records_as_results_tables(tmp_path):
     assert "**FAILED**: transformers generate: OutOfMemoryError: x" in text
     assert "### stage 2 tests: TIMEOUT after 240 s" in text and "last line of the log" in text
     assert "not** measurements" not in text  # a GPU run's numbers are measurements
+
+
+def test_report_renders_the_decode_cache_comparison(tmp_path):
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "stages.tsv").write_text("6\trollout\tok\t70.2\t75\t165\t\n")
+    _write(tmp_path, "decode_cache.json", {"preset": "qwen3-0.6b", "device": "NVIDIA H200", "commit": "abc123", "results": [
+        {"width": 1, "rows": 64, "context": 512, "concatenating_s": 0.0121, "in_place_s": 0.0071, "ratio": 0.5868,
+         "max_logit_diff": 0.0}]})  # fmt: skip
+    text = gpu_report.render(str(tmp_path))
+    assert "## Decode cache (stage 6, bench_decode_cache.py)" in text
+    assert "| 1 | 64 | 512 | 12.10 | 7.10 | 0.587 | 0.0e+00 |" in text
