@@ -98,6 +98,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", help="default: cuda if available, else cpu")
     ap.add_argument("--json", default=default_json_path("decode_cache.json"))
     args = ap.parse_args(argv)
+    try:
+        widths = [int(w) for w in args.widths.split(",")]
+    except ValueError:
+        ap.error(f"--widths takes comma-separated positive integers, e.g. 1,6; got {args.widths!r}")
+    for name, value in (("--rows", args.rows), ("--context", args.context), ("--repeats", args.repeats)):
+        if value < 1:
+            ap.error(f"{name} must be at least 1; got {value}")
+    if any(w < 1 for w in widths):
+        ap.error(f"--widths takes positive integers; got {args.widths!r}")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.preset == "qwen3-0.6b" and device.type != "cuda":
         print("bench_decode_cache: the qwen3-0.6b preset needs a CUDA device")
@@ -107,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bench_decode_cache: preset {args.preset}, device {device}, {args.repeats} steps per cache, timed in turn")
     print(table.header())
     results = []
-    for width in [int(w) for w in args.widths.split(",")]:
+    for width in widths:
         r = measure(args.preset, args.rows, args.context, width, args.repeats, device)
         results.append(r)
         print(table.row(width, r["rows"], r["context"], r["concatenating_s"] * 1e3, r["in_place_s"] * 1e3, r["ratio"], r["max_logit_diff"]), flush=True)

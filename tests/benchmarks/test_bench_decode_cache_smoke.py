@@ -3,6 +3,7 @@
 import json
 import sys
 
+import pytest
 from repo_paths import BENCHMARKS
 
 sys.path.insert(0, str(BENCHMARKS))
@@ -24,3 +25,12 @@ def test_bench_decode_cache_tiny_preset_gives_identical_logits(tmp_path, capsys)
 def test_bench_decode_cache_refuses_the_gpu_preset_on_cpu(capsys):
     assert bench_decode_cache.main(["--preset", "qwen3-0.6b", "--device", "cpu", "--json", ""]) == 0
     assert "needs a CUDA device" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, named", [(["--rows", "0"], "--rows"), (["--context", "-1"], "--context"),
+                                         (["--repeats", "0"], "--repeats"), (["--widths", "1,x"], "--widths"),
+                                         (["--widths", "0"], "--widths")])  # fmt: skip
+def test_bench_decode_cache_names_a_bad_argument(args, named, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench_decode_cache.main(["--preset", "tiny", "--device", "cpu", *args])
+    assert exc.value.code == 2 and named in capsys.readouterr().err
