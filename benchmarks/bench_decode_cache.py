@@ -107,21 +107,34 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"{name} must be at least 1; got {value}")
     if any(w < 1 for w in widths):
         ap.error(f"--widths takes positive integers; got {args.widths!r}")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:
+        ap.error(f"--device takes cpu, cuda or cuda:N; got {args.device!r}")
+    if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not torch.cuda.is_available()):
+        ap.error(f"--device {args.device}: not available here (this torch sees {'a' if torch.cuda.is_available() else 'no'} CUDA device)")
     if args.preset == "qwen3-0.6b" and device.type != "cuda":
         print("bench_decode_cache: the qwen3-0.6b preset needs a CUDA device")
         return 0
+    record = {"preset": args.preset, "results": [], **provenance(device)}
+    if args.json:  # written now (and after every width), so an unwritable path fails before the measurement
+        try:
+            write_json(args.json, record, announce=None)
+        except OSError as exc:
+            ap.error(f"--json {args.json}: cannot write it ({exc.strerror or exc})")
     table = Table(Column("width", 5), Column("rows", 5), Column("context", 7), Column("concat ms", 10, fmt="{:.2f}"),
                   Column("in-place ms", 11, fmt="{:.2f}"), Column("ratio", 6, fmt="{:.3f}"), Column("max |dlogit|", 12, fmt="{:.1e}"))  # fmt: skip
     print(f"bench_decode_cache: preset {args.preset}, device {device}, {args.repeats} steps per cache, timed in turn")
     print(table.header())
-    results = []
+    results = record["results"]
     for width in widths:
         r = measure(args.preset, args.rows, args.context, width, args.repeats, device)
         results.append(r)
         print(table.row(width, r["rows"], r["context"], r["concatenating_s"] * 1e3, r["in_place_s"] * 1e3, r["ratio"], r["max_logit_diff"]), flush=True)
+        if args.json:
+            write_json(args.json, record, announce=None)
     if args.json:
-        write_json(args.json, {"preset": args.preset, "results": results, **provenance(device)})
+        print(f"wrote {args.json}")
     return 0 if all(r["max_logit_diff"] == 0.0 for r in results) else 1
 
 

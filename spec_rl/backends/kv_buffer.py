@@ -27,9 +27,11 @@ class InPlaceLayer(DynamicLayer):
     """A ``DynamicLayer`` whose ``keys``/``values`` [B, H, n, D] are views of longer buffers.
 
     Everything that reads ``keys``/``values`` (attention, :class:`~spec_rl.backends.hf_decode.KVRows`)
-    sees the same tensors as with ``DynamicLayer``; a method of the base class that replaces them
+    sees the same values as with ``DynamicLayer``; a method of the base class that replaces them
     (``reorder_cache``, ``batch_repeat_interleave``) is noticed by :meth:`update`, which then copies
-    them into a fresh buffer.
+    them into a fresh buffer, and after ``reset`` the next update starts a new buffer. One difference:
+    the tensors returned are views, so after ``crop`` the next update overwrites the cropped columns
+    of views returned before it (``DynamicLayer`` returns fresh tensors); nothing in spec-rl keeps them.
     """
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor):
@@ -59,6 +61,9 @@ class InPlaceLayer(DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append [B, H, w, D] keys and values; returns the views of all n + w columns."""
+        if not self.is_initialized or self.keys is None:  # after reset(): start again from these columns
+            self.device, self.is_initialized = key_states.device, True
+            self._adopt(key_states[:, :, :0], value_states[:, :, :0], extra=key_states.shape[-2])
         n, w = self.keys.shape[-2], key_states.shape[-2]
         if not self._owns_views() or n + w > self._key_buffer.shape[-2]:
             self._adopt(self.keys, self.values, extra=w)
@@ -68,7 +73,10 @@ class InPlaceLayer(DynamicLayer):
         return self.keys, self.values
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep the rows ``indices`` (one gather of the buffers, spare columns included)."""
+        """Keep the rows ``indices`` (one gather of the buffers, spare columns included); like ``DynamicLayer``,
+        an empty layer is left as it is."""
+        if self.get_seq_length() == 0:
+            return
         n = self.keys.shape[-2]
         if not self._owns_views():
             self._adopt(self.keys, self.values, extra=0)

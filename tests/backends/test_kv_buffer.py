@@ -73,3 +73,17 @@ def test_in_place_cache_copies_what_it_is_given():
     cache = in_place_cache([(k, v)])
     k.zero_()
     assert cache.layers[0].keys.abs().sum() > 0
+
+
+def test_reset_then_update_and_selecting_rows_of_an_empty_layer_behave_like_dynamic_layer():
+    gen = torch.Generator().manual_seed(3)
+    k0, v0 = _random_kv(gen, 2, 3)
+    mine, ref = InPlaceLayer(k0, v0), DynamicLayer()
+    ref.update(k0, v0)
+    mine.reset()
+    ref.reset()
+    k, v = _random_kv(gen, 2, 2)
+    assert all(torch.equal(a, b) for a, b in zip(mine.update(k, v), ref.update(k, v)))
+    empty = InPlaceLayer(*_random_kv(gen, 3, 0))
+    empty.batch_select_indices(torch.tensor([], dtype=torch.long))
+    assert empty.keys.shape == (3, 2, 0, 3)  # DynamicLayer leaves an empty layer as it is

@@ -29,7 +29,8 @@ def test_bench_decode_cache_refuses_the_gpu_preset_on_cpu(capsys):
 
 @pytest.mark.parametrize("args, named", [(["--rows", "0"], "--rows"), (["--context", "-1"], "--context"),
                                          (["--repeats", "0"], "--repeats"), (["--widths", "1,x"], "--widths"),
-                                         (["--widths", "0"], "--widths")])  # fmt: skip
+                                         (["--widths", "0"], "--widths"), (["--device", "nope"], "--device"),
+                                         (["--device", "meta"], "--device"), (["--json", "/proc/x.json"], "--json")])  # fmt: skip
 def test_bench_decode_cache_names_a_bad_argument(args, named, capsys):
     with pytest.raises(SystemExit) as exc:
         bench_decode_cache.main(["--preset", "tiny", "--device", "cpu", *args])
