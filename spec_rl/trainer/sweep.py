@@ -290,6 +290,24 @@ def add_parser(sub) -> None:
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def chosen_settings(spec: str | None) -> tuple[Setting, ...]:
+    """The settings named in ``--settings`` (comma-separated; None: all of :data:`SETTINGS`), vanilla first.
+
+    Raises:
+        ValueError: an unknown name (named, with the valid ones) or no name at all.
+    """
+    if spec is None:
+        return SETTINGS
+    names = [x.strip() for x in spec.split(",") if x.strip()]
+    known = {x.name: x for x in SETTINGS}
+    bad = [n for n in names if n not in known]
+    if bad or not names:
+        what = f"unknown name(s) {', '.join(bad)}" if bad else "no setting named"
+        raise ValueError(f"--settings: {what} in {spec!r}; choose from {', '.join(known)}")
+    settings = tuple(known[n] for n in names)
+    return settings if "vanilla" in names else (known["vanilla"],) + settings  # every ratio is to vanilla
+
+
 def cmd_sweep(args) -> int:
     """Run the sweep from the parsed ``spec-rl sweep`` arguments; prints the table."""
     from ..tasks.arithmetic import arithmetic_reward
@@ -297,16 +315,7 @@ def cmd_sweep(args) -> int:
     from ..tasks.demo_policy import build_demo_policy
     from .config import DEMO_DEFAULTS, GRPOConfig
 
-    settings = SETTINGS
-    if args.settings is not None:
-        names = [x.strip() for x in args.settings.split(",") if x.strip()]
-        known = {x.name: x for x in SETTINGS}
-        bad = [n for n in names if n not in known]
-        if bad or not names:
-            raise ValueError(f"--settings takes {', '.join(known)}; got {args.settings!r}")
-        settings = tuple(known[n] for n in names if n in known)
-        if "vanilla" not in names:
-            settings = (known["vanilla"],) + settings  # every ratio is to vanilla
+    settings = chosen_settings(args.settings)
     if args.no_progress:
         from transformers.utils import logging as hf_logging
 

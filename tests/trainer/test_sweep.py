@@ -7,7 +7,7 @@ import pytest
 
 from spec_rl.tasks.data import Example
 from spec_rl.trainer.config import GRPOConfig
-from spec_rl.trainer.sweep import PAPER, SETTINGS, Setting, aggregate, markdown, run_sweep
+from spec_rl.trainer.sweep import PAPER, SETTINGS, Setting, aggregate, chosen_settings, markdown, run_sweep
 
 
 def _examples(pairs, tag):
@@ -66,3 +66,13 @@ def test_aggregate_and_table_layout():
     assert "| l=e^0.5 | 20 | 0.200 |" in md and str(PAPER["l=e^0.5"]["speedup"]) in md
     with pytest.raises(ValueError, match="preset"):
         run_sweep(".", [], [], _parity, GRPOConfig(), ".", "huge", 1)
+
+
+def test_settings_flag_names_the_unknown_setting_and_puts_vanilla_first():
+    assert [x.name for x in chosen_settings("l=1-excl")] == ["vanilla", "l=1-excl"]
+    assert [x.name for x in chosen_settings(" exact , vanilla")] == ["exact", "vanilla"]
+    assert chosen_settings(None) == SETTINGS
+    with pytest.raises(ValueError, match=r"unknown name\(s\) bogus in 'l=1-excl,bogus'; choose from vanilla"):
+        chosen_settings("l=1-excl,bogus")
+    with pytest.raises(ValueError, match="no setting named"):
+        chosen_settings(" , ")
