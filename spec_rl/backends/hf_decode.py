@@ -27,7 +27,7 @@ import torch
 
 from ..sampling.distribution import SamplingSettings, keyed_sample
 from .kv_buffer import in_place_cache
-from .step_cost import StepCost, acceptance_of, fastest_run, plan_proposals
+from .step_cost import ProposalBackoff, StepCost, acceptance_of, fastest_run, plan_proposals
 
 
 def cache_argument(model) -> str:
@@ -197,6 +197,7 @@ class SpeculativeDecoder:
         self.step_cost = step_cost  # called (once measured, then cached) only when a row has a proposal
         self.cache_arg = cache_argument(model)
         self.counters = DecodeCounters()
+        self.backoff = ProposalBackoff()  # stops asking proposers while speculation does not pay
 
     def sample(self, logits: torch.Tensor, uids: Sequence[int], positions: Sequence[int]):
         dev = logits.device
@@ -233,13 +234,17 @@ class SpeculativeDecoder:
         picks the width that maximises expected tokens per second under the measured step cost (one
         token when no row has a proposal or when speculation does not pay), and every row is fed
         its proposal up to that width (padding is computed anyway, so a shorter row's own tokens fill it).
+        While speculation does not pay, :class:`~spec_rl.backends.step_cost.ProposalBackoff` skips asking the
+        proposers (their lookups cost host time per row).
         """
+        ask = self.max_k > 0 and self.backoff.ask(sum(active))
         cands = [r.proposer.propose(min(self.max_k, r.budget - 1), fill=self.max_k)
-                 if ok and r.proposer is not None and self.max_k and r.budget > 1 else []
+                 if ask and ok and r.proposer is not None and r.budget > 1 else []
                  for r, ok in zip(rows, active)]  # fmt: skip
         props = cands
         if any(cands):
             props = plan_proposals(cands, [acceptance_of(r.proposer) for r in rows], self.step_cost(), padded=True)
+            self.backoff.planned(sum(active), fed=any(props))
         lens = torch.tensor([len(p) for p in props], dtype=torch.long)
         width = 1 + int(lens.max())
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)

@@ -37,7 +37,7 @@ import torch
 
 from ..util.atomic import atomic_write_text
 
-__all__ = ["StepCost", "acceptance_of", "cost_key", "fastest_run", "measured_cost", "plan_proposals"]
+__all__ = ["ProposalBackoff", "StepCost", "acceptance_of", "cost_key", "fastest_run", "measured_cost", "plan_proposals"]
 
 #: Rows and widths (fed tokens per row) timed by :func:`measured_cost`.
 MEASURED_ROWS = (1, 8, 32, 128, 256)
@@ -153,6 +153,42 @@ def plan_proposals(
     probs = np.clip(np.asarray(probs, dtype=float), 0.0, 1.0)
     plan = (_padded_plan if padded else _packed_plan)(lengths, probs, len(proposals), cost)
     return [list(p[:k]) for p, k in zip(proposals, plan)]
+
+
+class ProposalBackoff:
+    """When a decode loop asks its rows' proposers for drafts: each ask costs host time per row (the history
+    automaton's and the siblings' lookups), which only pays when the plan then feeds a proposal.
+
+    After a step whose plan fed nothing although proposals were offered (speculation does not pay at
+    this batch size), the next ``wait`` steps ask nobody; ``wait`` doubles (1, 2, 4, ... ``max_wait``) while
+    plans keep refusing and returns to 0 once a plan feeds a proposal. When the live rows fall to 3/4 of
+    the count the wait began with, the loop asks again at once: a step of fewer rows is cheaper, so
+    speculation may pay now (the tail). Skipping asks changes how many steps a response takes, never a
+    token (a proposal is kept only where it equals the keyed sample).
+    """
+
+    def __init__(self, max_wait: int = 16):
+        self.max_wait = int(max_wait)
+        self.wait = 0  # steps skipped after the latest refusal
+        self.skip = 0  # steps still to skip
+        self.rows = 0  # live rows when the skipping began
+
+    def ask(self, live_rows: int) -> bool:
+        """Whether to ask the proposers this step (call once per step)."""
+        if self.skip and 4 * live_rows <= 3 * self.rows:
+            self.skip = self.wait = 0
+        if self.skip:
+            self.skip -= 1
+            return False
+        return True
+
+    def planned(self, live_rows: int, fed: bool) -> None:
+        """Record a plan made over offered proposals: ``fed`` whether it feeds any of them."""
+        if fed:
+            self.wait = 0
+        else:
+            self.wait = min(self.max_wait, 2 * self.wait or 1)
+            self.skip, self.rows = self.wait, live_rows
 
 
 def fastest_run(

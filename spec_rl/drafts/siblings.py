@@ -25,12 +25,16 @@ from .history import in_vocab_prefix, matched_prefix
 
 __all__ = ["DraftSources", "SiblingTokens"]
 
-#: n-gram orders looked up, longest first: a longer match predicts the continuation better.
-NGRAMS = (4, 3, 2)
+#: Longest n-gram a lookup matches (a longer match predicts the continuation better); the shortest is 2.
+LONGEST_MATCH = 4
 
 
 class SiblingTokens:
     """The responses of one group's members while they are decoded (and read-only texts), n-gram indexed.
+
+    Only bigrams are indexed (one dict entry per token: this runs for every emitted token of every row);
+    a lookup walks the occurrences of the member's last bigram, newest first, and extends each match
+    backwards to up to :data:`LONGEST_MATCH` tokens.
 
     Args:
         texts: read-only token lists the members may copy from (the prompt, the group's stored drafts).
@@ -38,19 +42,19 @@ class SiblingTokens:
 
     def __init__(self, texts: Sequence[Sequence[int]] = ()):
         self.seqs: dict[object, list[int]] = {}
-        self.index: dict[tuple[int, ...], list[tuple[object, int]]] = {}
+        self.index: dict[tuple[int, int], list[tuple[object, int]]] = {}  # bigram -> (member, index of its 2nd token)
         for i, text in enumerate(texts):
             self.extend(("text", i), text)
 
     def extend(self, member: object, tokens: Sequence[int]) -> None:
-        """Append ``tokens`` to ``member``'s sequence and index the n-grams that end in them."""
+        """Append ``tokens`` to ``member``'s sequence and index the bigrams that end in them."""
         seq = self.seqs.setdefault(member, [])
+        index = self.index
         for t in tokens:
-            seq.append(int(t))
-            end = len(seq) - 1
-            for n in NGRAMS:
-                if end + 1 >= n:
-                    self.index.setdefault(tuple(seq[end - n + 1 :]), []).append((member, end))
+            t = int(t)
+            if seq:
+                index.setdefault((seq[-1], t), []).append((member, len(seq)))
+            seq.append(t)
 
     def continuation(self, member: object, k: int) -> tuple[list[int], int]:
         """Up to ``k`` tokens that followed the longest n-gram ending ``member``'s sequence elsewhere.
@@ -59,17 +63,22 @@ class SiblingTokens:
         has one ([] and 0 when none does). An occurrence at the member's own end is skipped.
         """
         seq = self.seqs.get(member, [])
-        for n in NGRAMS:
-            if len(seq) < n:
-                continue
-            for other, end in reversed(self.index.get(tuple(seq[-n:]), ())):
-                text = self.seqs[other]
-                if other == member and end >= len(seq) - 1:
-                    continue
-                follow = text[end + 1 : end + 1 + k]
-                if follow:
-                    return follow, n
-        return [], 0
+        if len(seq) < 2 or k <= 0:
+            return [], 0
+        longest = min(LONGEST_MATCH, len(seq))
+        best, best_n = None, 0
+        for other, end in reversed(self.index.get((seq[-2], seq[-1]), ())):
+            text = self.seqs[other]
+            if (other == member and end >= len(seq) - 1) or end + 1 >= len(text):
+                continue  # its own end, or nothing followed it yet
+            n = 2
+            while n < longest and end >= n and text[end - n] == seq[-1 - n]:
+                n += 1
+            if n > best_n:  # newest first: a later occurrence replaces only with a longer match
+                best, best_n = text[end + 1 : end + 1 + k], n
+                if n == longest:
+                    break
+        return (best, best_n) if best is not None else ([], 0)
 
 
 class DraftSources:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..backends.step_cost import StepCost, acceptance_of, plan_proposals
+from ..backends.step_cost import ProposalBackoff, StepCost, acceptance_of, plan_proposals
 from ..sampling.distribution import SamplingSettings, keyed_sample
 from .sequence import SequenceState
 
@@ -65,6 +65,7 @@ class KeyedSampler:
         self.proposers = list(proposers)
         self.max_k = int(max_k)
         self.eos_ids = {int(e) for e in eos_ids}
+        self.backoff = ProposalBackoff()  # stops asking proposers while speculation does not pay
 
     def proposal(self, seq: SequenceState) -> list[int]:
         """What ``seq``'s proposer offers after its pending token: at most ``min(max_k, budget - 1)``, so
@@ -78,12 +79,17 @@ class KeyedSampler:
     def proposals(self, seqs: Sequence[SequenceState]) -> list[list[int]]:
         """The tokens each sequence feeds after its pending one this step: its proposal cut where the
         expected tokens per second under the engine's step cost are highest (packed: per sequence;
-        :func:`~spec_rl.backends.step_cost.plan_proposals`). All empty when no proposer offers anything."""
+        :func:`~spec_rl.backends.step_cost.plan_proposals`). All empty when no proposer offers anything, and while
+        the :class:`~spec_rl.backends.step_cost.ProposalBackoff` skips asking (the last plans fed nothing)."""
+        if not self.backoff.ask(len(seqs)):
+            return [[] for _ in seqs]
         offered = [self.proposal(s) for s in seqs]
         if not any(offered):
             return offered
         probs = [acceptance_of(self.proposers[s.result_index]) for s in seqs]
-        return plan_proposals(offered, probs, self.step_cost(), padded=False)
+        plan = plan_proposals(offered, probs, self.step_cost(), padded=False)
+        self.backoff.planned(len(seqs), fed=any(plan))
+        return plan
 
     def sample(
         self, seqs: Sequence[SequenceState], logits: torch.Tensor, positions: Sequence[int]

@@ -7,20 +7,21 @@ import torch
 from tiny_models import full_forward_logprobs, tiny_model
 
 from spec_rl.backends.hf_decode import DecodeRow, KVRows, SpeculativeDecoder, prefill
+from spec_rl.backends.step_cost import StepCost
 from spec_rl.drafts.history import SuffixAutomaton, SuffixProposer
 from spec_rl.sampling.distribution import SamplingSettings
 
 PROMPTS = [[3, 11, 12, 13, 14], [3, 15, 16], [3, 17, 18, 19, 20, 21, 22], [4, 5], [6], [3, 11, 12, 13, 14]]
 
 
-def _decode(model, settings, budgets, max_k=0, automata=None, seed=7):
+def _decode(model, settings, budgets, max_k=0, automata=None, seed=7, step_cost=StepCost.flat, proposer=SuffixProposer):
     kv, logits = prefill(model, PROMPTS, pad_id=0)
-    dec = SpeculativeDecoder(model, settings, seed, eos_ids={1}, max_k=max_k, pad_id=0)
+    dec = SpeculativeDecoder(model, settings, seed, eos_ids={1}, max_k=max_k, pad_id=0, step_cost=step_cost)
     uids = [1000 + i for i in range(len(PROMPTS))]
     toks, lps = dec.sample(logits.float(), uids, [len(p) for p in PROMPTS])
     rows = []
     for i, (p, t, lp, b) in enumerate(zip(PROMPTS, toks, lps, budgets)):
-        prop = SuffixProposer(automata[i], prefix=[t], max_k=max_k) if automata else None
+        prop = proposer(automata[i], prefix=[t], max_k=max_k) if automata else None
         row = DecodeRow(out=i, uid=uids[i], last=t, position=len(p), budget=b - 1, proposer=prop, tokens=[t], logprobs=[lp])
         row.finish = "eos" if t == 1 else ("length" if b == 1 else None)
         rows.append(row)
@@ -58,6 +59,37 @@ def test_speculation_gives_the_same_tokens_and_logprobs(temperature):
         assert len(b.tokens) <= budgets[b.out]
     assert c1.accepted > 0 and c1.proposed > c1.accepted  # both accept and reject paths ran
     assert c1.steps < c0.steps
+
+
+class _CountingProposer(SuffixProposer):
+    asks = 0
+
+    def propose(self, limit, fill=0):
+        _CountingProposer.asks += 1
+        return super().propose(limit, fill)
+
+
+def test_while_speculation_does_not_pay_the_proposers_are_not_asked_every_step():
+    model = tiny_model(seed=11, bias_eos=-3.0)
+    settings = SamplingSettings(max_tokens=40)
+    budgets = [40] * len(PROMPTS)
+    plain, c0 = _decode(model, settings, budgets)
+    automata = []
+    for r in plain:  # the row's own output as its history: a proposal at almost every step
+        sam = SuffixAutomaton()
+        sam.add_response(r.tokens)
+        automata.append(sam)
+    steep = StepCost((1, 64), (1, 9), ((1.0, 9.0), (64.0, 576.0)))  # a fed token costs a whole step: never pays
+    for cost, pays in ((steep, False), (StepCost.flat(), True)):
+        _CountingProposer.asks = 0
+        rows, c = _decode(model, settings, budgets, max_k=4, automata=automata, step_cost=lambda: cost, proposer=_CountingProposer)
+        assert [r.tokens for r in rows] == [r.tokens for r in plain]
+        row_steps = sum(len(r.tokens) for r in plain) - len(PROMPTS)  # decode steps summed over rows, one token each
+        if pays:
+            assert c.proposed > 0 and c.steps < c0.steps
+        else:  # refused plans back off 1, 2, 4, ... steps: a handful of asks per row instead of one per step
+            assert c.proposed == 0 and c.steps == c0.steps
+            assert 0 < _CountingProposer.asks <= len(PROMPTS) * 8 < row_steps / 2
 
 
 def test_prefill_computes_a_repeated_context_once_with_each_rows_values():

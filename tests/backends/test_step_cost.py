@@ -11,7 +11,7 @@ import torch
 from tiny_models import tiny_model
 
 from spec_rl.backends.hf_decode import time_decode_step
-from spec_rl.backends.step_cost import StepCost, cost_key, measured_cost, plan_proposals
+from spec_rl.backends.step_cost import ProposalBackoff, StepCost, cost_key, measured_cost, plan_proposals
 from spec_rl.backends.transformers_backend import TransformersBackend
 
 
@@ -66,6 +66,25 @@ def test_width_one_when_speculation_does_not_pay_and_wide_steps_in_the_tail():
     assert all(len(p) == 8 for p in plan_proposals(proposals[:2], [0.99] * 2, cpu, padded=True))  # tail: all of it
     assert all(len(p) == 8 for p in plan_proposals(proposals, [0.3] * 256, StepCost.flat(), padded=True))
     assert plan_proposals([[], []], [0.9, 0.9], cpu, padded=False) == [[], []]
+
+
+def test_backoff_waits_longer_after_each_refused_plan_and_asks_again_when_one_pays_or_rows_leave():
+    backoff = ProposalBackoff(max_wait=8)
+    asked = []
+    for _ in range(40):  # every plan refuses: asks at steps 0, 2, 5, 10, 19, 28, 37 (waits 1, 2, 4, 8, 8, 8)
+        asked.append(backoff.ask(256))
+        if asked[-1]:
+            backoff.planned(256, fed=False)
+    assert [i for i, a in enumerate(asked) if a] == [0, 2, 5, 10, 19, 28, 37]
+    backoff = ProposalBackoff(max_wait=8)
+    backoff.planned(256, fed=False)
+    backoff.planned(256, fed=False)  # waiting 2 steps
+    assert not backoff.ask(250)  # a few rows left: still waiting
+    assert backoff.ask(192)  # a quarter of the rows left: the cost changed, ask at once
+    backoff.planned(192, fed=True)
+    assert backoff.wait == 0 and all(backoff.ask(192) for _ in range(5))  # speculation pays: ask every step
+    backoff.planned(192, fed=False)
+    assert backoff.wait == 1 and not backoff.ask(192) and backoff.ask(192)  # a new refusal starts again at 1
 
 
 def test_measured_cost_is_cached_per_key_and_flat_on_request(tmp_path, monkeypatch):

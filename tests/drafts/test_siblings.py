@@ -26,6 +26,44 @@ def test_a_member_is_offered_what_followed_its_last_tokens_in_a_sibling():
     assert group.continuation("d", 2) == ([4, 2], 2)  # the most recent occurrence (its own earlier one) wins
 
 
+def _brute_continuation(appends, seqs, member, k):
+    """The definition, by brute force: for n = 4, 3, 2, the newest occurrence (in append order) of the
+    member's last n tokens that is not its own end and has a continuation."""
+    seq = seqs.get(member, [])
+    for n in (4, 3, 2):
+        if len(seq) < n:
+            continue
+        for other, end in reversed(appends):
+            text = seqs[other]
+            if end + 1 < n or text[end - n + 1 : end + 1] != seq[-n:] or (other == member and end >= len(seq) - 1):
+                continue
+            if text[end + 1 : end + 1 + k]:
+                return text[end + 1 : end + 1 + k], n
+    return [], 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_continuations_equal_the_brute_force_definition_on_random_groups(seed):
+    import random
+
+    rng = random.Random(seed)
+    vocab = rng.choice([3, 6, 20])  # small vocabularies: many repeated n-grams of every order
+    texts = [[rng.randrange(vocab) for _ in range(rng.randrange(0, 12))] for _ in range(rng.randrange(0, 3))]
+    group = SiblingTokens(texts)
+    seqs = {("text", i): list(t) for i, t in enumerate(texts)}
+    appends = [(("text", i), e) for i, t in enumerate(texts) for e in range(len(t))]
+    for _ in range(300):
+        member = rng.randrange(4)
+        tokens = [rng.randrange(vocab) for _ in range(rng.randrange(0, 4))]
+        group.extend(member, tokens)
+        for t in tokens:
+            seqs.setdefault(member, []).append(t)
+            appends.append((member, len(seqs[member]) - 1))
+        k = rng.randrange(0, 6)
+        asked = rng.randrange(5)
+        assert group.continuation(asked, k) == _brute_continuation(appends, seqs, asked, k)
+
+
 class _History:
     def __init__(self, offer):
         self.offer, self.updates = offer, []

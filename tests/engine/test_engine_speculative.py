@@ -198,10 +198,16 @@ def test_the_step_cost_decides_how_much_the_engine_verifies_and_changes_no_token
     steep = StepCost((1, 64), (1, 9), ((1.0, 9.0), (64.0, 576.0)))
     for cost, speculates in ((steep, False), (StepCost.flat(), True)):
         engine = _engine(model, step_cost=cost)
-        out = engine.generate(PROMPTS, BUDGETS, settings, seed=9, uids=UIDS, proposers=_proposers(automata))
+        proposers = _proposers(automata)
+        asks = []
+        for p in proposers:  # count the lookups: a plan that keeps refusing backs off (ProposalBackoff)
+            p.propose = lambda limit, fill=0, _p=p, _f=p.propose: asks.append(1) or _f(limit, fill)
+        out = engine.generate(PROMPTS, BUDGETS, settings, seed=9, uids=UIDS, proposers=proposers)
         assert [c.token_ids for c in out] == [c.token_ids for c in plain]
         stats = engine.stats
         assert (stats.decode_positions > stats.decode_rows) == speculates and (stats.proposed_tokens > 0) == speculates
+        if not speculates:
+            assert 0 < len(asks) < stats.decode_rows / 2  # not one lookup per row and step
     monkeypatch.setenv("SPEC_RL_CACHE", str(tmp_path))
     monkeypatch.delenv("SPEC_RL_STEP_COST", raising=False)
     engine = _engine(model, num_blocks=512)
