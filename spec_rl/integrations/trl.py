@@ -61,6 +61,7 @@ from typing import Any
 
 import torch
 
+from ..acceptance.lenient import check_rejection_draw
 from ..acceptance.reference import lenience_to_log
 from ..drafts.cache import RolloutCache
 from ..drafts.history import HistoryIndex
@@ -127,6 +128,9 @@ class SpecRLRollout:
             decode step (tail speculation; lossless).
         spec_tokens: most history-drafted tokens per decode step (the backend's ``max_k``;
             0 disables tail speculation).
+        rejection_draw: the token at a lenient rejection index: "policy" (default, the paper: drawn from
+            pi_t) or "without-draft" (from pi_t without the rejected draft token, renormalised; l >= 1,
+            strategy "spec", lenient acceptance only; docs/design.md "The rule"; the demo's recipe).
         seed: run seed for the acceptance uniforms and sampling; default ``trainer.args.seed``.
         cache: an existing :class:`~spec_rl.drafts.cache.RolloutCache` (default: a new one, or
             the file at ``cache_path`` if it exists).
@@ -159,12 +163,13 @@ class SpecRLRollout:
         last_result: the :class:`~spec_rl.rollout.speculative.RolloutResult` of the latest call.
         last_requests: the requests of the latest call (prompt ids, slot, dataset id).
         history: one dict per call: ``mode``, ``step``, ``log_lenience``, ``strategy``,
-            ``acceptance``, ``history_spec`` and the rollout statistics
+            ``acceptance``, ``rejection_draw``, ``history_spec`` and the rollout statistics
             (:meth:`spec_rl.rollout.speculative.RolloutStats.to_dict`).
 
     Raises:
         ValueError: bad lenience, strategy, acceptance (exact with a lenience other than
-            the default) or spec_tokens.
+            the default), spec_tokens or rejection_draw (see
+            :func:`~spec_rl.acceptance.lenient.check_rejection_draw`).
         UnsupportedTrainerConfig: see :func:`check_trainer_args` and :meth:`attach`.
     """
 
@@ -185,6 +190,7 @@ class SpecRLRollout:
         acceptance: str = "lenient",
         history_spec: bool = True,
         spec_tokens: int = 8,
+        rejection_draw: str = "policy",
     ):
         if dataset_id_column is not None and dataset_id_fn is not None:
             raise ValueError("pass either dataset_id_column or dataset_id_fn, not both")
@@ -203,6 +209,9 @@ class SpecRLRollout:
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         self.lenience, self.log_lenience = check_acceptance(acceptance, strategy, lenience, log_lenience, math.exp(0.5))
+        log_l = None if acceptance == "exact" else lenience_to_log(self.lenience, self.log_lenience)
+        check_rejection_draw(rejection_draw, strategy, acceptance, log_l)
+        self.rejection_draw = rejection_draw
         self.strategy = strategy
         self.acceptance = acceptance
         self.seed = seed
@@ -226,7 +235,7 @@ class SpecRLRollout:
         self.trainer = None
         self.settings: SamplingSettings | None = None
         self._options = RolloutOptions(self.lenience, self.log_lenience, strategy, acceptance, verify_backend,
-                                       int(spec_tokens), self.max_model_len, seed)  # fmt: skip
+                                       int(spec_tokens), self.max_model_len, seed, rejection_draw)  # fmt: skip
         self._rollouts: TrainerRollouts | None = None
         self._rollouts_key: tuple | None = None
         self._seeds = CallSeeds()
@@ -375,6 +384,7 @@ class SpecRLRollout:
                 "log_lenience": rollouts.train.log_lenience,
                 "strategy": self.strategy if training else "off",
                 "acceptance": self.acceptance,
+                "rejection_draw": self.rejection_draw if training else "policy",
                 "history_spec": self.history_index is not None,
                 "wall_seconds": time.perf_counter() - t0,
                 **stats,

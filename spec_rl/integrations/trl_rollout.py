@@ -62,6 +62,7 @@ class RolloutOptions:
     spec_tokens: int
     max_model_len: int | None
     seed: int | None
+    rejection_draw: str = "policy"
 
 
 class TrainerRollouts:
@@ -91,7 +92,8 @@ class TrainerRollouts:
                       verify_backend=options.verify_backend, acceptance=options.acceptance)  # fmt: skip
         self.history = history
         self.train = SpeculativeRollout(cache=cache, lenience=options.lenience, log_lenience=options.log_lenience,
-                                        strategy=options.strategy, history=history, **common)  # fmt: skip
+                                        strategy=options.strategy, history=history,
+                                        rejection_draw=options.rejection_draw, **common)  # fmt: skip
         view = ReadOnlyHistory(history) if history is not None else None
         self.eval = SpeculativeRollout(cache=RolloutCache(), strategy="off", history=view, **common)
 

@@ -511,3 +511,32 @@ def test_acceptance_and_history_options():
     assert isinstance(exact.history_index, HistoryIndex)
     assert SpecRLRollout(history_spec=False).history_index is None
     assert SpecRLRollout(spec_tokens=0).history_index is None
+
+
+def test_the_rejection_draw_option_is_checked_where_it_is_given():
+    assert SpecRLRollout().rejection_draw == "policy"  # the paper's draw by default
+    assert SpecRLRollout(lenience=1.0, rejection_draw="without-draft")._options.rejection_draw == "without-draft"
+    assert SpecRLRollout(log_lenience=0.5, rejection_draw="without-draft").rejection_draw == "without-draft"
+    with pytest.raises(ValueError, match="rejection_draw must be one of"):
+        SpecRLRollout(rejection_draw="residual")
+    with pytest.raises(ValueError, match="l >= 1"):  # below 1 the residual keeps the rejected token
+        SpecRLRollout(lenience=0.5, rejection_draw="without-draft")
+    for kw in ({"acceptance": "exact"}, {"strategy": "off"}, {"strategy": "random"}):
+        with pytest.raises(ValueError, match="applies to the lenient rule"):
+            SpecRLRollout(rejection_draw="without-draft", **kw)
+
+
+@pytest.mark.slow
+def test_without_draft_never_redraws_the_rejected_draft_token(tmp_path):
+    spec, _, _, first, later = _run_three_epochs(
+        tmp_path, 1.0, spec_kw={"rejection_draw": "without-draft"}, learning_rate=0.05
+    )  # a policy that moves: at l = 1 an unchanged policy keeps every draft
+    assert all(h["rejection_draw"] == ("without-draft" if h["mode"] == "train" else "policy") for h in spec.history)
+    rejected = 0
+    for r in later:
+        for i, (draft_ids, _) in r["drafts"].items():
+            n = r["prefix"][i]
+            if n < len(draft_ids):  # rejected at n: the token there is drawn without draft_ids[n]
+                rejected += 1
+                assert r["out"]["completion_ids"][i][n] != draft_ids[n]
+    assert rejected > 0
