@@ -109,7 +109,8 @@ def residual_seeds(step_seed: int, uid: int, attempts: int = MAX_RESIDUAL_ATTEMP
 async def draw_continuation(
     request: Any, send: Callable[[int | None], Awaitable[Any]], nothing: Any = None
 ) -> tuple[Any, int]:
-    """Send a continuation; after an exact-acceptance rejection, resend under the next seed while it starts with y_n.
+    """Send a continuation; after a rejection that excludes y_n (exact acceptance, without-draft draw), resend
+    under the next seed while it starts with y_n.
 
     Parameters
     ----------
@@ -146,7 +147,7 @@ async def draw_continuation(
     lp = request.excluded_logprob
     where = "" if lp is None else f" (the policy gives it log-prob {lp:.4g} there)"
     raise RuntimeError(
-        f"exact acceptance: the server sampled the rejected draft token {excluded} first in all "
-        f"{len(request.seeds)} continuation attempts{where}, so no draw from the residual distribution was "
-        "obtained; raise max_resample_attempts or use acceptance='lenient'"
+        f"the server sampled the rejected draft token {excluded} first in all {len(request.seeds)} continuation "
+        f"attempts{where}, so no draw without it was obtained; raise max_resample_attempts, or use "
+        "acceptance='lenient' with the paper's rejection_draw='policy'"
     )

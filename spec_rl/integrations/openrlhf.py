@@ -55,6 +55,8 @@ from typing import Any, Callable
 
 from openrlhf.utils.agent import AgentExecutorBase
 
+from ..acceptance.lenient import check_rejection_draw
+from ..acceptance.reference import lenience_to_log
 from ..drafts.directory import DirectoryDraftStore
 from ..sampling.distribution import SamplingSettings
 from .exact import MAX_RESIDUAL_ATTEMPTS, check_acceptance, draw_continuation
@@ -114,10 +116,13 @@ class SpecRLAgentExecutor(AgentExecutorBase):
         eos_token_ids: EOS ids (default: the tokenizer's eos_token_id).
         acceptance: "lenient" (the paper's rule) or "exact" (lossless; leave
             lenience at its default).
-        max_resample_attempts: continuation attempts at one rejection (exact).
+        max_resample_attempts: continuation attempts at one rejection (exact, without-draft draw).
+        rejection_draw: the token at a lenient rejection: "policy" (the paper's) or "without-draft"
+            (pi_t without the rejected draft token, by resending the continuation; l >= 1).
 
     Raises:
-        ValueError: n_samples_per_prompt < 1; a lenience with ``acceptance="exact"``;
+        ValueError: n_samples_per_prompt < 1; a lenience with ``acceptance="exact"``; a rejection_draw
+            the lenient rule cannot take (:func:`~spec_rl.acceptance.lenient.check_rejection_draw`);
             at the first ``execute``, sampling settings whose log-probs cannot be
             scored (see :func:`spec_rl.integrations.requests.check_server_settings`).
     """
@@ -133,6 +138,7 @@ class SpecRLAgentExecutor(AgentExecutorBase):
         eos_token_ids: list[int] | None = None,
         acceptance: str = "lenient",
         max_resample_attempts: int = MAX_RESIDUAL_ATTEMPTS,
+        rejection_draw: str = "policy",
     ) -> None:
         if int(n_samples_per_prompt) != n_samples_per_prompt or n_samples_per_prompt < 1:
             raise ValueError(
@@ -148,6 +154,8 @@ class SpecRLAgentExecutor(AgentExecutorBase):
         self.acceptance = acceptance
         self.max_resample_attempts = max_resample_attempts
         check_acceptance(acceptance, "spec", self.lenience, None, math.exp(0.5))  # fail now, not at the first execute
+        check_rejection_draw(rejection_draw, "spec", acceptance, lenience_to_log(self.lenience, None))
+        self.rejection_draw = rejection_draw
         self._calls: dict[str, int] = defaultdict(int)
         self._builders: dict[tuple, SpecRequestBuilder] = {}
 
@@ -171,6 +179,7 @@ class SpecRLAgentExecutor(AgentExecutorBase):
                 prompt_logprobs_mode=self.prompt_logprobs_mode,
                 repetition_penalty=float(getattr(sampling_params, "repetition_penalty", 1.0) or 1.0),
                 acceptance=self.acceptance, max_resample_attempts=self.max_resample_attempts,
+                rejection_draw=self.rejection_draw,
             )
         return self._builders[key]
 

@@ -57,8 +57,8 @@ class Verified:
         full_reuse: the scored draft is kept whole and is a whole response today: nothing to generate.
         step: training step used for the seed and stored as the version.
         sampled: 1 when the scoring request's sampled token was kept, else 0.
-        rejected: exact acceptance only: the draft token y_n rejected at n (the
-            continuation's first token must differ from it), else None.
+        rejected: with exact acceptance or the without-draft draw: the draft token y_n rejected at n
+            (the continuation's first token must differ from it), else None.
         rejected_logprob: its lp_new (None without a rejection).
     """
 
@@ -76,7 +76,7 @@ class Verified:
 class ContinuationRequest:
     """Generate up to ``max_tokens`` tokens after ``context_ids`` (= prompt + verified prefix).
 
-    With exact acceptance after a rejection, ``excluded`` is the rejected draft token y_n and
+    After a rejection with exact acceptance or the without-draft draw, ``excluded`` is the rejected draft token y_n and
     ``seeds`` the server seed of each attempt: send it through
     :func:`~spec_rl.integrations.exact.draw_continuation`, which resends while the first new
     token is y_n (the residual draw; module docstring).

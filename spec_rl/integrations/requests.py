@@ -59,6 +59,7 @@ from collections.abc import Sequence
 import torch
 
 from ..acceptance.dispatch import verify
+from ..acceptance.lenient import check_rejection_draw
 from ..acceptance.reference import lenience_to_log
 from ..drafts.cache import CacheKey, DraftStore
 from ..drafts.validity import draft_view
@@ -98,7 +99,11 @@ class SpecRequestBuilder:
             continuation; no lenience, strategy "spec" only).
         seed_param: name of the per-request sampling seed in the server's sampling
             parameters: "seed" (vLLM) or "sampling_seed" (SGLang).
-        max_resample_attempts: continuation attempts at one rejection (exact acceptance).
+        max_resample_attempts: continuation attempts at one rejection (exact acceptance, without-draft draw).
+        rejection_draw: the token at a lenient rejection: "policy" (default, the paper: the server's
+            sample of pi_t) or "without-draft" (pi_t without the rejected draft token, drawn by resending
+            the continuation while it begins with that token, as exact acceptance does; l >= 1,
+            strategy "spec", lenient acceptance; :func:`~spec_rl.acceptance.lenient.check_rejection_draw`).
 
     Raises:
         ValueError: unusable settings (see :func:`check_server_settings`),
@@ -122,6 +127,7 @@ class SpecRequestBuilder:
         acceptance: str = "lenient",
         seed_param: str = "seed",
         max_resample_attempts: int = MAX_RESIDUAL_ATTEMPTS,
+        rejection_draw: str = "policy",
     ) -> None:
         check_server_settings(settings, prompt_logprobs_mode, repetition_penalty, logprobs_mode)
         if strategy is False:  # YAML 1.1 reads an unquoted `strategy: off` as false
@@ -138,6 +144,8 @@ class SpecRequestBuilder:
         if not eos_ids:
             raise ValueError("eos_ids must list at least one end-of-sequence id (e.g. the tokenizer's eos_token_id)")
         self.log_lenience = lenience_to_log(lenience, log_lenience)
+        check_rejection_draw(rejection_draw, strategy, acceptance, self.log_lenience)
+        self.rejection_draw = rejection_draw
         self.acceptance = acceptance
         self.seed_param = str(seed_param)
         self.max_resample_attempts = int(max_resample_attempts)
@@ -260,8 +268,8 @@ class SpecRequestBuilder:
                 kept as the first new token (paper Alg. 1: no extra request for
                 it; docs/design.md "The rule"). Otherwise it is ignored.
 
-        With exact acceptance a rejection at n < R records the rejected token
-        (``Verified.rejected``) for :meth:`continuation`.
+        With exact acceptance or the without-draft draw a rejection at n < R records the rejected
+        token (``Verified.rejected``) for :meth:`continuation`.
 
         Raises:
             ValueError: a draft without ``new_logprobs``, a length mismatch, or the
@@ -290,8 +298,8 @@ class SpecRequestBuilder:
         n = int(res.accepted_len[0])
         full = n == len(plan.draft_ids) and plan.draft_end is not None
         out = Verified(n, plan.draft_ids[:n], [float(x) for x in new[0, :n].tolist()], full, step_used)
-        if self.acceptance == "exact" and n < len(plan.draft_ids):
-            out.rejected, out.rejected_logprob = plan.draft_ids[n], float(new[0, n])
+        if (self.acceptance == "exact" or self.rejection_draw == "without-draft") and n < len(plan.draft_ids):
+            out.rejected, out.rejected_logprob = plan.draft_ids[n], float(new[0, n])  # the continuation avoids it
         if not full and n == len(plan.draft_ids) and n < plan.budget and scoring_sample is not None:
             ids, lps = scoring_sample
             if ids and lps:
@@ -304,7 +312,7 @@ class SpecRequestBuilder:
     def continuation(self, plan: SamplePlan, verified: Verified) -> ContinuationRequest | None:
         """The generation request after the verified prefix, or None when nothing is left to generate.
 
-        After an exact-acceptance rejection it carries the token to exclude and one server seed
+        After a rejection with exact acceptance or the without-draft draw it carries the token to exclude and one server seed
         per attempt (:func:`~spec_rl.integrations.exact.residual_seeds` of the step seed and uid).
         """
         if verified.full_reuse:
@@ -353,12 +361,12 @@ class SpecRequestBuilder:
 
         Raises:
             ValueError: missing or mismatched log-probs, more tokens than the budget,
-                or (exact acceptance) a continuation that begins with the rejected token.
+                or (exact acceptance, without-draft draw) a continuation that begins with the rejected token.
         """
         new_ids = [int(t) for t in new_ids]
         if verified.rejected is not None and new_ids and new_ids[0] == verified.rejected:
             raise ValueError(
-                f"exact acceptance: the continuation begins with the rejected draft token {verified.rejected}; "
+                f"the continuation begins with the rejected draft token {verified.rejected}; "
                 "send it through spec_rl.integrations.exact.draw_continuation, which resamples it"
             )
         if new_logprobs is None:

@@ -147,13 +147,17 @@ class SpecRLAgentLoop(AgentLoopBase):
         eos_token_ids: EOS ids (default: the tokenizer's eos_token_id).
         acceptance: "lenient" (the paper's rule) or "exact" (lossless; leave
             lenience at its default).
-        max_resample_attempts: continuation attempts at one rejection (exact).
+        max_resample_attempts: continuation attempts at one rejection (exact, without-draft draw).
+        rejection_draw: the token at a lenient rejection: "policy" (the paper's) or "without-draft"
+            (pi_t without the rejected draft token, by resending the continuation; l >= 1;
+            :class:`~spec_rl.integrations.requests.SpecRequestBuilder`).
 
     Raises:
         ValueError: no cache directory, or a rollout configuration whose log-probs
             cannot be compared (temperature != 1 with raw prompt logprobs, top-k,
-            top-p, repetition penalty, a logits ``logprobs_mode``), or a lenience
-            with ``acceptance="exact"``, raised when the first sample's loop is built.
+            top-p, repetition penalty, a logits ``logprobs_mode``), a lenience
+            with ``acceptance="exact"``, or a rejection_draw the lenient rule cannot take,
+            raised when the first sample's loop is built.
     """
 
     def __init__(
@@ -167,6 +171,7 @@ class SpecRLAgentLoop(AgentLoopBase):
         eos_token_ids: list[int] | None = None,
         acceptance: str = "lenient",
         max_resample_attempts: int = MAX_RESIDUAL_ATTEMPTS,
+        rejection_draw: str = "policy",
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
@@ -198,6 +203,7 @@ class SpecRLAgentLoop(AgentLoopBase):
             acceptance=acceptance,
             seed_param="sampling_seed" if str(_cfg(rc, "name", "vllm")).lower() == "sglang" else "seed",
             max_resample_attempts=max_resample_attempts,
+            rejection_draw=rejection_draw,
         )
 
     def _is_training_request(self, sampling_params: dict[str, Any]) -> bool:

@@ -209,6 +209,34 @@ def test_executor_exact_mode_resamples_the_rejected_token(env):
 
 
 
+def test_executor_without_draft_draw_never_returns_the_rejected_token(env):
+    tok = env["tok"]
+    probs = torch.zeros(len(tok))
+    probs[[21, 22, 23, 1]] = torch.tensor([0.6, 0.25, 0.1, 0.05])
+    moved = probs.clone()
+    moved[[21, 22]] = torch.tensor([0.3, 0.55])  # the policy moved away from "apples": its drafts get rejected
+    prompts = [f"Tom has {d} apples" for d in range(10)] + [f"Ann buys {d} more" for d in range(10)]
+    with pytest.raises(ValueError, match="l >= 1"):
+        SpecRLAgentExecutor(env["dir"], N, lenience=0.5, rejection_draw="without-draft")
+    with pytest.raises(ValueError, match="applies to the lenient rule"):
+        SpecRLAgentExecutor(env["dir"], N, acceptance="exact", rejection_draw="without-draft")
+    ep1 = run_epoch(SpecRLAgentExecutor(env["dir"], N), FakeVLLMEngine(FixedServer(probs, {1}, max_model_len=MAX_LEN)),
+                    tok, prompts=prompts)  # fmt: skip
+    ex = SpecRLAgentExecutor(env["dir"], N, lenience=1.0, rejection_draw="without-draft")
+    ep2 = run_epoch(ex, FakeVLLMEngine(FixedServer(moved, {1}, max_model_len=MAX_LEN)), tok, prompts=prompts)
+    rejected = resampled = 0
+    for a, b in zip(ep1, ep2):
+        (start, end), = a["action_ranges"]
+        draft, resp, logs = a["observation_tokens"][start:end], b["observation_tokens"][start:], b["extra_logs"]
+        n = int(logs["spec_rl/verified_prefix_len"])
+        assert resp[:n] == draft[:n]
+        if n < logs["spec_rl/draft_len"]:
+            rejected += 1
+            assert resp[n] != draft[n]  # drawn without the rejected draft token
+        resampled += int(logs["spec_rl/resamples"])
+    assert rejected >= 1 and resampled >= 1
+
+
 def test_scoring_reads_no_prefix_cache(env):
     # Regression: the scoring request's params were a copy with prompt_logprobs set afterwards, so vLLM
     # read the prefix cache for them and returned garbage rows (KeyError in the executor, then a dead engine).

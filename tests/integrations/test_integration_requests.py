@@ -217,13 +217,14 @@ def test_draw_continuation_resends_and_gives_up():
 async def _one_exact_sample(b, server, index):
     """The verl/OpenRLHF request sequence for one sample, against a server with a fixed distribution."""
     plan = b.plan([0, 1], 0, f"ds:{index}")
-    scored = server.run("r", plan.scoring_ids, b.scoring_sampling_params({"temperature": 1.0}))
+    rid = f"r{index}"  # without a seed the fake server's randomness follows the request id (as a server's own would vary)
+    scored = server.run(rid, plan.scoring_ids, b.scoring_sampling_params({"temperature": 1.0}))
     lps = b.draft_logprobs_from_rows(plan, scored["prompt_logprobs"], scored["prompt_ids"])
     v = b.verify(plan, lps, step=1, scoring_sample=(scored["token_ids"], scored["log_probs"]))
     cont = b.continuation(plan, v)
 
     async def send(seed):
-        r = server.run("r", cont.context_ids, b.continuation_sampling_params({"temperature": 1.0}, cont, seed))
+        r = server.run(rid, cont.context_ids, b.continuation_sampling_params({"temperature": 1.0}, cont, seed))
         return r["token_ids"], r["log_probs"]
 
     (ids, new_lps), resamples = await draw_continuation(cont, send, nothing=([], []))
@@ -257,3 +258,40 @@ def test_exact_token_at_the_rejection_follows_the_residual():
     assert sum(r.metrics["resamples"] for _, r in out) > 100  # the continuation began with 0: resent
     for _, r in out:  # log-probs are pi_t's, not the residual's
         assert r.logprobs == pytest.approx([math.log(PROBS[t]) for t in r.response_ids], abs=1e-5)
+
+
+@pytest.mark.parametrize("draw", ["policy", "without-draft"])
+def test_the_token_at_a_lenient_rejection_follows_the_chosen_draw(draw):
+    # Drafts [0, 0] stored with q(0) = 0.9; the server's pi_t gives token 0 probability 0.6, so at l = 1 a draft
+    # token is kept with probability 0.6 / 0.9. At a rejection the paper's draw is the server's own sample of
+    # pi_t (token 0 included); the without-draft draw resends until the first token is not 0.
+    server = FixedServer(PROBS, {EOS}, max_model_len=8)
+    cache = RolloutCache()
+    b = SpecRequestBuilder(cache, EXACT_S, 8, [EOS], lenience=1.0, seed=4, rejection_draw=draw,
+                           max_resample_attempts=64)  # fmt: skip
+    n_samples = 1500
+    for i in range(n_samples):
+        cache.store(CacheKey.make([0, 1], 0, f"ds:{i}"), [0, 0], [math.log(0.9)] * 2, "length", 0, EXACT_S)
+
+    async def go():
+        return [await _one_exact_sample(b, server, i) for i in range(n_samples)]
+
+    out = asyncio.run(go())
+    at_rejection = torch.tensor([r.response_ids[0] for n, r in out if n == 0])
+    assert len(at_rejection) > 300  # about n_samples / 3 rejections at position 0
+    law = PROBS.clone()
+    if draw == "without-draft":
+        law[0] = 0
+    assert_fits(torch.bincount(at_rejection, minlength=V), law / law.sum())
+    assert (sum(r.metrics["resamples"] for _, r in out) > 0) == (draw == "without-draft")
+
+
+def test_the_without_draft_draw_is_refused_where_it_means_nothing():
+    with pytest.raises(ValueError, match="rejection_draw must be one of"):
+        builder(rejection_draw="residual")
+    with pytest.raises(ValueError, match="l >= 1"):
+        builder(lenience=0.5, rejection_draw="without-draft")
+    for kw in ({"acceptance": "exact"}, {"strategy": "off"}, {"strategy": "random"}):
+        with pytest.raises(ValueError, match="applies to the lenient rule"):
+            builder(rejection_draw="without-draft", **kw)
+    assert builder(lenience=2.0, rejection_draw="without-draft").rejection_draw == "without-draft"

@@ -353,26 +353,45 @@ def test_exact_mode_resamples_the_rejected_token(tmp_path, tok):
     assert resampled >= 1
 
 
-def test_exact_mode_token_at_the_rejection_follows_the_residual(tmp_path, tok):
-    # Every draft is [apples, apples]: accepted with probability 0.6 at each position, otherwise the token
-    # comes from the residual (SUPPORT_P without "apples", renormalised); the marginal stays SUPPORT_P.
+def _apples_drafts(tmp_path, tok, count, old_logprob, **loop_kwargs):
+    """``count`` samples whose stored drafts are [apples, apples] (each with ``old_logprob``), through the loop:
+    (outputs, first tokens, first tokens of the rows rejected at 0), tokens as indices into SUPPORT."""
     store = RolloutCache()
     cfg, server, d = exact_setup(tmp_path, tok, response_length=2, store=store)
-    rows_ = many_rows(5000)
+    rows_ = many_rows(count)
     prompt = asyncio.run(_prompt_ids(cfg, server, tok, d))
     settings = sv.settings_from_rollout_config(cfg.actor_rollout_ref.rollout)
     for i in range(len(rows_)):
-        store.store(CacheKey.make(prompt, 0, f"toy:{i}"), [21, 21], [-0.5, -0.5], "length", 0, settings)
-    # 16 attempts (the default) fail with probability 0.6 ** 16 per rejection: about once in 5000 samples here
-    out = run_rows(cfg, server, tok, rows_, cache_dir=d, acceptance="exact", max_resample_attempts=64)
+        store.store(CacheKey.make(prompt, 0, f"toy:{i}"), [21, 21], [old_logprob] * 2, "length", 0, settings)
+    out = run_rows(cfg, server, tok, rows_, cache_dir=d, **loop_kwargs)
     bins = {t: k for k, t in enumerate(SUPPORT)}
     first = torch.tensor([bins[o.response_ids[0]] for o in out])
     at_rejection = torch.tensor([bins[o.response_ids[0]] for o in out if o.extra_fields["spec_rl/verified_prefix_len"] == 0])
+    return out, first, at_rejection
+
+
+def test_exact_mode_token_at_the_rejection_follows_the_residual(tmp_path, tok):
+    # Every draft is [apples, apples]: accepted with probability 0.6 at each position, otherwise the token
+    # comes from the residual (SUPPORT_P without "apples", renormalised); the marginal stays SUPPORT_P.
+    # 16 attempts (the default) fail with probability 0.6 ** 16 per rejection: about once in 5000 samples here
+    out, first, at_rejection = _apples_drafts(tmp_path, tok, 5000, -0.5, acceptance="exact", max_resample_attempts=64)
     p = torch.tensor(SUPPORT_P)
     assert_fits(torch.bincount(first, minlength=4), p)
     residual = torch.cat([torch.zeros(1), p[1:] / p[1:].sum()])
     assert_fits(torch.bincount(at_rejection, minlength=4), residual)
     assert sum(o.extra_fields["spec_rl/resamples"] for o in out) > 100
+
+
+def test_without_draft_draw_token_at_a_lenient_rejection_is_never_the_draft_token(tmp_path, tok):
+    # Drafts [apples, apples] stored with q = 0.9 each; the server gives "apples" 0.6, so at l = 1 a draft
+    # token is kept with probability 2/3. At a rejection the continuation is resent until it does not begin
+    # with "apples": the token there follows SUPPORT_P without "apples", renormalised.
+    out, _, at_rejection = _apples_drafts(tmp_path, tok, 1500, math.log(0.9), lenience=1.0,
+                                          rejection_draw="without-draft", max_resample_attempts=64)  # fmt: skip
+    assert len(at_rejection) > 300
+    p = torch.tensor(SUPPORT_P)
+    assert_fits(torch.bincount(at_rejection, minlength=4), torch.cat([torch.zeros(1), p[1:] / p[1:].sum()]))
+    assert sum(o.extra_fields["spec_rl/resamples"] for o in out) > 0
 
 
 async def _prompt_ids(cfg, server, tok, d):
@@ -386,6 +405,11 @@ def test_exact_mode_options(setup):
 
     with pytest.raises(InstantiationException, match="has no lenience"):
         asyncio.run(build(acceptance="exact", lenience=1.6))
+    with pytest.raises(InstantiationException, match="applies to the lenient rule"):
+        asyncio.run(build(acceptance="exact", rejection_draw="without-draft"))
+    with pytest.raises(InstantiationException, match="l >= 1"):
+        asyncio.run(build(lenience=0.5, rejection_draw="without-draft"))
+    assert asyncio.run(build(lenience=1.0, rejection_draw="without-draft")).builder.rejection_draw == "without-draft"
     assert asyncio.run(build(acceptance="exact")).builder.seed_param == "seed"
     sglang = make_config(name="sglang")
     loop = asyncio.run(_build_with(sglang, setup, acceptance="exact"))
