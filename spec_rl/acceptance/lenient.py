@@ -14,6 +14,8 @@ With ``log_lenience=None`` the lenience is chosen for this step by :mod:`spec_rl
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -45,14 +47,14 @@ def check_rejection_draw(draw: str, strategy: str, acceptance: str, log_lenience
             draw no token at a lenient rejection), or below l = 1, where a token can be rejected although pi_t gives
             it more than the draft did, and the residual keeps it.
     """
-    if draw not in REJECTION_DRAWS:
+    if not isinstance(draw, str) or draw not in REJECTION_DRAWS:  # an array would compare element-wise
         raise ValueError(f"rejection_draw must be one of {REJECTION_DRAWS}, got {draw!r}")
     if draw != "policy" and (strategy != "spec" or acceptance != "lenient"):
         raise ValueError(f"rejection_draw={draw!r} applies to the lenient rule (strategy 'spec', acceptance 'lenient'), "
                          f"not strategy {strategy!r} with acceptance {acceptance!r}; drop it")  # fmt: skip
     if draw != "policy" and log_lenience is not None and log_lenience < 0:
-        raise ValueError(f"rejection_draw={draw!r} needs lenience l >= 1 (or 'auto'), got log l = {log_lenience:.3g}: "
-                         "below 1 the residual keeps the rejected token; drop it")  # fmt: skip
+        raise ValueError(f"rejection_draw={draw!r} needs lenience l >= 1, got l = {math.exp(log_lenience):.3g} "
+                         f"(log l = {log_lenience:.3g}): below 1 the residual keeps the rejected token; drop it")  # fmt: skip
 
 
 def lenient_prefixes(

@@ -168,7 +168,9 @@ class ProposalBackoff:
     """
 
     def __init__(self, max_wait: int = 16):
-        self.max_wait = int(max_wait)
+        if isinstance(max_wait, bool) or not isinstance(max_wait, int) or max_wait < 1:
+            raise ValueError(f"max_wait must be an integer >= 1 (steps), got {max_wait!r}")
+        self.max_wait = max_wait
         self.wait = 0  # steps skipped after the latest refusal
         self.skip = 0  # steps still to skip
         self.rows = 0  # live rows when the skipping began

@@ -357,7 +357,7 @@ class SpecRequestBuilder:
                 (used when the scoring request did not report one).
             store: write the result to the store (False for validation).
             resamples: continuation attempts discarded because they began with
-                the rejected token (exact acceptance; recorded in the metrics).
+                the rejected token (exact acceptance, without-draft draw; recorded in the metrics).
 
         Raises:
             ValueError: missing or mismatched log-probs, more tokens than the budget,

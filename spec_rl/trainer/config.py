@@ -235,7 +235,7 @@ class GRPOConfig:
         choice_fields = (("generation_backend", GENERATION_BACKENDS), ("mode", MODES), ("acceptance", ACCEPTANCE_RULES),
                          ("rejection_draw", REJECTION_DRAWS))  # fmt: skip
         for name, choices in choice_fields:
-            if getattr(self, name) not in choices:
+            if not isinstance(getattr(self, name), str) or getattr(self, name) not in choices:  # arrays compare element-wise
                 raise ConfigError(name, f"must be one of {choices}, got {getattr(self, name)!r}")
         if self.mode.startswith("random") and self.acceptance == "exact":
             raise ConfigError("acceptance", f"'exact' does not apply to the random-reuse ablation (mode {self.mode!r} ignores the scores)")

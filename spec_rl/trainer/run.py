@@ -188,10 +188,12 @@ def run_modes(
         trainer = GRPOTrainer(model, tokenizer, train_examples, reward_fn, cfg, mode_dir, progress=progress, log=log,
                               label=mode, ref_model=ref, eval_examples=eval_examples, initial_heldout=initial)  # fmt: skip
         if resume:
-            if trainer.resume():
-                log(f"[{mode}] resumed at epoch {trainer.start_epoch + 1} with {len(trainer.cache)} cached drafts")
-            else:
+            if not trainer.resume():
                 log(f"[{mode}] no checkpoint in {mode_dir}; starting at epoch 1")
+            elif trainer.start_epoch >= cfg.epochs:
+                log(f"[{mode}] finished earlier: all {cfg.epochs} epochs are in {mode_dir}")
+            else:
+                log(f"[{mode}] resumed at epoch {trainer.start_epoch + 1} with {len(trainer.cache)} cached drafts")
 
         def on_epoch(rec: dict, _mode: str = mode, _trainer: GRPOTrainer = trainer) -> None:
             log(format_row(_mode, rec))

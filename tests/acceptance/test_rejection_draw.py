@@ -118,24 +118,27 @@ def test_bad_rejection_draw_is_refused():
     def rollout(**kw):
         return SpeculativeRollout(FixedPolicy(torch.tensor([0.5, 0.5])), RolloutCache(), SamplingSettings(), [1], 8, **kw)
 
-    with pytest.raises(ValueError, match="rejection_draw must be one of"):
-        rollout(rejection_draw="residual")
+    import numpy as np
+
+    for bad in ("residual", None, 1, b"policy", ["policy"], np.array(["policy"])):  # an array compares element-wise
+        with pytest.raises(ValueError, match="rejection_draw must be one of"):
+            rollout(rejection_draw=bad)
     # no lenient rejection to draw at: the ablation, reuse off, exact acceptance
     for kw in (dict(strategy="random"), dict(strategy="off"), dict(acceptance="exact")):
         with pytest.raises(ValueError, match="applies to the lenient rule"):
             rollout(rejection_draw="without-draft", **kw)
     # below l = 1 the residual keeps the rejected token (at l = 0 every draft token is "rejected")
     for lenience in (0.0, 0.5):
-        with pytest.raises(ValueError, match="needs lenience l >= 1"):
+        with pytest.raises(ValueError, match=f"needs lenience l >= 1, got l = {lenience:.3g} "):
             rollout(rejection_draw="without-draft", lenience=lenience)
     assert rollout(rejection_draw="without-draft", lenience="auto").rejection_draw == "without-draft"
     assert rollout(rejection_draw="without-draft", lenience=1.0).rejection_draw == "without-draft"
-    with pytest.raises(ConfigError, match="rejection_draw"):
-        GRPOConfig(rejection_draw="residual")
+    for bad in ("residual", np.array(["policy"])):
+        with pytest.raises(ConfigError, match="rejection_draw"):
+            GRPOConfig(rejection_draw=bad)
     for kw in (dict(mode="vanilla"), dict(acceptance="exact"), dict(mode="random")):
         with pytest.raises(ConfigError, match="applies to lenient SPEC-RL"):
             GRPOConfig(rejection_draw="without-draft", **kw)
-    import numpy as np
 
     for lenience in (0.0, 0.5, np.float32(0.5)):
         with pytest.raises(ConfigError, match="needs lenience >= 1"):

@@ -85,6 +85,9 @@ def test_backoff_waits_longer_after_each_refused_plan_and_asks_again_when_one_pa
     assert backoff.wait == 0 and all(backoff.ask(192) for _ in range(5))  # speculation pays: ask every step
     backoff.planned(192, fed=False)
     assert backoff.wait == 1 and not backoff.ask(192) and backoff.ask(192)  # a new refusal starts again at 1
+    for bad in (0, -1, 2.5, None, True):
+        with pytest.raises(ValueError, match="max_wait must be an integer >= 1"):
+            ProposalBackoff(max_wait=bad)
 
 
 def test_measured_cost_is_cached_per_key_and_flat_on_request(tmp_path, monkeypatch):

@@ -204,6 +204,9 @@ def test_resume_with_a_subset_of_modes_keeps_the_others(model_dir, data_file, tm
     assert "[vanilla] resumed at epoch 2" in capsys.readouterr().out
     steps = [json.loads(x)["step"] for x in (out / "vanilla" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1]
+    assert main(_train_argv(model_dir, data_file, out, "--modes", "vanilla,spec", "--epochs", "2", "--resume")) == 0
+    said = capsys.readouterr().out
+    assert "[vanilla] finished earlier: all 2 epochs are in" in said and "[spec] resumed at epoch 2" in said
 
 
 # Held-out flags: (extra flags, what the one error line must contain). "EVAL" is replaced by a held-out file.
