@@ -15,7 +15,6 @@ With ``log_lenience=None`` the lenience is chosen for this step by :mod:`spec_rl
 from __future__ import annotations
 
 import math
-
 from collections.abc import Sequence
 from dataclasses import dataclass
 
