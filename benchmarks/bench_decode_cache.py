@@ -24,6 +24,7 @@ from _harness import Column, Table, default_json_path, provenance, sync, write_j
 
 from spec_rl.backends.hf_decode import cache_argument
 from spec_rl.backends.kv_buffer import in_place_cache
+from spec_rl.trainer.config import ConfigError, resolve_device
 
 # name: (hidden, intermediate, layers, heads, kv heads, head dim, vocab, dtype)
 PRESETS = {
@@ -108,11 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     if any(w < 1 for w in widths):
         ap.error(f"--widths takes positive integers; got {args.widths!r}")
     try:
-        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    except RuntimeError:
-        ap.error(f"--device takes cpu, cuda or cuda:N; got {args.device!r}")
-    if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not torch.cuda.is_available()):
-        ap.error(f"--device {args.device}: not available here (this torch sees {'a' if torch.cuda.is_available() else 'no'} CUDA device)")
+        device = resolve_device(args.device or "auto")  # the trainer's check: a device this machine has
+    except ConfigError as exc:
+        ap.error(f"--device {exc.requirement}")
     if args.preset == "qwen3-0.6b" and device.type != "cuda":
         print("bench_decode_cache: the qwen3-0.6b preset needs a CUDA device")
         return 0

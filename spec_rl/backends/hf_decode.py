@@ -237,14 +237,15 @@ class SpeculativeDecoder:
         While speculation does not pay, :class:`~spec_rl.backends.step_cost.ProposalBackoff` skips asking the
         proposers (their lookups cost host time per row).
         """
-        ask = self.max_k > 0 and self.backoff.ask(sum(active))
+        live = sum(active)
+        ask = self.max_k > 0 and self.backoff.ask(live)
         cands = [r.proposer.propose(min(self.max_k, r.budget - 1), fill=self.max_k)
                  if ask and ok and r.proposer is not None and r.budget > 1 else []
                  for r, ok in zip(rows, active)]  # fmt: skip
         props = cands
         if any(cands):
             props = plan_proposals(cands, [acceptance_of(r.proposer) for r in rows], self.step_cost(), padded=True)
-            self.backoff.planned(sum(active), fed=any(props))
+            self.backoff.planned(live, fed=any(props))
         lens = torch.tensor([len(p) for p in props], dtype=torch.long)
         width = 1 + int(lens.max())
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)

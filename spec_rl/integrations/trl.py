@@ -209,8 +209,7 @@ class SpecRLRollout:
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         self.lenience, self.log_lenience = check_acceptance(acceptance, strategy, lenience, log_lenience, math.exp(0.5))
-        log_l = None if acceptance == "exact" else lenience_to_log(self.lenience, self.log_lenience)
-        check_rejection_draw(rejection_draw, strategy, acceptance, log_l)
+        check_rejection_draw(rejection_draw, strategy, acceptance, lenience_to_log(self.lenience, self.log_lenience))
         self.rejection_draw = rejection_draw
         self.strategy = strategy
         self.acceptance = acceptance
