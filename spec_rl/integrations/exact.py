@@ -24,12 +24,14 @@ one extra continuation request per accepted draft token. Each extra request pref
 server's prefix cache and decodes the whole continuation again. The attempt bound fails with
 probability p ** attempts at that rejection (about 0.44 for p = 0.95 and 16 attempts), and then
 :func:`draw_continuation` raises :class:`RuntimeError`. Lenient acceptance (the paper's rule) needs
-none of this. Tail speculation from history does not run on a server either: it needs a multi-token
+none of this; its without-draft draw resends the same way but, not being lossless anyway, keeps the last
+attempt when all of them began with y_n (the paper's draw there, counted) rather than stop the run. Tail speculation from history does not run on a server either: it needs a multi-token
 verify inside the engine's decode loop (the in-process backends do it).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -127,18 +129,22 @@ async def draw_continuation(
     Returns
     -------
     (out, resamples)
-        What the accepted ``send`` returned, and how many attempts before it were discarded.
+        What the accepted ``send`` returned, and how many attempts before it were discarded. When every
+        attempt began with the excluded token and ``request.keep_last`` (the lenient without-draft draw),
+        the last attempt is kept (the paper's draw at n, RuntimeWarning) and ``request.kept_excluded`` set:
+        pass it to ``assemble(kept_excluded=...)``.
 
     Raises
     ------
     RuntimeError
-        Every attempt began with the excluded token.
+        Every attempt began with the excluded token (exact acceptance: no lossless draw was obtained).
     """
     if request is None:
         return nothing, 0
     excluded = request.excluded
     if excluded is None:
         return await send(None), 0
+    out = None
     for attempt, seed in enumerate(request.seeds):
         out = await send(int(seed))
         tokens = out[0]
@@ -146,6 +152,18 @@ async def draw_continuation(
             return out, attempt
     lp = request.excluded_logprob
     where = "" if lp is None else f" (the policy gives it log-prob {lp:.4g} there)"
+    if request.keep_last and out is not None:
+        # Lenient (not lossless anyway): a run must not die on a peaked policy; the kept attempt is a draw
+        # of pi_t at n that gave y_n, i.e. the paper's rule there. Counted as draw_fallbacks.
+        warnings.warn(
+            f"the without-draft draw kept a continuation that begins with the rejected token {excluded} after "
+            f"{len(request.seeds)} attempts{where}; counted in spec_rl/draw_fallbacks (raise max_resample_attempts "
+            "to make this rarer)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        request.kept_excluded = True
+        return out, len(request.seeds) - 1
     raise RuntimeError(
         f"the server sampled the rejected draft token {excluded} first in all {len(request.seeds)} continuation "
         f"attempts{where}, so no draw without it was obtained; raise max_resample_attempts, or use "

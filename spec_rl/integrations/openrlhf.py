@@ -239,7 +239,8 @@ class SpecRLAgentExecutor(AgentExecutorBase):
         cont = b.continuation(plan, verified)
         send = partial(self._continue, cont, len(prompt_ids), sampling_params, llm_engine)  # send(seed)
         (new_ids, cont_lps, truncated), resamples = await draw_continuation(cont, send, nothing=([], [], False))
-        result = b.assemble(plan, verified, new_ids, cont_lps, resamples=resamples)
+        result = b.assemble(plan, verified, new_ids, cont_lps, resamples=resamples,
+                            kept_excluded=cont is not None and cont.kept_excluded)
         if cont is None:
             truncated = result.finish_reason == "length"
         response = result.response_ids

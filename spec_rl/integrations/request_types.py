@@ -80,6 +80,10 @@ class ContinuationRequest:
     ``seeds`` the server seed of each attempt: send it through
     :func:`~spec_rl.integrations.exact.draw_continuation`, which resends while the first new
     token is y_n (the residual draw; module docstring).
+
+    ``keep_last`` (the lenient without-draft draw) lets ``draw_continuation`` keep the last attempt when every
+    attempt began with y_n (the paper's draw at n, which may give y_n) instead of raising; it then sets
+    ``kept_excluded``. Exact acceptance never keeps one: a draw that may give y_n there is not lossless.
     """
 
     context_ids: list[int]
@@ -87,6 +91,8 @@ class ContinuationRequest:
     excluded: int | None = None
     excluded_logprob: float | None = None
     seeds: list[int] = field(default_factory=list)
+    keep_last: bool = False
+    kept_excluded: bool = False
 
 
 @dataclass

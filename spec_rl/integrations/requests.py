@@ -327,6 +327,7 @@ class SpecRequestBuilder:
             request.excluded, request.excluded_logprob = verified.rejected, verified.rejected_logprob
             step_seed = mix_seed(self.seed, verified.step if verified.step is not None else 0)
             request.seeds = residual_seeds(step_seed, plan.key.uid, self.max_resample_attempts)
+            request.keep_last = self.acceptance != "exact"
         return request
 
     def continuation_sampling_params(self, base: dict, request: ContinuationRequest, seed: int | None = None) -> dict:
@@ -347,6 +348,7 @@ class SpecRequestBuilder:
         step: int | None = None,
         store: bool = True,
         resamples: int = 0,
+        kept_excluded: bool = False,
     ) -> Assembled:
         """[y_<n, new tokens] with their log-probs; stores it as the next draft.
 
@@ -358,13 +360,17 @@ class SpecRequestBuilder:
             store: write the result to the store (False for validation).
             resamples: continuation attempts discarded because they began with
                 the rejected token (exact acceptance, without-draft draw; recorded in the metrics).
+            kept_excluded: the without-draft draw ran out of attempts and kept the last, which begins with
+                the rejected token (``ContinuationRequest.kept_excluded``; the metric ``draw_fallbacks``).
 
         Raises:
             ValueError: missing or mismatched log-probs, more tokens than the budget,
                 or (exact acceptance, without-draft draw) a continuation that begins with the rejected token.
         """
         new_ids = [int(t) for t in new_ids]
-        if verified.rejected is not None and new_ids and new_ids[0] == verified.rejected:
+        if kept_excluded and self.acceptance == "exact":
+            raise ValueError("kept_excluded is only for the lenient without-draft draw; exact acceptance never keeps y_n")
+        if verified.rejected is not None and new_ids and new_ids[0] == verified.rejected and not kept_excluded:
             raise ValueError(
                 f"the continuation begins with the rejected draft token {verified.rejected}; "
                 "send it through spec_rl.integrations.exact.draw_continuation, which resamples it"
@@ -396,5 +402,6 @@ class SpecRequestBuilder:
             "response_len": len(response),
             "exact_acceptance": self.acceptance == "exact",
             "resamples": int(resamples),
+            "draw_fallbacks": int(bool(kept_excluded)),
         }
         return Assembled(response, lps, finish, metrics)

@@ -254,7 +254,8 @@ class SpecRLAgentLoop(AgentLoopBase):
             cont = b.continuation(plan, verified)
             send = partial(self._continue, request_id, base, cont)  # send(seed)
             (new_ids, cont_lps, cont_step), resamples = await draw_continuation(cont, send, nothing=([], [], None))
-            result = b.assemble(plan, verified, new_ids, cont_lps or [], step=cont_step, resamples=resamples)
+            result = b.assemble(plan, verified, new_ids, cont_lps or [], step=cont_step, resamples=resamples,
+                                kept_excluded=cont is not None and cont.kept_excluded)
         extra.update({f"spec_rl/{k}": v for k, v in result.metrics.items()})
         return self._output(prompt_ids, result.response_ids, result.logprobs, metrics, extra)
 

@@ -228,7 +228,8 @@ async def _one_exact_sample(b, server, index):
         return r["token_ids"], r["log_probs"]
 
     (ids, new_lps), resamples = await draw_continuation(cont, send, nothing=([], []))
-    return v.n, b.assemble(plan, v, ids, new_lps, resamples=resamples)
+    kept = cont is not None and cont.kept_excluded
+    return v.n, b.assemble(plan, v, ids, new_lps, resamples=resamples, kept_excluded=kept)
 
 
 def test_exact_token_at_the_rejection_follows_the_residual():
@@ -284,6 +285,45 @@ def test_the_token_at_a_lenient_rejection_follows_the_chosen_draw(draw):
         law[0] = 0
     assert_fits(torch.bincount(at_rejection, minlength=V), law / law.sum())
     assert (sum(r.metrics["resamples"] for _, r in out) > 0) == (draw == "without-draft")
+
+
+def test_the_without_draft_draw_keeps_the_last_attempt_when_all_begin_with_the_rejected_token():
+    # As above with 2 attempts: the draw keeps the second attempt when both began with token 0 (a peaked policy
+    # would otherwise stop the run), so at a rejection token 0 has probability 0.6^2 and every other token
+    # PROBS[t] (1 + 0.6): the paper's draw mixed in where the attempts ran out, and counted.
+    server = FixedServer(PROBS, {EOS}, max_model_len=8)
+    cache = RolloutCache()
+    b = SpecRequestBuilder(cache, EXACT_S, 8, [EOS], lenience=1.0, seed=6, rejection_draw="without-draft",
+                           max_resample_attempts=2)  # fmt: skip
+    n_samples = 1500
+    for i in range(n_samples):
+        cache.store(CacheKey.make([0, 1], 0, f"ds:{i}"), [0, 0], [math.log(0.9)] * 2, "length", 0, EXACT_S)
+
+    async def go():
+        return [await _one_exact_sample(b, server, i) for i in range(n_samples)]
+
+    with pytest.warns(RuntimeWarning, match="kept a continuation that begins with the rejected token 0 after 2"):
+        out = asyncio.run(go())
+    at_rejection = torch.tensor([r.response_ids[0] for n, r in out if n == 0])
+    law = PROBS * (1 + PROBS[0])
+    law[0] = PROBS[0] ** 2
+    assert_fits(torch.bincount(at_rejection, minlength=V), law / law.sum())
+    fallbacks = [r for n, r in out if r.metrics["draw_fallbacks"]]
+    assert len(fallbacks) > 50 and all(r.metrics["resamples"] == 1 for r in fallbacks)
+    # a fallback is exactly a rejection (at n = 0 or 1) whose token at n is the rejected one (the drafts' token 0)
+    assert sum(int(r.response_ids[n] == 0) for n, r in out if n < 2) == len(fallbacks)
+    # exact acceptance never keeps it: the draw would not be lossless
+    plain = ContinuationRequest([1, 2], 3, excluded=0, seeds=[11], keep_last=False)
+
+    async def always_excluded(seed):
+        return [0], [-0.01]
+
+    with pytest.raises(RuntimeError, match="first in all 1"):
+        asyncio.run(draw_continuation(plain, always_excluded))
+    exact = SpecRequestBuilder(RolloutCache(), EXACT_S, 8, [EOS], acceptance="exact", max_resample_attempts=1)
+    plan = exact.plan([0, 1], 0, "ds:x")
+    with pytest.raises(ValueError, match="kept_excluded is only for the lenient without-draft draw"):
+        exact.assemble(plan, exact.verify(plan, None), [0], [-0.5], kept_excluded=True)
 
 
 def test_the_without_draft_draw_is_refused_where_it_means_nothing():

@@ -394,6 +394,20 @@ def test_without_draft_draw_token_at_a_lenient_rejection_is_never_the_draft_toke
     assert sum(o.extra_fields["spec_rl/resamples"] for o in out) > 0
 
 
+def test_without_draft_draw_that_runs_out_of_attempts_keeps_the_last_and_counts_it(tmp_path, tok):
+    # One attempt: when it begins with "apples" it is kept (not a RuntimeError that would stop the run), so the
+    # token at a rejection is the server's own draw, SUPPORT_P (the paper's rule), and each keep is counted.
+    with pytest.warns(RuntimeWarning, match="kept a continuation"):
+        out, _, at_rejection = _apples_drafts(tmp_path, tok, 1200, math.log(0.9), lenience=1.0,
+                                              rejection_draw="without-draft", max_resample_attempts=1)  # fmt: skip
+    assert len(at_rejection) > 250
+    assert_fits(torch.bincount(at_rejection, minlength=4), torch.tensor(SUPPORT_P))
+    kept = [o for o in out if o.extra_fields["spec_rl/draw_fallbacks"]]
+    assert len(kept) > 50 and all(o.extra_fields["spec_rl/resamples"] == 0 for o in out)
+    n_of = [o.extra_fields["spec_rl/verified_prefix_len"] for o in out]  # a keep: the token at n is the draft's
+    assert sum(int(o.response_ids[n] == 21) for o, n in zip(out, n_of) if n < 2) == len(kept)
+
+
 async def _prompt_ids(cfg, server, tok, d):
     loop = new_loop(cfg, server, tok, cache_dir=d)
     return await loop.ct_build_initial_tokens(many_rows(1)[0]["raw_prompt"])

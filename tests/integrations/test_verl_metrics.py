@@ -29,18 +29,19 @@ def columns(**values):
 
 def test_totals_and_ratios():
     # 4 samples: no draft (10 generated); whole reuse of 6; 3 of a 5-token draft then 4 generated; a draft of 2
-    # rejected at 0 then 5 generated with one discarded resample (exact)
+    # rejected at 0 then 5 generated with one discarded resample (exact); a draft of 3 rejected at 1 whose
+    # without-draft draw ran out of attempts (3 discarded, the last kept: one fallback)
     batch = columns(
-        draft_found=[False, True, True, True], draft_len=[0, 6, 5, 2], verified_prefix_len=[0, 6, 3, 0],
-        full_reuse=[False, True, False, False], tokens_generated=[10, 0, 4, 5], response_len=[10, 6, 7, 5],
-        resamples=[0, 0, 0, 1],
+        draft_found=[False, True, True, True, True], draft_len=[0, 6, 5, 2, 3], verified_prefix_len=[0, 6, 3, 0, 1],
+        full_reuse=[False, True, False, False, False], tokens_generated=[10, 0, 4, 5, 2], response_len=[10, 6, 7, 5, 3],
+        resamples=[0, 0, 0, 1, 3], draw_fallbacks=[0, 0, 0, 0, 1],
     )  # fmt: skip
     m = rollout_metrics(batch)
     assert m == {
-        "spec_rl/samples": 4.0, "spec_rl/draft_found_ratio": 0.75, "spec_rl/full_reuse_ratio": 0.25,
-        "spec_rl/reused_tokens": 9.0, "spec_rl/tokens_generated": 19.0, "spec_rl/response_tokens": 28.0,
-        "spec_rl/draft_tokens": 13.0, "spec_rl/reused_token_ratio": 9 / 28, "spec_rl/accepted_draft_ratio": 9 / 13,
-        "spec_rl/mean_verified_prefix": 3.0, "spec_rl/resamples": 1.0,
+        "spec_rl/samples": 5.0, "spec_rl/draft_found_ratio": 0.8, "spec_rl/full_reuse_ratio": 0.2,
+        "spec_rl/reused_tokens": 10.0, "spec_rl/tokens_generated": 21.0, "spec_rl/response_tokens": 31.0,
+        "spec_rl/draft_tokens": 16.0, "spec_rl/reused_token_ratio": 10 / 31, "spec_rl/accepted_draft_ratio": 10 / 16,
+        "spec_rl/mean_verified_prefix": 2.5, "spec_rl/resamples": 4.0, "spec_rl/draw_fallbacks": 1.0,
     }  # fmt: skip
 
 
