@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "consistent and the final answer right (default: arithmetic for the demo, math for --model)")
     mode = t.add_mutually_exclusive_group()
     mode.add_argument("--no-spec", action="store_true", help="vanilla GRPO (same as --lenience 0)")
-    mode.add_argument("--reuse", choices=["spec", "random", "random-ref"], default="spec",
+    mode.add_argument("--reuse", choices=["spec", "random", "random-ref"], default=None,
                       help="draft reuse: the acceptance test, or the random-reuse ablation (random: n uniform over 0..L; "
                       "random-ref: over 0..L-1, as in the reference implementation)")
     t.add_argument("--target-drift", type=float, default=None,
@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument(
         "--modes",
         help="comma-separated runs, from vanilla, spec, exact, random, histspec (vanilla decoding with history "
-        "speculation); overrides the flags above. Demo default: vanilla,spec,exact,histspec",
+        "speculation), instead of --no-spec/--reuse/--compare (refused beside it). Demo default: vanilla,spec,exact,histspec",
     )
     t.add_argument("--acceptance", choices=ACCEPTANCE_RULES, default="lenient",
                    help="lenient: the paper's rule; exact: lossless acceptance (the response is a fresh sample of the policy)")
@@ -206,8 +206,9 @@ def _chosen_modes(args: argparse.Namespace, demo: bool) -> list[str]:
             raise UsageError(f"--modes takes {', '.join(MODE_PRESETS)}; got {args.modes!r}")
         if len(set(modes)) != len(modes):
             raise UsageError(f"--modes names a run twice: {args.modes!r} (each run has one folder)")
+        _refuse_run_choosers(args)
         return modes
-    main = "vanilla" if (args.no_spec or args.lenience == 0) else args.reuse
+    main = "vanilla" if (args.no_spec or args.lenience == 0) else (args.reuse or "spec")
     if main == "spec" and args.acceptance == "exact":
         main = "exact"
     compare = args.compare if args.compare is not None else demo
@@ -216,6 +217,17 @@ def _chosen_modes(args: argparse.Namespace, demo: bool) -> list[str]:
     if compare and main != "vanilla":
         return ["vanilla", main]
     return [main]
+
+
+def _refuse_run_choosers(args: argparse.Namespace) -> None:
+    """--modes lists the runs itself: the flags that would otherwise choose them are refused, not ignored."""
+    given = [flag for flag, on in (
+        ("--no-spec", args.no_spec), (f"--reuse {args.reuse}", args.reuse is not None),
+        ("--compare", args.compare is True), ("--no-compare", args.compare is False), ("--lenience 0", args.lenience == 0),
+    ) if on]  # fmt: skip
+    if given:
+        raise UsageError(f"--modes lists the runs itself, so {', '.join(given)} would be ignored; drop "
+                         f"{'it' if len(given) == 1 else 'them'}, or name the runs in --modes ({', '.join(MODE_PRESETS)})")
 
 
 def _load_examples(args: argparse.Namespace, demo: bool):

@@ -94,6 +94,11 @@ BAD_FLAGS = [
     (["--spec-tokens", "-1"], ["--spec-tokens must be an integer >= 0", "0 disables tail speculation"]),
     (["--epochs", "0"], ["--epochs must be an integer >= 1"]),
     (["--target-drift", "0.05"], ["--target-drift only applies with lenience='auto'"]),
+    # --modes (here: vanilla) chooses the runs; the flags that would choose them are refused, not ignored
+    (["--no-spec"], ["--modes lists the runs itself, so --no-spec would be ignored; drop it"]),
+    (["--reuse", "random", "--compare"], ["so --reuse random, --compare would be ignored; drop them", "random-ref, auto)"]),
+    (["--no-compare"], ["so --no-compare would be ignored"]),
+    (["--lenience", "0"], ["so --lenience 0 would be ignored"]),
 ]
 
 
