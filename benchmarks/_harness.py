@@ -91,6 +91,17 @@ class Timing:
         return {key: self.median, f"{key}_p20": self.low, f"{key}_p80": self.high, "runs": self.runs}
 
 
+def device_arg(parser, value: str | None) -> torch.device:
+    """``--device`` checked as the trainer checks it (a device this machine has; None: cuda if available, else
+    cpu); a bad value ends the script with ``parser.error`` naming the flag."""
+    from spec_rl.trainer.config import ConfigError, resolve_device
+
+    try:
+        return resolve_device(value or "auto")
+    except ConfigError as exc:
+        parser.error(f"--device {exc.requirement}")
+
+
 def sync(device: torch.device | str) -> None:
     """Wait for the device's queued work (no-op on CPU)."""
     device = torch.device(device)

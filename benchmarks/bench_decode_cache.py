@@ -20,11 +20,18 @@ import sys
 import time
 
 import torch
-from _harness import Column, Table, default_json_path, provenance, sync, write_json  # benchmarks/ on sys.path
+from _harness import (  # benchmarks/ on sys.path
+    Column,
+    Table,
+    default_json_path,
+    device_arg,
+    provenance,
+    sync,
+    write_json,
+)
 
 from spec_rl.backends.hf_decode import cache_argument
 from spec_rl.backends.kv_buffer import in_place_cache
-from spec_rl.trainer.config import ConfigError, resolve_device
 
 # name: (hidden, intermediate, layers, heads, kv heads, head dim, vocab, dtype)
 PRESETS = {
@@ -108,10 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"{name} must be at least 1; got {value}")
     if any(w < 1 for w in widths):
         ap.error(f"--widths takes positive integers; got {args.widths!r}")
-    try:
-        device = resolve_device(args.device or "auto")  # the trainer's check: a device this machine has
-    except ConfigError as exc:
-        ap.error(f"--device {exc.requirement}")
+    device = device_arg(ap, args.device)
     if args.preset == "qwen3-0.6b" and device.type != "cuda":
         print("bench_decode_cache: the qwen3-0.6b preset needs a CUDA device")
         return 0

@@ -48,8 +48,15 @@ import sys
 import traceback
 
 import torch
-
-from _harness import Column, RunRecord, Table, default_json_path, provenance, wall_time  # benchmarks/ on sys.path
+from _harness import (  # benchmarks/ on sys.path
+    Column,
+    RunRecord,
+    Table,
+    default_json_path,
+    device_arg,
+    provenance,
+    wall_time,
+)
 
 from spec_rl.backends.transformers_backend import TransformersBackend
 from spec_rl.drafts.cache import RolloutCache
@@ -291,7 +298,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=default_json_path("engine.json"),
                     help="write results here (default $OUT/engine.json)")
     args = ap.parse_args(argv)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = device_arg(ap, args.device)
     preset = args.preset or ("qwen3-0.6b" if device.type == "cuda" else "demo")
     if preset == "qwen3-0.6b" and device.type != "cuda":
         print("bench_engine: no CUDA device; the qwen3-0.6b preset needs one (use --preset demo or tiny on CPU)")

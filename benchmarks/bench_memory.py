@@ -27,7 +27,7 @@ import argparse
 import sys
 
 import torch
-from _harness import Column, Table, default_json_path, peak_extra_mb, provenance, random_lm_head, write_json
+from _harness import Column, Table, default_json_path, device_arg, peak_extra_mb, provenance, random_lm_head, write_json
 
 from spec_rl.acceptance.dispatch import verify
 from spec_rl.acceptance.scores import DraftScores
@@ -161,6 +161,7 @@ def main(argv=None) -> int:
     ap.add_argument("--check", action="store_true", help="exit 1 when a peak reaches the size of the full logits")
     ap.add_argument("--json", default=default_json_path("memory.json"))
     args = ap.parse_args(argv)
+    args.device = str(device_arg(ap, args.device))
     record = run(args)
     print_table(record)
     if args.json:

@@ -43,7 +43,15 @@ import sys
 import traceback
 
 import torch
-from _harness import Column, RunRecord, Table, default_json_path, provenance, sync  # benchmarks/ on sys.path
+from _harness import (  # benchmarks/ on sys.path
+    Column,
+    RunRecord,
+    Table,
+    default_json_path,
+    device_arg,
+    provenance,
+    sync,
+)
 
 from spec_rl.backends.protocol import eos_token_ids
 from spec_rl.drafts.cache import RolloutCache
@@ -267,7 +275,7 @@ def main(argv=None) -> int:
     for name in ("prompts", "group", "max_tokens"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = device_arg(ap, args.device)
     if args.preset == "qwen3-0.6b" and device.type != "cuda":
         print("bench_rollout: the qwen3-0.6b preset needs a CUDA device; nothing was measured")
         return 0

@@ -9,6 +9,7 @@ rollout ran under ``no_grad``).
 import json
 import sys
 
+import pytest
 from repo_paths import BENCHMARKS
 
 sys.path.insert(0, str(BENCHMARKS))
@@ -26,3 +27,14 @@ def test_peak_extra_memory_stays_below_the_full_logits(tmp_path, capsys):
         assert row["full_logits_mib"] == 128.0
         assert 0 < row["peak_extra_mib"] < row["full_logits_mib"], (name, row)  # measured: 0.38x
     assert "peak extra MiB" in capsys.readouterr().out
+
+
+def test_every_benchmark_checks_device_as_the_trainer_does(capsys):
+    import bench_engine
+    import bench_rollout
+
+    for main in (bench_memory.main, bench_engine.main, bench_rollout.main):
+        with pytest.raises(SystemExit) as err:
+            main(["--device", "tpu9", "--json", ""])
+        assert err.value.code == 2
+        assert "--device must be auto, cpu, cuda, cuda:<index> or mps, got 'tpu9'" in capsys.readouterr().err
