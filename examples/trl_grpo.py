@@ -4,6 +4,8 @@
     python examples/trl_grpo.py --model PATH         # a local transformers checkpoint (with its tokenizer)
     python examples/trl_grpo.py --model tiny         # a tiny random model: seconds, for a smoke test
     python examples/trl_grpo.py --strategy off       # the same decoder with reuse off: the fair baseline
+    python examples/trl_grpo.py --lenience 1 --rejection-draw without-draft   # the demo trainer's SPEC-RL rule
+    python examples/trl_grpo.py --acceptance exact   # lossless reuse
 
 Trains ``--epochs`` epochs over ``--prompts`` problems of the embedded arithmetic task (GSM8K format)
 and prints, per epoch, how many completion tokens were reused from last epoch's drafts and how many
@@ -59,10 +61,17 @@ def main(argv=None) -> int:
     p.add_argument("--max-completion-length", type=int, default=96, help="response budget in tokens (default 96)")
     p.add_argument("--strategy", choices=["spec", "off", "random"], default="spec",
                    help="spec: SPEC-RL (default); off: no reuse, same decoder; random: random reuse")  # fmt: skip
-    p.add_argument("--lenience", type=float, default=math.exp(0.5), help="l (default e^0.5, the paper's GRPO value)")
+    p.add_argument("--lenience", type=float, default=None, help="l (default e^0.5, the paper's GRPO value; none with exact)")
+    p.add_argument("--acceptance", choices=["lenient", "exact"], default="lenient",
+                   help="lenient: the paper's rule (default); exact: lossless reuse (completions are fresh samples)")
+    p.add_argument("--rejection-draw", choices=["policy", "without-draft"], default="policy",
+                   help="the token at a lenient rejection: from the policy (the paper, default) or without the "
+                   "rejected draft token (needs l >= 1)")  # fmt: skip
     args = p.parse_args(argv)
     if args.prompts < 1 or args.epochs < 1 or args.num_generations < 2:
         p.error("--prompts and --epochs must be >= 1 and --num-generations >= 2")
+    if args.lenience is None and args.acceptance == "lenient":
+        args.lenience = math.exp(0.5)
 
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
@@ -71,6 +80,12 @@ def main(argv=None) -> int:
     from spec_rl.tasks.demo_data import demo_train_set
     from spec_rl.tasks.rewards import math_reward
 
+    try:  # the adapter's own checks (e.g. without-draft below l = 1), as one usage line
+        spec = SpecRLRollout(lenience=args.lenience, strategy=args.strategy, acceptance=args.acceptance,
+                             rejection_draw=args.rejection_draw, dataset_id_column="id",
+                             cache_path=Path(args.out) / "spec_rl_cache.safetensors")  # fmt: skip
+    except ValueError as exc:
+        p.error(str(exc))
     model, tok = load_policy(args.model)
     problems = demo_train_set()[: args.prompts]
     data = Dataset.from_dict({"prompt": [e.prompt for e in problems], "answer": [e.answer for e in problems],
@@ -86,8 +101,6 @@ def main(argv=None) -> int:
         temperature=1.0, seed=0, disable_dropout=True, dataloader_num_workers=0,
     )  # fmt: skip
     check_trainer_args(config)  # our clear error (e.g. for use_vllm=True) before TRL's own checks
-    spec = SpecRLRollout(lenience=args.lenience, strategy=args.strategy, dataset_id_column="id",
-                         cache_path=Path(args.out) / "spec_rl_cache.safetensors")  # fmt: skip
     trainer = GRPOTrainer(model=model, args=config, train_dataset=data, reward_funcs=reward,
                           processing_class=tok, rollout_func=spec)  # fmt: skip
     spec.attach(trainer)
@@ -103,7 +116,8 @@ def main(argv=None) -> int:
                        "rollout_seconds": round(sum(r["spec_rl/rollout_seconds"] for r in part), 3)})  # fmt: skip
         print(f"epoch {e + 1}: generated {epochs[-1]['tokens_generated']:.0f} tokens, "
               f"reused {epochs[-1]['reused_tokens']:.0f}, rollout {epochs[-1]['rollout_seconds']:.1f} s")  # fmt: skip
-    print(json.dumps({"strategy": args.strategy, "epochs": epochs}))
+    print(json.dumps({"strategy": args.strategy, "acceptance": args.acceptance, "rejection_draw": args.rejection_draw,
+                      "epochs": epochs}))
     return 0
 
 

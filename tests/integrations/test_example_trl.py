@@ -43,3 +43,25 @@ def test_example_baseline_reuses_nothing(tmp_path, capsys):
 def test_example_refuses_a_missing_checkpoint(tmp_path):
     with pytest.raises(SystemExit, match="local checkpoint directory"):
         _load().main(["--model", str(tmp_path / "nope")])
+
+
+def test_example_runs_the_lossless_rule_and_the_without_draft_draw(tmp_path, capsys):
+    # The tiny model is near uniform over ~300 tokens and barely moves at lr 1e-5: exact acceptance keeps a draft
+    # token with probability pi_t(y) (~1/300), the lenient rule at l = 1 with probability ~min(1, p / q) ~ 1.
+    exact = _run(tmp_path / "exact", capsys, "--acceptance", "exact")
+    draw = _run(tmp_path / "draw", capsys, "--lenience", "1", "--rejection-draw", "without-draft")
+    assert exact["acceptance"] == "exact" and draw["rejection_draw"] == "without-draft"
+    total = draw["epochs"][1]["reused_tokens"] + draw["epochs"][1]["tokens_generated"]
+    assert draw["epochs"][1]["reused_tokens"] > 0.5 * total
+    assert exact["epochs"][1]["reused_tokens"] < 0.1 * total and exact["epochs"][1]["tokens_generated"] > 0
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--lenience", "0.5", "--rejection-draw", "without-draft"], "l >= 1"),
+    (["--acceptance", "exact", "--lenience", "2"], "lenience"),
+    (["--acceptance", "exact", "--rejection-draw", "without-draft"], "lenient"),
+])  # fmt: skip
+def test_example_refuses_rules_that_do_not_combine(tmp_path, capsys, flags, message):
+    with pytest.raises(SystemExit) as err:
+        _load().main(["--model", "tiny", "--out", str(tmp_path / "out"), *flags])
+    assert err.value.code == 2 and message in capsys.readouterr().err
