@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from .cli_modes import LENIENT_RUNS, UsageError, chosen_runs
 from .cli_types import fraction as _fraction
 from .cli_types import lenience as _lenience
 from .cli_types import positive_int as _positive_int
@@ -22,9 +23,7 @@ from .trainer.config import (
     DEMO_DEFAULTS,
     DEMO_LENIENCE,
     DEMO_LENIENCE_SOURCE,
-    DEMO_MODES,
     DEMO_REJECTION_DRAW,
-    MODE_PRESETS,
     MODEL_DEFAULTS,
     REJECTION_DRAWS,
     ConfigError,
@@ -34,8 +33,6 @@ from .trainer.resume_check import ConfigChangeError
 from .trainer.sweep import add_parser as add_sweep_parser
 from .trainer.sweep import cmd_sweep
 
-#: Runs of --modes that verify drafts with the lenient rule, i.e. draw a token at a lenient rejection.
-_LENIENT_RUNS = ("spec", "auto")
 #: GRPOConfig fields whose flag is not ``--`` + the field name with dashes.
 _FLAGS = {
     "generation_backend": "--backend", "save_checkpoint": "--no-checkpoint", "mode": "--modes",
@@ -54,20 +51,6 @@ class _DefaultsHelp(argparse.HelpFormatter):
         if skip or "default" in text or not action.option_strings:
             return text
         return text + " (default: %(default)s)"
-
-
-class UsageError(SystemExit):
-    """A bad command line or input: :func:`main` prints "spec-rl: error: <message>" and exits with status 2.
-
-    ``str(err)`` is the message (so callers of :func:`main` can match it); ``err.code`` is 2.
-    """
-
-    def __init__(self, message: str):
-        super().__init__(2)
-        self.message = message
-
-    def __str__(self) -> str:
-        return self.message
 
 
 class _Parser(argparse.ArgumentParser):
@@ -179,57 +162,6 @@ def _add_run_flags(t: argparse.ArgumentParser) -> None:
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
-def _modes(args: argparse.Namespace, demo: bool) -> list[str]:
-    modes = _chosen_modes(args, demo)
-    _check_combinations(args, modes)
-    return modes
-
-
-def _check_combinations(args: argparse.Namespace, modes: list[str]) -> None:
-    """Refuse flag combinations that would silently do something else than they say."""
-    if args.acceptance == "exact" and not {"spec", "exact"} & set(modes):
-        raise UsageError("--acceptance exact applies to SPEC-RL runs (spec, exact); the selected runs reuse no drafts")
-    if args.acceptance == "exact" and args.lenience not in (None, 1.0):
-        raise UsageError("--lenience applies to lenient acceptance only; exact acceptance has no lenience")
-    if args.rejection_draw is not None and (args.acceptance == "exact" or not set(_LENIENT_RUNS) & set(modes)):
-        raise UsageError("--rejection-draw applies to lenient SPEC-RL runs (spec, auto), and the selected runs draw no token "
-                         "at a lenient rejection; drop --rejection-draw, or run spec with lenient acceptance")  # fmt: skip
-    if "histspec" in modes and (args.history_spec is False or args.spec_tokens == 0):
-        raise UsageError("histspec is vanilla with history speculation: drop --no-history-spec / --spec-tokens 0, or run vanilla")
-
-
-def _chosen_modes(args: argparse.Namespace, demo: bool) -> list[str]:
-    if args.modes is not None:
-        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-        bad = [m for m in modes if m not in MODE_PRESETS]
-        if bad or not modes:
-            raise UsageError(f"--modes takes {', '.join(MODE_PRESETS)}; got {args.modes!r}")
-        if len(set(modes)) != len(modes):
-            raise UsageError(f"--modes names a run twice: {args.modes!r} (each run has one folder)")
-        _refuse_run_choosers(args)
-        return modes
-    main = "vanilla" if (args.no_spec or args.lenience == 0) else (args.reuse or "spec")
-    if main == "spec" and args.acceptance == "exact":
-        main = "exact"
-    compare = args.compare if args.compare is not None else demo
-    if demo and args.compare is None and main == "spec":
-        return list(DEMO_MODES)
-    if compare and main != "vanilla":
-        return ["vanilla", main]
-    return [main]
-
-
-def _refuse_run_choosers(args: argparse.Namespace) -> None:
-    """--modes lists the runs itself: the flags that would otherwise choose them are refused, not ignored."""
-    given = [flag for flag, on in (
-        ("--no-spec", args.no_spec), (f"--reuse {args.reuse}", args.reuse is not None),
-        ("--compare", args.compare is True), ("--no-compare", args.compare is False), ("--lenience 0", args.lenience == 0),
-    ) if on]  # fmt: skip
-    if given:
-        raise UsageError(f"--modes lists the runs itself, so {', '.join(given)} would be ignored; drop "
-                         f"{'it' if len(given) == 1 else 'them'}, or name the runs in --modes ({', '.join(MODE_PRESETS)})")
-
-
 def _load_examples(args: argparse.Namespace, demo: bool):
     """The training prompts: the demo's train set, --data or --hf-dataset, cut to --limit."""
     from .tasks.data import load_hf_dataset, load_jsonl
@@ -298,7 +230,7 @@ def _fmt_lenience(lenience) -> str:
 
 def _draw_note(config: GRPOConfig, modes: list[str]) -> str:
     """The draw, in the header line, where a run uses one other than the paper's."""
-    used = config.rejection_draw != "policy" and set(_LENIENT_RUNS) & set(modes)
+    used = config.rejection_draw != "policy" and set(LENIENT_RUNS) & set(modes)
     return f" (rejection draw: {config.rejection_draw})" if used else ""
 
 
@@ -384,7 +316,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # "Loading weights" / "Writing model shards" bars
-    modes = _modes(args, demo)
+    modes = chosen_runs(args, demo)
     config = _config(args, demo)
     resolve_device(config.device)
     if config.generation_backend == "vllm":

@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from spec_rl.cli import _config, _modes, build_parser
+from spec_rl.cli import _config, build_parser
+from spec_rl.cli_modes import chosen_runs
 from spec_rl.trainer.config import MODE_PRESETS, ConfigError, GRPOConfig
 
 
@@ -36,7 +37,7 @@ def test_auto_lenience_and_random_ref_are_runs_of_their_own():
     assert MODE_PRESETS["auto"]["lenience"] == "auto"
     assert GRPOConfig(mode="random-ref").rollout_strategy == "random-ref"
     args = build_parser().parse_args(["train", "--reuse", "random-ref", "--no-compare"])
-    assert _modes(args, demo=True) == ["random-ref"]
+    assert chosen_runs(args, demo=True) == ["random-ref"]
     with pytest.raises(SystemExit):
         build_parser().parse_args(["train", "--lenience", "often"])
     with pytest.raises(ConfigError, match="target_drift"):
@@ -44,7 +45,7 @@ def test_auto_lenience_and_random_ref_are_runs_of_their_own():
 
 
 def test_the_demo_runs_l1_without_draft_and_a_users_model_the_papers_rule():
-    from spec_rl.cli import UsageError
+    from spec_rl.cli_modes import UsageError
     from spec_rl.trainer.run import mode_configs
 
     demo = _config(build_parser().parse_args(["train"]), demo=True)
@@ -61,7 +62,7 @@ def test_the_demo_runs_l1_without_draft_and_a_users_model_the_papers_rule():
     mine = _config(build_parser().parse_args(["train", "--lenience", "2", "--rejection-draw", "without-draft"]), demo=True)
     assert mine.lenience == 2.0 and mine.rejection_draw == "without-draft"
     auto = build_parser().parse_args(["train", "--modes", "vanilla,auto", "--rejection-draw", "without-draft"])
-    assert _modes(auto, demo=True) == ["vanilla", "auto"]
+    assert chosen_runs(auto, demo=True) == ["vanilla", "auto"]
     # each run of the demo: only the lenient spec run draws without the draft token
     runs = mode_configs(demo, ["vanilla", "spec", "exact", "histspec", "random"])
     assert {m: c.rejection_draw for m, c in runs.items()} == {
@@ -69,7 +70,7 @@ def test_the_demo_runs_l1_without_draft_and_a_users_model_the_papers_rule():
     for argv in (["--rejection-draw", "without-draft", "--modes", "vanilla,exact"], ["--rejection-draw", "policy", "--no-spec"],
                  ["--rejection-draw", "without-draft", "--acceptance", "exact"], ["--rejection-draw", "policy", "--reuse", "random"]):
         with pytest.raises(UsageError, match="--rejection-draw applies to lenient SPEC-RL runs .* drop --rejection-draw"):
-            _modes(build_parser().parse_args(["train", *argv]), demo=True)
+            chosen_runs(build_parser().parse_args(["train", *argv]), demo=True)
     with pytest.raises(ConfigError, match="needs lenience >= 1"):
         _config(build_parser().parse_args(["train", "--lenience", "0.5", "--rejection-draw", "without-draft"]), demo=True)
     with pytest.raises(UsageError, match="invalid choice"):
