@@ -97,7 +97,7 @@ def device_arg(parser, value: str | None) -> torch.device:
     from spec_rl.trainer.config import ConfigError, resolve_device
 
     try:
-        return resolve_device(value or "auto")
+        return resolve_device("auto" if value is None else value)
     except ConfigError as exc:
         parser.error(f"--device {exc.requirement}")
 

@@ -119,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--sibling-drafts", action="store_true",
                    help="with tail speculation, also draft from the other samples of the prompt being decoded at the "
                    "same time (off by default: on the 2-core demo they cost more time than they save)")
-    t.add_argument("--spec-tokens", type=int, default=8, help="most history-drafted tokens verified per decode step")
+    t.add_argument("--spec-tokens", type=int, default=None, help="most history-drafted tokens verified per decode step (default 8)")
     t.add_argument("--epochs", type=int)
     t.add_argument("--group-size", type=int, help="samples per prompt (G)")
     t.add_argument("--prompts-per-step", type=int)
@@ -261,7 +261,7 @@ def _config(args: argparse.Namespace, demo: bool) -> GRPOConfig:
         acceptance=args.acceptance,
         rejection_draw=args.rejection_draw or _default_draw(args, demo),
         history_spec=args.history_spec,
-        spec_tokens=args.spec_tokens,
+        spec_tokens=8 if args.spec_tokens is None else args.spec_tokens,
         sibling_drafts=args.sibling_drafts,
         epochs=pick("epochs"),
         group_size=pick("group_size"),

@@ -48,6 +48,26 @@ def _check_combinations(args: argparse.Namespace, modes: list[str]) -> None:
                          "at a lenient rejection; drop --rejection-draw, or run spec with lenient acceptance")  # fmt: skip
     if "histspec" in modes and (args.history_spec is False or args.spec_tokens == 0):
         raise UsageError("histspec is vanilla with history speculation: drop --no-history-spec / --spec-tokens 0, or run vanilla")
+    _check_lenience_applies(args, modes)
+    if set(modes) == {"vanilla"}:
+        unused = [flag for flag, on in (("--spec-tokens", args.spec_tokens is not None), ("--history-spec", args.history_spec is True),
+                                        ("--compare", args.compare is True)) if on]  # fmt: skip
+        if unused:
+            raise UsageError(f"the selected run is plain vanilla (one token per decode step, no reuse), so {', '.join(unused)} "
+                             "would be ignored; drop it, or run histspec (vanilla with history speculation) or spec")  # fmt: skip
+
+
+def _check_lenience_applies(args: argparse.Namespace, modes: list[str]) -> None:
+    """A lenience (other than 0, which selects vanilla) needs a run that uses it: spec (lenient), or auto for
+    ``--lenience auto``; 1 is also taken by exact (it means "not set" there, as in the adapters)."""
+    lenience = args.lenience
+    if lenience is None or lenience == 0:
+        return
+    if "spec" in modes or (lenience == "auto" and "auto" in modes) or (lenience == 1 and "exact" in modes):
+        return
+    raise UsageError(f"--lenience {lenience} applies to lenient SPEC-RL runs (spec{', auto' if lenience == 'auto' else ''}), and "
+                     f"the selected runs ({', '.join(modes)}) use none (auto adapts its own, exact has none); drop "
+                     "--lenience, or run spec")  # fmt: skip
 
 
 def _chosen_modes(args: argparse.Namespace, demo: bool) -> list[str]:
@@ -60,6 +80,8 @@ def _chosen_modes(args: argparse.Namespace, demo: bool) -> list[str]:
             raise UsageError(f"--modes names a run twice: {args.modes!r} (each run has one folder)")
         _refuse_run_choosers(args)
         return modes
+    if args.lenience == 0 and args.reuse is not None:
+        raise UsageError(f"--lenience 0 is vanilla GRPO (no reuse), so --reuse {args.reuse} would be ignored; drop one of them")
     main = "vanilla" if (args.no_spec or args.lenience == 0) else (args.reuse or "spec")
     if main == "spec" and args.acceptance == "exact":
         main = "exact"

@@ -75,7 +75,7 @@ def check_acceptance(
     Raises
     ------
     ValueError
-        An unknown rule; "exact" with a lenience other than the default, or with strategy "random".
+        An unknown rule; "exact" with a lenience other than the default, or with strategy "random" or "off".
     """
     if acceptance not in ACCEPTANCE_RULES:
         raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {acceptance!r}")
@@ -83,12 +83,15 @@ def check_acceptance(
         return lenience, log_lenience
     if strategy in ("random", "random-ref"):
         raise ValueError(f"strategy={strategy!r} (random reuse) ignores the scores and has no exact form; use strategy='spec'")
+    if strategy == "off":
+        raise ValueError("strategy='off' reuses no drafts, so acceptance='exact' would change nothing; use strategy='spec' "
+                         "for lossless reuse, or acceptance='lenient' (the default) for the no-reuse baseline")  # fmt: skip
     unset = log_lenience is None and (lenience is None or lenience == 1 or lenience == default_lenience)
     if not unset:
         given = f"log_lenience={log_lenience!r}" if log_lenience is not None else f"lenience={lenience!r}"
         raise ValueError(
             f"acceptance='exact' has no lenience (it accepts a draft token with probability pi_t(token)), but "
-            f"{given} was passed; leave lenience at its default ({default_lenience!r}) or use acceptance='lenient'"
+            f"{given} was passed; leave lenience unset (or 1) or use acceptance='lenient'"
         )
     return None, None
 

@@ -338,6 +338,18 @@ class SpecRequestBuilder:
             params[self.seed_param] = int(seed)
         return params
 
+    def _check_kept_excluded(self, verified: Verified, new_ids: list[int]) -> None:
+        """``kept_excluded`` only where draw_continuation can set it: a without-draft rejection whose kept
+        continuation begins with the rejected token (else the draw_fallbacks metric would count a fallback
+        that did not happen)."""
+        if self.acceptance == "exact":
+            raise ValueError("kept_excluded is only for the lenient without-draft draw; exact acceptance never keeps y_n")
+        if verified.rejected is None or not new_ids or new_ids[0] != verified.rejected:
+            raise ValueError(
+                "kept_excluded=True needs a rejection with the without-draft draw and a continuation that begins with "
+                "the rejected draft token; pass ContinuationRequest.kept_excluded as draw_continuation set it"
+            )
+
     # ------------------------------------------------------------ step 4
     def assemble(
         self,
@@ -368,8 +380,8 @@ class SpecRequestBuilder:
                 or (exact acceptance, without-draft draw) a continuation that begins with the rejected token.
         """
         new_ids = [int(t) for t in new_ids]
-        if kept_excluded and self.acceptance == "exact":
-            raise ValueError("kept_excluded is only for the lenient without-draft draw; exact acceptance never keeps y_n")
+        if kept_excluded:
+            self._check_kept_excluded(verified, new_ids)
         if verified.rejected is not None and new_ids and new_ids[0] == verified.rejected and not kept_excluded:
             raise ValueError(
                 f"the continuation begins with the rejected draft token {verified.rejected}; "

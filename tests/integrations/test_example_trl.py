@@ -60,6 +60,7 @@ def test_example_runs_the_lossless_rule_and_the_without_draft_draw(tmp_path, cap
     (["--lenience", "0.5", "--rejection-draw", "without-draft"], "l >= 1"),
     (["--acceptance", "exact", "--lenience", "2"], "lenience"),
     (["--acceptance", "exact", "--rejection-draw", "without-draft"], "lenient"),
+    (["--acceptance", "exact", "--strategy", "off"], "strategy='off' reuses no drafts"),
 ])  # fmt: skip
 def test_example_refuses_rules_that_do_not_combine(tmp_path, capsys, flags, message):
     with pytest.raises(SystemExit) as err:

@@ -161,6 +161,8 @@ def test_exact_options_and_requests():
         builder(acceptance="exact", lenience=2.0)
     with pytest.raises(ValueError, match="no exact form"):
         builder(acceptance="exact", strategy="random")
+    with pytest.raises(ValueError, match="strategy='off' reuses no drafts, so acceptance='exact' would change nothing"):
+        builder(acceptance="exact", strategy="off")
     with pytest.raises(ValueError, match="max_resample_attempts"):
         builder(acceptance="exact", max_resample_attempts=0)
     cache = RolloutCache()
@@ -312,6 +314,27 @@ def test_the_without_draft_draw_keeps_the_last_attempt_when_all_begin_with_the_r
     assert len(fallbacks) > 50 and all(r.metrics["resamples"] == 1 for r in fallbacks)
     # a fallback is exactly a rejection (at n = 0 or 1) whose token at n is the rejected one (the drafts' token 0)
     assert sum(int(r.response_ids[n] == 0) for n, r in out if n < 2) == len(fallbacks)
+    # kept_excluded only where draw_continuation sets it: else draw_fallbacks would count a fallback that did not happen
+    refused = "kept_excluded=True needs a rejection with the without-draft draw"
+    cache.store(CacheKey.make([0, 1], 0, "ds:refuse"), [0, 0], [math.log(0.9)] * 2, "length", 0, EXACT_S)
+    plan = b.plan([0, 1], 0, "ds:refuse")
+    for step in range(60):
+        v = b.verify(plan, [math.log(0.1)] * 2, step=step)
+        if v.rejected is not None:
+            break
+    assert v.rejected == 0
+    for ids in ([2, 1], []):  # begins with another token; nothing generated
+        with pytest.raises(ValueError, match=refused):
+            b.assemble(plan, v, ids, [-0.5] * len(ids), store=False, kept_excluded=True)
+    whole = b.verify(plan, [math.log(0.9)] * 2, step=0)  # p = q at l = 1: reused whole, nothing rejected
+    assert whole.full_reuse and whole.rejected is None
+    with pytest.raises(ValueError, match=refused):
+        b.assemble(plan, whole, [], [], store=False, kept_excluded=True)
+    paper = SpecRequestBuilder(RolloutCache(), EXACT_S, 8, [EOS], lenience=1.0, seed=6, max_resample_attempts=2)
+    plan_p = paper.plan([0, 1], 0, "ds:p")  # no draft stored: nothing is rejected
+    with pytest.raises(ValueError, match=refused):
+        paper.assemble(plan_p, paper.verify(plan_p, None), [0], [-0.5], store=False, kept_excluded=True)
+    assert b.assemble(plan, v, [0, 1], [-0.5, -0.6], store=False, kept_excluded=True).metrics["draw_fallbacks"] == 1
     # exact acceptance never keeps it: the draw would not be lossless
     plain = ContinuationRequest([1, 2], 3, excluded=0, seeds=[11], keep_last=False)
 

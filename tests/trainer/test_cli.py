@@ -91,7 +91,7 @@ BAD_FLAGS = [
     (["--seed", str(10**23)], ["--seed must be an integer in [-2**63, 2**64 - 1]"]),
     (["--limit", "0"], ["argument --limit: must be an integer >= 1", "'0'"]),
     (["--device", "tpu9"], ["--device must be auto, cpu, cuda, cuda:<index> or mps", "'tpu9'"]),
-    (["--spec-tokens", "-1"], ["--spec-tokens must be an integer >= 0", "0 disables tail speculation"]),
+    (["--modes", "histspec", "--spec-tokens", "-1"], ["--spec-tokens must be an integer >= 0", "0 disables tail speculation"]),
     (["--epochs", "0"], ["--epochs must be an integer >= 1"]),
     (["--target-drift", "0.05"], ["--target-drift only applies with lenience='auto'"]),
     # --modes (here: vanilla) chooses the runs; the flags that would choose them are refused, not ignored

@@ -104,3 +104,33 @@ def test_the_header_and_the_records_name_the_draw_only_where_a_run_uses_it():
     step = {"num_samples": 4, "reward_sum": 2.0}
     assert epoch_record(1, [step], "spec", 1.0, "lenient", "without-draft")["rejection_draw"] == "without-draft"
     assert epoch_record(1, [step], "exact", 1.0, "exact")["rejection_draw"] == "policy"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lenience", "0", "--reuse", "random"], r"--lenience 0 is vanilla GRPO \(no reuse\), so --reuse random would be ignored"),
+    (["--no-spec", "--compare"], "the selected run is plain vanilla .* so --compare would be ignored"),
+    (["--no-spec", "--lenience", "2"], r"--lenience 2.0 applies to lenient SPEC-RL runs \(spec\), and the selected runs \(vanilla\)"),
+    (["--modes", "exact", "--lenience", "2"], "--lenience 2.0 applies to lenient SPEC-RL runs"),
+    (["--modes", "exact", "--lenience", "auto"], r"--lenience auto applies to lenient SPEC-RL runs \(spec, auto\)"),
+    (["--modes", "auto", "--lenience", "2"], "auto adapts its own"),
+    (["--modes", "vanilla,histspec,random", "--lenience", "inf"], "--lenience inf applies"),
+    (["--modes", "vanilla", "--spec-tokens", "4"], "so --spec-tokens would be ignored; drop it, or run histspec"),
+    (["--modes", "vanilla", "--history-spec"], "so --history-spec would be ignored"),
+])  # fmt: skip
+def test_flags_the_chosen_runs_would_ignore_are_refused(argv, message):
+    from spec_rl.cli_modes import UsageError
+
+    with pytest.raises(UsageError, match=message):
+        chosen_runs(build_parser().parse_args(["train", *argv]), demo=True)
+
+
+@pytest.mark.parametrize("argv, runs", [
+    (["--modes", "spec,exact", "--lenience", "2"], ["spec", "exact"]),
+    (["--modes", "exact", "--lenience", "1"], ["exact"]),  # 1 is "not set" for exact, as in the adapters
+    (["--modes", "auto", "--lenience", "auto"], ["auto"]),
+    (["--modes", "vanilla,histspec", "--spec-tokens", "4"], ["vanilla", "histspec"]),
+    (["--reuse", "random", "--no-compare"], ["random"]),
+    (["--lenience", "0"], ["vanilla"]),
+])  # fmt: skip
+def test_flags_the_chosen_runs_use_are_taken(argv, runs):
+    assert chosen_runs(build_parser().parse_args(["train", *argv]), demo=True) == runs
