@@ -263,23 +263,28 @@ def test_exact_token_at_the_rejection_follows_the_residual():
         assert r.logprobs == pytest.approx([math.log(PROBS[t]) for t in r.response_ids], abs=1e-5)
 
 
-@pytest.mark.parametrize("draw", ["policy", "without-draft"])
-def test_the_token_at_a_lenient_rejection_follows_the_chosen_draw(draw):
-    # Drafts [0, 0] stored with q(0) = 0.9; the server's pi_t gives token 0 probability 0.6, so at l = 1 a draft
-    # token is kept with probability 0.6 / 0.9. At a rejection the paper's draw is the server's own sample of
-    # pi_t (token 0 included); the without-draft draw resends until the first token is not 0.
+def _lenient_zeros_samples(draw: str, seed: int, attempts: int, n_samples: int = 1500):
+    """(builder, cache, samples): ``n_samples`` drafts [0, 0] stored with q(0) = 0.9, verified at l = 1 under
+    ``draw`` against the fixed server and continued through draw_continuation (``attempts`` per rejection)."""
     server = FixedServer(PROBS, {EOS}, max_model_len=8)
     cache = RolloutCache()
-    b = SpecRequestBuilder(cache, EXACT_S, 8, [EOS], lenience=1.0, seed=4, rejection_draw=draw,
-                           max_resample_attempts=64)  # fmt: skip
-    n_samples = 1500
+    b = SpecRequestBuilder(cache, EXACT_S, 8, [EOS], lenience=1.0, seed=seed, rejection_draw=draw,
+                           max_resample_attempts=attempts)  # fmt: skip
     for i in range(n_samples):
         cache.store(CacheKey.make([0, 1], 0, f"ds:{i}"), [0, 0], [math.log(0.9)] * 2, "length", 0, EXACT_S)
 
     async def go():
         return [await _one_exact_sample(b, server, i) for i in range(n_samples)]
 
-    out = asyncio.run(go())
+    return b, cache, asyncio.run(go())
+
+
+@pytest.mark.parametrize("draw", ["policy", "without-draft"])
+def test_the_token_at_a_lenient_rejection_follows_the_chosen_draw(draw):
+    # Drafts [0, 0] stored with q(0) = 0.9; the server's pi_t gives token 0 probability 0.6, so at l = 1 a draft
+    # token is kept with probability 0.6 / 0.9. At a rejection the paper's draw is the server's own sample of
+    # pi_t (token 0 included); the without-draft draw resends until the first token is not 0.
+    _, _, out = _lenient_zeros_samples(draw, seed=4, attempts=64)
     at_rejection = torch.tensor([r.response_ids[0] for n, r in out if n == 0])
     assert len(at_rejection) > 300  # about n_samples / 3 rejections at position 0
     law = PROBS.clone()
@@ -293,19 +298,8 @@ def test_the_without_draft_draw_keeps_the_last_attempt_when_all_begin_with_the_r
     # As above with 2 attempts: the draw keeps the second attempt when both began with token 0 (a peaked policy
     # would otherwise stop the run), so at a rejection token 0 has probability 0.6^2 and every other token
     # PROBS[t] (1 + 0.6): the paper's draw mixed in where the attempts ran out, and counted.
-    server = FixedServer(PROBS, {EOS}, max_model_len=8)
-    cache = RolloutCache()
-    b = SpecRequestBuilder(cache, EXACT_S, 8, [EOS], lenience=1.0, seed=6, rejection_draw="without-draft",
-                           max_resample_attempts=2)  # fmt: skip
-    n_samples = 1500
-    for i in range(n_samples):
-        cache.store(CacheKey.make([0, 1], 0, f"ds:{i}"), [0, 0], [math.log(0.9)] * 2, "length", 0, EXACT_S)
-
-    async def go():
-        return [await _one_exact_sample(b, server, i) for i in range(n_samples)]
-
     with pytest.warns(RuntimeWarning, match="kept a continuation that begins with the rejected token 0 after 2"):
-        out = asyncio.run(go())
+        b, cache, out = _lenient_zeros_samples("without-draft", seed=6, attempts=2)
     at_rejection = torch.tensor([r.response_ids[0] for n, r in out if n == 0])
     law = PROBS * (1 + PROBS[0])
     law[0] = PROBS[0] ** 2
