@@ -125,8 +125,7 @@ def measure_rollout(x: dict, device: torch.device) -> int:
     return peak_extra_bytes(call, device)
 
 
-def run(args) -> dict:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+def run(args, device: torch.device) -> dict:
     if args.tokens % args.batch:
         raise SystemExit(f"--tokens ({args.tokens}) must be a multiple of --batch ({args.batch})")
     x = inputs(args, device)
@@ -161,8 +160,7 @@ def main(argv=None) -> int:
     ap.add_argument("--check", action="store_true", help="exit 1 when a peak reaches the size of the full logits")
     ap.add_argument("--json", default=default_json_path("memory.json"))
     args = ap.parse_args(argv)
-    args.device = str(device_arg(ap, args.device))
-    record = run(args)
+    record = run(args, device_arg(ap, args.device))
     print_table(record)
     if args.json:
         write_json(args.json, record)

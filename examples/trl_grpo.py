@@ -61,7 +61,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-completion-length", type=int, default=96, help="response budget in tokens (default 96)")
     p.add_argument("--strategy", choices=["spec", "off", "random"], default="spec",
                    help="spec: SPEC-RL (default); off: no reuse, same decoder; random: random reuse")  # fmt: skip
-    p.add_argument("--lenience", type=float, default=None, help="l (default e^0.5, the paper's GRPO value; none with exact)")
+    p.add_argument("--lenience", type=float, default=math.exp(0.5), help="l (default e^0.5, the paper's GRPO value; "
+                   "exact acceptance takes none)")  # fmt: skip
     p.add_argument("--acceptance", choices=["lenient", "exact"], default="lenient",
                    help="lenient: the paper's rule (default); exact: lossless reuse (completions are fresh samples)")
     p.add_argument("--rejection-draw", choices=["policy", "without-draft"], default="policy",
@@ -70,8 +71,6 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.prompts < 1 or args.epochs < 1 or args.num_generations < 2:
         p.error("--prompts and --epochs must be >= 1 and --num-generations >= 2")
-    if args.lenience is None and args.acceptance == "lenient":
-        args.lenience = math.exp(0.5)
 
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
