@@ -60,6 +60,7 @@ def walk_tries(
     settings: SamplingSettings,
     seed: int,
     uids: Sequence[int],
+    progressive=None,
 ) -> WalkResult:
     """Exact verification of every drafted row against its group's trie (see the module docstring).
 
@@ -78,6 +79,10 @@ def walk_tries(
     settings : sampling settings (temperature, top-k, top-p)
     seed : seed of the sampled tokens (the continuation's seed: the prefix and the rest share keys)
     uids : per-row sample ids keying the uniforms
+    progressive : a :class:`~spec_rl.backends.progressive.ProgressiveTreeScores` whose ``scores`` are
+        ``scores``: a row samples only the scored tokens of its draft (``scored_len``) and, when every
+        walking row waits at that point, the walk asks it to ``extend`` (the same decisions as with
+        every score present)
 
     Returns
     -------
@@ -98,13 +103,20 @@ def walk_tries(
     prompt_lens = int64_tensor([len(p) for p in prompts])
     uid_t = int64_tensor([int(u) for u in uids])
     window = _FIRST_WINDOW
+    scored = lengths if progressive is None else progressive.scored_len  # per draft: its leading tokens scored
     while walking:
+        ready = [r for r in walking if out.n[r] < scored[follow[r]]]
+        if not ready:  # every walking row used up what is scored of its draft: score below them
+            progressive.extend([(follow[r], out.n[r]) for r in walking])
+            if not any(out.n[r] < scored[follow[r]] for r in walking):
+                raise RuntimeError("progressive scores did not extend below the walks that wait for them")
+            continue
         # (row, draft, from depth, to depth): a window that doubles per pass, so rows that stop early
         # do not pay for sampling the rest of their draft.
-        segs = [(r, follow[r], out.n[r], min(lengths[follow[r]], out.n[r] + window)) for r in walking]
+        segs = [(r, follow[r], out.n[r], min(scored[follow[r]], out.n[r] + window)) for r in ready]
         window *= 2
         toks, lps = _sample_segments(segs, scores, settings, seed, uid_t, prompt_lens, device)
-        at, still = 0, []
+        at, still = 0, [r for r in walking if out.n[r] >= scored[follow[r]]]
         for r, f, a, b in segs:
             sampled, logps = toks[at : at + b - a], lps[at : at + b - a]
             at += b - a

@@ -27,6 +27,7 @@ from ..sampling.distribution import SamplingSettings
 from ..sampling.groups import TreeKV
 from .checks import ModelLimits, check_same_length
 from .hf_decode import DecodeRow, KVRows, SpeculativeDecoder, prefill, time_decode_step
+from .progressive import ProgressiveTreeScores
 from .protocol import BackendStats, Continuation, backend_arguments, split_zero_budgets
 from .reprefill import ReprefillBackend, ScoredDrafts
 from .step_cost import StepCost, cost_key, measured_cost
@@ -34,9 +35,10 @@ from .scoring import PolicyScorer
 
 
 class SplicedDrafts(ScoredDrafts):
-    """Handle of :meth:`TransformersBackend.score_drafts` when the scoring forward's K/V were kept."""
+    """Handle of :meth:`TransformersBackend.score_drafts` when the scoring forward's K/V were kept (a
+    :class:`TreeKV`, or the :class:`ProgressiveTreeScores` of :meth:`TransformersBackend.score_drafts_progressive`)."""
 
-    def __init__(self, prompts, drafts, kv: TreeKV):
+    def __init__(self, prompts, drafts, kv: TreeKV | ProgressiveTreeScores):
         super().__init__(prompts, drafts)
         self.kv = kv
 
@@ -130,6 +132,23 @@ class TransformersBackend(ModelLimits, ReprefillBackend):
         scores, kv = self.scorer.score_with_kv(prompts, drafts, keep_kv=self.splice)
         handle = SplicedDrafts(prompts, drafts, kv) if kv is not None else ScoredDrafts(prompts, drafts)
         return scores, handle
+
+    @torch.no_grad()
+    def score_drafts_progressive(self, prompts, drafts, draft_logprobs=None) -> tuple[DraftScores, SplicedDrafts, ProgressiveTreeScores] | None:
+        """Score the drafts where an exact walk may read them, more on demand (:mod:`spec_rl.backends.progressive`;
+        ``draft_logprobs``: the stored log-probs, which estimate where walks go), keeping the scored nodes'
+        K/V for the continuation. Returns (scores, handle, the progressive scores the walk extends), or None
+        where that does not apply (rows layout, or :attr:`splice` off): then :meth:`score_drafts` scores
+        everything at once.
+
+        Raises:
+            ValueError: as :meth:`score_drafts`, or log-probs shorter than their draft.
+        """
+        if not (self.scorer.tree and self.splice):
+            return None
+        prompts, drafts = self.checked_rows(prompts, drafts)
+        lazy = ProgressiveTreeScores(self.scorer, prompts, drafts, draft_logprobs)
+        return lazy.scores, SplicedDrafts(prompts, drafts, lazy), lazy
 
     @torch.no_grad()
     def continue_from(

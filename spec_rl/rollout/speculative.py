@@ -2,7 +2,8 @@
 
 :meth:`SpeculativeRollout.run` is a short sequence of phases over a batch of (prompt, slot) requests:
 **lookup** each request's draft ("no draft" is explicit: generated from scratch); **score** the
-drafts under the current policy in one batched forward (``backend.score_drafts``); **verify** them:
+drafts under the current policy (``backend.score_drafts``, one batched forward; under exact acceptance
+``score_drafts_progressive`` where the backend has it: only where walks may read); **verify** them:
 rejection index n per sample; **token at n**: n == R reuses the draft whole, otherwise the token at
 position n is sampled from the scoring pass's own output there (no extra forward); **continue**: the
 backend decodes on from [prompt, y_<n, token] with the remaining budget (``backend.continue_from``;
@@ -298,13 +299,18 @@ class SpeculativeRollout:
         # Only the part of a draft that is valid under today's budget and EOS set is scored and tested.
         views = draft_views([batch.drafts[i].token_ids for i in batch.drafted], [batch.budgets[i] for i in batch.drafted], self.eos_ids)
         draft_ids = [batch.drafts[i].token_ids[: v.length].tolist() for i, v in zip(batch.drafted, views)]
-        out = self.backend.score_drafts([batch.prompts[i] for i in batch.drafted], draft_ids)
+        prompts = [batch.prompts[i] for i in batch.drafted]
+        # An exact walk reads only the nodes it walks through: a backend that scores where walks may go does so.
+        method = getattr(self.backend, "score_drafts_progressive", None) if self.acceptance == "exact" else None
+        out = method(prompts, draft_ids, [batch.drafts[i].logprobs[: len(d)].tolist() for i, d in zip(batch.drafted, draft_ids)]) if method else None
+        out, lazy = (out[:2], out[2]) if out is not None else (self.backend.score_drafts(prompts, draft_ids), None)
         handle = out[1] if isinstance(out, tuple) and len(out) == 2 else None
         try:
             scores, _ = check_scored(out, len(draft_ids), max(len(d) for d in draft_ids), self._source("score_drafts"))
-            check_shared_outputs(scores.same_as, [batch.prompts[i] for i in batch.drafted], draft_ids, self._source("score_drafts"))
+            if lazy is None:  # (progressive scores fill same_as as the walk goes; tests/backends/test_progressive.py)
+                check_shared_outputs(scores.same_as, prompts, draft_ids, self._source("score_drafts"))
             batch.vocab_size = batch.vocab_size or scores_vocab_size(scores)
-            walk = self._exact_walk(batch, draft_ids, scores) if self.acceptance == "exact" else self._lenient(batch, draft_ids, scores)
+            walk = self._walk(batch, prompts, draft_ids, scores, lazy)
             batch.stats.draft_tokens = sum(len(d) for d in draft_ids)
             batch.stats.accepted_tokens = sum(walk.n)
             for row, i in enumerate(batch.drafted):
@@ -319,13 +325,12 @@ class SpeculativeRollout:
     def _source(self, method: str) -> str:  # "PagedEngine.generate": names the backend in errors
         return f"{backend_name(self.backend)}.{method}"
 
-    def _exact_walk(self, batch: _Batch, draft_ids: list[list[int]], scores) -> WalkResult:
-        """Exact acceptance: each sample follows the policy's keyed samples down its group's trie of drafts."""
-        prompts = [batch.prompts[i] for i in batch.drafted]
-        return walk_tries(prompts, draft_ids, scores, self.settings, batch.sample_seed, self._uids(batch, batch.drafted))
-
-    def _lenient(self, batch: _Batch, draft_ids: list[list[int]], scores) -> WalkResult:
-        """The paper's rule (or random reuse) at this step's l: see :mod:`spec_rl.acceptance.lenient`."""
+    def _walk(self, batch: _Batch, prompts, draft_ids: list[list[int]], scores, lazy) -> WalkResult:
+        """Exact: each sample follows the policy's keyed samples down its group's trie of drafts (``lazy``: the
+        progressive scores it extends). Lenient: the paper's rule (or random reuse) at this step's l."""
+        if self.acceptance == "exact":
+            return walk_tries(prompts, draft_ids, scores, self.settings, batch.sample_seed,
+                              self._uids(batch, batch.drafted), progressive=lazy)  # fmt: skip
         out = lenient_prefixes(
             draft_ids, [batch.drafts[i].logprobs for i in batch.drafted], [len(batch.prompts[i]) for i in batch.drafted],
             self._uids(batch, batch.drafted), scores, self.settings, log_lenience=self.log_lenience,

@@ -1,0 +1,289 @@
+"""Scoring a group's trie of drafts where the exact walk may read it, and below that only on demand.
+
+The exact walk (:mod:`spec_rl.acceptance.exact_walk`) reads the output of a trie node only while some
+sample of the group still walks through it, and a sample passes a node with probability p(token) under
+the current policy. Scoring the whole trie in one forward pays for every node, also for those below the
+point where every walk has left the drafts: on the demo's exact rollout (64 prompts x G = 4, policy
+perturbed by 2%: ``benchmarks/bench_rollout.py``'s setup) the walked paths hold 39% of the trie's nodes.
+
+:class:`ProgressiveTreeScores` first scores the prompt and every node that some sample of the group
+reaches with estimated probability >= :data:`MIN_REACH`, the estimate being the product of the stored
+(last epoch's) token probabilities down to the node. When walks reach the end of what is scored, the walk
+asks :meth:`~ProgressiveTreeScores.extend` for the next ``first_window`` tokens (doubling per call) of the
+subtrees below them. The keys and values of every scored node stay in the chunk's cache, so a later
+forward attends to the nodes scored before it without computing them again, and a continuation gathers
+its context from them (no second prefill), as from the one-forward :class:`~spec_rl.sampling.groups.TreeKV`.
+
+A node's output depends only on its ancestors, which are always scored first, so every score equals the
+one-forward score up to floating-point summation order and the walk takes the same decisions: the
+estimate decides only what is computed when (tests/backends/test_progressive.py checks the decisions and
+the continuation's keys and values in float64).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from ..acceptance.scores import DraftScores
+from ..sampling.groups import PackedGroup, int64_tensor, pack_groups
+
+#: Draft tokens below a stop that one :meth:`ProgressiveTreeScores.extend` scores first; it doubles per call.
+FIRST_WINDOW = 16
+#: First pass: a node is scored when the chance that some sample of its group walks through it, estimated
+#: from the draft's stored log-probs (a sample passes a node with probability p(token), exact acceptance),
+#: is at least this. On the demo's exact rollout (bench_rollout.py's setup) 0.05 leaves ~70% of the trie's
+#: nodes for the first pass and ~3% of the walks go past it (they are served by :meth:`extend`).
+MIN_REACH = 0.05
+
+
+class _Chunk:
+    """One forward batch of groups (one group per row) and the keys and values of its scored nodes.
+
+    ``entry_*`` list every (draft, token) of the chunk: its row, the tree index of the node whose output
+    scores it, the draft, the token index and the draft's index among the chunk's drafts (``drafts``).
+    """
+
+    def __init__(self, groups: list[PackedGroup]):
+        self.groups = groups
+        self.cache = None  # the transformers cache of every scored node, in scoring order
+        self.key_node = torch.zeros((len(groups), 0), dtype=torch.long)  # tree index of each cache column (-1: padding)
+        self.key_size = torch.zeros((len(groups), 0), dtype=torch.long)  # its subtree size (0: padding)
+        self.depth = [int64_tensor(g.depth) for g in groups]
+        self.size = [int64_tensor(g.size) for g in groups]
+        self.tokens = [int64_tensor(g.tokens) for g in groups]
+        self.column = torch.full((len(groups), max(len(g.tokens) for g in groups)), -1, dtype=torch.long)  # per node
+        self.drafts = [d for g in groups for d in g.members]
+        lengths = [len(p) for g in groups for p in g.score_pos]
+        counts = int64_tensor(lengths)
+        self.entry_row = torch.repeat_interleave(torch.arange(len(groups)), int64_tensor([sum(len(p) for p in g.score_pos) for g in groups]))
+        self.entry_node = int64_tensor([t for g in groups for p in g.score_pos for t in p])
+        self.entry_local = torch.repeat_interleave(torch.arange(len(self.drafts)), counts)
+        self.entry_draft = int64_tensor(self.drafts)[self.entry_local] if self.drafts else self.entry_local
+        self.entry_i = torch.arange(len(self.entry_node)) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+        self.lengths = counts
+
+    def scored_lengths(self) -> list[int]:
+        """Per draft of ``drafts``: how many leading tokens have their scoring node computed."""
+        missing = torch.where(self.column[self.entry_row, self.entry_node] >= 0, self.lengths.max() if len(self.lengths) else 0, self.entry_i)
+        first = self.lengths.clone().scatter_reduce(0, self.entry_local, missing, "amin")
+        return first.tolist()
+
+    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(layer.keys, layer.values) for layer in self.cache.layers]
+
+
+class ProgressiveTreeScores:
+    """Scores of B drafts (tree layout), computed where walks may need them and extended on demand (module docstring).
+
+    Attributes:
+        scores: the :class:`DraftScores` [B, R, d|V]; entry (b, i) is valid for i < ``scored_len[b]``.
+        scored_len: per draft, how many of its leading tokens are scored.
+        scored_nodes: prompt and trie positions computed so far (the one-forward layout computes all of them).
+
+    Args:
+        scorer: the backend's :class:`~spec_rl.backends.scoring.PolicyScorer` (tree layout).
+        prompts, drafts: B prompt and draft id lists (the drafts cut to their budget).
+        draft_logprobs: per draft, the stored log-probs of its tokens (at least as many as its ids); they
+            choose the first pass's nodes (:data:`MIN_REACH`). None: the first pass scores the first
+            ``first_window`` tokens of every draft.
+        first_window: draft tokens below a stop scored by the first :meth:`extend` (and by a first pass
+            without log-probs); >= 1.
+        min_reach: :data:`MIN_REACH` (0 scores the whole trie in the first pass).
+
+    Raises:
+        ValueError: ``first_window`` < 1, ``min_reach`` < 0, or log-probs shorter than their draft.
+    """
+
+    def __init__(self, scorer, prompts: Sequence[Sequence[int]], drafts: Sequence[Sequence[int]],
+                 draft_logprobs: Sequence[Sequence[float]] | None = None, first_window: int = FIRST_WINDOW,
+                 min_reach: float = MIN_REACH):  # fmt: skip
+        if int(first_window) < 1 or not min_reach >= 0:
+            raise ValueError(f"first_window must be >= 1 and min_reach >= 0, got {first_window!r} and {min_reach!r}")
+        if draft_logprobs is not None and any(len(lp) < len(d) for lp, d in zip(draft_logprobs, drafts)):
+            raise ValueError("draft_logprobs must hold a log-prob for every draft token")
+        self.scorer = scorer
+        self.lengths = [len(d) for d in drafts]
+        self.max_r = max(self.lengths + [1])
+        width = scorer.head.width
+        self._out = torch.zeros((len(drafts), self.max_r, width), dtype=scorer.head.lm_head.weight.dtype, device=scorer.device)
+        self._same = torch.arange(len(drafts) * self.max_r, device=scorer.device).view(len(drafts), self.max_r)
+        self.scores: DraftScores = scorer.head.draft_scores(self._out, self._same)
+        self.scored_len = [0] * len(drafts)
+        self.scored_nodes = 0
+        self._window = int(first_window)
+        groups = pack_groups(prompts, drafts)
+        first = [_first_pass(g, draft_logprobs, float(min_reach), self._window) for g in groups]
+        order = chunk_rows([len(x) for x in first], scorer.max_tokens_per_forward)
+        self.chunks = [_Chunk([groups[i] for i in rows]) for rows in order]
+        self.where: dict[int, tuple[int, int, int]] = {}  # draft -> (chunk, row, member)
+        for c, chunk in enumerate(self.chunks):
+            for row, g in enumerate(chunk.groups):
+                for m, d in enumerate(g.members):
+                    self.where[d] = (c, row, m)
+        self._score_nodes([[first[i] for i in rows] for rows in order])
+
+    # ------------------------------------------------------------------ walk side
+    def extend(self, stops: Sequence[tuple[int, int]]) -> None:
+        """Score below the nodes where walks stand: the next ``first_window`` (doubling per call) draft tokens
+        of the subtree below each stop.
+
+        Args:
+            stops: (draft, n) per waiting sample: it accepted the first n = ``scored_len[draft]`` tokens of that
+                draft (0 < n < its length) and needs the scores below them.
+
+        Raises:
+            ValueError: a stop that is not at its draft's ``scored_len`` or not inside the draft.
+        """
+        roots: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for d, n in stops:
+            if n != self.scored_len[d] or not 0 < n < self.lengths[d]:
+                raise ValueError(f"stop (draft {d}, n={n}) must be inside the draft at its scored_len={self.scored_len[d]}")
+            c, row, m = self.where[d]
+            roots.setdefault((c, row), []).append((self.chunks[c].groups[row].node_pos[m][n - 1], n))
+        per_chunk = []
+        for c, chunk in enumerate(self.chunks):
+            per_chunk.append([_subtree_nodes(chunk, row, roots.get((c, row), ()), self._window) for row in range(len(chunk.groups))])
+        self._window *= 2
+        self._score_nodes(per_chunk)
+
+    # ------------------------------------------------------------------ continuation side
+    def prompt_len(self, draft: int) -> int:
+        c, row, _ = self.where[draft]
+        return self.chunks[c].groups[row].prompt_len
+
+    def context(self, draft: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (keys [H, P + n, D], values) of [prompt, the draft's first n tokens] (all scored: a walk
+        that accepted n tokens read the outputs of the nodes before them)."""
+        c, row, m = self.where[draft]
+        chunk = self.chunks[c]
+        cols = chunk.column[row, int64_tensor(chunk.groups[row].path(m, n))]
+        if bool((cols < 0).any()):
+            raise RuntimeError(f"context of draft {draft} up to {n} tokens holds nodes that were never scored")
+        layers = chunk.layers()
+        cols = cols.to(layers[0][0].device)
+        return [(k[row].index_select(1, cols), v[row].index_select(1, cols)) for k, v in layers]
+
+    def release(self) -> None:
+        """Drop the kept keys and values (the handle was continued or released)."""
+        for chunk in self.chunks:
+            chunk.cache = None
+
+    # ------------------------------------------------------------------ internals
+    @torch.inference_mode()  # as the one-forward scorer (its docstring: ~7% faster than no_grad on CPU)
+    def _score_nodes(self, per_chunk: list[list[torch.Tensor]]) -> None:
+        """Forward the given nodes of every chunk (tree indices per row), then update ``scored_len``."""
+        for chunk, nodes in zip(self.chunks, per_chunk):
+            if any(len(x) for x in nodes):
+                self._forward(chunk, nodes)
+                for d, n in zip(chunk.drafts, chunk.scored_lengths()):
+                    self.scored_len[d] = n
+
+    def _forward(self, chunk: _Chunk, nodes: list[torch.Tensor]) -> None:
+        from .hf_decode import cache_argument
+
+        scorer = self.scorer
+        rows, width = len(nodes), max(1, max(len(x) for x in nodes))
+        past = chunk.key_node.shape[1]
+        query = torch.full((rows, width), -1, dtype=torch.long)
+        ids = torch.full((rows, width), scorer.pad_id, dtype=torch.long)
+        pos = torch.zeros((rows, width), dtype=torch.long)
+        size = torch.zeros((rows, width), dtype=torch.long)
+        for row, x in enumerate(nodes):
+            k = len(x)
+            query[row, :k] = x
+            ids[row, :k] = chunk.tokens[row][x]
+            pos[row, :k] = chunk.depth[row][x]
+            size[row, :k] = chunk.size[row][x]
+            chunk.column[row, x] = past + torch.arange(k)
+        keys = torch.cat([chunk.key_node, query], dim=1)
+        chunk.key_size = torch.cat([chunk.key_size, size], dim=1)
+        chunk.key_node = keys
+        mask = _ancestor_mask(query, keys, chunk.key_size, past)
+        impl = getattr(scorer.model.config, "_attn_implementation", "sdpa")
+        dev = scorer.device
+        mask = mask.unsqueeze(1).to(dev)
+        if impl == "eager":
+            dtype = scorer.head.lm_head.weight.dtype
+            mask = torch.zeros(mask.shape, dtype=dtype, device=dev).masked_fill(~mask, torch.finfo(dtype).min)
+        hidden = scorer.head.uses_hidden_states
+        target = scorer.head.decoder if hidden else scorer.model
+        extra = {} if chunk.cache is None else {cache_argument(target): chunk.cache}
+        res = target(input_ids=ids.to(dev), position_ids=pos.to(dev), attention_mask=mask, use_cache=True, **extra)
+        chunk.cache = getattr(res, cache_argument(target), None) or getattr(res, "past_key_values", None)
+        states = res.last_hidden_state if hidden else res.logits
+        self.scored_nodes += sum(len(x) for x in nodes)
+        self._gather(chunk, states, query)
+
+    def _gather(self, chunk: _Chunk, states: torch.Tensor, query: torch.Tensor) -> None:
+        """Copy the forward's outputs to the draft tokens they score; link shared outputs."""
+        width = query.shape[1]
+        rows, cols = torch.nonzero(query >= 0, as_tuple=True)
+        in_query = torch.full(chunk.column.shape, -1, dtype=torch.long)  # per node: its column in this forward
+        in_query[rows, query[rows, cols]] = cols
+        col = in_query[chunk.entry_row, chunk.entry_node]
+        hit = col >= 0
+        if not bool(hit.any()):
+            return
+        src_t = chunk.entry_row[hit] * width + col[hit]
+        dst_t = chunk.entry_draft[hit] * self.max_r + chunk.entry_i[hit]
+        dev = states.device
+        flat = self._out.view(-1, self._out.shape[-1])
+        flat.index_copy_(0, dst_t.to(dev), states.reshape(-1, states.shape[-1]).index_select(0, src_t.to(dev)).to(flat.dtype))
+        distinct, inverse = torch.unique(src_t, return_inverse=True)
+        first = torch.full((len(distinct),), flat.shape[0], dtype=torch.long).scatter_reduce(0, inverse, dst_t, "amin")
+        self._same.view(-1)[dst_t.to(self._same.device)] = first[inverse].to(self._same.device)
+
+
+def _first_pass(g: PackedGroup, logprobs, min_reach: float, window: int) -> torch.Tensor:
+    """Tree indices of the group's first-pass nodes: the prompt, and each trie node some sample of the group
+    walks through with estimated probability >= ``min_reach`` (rows x the product of the stored token
+    probabilities down to it), or without log-probs every node of the first ``window`` tokens. Both sets
+    hold every ancestor of a node they hold."""
+    depth = int64_tensor(g.depth)
+    if logprobs is None:
+        return torch.nonzero(depth < g.prompt_len + window - 1).flatten()
+    keep = torch.zeros(len(g.tokens), dtype=torch.bool)
+    keep[: g.prompt_len] = True
+    floor = math.log(min_reach / len(g.members)) if min_reach > 0 else -math.inf
+    for m, d in enumerate(g.members):
+        if g.node_pos[m]:
+            reach = torch.cumsum(torch.tensor(logprobs[d][: len(g.node_pos[m])], dtype=torch.float64), 0)
+            keep[int64_tensor(g.node_pos[m])[reach >= floor]] = True
+    return torch.nonzero(keep).flatten()
+
+
+def _subtree_nodes(chunk: _Chunk, row: int, roots, window: int) -> torch.Tensor:
+    """Tree indices of the nodes not yet scored below each (root, n): the root's subtree, down to the nodes
+    whose outputs score draft tokens below n + ``window``."""
+    g = chunk.groups[row]
+    want = torch.zeros(len(g.tokens), dtype=torch.bool)
+    for root, n in roots:
+        end = root + int(chunk.size[row][root])
+        want[root:end] |= chunk.depth[row][root:end] < g.prompt_len + n + window - 1
+    want &= chunk.column[row, : len(g.tokens)] < 0
+    return torch.nonzero(want).flatten()
+
+
+def chunk_rows(counts: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Row indices sorted by count, cut so each chunk's padded size (rows x largest count) fits ``max_tokens``."""
+    chunks: list[list[int]] = []
+    for i in sorted(range(len(counts)), key=lambda i: counts[i]):
+        if chunks and counts[i] * (len(chunks[-1]) + 1) <= max_tokens:
+            chunks[-1].append(i)
+        else:
+            chunks.append([i])
+    return chunks
+
+
+def _ancestor_mask(query: torch.Tensor, keys: torch.Tensor, key_size: torch.Tensor, past: int) -> torch.Tensor:
+    """[rows, Tq, Tk] bool: query i sees key j iff node j is an ancestor of node i or i itself (preorder:
+    j <= i < j + size[j]); a padding query sees only its own column, so no softmax row is empty."""
+    q = query.unsqueeze(2)
+    k, s = keys.unsqueeze(1), key_size.unsqueeze(1)
+    mask = (k >= 0) & (k <= q) & (q < k + s)
+    pad_rows, pad_cols = torch.nonzero(query < 0, as_tuple=True)
+    mask[pad_rows, pad_cols, past + pad_cols] = True
+    return mask

@@ -1,0 +1,157 @@
+"""Scoring a group's trie a window at a time (spec_rl/backends/progressive.py) takes the walk's decisions of
+scoring it in one forward, computes fewer nodes, and leaves a continuation the same keys and values."""
+
+import pytest
+import torch
+from tiny_models import tiny_model
+
+from spec_rl.acceptance.exact_walk import walk_tries
+from spec_rl.backends.progressive import ProgressiveTreeScores
+from spec_rl.backends.scoring import PolicyScorer
+from spec_rl.backends.transformers_backend import TransformersBackend
+from spec_rl.sampling.distribution import SamplingSettings
+
+
+def _groups(model, seed: int, n_groups: int, group: int, length: int):
+    """Prompts, drafts and their log-probs: G samples of the model itself per prompt (another seed), so walks
+    go deep and switch between drafts that share prefixes."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = []
+    for _ in range(n_groups):
+        prompt = torch.randint(3, 12, (int(torch.randint(1, 7, (1,), generator=gen)),), generator=gen).tolist()
+        prompts += [prompt] * group
+    backend = TransformersBackend(model, {1}, 0, max_k=0)
+    conts = backend.generate(prompts, [length] * len(prompts), SamplingSettings(max_tokens=length), seed=seed + 100)
+    return prompts, [list(c.token_ids) for c in conts], [list(c.logprobs) for c in conts]
+
+
+def _peaked_model(seed: int):
+    """A float64 tiny model whose samples often repeat (walks then go deep and branch)."""
+    model = tiny_model(vocab_size=12, seed=seed).double()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(60.0)
+    return model
+
+
+@pytest.mark.parametrize(
+    "seed,first_window,min_reach,impl",
+    [(0, 1, None, "sdpa"), (1, 2, None, "sdpa"), (2, 3, 0.5, "eager"), (3, 4, 0.05, "sdpa"), (4, 2, 0.9, "sdpa"), (5, 16, 0.0, "sdpa")],
+)
+def test_progressive_walk_takes_the_one_forward_decisions(seed, first_window, min_reach, impl):
+    model = _peaked_model(seed)
+    prompts, drafts, logprobs = _groups(model, seed, n_groups=5, group=4, length=24)
+    model.config._attn_implementation = impl  # after sampling the drafts: eager decoding of left padding is NaN
+    drafts[0] = []  # an empty draft walks nowhere
+    settings = SamplingSettings(temperature=1.0, max_tokens=32)
+    uids = list(range(len(drafts)))
+    scorer = PolicyScorer(model, pad_id=0, max_tokens_per_forward=64)  # several chunks
+    with torch.no_grad():
+        full = scorer.score(prompts, drafts)
+        want = walk_tries(prompts, drafts, full, settings, 5, uids)
+        lazy = ProgressiveTreeScores(scorer, prompts, drafts, None if min_reach is None else logprobs, first_window,
+                                     min_reach=min_reach or 0.0)  # fmt: skip
+        got = walk_tries(prompts, drafts, lazy.scores, settings, 5, uids, progressive=lazy)
+    assert got.n == want.n and got.source == want.source and got.tokens == want.tokens
+    assert got.next_token == want.next_token
+    assert [lp is None for lp in got.next_logprob] == [lp is None for lp in want.next_logprob]
+    for a, b in zip(got.logprobs + [got.next_logprob], want.logprobs + [want.next_logprob]):
+        a, b = [x for x in a if x is not None], [x for x in b if x is not None]
+        assert a == pytest.approx(b, rel=4e-6, abs=1e-6)  # log-probs come back in float32
+    assert max(want.n) > 2 * first_window or min_reach is not None, want.n  # walks went past the first windows
+    trie = {(tuple(p), tuple(d[: k + 1])) for p, d in zip(prompts, drafts) for k in range(len(d))}
+    total = sum(len(p) for p in {tuple(p) for p in prompts}) + len(trie)
+    if min_reach == 0.0:
+        assert lazy.scored_nodes == total  # reach 0: the whole trie in the first pass
+    else:
+        assert lazy.scored_nodes < total  # subtrees every walk had left were never computed
+    # the continuation's context: the keys and values of a plain forward over [prompt, draft[:n]] (a walk that
+    # ended at a draft's end continues, when it continues, by feeding that draft's last token: n - 1 cached)
+    for row in range(len(drafts)):
+        src, n = got.source[row], got.n[row] - (got.next_token[row] is None and got.n[row] > 0)
+        with torch.no_grad():
+            plain = model(input_ids=torch.tensor([prompts[src] + drafts[src][:n]]), use_cache=True).past_key_values
+        tol = 1e-9 if impl == "sdpa" else 1e-6  # transformers' eager attention takes its softmax in float32
+        for (k, v), layer in zip(lazy.context(src, n), plain.layers):
+            assert torch.allclose(k, layer.keys[0], atol=tol) and torch.allclose(v, layer.values[0], atol=tol)
+
+
+def test_extend_refuses_a_stop_off_the_scored_length_and_bad_arguments():
+    model = _peaked_model(0)
+    prompts, drafts = [[3, 4]] * 2, [[5, 6, 7, 8, 9], [5, 6, 7]]
+    with torch.no_grad():
+        lazy = ProgressiveTreeScores(PolicyScorer(model, pad_id=0), prompts, drafts, first_window=2)
+        assert lazy.scored_len == [2, 2]
+        with pytest.raises(ValueError, match="scored_len=2"):
+            lazy.extend([(0, 1)])
+        lazy.extend([(0, 2)])
+        assert lazy.scored_len == [4, 3]  # the next window below the stop (the shorter draft shares the nodes)
+        with pytest.raises(ValueError, match="inside the draft"):
+            lazy.extend([(1, 3)])
+    for kwargs in ({"first_window": 0}, {"min_reach": -1.0}, {"min_reach": float("nan")}):
+        with pytest.raises(ValueError, match="first_window must be >= 1 and min_reach >= 0"):
+            ProgressiveTreeScores(PolicyScorer(model, pad_id=0), prompts, drafts, **kwargs)
+    with pytest.raises(ValueError, match="every draft token"):
+        ProgressiveTreeScores(PolicyScorer(model, pad_id=0), prompts, drafts, [[-0.1] * 5, [-0.1] * 2])
+
+
+def test_backend_offers_progressive_scoring_only_with_tree_layout_and_splice():
+    model = _peaked_model(0)
+    prompts, drafts = [[3, 4]] * 2, [[5, 6], [5, 7]]
+    assert TransformersBackend(model, {1}, 0).score_drafts_progressive(prompts, drafts) is not None
+    assert TransformersBackend(model, {1}, 0, splice=False).score_drafts_progressive(prompts, drafts) is None
+    rows = TransformersBackend(model, {1}, 0)
+    rows.scorer.tree = False
+    assert rows.score_drafts_progressive(prompts, drafts) is None
+    with pytest.raises(ValueError):
+        TransformersBackend(model, {1}, 0).score_drafts_progressive([[3, 99]], [[5]])  # id outside the vocabulary
+
+
+@pytest.mark.parametrize("min_reach", [0.05, 0.9])
+def test_exact_rollout_with_progressive_scores_is_fresh_decoding(monkeypatch, min_reach):
+    """The rollout takes the progressive path under exact acceptance (and only there), and its responses are
+    token for token those of fresh keyed decoding, also when most walks need :meth:`extend`."""
+    from spec_rl.backends import progressive
+    from spec_rl.drafts.cache import RolloutCache
+    from spec_rl.rollout.speculative import RolloutRequest, SpeculativeRollout
+
+    # the backend builds ProgressiveTreeScores with the defaults of (draft_logprobs, first_window, min_reach)
+    monkeypatch.setattr(progressive.ProgressiveTreeScores.__init__, "__defaults__", (None, 4, min_reach))
+    model = _peaked_model(7)
+    settings = SamplingSettings(temperature=1.0, max_tokens=20)
+    requests = [RolloutRequest([3 + i, 4, 5], s, dataset_id=f"q{i}") for i in range(4) for s in range(3)]
+    calls = {"progressive": 0, "extend": 0}
+    real_extend = progressive.ProgressiveTreeScores.extend
+
+    def counted_extend(self, stops):
+        calls["extend"] += 1
+        return real_extend(self, stops)
+
+    monkeypatch.setattr(progressive.ProgressiveTreeScores, "extend", counted_extend)
+
+    def rollout(acceptance, strategy, cache):
+        backend = TransformersBackend(model, {1}, pad_id=0)
+        real = backend.score_drafts_progressive
+
+        def counted(*args):
+            calls["progressive"] += 1
+            return real(*args)
+
+        backend.score_drafts_progressive = counted
+        return SpeculativeRollout(backend, cache, settings, [1], 64, strategy=strategy, seed=3, acceptance=acceptance,
+                                  lenience=None if acceptance == "exact" else 1.0)  # fmt: skip
+
+    cache = RolloutCache()
+    rollout("lenient", "off", cache).run(requests, step=0)
+    rollout("lenient", "spec", RolloutCache()).run(requests, step=0)
+    assert calls["progressive"] == 0  # never for lenient acceptance
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    exact = rollout("exact", "spec", cache).run(requests, step=1)
+    fresh = rollout("lenient", "off", RolloutCache()).run(requests, step=1)
+    assert calls["progressive"] == 1 and exact.stats.accepted_tokens > 0
+    if min_reach == 0.9:
+        assert calls["extend"] > 0  # walks went past the first pass
+    assert exact.response_ids == fresh.response_ids
+    for a, b in zip(exact.logprobs, fresh.logprobs):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5)
