@@ -23,6 +23,7 @@ the continuation's keys and values in float64).
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -94,16 +95,14 @@ class ProgressiveTreeScores:
         min_reach: :data:`MIN_REACH` (0 scores the whole trie in the first pass).
 
     Raises:
-        ValueError: ``first_window`` < 1, ``min_reach`` < 0, or log-probs shorter than their draft.
+        ValueError: ``first_window`` not an integer >= 1, ``min_reach`` not a number >= 0, or
+            ``draft_logprobs`` not one list per draft with a log-prob for every draft token.
     """
 
     def __init__(self, scorer, prompts: Sequence[Sequence[int]], drafts: Sequence[Sequence[int]],
                  draft_logprobs: Sequence[Sequence[float]] | None = None, first_window: int = FIRST_WINDOW,
                  min_reach: float = MIN_REACH):  # fmt: skip
-        if int(first_window) < 1 or not min_reach >= 0:
-            raise ValueError(f"first_window must be >= 1 and min_reach >= 0, got {first_window!r} and {min_reach!r}")
-        if draft_logprobs is not None and any(len(lp) < len(d) for lp, d in zip(draft_logprobs, drafts)):
-            raise ValueError("draft_logprobs must hold a log-prob for every draft token")
+        _check_arguments(drafts, draft_logprobs, first_window, min_reach)
         self.scorer = scorer
         self.lengths = [len(d) for d in drafts]
         self.max_r = max(self.lengths + [1])
@@ -113,6 +112,7 @@ class ProgressiveTreeScores:
         self.scores: DraftScores = scorer.head.draft_scores(self._out, self._same)
         self.scored_len = [0] * len(drafts)
         self.scored_nodes = 0
+        self.released = False
         self._window = int(first_window)
         groups = pack_groups(prompts, drafts)
         first = [_first_pass(g, draft_logprobs, float(min_reach), self._window) for g in groups]
@@ -135,10 +135,15 @@ class ProgressiveTreeScores:
                 draft (0 < n < its length) and needs the scores below them.
 
         Raises:
-            ValueError: a stop that is not at its draft's ``scored_len`` or not inside the draft.
+            ValueError: a stop whose draft index is out of range, or that is not at its draft's
+                ``scored_len`` or not inside the draft.
+            RuntimeError: after :meth:`release`.
         """
+        self._check_live("extend")
         roots: dict[tuple[int, int], list[tuple[int, int]]] = {}
         for d, n in stops:
+            if not 0 <= d < len(self.lengths):
+                raise ValueError(f"stop draft index {d} must be in [0, {len(self.lengths)})")
             if n != self.scored_len[d] or not 0 < n < self.lengths[d]:
                 raise ValueError(f"stop (draft {d}, n={n}) must be inside the draft at its scored_len={self.scored_len[d]}")
             c, row, m = self.where[d]
@@ -157,6 +162,9 @@ class ProgressiveTreeScores:
     def context(self, draft: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (keys [H, P + n, D], values) of [prompt, the draft's first n tokens] (all scored: a walk
         that accepted n tokens read the outputs of the nodes before them)."""
+        self._check_live("context")
+        if not (0 <= draft < len(self.lengths) and 0 <= n <= self.lengths[draft]):
+            raise ValueError(f"context(draft={draft}, n={n}) needs a draft index in [0, {len(self.lengths)}) and 0 <= n <= its length")
         c, row, m = self.where[draft]
         chunk = self.chunks[c]
         cols = chunk.column[row, int64_tensor(chunk.groups[row].path(m, n))]
@@ -168,8 +176,14 @@ class ProgressiveTreeScores:
 
     def release(self) -> None:
         """Drop the kept keys and values (the handle was continued or released)."""
+        self.released = True
         for chunk in self.chunks:
             chunk.cache = None
+
+    def _check_live(self, what: str) -> None:
+        if self.released:
+            raise RuntimeError(f"{what} needs the kept keys and values, but these scores were released "
+                               "(continued, released, or a scoring forward failed): score the drafts again")
 
     # ------------------------------------------------------------------ internals
     @torch.inference_mode()  # as the one-forward scorer (its docstring: ~7% faster than no_grad on CPU)
@@ -197,11 +211,9 @@ class ProgressiveTreeScores:
             ids[row, :k] = chunk.tokens[row][x]
             pos[row, :k] = chunk.depth[row][x]
             size[row, :k] = chunk.size[row][x]
-            chunk.column[row, x] = past + torch.arange(k)
         keys = torch.cat([chunk.key_node, query], dim=1)
-        chunk.key_size = torch.cat([chunk.key_size, size], dim=1)
-        chunk.key_node = keys
-        mask = _ancestor_mask(query, keys, chunk.key_size, past)
+        key_size = torch.cat([chunk.key_size, size], dim=1)
+        mask = _ancestor_mask(query, keys, key_size, past)
         impl = getattr(scorer.model.config, "_attn_implementation", "sdpa")
         dev = scorer.device
         mask = mask.unsqueeze(1).to(dev)
@@ -211,8 +223,16 @@ class ProgressiveTreeScores:
         hidden = scorer.head.uses_hidden_states
         target = scorer.head.decoder if hidden else scorer.model
         extra = {} if chunk.cache is None else {cache_argument(target): chunk.cache}
-        res = target(input_ids=ids.to(dev), position_ids=pos.to(dev), attention_mask=mask, use_cache=True, **extra)
+        try:
+            res = target(input_ids=ids.to(dev), position_ids=pos.to(dev), attention_mask=mask, use_cache=True, **extra)
+        except BaseException:
+            self.release()  # a transformers cache grows in place, layer by layer: it cannot be trusted after a failure
+            raise
+        # The chunk's bookkeeping changes only once the forward succeeded.
         chunk.cache = getattr(res, cache_argument(target), None) or getattr(res, "past_key_values", None)
+        chunk.key_node, chunk.key_size = keys, key_size
+        for row, x in enumerate(nodes):
+            chunk.column[row, x] = past + torch.arange(len(x))
         states = res.last_hidden_state if hidden else res.logits
         self.scored_nodes += sum(len(x) for x in nodes)
         self._gather(chunk, states, query)
@@ -237,6 +257,21 @@ class ProgressiveTreeScores:
         self._same.view(-1)[dst_t.to(self._same.device)] = first[inverse].to(self._same.device)
 
 
+def _check_arguments(drafts, draft_logprobs, first_window, min_reach) -> None:
+    """Refuse arguments the scores cannot honour, naming the argument (class docstring's Raises)."""
+    if isinstance(first_window, bool) or not isinstance(first_window, numbers.Integral) or first_window < 1:
+        raise ValueError(f"first_window must be an int >= 1, got {first_window!r}")
+    if isinstance(min_reach, bool) or not isinstance(min_reach, numbers.Real) or not min_reach >= 0:
+        raise ValueError(f"min_reach must be a number >= 0 (0 scores the whole trie first), got {min_reach!r}")
+    if draft_logprobs is None:
+        return
+    if len(draft_logprobs) != len(drafts):
+        raise ValueError(f"draft_logprobs must hold one list per draft: got {len(draft_logprobs)} for {len(drafts)} drafts")
+    for b, (lp, d) in enumerate(zip(draft_logprobs, drafts)):
+        if lp is None or len(lp) < len(d):
+            raise ValueError(f"draft_logprobs[{b}] must hold a log-prob for each of the draft's {len(d)} tokens")
+
+
 def _first_pass(g: PackedGroup, logprobs, min_reach: float, window: int) -> torch.Tensor:
     """Tree indices of the group's first-pass nodes: the prompt, and each trie node some sample of the group
     walks through with estimated probability >= ``min_reach`` (rows x the product of the stored token
@@ -250,7 +285,10 @@ def _first_pass(g: PackedGroup, logprobs, min_reach: float, window: int) -> torc
     floor = math.log(min_reach / len(g.members)) if min_reach > 0 else -math.inf
     for m, d in enumerate(g.members):
         if g.node_pos[m]:
-            reach = torch.cumsum(torch.tensor(logprobs[d][: len(g.node_pos[m])], dtype=torch.float64), 0)
+            # A stored log-prob > 0 (a custom store) must not lift a node above its parent: clamp each to <= 0
+            # so the reach only falls along a path and every kept node keeps its ancestors.
+            lps = torch.tensor(logprobs[d][: len(g.node_pos[m])], dtype=torch.float64).clamp(max=0.0)
+            reach = torch.cumsum(lps, 0)
             keep[int64_tensor(g.node_pos[m])[reach >= floor]] = True
     return torch.nonzero(keep).flatten()
 

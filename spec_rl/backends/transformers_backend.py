@@ -180,8 +180,10 @@ class TransformersBackend(ModelLimits, ReprefillBackend):
         src = sources
         rows = [DecodeRow(out=i, uid=uids[i], last=int(first_tokens[i]), position=handle.kv.prompt_len(i) + int(accepted_lens[i]),
                           budget=int(budgets[i]), proposer=proposers[i]) for i in live]  # fmt: skip
-        contexts = [handle.kv.context(src[i], int(accepted_lens[i])) for i in live]
-        handle.kv = None  # the scoring K/V are no longer needed once gathered
+        try:
+            contexts = [handle.kv.context(src[i], int(accepted_lens[i])) for i in live]
+        finally:
+            self._drop_kv(handle)  # the scoring K/V are no longer needed once gathered (nor after a failure)
         extras = [k for k in range(len(extra_contexts)) if int(extra_budgets[k]) > 0]
         for k in set(range(len(extra_contexts))) - set(extras):
             results[n_rows + k] = Continuation([], [], "length")
@@ -204,7 +206,14 @@ class TransformersBackend(ModelLimits, ReprefillBackend):
         """Drop the kept K/V of a handle that will not be continued."""
         handle.used = True
         if isinstance(handle, SplicedDrafts):
-            handle.kv = None
+            self._drop_kv(handle)
+
+    @staticmethod
+    def _drop_kv(handle: SplicedDrafts) -> None:
+        """Forget the handle's kept K/V; progressive scores also drop theirs (a walk may still hold them)."""
+        if isinstance(handle.kv, ProgressiveTreeScores):
+            handle.kv.release()
+        handle.kv = None
 
     # ------------------------------------------------------------------ internals
     def _check_spliced(self, handle, accepted_lens, first_tokens, budgets, extra_contexts, extra_budgets, sources):

@@ -87,11 +87,68 @@ def test_extend_refuses_a_stop_off_the_scored_length_and_bad_arguments():
         assert lazy.scored_len == [4, 3]  # the next window below the stop (the shorter draft shares the nodes)
         with pytest.raises(ValueError, match="inside the draft"):
             lazy.extend([(1, 3)])
-    for kwargs in ({"first_window": 0}, {"min_reach": -1.0}, {"min_reach": float("nan")}):
-        with pytest.raises(ValueError, match="first_window must be >= 1 and min_reach >= 0"):
+        for stop in ((2, 1), (-1, 1)):
+            with pytest.raises(ValueError, match="draft index"):
+                lazy.extend([stop])
+        with pytest.raises(ValueError, match="context"):
+            lazy.context(5, 1)
+        with pytest.raises(ValueError, match="context"):
+            lazy.context(0, 6)
+        lazy.release()
+        for call in (lambda: lazy.extend([(0, 4)]), lambda: lazy.context(0, 1)):
+            with pytest.raises(RuntimeError, match="released"):
+                call()
+    for kwargs in ({"first_window": 0}, {"first_window": float("inf")}, {"first_window": 2.5}):
+        with pytest.raises(ValueError, match="first_window must be an int >= 1"):
             ProgressiveTreeScores(PolicyScorer(model, pad_id=0), prompts, drafts, **kwargs)
-    with pytest.raises(ValueError, match="every draft token"):
-        ProgressiveTreeScores(PolicyScorer(model, pad_id=0), prompts, drafts, [[-0.1] * 5, [-0.1] * 2])
+    for kwargs in ({"min_reach": -1.0}, {"min_reach": float("nan")}, {"min_reach": None}, {"min_reach": "0.1"}):
+        with pytest.raises(ValueError, match="min_reach must be a number >= 0"):
+            ProgressiveTreeScores(PolicyScorer(model, pad_id=0), prompts, drafts, **kwargs)
+    bad_logprobs = ([[-0.1] * 5, [-0.1] * 2], [[-0.1] * 5, None], [[-0.1] * 5], [[-0.1] * 5, [-0.1] * 3, [-0.1]])
+    for lps, match in zip(bad_logprobs, ("draft_logprobs\\[1\\]", "draft_logprobs\\[1\\]", "one list per draft", "one list per draft")):
+        with pytest.raises(ValueError, match=match):
+            ProgressiveTreeScores(PolicyScorer(model, pad_id=0), prompts, drafts, lps)
+
+
+def test_positive_stored_logprobs_do_not_lift_a_node_above_its_parent():
+    """A custom store may hold log-probs > 0: the first pass clamps them, so a kept node keeps its ancestors
+    and the walk takes the one forward's decisions (an unclamped +10 below a -5 kept a child without its parent)."""
+    model = _peaked_model(11)
+    prompts, drafts, logprobs = _groups(model, 11, n_groups=3, group=4, length=16)
+    logprobs = [[-5.0, 10.0] + [-0.01] * (len(lp) - 2) for lp in logprobs]
+    settings, uids = SamplingSettings(temperature=1.0, max_tokens=32), list(range(len(drafts)))
+    scorer = PolicyScorer(model, pad_id=0)
+    with torch.no_grad():
+        want = walk_tries(prompts, drafts, scorer.score(prompts, drafts), settings, 5, uids)
+        lazy = ProgressiveTreeScores(scorer, prompts, drafts, logprobs, first_window=2)
+        # the prompt scores each first token; reach e^-5 x 4 < 0.05 after it, so nothing below it is scored
+        assert lazy.scored_len == [1] * len(drafts)
+        got = walk_tries(prompts, drafts, lazy.scores, settings, 5, uids, progressive=lazy)
+    assert (got.n, got.source, got.tokens, got.next_token) == (want.n, want.source, want.tokens, want.next_token)
+
+
+def test_a_failed_forward_releases_the_scores_and_the_backend_releases_them_too(monkeypatch):
+    model = _peaked_model(0)
+    prompts, drafts = [[3, 4]] * 2, [[5, 6, 7, 8, 9], [5, 6, 7]]
+    scorer = PolicyScorer(model, pad_id=0)
+    with torch.no_grad():
+        lazy = ProgressiveTreeScores(scorer, prompts, drafts, first_window=2)
+        target = scorer.head.decoder if scorer.head.uses_hidden_states else model  # the module each forward calls
+        with monkeypatch.context() as patch:
+            patch.setattr(target, "forward", lambda **_: (_ for _ in ()).throw(MemoryError("out of memory")))
+            with pytest.raises(MemoryError):
+                lazy.extend([(0, 2)])
+        assert lazy.scored_len == [2, 2] and lazy.released  # nothing half-updated is used again
+        with pytest.raises(RuntimeError, match="a scoring forward failed"):
+            lazy.context(0, 2)
+    backend = TransformersBackend(model, {1}, 0)
+    for finish in ("release", "continue"):
+        _, handle, lazy = backend.score_drafts_progressive(prompts, drafts)
+        if finish == "release":
+            backend.release(handle)
+        else:
+            backend.continue_from(handle, [1, 1], [6, 6], [2, 2], SamplingSettings(max_tokens=4), seed=0)
+        assert lazy.released and all(chunk.cache is None for chunk in lazy.chunks)
 
 
 def test_backend_offers_progressive_scoring_only_with_tree_layout_and_splice():
