@@ -13,7 +13,8 @@ accepted with probability p_t(token), as in exact speculative sampling with a po
 
 Rejected positions are rolled back by setting their mask to 0 (their K/V stay in the cache as holes);
 when holes make the cache much wider than its longest row, :meth:`KVRows.compact` gathers each row's
-real positions into a fresh, tightly left-padded cache.
+real positions into a fresh, tightly left-padded cache, and when the longest rows leave the batch,
+:meth:`KVRows.trim_front` drops the left padding no remaining row needs.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..sampling.distribution import SamplingSettings, keyed_sample
-from .kv_buffer import in_place_cache
+from .kv_buffer import InPlaceLayer, in_place_cache
 from .step_cost import ProposalBackoff, StepCost, acceptance_of, fastest_run, plan_proposals
 
 
@@ -68,6 +69,20 @@ class KVRows:
         """Keep only ``rows`` (finished rows leave the batch)."""
         self.cache.batch_select_indices(rows)
         self.mask = self.mask[rows]
+
+    def trim_front(self, min_columns: int = 8) -> None:
+        """Drop the leading columns that are padding in every row (left padding of contexts longer than any
+        left in the batch), when at least ``min_columns``: attention then reads fewer columns per step."""
+        used = self.mask.any(0)
+        lead = int(used.int().argmax()) if bool(used.any()) else 0
+        if lead < min_columns:
+            return
+        for layer in self.cache.layers:
+            if isinstance(layer, InPlaceLayer):
+                layer.drop_front(lead)
+            else:
+                layer.keys, layer.values = layer.keys[:, :, lead:], layer.values[:, :, lead:]
+        self.mask = self.mask[:, lead:]
 
     def compact(self) -> None:
         """Move each row's real positions into a tight left-padded cache (removes rollback holes)."""
@@ -222,6 +237,7 @@ class SpeculativeDecoder:
                 live = [live[i] for i in keep]
                 if live:
                     kv.select(torch.tensor(keep, dtype=torch.long, device=kv.mask.device))
+                    kv.trim_front()  # the rows that left may have been the longest contexts
             # Otherwise finished rows ride along until a quarter of the batch is done: they sample
             # nothing, but dropping them one by one would copy the whole cache every step.
             if live and kv.width > 2 * int(kv.mask.sum(1).max()) + 16:

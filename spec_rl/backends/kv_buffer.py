@@ -84,6 +84,15 @@ class InPlaceLayer(DynamicLayer):
         self._value_buffer = self._value_buffer[indices]
         self._fill(n)
 
+    def drop_front(self, n: int) -> None:
+        """Forget the first ``n`` columns (padding no row attends to): a view of the buffers, no copy."""
+        if not self._owns_views():
+            self._adopt(self.keys, self.values, extra=0)
+        kept = self.keys.shape[-2] - n
+        self._key_buffer = self._key_buffer[:, :, n:]
+        self._value_buffer = self._value_buffer[:, :, n:]
+        self._fill(kept)
+
 
 def in_place_cache(layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
     """A ``DynamicCache`` holding per-layer (keys, values) [B, H, n, D] in :class:`InPlaceLayer` s (copied)."""

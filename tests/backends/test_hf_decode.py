@@ -127,6 +127,47 @@ def test_compact_keeps_each_rows_real_positions():
     assert kv.cache.layers[0].values[1, 0, :, 0].tolist() == [110.0, 112.0, 118.0]
 
 
+def test_trim_front_drops_only_columns_every_row_pads():
+    from spec_rl.backends.hf_decode import _dynamic_cache
+
+    k = torch.arange(2 * 1 * 12 * 2, dtype=torch.float32).view(2, 1, 12, 2)
+    mask = torch.tensor([[0] * 9 + [1, 1, 1], [0] * 10 + [1, 1]])
+    kv = KVRows(_dynamic_cache([(k, k + 100)]), mask.clone())
+    kv.trim_front(min_columns=10)
+    assert kv.width == 12  # 9 leading columns: fewer than asked, kept
+    kv.trim_front()
+    assert kv.mask.tolist() == [[1, 1, 1], [0, 1, 1]]
+    assert torch.equal(kv.cache.layers[0].keys, k[:, :, 9:]) and torch.equal(kv.cache.layers[0].values, k[:, :, 9:] + 100)
+
+
+def test_decoding_after_the_longest_context_leaves_is_unchanged(monkeypatch):
+    """When the row with the longest context finishes, the left padding only it needed is dropped; the
+    other rows' tokens and log-probs are those of a plain forward over each row alone (float64)."""
+    model = tiny_model(seed=3, bias_eos=-3.0).double()
+    prompts, budgets = [[3] + list(range(5, 25)), [3, 11, 12], [4, 5], [6, 7, 8, 9]], [2, 30, 30, 30]
+    widths = []
+    real_trim = KVRows.trim_front
+
+    def recorded(self, *args):
+        real_trim(self, *args)
+        widths.append(self.width)
+
+    monkeypatch.setattr(KVRows, "trim_front", recorded)
+    kv, logits = prefill(model, prompts, pad_id=0)
+    settings = SamplingSettings(temperature=1.0, max_tokens=30)
+    dec = SpeculativeDecoder(model, settings, 5, eos_ids={1}, max_k=0, pad_id=0)
+    uids = list(range(len(prompts)))
+    toks, lps = dec.sample(logits.float(), uids, [len(p) for p in prompts])
+    rows = [DecodeRow(out=i, uid=i, last=t, position=len(p), budget=b - 1, tokens=[t], logprobs=[lp])
+            for i, (p, t, lp, b) in enumerate(zip(prompts, toks, lps, budgets))]  # fmt: skip
+    dec.run(kv, rows)
+    assert widths and widths[0] < len(prompts[0])  # the 21-token prompt's padding is gone
+    for p, r in zip(prompts, rows):
+        assert 0 < len(r.tokens) <= 30
+        ref = full_forward_logprobs(model, p, r.tokens)
+        assert torch.allclose(torch.tensor(r.logprobs, dtype=torch.float64), ref, atol=1e-6)
+
+
 def test_speculation_keeps_the_next_token_marginals():
     """Independent seeds: speculative and plain decoding sample the same distribution (two-sample chi-square)."""
     from _stats import assert_same_distribution
