@@ -28,12 +28,13 @@ RESPONSE_FIELDS = (
     "target_drift", "seed",
 )  # fmt: skip
 #: GRPOConfig fields that change how the policy is trained or measured: a run resumed under another
-#: value would mix two recipes in one report (a restored optimizer even keeps the old learning rate).
+#: value would mix two recipes in one report (a restored optimizer even keeps the old learning rate; another
+#: eval_every leaves held-out gaps the report would read as the new schedule's).
 #: Not compared: epochs (a resume may extend a run), micro_batch_size (memory only), speculation
 #: settings (they change decode steps, never a token), device and backend (keyed sampling).
 TRAINING_FIELDS = (
     "algorithm", "group_size", "prompts_per_step", "ppo_mini_batches", "lr", "weight_decay", "max_grad_norm",
-    "clip_low", "clip_high", "kl_coef", "scale_adv_by_std", "eval_samples",
+    "clip_low", "clip_high", "kl_coef", "scale_adv_by_std", "eval_samples", "eval_every",
 )  # fmt: skip
 
 

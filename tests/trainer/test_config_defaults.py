@@ -93,6 +93,26 @@ def test_resume_under_another_rejection_draw_is_refused(tmp_path):
     assert change["field"] == "rejection_draw" and change["new"] == "without-draft"
 
 
+def test_resume_under_another_eval_schedule_is_refused_by_its_flag(tmp_path):
+    import json
+
+    from spec_rl.cli import _one_line
+    from spec_rl.trainer.resume_check import ConfigChangeError, check_resume, run_fingerprint
+
+    def fingerprint(every):
+        return run_fingerprint(GRPOConfig(eval_every=every), "m", [2], [], None)
+
+    (tmp_path / "run_info.json").write_text(json.dumps({"fingerprint": fingerprint(1)}))
+    assert check_resume(tmp_path, fingerprint(1), allow_change=False) == []
+    with pytest.raises(ConfigChangeError) as err:
+        check_resume(tmp_path, fingerprint(2), allow_change=False)
+    assert "--eval-every: 1 -> 2" in _one_line(err.value)
+    old = json.loads((tmp_path / "run_info.json").read_text())["fingerprint"]
+    del old["eval_every"]  # a run stored before eval_every was compared resumes as before
+    (tmp_path / "run_info.json").write_text(json.dumps({"fingerprint": old}))
+    assert check_resume(tmp_path, fingerprint(2), allow_change=False) == []
+
+
 def test_the_header_and_the_records_name_the_draw_only_where_a_run_uses_it():
     from spec_rl.cli import _draw_note
     from spec_rl.trainer.records import epoch_record
