@@ -95,14 +95,15 @@ class ProgressiveTreeScores:
         min_reach: :data:`MIN_REACH` (0 scores the whole trie in the first pass).
 
     Raises:
-        ValueError: ``first_window`` not an integer >= 1, ``min_reach`` not a number >= 0, or
-            ``draft_logprobs`` not one list per draft with a log-prob for every draft token.
+        ValueError: prompts and drafts of different counts, ``first_window`` not an integer >= 1, ``min_reach``
+            not a number >= 0, or ``draft_logprobs`` not one list of numbers per draft with a log-prob for
+            every draft token.
     """
 
     def __init__(self, scorer, prompts: Sequence[Sequence[int]], drafts: Sequence[Sequence[int]],
                  draft_logprobs: Sequence[Sequence[float]] | None = None, first_window: int = FIRST_WINDOW,
                  min_reach: float = MIN_REACH):  # fmt: skip
-        _check_arguments(drafts, draft_logprobs, first_window, min_reach)
+        draft_logprobs = _checked_arguments(prompts, drafts, draft_logprobs, first_window, min_reach)
         self.scorer = scorer
         self.lengths = [len(d) for d in drafts]
         self.max_r = max(self.lengths + [1])
@@ -113,7 +114,7 @@ class ProgressiveTreeScores:
         self.scored_len = [0] * len(drafts)
         self.scored_nodes = 0
         self.released = False
-        self._window = int(first_window)
+        self._window = min(int(first_window), self.max_r)  # a wider window scores nothing more
         groups = pack_groups(prompts, drafts)
         first = [_first_pass(g, draft_logprobs, float(min_reach), self._window) for g in groups]
         order = chunk_rows([len(x) for x in first], scorer.max_tokens_per_forward)
@@ -135,15 +136,16 @@ class ProgressiveTreeScores:
                 draft (0 < n < its length) and needs the scores below them.
 
         Raises:
-            ValueError: a stop whose draft index is out of range, or that is not at its draft's
-                ``scored_len`` or not inside the draft.
+            ValueError: a stop that is not a pair of ints, whose draft index is out of range, or that is not
+                at its draft's ``scored_len`` or not inside the draft.
             RuntimeError: after :meth:`release`.
         """
         self._check_live("extend")
         roots: dict[tuple[int, int], list[tuple[int, int]]] = {}
-        for d, n in stops:
-            if not 0 <= d < len(self.lengths):
-                raise ValueError(f"stop draft index {d} must be in [0, {len(self.lengths)})")
+        for stop in stops:
+            if not (isinstance(stop, Sequence) and len(stop) == 2):
+                raise ValueError(f"each stop must be a (draft, n) pair of ints, got {stop!r}")
+            d, n = self._draft_index("stop draft index", stop[0]), _int("stop n", stop[1])
             if n != self.scored_len[d] or not 0 < n < self.lengths[d]:
                 raise ValueError(f"stop (draft {d}, n={n}) must be inside the draft at its scored_len={self.scored_len[d]}")
             c, row, m = self.where[d]
@@ -151,20 +153,21 @@ class ProgressiveTreeScores:
         per_chunk = []
         for c, chunk in enumerate(self.chunks):
             per_chunk.append([_subtree_nodes(chunk, row, roots.get((c, row), ()), self._window) for row in range(len(chunk.groups))])
-        self._window *= 2
+        self._window = min(2 * self._window, self.max_r)
         self._score_nodes(per_chunk)
 
     # ------------------------------------------------------------------ continuation side
     def prompt_len(self, draft: int) -> int:
-        c, row, _ = self.where[draft]
+        c, row, _ = self.where[self._draft_index("draft", draft)]
         return self.chunks[c].groups[row].prompt_len
 
     def context(self, draft: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (keys [H, P + n, D], values) of [prompt, the draft's first n tokens] (all scored: a walk
         that accepted n tokens read the outputs of the nodes before them)."""
         self._check_live("context")
-        if not (0 <= draft < len(self.lengths) and 0 <= n <= self.lengths[draft]):
-            raise ValueError(f"context(draft={draft}, n={n}) needs a draft index in [0, {len(self.lengths)}) and 0 <= n <= its length")
+        draft, n = self._draft_index("context draft", draft), _int("context n", n)
+        if not 0 <= n <= self.lengths[draft]:
+            raise ValueError(f"context(draft={draft}, n={n}) needs 0 <= n <= the draft's length {self.lengths[draft]}")
         c, row, m = self.where[draft]
         chunk = self.chunks[c]
         cols = chunk.column[row, int64_tensor(chunk.groups[row].path(m, n))]
@@ -179,6 +182,12 @@ class ProgressiveTreeScores:
         self.released = True
         for chunk in self.chunks:
             chunk.cache = None
+
+    def _draft_index(self, name: str, value) -> int:
+        index = _int(name, value)
+        if not 0 <= index < len(self.lengths):
+            raise ValueError(f"{name} {index} must be in [0, {len(self.lengths)})")
+        return index
 
     def _check_live(self, what: str) -> None:
         if self.released:
@@ -257,19 +266,35 @@ class ProgressiveTreeScores:
         self._same.view(-1)[dst_t.to(self._same.device)] = first[inverse].to(self._same.device)
 
 
-def _check_arguments(drafts, draft_logprobs, first_window, min_reach) -> None:
-    """Refuse arguments the scores cannot honour, naming the argument (class docstring's Raises)."""
+def _int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    return int(value)
+
+
+def _checked_arguments(prompts, drafts, draft_logprobs, first_window, min_reach) -> list[torch.Tensor] | None:
+    """Refuse arguments the scores cannot honour, naming the argument (class docstring's Raises); returns the
+    log-probs of each draft's tokens as float64 tensors (None without log-probs)."""
+    if len(prompts) != len(drafts):
+        raise ValueError(f"prompts and drafts must pair up: got {len(prompts)} prompts for {len(drafts)} drafts")
     if isinstance(first_window, bool) or not isinstance(first_window, numbers.Integral) or first_window < 1:
         raise ValueError(f"first_window must be an int >= 1, got {first_window!r}")
     if isinstance(min_reach, bool) or not isinstance(min_reach, numbers.Real) or not min_reach >= 0:
         raise ValueError(f"min_reach must be a number >= 0 (0 scores the whole trie first), got {min_reach!r}")
     if draft_logprobs is None:
-        return
-    if len(draft_logprobs) != len(drafts):
-        raise ValueError(f"draft_logprobs must hold one list per draft: got {len(draft_logprobs)} for {len(drafts)} drafts")
+        return None
+    if not hasattr(draft_logprobs, "__len__") or len(draft_logprobs) != len(drafts):
+        raise ValueError(f"draft_logprobs must hold one list per draft ({len(drafts)}), got {type(draft_logprobs).__name__}")
+    out = []
     for b, (lp, d) in enumerate(zip(draft_logprobs, drafts)):
-        if lp is None or len(lp) < len(d):
+        try:
+            values = torch.as_tensor(lp[: len(d)], dtype=torch.float64).reshape(-1)
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise ValueError(f"draft_logprobs[{b}] must be a list of numbers, got {lp!r:.80}") from err
+        if len(values) < len(d):
             raise ValueError(f"draft_logprobs[{b}] must hold a log-prob for each of the draft's {len(d)} tokens")
+        out.append(values)
+    return out
 
 
 def _first_pass(g: PackedGroup, logprobs, min_reach: float, window: int) -> torch.Tensor:
@@ -287,7 +312,7 @@ def _first_pass(g: PackedGroup, logprobs, min_reach: float, window: int) -> torc
         if g.node_pos[m]:
             # A stored log-prob > 0 (a custom store) must not lift a node above its parent: clamp each to <= 0
             # so the reach only falls along a path and every kept node keeps its ancestors.
-            lps = torch.tensor(logprobs[d][: len(g.node_pos[m])], dtype=torch.float64).clamp(max=0.0)
+            lps = logprobs[d][: len(g.node_pos[m])].clamp(max=0.0)
             reach = torch.cumsum(lps, 0)
             keep[int64_tensor(g.node_pos[m])[reach >= floor]] = True
     return torch.nonzero(keep).flatten()

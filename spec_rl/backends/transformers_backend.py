@@ -25,13 +25,14 @@ import torch
 from ..acceptance.scores import DraftScores
 from ..sampling.distribution import SamplingSettings
 from ..sampling.groups import TreeKV
+from ..util.model_config import model_sliding_window
 from .checks import ModelLimits, check_same_length
 from .hf_decode import DecodeRow, KVRows, SpeculativeDecoder, prefill, time_decode_step
 from .progressive import ProgressiveTreeScores
 from .protocol import BackendStats, Continuation, backend_arguments, split_zero_budgets
 from .reprefill import ReprefillBackend, ScoredDrafts
-from .step_cost import StepCost, cost_key, measured_cost
 from .scoring import PolicyScorer
+from .step_cost import StepCost, cost_key, measured_cost
 
 
 class SplicedDrafts(ScoredDrafts):
@@ -60,7 +61,8 @@ class TransformersBackend(ModelLimits, ReprefillBackend):
             verifies every proposed token).
 
     Raises:
-        ValueError: no EOS id, ``max_batch_size`` < 1 or ``max_k`` < 0.
+        ValueError: no EOS id, ``max_batch_size`` < 1, ``max_k`` < 0, or a model with sliding-window attention
+            (:func:`~spec_rl.util.model_config.model_sliding_window`).
     """
 
     def __init__(
@@ -76,6 +78,15 @@ class TransformersBackend(ModelLimits, ReprefillBackend):
         step_cost: StepCost | None = None,
     ):
         self.model = model
+        window = model_sliding_window(model)
+        if window is not None:
+            # Decode batches are left-padded and keep rolled-back columns, so a window counted in cache columns
+            # would not be the model's window in tokens: refused rather than silently wrong.
+            raise ValueError(
+                f"model has sliding-window attention (window {window} tokens), which TransformersBackend's padded "
+                "decode batches cannot honour; serve it with VLLMBackend, or set the config's sliding_window to None "
+                "if the window never binds at your lengths"
+            )
         self.eos_ids, self.pad_id, self.max_batch_size = backend_arguments(eos_ids, pad_id, max_batch_size)
         if isinstance(max_k, bool) or int(max_k) != max_k or max_k < 0:
             raise ValueError(f"max_k must be an integer >= 0 (0 disables speculation), got {max_k!r}")

@@ -18,6 +18,7 @@ from .. import ops
 from ..acceptance.scores import response_positions
 from ..backends.protocol import BackendStats
 from ..backends.scoring import ScoringHead
+from ..util.model_config import model_sliding_window
 from ..util.validation import check_int
 from .attention import build_batch, paged_attention_active
 from .blocks import BlockManager, OutOfBlocks
@@ -76,12 +77,9 @@ class CacheLayout:
                 model dtype other than fp32/fp16/bf16.
         """
         cfg = model.config
-        layer_types = getattr(cfg, "layer_types", None) or []
-        if getattr(cfg, "use_sliding_window", False) or "sliding_attention" in layer_types:
-            raise ValueError(
-                "PagedEngine does not support sliding-window attention; use TransformersBackend for this model"
-            )
         text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        if getattr(text, "use_sliding_window", False) or model_sliding_window(model) is not None:
+            raise ValueError("PagedEngine does not support sliding-window attention; serve this model with VLLMBackend")
         dtype = next(model.parameters()).dtype
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"model dtype {dtype} is not supported by the paged cache (fp32/fp16/bf16)")

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..util.model_config import model_sliding_window
+
 #: attention implementations whose masks we know how to build (bool for sdpa, additive for eager)
 TREE_ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 
@@ -186,7 +188,7 @@ def supports_tree_attention(model) -> bool:
     if cfg is None:
         return False
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    if getattr(text, "use_sliding_window", False) or "sliding_attention" in (getattr(text, "layer_types", None) or []):
+    if getattr(text, "use_sliding_window", False) or model_sliding_window(model) is not None:
         return False
     return getattr(cfg, "_attn_implementation", None) in TREE_ATTENTION_IMPLEMENTATIONS
 

@@ -87,9 +87,18 @@ def test_extend_refuses_a_stop_off_the_scored_length_and_bad_arguments():
         assert lazy.scored_len == [4, 3]  # the next window below the stop (the shorter draft shares the nodes)
         with pytest.raises(ValueError, match="inside the draft"):
             lazy.extend([(1, 3)])
-        for stop in ((2, 1), (-1, 1)):
+        for stop in ((2, 1), (-1, 1), (0.0, 4), ("0", 4), (None, 4)):
             with pytest.raises(ValueError, match="draft index"):
                 lazy.extend([stop])
+        for stops in ([0], [(0, 4.0)], [(0, 4, 1)]):
+            with pytest.raises(ValueError, match="pair of ints|stop n must be an int"):
+                lazy.extend(stops)
+        for args in ((0.5, 1), (0, 1.5), (0, None)):
+            with pytest.raises(ValueError, match="context .* must be an int"):
+                lazy.context(*args)
+        for draft in (5, -1):
+            with pytest.raises(ValueError, match="draft 5 must be in|draft -1 must be in"):
+                lazy.prompt_len(draft)
         with pytest.raises(ValueError, match="context"):
             lazy.context(5, 1)
         with pytest.raises(ValueError, match="context"):
@@ -104,8 +113,17 @@ def test_extend_refuses_a_stop_off_the_scored_length_and_bad_arguments():
     for kwargs in ({"min_reach": -1.0}, {"min_reach": float("nan")}, {"min_reach": None}, {"min_reach": "0.1"}):
         with pytest.raises(ValueError, match="min_reach must be a number >= 0"):
             ProgressiveTreeScores(PolicyScorer(model, pad_id=0), prompts, drafts, **kwargs)
-    bad_logprobs = ([[-0.1] * 5, [-0.1] * 2], [[-0.1] * 5, None], [[-0.1] * 5], [[-0.1] * 5, [-0.1] * 3, [-0.1]])
-    for lps, match in zip(bad_logprobs, ("draft_logprobs\\[1\\]", "draft_logprobs\\[1\\]", "one list per draft", "one list per draft")):
+    with pytest.raises(ValueError, match="prompts and drafts must pair up"):
+        ProgressiveTreeScores(PolicyScorer(model, pad_id=0), prompts, drafts[:1])
+    with torch.no_grad():  # a window past the longest draft scores what the longest draft needs, no more
+        huge = ProgressiveTreeScores(PolicyScorer(model, pad_id=0), prompts, drafts, first_window=2**64)
+        assert huge.scored_len == [5, 3]
+        for _ in range(70):
+            huge.extend([])  # doubling stays bounded
+    bad_logprobs = ([[-0.1] * 5, [-0.1] * 2], [[-0.1] * 5, None], [[-0.1] * 5, [None] * 3], [[-0.1] * 5, -0.1],
+                    [[-0.1] * 5], [[-0.1] * 5, [-0.1] * 3, [-0.1]], (lp for lp in [[-0.1] * 5, [-0.1] * 3]))  # fmt: skip
+    matches = ["draft_logprobs\\[1\\]"] * 4 + ["one list per draft"] * 3
+    for lps, match in zip(bad_logprobs, matches):
         with pytest.raises(ValueError, match=match):
             ProgressiveTreeScores(PolicyScorer(model, pad_id=0), prompts, drafts, lps)
 

@@ -1,0 +1,22 @@
+"""What a transformers model's config says about its attention, read as transformers applies it."""
+
+from __future__ import annotations
+
+
+def model_sliding_window(model) -> int | None:
+    """The sliding window of the model's attention (tokens), or None when every layer attends to all tokens.
+
+    Read from the text config as transformers applies it: per layer by ``layer_types`` where the config has
+    them (Qwen2/3, Gemma 3), else by ``sliding_window`` under ``use_sliding_window`` where that switch exists,
+    else by ``sliding_window`` alone (Mistral, Mixtral, Starcoder2).
+    """
+    cfg = getattr(model, "config", None)
+    if cfg is not None and hasattr(cfg, "get_text_config"):
+        cfg = cfg.get_text_config()
+    window = getattr(cfg, "sliding_window", None)
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        return None
+    layer_types = getattr(cfg, "layer_types", None) or []
+    if layer_types:
+        return window if "sliding_attention" in layer_types else None
+    return window if getattr(cfg, "use_sliding_window", True) else None
