@@ -282,6 +282,10 @@ def _heldout_note(info: dict, summary: dict | None = None) -> list[str]:
     config = info.get("config") or {}
     samples, every, epochs = config.get("eval_samples", "?"), config.get("eval_every", 1), config.get("epochs")
     when = "every epoch" if every == 1 else f"every {every} epochs and after the last"
+    changes = [c for c in info.get("config_changes") or [] if c.get("field") == "eval_every"]
+    if changes:  # a resume under --allow-config-change: the schedule above holds only from then on
+        steps = ", then ".join(f"{c.get('old')} -> {c.get('new')}" for c in changes)
+        when += f" (eval_every changed on resume: {steps}; the tables show which epochs were evaluated)"
     last_only = [m for m, c in (info.get("runs") or {}).items() if epochs and c.get("eval_every", 1) >= epochs > every]
     produce, are = ("produce", "are") if len(last_only) > 1 else ("produces", "is")
     after = sorted({_evaluated_after((summary or {}).get(m, []), epochs) for m in last_only})

@@ -95,3 +95,15 @@ def test_the_heldout_note_names_the_epochs_a_lossless_run_was_evaluated_after_a_
            "and after epochs 3 and 5 only." in note
     (note, _) = _heldout_note(info, {"exact": [{"epoch": e, "heldout_reward": 0.3 if e == 5 else None} for e in range(1, 6)]})
     assert "after the last epoch only." in note
+
+
+def test_the_heldout_note_says_when_a_resume_changed_the_schedule():
+    from spec_rl.trainer.report import _heldout_note
+
+    info = {"eval_prompts": 8, "config": {"eval_samples": 1, "eval_every": 2, "epochs": 4},
+            "config_changes": [{"date": "d", "field": "lr", "old": 1, "new": 2},
+                               {"date": "d", "field": "eval_every", "old": 1, "new": 2}]}  # fmt: skip
+    (note, _) = _heldout_note(info)
+    assert "after every 2 epochs and after the last (eval_every changed on resume: 1 -> 2; the tables show" in note
+    del info["config_changes"]
+    assert "changed on resume" not in _heldout_note(info)[0]
