@@ -23,13 +23,13 @@ the continuation's keys and values in float64).
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Sequence
 
 import torch
 
 from ..acceptance.scores import DraftScores
 from ..sampling.groups import PackedGroup, int64_tensor, pack_groups
+from ..util.validation import check_int, check_real
 
 #: Draft tokens below a stop that one :meth:`ProgressiveTreeScores.extend` scores first; it doubles per call.
 FIRST_WINDOW = 16
@@ -266,10 +266,15 @@ class ProgressiveTreeScores:
         self._same.view(-1)[dst_t.to(self._same.device)] = first[inverse].to(self._same.device)
 
 
-def _int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-    return int(value)
+def _int(name: str, value, low: int | None = None) -> int:
+    """:func:`check_int` (what counts as an integer), refused as this class's ValueError naming ``name``."""
+    try:
+        checked = check_int(name, value)
+    except TypeError:
+        checked = None
+    if checked is None or (low is not None and checked < low):
+        raise ValueError(f"{name} must be an int{'' if low is None else f' >= {low}'}, got {value!r}")
+    return checked
 
 
 def _checked_arguments(prompts, drafts, draft_logprobs, first_window, min_reach) -> list[torch.Tensor] | None:
@@ -277,9 +282,12 @@ def _checked_arguments(prompts, drafts, draft_logprobs, first_window, min_reach)
     log-probs of each draft's tokens as float64 tensors (None without log-probs)."""
     if len(prompts) != len(drafts):
         raise ValueError(f"prompts and drafts must pair up: got {len(prompts)} prompts for {len(drafts)} drafts")
-    if isinstance(first_window, bool) or not isinstance(first_window, numbers.Integral) or first_window < 1:
-        raise ValueError(f"first_window must be an int >= 1, got {first_window!r}")
-    if isinstance(min_reach, bool) or not isinstance(min_reach, numbers.Real) or not min_reach >= 0:
+    _int("first_window", first_window, low=1)
+    try:
+        reach = check_real("min_reach", min_reach)
+    except TypeError:
+        reach = math.nan
+    if not reach >= 0:
         raise ValueError(f"min_reach must be a number >= 0 (0 scores the whole trie first), got {min_reach!r}")
     if draft_logprobs is None:
         return None

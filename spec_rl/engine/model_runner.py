@@ -18,7 +18,7 @@ from .. import ops
 from ..acceptance.scores import response_positions
 from ..backends.protocol import BackendStats
 from ..backends.scoring import ScoringHead
-from ..util.model_config import model_sliding_window
+from ..util.model_config import model_may_slide
 from ..util.validation import check_int
 from .attention import build_batch, paged_attention_active
 from .blocks import BlockManager, OutOfBlocks
@@ -78,7 +78,7 @@ class CacheLayout:
         """
         cfg = model.config
         text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-        if getattr(text, "use_sliding_window", False) or model_sliding_window(model) is not None:
+        if model_may_slide(model):
             raise ValueError("PagedEngine does not support sliding-window attention; serve this model with VLLMBackend")
         dtype = next(model.parameters()).dtype
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):

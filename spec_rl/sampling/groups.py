@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..util.model_config import model_sliding_window
+from ..util.model_config import model_may_slide
 
 #: attention implementations whose masks we know how to build (bool for sdpa, additive for eager)
 TREE_ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -187,8 +187,7 @@ def supports_tree_attention(model) -> bool:
     cfg = getattr(model, "config", None)
     if cfg is None:
         return False
-    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    if getattr(text, "use_sliding_window", False) or model_sliding_window(model) is not None:
+    if model_may_slide(model):
         return False
     return getattr(cfg, "_attn_implementation", None) in TREE_ATTENTION_IMPLEMENTATIONS
 

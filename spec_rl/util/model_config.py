@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 
+def _text_config(model):
+    cfg = getattr(model, "config", None)
+    return cfg.get_text_config() if cfg is not None and hasattr(cfg, "get_text_config") else cfg
+
+
 def model_sliding_window(model) -> int | None:
     """The sliding window of the model's attention (tokens), or None when every layer attends to all tokens.
 
@@ -10,9 +15,7 @@ def model_sliding_window(model) -> int | None:
     them (Qwen2/3, Gemma 3), else by ``sliding_window`` under ``use_sliding_window`` where that switch exists,
     else by ``sliding_window`` alone (Mistral, Mixtral, Starcoder2).
     """
-    cfg = getattr(model, "config", None)
-    if cfg is not None and hasattr(cfg, "get_text_config"):
-        cfg = cfg.get_text_config()
+    cfg = _text_config(model)
     window = getattr(cfg, "sliding_window", None)
     if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
         return None
@@ -20,3 +23,9 @@ def model_sliding_window(model) -> int | None:
     if layer_types:
         return window if "sliding_attention" in layer_types else None
     return window if getattr(cfg, "use_sliding_window", True) else None
+
+
+def model_may_slide(model) -> bool:
+    """:func:`model_sliding_window`, or a config that switches sliding windows on (``use_sliding_window``) even
+    where no layer applies one: the stricter reading of the components that never take such a model."""
+    return bool(getattr(_text_config(model), "use_sliding_window", False)) or model_sliding_window(model) is not None
