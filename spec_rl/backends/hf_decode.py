@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..sampling.distribution import SamplingSettings, keyed_sample
-from .kv_buffer import InPlaceLayer, in_place_cache
+from .kv_buffer import InPlaceLayer, in_place_cache, left_padded_cache
 from .step_cost import ProposalBackoff, StepCost, acceptance_of, fastest_run, plan_proposals
 
 
@@ -103,21 +103,7 @@ class KVRows:
     @classmethod
     def from_rows(cls, rows: Sequence[list[tuple[torch.Tensor, torch.Tensor]]]) -> "KVRows":
         """Build a left-padded batch from per-row K/V, each row a list over layers of ([H, L_r, D], [H, L_r, D])."""
-        lengths = [r[0][0].shape[1] for r in rows]
-        width = max(lengths)
-        mask = torch.zeros((len(rows), width), dtype=torch.long, device=rows[0][0][0].device)
-        for i, n in enumerate(lengths):
-            mask[i, width - n :] = 1
-        layers = []
-        for layer in range(len(rows[0])):
-            k0 = rows[0][layer][0]
-            keys = k0.new_zeros((len(rows), k0.shape[0], width, k0.shape[2]))
-            values = keys.clone()
-            for i, r in enumerate(rows):
-                keys[i, :, width - lengths[i] :] = r[layer][0]
-                values[i, :, width - lengths[i] :] = r[layer][1]
-            layers.append((keys, values))
-        return cls(_dynamic_cache(layers), mask)
+        return cls(*left_padded_cache(rows))
 
     def concat(self, other: "KVRows") -> "KVRows":
         """Rows of ``self`` then rows of ``other`` in one batch (the narrower one padded on the left)."""

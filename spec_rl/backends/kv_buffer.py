@@ -17,10 +17,15 @@ from collections.abc import Sequence
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-__all__ = ["InPlaceLayer", "in_place_cache"]
+__all__ = ["InPlaceLayer", "buffer_columns", "in_place_cache", "left_padded_cache"]
 
 #: Spare columns a buffer gets at least when it is (re)allocated.
 MIN_SPARE = 64
+
+
+def buffer_columns(n: int, extra: int = 0) -> int:
+    """Columns of a buffer that holds ``n`` columns now and ``extra`` more soon (plus spare: grows by half)."""
+    return n + max(extra, n // 2, MIN_SPARE)
 
 
 class InPlaceLayer(DynamicLayer):
@@ -43,12 +48,25 @@ class InPlaceLayer(DynamicLayer):
     def _adopt(self, keys: torch.Tensor, values: torch.Tensor, extra: int) -> None:
         """Copy ``keys``/``values`` into new buffers with room for ``extra`` more columns (and some spare)."""
         b, h, n, d = keys.shape
-        size = n + max(extra, n // 2, MIN_SPARE)
+        size = buffer_columns(n, extra)
         self._key_buffer = keys.new_empty((b, h, size, d))
         self._value_buffer = values.new_empty((b, values.shape[1], size, values.shape[3]))
         self._key_buffer[:, :, :n].copy_(keys)
         self._value_buffer[:, :, :n].copy_(values)
         self._fill(n)
+
+    @classmethod
+    def owning(cls, key_buffer: torch.Tensor, value_buffer: torch.Tensor, n: int) -> "InPlaceLayer":
+        """A layer that takes ``key_buffer``/``value_buffer`` [B, H, size, D] as its buffers, no copy; their first
+        ``n`` columns are the cache (the caller filled them)."""
+        if not 0 <= n <= key_buffer.shape[-2] or key_buffer.shape[:2] != value_buffer.shape[:2]:
+            raise ValueError(f"buffers {tuple(key_buffer.shape)} / {tuple(value_buffer.shape)} cannot hold {n} columns")
+        layer = cls.__new__(cls)
+        DynamicLayer.__init__(layer)
+        layer.device, layer.is_initialized = key_buffer.device, True
+        layer._key_buffer, layer._value_buffer = key_buffer, value_buffer
+        layer._fill(n)
+        return layer
 
     def _fill(self, n: int) -> None:
         self.keys = self._key_buffer[:, :, :n]
@@ -92,6 +110,35 @@ class InPlaceLayer(DynamicLayer):
         self._key_buffer = self._key_buffer[:, :, n:]
         self._value_buffer = self._value_buffer[:, :, n:]
         self._fill(kept)
+
+
+def left_padded_cache(rows: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]]) -> tuple[DynamicCache, torch.Tensor]:
+    """A cache of :class:`InPlaceLayer` s holding each row's keys/values right-aligned (left padding is zero),
+    and its attention mask [B, W] int64 (1 = a real column). ``rows[b][layer]`` is (keys, values) [H, L_b, D].
+
+    Each row is copied once, straight into the buffers the decode steps append to (building a padded
+    batch first and copying it into the buffers copied every K/V twice).
+    """
+    lengths = [int(r[0][0].shape[1]) for r in rows]
+    width, b = max(lengths), len(rows)
+    device = rows[0][0][0].device
+    pad = torch.tensor([width - n for n in lengths], device=device)
+    mask = (torch.arange(width, device=device).unsqueeze(0) >= pad.unsqueeze(1)).long()
+    cache = DynamicCache()
+    layers = []
+    for layer in range(len(rows[0])):
+        buffers = []
+        for part in (0, 1):  # keys, values
+            first = rows[0][layer][part]
+            buf = first.new_empty((b, first.shape[0], buffer_columns(width), first.shape[2]))
+            for i, row in enumerate(rows):
+                start = width - lengths[i]
+                buf[i, :, :start].zero_()  # padding must be finite: a masked key still multiplies its value by 0
+                buf[i, :, start:width].copy_(row[layer][part])
+            buffers.append(buf)
+        layers.append(InPlaceLayer.owning(buffers[0], buffers[1], width))
+    cache.layers[:] = layers
+    return cache, mask
 
 
 def in_place_cache(layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:

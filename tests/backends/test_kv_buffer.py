@@ -6,7 +6,7 @@ from tiny_models import tiny_model
 from transformers.cache_utils import DynamicLayer
 
 from spec_rl.backends.hf_decode import cache_argument, prefill
-from spec_rl.backends.kv_buffer import MIN_SPARE, InPlaceLayer, in_place_cache
+from spec_rl.backends.kv_buffer import MIN_SPARE, InPlaceLayer, buffer_columns, in_place_cache, left_padded_cache
 
 
 def _random_kv(gen, rows, width, heads=2, dim=3):
@@ -90,3 +90,32 @@ def test_reset_then_update_and_selecting_rows_of_an_empty_layer_behave_like_dyna
     empty = InPlaceLayer(*_random_kv(gen, 3, 0))
     empty.batch_select_indices(torch.tensor([], dtype=torch.long))
     assert empty.keys.shape == (3, 2, 0, 3)  # DynamicLayer leaves an empty layer as it is
+
+
+@pytest.mark.parametrize("lengths", [[5], [3, 7, 1], [4, 4], [0, 2]])
+def test_left_padded_cache_right_aligns_each_row_and_appends_in_place(lengths):
+    gen = torch.Generator().manual_seed(sum(lengths) + len(lengths))
+    rows = [[_random_kv(gen, 1, n) for _ in range(2)] for n in lengths]  # 2 layers of [1, H, n, D]
+    rows = [[(k[0], v[0]) for k, v in layers] for layers in rows]
+    cache, mask = left_padded_cache(rows)
+    width = max(lengths)
+    assert mask.dtype == torch.long and mask.tolist() == [[int(c >= width - n) for c in range(width)] for n in lengths]
+    for layer_i, layer in enumerate(cache.layers):
+        assert isinstance(layer, InPlaceLayer) and layer._key_buffer.shape[2] == buffer_columns(width)
+        for b, n in enumerate(lengths):
+            for got, want in zip((layer.keys, layer.values), rows[b][layer_i]):
+                assert torch.equal(got[b, :, width - n :], want)
+                assert torch.count_nonzero(got[b, :, : width - n]) == 0  # padding is zero, never garbage
+        ref = DynamicLayer()
+        ref.update(layer.keys.clone(), layer.values.clone())
+        k, v = _random_kv(gen, len(lengths), 3)
+        assert all(torch.equal(a, c) for a, c in zip(layer.update(k, v), ref.update(k, v)))  # within the spare columns
+
+
+def test_owning_refuses_buffers_that_cannot_hold_the_columns():
+    k, v = _random_kv(torch.Generator().manual_seed(5), 2, 4)
+    assert InPlaceLayer.owning(k, v, 4).keys.data_ptr() == k.data_ptr()  # no copy
+    with pytest.raises(ValueError, match="cannot hold 5 columns"):
+        InPlaceLayer.owning(k, v, 5)
+    with pytest.raises(ValueError, match="cannot hold"):
+        InPlaceLayer.owning(k, v[:1], 2)
