@@ -37,12 +37,18 @@ import torch
 
 from ..util.atomic import atomic_write_text
 
-__all__ = ["ProposalBackoff", "StepCost", "acceptance_of", "cost_key", "fastest_run", "measured_cost", "plan_proposals"]
+__all__ = ["CostSizedBackend", "ProposalBackoff", "StepCost", "acceptance_of", "cost_key", "fastest_run", "measured_cost",
+           "monotone_fit", "plan_proposals"]
 
 #: Rows and widths (fed tokens per row) timed by :func:`measured_cost`.
 MEASURED_ROWS = (1, 8, 32, 128, 256)
 MEASURED_WIDTHS = (1, 2, 3, 5, 9)
-_FORMAT = "spec-rl-step-cost-3"  # 2: the fastest run of each point, not the median; 3: in-place KV appends
+#: Rounds over the whole grid in :func:`measured_cost`; each point keeps its fastest round.
+MEASURE_ROUNDS = 3
+#: Timed runs per point and round (the backends' ``time_forward``), after one untimed run.
+MEASURE_REPEATS = 2
+# 2: the fastest run of each point, not the median; 3: in-place KV appends; 4: interleaved rounds, monotone fit
+_FORMAT = "spec-rl-step-cost-4"
 
 
 @dataclass(frozen=True)
@@ -230,12 +236,35 @@ def cost_key(kind: str, model, device: torch.device) -> str:
     return f"{kind}-{hashlib.sha256(blob).hexdigest()[:12]}"
 
 
+def monotone_fit(seconds: Sequence[Sequence[float]]) -> tuple[tuple[float, ...], ...]:
+    """The table made non-decreasing in width (least squares per row, pool-adjacent-violators) and then in rows
+    (running maximum, which keeps each row non-decreasing): a forward over more positions never costs less,
+    so a point that reads below a narrower or smaller one was measured in a quieter moment."""
+    rows = []
+    for row in seconds:
+        blocks: list[list[float]] = []  # [sum, count] of pooled runs, each mean above the previous one
+        for value in row:
+            blocks.append([float(value), 1.0])
+            while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+                total, count = blocks.pop()
+                blocks[-1][0] += total
+                blocks[-1][1] += count
+        rows.append([b[0] / b[1] for b in blocks for _ in range(int(b[1]))])
+    for i in range(1, len(rows)):
+        rows[i] = [max(a, b) for a, b in zip(rows[i - 1], rows[i])]
+    return tuple(tuple(row) for row in rows)
+
+
 def measured_cost(key: str, time_forward: Callable[[int, int], float], max_rows: int) -> StepCost:
     """The cost table under ``key``: read from the cache, else measured with ``time_forward`` and saved.
 
     ``time_forward(rows, width)`` returns the seconds of one decode forward (the fastest of a few runs)
-    over ``rows`` sequences feeding ``width`` tokens each. Rows past ``max_rows`` are not measured.
-    ``SPEC_RL_STEP_COST=flat`` skips the measurement and uses :meth:`StepCost.flat`.
+    over ``rows`` sequences feeding ``width`` tokens each. Rows past ``max_rows`` are not measured. The grid
+    is timed :data:`MEASURE_ROUNDS` times over, point after point, and each point keeps its fastest round:
+    on a shared machine a slow spell then slows one round of every point rather than every run of a few
+    points (which made widths look cheap or dear next to their neighbours: plans that do not pay). The
+    table is then made monotone (:func:`monotone_fit`). ``SPEC_RL_STEP_COST=flat`` skips the measurement
+    and uses :meth:`StepCost.flat`.
     """
     if os.environ.get("SPEC_RL_STEP_COST") == "flat":
         return StepCost.flat()
@@ -246,10 +275,42 @@ def measured_cost(key: str, time_forward: Callable[[int, int], float], max_rows:
         pass  # absent or unreadable: measure again
     rows = tuple(r for r in MEASURED_ROWS if r <= max_rows) or (1,)
     t0 = time.perf_counter()
-    seconds = tuple(tuple(time_forward(r, w) for w in MEASURED_WIDTHS) for r in rows)
-    cost = StepCost(rows, MEASURED_WIDTHS, seconds, source=f"{key} (measured in {time.perf_counter() - t0:.1f} s)")
+    best = [[float("inf")] * len(MEASURED_WIDTHS) for _ in rows]
+    for _ in range(MEASURE_ROUNDS):
+        for i, r in enumerate(rows):
+            for j, w in enumerate(MEASURED_WIDTHS):
+                best[i][j] = min(best[i][j], time_forward(r, w))
+    cost = StepCost(rows, MEASURED_WIDTHS, monotone_fit(best), source=f"{key} (measured in {time.perf_counter() - t0:.1f} s)")
     try:
         atomic_write_text(path, json.dumps(cost.to_dict()))
     except OSError:
         pass  # a read-only cache folder only costs a measurement next time
     return cost
+
+
+class CostSizedBackend:
+    """Mixin of a decoding backend whose speculation is sized by a :class:`StepCost`: the one given (at
+    construction or by :meth:`set_step_cost`), else measured once by the backend's ``_measure_step_cost()``."""
+
+    _step_cost: StepCost | None = None
+
+    def _measure_step_cost(self) -> StepCost:
+        raise NotImplementedError
+
+    def step_cost(self) -> StepCost:
+        """The decode-step cost curve that sizes speculation (module docstring): the one given, else measured
+        once for this model shape, dtype and device (a few seconds) and cached on disk (:func:`measured_cost`)."""
+        if self._step_cost is None:
+            self._step_cost = self._measure_step_cost()
+        return self._step_cost
+
+    def set_step_cost(self, cost: StepCost | None) -> None:
+        """Size speculation by ``cost`` from the next decode on (None: measure, or read the disk cache, on next
+        use). :meth:`StepCost.flat` verifies every proposed token; compare policies on one backend this way.
+
+        Raises:
+            TypeError: ``cost`` is neither a StepCost nor None.
+        """
+        if cost is not None and not isinstance(cost, StepCost):
+            raise TypeError(f"cost must be a StepCost or None (measure on next use), got {type(cost).__name__}")
+        self._step_cost = cost

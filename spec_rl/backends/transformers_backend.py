@@ -32,7 +32,7 @@ from .progressive import ProgressiveTreeScores
 from .protocol import BackendStats, Continuation, backend_arguments, split_zero_budgets
 from .reprefill import ReprefillBackend, ScoredDrafts
 from .scoring import PolicyScorer
-from .step_cost import StepCost, cost_key, measured_cost
+from .step_cost import MEASURE_REPEATS, CostSizedBackend, StepCost, cost_key, measured_cost
 
 
 class SplicedDrafts(ScoredDrafts):
@@ -44,7 +44,7 @@ class SplicedDrafts(ScoredDrafts):
         self.kv = kv
 
 
-class TransformersBackend(ModelLimits, ReprefillBackend):
+class TransformersBackend(CostSizedBackend, ModelLimits, ReprefillBackend):
     """Batched generation with a transformers causal LM (see the module docstring).
 
     Args:
@@ -97,14 +97,11 @@ class TransformersBackend(ModelLimits, ReprefillBackend):
         self.stats = BackendStats()
         self._step_cost: StepCost | None = step_cost
 
-    def step_cost(self) -> StepCost:
-        """The decode-step cost curve that sizes speculation (:mod:`spec_rl.backends.step_cost`): the one
-        given, else measured once for this model shape, dtype and device (a few seconds) and cached on disk."""
-        if self._step_cost is None:
-            key = cost_key("transformers", self.model, self.device)
-            self._step_cost = measured_cost(key, lambda r, w: time_decode_step(self.model, r, w, self.pad_id),
-                                            self.max_batch_size)  # fmt: skip
-        return self._step_cost
+    def _measure_step_cost(self) -> StepCost:
+        key = cost_key("transformers", self.model, self.device)
+        return measured_cost(
+            key, lambda r, w: time_decode_step(self.model, r, w, self.pad_id, repeats=MEASURE_REPEATS), self.max_batch_size
+        )
 
     @property
     def device(self) -> torch.device:

@@ -33,7 +33,7 @@ from ..acceptance.scores import DraftScores
 from ..backends.checks import ModelLimits, check_same_length
 from ..backends.protocol import Continuation, backend_arguments
 from ..backends.scoring import ScoringHead
-from ..backends.step_cost import MEASURED_WIDTHS, StepCost, cost_key, measured_cost
+from ..backends.step_cost import MEASURE_REPEATS, MEASURED_WIDTHS, CostSizedBackend, StepCost, cost_key, measured_cost
 from ..sampling.distribution import SamplingSettings, check_settings
 from ..util.validation import check_int
 from .blocks import BlockManager
@@ -44,7 +44,7 @@ from .sequence import SpliceHandle, group_by_context
 from .timing import paged_capacity, time_paged_step
 
 
-class PagedEngine(ModelLimits):
+class PagedEngine(CostSizedBackend, ModelLimits):
     """Generation backend over a paged KV cache for transformers causal LMs (Llama, Qwen2, Qwen3 families).
 
     Args:
@@ -166,14 +166,12 @@ class PagedEngine(ModelLimits):
         check_same_length(rows, what, uids=uids, proposers=proposers)
         return KeyedSampler(settings, seed, uids, proposers, self.max_k, self.eos_ids, step_cost=self.step_cost)
 
-    def step_cost(self) -> StepCost:
-        """The decode-step cost curve that sizes speculation (:mod:`spec_rl.backends.step_cost`): the one
-        given, else measured once for this model shape, dtype and device and cached on disk."""
-        if self._step_cost is None:
-            rows = min(self.max_batch_size, paged_capacity(self.runner, 64, max(MEASURED_WIDTHS)))
-            key = cost_key("paged", self.model, self.device)
-            self._step_cost = measured_cost(key, lambda r, w: time_paged_step(self.runner, r, w), max(rows, 1))
-        return self._step_cost
+    def _measure_step_cost(self) -> StepCost:
+        rows = min(self.max_batch_size, paged_capacity(self.runner, 64, max(MEASURED_WIDTHS)))
+        key = cost_key("paged", self.model, self.device)
+        return measured_cost(
+            key, lambda r, w: time_paged_step(self.runner, r, w, repeats=MEASURE_REPEATS), max(rows, 1)
+        )
 
     @torch.no_grad()
     def score_drafts(

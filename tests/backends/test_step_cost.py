@@ -11,7 +11,15 @@ import torch
 from tiny_models import tiny_model
 
 from spec_rl.backends.hf_decode import time_decode_step
-from spec_rl.backends.step_cost import ProposalBackoff, StepCost, cost_key, measured_cost, plan_proposals
+from spec_rl.backends.step_cost import (
+    MEASURE_ROUNDS,
+    ProposalBackoff,
+    StepCost,
+    cost_key,
+    measured_cost,
+    monotone_fit,
+    plan_proposals,
+)
 from spec_rl.backends.transformers_backend import TransformersBackend
 
 
@@ -100,12 +108,61 @@ def test_measured_cost_is_cached_per_key_and_flat_on_request(tmp_path, monkeypat
         return 0.001 * rows * width
 
     cost = measured_cost("k1", timed, max_rows=32)
-    assert cost.rows == (1, 8, 32) and len(calls) == 3 * len(cost.widths)
-    assert measured_cost("k1", timed, max_rows=32) == cost and len(calls) == 3 * len(cost.widths)  # from disk
+    points = 3 * len(cost.widths)
+    assert cost.rows == (1, 8, 32) and len(calls) == MEASURE_ROUNDS * points
+    assert calls[:points] == calls[points : 2 * points]  # whole rounds over the grid, not one point at a time
+    assert cost.seconds == tuple(tuple(0.001 * r * w for w in cost.widths) for r in cost.rows)
+    assert measured_cost("k1", timed, max_rows=32) == cost and len(calls) == MEASURE_ROUNDS * points  # from disk
     (tmp_path / "step-cost" / "k1.json").write_text("{broken")
     assert measured_cost("k1", timed, max_rows=32) == cost  # a damaged file is measured again
     monkeypatch.setenv("SPEC_RL_STEP_COST", "flat")
     assert measured_cost("k2", timed, max_rows=32).source == "flat"
+
+
+def test_each_point_keeps_its_fastest_round(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPEC_RL_CACHE", str(tmp_path))
+    monkeypatch.delenv("SPEC_RL_STEP_COST", raising=False)
+    rounds = iter(range(10**6))
+
+    def timed(rows, width):  # a slow spell: the first round reads 3x, later ones 1x
+        return 0.001 * rows * width * (3.0 if next(rounds) < 2 * 5 else 1.0)
+
+    cost = measured_cost("k3", timed, max_rows=8)
+    assert cost.seconds == tuple(tuple(0.001 * r * w for w in cost.widths) for r in cost.rows)
+
+
+def _brute_isotonic(row):
+    """The least-squares non-decreasing fit by brute force over pooled segmentations (small rows only)."""
+    best, n = None, len(row)
+    for cuts in itertools.product([0, 1], repeat=n - 1):
+        fit, start = [], 0
+        for i in range(n):
+            if i == n - 1 or cuts[i]:
+                seg = row[start : i + 1]
+                fit += [sum(seg) / len(seg)] * len(seg)
+                start = i + 1
+        if all(a <= b + 1e-12 for a, b in zip(fit, fit[1:])):
+            err = sum((a - b) ** 2 for a, b in zip(fit, row))
+            if best is None or err < best[0] - 1e-12:
+                best = (err, fit)
+    return best[1]
+
+
+def test_monotone_fit_is_the_isotonic_fit_per_row_then_non_decreasing_in_rows():
+    rng = random.Random(4)
+    for _ in range(200):
+        n_rows, n_w = rng.randint(1, 4), rng.randint(1, 6)
+        table = [[rng.uniform(0.5, 2.0) for _ in range(n_w)] for _ in range(n_rows)]
+        fit = monotone_fit(table)
+        widths_only = [_brute_isotonic(row) for row in table]
+        assert fit[0] == pytest.approx(widths_only[0])
+        for i in range(1, n_rows):
+            assert fit[i] == pytest.approx([max(a, b) for a, b in zip(fit[i - 1], widths_only[i])])
+        for row in fit:
+            assert all(a <= b + 1e-12 for a, b in zip(row, row[1:]))
+        for w in range(n_w):
+            assert all(fit[i][w] <= fit[i + 1][w] + 1e-12 for i in range(n_rows - 1))
+    assert monotone_fit([[1.0, 2.0, 3.0], [2.0, 3.0, 4.0]]) == ((1.0, 2.0, 3.0), (2.0, 3.0, 4.0))  # monotone: unchanged
 
 
 def test_the_transformers_backend_measures_its_own_decode_step(tmp_path, monkeypatch):
@@ -118,3 +175,50 @@ def test_the_transformers_backend_measures_its_own_decode_step(tmp_path, monkeyp
     assert cost.rows == (1, 8) and all(s > 0 for row in cost.seconds for s in row)
     key = cost_key("transformers", model, torch.device("cpu"))
     assert (tmp_path / "step-cost" / f"{key}.json").is_file() and backend.step_cost() is cost
+
+
+class _Oracle:
+    """Proposes the tokens a plain run emitted next (every proposal is kept): speculation always has drafts."""
+
+    def __init__(self, tokens):
+        self.tokens, self.done = list(tokens), 0
+
+    def propose(self, limit, fill=0):
+        return self.tokens[self.done : self.done + limit]  # what follows the last emitted token
+
+    def update(self, proposal, emitted):
+        self.done += len(emitted)
+
+    def acceptance(self):
+        return 0.9
+
+
+def _backend(kind: str, model, cost):
+    if kind == "paged":
+        from spec_rl.engine import PagedEngine
+
+        return PagedEngine(model, eos_ids={1}, pad_id=0, block_size=4, num_blocks=256, step_cost=cost)
+    return TransformersBackend(model, eos_ids=[1], pad_id=0, step_cost=cost)
+
+
+@pytest.mark.parametrize("kind", ["transformers", "paged"])
+def test_set_step_cost_switches_the_width_policy_never_a_token(kind):
+    from spec_rl.sampling.distribution import SamplingSettings
+
+    model = tiny_model(seed=3)
+    model = model.double() if kind == "transformers" else model  # the paged cache holds fp32 at most
+    dear = linear_cost(per_token=10.0, per_step=0.0)  # every fed token costs a whole step: width 1 only
+    backend = _backend(kind, model, dear)
+    contexts, settings = [[2, 3, 4], [5, 6], [7, 8, 9, 10]], SamplingSettings(max_tokens=12)
+    plain = backend.generate(contexts, [12] * 3, settings, seed=5)
+    runs = {}
+    for name, cost in (("dear", dear), ("flat", StepCost.flat())):
+        backend.set_step_cost(cost)
+        assert backend.step_cost() is cost
+        before = backend.stats.decode_steps
+        out = backend.generate(contexts, [12] * 3, settings, seed=5, proposers=[_Oracle(c.token_ids) for c in plain])
+        assert [c.token_ids for c in out] == [c.token_ids for c in plain]  # the width changes steps, never a token
+        runs[name] = backend.stats.decode_steps - before
+    assert runs["flat"] < runs["dear"]
+    with pytest.raises(TypeError, match="cost must be a StepCost or None"):
+        backend.set_step_cost({"rows": [1]})
