@@ -448,6 +448,21 @@ class RunRecord:
         return 1 if self.record["failures"] else 0
 
 
+def run_recorded(rec: RunRecord, work: Callable[[], None], report: Callable[[dict], None]) -> int:
+    """A benchmark's main body: ``work()`` (an exception is recorded as a failure, what finished stays in
+    the JSON), then ``report(record)`` when any row finished; returns the exit code (:meth:`RunRecord.finish`)."""
+    try:
+        work()
+    except Exception as exc:  # noqa: BLE001  building the model or a measurement failed
+        traceback.print_exc(limit=3)
+        rec.fail(f"{type(exc).__name__}: {exc}".splitlines()[0][:300])
+    if rec.record.get("rows"):
+        report(rec.record)
+    if rec.path:
+        print(f"wrote {rec.path}")
+    return rec.finish()
+
+
 # ---------------------------------------------------------------- inputs
 
 

@@ -50,6 +50,7 @@ from _harness import (  # benchmarks/ on sys.path
     default_json_path,
     device_arg,
     provenance,
+    run_recorded,
     sync,
 )
 
@@ -186,8 +187,9 @@ def _show(name: str, r: dict) -> str:
             f"{r['rollout_s']:.3f} s (scoring {r['scoring_s']:.3f}, decode {r['decode_s']:.3f})")
 
 
-def run(args, rec: RunRecord) -> None:
-    """Fill the history, perturb the policy, then one timed step per mode into ``rec.record["rows"]``."""
+def rollout_setup(args, rec: RunRecord):
+    """The preset's model and backend (sizes and backend recorded in ``rec``): (backend, requests, sampling
+    settings, EOS ids, max_len), the requests being G samples of every prompt."""
     device = torch.device(rec.record["device_type"])
     model, prompts, eos, pad = build(args.preset, device, args.prompts)
     _, group, max_tokens, _ = PRESETS[args.preset]
@@ -198,13 +200,20 @@ def run(args, rec: RunRecord) -> None:
     max_len = max(len(p) for p in prompts) + max_tokens + 1
     backend = make_backend(model, eos, pad, args.backend, device)
     rec.record["backend"] = type(backend).__name__
+    return backend, requests, settings, eos, max_len
+
+
+def run(args, rec: RunRecord) -> None:
+    """Fill the history, perturb the policy, then one timed step per mode into ``rec.record["rows"]``."""
+    device = torch.device(rec.record["device_type"])
+    backend, requests, settings, eos, max_len = rollout_setup(args, rec)
     rec.record["step_cost"] = backend.step_cost().source  # measured (or read from the cache) before any timing
     first_epoch_rows(backend, requests, settings, eos, max_len, args, device, rec)
     cache, history = RolloutCache(), HistoryIndex()
     filler = SpeculativeRollout(backend, cache, settings, eos, max_len, strategy="off", seed=args.seed, history=history)
     for step in range(args.history_epochs):
         filler.run(requests, step)
-    perturb(model, args.perturb)
+    perturb(backend.model, args.perturb)
     rows = rec.record["rows"]
     modes = [("warm-up", MODES["spec"])] + list(MODES.items())  # one untimed step first (allocations, JIT)
     for name, (strategy, acceptance, hist) in modes:
@@ -255,21 +264,22 @@ def print_table(record: dict) -> None:
                         r["width"], r.get("differs")))  # fmt: skip
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_rollout_arguments(ap: argparse.ArgumentParser) -> None:
+    """The arguments of a rollout benchmark (this one and bench_step_cost.py): model, backend, drafts, sizes."""
     ap.add_argument("--preset", choices=list(PRESETS), default="demo")
     ap.add_argument("--backend", choices=["auto", "transformers", "paged"], default="auto")
     ap.add_argument("--device", help="default: cuda if available, else cpu")
     ap.add_argument("--history-epochs", type=int, default=2, help="vanilla rollouts that fill the cache and history")
     ap.add_argument("--perturb", type=float, default=0.02, help="relative weight noise applied before the measured step")
-    ap.add_argument("--lenience", type=float, default=math.exp(0.5))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prompts", type=int, default=None, help="prompts (default: the preset's)")
     ap.add_argument("--group", type=int, default=None, help="samples per prompt G (default: the preset's)")
     ap.add_argument("--max-tokens", type=int, default=None, help="response budget (default: the preset's)")
-    ap.add_argument("--sibling-drafts", action="store_true", help="history modes also draft from the group's samples in flight")
-    ap.add_argument("--json", default=default_json_path("rollout.json"))
-    args = ap.parse_args(argv)
+
+
+def rollout_device(ap: argparse.ArgumentParser, args, script: str) -> torch.device | None:
+    """Check :func:`add_rollout_arguments`' values (``ap.error`` on a bad one); the device, or None when the
+    preset needs CUDA and there is none (said on stdout: nothing to measure)."""
     if args.history_epochs < 1:
         ap.error("--history-epochs must be >= 1 (the drafts come from them)")
     for name in ("prompts", "group", "max_tokens"):
@@ -277,21 +287,25 @@ def main(argv=None) -> int:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     device = device_arg(ap, args.device)
     if args.preset == "qwen3-0.6b" and device.type != "cuda":
-        print("bench_rollout: the qwen3-0.6b preset needs a CUDA device; nothing was measured")
+        print(f"{script}: the qwen3-0.6b preset needs a CUDA device; nothing was measured")
+        return None
+    return device
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_rollout_arguments(ap)
+    ap.add_argument("--lenience", type=float, default=math.exp(0.5))
+    ap.add_argument("--sibling-drafts", action="store_true", help="history modes also draft from the group's samples in flight")
+    ap.add_argument("--json", default=default_json_path("rollout.json"))
+    args = ap.parse_args(argv)
+    device = rollout_device(ap, args, "bench_rollout")
+    if device is None:
         return 0
     record = {"preset": args.preset, "backend": args.backend, "perturb": args.perturb, "lenience": args.lenience,
               "history_epochs": args.history_epochs, "device_type": device.type, "rows": {}, **provenance(device)}
     rec = RunRecord(args.json, record)
-    try:
-        run(args, rec)
-    except Exception as exc:  # noqa: BLE001  building the model or filling the history failed
-        traceback.print_exc(limit=3)
-        rec.fail(f"{type(exc).__name__}: {exc}".splitlines()[0][:300])
-    if record["rows"]:
-        print_table(record)
-    if args.json:
-        print(f"wrote {args.json}")
-    return rec.finish()
+    return run_recorded(rec, lambda: run(args, rec), print_table)
 
 
 if __name__ == "__main__":
