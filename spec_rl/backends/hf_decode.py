@@ -246,7 +246,9 @@ class SpeculativeDecoder:
                  for r, ok in zip(rows, active)]  # fmt: skip
         props = cands
         if any(cands):
-            props = plan_proposals(cands, [acceptance_of(r.proposer) for r in rows], self.step_cost(), padded=True)
+            cost = self.step_cost()
+            props = plan_proposals(cands, [acceptance_of(r.proposer) for r in rows], cost, padded=True)
+            props = self.backoff.explore(props, cands, cost, padded=True)
             self.backoff.planned(live, fed=any(props))
         lens = torch.tensor([len(p) for p in props], dtype=torch.long)
         width = 1 + int(lens.max())

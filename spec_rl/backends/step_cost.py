@@ -180,6 +180,25 @@ class ProposalBackoff:
         self.wait = 0  # steps skipped after the latest refusal
         self.skip = 0  # steps still to skip
         self.rows = 0  # live rows when the skipping began
+        self.explored = False  # whether this decode loop has fed a proposal (planned or exploring)
+
+    def explore(self, plan: list[list[int]], offered: Sequence[Sequence[int]], cost: StepCost, padded: bool) -> list[list[int]]:
+        """``plan``, or, the first time in a decode loop that it feeds nothing, every offering row's first proposed
+        token (one step one token wider).
+
+        A refusal rests on acceptance estimates, and a row starts from a prior of 1/2: a row never fed a proposal
+        never gets a record of its own, so a prior below the true rate (history drafts are often kept 3 times in
+        4) would keep speculation off for the whole loop. The exploring step gives every offering row a record.
+        It is skipped where even proposals that are always kept would not pay at this batch (nothing to learn).
+        Like every plan it changes how many steps a response takes, never a token.
+        """
+        if any(plan):
+            self.explored = True
+            return plan
+        if self.explored or not any(plan_proposals(offered, [1.0] * len(offered), cost, padded)):
+            return plan
+        self.explored = True
+        return [list(p[:1]) for p in offered]
 
     def ask(self, live_rows: int) -> bool:
         """Whether to ask the proposers this step (call once per step)."""

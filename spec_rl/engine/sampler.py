@@ -87,7 +87,8 @@ class KeyedSampler:
         if not any(offered):
             return offered
         probs = [acceptance_of(self.proposers[s.result_index]) for s in seqs]
-        plan = plan_proposals(offered, probs, self.step_cost(), padded=False)
+        cost = self.step_cost()
+        plan = self.backoff.explore(plan_proposals(offered, probs, cost, padded=False), offered, cost, padded=False)
         self.backoff.planned(len(seqs), fed=any(plan))
         return plan
 

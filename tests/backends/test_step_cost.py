@@ -222,3 +222,52 @@ def test_set_step_cost_switches_the_width_policy_never_a_token(kind):
     assert runs["flat"] < runs["dear"]
     with pytest.raises(TypeError, match="cost must be a StepCost or None"):
         backend.set_step_cost({"rows": [1]})
+
+
+def test_a_loop_explores_once_where_proposals_that_are_kept_would_pay():
+    cpu = linear_cost(per_token=1e-4, per_step=1e-3)
+    offered = [[5, 6, 7]] * 8 + [[]] * 2
+    refused = [[] for _ in offered]
+    backoff = ProposalBackoff()
+    assert backoff.explore(refused, offered, cpu, padded=True) == [[5]] * 8 + [[]] * 2  # first proposed token each
+    assert backoff.explore(refused, offered, cpu, padded=False) == refused  # once per decode loop
+    steep = StepCost((1, 64), (1, 9), ((1.0, 9.0), (64.0, 576.0)))  # a fed token costs a whole step: never pays
+    assert ProposalBackoff().explore(refused, offered, steep, padded=True) == refused
+    fed = ProposalBackoff()
+    plan = [[5]] * 8 + [[]] * 2
+    assert fed.explore(plan, offered, cpu, padded=True) is plan and fed.explored  # a plan that feeds: no exploring
+    assert fed.explore(refused, offered, cpu, padded=True) == refused
+
+
+class _Learner(_Oracle):
+    """An oracle that estimates its acceptance from its record (uniform prior: 1/2 before any test)."""
+
+    def __init__(self, tokens):
+        super().__init__(tokens)
+        self.kept = self.tested = 0
+
+    def update(self, proposal, emitted):
+        kept = next((i for i, (a, b) in enumerate(zip(proposal, emitted)) if a != b), min(len(proposal), len(emitted)))
+        self.kept += kept
+        self.tested += kept + (kept < len(proposal))
+        super().update(proposal, emitted)
+
+    def acceptance(self):
+        return (self.kept + 1) / (self.tested + 2)
+
+
+def test_exploring_starts_speculation_that_a_prior_of_one_half_would_never_try():
+    from spec_rl.sampling.distribution import SamplingSettings
+
+    model = tiny_model(seed=3).double()
+    # one more fed token costs 1.6x a step: it pays at an acceptance above 0.6, not at the prior's 1/2
+    cost = StepCost((1, 64), (1, 2, 3), ((1.0, 1.6, 2.2), (64.0, 102.4, 140.8)))
+    assert not any(plan_proposals([[5, 6]] * 3, [0.5] * 3, cost, padded=True))
+    assert all(plan_proposals([[5, 6]] * 3, [2 / 3] * 3, cost, padded=True))
+    backend = TransformersBackend(model, eos_ids=[1], pad_id=0, step_cost=cost)
+    contexts, settings = [[2, 3, 4], [5, 6], [7, 8, 9, 10]], SamplingSettings(max_tokens=16)
+    plain = backend.generate(contexts, [16] * 3, settings, seed=5)
+    steps = backend.stats.decode_steps
+    out = backend.generate(contexts, [16] * 3, settings, seed=5, proposers=[_Learner(c.token_ids) for c in plain])
+    assert [c.token_ids for c in out] == [c.token_ids for c in plain]
+    assert backend.stats.decode_steps - steps <= steps / 2  # explored once, then kept speculating (plain: as many)
