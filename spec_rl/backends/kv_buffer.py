@@ -124,7 +124,6 @@ def left_padded_cache(rows: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]
     device = rows[0][0][0].device
     pad = torch.tensor([width - n for n in lengths], device=device)
     mask = (torch.arange(width, device=device).unsqueeze(0) >= pad.unsqueeze(1)).long()
-    cache = DynamicCache()
     layers = []
     for layer in range(len(rows[0])):
         buffers = []
@@ -137,12 +136,15 @@ def left_padded_cache(rows: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]
                 buf[i, :, start:width].copy_(row[layer][part])
             buffers.append(buf)
         layers.append(InPlaceLayer.owning(buffers[0], buffers[1], width))
-    cache.layers[:] = layers
-    return cache, mask
+    return _cache_of(layers), mask
 
 
 def in_place_cache(layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
     """A ``DynamicCache`` holding per-layer (keys, values) [B, H, n, D] in :class:`InPlaceLayer` s (copied)."""
+    return _cache_of([InPlaceLayer(k, v) for k, v in layers])
+
+
+def _cache_of(layers: list[InPlaceLayer]) -> DynamicCache:
     cache = DynamicCache()
-    cache.layers[:] = [InPlaceLayer(k, v) for k, v in layers]
+    cache.layers[:] = layers
     return cache
