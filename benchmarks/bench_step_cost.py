@@ -6,11 +6,12 @@ Tail speculation verifies drafted tokens in wider decode steps; :mod:`spec_rl.ba
 wide from a measured table of forward seconds t(rows, fed tokens per row). This script shows that table and
 its decisions on one device, in three parts:
 
-1. **the table**, measured fresh (not read from the disk cache): seconds per step, and each width's cost
-   relative to a plain one-token step at the same rows (near 1 where decoding is memory-bound, e.g. a GPU;
-   near the width where it is compute-bound, e.g. this project's 2-core CPU);
-2. **the plan**: the width :func:`~spec_rl.backends.step_cost.plan_proposals` chooses at each measured row
-   count when every row offers ``max_k`` tokens, per per-token acceptance 0.3 / 0.5 / 0.7 / 0.9;
+1. **the table**, measured fresh (not read from the disk cache) at a short and a long context (cached
+   positions per row): seconds per step, and each width's cost relative to a plain one-token step at the same
+   rows and context (near 1 where decoding is memory-bound, e.g. a GPU, or the context long; near the width
+   where it is compute-bound, e.g. this project's 2-core CPU at short contexts);
+2. **the plan**: the width :func:`~spec_rl.backends.step_cost.plan_proposals` chooses at each context and
+   measured row count when every row offers ``max_k`` tokens, per per-token acceptance 0.3 / 0.5 / 0.7 / 0.9;
 3. **rollouts under three policies**, one backend: ``plain`` (no speculation: width 1), ``flat``
    (:meth:`StepCost.flat`: verify every proposed token, the widest steps) and ``measured`` (the table), in
    two settings: ``e1-siblings`` (epoch 1, drafts only from the prompt and the group's samples in flight,
@@ -37,7 +38,7 @@ import torch
 from _harness import Column, RunRecord, Table, default_json_path, provenance, run_recorded  # benchmarks/ on sys.path
 from bench_rollout import RESPONSES, add_rollout_arguments, perturb, rollout_device, rollout_setup, timed_step
 
-from spec_rl.backends.step_cost import MEASURED_WIDTHS, StepCost, plan_proposals
+from spec_rl.backends.step_cost import MEASURED_CONTEXTS, MEASURED_WIDTHS, StepCost, plan_proposals
 from spec_rl.drafts.cache import RolloutCache
 from spec_rl.drafts.history import HistoryIndex
 from spec_rl.rollout.speculative import SpeculativeRollout
@@ -62,21 +63,31 @@ def measure_table(backend) -> StepCost:
                 os.environ[key] = value
 
 
+def table_contexts(cost: StepCost) -> tuple[int, ...]:
+    """The cached positions per row the table is shown at: where it was measured (one or two contexts)."""
+    return (cost.context, MEASURED_CONTEXTS[-1]) if cost.per_position else (cost.context,)
+
+
 def table_rows(cost: StepCost) -> list[dict]:
-    """Per measured row count: ms per step at each width, and each width's cost relative to width 1."""
-    return [{"rows": r, "ms": [s * 1e3 for s in secs], "relative": [s / secs[0] for s in secs]}
-            for r, secs in zip(cost.rows, cost.seconds)]  # fmt: skip
+    """Per context and measured row count: ms per step at each width, and each width's cost relative to width 1."""
+    out = []
+    for context in table_contexts(cost):
+        for r in cost.rows:
+            secs = [cost(r, r * w, context) for w in cost.widths]
+            out.append({"context": context, "rows": r, "ms": [s * 1e3 for s in secs], "relative": [s / secs[0] for s in secs]})
+    return out
 
 
 def plan_rows(cost: StepCost, max_k: int, padded: bool) -> list[dict]:
-    """The mean fed width the plan picks per (rows, acceptance) when every row offers ``max_k`` tokens."""
+    """The mean fed width the plan picks per (context, rows, acceptance) when every row offers ``max_k`` tokens."""
     out = []
-    for rows in cost.rows:
-        widths = []
-        for a in ACCEPTANCES:
-            plan = plan_proposals([[0] * max_k] * rows, [a] * rows, cost, padded=padded)
-            widths.append(1 + sum(len(p) for p in plan) / rows)
-        out.append({"rows": rows, "width": widths})
+    for context in table_contexts(cost):
+        for rows in cost.rows:
+            widths = []
+            for a in ACCEPTANCES:
+                plan = plan_proposals([[0] * max_k] * rows, [a] * rows, cost, padded=padded, context=context)
+                widths.append(1 + sum(len(p) for p in plan) / rows)
+            out.append({"context": context, "rows": rows, "width": widths})
     return out
 
 
@@ -131,13 +142,13 @@ def run(args, rec: RunRecord) -> None:
 def print_table_and_plan(record: dict) -> None:
     widths = record["widths"]
     print(f"step cost ({record['backend']}, {record.get('device')}): ms per decode step [relative to width 1]")
-    print("rows  " + "  ".join(f"w={w:<12}" for w in widths))
+    print("context rows  " + "  ".join(f"w={w:<12}" for w in widths))
     for r in record["table"]:
-        print(f"{r['rows']:<5} " + "  ".join(f"{m:7.2f} [{x:4.2f}]" for m, x in zip(r["ms"], r["relative"])))
+        print(f"{r['context']:<7} {r['rows']:<5} " + "  ".join(f"{m:7.2f} [{x:4.2f}]" for m, x in zip(r["ms"], r["relative"])))
     print(f"plan ({'padded' if record['padded'] else 'packed'}): mean fed width per row, every row offering max_k tokens")
-    print("rows  " + "  ".join(f"a={a:<5}" for a in record["acceptances"]))
+    print("context rows  " + "  ".join(f"a={a:<5}" for a in record["acceptances"]))
     for r in record["plan"]:
-        print(f"{r['rows']:<5} " + "  ".join(f"{w:7.2f}" for w in r["width"]))
+        print(f"{r['context']:<7} {r['rows']:<5} " + "  ".join(f"{w:7.2f}" for w in r["width"]))
 
 
 def print_rollouts(record: dict) -> None:

@@ -165,12 +165,14 @@ def section_step_cost(rec: dict) -> list[str]:
     widths, acc = rec.get("widths", []), rec.get("acceptances", [])
     out = ["## Step-cost model (stage 6b, bench_step_cost.py)", "", _status_line(rec), "",
            f"{rec.get('backend')}, {rec.get('device')}, commit `{rec.get('commit')}`. ms per decode step "
-           "[relative to one fed token] at each rows x fed tokens per row:", ""]
-    out += table(["rows"] + [f"w={w}" for w in widths],
-                 [[r["rows"]] + [f"{m:.2f} [{x:.2f}]" for m, x in zip(r["ms"], r["relative"])] for r in rec.get("table", [])])
+           "[relative to one fed token] at each context (cached positions per row) x rows x fed tokens per row:", ""]
+    out += table(["context", "rows"] + [f"w={w}" for w in widths],
+                 [[r.get("context", "-"), r["rows"]] + [f"{m:.2f} [{x:.2f}]" for m, x in zip(r["ms"], r["relative"])]
+                  for r in rec.get("table", [])])  # fmt: skip
     out += ["", f"Width planned ({'padded' if rec.get('padded') else 'packed'}), every row offering max_k tokens, "
             "per acceptance:", ""]
-    out += table(["rows"] + [f"a={a}" for a in acc], [[r["rows"]] + [f"{w:.2f}" for w in r["width"]] for r in rec.get("plan", [])])
+    out += table(["context", "rows"] + [f"a={a}" for a in acc],
+                 [[r.get("context", "-"), r["rows"]] + [f"{w:.2f}" for w in r["width"]] for r in rec.get("plan", [])])
     rows = [[name, _cell(r.get("generated_tokens")), _cell(r.get("decode_steps")), _cell(r.get("positions")),
              _cell(r.get("width"), "{:.2f}"), _cell(r.get("rollout_s"), "{:.3f}"), _cell(r.get("time_x"), "{:.3f}"),
              _cell(r.get("same_tokens"))] for name, r in rec.get("rows", {}).items()]

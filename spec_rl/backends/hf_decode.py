@@ -229,12 +229,13 @@ class SpeculativeDecoder:
             if live and kv.width > 2 * int(kv.mask.sum(1).max()) + 16:
                 kv.compact()
 
-    def _inputs(self, rows: list[DecodeRow], active: list[bool]):
+    def _inputs(self, rows: list[DecodeRow], active: list[bool], context: int):
         """Per row: [last token, proposal...] right-padded to one width; which positions are fed.
 
         Each live row's proposer offers up to min(max_k, budget - 1) tokens; :func:`plan_proposals`
-        picks the width that maximises expected tokens per second under the measured step cost (one
-        token when no row has a proposal or when speculation does not pay), and every row is fed
+        picks the width that maximises expected tokens per second under the measured step cost at ``context``
+        cached columns (the padded width attention reads; one token when no row has a proposal or when
+        speculation does not pay), and every row is fed
         its proposal up to that width (padding is computed anyway, so a shorter row's own tokens fill it).
         While speculation does not pay, :class:`~spec_rl.backends.step_cost.ProposalBackoff` skips asking the
         proposers (their lookups cost host time per row).
@@ -247,8 +248,8 @@ class SpeculativeDecoder:
         props = cands
         if any(cands):
             cost = self.step_cost()
-            props = plan_proposals(cands, [acceptance_of(r.proposer) for r in rows], cost, padded=True)
-            props = self.backoff.explore(props, cands, cost, padded=True)
+            props = plan_proposals(cands, [acceptance_of(r.proposer) for r in rows], cost, padded=True, context=context)
+            props = self.backoff.explore(props, cands, cost, padded=True, context=context)
             self.backoff.planned(live, fed=any(props))
         lens = torch.tensor([len(p) for p in props], dtype=torch.long)
         width = 1 + int(lens.max())
@@ -267,7 +268,7 @@ class SpeculativeDecoder:
     def _step(self, kv: KVRows, rows: list[DecodeRow]) -> None:
         dev = kv.mask.device
         active = [r.finish is None for r in rows]
-        props, lens, ids, fed = self._inputs(rows, active)
+        props, lens, ids, fed = self._inputs(rows, active, kv.width)
         width = ids.shape[1]
         positions = torch.tensor([r.position for r in rows], dtype=torch.long).unsqueeze(1) + torch.arange(width)
         kv.mask = torch.cat([kv.mask, fed.to(dev, torch.long)], dim=1)
@@ -344,24 +345,48 @@ def prefill(model, contexts: Sequence[Sequence[int]], pad_id: int) -> tuple[KVRo
     return KVRows(_dynamic_cache(layers), mask.index_select(0, rows)), logits.index_select(0, rows)
 
 
-@torch.no_grad()
+class DecodeStepTimer:
+    """Times decode steps: the points of the backend's :class:`~spec_rl.backends.step_cost.StepCost`.
+
+    ``timer(rows, width, context)`` returns the seconds of one decode step (forward + keyed samples at every
+    fed position) over ``rows`` sequences of ``context`` cached tokens feeding ``width`` tokens each, the
+    fastest of ``repeats`` (:func:`~spec_rl.backends.step_cost.fastest_run`). Random ids. The prefilled batch
+    of the latest (rows, context) is kept and cropped back after each run, so timing every width of one
+    batch prefills it once (a prefill of 256 rows x 320 tokens costs about a second on the demo's CPU).
+    """
+
+    def __init__(self, model, pad_id: int, repeats: int = 5):
+        self.model, self.pad_id, self.repeats = model, int(pad_id), int(repeats)
+        self._batch: tuple[tuple[int, int], KVRows] | None = None
+
+    def _prefilled(self, rows: int, context: int) -> KVRows:
+        if self._batch is None or self._batch[0] != (rows, context):
+            self._batch = None  # free the previous batch before building the next
+            vocab = self.model.get_output_embeddings().weight.shape[0]
+            gen = torch.Generator().manual_seed(rows * 31 + context)
+            kv, _ = prefill(self.model, torch.randint(0, vocab, (rows, context), generator=gen).tolist(), self.pad_id)
+            self._batch = ((rows, context), kv)
+        return self._batch[1]
+
+    @torch.no_grad()
+    def __call__(self, rows: int, width: int, context: int = 64) -> float:
+        kv = self._prefilled(rows, context)
+        device = next(self.model.parameters()).device
+        vocab = self.model.get_output_embeddings().weight.shape[0]
+        gen = torch.Generator().manual_seed(rows * 31 + width)
+        arg, settings = cache_argument(self.model), SamplingSettings(max_tokens=width)
+        uids = torch.arange(rows * width, device=device)
+        mask = torch.cat([kv.mask, torch.ones((rows, width), dtype=torch.long, device=device)], dim=1)
+        positions = (context + torch.arange(width, device=device)).unsqueeze(0).expand(rows, width)
+        inputs = [torch.randint(0, vocab, (rows, width), generator=gen).to(device) for _ in range(self.repeats + 1)]
+
+        def step(i: int) -> None:
+            out = self.model(input_ids=inputs[i], attention_mask=mask, position_ids=positions, use_cache=True, **{arg: kv.cache})
+            keyed_sample(out.logits.reshape(rows * width, -1).float(), settings, 0, uids, positions.reshape(-1))
+
+        return fastest_run(step, device, self.repeats, after=lambda: kv.cache.crop(-width))  # drop the fed positions again
+
+
 def time_decode_step(model, rows: int, width: int, pad_id: int, context: int = 64, repeats: int = 5) -> float:
-    """Seconds of one decode step (forward + keyed samples at every fed position) over ``rows`` sequences
-    of ``context`` cached tokens feeding ``width`` tokens each, the fastest of ``repeats``
-    (:func:`~spec_rl.backends.step_cost.fastest_run`): a point of the backend's
-    :class:`~spec_rl.backends.step_cost.StepCost`. Random ids; the cache is cropped back after each run."""
-    device = next(model.parameters()).device
-    vocab = model.get_output_embeddings().weight.shape[0]
-    gen = torch.Generator().manual_seed(rows * 31 + width)
-    kv, _ = prefill(model, torch.randint(0, vocab, (rows, context), generator=gen).tolist(), pad_id)
-    arg, settings = cache_argument(model), SamplingSettings(max_tokens=width)
-    uids = torch.arange(rows * width, device=device)
-    mask = torch.cat([kv.mask, torch.ones((rows, width), dtype=torch.long, device=device)], dim=1)
-    positions = (context + torch.arange(width, device=device)).unsqueeze(0).expand(rows, width)
-    inputs = [torch.randint(0, vocab, (rows, width), generator=gen).to(device) for _ in range(repeats + 1)]
-
-    def step(i: int) -> None:
-        out = model(input_ids=inputs[i], attention_mask=mask, position_ids=positions, use_cache=True, **{arg: kv.cache})
-        keyed_sample(out.logits.reshape(rows * width, -1).float(), settings, 0, uids, positions.reshape(-1))
-
-    return fastest_run(step, device, repeats, after=lambda: kv.cache.crop(-width))  # drop the fed positions again
+    """Seconds of one decode step over a freshly prefilled batch (:class:`DecodeStepTimer`, one point)."""
+    return DecodeStepTimer(model, pad_id, repeats)(rows, width, context)

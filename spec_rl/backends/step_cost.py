@@ -6,8 +6,12 @@ longest proposal of the step (a padded batch) can cost more than the accepted to
 decode step is memory-bound and extra positions are nearly free until compute binds (DAS, arXiv
 2511.13841, sizes the draft budget the same way). So the width is chosen from a measured cost curve:
 
-* :class:`StepCost` holds forward seconds t(rows, fed tokens) measured once per model shape, dtype and
-  device (a few forwards at start, cached on disk under ``$SPEC_RL_CACHE``; :func:`measured_cost`);
+* :class:`StepCost` holds forward seconds t(rows, fed tokens, cached positions) measured once per model shape,
+  dtype and device (a few forwards at start, cached on disk under ``$SPEC_RL_CACHE``; :func:`measured_cost`).
+  The grid is timed at a short and a long context and is linear in between and beyond: attention reads every
+  cached position of every row once per step, however many tokens the row feeds, so at long contexts a wider
+  step costs relatively less (the demo's CPU: 5 fed tokens of 128 rows cost 2.2x a one-token step at 64
+  cached positions, 1.9x at 300; benchmarks/RESULTS.md);
 * :func:`plan_proposals` takes each row's proposal and its estimated per-token acceptance probability
   a_r (the proposer's ``acceptance()``, e.g. :class:`~spec_rl.drafts.siblings.DraftSources`) and keeps, per row, the prefix that maximises the expected tokens emitted per second:
   a step emits 1 + sum_j prod_{i<=j} a_r tokens for row r (a proposal is accepted token by token
@@ -37,55 +41,74 @@ import torch
 
 from ..util.atomic import atomic_write_text
 
-__all__ = ["CostSizedBackend", "ProposalBackoff", "StepCost", "acceptance_of", "cost_key", "fastest_run", "measured_cost",
-           "monotone_fit", "plan_proposals"]
+__all__ = ["CostSizedBackend", "ProposalBackoff", "StepCost", "acceptance_of", "cost_key", "fastest_run", "measured_contexts",
+           "measured_cost", "monotone_fit", "plan_proposals"]
 
 #: Rows and widths (fed tokens per row) timed by :func:`measured_cost`.
 MEASURED_ROWS = (1, 8, 32, 128, 256)
 MEASURED_WIDTHS = (1, 2, 3, 5, 9)
+#: Cached positions per row at which the grid is timed (:func:`measured_contexts` keeps those a model can hold).
+MEASURED_CONTEXTS = (64, 320)
 #: Rounds over the whole grid in :func:`measured_cost`; each point keeps its fastest round.
 MEASURE_ROUNDS = 3
 #: Timed runs per point and round (the backends' ``time_forward``), after one untimed run.
 MEASURE_REPEATS = 2
-# 2: the fastest run of each point, not the median; 3: in-place KV appends; 4: interleaved rounds, monotone fit
-_FORMAT = "spec-rl-step-cost-4"
+# 2: the fastest run of each point, not the median; 3: in-place KV appends; 4: interleaved rounds, monotone fit;
+# 5: a context axis (seconds per cached position)
+_FORMAT = "spec-rl-step-cost-5"
 
 
 @dataclass(frozen=True)
 class StepCost:
-    """Forward seconds of a decode step on a grid of (rows, fed tokens per row), interpolated in between.
+    """Forward seconds of a decode step on a grid of (rows, fed tokens per row), interpolated in between, and
+    linear in the cached positions per row.
 
     Attributes:
         rows: ascending row counts of the grid.
         widths: ascending fed tokens per row (1 = plain decoding).
-        seconds: [len(rows)][len(widths)] measured seconds per forward.
+        seconds: [len(rows)][len(widths)] measured seconds per forward with ``context`` cached positions per row.
         source: where the numbers come from (a measurement's cache key, or "flat").
+        context: cached positions per row at which ``seconds`` was measured.
+        per_position: [len(rows)][len(widths)] seconds each further cached position adds to a step (>= 0,
+            non-decreasing in rows and widths), or () when only one context was measured (the cost then
+            ignores the context).
     """
 
     rows: tuple[int, ...]
     widths: tuple[int, ...]
     seconds: tuple[tuple[float, ...], ...]
     source: str = field(default="given", compare=False)
+    context: int = 64
+    per_position: tuple[tuple[float, ...], ...] = ()
 
     @classmethod
     def flat(cls) -> "StepCost":
         """A cost that does not grow with the width: every step verifies all it can (tests, a GPU's ideal)."""
         return cls((1,), (1, 2), ((1.0, 1.0),), source="flat")
 
-    def __call__(self, rows: int, tokens: int) -> float:
-        """Seconds of one forward over ``rows`` sequences feeding ``tokens`` positions in all."""
+    def __call__(self, rows: int, tokens: int, context: float | None = None) -> float:
+        """Seconds of one forward over ``rows`` sequences feeding ``tokens`` positions in all, each row holding
+        ``context`` cached positions (None, or fewer than :attr:`context`: as measured at :attr:`context`)."""
         width = tokens / max(rows, 1)
-        return _interp(self.rows, [_interp(self.widths, row, width) for row in self.seconds], rows)
+        seconds = self._at(self.seconds, rows, width)
+        if context is not None and self.per_position and context > self.context:
+            seconds += (context - self.context) * self._at(self.per_position, rows, width)
+        return seconds
+
+    def _at(self, table: tuple[tuple[float, ...], ...], rows: int, width: float) -> float:
+        return _interp(self.rows, [_interp(self.widths, row, width) for row in table], rows)
 
     def to_dict(self) -> dict:
         return {"format": _FORMAT, "rows": list(self.rows), "widths": list(self.widths),
-                "seconds": [list(r) for r in self.seconds], "source": self.source}  # fmt: skip
+                "seconds": [list(r) for r in self.seconds], "source": self.source, "context": self.context,
+                "per_position": [list(r) for r in self.per_position]}  # fmt: skip
 
     @classmethod
     def from_dict(cls, data: dict) -> "StepCost":
         if data.get("format") != _FORMAT:
             raise ValueError(f"not a step-cost table (format {data.get('format')!r})")
-        return cls(tuple(data["rows"]), tuple(data["widths"]), tuple(tuple(r) for r in data["seconds"]), data["source"])
+        return cls(tuple(data["rows"]), tuple(data["widths"]), tuple(tuple(r) for r in data["seconds"]), data["source"],
+                   int(data["context"]), tuple(tuple(r) for r in data["per_position"]))  # fmt: skip
 
 
 def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
@@ -103,9 +126,9 @@ def acceptance_of(proposer) -> float:
     return float(estimate()) if estimate is not None else 0.5
 
 
-def _widths_cost(cost: StepCost, rows: int, widths: np.ndarray) -> np.ndarray:
+def _widths_cost(cost: StepCost, rows: int, widths: np.ndarray, context: float | None) -> np.ndarray:
     """Seconds of a step of ``rows`` sequences at each fed-tokens-per-row value in ``widths`` (vectorised)."""
-    at_rows = [cost(rows, rows * w) for w in cost.widths]
+    at_rows = [cost(rows, rows * w, context) for w in cost.widths]
     seconds = np.interp(widths, cost.widths, at_rows)
     if len(cost.widths) > 1:  # past the widest measured step: extend its last slope (np.interp would hold it flat)
         slope = (at_rows[-1] - at_rows[-2]) / (cost.widths[-1] - cost.widths[-2])
@@ -119,15 +142,15 @@ def _gains(lengths: np.ndarray, probs: np.ndarray) -> np.ndarray:
     return np.where(j[None, :] <= lengths[:, None], probs[:, None] ** j[None, :], 0.0)
 
 
-def _padded_plan(lengths: np.ndarray, probs: np.ndarray, rows: int, cost: StepCost) -> list[int]:
+def _padded_plan(lengths: np.ndarray, probs: np.ndarray, rows: int, cost: StepCost, context: float | None) -> list[int]:
     # width w feeds min(w - 1, len_r) proposed tokens of every row: expected gain = sum over j < w of column sums
     gain = np.concatenate([[0.0], np.cumsum(_gains(lengths, probs).sum(0))])
     widths = np.arange(1, len(gain) + 1, dtype=float)
-    best = int(np.argmax((rows + gain) / _widths_cost(cost, rows, widths)))
+    best = int(np.argmax((rows + gain) / _widths_cost(cost, rows, widths, context)))
     return np.minimum(best, lengths).tolist()
 
 
-def _packed_plan(lengths: np.ndarray, probs: np.ndarray, rows: int, cost: StepCost) -> list[int]:
+def _packed_plan(lengths: np.ndarray, probs: np.ndarray, rows: int, cost: StepCost, context: float | None) -> list[int]:
     # Every extra token adds its acceptance probability p^j; take them best first (a row's j-th token
     # never comes before its (j-1)-th: p^j falls with j) and keep the prefix of choices with the best rate.
     g = _gains(lengths, probs)
@@ -135,12 +158,13 @@ def _packed_plan(lengths: np.ndarray, probs: np.ndarray, rows: int, cost: StepCo
     order = np.argsort(-g[g > 0], kind="stable")
     gain = np.concatenate([[0.0], np.cumsum(g[g > 0][order])])
     widths = (rows + np.arange(len(gain))) / rows
-    best = int(np.argmax((rows + gain) / _widths_cost(cost, rows, widths)))
+    best = int(np.argmax((rows + gain) / _widths_cost(cost, rows, widths, context)))
     return np.bincount(row_of[order][:best], minlength=rows).tolist()
 
 
 def plan_proposals(
-    proposals: Sequence[Sequence[int]], probs: Sequence[float], cost: StepCost, padded: bool
+    proposals: Sequence[Sequence[int]], probs: Sequence[float], cost: StepCost, padded: bool,
+    context: float | None = None,
 ) -> list[list[int]]:
     """The prefix of each row's proposal to feed this step (see the module docstring).
 
@@ -149,6 +173,8 @@ def plan_proposals(
         probs: per row, the estimated per-token acceptance probability in [0, 1].
         cost: the backend's :class:`StepCost`.
         padded: True for a backend that feeds every row the same width.
+        context: cached positions per row that attention reads this step (the padded cache width; the
+            mean context of a packed batch); None: the cost's own context.
 
     Returns:
         per row, a prefix of its proposal (all empty when speculation does not pay).
@@ -157,7 +183,7 @@ def plan_proposals(
     if not lengths.any():
         return [[] for _ in proposals]
     probs = np.clip(np.asarray(probs, dtype=float), 0.0, 1.0)
-    plan = (_padded_plan if padded else _packed_plan)(lengths, probs, len(proposals), cost)
+    plan = (_padded_plan if padded else _packed_plan)(lengths, probs, len(proposals), cost, context)
     return [list(p[:k]) for p, k in zip(proposals, plan)]
 
 
@@ -182,7 +208,8 @@ class ProposalBackoff:
         self.rows = 0  # live rows when the skipping began
         self.explored = False  # whether this decode loop has fed a proposal (planned or exploring)
 
-    def explore(self, plan: list[list[int]], offered: Sequence[Sequence[int]], cost: StepCost, padded: bool) -> list[list[int]]:
+    def explore(self, plan: list[list[int]], offered: Sequence[Sequence[int]], cost: StepCost, padded: bool,
+                context: float | None = None) -> list[list[int]]:  # fmt: skip
         """``plan``, or, the first time in a decode loop that it feeds nothing, every offering row's first proposed
         token (one step one token wider).
 
@@ -195,7 +222,7 @@ class ProposalBackoff:
         if any(plan):
             self.explored = True
             return plan
-        if self.explored or not any(plan_proposals(offered, [1.0] * len(offered), cost, padded)):
+        if self.explored or not any(plan_proposals(offered, [1.0] * len(offered), cost, padded, context)):
             return plan
         self.explored = True
         return [list(p[:1]) for p in offered]
@@ -274,17 +301,36 @@ def monotone_fit(seconds: Sequence[Sequence[float]]) -> tuple[tuple[float, ...],
     return tuple(tuple(row) for row in rows)
 
 
-def measured_cost(key: str, time_forward: Callable[[int, int], float], max_rows: int) -> StepCost:
+def measured_contexts(max_positions: int | None) -> tuple[int, ...]:
+    """The :data:`MEASURED_CONTEXTS` a model of ``max_positions`` positions can hold with the widest step fed
+    (the long one cut down to fit; dropped when it is no longer well past the short one). None: no limit."""
+    room = (max_positions if max_positions is not None else 10**9) - max(MEASURED_WIDTHS) - 1
+    short, long = MEASURED_CONTEXTS
+    long = min(long, room)
+    return (short, long) if long >= 2 * short else (min(short, max(room, 1)),)
+
+
+def measured_cost(
+    key: str, time_forward: Callable[[int, int, int], float], max_rows: int, contexts: Sequence[int] = MEASURED_CONTEXTS
+) -> StepCost:
     """The cost table under ``key``: read from the cache, else measured with ``time_forward`` and saved.
 
-    ``time_forward(rows, width)`` returns the seconds of one decode forward (the fastest of a few runs)
-    over ``rows`` sequences feeding ``width`` tokens each. Rows past ``max_rows`` are not measured. The grid
-    is timed :data:`MEASURE_ROUNDS` times over, point after point, and each point keeps its fastest round:
-    on a shared machine a slow spell then slows one round of every point rather than every run of a few
-    points (which made widths look cheap or dear next to their neighbours: plans that do not pay). The
-    table is then made monotone (:func:`monotone_fit`). ``SPEC_RL_STEP_COST=flat`` skips the measurement
+    ``time_forward(rows, width, context)`` returns the seconds of one decode forward (the fastest of a few runs)
+    over ``rows`` sequences of ``context`` cached positions feeding ``width`` tokens each. Rows past
+    ``max_rows`` are not measured. The grid, at each of ``contexts`` (one or two, ascending), is timed
+    :data:`MEASURE_ROUNDS` times over, point after point, and each point keeps its fastest round: on a shared
+    machine a slow spell then slows one round of every point rather than every run of a few points (which made
+    widths look cheap or dear next to their neighbours: plans that do not pay). Each context's table is made
+    monotone (:func:`monotone_fit`); with two, the seconds per cached position are their difference over the
+    context difference, clipped at 0 and made monotone too. ``SPEC_RL_STEP_COST=flat`` skips the measurement
     and uses :meth:`StepCost.flat`.
+
+    Raises:
+        ValueError: ``contexts`` not one or two ascending positive counts.
     """
+    contexts = tuple(int(c) for c in contexts)
+    if not 1 <= len(contexts) <= 2 or contexts[0] < 1 or (len(contexts) == 2 and contexts[1] <= contexts[0]):
+        raise ValueError(f"contexts must be one or two ascending positive counts of cached positions, got {contexts}")
     if os.environ.get("SPEC_RL_STEP_COST") == "flat":
         return StepCost.flat()
     path = _cache_file(key)
@@ -294,12 +340,20 @@ def measured_cost(key: str, time_forward: Callable[[int, int], float], max_rows:
         pass  # absent or unreadable: measure again
     rows = tuple(r for r in MEASURED_ROWS if r <= max_rows) or (1,)
     t0 = time.perf_counter()
-    best = [[float("inf")] * len(MEASURED_WIDTHS) for _ in rows]
+    best = [[[float("inf")] * len(MEASURED_WIDTHS) for _ in rows] for _ in contexts]
     for _ in range(MEASURE_ROUNDS):
-        for i, r in enumerate(rows):
-            for j, w in enumerate(MEASURED_WIDTHS):
-                best[i][j] = min(best[i][j], time_forward(r, w))
-    cost = StepCost(rows, MEASURED_WIDTHS, monotone_fit(best), source=f"{key} (measured in {time.perf_counter() - t0:.1f} s)")
+        for c, context in enumerate(contexts):
+            for i, r in enumerate(rows):
+                for j, w in enumerate(MEASURED_WIDTHS):
+                    best[c][i][j] = min(best[c][i][j], time_forward(r, w, context))
+    tables = [monotone_fit(table) for table in best]
+    per_position = ()
+    if len(contexts) == 2:
+        span = contexts[1] - contexts[0]
+        per_position = monotone_fit([[max(0.0, b - a) / span for a, b in zip(short, long)]
+                                     for short, long in zip(*tables)])  # fmt: skip
+    source = f"{key} (measured in {time.perf_counter() - t0:.1f} s)"
+    cost = StepCost(rows, MEASURED_WIDTHS, tables[0], source, contexts[0], per_position)
     try:
         atomic_write_text(path, json.dumps(cost.to_dict()))
     except OSError:

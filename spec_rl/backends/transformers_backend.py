@@ -27,12 +27,12 @@ from ..sampling.distribution import SamplingSettings
 from ..sampling.groups import TreeKV
 from ..util.model_config import model_sliding_window
 from .checks import ModelLimits, check_same_length
-from .hf_decode import DecodeRow, KVRows, SpeculativeDecoder, prefill, time_decode_step
+from .hf_decode import DecodeRow, DecodeStepTimer, KVRows, SpeculativeDecoder, prefill
 from .progressive import ProgressiveTreeScores
 from .protocol import BackendStats, Continuation, backend_arguments, split_zero_budgets
 from .reprefill import ReprefillBackend, ScoredDrafts
 from .scoring import PolicyScorer
-from .step_cost import MEASURE_REPEATS, CostSizedBackend, StepCost, cost_key, measured_cost
+from .step_cost import MEASURE_REPEATS, CostSizedBackend, StepCost, cost_key, measured_contexts, measured_cost
 
 
 class SplicedDrafts(ScoredDrafts):
@@ -99,9 +99,8 @@ class TransformersBackend(CostSizedBackend, ModelLimits, ReprefillBackend):
 
     def _measure_step_cost(self) -> StepCost:
         key = cost_key("transformers", self.model, self.device)
-        return measured_cost(
-            key, lambda r, w: time_decode_step(self.model, r, w, self.pad_id, repeats=MEASURE_REPEATS), self.max_batch_size
-        )
+        timer = DecodeStepTimer(self.model, self.pad_id, repeats=MEASURE_REPEATS)
+        return measured_cost(key, timer, self.max_batch_size, measured_contexts(self.max_positions))
 
     @property
     def device(self) -> torch.device:

@@ -33,7 +33,15 @@ from ..acceptance.scores import DraftScores
 from ..backends.checks import ModelLimits, check_same_length
 from ..backends.protocol import Continuation, backend_arguments
 from ..backends.scoring import ScoringHead
-from ..backends.step_cost import MEASURE_REPEATS, MEASURED_WIDTHS, CostSizedBackend, StepCost, cost_key, measured_cost
+from ..backends.step_cost import (
+    MEASURE_REPEATS,
+    MEASURED_WIDTHS,
+    CostSizedBackend,
+    StepCost,
+    cost_key,
+    measured_contexts,
+    measured_cost,
+)
 from ..sampling.distribution import SamplingSettings, check_settings
 from ..util.validation import check_int
 from .blocks import BlockManager
@@ -41,7 +49,7 @@ from .model_runner import CacheLayout, EngineStats, ModelRunner
 from .sampler import KeyedSampler
 from .scheduler import Scheduler
 from .sequence import SpliceHandle, group_by_context
-from .timing import paged_capacity, time_paged_step
+from .timing import PagedStepTimer, paged_capacity
 
 
 class PagedEngine(CostSizedBackend, ModelLimits):
@@ -167,11 +175,11 @@ class PagedEngine(CostSizedBackend, ModelLimits):
         return KeyedSampler(settings, seed, uids, proposers, self.max_k, self.eos_ids, step_cost=self.step_cost)
 
     def _measure_step_cost(self) -> StepCost:
-        rows = min(self.max_batch_size, paged_capacity(self.runner, 64, max(MEASURED_WIDTHS)))
+        contexts = measured_contexts(self.max_positions)
+        rows = min(self.max_batch_size, paged_capacity(self.runner, contexts[-1], max(MEASURED_WIDTHS)))
         key = cost_key("paged", self.model, self.device)
-        return measured_cost(
-            key, lambda r, w: time_paged_step(self.runner, r, w, repeats=MEASURE_REPEATS), max(rows, 1)
-        )
+        with PagedStepTimer(self.runner, repeats=MEASURE_REPEATS) as timer:
+            return measured_cost(key, timer, max(rows, 1), contexts)
 
     @torch.no_grad()
     def score_drafts(

@@ -312,8 +312,8 @@ class ModelRunner:
         several queries per sequence and takes the prefill attention path (gather + SDPA with a
         causal mask) on every device: the Triton decode kernel only takes one query per sequence.
         """
-        props = sampler.proposals(seqs)
         starts = [self.blocks.length(s.seq_id) for s in seqs]
+        props = sampler.proposals(seqs, context=sum(starts) / max(len(starts), 1))
         items = [(s.seq_id, [s.pending_token] + p, start) for s, p, start in zip(seqs, props, starts)]
         logits = self.forward(items, [range(1 + len(p)) for p in props], hidden=False, relative=True)
         self.stats.decode_tokens += sum(1 + len(p) for p in props)

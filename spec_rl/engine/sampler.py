@@ -76,11 +76,12 @@ class KeyedSampler:
             return []
         return [int(t) for t in proposer.propose(limit, fill=limit)][:limit]
 
-    def proposals(self, seqs: Sequence[SequenceState]) -> list[list[int]]:
+    def proposals(self, seqs: Sequence[SequenceState], context: float | None = None) -> list[list[int]]:
         """The tokens each sequence feeds after its pending one this step: its proposal cut where the
-        expected tokens per second under the engine's step cost are highest (packed: per sequence;
-        :func:`~spec_rl.backends.step_cost.plan_proposals`). All empty when no proposer offers anything, and while
-        the :class:`~spec_rl.backends.step_cost.ProposalBackoff` skips asking (the last plans fed nothing)."""
+        expected tokens per second under the engine's step cost (at ``context`` cached tokens per sequence, the
+        batch's mean) are highest (packed: per sequence; :func:`~spec_rl.backends.step_cost.plan_proposals`).
+        All empty when no proposer offers anything, and while the
+        :class:`~spec_rl.backends.step_cost.ProposalBackoff` skips asking (the last plans fed nothing)."""
         if not self.backoff.ask(len(seqs)):
             return [[] for _ in seqs]
         offered = [self.proposal(s) for s in seqs]
@@ -88,7 +89,8 @@ class KeyedSampler:
             return offered
         probs = [acceptance_of(self.proposers[s.result_index]) for s in seqs]
         cost = self.step_cost()
-        plan = self.backoff.explore(plan_proposals(offered, probs, cost, padded=False), offered, cost, padded=False)
+        plan = plan_proposals(offered, probs, cost, padded=False, context=context)
+        plan = self.backoff.explore(plan, offered, cost, padded=False, context=context)
         self.backoff.planned(len(seqs), fed=any(plan))
         return plan
 

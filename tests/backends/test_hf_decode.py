@@ -80,7 +80,10 @@ def test_while_speculation_does_not_pay_the_proposers_are_not_asked_every_step()
         sam.add_response(r.tokens)
         automata.append(sam)
     steep = StepCost((1, 64), (1, 9), ((1.0, 9.0), (64.0, 576.0)))  # a fed token costs a whole step: never pays
-    for cost, pays in ((steep, False), (StepCost.flat(), True)):
+    # the same at an empty cache, but each cached column costs 100 fed tokens: at the cache widths the loop
+    # passes (the prompts and what follows them) the fed tokens are nearly free, so it pays
+    long = StepCost(steep.rows, steep.widths, steep.seconds, context=0, per_position=((100.0, 100.0), (6400.0, 6400.0)))
+    for cost, pays in ((steep, False), (StepCost.flat(), True), (long, True)):
         _CountingProposer.asks = 0
         rows, c = _decode(model, settings, budgets, max_k=4, automata=automata, step_cost=lambda: cost, proposer=_CountingProposer)
         assert [r.tokens for r in rows] == [r.tokens for r in plain]

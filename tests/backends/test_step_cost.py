@@ -10,12 +10,14 @@ import pytest
 import torch
 from tiny_models import tiny_model
 
-from spec_rl.backends.hf_decode import time_decode_step
+from spec_rl.backends.hf_decode import DecodeStepTimer, time_decode_step
 from spec_rl.backends.step_cost import (
     MEASURE_ROUNDS,
+    MEASURED_CONTEXTS,
     ProposalBackoff,
     StepCost,
     cost_key,
+    measured_contexts,
     measured_cost,
     monotone_fit,
     plan_proposals,
@@ -103,20 +105,79 @@ def test_measured_cost_is_cached_per_key_and_flat_on_request(tmp_path, monkeypat
     monkeypatch.delenv("SPEC_RL_STEP_COST", raising=False)
     calls = []
 
-    def timed(rows, width):
-        calls.append((rows, width))
+    def timed(rows, width, context):
+        calls.append((rows, width, context))
         return 0.001 * rows * width
 
-    cost = measured_cost("k1", timed, max_rows=32)
+    cost = measured_cost("k1", timed, max_rows=32, contexts=(64,))
     points = 3 * len(cost.widths)
-    assert cost.rows == (1, 8, 32) and len(calls) == MEASURE_ROUNDS * points
+    assert cost.rows == (1, 8, 32) and len(calls) == MEASURE_ROUNDS * points and {c for _, _, c in calls} == {64}
     assert calls[:points] == calls[points : 2 * points]  # whole rounds over the grid, not one point at a time
     assert cost.seconds == tuple(tuple(0.001 * r * w for w in cost.widths) for r in cost.rows)
+    assert cost.context == 64 and cost.per_position == () and cost(8, 16, context=5000) == cost(8, 16)
     assert measured_cost("k1", timed, max_rows=32) == cost and len(calls) == MEASURE_ROUNDS * points  # from disk
     (tmp_path / "step-cost" / "k1.json").write_text("{broken")
-    assert measured_cost("k1", timed, max_rows=32) == cost  # a damaged file is measured again
+    assert measured_cost("k1", timed, max_rows=32, contexts=(64,)) == cost  # a damaged file is measured again
     monkeypatch.setenv("SPEC_RL_STEP_COST", "flat")
     assert measured_cost("k2", timed, max_rows=32).source == "flat"
+    for bad in ((), (0,), (64, 64), (320, 64), (1, 2, 3)):
+        with pytest.raises(ValueError, match="contexts must be one or two ascending positive counts"):
+            measured_cost("k4", timed, max_rows=32, contexts=bad)
+
+
+def _attention_like(rows, width, context):
+    """A step: a fixed part, a part per fed token, and a part per cached position read (once per row, however
+    many tokens the row feeds: attention over the cache)."""
+    return 1e-3 + 1e-4 * rows * width + 2e-6 * rows * context
+
+
+def test_the_context_axis_is_linear_between_and_past_the_two_measured_contexts(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPEC_RL_CACHE", str(tmp_path))
+    monkeypatch.delenv("SPEC_RL_STEP_COST", raising=False)
+    contexts = []
+    cost = measured_cost("ctx", lambda r, w, c: contexts.append(c) or _attention_like(r, w, c), max_rows=256)
+    assert sorted(set(contexts)) == list(MEASURED_CONTEXTS) and cost.context == MEASURED_CONTEXTS[0]
+    for rows, width in ((1, 1), (8, 2), (100, 4), (256, 9), (200, 7)):
+        for context in (64, 100, 320, 700):
+            assert cost(rows, rows * width, context) == pytest.approx(_attention_like(rows, width, context))
+        assert cost(rows, rows * width, 10) == cost(rows, rows * width, None) == pytest.approx(_attention_like(rows, width, 64))
+    assert StepCost.from_dict(json.loads(json.dumps(cost.to_dict()))) == cost
+
+
+def test_noisy_context_readings_still_give_a_cost_that_never_falls_with_rows_width_or_context(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPEC_RL_CACHE", str(tmp_path))
+    monkeypatch.delenv("SPEC_RL_STEP_COST", raising=False)
+    rng = random.Random(5)
+    cost = measured_cost("noisy", lambda r, w, c: _attention_like(r, w, c) * rng.uniform(0.5, 2.0), max_rows=256)
+    assert all(x >= 0 for row in cost.per_position for x in row)
+    grid = [(r, w, c) for r in (1, 5, 8, 60, 256) for w in (1, 2, 4, 9, 12) for c in (30, 64, 200, 320, 900)]
+    for r, w, c in grid:
+        here = cost(r, r * w, c)
+        assert cost(r, r * (w + 1), c) >= here - 1e-12 and cost(r, r * w, c + 50) >= here - 1e-12
+        assert cost(r + 1, (r + 1) * w, c) >= here - 1e-12
+
+
+def test_at_long_contexts_the_plan_verifies_more():
+    """Attention reads each row's cache once per step: the longer it is, the less an extra fed token adds."""
+    cost = StepCost((1, 8, 64, 256), (1, 2, 4, 9),
+                    tuple(tuple(_attention_like(r, w, 64) for w in (1, 2, 4, 9)) for r in (1, 8, 64, 256)),
+                    context=64, per_position=tuple(tuple(2e-6 * r for _ in range(4)) for r in (1, 8, 64, 256)))  # fmt: skip
+    widths = {}
+    for context in (64, 300, 1000):
+        for a in (0.3, 0.5, 0.7, 0.9):
+            plan = plan_proposals([[1] * 8] * 256, [a] * 256, cost, padded=True, context=context)
+            widths[context, a] = len(plan[0])
+    for a in (0.3, 0.5, 0.7, 0.9):
+        assert widths[64, a] <= widths[300, a] <= widths[1000, a]
+    assert widths[64, 0.5] < widths[1000, 0.5]
+
+
+def test_measured_contexts_fit_the_model():
+    assert measured_contexts(None) == measured_contexts(4096) == MEASURED_CONTEXTS == (64, 320)
+    assert measured_contexts(384) == (64, 320)
+    assert measured_contexts(200) == (64, 190)  # the long context cut to fit the widest step
+    assert measured_contexts(100) == (64,)  # no long context well past the short one
+    assert measured_contexts(40) == (30,)
 
 
 def test_each_point_keeps_its_fastest_round(tmp_path, monkeypatch):
@@ -124,10 +185,10 @@ def test_each_point_keeps_its_fastest_round(tmp_path, monkeypatch):
     monkeypatch.delenv("SPEC_RL_STEP_COST", raising=False)
     rounds = iter(range(10**6))
 
-    def timed(rows, width):  # a slow spell: the first round reads 3x, later ones 1x
+    def timed(rows, width, context):  # a slow spell: the first round reads 3x, later ones 1x
         return 0.001 * rows * width * (3.0 if next(rounds) < 2 * 5 else 1.0)
 
-    cost = measured_cost("k3", timed, max_rows=8)
+    cost = measured_cost("k3", timed, max_rows=8, contexts=(64,))
     assert cost.seconds == tuple(tuple(0.001 * r * w for w in cost.widths) for r in cost.rows)
 
 
@@ -170,6 +231,15 @@ def test_the_transformers_backend_measures_its_own_decode_step(tmp_path, monkeyp
     monkeypatch.delenv("SPEC_RL_STEP_COST", raising=False)
     model = tiny_model(seed=0)
     assert time_decode_step(model, 4, 3, pad_id=0, context=8, repeats=2) > 0
+    fed = []
+    hook = model.register_forward_hook(lambda mod, args, kwargs, out: fed.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    timer = DecodeStepTimer(model, pad_id=0, repeats=2)
+    for context in (8, 8, 20):
+        for width in (1, 2, 5):
+            assert timer(4, width, context) > 0
+    hook.remove()
+    assert [f for f in fed if f[1] > 5] == [(4, 8), (4, 20)]  # one prefill per (rows, context), every width after it
+    assert timer._batch[1].cache.get_seq_length() == 20 and timer._batch[1].width == 20  # cropped back after each run
     backend = TransformersBackend(model, eos_ids=[1], pad_id=0, max_batch_size=8)
     cost = backend.step_cost()
     assert cost.rows == (1, 8) and all(s > 0 for row in cost.seconds for s in row)

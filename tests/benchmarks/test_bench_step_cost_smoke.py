@@ -18,6 +18,7 @@ def test_bench_step_cost_reports_table_plan_and_every_policy(tmp_path, capsys):
     assert rec["status"] == "ok" and rec["padded"] is True
     for row in rec["table"]:  # every measured row count, every width, relative to width 1
         assert len(row["ms"]) == len(rec["widths"]) and row["relative"][0] == 1.0 and min(row["ms"]) > 0
+    assert {row["context"] for row in rec["table"]} == {row["context"] for row in rec["plan"]} == {64}  # 128 positions: one
     for row in rec["plan"]:
         assert all(1 <= w <= 9 for w in row["width"])  # max_k = 8 proposed tokens + the pending one
     rows = rec["rows"]

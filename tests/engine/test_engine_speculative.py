@@ -196,7 +196,9 @@ def test_the_step_cost_decides_how_much_the_engine_verifies_and_changes_no_token
     automata = _automata([c.token_ids for c in plain], model.config.vocab_size)
     # a step costs what its fed tokens cost, with nothing fixed per step: verifying never pays
     steep = StepCost((1, 64), (1, 9), ((1.0, 9.0), (64.0, 576.0)))
-    for cost, speculates in ((steep, False), (StepCost.flat(), True)):
+    # ... unless each cached token costs far more than a fed one: at the sequences' contexts verifying is cheap
+    long = StepCost(steep.rows, steep.widths, steep.seconds, context=0, per_position=((100.0, 100.0), (6400.0, 6400.0)))
+    for cost, speculates in ((steep, False), (StepCost.flat(), True), (long, True)):
         engine = _engine(model, step_cost=cost)
         proposers = _proposers(automata)
         asks = []
@@ -214,3 +216,24 @@ def test_the_step_cost_decides_how_much_the_engine_verifies_and_changes_no_token
     measured = engine.step_cost()
     assert measured.rows[0] == 1 and all(s > 0 for row in measured.seconds for s in row)
     assert engine.stats.decode_steps == 0 and engine.blocks.num_free == 512  # the measurement left nothing behind
+
+
+def test_the_paged_step_timer_prefills_each_batch_once_and_frees_every_block():
+    from spec_rl.engine.blocks import OutOfBlocks
+    from spec_rl.engine.timing import PagedStepTimer
+
+    runner = _engine(tiny_model(seed=3), num_blocks=256).runner
+    free, stats = runner.blocks.num_free, runner.stats.copy()
+    calls, forward = [], runner.forward
+    runner.forward = lambda items, *a, **k: calls.append(k.get("relative", False)) or forward(items, *a, **k)
+    with PagedStepTimer(runner, repeats=2) as timer:
+        for context in (8, 8, 20):
+            for width in (1, 2, 5):
+                assert timer(4, width, context) > 0
+        assert runner.blocks.num_free == free - 4 * (20 // 4)  # the latest batch, cut back to its context
+    assert calls.count(False) == 2  # one prefill per (rows, context); every other forward is a timed step
+    assert runner.blocks.num_free == free and runner.stats == stats
+    with pytest.raises(OutOfBlocks, match="free KV-cache blocks"):  # more rows than the blocks hold: all given back
+        with PagedStepTimer(runner, repeats=1) as timer:
+            timer(1000, 1, 20)
+    assert runner.blocks.num_free == free
