@@ -19,8 +19,8 @@ decode step is memory-bound and extra positions are nearly free until compute bi
 
 Padded backends (the transformers decode loop) feed every row the same width w, so the plan picks one
 w; packed backends (the paged engine) feed each row its own length, so the plan adds tokens in order of
-their acceptance probability. With no proposal anywhere, or when speculation does not pay, every row is
-fed one token: the step costs what plain decoding costs. The choice changes how many steps a response
+their acceptance probability. With no proposal anywhere, or when speculation does not pay (by at least
+:data:`MIN_GAIN` over plain decoding), every row is fed one token: the step costs what plain decoding costs. The choice changes how many steps a response
 takes, never a token (acceptance is "sample == proposal", docs/design.md "Speculation past the first
 rejection").
 """
@@ -49,6 +49,11 @@ MEASURED_ROWS = (1, 8, 32, 128, 256)
 MEASURED_WIDTHS = (1, 2, 3, 5, 9)
 #: Cached positions per row at which the grid is timed (:func:`measured_contexts` keeps those a model can hold).
 MEASURED_CONTEXTS = (64, 320)
+#: A plan feeds proposals only when its expected tokens per second beat plain decoding's by this fraction: the
+#: table's own error. On the demo's CPU, eleven measurements of one point (2 fed tokens x 256 rows) read
+#: 1.34-1.53x a one-token step, about +-7% around their middle; a plan expected to gain less than that may
+#: as well lose (benchmarks/RESULTS.md, "The step-cost model on the CPU").
+MIN_GAIN = 0.10
 #: Rounds over the whole grid in :func:`measured_cost`; each point keeps its fastest round.
 MEASURE_ROUNDS = 3
 #: Timed runs per point and round (the backends' ``time_forward``), after one untimed run.
@@ -142,11 +147,17 @@ def _gains(lengths: np.ndarray, probs: np.ndarray) -> np.ndarray:
     return np.where(j[None, :] <= lengths[:, None], probs[:, None] ** j[None, :], 0.0)
 
 
+def _best(rates: np.ndarray) -> int:
+    """Index of the best rate, or 0 (feed no proposal) unless it beats index 0's rate by :data:`MIN_GAIN`."""
+    best = int(np.argmax(rates))
+    return best if rates[best] >= (1.0 + MIN_GAIN) * rates[0] else 0
+
+
 def _padded_plan(lengths: np.ndarray, probs: np.ndarray, rows: int, cost: StepCost, context: float | None) -> list[int]:
     # width w feeds min(w - 1, len_r) proposed tokens of every row: expected gain = sum over j < w of column sums
     gain = np.concatenate([[0.0], np.cumsum(_gains(lengths, probs).sum(0))])
     widths = np.arange(1, len(gain) + 1, dtype=float)
-    best = int(np.argmax((rows + gain) / _widths_cost(cost, rows, widths, context)))
+    best = _best((rows + gain) / _widths_cost(cost, rows, widths, context))
     return np.minimum(best, lengths).tolist()
 
 
@@ -158,7 +169,7 @@ def _packed_plan(lengths: np.ndarray, probs: np.ndarray, rows: int, cost: StepCo
     order = np.argsort(-g[g > 0], kind="stable")
     gain = np.concatenate([[0.0], np.cumsum(g[g > 0][order])])
     widths = (rows + np.arange(len(gain))) / rows
-    best = int(np.argmax((rows + gain) / _widths_cost(cost, rows, widths, context)))
+    best = _best((rows + gain) / _widths_cost(cost, rows, widths, context))
     return np.bincount(row_of[order][:best], minlength=rows).tolist()
 
 

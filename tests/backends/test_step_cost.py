@@ -14,6 +14,7 @@ from spec_rl.backends.hf_decode import DecodeStepTimer, time_decode_step
 from spec_rl.backends.step_cost import (
     MEASURE_ROUNDS,
     MEASURED_CONTEXTS,
+    MIN_GAIN,
     ProposalBackoff,
     StepCost,
     cost_key,
@@ -59,14 +60,16 @@ def test_plans_match_brute_force_on_random_rows(padded):
         if padded:  # one width for all: row r gets min(w - 1, len_r)
             candidates = [[min(w - 1, n) for n in lengths] for w in range(1, max(lengths) + 2)]
             cost_of = lambda fed: cost(rows, rows * (1 + max(fed)))  # noqa: E731
-            best = max((rows + sum(sum(p**j for j in range(1, f + 1)) for f, p in zip(fed, probs))) / cost_of(fed)
-                       for fed in candidates)  # fmt: skip
-            got = [len(p) for p in plan]
-            assert (rows + sum(sum(p**j for j in range(1, f + 1)) for f, p in zip(got, probs))) / cost_of(got) \
-                == pytest.approx(best)
+            rate = lambda fed: (rows + sum(sum(p**j for j in range(1, f + 1)) for f, p in zip(fed, probs))) / cost_of(fed)  # noqa: E731
         else:  # any per-row lengths
-            best = max(_rate(fed, probs, rows, cost) for fed in itertools.product(*[range(n + 1) for n in lengths]))
-            assert _rate([len(p) for p in plan], probs, rows, cost) == pytest.approx(best)
+            candidates = list(itertools.product(*[range(n + 1) for n in lengths]))
+            rate = lambda fed: _rate(fed, probs, rows, cost)  # noqa: E731
+        plain, best = rate([0] * rows), max(rate(fed) for fed in candidates)
+        got = [len(p) for p in plan]
+        if best >= (1 + MIN_GAIN) * plain * (1 + 1e-9):  # the best plan, when it beats plain decoding by the margin
+            assert rate(got) == pytest.approx(best)
+        elif best < (1 + MIN_GAIN) * plain * (1 - 1e-9):  # else no proposal at all
+            assert got == [0] * rows
 
 
 def test_width_one_when_speculation_does_not_pay_and_wide_steps_in_the_tail():
@@ -76,6 +79,15 @@ def test_width_one_when_speculation_does_not_pay_and_wide_steps_in_the_tail():
     assert all(len(p) == 8 for p in plan_proposals(proposals[:2], [0.99] * 2, cpu, padded=True))  # tail: all of it
     assert all(len(p) == 8 for p in plan_proposals(proposals, [0.3] * 256, StepCost.flat(), padded=True))
     assert plan_proposals([[], []], [0.9, 0.9], cpu, padded=False) == [[], []]
+
+
+@pytest.mark.parametrize("padded", [True, False])
+def test_a_plan_must_beat_plain_decoding_by_the_margin(padded):
+    cost = StepCost((1,), (1, 2), ((1.0, 1.4),))  # one fed token more costs 1.4x
+    assert plan_proposals([[7]], [0.45], cost, padded) == [[]]  # 1.45 / 1.4: 4% more tokens per second, within the error
+    assert plan_proposals([[7]], [0.4 + 1.4 * MIN_GAIN - 0.01], cost, padded) == [[]]
+    assert plan_proposals([[7]], [0.4 + 1.4 * MIN_GAIN + 0.01], cost, padded) == [[7]]
+    assert plan_proposals([[7]], [0.6], cost, padded) == [[7]]  # 14% more: fed
 
 
 def test_backoff_waits_longer_after_each_refused_plan_and_asks_again_when_one_pays_or_rows_leave():
@@ -330,8 +342,9 @@ def test_exploring_starts_speculation_that_a_prior_of_one_half_would_never_try()
     from spec_rl.sampling.distribution import SamplingSettings
 
     model = tiny_model(seed=3).double()
-    # one more fed token costs 1.6x a step: it pays at an acceptance above 0.6, not at the prior's 1/2
-    cost = StepCost((1, 64), (1, 2, 3), ((1.0, 1.6, 2.2), (64.0, 102.4, 140.8)))
+    # one more fed token costs 1.4x a step: (1 + a) / 1.4 beats plain decoding by MIN_GAIN above a = 0.54, not at
+    # the prior's 1/2
+    cost = StepCost((1, 64), (1, 2, 3), ((1.0, 1.4, 1.8), (64.0, 89.6, 115.2)))
     assert not any(plan_proposals([[5, 6]] * 3, [0.5] * 3, cost, padded=True))
     assert all(plan_proposals([[5, 6]] * 3, [2 / 3] * 3, cost, padded=True))
     backend = TransformersBackend(model, eos_ids=[1], pad_id=0, step_cost=cost)
