@@ -10,19 +10,20 @@ decode step is memory-bound and extra positions are nearly free until compute bi
   dtype and device (a few forwards at start, cached on disk under ``$SPEC_RL_CACHE``; :func:`measured_cost`).
   The grid is timed at a short and a long context and is linear in between and beyond: attention reads every
   cached position of every row once per step, however many tokens the row feeds, so at long contexts a wider
-  step costs relatively less (the demo's CPU: 5 fed tokens of 128 rows cost 2.2x a one-token step at 64
-  cached positions, 1.9x at 300; benchmarks/RESULTS.md);
+  step costs relatively less (the demo's CPU: 5 fed tokens per row of 128 rows cost 2.5x a one-token step
+  at 64 cached positions, 2.1x at 320; docs/design.md);
 * :func:`plan_proposals` takes each row's proposal and its estimated per-token acceptance probability
-  a_r (the proposer's ``acceptance()``, e.g. :class:`~spec_rl.drafts.siblings.DraftSources`) and keeps, per row, the prefix that maximises the expected tokens emitted per second:
+  a_r (the proposer's ``acceptance()``, e.g. :class:`~spec_rl.drafts.siblings.DraftSources`) and keeps, per
+  row, the prefix that maximises the expected tokens emitted per second:
   a step emits 1 + sum_j prod_{i<=j} a_r tokens for row r (a proposal is accepted token by token
-  until the first miss, then the policy's own sample follows), and costs t(rows, fed tokens).
+  until the first miss, then the policy's own sample follows), and costs t(rows, fed tokens, context).
 
 Padded backends (the transformers decode loop) feed every row the same width w, so the plan picks one
 w; packed backends (the paged engine) feed each row its own length, so the plan adds tokens in order of
 their acceptance probability. With no proposal anywhere, or when speculation does not pay (by at least
-:data:`MIN_GAIN` over plain decoding), every row is fed one token: the step costs what plain decoding costs. The choice changes how many steps a response
-takes, never a token (acceptance is "sample == proposal", docs/design.md "Speculation past the first
-rejection").
+:data:`MIN_GAIN` over plain decoding), every row is fed one token: the step costs what plain decoding
+costs. The choice changes how many steps a response takes, never a token (acceptance is "sample ==
+proposal", docs/design.md "Speculation past the first rejection").
 """
 
 from __future__ import annotations
