@@ -85,8 +85,3 @@ class PagedStepTimer:
         finally:
             runner.stats = stats
 
-
-def time_paged_step(runner: ModelRunner, rows: int, width: int, context: int = 64, repeats: int = 5) -> float:
-    """Seconds of one packed decode step over freshly prefilled sequences, freed after (:class:`PagedStepTimer`)."""
-    with PagedStepTimer(runner, repeats) as timer:
-        return timer(rows, width, context)
