@@ -12,15 +12,19 @@ its decisions on one device, in three parts:
    where it is compute-bound, e.g. this project's 2-core CPU at short contexts);
 2. **the plan**: the width :func:`~spec_rl.backends.step_cost.plan_proposals` chooses at each context and
    measured row count when every row offers ``max_k`` tokens, per per-token acceptance 0.3 / 0.5 / 0.7 / 0.9;
-3. **rollouts under three policies**, one backend: ``plain`` (no speculation: width 1), ``flat``
-   (:meth:`StepCost.flat`: verify every proposed token, the widest steps) and ``measured`` (the table), in
+3. **rollouts under four policies**, one backend: ``plain`` (no speculation: width 1), ``flat``
+   (:meth:`StepCost.flat`: verify every proposed token, the widest steps), ``measured`` (the table as measured)
+   and ``corrected`` (the table corrected by the loop's own steps, as a backend runs it by default:
+   :mod:`spec_rl.backends.step_correction`; a fresh correction each run, so it learns within one rollout), in
    two settings: ``e1-siblings`` (epoch 1, drafts only from the prompt and the group's samples in flight,
    where speculation often does not pay) and ``histspec`` (a history of ``--history-epochs`` vanilla epochs,
    the policy perturbed by ``--perturb``). The policies run in turn ``--repeats`` times; each row keeps its
-   fastest run (the decisions are keyed: every repeat decodes the same tokens).
+   fastest run (the decisions are keyed: every repeat decodes the same tokens; the corrected policy's steps
+   depend on the times it reads, so they may differ between repeats).
 
-The measured policy should be at least as fast as the better of the other two in each setting (it may only
-lose by the table's error); ``time x`` is the ratio to ``plain`` of the same setting. Tokens are identical
+The measured and corrected policies should be at least as fast as the better of plain and flat in each
+setting (they may only lose by the table's error); ``wide x`` is the corrected policy's learned price of a
+wide step relative to the table's, per batch-size bucket; ``time x`` is the ratio to ``plain`` of the same setting. Tokens are identical
 under every policy (the width changes the steps, never a token): ``same tokens`` checks it.
 Stage 6b of ``benchmarks/gpu_check.sh`` runs this at the Qwen3-0.6B shape. JSON: ``--json`` (default
 ``$OUT/step_cost.json``), rewritten after every row.
@@ -43,7 +47,7 @@ from spec_rl.drafts.cache import RolloutCache
 from spec_rl.drafts.history import HistoryIndex
 from spec_rl.rollout.speculative import SpeculativeRollout
 
-POLICIES = ("plain", "flat", "measured")
+POLICIES = ("plain", "flat", "measured", "corrected")
 ACCEPTANCES = (0.3, 0.5, 0.7, 0.9)
 
 
@@ -108,16 +112,18 @@ def rollout_rows(args, backend, measured: StepCost, requests, settings, eos, max
         tokens = {}
         for _ in range(args.repeats):
             for policy in POLICIES:
-                backend.set_step_cost(StepCost.flat() if policy == "flat" else measured)
+                backend.set_step_cost(StepCost.flat() if policy == "flat" else measured, corrected=policy == "corrected")
                 ro = SpeculativeRollout(backend, copy.deepcopy(base_cache), settings, eos, max_len, strategy="off",
                                         seed=args.seed, history=None if policy == "plain" else copy.deepcopy(base_history),
                                         sibling_drafts=siblings and policy != "plain")  # fmt: skip
                 row = timed_step(ro, requests, step, torch.device(rec.record["device_type"]))
                 tokens[policy] = row.pop(RESPONSES)
+                correction = backend.step_correction() if policy == "corrected" else None
+                row["wide_factor"] = correction.factors() if correction is not None else {}
                 key = f"{name}/{policy}"
                 if key not in rows or row["rollout_s"] < rows[key]["rollout_s"]:
                     rows[key] = {k: row[k] for k in ("generated_tokens", "decode_steps", "rollout_s", "decode_s",
-                                                      "positions", "accepted_per_step", "width")}  # fmt: skip
+                                                      "positions", "accepted_per_step", "width", "wide_factor")}  # fmt: skip
                     rec.save()
         plain = rows[f"{name}/plain"]
         for policy in POLICIES:
@@ -151,6 +157,11 @@ def print_table_and_plan(record: dict) -> None:
         print(f"{r['context']:<7} {r['rows']:<5} " + "  ".join(f"{w:7.2f}" for w in r["width"]))
 
 
+def _bucket_rows(bucket: int) -> str:
+    """The live rows of a StepCorrection bucket (rows.bit_length() // 2 == bucket), as "lo-hi"."""
+    return "1" if bucket == 0 else f"{2 ** (2 * bucket - 1)}-{2 ** (2 * bucket + 1) - 1}"
+
+
 def print_rollouts(record: dict) -> None:
     spec = [("setting/policy", 20, "<", "{}"), ("gen tokens", 10, ">", "{:d}"), ("steps", 6, ">", "{:d}"),
             ("positions", 9, ">", "{:d}"), ("width", 5, ">", "{:.2f}"), ("acc/step", 8, ">", "{:.2f}"),
@@ -162,6 +173,10 @@ def print_rollouts(record: dict) -> None:
     for name, r in record["rows"].items():
         print(table.row(name, r["generated_tokens"], r["decode_steps"], r["positions"], r["width"],
                         r["accepted_per_step"], r["rollout_s"], r["decode_s"], r.get("time_x", float("nan"))))
+    for name, r in record["rows"].items():
+        if r.get("wide_factor"):
+            buckets = ", ".join(f"{_bucket_rows(int(b))} rows {f:.2f}" for b, f in r["wide_factor"].items())
+            print(f"{name}: wide x {buckets}")
     same = all(r.get("same_tokens", True) for r in record["rows"].values())
     print(f"same tokens under every policy: {same}")
 

@@ -7,7 +7,7 @@
 #   1 install   env, pip install (TORCH_CUDA_ARCH_LIST=9.0,       75 s     300 s
 #               MAX_JOBS=16, wheels from .whl/), spec_rl._C
 #               with its CUDA ops, compiled kernels
-#   2 tests     the GPU-relevant tests, -x --timeout=120:         150 s     240 s   the whole suite
+#   2 tests     the GPU-relevant tests, -x --timeout=120:         145 s     240 s   the whole suite
 #               kernels, paged KV ops, engine, verify dispatch,
 #               invalid scores
 #   3 suite     verification kernels at RESULTS.md's shapes,       60 s     180 s   --sweep
@@ -18,10 +18,11 @@
 #   6 rollout   bench_rollout --preset qwen3-0.6b, 32 x G=4,      75 s     165 s   64 x G=8, 512 tokens
 #               256 tokens: vanilla / histspec / spec / exact;
 #               bench_decode_cache (64 rows, 512 positions)
-#   6b stepcost bench_step_cost --preset qwen3-0.6b, 16 x G=4,   25 s      75 s    32 x G=4, 256 tokens,
+#   6b stepcost bench_step_cost --preset qwen3-0.6b, 16 x G=4,   30 s      75 s    32 x G=4, 256 tokens,
 #               128 tokens: the step-cost table measured fresh,                    3 repeats
-#               the widths it plans, plain / flat / measured
-#               rollouts (epoch 1 with siblings; histspec)
+#               the widths it plans, plain / flat / measured /
+#               corrected rollouts (epoch 1 with siblings;
+#               histspec)
 #   7 compile   registers / spills from this Triton's ptxas,      25 s     120 s   sweep configs, csrc nvcc
 #               default configs only (15 kernels)
 #   total                                                        480 s (8 min)
@@ -132,7 +133,7 @@ stage_6() {  # rollout modes at the Qwen3-0.6B shape, then one decode step: conc
     return $rc
 }
 
-stage_6b() {  # the step-cost model at the Qwen3-0.6B shape: its table, its widths, plain / flat / measured rollouts
+stage_6b() {  # the step-cost model at the Qwen3-0.6B shape: its table, its widths, plain / flat / measured / corrected rollouts
     local args="--preset qwen3-0.6b --prompts 16 --group 4 --max-tokens 128 --repeats 1" ; [ "$SMOKE" = 1 ] && args=$SMOKE_STEPCOST
     [ "$FULL" = 1 ] && args="--preset qwen3-0.6b --prompts 32 --group 4 --max-tokens 256 --repeats 3"
     # shellcheck disable=SC2086
@@ -278,12 +279,12 @@ trap on_signal TERM INT
 run_stage 1 install 75 300
 # Install or import failed (not exit 3, "installed, something missing"): nothing later can run.
 case "$LAST_RC" in "" | 0 | 3) ;; *) ABORT="install failed" ;; esac
-run_stage 2 tests 150 240
+run_stage 2 tests 145 240
 run_stage 3 suite 60 180
 run_stage 4 paged 25 90
 run_stage 5 engine 45 150
 run_stage 6 rollout 75 165
-run_stage 6b stepcost 25 75
+run_stage 6b stepcost 30 75
 run_stage 7 compile 25 120
 
 kill $REFRESHER 2>/dev/null

@@ -161,7 +161,8 @@ def section_decode_cache(rec: dict) -> list[str]:
 
 
 def section_step_cost(rec: dict) -> list[str]:
-    """Stage 6b: the step-cost table, the widths it plans, and rollouts under plain / flat / measured widths."""
+    """Stage 6b: the step-cost table, the widths it plans, and rollouts under plain / flat / measured / corrected
+    widths (corrected: the table priced by the loop's own steps; its learned factor per batch-size bucket)."""
     widths, acc = rec.get("widths", []), rec.get("acceptances", [])
     out = ["## Step-cost model (stage 6b, bench_step_cost.py)", "", _status_line(rec), "",
            f"{rec.get('backend')}, {rec.get('device')}, commit `{rec.get('commit')}`. ms per decode step "
@@ -175,12 +176,17 @@ def section_step_cost(rec: dict) -> list[str]:
                  [[r.get("context", "-"), r["rows"]] + [f"{w:.2f}" for w in r["width"]] for r in rec.get("plan", [])])
     rows = [[name, _cell(r.get("generated_tokens")), _cell(r.get("decode_steps")), _cell(r.get("positions")),
              _cell(r.get("width"), "{:.2f}"), _cell(r.get("rollout_s"), "{:.3f}"), _cell(r.get("time_x"), "{:.3f}"),
-             _cell(r.get("same_tokens"))] for name, r in rec.get("rows", {}).items()]
+             _cell(r.get("same_tokens")), _factors(r.get("wide_factor"))] for name, r in rec.get("rows", {}).items()]
     out += ["", f"Rollouts: {rec.get('prompts')} prompts x G={rec.get('group')}, {rec.get('max_tokens')} tokens, "
             f"fastest of {rec.get('repeats')}:", ""]
     out += table(["setting/policy", "generated tokens", "decode steps", "positions", "width", "rollout s",
-                  "time x plain", "same tokens"], rows)
+                  "time x plain", "same tokens", "wide x (bucket: factor)"], rows)
     return out + [""] + _checks_and_failures(rec)
+
+
+def _factors(factors: dict | None) -> str:
+    """A corrected row's learned wide-step factors, "bucket: factor" (bucket b holds rows.bit_length() // 2 == b)."""
+    return ", ".join(f"{b}: {f:.2f}" for b, f in factors.items()) if factors else "-"
 
 
 def section_compile(rec: dict) -> list[str]:

@@ -28,6 +28,7 @@ import torch
 
 from ..sampling.distribution import SamplingSettings, keyed_sample
 from .kv_buffer import InPlaceLayer, in_place_cache, left_padded_cache
+from .step_correction import StepCorrection, StepTimer
 from .step_cost import ProposalBackoff, StepCost, acceptance_of, fastest_run, plan_proposals
 
 
@@ -184,10 +185,12 @@ class SpeculativeDecoder:
         on_step: called with the number of live rows after every forward (progress bars).
         step_cost: returns the backend's :class:`~spec_rl.backends.step_cost.StepCost` (called only when a
             row has a proposal; default: a flat cost, i.e. always verify every proposed token).
+        correction: the backend's :class:`~spec_rl.backends.step_correction.StepCorrection`, which this loop's
+            steps are timed for and which prices its wide steps; None: the table as measured.
     """
 
     def __init__(self, model, settings: SamplingSettings, seed: int, eos_ids, max_k: int, pad_id: int, on_step=None,
-                 step_cost=StepCost.flat):  # fmt: skip
+                 step_cost=StepCost.flat, correction: StepCorrection | None = None):  # fmt: skip
         self.model = model
         self.settings = settings
         self.seed = int(seed)
@@ -199,6 +202,9 @@ class SpeculativeDecoder:
         self.cache_arg = cache_argument(model)
         self.counters = DecodeCounters()
         self.backoff = ProposalBackoff()  # stops asking proposers while speculation does not pay
+        self.correction = correction
+        self.timer = StepTimer(correction)
+        self._cost: StepCost | None = None  # the table, once a proposal made this loop ask for it
 
     def sample(self, logits: torch.Tensor, uids: Sequence[int], positions: Sequence[int]):
         dev = logits.device
@@ -217,7 +223,8 @@ class SpeculativeDecoder:
         if len(live) != len(rows):
             kv.select(torch.tensor([i for i, r in enumerate(rows) if r.finish is None], dtype=torch.long, device=kv.mask.device))
         while live:
-            self._step(kv, live)
+            shape = (len(live), kv.width)  # rows, cached columns attention reads
+            width = self._step(kv, live)
             keep = [i for i, r in enumerate(live) if r.finish is None]
             if len(keep) < len(live) and (not keep or len(keep) * 4 <= 3 * len(live)):
                 live = [live[i] for i in keep]
@@ -228,6 +235,7 @@ class SpeculativeDecoder:
             # nothing, but dropping them one by one would copy the whole cache every step.
             if live and kv.width > 2 * int(kv.mask.sum(1).max()) + 16:
                 kv.compact()
+            self.timer.stop(self._cost, shape[0], shape[0] * width, shape[1])  # rollback and compaction included
 
     def _inputs(self, rows: list[DecodeRow], active: list[bool], context: int):
         """Per row: [last token, proposal...] right-padded to one width; which positions are fed.
@@ -247,7 +255,9 @@ class SpeculativeDecoder:
                  for r, ok in zip(rows, active)]  # fmt: skip
         props = cands
         if any(cands):
-            cost = self.step_cost()
+            cost = self._cost = self.step_cost()
+            if self.correction is not None:
+                cost = self.correction.apply(cost, len(rows))
             props = plan_proposals(cands, [acceptance_of(r.proposer) for r in rows], cost, padded=True, context=context)
             props = self.backoff.explore(props, cands, cost, padded=True, context=context)
             self.backoff.planned(live, fed=any(props))
@@ -265,10 +275,12 @@ class SpeculativeDecoder:
         fed[:, 0] = True  # finished rows keep one valid query so attention never sees an empty row
         return props, lens, ids, fed
 
-    def _step(self, kv: KVRows, rows: list[DecodeRow]) -> None:
+    def _step(self, kv: KVRows, rows: list[DecodeRow]) -> int:
+        """One forward over every row; returns its width (fed positions per row)."""
         dev = kv.mask.device
         active = [r.finish is None for r in rows]
         props, lens, ids, fed = self._inputs(rows, active, kv.width)
+        self.timer.start()  # the proposers' lookups are spent whatever the plan: not part of the step's price
         width = ids.shape[1]
         positions = torch.tensor([r.position for r in rows], dtype=torch.long).unsqueeze(1) + torch.arange(width)
         kv.mask = torch.cat([kv.mask, fed.to(dev, torch.long)], dim=1)
@@ -311,6 +323,7 @@ class SpeculativeDecoder:
             r.position += kept
         if self.on_step is not None:
             self.on_step(sum(active))
+        return width
 
 
 def prefill(model, contexts: Sequence[Sequence[int]], pad_id: int) -> tuple[KVRows, torch.Tensor]:

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from ..util.atomic import atomic_write_text
+from .step_correction import StepCorrection
 
 __all__ = ["CostSizedBackend", "ProposalBackoff", "StepCost", "acceptance_of", "cost_key", "fastest_run", "measured_contexts",
            "measured_cost", "monotone_fit", "plan_proposals"]
@@ -78,6 +79,9 @@ class StepCost:
         per_position: [len(rows)][len(widths)] seconds each further cached position adds to a step (>= 0,
             non-decreasing in rows and widths), or () when only one context was measured (the cost then
             ignores the context).
+        wide_factor: multiplies the seconds of a step that feeds more than one token per row (a correction
+            learned from the decode loop's own steps, :class:`~spec_rl.backends.step_correction.StepCorrection`;
+            not stored with the table).
     """
 
     rows: tuple[int, ...]
@@ -86,6 +90,7 @@ class StepCost:
     source: str = field(default="given", compare=False)
     context: int = 64
     per_position: tuple[tuple[float, ...], ...] = ()
+    wide_factor: float = field(default=1.0, compare=False)
 
     @classmethod
     def flat(cls) -> "StepCost":
@@ -99,7 +104,7 @@ class StepCost:
         seconds = self._at(self.seconds, rows, width)
         if context is not None and self.per_position and context > self.context:
             seconds += (context - self.context) * self._at(self.per_position, rows, width)
-        return seconds
+        return seconds * self.wide_factor if tokens > rows else seconds
 
     def _at(self, table: tuple[tuple[float, ...], ...], rows: int, width: float) -> float:
         return _interp(self.rows, [_interp(self.widths, row, width) for row in table], rows)
@@ -375,9 +380,12 @@ def measured_cost(
 
 class CostSizedBackend:
     """Mixin of a decoding backend whose speculation is sized by a :class:`StepCost`: the one given (at
-    construction or by :meth:`set_step_cost`), else measured once by the backend's ``_measure_step_cost()``."""
+    construction or by :meth:`set_step_cost`), else measured once by the backend's ``_measure_step_cost()``;
+    optionally corrected by the decode loops' own steps (:meth:`step_correction`)."""
 
     _step_cost: StepCost | None = None
+    _corrected: bool | None = None  # correct the table by the loops' steps: None = as SPEC_RL_STEP_CORRECTION says
+    _correction: StepCorrection | None = None  # made on first use
 
     def _measure_step_cost(self) -> StepCost:
         raise NotImplementedError
@@ -389,13 +397,31 @@ class CostSizedBackend:
             self._step_cost = self._measure_step_cost()
         return self._step_cost
 
-    def set_step_cost(self, cost: StepCost | None) -> None:
+    def step_correction(self) -> StepCorrection | None:
+        """The :class:`~spec_rl.backends.step_correction.StepCorrection` that the decode loops time their steps for
+        and price wide steps by (one per backend), or None: off unless asked for, by ``set_step_cost(...,
+        corrected=True)`` or, for a measured table, ``SPEC_RL_STEP_CORRECTION=1``. Off, a table gives the same
+        decode steps in every run; on, the steps depend on the times the loops read (tokens never do). On the
+        demo's CPU it found no price the table gets wrong beyond the machine's noise (benchmarks/RESULTS.md)."""
+        on = self._corrected if self._corrected is not None else os.environ.get("SPEC_RL_STEP_CORRECTION") == "1"
+        if not on:
+            return None
+        if self._correction is None:
+            self._correction = StepCorrection()
+        return self._correction
+
+    def set_step_cost(self, cost: StepCost | None, corrected: bool | None = None) -> None:
         """Size speculation by ``cost`` from the next decode on (None: measure, or read the disk cache, on next
         use). :meth:`StepCost.flat` verifies every proposed token; compare policies on one backend this way.
+        ``corrected``: whether the decode loops correct the table by their own steps (:meth:`step_correction`;
+        a fresh correction either way); None: as ``SPEC_RL_STEP_CORRECTION`` says for a measured table (``cost``
+        None), off for a table given here.
 
         Raises:
             TypeError: ``cost`` is neither a StepCost nor None.
         """
         if cost is not None and not isinstance(cost, StepCost):
             raise TypeError(f"cost must be a StepCost or None (measure on next use), got {type(cost).__name__}")
-        self._step_cost = cost
+        if corrected is None and cost is not None:
+            corrected = False
+        self._step_cost, self._corrected, self._correction = cost, corrected, None

@@ -95,7 +95,7 @@ class TransformersBackend(CostSizedBackend, ModelLimits, ReprefillBackend):
         self.splice = bool(splice)
         self.scorer = PolicyScorer(model, self.pad_id, max_tokens_per_forward)
         self.stats = BackendStats()
-        self._step_cost: StepCost | None = step_cost
+        self.set_step_cost(step_cost)  # a table given here is taken as it is (no correction unless asked for)
 
     def _measure_step_cost(self) -> StepCost:
         key = cost_key("transformers", self.model, self.device)
@@ -256,7 +256,8 @@ class TransformersBackend(CostSizedBackend, ModelLimits, ReprefillBackend):
         return kv, rows
 
     def _decoder(self, settings, seed) -> SpeculativeDecoder:
-        return SpeculativeDecoder(self.model, settings, seed, self.eos_ids, self.max_k, self.pad_id, step_cost=self.step_cost)
+        return SpeculativeDecoder(self.model, settings, seed, self.eos_ids, self.max_k, self.pad_id,
+                                  step_cost=self.step_cost, correction=self.step_correction())  # fmt: skip
 
     def _decode(self, kv: KVRows, rows: list[DecodeRow], settings, seed, results) -> None:
         dec = self._decoder(settings, seed)

@@ -98,7 +98,7 @@ class PagedEngine(CostSizedBackend, ModelLimits):
         step_cost: StepCost | None = None,
     ):
         self.model = model
-        self._step_cost = step_cost
+        self.set_step_cost(step_cost)  # a table given here is taken as it is (no correction unless asked for)
         self.eos_ids, self.pad_id, self.max_batch_size = backend_arguments(eos_ids, pad_id, max_batch_size)
         self.progress = progress
         if isinstance(max_k, bool) or int(max_k) != max_k or max_k < 0:
@@ -172,7 +172,8 @@ class PagedEngine(CostSizedBackend, ModelLimits):
         uids = list(range(rows)) if uids is None else [int(u) for u in uids]
         proposers = [None] * rows if proposers is None else list(proposers)
         check_same_length(rows, what, uids=uids, proposers=proposers)
-        return KeyedSampler(settings, seed, uids, proposers, self.max_k, self.eos_ids, step_cost=self.step_cost)
+        return KeyedSampler(settings, seed, uids, proposers, self.max_k, self.eos_ids, step_cost=self.step_cost,
+                            correction=self.step_correction())  # fmt: skip
 
     def _measure_step_cost(self) -> StepCost:
         contexts = measured_contexts(self.max_positions)

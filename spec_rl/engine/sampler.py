@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..backends.step_correction import StepCorrection, StepTimer
 from ..backends.step_cost import ProposalBackoff, StepCost, acceptance_of, plan_proposals
 from ..sampling.distribution import SamplingSettings, keyed_sample
 from .sequence import SequenceState
@@ -46,6 +47,9 @@ class KeyedSampler:
     step_cost:
         returns the engine's :class:`~spec_rl.backends.step_cost.StepCost` (default: flat, i.e. feed every
         proposed token).
+    correction:
+        the engine's :class:`~spec_rl.backends.step_correction.StepCorrection`, which the decode steps are timed
+        for and which prices wide steps; None: the table as measured.
     """
 
     def __init__(
@@ -57,6 +61,7 @@ class KeyedSampler:
         max_k: int,
         eos_ids,
         step_cost=StepCost.flat,
+        correction: StepCorrection | None = None,
     ):
         self.step_cost = step_cost  # () -> StepCost, called only when a proposer offers tokens
         self.settings = settings
@@ -66,6 +71,9 @@ class KeyedSampler:
         self.max_k = int(max_k)
         self.eos_ids = {int(e) for e in eos_ids}
         self.backoff = ProposalBackoff()  # stops asking proposers while speculation does not pay
+        self.correction = correction
+        self.timer = StepTimer(correction)
+        self._cost: StepCost | None = None  # the table, once a proposal made this call ask for it
 
     def proposal(self, seq: SequenceState) -> list[int]:
         """What ``seq``'s proposer offers after its pending token: at most ``min(max_k, budget - 1)``, so
@@ -82,13 +90,25 @@ class KeyedSampler:
         batch's mean) are highest (packed: per sequence; :func:`~spec_rl.backends.step_cost.plan_proposals`).
         All empty when no proposer offers anything, and while the
         :class:`~spec_rl.backends.step_cost.ProposalBackoff` skips asking (the last plans fed nothing)."""
+        plan = self._plan(seqs, context)
+        self.timer.start()  # the proposers' lookups are spent whatever the plan: not part of the step's price
+        return plan
+
+    def step_done(self, rows: int, tokens: int, context: float) -> None:
+        """The decode step planned by the latest :meth:`proposals` is applied: ``rows`` sequences fed ``tokens``
+        positions in all at ``context`` cached tokens each (mean); times it for the correction."""
+        self.timer.stop(self._cost, rows, tokens, context)
+
+    def _plan(self, seqs: Sequence[SequenceState], context: float | None) -> list[list[int]]:
         if not self.backoff.ask(len(seqs)):
             return [[] for _ in seqs]
         offered = [self.proposal(s) for s in seqs]
         if not any(offered):
             return offered
         probs = [acceptance_of(self.proposers[s.result_index]) for s in seqs]
-        cost = self.step_cost()
+        cost = self._cost = self.step_cost()
+        if self.correction is not None:
+            cost = self.correction.apply(cost, len(seqs))
         plan = plan_proposals(offered, probs, cost, padded=False, context=context)
         plan = self.backoff.explore(plan, offered, cost, padded=False, context=context)
         self.backoff.planned(len(seqs), fed=any(plan))

@@ -22,13 +22,17 @@ def test_bench_step_cost_reports_table_plan_and_every_policy(tmp_path, capsys):
     for row in rec["plan"]:
         assert all(1 <= w <= 9 for w in row["width"])  # max_k = 8 proposed tokens + the pending one
     rows = rec["rows"]
-    assert set(rows) == {f"{s}/{p}" for s in ("e1-siblings", "histspec") for p in ("plain", "flat", "measured")}
+    policies = ("plain", "flat", "measured", "corrected")
+    assert set(rows) == {f"{s}/{p}" for s in ("e1-siblings", "histspec") for p in policies}
     for setting in ("e1-siblings", "histspec"):
         plain, flat = rows[f"{setting}/plain"], rows[f"{setting}/flat"]
         assert plain["width"] == 1.0 and plain["time_x"] == 1.0
-        for policy in ("plain", "flat", "measured"):  # float64: every policy decodes plain decoding's tokens
+        for policy in policies:  # float64: every policy decodes plain decoding's tokens
             r = rows[f"{setting}/{policy}"]
             assert r["same_tokens"] is True and r["generated_tokens"] == plain["generated_tokens"]
-        assert flat["positions"] >= rows[f"{setting}/measured"]["positions"] >= plain["positions"]
+        for policy in ("measured", "corrected"):
+            assert flat["positions"] >= rows[f"{setting}/{policy}"]["positions"] >= plain["positions"]
+        assert all(0.5 <= f <= 2.0 for f in rows[f"{setting}/corrected"]["wide_factor"].values())
+        assert rows[f"{setting}/measured"]["wide_factor"] == {}
     assert rows["histspec/flat"]["positions"] > rows["histspec/plain"]["positions"]  # flat feeds every history draft
     assert "same tokens under every policy: True" in capsys.readouterr().out
