@@ -61,7 +61,12 @@ class SiblingTokens:
 
         Returns (tokens, n): the most recent occurrence with a continuation, of the longest order n that
         has one ([] and 0 when none does). An occurrence at the member's own end is skipped.
+
+        Raises:
+            TypeError: ``k`` is not an integer (a bool, a float).
         """
+        if isinstance(k, bool) or not hasattr(k, "__index__"):
+            raise TypeError(f"k must be an integer count of tokens, got {k!r}")
         seq = self.seqs.get(member, [])
         if len(seq) < 2 or k <= 0:
             return [], 0

@@ -24,6 +24,12 @@ def test_a_member_is_offered_what_followed_its_last_tokens_in_a_sibling():
     assert group.continuation("c", 2) == ([8, 9], 2)  # from the read-only text
     group.extend("d", [2, 3, 4, 2, 3])
     assert group.continuation("d", 2) == ([4, 2], 2)  # the most recent occurrence (its own earlier one) wins
+    for bad in (2.5, True, "2", None):
+        with pytest.raises(TypeError, match="k must be an integer count of tokens"):
+            group.continuation("d", bad)
+    import numpy as np
+
+    assert group.continuation("d", np.int64(2)) == ([4, 2], 2)  # any integer type
 
 
 def _brute_continuation(appends, seqs, member, k):
