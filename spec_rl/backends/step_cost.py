@@ -79,9 +79,9 @@ class StepCost:
         per_position: [len(rows)][len(widths)] seconds each further cached position adds to a step (>= 0,
             non-decreasing in rows and widths), or () when only one context was measured (the cost then
             ignores the context).
-        wide_factor: multiplies the seconds of a step that feeds more than one token per row (a correction
-            learned from the decode loop's own steps, :class:`~spec_rl.backends.step_correction.StepCorrection`;
-            not stored with the table).
+        wide_factor: multiplies what a step that feeds more tokens than rows costs beyond its one-token
+            version (finite, >= 0; a correction learned from the decode loop's own steps,
+            :class:`~spec_rl.backends.step_correction.StepCorrection`; not stored with the table).
     """
 
     rows: tuple[int, ...]
@@ -92,6 +92,10 @@ class StepCost:
     per_position: tuple[tuple[float, ...], ...] = ()
     wide_factor: float = field(default=1.0, compare=False)
 
+    def __post_init__(self):
+        if not (isinstance(self.wide_factor, (int, float)) and 0.0 <= self.wide_factor < float("inf")):
+            raise ValueError(f"wide_factor must be a finite number >= 0, got {self.wide_factor!r}")
+
     @classmethod
     def flat(cls) -> "StepCost":
         """A cost that does not grow with the width: every step verifies all it can (tests, a GPU's ideal)."""
@@ -100,11 +104,18 @@ class StepCost:
     def __call__(self, rows: int, tokens: int, context: float | None = None) -> float:
         """Seconds of one forward over ``rows`` sequences feeding ``tokens`` positions in all, each row holding
         ``context`` cached positions (None, or fewer than :attr:`context`: as measured at :attr:`context`)."""
+        seconds = self._table(rows, tokens, context)
+        if tokens > rows and self.wide_factor != 1.0:  # the correction prices only what the width adds
+            one = self._table(rows, rows, context)
+            seconds = one + self.wide_factor * max(seconds - one, 0.0)
+        return seconds
+
+    def _table(self, rows: int, tokens: int, context: float | None) -> float:
         width = tokens / max(rows, 1)
         seconds = self._at(self.seconds, rows, width)
         if context is not None and self.per_position and context > self.context:
             seconds += (context - self.context) * self._at(self.per_position, rows, width)
-        return seconds * self.wide_factor if tokens > rows else seconds
+        return seconds
 
     def _at(self, table: tuple[tuple[float, ...], ...], rows: int, width: float) -> float:
         return _interp(self.rows, [_interp(self.widths, row, width) for row in table], rows)
@@ -378,6 +389,16 @@ def measured_cost(
     return cost
 
 
+def _env_switch(name: str) -> bool:
+    """An on/off environment variable: unset or empty, 0, false, no, off -> False; 1, true, yes, on -> True."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"{name} must be 1 or 0 (true/false, yes/no, on/off), got {os.environ[name]!r}")
+
+
 class CostSizedBackend:
     """Mixin of a decoding backend whose speculation is sized by a :class:`StepCost`: the one given (at
     construction or by :meth:`set_step_cost`), else measured once by the backend's ``_measure_step_cost()``;
@@ -402,8 +423,12 @@ class CostSizedBackend:
         and price wide steps by (one per backend), or None: off unless asked for, by ``set_step_cost(...,
         corrected=True)`` or, for a measured table, ``SPEC_RL_STEP_CORRECTION=1``. Off, a table gives the same
         decode steps in every run; on, the steps depend on the times the loops read (tokens never do). On the
-        demo's CPU it found no price the table gets wrong beyond the machine's noise (benchmarks/RESULTS.md)."""
-        on = self._corrected if self._corrected is not None else os.environ.get("SPEC_RL_STEP_CORRECTION") == "1"
+        demo's CPU it found no price the table gets wrong beyond the machine's noise (benchmarks/RESULTS.md).
+
+        Raises:
+            ValueError: ``SPEC_RL_STEP_CORRECTION`` set to something other than 1/0, true/false, yes/no, on/off.
+        """
+        on = self._corrected if self._corrected is not None else _env_switch("SPEC_RL_STEP_CORRECTION")
         if not on:
             return None
         if self._correction is None:
@@ -418,10 +443,12 @@ class CostSizedBackend:
         None), off for a table given here.
 
         Raises:
-            TypeError: ``cost`` is neither a StepCost nor None.
+            TypeError: ``cost`` is neither a StepCost nor None, or ``corrected`` neither a bool nor None.
         """
         if cost is not None and not isinstance(cost, StepCost):
             raise TypeError(f"cost must be a StepCost or None (measure on next use), got {type(cost).__name__}")
+        if corrected is not None and not isinstance(corrected, bool):
+            raise TypeError(f"corrected must be True, False or None (as SPEC_RL_STEP_CORRECTION says), got {corrected!r}")
         if corrected is None and cost is not None:
             corrected = False
         self._step_cost, self._corrected, self._correction = cost, corrected, None

@@ -19,6 +19,7 @@ kept when the policy's keyed sample equals it, so they change the number of deco
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 from .history import in_vocab_prefix, matched_prefix
@@ -65,8 +66,13 @@ class SiblingTokens:
         Raises:
             TypeError: ``k`` is not an integer (a bool, a float).
         """
-        if isinstance(k, bool) or not hasattr(k, "__index__"):
+        try:
+            count = operator.index(k) if not isinstance(k, bool) else None
+        except TypeError:
+            count = None
+        if count is None:
             raise TypeError(f"k must be an integer count of tokens, got {k!r}")
+        k = count
         seq = self.seqs.get(member, [])
         if len(seq) < 2 or k <= 0:
             return [], 0

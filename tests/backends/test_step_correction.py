@@ -17,79 +17,109 @@ from spec_rl.sampling.distribution import SamplingSettings
 TABLE = StepCost((1, 64), (1, 2, 3), ((1.0, 1.4, 1.8), (64.0, 89.6, 115.2)), source="measured here")
 
 
-def _feed(corr: StepCorrection, rows: int, narrow: float, wide: float, steps: int = 5) -> None:
-    """``steps`` one-token and 2-wide steps that took ``narrow`` / ``wide`` times the table's prediction."""
+def _feed(corr: StepCorrection, rows: int, scale: float, factor: float, steps: int = 5, width: int = 2) -> None:
+    """``steps`` one-token steps taking ``scale`` x the table, and ``width``-wide ones whose extra positions cost
+    ``factor`` x the table's price of them (on the same scale)."""
+    one, wide = TABLE(rows, rows), TABLE(rows, width * rows)
     for _ in range(steps):
-        corr.record(rows, rows, narrow * TABLE(rows, rows), TABLE(rows, rows))
-        corr.record(rows, 2 * rows, wide * TABLE(rows, 2 * rows), TABLE(rows, 2 * rows))
+        corr.record(rows, rows, scale * one, one)
+        corr.record(rows, width * rows, scale * (one + factor * (wide - one)), wide, one)
 
 
-def test_the_factor_is_the_ratio_of_the_two_kinds_ratios_and_a_common_slowdown_cancels():
+def test_the_factor_prices_the_extra_positions_and_a_common_slowdown_cancels():
     corr = StepCorrection(min_steps=3)
     assert corr.factor(64) == 1.0
-    _feed(corr, 64, narrow=1.0, wide=1.3, steps=2)
-    assert corr.factor(64) == 1.0  # two of each: not enough yet
-    _feed(corr, 64, narrow=1.0, wide=1.3, steps=1)
-    assert corr.factor(64) == pytest.approx(1.3)
+    _feed(corr, 64, scale=1.0, factor=1.3, steps=2)
+    assert corr.factor(64) == 1.0 and corr.factors() == {}  # two of each: not enough yet
+    _feed(corr, 64, scale=1.0, factor=1.3, steps=1)
+    assert corr.factor(64) == pytest.approx(1.3) and corr.factors() == {3: pytest.approx(1.3)}
     slow = StepCorrection()
-    _feed(slow, 64, narrow=2.0, wide=2.6)  # the whole machine twice as slow: only the relative price counts
+    _feed(slow, 64, scale=2.0, factor=1.3, width=3)  # every step twice as slow: only the relative price counts
     assert slow.factor(64) == pytest.approx(1.3)
     cheap = StepCorrection()
-    _feed(cheap, 64, narrow=1.2, wide=0.9)
+    _feed(cheap, 64, scale=1.7, factor=0.75)
     assert cheap.factor(64) == pytest.approx(0.75)
 
 
 def test_buckets_keep_batch_sizes_apart_and_the_factor_is_clipped():
     corr = StepCorrection(bounds=(0.5, 2.0))
-    _feed(corr, 200, narrow=1.0, wide=5.0)
+    _feed(corr, 200, scale=1.0, factor=5.0)
     assert corr.factor(200) == 2.0 and corr.factor(256) == 2.0  # same bucket (128-511), clipped at 2
     assert corr.factor(1) == 1.0 and corr.factor(40) == 1.0  # other buckets: nothing seen
-    _feed(corr, 1, narrow=1.0, wide=0.1)
+    _feed(corr, 1, scale=1.0, factor=0.1)
     assert corr.factor(1) == 0.5 and corr.factors() == {0: 0.5, 4: 2.0}
     assert [StepCorrection.bucket(r) for r in (1, 2, 7, 8, 31, 32, 127, 128, 511, 512)] == [0, 1, 1, 2, 2, 3, 3, 4, 4, 5]
 
 
-def test_older_steps_fade_so_the_factor_follows_a_change():
+def test_older_steps_fade_and_the_factor_is_its_formula_over_decayed_sums():
     corr = StepCorrection(decay=0.8)
-    _feed(corr, 64, narrow=1.0, wide=1.5, steps=20)
+    _feed(corr, 64, scale=1.0, factor=1.5, steps=20)
     assert corr.factor(64) == pytest.approx(1.5)
-    _feed(corr, 64, narrow=1.0, wide=1.0, steps=30)
+    _feed(corr, 64, scale=1.0, factor=1.0, steps=30)
     assert corr.factor(64) == pytest.approx(1.0, abs=0.01)
-    exact = StepCorrection(decay=0.8)  # the weighted ratio, computed here from its definition on random steps
     rng = random.Random(0)
-    steps = [(rng.random() < 0.5, rng.uniform(0.5, 2.0)) for _ in range(40)]
-    for wide, ratio in steps:
-        tokens = 128 if wide else 64
-        exact.record(64, tokens, ratio * TABLE(64, tokens), TABLE(64, tokens))
+    steps = [(rng.choice((1, 2, 3)), rng.uniform(0.5, 2.0)) for _ in range(40)]  # (width, actual / predicted)
+    exact = StepCorrection(decay=0.8, bounds=(0.0, 100.0))
+    for width, ratio in steps:
+        exact.record(64, 64 * width, ratio * TABLE(64, 64 * width), TABLE(64, 64 * width), TABLE(64, 64))
 
-    def weighted(kind):
-        seen = [(TABLE(64, 128 if kind else 64), r) for w, r in steps if w == kind]
-        weights = [0.8 ** (len(seen) - 1 - i) for i in range(len(seen))]
-        return sum(w * p * r for w, (p, r) in zip(weights, seen)) / sum(w * p for w, (p, _) in zip(weights, seen))
+    def decayed(kind, term):  # sum over the steps of one kind, the newest weighted 1, older ones 0.8 per step
+        seen = [term(w, r) for w, r in steps if (w > 1) == kind]
+        return sum(0.8 ** (len(seen) - 1 - i) * v for i, v in enumerate(seen))
 
-    expected = min(max(weighted(True) / weighted(False), 0.5), 2.0)
+    scale = decayed(False, lambda w, r: r * TABLE(64, 64)) / decayed(False, lambda w, r: TABLE(64, 64))
+    actual = decayed(True, lambda w, r: r * TABLE(64, 64 * w))
+    extra = decayed(True, lambda w, r: TABLE(64, 64 * w) - TABLE(64, 64))
+    expected = (actual - scale * decayed(True, lambda w, r: TABLE(64, 64))) / (scale * extra)
     assert exact.factor(64) == pytest.approx(expected, rel=1e-12)
 
 
-def test_bad_steps_are_ignored_and_bad_arguments_are_refused():
+def test_steps_without_finite_times_are_ignored_and_no_sums_give_a_nan_factor():
     corr = StepCorrection()
-    for seconds, predicted in ((0.0, 1.0), (1.0, 0.0), (float("nan"), 1.0), (float("inf"), 1.0), (1.0, float("inf"))):
-        corr.record(8, 16, seconds, predicted)
+    for seconds, predicted in ((0.0, 1.0), (1.0, 0.0), (float("nan"), 1.0), (float("inf"), 1.0), (1.0, float("inf")), (-1.0, 1.0)):
+        corr.record(8, 16, seconds, predicted, 0.5)
     assert corr._sums == {}
-    with pytest.raises(ValueError, match="decay"):
-        StepCorrection(decay=0.0)
-    with pytest.raises(ValueError, match="min_steps"):
-        StepCorrection(min_steps=0)
-    with pytest.raises(ValueError, match="bounds"):
-        StepCorrection(bounds=(1.5, 2.0))
+    for _ in range(5):  # sums that overflow, or a one-token ratio that underflows: the factor stays 1, never NaN
+        corr.record(8, 8, 1e308, 1e308)
+        corr.record(8, 16, 1e308, 1e308, 1e307)
+        corr.record(300, 300, 1e-320, 1e10)
+        corr.record(300, 600, 1.0, 2.0, 1.0)
+    assert corr.factor(8) == 1.0 and corr.factor(300) == 1.0 and corr.factors() == {}
 
 
-def test_the_factor_prices_wide_steps_only_and_can_turn_a_plan_off():
+def test_bad_arguments_are_refused_with_their_names():
+    for kwargs, error, match in (
+        ({"decay": 0.0}, ValueError, "decay"), ({"decay": float("nan")}, ValueError, "decay"),
+        ({"decay": "0.9"}, TypeError, "decay"), ({"decay": True}, TypeError, "decay"),
+        ({"min_steps": 0}, ValueError, "min_steps"), ({"min_steps": float("inf")}, ValueError, "min_steps"),
+        ({"min_steps": "3"}, TypeError, "min_steps"), ({"bounds": (1.5, 2.0)}, ValueError, "bounds"),
+        ({"bounds": (0.5, float("inf"))}, ValueError, "bounds"), ({"bounds": 0.5}, TypeError, "bounds"),
+        ({"bounds": (0.5, 1.0, 2.0)}, TypeError, "bounds"), ({"bounds": (True, 2.0)}, TypeError, "bounds"),
+    ):  # fmt: skip
+        with pytest.raises(error, match=match):
+            StepCorrection(**kwargs)
     corr = StepCorrection()
-    _feed(corr, 64, narrow=1.0, wide=1.6)
+    for rows, tokens, error in ((0, 0, ValueError), (-2, 4, ValueError), (4, 3, ValueError), ("3", 10, TypeError),
+                                (None, 4, TypeError), (True, 2, TypeError), (4, 8.0, TypeError)):  # fmt: skip
+        with pytest.raises(error, match="rows|tokens"):
+            corr.record(rows, tokens, 1.0, 1.0)
+    with pytest.raises(ValueError, match="wide_factor"):
+        dataclasses.replace(TABLE, wide_factor=-1.0)
+    with pytest.raises(ValueError, match="wide_factor"):
+        dataclasses.replace(TABLE, wide_factor=float("nan"))
+
+
+def test_the_factor_prices_what_the_width_adds_and_can_turn_a_plan_off():
+    corr = StepCorrection()
+    _feed(corr, 64, scale=1.0, factor=1.6)
     priced = corr.apply(TABLE, 64)
     assert priced.wide_factor == pytest.approx(1.6) and priced == TABLE  # same table, corrected prices
-    assert priced(64, 64) == TABLE(64, 64) and priced(64, 128) == pytest.approx(1.6 * TABLE(64, 128))
+    one, wide = TABLE(64, 64), TABLE(64, 128)
+    assert priced(64, 64) == one and priced(64, 128) == pytest.approx(one + 1.6 * (wide - one))
+    assert priced(64, 65) == pytest.approx(one + 1.6 * (TABLE(64, 65) - one))  # one extra packed token: a little more
+    for factor in (0.0, 0.5):  # a cheap correction never prices a wide step below its one-token version
+        cheap = dataclasses.replace(TABLE, wide_factor=factor)
+        assert all(cheap(r, t) >= cheap(r, r) for r in (1, 3, 64, 100) for t in (r, r + 1, 2 * r, 9 * r))
     assert corr.apply(TABLE, 3) is TABLE  # nothing seen at 3 rows
     offered, probs = [[5, 6]] * 64, [0.8] * 64
     assert all(plan_proposals(offered, probs, TABLE, padded=True))
@@ -140,10 +170,12 @@ def test_loops_time_their_steps_for_a_measured_table_and_a_dear_correction_turns
     assert corr is not None and backend.step_correction() is corr
     run()  # steps depend on the times read: only the tokens are asserted
     assert any(True in sums for sums in corr._sums.values())  # the loop timed its wide steps
-    for bucket in range(3):  # now make wide steps look three times as dear as the table says, at 1-31 rows
-        corr._sums[bucket] = {False: [1.0, 1.0, 10.0], True: [3.0, 1.0, 10.0]}
-    assert corr.factor(1) == corr.factor(3) == 2.0
+    dear = backend._correction = StepCorrection(bounds=(0.5, 10.0))  # wide steps' extra positions 10x the table's
+    for rows in (1, 3):
+        _feed(dear, rows, scale=1.0, factor=10.0)
+    assert backend.step_correction() is dear and dear.factor(1) == dear.factor(3) == 10.0
     assert run() == plain_steps  # every plan refused, exploring too: plain decoding's steps
+    assert dear.factor(3) == 10.0  # the run's own one-token steps only shrank the scale: still dear
     backend.set_step_cost(TABLE, corrected=True)  # a fresh correction: factor 1 again
     assert backend.step_correction().factor(3) == 1.0
 
@@ -157,7 +189,17 @@ def test_the_correction_is_off_by_default_on_by_request_and_never_corrects_the_f
     assert corr is not None and backend.step_correction() is corr  # one per backend, for a table it measures
     assert TransformersBackend(tiny_model(seed=0), eos_ids=[1], pad_id=0, step_cost=TABLE).step_correction() is None
     assert backend.step_cost().source == "flat"  # SPEC_RL_STEP_COST=flat (tests/conftest.py)
-    _feed(corr, 8, narrow=1.0, wide=2.0)
+    _feed(corr, 8, scale=1.0, factor=2.0)
     assert corr.apply(backend.step_cost(), 8) is backend.step_cost()  # an instruction, not a measurement
     assert dataclasses.replace(TABLE, wide_factor=3.0) == TABLE  # the factor is not part of the table
     assert "wide_factor" not in TABLE.to_dict()
+    for value, on in (("true", True), ("ON", True), ("0", False), ("off", False), ("", False)):
+        monkeypatch.setenv("SPEC_RL_STEP_CORRECTION", value)
+        backend.set_step_cost(None)
+        assert (backend.step_correction() is not None) is on
+    monkeypatch.setenv("SPEC_RL_STEP_CORRECTION", "maybe")
+    with pytest.raises(ValueError, match="SPEC_RL_STEP_CORRECTION must be 1 or 0"):
+        backend.step_correction()
+    for bad in ("0", "false", 1, 2.5):
+        with pytest.raises(TypeError, match="corrected must be True, False or None"):
+            backend.set_step_cost(TABLE, corrected=bad)

@@ -24,12 +24,14 @@ def test_a_member_is_offered_what_followed_its_last_tokens_in_a_sibling():
     assert group.continuation("c", 2) == ([8, 9], 2)  # from the read-only text
     group.extend("d", [2, 3, 4, 2, 3])
     assert group.continuation("d", 2) == ([4, 2], 2)  # the most recent occurrence (its own earlier one) wins
-    for bad in (2.5, True, "2", None):
-        with pytest.raises(TypeError, match="k must be an integer count of tokens"):
-            group.continuation("d", bad)
     import numpy as np
 
-    assert group.continuation("d", np.int64(2)) == ([4, 2], 2)  # any integer type
+    for bad in (2.5, True, "2", None, torch.tensor(2.5), np.array([3]), np.True_):
+        with pytest.raises(TypeError, match="k must be an integer count of tokens"):
+            group.continuation("d", bad)
+    assert group.continuation("d", np.int64(2)) == group.continuation("d", np.uint8(2)) == ([4, 2], 2)  # any integer
+    assert group.continuation("d", torch.tensor(2)) == ([4, 2], 2)
+    assert group.continuation("d", np.uint8(250)) == ([4, 2, 3], 2)  # read as 250, not wrapped around
 
 
 def _brute_continuation(appends, seqs, member, k):
