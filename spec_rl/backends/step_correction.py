@@ -22,9 +22,26 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import os
 import time
 
-__all__ = ["StepCorrection", "StepTimer"]
+__all__ = ["StepCorrection", "StepTimer", "correction_requested"]
+
+
+def correction_requested() -> bool:
+    """Whether ``SPEC_RL_STEP_CORRECTION`` turns the correction on for measured tables: unset or empty, 0, false,
+    no, off -> False; 1, true, yes, on -> True (any case).
+
+    Raises:
+        ValueError: any other value.
+    """
+    raw = os.environ.get("SPEC_RL_STEP_CORRECTION", "")
+    value = raw.strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"SPEC_RL_STEP_CORRECTION must be 1 or 0 (true/false, yes/no, on/off), got {raw!r}")
 
 
 def _real(value, name: str) -> float:

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from ..util.atomic import atomic_write_text
-from .step_correction import StepCorrection
+from .step_correction import StepCorrection, correction_requested
 
 __all__ = ["CostSizedBackend", "ProposalBackoff", "StepCost", "acceptance_of", "cost_key", "fastest_run", "measured_contexts",
            "measured_cost", "monotone_fit", "plan_proposals"]
@@ -389,16 +389,6 @@ def measured_cost(
     return cost
 
 
-def _env_switch(name: str) -> bool:
-    """An on/off environment variable: unset or empty, 0, false, no, off -> False; 1, true, yes, on -> True."""
-    value = os.environ.get(name, "").strip().lower()
-    if value in ("", "0", "false", "no", "off"):
-        return False
-    if value in ("1", "true", "yes", "on"):
-        return True
-    raise ValueError(f"{name} must be 1 or 0 (true/false, yes/no, on/off), got {os.environ[name]!r}")
-
-
 class CostSizedBackend:
     """Mixin of a decoding backend whose speculation is sized by a :class:`StepCost`: the one given (at
     construction or by :meth:`set_step_cost`), else measured once by the backend's ``_measure_step_cost()``;
@@ -428,7 +418,7 @@ class CostSizedBackend:
         Raises:
             ValueError: ``SPEC_RL_STEP_CORRECTION`` set to something other than 1/0, true/false, yes/no, on/off.
         """
-        on = self._corrected if self._corrected is not None else _env_switch("SPEC_RL_STEP_CORRECTION")
+        on = self._corrected if self._corrected is not None else correction_requested()
         if not on:
             return None
         if self._correction is None:
