@@ -31,6 +31,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import numbers
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -79,9 +80,8 @@ class StepCost:
         per_position: [len(rows)][len(widths)] seconds each further cached position adds to a step (>= 0,
             non-decreasing in rows and widths), or () when only one context was measured (the cost then
             ignores the context).
-        wide_factor: multiplies what a step that feeds more tokens than rows costs beyond its one-token
-            version (finite, >= 0; a correction learned from the decode loop's own steps,
-            :class:`~spec_rl.backends.step_correction.StepCorrection`; not stored with the table).
+        wide_factor: multiplies what a step feeding more tokens than rows costs beyond its one-token version
+            (>= 0; learned by :class:`~spec_rl.backends.step_correction.StepCorrection`; not stored with the table).
     """
 
     rows: tuple[int, ...]
@@ -93,8 +93,14 @@ class StepCost:
     wide_factor: float = field(default=1.0, compare=False)
 
     def __post_init__(self):
-        if not (isinstance(self.wide_factor, (int, float)) and 0.0 <= self.wide_factor < float("inf")):
-            raise ValueError(f"wide_factor must be a finite number >= 0, got {self.wide_factor!r}")
+        factor = self.wide_factor
+        try:
+            value = float(factor) if isinstance(factor, numbers.Real) and not isinstance(factor, bool) else -1.0
+        except OverflowError:  # an int too large for a float
+            value = -1.0
+        if not 0.0 <= value < float("inf"):
+            raise ValueError(f"wide_factor must be a finite number >= 0, got {factor!r}")
+        object.__setattr__(self, "wide_factor", value)
 
     @classmethod
     def flat(cls) -> "StepCost":
@@ -105,9 +111,9 @@ class StepCost:
         """Seconds of one forward over ``rows`` sequences feeding ``tokens`` positions in all, each row holding
         ``context`` cached positions (None, or fewer than :attr:`context`: as measured at :attr:`context`)."""
         seconds = self._table(rows, tokens, context)
-        if tokens > rows and self.wide_factor != 1.0:  # the correction prices only what the width adds
+        if tokens > rows:  # never below the one-token step (past the grid a table may extrapolate lower)
             one = self._table(rows, rows, context)
-            seconds = one + self.wide_factor * max(seconds - one, 0.0)
+            seconds = one + self.wide_factor * max(seconds - one, 0.0)  # the correction prices what the width adds
         return seconds
 
     def _table(self, rows: int, tokens: int, context: float | None) -> float:

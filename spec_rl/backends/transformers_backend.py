@@ -114,8 +114,9 @@ class TransformersBackend(CostSizedBackend, ModelLimits, ReprefillBackend):
         Raises:
             TypeError: non-integer ids or budgets.
             ValueError: mismatched lengths, an empty context, a negative budget, an id outside the
-                vocabulary, or a context + budget past ``max_positions``.
+                vocabulary, or a context + budget past ``max_positions``; a bad ``SPEC_RL_STEP_CORRECTION``.
         """
+        self.step_correction()  # a bad SPEC_RL_STEP_CORRECTION fails here, before any forward
         results, todo = split_zero_budgets(contexts, budgets)
         contexts = self.checked_contexts(contexts, budgets)
         uids = list(range(len(contexts))) if uids is None else [int(u) for u in uids]
@@ -169,8 +170,10 @@ class TransformersBackend(CostSizedBackend, ModelLimits, ReprefillBackend):
 
         Raises:
             ValueError: a handle that is not this backend's or was already used; mismatched lengths;
-                an id outside the vocabulary or a sequence past ``max_positions``.
+                an id outside the vocabulary or a sequence past ``max_positions``; a bad ``SPEC_RL_STEP_CORRECTION``
+                (the handle is left unused).
         """
+        self.step_correction()
         if not isinstance(handle, SplicedDrafts):
             return super().continue_from(handle, accepted_lens, first_tokens, budgets, settings, seed,
                                          extra_contexts, extra_budgets, uids=uids, proposers=proposers, sources=sources)  # fmt: skip

@@ -203,3 +203,26 @@ def test_the_correction_is_off_by_default_on_by_request_and_never_corrects_the_f
     for bad in ("0", "false", 1, 2.5):
         with pytest.raises(TypeError, match="corrected must be True, False or None"):
             backend.set_step_cost(TABLE, corrected=bad)
+
+
+def test_wide_factor_is_checked_and_a_wide_step_never_costs_less_than_a_one_token_step():
+    import numpy as np
+
+    for good in (2, np.float32(1.5), np.int64(2), 0):
+        factor = dataclasses.replace(TABLE, wide_factor=good).wide_factor
+        assert type(factor) is float and factor == float(good)
+    for bad in (True, -0.5, float("inf"), float("nan"), 2**1100, "2"):
+        with pytest.raises(ValueError, match="wide_factor must be a finite number >= 0"):
+            dataclasses.replace(TABLE, wide_factor=bad)
+    falling = StepCost((1, 8), (1, 2, 3), ((1.0, 2.0, 3.0), (8.0, 8.5, 9.0)))  # past 8 rows it extrapolates lower
+    for factor in (1.0, 0.5, 1.5):
+        cost = dataclasses.replace(falling, wide_factor=factor)
+        assert all(cost(64, w * 64) >= cost(64, 64) for w in (2, 3, 9))
+
+
+def test_a_bad_switch_fails_before_any_forward(monkeypatch):
+    monkeypatch.setenv("SPEC_RL_STEP_CORRECTION", "maybe")
+    backend = TransformersBackend(tiny_model(seed=0), eos_ids=[1], pad_id=0)
+    with pytest.raises(ValueError, match="SPEC_RL_STEP_CORRECTION"):
+        backend.generate([[2, 3, 4]], [4], SamplingSettings(max_tokens=4), seed=0)
+    assert backend.stats.prefill_tokens == 0 and backend.stats.decode_steps == 0
