@@ -14,8 +14,8 @@ its decisions on one device, in three parts:
    measured row count when every row offers ``max_k`` tokens, per per-token acceptance 0.3 / 0.5 / 0.7 / 0.9;
 3. **rollouts under four policies**, one backend: ``plain`` (no speculation: width 1), ``flat``
    (:meth:`StepCost.flat`: verify every proposed token, the widest steps), ``measured`` (the table as measured)
-   and ``corrected`` (the table corrected by the loop's own steps, as a backend runs it by default:
-   :mod:`spec_rl.backends.step_correction`; a fresh correction each run, so it learns within one rollout), in
+   and ``corrected`` (the table corrected by the loop's own steps, :mod:`spec_rl.backends.step_correction`, off
+   by default in a backend; a fresh correction each run, so it learns within one rollout), in
    two settings: ``e1-siblings`` (epoch 1, drafts only from the prompt and the group's samples in flight,
    where speculation often does not pay) and ``histspec`` (a history of ``--history-epochs`` vanilla epochs,
    the policy perturbed by ``--perturb``). The policies run in turn ``--repeats`` times; each row keeps its

@@ -202,9 +202,7 @@ class SpeculativeDecoder:
         self.cache_arg = cache_argument(model)
         self.counters = DecodeCounters()
         self.backoff = ProposalBackoff()  # stops asking proposers while speculation does not pay
-        self.correction = correction
-        self.timer = StepTimer(correction)
-        self._cost: StepCost | None = None  # the table, once a proposal made this loop ask for it
+        self.timer = StepTimer(correction)  # times the steps for the correction, which prices the wide ones
 
     def sample(self, logits: torch.Tensor, uids: Sequence[int], positions: Sequence[int]):
         dev = logits.device
@@ -235,7 +233,7 @@ class SpeculativeDecoder:
             # nothing, but dropping them one by one would copy the whole cache every step.
             if live and kv.width > 2 * int(kv.mask.sum(1).max()) + 16:
                 kv.compact()
-            self.timer.stop(self._cost, shape[0], shape[0] * width, shape[1])  # rollback and compaction included
+            self.timer.stop(shape[0], shape[0] * width, shape[1])  # rollback and compaction included
 
     def _inputs(self, rows: list[DecodeRow], active: list[bool], context: int):
         """Per row: [last token, proposal...] right-padded to one width; which positions are fed.
@@ -255,9 +253,7 @@ class SpeculativeDecoder:
                  for r, ok in zip(rows, active)]  # fmt: skip
         props = cands
         if any(cands):
-            cost = self._cost = self.step_cost()
-            if self.correction is not None:
-                cost = self.correction.apply(cost, len(rows))
+            cost = self.timer.price(self.step_cost(), len(rows))
             props = plan_proposals(cands, [acceptance_of(r.proposer) for r in rows], cost, padded=True, context=context)
             props = self.backoff.explore(props, cands, cost, padded=True, context=context)
             self.backoff.planned(live, fed=any(props))

@@ -161,24 +161,30 @@ class StepCorrection:
 
 
 class StepTimer:
-    """Times one decode step of a loop for a :class:`StepCorrection` (or for nobody: ``correction`` None).
+    """One decode loop's side of a :class:`StepCorrection` (or of none: ``correction`` None, and nothing is timed).
 
-    ``start()`` when the step's inputs are planned, ``stop(cost, rows, tokens, context)`` when its outputs are
-    applied (``cost``: the uncorrected :class:`~spec_rl.backends.step_cost.StepCost`, or None before the loop asked
-    for it); a cuda device has synchronised by then: the samples were read on the host.
+    ``price(table, rows)`` when a step is planned (the table to plan with), ``start()`` once its inputs are
+    built, ``stop(rows, tokens, context)`` once its outputs are applied (a cuda device has synchronised by then:
+    the samples were read on the host). Steps before the loop first asked for its table are not timed.
     """
 
     def __init__(self, correction: StepCorrection | None):
         self.correction = correction
+        self.table = None  # the loop's uncorrected StepCost, once a proposal made it ask for it
         self._t0: float | None = None
+
+    def price(self, table, rows: int):
+        """``table`` (a :class:`~spec_rl.backends.step_cost.StepCost`, kept as the loop's uncorrected table) as
+        corrected for ``rows`` rows."""
+        self.table = table
+        return table if self.correction is None else self.correction.apply(table, rows)
 
     def start(self) -> None:
         self._t0 = time.perf_counter() if self.correction is not None else None
 
-    def stop(self, cost, rows: int, tokens: int, context: float | None) -> None:
-        if self._t0 is None or cost is None or cost.source == "flat":
+    def stop(self, rows: int, tokens: int, context: float | None) -> None:
+        if self._t0 is None or self.table is None or self.table.source == "flat":
             return
         seconds = time.perf_counter() - self._t0
         self._t0 = None
-        raw = dataclasses.replace(cost, wide_factor=1.0) if cost.wide_factor != 1.0 else cost
-        self.correction.record(rows, tokens, seconds, raw(rows, tokens, context), raw(rows, rows, context))
+        self.correction.record(rows, tokens, seconds, self.table(rows, tokens, context), self.table(rows, rows, context))

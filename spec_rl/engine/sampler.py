@@ -71,9 +71,7 @@ class KeyedSampler:
         self.max_k = int(max_k)
         self.eos_ids = {int(e) for e in eos_ids}
         self.backoff = ProposalBackoff()  # stops asking proposers while speculation does not pay
-        self.correction = correction
-        self.timer = StepTimer(correction)
-        self._cost: StepCost | None = None  # the table, once a proposal made this call ask for it
+        self.timer = StepTimer(correction)  # times the steps for the correction, which prices the wide ones
 
     def proposal(self, seq: SequenceState) -> list[int]:
         """What ``seq``'s proposer offers after its pending token: at most ``min(max_k, budget - 1)``, so
@@ -97,7 +95,7 @@ class KeyedSampler:
     def step_done(self, rows: int, tokens: int, context: float) -> None:
         """The decode step planned by the latest :meth:`proposals` is applied: ``rows`` sequences fed ``tokens``
         positions in all at ``context`` cached tokens each (mean); times it for the correction."""
-        self.timer.stop(self._cost, rows, tokens, context)
+        self.timer.stop(rows, tokens, context)
 
     def _plan(self, seqs: Sequence[SequenceState], context: float | None) -> list[list[int]]:
         if not self.backoff.ask(len(seqs)):
@@ -106,9 +104,7 @@ class KeyedSampler:
         if not any(offered):
             return offered
         probs = [acceptance_of(self.proposers[s.result_index]) for s in seqs]
-        cost = self._cost = self.step_cost()
-        if self.correction is not None:
-            cost = self.correction.apply(cost, len(seqs))
+        cost = self.timer.price(self.step_cost(), len(seqs))
         plan = plan_proposals(offered, probs, cost, padded=False, context=context)
         plan = self.backoff.explore(plan, offered, cost, padded=False, context=context)
         self.backoff.planned(len(seqs), fed=any(plan))
