@@ -109,6 +109,11 @@ def per_mode(log: StepLog, lines: list[dict], first_epoch: int, rec: RunRecord) 
     the step log's seconds and table prices; fails ``rec`` where the log and the trainer's counters disagree."""
     if len(lines) != len(log.calls):
         raise RuntimeError(f"{len(log.calls)} rollout calls logged but {len(lines)} metrics lines written")
+    if not log.steps and any(line["decode_rows"] for line in lines):
+        raise RuntimeError("the trainer decoded but no step of the transformers backend's loop was logged: this script "
+                           "times TransformersBackend only (pass --backend transformers)")
+    if not any(line["epoch"] >= first_epoch for line in lines):
+        raise RuntimeError(f"no rollout in epoch {first_epoch + 1} or later: train more epochs or lower --from-epoch")
     table = log.step_cost() if log.step_cost is not None else None
     logged = defaultdict(lambda: {"steps": 0, "rows": 0, "positions": 0, "step_s": 0.0, "table_s": 0.0})
     for call, rows, width, context, seconds in log.steps:

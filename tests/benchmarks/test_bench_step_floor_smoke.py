@@ -50,3 +50,15 @@ def test_step_floor_refuses_its_own_train_arguments(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         bench_step_floor.main(["--from-epoch", "0"])
     assert exit_info.value.code == 2 and "--from-epoch must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_step_floor_fails_clearly_without_a_summed_epoch(model_dir, tmp_path):
+    data, out = tmp_path / "train.jsonl", tmp_path / "floor.json"
+    write_problems(data)
+    code = bench_step_floor.main([
+        "--json", str(out), "--model", str(model_dir), "--data", str(data), "--epochs", "1", "--group-size", "2",
+        "--prompts-per-step", "2", "--max-response-len", "4", "--max-model-len", "96", "--modes", "vanilla", "--no-checkpoint",
+    ])
+    rec = json.loads(out.read_text())
+    assert code == 1 and rec["status"] == "failed" and rec["rows"] == {}
+    assert "no rollout in epoch 2 or later" in rec["failures"][0]
