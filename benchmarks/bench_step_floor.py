@@ -21,8 +21,8 @@ one (memory-bound decoding, as on a GPU). ``loop x`` is the steps' measured seco
 
 The step log is checked against the trainer's own counters (the rows and positions of the loop's steps, per
 rollout, must agree; ``steps`` counts the loop's forwards, not the prefills the trainer's decode steps include); a mismatch fails the run. Steps outside a rollout (held-out evaluation) are not logged.
-JSON: ``--json`` (default ``$OUT/step_floor.json``). ``--keep DIR`` keeps the run directory (else a temporary
-one is removed). The PagedEngine has its own loop: this script times the transformers backend only.
+JSON: ``--json`` (default ``$OUT/step_floor.json``). ``--keep DIR`` (a new folder) keeps the run directory (else a
+temporary one is removed). The PagedEngine has its own loop: this script times the transformers backend only.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from spec_rl.cli import main as spec_rl_main
 from spec_rl.rollout.speculative import SpeculativeRollout
 
 #: ``spec-rl train`` arguments this script decides itself.
-OWN_TRAIN_ARGS = ("--out", "--resume")
+OWN_TRAIN_ARGS = ("--out", "--resume", "--backend")
 #: Counters of the decode loop that the step log must reproduce exactly (trainer metrics name -> log field); the
 #: trainer's ``decode_steps`` also counts each prefill forward, which is not a step of the loop.
 COUNTERS = {"decode_rows": "rows", "decode_positions": "positions"}
@@ -88,11 +88,20 @@ class StepLog:
 
 
 def train_arguments(extra: list[str], out: Path) -> list[str]:
-    """``spec-rl train`` argv: evaluation and progress bars off, ``out`` as the run directory, then ``extra``."""
-    for arg in extra:
-        if arg.split("=")[0] in OWN_TRAIN_ARGS:
-            raise SystemExit(f"bench_step_floor: {arg.split('=')[0]} is set by this script; use --keep DIR to keep the run")
-    return ["train", "--no-eval", "--no-progress", "--out", str(out), *extra]
+    """``spec-rl train`` argv: evaluation and progress bars off, ``out`` as the run directory, the transformers
+    backend (the loop this script times), then ``extra``; ``extra`` may not name (or abbreviate, as argparse
+    allows) ``--out``, ``--resume`` or ``--backend``, except ``--backend transformers``."""
+    for i, arg in enumerate(extra):
+        name = arg.split("=")[0]
+        own = [flag for flag in OWN_TRAIN_ARGS if len(name) >= 3 and flag.startswith(name)]
+        if not own:
+            continue
+        value = arg.split("=", 1)[1] if "=" in arg else (extra[i + 1] if i + 1 < len(extra) else "")
+        if own == ["--backend"] and value == "transformers":
+            continue
+        raise SystemExit(f"bench_step_floor: {name} is managed by this script (it times the transformers backend's "
+                         f"loop in a fresh run directory); use --keep DIR to keep the run")
+    return ["train", "--no-eval", "--no-progress", "--backend", "transformers", "--out", str(out), *extra]
 
 
 def metric_lines(out: Path) -> list[dict]:
@@ -178,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = ap.parse_known_args(argv)
     if args.from_epoch < 1:
         ap.error(f"--from-epoch must be >= 1, got {args.from_epoch}")
+    if args.keep is not None and args.keep.exists() and (not args.keep.is_dir() or any(args.keep.iterdir())):
+        ap.error(f"--keep {args.keep} already exists and is not an empty folder; name a new one")
     with contextlib.ExitStack() as stack:
         out = args.keep or Path(stack.enter_context(tempfile.TemporaryDirectory())) / "run"
         train_args = train_arguments(extra, out)
@@ -185,8 +196,11 @@ def main(argv: list[str] | None = None) -> int:
 
         def work() -> None:
             log = StepLog()
-            with log.installed():
-                code = spec_rl_main(train_args)
+            try:
+                with log.installed():
+                    code = spec_rl_main(train_args)
+            except SystemExit as exc:  # spec-rl's usage errors (printed above): a failed run, not a running one
+                code = exc.code
             if code != 0:
                 raise RuntimeError(f"spec-rl train exited with {code}")
             modes = per_mode(log, metric_lines(out), args.from_epoch - 1, rec)
@@ -194,7 +208,10 @@ def main(argv: list[str] | None = None) -> int:
             rec.record["rows"] = modes
             rec.save()
 
-        return run_recorded(rec, work, report)
+        code = run_recorded(rec, work, report)
+        if args.keep is None:
+            print("(the run directory named above was temporary and is removed now; --keep DIR keeps it)")
+        return code
 
 
 if __name__ == "__main__":

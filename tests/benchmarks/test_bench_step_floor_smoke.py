@@ -45,11 +45,27 @@ def test_step_floor_logs_every_decode_step_the_trainer_counts(model_dir, tmp_pat
 
 
 def test_step_floor_refuses_its_own_train_arguments(tmp_path, capsys):
-    with pytest.raises(SystemExit, match="--out is set by this script"):
-        bench_step_floor.main(["--json", str(tmp_path / "x.json"), "--out", str(tmp_path / "r")])
+    json_arg = ["--json", str(tmp_path / "x.json")]
+    for bad in (["--out", "r"], ["--out=r"], ["--ou", "r"], ["--resume"], ["--res"], ["--backend", "paged"], ["--backend=vllm"]):
+        with pytest.raises(SystemExit, match="is managed by this script"):
+            bench_step_floor.main(json_arg + bad)
+    assert bench_step_floor.train_arguments(["--backend", "transformers"], tmp_path)[-2:] == ["--backend", "transformers"]
     with pytest.raises(SystemExit) as exit_info:
         bench_step_floor.main(["--from-epoch", "0"])
     assert exit_info.value.code == 2 and "--from-epoch must be >= 1, got 0" in capsys.readouterr().err
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "summary.json").write_text("{}")
+    with pytest.raises(SystemExit) as exit_info:
+        bench_step_floor.main(["--keep", str(tmp_path / "old")])
+    assert exit_info.value.code == 2 and "already exists and is not an empty folder" in capsys.readouterr().err
+
+
+def test_step_floor_records_a_failed_train_call(tmp_path, capsys):
+    out = tmp_path / "x.json"
+    assert bench_step_floor.main(["--json", str(out), "--bogus", "3"]) == 1
+    rec = json.loads(out.read_text())
+    assert rec["status"] == "failed" and "spec-rl train exited with 2" in rec["failures"][0]
+    assert "unrecognized arguments: --bogus 3" in capsys.readouterr().err
 
 
 def test_step_floor_fails_clearly_without_a_summed_epoch(model_dir, tmp_path):
