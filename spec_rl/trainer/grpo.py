@@ -34,14 +34,13 @@ from .checkpoint import (
 from .config import ConfigError, GRPOConfig, resolve_device
 from .heldout import START, HeldoutEvaluator
 from .loss import clipped_policy_loss, group_advantages, response_mask
-from .records import epoch_record
+from .records import METRICS_FILE, epoch_record
 from .report import format_row
 
 # Seeds of the per-step mini-batch split and the per-epoch prompt order: seed * stride + counter,
 # with prime strides so (seed, counter) pairs of nearby runs do not collide.
 _MINIBATCH_SEED_STRIDE = 1_000_003
 _EPOCH_SEED_STRIDE = 7919
-METRICS_FILE = "metrics.jsonl"
 
 class GRPOTrainer:
     """GRPO (group-normalised advantages, clipped loss) with speculative rollouts.

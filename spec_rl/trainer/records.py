@@ -8,7 +8,13 @@ also split by the origin of each response (:mod:`spec_rl.rollout.reward_split`: 
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from ..rollout.reward_split import ORIGINS, origin_means
+
+#: One JSON line per training step, in each mode's folder of a run directory.
+METRICS_FILE = "metrics.jsonl"
 
 # Per-epoch fields summed over steps; the rest are derived in epoch_record.
 SUMMED = (
@@ -80,3 +86,18 @@ def epoch_record(epoch: int, steps: list[dict], mode: str, lenience: float, acce
         "strategy": steps[0].get("strategy") if steps else None,
         "train_seconds": tot["train_seconds"],
     }
+
+
+def read_step_metrics(run_dir: str | Path, mode: str) -> list[dict]:
+    """The step records of ``run_dir/mode/metrics.jsonl`` in order ([] when the file is absent); a line that is
+    not JSON (the last line of a killed run may be cut short; ``--resume`` rewrites the file) is skipped."""
+    path = Path(run_dir) / mode / METRICS_FILE
+    if not path.is_file():
+        return []
+    steps = []
+    for line in path.read_text().splitlines():
+        try:
+            steps.append(json.loads(line))
+        except ValueError:
+            continue
+    return steps

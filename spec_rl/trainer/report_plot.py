@@ -2,28 +2,15 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from ..util.atomic import atomic_write
 from .heldout import heldout_curve
+from .records import read_step_metrics
 
 # Per-step panels (metrics.jsonl key, title).
 _STEP_PANELS = (("mean_reward", "rollout reward"), ("tokens_generated", "tokens generated"),
                 ("decode_steps", "decode steps"), ("rollout_seconds", "rollout seconds"))  # fmt: skip
-
-
-def _step_metrics(run_dir: Path, mode: str) -> list[dict]:
-    path = run_dir / mode / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    steps = []
-    for line in path.read_text().splitlines():
-        try:
-            steps.append(json.loads(line))
-        except ValueError:
-            continue  # the last line of a killed run may be cut short; resume rewrites the file
-    return steps
 
 
 def _heldout_panel(ax, summary: dict[str, list[dict]]) -> bool:
@@ -58,7 +45,7 @@ def plot(run_dir: Path, summary: dict[str, list[dict]]) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = {mode: _step_metrics(run_dir, mode) for mode in summary}
+    steps = {mode: read_step_metrics(run_dir, mode) for mode in summary}
     evaluated = any(heldout_curve(records) for records in summary.values())
     if not any(steps.values()) and not evaluated:
         return None
