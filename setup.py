@@ -9,8 +9,8 @@
   in-place development build).
 
 Environment:
-  SPEC_RL_NO_CUDA=1        build the CPU ops only, even where CUDA is available.
-  SPEC_RL_SKIP_EXT=1       build no extension (spec_rl.ops then runs the pure-torch reference, with a warning).
+  SPEC_RL_EXT=cpu          build the CPU ops only, even where CUDA is available;
+  SPEC_RL_EXT=none         build no extension (spec_rl.ops then runs the pure-torch reference, with a warning).
   MAX_JOBS=N               parallel compile jobs (ninja; torch's default is the CPU count).
   TORCH_CUDA_ARCH_LIST     CUDA archs, e.g. "9.0" (torch's default: the visible GPUs' archs).
 """
@@ -34,7 +34,10 @@ if os.path.isdir(os.path.join(HERE, "kernels")):
 
 def _extensions():
     """The spec_rl._C extension and its build command, or ([], {}) when skipped."""
-    if os.environ.get("SPEC_RL_SKIP_EXT") == "1" or not os.path.isdir(os.path.join(HERE, "csrc")):
+    ext = os.environ.get("SPEC_RL_EXT", "auto")
+    if ext not in ("auto", "cpu", "none"):
+        raise RuntimeError(f"SPEC_RL_EXT must be auto, cpu or none, got {ext!r}")
+    if ext == "none" or not os.path.isdir(os.path.join(HERE, "csrc")):
         return [], {}
     try:
         import torch
@@ -42,13 +45,13 @@ def _extensions():
     except ImportError as exc:
         raise RuntimeError(
             "building spec_rl._C needs torch installed in this environment: install torch first, then "
-            "`pip install --no-build-isolation .` (or set SPEC_RL_SKIP_EXT=1 to install without the native ops)"
+            "`pip install --no-build-isolation .` (or set SPEC_RL_EXT=none to install without the native ops)"
         ) from exc
 
     # Relative paths: setuptools requires them, and they keep the build reproducible.
     cpp = sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, "csrc", "*.cpp")))
     cu = sorted(os.path.relpath(p, HERE) for p in glob.glob(os.path.join(HERE, "csrc", "*.cu")))
-    use_cuda = torch.version.cuda is not None and CUDA_HOME is not None and os.environ.get("SPEC_RL_NO_CUDA") != "1"
+    use_cuda = torch.version.cuda is not None and CUDA_HOME is not None and ext != "cpu"
     cxx, link = ["-O3"], []
     # at::parallel_for only runs in parallel when the caller is compiled with OpenMP
     # (ATen/ParallelOpenMP.h is guarded by _OPENMP); torch's own libgomp is already loaded.

@@ -3,9 +3,9 @@
 Public API:
 
 * :func:`verify_padded` -- padded [B, R] drafts in, (new log-probs, accept,
-  rejection index) out: the ``"triton"`` backend of ``spec_rl.acceptance.dispatch``.
+  rejection index) out: the ``"triton"`` backend of the verify functions.
 * :func:`verify_packed_logits`, :func:`verify_packed_hidden`,
-  :func:`rows_from_cu_seqlens`, :class:`PackedVerifyOutput` -- packed rows
+  :class:`PackedDrafts`, :class:`PackedVerifyOutput` -- packed rows
   (no padding) for trainers.
 * :func:`logprobs_from_logits`, :func:`logprobs_from_hidden` -- score only.
 * :func:`philox_uniform_triton` -- the verifier's uniforms, in a kernel.

@@ -20,6 +20,7 @@ from .configs import (  # torch only
 if _IMPORT_ERROR is None:
     from ._common import INTERPRET
     from .api import (
+        PackedDrafts,
         PackedVerifyOutput,
         is_available,
         logprobs_from_hidden,
@@ -33,7 +34,7 @@ if _IMPORT_ERROR is None:
     from .philox import philox4x32_triton, philox_uniform_triton
 else:  # pragma: no cover
     INTERPRET = False
-    PackedVerifyOutput = None
+    PackedVerifyOutput = PackedDrafts = None
 
     def is_available(device=None) -> bool:
         return False
@@ -50,6 +51,7 @@ __all__ = [
     "INTERPRET",
     "LMHeadConfig",
     "LogitsConfig",
+    "PackedDrafts",
     "PackedVerifyOutput",
     "PagedAttentionConfig",
     "default_lm_head_config",

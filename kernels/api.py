@@ -56,6 +56,41 @@ class PackedVerifyOutput:
     accepted_len: torch.Tensor
 
 
+@dataclass
+class PackedDrafts:
+    """N draft tokens packed back to back (no padding), each row tagged with its sample and token index.
+
+    Attributes:
+        draft_ids: [N] integer ids; old_logprobs: [N] float stored log-probs (<= 0).
+        row_sample: [N] int sample index in [0, B) (-1: a padding row, never read); row_token: [N] int token index
+            within its draft (keys the Philox uniform with the sample's uid).
+        lengths: [B] int draft lengths (every token index in [0, lengths[b]) appears in exactly one row);
+            uids: [B] int64 per-sample ids.
+        row_offsets: optional [N] int64 element offsets of each row inside a hidden-state tensor (gathers rows of a
+            padded [B, T, d] tensor without a copy); row_offsets_multiple_of: a power of two dividing every offset
+            (a promise that lets the kernel use 16-byte loads; wrong values give wrong results).
+    """
+
+    draft_ids: torch.Tensor
+    old_logprobs: torch.Tensor
+    row_sample: torch.Tensor
+    row_token: torch.Tensor
+    lengths: torch.Tensor
+    uids: torch.Tensor
+    row_offsets: torch.Tensor | None = None
+    row_offsets_multiple_of: int = 1
+
+    @classmethod
+    def from_cu_seqlens(cls, cu_seqlens, draft_ids, old_logprobs, uids, **extra) -> PackedDrafts:
+        """Drafts laid out back to back with cumulative lengths ``cu_seqlens`` [B + 1] (:func:`rows_from_cu_seqlens`)."""
+        row_sample, row_token, lengths = rows_from_cu_seqlens(cu_seqlens)
+        return cls(draft_ids, old_logprobs, row_sample, row_token, lengths, uids, **extra)
+
+    def rows(self, n_rows: int, **settings) -> DraftRows:
+        return packed_rows(n_rows, self.draft_ids, self.old_logprobs, self.row_sample, self.row_token, self.lengths,
+                           self.uids, **settings)
+
+
 def _packed_output(launched, rows: DraftRows, source: str, score_only: bool) -> PackedVerifyOutput:
     lp, acc, n, flag = launched
     raise_if_flagged(flag, source, lp, (rows.row_sample, rows.row_token))
@@ -94,47 +129,23 @@ def rows_from_cu_seqlens(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 def verify_packed_logits(
     logits: torch.Tensor,
-    draft_ids: torch.Tensor,
-    old_logprobs: torch.Tensor,
+    drafts: PackedDrafts,
     *,
-    row_sample: torch.Tensor,
-    row_token: torch.Tensor,
-    lengths: torch.Tensor,
-    uids: torch.Tensor,
     seed: int,
     log_lenience: float,
     temperature: float = 1.0,
     config: LogitsConfig | None = None,
     score_only: bool = False,
 ) -> PackedVerifyOutput:
-    """Verify packed draft tokens from rows of logits, reading the logits once.
+    """Verify packed draft tokens from rows of logits [N, V] (bf16/fp16/fp32, unit stride over V), read once.
 
-    Args:
-        logits: [N, V] bf16/fp16/fp32 with unit stride over V and any row
-            stride. Row r scores ``draft_ids[r]`` (the logits at the position
-            before that token).
-        draft_ids: [N] integer token ids in [0, V) (not range-checked here;
-            ``spec_rl.acceptance.dispatch`` validates ids).
-        old_logprobs: [N] float stored log-probs (<= 0).
-        row_sample: [N] int sample index in [0, B) of each row; -1 marks a
-            padding row (not read, log-prob 0, not accepted).
-        row_token: [N] int 0-based token index of the row within its draft
-            (keys the Philox uniform together with the sample's uid).
-        lengths: [B] int draft lengths in tokens. Every token index in
-            [0, lengths[b]) of sample b must appear in exactly one row.
-        uids: [B] int64 per-sample ids; seed: 64-bit int; log_lenience:
-            log(l), +inf accepts all, -inf rejects all.
-        temperature: > 0, the temperature that produced the drafts.
-        config: tile override (default :func:`~.configs.default_logits_config`).
-        score_only: only compute log-probs (accept=None, accepted_len=lengths).
-
-    Returns:
-        :class:`PackedVerifyOutput`.
+    Row r scores ``drafts.draft_ids[r]``. ``log_lenience``: log(l), +inf accepts all, -inf rejects all;
+    ``temperature``: the T that produced the drafts; ``config``: tile override; ``score_only``: log-probs only
+    (accept None, accepted_len = lengths). Ids are not range-checked here (the verify functions do that).
 
     Raises:
-        ValueError: a scored row without a valid distribution (NaN or +inf
-            logits, or every logit -inf), named as (sample, token); or shape errors.
-        RuntimeError: the kernels cannot run on the inputs' device.
+        ValueError: a scored row without a valid distribution (NaN or +inf logits, or every logit -inf), named as
+            (sample, token); shape errors. RuntimeError: the kernels cannot run on the inputs' device.
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")
@@ -142,10 +153,7 @@ def verify_packed_logits(
         raise TypeError(f"logits must be bfloat16, float16 or float32, got {logits.dtype}")
     logits = unit_stride(logits)
     mode = epilogue_mode(log_lenience, score_only)
-    rows = packed_rows(
-        logits.shape[0], draft_ids, old_logprobs, row_sample, row_token, lengths, uids,
-        seed=seed, log_lenience=log_lenience, temperature=temperature, mode=mode,
-    )  # fmt: skip
+    rows = drafts.rows(logits.shape[0], seed=seed, log_lenience=log_lenience, temperature=temperature, mode=mode)
     check_device(logits, *rows.tensors())
     return _packed_output(launch_from_logits(logits, rows, config), rows, "logits", score_only)
 
@@ -153,49 +161,22 @@ def verify_packed_logits(
 def verify_packed_hidden(
     hidden: torch.Tensor,
     lm_head_weight: torch.Tensor,
-    draft_ids: torch.Tensor,
-    old_logprobs: torch.Tensor,
+    drafts: PackedDrafts,
     *,
-    row_sample: torch.Tensor,
-    row_token: torch.Tensor,
-    lengths: torch.Tensor,
-    uids: torch.Tensor,
     seed: int,
     log_lenience: float,
     lm_head_bias: torch.Tensor | None = None,
     temperature: float = 1.0,
     config: LMHeadConfig | None = None,
     score_only: bool = False,
-    row_offsets: torch.Tensor | None = None,
-    row_offsets_multiple_of: int = 1,
 ) -> PackedVerifyOutput:
-    """Verify packed draft tokens from final hidden states with the fused LM head.
+    """Verify packed draft tokens from final hidden states with the fused LM head (logits never materialised;
+    extra memory (2 * splits + 1) * N float32, splits ~16).
 
-    The logits ``hidden @ lm_head_weight.T (+ bias)`` are never materialised;
-    extra memory is (2 * splits + 1) * N float32 (splits ~16).
-
-    Args:
-        hidden: [N, d] (or any 2-D view when ``row_offsets`` is given),
-            bf16/fp16/fp32, unit stride over d. Row r scores ``draft_ids[r]``.
-        lm_head_weight: [V, d], unit stride over d. bf16/fp16 with the same
-            dtype as ``hidden`` use tensor cores with fp32 accumulation;
-            fp32 or mixed dtypes use an IEEE fp32 dot (slow, exact products).
-        lm_head_bias: optional [V].
-        row_offsets: optional [N] int64 element offsets of each row inside
-            ``hidden`` (gathers rows of a padded [B, T, d] tensor without a
-            copy); when given, N is taken from ``draft_ids``.
-        row_offsets_multiple_of: a power of two dividing every row offset
-            (and 16 / element size at most); a promise that lets the kernel
-            use 16-byte loads. Wrong values give wrong results.
-        Other arguments as :func:`verify_packed_logits`.
-
-    Returns:
-        :class:`PackedVerifyOutput`.
-
-    Raises:
-        ValueError: a scored row without a valid distribution (NaN, overflow to
-            +inf, or every logit -inf), named as (sample, token); or shape errors.
-        RuntimeError: the kernels cannot run on the inputs' device.
+    ``hidden``: [N, d] (any 2-D view with ``drafts.row_offsets``), bf16/fp16/fp32, unit stride over d;
+    ``lm_head_weight``: [V, d] (bf16/fp16 of ``hidden``'s dtype use tensor cores with fp32 accumulation; fp32 or
+    mixed dtypes an IEEE fp32 dot); ``lm_head_bias``: optional [V]. Other arguments and errors as
+    :func:`verify_packed_logits`.
     """
     if hidden.dim() != 2 or lm_head_weight.dim() != 2 or hidden.shape[-1] != lm_head_weight.shape[1]:
         raise ValueError(
@@ -205,19 +186,17 @@ def verify_packed_hidden(
         raise TypeError(f"hidden/lm_head_weight must be bf16/fp16/fp32, got {hidden.dtype}/{lm_head_weight.dtype}")
     if lm_head_bias is not None and lm_head_bias.shape != (lm_head_weight.shape[0],):
         raise ValueError(f"lm_head_bias must be [{lm_head_weight.shape[0]}], got {tuple(lm_head_bias.shape)}")
+    row_offsets = drafts.row_offsets
     if hidden.stride(-1) != 1 and row_offsets is not None:
         raise ValueError("hidden must have unit stride over d when row_offsets is given")
     hidden, weight = unit_stride(hidden), unit_stride(lm_head_weight)
     bias = lm_head_bias.contiguous() if lm_head_bias is not None else None
-    align = int(row_offsets_multiple_of)
+    align = int(drafts.row_offsets_multiple_of)
     if align < 1 or align & (align - 1):
-        raise ValueError(f"row_offsets_multiple_of must be a power of two >= 1, got {row_offsets_multiple_of!r}")
-    n_rows = draft_ids.shape[0] if row_offsets is not None else hidden.shape[0]
+        raise ValueError(f"row_offsets_multiple_of must be a power of two >= 1, got {drafts.row_offsets_multiple_of!r}")
+    n_rows = drafts.draft_ids.shape[0] if row_offsets is not None else hidden.shape[0]
     mode = epilogue_mode(log_lenience, score_only)
-    rows = packed_rows(
-        n_rows, draft_ids, old_logprobs, row_sample, row_token, lengths, uids,
-        seed=seed, log_lenience=log_lenience, temperature=temperature, mode=mode,
-    )  # fmt: skip
+    rows = drafts.rows(n_rows, seed=seed, log_lenience=log_lenience, temperature=temperature, mode=mode)
     if row_offsets is not None:
         row_offsets = row_vector(row_offsets, n_rows, "row_offsets").to(torch.int64)
     check_device(hidden, weight, bias, *rows.tensors())
@@ -226,12 +205,14 @@ def verify_packed_hidden(
     return _packed_output(launched, rows, _HIDDEN_SOURCE, score_only)
 
 
-def _score_only_tags(rows: int, device: torch.device):
-    """Tags of N rows scored on their own: token r of one sample (errors name row r as (0, r))."""
+def _score_only_drafts(token_ids: torch.Tensor) -> PackedDrafts:
+    """N rows scored on their own: token r of one sample (errors name row r as (0, r))."""
+    rows, device = token_ids.shape[0], token_ids.device
     zeros = torch.zeros(rows, dtype=torch.int32, device=device)
     tokens = torch.arange(rows, dtype=torch.int32, device=device)
     one = torch.zeros(1, dtype=torch.int64, device=device)
-    return dict(row_sample=zeros, row_token=tokens, lengths=one, uids=one, seed=0, log_lenience=0.0)
+    old = torch.zeros(rows, dtype=torch.float32, device=device)
+    return PackedDrafts(token_ids, old, zeros, tokens, one, one)
 
 
 def logprobs_from_logits(
@@ -242,12 +223,8 @@ def logprobs_from_logits(
     Raises:
         ValueError: a row without a valid distribution (NaN or +inf logits, or all -inf), named as (0, row).
     """
-    rows = logits.shape[0]
-    old = torch.zeros(rows, dtype=torch.float32, device=logits.device)
-    out = verify_packed_logits(
-        logits, token_ids, old, temperature=temperature, config=config, score_only=True,
-        **_score_only_tags(rows, logits.device),
-    )  # fmt: skip
+    out = verify_packed_logits(logits, _score_only_drafts(token_ids), seed=0, log_lenience=0.0,
+                               temperature=temperature, config=config, score_only=True)
     return out.new_logprobs
 
 
@@ -264,12 +241,8 @@ def logprobs_from_hidden(
     Raises:
         ValueError: a row without a valid distribution (NaN, overflow, or all -inf), named as (0, row).
     """
-    rows = hidden.shape[0]
-    old = torch.zeros(rows, dtype=torch.float32, device=hidden.device)
-    out = verify_packed_hidden(
-        hidden, lm_head_weight, token_ids, old, lm_head_bias=lm_head_bias, temperature=temperature, config=config,
-        score_only=True, **_score_only_tags(rows, hidden.device),
-    )  # fmt: skip
+    out = verify_packed_hidden(hidden, lm_head_weight, _score_only_drafts(token_ids), seed=0, log_lenience=0.0,
+                               lm_head_bias=lm_head_bias, temperature=temperature, config=config, score_only=True)
     return out.new_logprobs
 
 
@@ -323,78 +296,28 @@ def verify_padded(
     old_logprobs: torch.Tensor,
     lengths: torch.Tensor,
     uids: torch.Tensor,
+    scores,
     *,
     seed: int,
     log_lenience: float,
     temperature: float,
-    logits: torch.Tensor | None = None,
-    hidden_states: torch.Tensor | None = None,
-    lm_head_weight: torch.Tensor | None = None,
-    lm_head_bias: torch.Tensor | None = None,
     score_only: bool = False,
-    logits_config: LogitsConfig | None = None,
-    lm_head_config: LMHeadConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Score right-padded drafts and apply the acceptance test in one pass over the scores.
+    """Score right-padded drafts [B, R] and apply the acceptance test in one pass over the scores: the "triton"
+    backend of the verify functions, whose inputs it assumes validated.
 
-    Inputs are assumed validated by ``spec_rl.acceptance.dispatch`` (shapes, devices, ids
-    in [0, V), lenience); this function checks only what the kernels need.
+    ``scores`` has ``logits`` [B, R, V] or ``hidden_states`` [B, R, d] with ``lm_head_weight`` [V, d] (and
+    ``lm_head_bias``), e.g. a :class:`spec_rl.DraftScores`; padded rows are never read. ``score_only``: log-probs
+    only (accept all False, accepted_len = lengths). Returns new_logprobs [B, R] float32 (0 at padding), accept
+    [B, R] bool, accepted_len [B] int64.
 
-    Parameters
-    ----------
-    draft_ids : [B, R] integer tensor
-        Draft token ids (any value at padding positions).
-    old_logprobs : [B, R] float tensor
-        Stored log-probs of the draft tokens.
-    lengths : [B] integer tensor
-        Draft lengths in tokens (0 <= lengths[b] <= R).
-    uids : [B] int64 tensor
-        Per-sample ids keying the uniforms.
-    seed : int
-        64-bit seed of the uniforms.
-    log_lenience : float
-        log(l); +inf accepts every draft token, -inf rejects them all.
-    temperature : float
-        T > 0 of the sampling distribution softmax(logits / T).
-    logits : [B, R, V] tensor, optional
-        Row i scores draft token i; bf16/fp16/fp32 with unit stride over V
-        (other strides are copied). Padded rows are never read.
-    hidden_states : [B, R, d] tensor, optional
-        Instead of logits: final hidden states, with ``lm_head_weight`` [V, d]
-        (and optional ``lm_head_bias`` [V]); only valid rows are scored,
-        gathered in-kernel without a copy.
-    score_only : bool
-        Only compute the log-probs (for the random-reuse strategy, which
-        draws n on the host): ``accept`` is all False, ``accepted_len`` is
-        ``lengths``.
-    logits_config, lm_head_config : optional
-        Tile overrides (:class:`~.configs.LogitsConfig`, :class:`~.configs.LMHeadConfig`).
-
-    Returns
-    -------
-    new_logprobs : [B, R] float32
-        Sampling log-probs of the draft tokens under the scores, 0 at padding.
-    accept : [B, R] bool
-        Per-token test outcome (False at padding).
-    accepted_len : [B] int64
-        Rejection index: the first rejected token index, or the draft length.
-
-    Raises
-    ------
-    ValueError
-        A scored position without a valid distribution (NaN or +inf logits, or
-        every logit -inf), named as (sample, token); not exactly one score source;
-        hidden_states without lm_head_weight.
-    NotImplementedError
-        Scores that are not bf16/fp16/fp32 (e.g. float64): use the reference.
-    RuntimeError
-        The kernels cannot run on the inputs' device.
-
-    Example
-    -------
-    >>> lp_new, accept, n = verify_padded(ids, old, lengths, uids, seed=7, log_lenience=0.5,
-    ...                                   temperature=1.0, logits=logits)
+    Raises:
+        ValueError: a scored position without a valid distribution, named as (sample, token).
+        NotImplementedError: scores that are not bf16/fp16/fp32. RuntimeError: no kernels on the device.
     """
+    logits, hidden_states = scores.logits, scores.hidden_states
+    lm_head_weight, lm_head_bias = scores.lm_head_weight, scores.lm_head_bias
+    logits_config = lm_head_config = None
     if (logits is None) == (hidden_states is None):
         raise ValueError("pass exactly one of logits or hidden_states (with lm_head_weight)")
     device = draft_ids.device
@@ -417,6 +340,7 @@ def verify_padded(
 
 
 __all__ = [
+    "PackedDrafts",
     "PackedVerifyOutput",
     "is_available",
     "logprobs_from_hidden",

@@ -16,7 +16,12 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "SamplingSettings": "spec_rl.sampling.distribution",
     "keyed_sample": "spec_rl.sampling.distribution",
-    "verify": "spec_rl.acceptance.dispatch",
+    "verify_logprobs": "spec_rl.acceptance.dispatch",
+    "verify_logits": "spec_rl.acceptance.dispatch",
+    "verify_hidden": "spec_rl.acceptance.dispatch",
+    "VerifyOptions": "spec_rl.acceptance.dispatch",
+    "RolloutMode": "spec_rl.acceptance.mode",
+    "MODES": "spec_rl.acceptance.mode",
     "VerifyResult": "spec_rl.acceptance.reference",
     "VerifyStats": "spec_rl.acceptance.reference",
     "DraftScores": "spec_rl.acceptance.scores",

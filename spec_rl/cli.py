@@ -9,36 +9,36 @@ and with SPEC-RL on identical seeds and prints per-epoch rows.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
 
-from .cli_modes import LENIENT_RUNS, UsageError, chosen_runs
+from .acceptance.mode import LENIENCE_DEFAULTS, MODES, REJECTION_DRAWS
 from .cli_types import fraction as _fraction
 from .cli_types import lenience as _lenience
 from .cli_types import positive_int as _positive_int
-from .trainer.config import (
-    ACCEPTANCE_RULES,
-    DEMO_DEFAULTS,
-    DEMO_LENIENCE,
-    DEMO_LENIENCE_SOURCE,
-    DEMO_REJECTION_DRAW,
-    MODEL_DEFAULTS,
-    REJECTION_DRAWS,
-    ConfigError,
-    GRPOConfig,
-)
+from .sampling.distribution import SamplingSettings
+from .trainer.config import DEMO_DEFAULTS, DEMO_MODES, DEMO_SPEC, MODEL_DEFAULTS, GRPOConfig, config_from
 from .trainer.resume_check import ConfigChangeError
 from .trainer.sweep import add_parser as add_sweep_parser
 from .trainer.sweep import cmd_sweep
 
-#: GRPOConfig fields whose flag is not ``--`` + the field name with dashes.
-_FLAGS = {
-    "generation_backend": "--backend", "save_checkpoint": "--no-checkpoint", "mode": "--modes",
-    "log_lenience": "--lenience (as log l)", "eos_ids": "the EOS set of --model", "data": "--data/--eval-data",
-    "algorithm": "--clip-higher (the algorithm)",
-}  # fmt: skip
+#: Config fields whose flag is not ``--`` + the field name with dashes.
+_FLAGS = {"generation_backend": "--backend", "save_checkpoint": "--no-checkpoint", "max_tokens": "--max-response-len",
+          "tail": "--no-tail", "eos_ids": "the EOS set of --model", "data": "--data/--eval-data"}
+#: The flags that change a field of the selected runs' RolloutMode (only where the mode has that field).
+_MODE_FLAGS = {"lenience": "--lenience", "rejection_draw": "--rejection-draw", "tail": "--no-tail"}
+
+
+class UsageError(SystemExit):
+    """A bad command line or input: :func:`main` prints "spec-rl: error: <message>" and exits with status 2."""
+
+    def __init__(self, message: str):
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class _DefaultsHelp(argparse.HelpFormatter):
@@ -62,6 +62,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="spec-rl", description="Speculative rollouts for RL on LLMs (SPEC-RL).")
+    p.add_argument("--debug", action="store_true", help="show the traceback of a bad-input error")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser(
         "train",
@@ -89,37 +90,18 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--reward",
                    help="a reward name; math: the final answer matches (math-verify); arithmetic: the demo task's check, every step "
                    "consistent and the final answer right (default: arithmetic for the demo, math for --model)")
-    mode = t.add_mutually_exclusive_group()
-    mode.add_argument("--no-spec", action="store_true", help="vanilla GRPO (same as --lenience 0)")
-    mode.add_argument("--reuse", choices=["spec", "random", "random-ref"], default=None,
-                      help="draft reuse: the acceptance test, or the random-reuse ablation (random: n uniform over 0..L; "
-                      "random-ref: over 0..L-1, as in the reference implementation)")
-    t.add_argument("--target-drift", type=float, default=None,
-                   help="with --lenience auto: bound on the mean |lp_new - lp_old| of reused tokens, nats (default 0.014)")
+    t.add_argument("--modes", help="comma-separated runs, from " + ", ".join(MODES) + " (demo default: "
+                   + ",".join(DEMO_MODES) + "; with --model: spec)")
     t.add_argument("--lenience", type=_lenience, default=None,
-                   help="SPEC-RL lenience l (default: e^0.5, the paper's GRPO setting, with --model; 1 on the demo, where e^0.5 costs held-out reward; 0 means vanilla)")
-    cmp = t.add_mutually_exclusive_group()
-    cmp.add_argument("--compare", dest="compare", action="store_true", default=None, help="also run vanilla GRPO on identical seeds")
-    cmp.add_argument("--no-compare", dest="compare", action="store_false", help="run only the selected mode")
-    t.add_argument(
-        "--modes",
-        help="comma-separated runs, from vanilla, spec, exact, random, histspec (vanilla decoding with history "
-        "speculation), instead of --no-spec/--reuse/--compare (refused beside it). Demo default: vanilla,spec,exact,histspec",
-    )
-    t.add_argument("--acceptance", choices=ACCEPTANCE_RULES, default="lenient",
-                   help="lenient: the paper's rule; exact: lossless acceptance (the response is a fresh sample of the policy)")
+                   help="lenience l > 0 of the lenient runs (spec; default: 1 on the demo, e^0.5 with --model, the paper's "
+                   "GRPO setting; e^0.15 with --clip-higher)")
     t.add_argument("--rejection-draw", choices=REJECTION_DRAWS, default=None,
-                   help="the token at a lenient rejection: policy (the paper: from the current policy) or without-draft "
-                   "(the rejected draft token removed; at l = 1 exact speculative sampling for two-token choices); "
-                   "default: policy; on the demo without-draft, unless --lenience other than 1 or --clip-higher is given")
-    hist = t.add_mutually_exclusive_group()
-    hist.add_argument("--history-spec", dest="history_spec", action="store_true", default=None,
-                      help="verify tokens drafted from the prompt's earlier responses in every decode step (default on for spec)")
-    hist.add_argument("--no-history-spec", dest="history_spec", action="store_false", help="decode one token per step")
-    t.add_argument("--sibling-drafts", action="store_true",
-                   help="with tail speculation, also draft from the other samples of the prompt being decoded at the "
-                   "same time (off by default: on the 2-core demo they cost more time than they save)")
-    t.add_argument("--spec-tokens", type=int, default=None, help="most history-drafted tokens verified per decode step (default 8)")
+                   help="the token at a lenient rejection: policy (the paper) or without-draft (the rejected draft token "
+                   "removed); default: without-draft on the demo, policy with --model")
+    t.add_argument("--no-tail", dest="tail", action="store_false", default=None,
+                   help="no tail speculation in the runs that reuse drafts (one token per decode step after the cut)")
+    t.add_argument("--spec-tokens", type=_positive_int, default=8,
+                   help="most history-drafted tokens verified per decode step under tail speculation")
     t.add_argument("--epochs", type=int)
     t.add_argument("--group-size", type=int, help="samples per prompt (G)")
     t.add_argument("--prompts-per-step", type=int)
@@ -147,9 +129,9 @@ def _add_run_flags(t: argparse.ArgumentParser) -> None:
         "--backend",
         default="auto",
         choices=("auto", "transformers", "paged", "vllm"),
-        help="generation backend: paged KV engine (no re-prefill of verified prefixes), the transformers "
-        "decode loop, or vLLM (needs vllm installed; scoring stays on the trained model); auto = paged on CUDA, "
-        "transformers on CPU",
+        help="generation backend: the transformers decode loop, vLLM (needs vllm installed; scoring stays on the "
+        "trained model), or the paged KV engine (opt-in: no re-prefill of verified prefixes); auto = vLLM on CUDA "
+        "when installed, else transformers",
     )
     t.add_argument("--cache-dir", help="where the demo policy is cached (default $SPEC_RL_CACHE or ~/.cache/spec-rl)")
     t.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint and rollout cache")
@@ -224,64 +206,38 @@ def _heldout_examples(args: argparse.Namespace, demo: bool, examples: list) -> t
     return examples, evals
 
 
-def _fmt_lenience(lenience) -> str:
-    return lenience if isinstance(lenience, str) else f"{lenience:.4g}"
+def _modes(args: argparse.Namespace, demo: bool) -> dict:
+    """{label: RolloutMode} of the runs ``--modes`` names, with the mode flags applied where a run has the field.
 
-
-def _draw_note(config: GRPOConfig, modes: list[str]) -> str:
-    """The draw, in the header line, where a run uses one other than the paper's."""
-    used = config.rejection_draw != "policy" and set(LENIENT_RUNS) & set(modes)
-    return f" (rejection draw: {config.rejection_draw})" if used else ""
-
-
-def _default_draw(args: argparse.Namespace, demo: bool) -> str:
-    """The demo's rule is l = 1 with the without-draft draw; another lenience or algorithm chosen on the command
-    line (and every --model run) gets the paper's draw."""
-    demo_lenience = args.lenience is None or args.lenience == DEMO_LENIENCE
-    demo_rule = demo and args.acceptance == "lenient" and demo_lenience and not args.clip_higher
-    return DEMO_REJECTION_DRAW if demo_rule else "policy"
+    Raises:
+        UsageError: an unknown or repeated run, or a mode flag that no selected run has a field for.
+    """
+    names = [m.strip() for m in (args.modes or (",".join(DEMO_MODES) if demo else "spec")).split(",") if m.strip()]
+    bad = [m for m in names if m not in MODES]
+    if bad or not names:
+        raise UsageError(f"--modes takes {', '.join(MODES)}; got {args.modes!r}")
+    if len(set(names)) != len(names):
+        raise UsageError(f"--modes names a run twice: {args.modes!r} (each run has one folder)")
+    given = {k: getattr(args, k) for k in _MODE_FLAGS if getattr(args, k) is not None}
+    for field, flag in _MODE_FLAGS.items():
+        if field in given and not any(field in MODES[m].settable() for m in names):
+            takers = [m for m in MODES if field in MODES[m].settable()]
+            raise UsageError(f"{flag} applies to the runs {', '.join(takers)}; the selected runs ({', '.join(names)}) "
+                             f"have no such setting: drop {flag}, or add such a run to --modes")
+    default_l = 1.0 if demo else LENIENCE_DEFAULTS["dapo" if args.clip_higher else "grpo"]
+    defaults = {"lenience": default_l, "rejection_draw": DEMO_SPEC["rejection_draw"] if demo else "policy"}
+    return {m: MODES[m].with_overrides(**{**defaults, **given}) for m in names}
 
 
 def _config(args: argparse.Namespace, demo: bool) -> GRPOConfig:
     """GRPOConfig from the flags; the demo and a user's model have different defaults."""
     defaults = DEMO_DEFAULTS if demo else MODEL_DEFAULTS
-
-    def pick(name: str):
-        value = getattr(args, name)
-        return defaults[name] if value is None else value
-
-    lenience, source = args.lenience, ""  # None: the paper's default for the algorithm (GRPO e^0.5, DAPO e^0.15)
-    if lenience is None and demo and not args.clip_higher:
-        lenience, source = DEMO_LENIENCE, DEMO_LENIENCE_SOURCE
-    return GRPOConfig(
-        lenience=lenience,
-        lenience_source=source,
-        algorithm="dapo" if args.clip_higher else "grpo",
-        **({} if args.target_drift is None else {"target_drift": args.target_drift}),
-        acceptance=args.acceptance,
-        rejection_draw=args.rejection_draw or _default_draw(args, demo),
-        history_spec=args.history_spec,
-        spec_tokens=8 if args.spec_tokens is None else args.spec_tokens,
-        sibling_drafts=args.sibling_drafts,
-        epochs=pick("epochs"),
-        group_size=pick("group_size"),
-        prompts_per_step=pick("prompts_per_step"),
-        lr=pick("lr"),
-        max_response_len=pick("max_response_len"),
-        ppo_mini_batches=pick("ppo_mini_batches"),
-        micro_batch_size=pick("micro_batch_size"),
-        max_model_len=args.max_model_len,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        clip_low=args.clip_low,
-        clip_high=0.28 if args.clip_higher else args.clip_high,
-        kl_coef=args.kl_coef,
-        seed=args.seed,
-        device=args.device,
-        generation_backend=args.backend,
-        save_checkpoint=not args.no_checkpoint,
-        eval_samples=pick("eval_samples"),
+    picked = {name: getattr(args, name) for name in defaults if getattr(args, name) is not None}
+    sampling = SamplingSettings(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    return config_from(
+        defaults, sampling, **picked, spec_tokens=args.spec_tokens, max_model_len=args.max_model_len,
+        clip_low=args.clip_low, clip_high=0.28 if args.clip_higher else args.clip_high, kl_coef=args.kl_coef,
+        seed=args.seed, device=args.device, generation_backend=args.backend, save_checkpoint=not args.no_checkpoint,
         eval_every=1 if args.eval_every is None else args.eval_every,
     )
 
@@ -316,7 +272,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # "Loading weights" / "Writing model shards" bars
-    modes = chosen_runs(args, demo)
+    modes = _modes(args, demo)
     config = _config(args, demo)
     resolve_device(config.device)
     if config.generation_backend == "vllm":
@@ -337,49 +293,57 @@ def cmd_train(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     model_path = None if demo else _model_path(args, demo)
     examples, evals = _heldout_examples(args, demo, _load_examples(args, demo))
-    plan_run(out, modes, args.resume)  # before the demo policy build, which can take minutes
+    plan_run(out, list(modes), args.resume)  # before the demo policy build, which can take minutes
     model_path = model_path or _model_path(args, demo)
     heldout = f"{len(evals)} prompts x {config.eval_samples} sample(s) + greedy" if evals else "off"
     params = count_parameters(model_path)
     print(
         f"run dir: {out} | policy: {'?' if params is None else f'{params:,}'} parameters | modes: {', '.join(modes)} | "
-        f"prompts: {len(examples)} | G={config.group_size} | epochs={config.epochs} | "
-        f"lenience l={_fmt_lenience(config.lenience)}{_draw_note(config, modes)} | held-out: {heldout}"
+        f"prompts: {len(examples)} | G={config.group_size} | epochs={config.epochs}{_lenient_note(modes)} | "
+        f"held-out: {heldout}"
     )
     t0 = time.perf_counter()
-    summary = run_modes(model_path, examples, reward_fn, config, modes, out, progress=not args.no_progress,
-                        resume=args.resume, eval_examples=evals, allow_config_change=args.allow_config_change)  # fmt: skip
+    summary = run_modes(model_path, examples, reward_fn, config, modes, out, evals, resume=args.resume,
+                        allow_config_change=args.allow_config_change, progress=not args.no_progress)
     print(f"done in {time.perf_counter() - t0:.1f} s; report: {out / 'report.md'}, plot: {out / 'report.png'}")
     for line in closing_lines(summary):
         print(line)
     return 0
 
 
+def _lenient_note(modes: dict) -> str:
+    """The lenient rule of the header line, where a run uses it."""
+    lenient = {(m.lenience, m.rejection_draw) for m in modes.values() if m.acceptance == "lenient"}
+    return "".join(f" | lenience l={l:.4g} (rejection draw: {draw})" for l, draw in sorted(lenient))
+
+
 def _one_line(err: Exception) -> str:
-    """The message of a bad-input error, naming the flag where a GRPOConfig field was at fault."""
-    if isinstance(err, ConfigError):
-        return f"{_flag(err.field)} {err.requirement}"
+    """The message of a bad-input error, naming the flag where a config field was at fault."""
     if isinstance(err, ConfigChangeError):
         return err.describe(_flag)
-    return str(err)
+    text = str(err)
+    field, _, rest = text.partition(" ")
+    if field.isidentifier() and rest.startswith("must "):
+        return f"{_flag(field)} {rest}"
+    return text
 
 
 def _flag(field: str) -> str:
     """The command-line flag of a GRPOConfig (or run fingerprint) field."""
+    if field.startswith("mode:"):
+        return f"the mode of run {field[5:]}"
     return _FLAGS.get(field, "--" + field.replace("_", "-"))
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``spec-rl``: bad arguments or inputs print one "spec-rl: error: ..." line and exit with status 2.
-
-    ``SPEC_RL_DEBUG=1`` keeps the traceback of such errors for bug reports.
-    """
+    """``spec-rl``: bad arguments or inputs print one "spec-rl: error: ..." line and exit with status 2
+    (``spec-rl --debug ...`` keeps the traceback)."""
     try:
         args = build_parser().parse_args(argv)
         try:
             return cmd_sweep(args) if args.command == "sweep" else cmd_train(args)
         except (ValueError, TypeError, FileNotFoundError) as err:
-            if os.environ.get("SPEC_RL_DEBUG"):
+            if args.debug:
                 raise
             raise UsageError(_one_line(err)) from None
     except UsageError as err:

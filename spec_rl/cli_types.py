@@ -7,16 +7,14 @@ import argparse
 import math
 
 
-def lenience(text: str) -> float | str:
-    """``--lenience``: a number >= 0 (inf allowed), or "auto"."""
-    if text == "auto":
-        return "auto"
+def lenience(text: str) -> float:
+    """``--lenience``: a number > 0 (inf allowed); e^x may be written ``e^x``."""
     try:
-        value = float(text)
+        value = math.exp(float(text[2:])) if text.startswith("e^") else float(text)
     except ValueError:
         value = math.nan
-    if math.isnan(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a number >= 0 (or inf), or auto; got {text!r}")
+    if math.isnan(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0 (e.g. 1, 1.65, e^0.5, inf), got {text!r}")
     return value
 
 

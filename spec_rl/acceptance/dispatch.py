@@ -1,52 +1,68 @@
-"""Public verification entry point: validate the inputs once, then dispatch.
+"""verify_logprobs, verify_logits, verify_hidden: the SPEC-RL acceptance rule for a batch of drafts
+(arXiv 2509.23232, Sec. 3, Alg. 1; docs/api.md "Verification" holds the full contract).
 
-``verify`` implements the SPEC-RL acceptance rule (arXiv 2509.23232, Sec. 3,
-Alg. 1; docs/design.md "The rule") for a batch of drafts. It accepts the
-policy's scores in one of three forms:
-
-* ``new_logprobs`` [B, R]: already computed sampling log-probs;
-* ``logits`` [B, R, V]: logits aligned with the draft (row i scores draft
-  token i, i.e. the logits at the position *before* token i);
-* ``hidden_states`` [B, R, d] + ``lm_head_weight`` [V, d] (+ bias [V]):
-  final hidden states aligned the same way; logits are never materialised
-  for the whole batch.
-
-Backends: ``"reference"`` is the torch implementation in
-:mod:`spec_rl.acceptance.reference` (CPU and CUDA). ``"triton"`` is the fused kernels
-of :mod:`spec_rl.kernels` (CUDA; on CPU only under ``TRITON_INTERPRET=1``,
-for tests). ``"auto"`` uses Triton on CUDA tensors when it is installed and
-the settings are plain (top_k = 0, top_p = 1; the kernels do not filter the
-vocabulary), and the reference otherwise. Both give identical decisions: the
-uniforms are the same Philox bits and the test is done in float64.
-
-Internally the validated inputs travel as one :class:`_Checked` bundle: the
-scores as :class:`~spec_rl.acceptance.scores.DraftScores` and the distribution as
-:class:`~spec_rl.sampling.distribution.SamplingSettings`, so the keyword list below is
-written once.
+Each validates its inputs once and dispatches: ``"reference"`` is the torch implementation of
+:mod:`spec_rl.acceptance.reference`; ``"triton"`` the fused kernels of :mod:`spec_rl.kernels` (CUDA; on a CPU only
+under ``TRITON_INTERPRET=1``); ``"auto"`` takes Triton for CUDA tensors with plain sampling (no top-k/top-p).
+Both give identical decisions: the same Philox uniforms, the test in float64.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import torch
 
-from ..sampling.distribution import SamplingSettings
-from ..util.validation import check_int, format_positions
-from .reference import (
-    ACCEPTANCE_RULES,
-    RANDOM_STRATEGIES,
-    VerifyResult,
-    lengths_mask,
-    lenience_to_log,
-    make_result,
-    random_reuse_index,
-    reference_verify,
-)
+from ..sampling.distribution import SamplingSettings, check_settings
+from ..util.validation import check_choice, check_int, check_real, format_positions
+from .mode import ACCEPTANCE_RULES, RolloutMode
+from .reference import VerifyResult, lengths_mask, make_result, random_reuse_index, reference_verify
 from .scores import DraftScores
 
 BACKENDS = ("auto", "reference", "triton")
-STRATEGIES = ("spec", "random", "random-ref")
+
+
+@dataclass(frozen=True)
+class VerifyOptions:
+    """The rule and the knobs of :func:`verify_logprobs`, :func:`verify_logits` and :func:`verify_hidden`.
+
+    Attributes:
+        rule: one of :data:`~spec_rl.acceptance.mode.ACCEPTANCE_RULES`: "lenient" (paper Alg. 1), "exact" (accept
+            y_i with probability pi_t(y_i); old log-probs and lenience unused) or "random" (ablation, Table 2).
+        lenience: l >= 0 of the lenient rule (1: vanilla speculative decoding; inf: accept all; 0: reject all).
+        sampling: the temperature, top-k and top-p that produced the drafts (scores are log-softmaxed under them).
+        backend: "auto", "reference" or "triton".
+        return_accept_mask: also return the per-token outcome of the test.
+    """
+
+    rule: str = "lenient"
+    lenience: float = 1.0
+    sampling: SamplingSettings = field(default_factory=SamplingSettings)
+    backend: str = "auto"
+    return_accept_mask: bool = False
+
+    def __post_init__(self) -> None:
+        check_choice("rule", self.rule, ACCEPTANCE_RULES)
+        check_choice("backend", self.backend, BACKENDS)
+        check_settings(self.sampling, "sampling")
+        l = check_real("lenience", self.lenience, low=0.0, finite=False,
+                       hint=" (0 rejects every draft token, 1 is vanilla speculative decoding, inf accepts all)")
+        if self.rule != "lenient" and l != 1.0:
+            raise ValueError(f"lenience applies to rule='lenient' only, not {self.rule!r}; drop it")
+        object.__setattr__(self, "lenience", l)
+
+    @property
+    def log_lenience(self) -> float:
+        return math.log(self.lenience) if self.lenience > 0 else float("-inf")
+
+    @classmethod
+    def for_mode(cls, mode: RolloutMode, **options) -> VerifyOptions:
+        """The options that verify drafts as ``mode`` does (``mode`` must reuse drafts)."""
+        if mode.acceptance is None:
+            raise ValueError("this mode reuses no drafts: there is nothing to verify")
+        lenience = mode.lenience if mode.acceptance == "lenient" else 1.0
+        return cls(rule=mode.acceptance, lenience=lenience, **options)
 
 
 @dataclass
@@ -58,8 +74,6 @@ class _Checked:
     lengths: torch.Tensor
     uids: torch.Tensor
     scores: DraftScores
-    settings: SamplingSettings
-    log_lenience: float
     backend: str
 
 
@@ -74,7 +88,7 @@ def _pick_backend(backend: str, device: torch.device, settings: SamplingSettings
         return "reference"  # nothing to score: no kernel needed
     if backend != "auto":
         return backend
-    if device.type != "cuda" or scores.source == "new_logprobs" or not settings.is_plain:
+    if device.type != "cuda" or not settings.is_plain:
         return "reference"
     try:
         from .. import kernels
@@ -116,18 +130,16 @@ def _check_logprobs(name: str, lp: torch.Tensor, valid: torch.Tensor, hint: str 
         raise ValueError(f"{name} must be log-probabilities (<= 0); got positive values{hint}")
 
 
-def _resolve_lengths(draft_ids: torch.Tensor, response_mask, lengths) -> torch.Tensor:
+def _resolve_lengths(draft_ids: torch.Tensor, lengths) -> torch.Tensor:
     bsz, max_len = draft_ids.shape
-    if response_mask is not None and lengths is not None:
-        raise ValueError("pass either response_mask or lengths, not both")
-    if response_mask is not None:
-        _check_tensor("response_mask", response_mask, (bsz, max_len), "any")
-        mask = response_mask.to(torch.bool)
+    if isinstance(lengths, torch.Tensor) and lengths.dim() == 2:  # a [B, R] response mask
+        _check_tensor("lengths", lengths, (bsz, max_len), "any")
+        mask = lengths.to(torch.bool)
         lens = mask.sum(dim=1)
         if not torch.equal(mask, lengths_mask(lens, max_len)):
             raise ValueError(
-                "response_mask must mark a contiguous prefix of each row (right padding); "
-                "left-padded or holey masks are not drafts — pass lengths instead"
+                "lengths as a [B, R] mask must mark a contiguous prefix of each row (right padding); "
+                "left-padded or holey masks are not drafts: pass [B] lengths instead"
             )
         return lens.to(torch.int64)
     if lengths is None:
@@ -176,10 +188,8 @@ def _check_uids(uids, bsz: int, device: torch.device) -> torch.Tensor:
     return uids.to(device=device, dtype=torch.int64)
 
 
-def _validate(draft_ids, old_logprobs, scores, response_mask, lengths, settings, log_lenience, uids, backend) -> _Checked:
-    """Every input check of :func:`verify`, in one place."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+def _validate(draft_ids, old_logprobs, scores, lengths, uids, options: VerifyOptions) -> _Checked:
+    """Every input check of the verify functions, in one place."""
     _check_tensor("draft_ids", draft_ids, None, "int")
     if draft_ids.dim() != 2:
         raise ValueError(f"draft_ids must be a [B, R] tensor, got shape {tuple(draft_ids.shape)}")
@@ -191,9 +201,9 @@ def _validate(draft_ids, old_logprobs, scores, response_mask, lengths, settings,
         raise ValueError(f"old_logprobs has shape {got}, expected draft_ids' shape {shape}")
     _check_tensor("old_logprobs", old_logprobs, shape, "float", device)
     vocab = _check_scores(scores, shape, device)
-    lens = _resolve_lengths(draft_ids, response_mask, lengths)
+    lens = _resolve_lengths(draft_ids, lengths)
     valid = lengths_mask(lens, shape[1])
-    chosen = _pick_backend(backend, device, settings, scores)
+    chosen = _pick_backend(options.backend, device, options.sampling, scores)
     if scores.new_logprobs is not None:
         _check_logprobs("new_logprobs", scores.new_logprobs, valid)
     # Logits or hidden states are not scanned here: both backends flag the positions without a valid
@@ -204,10 +214,10 @@ def _validate(draft_ids, old_logprobs, scores, response_mask, lengths, settings,
         if bool(((ids < 0) | (ids >= vocab)).any()):
             raise ValueError(f"draft_ids contains ids outside [0, {vocab}) at unmasked positions (vocabulary size {vocab})")
     safe_ids = torch.where(valid, draft_ids, torch.zeros((), dtype=draft_ids.dtype, device=device))
-    return _Checked(safe_ids, old_logprobs, lens, _check_uids(uids, shape[0], device), scores, settings, log_lenience, chosen)
+    return _Checked(safe_ids, old_logprobs, lens, _check_uids(uids, shape[0], device), scores, chosen)
 
 
-def _verify_triton(c: _Checked, seed: int, strategy: str, return_accept_mask: bool) -> VerifyResult:
+def _verify_triton(c: _Checked, seed: int, options: VerifyOptions) -> VerifyResult:
     from .. import kernels
 
     if not kernels.is_available(c.draft_ids.device):
@@ -215,143 +225,97 @@ def _verify_triton(c: _Checked, seed: int, strategy: str, return_accept_mask: bo
             f"backend='triton' is not available on {c.draft_ids.device}: install triton, and on CPU set "
             "TRITON_INTERPRET=1 before importing spec_rl.kernels; or use backend='reference'"
         )
-    if not c.settings.is_plain:
+    if not options.sampling.is_plain:
         raise NotImplementedError(
             "Triton verification kernels score softmax(logits / T) over the full vocabulary; "
             "top_k/top_p filtering is only in the reference backend"
         )
     s = c.scores
     lp_new, accept, n = kernels.verify_padded(
-        c.draft_ids, c.old_logprobs, c.lengths, c.uids,
-        seed=seed, log_lenience=c.log_lenience, temperature=c.settings.temperature,
-        logits=s.logits, hidden_states=s.hidden_states, lm_head_weight=s.lm_head_weight, lm_head_bias=s.lm_head_bias,
-        score_only=strategy in RANDOM_STRATEGIES,
-    )  # fmt: skip
-    if strategy in RANDOM_STRATEGIES:
-        n = random_reuse_index(seed, c.uids, c.lengths, strategy)
+        c.draft_ids, c.old_logprobs, c.lengths, c.uids, s, seed=seed, log_lenience=options.log_lenience,
+        temperature=options.sampling.temperature, score_only=options.rule == "random",
+    )
+    if options.rule == "random":
+        n = random_reuse_index(seed, c.uids, c.lengths)
         accept = lengths_mask(n, c.draft_ids.shape[1])
-    return make_result(lp_new, n, accept, c.lengths, return_accept_mask)
+    return make_result(lp_new, n, accept, c.lengths, options.return_accept_mask)
 
 
-def verify(
-    draft_ids: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    *,
-    new_logprobs: torch.Tensor | None = None,
-    logits: torch.Tensor | None = None,
-    hidden_states: torch.Tensor | None = None,
-    lm_head_weight: torch.Tensor | None = None,
-    lm_head_bias: torch.Tensor | None = None,
-    response_mask: torch.Tensor | None = None,
-    lengths: torch.Tensor | None = None,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    lenience: float | None = None,
-    log_lenience: float | None = None,
-    seed: int = 0,
-    uids: torch.Tensor | None = None,
-    strategy: str = "spec",
-    backend: str = "auto",
-    return_accept_mask: bool = False,
-    acceptance: str = "lenient",
-    same_as: torch.Tensor | None = None,
-) -> VerifyResult:
-    """Verify a batch of drafts under the current policy (SPEC-RL Sec. 3, Alg. 1).
-
-    Parameters
-    ----------
-    draft_ids : [B, R] integer tensor
-        Token ids of the drafts, right-padded (values at padded positions are ignored).
-    old_logprobs : [B, R] float tensor, or None with ``acceptance="exact"``
-        Log-probs stored with the drafts (under the policy that last validated them), each <= 0.
-    new_logprobs, logits, hidden_states (+ lm_head_weight, lm_head_bias)
-        Exactly one score source, see the module docstring.
-    response_mask : [B, R] bool, optional
-        True on a leading prefix of each row; or ``lengths`` [B] int draft
-        lengths in [0, R]. Neither means all R positions are valid.
-    temperature, top_k, top_p
-        The sampling settings that produced the drafts (ignored with ``new_logprobs``).
-    lenience, log_lenience
-        l >= 0 (1 = vanilla speculative decoding, inf = reuse all, 0 = reuse
-        nothing), or log(l). Default l = 1.
-    seed : int
-        64-bit seed of the acceptance uniforms.
-    uids : [B] int64, optional
-        Per-sample ids keying the uniforms (default ``arange(B)``, which makes
-        decisions depend on batch position: pass stable ids in training).
-    strategy : "spec", "random" or "random-ref"
-        Lenient acceptance, or the random-reuse ablation (paper Table 2): n uniform over 0..R
-        ("random"), or over 0..R-1 as in the reference implementation ("random-ref": never a full reuse).
-    backend : "auto", "reference" or "triton"
-    return_accept_mask : bool
-        Also return the per-token test outcome.
-    acceptance : "lenient" or "exact"
-        The paper's test (default), or exact speculative sampling of a point-mass draft: accept
-        y_i iff ``log u_i <= lp_new_i`` (old logprobs and lenience unused; docs/design.md
-        "Exact acceptance"). With "exact" the token at a rejection must be drawn from the
-        residual (pi_t without y_n, renormalised) for the response to be a fresh sample of pi_t.
-    same_as : [B, R] int64, optional
-        Which positions share one output (:class:`~spec_rl.acceptance.scores.DraftScores`, set by the
-        tree-packed scorer): the reference backend then runs the LM head once per distinct output;
-        the Triton kernels ignore it.
-
-    Returns
-    -------
-    :class:`~spec_rl.acceptance.reference.VerifyResult`
-        Tensors without autograd history: verification runs under ``torch.no_grad()`` on detached
-        inputs, so it never keeps a graph (or its memory) alive.
-
-    Raises
-    ------
-    ValueError
-        Shape mismatches; scores without a valid distribution at unmasked positions (NaN or +inf
-        logits, or every logit -inf: the same error, naming the (sample, token) positions, on every
-        backend); NaN or positive logprobs; token ids outside [0, V); negative or NaN lenience; bad
-        temperature/top-k/top-p values; unknown strategy or backend; meta tensors.
-    TypeError
-        Wrong types: non-tensor inputs, non-integer ids, non-float scores, a non-integer seed,
-        a non-number temperature/top-p or non-integer top-k.
-    NotImplementedError
-        ``backend="triton"`` with top-k/top-p or a score dtype the kernels do not take.
-
-    Example
-    -------
-    >>> res = verify(ids, old, logits=logits, lengths=lens, lenience=math.exp(0.5), seed=step_seed, uids=uids)
-    >>> keep = [ids[b, : int(n)] for b, n in enumerate(res.accepted_len)]
-    """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-    if acceptance not in ACCEPTANCE_RULES:
-        raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {acceptance!r}")
-    if acceptance == "exact":
-        if strategy in RANDOM_STRATEGIES:
-            raise ValueError(f"strategy={strategy!r} (the random-reuse ablation) ignores the scores; acceptance='exact' does not apply")
-        if lenience not in (None, 1, 1.0) or log_lenience not in (None, 0, 0.0):
-            raise ValueError("lenience applies to acceptance='lenient' only; exact acceptance has no lenience")
-        if isinstance(draft_ids, torch.Tensor) and old_logprobs is None:
-            old_logprobs = torch.zeros(draft_ids.shape, dtype=torch.float32, device=draft_ids.device)
-        elif isinstance(old_logprobs, torch.Tensor):
-            old_logprobs = torch.zeros_like(old_logprobs)  # the exact test is the lenient one with lp_old = 0, l = 1
-    settings = SamplingSettings(temperature=temperature, top_p=top_p, top_k=top_k)
+def verify_scores(draft_ids, old_logprobs, scores: DraftScores, lengths=None, *, seed: int = 0, uids=None,
+                  options: VerifyOptions | None = None) -> VerifyResult:
+    """The common body of the three entry points: ``scores`` holds exactly one source (and, from the tree-packed
+    scorer, ``same_as``). Arguments and errors as :func:`verify_logits`."""
+    options = VerifyOptions() if options is None else options
+    if not isinstance(options, VerifyOptions):
+        raise TypeError(f"options must be a VerifyOptions, got {type(options).__name__}")
     seed = check_int("seed", seed, hint=" (the 64-bit seed of the acceptance uniforms, taken modulo 2**64)")
-    log_l = lenience_to_log(lenience, log_lenience)
-    # Verification never needs gradients: detached inputs and no_grad keep a policy's LM-head Parameter
-    # (requires_grad=True) or hidden states from a forward with a graph from growing one here.
+    if options.rule == "exact" and isinstance(draft_ids, torch.Tensor) and old_logprobs is None:
+        old_logprobs = torch.zeros(draft_ids.shape, dtype=torch.float32, device=draft_ids.device)
+    elif options.rule == "exact" and isinstance(old_logprobs, torch.Tensor):
+        old_logprobs = torch.zeros_like(old_logprobs)  # the exact test is the lenient one with lp_old = 0, l = 1
+    # Verification never needs gradients: detached inputs and no_grad keep an LM-head Parameter or hidden states
+    # from a forward with a graph from growing one here.
     with torch.no_grad():
-        scores = DraftScores(
-            hidden_states=_detached(hidden_states), logits=_detached(logits), lm_head_weight=_detached(lm_head_weight),
-            lm_head_bias=_detached(lm_head_bias), new_logprobs=_detached(new_logprobs), same_as=_detached(same_as),
-        )  # fmt: skip
-        c = _validate(_detached(draft_ids), _detached(old_logprobs), scores, response_mask, lengths, settings, log_l, uids, backend)
+        scores = DraftScores(**{k: _detached(v) for k, v in vars(scores).items()})
+        c = _validate(_detached(draft_ids), _detached(old_logprobs), scores, _detached(lengths), uids, options)
         if c.backend == "triton":
             try:
-                return _verify_triton(c, seed, strategy, return_accept_mask)
+                return _verify_triton(c, seed, options)
             except NotImplementedError:
-                if backend == "triton":
+                if options.backend == "triton":
                     raise
-        return reference_verify(
-            c.draft_ids, c.old_logprobs, c.lengths, c.uids, c.scores,
-            seed=seed, log_lenience=c.log_lenience, settings=c.settings, strategy=strategy,
-            return_accept_mask=return_accept_mask,
-        )  # fmt: skip
+        return reference_verify(c.draft_ids, c.old_logprobs, c.lengths, c.uids, c.scores, seed=seed, options=options)
+
+
+def verify_logprobs(draft_ids, old_logprobs, new_logprobs, lengths=None, *, seed: int = 0, uids=None,
+                    options: VerifyOptions | None = None) -> VerifyResult:
+    """Verify drafts whose current log-probs are already computed: ``new_logprobs`` [B, R] float (<= 0).
+
+    Other arguments, the result and the errors as :func:`verify_logits`.
+    """
+    return verify_scores(draft_ids, old_logprobs, DraftScores(new_logprobs=new_logprobs), lengths, seed=seed, uids=uids,
+                         options=options)
+
+
+def verify_logits(draft_ids, old_logprobs, logits, lengths=None, *, seed: int = 0, uids=None,
+                  options: VerifyOptions | None = None) -> VerifyResult:
+    """Verify B drafts against the current policy's logits (SPEC-RL Sec. 3, Alg. 1).
+
+    Args:
+        draft_ids: [B, R] integer token ids, right-padded.
+        old_logprobs: [B, R] float log-probs stored with the drafts (None with ``rule="exact"``).
+        logits: [B, R, V] float; row i scores draft token i (the logits at the position before it).
+        lengths: [B] integer draft lengths, or a [B, R] bool mask of a leading prefix; None: all R valid.
+        seed: 64-bit seed of the acceptance uniforms; uids: [B] int64 stable per-sample ids (default arange(B)).
+        options: :class:`VerifyOptions` (rule, lenience, sampling settings, backend).
+
+    Returns:
+        :class:`~spec_rl.acceptance.reference.VerifyResult`: new_logprobs [B, R] float32, accepted_len [B] int64
+        (the rejection index), full_reuse [B] bool, accept_mask, stats. No autograd history.
+
+    Raises:
+        ValueError: shapes, ids outside [0, V), scores without a distribution (named by (sample, token)), NaN or
+            positive log-probs. TypeError: non-tensor or wrongly typed inputs. NotImplementedError: backend
+            "triton" with top-k/top-p or float64 scores.
+    """
+    return verify_scores(draft_ids, old_logprobs, DraftScores(logits=logits), lengths, seed=seed, uids=uids,
+                         options=options)
+
+
+def verify_hidden(draft_ids, old_logprobs, hidden_states, lm_head, lengths=None, *, seed: int = 0, uids=None,
+                  options: VerifyOptions | None = None) -> VerifyResult:
+    """Verify drafts from final hidden states [B, R, d] and the LM head, without forming [B, R, V] logits.
+
+    ``lm_head``: the weight [V, d], or a module with ``.weight`` (and ``.bias``), e.g.
+    ``model.get_output_embeddings()``. Other arguments, the result and the errors as :func:`verify_logits`.
+    """
+    weight, bias = (lm_head, None) if isinstance(lm_head, torch.Tensor) else _lm_head_tensors(lm_head)
+    scores = DraftScores(hidden_states=hidden_states, lm_head_weight=weight, lm_head_bias=bias)
+    return verify_scores(draft_ids, old_logprobs, scores, lengths, seed=seed, uids=uids, options=options)
+
+
+def _lm_head_tensors(lm_head) -> tuple[torch.Tensor, torch.Tensor | None]:
+    weight = getattr(lm_head, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"lm_head must be a [V, d] weight tensor or a module with .weight, got {type(lm_head).__name__}")
+    return weight, getattr(lm_head, "bias", None)

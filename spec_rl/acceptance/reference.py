@@ -25,8 +25,6 @@ kernels are tested against it, in float64 for logprob accuracy.
 
 from __future__ import annotations
 
-import math
-import numbers
 from dataclasses import dataclass
 
 import torch
@@ -35,14 +33,6 @@ from ..sampling.distribution import SamplingSettings, sampling_log_softmax
 from ..sampling.philox import STREAM_ACCEPT, STREAM_RANDOM_REUSE, philox_uniform
 from ..util.validation import invalid_scores_message
 from .scores import DraftScores
-
-#: "lenient": the paper's rule (Alg. 1); "exact": lossless acceptance of a point-mass draft.
-ACCEPTANCE_RULES = ("lenient", "exact")
-#: The token at a lenient rejection: "policy" draws it from pi_t (the paper, Alg. 1); "without-draft"
-#: from pi_t without the rejected draft token (spec_rl.acceptance.lenient).
-REJECTION_DRAWS = ("policy", "without-draft")
-#: The paper's lenience per RL algorithm (App. A.1): GRPO e^0.5, PPO e^0.3, DAPO e^0.15.
-LENIENCE_DEFAULTS = {"grpo": math.exp(0.5), "ppo": math.exp(0.3), "dapo": math.exp(0.15)}
 
 #: How each score source is named in errors (the Triton kernels use the same names).
 SCORE_NAMES = {"logits": "logits", "hidden_states": "logits (hidden_states @ lm_head_weight.T)"}
@@ -111,26 +101,6 @@ class VerifyResult:
     full_reuse: torch.Tensor
     accept_mask: torch.Tensor | None
     stats: VerifyStats
-
-
-def lenience_to_log(lenience: float | None, log_lenience: float | None) -> float:
-    """Return log(l) from either form (default l = 1, vanilla speculative decoding)."""
-    if lenience is not None and log_lenience is not None:
-        raise ValueError("pass either lenience or log_lenience, not both")
-    for name, value in (("lenience", lenience), ("log_lenience", log_lenience)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
-            raise TypeError(f"{name} must be a real number (e.g. {name}=1.65), got {type(value).__name__} {value!r}")
-    if log_lenience is not None:
-        if math.isnan(log_lenience):
-            raise ValueError("log_lenience must not be NaN (use -inf to disable reuse, +inf to reuse everything)")
-        return float(log_lenience)
-    if lenience is None:
-        return 0.0
-    if math.isnan(lenience) or lenience < 0:
-        raise ValueError(
-            f"lenience must be >= 0 (0 disables reuse, 1 is vanilla speculative decoding, inf reuses everything), got {lenience!r}"
-        )
-    return math.log(lenience) if lenience > 0 else float("-inf")
 
 
 def lengths_mask(lengths: torch.Tensor, max_len: int) -> torch.Tensor:
@@ -237,25 +207,11 @@ def rejection_index(accept: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor
     return torch.minimum(n, lengths).to(torch.int64)
 
 
-#: Random-reuse strategies (paper Table 2): "random" draws n uniformly over {0, ..., length} (a draft
-#: may be reused whole); "random-ref" is the SPEC-RL reference implementation's variant,
-#: n = floor(u * length), uniform over {0, ..., length - 1}: never a full reuse.
-RANDOM_STRATEGIES = ("random", "random-ref")
-
-
-def random_reuse_index(seed: int, uids: torch.Tensor, lengths: torch.Tensor, strategy: str = "random") -> torch.Tensor:
-    """Random-reuse ablation (paper Table 2): the rejection index ignores the scores.
-
-    ``"random"``: n = min(floor(u * (length + 1)), length), uniform over {0, ..., length};
-    ``"random-ref"``: n = min(floor(u * length), length - 1) (0 for an empty draft), uniform over
-    {0, ..., length - 1}, as the reference implementation draws it. u comes from the random-reuse
-    Philox stream at token index 0.
-    """
+def random_reuse_index(seed: int, uids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Random-reuse ablation (paper Table 2): n = min(floor(u * (length + 1)), length), uniform over
+    {0, ..., length} whatever the scores; u from the random-reuse Philox stream at token index 0."""
     u = philox_uniform(seed, uids, torch.zeros_like(uids), stream=STREAM_RANDOM_REUSE).double()
     lengths = lengths.to(torch.int64)
-    if strategy == "random-ref":
-        n = torch.floor(u * lengths.double()).to(torch.int64)
-        return torch.minimum(n, (lengths - 1).clamp(min=0))
     n = torch.floor(u * (lengths.double() + 1)).to(torch.int64)
     return torch.minimum(n, lengths)
 
@@ -289,38 +245,27 @@ def reference_verify(
     scores: DraftScores,
     *,
     seed: int,
-    log_lenience: float,
-    settings: SamplingSettings = SamplingSettings(),
-    strategy: str = "spec",
-    return_accept_mask: bool = False,
+    options,
     compute_dtype: torch.dtype = torch.float32,
-    acceptance: str = "lenient",
 ) -> VerifyResult:
-    """Verify B padded drafts; inputs are assumed valid (see :func:`spec_rl.acceptance.dispatch.verify`).
+    """Verify B padded drafts; inputs are assumed valid (:func:`spec_rl.acceptance.dispatch.verify_scores`).
 
-    Shapes: draft_ids/old_logprobs [B, R]; lengths [B] int64; uids [B] int64;
-    ``scores`` holds exactly one source (new_logprobs [B, R], logits [B, R, V]
-    or hidden_states [B, R, d] with lm_head_weight [V, d]); row i scores draft
-    token i. ``settings`` gives temperature/top-k/top-p (max_tokens unused).
-    ``strategy`` is "spec" (the acceptance test), "random" or "random-ref" (random reuse);
-    ``acceptance`` is "lenient" (paper Alg. 1) or "exact" (lp_old and l ignored).
-    Raises ValueError for scored positions without a distribution (:func:`raise_if_no_distribution`).
+    Shapes: draft_ids/old_logprobs [B, R]; lengths [B] int64; uids [B] int64; ``scores`` holds one source, row i
+    scoring draft token i; ``options`` a :class:`~spec_rl.acceptance.dispatch.VerifyOptions` (rule, lenience,
+    sampling). Raises ValueError for scored positions without a distribution (:func:`raise_if_no_distribution`).
     """
-    if acceptance == "exact":
-        old_logprobs, log_lenience = torch.zeros_like(old_logprobs), 0.0
-    elif acceptance != "lenient":
-        raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {acceptance!r}")
-    lp_new = draft_logprobs(draft_ids, lengths, scores, settings, compute_dtype)
+    if options.rule == "exact":
+        old_logprobs = torch.zeros_like(old_logprobs)
+    lp_new = draft_logprobs(draft_ids, lengths, scores, options.sampling, compute_dtype)
     raise_if_no_distribution(lp_new, scores.source)
     max_len = draft_ids.shape[1]
-    if strategy == "spec":
-        token_index = torch.arange(max_len, device=draft_ids.device, dtype=torch.int64).unsqueeze(0)
-        u = philox_uniform(seed, uids.unsqueeze(1), token_index, stream=STREAM_ACCEPT)
-        accept = acceptance_test(lp_new, old_logprobs, u, log_lenience) & lengths_mask(lengths, max_len)
-        n = rejection_index(accept, lengths)
-    elif strategy in RANDOM_STRATEGIES:
-        n = random_reuse_index(seed, uids, lengths, strategy)
+    if options.rule == "random":
+        n = random_reuse_index(seed, uids, lengths)
         accept = lengths_mask(n, max_len)
     else:
-        raise ValueError(f"strategy must be 'spec', 'random' or 'random-ref', got {strategy!r}")
-    return make_result(lp_new, n, accept, lengths, return_accept_mask)
+        token_index = torch.arange(max_len, device=draft_ids.device, dtype=torch.int64).unsqueeze(0)
+        u = philox_uniform(seed, uids.unsqueeze(1), token_index, stream=STREAM_ACCEPT)
+        log_l = 0.0 if options.rule == "exact" else options.log_lenience
+        accept = acceptance_test(lp_new, old_logprobs, u, log_l) & lengths_mask(lengths, max_len)
+        n = rejection_index(accept, lengths)
+    return make_result(lp_new, n, accept, lengths, options.return_accept_mask)

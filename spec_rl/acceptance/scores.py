@@ -44,6 +44,10 @@ class DraftScores:
             return "new_logprobs"
         return "logits" if self.logits is not None else "hidden_states"
 
+    @property
+    def device(self) -> torch.device:
+        return next(t for t in (self.new_logprobs, self.logits, self.hidden_states) if t is not None).device
+
     @torch.no_grad()
     def logits_at(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
         """Logits [K, V] (float32) at draft positions (rows[k], cols[k]); the LM head runs in at least float32.

@@ -28,8 +28,6 @@ import torch
 
 from ..sampling.distribution import SamplingSettings, keyed_sample
 from .kv_buffer import InPlaceLayer, in_place_cache, left_padded_cache
-from .step_correction import StepCorrection, StepTimer
-from .step_cost import ProposalBackoff, StepCost, acceptance_of, fastest_run, plan_proposals
 
 
 def cache_argument(model) -> str:
@@ -183,14 +181,9 @@ class SpeculativeDecoder:
         max_k: most proposed tokens per row and step (0: no speculation).
         pad_id: id fed at padding positions.
         on_step: called with the number of live rows after every forward (progress bars).
-        step_cost: returns the backend's :class:`~spec_rl.backends.step_cost.StepCost` (called only when a
-            row has a proposal; default: a flat cost, i.e. always verify every proposed token).
-        correction: the backend's :class:`~spec_rl.backends.step_correction.StepCorrection`, which this loop's
-            steps are timed for and which prices its wide steps; None: the table as measured.
     """
 
-    def __init__(self, model, settings: SamplingSettings, seed: int, eos_ids, max_k: int, pad_id: int, on_step=None,
-                 step_cost=StepCost.flat, correction: StepCorrection | None = None):  # fmt: skip
+    def __init__(self, model, settings: SamplingSettings, seed: int, eos_ids, max_k: int, pad_id: int, on_step=None):
         self.model = model
         self.settings = settings
         self.seed = int(seed)
@@ -198,11 +191,8 @@ class SpeculativeDecoder:
         self.max_k = int(max_k)
         self.pad_id = int(pad_id)
         self.on_step = on_step
-        self.step_cost = step_cost  # called (once measured, then cached) only when a row has a proposal
         self.cache_arg = cache_argument(model)
         self.counters = DecodeCounters()
-        self.backoff = ProposalBackoff()  # stops asking proposers while speculation does not pay
-        self.timer = StepTimer(correction)  # times the steps for the correction, which prices the wide ones
 
     def sample(self, logits: torch.Tensor, uids: Sequence[int], positions: Sequence[int]):
         dev = logits.device
@@ -221,8 +211,7 @@ class SpeculativeDecoder:
         if len(live) != len(rows):
             kv.select(torch.tensor([i for i, r in enumerate(rows) if r.finish is None], dtype=torch.long, device=kv.mask.device))
         while live:
-            shape = (len(live), kv.width)  # rows, cached columns attention reads
-            width = self._step(kv, live)
+            self._step(kv, live)
             keep = [i for i, r in enumerate(live) if r.finish is None]
             if len(keep) < len(live) and (not keep or len(keep) * 4 <= 3 * len(live)):
                 live = [live[i] for i in keep]
@@ -233,30 +222,16 @@ class SpeculativeDecoder:
             # nothing, but dropping them one by one would copy the whole cache every step.
             if live and kv.width > 2 * int(kv.mask.sum(1).max()) + 16:
                 kv.compact()
-            self.timer.stop(shape[0], shape[0] * width, shape[1])  # rollback and compaction included
 
-    def _inputs(self, rows: list[DecodeRow], active: list[bool], context: int):
+    def _inputs(self, rows: list[DecodeRow], active: list[bool]):
         """Per row: [last token, proposal...] right-padded to one width; which positions are fed.
 
-        Each live row's proposer offers up to min(max_k, budget - 1) tokens; :func:`plan_proposals`
-        picks the width that maximises expected tokens per second under the measured step cost at ``context``
-        cached columns (the padded width attention reads; one token when no row has a proposal or when
-        speculation does not pay), and every row is fed
-        its proposal up to that width (padding is computed anyway, so a shorter row's own tokens fill it).
-        While speculation does not pay, :class:`~spec_rl.backends.step_cost.ProposalBackoff` skips asking the
-        proposers (their lookups cost host time per row).
+        Each live row's proposer offers up to min(max_k, budget - 1) tokens and is asked to fill the batch's width
+        (padding positions are computed anyway, so a shorter row's own proposal fills them at no cost).
         """
-        live = sum(active)
-        ask = self.max_k > 0 and self.backoff.ask(live)
-        cands = [r.proposer.propose(min(self.max_k, r.budget - 1), fill=self.max_k)
-                 if ask and ok and r.proposer is not None and r.budget > 1 else []
+        props = [r.proposer.propose(min(self.max_k, r.budget - 1), fill=self.max_k)
+                 if self.max_k > 0 and ok and r.proposer is not None and r.budget > 1 else []
                  for r, ok in zip(rows, active)]  # fmt: skip
-        props = cands
-        if any(cands):
-            cost = self.timer.price(self.step_cost(), len(rows))
-            props = plan_proposals(cands, [acceptance_of(r.proposer) for r in rows], cost, padded=True, context=context)
-            props = self.backoff.explore(props, cands, cost, padded=True, context=context)
-            self.backoff.planned(live, fed=any(props))
         lens = torch.tensor([len(p) for p in props], dtype=torch.long)
         width = 1 + int(lens.max())
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
@@ -271,12 +246,11 @@ class SpeculativeDecoder:
         fed[:, 0] = True  # finished rows keep one valid query so attention never sees an empty row
         return props, lens, ids, fed
 
-    def _step(self, kv: KVRows, rows: list[DecodeRow]) -> int:
-        """One forward over every row; returns its width (fed positions per row)."""
+    def _step(self, kv: KVRows, rows: list[DecodeRow]) -> None:
+        """One forward over every row."""
         dev = kv.mask.device
         active = [r.finish is None for r in rows]
-        props, lens, ids, fed = self._inputs(rows, active, kv.width)
-        self.timer.start()  # the proposers' lookups are spent whatever the plan: not part of the step's price
+        props, lens, ids, fed = self._inputs(rows, active)
         width = ids.shape[1]
         positions = torch.tensor([r.position for r in rows], dtype=torch.long).unsqueeze(1) + torch.arange(width)
         kv.mask = torch.cat([kv.mask, fed.to(dev, torch.long)], dim=1)
@@ -319,7 +293,6 @@ class SpeculativeDecoder:
             r.position += kept
         if self.on_step is not None:
             self.on_step(sum(active))
-        return width
 
 
 def prefill(model, contexts: Sequence[Sequence[int]], pad_id: int) -> tuple[KVRows, torch.Tensor]:
@@ -352,50 +325,3 @@ def prefill(model, contexts: Sequence[Sequence[int]], pad_id: int) -> tuple[KVRo
     rows = torch.tensor(row_of, dtype=torch.long, device=device)
     layers = [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in _layers_of(cache)]
     return KVRows(_dynamic_cache(layers), mask.index_select(0, rows)), logits.index_select(0, rows)
-
-
-class DecodeStepTimer:
-    """Times decode steps: the points of the backend's :class:`~spec_rl.backends.step_cost.StepCost`.
-
-    ``timer(rows, width, context)`` returns the seconds of one decode step (forward + keyed samples at every
-    fed position) over ``rows`` sequences of ``context`` cached tokens feeding ``width`` tokens each, the
-    fastest of ``repeats`` (:func:`~spec_rl.backends.step_cost.fastest_run`). Random ids. The prefilled batch
-    of the latest (rows, context) is kept and cropped back after each run, so timing every width of one
-    batch prefills it once (a prefill of 256 rows x 320 tokens costs about a second on the demo's CPU).
-    """
-
-    def __init__(self, model, pad_id: int, repeats: int = 5):
-        self.model, self.pad_id, self.repeats = model, int(pad_id), int(repeats)
-        self._batch: tuple[tuple[int, int], KVRows] | None = None
-
-    def _prefilled(self, rows: int, context: int) -> KVRows:
-        if self._batch is None or self._batch[0] != (rows, context):
-            self._batch = None  # free the previous batch before building the next
-            vocab = self.model.get_output_embeddings().weight.shape[0]
-            gen = torch.Generator().manual_seed(rows * 31 + context)
-            kv, _ = prefill(self.model, torch.randint(0, vocab, (rows, context), generator=gen).tolist(), self.pad_id)
-            self._batch = ((rows, context), kv)
-        return self._batch[1]
-
-    @torch.no_grad()
-    def __call__(self, rows: int, width: int, context: int = 64) -> float:
-        kv = self._prefilled(rows, context)
-        device = next(self.model.parameters()).device
-        vocab = self.model.get_output_embeddings().weight.shape[0]
-        gen = torch.Generator().manual_seed(rows * 31 + width)
-        arg, settings = cache_argument(self.model), SamplingSettings(max_tokens=width)
-        uids = torch.arange(rows * width, device=device)
-        mask = torch.cat([kv.mask, torch.ones((rows, width), dtype=torch.long, device=device)], dim=1)
-        positions = (context + torch.arange(width, device=device)).unsqueeze(0).expand(rows, width)
-        inputs = [torch.randint(0, vocab, (rows, width), generator=gen).to(device) for _ in range(self.repeats + 1)]
-
-        def step(i: int) -> None:
-            out = self.model(input_ids=inputs[i], attention_mask=mask, position_ids=positions, use_cache=True, **{arg: kv.cache})
-            keyed_sample(out.logits.reshape(rows * width, -1).float(), settings, 0, uids, positions.reshape(-1))
-
-        return fastest_run(step, device, self.repeats, after=lambda: kv.cache.crop(-width))  # drop the fed positions again
-
-
-def time_decode_step(model, rows: int, width: int, pad_id: int, context: int = 64, repeats: int = 5) -> float:
-    """Seconds of one decode step over a freshly prefilled batch (:class:`DecodeStepTimer`, one point)."""
-    return DecodeStepTimer(model, pad_id, repeats)(rows, width, context)

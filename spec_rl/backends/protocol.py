@@ -71,23 +71,19 @@ class BackendStats:
 class GenerationBackend(Protocol):
     """What the speculative rollout needs from an inference engine (paper Alg. 1, steps 1 and 4).
 
-    ``score_drafts`` has the contract of :meth:`spec_rl.backends.scoring.PolicyScorer.score`
-    and also returns a handle; ``continue_from`` cuts row i to prompt + n_i,
-    feeds ``first_tokens[i]`` (None: just release the row) and samples up to
-    ``budgets[i]`` more tokens; ``extra_contexts`` are generated from scratch in
-    the same batches. It returns continuations for the handle's rows, then the
-    extras. ``release`` frees a handle that will not be continued. ``stats``
-    counts prefill/re-prefill tokens and decode steps.
-
-    Optional attributes (not part of the runtime check; absent or None means unknown):
-    ``vocab_size`` (token ids it accepts and returns lie in [0, vocab_size)) and
-    ``max_positions`` (the model's ``max_position_embeddings``: context + budget never pass it).
-    :class:`~spec_rl.rollout.speculative.SpeculativeRollout` checks prompts, drafts and every continuation
-    against them (:mod:`spec_rl.backends.checks`); without ``vocab_size`` it takes V from the
-    scoring pass and, before any scoring, checks only that ids are >= 0.
+    ``score_drafts`` has the contract of :meth:`spec_rl.backends.scoring.PolicyScorer.score` and also returns a
+    handle; ``continue_from`` cuts row i to prompt + n_i, feeds ``first_tokens[i]`` (None: just release the row)
+    and samples up to ``budgets[i]`` more tokens, then generates ``extra_contexts`` from scratch in the same
+    batches; ``release`` frees a handle that will not be continued. The optional capabilities have defaults here
+    (subclass this protocol to inherit them): ``vocab_size`` and ``max_positions`` (None: unknown; the rollout then
+    checks ids and lengths against what it knows), ``max_k`` (most drafted tokens verified per decode step; 0: no
+    tail speculation), ``score_drafts_progressive`` (None: not supported) and ``sync_weights``.
     """
 
     stats: BackendStats
+    vocab_size: int | None = None
+    max_positions: int | None = None
+    max_k: int = 0
 
     @property
     def device(self) -> torch.device: ...
@@ -104,6 +100,14 @@ class GenerationBackend(Protocol):
         ...
 
     def score_drafts(self, prompts: Sequence[Sequence[int]], drafts: Sequence[Sequence[int]]) -> tuple[DraftScores, Any]: ...
+
+    def score_drafts_progressive(
+        self, prompts: Sequence[Sequence[int]], drafts: Sequence[Sequence[int]], draft_logprobs: Sequence[Sequence[float]]
+    ) -> tuple[DraftScores, Any, Any] | None:
+        """For exact acceptance: score the drafts only where a walk may read them (``draft_logprobs``, the stored
+        ones, estimate where), more on demand; returns (scores, handle, progressive scores), or None when the
+        backend cannot (the rollout then calls :meth:`score_drafts`)."""
+        return None
 
     def continue_from(
         self,
@@ -129,6 +133,9 @@ class GenerationBackend(Protocol):
         ...
 
     def release(self, handle: Any) -> None: ...
+
+    def sync_weights(self) -> None:
+        """Called after every policy update; an engine with its own copy of the weights (vLLM) reloads them."""
 
 
 def split_zero_budgets(contexts, budgets) -> tuple[list[Continuation | None], list[int]]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from ..acceptance.scores import DraftScores
 from .checks import check_continue_rows, check_same_length
-from .protocol import BackendStats, Continuation
+from .protocol import BackendStats, Continuation, GenerationBackend
 from .scoring import PolicyScorer
 
 
@@ -20,7 +20,7 @@ class ScoredDrafts:
     used: bool = False
 
 
-class ReprefillBackend:
+class ReprefillBackend(GenerationBackend):
     """``score_drafts``/``continue_from``/``release`` for a backend that only generates from contexts.
 
     Scoring runs :attr:`scorer` (a :class:`~spec_rl.backends.scoring.PolicyScorer`);
@@ -32,8 +32,6 @@ class ReprefillBackend:
 
     scorer: PolicyScorer
     stats: BackendStats
-    vocab_size: int | None = None  # unknown unless a subclass says (see GenerationBackend)
-    max_positions: int | None = None
 
     def generate(self, contexts, budgets, settings, seed, *, uids=None, proposers=None) -> list[Continuation]:
         raise NotImplementedError  # pragma: no cover - abstract

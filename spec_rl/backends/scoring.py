@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from ..acceptance.scores import DraftScores, response_positions
-from ..sampling.distribution import token_logprobs
+from ..sampling.distribution import SamplingSettings, token_logprobs
 from ..sampling.groups import TreeKV, chunk_groups, gather_scores, pack_groups, supports_tree_attention, tree_inputs
 
 
@@ -110,7 +110,7 @@ def response_states(
 
 def response_logprobs(
     model, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int,
-    temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+    settings: SamplingSettings = SamplingSettings(),
 ) -> torch.Tensor:
     """Sampling log-probs [B, R] float32 of each response token under ``model`` (padding: meaningless, mask it)."""
     logits = response_states(model, prompts, responses, pad_id)
@@ -118,7 +118,7 @@ def response_logprobs(
     targets = torch.zeros((len(responses), max_r), dtype=torch.long, device=logits.device)
     for b, r in enumerate(responses):
         targets[b, : len(r)] = torch.as_tensor(list(r), dtype=torch.long)
-    return token_logprobs(logits, targets, temperature, top_k, top_p)
+    return token_logprobs(logits, targets, settings.temperature, settings.top_k, settings.top_p)
 
 
 class PolicyScorer:

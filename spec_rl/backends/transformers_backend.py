@@ -27,12 +27,11 @@ from ..sampling.distribution import SamplingSettings
 from ..sampling.groups import TreeKV
 from ..util.model_config import model_sliding_window
 from .checks import ModelLimits, check_same_length
-from .hf_decode import DecodeRow, DecodeStepTimer, KVRows, SpeculativeDecoder, prefill
+from .hf_decode import DecodeRow, KVRows, SpeculativeDecoder, prefill
 from .progressive import ProgressiveTreeScores
 from .protocol import BackendStats, Continuation, backend_arguments, split_zero_budgets
 from .reprefill import ReprefillBackend, ScoredDrafts
 from .scoring import PolicyScorer
-from .step_cost import MEASURE_REPEATS, CostSizedBackend, StepCost, cost_key, measured_contexts, measured_cost
 
 
 class SplicedDrafts(ScoredDrafts):
@@ -44,7 +43,7 @@ class SplicedDrafts(ScoredDrafts):
         self.kv = kv
 
 
-class TransformersBackend(CostSizedBackend, ModelLimits, ReprefillBackend):
+class TransformersBackend(ModelLimits, ReprefillBackend):
     """Batched generation with a transformers causal LM (see the module docstring).
 
     Args:
@@ -56,9 +55,6 @@ class TransformersBackend(CostSizedBackend, ModelLimits, ReprefillBackend):
         max_tokens_per_forward: chunk bound of the scoring pass (see :class:`~spec_rl.backends.scoring.PolicyScorer`).
         max_k: most history-drafted tokens verified per decode step (0 disables speculation).
         splice: keep the scoring forward's K/V for the continuation (costs memory until it is used).
-        step_cost: the decode-step cost curve that sizes speculation (default: measured on first use,
-            see :meth:`step_cost`; :meth:`StepCost.flat() <spec_rl.backends.step_cost.StepCost.flat>` always
-            verifies every proposed token).
 
     Raises:
         ValueError: no EOS id, ``max_batch_size`` < 1, ``max_k`` < 0, or a model with sliding-window attention
@@ -75,7 +71,6 @@ class TransformersBackend(CostSizedBackend, ModelLimits, ReprefillBackend):
         max_tokens_per_forward: int | None = None,
         max_k: int = 8,
         splice: bool = True,
-        step_cost: StepCost | None = None,
     ):
         self.model = model
         window = model_sliding_window(model)
@@ -95,12 +90,6 @@ class TransformersBackend(CostSizedBackend, ModelLimits, ReprefillBackend):
         self.splice = bool(splice)
         self.scorer = PolicyScorer(model, self.pad_id, max_tokens_per_forward)
         self.stats = BackendStats()
-        self.set_step_cost(step_cost)  # a table given here is taken as it is (no correction unless asked for)
-
-    def _measure_step_cost(self) -> StepCost:
-        key = cost_key("transformers", self.model, self.device)
-        timer = DecodeStepTimer(self.model, self.pad_id, repeats=MEASURE_REPEATS)
-        return measured_cost(key, timer, self.max_batch_size, measured_contexts(self.max_positions))
 
     @property
     def device(self) -> torch.device:
@@ -114,9 +103,8 @@ class TransformersBackend(CostSizedBackend, ModelLimits, ReprefillBackend):
         Raises:
             TypeError: non-integer ids or budgets.
             ValueError: mismatched lengths, an empty context, a negative budget, an id outside the
-                vocabulary, or a context + budget past ``max_positions``; a bad ``SPEC_RL_STEP_CORRECTION``.
+                vocabulary, or a context + budget past ``max_positions``.
         """
-        self.step_correction()  # a bad SPEC_RL_STEP_CORRECTION fails here, before any forward
         results, todo = split_zero_budgets(contexts, budgets)
         contexts = self.checked_contexts(contexts, budgets)
         uids = list(range(len(contexts))) if uids is None else [int(u) for u in uids]
@@ -170,10 +158,8 @@ class TransformersBackend(CostSizedBackend, ModelLimits, ReprefillBackend):
 
         Raises:
             ValueError: a handle that is not this backend's or was already used; mismatched lengths;
-                an id outside the vocabulary or a sequence past ``max_positions``; a bad ``SPEC_RL_STEP_CORRECTION``
-                (the handle is left unused).
+                an id outside the vocabulary or a sequence past ``max_positions``.
         """
-        self.step_correction()
         if not isinstance(handle, SplicedDrafts):
             return super().continue_from(handle, accepted_lens, first_tokens, budgets, settings, seed,
                                          extra_contexts, extra_budgets, uids=uids, proposers=proposers, sources=sources)  # fmt: skip
@@ -259,8 +245,7 @@ class TransformersBackend(CostSizedBackend, ModelLimits, ReprefillBackend):
         return kv, rows
 
     def _decoder(self, settings, seed) -> SpeculativeDecoder:
-        return SpeculativeDecoder(self.model, settings, seed, self.eos_ids, self.max_k, self.pad_id,
-                                  step_cost=self.step_cost, correction=self.step_correction())  # fmt: skip
+        return SpeculativeDecoder(self.model, settings, seed, self.eos_ids, self.max_k, self.pad_id)
 
     def _decode(self, kv: KVRows, rows: list[DecodeRow], settings, seed, results) -> None:
         dec = self._decoder(settings, seed)

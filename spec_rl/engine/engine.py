@@ -31,17 +31,8 @@ import torch
 
 from ..acceptance.scores import DraftScores
 from ..backends.checks import ModelLimits, check_same_length
-from ..backends.protocol import Continuation, backend_arguments
+from ..backends.protocol import Continuation, GenerationBackend, backend_arguments
 from ..backends.scoring import ScoringHead
-from ..backends.step_cost import (
-    MEASURE_REPEATS,
-    MEASURED_WIDTHS,
-    CostSizedBackend,
-    StepCost,
-    cost_key,
-    measured_contexts,
-    measured_cost,
-)
 from ..sampling.distribution import SamplingSettings, check_settings
 from ..util.validation import check_int
 from .blocks import BlockManager
@@ -49,10 +40,9 @@ from .model_runner import CacheLayout, EngineStats, ModelRunner
 from .sampler import KeyedSampler
 from .scheduler import Scheduler
 from .sequence import SpliceHandle, group_by_context
-from .timing import PagedStepTimer, paged_capacity
 
 
-class PagedEngine(CostSizedBackend, ModelLimits):
+class PagedEngine(ModelLimits, GenerationBackend):
     """Generation backend over a paged KV cache for transformers causal LMs (Llama, Qwen2, Qwen3 families).
 
     Args:
@@ -68,8 +58,6 @@ class PagedEngine(CostSizedBackend, ModelLimits):
         max_tokens_per_forward: most tokens in one prefill/scoring forward
             (default 4096 on CPU, 32768 on GPU).
         progress: tqdm bar over decode steps.
-        step_cost: the decode-step cost curve that sizes speculation (default: measured on first use,
-            :meth:`step_cost`).
         max_k: most proposed tokens fed per sequence and decode step when the caller passes
             proposers (default 8; 0 turns speculation off).
 
@@ -95,10 +83,8 @@ class PagedEngine(CostSizedBackend, ModelLimits):
         max_tokens_per_forward: int | None = None,
         progress: bool = False,
         max_k: int = 8,
-        step_cost: StepCost | None = None,
     ):
         self.model = model
-        self.set_step_cost(step_cost)  # a table given here is taken as it is (no correction unless asked for)
         self.eos_ids, self.pad_id, self.max_batch_size = backend_arguments(eos_ids, pad_id, max_batch_size)
         self.progress = progress
         if isinstance(max_k, bool) or int(max_k) != max_k or max_k < 0:
@@ -172,15 +158,7 @@ class PagedEngine(CostSizedBackend, ModelLimits):
         uids = list(range(rows)) if uids is None else [int(u) for u in uids]
         proposers = [None] * rows if proposers is None else list(proposers)
         check_same_length(rows, what, uids=uids, proposers=proposers)
-        return KeyedSampler(settings, seed, uids, proposers, self.max_k, self.eos_ids, step_cost=self.step_cost,
-                            correction=self.step_correction())  # fmt: skip
-
-    def _measure_step_cost(self) -> StepCost:
-        contexts = measured_contexts(self.max_positions)
-        rows = min(self.max_batch_size, paged_capacity(self.runner, contexts[-1], max(MEASURED_WIDTHS)))
-        key = cost_key("paged", self.model, self.device)
-        with PagedStepTimer(self.runner, repeats=MEASURE_REPEATS) as timer:
-            return measured_cost(key, timer, max(rows, 1), contexts)
+        return KeyedSampler(settings, seed, uids, proposers, self.max_k, self.eos_ids)
 
     @torch.no_grad()
     def score_drafts(

@@ -313,8 +313,7 @@ class ModelRunner:
         causal mask) on every device: the Triton decode kernel only takes one query per sequence.
         """
         starts = [self.blocks.length(s.seq_id) for s in seqs]
-        context = sum(starts) / max(len(starts), 1)
-        props = sampler.proposals(seqs, context=context)
+        props = sampler.proposals(seqs)
         items = [(s.seq_id, [s.pending_token] + p, start) for s, p, start in zip(seqs, props, starts)]
         logits = self.forward(items, [range(1 + len(p)) for p in props], hidden=False, relative=True)
         self.stats.decode_tokens += sum(1 + len(p) for p in props)
@@ -333,7 +332,6 @@ class ModelRunner:
                 self.stats.proposed_tokens += len(p)
                 self.stats.accepted_tokens += min(accepted, kept)
                 self.blocks.truncate(seq.seq_id, start + kept)  # roll back the rejected proposals' K/V
-        sampler.step_done(len(seqs), len(positions), context)
 
     # ------------------------------------------------------------ scoring
     def score(

@@ -18,8 +18,6 @@ from collections.abc import Sequence
 
 import torch
 
-from ..backends.step_correction import StepCorrection, StepTimer
-from ..backends.step_cost import ProposalBackoff, StepCost, acceptance_of, plan_proposals
 from ..sampling.distribution import SamplingSettings, keyed_sample
 from .sequence import SequenceState
 
@@ -44,12 +42,6 @@ class KeyedSampler:
         most proposed tokens per sequence and step (0 turns speculation off).
     eos_ids:
         the complete EOS set.
-    step_cost:
-        returns the engine's :class:`~spec_rl.backends.step_cost.StepCost` (default: flat, i.e. feed every
-        proposed token).
-    correction:
-        the engine's :class:`~spec_rl.backends.step_correction.StepCorrection`, which the decode steps are timed
-        for and which prices wide steps; None: the table as measured.
     """
 
     def __init__(
@@ -60,18 +52,13 @@ class KeyedSampler:
         proposers: Sequence[object | None],
         max_k: int,
         eos_ids,
-        step_cost=StepCost.flat,
-        correction: StepCorrection | None = None,
     ):
-        self.step_cost = step_cost  # () -> StepCost, called only when a proposer offers tokens
         self.settings = settings
         self.seed = int(seed)
         self.uids = [int(u) for u in uids]
         self.proposers = list(proposers)
         self.max_k = int(max_k)
         self.eos_ids = {int(e) for e in eos_ids}
-        self.backoff = ProposalBackoff()  # stops asking proposers while speculation does not pay
-        self.timer = StepTimer(correction)  # times the steps for the correction, which prices the wide ones
 
     def proposal(self, seq: SequenceState) -> list[int]:
         """What ``seq``'s proposer offers after its pending token: at most ``min(max_k, budget - 1)``, so
@@ -82,33 +69,10 @@ class KeyedSampler:
             return []
         return [int(t) for t in proposer.propose(limit, fill=limit)][:limit]
 
-    def proposals(self, seqs: Sequence[SequenceState], context: float | None = None) -> list[list[int]]:
-        """The tokens each sequence feeds after its pending one this step: its proposal cut where the
-        expected tokens per second under the engine's step cost (at ``context`` cached tokens per sequence, the
-        batch's mean) are highest (packed: per sequence; :func:`~spec_rl.backends.step_cost.plan_proposals`).
-        All empty when no proposer offers anything, and while the
-        :class:`~spec_rl.backends.step_cost.ProposalBackoff` skips asking (the last plans fed nothing)."""
-        plan = self._plan(seqs, context)
-        self.timer.start()  # the proposers' lookups are spent whatever the plan: not part of the step's price
-        return plan
-
-    def step_done(self, rows: int, tokens: int, context: float) -> None:
-        """The decode step planned by the latest :meth:`proposals` is applied: ``rows`` sequences fed ``tokens``
-        positions in all at ``context`` cached tokens each (mean); times it for the correction."""
-        self.timer.stop(rows, tokens, context)
-
-    def _plan(self, seqs: Sequence[SequenceState], context: float | None) -> list[list[int]]:
-        if not self.backoff.ask(len(seqs)):
-            return [[] for _ in seqs]
-        offered = [self.proposal(s) for s in seqs]
-        if not any(offered):
-            return offered
-        probs = [acceptance_of(self.proposers[s.result_index]) for s in seqs]
-        cost = self.timer.price(self.step_cost(), len(seqs))
-        plan = plan_proposals(offered, probs, cost, padded=False, context=context)
-        plan = self.backoff.explore(plan, offered, cost, padded=False, context=context)
-        self.backoff.planned(len(seqs), fed=any(plan))
-        return plan
+    def proposals(self, seqs: Sequence[SequenceState]) -> list[list[int]]:
+        """The tokens each sequence feeds after its pending one this step: its whole proposal (packed: each
+        sequence feeds its own length, so a longer proposal costs nothing to the others)."""
+        return [self.proposal(s) for s in seqs]
 
     def sample(
         self, seqs: Sequence[SequenceState], logits: torch.Tensor, positions: Sequence[int]

@@ -1,7 +1,7 @@
 """Exact (lossless) acceptance in the adapters: its options, and the residual draw on a server.
 
 ``acceptance="exact"`` (docs/design.md "Exact acceptance") accepts draft token y_i with probability
-pi_t(y_i | x, y_<i) (``log u_i <= lp_new_i`` with keyed uniforms, :func:`spec_rl.acceptance.dispatch.verify`) and
+pi_t(y_i | x, y_<i) (``log u_i <= lp_new_i`` with keyed uniforms) and
 draws the token at the first rejection n from the *residual*: pi_t(. | x, y_<n) without y_n,
 renormalised. The response is then distributed exactly as a fresh sample of pi_t. The old log-probs
 and the lenience play no part, so exact acceptance takes no lenience, and the random-reuse ablation
@@ -35,65 +35,15 @@ import warnings
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ..acceptance.reference import ACCEPTANCE_RULES
 from ..sampling.philox import mix_seed
 
-__all__ = ["MAX_RESIDUAL_ATTEMPTS", "check_acceptance", "draw_continuation", "residual_seeds"]
+__all__ = ["MAX_RESIDUAL_ATTEMPTS", "draw_continuation", "residual_seeds"]
 
 #: Continuation attempts at one rejection before :func:`draw_continuation` gives up.
 MAX_RESIDUAL_ATTEMPTS = 16
 
 _SEED_SALT_RESIDUAL = 0x7E51D0A1
 _SEED_MASK = (1 << 63) - 1  # servers take a signed 64-bit seed
-
-
-def check_acceptance(
-    acceptance: str,
-    strategy: str,
-    lenience: float | None,
-    log_lenience: float | None,
-    default_lenience: float | None,
-) -> tuple[float | None, float | None]:
-    """Validate the acceptance rule against the other options; the (lenience, log_lenience) to use.
-
-    Parameters
-    ----------
-    acceptance : "lenient" or "exact"
-    strategy : str
-        The rollout strategy; "random" (random reuse) has no exact form.
-    lenience, log_lenience : float or None
-        As given by the user.
-    default_lenience : float or None
-        The adapter's default lenience: with "exact", a lenience equal to it (or None, or 1) means
-        "not set".
-
-    Returns
-    -------
-    (lenience, log_lenience)
-        Unchanged for "lenient"; (None, None) for "exact" (l = 1, which the exact test ignores).
-
-    Raises
-    ------
-    ValueError
-        An unknown rule; "exact" with a lenience other than the default, or with strategy "random" or "off".
-    """
-    if acceptance not in ACCEPTANCE_RULES:
-        raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {acceptance!r}")
-    if acceptance == "lenient":
-        return lenience, log_lenience
-    if strategy in ("random", "random-ref"):
-        raise ValueError(f"strategy={strategy!r} (random reuse) ignores the scores and has no exact form; use strategy='spec'")
-    if strategy == "off":
-        raise ValueError("strategy='off' reuses no drafts, so acceptance='exact' would change nothing; use strategy='spec' "
-                         "for lossless reuse, or acceptance='lenient' (the default) for the no-reuse baseline")  # fmt: skip
-    unset = log_lenience is None and (lenience is None or lenience == 1 or lenience == default_lenience)
-    if not unset:
-        given = f"log_lenience={log_lenience!r}" if log_lenience is not None else f"lenience={lenience!r}"
-        raise ValueError(
-            f"acceptance='exact' has no lenience (it accepts a draft token with probability pi_t(token)), but "
-            f"{given} was passed; leave lenience unset (or 1) or use acceptance='lenient'"
-        )
-    return None, None
 
 
 def residual_seeds(step_seed: int, uid: int, attempts: int = MAX_RESIDUAL_ATTEMPTS) -> list[int]:

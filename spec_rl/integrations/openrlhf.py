@@ -47,7 +47,6 @@ average).
 from __future__ import annotations
 
 import inspect
-import math
 from collections import defaultdict
 from copy import deepcopy
 from functools import partial
@@ -55,11 +54,10 @@ from typing import Any, Callable
 
 from openrlhf.utils.agent import AgentExecutorBase
 
-from ..acceptance.lenient import check_rejection_draw
-from ..acceptance.reference import lenience_to_log
+from ..acceptance.mode import mode_from_options
 from ..drafts.directory import DirectoryDraftStore
 from ..sampling.distribution import SamplingSettings
-from .exact import MAX_RESIDUAL_ATTEMPTS, check_acceptance, draw_continuation
+from .exact import MAX_RESIDUAL_ATTEMPTS, draw_continuation
 from .requests import ContinuationRequest, SamplePlan, SpecRequestBuilder
 
 
@@ -114,16 +112,15 @@ class SpecRLAgentExecutor(AgentExecutorBase):
         seed: run seed of the acceptance uniforms.
         prompt_logprobs_mode: "raw" (vLLM) or "processed".
         eos_token_ids: EOS ids (default: the tokenizer's eos_token_id).
-        acceptance: "lenient" (the paper's rule) or "exact" (lossless; leave
-            lenience at its default).
+        acceptance: "lenient" (the paper's rule) or "exact" (lossless; leave lenience unset).
         max_resample_attempts: continuation attempts at one rejection (exact, without-draft draw).
         rejection_draw: the token at a lenient rejection: "policy" (the paper's) or "without-draft"
             (pi_t without the rejected draft token, by resending the continuation; l >= 1).
 
     Raises:
-        ValueError: n_samples_per_prompt < 1; a lenience with ``acceptance="exact"``; a rejection_draw
-            the lenient rule cannot take (:func:`~spec_rl.acceptance.lenient.check_rejection_draw`);
-            at the first ``execute``, sampling settings whose log-probs cannot be
+        ValueError: n_samples_per_prompt < 1; options that name no :class:`~spec_rl.acceptance.mode.RolloutMode`
+            (:func:`~spec_rl.acceptance.mode.mode_from_options`); at the first ``execute``, sampling settings whose
+            log-probs cannot be
             scored (see :func:`spec_rl.integrations.requests.check_server_settings`).
     """
 
@@ -132,7 +129,7 @@ class SpecRLAgentExecutor(AgentExecutorBase):
         cache_dir: str,
         n_samples_per_prompt: int,
         reward_fn: Callable | None = None,
-        lenience: float = math.exp(0.5),
+        lenience: float | None = None,
         seed: int = 0,
         prompt_logprobs_mode: str = "raw",
         eos_token_ids: list[int] | None = None,
@@ -147,15 +144,12 @@ class SpecRLAgentExecutor(AgentExecutorBase):
         self.store = DirectoryDraftStore(cache_dir)
         self.n = int(n_samples_per_prompt)
         self.reward_fn = reward_fn
-        self.lenience = float(lenience)
+        self.mode = mode_from_options("spec", acceptance, None if lenience is None else float(lenience), rejection_draw,
+                                      tail=False)  # fail now, not at the first execute
         self.seed = int(seed)
         self.prompt_logprobs_mode = prompt_logprobs_mode
         self.eos_token_ids = eos_token_ids
-        self.acceptance = acceptance
         self.max_resample_attempts = max_resample_attempts
-        check_acceptance(acceptance, "spec", self.lenience, None, math.exp(0.5))  # fail now, not at the first execute
-        check_rejection_draw(rejection_draw, "spec", acceptance, lenience_to_log(self.lenience, None))
-        self.rejection_draw = rejection_draw
         self._calls: dict[str, int] = defaultdict(int)
         self._builders: dict[tuple, SpecRequestBuilder] = {}
 
@@ -175,11 +169,10 @@ class SpecRLAgentExecutor(AgentExecutorBase):
                 e = getattr(hf_tokenizer, "eos_token_id", None)
                 eos = [e] if isinstance(e, int) else list(e or [])
             self._builders[key] = SpecRequestBuilder(
-                self.store, settings, int(max_length), eos, lenience=self.lenience, seed=self.seed,
+                self.store, settings, int(max_length), eos, self.mode, seed=self.seed,
                 prompt_logprobs_mode=self.prompt_logprobs_mode,
                 repetition_penalty=float(getattr(sampling_params, "repetition_penalty", 1.0) or 1.0),
-                acceptance=self.acceptance, max_resample_attempts=self.max_resample_attempts,
-                rejection_draw=self.rejection_draw,
+                max_resample_attempts=self.max_resample_attempts,
             )
         return self._builders[key]
 

@@ -53,19 +53,17 @@ checks it at construction).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 
-from ..acceptance.dispatch import verify
-from ..acceptance.lenient import check_rejection_draw
-from ..acceptance.reference import lenience_to_log
+from ..acceptance.dispatch import VerifyOptions, verify_logprobs
+from ..acceptance.mode import MODES, RolloutMode
 from ..drafts.cache import CacheKey, DraftStore
 from ..drafts.validity import draft_view
 from ..sampling.distribution import SamplingSettings
 from ..sampling.philox import mix_seed
-from .exact import MAX_RESIDUAL_ATTEMPTS, check_acceptance, residual_seeds
+from .exact import MAX_RESIDUAL_ATTEMPTS, residual_seeds
 from .request_types import Assembled, ContinuationRequest, SamplePlan, Verified
 from .server_checks import PROMPT_LOGPROBS_MODES, check_server_settings
 
@@ -73,9 +71,6 @@ __all__ = [
     "PROMPT_LOGPROBS_MODES", "Assembled", "ContinuationRequest", "SamplePlan", "SpecRequestBuilder", "Verified",
     "check_server_settings",
 ]
-
-STRATEGIES = ("spec", "random", "off")
-
 
 class SpecRequestBuilder:
     """Builds and interprets the per-sample requests of a speculative rollout.
@@ -87,28 +82,18 @@ class SpecRequestBuilder:
             response length (trainer's max response tokens).
         max_model_len: context limit of the server (prompt + response tokens).
         eos_ids: the model's EOS ids (used to record the finish reason).
-        lenience: l >= 0 (paper default e^0.5 for GRPO), or log_lenience.
+        mode: how drafts are reused (:func:`~spec_rl.acceptance.mode.mode_from_options` reads the adapters'
+            options); with exact acceptance or the without-draft draw the token at a rejection is drawn by
+            resending the continuation while it begins with the rejected token. No tail speculation on a server.
         seed: run seed; per-step seeds are ``mix_seed(seed, step)``.
-        strategy: "spec", "random" (random-reuse ablation, paper Table 2) or "off" (the
-            baseline: no draft is looked up or scored, every response is generated whole and
-            stored; the same requests and bookkeeping otherwise).
         prompt_logprobs_mode, repetition_penalty, logprobs_mode: see
             :func:`check_server_settings` (checked here, at construction).
-        acceptance: "lenient" (the paper's rule, default) or "exact" (lossless: the
-            token at a rejection is drawn from the residual by resampling the
-            continuation; no lenience, strategy "spec" only).
         seed_param: name of the per-request sampling seed in the server's sampling
             parameters: "seed" (vLLM) or "sampling_seed" (SGLang).
         max_resample_attempts: continuation attempts at one rejection (exact acceptance, without-draft draw).
-        rejection_draw: the token at a lenient rejection: "policy" (default, the paper: the server's
-            sample of pi_t) or "without-draft" (pi_t without the rejected draft token, drawn by resending
-            the continuation while it begins with that token, as exact acceptance does; l >= 1,
-            strategy "spec", lenient acceptance; :func:`~spec_rl.acceptance.lenient.check_rejection_draw`).
 
     Raises:
-        ValueError: unusable settings (see :func:`check_server_settings`),
-            max_model_len < 2, empty eos_ids, bad lenience, strategy or acceptance
-            (see :func:`~spec_rl.integrations.exact.check_acceptance`).
+        ValueError: unusable settings (see :func:`check_server_settings`), max_model_len < 2, empty eos_ids.
     """
 
     def __init__(
@@ -117,36 +102,24 @@ class SpecRequestBuilder:
         settings: SamplingSettings,
         max_model_len: int,
         eos_ids: Sequence[int],
-        lenience: float | None = math.exp(0.5),
-        log_lenience: float | None = None,
+        mode: RolloutMode = MODES["spec"],
         seed: int = 0,
-        strategy: str = "spec",
         prompt_logprobs_mode: str = "raw",
         repetition_penalty: float = 1.0,
         logprobs_mode: str | None = None,
-        acceptance: str = "lenient",
         seed_param: str = "seed",
         max_resample_attempts: int = MAX_RESIDUAL_ATTEMPTS,
-        rejection_draw: str = "policy",
     ) -> None:
         check_server_settings(settings, prompt_logprobs_mode, repetition_penalty, logprobs_mode)
-        if strategy is False:  # YAML 1.1 reads an unquoted `strategy: off` as false
-            raise ValueError(f'strategy must be one of {STRATEGIES}, got False; in YAML write strategy: "off" (quoted)')
-        if strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-        if log_lenience is not None:
-            lenience = None
-        lenience, log_lenience = check_acceptance(acceptance, strategy, lenience, log_lenience, math.exp(0.5))
+        if not isinstance(mode, RolloutMode):
+            raise TypeError(f"mode must be a RolloutMode, got {type(mode).__name__}")
         if isinstance(max_resample_attempts, bool) or int(max_resample_attempts) != max_resample_attempts or max_resample_attempts < 1:
             raise ValueError(f"max_resample_attempts must be an integer >= 1, got {max_resample_attempts!r}")
         if int(max_model_len) != max_model_len or max_model_len < 2:
             raise ValueError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
         if not eos_ids:
             raise ValueError("eos_ids must list at least one end-of-sequence id (e.g. the tokenizer's eos_token_id)")
-        self.log_lenience = lenience_to_log(lenience, log_lenience)
-        check_rejection_draw(rejection_draw, strategy, acceptance, self.log_lenience)
-        self.rejection_draw = rejection_draw
-        self.acceptance = acceptance
+        self.mode = mode
         self.seed_param = str(seed_param)
         self.max_resample_attempts = int(max_resample_attempts)
         self.store = store
@@ -154,11 +127,16 @@ class SpecRequestBuilder:
         self.max_model_len = int(max_model_len)
         self.eos_ids = {int(x) for x in eos_ids}
         self.seed = int(seed)
-        self.strategy = strategy
+
+    @property
+    def _excludes_rejected(self) -> bool:
+        """Whether the token at a rejection must differ from the rejected draft token."""
+        return self.mode.acceptance == "exact" or (
+            self.mode.acceptance == "lenient" and self.mode.rejection_draw == "without-draft")
 
     # ------------------------------------------------------------ step 1
     def plan(self, prompt_ids: Sequence[int], slot: int, dataset_id: str | None = None) -> SamplePlan:
-        """Look up the draft of one sample (none with strategy "off").
+        """Look up the draft of one sample (none when the mode reuses none).
 
         Raises:
             ValueError: empty prompt, or a prompt that leaves no room for a response.
@@ -174,7 +152,7 @@ class SpecRequestBuilder:
             )
         key = CacheKey.make(prompt, slot, dataset_id)
         plan = SamplePlan(key=key, prompt_ids=prompt, budget=budget)
-        if self.strategy == "off":
+        if not self.mode.reuses_drafts:
             return plan
         draft = self.store.lookup(key, self.settings)
         if draft is None or len(draft) == 0:
@@ -273,7 +251,7 @@ class SpecRequestBuilder:
 
         Raises:
             ValueError: a draft without ``new_logprobs``, a length mismatch, or the
-                errors of :func:`spec_rl.acceptance.dispatch.verify` (NaN, positive log-probs).
+                errors of :func:`spec_rl.acceptance.dispatch.verify_logprobs` (NaN, positive log-probs).
         """
         step_used = self.step_for(plan, step)
         if not plan.draft_ids:
@@ -284,21 +262,13 @@ class SpecRequestBuilder:
         ids = torch.tensor([plan.draft_ids], dtype=torch.int64)
         old = torch.tensor([plan.old_logprobs], dtype=torch.float32)
         new = torch.tensor([list(new_logprobs)], dtype=torch.float32)
-        res = verify(
-            ids,
-            old,
-            new_logprobs=new,
-            log_lenience=self.log_lenience,
-            seed=mix_seed(self.seed, step_used),
-            uids=torch.tensor([plan.key.uid], dtype=torch.int64),
-            strategy=self.strategy,
-            backend="reference",
-            acceptance=self.acceptance,
-        )
+        options = VerifyOptions.for_mode(self.mode, backend="reference")
+        res = verify_logprobs(ids, old, new, seed=mix_seed(self.seed, step_used),
+                              uids=torch.tensor([plan.key.uid], dtype=torch.int64), options=options)
         n = int(res.accepted_len[0])
         full = n == len(plan.draft_ids) and plan.draft_end is not None
         out = Verified(n, plan.draft_ids[:n], [float(x) for x in new[0, :n].tolist()], full, step_used)
-        if (self.acceptance == "exact" or self.rejection_draw == "without-draft") and n < len(plan.draft_ids):
+        if self._excludes_rejected and n < len(plan.draft_ids):
             out.rejected, out.rejected_logprob = plan.draft_ids[n], float(new[0, n])  # the continuation avoids it
         if not full and n == len(plan.draft_ids) and n < plan.budget and scoring_sample is not None:
             ids, lps = scoring_sample
@@ -327,7 +297,7 @@ class SpecRequestBuilder:
             request.excluded, request.excluded_logprob = verified.rejected, verified.rejected_logprob
             step_seed = mix_seed(self.seed, verified.step if verified.step is not None else 0)
             request.seeds = residual_seeds(step_seed, plan.key.uid, self.max_resample_attempts)
-            request.keep_last = self.acceptance != "exact"
+            request.keep_last = self.mode.acceptance != "exact"
         return request
 
     def continuation_sampling_params(self, base: dict, request: ContinuationRequest, seed: int | None = None) -> dict:
@@ -342,7 +312,7 @@ class SpecRequestBuilder:
         """``kept_excluded`` only where draw_continuation can set it: a without-draft rejection whose kept
         continuation begins with the rejected token (else the draw_fallbacks metric would count a fallback
         that did not happen)."""
-        if self.acceptance == "exact":
+        if self.mode.acceptance == "exact":
             raise ValueError("kept_excluded is only for the lenient without-draft draw; exact acceptance never keeps y_n")
         if verified.rejected is None or not new_ids or new_ids[0] != verified.rejected:
             raise ValueError(
@@ -412,7 +382,7 @@ class SpecRequestBuilder:
             "full_reuse": verified.full_reuse,
             "tokens_generated": len(new_ids) + verified.sampled,
             "response_len": len(response),
-            "exact_acceptance": self.acceptance == "exact",
+            "exact_acceptance": self.mode.acceptance == "exact",
             "resamples": int(resamples),
             "draw_fallbacks": int(bool(kept_excluded)),
         }

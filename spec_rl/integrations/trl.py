@@ -52,7 +52,6 @@ persistence of the cache lives in :mod:`spec_rl.integrations.trl_checkpoint`.
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -61,13 +60,11 @@ from typing import Any
 
 import torch
 
-from ..acceptance.lenient import check_rejection_draw
-from ..acceptance.reference import lenience_to_log
+from ..acceptance.mode import mode_from_options
 from ..drafts.cache import RolloutCache
 from ..drafts.history import HistoryIndex
-from ..rollout.speculative import STRATEGIES, RolloutRequest, RolloutResult
+from ..rollout.speculative import RolloutRequest, RolloutResult
 from ..sampling.distribution import SamplingSettings
-from .exact import check_acceptance
 from .trl_batch import batch_requests, group_size, hook_dataset_ids, tokenize_prompts, unwrapped_model
 from .trl_checkpoint import CACHE_FILENAME, HISTORY_FILENAME, RolloutCacheCallback, history_path, ranked_path
 from .trl_checks import (
@@ -118,12 +115,12 @@ class SpecRLRollout:
     rounding of the logits). The index is saved beside the cache with every checkpoint.
 
     Args:
-        lenience: l >= 0 (paper default e^0.5 for GRPO, Sec. 4); or
-        log_lenience: log(l).
+        lenience: l >= 0 (default e^0.5, the paper's GRPO setting, Sec. 4).
         strategy: "spec", "random" (random-reuse ablation) or "off" (vanilla, still cached).
         acceptance: "lenient" (the paper's rule, default) or "exact" (lossless: every
             completion is distributed as a fresh sample of the current policy; takes no
-            lenience, so leave ``lenience`` at its default; not with strategy "random").
+            lenience; not with strategy "random"). strategy, acceptance, lenience, rejection_draw and
+            history_spec name a :class:`~spec_rl.acceptance.mode.RolloutMode` (:attr:`mode`).
         history_spec: keep a history index and verify history-drafted tokens in every
             decode step (tail speculation; lossless).
         spec_tokens: most history-drafted tokens per decode step (the backend's ``max_k``;
@@ -162,21 +159,20 @@ class SpecRLRollout:
         settings: that trainer's :class:`~spec_rl.sampling.distribution.SamplingSettings` (None before).
         last_result: the :class:`~spec_rl.rollout.speculative.RolloutResult` of the latest call.
         last_requests: the requests of the latest call (prompt ids, slot, dataset id).
-        history: one dict per call: ``mode``, ``step``, ``log_lenience``, ``strategy``,
-            ``acceptance``, ``rejection_draw``, ``history_spec`` and the rollout statistics
+        mode: the :class:`~spec_rl.acceptance.mode.RolloutMode` of the training rollouts.
+        history: one dict per call: ``call`` ("train" or "eval"), ``step``, the mode of the call
+            (:meth:`~spec_rl.acceptance.mode.RolloutMode.to_dict`) and the rollout statistics
             (:meth:`spec_rl.rollout.speculative.RolloutStats.to_dict`).
 
     Raises:
-        ValueError: bad lenience, strategy, acceptance (exact with a lenience other than
-            the default), spec_tokens or rejection_draw (see
-            :func:`~spec_rl.acceptance.lenient.check_rejection_draw`).
+        ValueError: options that name no RolloutMode (:func:`~spec_rl.acceptance.mode.mode_from_options`), or a bad
+            spec_tokens.
         UnsupportedTrainerConfig: see :func:`check_trainer_args` and :meth:`attach`.
     """
 
     def __init__(
         self,
-        lenience: float | None = math.exp(0.5),
-        log_lenience: float | None = None,
+        lenience: float | None = None,
         strategy: str = "spec",
         seed: int | None = None,
         cache: RolloutCache | None = None,
@@ -202,24 +198,15 @@ class SpecRLRollout:
             raise ValueError(f"max_model_len must be >= 2 tokens, got {max_model_len}")
         if isinstance(spec_tokens, bool) or int(spec_tokens) != spec_tokens or spec_tokens < 0:
             raise ValueError(f"spec_tokens must be an integer >= 0 (0 disables tail speculation), got {spec_tokens!r}")
-        if log_lenience is not None:
-            lenience = None
-        # Fail on a bad lenience, strategy or acceptance now rather than at the first rollout.
-        lenience_to_log(lenience, log_lenience)
-        if strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-        self.lenience, self.log_lenience = check_acceptance(acceptance, strategy, lenience, log_lenience, math.exp(0.5))
-        check_rejection_draw(rejection_draw, strategy, acceptance, lenience_to_log(self.lenience, self.log_lenience))
-        self.rejection_draw = rejection_draw
-        self.strategy = strategy
-        self.acceptance = acceptance
+        # Fail on bad options now rather than at the first rollout.
+        self.mode = mode_from_options(strategy, acceptance, lenience, rejection_draw, tail=history_spec and spec_tokens > 0)
         self.seed = seed
         self.cache_path = Path(cache_path) if cache_path is not None else None
         if cache is None and self.cache_path is not None and self.cache_path.is_file():
             cache = RolloutCache.load(self.cache_path)
         self.cache = cache if cache is not None else RolloutCache()
         self.history_index: HistoryIndex | None = None
-        if history_spec and spec_tokens > 0:
+        if self.mode.tail:
             saved = history_path(self.cache_path) if self.cache_path is not None else None
             self.history_index = HistoryIndex.load(saved) if saved is not None and saved.is_file() else HistoryIndex()
         self.dataset_id_column = dataset_id_column
@@ -233,8 +220,7 @@ class SpecRLRollout:
         self.history: list[dict] = []
         self.trainer = None
         self.settings: SamplingSettings | None = None
-        self._options = RolloutOptions(self.lenience, self.log_lenience, strategy, acceptance, verify_backend,
-                                       int(spec_tokens), self.max_model_len, seed, rejection_draw)  # fmt: skip
+        self._options = RolloutOptions(self.mode, verify_backend, int(spec_tokens), self.max_model_len, seed)
         self._rollouts: TrainerRollouts | None = None
         self._rollouts_key: tuple | None = None
         self._seeds = CallSeeds()
@@ -376,19 +362,9 @@ class SpecRLRollout:
         self.last_result = result
         self.last_requests = requests
         stats = result.stats.to_dict()
-        self.history.append(
-            {
-                "mode": "train" if training else "eval",
-                "step": step,
-                "log_lenience": rollouts.train.log_lenience,
-                "strategy": self.strategy if training else "off",
-                "acceptance": self.acceptance,
-                "rejection_draw": self.rejection_draw if training else "policy",
-                "history_spec": self.history_index is not None,
-                "wall_seconds": time.perf_counter() - t0,
-                **stats,
-            }
-        )
+        mode = (rollouts.train if training else rollouts.eval).mode
+        self.history.append({"call": "train" if training else "eval", "step": step, **mode.to_dict(),
+                             "wall_seconds": time.perf_counter() - t0, **stats})
         if self.log_metrics and training and hasattr(trainer, "_log_metric"):
             log_rollout_metrics(trainer, stats)
         return {

@@ -4,10 +4,10 @@ One :class:`TrainerRollouts` per model holds two :class:`~spec_rl.rollout.specul
 objects over one backend (:func:`trainer_backend`: a :class:`~spec_rl.backends.transformers_backend.TransformersBackend`
 on the trainer's model, or the trainer's colocated vLLM engine):
 
-* the **training** rollout: the adapter's draft cache, strategy, acceptance rule and history index
+* the **training** rollout: the adapter's draft cache, mode and history index
   (tail speculation, docs/design.md "Speculation past the first rejection"), whose responses
   become the next epoch's drafts and enter the history;
-* the **evaluation** rollout: strategy "off" (plain sampling) into a throw-away cache per call,
+* the **evaluation** rollout: no drafts (plain sampling) into a throw-away cache per call,
   reading the history through :class:`ReadOnlyHistory`. History drafts are verified with
   "sample == proposal", so they make evaluation decode in fewer steps without changing a token,
   and evaluation responses never enter the index or the cache.
@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..acceptance.mode import RolloutMode
 from ..backends.transformers_backend import TransformersBackend
 from ..drafts.cache import RolloutCache
 from ..drafts.history import HistoryIndex, SuffixProposer
@@ -54,15 +55,11 @@ class ReadOnlyHistory:
 class RolloutOptions:
     """The adapter's rollout options (see :class:`~spec_rl.integrations.trl.SpecRLRollout`)."""
 
-    lenience: float | None
-    log_lenience: float | None
-    strategy: str
-    acceptance: str
+    mode: RolloutMode
     verify_backend: str
     spec_tokens: int
     max_model_len: int | None
     seed: int | None
-    rejection_draw: str = "policy"
 
 
 class TrainerRollouts:
@@ -89,13 +86,12 @@ class TrainerRollouts:
         self.seed = options.seed if options.seed is not None else int(getattr(trainer.args, "seed", 0))
         backend = trainer_backend(model, trainer, eos, pad, options.spec_tokens)
         common = dict(backend=backend, settings=settings, eos_ids=eos, max_model_len=int(max_len), seed=self.seed,
-                      verify_backend=options.verify_backend, acceptance=options.acceptance)  # fmt: skip
+                      verify_backend=options.verify_backend)
         self.history = history
-        self.train = SpeculativeRollout(cache=cache, lenience=options.lenience, log_lenience=options.log_lenience,
-                                        strategy=options.strategy, history=history,
-                                        rejection_draw=options.rejection_draw, **common)  # fmt: skip
+        self.train = SpeculativeRollout(cache=cache, mode=options.mode, history=history, **common)
         view = ReadOnlyHistory(history) if history is not None else None
-        self.eval = SpeculativeRollout(cache=RolloutCache(), strategy="off", history=view, **common)
+        plain = RolloutMode(acceptance=None, tail=view is not None)
+        self.eval = SpeculativeRollout(cache=RolloutCache(), mode=plain, history=view, **common)
 
     def run(self, requests: list[RolloutRequest], training: bool, step: int, salt: int,
             cache: RolloutCache) -> RolloutResult:  # fmt: skip

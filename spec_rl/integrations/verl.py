@@ -59,7 +59,6 @@ Configure it with an agent-loop YAML (see docs/integrations.md):
 
 from __future__ import annotations
 
-import math
 import os
 from functools import partial
 from typing import Any
@@ -68,6 +67,7 @@ from uuid import uuid4
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput, _agent_loop_registry, register
 from verl.utils.profiler import simple_timer
 
+from ..acceptance.mode import mode_from_options
 from ..drafts.directory import DirectoryDraftStore
 from ..sampling.distribution import SamplingSettings
 from .exact import MAX_RESIDUAL_ATTEMPTS, draw_continuation
@@ -138,15 +138,16 @@ class SpecRLAgentLoop(AgentLoopBase):
     the agent-loop YAML):
         cache_dir: draft directory shared by all workers (default: the
             ``SPEC_RL_DRAFT_DIR`` environment variable).
-        lenience: l (default e^0.5, the paper's GRPO setting); 0 disables reuse.
+        lenience: l (default e^0.5, the paper's GRPO setting); 0 rejects every draft token.
         seed: run seed of the acceptance uniforms.
         strategy: "spec", "random" (random-reuse ablation) or "off" (the baseline: every
             response generated whole by this same loop and stored; no draft is read).
         prompt_logprobs_mode: "raw" (vLLM: temperature must be 1, no top-k/top-p)
             or "processed"; see :mod:`spec_rl.integrations.requests`.
         eos_token_ids: EOS ids (default: the tokenizer's eos_token_id).
-        acceptance: "lenient" (the paper's rule) or "exact" (lossless; leave
-            lenience at its default).
+        acceptance: "lenient" (the paper's rule) or "exact" (lossless; leave lenience unset).
+            strategy, acceptance, lenience and rejection_draw name a
+            :class:`~spec_rl.acceptance.mode.RolloutMode` (:func:`~spec_rl.acceptance.mode.mode_from_options`).
         max_resample_attempts: continuation attempts at one rejection (exact, without-draft draw).
         rejection_draw: the token at a lenient rejection: "policy" (the paper's) or "without-draft"
             (pi_t without the rejected draft token, by resending the continuation; l >= 1;
@@ -164,7 +165,7 @@ class SpecRLAgentLoop(AgentLoopBase):
         self,
         *args,
         cache_dir: str | None = None,
-        lenience: float = math.exp(0.5),
+        lenience: float | None = None,
         seed: int = 0,
         strategy: str = "spec",
         prompt_logprobs_mode: str = "raw",
@@ -194,16 +195,14 @@ class SpecRLAgentLoop(AgentLoopBase):
             self.settings,
             int(max_model_len),
             eos_token_ids,
-            lenience=float(lenience),
+            mode_from_options(strategy, acceptance, None if lenience is None else float(lenience), rejection_draw,
+                              tail=False),
             seed=int(seed),
-            strategy=strategy,
             prompt_logprobs_mode=prompt_logprobs_mode,
             repetition_penalty=float(_cfg(rc, "repetition_penalty", 1.0) or 1.0),
             logprobs_mode=_cfg(rc, "logprobs_mode", None),
-            acceptance=acceptance,
             seed_param="sampling_seed" if str(_cfg(rc, "name", "vllm")).lower() == "sglang" else "seed",
             max_resample_attempts=max_resample_attempts,
-            rejection_draw=rejection_draw,
         )
 
     def _is_training_request(self, sampling_params: dict[str, Any]) -> bool:

@@ -4,10 +4,10 @@ Layer 7: may import every layer below (util .. engine).
 """
 
 from .reward_split import ORIGINS, origin_means, response_origins
-from .speculative import STRATEGIES, SpeculativeRollout
+from .speculative import SpeculativeRollout
 from .types import RolloutRequest, RolloutResult, RolloutStats
 
 __all__ = [
-    "ORIGINS", "STRATEGIES", "RolloutRequest", "RolloutResult", "RolloutStats", "SpeculativeRollout", "origin_means",
+    "ORIGINS", "RolloutRequest", "RolloutResult", "RolloutStats", "SpeculativeRollout", "origin_means",
     "response_origins",
-]  # fmt: skip
+]

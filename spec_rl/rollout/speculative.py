@@ -1,29 +1,16 @@
 """Speculative rollout: reuse last epoch's responses as drafts (SPEC-RL, paper Sec. 3, Alg. 1).
 
-:meth:`SpeculativeRollout.run` is a short sequence of phases over a batch of (prompt, slot) requests:
-**lookup** each request's draft ("no draft" is explicit: generated from scratch); **score** the
-drafts under the current policy (``backend.score_drafts``, one batched forward; under exact acceptance
-``score_drafts_progressive`` where the backend has it: only where walks may read); **verify** them:
-rejection index n per sample; **token at n**: n == R reuses the draft whole, otherwise the token at
-position n is sampled from the scoring pass's own output there (no extra forward); **continue**: the
-backend decodes on from [prompt, y_<n, token] with the remaining budget (``backend.continue_from``;
-both built-in backends keep the scoring pass's K/V, a backend that cannot prefills that context again
-and counts it in ``stats.reprefill_tokens``); **assemble** [y_<n, new] with the scoring pass's
-log-probs for the prefix and the sampling log-probs for the new part; **store** the responses as next
-epoch's drafts. Budget per sample: min(max_response_len, max_model_len - prompt_len) - n.
-
-Acceptance (docs/design.md "The rule", "Exact acceptance"): ``"lenient"`` is the paper's rule; the
-token at a rejection is drawn from pi_t, not from the residual max(0, pi_t - pi_old), so even l = 1 is
-not exactly on-policy. ``"exact"`` accepts a draft token iff the policy's keyed sample there equals it,
-walking the trie of the group's drafts (:mod:`spec_rl.acceptance.exact_walk`): every response is then a fresh
-sample of pi_t. With a :class:`~spec_rl.drafts.history.HistoryIndex`, every decode step of the continuation
-also verifies up to k tokens drafted from the prompt's earlier responses (docs/design.md "Speculation
-past the first rejection"); sampling is keyed by (seed, uid, position), so that changes no token.
+:meth:`SpeculativeRollout.run` runs a short sequence of phases over a batch of (prompt, slot) requests: **lookup**
+each request's draft; **score** the drafts under the current policy in one batched forward (under exact acceptance
+only where walks may read, when the backend can); **verify** them (the rejection index n per sample); **token at n**
+from the scoring pass's own output there (no extra forward; n == R reuses the draft whole); **continue** from
+[prompt, y_<n, token] with the remaining budget min(max_response_len, max_model_len - prompt_len) - n;
+**assemble** [y_<n, new] with their log-probs; **store** the responses as next epoch's drafts. How drafts are
+accepted is the :class:`~spec_rl.acceptance.mode.RolloutMode` (docs/design.md "The rule", "Exact acceptance").
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -31,10 +18,9 @@ from typing import Any
 
 import torch
 
-from ..acceptance.adaptive import DEFAULT_TARGET_DRIFT
 from ..acceptance.exact_walk import WalkResult, walk_tries
-from ..acceptance.lenient import check_rejection_draw, lenient_prefixes
-from ..acceptance.reference import ACCEPTANCE_RULES, lenience_to_log
+from ..acceptance.lenient import lenient_prefixes
+from ..acceptance.mode import MODES, RolloutMode
 from ..backends.checks import (
     BackendContractError, backend_name, check_backend, check_continuations, check_model_len, check_scored,
     scores_vocab_size, token_ids,
@@ -47,14 +33,11 @@ from ..drafts.validity import draft_views
 from ..sampling.distribution import SamplingSettings, check_settings
 from ..sampling.philox import SEED_SALT_CONTINUATION, mix_seed
 from ..util.validation import check_int
-from .proposers import row_proposers
 from .types import (
     RolloutRequest, RolloutResult, RolloutStats, check_draft_ids, check_store, check_unique_samples, request_prompts,
 )  # fmt: skip
 
-STRATEGIES = ("spec", "random", "random-ref", "off")
-
-__all__ = ["STRATEGIES", "BackendContractError", "RolloutRequest", "RolloutResult", "RolloutStats", "SpeculativeRollout"]
+__all__ = ["BackendContractError", "RolloutRequest", "RolloutResult", "RolloutStats", "SpeculativeRollout"]
 
 
 @dataclass
@@ -67,7 +50,6 @@ class _Batch:
     step: int
     seed: int  # this step's seed (acceptance uniforms)
     store: DraftStore
-    strategy: str
     stats: RolloutStats
     vocab_size: int | None = None  # the backend's, or the scoring pass's V when the backend does not say
     drafts: list[Draft | None] = field(default_factory=list)
@@ -96,13 +78,6 @@ class _Batch:
         self.sources = [0] * bsz
 
 
-def _check_strategy(strategy: str, acceptance: str) -> None:
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-    if strategy.startswith("random") and acceptance == "exact":
-        raise ValueError(f"strategy={strategy!r} (the random-reuse ablation) ignores the scores; acceptance='exact' does not apply")
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -112,41 +87,24 @@ class SpeculativeRollout:
     """Speculative rollouts over a generation backend.
 
     Args:
-        backend: a :class:`~spec_rl.backends.protocol.GenerationBackend` (scores the
-            drafts and continues from the verified prefix).
-        cache: the draft store (shared across steps/epochs).
-        settings: sampling settings (drafts are reused only under equal settings).
+        backend: a :class:`~spec_rl.backends.protocol.GenerationBackend` (scores the drafts and continues from the
+            verified prefix).
+        cache: the draft store (shared across steps and epochs).
+        settings: sampling settings (drafts are reused only under the same distribution).
         eos_ids: the model's complete EOS set.
         max_model_len: context limit of the model (prompt + response tokens).
-        lenience: l >= 0 (paper default e^0.5 for GRPO), or "auto": chosen every step so that the
-            accepted tokens drift by at most ``target_drift`` nats on average (:mod:`spec_rl.acceptance.adaptive`); or
-        log_lenience: log(l).
-        target_drift: the bound of ``lenience="auto"`` (mean |lp_new - lp_old| of accepted tokens, nats).
-        strategy: "spec" (lenient verification), "random" / "random-ref" (random-reuse
-            ablation, paper Table 2: n uniform over 0..R, or over 0..R-1 as in the reference
-            implementation) or "off" (vanilla rollout: drafts are neither looked up nor scored,
-            but responses are still cached).
-        seed: run seed; per-step seeds are derived with :func:`spec_rl.sampling.philox.mix_seed`.
-        verify_backend: passed to :func:`spec_rl.acceptance.dispatch.verify`.
-        acceptance: "lenient" (the paper's rule, default) or "exact" (lossless; lenience unused).
-        rejection_draw: the token at a lenient rejection index: "policy" (default, the paper: from pi_t) or
-            "without-draft" (from pi_t without the rejected draft token; :mod:`spec_rl.acceptance.lenient`).
-        history: per-prompt index of earlier responses; when given, continuations verify
-            history-drafted tokens at every decode step (tail speculation) and every stored
-            response is indexed.
-        sibling_drafts: also draft from the tokens the other samples of the same prompt emit in the same
-            call (and from their stored drafts), so the first epoch and new prompts speculate too
-            (:mod:`spec_rl.drafts.siblings`; lossless like every proposal).
-
-    Everything the backend returns is checked (:mod:`spec_rl.backends.checks`; a violation raises
-    :class:`~spec_rl.backends.checks.BackendContractError` naming the backend), against its
-    ``vocab_size`` and ``max_positions`` where it has them.
+        mode: how drafts are reused (default: SPEC-RL's lenient rule at e^0.5 with tail speculation).
+        seed: run seed; each step's seed is :func:`~spec_rl.sampling.philox.mix_seed` (seed, step).
+        history: the per-prompt index of earlier responses that tail speculation drafts from (default: a new
+            :class:`~spec_rl.drafts.history.HistoryIndex` when ``mode.tail``); every stored response enters it.
+        verify_backend: "auto", "reference" or "triton" (:class:`~spec_rl.acceptance.dispatch.VerifyOptions`).
 
     Raises:
-        TypeError: a backend, cache or settings of the wrong kind; non-integer ``max_model_len``,
-            ``seed`` or EOS ids.
-        ValueError: unknown strategy or acceptance, empty ``eos_ids`` or ids outside the vocabulary,
-            ``max_model_len`` < 2 or past the model's ``max_position_embeddings``, bad lenience.
+        TypeError: a backend, cache, settings or mode of the wrong kind; non-integer ``max_model_len``, ``seed`` or
+            EOS ids.
+        ValueError: empty ``eos_ids`` or ids outside the vocabulary, ``max_model_len`` < 2 or past the model's
+            ``max_position_embeddings``, a history without tail speculation.
+        BackendContractError (from :meth:`run`): the backend returned something its contract rules out.
     """
 
     def __init__(
@@ -156,48 +114,34 @@ class SpeculativeRollout:
         settings: SamplingSettings,
         eos_ids: Sequence[int],
         max_model_len: int,
-        lenience: float | None = math.exp(0.5),
-        log_lenience: float | None = None,
-        strategy: str = "spec",
+        mode: RolloutMode = MODES["spec"],
         seed: int = 0,
-        verify_backend: str = "auto",
-        acceptance: str = "lenient",
         history: HistoryIndex | None = None,
-        sibling_drafts: bool = False,
-        target_drift: float = DEFAULT_TARGET_DRIFT,
-        rejection_draw: str = "policy",
+        verify_backend: str = "auto",
     ):
         check_backend(backend)
         check_settings(settings)
-        if acceptance not in ACCEPTANCE_RULES:
-            raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {acceptance!r}")
-        _check_strategy(strategy, acceptance)
+        if not isinstance(mode, RolloutMode):
+            raise TypeError(f"mode must be a RolloutMode (e.g. spec_rl.MODES['spec']), got {type(mode).__name__}")
         if not eos_ids:
             raise ValueError("eos_ids must list at least one end-of-sequence id")
-        vocab = getattr(backend, "vocab_size", None)
+        if history is not None and not mode.tail:
+            raise ValueError("history is what tail speculation drafts from, and this mode has tail=False; drop it")
+        vocab = backend.vocab_size
         self.eos_ids = set(token_ids("eos_ids", list(eos_ids), vocab, backend_name(backend)))
         self.max_model_len = check_model_len(max_model_len, backend)
-        if log_lenience is not None:
-            lenience = None
-        auto = isinstance(lenience, str) and lenience == "auto"
-        self.log_lenience = None if auto else lenience_to_log(lenience, log_lenience)  # None: adaptive
-        check_rejection_draw(rejection_draw, strategy, acceptance, self.log_lenience)
-        self.target_drift = float(target_drift)
         self.backend = backend
         self.cache = check_store("cache", cache)
         self.settings = settings
-        self.strategy = strategy
+        self.mode = mode
         self.seed = check_int("seed", seed)
         self.verify_backend = verify_backend
-        self.acceptance = acceptance
-        self.rejection_draw = rejection_draw
-        self.history = history
-        self.sibling_drafts = bool(sibling_drafts)
+        self.history = (HistoryIndex() if history is None else history) if mode.tail else None
 
     @property
     def vocab_size(self) -> int | None:
         """The backend's ``vocab_size`` (None: unknown until a scoring pass gives V)."""
-        return getattr(self.backend, "vocab_size", None)
+        return self.backend.vocab_size
 
     def budget(self, prompt_len: int) -> int:
         """Response budget before reuse: min(max_tokens, max_model_len - prompt_len)."""
@@ -210,7 +154,6 @@ class SpeculativeRollout:
         *,
         seed: int | None = None,
         cache: DraftStore | None = None,
-        strategy: str | None = None,
     ) -> RolloutResult:
         """Produce one response per request; stores them with version ``step``.
 
@@ -222,22 +165,22 @@ class SpeculativeRollout:
         Args:
             requests: the samples to produce (prompt ids, slot, dataset id).
             step: training step (derives this step's seed; the stored drafts' version).
-            seed, cache, strategy: per-call overrides of the constructor's values.
+            seed, cache: per-call overrides of the constructor's values.
 
         Raises:
             TypeError: a request that is not a :class:`RolloutRequest`, non-integer ids, step or seed.
             ValueError: an empty prompt, a prompt that leaves no room for a response under
                 ``max_model_len``, an id outside the vocabulary in a prompt or a stored draft
-                (naming the request), two requests for the same sample, or an unknown strategy.
+                (naming the request), or two requests for the same sample.
             BackendContractError: the backend returned something its contract rules out.
         """
         with torch.no_grad():
-            return self._run(requests, step, seed, cache, strategy)
+            return self._run(requests, step, seed, cache)
 
-    def _run(self, requests, step, seed, cache, strategy) -> RolloutResult:
+    def _run(self, requests, step, seed, cache) -> RolloutResult:
         t0 = time.perf_counter()
         counters0 = self.backend.stats.copy()
-        batch = self._plan(requests, step, seed, cache, strategy)
+        batch = self._plan(requests, step, seed, cache)
         self._lookup(batch)
         t1 = time.perf_counter()
         handle = self._score_and_verify(batch) if batch.drafted else None
@@ -261,10 +204,8 @@ class SpeculativeRollout:
         )
 
     # ------------------------------------------------------------------ phases
-    def _plan(self, requests, step, seed, cache, strategy) -> _Batch:
+    def _plan(self, requests, step, seed, cache) -> _Batch:
         """Validate the requests; budgets, cache keys and this step's seed."""
-        strategy = self.strategy if strategy is None else strategy
-        _check_strategy(strategy, self.acceptance)
         step = check_int("step", step)
         seed = self.seed if seed is None else check_int("seed", seed)
         store = self.cache if cache is None else check_store("cache", cache)
@@ -281,14 +222,14 @@ class SpeculativeRollout:
         keys = [CacheKey.make(p, r.slot, r.dataset_id) for p, r in zip(prompts, requests)]
         check_unique_samples(keys)
         stats = RolloutStats(num_samples=len(prompts))
-        batch = _Batch(prompts, budgets, keys, step, mix_seed(seed, step), store, strategy, stats, self.vocab_size)
-        if self.history is not None or self.sibling_drafts:
+        batch = _Batch(prompts, budgets, keys, step, mix_seed(seed, step), store, stats, self.vocab_size)
+        if self.history is not None:
             batch.group_keys = [CacheKey.make(p, 0, r.dataset_id).digest for p, r in zip(prompts, requests)]
         return batch
 
     def _lookup(self, batch: _Batch) -> None:
-        """Drafts from the store (none when the strategy is "off"); an empty draft counts as none."""
-        if batch.strategy != "off":
+        """Drafts from the store (none when the mode reuses none); an empty draft counts as none."""
+        if self.mode.reuses_drafts:
             batch.drafts = [batch.store.lookup(k, self.settings) for k in batch.keys]
         batch.drafted = [i for i, d in enumerate(batch.drafts) if d is not None and len(d) > 0]
         batch.stats.drafts_found = len(batch.drafted)
@@ -301,8 +242,10 @@ class SpeculativeRollout:
         draft_ids = [batch.drafts[i].token_ids[: v.length].tolist() for i, v in zip(batch.drafted, views)]
         prompts = [batch.prompts[i] for i in batch.drafted]
         # An exact walk reads only the nodes it walks through: a backend that scores where walks may go does so.
-        method = getattr(self.backend, "score_drafts_progressive", None) if self.acceptance == "exact" else None
-        out = method(prompts, draft_ids, [batch.drafts[i].logprobs[: len(d)].tolist() for i, d in zip(batch.drafted, draft_ids)]) if method else None
+        out = None
+        if self.mode.acceptance == "exact":
+            stored = [batch.drafts[i].logprobs[: len(d)].tolist() for i, d in zip(batch.drafted, draft_ids)]
+            out = self.backend.score_drafts_progressive(prompts, draft_ids, stored)
         out, lazy = (out[:2], out[2]) if out is not None else (self.backend.score_drafts(prompts, draft_ids), None)
         handle = out[1] if isinstance(out, tuple) and len(out) == 2 else None
         try:
@@ -328,16 +271,15 @@ class SpeculativeRollout:
     def _walk(self, batch: _Batch, prompts, draft_ids: list[list[int]], scores, lazy) -> WalkResult:
         """Exact: each sample follows the policy's keyed samples down its group's trie of drafts (``lazy``: the
         progressive scores it extends). Lenient: the paper's rule (or random reuse) at this step's l."""
-        if self.acceptance == "exact":
+        if self.mode.acceptance == "exact":
             return walk_tries(prompts, draft_ids, scores, self.settings, batch.sample_seed,
                               self._uids(batch, batch.drafted), progressive=lazy)  # fmt: skip
         out = lenient_prefixes(
             draft_ids, [batch.drafts[i].logprobs for i in batch.drafted], [len(batch.prompts[i]) for i in batch.drafted],
-            self._uids(batch, batch.drafted), scores, self.settings, log_lenience=self.log_lenience,
-            target_drift=self.target_drift, seed=batch.seed, sample_seed=batch.sample_seed, strategy=batch.strategy,
-            verify_backend=self.verify_backend, device=self.backend.device, rejection_draw=self.rejection_draw,
-        )  # fmt: skip
-        batch.stats.log_lenience, batch.stats.reused_drift = out.log_lenience, out.drift
+            self._uids(batch, batch.drafted), scores, self.settings, self.mode, (batch.seed, batch.sample_seed),
+            self.verify_backend,
+        )
+        batch.stats.log_lenience, batch.stats.reused_drift = self.mode.log_lenience, out.drift
         return out.walk
 
     def _accept_prefix(self, batch: _Batch, i: int, walk: WalkResult, row: int, end_reason: str | None) -> None:
@@ -422,13 +364,13 @@ class SpeculativeRollout:
         return [batch.keys[i].uid for i in requests]
 
     def _proposers(self, batch: _Batch, requests: Sequence[int | None]) -> list | None:
-        """Drafters for the requests (None entries: rows that will not decode): see :func:`row_proposers`."""
-        if self.history is None and not self.sibling_drafts:
+        """Per request (None: a row that will not decode), its tail-speculation proposer: drafts from its prompt's
+        earlier responses (None where the prompt has no history)."""
+        if self.history is None:
             return None
-        # the group's drafts are sibling texts: listed only when siblings draft (not on every call)
-        drafts = {i: batch.drafts[i].token_ids.tolist() for i in batch.drafted} if self.sibling_drafts else {}
-        return row_proposers(requests, batch.group_keys, batch.prompts, batch.responses, drafts, self.history,
-                             self.sibling_drafts, self.backend)  # fmt: skip
+        max_k, vocab = self.backend.max_k, self.backend.vocab_size
+        return [None if i is None else self.history.proposer(batch.group_keys[i], batch.responses[i], max_k, vocab)
+                for i in requests]
 
     def _store(self, batch: _Batch) -> None:
         """Every response becomes next epoch's draft of its request (and enters the prompt's history)."""

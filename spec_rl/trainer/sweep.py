@@ -3,11 +3,10 @@
 One command trains every setting over several seeds from the same warm start (the demo policy) and
 writes a table and a plot: generated tokens, rollout seconds, decode steps and held-out reward
 (mean and standard deviation over seeds) per setting, each relative to vanilla, with the paper's
-numbers beside ours. Settings: vanilla GRPO, random reuse (ours: n uniform over 0..L; and the
-reference implementation's, n uniform over 0..L-1), the lenience grid {1, e^0.2, e^0.5, e^1, e^2,
-inf}, exact acceptance, adaptive lenience, and l in {1, e^0.2, e^0.5} with the token at a rejection
-drawn without the rejected draft token ("-excl", ``rejection_draw="without-draft"``). Every non-vanilla setting decodes with tail
-speculation (it changes no token, only time); plain vanilla is the reference of every ratio.
+numbers beside ours. Settings: vanilla GRPO, random reuse (n uniform over 0..L), the lenience grid
+{1, e^0.2, e^0.5, e^1, e^2, inf}, exact acceptance, and l in {1, e^0.2, e^0.5} with the token at a rejection
+drawn without the rejected draft token ("-excl"). Every non-vanilla setting decodes with tail speculation (it
+changes no token, only time); plain vanilla is the reference of every ratio.
 
 Each (setting, seed) is an ordinary run directory (``<out>/<setting>/seed<k>/``, written by
 :func:`spec_rl.trainer.run.run_modes`, crash-safe); a finished one is skipped, so an interrupted
@@ -16,7 +15,9 @@ sweep continues where it stopped when run again with the same ``--out``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import math
 import statistics
@@ -25,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..acceptance.mode import MODES, RolloutMode
 from ..util.atomic import atomic_write_text, remove_leftovers
 
 #: Held-out accuracy AVG, generated tokens (millions) and rollout speed-up reported by the paper
@@ -41,31 +43,29 @@ PAPER = {
 }
 
 
+_GRID = (("1", 1.0), ("e^0.2", math.exp(0.2)), ("e^0.5", math.exp(0.5)), ("e^1", math.exp(1.0)),
+         ("e^2", math.exp(2.0)), ("inf", math.inf))
+
+
 @dataclass(frozen=True)
 class Setting:
-    """One row of the sweep: a run label of :data:`~spec_rl.trainer.config.MODE_PRESETS` and config overrides."""
+    """One row of the sweep: its name (also its run's label) and its rollout mode."""
 
     name: str
-    mode: str
-    overrides: tuple[tuple[str, object], ...] = ()
+    mode: RolloutMode
+
+
+def _lenient(lenience: float, draw: str = "policy") -> RolloutMode:
+    return MODES["spec"].with_overrides(lenience=lenience, rejection_draw=draw)
 
 
 SETTINGS = (
-    Setting("vanilla", "vanilla"),
-    Setting("random", "random"),
-    Setting("random-ref", "random-ref"),
-    Setting("l=1", "spec", (("lenience", 1.0),)),
-    Setting("l=e^0.2", "spec", (("lenience", math.exp(0.2)),)),
-    Setting("l=e^0.5", "spec", (("lenience", math.exp(0.5)),)),
-    Setting("l=e^1", "spec", (("lenience", math.exp(1.0)),)),
-    Setting("l=e^2", "spec", (("lenience", math.exp(2.0)),)),
-    Setting("l=inf", "spec", (("lenience", math.inf),)),
-    Setting("exact", "exact"),
-    Setting("auto", "spec", (("lenience", "auto"),)),
-    # "-excl": the token at a rejection is drawn without the rejected draft token (rejection_draw="without-draft")
-    Setting("l=1-excl", "spec", (("lenience", 1.0), ("rejection_draw", "without-draft"))),
-    Setting("l=e^0.2-excl", "spec", (("lenience", math.exp(0.2)), ("rejection_draw", "without-draft"))),
-    Setting("l=e^0.5-excl", "spec", (("lenience", math.exp(0.5)), ("rejection_draw", "without-draft"))),
+    Setting("vanilla", MODES["vanilla"]),
+    Setting("random", MODES["random"]),
+    *(Setting(f"l={name}", _lenient(l)) for name, l in _GRID),
+    Setting("exact", MODES["exact"]),
+    # "-excl": the token at a rejection is drawn without the rejected draft token
+    *(Setting(f"l={name}-excl", _lenient(l, "without-draft")) for name, l in _GRID[:3]),
 )
 
 #: name: (train prompts, epochs, held-out prompts, fresh samples per held-out prompt). The whole demo
@@ -194,7 +194,6 @@ def run_sweep(
     preset: str,
     seeds: int,
     settings=SETTINGS,
-    log: Callable[[str], None] = print,
     progress: bool = True,
 ) -> list[dict]:
     """Train every (setting, seed) not finished yet, then write sweep.json, sweep.md and sweep.png.
@@ -215,15 +214,16 @@ def run_sweep(
     for setting, k in todo:
         run_dir = out_dir / setting.name / f"seed{k}"
         summary = run_dir / "summary.json"
-        if summary.is_file() and _finished(summary, setting.mode, base_config.epochs):
+        if summary.is_file() and _finished(summary, setting.name, base_config.epochs):
             remove_leftovers(run_dir)  # temporary files of a writer killed after the summary was committed
-            log(f"{setting.name} seed {k}: finished earlier, skipped")
+            bar.write(f"{setting.name} seed {k}: finished earlier, skipped")
         else:
-            cfg = dataclasses.replace(base_config, seed=base_config.seed + k, **dict(setting.overrides))
-            run_modes(model_path, train_examples, reward_fn, cfg, [setting.mode], run_dir, progress=False,
-                      resume=run_dir.is_dir() and any(run_dir.iterdir()), log=lambda _m: None, eval_examples=eval_examples)  # fmt: skip
-        data = json.loads(summary.read_text())
-        results[setting.name].append(_run_totals(data[setting.mode]))
+            cfg = dataclasses.replace(base_config, seed=base_config.seed + k)
+            with contextlib.redirect_stdout(io.StringIO()):  # the per-epoch rows of each run
+                run_modes(model_path, train_examples, reward_fn, cfg, {setting.name: setting.mode}, run_dir,
+                          eval_examples, resume=run_dir.is_dir() and any(run_dir.iterdir()), progress=False)
+        data = json.loads(summary.read_text())["runs"]
+        results[setting.name].append(_run_totals(data[setting.name]))
         bar.update(1)
     bar.close()
     rows = aggregate(results)
@@ -236,8 +236,8 @@ def run_sweep(
 
 def _finished(summary: Path, mode: str, epochs: int) -> bool:
     try:
-        records = json.loads(summary.read_text()).get(mode, [])
-    except (OSError, ValueError):
+        records = json.loads(summary.read_text())["runs"].get(mode, [])
+    except (OSError, ValueError, KeyError, AttributeError):
         return False
     return len(records) >= epochs
 
@@ -266,9 +266,11 @@ def _info(preset: str, seeds: int, config) -> dict:
 
     import torch
 
+    from .run import package_versions
+
     return {"preset": preset, "seeds": seeds, "date": time.strftime("%Y-%m-%d %H:%M"), "commit": _commit(),
             "device": f"{config.device} ({platform.machine()}, {torch.get_num_threads()} threads)",
-            "torch": torch.__version__, "python": platform.python_version(), "config": config.to_dict()}  # fmt: skip
+            "versions": package_versions(), "config": config.to_dict()}
 
 
 # ---------------------------------------------------------------------- command line
@@ -313,7 +315,7 @@ def cmd_sweep(args) -> int:
     from ..tasks.arithmetic import arithmetic_reward
     from ..tasks.demo_data import demo_eval_set, demo_train_set
     from ..tasks.demo_policy import build_demo_policy
-    from .config import DEMO_DEFAULTS, GRPOConfig
+    from .config import demo_config
 
     settings = chosen_settings(args.settings)
     if args.no_progress:
@@ -324,7 +326,7 @@ def cmd_sweep(args) -> int:
         raise ValueError(f"--seeds must be an integer >= 1, got {args.seeds}")
     prompts, epochs, eval_prompts, eval_samples = PRESETS[args.preset]
     model_path = build_demo_policy(cache_dir=args.cache_dir, progress=not args.no_progress)
-    base = GRPOConfig(**{**DEMO_DEFAULTS, "epochs": epochs, "eval_samples": eval_samples, "eval_every": epochs})
+    base = demo_config(epochs=epochs, eval_samples=eval_samples, eval_every=epochs)
     run_sweep(model_path, demo_train_set()[:prompts], demo_eval_set()[:eval_prompts], arithmetic_reward, base,
                      args.out, args.preset, args.seeds, settings, progress=not args.no_progress)  # fmt: skip
     print((Path(args.out) / "sweep.md").read_text())

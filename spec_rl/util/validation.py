@@ -13,6 +13,7 @@ never rounded to an id, a bool is never a number.
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
@@ -35,13 +36,8 @@ def _bound(high: int) -> str:
 
 
 def check_int(name: str, value, *, low: int | None = None, high: int | None = None, hint: str = "") -> int:
-    """``value`` as a Python int; TypeError unless it is an integer (not a bool, not a float), ValueError outside [low, high].
-
-    Example
-    -------
-    >>> check_int("slot", 2, low=0)
-    2
-    """
+    """``value`` as a Python int; TypeError unless it is an integer (not a bool, not a float), ValueError outside
+    [low, high]. ``hint`` is appended to the message (e.g. " (0 disables top-k)")."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an integer, got {_got(value)}{hint}")
     value = int(value)
@@ -52,11 +48,34 @@ def check_int(name: str, value, *, low: int | None = None, high: int | None = No
     return value
 
 
-def check_real(name: str, value, hint: str = "") -> float:
-    """``value`` as a Python float; TypeError unless it is a real number (numpy scalars included, bool not)."""
+def check_real(
+    name: str, value, *, low: float | None = None, high: float | None = None, low_open: bool = False,
+    high_open: bool = False, finite: bool = True, hint: str = "",
+) -> float:
+    """``value`` as a Python float; TypeError unless it is a real number (numpy scalars included, bool not),
+    ValueError when NaN, infinite (unless ``finite`` is False) or outside the range ([low, high]; ``*_open``
+    excludes that end)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {_got(value)}{hint}")
-    return float(value)
+    value = float(value)
+    below = low is not None and (value <= low if low_open else value < low)
+    above = high is not None and (value >= high if high_open else value > high)
+    if math.isnan(value) or (finite and math.isinf(value)) or below or above:
+        span = []
+        if low is not None:
+            span.append(f"{'>' if low_open else '>='} {low:g}")
+        if high is not None:
+            span.append(f"{'<' if high_open else '<='} {high:g}")
+        kind = "a finite number" if finite else "a number (inf allowed)"
+        raise ValueError(f"{name} must be {kind}{' ' + ' and '.join(span) if span else ''}, got {value!r}{hint}")
+    return value
+
+
+def check_choice(name: str, value, choices: tuple, hint: str = ""):
+    """``value`` when it is one of ``choices`` (compared as a plain value: arrays are refused), else ValueError."""
+    if not isinstance(value, (str, int, float, type(None))) or value not in choices:
+        raise ValueError(f"{name} must be one of {choices}{f' ({hint})' if hint else ''}, got {value!r}")
+    return value
 
 
 def _as_tensor(name: str, values, kind: str, high: int) -> torch.Tensor:

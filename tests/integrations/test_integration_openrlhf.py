@@ -14,11 +14,11 @@ import os
 from types import SimpleNamespace
 
 import pytest
+from optional import require
 import torch
 
-if os.environ.get("SPEC_RL_REQUIRE_VERL") == "1":
-    import openrlhf.utils.agent  # noqa: F401
-pytest.importorskip("openrlhf.utils.agent", reason="openrlhf is not installed here (make test-verl installs it)")
+pytestmark = [pytest.mark.engines]
+require('openrlhf.utils.agent')
 
 from fake_server import FixedServer, TinyServer  # noqa: E402
 from openrlhf.utils.agent import AgentExecutorBase  # noqa: E402

@@ -12,14 +12,11 @@ import math
 import os
 
 import pytest
+from optional import require
 import torch
 
-if os.environ.get("SPEC_RL_REQUIRE_VERL") == "1":
-    import verl.experimental.agent_loop.agent_loop  # noqa: F401  (fail loudly in the verl job)
-pytest.importorskip(
-    "verl.experimental.agent_loop.agent_loop",
-    reason="verl is not installed in this environment (run `make test-verl`, which builds .venv-verl)",
-)
+pytestmark = [pytest.mark.engines]
+require('verl.experimental.agent_loop.agent_loop')
 
 import hydra  # noqa: E402
 from _stats import assert_fits  # noqa: E402

@@ -22,14 +22,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from optional import require
 
-if os.environ.get("SPEC_RL_REQUIRE_VLLM") == "1":
-    import peft  # noqa: F401
-    import torchdata  # noqa: F401
-    import verl.trainer.main_ppo  # noqa: F401
-    import vllm  # noqa: F401
-for _module in ("vllm", "verl.trainer.main_ppo", "torchdata", "peft"):
-    pytest.importorskip(_module, reason=f"{_module} is not installed here (make test-verl-e2e uses .venv-vllm)")
+pytestmark = [pytest.mark.engines, pytest.mark.e2e]
+require('vllm', 'verl.trainer.main_ppo', 'torchdata', 'peft')
 
 import torch  # noqa: E402
 from repo_paths import EXAMPLES, TESTS  # noqa: E402

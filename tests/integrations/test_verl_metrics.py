@@ -9,10 +9,10 @@ import os
 
 import numpy as np
 import pytest
+from optional import require
 
-if os.environ.get("SPEC_RL_REQUIRE_VERL") == "1":
-    import verl.experimental.agent_loop.agent_loop  # noqa: F401
-pytest.importorskip("verl.experimental.agent_loop.agent_loop", reason="verl is not installed here (make test-verl)")
+pytestmark = [pytest.mark.engines]
+require('verl.experimental.agent_loop.agent_loop')
 
 from spec_rl.integrations.verl_metrics import SAMPLE_FIELDS, rollout_metrics  # noqa: E402
 

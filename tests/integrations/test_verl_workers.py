@@ -19,12 +19,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from optional import require
 
-if os.environ.get("SPEC_RL_REQUIRE_VERL") == "1":
-    import ray  # noqa: F401
-    import verl.experimental.agent_loop.agent_loop  # noqa: F401
-pytest.importorskip("ray", reason="Ray is not installed here (make test-verl builds .venv-verl)")
-pytest.importorskip("verl.experimental.agent_loop.agent_loop", reason="verl is not installed here (make test-verl)")
+pytestmark = [pytest.mark.engines]
+require('ray', 'verl.experimental.agent_loop.agent_loop')
 
 import ray  # noqa: E402
 import torch  # noqa: E402

