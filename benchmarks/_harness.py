@@ -20,7 +20,7 @@ Output
     for the ``--json`` default under ``$OUT``.
 Kernels
     :func:`kernels_for` (compiled for CUDA, interpreted on the CPU for smoke
-    runs); :func:`broken_shape_requested`, the tests' switch for a failing shape.
+    runs); :func:`broken_shape_requested`, the tests' switch for a failing shape (``SPEC_RL_FAULT``).
 Inputs
     :data:`DTYPES` and :func:`random_lm_head`, shared by the verification benchmarks.
 
@@ -94,12 +94,12 @@ class Timing:
 def device_arg(parser, value: str | None) -> torch.device:
     """``--device`` checked as the trainer checks it (a device this machine has; None: cuda if available, else
     cpu); a bad value ends the script with ``parser.error`` naming the flag."""
-    from spec_rl.trainer.config import ConfigError, resolve_device
+    from spec_rl.trainer.config import resolve_device
 
     try:
         return resolve_device("auto" if value is None else value)
-    except ConfigError as exc:
-        parser.error(f"--device {exc.requirement}")
+    except ValueError as exc:  # its message starts with the field's name, "device"
+        parser.error(f"--{exc}")
 
 
 def sync(device: torch.device | str) -> None:
@@ -247,14 +247,23 @@ def kernels_for(device: torch.device | str, script: str):
     return K
 
 
-#: Environment switch used only by the tests of the smoke run: a comma-separated list of
-#: benchmark script names, each of which then adds one shape that must fail.
-BROKEN_SHAPE_ENV = "SPEC_RL_BENCH_BROKEN_SHAPE"
+#: The tests of the smoke run arm a failing shape with the fault variable (spec_rl/util/faults.py), whose kill points
+#: are never named so: ``SPEC_RL_FAULT="broken-shape:<script>[,<script>...]"`` makes each named benchmark script add
+#: one shape that must fail.
+BROKEN_SHAPE = "broken-shape:"
+
+
+def broken_shape_fault(*scripts: str) -> str:
+    """The ``SPEC_RL_FAULT`` value that breaks a shape of each of ``scripts`` (e.g. "bench_paged_attention")."""
+    return BROKEN_SHAPE + ",".join(scripts)
 
 
 def broken_shape_requested(script: str) -> bool:
-    """True when :data:`BROKEN_SHAPE_ENV` names ``script`` (e.g. "bench_paged_attention")."""
-    return script in os.environ.get(BROKEN_SHAPE_ENV, "").replace(" ", "").split(",")
+    """True when ``SPEC_RL_FAULT`` is a :data:`BROKEN_SHAPE` value naming ``script`` (e.g. "bench_paged_attention")."""
+    from spec_rl.util.faults import ENV
+
+    armed = os.environ.get(ENV, "")
+    return armed.startswith(BROKEN_SHAPE) and script in armed[len(BROKEN_SHAPE) :].replace(" ", "").split(",")
 
 
 # ---------------------------------------------------------------- provenance

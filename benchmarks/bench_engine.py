@@ -58,6 +58,7 @@ from _harness import (  # benchmarks/ on sys.path
     wall_time,
 )
 
+from spec_rl.acceptance.mode import RolloutMode
 from spec_rl.backends.transformers_backend import TransformersBackend
 from spec_rl.drafts.cache import RolloutCache
 from spec_rl.engine import PagedEngine
@@ -186,10 +187,15 @@ def bench_decode(model, vocab, batch, prompt_len, new_tokens, device, skip_gener
     return rows
 
 
+#: The splice comparison's rule: SPEC-RL's (e^0.5) without tail speculation, so only scoring and the continuation
+#: from the verified prefix differ between the two paths.
+SPLICE_MODE = RolloutMode("lenient", tail=False)
+
+
 def _splice_row(name, backend, seed_cache, requests, settings, eos, max_len, device) -> dict:
     """One speculative rollout step (step 2) from a copy of the seeded cache, timed."""
     cache = copy.deepcopy(seed_cache)
-    rollout = SpeculativeRollout(backend, cache, settings, eos, max_len, strategy="spec", seed=0)
+    rollout = SpeculativeRollout(backend, cache, settings, eos, max_len, mode=SPLICE_MODE, seed=0)
     if isinstance(backend, PagedEngine):
         backend.reset_stats()
     res, timing = wall_time(lambda: rollout.run(requests, step=2), device)
@@ -217,7 +223,7 @@ def bench_splice(model, vocab, batch, prompt_len, new_tokens, device, perturb, r
     requests = [RolloutRequest(prompt_ids=p, slot=0) for p in prompts]
     engine = PagedEngine(model, eos, pad_id=0)
     seed_cache = RolloutCache()
-    SpeculativeRollout(engine, seed_cache, settings, eos, max_len, strategy="spec", seed=0).run(requests, step=1)
+    SpeculativeRollout(engine, seed_cache, settings, eos, max_len, mode=SPLICE_MODE, seed=0).run(requests, step=1)
     # Perturb the policy so drafts are cut at varied rejection indices.
     head = model.get_output_embeddings().weight
     saved = head.detach().clone()

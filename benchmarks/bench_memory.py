@@ -2,14 +2,15 @@
 
     python benchmarks/bench_memory.py [--tokens 2048] [--vocab 16384] [--hidden 64] [--device cpu|cuda]
 
-The hidden-state path hands ``verify`` the final hidden states [N, d] and the LM head [V, d] so
+The hidden-state path hands ``verify_hidden`` the final hidden states [N, d] and the LM head [V, d] so
 that the [N, V] logits are never built whole (paper Sec. 3; docs/design.md "Data flow of one step").
 Two calls are measured, each with the caller's grad mode ON and the LM head an
 ``nn.Parameter`` (requires_grad), as in a training loop:
 
-* ``verify``: :func:`spec_rl.acceptance.dispatch.verify` on N draft tokens;
+* ``verify``: :func:`spec_rl.acceptance.dispatch.verify_hidden` on N draft tokens (l = e^0.5);
 * ``rollout``: :meth:`SpeculativeRollout.run` over the same N draft tokens (B drafts of R = N / B
-  tokens from a stub backend that scores with hidden states), the whole step.
+  tokens from a stub backend that scores with hidden states), the whole step (SPEC-RL's rule, no tail
+  speculation).
 
 Printed per row: peak memory allocated during the call beyond what was allocated before it
 (MiB), the size of the full [N, V] float32 logits (MiB) and their ratio. An autograd graph kept
@@ -24,12 +25,14 @@ runs it on CPU). Memory is counted by ``torch.cuda.max_memory_allocated`` on CUD
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 import torch
 from _harness import Column, Table, default_json_path, device_arg, peak_extra_mb, provenance, random_lm_head, write_json
 
-from spec_rl.acceptance.dispatch import verify
+from spec_rl.acceptance.dispatch import VerifyOptions, verify_hidden
+from spec_rl.acceptance.mode import RolloutMode
 from spec_rl.acceptance.scores import DraftScores
 from spec_rl.backends.protocol import BackendStats, Continuation
 from spec_rl.backends.reprefill import ReprefillBackend
@@ -99,9 +102,10 @@ def measure_verify(x: dict, device: torch.device) -> int:
     lengths = torch.full((bsz,), max_len, dtype=torch.long, device=device)
     uids = torch.arange(bsz, device=device)
 
+    options = VerifyOptions(lenience=math.exp(0.5))
+
     def call():
-        return verify(x["ids"], x["old"], hidden_states=x["hidden"], lm_head_weight=x["head"], lengths=lengths,
-                      log_lenience=0.5, seed=1, uids=uids)  # fmt: skip
+        return verify_hidden(x["ids"], x["old"], x["hidden"], x["head"], lengths, seed=1, uids=uids, options=options)
 
     call()  # first-call allocations (kernels, caches) are not the call's working memory
     return peak_extra_bytes(call, device)
@@ -118,7 +122,7 @@ def measure_rollout(x: dict, device: torch.device) -> int:
         for b, r in enumerate(requests):
             cache.store(CacheKey.make(r.prompt_ids, r.slot), x["ids"][b].tolist(), x["old"][b].tolist(), "length", 0, settings)
         rollout = SpeculativeRollout(HiddenStateBackend(x["hidden"], x["head"]), cache, settings, eos_ids=[vocab - 1],
-                                     max_model_len=3 + max_len, seed=0)  # fmt: skip
+                                     max_model_len=3 + max_len, mode=RolloutMode("lenient", tail=False), seed=0)
         return rollout.run(requests, step=1)
 
     call()

@@ -13,16 +13,15 @@ the same cache and history, with the same seed and step:
 * ``spec``: SPEC-RL, lenient acceptance (l = ``--lenience``) + history speculation;
 * ``exact``: SPEC-RL, exact (lossless) acceptance + history speculation.
 
-First, epoch 1 (an empty cache, no history): ``e1-vanilla`` (plain decoding), ``e1-histspec`` (an
-empty history attached: every speculative mode's first epoch, which must cost what vanilla costs) and
-``e1-siblings`` (drafts only from the prompt and the group's other samples in flight). Then the modes
-above (history modes with sibling drafts too under ``--sibling-drafts``, as in the trainer). Printed per mode: generated tokens, decode steps (sequential forwards
-after scoring), longest continuation, rollout seconds split into scoring / decode / other, the ratios
-of tokens, decode steps and seconds to vanilla (to e1-vanilla for the epoch-1 rows), the acceptance of
-drafted tokens, the query positions the decode steps computed (padding included), accepted drafted
-tokens per decode step, the mean width of a step (positions per row; the step-cost model of
-:mod:`spec_rl.backends.step_cost` chooses it) and, for the lossless rows (e1-histspec, e1-siblings,
-histspec, exact), how many responses differ from plain decoding's (0 up to float32 rounding flips).
+First, epoch 1 (an empty cache, no history): ``e1-vanilla`` (plain decoding) and ``e1-histspec`` (an
+empty history attached: every speculative mode's first epoch, which must cost what vanilla costs). Then
+the modes above. Printed per mode: generated tokens, decode steps (sequential forwards after scoring),
+longest continuation, rollout seconds split into scoring / decode / other, the ratios of tokens, decode
+steps and seconds to vanilla (to e1-vanilla for the epoch-1 rows), the acceptance of drafted tokens, the
+query positions the decode steps computed (padding included), accepted drafted tokens per decode step, the
+mean width of a step (positions per row: every row feeds its whole proposal, up to the backend's max_k)
+and, for the lossless rows (e1-histspec, histspec, exact), how many responses differ from plain
+decoding's (0 up to float32 rounding flips).
 Times are host wall clock around device synchronizes, one timed step
 per mode after one untimed warm-up step. Each mode is printed as it is measured and the JSON (with
 provenance; ``--json``, default ``$OUT/rollout.json``) is rewritten after every mode. Exit code 1 when a
@@ -54,6 +53,7 @@ from _harness import (  # benchmarks/ on sys.path
     sync,
 )
 
+from spec_rl.acceptance.mode import MODES, RolloutMode
 from spec_rl.backends.protocol import eos_token_ids
 from spec_rl.drafts.cache import RolloutCache
 from spec_rl.drafts.history import HistoryIndex
@@ -62,12 +62,13 @@ from spec_rl.sampling.distribution import SamplingSettings
 
 # name: (prompts, group size, max tokens, dtype)
 PRESETS = {"demo": (64, 4, 160, torch.float32), "qwen3-0.6b": (64, 8, 512, torch.bfloat16), "tiny": (6, 2, 24, torch.float64)}
-MODES = {  # name: (strategy, acceptance, history speculation)
-    "vanilla": ("off", "lenient", False),
-    "histspec": ("off", "lenient", True),
-    "spec": ("spec", "lenient", True),
-    "exact": ("spec", "exact", True),
-}
+#: The measured modes (the trainer's); spec's lenience is ``--lenience``.
+MODE_NAMES = ("vanilla", "histspec", "spec", "exact")
+
+
+def modes(lenience: float) -> dict[str, RolloutMode]:
+    """The measured modes, name -> RolloutMode, with SPEC-RL's lenient rule at ``lenience``."""
+    return {name: MODES[name].with_overrides(lenience=lenience) for name in MODE_NAMES}
 
 
 def build(preset: str, device: torch.device, n_prompts: int | None = None):
@@ -138,7 +139,7 @@ def timed_step(rollout: SpeculativeRollout, requests, step: int, device) -> dict
 RESPONSES = "_responses"
 #: Rows whose responses must equal their reference's (lossless), compared as ``differs``: how many differ.
 #: Under float32 a rounding difference can flip a sample; float64 tests assert 0.
-LOSSLESS = {"e1-histspec": "e1-vanilla", "e1-siblings": "e1-vanilla", "histspec": "vanilla", "exact": "vanilla"}
+LOSSLESS = {"e1-histspec": "e1-vanilla", "histspec": "vanilla", "exact": "vanilla"}
 
 
 def count_differences(rows: dict) -> None:
@@ -150,25 +151,23 @@ def count_differences(rows: dict) -> None:
         row.pop(RESPONSES, None)
 
 
-#: Epoch-1 rows: name -> (an empty history index attached, sibling drafts). ``e1-histspec`` is what every
-#: speculative mode does in its first epoch (nothing to draft: it must cost what vanilla costs).
+#: Epoch-1 rows: name -> mode (no drafts; tail speculation over an empty history or none). ``e1-histspec`` is what
+#: every speculative mode does in its first epoch (nothing to draft: it must cost what vanilla costs).
 E1_REPEATS = 3
-FIRST_EPOCH = {"e1-warmup": (True, True), "e1-vanilla": (False, False), "e1-histspec": (True, False),
-               "e1-siblings": (True, True)}  # fmt: skip
+FIRST_EPOCH = {"e1-warmup": MODES["histspec"], "e1-vanilla": MODES["vanilla"],
+               "e1-histspec": MODES["histspec"]}  # fmt: skip
 
 
 def first_epoch_rows(backend, requests, settings, eos, max_len, args, device, rec: RunRecord) -> None:
-    """Epoch 1 (empty cache, empty history): plain decoding, the speculative modes' first epoch, and
-    sibling drafts (and the prompt) as the only source of drafts."""
+    """Epoch 1 (empty cache, empty history): plain decoding and the speculative modes' first epoch."""
     e1 = rec.record["rows"]
     # One epoch-1 rollout varies by ~10% from run to run on a busy host: the rows are timed in turn
     # ``E1_REPEATS`` times and each keeps its fastest (the decisions are keyed: every repeat is the same).
     for rep in range(E1_REPEATS):
-        for name, (hist, siblings) in FIRST_EPOCH.items():
+        for name, mode in FIRST_EPOCH.items():
             if name == "e1-warmup" and rep:
                 continue
-            ro = SpeculativeRollout(backend, RolloutCache(), settings, eos, max_len, strategy="off", seed=args.seed,
-                                    history=HistoryIndex() if hist else None, sibling_drafts=siblings)  # fmt: skip
+            ro = SpeculativeRollout(backend, RolloutCache(), settings, eos, max_len, mode=mode, seed=args.seed)
             row = timed_step(ro, requests, 0, device)
             print(_show(name, row), flush=True)
             if name != "e1-warmup" and (name not in e1 or row["rollout_s"] < e1[name]["rollout_s"]):
@@ -207,22 +206,19 @@ def run(args, rec: RunRecord) -> None:
     """Fill the history, perturb the policy, then one timed step per mode into ``rec.record["rows"]``."""
     device = torch.device(rec.record["device_type"])
     backend, requests, settings, eos, max_len = rollout_setup(args, rec)
-    rec.record["step_cost"] = backend.step_cost().source  # measured (or read from the cache) before any timing
     first_epoch_rows(backend, requests, settings, eos, max_len, args, device, rec)
     cache, history = RolloutCache(), HistoryIndex()
-    filler = SpeculativeRollout(backend, cache, settings, eos, max_len, strategy="off", seed=args.seed, history=history)
+    filler = SpeculativeRollout(backend, cache, settings, eos, max_len, mode=MODES["histspec"], seed=args.seed,
+                                history=history)  # fmt: skip
     for step in range(args.history_epochs):
         filler.run(requests, step)
     perturb(backend.model, args.perturb)
     rows = rec.record["rows"]
-    modes = [("warm-up", MODES["spec"])] + list(MODES.items())  # one untimed step first (allocations, JIT)
-    for name, (strategy, acceptance, hist) in modes:
+    measured = modes(args.lenience)
+    for name, mode in [("warm-up", measured["spec"]), *measured.items()]:  # one untimed step first (allocations, JIT)
         try:
-            ro = SpeculativeRollout(backend, copy.deepcopy(cache), settings, eos, max_len, strategy=strategy,
-                                    seed=args.seed, acceptance=acceptance,
-                                    lenience=None if acceptance == "exact" else args.lenience,
-                                    history=copy.deepcopy(history) if hist else None,
-                                    sibling_drafts=hist and args.sibling_drafts)  # fmt: skip
+            ro = SpeculativeRollout(backend, copy.deepcopy(cache), settings, eos, max_len, mode=mode, seed=args.seed,
+                                    history=copy.deepcopy(history) if mode.tail else None)  # fmt: skip
             row = timed_step(ro, requests, args.history_epochs, device)
         except Exception as exc:  # noqa: BLE001  one failing mode is reported, the others still run
             traceback.print_exc(limit=3)
@@ -265,7 +261,7 @@ def print_table(record: dict) -> None:
 
 
 def add_rollout_arguments(ap: argparse.ArgumentParser) -> None:
-    """The arguments of a rollout benchmark (this one and bench_step_cost.py): model, backend, drafts, sizes."""
+    """The arguments of the rollout benchmark: model, backend, drafts, sizes."""
     ap.add_argument("--preset", choices=list(PRESETS), default="demo")
     ap.add_argument("--backend", choices=["auto", "transformers", "paged"], default="auto")
     ap.add_argument("--device", help="default: cuda if available, else cpu")
@@ -295,10 +291,13 @@ def rollout_device(ap: argparse.ArgumentParser, args, script: str) -> torch.devi
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_rollout_arguments(ap)
-    ap.add_argument("--lenience", type=float, default=math.exp(0.5))
-    ap.add_argument("--sibling-drafts", action="store_true", help="history modes also draft from the group's samples in flight")
+    ap.add_argument("--lenience", type=float, default=math.exp(0.5), help="l of spec's lenient rule (default e^0.5)")
     ap.add_argument("--json", default=default_json_path("rollout.json"))
     args = ap.parse_args(argv)
+    try:
+        modes(args.lenience)
+    except ValueError as exc:  # its message starts with the field's name, "lenience"
+        ap.error(f"--{exc}")
     device = rollout_device(ap, args, "bench_rollout")
     if device is None:
         return 0

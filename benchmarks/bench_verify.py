@@ -14,6 +14,7 @@ benchmarks/conftest.py adds the harness provenance to the JSON's ``machine_info`
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -24,6 +25,7 @@ pytest.importorskip("pytest_benchmark")
 
 from _harness import random_lm_head, run_pytest_file, synced  # benchmarks/ is on sys.path when a script here runs
 
+from spec_rl.acceptance.dispatch import VerifyOptions
 from spec_rl.acceptance.reference import reference_verify
 from spec_rl.acceptance.scores import DraftScores
 from spec_rl.sampling.philox import philox_uniform
@@ -34,6 +36,7 @@ DEV = torch.device("cuda" if CUDA else "cpu")
 SHAPE = (32, 512, 151936, 2048) if CUDA else (4, 64, 4096, 256)
 DTYPE = torch.bfloat16 if CUDA else torch.float32
 SEED, LOG_LENIENCE = 1, 0.5
+OPTIONS = VerifyOptions(lenience=math.exp(LOG_LENIENCE))
 
 
 @pytest.fixture(scope="module")
@@ -65,12 +68,12 @@ def _drafts(x):
 
 def test_bench_reference_from_logits(benchmark, inputs):
     scores = DraftScores(logits=inputs["logits"])
-    benchmark(synced(reference_verify, DEV), *_drafts(inputs), scores, seed=SEED, log_lenience=LOG_LENIENCE)
+    benchmark(synced(reference_verify, DEV), *_drafts(inputs), scores, seed=SEED, options=OPTIONS)
 
 
 def test_bench_reference_from_hidden(benchmark, inputs):
     scores = DraftScores(hidden_states=inputs["hidden"], lm_head_weight=inputs["weight"])
-    benchmark(synced(reference_verify, DEV), *_drafts(inputs), scores, seed=SEED, log_lenience=LOG_LENIENCE)
+    benchmark(synced(reference_verify, DEV), *_drafts(inputs), scores, seed=SEED, options=OPTIONS)
 
 
 def test_bench_reference_philox(benchmark, inputs):
@@ -80,18 +83,16 @@ def test_bench_reference_philox(benchmark, inputs):
 
 def test_bench_triton_from_logits(benchmark, inputs):
     K = _kernels()
-    benchmark(
-        synced(K.verify_padded, DEV), *_drafts(inputs), seed=SEED, log_lenience=LOG_LENIENCE, temperature=1.0,
-        logits=inputs["logits"],
-    )
+    scores = DraftScores(logits=inputs["logits"])
+    benchmark(synced(K.verify_padded, DEV), *_drafts(inputs), scores, seed=SEED, log_lenience=LOG_LENIENCE,
+              temperature=1.0)  # fmt: skip
 
 
 def test_bench_triton_fused_lm_head(benchmark, inputs):
     K = _kernels()
-    benchmark(
-        synced(K.verify_padded, DEV), *_drafts(inputs), seed=SEED, log_lenience=LOG_LENIENCE, temperature=1.0,
-        hidden_states=inputs["hidden"], lm_head_weight=inputs["weight"],
-    )
+    scores = DraftScores(hidden_states=inputs["hidden"], lm_head_weight=inputs["weight"])
+    benchmark(synced(K.verify_padded, DEV), *_drafts(inputs), scores, seed=SEED, log_lenience=LOG_LENIENCE,
+              temperature=1.0)  # fmt: skip
 
 
 def test_bench_triton_philox(benchmark, inputs):

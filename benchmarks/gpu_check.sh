@@ -18,14 +18,9 @@
 #   6 rollout   bench_rollout --preset qwen3-0.6b, 32 x G=4,      75 s     165 s   64 x G=8, 512 tokens
 #               256 tokens: vanilla / histspec / spec / exact;
 #               bench_decode_cache (64 rows, 512 positions)
-#   6b stepcost bench_step_cost --preset qwen3-0.6b, 16 x G=4,   30 s      75 s    32 x G=4, 256 tokens,
-#               128 tokens: the step-cost table measured fresh,                    3 repeats
-#               the widths it plans, plain / flat / measured /
-#               corrected rollouts (epoch 1 with siblings;
-#               histspec)
 #   7 compile   registers / spills from this Triton's ptxas,      25 s     120 s   sweep configs, csrc nvcc
 #               default configs only (15 kernels)
-#   total                                                        480 s (8 min)
+#   total                                                        450 s (7.5 min)
 #
 # The budgets are estimates (no stage has run on an H200 yet); the summary prints each stage's wall time
 # beside its budget. DEADLINE_S (default 540 s, 0 = none) bounds the whole run below the device's 10-minute
@@ -56,7 +51,6 @@ SMOKE_PAGED="--device cpu --batch 2 --context 40 --long-batch 1 --long-context 1
 SMOKE_ENGINE="--preset tiny --device cpu --batch 3 --new-tokens 6 --prompt-len 5"
 SMOKE_ROLLOUT="--preset tiny --device cpu --perturb 0.5"
 SMOKE_CACHE="--preset tiny --device cpu --rows 3 --context 5 --repeats 2"
-SMOKE_STEPCOST="--preset tiny --device cpu --perturb 0.5 --repeats 1"
 
 # ---------------------------------------------------------------- stages (run as: gpu_check.sh __stage N)
 
@@ -133,13 +127,6 @@ stage_6() {  # rollout modes at the Qwen3-0.6B shape, then one decode step: conc
     return $rc
 }
 
-stage_6b() {  # the step-cost model at the Qwen3-0.6B shape: its table, its widths, plain / flat / measured / corrected rollouts
-    local args="--preset qwen3-0.6b --prompts 16 --group 4 --max-tokens 128 --repeats 1" ; [ "$SMOKE" = 1 ] && args=$SMOKE_STEPCOST
-    [ "$FULL" = 1 ] && args="--preset qwen3-0.6b --prompts 32 --group 4 --max-tokens 256 --repeats 3"
-    # shellcheck disable=SC2086
-    $PY benchmarks/bench_step_cost.py $args --json "$WORK/json/step_cost.json"
-}
-
 stage_7() {  # compile check: this Triton's ptxas, default configs
     unset TRITON_INTERPRET
     if [ "$FULL" = 1 ]; then
@@ -165,7 +152,7 @@ PY=${PYTHON:-python3}
 DEST=${OUT:-$PWD/gpu-check-out}
 SITE=${SITE:-/tmp/spec-rl-site}
 DEADLINE_S=${DEADLINE_S:-540}
-STAGES=" ${STAGES:-1 2 3 4 5 6 6b 7} "
+STAGES=" ${STAGES:-1 2 3 4 5 6 7} "
 WORK=${WORK:-$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")}
 mkdir -p "$DEST" "$WORK/logs" "$WORK/json" || exit 1
 : > "$WORK/stages.tsv"
@@ -284,7 +271,6 @@ run_stage 3 suite 60 180
 run_stage 4 paged 25 90
 run_stage 5 engine 45 150
 run_stage 6 rollout 75 165
-run_stage 6b stepcost 30 75
 run_stage 7 compile 25 120
 
 kill $REFRESHER 2>/dev/null

@@ -160,35 +160,6 @@ def section_decode_cache(rec: dict) -> list[str]:
                         "max logit difference"], rows)
 
 
-def section_step_cost(rec: dict) -> list[str]:
-    """Stage 6b: the step-cost table, the widths it plans, and rollouts under plain / flat / measured / corrected
-    widths (corrected: the table priced by the loop's own steps; its learned factor per batch-size bucket)."""
-    widths, acc = rec.get("widths", []), rec.get("acceptances", [])
-    out = ["## Step-cost model (stage 6b, bench_step_cost.py)", "", _status_line(rec), "",
-           f"{rec.get('backend')}, {rec.get('device')}, commit `{rec.get('commit')}`. ms per decode step "
-           "[relative to one fed token] at each context (cached positions per row) x rows x fed tokens per row:", ""]
-    out += table(["context", "rows"] + [f"w={w}" for w in widths],
-                 [[r.get("context", "-"), r["rows"]] + [f"{m:.2f} [{x:.2f}]" for m, x in zip(r["ms"], r["relative"])]
-                  for r in rec.get("table", [])])  # fmt: skip
-    out += ["", f"Width planned ({'padded' if rec.get('padded') else 'packed'}), every row offering max_k tokens, "
-            "per acceptance:", ""]
-    out += table(["context", "rows"] + [f"a={a}" for a in acc],
-                 [[r.get("context", "-"), r["rows"]] + [f"{w:.2f}" for w in r["width"]] for r in rec.get("plan", [])])
-    rows = [[name, _cell(r.get("generated_tokens")), _cell(r.get("decode_steps")), _cell(r.get("positions")),
-             _cell(r.get("width"), "{:.2f}"), _cell(r.get("rollout_s"), "{:.3f}"), _cell(r.get("time_x"), "{:.3f}"),
-             _cell(r.get("same_tokens")), _factors(r.get("wide_factor"))] for name, r in rec.get("rows", {}).items()]
-    out += ["", f"Rollouts: {rec.get('prompts')} prompts x G={rec.get('group')}, {rec.get('max_tokens')} tokens, "
-            f"fastest of {rec.get('repeats')}:", ""]
-    out += table(["setting/policy", "generated tokens", "decode steps", "positions", "width", "rollout s",
-                  "time x plain", "same tokens", "wide x (bucket: factor)"], rows)
-    return out + [""] + _checks_and_failures(rec)
-
-
-def _factors(factors: dict | None) -> str:
-    """A corrected row's learned wide-step factors, "bucket: factor" (bucket b holds rows.bit_length() // 2 == b)."""
-    return ", ".join(f"{b}: {f:.2f}" for b, f in factors.items()) if factors else "-"
-
-
 def section_compile(rec: dict) -> list[str]:
     """Stage 7: registers / spills / shared memory per kernel from ptxas."""
     prov = rec.get("provenance", {})
@@ -210,7 +181,7 @@ def section_env(rec: dict) -> list[str]:
 
 SECTIONS = [("env.json", section_env), ("gpu_suite.json", section_suite), ("paged_attention.json", section_paged), ("engine.json", section_engine),
             ("rollout.json", section_rollout), ("decode_cache.json", section_decode_cache),
-            ("step_cost.json", section_step_cost), ("compile_check.json", section_compile)]
+            ("compile_check.json", section_compile)]
 
 
 def stage_table(work: str) -> list[str]:

@@ -97,8 +97,8 @@ class Suite:
     dtype: torch.dtype
     gen: torch.Generator
     ids: torch.Tensor  # [N] int64 draft tokens
-    old: torch.Tensor  # [N] float32 old log-probs
-    tags: dict  # row map, uids, seed, lenience: the packed verify keywords
+    drafts: Any  # spec_rl.kernels.PackedDrafts of ids: old log-probs, row map, uids
+    settings: dict  # seed and log lenience: the packed verify keywords
     rec: H.RunRecord
     hidden: dict = field(default_factory=dict)  # d -> (h [N, d], W [V, d], our row, section tag)
 
@@ -132,10 +132,9 @@ def build_suite(args, K, dev: torch.device, rec: H.RunRecord) -> Suite:
     cu = torch.arange(0, n + 1, tps, device=dev)
     if int(cu[-1]) != n:
         cu = torch.cat([cu, torch.tensor([n], device=dev)])
-    row_sample, row_token, lengths = K.rows_from_cu_seqlens(cu)
-    uids = torch.arange(lengths.numel(), device=dev, dtype=torch.int64)
-    tags = dict(row_sample=row_sample, row_token=row_token, lengths=lengths, uids=uids, seed=1234, log_lenience=0.5)
-    return Suite(args, K, dev, H.DTYPES[args.dtype], gen, ids, old, tags, rec)
+    uids = torch.arange(cu.numel() - 1, device=dev, dtype=torch.int64)
+    drafts = K.PackedDrafts.from_cu_seqlens(cu, ids, old, uids)
+    return Suite(args, K, dev, H.DTYPES[args.dtype], gen, ids, drafts, dict(seed=1234, log_lenience=0.5), rec)
 
 
 def _eager_from_logits(logits, ids, temperature=1.0, chunk=EAGER_CHUNK):
@@ -196,15 +195,15 @@ def section_logits(s: Suite) -> None:
     dst = torch.empty_like(logits)
     copy = s.measure("copy logits (floor, read+write)", lambda: dst.copy_(logits), **{**tag, "bytes": 2 * logit_bytes})
     dst = None  # free the copy target
-    ours = s.measure("ours: from-logits kernel", lambda: K.verify_packed_logits(logits, s.ids, s.old, **s.tags), **tag)
+    ours = s.measure("ours: from-logits kernel", lambda: K.verify_packed_logits(logits, s.drafts, **s.settings), **tag)
     eager = s.measure("eager torch: chunked log_softmax+gather", lambda: _eager_from_logits(logits, s.ids), **tag)
     if _has_ms(ours):
-        lp_k = K.verify_packed_logits(logits, s.ids, s.old, **s.tags).new_logprobs
+        lp_k = K.verify_packed_logits(logits, s.drafts, **s.settings).new_logprobs
         diff = (lp_k - _eager_from_logits(logits, s.ids)).abs().max()
         s.rec.check("from_logits_max_abs_diff_vs_eager_fp32", diff, FROM_LOGITS_TOL)
     if s.args.sweep:
         s.sweep("from-logits", configs.LOGITS_SWEEP,
-                lambda cfg: K.verify_packed_logits(logits, s.ids, s.old, config=cfg, **s.tags),
+                lambda cfg: K.verify_packed_logits(logits, s.drafts, config=cfg, **s.settings),
                 section="logits-sweep", bytes=logit_bytes)
     _rates(s, "logits", "gb_per_s", lambda r: r["bytes"] / r["ms"] / 1e6)
     if _has_ms(copy, ours):
@@ -235,12 +234,12 @@ def section_hidden(s: Suite, d: int, broken: bool = False) -> None:
     out_buf = None  # free the 5 GB matmul output
     s.free()
     ours = s.measure(
-        f"ours: fused LM-head kernel d={d}", lambda: K.verify_packed_hidden(h, w, s.ids, s.old, **s.tags), **tag
+        f"ours: fused LM-head kernel d={d}", lambda: K.verify_packed_hidden(h, w, s.drafts, **s.settings), **tag
     )
     eager = s.measure(f"eager torch: matmul + chunked log_softmax d={d}",
                       lambda: _eager_from_logits(h @ w.T, s.ids), **tag)
     if _has_ms(ours):
-        lp_k = K.verify_packed_hidden(h, w, s.ids, s.old, **s.tags).new_logprobs
+        lp_k = K.verify_packed_hidden(h, w, s.drafts, **s.settings).new_logprobs
         w32 = w.float()
         rows = [slice(c, c + EAGER_CHUNK) for c in range(0, n, EAGER_CHUNK)]
         lp_e = torch.cat([_eager_from_logits(h[r].float() @ w32.T, s.ids[r]) for r in rows])
@@ -248,7 +247,7 @@ def section_hidden(s: Suite, d: int, broken: bool = False) -> None:
         s.rec.check(f"fused_d{d}_max_abs_diff_vs_fp32_torch", (lp_k - lp_e).abs().max(), FUSED_TOL)
     if s.args.sweep:
         s.sweep("fused", configs.LM_HEAD_SWEEP,
-                lambda cfg: K.verify_packed_hidden(h, w, s.ids, s.old, config=cfg, **s.tags),
+                lambda cfg: K.verify_packed_hidden(h, w, s.drafts, config=cfg, **s.settings),
                 section=f"{section}-sweep", flops=tag["flops"])
     _rates(s, section, "tflops", lambda r: r["flops"] / r["ms"] / 1e9)
     if _has_ms(ours, mm):

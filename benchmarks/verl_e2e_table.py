@@ -1,6 +1,6 @@
 """Tabulate verl CPU runs in verl's own terms: one row per run and step, then totals from step 2 on.
 
-    SPEC_RL_E2E_OUT=runs/verl-e2e SPEC_RL_E2E_EXACT=1 make test-verl-e2e
+    SPEC_RL_REQUIRE=1 .venv-vllm/bin/pytest -q tests/integrations/test_verl_e2e.py --e2e-exact --e2e-out runs/verl-e2e
     .venv-vllm/bin/python benchmarks/verl_e2e_table.py runs/verl-e2e
 
 Reads ``<dir>/<run>/metrics.jsonl`` (verl's "file" logger: one line per training step) for the runs

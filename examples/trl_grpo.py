@@ -61,8 +61,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-completion-length", type=int, default=96, help="response budget in tokens (default 96)")
     p.add_argument("--strategy", choices=["spec", "off", "random"], default="spec",
                    help="spec: SPEC-RL (default); off: no reuse, same decoder; random: random reuse")  # fmt: skip
-    p.add_argument("--lenience", type=float, default=math.exp(0.5), help="l (default e^0.5, the paper's GRPO value; "
-                   "exact acceptance takes none)")  # fmt: skip
+    p.add_argument("--lenience", type=float, default=None, help="l of the lenient rule (default e^0.5, the paper's "
+                   "GRPO value; exact acceptance takes none)")  # fmt: skip
     p.add_argument("--acceptance", choices=["lenient", "exact"], default="lenient",
                    help="lenient: the paper's rule (default); exact: lossless reuse (completions are fresh samples)")
     p.add_argument("--rejection-draw", choices=["policy", "without-draft"], default="policy",
@@ -115,8 +115,7 @@ def main(argv=None) -> int:
                        "rollout_seconds": round(sum(r["spec_rl/rollout_seconds"] for r in part), 3)})  # fmt: skip
         print(f"epoch {e + 1}: generated {epochs[-1]['tokens_generated']:.0f} tokens, "
               f"reused {epochs[-1]['reused_tokens']:.0f}, rollout {epochs[-1]['rollout_seconds']:.1f} s")  # fmt: skip
-    print(json.dumps({"strategy": args.strategy, "acceptance": args.acceptance, "rejection_draw": args.rejection_draw,
-                      "epochs": epochs}))
+    print(json.dumps({"strategy": args.strategy, **spec.mode.to_dict(), "epochs": epochs}))
     return 0
 
 

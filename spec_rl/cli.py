@@ -9,11 +9,12 @@ and with SPEC-RL on identical seeds and prints per-epoch rows.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
 
-from .acceptance.mode import LENIENCE_DEFAULTS, MODES, REJECTION_DRAWS
+from .acceptance.mode import LENIENCE_DEFAULTS, MODES, REJECTION_DRAWS, RolloutMode
 from .cli_types import fraction as _fraction
 from .cli_types import lenience as _lenience
 from .cli_types import positive_int as _positive_int
@@ -25,7 +26,10 @@ from .trainer.sweep import cmd_sweep
 
 #: Config fields whose flag is not ``--`` + the field name with dashes.
 _FLAGS = {"generation_backend": "--backend", "save_checkpoint": "--no-checkpoint", "max_tokens": "--max-response-len",
-          "tail": "--no-tail", "eos_ids": "the EOS set of --model", "data": "--data/--eval-data"}
+          "tail": "--no-tail", "eos_ids": "the EOS set of --model", "data": "--data/--eval-data",
+          "sampling": "the sampling settings (--temperature, --top-p, --top-k, --max-response-len)"}
+#: Names whose errors are about a flag: the fields of the config, of its sampling settings and of a run's mode.
+_FIELDS = {f.name for cls in (GRPOConfig, SamplingSettings, RolloutMode) for f in dataclasses.fields(cls)}
 #: The flags that change a field of the selected runs' RolloutMode (only where the mode has that field).
 _MODE_FLAGS = {"lenience": "--lenience", "rejection_draw": "--rejection-draw", "tail": "--no-tail"}
 
@@ -224,9 +228,10 @@ def _modes(args: argparse.Namespace, demo: bool) -> dict:
             takers = [m for m in MODES if field in MODES[m].settable()]
             raise UsageError(f"{flag} applies to the runs {', '.join(takers)}; the selected runs ({', '.join(names)}) "
                              f"have no such setting: drop {flag}, or add such a run to --modes")
-    default_l = 1.0 if demo else LENIENCE_DEFAULTS["dapo" if args.clip_higher else "grpo"]
-    defaults = {"lenience": default_l, "rejection_draw": DEMO_SPEC["rejection_draw"] if demo else "policy"}
-    return {m: MODES[m].with_overrides(**{**defaults, **given}) for m in names}
+    lenience = given.get("lenience", 1.0 if demo else LENIENCE_DEFAULTS["dapo" if args.clip_higher else "grpo"])
+    # the demo's draw needs l >= 1 (below, the residual keeps the rejected token): another l gets the paper's draw
+    draw = DEMO_SPEC["rejection_draw"] if demo and lenience >= 1 else "policy"
+    return {m: MODES[m].with_overrides(**{"lenience": lenience, "rejection_draw": draw, **given}) for m in names}
 
 
 def _config(args: argparse.Namespace, demo: bool) -> GRPOConfig:
@@ -323,7 +328,7 @@ def _one_line(err: Exception) -> str:
         return err.describe(_flag)
     text = str(err)
     field, _, rest = text.partition(" ")
-    if field.isidentifier() and rest.startswith("must "):
+    if field in _FIELDS or (field.isidentifier() and rest.startswith("must ")):
         return f"{_flag(field)} {rest}"
     return text
 

@@ -15,6 +15,7 @@ except Exception as exc:  # not installed, or a broken install: skip every kerne
 
 import spec_rl.kernels as K
 
+from spec_rl.acceptance.dispatch import VerifyOptions
 from spec_rl.acceptance.reference import lengths_mask, make_result, random_reuse_index, reference_verify
 from spec_rl.acceptance.scores import DraftScores
 from spec_rl.sampling.distribution import SamplingSettings
@@ -84,30 +85,63 @@ def far_from_ties_old_logprobs(
 
 
 def reference64(draft_ids, old_logprobs, lengths, *, uids, seed, log_lenience, temperature=1.0, top_k=0, top_p=1.0,
-                strategy="spec", return_accept_mask=False, **sources):
-    """reference_verify in float64, inputs moved to the CPU; ``sources`` are DraftScores fields."""
+                rule="lenient", return_accept_mask=False, **sources):
+    """reference_verify in float64, inputs moved to the CPU; ``sources`` are DraftScores fields. ``log_lenience`` is
+    read by the lenient rule only."""
     cpu = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in sources.items()}
-    return reference_verify(
-        draft_ids.cpu(), old_logprobs.cpu(), lengths.cpu(), uids.cpu(), DraftScores(**cpu),
-        seed=seed, log_lenience=log_lenience, settings=SamplingSettings(temperature=temperature, top_k=top_k, top_p=top_p),
-        strategy=strategy, return_accept_mask=return_accept_mask, compute_dtype=torch.float64,
-    )
+    options = VerifyOptions(
+        rule=rule, lenience=math.exp(log_lenience) if rule == "lenient" else 1.0,
+        sampling=SamplingSettings(temperature=temperature, top_k=top_k, top_p=top_p),
+        return_accept_mask=return_accept_mask,
+    )  # fmt: skip
+    return reference_verify(draft_ids.cpu(), old_logprobs.cpu(), lengths.cpu(), uids.cpu(), DraftScores(**cpu),
+                            seed=seed, options=options, compute_dtype=torch.float64)  # fmt: skip
 
 
-def kernel_verify(draft_ids, old_logprobs, lengths, *, uids, seed, log_lenience, temperature=1.0, strategy="spec",
-                  return_accept_mask=False, **kwargs):
-    """K.verify_padded packed as a VerifyResult the way spec_rl.acceptance.dispatch's triton backend does.
+def _packed_verify(draft_ids, old_logprobs, lengths, uids, scores: DraftScores, config, **settings):
+    """The padded drafts' valid tokens through the packed entry points under the tile ``config`` (the padded entry
+    point takes the default tiles), unpacked to (new_logprobs, accept, accepted_len) as K.verify_padded returns
+    them. Hidden states are gathered in-kernel from the padded tensor (row offsets), as the padded path does."""
+    valid = lengths_mask(lengths, draft_ids.shape[1])
+    b_idx, t_idx = valid.nonzero(as_tuple=True)
+    drafts = K.PackedDrafts(draft_ids[b_idx, t_idx], old_logprobs[b_idx, t_idx], b_idx.to(torch.int32),
+                            t_idx.to(torch.int32), lengths, uids)  # fmt: skip
+    if scores.logits is not None:
+        out = K.verify_packed_logits(scores.logits[b_idx, t_idx], drafts, config=config, **settings)
+    else:
+        hidden = scores.hidden_states
+        if hidden.stride(-1) == 1 and valid.any():  # a [1, d] view at the tensor's start: rows by offset
+            drafts.row_offsets = b_idx * hidden.stride(0) + t_idx * hidden.stride(1)
+            hidden = hidden[0, :1]
+        else:
+            hidden = hidden[b_idx, t_idx]
+        out = K.verify_packed_hidden(hidden, scores.lm_head_weight, drafts, lm_head_bias=scores.lm_head_bias,
+                                     config=config, **settings)  # fmt: skip
+    lp = torch.zeros(draft_ids.shape, dtype=torch.float32, device=draft_ids.device)
+    lp[b_idx, t_idx] = out.new_logprobs
+    accept = torch.zeros(draft_ids.shape, dtype=torch.bool, device=draft_ids.device)
+    if out.accept is not None:
+        accept[b_idx, t_idx] = out.accept
+    return lp, accept, out.accepted_len
 
-    ``kwargs``: the score source (logits= or hidden_states= with lm_head_weight=/lm_head_bias=) and
-    the tile overrides logits_config= / lm_head_config=. strategy="random" scores only and draws n
-    with the reference's random_reuse_index.
+
+def kernel_verify(draft_ids, old_logprobs, lengths, *, uids, seed, log_lenience, temperature=1.0, rule="lenient",
+                  return_accept_mask=False, config=None, **sources):
+    """The kernels' verification packed as a VerifyResult the way the verify functions' triton backend does.
+
+    ``sources``: the score source (logits= or hidden_states= with lm_head_weight=/lm_head_bias=). ``config``: a
+    tile override (LogitsConfig or LMHeadConfig), which the packed entry points take; without it K.verify_padded
+    runs. rule="random" scores only and draws n with the reference's random_reuse_index.
     """
-    lp, accept, n = K.verify_padded(
-        draft_ids, old_logprobs, lengths, uids, seed=seed, log_lenience=log_lenience, temperature=temperature,
-        score_only=strategy == "random", **kwargs,
-    )
+    scores = DraftScores(**sources)
+    settings = dict(seed=seed, log_lenience=log_lenience, temperature=temperature, score_only=rule == "random")
+    if config is None:
+        lp, accept, n = K.verify_padded(draft_ids, old_logprobs, lengths, uids, scores, **settings)
+    else:
+        lp, accept, n = _packed_verify(draft_ids, old_logprobs, lengths.to(draft_ids.device), uids, scores, config,
+                                       **settings)  # fmt: skip
     assert lp.dtype == torch.float32 and accept.dtype == torch.bool and n.dtype == torch.int64
-    if strategy == "random":
+    if rule == "random":
         assert torch.equal(n.cpu(), lengths.cpu()) and not bool(accept.any())  # score-only contract
         n = random_reuse_index(seed, uids, lengths.to(uids.device))
         accept = lengths_mask(n, draft_ids.shape[1])

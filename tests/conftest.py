@@ -22,10 +22,12 @@ except Exception:  # pragma: no cover
 if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Backends size speculation by a measured step cost (spec_rl.backends.step_cost); measuring takes seconds
-# and makes decode-step counts depend on the machine. Tests use the flat cost (verify every proposed
-# token) unless they pass a StepCost themselves; tests/backends/test_step_cost.py covers the measurement.
-os.environ.setdefault("SPEC_RL_STEP_COST", "flat")
+
+def pytest_addoption(parser):
+    group = parser.getgroup("spec-rl", "verl end to end (tests/integrations/test_verl_e2e.py, make test-verl-e2e)")
+    group.addoption("--e2e-exact", action="store_true", help="also train with exact acceptance")
+    group.addoption("--e2e-out", metavar="DIR", default=None,
+                    help="keep the runs in DIR (benchmarks/verl_e2e_table.py tabulates them; default: a temporary one)")
 
 
 @pytest.fixture()

@@ -2,7 +2,8 @@
 
 :class:`RecordingAgentLoopManager` is ``SpecRLAgentLoopManager`` (verl's ``AgentLoopManager`` plus the
 step metrics) that also saves every training batch it returns to verl's trainer, the DataProto
-``RayPPOTrainer.fit`` goes on to train on, as ``$SPEC_RL_E2E_RECORD/gen-<k>.pt``: the response
+``RayPPOTrainer.fit`` goes on to train on, as ``record/gen-<k>.pt`` under the working directory of the run
+(the test starts each run in its own folder; verl's processes keep that directory): the response
 tensors (token ids, masks, rollout log-probs), the prompt's dataset index and the ``spec_rl/*``
 columns. The test selects it with
 ``actor_rollout_ref.rollout.agent.agent_loop_manager_class=verl_e2e_probe.RecordingAgentLoopManager``
@@ -11,7 +12,6 @@ and puts tests/ on the PYTHONPATH of verl's processes.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +20,8 @@ from verl.utils.ray_utils import auto_await
 
 from spec_rl.integrations.verl_metrics import PREFIX, SpecRLAgentLoopManager
 
-RECORD_ENV = "SPEC_RL_E2E_RECORD"
+#: The folder, under the run's working directory, of the recorded batches.
+RECORD_DIR = "record"
 TENSORS = ("prompts", "responses", "response_mask", "attention_mask", "rollout_log_probs")
 
 
@@ -29,7 +30,7 @@ class RecordingAgentLoopManager(SpecRLAgentLoopManager):
     async def generate_sequences(self, prompts):
         output = await super().generate_sequences(prompts)
         if not prompts.meta_info.get("validate", False):
-            folder = Path(os.environ[RECORD_ENV])
+            folder = Path.cwd() / RECORD_DIR
             folder.mkdir(parents=True, exist_ok=True)
             k = len(list(folder.glob("gen-*.pt")))
             columns = {k: v for k, v in output.non_tensor_batch.items() if k.startswith(PREFIX)}

@@ -131,8 +131,8 @@ def mode_from_options(strategy: str = "spec", acceptance: str = "lenient", lenie
     if acceptance == "exact" and lenience not in (None, 1, 1.0):
         raise ValueError(f"acceptance='exact' has no lenience (it accepts a draft token with probability "
                          f"pi_t(token)), but lenience={lenience!r} was passed; leave it unset or use 'lenient'")
-    if strategy == "off":
-        return RolloutMode(acceptance=None, tail=tail)
+    if strategy == "off":  # a draw other than "policy" is refused: no lenient rejection to draw at
+        return RolloutMode(acceptance=None, rejection_draw=rejection_draw, tail=tail)
     if strategy == "random" or acceptance == "exact":
         return RolloutMode(acceptance="random" if strategy == "random" else "exact", rejection_draw=rejection_draw,
                            tail=tail)

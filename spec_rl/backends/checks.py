@@ -273,8 +273,9 @@ def check_backend(backend) -> None:
     """Raise TypeError unless ``backend`` has the :class:`~spec_rl.backends.protocol.GenerationBackend` methods."""
     if not isinstance(backend, GenerationBackend):
         raise TypeError(
-            "backend must be a GenerationBackend (TransformersBackend, PagedEngine, or an object with device, "
-            f"stats, generate, score_drafts, continue_from and release), got {backend_name(backend)}"
+            "backend must be a GenerationBackend (TransformersBackend, PagedEngine, or your own class with device, "
+            "stats, generate, score_drafts, continue_from and release: subclass GenerationBackend for the optional "
+            f"members' defaults), got {backend_name(backend)}"
         )
 
 

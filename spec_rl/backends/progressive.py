@@ -284,8 +284,8 @@ def _checked_arguments(prompts, drafts, draft_logprobs, first_window, min_reach)
         raise ValueError(f"prompts and drafts must pair up: got {len(prompts)} prompts for {len(drafts)} drafts")
     _int("first_window", first_window, low=1)
     try:
-        reach = check_real("min_reach", min_reach)
-    except TypeError:
+        reach = check_real("min_reach", min_reach, finite=False)
+    except (TypeError, ValueError):  # NaN too: one message names what min_reach takes
         reach = math.nan
     if not reach >= 0:
         raise ValueError(f"min_reach must be a number >= 0 (0 scores the whole trie first), got {min_reach!r}")

@@ -14,7 +14,6 @@ log-probability -inf.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -44,15 +43,10 @@ class SamplingSettings:
     def __post_init__(self) -> None:
         # Stored as plain Python numbers (numpy scalars included), so equal settings compare, hash and
         # serialise equal; bools and strings are refused rather than read as numbers.
-        temperature = check_real("temperature", self.temperature)
-        if not (math.isfinite(temperature) and temperature > 0):
-            raise ValueError(
-                f"temperature must be a finite number > 0, got {temperature} "
-                "(greedy decoding has no usable log-probabilities; use e.g. temperature=0.1)"
-            )
-        top_p = check_real("top_p", self.top_p)
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p} (use 1.0 to disable nucleus sampling)")
+        temperature = check_real("temperature", self.temperature, low=0.0, low_open=True,
+                                 hint=" (greedy decoding has no usable log-probabilities; use e.g. temperature=0.1)")
+        top_p = check_real("top_p", self.top_p, low=0.0, low_open=True, high=1.0,
+                           hint=" (use 1.0 to disable nucleus sampling)")
         top_k = check_int("top_k", self.top_k, low=0, hint=" (use 0 to disable top-k)")
         max_tokens = check_int("max_tokens", self.max_tokens, low=1, hint=" (the response budget in tokens)")
         for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("max_tokens", max_tokens)):

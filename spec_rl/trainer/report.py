@@ -282,8 +282,11 @@ def _heldout_note(info: dict, summary: dict | None = None) -> list[str]:
     if not prompts:
         return ["No held-out evaluation (--no-eval, or no held-out set): the rollout reward above is biased under reuse and does "
                 "not compare runs.", ""]  # fmt: skip
-    config = info.get("config") or {}
-    samples, every, epochs = config.get("eval_samples", "?"), config.get("eval_every", 1), config.get("epochs")
+    # the runs' configs (run_info.json "runs"): the lossless runs beside vanilla have eval_every = epochs
+    configs = list((info.get("runs") or {}).values())
+    samples = configs[0].get("eval_samples", "?") if configs else "?"
+    every = min((c.get("eval_every", 1) for c in configs), default=1)
+    epochs = max((c.get("epochs", 0) for c in configs), default=0) or None
     when = "every epoch" if every == 1 else f"every {every} epochs and after the last"
     changes = [c for c in info.get("config_changes") or [] if c.get("field") == "eval_every"]
     if changes:  # a resume under --allow-config-change: the schedule above holds only from then on

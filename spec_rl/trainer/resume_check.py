@@ -19,6 +19,7 @@ import time
 from collections.abc import Collection, Sequence
 from pathlib import Path
 
+from ..acceptance.mode import RolloutMode
 from .config import GRPOConfig
 from .rundir import INFO_FILE, RunDirError
 
@@ -30,7 +31,7 @@ RESPONSE_FIELDS = ("sampling", "max_model_len", "seed")
 #: spec_tokens (decode steps only), device and backend (keyed sampling).
 TRAINING_FIELDS = (
     "group_size", "prompts_per_step", "ppo_mini_batches", "lr", "weight_decay", "max_grad_norm", "clip_low",
-    "clip_high", "kl_coef", "scale_adv_by_std", "eval_samples",
+    "clip_high", "kl_coef", "scale_adv_by_std", "eval_samples", "eval_every",
 )  # fmt: skip
 
 
@@ -68,13 +69,14 @@ def data_digest(examples: Sequence, eval_examples: Sequence | None) -> str:
     return h.hexdigest()
 
 
-def run_fingerprint(configs: dict[str, GRPOConfig], model_path, eos_ids: Collection[int], examples: Sequence,
-                    eval_examples) -> dict:
-    """What the runs' responses and training depend on: the fields compared by :func:`check_resume`."""
-    cfg = next(iter(configs.values())).to_dict()
+def run_fingerprint(config: GRPOConfig, modes: dict[str, RolloutMode], model_path, eos_ids: Collection[int],
+                    examples: Sequence, eval_examples) -> dict:
+    """What the runs' responses and training depend on: the fields compared by :func:`check_resume` (``config``:
+    the base config of the runs, ``modes``: each run's mode)."""
+    cfg = config.to_dict()
     out = {field: cfg[field] for field in RESPONSE_FIELDS + TRAINING_FIELDS}
-    for label, c in configs.items():
-        out[f"mode:{label}"] = {k: v for k, v in c.mode.to_dict().items() if k != "tail"}
+    for label, mode in modes.items():
+        out[f"mode:{label}"] = {k: v for k, v in mode.to_dict().items() if k != "tail"}
     out.update(model=str(model_path), eos_ids=sorted(int(e) for e in eos_ids), data=data_digest(examples, eval_examples))
     return out
 

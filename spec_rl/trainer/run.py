@@ -164,7 +164,7 @@ def run_modes(
         remove_leftovers(folder)  # temporary files of a killed writer; checkpoint versions: trainer.resume
     summary = read_summary(out_dir) if resume else {}
     num_eval = len(eval_examples) if eval_examples is not None else 0
-    fingerprint = run_fingerprint(configs, model_path, policy_eos_ids(model_path), train_examples, eval_examples)
+    fingerprint = run_fingerprint(config, modes, model_path, policy_eos_ids(model_path), train_examples, eval_examples)
     changes = (stored_info(out_dir) or {}).get("config_changes", []) if resume else []
     if resume:  # compared first: a finished run resumed under other settings is refused too
         new_changes = check_resume(out_dir, fingerprint, allow_config_change)

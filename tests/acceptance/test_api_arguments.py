@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from spec_rl.acceptance.dispatch import verify
+from spec_rl.acceptance.dispatch import VerifyOptions, verify_logits
 from spec_rl.drafts.cache import CacheKey
 from spec_rl.sampling.distribution import SamplingSettings, keyed_sample
 
@@ -17,6 +17,7 @@ from spec_rl.sampling.distribution import SamplingSettings, keyed_sample
         (dict(temperature="1"), TypeError, "temperature must be a real number, got str"),
         (dict(temperature=float("nan")), ValueError, "temperature must be a finite number > 0, got nan"),
         (dict(temperature=-1), ValueError, "temperature must be a finite number > 0"),
+        (dict(temperature=float("inf")), ValueError, "temperature must be a finite number > 0, got inf (greedy"),
         (dict(top_k=float("nan")), TypeError, "top_k must be an integer, got float nan"),
         (dict(top_k=2.5), TypeError, "top_k must be an integer, got float 2.5"),
         (dict(top_k=True), TypeError, "top_k must be an integer, got bool"),
@@ -25,7 +26,8 @@ from spec_rl.sampling.distribution import SamplingSettings, keyed_sample
         (dict(top_p="abc"), TypeError, "top_p must be a real number, got str 'abc'"),
         (dict(top_p=None), TypeError, "top_p must be a real number, got NoneType"),
         (dict(top_p=True), TypeError, "top_p must be a real number, got bool"),
-        (dict(top_p=float("nan")), ValueError, "top_p must be in (0, 1], got nan"),
+        (dict(top_p=0.0), ValueError, "top_p must be a finite number > 0 and <= 1, got 0.0 (use 1.0 to disable"),
+        (dict(top_p=float("nan")), ValueError, "top_p must be a finite number > 0 and <= 1, got nan"),
         (dict(max_tokens=8.7), TypeError, "max_tokens must be an integer, got float 8.7"),
         (dict(max_tokens=None), TypeError, "max_tokens must be an integer, got NoneType"),
         (dict(max_tokens=0), ValueError, "max_tokens must be >= 1, got 0"),
@@ -59,9 +61,6 @@ def _verify_inputs():
         (dict(seed=None), TypeError, "seed must be an integer, got NoneType"),
         (dict(seed=float("nan")), TypeError, "seed must be an integer, got float nan"),
         (dict(seed=True), TypeError, "seed must be an integer, got bool"),
-        (dict(temperature=True), TypeError, "temperature must be a real number, got bool"),
-        (dict(top_k=float("nan")), TypeError, "top_k must be an integer"),
-        (dict(top_p="abc"), TypeError, "top_p must be a real number"),
         (dict(lengths=[3, 2]), TypeError, "lengths must be a torch.Tensor, got list (e.g. torch.tensor(lengths))"),
         (dict(uids=[0, 1]), TypeError, "uids must be a torch.Tensor, got list (e.g. torch.tensor(uids))"),
         (dict(uids=torch.arange(3)), ValueError, "uids has shape (3,), expected (2,)"),
@@ -70,25 +69,59 @@ def _verify_inputs():
 def test_verify_refuses_bad_arguments(kwargs, error, words):
     ids, old, logits = _verify_inputs()
     with pytest.raises(error) as info:
-        verify(ids, old, logits=logits, **kwargs)
+        verify_logits(ids, old, logits, **kwargs)
     assert words in str(info.value)
 
 
-def test_verify_takes_numpy_temperature_and_any_integer_seed():
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        (dict(lenience=True), TypeError, "lenience must be a real number, got bool"),
+        (dict(lenience="1.5"), TypeError, "lenience must be a real number, got str"),
+        (dict(rule=None), ValueError, "rule must be one of ('lenient', 'exact', 'random'), got None"),
+        (dict(backend="gpu"), ValueError, "backend must be one of ('auto', 'reference', 'triton'), got 'gpu'"),
+        (dict(sampling=None), TypeError, "sampling must be a SamplingSettings, got NoneType"),
+    ],
+)
+def test_verify_options_refuse_bad_values(kwargs, error, words):
+    with pytest.raises(error) as info:
+        VerifyOptions(**kwargs)
+    assert words in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        (dict(temperature=True), TypeError, "temperature must be a real number, got bool"),
+        (dict(top_k=float("nan")), TypeError, "top_k must be an integer"),
+        (dict(top_p="abc"), TypeError, "top_p must be a real number"),
+    ],
+)
+def test_verify_sampling_settings_refuse_bad_values(kwargs, error, words):
+    with pytest.raises(error) as info:
+        VerifyOptions(sampling=SamplingSettings(**kwargs))
+    assert words in str(info.value)
+
+
+def test_verify_takes_numpy_temperature_and_lenience_and_any_integer_seed():
     ids, old, logits = _verify_inputs()
-    a = verify(ids, old, logits=logits, temperature=np.float32(0.5), seed=np.int64(3))
-    b = verify(ids, old, logits=logits, temperature=float(np.float32(0.5)), seed=3)
+    numpy = VerifyOptions(lenience=np.float32(2.0), sampling=SamplingSettings(temperature=np.float32(0.5)))
+    plain = VerifyOptions(lenience=2.0, sampling=SamplingSettings(temperature=float(np.float32(0.5))))
+    assert numpy == plain
+    a = verify_logits(ids, old, logits, seed=np.int64(3), options=numpy)
+    b = verify_logits(ids, old, logits, seed=3, options=plain)
     assert torch.equal(a.accepted_len, b.accepted_len) and torch.equal(a.new_logprobs, b.new_logprobs)
-    verify(ids, old, logits=logits, seed=-5)  # seeds are taken modulo 2**64
-    verify(ids, old, logits=logits, seed=2**80)
+    assert type(VerifyOptions(lenience=np.float32(2.0)).lenience) is float
+    verify_logits(ids, old, logits, seed=-5)  # seeds are taken modulo 2**64
+    verify_logits(ids, old, logits, seed=2**80)
 
 
 def test_verify_refuses_meta_tensors():
     ids, old, logits = _verify_inputs()
     with pytest.raises(ValueError, match="draft_ids is on the meta device"):
-        verify(ids.to("meta"), old.to("meta"), logits=logits.to("meta"))
+        verify_logits(ids.to("meta"), old.to("meta"), logits.to("meta"))
     with pytest.raises(ValueError, match="logits is on meta but draft_ids is on cpu"):
-        verify(ids, old, logits=logits.to("meta"))
+        verify_logits(ids, old, logits.to("meta"))
 
 
 def test_keyed_sample_checks_settings_and_seed():
@@ -135,3 +168,38 @@ def test_cache_keys_are_those_of_earlier_versions():
     # Caches saved before must keep hitting: the digest of valid ids is unchanged.
     assert CacheKey.make([5, 6, 7], 1, "ds:1").digest.hex() == "67298dfffc080c71b0e01a80e9fb42d0"
     assert CacheKey.make([], 0).digest.hex() == "a3f10fd147f028a9a5858ab38b456619"
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        (dict(value=float("nan")), ValueError, "x must be a finite number, got nan"),
+        (dict(value=float("nan"), finite=False), ValueError, "x must be a number (inf allowed), got nan"),
+        (dict(value=float("inf"), low=0.0), ValueError, "x must be a finite number >= 0, got inf"),
+        (dict(value=0.0, low=0.0, low_open=True), ValueError, "x must be a finite number > 0, got 0.0"),
+        (dict(value=1.0, low=0.0, high=1.0, high_open=True), ValueError,
+         "x must be a finite number >= 0 and < 1, got 1.0"),
+        (dict(value=-2, low=-1.0, hint=" (a hint)"), ValueError, "x must be a finite number >= -1, got -2.0 (a hint)"),
+        (dict(value=True), TypeError, "x must be a real number, got bool True"),
+        (dict(value="1"), TypeError, "x must be a real number, got str '1'"),
+    ],
+)
+def test_check_real_refuses_non_numbers_nan_and_values_out_of_range(kwargs, error, words):
+    from spec_rl.util.validation import check_real
+
+    value = kwargs.pop("value")
+    with pytest.raises(error) as info:
+        check_real("x", value, **kwargs)
+    assert str(info.value) == words
+
+
+def test_check_real_and_check_choice_return_plain_values():
+    from spec_rl.util.validation import check_choice, check_real
+
+    assert check_real("x", np.float32(0.5), low=0.0, high=1.0) == 0.5 and type(check_real("x", 1)) is float
+    assert check_real("x", float("inf"), low=0.0, finite=False) == float("inf")
+    assert check_real("x", 0.0, low=0.0) == 0.0 and check_real("x", 1.0, high=1.0) == 1.0  # closed ends
+    assert check_choice("c", "b", ("a", "b")) == "b" and check_choice("c", None, ("a", None)) is None
+    for bad in ("z", np.array(["a"]), ["a"], b"a"):  # an array or list would compare element-wise or not at all
+        with pytest.raises(ValueError, match=r"c must be one of \('a', 'b'\) \(say which\), got"):
+            check_choice("c", bad, ("a", "b"), hint="say which")

@@ -15,6 +15,7 @@ import pytest
 import torch
 from _stats import assert_fits
 
+from spec_rl.acceptance.mode import MODES, RolloutMode
 from spec_rl.acceptance.scores import DraftScores
 from spec_rl.backends.protocol import BackendStats, Continuation
 from spec_rl.backends.reprefill import ReprefillBackend
@@ -83,7 +84,7 @@ def _first_two_tokens(acceptance: str, lenience: float = 1.0) -> torch.Tensor:
         cache.store(CacheKey.make(r.prompt_ids, r.slot), [0, 0], [0.0, 0.0], "length", 0, settings)
     kw = dict(lenience=lenience) if acceptance == "lenient" else {}
     rollout = SpeculativeRollout(TablePolicy(), cache, settings, eos_ids=[EOS], max_model_len=16, seed=3,
-                                 acceptance=acceptance, **kw)
+                                 mode=RolloutMode(acceptance, tail=False, **kw))
     result = rollout.run(requests, step=1)
     counts = torch.zeros(2, 3)
     for resp in result.response_ids:
@@ -112,8 +113,10 @@ def test_lenient_rule_at_l1_stays_the_papers():
 
 
 def test_unknown_acceptance_rule_is_refused():
-    with pytest.raises(ValueError, match="acceptance"):
-        SpeculativeRollout(TablePolicy(), RolloutCache(), SamplingSettings(), [EOS], 16, acceptance="fast")
+    with pytest.raises(ValueError, match="acceptance must be one of"):
+        RolloutMode("fast")
+    with pytest.raises(TypeError, match="mode must be a RolloutMode"):
+        SpeculativeRollout(TablePolicy(), RolloutCache(), SamplingSettings(), [EOS], 16, mode="exact")
 
 
 def test_exact_mode_reproduces_vanilla_decoding_token_for_token():
@@ -128,18 +131,17 @@ def test_exact_mode_reproduces_vanilla_decoding_token_for_token():
     prompts = [[3, 11, 12, 13], [3, 15, 16], [3, 17, 18, 19, 20]]
     requests = [RolloutRequest(p, s, dataset_id=f"q{i}") for i, p in enumerate(prompts) for s in range(3)]
 
-    def rollout(acceptance, strategy, cache, history=None):
+    def rollout(mode, cache, history=None):
         backend = TransformersBackend(model, {1}, pad_id=0)
-        return SpeculativeRollout(backend, cache, settings, [1], 64, strategy=strategy, seed=9, acceptance=acceptance,
-                                  history=history, lenience=None if acceptance == "exact" else 1.0)
+        return SpeculativeRollout(backend, cache, settings, [1], 64, mode=mode, seed=9, history=history)
 
     cache = RolloutCache()
-    rollout("lenient", "off", cache).run(requests, step=0)  # last epoch's responses become the drafts
+    rollout(MODES["vanilla"], cache).run(requests, step=0)  # last epoch's responses become the drafts
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)  # the policy moved since
-    exact = rollout("exact", "spec", cache, HistoryIndex()).run(requests, step=1)
-    fresh = rollout("lenient", "off", RolloutCache()).run(requests, step=1)
+    exact = rollout(MODES["exact"], cache, HistoryIndex()).run(requests, step=1)
+    fresh = rollout(MODES["vanilla"], RolloutCache()).run(requests, step=1)
     assert exact.response_ids == fresh.response_ids
     for a, b in zip(exact.logprobs, fresh.logprobs):
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5)
@@ -147,15 +149,25 @@ def test_exact_mode_reproduces_vanilla_decoding_token_for_token():
 
 
 def test_random_reuse_with_exact_acceptance_is_refused_everywhere():
-    from spec_rl.acceptance.dispatch import verify
-    from spec_rl.trainer.config import ConfigError, GRPOConfig
+    from spec_rl.acceptance.mode import mode_from_options
 
-    with pytest.raises(ValueError, match="random"):
-        SpeculativeRollout(TablePolicy(), RolloutCache(), SamplingSettings(), [EOS], 16, strategy="random", acceptance="exact")
-    rollout = SpeculativeRollout(TablePolicy(), RolloutCache(), SamplingSettings(), [EOS], 16, acceptance="exact")
-    with pytest.raises(ValueError, match="random"):
-        rollout.run([RolloutRequest([PROMPT], 0)], step=0, strategy="random")
-    with pytest.raises(ValueError, match="random"):
-        verify(torch.zeros(1, 2, dtype=torch.long), None, new_logprobs=torch.zeros(1, 2), strategy="random", acceptance="exact")
-    with pytest.raises(ConfigError, match="acceptance"):
-        GRPOConfig(mode="random", acceptance="exact")
+    # one rule per mode: random reuse and exact acceptance cannot be combined
+    with pytest.raises(ValueError, match="acceptance='exact' applies to strategy='spec'.*not 'random'"):
+        mode_from_options("random", acceptance="exact")
+    with pytest.raises(ValueError, match="acceptance='exact' applies to strategy='spec'.*not 'off'"):
+        mode_from_options("off", acceptance="exact")
+    assert mode_from_options("random").acceptance == "random"
+    assert mode_from_options("spec", acceptance="exact").acceptance == "exact"
+
+
+def test_exact_acceptance_reads_no_old_logprobs():
+    from spec_rl.acceptance.dispatch import VerifyOptions, verify_logprobs
+
+    ids, lp_new = torch.zeros(64, 3, dtype=torch.long), torch.full((64, 3), -0.4)
+    exact = VerifyOptions(rule="exact", return_accept_mask=True)
+    a = verify_logprobs(ids, None, lp_new, seed=4, options=exact)
+    b = verify_logprobs(ids, torch.full((64, 3), -3.0), lp_new, seed=4, options=exact)
+    # the exact test is the lenient one with lp_old = 0 and l = 1
+    c = verify_logprobs(ids, torch.zeros(64, 3), lp_new, seed=4, options=VerifyOptions(return_accept_mask=True))
+    assert torch.equal(a.accept_mask, b.accept_mask) and torch.equal(a.accept_mask, c.accept_mask)
+    assert 0 < int(a.accepted_len.sum()) < 64 * 3

@@ -17,6 +17,7 @@ import pytest
 import torch
 from _stats import assert_fits
 
+from spec_rl.acceptance.mode import RolloutMode, mode_from_options
 from spec_rl.acceptance.scores import DraftScores
 from spec_rl.backends.protocol import BackendStats
 from spec_rl.backends.reprefill import ReprefillBackend
@@ -74,8 +75,9 @@ def first_tokens(p: torch.Tensor, q: torch.Tensor, lenience: float, draw: str, s
     requests = [RolloutRequest([PROMPT], slot=s) for s in range(N)]
     for r, y in zip(requests, drafts):
         cache.store(CacheKey.make(r.prompt_ids, r.slot), [y], [math.log(float(q[y]))], "length", 0, settings)
+    mode = RolloutMode("lenient", lenience=lenience, rejection_draw=draw, tail=False)
     rollout = SpeculativeRollout(FixedPolicy(p), cache, settings, eos_ids=[len(p) - 1], max_model_len=8, seed=seed,
-                                 lenience=lenience, rejection_draw=draw)  # fmt: skip
+                                 mode=mode)
     result = rollout.run(requests, step=1)
     tokens = [r[0] for r in result.response_ids]
     return torch.bincount(torch.tensor(tokens), minlength=len(p)).double(), list(zip(drafts, tokens))
@@ -113,38 +115,34 @@ def test_a_rejected_draft_token_is_never_drawn_again():
 
 
 def test_bad_rejection_draw_is_refused():
-    from spec_rl.trainer.config import ConfigError, GRPOConfig
-
-    def rollout(**kw):
-        return SpeculativeRollout(FixedPolicy(torch.tensor([0.5, 0.5])), RolloutCache(), SamplingSettings(), [1], 8, **kw)
-
     import numpy as np
+
+    def rollout(mode):
+        return SpeculativeRollout(FixedPolicy(torch.tensor([0.5, 0.5])), RolloutCache(), SamplingSettings(), [1], 8,
+                                  mode=mode)
 
     for bad in ("residual", None, 1, b"policy", ["policy"], np.array(["policy"])):  # an array compares element-wise
         with pytest.raises(ValueError, match="rejection_draw must be one of"):
-            rollout(rejection_draw=bad)
+            RolloutMode("lenient", rejection_draw=bad)
+        with pytest.raises(ValueError, match="rejection_draw must be one of"):
+            mode_from_options("spec", rejection_draw=bad)
     # no lenient rejection to draw at: the ablation, reuse off, exact acceptance
+    for acceptance in ("random", None, "exact"):
+        with pytest.raises(ValueError, match=f"rejection_draw applies to lenient acceptance only, not {acceptance!r}"):
+            RolloutMode(acceptance, rejection_draw="without-draft")
     for kw in (dict(strategy="random"), dict(strategy="off"), dict(acceptance="exact")):
-        with pytest.raises(ValueError, match="applies to the lenient rule"):
-            rollout(rejection_draw="without-draft", **kw)
+        with pytest.raises(ValueError, match="rejection_draw applies to lenient acceptance only"):
+            mode_from_options(rejection_draw="without-draft", **kw)
     # below l = 1 the residual keeps the rejected token (at l = 0 every draft token is "rejected")
-    for lenience in (0.0, 0.5):
-        with pytest.raises(ValueError, match=f"needs lenience l >= 1, got l = {lenience:.3g} "):
-            rollout(rejection_draw="without-draft", lenience=lenience)
-    assert rollout(rejection_draw="without-draft", lenience="auto").rejection_draw == "without-draft"
-    assert rollout(rejection_draw="without-draft", lenience=1.0).rejection_draw == "without-draft"
-    for bad in ("residual", np.array(["policy"])):
-        with pytest.raises(ConfigError, match="rejection_draw"):
-            GRPOConfig(rejection_draw=bad)
-    for kw in (dict(mode="vanilla"), dict(acceptance="exact"), dict(mode="random")):
-        with pytest.raises(ConfigError, match="applies to lenient SPEC-RL"):
-            GRPOConfig(rejection_draw="without-draft", **kw)
-
     for lenience in (0.0, 0.5, np.float32(0.5)):
-        with pytest.raises(ConfigError, match="needs lenience >= 1"):
-            GRPOConfig(rejection_draw="without-draft", lenience=lenience)
+        with pytest.raises(ValueError, match=f"rejection_draw 'without-draft' needs lenience >= 1, got {lenience:g}"):
+            RolloutMode("lenient", lenience=lenience, rejection_draw="without-draft")
+        with pytest.raises(ValueError, match="needs lenience >= 1"):
+            mode_from_options("spec", lenience=lenience, rejection_draw="without-draft")
     for lenience in (-1.0, False):  # a bad lenience is named as such, not as a draw problem
-        with pytest.raises(ConfigError, match="^lenience"):
-            GRPOConfig(rejection_draw="without-draft", lenience=lenience)
-    assert GRPOConfig(rejection_draw="without-draft").rejection_draw == "without-draft"
-    assert GRPOConfig(rejection_draw="without-draft", lenience="auto").rejection_draw == "without-draft"
+        with pytest.raises((ValueError, TypeError), match="^lenience must be"):
+            RolloutMode("lenient", lenience=lenience, rejection_draw="without-draft")
+    # the default lenience (e^0.5) and l = 1 take the draw
+    for lenience in (None, 1.0):
+        mode = RolloutMode("lenient", lenience=lenience, rejection_draw="without-draft")
+        assert rollout(mode).mode.rejection_draw == "without-draft"

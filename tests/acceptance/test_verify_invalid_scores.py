@@ -2,11 +2,12 @@
 verification and sampling never build an autograd graph."""
 
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from spec_rl.acceptance.dispatch import verify
+from spec_rl.acceptance.dispatch import VerifyOptions, verify_hidden, verify_logits
 from spec_rl.acceptance.scores import DraftScores
 from spec_rl.sampling.distribution import SamplingSettings, keyed_sample, sample_tokens
 
@@ -56,15 +57,24 @@ def _on(device, scores):
     return {k: v.to(device) for k, v in scores.items()}
 
 
-@pytest.mark.parametrize("strategy", ["spec", "random"])
+def _verify(ids, old, scores: dict, lengths=None, seed=0, **options):
+    """verify_logits or verify_hidden, whichever takes ``scores`` (a dict as :func:`_bad_scores` returns)."""
+    options = VerifyOptions(**options)
+    if "logits" in scores:
+        return verify_logits(ids, old, scores["logits"], lengths, seed=seed, options=options)
+    head = SimpleNamespace(weight=scores["lm_head_weight"], bias=scores.get("lm_head_bias"))
+    return verify_hidden(ids, old, scores["hidden_states"], head, lengths, seed=seed, options=options)
+
+
+@pytest.mark.parametrize("rule", ["lenient", "random"])
 @pytest.mark.parametrize("case", CASES)
-def test_invalid_scores_raise_the_same_error_on_every_backend(case, strategy):
+def test_invalid_scores_raise_the_same_error_on_every_backend(case, rule):
     ids, old, _, _ = _drafts()
     messages = []
     for backend in BACKENDS:
         device = "cpu" if backend == "reference" else DEVICE
         with pytest.raises(ValueError) as info:
-            verify(ids.to(device), old.to(device), backend=backend, strategy=strategy, seed=3, **_on(device, _bad_scores(case)))
+            _verify(ids.to(device), old.to(device), _on(device, _bad_scores(case)), seed=3, backend=backend, rule=rule)
         msg = str(info.value)
         assert NO_DISTRIBUTION in msg and "(sample, token): (1, 2)" in msg and "1 scored position" in msg, msg
         assert msg.startswith("logits"), msg
@@ -78,7 +88,7 @@ def test_invalid_scores_at_padding_are_ignored(backend):
     device = "cpu" if backend == "reference" else DEVICE
     for case in CASES:
         scores = _on(device, _bad_scores(case))
-        res = verify(ids.to(device), old.to(device), lengths=torch.tensor([4, 2, 4]).to(device), backend=backend, **scores)
+        res = _verify(ids.to(device), old.to(device), scores, torch.tensor([4, 2, 4]).to(device), backend=backend)
         assert not torch.isnan(res.new_logprobs).any()
 
 
@@ -88,7 +98,8 @@ def test_an_impossible_draft_token_is_still_a_rejection(backend):
     device = "cpu" if backend == "reference" else DEVICE
     logits = hidden @ weight.T
     logits[1, 2, ids[1, 2]] = float("-inf")  # the rest of the row is finite: a valid distribution
-    res = verify(ids.to(device), old.to(device), logits=logits.to(device), backend=backend, lenience=1e6)
+    res = verify_logits(ids.to(device), old.to(device), logits.to(device),
+                        options=VerifyOptions(backend=backend, lenience=1e6))
     assert res.new_logprobs[1, 2].item() == float("-inf") and int(res.accepted_len[1]) == 2
 
 
@@ -97,7 +108,7 @@ def test_many_bad_positions_are_listed_with_their_count():
     logits = hidden @ weight.T
     logits[:, :, :] = float("-inf")
     with pytest.raises(ValueError, match=r"12 scored positions \(sample, token\): \(0, 0\), \(0, 1\).*, \.\.\."):
-        verify(ids, old, logits=logits, backend="reference")
+        verify_logits(ids, old, logits, options=VerifyOptions(backend="reference"))
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="triton kernels not runnable here")
@@ -105,14 +116,15 @@ def test_packed_kernels_name_the_rows_of_an_invalid_distribution():
     ids, old, hidden, weight = _drafts()
     logits = (hidden @ weight.T).reshape(B * R, V).to(DEVICE)
     logits[6] = float("-inf")  # sample 1, token 2
-    tags = kernels.rows_from_cu_seqlens(torch.tensor([0, 4, 8, 12], device=DEVICE))
-    kw = dict(row_sample=tags[0], row_token=tags[1], lengths=tags[2], uids=torch.arange(B, device=DEVICE), seed=1, log_lenience=0.0)
+    cu_seqlens = torch.tensor([0, 4, 8, 12], device=DEVICE)
+    drafts = kernels.PackedDrafts.from_cu_seqlens(cu_seqlens, ids.reshape(-1).to(DEVICE), old.reshape(-1).to(DEVICE),
+                                                  torch.arange(B, device=DEVICE))
     with pytest.raises(ValueError, match=re.escape("(sample, token): (1, 2)")):
-        kernels.verify_packed_logits(logits, ids.reshape(-1).to(DEVICE), old.reshape(-1).to(DEVICE), **kw)
+        kernels.verify_packed_logits(logits, drafts, seed=1, log_lenience=0.0)
     h = hidden.reshape(B * R, D).clone().to(DEVICE)
     h[6] = float("-inf")
     with pytest.raises(ValueError, match=re.escape("(sample, token): (1, 2)")):
-        kernels.verify_packed_hidden(h, weight.abs().to(DEVICE) + 0.1, ids.reshape(-1).to(DEVICE), old.reshape(-1).to(DEVICE), **kw)
+        kernels.verify_packed_hidden(h, weight.abs().to(DEVICE) + 0.1, drafts, seed=1, log_lenience=0.0)
     with pytest.raises(ValueError, match=re.escape("(sample, token): (0, 6): " + NO_DISTRIBUTION)):  # row 6
         kernels.logprobs_from_logits(logits, ids.reshape(-1).to(DEVICE))
 
@@ -132,11 +144,13 @@ def test_verify_builds_no_autograd_graph(backend, source):
     device = "cpu" if backend == "reference" else DEVICE
     head = torch.nn.Linear(D, V).to(device)  # a Parameter with requires_grad=True, as a policy's LM head
     h = hidden.to(device).requires_grad_(True)  # hidden states of a forward that kept its graph
+    options = VerifyOptions(backend=backend)
     if source == "hidden":
-        scores = dict(hidden_states=h, lm_head_weight=head.weight, lm_head_bias=head.bias)
+        run = lambda: verify_hidden(ids.to(device), old.to(device), h, head, options=options)  # noqa: E731
     else:
-        scores = dict(logits=head(h))
-    res, saved = _count_saved_tensors(lambda: verify(ids.to(device), old.to(device), backend=backend, **scores))
+        logits = head(h)
+        run = lambda: verify_logits(ids.to(device), old.to(device), logits, options=options)  # noqa: E731
+    res, saved = _count_saved_tensors(run)
     assert not res.new_logprobs.requires_grad and res.new_logprobs.grad_fn is None
     assert saved == []  # nothing kept for a backward pass: no extra memory held by a graph
 
@@ -154,7 +168,7 @@ def test_verify_keeps_no_graph_memory_on_cuda(backend):
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    res = verify(ids, old, hidden_states=hidden, lm_head_weight=head.weight, backend=backend)
+    res = verify_hidden(ids, old, hidden, head, options=VerifyOptions(backend=backend))
     torch.cuda.synchronize()
     logits_bytes = n * vocab * 4
     held = torch.cuda.memory_allocated() - base

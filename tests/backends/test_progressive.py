@@ -187,6 +187,7 @@ def test_exact_rollout_with_progressive_scores_is_fresh_decoding(monkeypatch, mi
     token for token those of fresh keyed decoding, also when most walks need :meth:`extend`."""
     from spec_rl.backends import progressive
     from spec_rl.drafts.cache import RolloutCache
+    from spec_rl.acceptance.mode import MODES, RolloutMode
     from spec_rl.rollout.speculative import RolloutRequest, SpeculativeRollout
 
     # the backend builds ProgressiveTreeScores with the defaults of (draft_logprobs, first_window, min_reach)
@@ -203,7 +204,7 @@ def test_exact_rollout_with_progressive_scores_is_fresh_decoding(monkeypatch, mi
 
     monkeypatch.setattr(progressive.ProgressiveTreeScores, "extend", counted_extend)
 
-    def rollout(acceptance, strategy, cache):
+    def rollout(mode, cache):
         backend = TransformersBackend(model, {1}, pad_id=0)
         real = backend.score_drafts_progressive
 
@@ -212,18 +213,18 @@ def test_exact_rollout_with_progressive_scores_is_fresh_decoding(monkeypatch, mi
             return real(*args)
 
         backend.score_drafts_progressive = counted
-        return SpeculativeRollout(backend, cache, settings, [1], 64, strategy=strategy, seed=3, acceptance=acceptance,
-                                  lenience=None if acceptance == "exact" else 1.0)  # fmt: skip
+        return SpeculativeRollout(backend, cache, settings, [1], 64, mode=mode, seed=3)
 
+    vanilla = MODES["vanilla"]
     cache = RolloutCache()
-    rollout("lenient", "off", cache).run(requests, step=0)
-    rollout("lenient", "spec", RolloutCache()).run(requests, step=0)
+    rollout(vanilla, cache).run(requests, step=0)
+    rollout(RolloutMode("lenient", lenience=1.0, tail=False), RolloutCache()).run(requests, step=0)
     assert calls["progressive"] == 0  # never for lenient acceptance
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
-    exact = rollout("exact", "spec", cache).run(requests, step=1)
-    fresh = rollout("lenient", "off", RolloutCache()).run(requests, step=1)
+    exact = rollout(RolloutMode("exact", tail=False), cache).run(requests, step=1)
+    fresh = rollout(vanilla, RolloutCache()).run(requests, step=1)
     assert calls["progressive"] == 1 and exact.stats.accepted_tokens > 0
     if min_reach == 0.9:
         assert calls["extend"] > 0  # walks went past the first pass

@@ -41,7 +41,7 @@ def test_paged_attention_benchmark_measures_and_checks_every_shape(tmp_path, cap
 
 
 def test_paged_attention_benchmark_fails_on_a_broken_shape(tmp_path, monkeypatch):
-    monkeypatch.setenv(_harness.BROKEN_SHAPE_ENV, "bench_paged_attention")
+    monkeypatch.setenv("SPEC_RL_FAULT", _harness.broken_shape_fault("bench_paged_attention"))
     out = tmp_path / "paged.json"
     args = [*PAGED_ARGS, "--long-batch", "0", "--json", str(out)]
     assert bench_paged_attention.main(args) == 1
@@ -59,7 +59,7 @@ def test_verification_suite_orders_ours_first_and_fails_on_a_broken_shape(tmp_pa
     assert names.index("ours: fused LM-head kernel d=64") < names.index("liger d=64")  # competitors come last
     assert record["status"] == "ok" and set(record["checks"]) == {
         "from_logits_max_abs_diff_vs_eager_fp32", "fused_d64_max_abs_diff_vs_fp32_torch"}
-    monkeypatch.setenv(_harness.BROKEN_SHAPE_ENV, "gpu_suite")
+    monkeypatch.setenv("SPEC_RL_FAULT", _harness.broken_shape_fault("gpu_suite"))
     assert gpu_suite.main([*SUITE_ARGS, "--skip-competitors", "--json", str(out)]) == 1
     failures = json.loads(out.read_text())["failures"]
     assert any(f.startswith("ours: fused LM-head kernel d=64: ValueError") for f in failures), failures
@@ -77,3 +77,14 @@ def test_run_record_fails_on_a_check_beyond_its_bound_or_nan(tmp_path):
     assert record["status"] == "failed" and len(record["failures"]) == 2
     rows = [{"name": "ours", "error": "E"}, {"name": "liger", "error": "E", "optional": True}, {"name": "ok", "ms": 1}]
     assert _harness.failed_rows(rows) == ["ours: E"]
+
+
+def test_a_broken_shape_is_armed_by_a_broken_shape_fault_only(monkeypatch):
+    monkeypatch.setenv("SPEC_RL_FAULT", "broken-shape:gpu_suite, bench_paged_attention")
+    assert _harness.broken_shape_requested("gpu_suite") and _harness.broken_shape_requested("bench_paged_attention")
+    assert not _harness.broken_shape_requested("bench_engine")
+    assert _harness.broken_shape_fault("a", "b") == "broken-shape:a,b"
+    monkeypatch.setenv("SPEC_RL_FAULT", "gpu_suite")  # a kill point's form, not a broken shape
+    assert not _harness.broken_shape_requested("gpu_suite")
+    monkeypatch.delenv("SPEC_RL_FAULT")
+    assert not _harness.broken_shape_requested("gpu_suite")

@@ -1,6 +1,6 @@
 """Verification on the hidden-state path never holds as much memory as the full logits (CPU, N=2048, V=16384).
 
-benchmarks/bench_memory.py measures the peak extra bytes of ``verify`` and of a whole
+benchmarks/bench_memory.py measures the peak extra bytes of ``verify_hidden`` and of a whole
 ``SpeculativeRollout.run`` with the caller's grad mode on and the LM head a Parameter; an autograd
 graph over the chunked logits would keep them all (2x the full [N, V] float32 logits before the
 rollout ran under ``no_grad``).

@@ -27,7 +27,7 @@ kernels = pytest.importorskip("spec_rl.kernels")
 
 def smoke(tmp_path: Path, stages: str, **env) -> tuple[subprocess.CompletedProcess, Path]:
     out = tmp_path / "out"
-    base = {k: v for k, v in os.environ.items() if k not in ("SPEC_RL_BENCH_BROKEN_SHAPE", "FULL", "DEADLINE_S")}
+    base = {k: v for k, v in os.environ.items() if k not in ("SPEC_RL_FAULT", "FULL", "DEADLINE_S")}
     full_env = {**base, "SMOKE": "1", "PYTHON": sys.executable, "OUT": str(out), "WORK": str(tmp_path / "work"),
                 "STAGES": stages, **env}
     proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], env=full_env, capture_output=True,
@@ -65,7 +65,7 @@ def test_smoke_stage_reports_wall_time_beside_its_budget(tmp_path):
 def test_smoke_run_fails_on_a_broken_benchmark_shape(tmp_path):
     if not kernels.is_available("cpu"):
         pytest.skip("the smoke run needs the Triton interpreter on the CPU")
-    proc, out = smoke(tmp_path, "4", SPEC_RL_BENCH_BROKEN_SHAPE="bench_paged_attention")
+    proc, out = smoke(tmp_path, "4", SPEC_RL_FAULT="broken-shape:bench_paged_attention")
     assert proc.returncode == 1, proc.stdout[-4000:]
     summary = (out / "summary.md").read_text()
     assert stage_rows(summary)["paged"][2] == "FAIL (exit 1)"

@@ -8,7 +8,7 @@ budget, filled under a smaller max_model_len, longer than today's budget, an EOS
 20,000 keyed rollouts are compared by a chi-square test (cells with expected count < 5 pooled,
 p > 0.001) with:
 
-* exact acceptance, with and without tail speculation (history and sibling drafts): the fresh-sample
+* exact acceptance, with and without tail speculation (history drafts): the fresh-sample
   distribution of the current policy under today's budget and EOS set (and token for token what plain
   keyed decoding gives);
 * lenient l = 1: the paper's rule worked out by hand (accept d_i with probability
@@ -21,7 +21,6 @@ Keyed uniforms make every run of this file draw the same samples, so the tests c
 from __future__ import annotations
 
 import math
-import os
 import random
 from collections import Counter
 
@@ -30,6 +29,7 @@ import torch
 from _stats import chi2_critical
 from tiny_models import tiny_model
 
+from spec_rl.acceptance.mode import RolloutMode
 from spec_rl.backends.transformers_backend import TransformersBackend
 from spec_rl.drafts.cache import CacheKey, RolloutCache
 from spec_rl.drafts.history import HistoryIndex
@@ -186,11 +186,11 @@ def _filled(draft: list[int], old_lps: list[float], finish: str, settings: Sampl
     return cache
 
 
-def _rollout(model, cache, settings, *, eos=(EOS,), max_model_len=16, acceptance="exact", history=None, strategy="spec"):
+def _rollout(model, cache, settings, *, eos=(EOS,), max_model_len=16, acceptance="exact", history=None):
+    """``acceptance`` None: no drafts (vanilla); lenient at l = 1; tail speculation exactly when a history is given."""
     backend = TransformersBackend(model, eos_ids=list(eos), pad_id=4, max_batch_size=4096, max_k=3 if history else 0)
-    return SpeculativeRollout(backend, cache, settings, list(eos), max_model_len, lenience=1.0, seed=11,
-                              acceptance=acceptance, history=history, strategy=strategy,
-                              sibling_drafts=history is not None)  # fmt: skip
+    mode = RolloutMode(acceptance, lenience=1.0 if acceptance == "lenient" else None, tail=history is not None)
+    return SpeculativeRollout(backend, cache, settings, list(eos), max_model_len, mode=mode, seed=11, history=history)
 
 
 def _history(responses: list[list[int]]) -> HistoryIndex:
@@ -220,7 +220,7 @@ def policy():
 
     def decode(settings: SamplingSettings, eos: tuple) -> list[list[int]]:
         if (settings, eos) not in plain:
-            out = _rollout(model, RolloutCache(), settings, eos=eos, strategy="off").run(_requests(N), step=1)
+            out = _rollout(model, RolloutCache(), settings, eos=eos, acceptance=None).run(_requests(N), step=1)
             plain[(settings, eos)] = out.response_ids
         return plain[(settings, eos)]
 
@@ -258,7 +258,7 @@ def test_drafts_filled_under_a_smaller_max_model_len_are_continued(policy):
     new, decode = policy
     old = _model(seed=4)
     cache, history = RolloutCache(), HistoryIndex()
-    filled = _rollout(old, cache, S4, max_model_len=5, strategy="off", history=history).run(_requests(N), step=0)
+    filled = _rollout(old, cache, S4, max_model_len=5, acceptance=None, history=history).run(_requests(N), step=0)
     assert max(len(r) for r in filled.response_ids) == 3 and "length" in filled.finish_reasons
     enum_new, enum_old = Enumerator(new, S4, {EOS}), Enumerator(old, S4, {EOS})
     plain = decode(S4, (EOS,))
@@ -284,7 +284,7 @@ def _copy(cache: RolloutCache) -> RolloutCache:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("SPEC_RL_LONG_TESTS"), reason="long variant: set SPEC_RL_LONG_TESTS=1")
+@pytest.mark.long
 @pytest.mark.parametrize("settings", [SamplingSettings(temperature=0.7, top_k=3, max_tokens=4), SamplingSettings(top_p=0.9, max_tokens=4)])
 @pytest.mark.parametrize("case", FIXED_DRAFTS, ids=[c[0] for c in FIXED_DRAFTS])
 def test_long_variant_other_sampling_settings(case, settings):

@@ -187,53 +187,26 @@ def test_a_row_alone_equals_the_same_row_in_a_batch():
     assert plain[0].token_ids != plain[5].token_ids  # same context, other uid: another sample
 
 
-def test_the_step_cost_decides_how_much_the_engine_verifies_and_changes_no_token(tmp_path, monkeypatch):
-    from spec_rl.backends.step_cost import StepCost
-
+def test_every_step_feeds_each_sequence_its_whole_proposal():
     model = tiny_model(seed=3)
     settings = SamplingSettings(max_tokens=40)
     plain = _engine(model).generate(PROMPTS, BUDGETS, settings, seed=9, uids=UIDS)
     automata = _automata([c.token_ids for c in plain], model.config.vocab_size)
-    # a step costs what its fed tokens cost, with nothing fixed per step: verifying never pays
-    steep = StepCost((1, 64), (1, 9), ((1.0, 9.0), (64.0, 576.0)))
-    # ... unless each cached token costs far more than a fed one: at the sequences' contexts verifying is cheap
-    long = StepCost(steep.rows, steep.widths, steep.seconds, context=0, per_position=((100.0, 100.0), (6400.0, 6400.0)))
-    for cost, speculates in ((steep, False), (StepCost.flat(), True), (long, True)):
-        engine = _engine(model, step_cost=cost)
-        proposers = _proposers(automata)
-        asks = []
-        for p in proposers:  # count the lookups: a plan that keeps refusing backs off (ProposalBackoff)
-            p.propose = lambda limit, fill=0, _p=p, _f=p.propose: asks.append(1) or _f(limit, fill)
-        out = engine.generate(PROMPTS, BUDGETS, settings, seed=9, uids=UIDS, proposers=proposers)
-        assert [c.token_ids for c in out] == [c.token_ids for c in plain]
-        stats = engine.stats
-        assert (stats.decode_positions > stats.decode_rows) == speculates and (stats.proposed_tokens > 0) == speculates
-        if not speculates:
-            assert 0 < len(asks) < stats.decode_rows / 2  # not one lookup per row and step
-    monkeypatch.setenv("SPEC_RL_CACHE", str(tmp_path))
-    monkeypatch.delenv("SPEC_RL_STEP_COST", raising=False)
-    engine = _engine(model, num_blocks=512)
-    measured = engine.step_cost()
-    assert measured.rows[0] == 1 and all(s > 0 for row in measured.seconds for s in row)
-    assert engine.stats.decode_steps == 0 and engine.blocks.num_free == 512  # the measurement left nothing behind
+    engine = _engine(model, max_k=4)
+    proposers = _proposers(automata)
+    calls = []  # (limit, fill, tokens proposed) of every lookup
+    for p in proposers:
+        def propose(limit, fill=0, _f=p.propose):
+            out = _f(limit, fill)
+            calls.append((limit, fill, len(out)))
+            return out
 
-
-def test_the_paged_step_timer_prefills_each_batch_once_and_frees_every_block():
-    from spec_rl.engine.blocks import OutOfBlocks
-    from spec_rl.engine.timing import PagedStepTimer
-
-    runner = _engine(tiny_model(seed=3), num_blocks=256).runner
-    free, stats = runner.blocks.num_free, runner.stats.copy()
-    calls, forward = [], runner.forward
-    runner.forward = lambda items, *a, **k: calls.append(k.get("relative", False)) or forward(items, *a, **k)
-    with PagedStepTimer(runner, repeats=2) as timer:
-        for context in (8, 8, 20):
-            for width in (1, 2, 5):
-                assert timer(4, width, context) > 0
-        assert runner.blocks.num_free == free - 4 * (20 // 4)  # the latest batch, cut back to its context
-    assert calls.count(False) == 2  # one prefill per (rows, context); every other forward is a timed step
-    assert runner.blocks.num_free == free and runner.stats == stats
-    with pytest.raises(OutOfBlocks, match="free KV-cache blocks"):  # more rows than the blocks hold: all given back
-        with PagedStepTimer(runner, repeats=1) as timer:
-            timer(1000, 1, 20)
-    assert runner.blocks.num_free == free
+        p.propose = propose
+    out = engine.generate(PROMPTS, BUDGETS, settings, seed=9, uids=UIDS, proposers=proposers)
+    assert [c.token_ids for c in out] == [c.token_ids for c in plain]
+    # each live sequence is asked for all it may feed (the engine's max_k, less only where its budget ends) ...
+    assert calls and all(fill == limit and 1 <= limit <= 4 for limit, fill, _ in calls)
+    # ... and feeds all of it: every proposed token is verified
+    stats = engine.stats
+    assert stats.proposed_tokens == sum(n for _, _, n in calls) > 0
+    assert stats.accepted_tokens > 0 and stats.decode_positions > stats.decode_rows

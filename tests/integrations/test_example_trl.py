@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 
 import pytest
 from repo_paths import EXAMPLES
@@ -29,6 +30,8 @@ def _run(tmp_path, capsys, *extra):
 
 def test_example_reuses_drafts_in_the_second_epoch(tmp_path, capsys):
     result = _run(tmp_path, capsys)
+    assert (result["acceptance"], result["rejection_draw"]) == ("lenient", "policy")
+    assert result["lenience"] == pytest.approx(math.exp(0.5))  # the paper's GRPO l by default
     first, second = result["epochs"]
     assert first["reused_tokens"] == 0 and first["tokens_generated"] > 0
     assert second["reused_tokens"] > 0 and second["tokens_generated"] < first["tokens_generated"]
@@ -37,6 +40,7 @@ def test_example_reuses_drafts_in_the_second_epoch(tmp_path, capsys):
 
 def test_example_baseline_reuses_nothing(tmp_path, capsys):
     result = _run(tmp_path, capsys, "--strategy", "off")
+    assert result["strategy"] == "off" and result["acceptance"] is None
     assert all(e["reused_tokens"] == 0 and e["tokens_generated"] > 0 for e in result["epochs"])
 
 
@@ -50,17 +54,19 @@ def test_example_runs_the_lossless_rule_and_the_without_draft_draw(tmp_path, cap
     # token with probability pi_t(y) (~1/300), the lenient rule at l = 1 with probability ~min(1, p / q) ~ 1.
     exact = _run(tmp_path / "exact", capsys, "--acceptance", "exact")
     draw = _run(tmp_path / "draw", capsys, "--lenience", "1", "--rejection-draw", "without-draft")
-    assert exact["acceptance"] == "exact" and draw["rejection_draw"] == "without-draft"
+    assert exact["acceptance"] == "exact" and exact["lenience"] is None
+    assert draw["rejection_draw"] == "without-draft" and draw["lenience"] == 1.0
     total = draw["epochs"][1]["reused_tokens"] + draw["epochs"][1]["tokens_generated"]
     assert draw["epochs"][1]["reused_tokens"] > 0.5 * total
     assert exact["epochs"][1]["reused_tokens"] < 0.1 * total and exact["epochs"][1]["tokens_generated"] > 0
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--lenience", "0.5", "--rejection-draw", "without-draft"], "l >= 1"),
-    (["--acceptance", "exact", "--lenience", "2"], "lenience"),
-    (["--acceptance", "exact", "--rejection-draw", "without-draft"], "lenient"),
-    (["--acceptance", "exact", "--strategy", "off"], "strategy='off' reuses no drafts"),
+    (["--lenience", "0.5", "--rejection-draw", "without-draft"], "needs lenience >= 1"),
+    (["--acceptance", "exact", "--lenience", "2"], "acceptance='exact' has no lenience"),
+    (["--acceptance", "exact", "--rejection-draw", "without-draft"], "rejection_draw applies to lenient acceptance"),
+    (["--acceptance", "exact", "--strategy", "off"], "acceptance='exact' applies to strategy='spec'"),
+    (["--lenience", "-1"], "lenience must be a number (inf allowed) >= 0"),
 ])  # fmt: skip
 def test_example_refuses_rules_that_do_not_combine(tmp_path, capsys, flags, message):
     with pytest.raises(SystemExit) as err:

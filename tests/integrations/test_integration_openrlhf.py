@@ -1,7 +1,7 @@
 """The OpenRLHF agent executor against the real openrlhf package (installed --no-deps) and a fake vLLM engine.
 
-Skipped where openrlhf is not importable (the main virtualenv); ``make test-verl``
-installs it into .venv-verl. The engine below mimics vLLM's ``RequestOutput``
+Skipped where openrlhf is not importable (the main virtualenv); ``make test-vllm``
+installs it into .venv-vllm. The engine below mimics vLLM's ``RequestOutput``
 (``prompt_logprobs``: None, then {token_id: Logprob} per position; ``outputs[0]``
 with token_ids, logprobs, finish_reason) and OpenRLHF's ``generate_responses``,
 which runs the n ``execute`` calls of one prompt with ``asyncio.gather``.
@@ -10,7 +10,6 @@ which runs the n ``execute`` calls of one prompt with ``asyncio.gather``.
 from __future__ import annotations
 
 import asyncio
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -24,6 +23,7 @@ from fake_server import FixedServer, TinyServer  # noqa: E402
 from openrlhf.utils.agent import AgentExecutorBase  # noqa: E402
 from tiny_models import full_forward_logprobs, tiny_model, tiny_tokenizer  # noqa: E402
 
+from spec_rl.acceptance.mode import RolloutMode  # noqa: E402
 from spec_rl.drafts.directory import DirectoryDraftStore  # noqa: E402
 from spec_rl.integrations.openrlhf import SpecRLAgentExecutor, request_params  # noqa: E402
 
@@ -188,6 +188,7 @@ def test_executor_exact_mode_resamples_the_rejected_token(env):
     with pytest.raises(ValueError, match="has no lenience"):
         SpecRLAgentExecutor(env["dir"], N, lenience=1.2, acceptance="exact")
     ex = SpecRLAgentExecutor(env["dir"], N, acceptance="exact")
+    assert ex.mode == RolloutMode("exact", tail=False)
     ep1 = run_epoch(ex, engine, tok, prompts=prompts)
     core.calls = []
     ep2 = run_epoch(SpecRLAgentExecutor(env["dir"], N, acceptance="exact"), engine, tok, prompts=prompts)
@@ -216,10 +217,11 @@ def test_executor_without_draft_draw_never_returns_the_rejected_token(env):
     moved = probs.clone()
     moved[[21, 22]] = torch.tensor([0.3, 0.55])  # the policy moved away from "apples": its drafts get rejected
     prompts = [f"Tom has {d} apples" for d in range(10)] + [f"Ann buys {d} more" for d in range(10)]
-    with pytest.raises(ValueError, match="l >= 1"):
+    with pytest.raises(ValueError, match="needs lenience >= 1"):
         SpecRLAgentExecutor(env["dir"], N, lenience=0.5, rejection_draw="without-draft")
-    with pytest.raises(ValueError, match="applies to the lenient rule"):
+    with pytest.raises(ValueError, match="rejection_draw applies to lenient acceptance only"):
         SpecRLAgentExecutor(env["dir"], N, acceptance="exact", rejection_draw="without-draft")
+    assert SpecRLAgentExecutor(env["dir"], N).mode == RolloutMode("lenient", tail=False)  # the paper's e^0.5
     ep1 = run_epoch(SpecRLAgentExecutor(env["dir"], N), FakeVLLMEngine(FixedServer(probs, {1}, max_model_len=MAX_LEN)),
                     tok, prompts=prompts)  # fmt: skip
     ex = SpecRLAgentExecutor(env["dir"], N, lenience=1.0, rejection_draw="without-draft")

@@ -10,7 +10,8 @@ import torch
 from _stats import assert_fits
 from fake_server import FixedServer
 
-from spec_rl.acceptance.dispatch import verify
+from spec_rl.acceptance.dispatch import VerifyOptions, verify_logprobs
+from spec_rl.acceptance.mode import MODES, RolloutMode, mode_from_options
 from spec_rl.drafts.cache import CacheKey, RolloutCache
 from spec_rl.integrations.exact import draw_continuation, residual_seeds
 from spec_rl.integrations.requests import ContinuationRequest, SpecRequestBuilder, check_server_settings
@@ -22,6 +23,11 @@ S = SamplingSettings(temperature=1.0, max_tokens=6)
 
 def builder(cache=None, max_model_len=10, **kw):
     return SpecRequestBuilder(cache if cache is not None else RolloutCache(), S, max_model_len, [1], **kw)
+
+
+def lenient(lenience: float, draw: str = "policy") -> RolloutMode:
+    """The lenient rule as the adapters build it (no tail speculation on a server)."""
+    return mode_from_options("spec", "lenient", lenience, draw, tail=False)
 
 
 def test_settings_checks():
@@ -39,11 +45,13 @@ def test_settings_checks():
         check_server_settings(S, logprobs_mode="processed_logits")
     with pytest.raises(ValueError, match="eos_ids"):
         SpecRequestBuilder(RolloutCache(), S, 10, [])
+    with pytest.raises(TypeError, match="mode must be a RolloutMode, got str"):
+        SpecRequestBuilder(RolloutCache(), S, 10, [1], mode="spec")
 
 
 def test_plan_budget_rows_and_verify():
     cache = RolloutCache()
-    b = builder(cache, max_model_len=10, lenience=1.0, seed=3)
+    b = builder(cache, max_model_len=10, mode=lenient(1.0), seed=3)
     prompt = [7, 8, 9]
     assert b.plan(prompt, 0).scoring_ids is None  # no draft yet
     key = CacheKey.make(prompt, 1)
@@ -61,8 +69,9 @@ def test_plan_budget_rows_and_verify():
         b.draft_logprobs_from_rows(plan, rows[:3])
     v = b.verify(plan, lp, step=None)
     assert v.step == 3  # draft version 2 + 1 when the server reports no step
-    expect = verify(torch.tensor([[4, 5, 6]]), torch.tensor([[-1.0, -2.0, -0.5]]), new_logprobs=torch.tensor([lp]),
-                    lenience=1.0, seed=mix_seed(3, 3), uids=torch.tensor([key.uid]), backend="reference")
+    expect = verify_logprobs(torch.tensor([[4, 5, 6]]), torch.tensor([[-1.0, -2.0, -0.5]]), torch.tensor([lp]),
+                             seed=mix_seed(3, 3), uids=torch.tensor([key.uid]),
+                             options=VerifyOptions(lenience=1.0, backend="reference"))  # fmt: skip
     assert v.n == int(expect.accepted_len[0]) and v.prefix_ids == [4, 5, 6][: v.n]
     cont = b.continuation(plan, v)
     if v.full_reuse:
@@ -75,7 +84,7 @@ def test_plan_budget_rows_and_verify():
 
 def test_cut_draft_keeps_the_scoring_sample_and_assembles():
     cache = RolloutCache()
-    b = builder(cache, max_model_len=8, lenience=math.inf)
+    b = builder(cache, max_model_len=8, mode=lenient(math.inf))
     prompt = [7, 8, 9]  # budget = min(6, 8 - 3) = 5; scoring may hold 8 - 3 - 1 = 4 draft tokens
     cache.store(CacheKey.make(prompt, 0), [4, 5, 6, 2, 3], [-1.0] * 5, "length", 0, S)
     plan = b.plan(prompt, 0)
@@ -104,12 +113,19 @@ def test_no_draft_path_and_eos_finish():
     assert res.finish_reason == "eos" and cache.lookup(CacheKey.make([5, 6], 0, "ds:1"), S).version == 9
     with pytest.raises(ValueError, match="no room"):
         b.plan(list(range(10)), 0)
+    # a mode without draft reuse (the adapters' strategy "off") looks up no draft: every response is generated
+    cache.store(CacheKey.make([5, 6], 1), [3, 4], [-1.0, -1.0], "length", 0, S)
+    assert builder(cache).plan([5, 6], 1).scoring_ids == [5, 6, 3, 4]
+    off = builder(cache, mode=mode_from_options("off", tail=False))
+    plan = off.plan([5, 6], 1)
+    assert plan.scoring_ids is None and plan.draft_ids == []
+    assert off.continuation(plan, off.verify(plan, None)).context_ids == [5, 6]
 
 
 # ---------------------------------------------------------------- drafts that no longer fit (spec_rl.drafts.validity)
 def test_draft_with_an_eos_inside_is_cut_after_it_and_reused_whole():
     cache = RolloutCache()
-    b = builder(cache, max_model_len=16, lenience=math.inf)
+    b = builder(cache, max_model_len=16, mode=lenient(math.inf))
     prompt = [7, 8, 9]
     cache.store(CacheKey.make(prompt, 0), [4, 1, 5, 6], [-1.0] * 4, "length", 0, S)  # EOS (1) inside
     plan = b.plan(prompt, 0)
@@ -122,7 +138,7 @@ def test_draft_with_an_eos_inside_is_cut_after_it_and_reused_whole():
 
 def test_draft_cut_by_a_smaller_budget_is_continued_not_returned():
     cache = RolloutCache()
-    b = builder(cache, max_model_len=16, lenience=math.inf)  # today's budget: min(6, 16 - 3) = 6
+    b = builder(cache, max_model_len=16, mode=lenient(math.inf))  # today's budget: min(6, 16 - 3) = 6
     prompt = [7, 8, 9]
     cache.store(CacheKey.make(prompt, 0), [4, 5], [-1.0, -1.0], "length", 0, SamplingSettings(max_tokens=2))
     plan = b.plan(prompt, 0)
@@ -140,7 +156,7 @@ def test_draft_cut_by_a_smaller_budget_is_continued_not_returned():
 
 def test_draft_longer_than_the_budget_is_cut_to_it_and_ends_by_length():
     cache = RolloutCache()
-    b = builder(cache, max_model_len=16, lenience=math.inf)
+    b = builder(cache, max_model_len=16, mode=lenient(math.inf))
     prompt = [7, 8, 9]
     cache.store(CacheKey.make(prompt, 0), [4, 5, 6, 2, 3, 4, 5, 6], [-1.0] * 8, "length", 0, SamplingSettings(max_tokens=8))
     plan = b.plan(prompt, 0)
@@ -158,16 +174,17 @@ EXACT_S = SamplingSettings(temperature=1.0, max_tokens=2)
 
 def test_exact_options_and_requests():
     with pytest.raises(ValueError, match="has no lenience"):
-        builder(acceptance="exact", lenience=2.0)
-    with pytest.raises(ValueError, match="no exact form"):
-        builder(acceptance="exact", strategy="random")
-    with pytest.raises(ValueError, match="strategy='off' reuses no drafts, so acceptance='exact' would change nothing"):
-        builder(acceptance="exact", strategy="off")
+        mode_from_options(acceptance="exact", lenience=2.0)
+    with pytest.raises(ValueError, match="acceptance='exact' applies to strategy='spec' .*, not 'random'"):
+        mode_from_options("random", acceptance="exact")
+    with pytest.raises(ValueError, match="acceptance='exact' applies to strategy='spec' .*, not 'off'"):
+        mode_from_options("off", acceptance="exact")
+    exact = mode_from_options(acceptance="exact", tail=False)
     with pytest.raises(ValueError, match="max_resample_attempts"):
-        builder(acceptance="exact", max_resample_attempts=0)
+        builder(mode=exact, max_resample_attempts=0)
     cache = RolloutCache()
-    b = builder(cache, acceptance="exact", seed=5, seed_param="sampling_seed", max_resample_attempts=4)
-    assert b.log_lenience == 0.0
+    b = builder(cache, mode=exact, seed=5, seed_param="sampling_seed", max_resample_attempts=4)
+    assert b.mode.acceptance == "exact" and b.mode.log_lenience == 0.0
     prompt, draft = [7, 8, 9], [4, 5, 6]
     cache.store(CacheKey.make(prompt, 0), draft, [-1.0, -2.0, -0.5], "eos", 2, S)
     plan = b.plan(prompt, 0)
@@ -176,8 +193,8 @@ def test_exact_options_and_requests():
         v = b.verify(plan, new, step=step)
         if v.n < len(draft):
             break
-    ref = verify(torch.tensor([draft]), None, new_logprobs=torch.tensor([new]), seed=mix_seed(5, step),
-                 uids=torch.tensor([plan.key.uid]), backend="reference", acceptance="exact")
+    ref = verify_logprobs(torch.tensor([draft]), None, torch.tensor([new]), seed=mix_seed(5, step),
+                          uids=torch.tensor([plan.key.uid]), options=VerifyOptions(rule="exact", backend="reference"))
     assert v.n == int(ref.accepted_len[0]) < len(draft)
     assert v.rejected == draft[v.n] and v.rejected_logprob == pytest.approx(new[v.n])
     cont = b.continuation(plan, v)
@@ -241,7 +258,7 @@ def test_exact_token_at_the_rejection_follows_the_residual():
     server = FixedServer(PROBS, {EOS}, max_model_len=8)
     cache = RolloutCache()
     # 16 attempts (the default) fail with probability 0.6 ** 16 per rejection, about once in 3500 rejections
-    b = SpecRequestBuilder(cache, EXACT_S, 8, [EOS], acceptance="exact", seed=3, max_resample_attempts=64)
+    b = SpecRequestBuilder(cache, EXACT_S, 8, [EOS], mode=MODES["exact"], seed=3, max_resample_attempts=64)
     n_samples = 2000  # (the verl test runs 5000 through the agent loop)
     for i in range(n_samples):
         cache.store(CacheKey.make([0, 1], 0, f"ds:{i}"), [0, 0], [-0.5, -0.5], "length", 0, EXACT_S)
@@ -268,8 +285,7 @@ def _lenient_zeros_samples(draw: str, seed: int, attempts: int, n_samples: int =
     ``draw`` against the fixed server and continued through draw_continuation (``attempts`` per rejection)."""
     server = FixedServer(PROBS, {EOS}, max_model_len=8)
     cache = RolloutCache()
-    b = SpecRequestBuilder(cache, EXACT_S, 8, [EOS], lenience=1.0, seed=seed, rejection_draw=draw,
-                           max_resample_attempts=attempts)  # fmt: skip
+    b = SpecRequestBuilder(cache, EXACT_S, 8, [EOS], mode=lenient(1.0, draw), seed=seed, max_resample_attempts=attempts)
     for i in range(n_samples):
         cache.store(CacheKey.make([0, 1], 0, f"ds:{i}"), [0, 0], [math.log(0.9)] * 2, "length", 0, EXACT_S)
 
@@ -324,7 +340,7 @@ def test_the_without_draft_draw_keeps_the_last_attempt_when_all_begin_with_the_r
     assert whole.full_reuse and whole.rejected is None
     with pytest.raises(ValueError, match=refused):
         b.assemble(plan, whole, [], [], store=False, kept_excluded=True)
-    paper = SpecRequestBuilder(RolloutCache(), EXACT_S, 8, [EOS], lenience=1.0, seed=6, max_resample_attempts=2)
+    paper = SpecRequestBuilder(RolloutCache(), EXACT_S, 8, [EOS], mode=lenient(1.0), seed=6, max_resample_attempts=2)
     plan_p = paper.plan([0, 1], 0, "ds:p")  # no draft stored: nothing is rejected
     with pytest.raises(ValueError, match=refused):
         paper.assemble(plan_p, paper.verify(plan_p, None), [0], [-0.5], store=False, kept_excluded=True)
@@ -337,7 +353,7 @@ def test_the_without_draft_draw_keeps_the_last_attempt_when_all_begin_with_the_r
 
     with pytest.raises(RuntimeError, match="first in all 1"):
         asyncio.run(draw_continuation(plain, always_excluded))
-    exact = SpecRequestBuilder(RolloutCache(), EXACT_S, 8, [EOS], acceptance="exact", max_resample_attempts=1)
+    exact = SpecRequestBuilder(RolloutCache(), EXACT_S, 8, [EOS], mode=MODES["exact"], max_resample_attempts=1)
     plan = exact.plan([0, 1], 0, "ds:x")
     with pytest.raises(ValueError, match="kept_excluded is only for the lenient without-draft draw"):
         exact.assemble(plan, exact.verify(plan, None), [0], [-0.5], kept_excluded=True)
@@ -345,10 +361,10 @@ def test_the_without_draft_draw_keeps_the_last_attempt_when_all_begin_with_the_r
 
 def test_the_without_draft_draw_is_refused_where_it_means_nothing():
     with pytest.raises(ValueError, match="rejection_draw must be one of"):
-        builder(rejection_draw="residual")
-    with pytest.raises(ValueError, match="l >= 1"):
-        builder(lenience=0.5, rejection_draw="without-draft")
+        mode_from_options(rejection_draw="residual")
+    with pytest.raises(ValueError, match="needs lenience >= 1"):
+        mode_from_options(lenience=0.5, rejection_draw="without-draft")
     for kw in ({"acceptance": "exact"}, {"strategy": "off"}, {"strategy": "random"}):
-        with pytest.raises(ValueError, match="applies to the lenient rule"):
-            builder(rejection_draw="without-draft", **kw)
-    assert builder(lenience=2.0, rejection_draw="without-draft").rejection_draw == "without-draft"
+        with pytest.raises(ValueError, match="rejection_draw applies to lenient acceptance only"):
+            mode_from_options(rejection_draw="without-draft", **kw)
+    assert builder(mode=lenient(2.0, "without-draft")).mode.rejection_draw == "without-draft"

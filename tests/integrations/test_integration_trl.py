@@ -23,6 +23,7 @@ datasets = pytest.importorskip("datasets", reason="datasets is not installed (a 
 
 from tiny_models import tiny_model
 
+from spec_rl.acceptance.mode import RolloutMode
 from spec_rl.drafts.cache import CacheKey, RolloutCache
 from spec_rl.drafts.history import SEPARATOR, HistoryIndex
 from spec_rl.integrations.trl import (
@@ -206,9 +207,9 @@ def _run_three_epochs(tmp_path, lenience, eval_dataset=None, spec_kw=None, model
             n = r["prefix"][i]
             assert r["found"][i]
             group = [r["drafts"][j][0] for j in r["drafts"] if j // NUM_GEN == i // NUM_GEN]
-            candidates = group if spec.acceptance == "exact" else [draft_ids]
+            candidates = group if spec.mode.acceptance == "exact" else [draft_ids]
             assert any(0 <= n <= len(d) and out["completion_ids"][i][:n] == d[:n] for d in candidates)
-            if n == len(draft_ids) and spec.acceptance == "lenient":
+            if n == len(draft_ids) and spec.mode.acceptance == "lenient":
                 assert out["completion_ids"][i] == draft_ids
     return spec, trainer, tok, recs[:steps_per_epoch], recs[steps_per_epoch:]
 
@@ -338,7 +339,7 @@ def test_length_curriculum_continues_drafts_the_shorter_budget_cut(tmp_path):
     longer = _trainer(tmp_path, spec2, args=_config(tmp_path, num_train_epochs=1), model=model, tok=tok)
     spec2.attach(longer)
     longer.train()
-    train = [h for h in spec2.history if h["mode"] == "train"]
+    train = [h for h in spec2.history if h["call"] == "train"]
     assert all(h["drafts_found"] == h["num_samples"] for h in train)
     for d in spec2.cache.drafts():  # the responses of the second epoch
         ids = d.token_ids.tolist()
@@ -412,6 +413,13 @@ def test_grpo_trainer_partial_reuse_continues_from_the_verified_prefix(tmp_path)
         assert mean == pytest.approx(h["reward"], rel=1e-5)
     assert all(h["spec_rl/count_fresh"] == 2 * NUM_GEN for h in logged[: len(first)])
     assert sum(h["spec_rl/count_partly_reused"] for h in logged) > 0
+    # One history entry per call: the call, its step and mode, its statistics.
+    assert {h["call"] for h in spec.history} == {"train", "eval"}
+    for h in spec.history:
+        assert {"step", "wall_seconds", "num_samples", *RolloutMode().to_dict()} <= set(h)
+        assert not {"mode", "strategy", "history_spec"} & set(h)
+        assert (h["acceptance"], h["lenience"], h["tail"]) == (("lenient", 0.5, True) if h["call"] == "train"
+                                                              else (None, None, True))  # fmt: skip
     # Evaluation rollouts sample without drafts and leave the training cache alone.
     evals = [r for r in spec.records if not r["training"]]
     assert len(evals) >= 3
@@ -463,7 +471,7 @@ def test_resume_reloads_the_cache_from_the_checkpoint(tmp_path):
     loaded, load = [], fresh.load_history
     fresh.load_history = lambda path: (loaded.append(path), load(path))
     resumed.train(resume_from_checkpoint=str(ckpt))
-    train_calls = [h for h in fresh.history if h["mode"] == "train"]
+    train_calls = [h for h in fresh.history if h["call"] == "train"]
     assert len(train_calls) == steps
     assert all(h["drafts_found"] == h["num_samples"] for h in train_calls)
     assert loaded == [ckpt / HISTORY_FILENAME]
@@ -484,9 +492,10 @@ def _peaked_model(tok):
 @pytest.mark.slow
 def test_exact_acceptance_reuses_drafts_and_records_the_mode(tmp_path):
     spec, trainer, _, first, later = _run_three_epochs(
-        tmp_path, math.exp(0.5), spec_kw={"acceptance": "exact"}, model=_peaked_model, temperature=0.2
+        tmp_path, None, spec_kw={"acceptance": "exact"}, model=_peaked_model, temperature=0.2
     )
-    assert all(h["acceptance"] == "exact" and h["history_spec"] is True for h in spec.history)
+    assert spec.history and all(h["call"] == "train" for h in spec.history)  # no evaluation in this run
+    assert all(h["acceptance"] == "exact" and h["tail"] is True and h["lenience"] is None for h in spec.history)
     assert all(r["stats"]["drafts_found"] == 0 for r in first)
     accepted = sum(r["stats"]["accepted_tokens"] for r in later)
     drafted = sum(r["stats"]["draft_tokens"] for r in later)
@@ -498,31 +507,35 @@ def test_exact_acceptance_reuses_drafts_and_records_the_mode(tmp_path):
 def test_acceptance_and_history_options():
     with pytest.raises(ValueError, match="has no lenience"):
         SpecRLRollout(acceptance="exact", lenience=2.0)
-    with pytest.raises(ValueError, match="has no lenience"):
-        SpecRLRollout(acceptance="exact", log_lenience=0.3)
-    with pytest.raises(ValueError, match="no exact form"):
+    with pytest.raises(ValueError, match="acceptance='exact' applies to strategy='spec'"):
         SpecRLRollout(acceptance="exact", strategy="random")
-    with pytest.raises(ValueError, match="acceptance"):
+    with pytest.raises(ValueError, match="acceptance must be one of"):
         SpecRLRollout(acceptance="strict")
     with pytest.raises(ValueError, match="spec_tokens"):
         SpecRLRollout(spec_tokens=-1)
+    with pytest.raises(TypeError, match="log_lenience"):  # one form of the lenience: l itself
+        SpecRLRollout(log_lenience=0.3)
     exact = SpecRLRollout(acceptance="exact")  # the default lenience is "not set"
-    assert exact.acceptance == "exact" and exact.lenience is None and exact.log_lenience is None
+    assert exact.mode == RolloutMode("exact", tail=True) and exact.mode.lenience is None
     assert isinstance(exact.history_index, HistoryIndex)
-    assert SpecRLRollout(history_spec=False).history_index is None
-    assert SpecRLRollout(spec_tokens=0).history_index is None
+    assert SpecRLRollout().mode == RolloutMode("lenient", lenience=math.exp(0.5), tail=True)  # the paper's GRPO l
+    assert SpecRLRollout(strategy="random").mode == RolloutMode("random")
+    assert SpecRLRollout(strategy="off").mode == RolloutMode(None, tail=True)
+    for kw in ({"history_spec": False}, {"spec_tokens": 0}):
+        spec = SpecRLRollout(**kw)
+        assert spec.history_index is None and spec.mode.tail is False and spec._options.mode == spec.mode
 
 
 def test_the_rejection_draw_option_is_checked_where_it_is_given():
-    assert SpecRLRollout().rejection_draw == "policy"  # the paper's draw by default
-    assert SpecRLRollout(lenience=1.0, rejection_draw="without-draft")._options.rejection_draw == "without-draft"
-    assert SpecRLRollout(log_lenience=0.5, rejection_draw="without-draft").rejection_draw == "without-draft"
+    assert SpecRLRollout().mode.rejection_draw == "policy"  # the paper's draw by default
+    assert SpecRLRollout(lenience=1.0, rejection_draw="without-draft")._options.mode.rejection_draw == "without-draft"
+    assert SpecRLRollout(rejection_draw="without-draft").mode.rejection_draw == "without-draft"  # at e^0.5
     with pytest.raises(ValueError, match="rejection_draw must be one of"):
         SpecRLRollout(rejection_draw="residual")
-    with pytest.raises(ValueError, match="l >= 1"):  # below 1 the residual keeps the rejected token
+    with pytest.raises(ValueError, match="needs lenience >= 1"):  # below 1 the residual keeps the rejected token
         SpecRLRollout(lenience=0.5, rejection_draw="without-draft")
     for kw in ({"acceptance": "exact"}, {"strategy": "off"}, {"strategy": "random"}):
-        with pytest.raises(ValueError, match="applies to the lenient rule"):
+        with pytest.raises(ValueError, match="rejection_draw applies to lenient acceptance only"):
             SpecRLRollout(rejection_draw="without-draft", **kw)
 
 
@@ -531,7 +544,7 @@ def test_without_draft_never_redraws_the_rejected_draft_token(tmp_path):
     spec, _, _, first, later = _run_three_epochs(
         tmp_path, 1.0, spec_kw={"rejection_draw": "without-draft"}, learning_rate=0.05
     )  # a policy that moves: at l = 1 an unchanged policy keeps every draft
-    assert all(h["rejection_draw"] == ("without-draft" if h["mode"] == "train" else "policy") for h in spec.history)
+    assert all(h["rejection_draw"] == ("without-draft" if h["call"] == "train" else "policy") for h in spec.history)
     rejected = 0
     for r in later:
         for i, (draft_ids, _) in r["drafts"].items():

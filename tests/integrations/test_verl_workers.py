@@ -9,7 +9,7 @@ every draft is found by a worker other than the one that wrote it; the same key 
 samples at once on both workers leaves one complete draft, one of theirs; and the DataProto verl
 assembles has the shapes, masks and log-probs its trainer expects, with our columns and metrics.
 
-Needs verl and Ray (``make test-verl``, .venv-verl); skipped elsewhere unless SPEC_RL_REQUIRE_VERL=1.
+Needs verl and Ray (``make test-vllm``, .venv-vllm); skipped elsewhere unless SPEC_RL_REQUIRE=1.
 """
 
 from __future__ import annotations

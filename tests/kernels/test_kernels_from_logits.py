@@ -1,4 +1,5 @@
-"""From-logits kernel (K.verify_padded with logits) vs the float64 reference (spec_rl.acceptance.reference.reference_verify)."""
+"""From-logits kernel (K.verify_padded; the packed entry point under a forced tile config) vs the float64 reference
+(spec_rl.acceptance.reference.reference_verify)."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def _run(case, config=None, logits=None, **extra):
         logits=lg.to(DEVICE),
         temperature=case["temperature"],
         return_accept_mask=True,
-        logits_config=config,
+        config=config,
         **extra,
     )
     ref = reference64(
@@ -78,10 +79,11 @@ def _run(case, config=None, logits=None, **extra):
 def test_matches_reference_ragged_vocab(dtype, temperature):
     # V = 1000 with 256-column tiles: three full tiles and a ragged tail.
     case = _case(4, 12, 1000, [12, 5, 0, 9], dtype, temperature=temperature, gen_seed=1)
-    out, ref = _run(case, K.LogitsConfig(block_v=256, num_warps=4, block_r=4))
-    assert out.new_logprobs.dtype == torch.float32 and out.accepted_len.dtype == torch.int64
-    assert_lp_close(out.new_logprobs, ref.new_logprobs, LOGITS_ATOL)
-    assert_same_decisions(out, ref)
+    for config in (K.LogitsConfig(block_v=256, num_warps=4, block_r=4), None):  # packed under 256-column tiles; padded
+        out, ref = _run(case, config)
+        assert out.new_logprobs.dtype == torch.float32 and out.accepted_len.dtype == torch.int64
+        assert_lp_close(out.new_logprobs, ref.new_logprobs, LOGITS_ATOL)
+        assert_same_decisions(out, ref)
     assert 0 < int(ref.accepted_len.sum()) < int(case["lengths"].sum())  # a real mix
 
 
@@ -195,9 +197,9 @@ def test_lenience_extremes(log_l):
     assert torch.equal(out.accepted_len.cpu(), expected)
 
 
-def test_random_reuse_strategy_identical():
+def test_random_reuse_rule_identical():
     case = _case(5, 9, 80, [9, 0, 3, 9, 1], torch.float32, gen_seed=10)
-    out, ref = _run(case, strategy="random")
+    out, ref = _run(case, rule="random")
     assert_lp_close(out.new_logprobs, ref.new_logprobs, LOGITS_ATOL)
     assert_same_decisions(out, ref)
 

@@ -74,7 +74,7 @@ def _run(case, config=SMALL, hidden=None, weight=None, **extra):
         lm_head_bias=bias,
         temperature=case["temperature"],
         return_accept_mask=True,
-        lm_head_config=config,
+        config=config,
         **extra,
     )
     ref = reference64(
@@ -101,9 +101,10 @@ def _run(case, config=SMALL, hidden=None, weight=None, **extra):
 def test_matches_reference(dtype, bias, temperature):
     # V = 200 = 6 tiles of 32 + 8 ragged columns, in 3 splits; d = 40 (not a multiple of 16).
     case = _case(3, 9, 40, 200, [9, 4, 7], dtype, bias=bias, temperature=temperature, gen_seed=1)
-    out, ref = _run(case)
-    assert_lp_close(out.new_logprobs, ref.new_logprobs, HIDDEN_ATOL)
-    assert_same_decisions(out, ref)
+    for config in (SMALL, None):  # the packed entry point under small tiles; the padded one (default tiles)
+        out, ref = _run(case, config=config)
+        assert_lp_close(out.new_logprobs, ref.new_logprobs, HIDDEN_ATOL)
+        assert_same_decisions(out, ref)
     assert 0 < int(ref.accepted_len.sum()) < int(case["lengths"].sum())
 
 
@@ -160,14 +161,15 @@ def test_empty_responses_and_lenience_extremes():
     case = _case(3, 4, 16, 48, [4, 0, 2], torch.float32, gen_seed=7)
     for log_l, expected in ((float("inf"), [4, 0, 2]), (float("-inf"), [0, 0, 0])):
         case["log_l"] = log_l
-        out, ref = _run(case)
-        assert out.accepted_len.cpu().tolist() == expected
-        assert_same_decisions(out, ref)
+        for config in (SMALL, None):
+            out, ref = _run(case, config=config)
+            assert out.accepted_len.cpu().tolist() == expected
+            assert_same_decisions(out, ref)
 
 
-def test_random_reuse_strategy_identical():
+def test_random_reuse_rule_identical():
     case = _case(4, 6, 16, 40, [6, 1, 0, 4], torch.float32, gen_seed=8)
-    out, ref = _run(case, strategy="random")
+    out, ref = _run(case, rule="random")
     assert_lp_close(out.new_logprobs, ref.new_logprobs, HIDDEN_ATOL)
     assert_same_decisions(out, ref)
 
@@ -196,7 +198,7 @@ def test_strided_hidden_permutation_padding_invariance_and_determinism():
         hidden_states=h_view.to(DEVICE),
         lm_head_weight=case["weight"].to(DEVICE),
         return_accept_mask=True,
-        lm_head_config=SMALL,
+        config=SMALL,
     )
     assert torch.equal(out_p.accepted_len.cpu(), out.accepted_len.cpu()[perm])
     assert torch.equal(out_p.new_logprobs.cpu()[:, :5], out.new_logprobs.cpu()[perm])

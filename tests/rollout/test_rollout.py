@@ -7,17 +7,25 @@ import pytest
 import torch
 from tiny_models import full_forward_logprobs, tiny_model
 
+from spec_rl.acceptance.mode import MODES, RolloutMode
 from spec_rl.backends.protocol import eos_token_ids
 from spec_rl.backends.scoring import PolicyScorer
 from spec_rl.backends.transformers_backend import TransformersBackend
 from spec_rl.drafts.cache import CacheKey, RolloutCache
+from spec_rl.drafts.history import HistoryIndex
 from spec_rl.rollout.speculative import RolloutRequest, SpeculativeRollout
 from spec_rl.sampling.distribution import SamplingSettings
 
 PROMPTS = [[3, 11, 12, 13, 14], [3, 15, 16], [3, 17, 18, 19, 20, 21, 22]]
 
 
-def _rollout(model, eos=(1,), max_tokens=24, max_model_len=128, cache=None, **kw):
+def _lenient(lenience: float) -> RolloutMode:
+    """The lenient rule at ``lenience``, without tail speculation."""
+    return RolloutMode("lenient", lenience=lenience, tail=False)
+
+
+def _rollout(model, eos=(1,), max_tokens=24, max_model_len=128, cache=None, mode=RolloutMode("lenient", tail=False),
+             **kw):
     settings = SamplingSettings(temperature=kw.pop("temperature", 1.0), max_tokens=max_tokens)
     return SpeculativeRollout(
         TransformersBackend(
@@ -28,6 +36,7 @@ def _rollout(model, eos=(1,), max_tokens=24, max_model_len=128, cache=None, **kw
         settings,
         eos_ids=list(eos),
         max_model_len=max_model_len,
+        mode=mode,
         **kw,
     )
 
@@ -49,6 +58,20 @@ def test_scoring_uses_the_position_before_each_token():
         rows = torch.arange(len(d))
         got = scores.logits_at(torch.full_like(rows, b), rows)
         assert torch.allclose(got, full[len(p) - 1 : len(p) - 1 + len(d)], atol=1e-4)
+
+
+def test_response_logprobs_follow_the_sampling_settings():
+    from spec_rl.backends.scoring import response_logprobs
+
+    model = tiny_model(seed=1)
+    responses = [[4, 5, 6], [7], [8, 9]]
+    for settings in (SamplingSettings(), SamplingSettings(temperature=0.7)):
+        lp = response_logprobs(model, PROMPTS, responses, 0, settings)
+        for b, (p, r) in enumerate(zip(PROMPTS, responses)):
+            ref = full_forward_logprobs(model, p, r, temperature=settings.temperature)
+            assert torch.allclose(lp[b, : len(r)].double(), ref, atol=1e-4)
+    top_k = response_logprobs(model, PROMPTS, responses, 0, SamplingSettings(top_k=1))
+    assert bool((top_k[0, :3] == 0).logical_or(top_k[0, :3] == float("-inf")).all())  # one token keeps all the mass
 
 
 def test_backend_logprobs_budgets_and_eos_set():
@@ -74,7 +97,7 @@ def test_backend_logprobs_budgets_and_eos_set():
 
 def test_epoch_two_reuses_drafts_whole_under_the_same_policy():
     model = tiny_model(seed=3)
-    ro = _rollout(model, lenience=1.0, seed=5)
+    ro = _rollout(model, mode=_lenient(1.0), seed=5)
     first = ro.run(_requests(), step=0)
     assert first.stats.drafts_found == 0 and first.stats.tokens_generated == first.stats.vanilla_tokens
     second = ro.run(list(reversed(_requests())), step=1)
@@ -88,7 +111,7 @@ def test_epoch_two_reuses_drafts_whole_under_the_same_policy():
 def test_changed_policy_keeps_a_verified_prefix_and_logprobs_match_a_full_forward():
     model = tiny_model(seed=4)
     cache = RolloutCache()
-    ro = _rollout(model, cache=cache, lenience=1.0, seed=1, max_tokens=20)
+    ro = _rollout(model, cache=cache, mode=_lenient(1.0), seed=1, max_tokens=20)
     reqs = [RolloutRequest(p, s) for p in PROMPTS for s in range(6)]
     first = ro.run(reqs, step=0)
     with torch.no_grad():
@@ -96,6 +119,7 @@ def test_changed_policy_keeps_a_verified_prefix_and_logprobs_match_a_full_forwar
             p.add_(torch.randn_like(p) * 0.05)
     second = ro.run(reqs, step=1)
     assert 0 < second.stats.accepted_tokens < second.stats.draft_tokens
+    assert second.stats.reused_drift > 0  # how far the moved policy is from the drafts on what it reused
     for i, (r1, r2) in enumerate(zip(first.response_ids, second.response_ids)):
         n = second.verified_prefix_len[i]
         assert r2[:n] == r1[:n]  # the reused prefix equals the cached tokens
@@ -108,11 +132,11 @@ def test_changed_policy_keeps_a_verified_prefix_and_logprobs_match_a_full_forwar
 
 def test_tiny_lenience_reuses_nothing_and_vanilla_skips_scoring():
     model = tiny_model(seed=5)
-    ro = _rollout(model, lenience=1e-30, seed=0)
+    ro = _rollout(model, mode=_lenient(1e-30), seed=0)
     ro.run(_requests(), 0)
     res = ro.run(_requests(), 1)
     assert res.stats.accepted_tokens == 0 and res.stats.tokens_generated == res.stats.vanilla_tokens
-    ro = _rollout(model, strategy="off")
+    ro = _rollout(model, mode=MODES["vanilla"])
     ro.run(_requests(), 0)
     res = ro.run(_requests(), 1)
     assert res.stats.drafts_found == 0 and res.stats.scoring_seconds < 0.05
@@ -121,7 +145,7 @@ def test_tiny_lenience_reuses_nothing_and_vanilla_skips_scoring():
 def test_truncation_and_budget_with_a_long_prompt():
     model = tiny_model(seed=6)
     long_prompt = list(range(3, 30)) * 4  # 108 tokens
-    ro = _rollout(model, max_tokens=50, max_model_len=112, lenience=1.0)
+    ro = _rollout(model, max_tokens=50, max_model_len=112, mode=_lenient(1.0))
     assert ro.budget(len(long_prompt)) == 4
     res = ro.run([RolloutRequest(long_prompt, s) for s in range(4)], 0)
     for r, f in zip(res.response_ids, res.finish_reasons):
@@ -141,24 +165,39 @@ def test_padded_tensors():
     assert t["response_ids"].shape == (3, max(lens))
 
 
-def test_random_reuse_strategy_and_bad_arguments():
+def test_random_reuse_and_bad_arguments():
     model = tiny_model(seed=8)
-    ro = _rollout(model, strategy="random", seed=3)
+    ro = _rollout(model, mode=RolloutMode("random", tail=False), seed=3)
     ro.run(_requests(4), 0)
     res = ro.run(_requests(4), 1)
     assert res.stats.drafts_found == 12
-    with pytest.raises(ValueError, match="strategy"):
-        _rollout(model, strategy="greedy")
+    with pytest.raises(ValueError, match="acceptance must be one of"):
+        RolloutMode("greedy")
+    with pytest.raises(TypeError, match=r"mode must be a RolloutMode \(e.g. spec_rl.MODES\['spec'\]\), got str"):
+        _rollout(model, mode="random")
     with pytest.raises(ValueError, match="lenience"):
-        _rollout(model, lenience=-math.e)
+        RolloutMode("lenient", lenience=-math.e)
     with pytest.raises(ValueError, match="empty prompt"):
         ro.run([RolloutRequest([], 0)], 2)
 
 
-@pytest.mark.parametrize("strategy", ["spec", "off"])
-def test_tail_speculation_changes_decode_steps_never_tokens(strategy):
-    from spec_rl.drafts.history import HistoryIndex
+def test_the_mode_decides_tail_speculation_and_the_recorded_lenience():
+    model = tiny_model(seed=8)
+    for name in ("spec", "exact", "random", "histspec"):  # tail speculation: a history of their own
+        assert isinstance(_rollout(model, mode=MODES[name]).history, HistoryIndex), name
+    mine = HistoryIndex()
+    assert _rollout(model, mode=MODES["spec"], history=mine).history is mine
+    assert _rollout(model, mode=MODES["vanilla"]).history is None
+    assert _rollout(model, mode=_lenient(2.0)).history is None
+    with pytest.raises(ValueError, match="history is what tail speculation drafts from, and this mode has tail=False"):
+        _rollout(model, mode=MODES["vanilla"], history=HistoryIndex())
+    ro = _rollout(model, mode=RolloutMode("lenient", lenience=math.exp(0.3), tail=False), seed=1)
+    ro.run(_requests(), 0)
+    assert ro.run(_requests(), 1).stats.log_lenience == pytest.approx(0.3)
 
+
+@pytest.mark.parametrize("acceptance", ["lenient", None])
+def test_tail_speculation_changes_decode_steps_never_tokens(acceptance):
     model = tiny_model(seed=9).double()
     with torch.no_grad():
         model.lm_head.weight.mul_(60.0)  # a peaked policy: earlier responses predict the next ones
@@ -166,7 +205,8 @@ def test_tail_speculation_changes_decode_steps_never_tokens(strategy):
     runs = {}
     for name, history in (("plain", None), ("tail", HistoryIndex())):
         m = copy.deepcopy(model)
-        ro = _rollout(m, lenience=1.0, seed=2, strategy=strategy, history=history, max_tokens=30)
+        mode = RolloutMode(acceptance, lenience=1.0 if acceptance else None, tail=history is not None)
+        ro = _rollout(m, mode=mode, seed=2, history=history, max_tokens=30)
         out = [ro.run(reqs, step=0)]
         with torch.no_grad():
             for p in m.parameters():

@@ -12,6 +12,7 @@ import pytest
 import torch
 from tiny_models import WORDS, tiny_model
 
+from spec_rl.acceptance.mode import MODES, RolloutMode
 from spec_rl.backends.checks import BackendContractError
 from spec_rl.backends.protocol import Continuation
 from spec_rl.backends.transformers_backend import TransformersBackend
@@ -46,9 +47,15 @@ class Tampered(TransformersBackend):
         return self.tamper(super().continue_from(*args, **kwargs))
 
 
-def _rollout(backend, max_tokens=4, max_model_len=64, **kw):
+def _lenient(lenience: float = math.exp(0.5)) -> RolloutMode:
+    """The lenient rule at ``lenience``, without tail speculation."""
+    return RolloutMode("lenient", lenience=lenience, tail=False)
+
+
+def _rollout(backend, max_tokens=4, max_model_len=64, mode=None, **kw):
     settings = SamplingSettings(max_tokens=max_tokens)
-    return SpeculativeRollout(backend, RolloutCache(), settings, eos_ids=[1], max_model_len=max_model_len, **kw)
+    return SpeculativeRollout(backend, RolloutCache(), settings, eos_ids=[1], max_model_len=max_model_len,
+                              mode=mode or _lenient(), **kw)
 
 
 def _requests(group=2):
@@ -131,18 +138,18 @@ def test_a_backend_that_breaks_the_contract_is_named(case):
     tamper, message = BROKEN[case]
     backend = Tampered(tiny_model(seed=1, bias_eos=-4.0), tamper)  # EOS is rare: most rows end by "length"
     with pytest.raises(BackendContractError, match=r"Tampered\.generate") as err:
-        _rollout(backend, strategy="off").run(_requests(), step=0)
+        _rollout(backend, mode=MODES["vanilla"]).run(_requests(), step=0)
     assert message in str(err.value)
 
 
 def test_eos_continuations_are_checked_on_the_continue_from_path():
     """Drafts found: the continuation comes from continue_from, checked the same way."""
     model = tiny_model(seed=2, bias_eos=1.5)
-    plain = _rollout(TransformersBackend(model, {1}, pad_id=0), max_tokens=12, lenience=1e-30)
+    plain = _rollout(TransformersBackend(model, {1}, pad_id=0), max_tokens=12, mode=_lenient(1e-30))
     plain.run(_requests(), step=0)
     change = lambda c: Continuation(c.token_ids + [5], c.logprobs + [-1.0], "eos")  # noqa: E731
     broken = Tampered(model, _edit(EOS, change))
-    rollout = SpeculativeRollout(broken, plain.cache, plain.settings, [1], 64, lenience=1e-30)
+    rollout = SpeculativeRollout(broken, plain.cache, plain.settings, [1], 64, mode=_lenient(1e-30))
     with pytest.raises(BackendContractError, match=r"Tampered\.continue_from") as err:
         rollout.run(_requests(), step=1)
     assert "invalid continuation for row" in str(err.value) and "tokens after an EOS id" in str(err.value)
@@ -152,11 +159,11 @@ def test_scores_for_the_wrong_rows_are_refused_and_the_handle_released():
     from spec_rl.acceptance.scores import DraftScores
 
     model = tiny_model(seed=2)
-    plain = _rollout(TransformersBackend(model, {1}, pad_id=0), max_tokens=6, lenience=1.0)
+    plain = _rollout(TransformersBackend(model, {1}, pad_id=0), max_tokens=6, mode=_lenient(1.0))
     plain.run(_requests(), step=0)
     drop_row = lambda s: DraftScores(hidden_states=s.hidden_states[1:], lm_head_weight=s.lm_head_weight)  # noqa: E731
     broken = Tampered(model, tamper_scores=drop_row)
-    rollout = SpeculativeRollout(broken, plain.cache, plain.settings, [1], 64, lenience=1.0)
+    rollout = SpeculativeRollout(broken, plain.cache, plain.settings, [1], 64, mode=_lenient(1.0))
     with pytest.raises(BackendContractError, match=r"Tampered\.score_drafts returned hidden_states of shape \[5, 6, 32\]; expected \[6, 6, \.\.\.\]"):
         rollout.run(_requests(), step=1)
     assert broken.released == 1
@@ -185,11 +192,11 @@ def test_a_bad_same_as_is_refused(bad):
     import dataclasses
 
     model = tiny_model(seed=2)
-    plain = _rollout(TransformersBackend(model, {1}, pad_id=0), max_tokens=6, lenience=1.0)
+    plain = _rollout(TransformersBackend(model, {1}, pad_id=0), max_tokens=6, mode=_lenient(1.0))
     plain.run(_requests(), step=0)
     corrupt = _SAME_AS_CORRUPTIONS[bad]
     broken = Tampered(model, tamper_scores=lambda s: dataclasses.replace(s, same_as=corrupt(s)))
-    rollout = SpeculativeRollout(broken, plain.cache, plain.settings, [1], 64, lenience=1.0)
+    rollout = SpeculativeRollout(broken, plain.cache, plain.settings, [1], 64, mode=_lenient(1.0))
     match = "expected None or int64 \\[6, 6\\]|indices outside" if bad in ("out of range", "wrong shape", "float") else "does not name a position scored by the same output"
     with pytest.raises(BackendContractError, match=r"Tampered\.score_drafts returned same_as.*(" + match + ")"):
         rollout.run(_requests(), step=1)
@@ -198,7 +205,7 @@ def test_a_bad_same_as_is_refused(bad):
 
 def test_valid_backends_pass_every_check():
     model = tiny_model(seed=3, bias_eos=1.0)
-    rollout = _rollout(TransformersBackend(model, {1}, pad_id=0), max_tokens=10, lenience=1.0)
+    rollout = _rollout(TransformersBackend(model, {1}, pad_id=0), max_tokens=10, mode=_lenient(1.0))
     first = rollout.run(_requests(), step=0)
     second = rollout.run(_requests(), step=1)
     assert {"eos", "length"} >= set(first.finish_reasons + second.finish_reasons)
@@ -274,6 +281,7 @@ def test_max_model_len_past_the_models_positions_is_refused():
         (dict(seed=None), TypeError, "seed must be an integer, got NoneType"),
         (dict(eos_ids=[1.5]), TypeError, r"eos_ids\[0\] must be an integer token id, got 1.5"),
         (dict(eos_ids=[VOCAB]), ValueError, rf"eos_ids\[0\] = {VOCAB} is outside \[0, {VOCAB}\)"),
+        (dict(mode="spec"), TypeError, r"mode must be a RolloutMode \(e.g. spec_rl.MODES\['spec'\]\), got str"),
     ],
 )
 def test_bad_constructor_arguments_name_themselves(kwargs, error, message):
@@ -302,18 +310,18 @@ def test_run_builds_no_autograd_graph_even_when_the_caller_has_grad_on(monkeypat
     model = tiny_model(seed=10)
     assert model.lm_head.weight.requires_grad  # the LM head reaches verify as a Parameter
     seen = []
-    import spec_rl.acceptance.lenient as lenient_module  # where the rollout's lenient rule calls verify
+    import spec_rl.acceptance.lenient as lenient_module  # where the rollout's lenient rule calls verify_scores
 
-    real_verify = lenient_module.verify
+    real_verify = lenient_module.verify_scores
 
     def spy(*args, **kwargs):
         result = real_verify(*args, **kwargs)
         seen.append((torch.is_grad_enabled(), result.new_logprobs.requires_grad))
         return result
 
-    monkeypatch.setattr(lenient_module, "verify", spy)
-    kw = dict(lenience=1.0) if acceptance == "lenient" else dict(lenience=None)
-    rollout = _rollout(TransformersBackend(model, {1}, pad_id=0), max_tokens=8, acceptance=acceptance, **kw)
+    monkeypatch.setattr(lenient_module, "verify_scores", spy)
+    mode = _lenient(1.0) if acceptance == "lenient" else RolloutMode("exact", tail=False)
+    rollout = _rollout(TransformersBackend(model, {1}, pad_id=0), max_tokens=8, mode=mode)
     rollout.run(_requests(), step=0)
     with torch.no_grad():
         for p in model.parameters():
@@ -357,3 +365,48 @@ def test_every_backend_checks_continue_from_arguments(make, kwargs, match):
                               0, sources=args["sources"])  # fmt: skip
     if make == "engine":
         assert backend.blocks.num_free == backend.blocks.num_blocks
+
+
+class _Minimal:
+    """The required members of a generation backend only (no vocab_size, max_positions, max_k, ...)."""
+
+    def __init__(self):
+        from spec_rl.backends.protocol import BackendStats
+
+        self.stats = BackendStats()
+
+    @property
+    def device(self):
+        return torch.device("cpu")
+
+    def generate(self, contexts, budgets, settings, seed, *, uids=None, proposers=None):
+        return [Continuation([1], [-0.5], "eos") for _ in contexts]
+
+    def score_drafts(self, prompts, drafts):
+        raise NotImplementedError
+
+    def continue_from(self, handle, *args, **kwargs):
+        raise NotImplementedError
+
+    def release(self, handle):
+        pass
+
+
+def test_a_backend_gets_the_optional_capabilities_by_subclassing_the_protocol():
+    from spec_rl.backends.protocol import GenerationBackend
+
+    settings = SamplingSettings(max_tokens=4)
+    with pytest.raises(TypeError, match="backend must be a GenerationBackend .*subclass GenerationBackend") as err:
+        SpeculativeRollout(_Minimal(), RolloutCache(), settings, eos_ids=[1], max_model_len=64)
+    assert "got _Minimal" in str(err.value)
+
+    class Subclassed(_Minimal, GenerationBackend):
+        pass
+
+    backend = Subclassed()
+    assert isinstance(backend, GenerationBackend) and not isinstance(_Minimal(), GenerationBackend)
+    assert (backend.vocab_size, backend.max_positions, backend.max_k) == (None, None, 0)
+    assert backend.score_drafts_progressive([[3]], [[4]], [[-1.0]]) is None and backend.sync_weights() is None
+    rollout = SpeculativeRollout(backend, RolloutCache(), settings, eos_ids=[1], max_model_len=64)
+    result = rollout.run(_requests(1), step=0)  # no drafts yet: plain generation through the backend
+    assert result.response_ids == [[1]] * 3 and rollout.vocab_size is None

@@ -303,10 +303,7 @@ def test_config_validation():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    __import__("os").environ.get("SPEC_RL_DEMO_CALIBRATION") != "1",
-    reason="set SPEC_RL_DEMO_CALIBRATION=1 to build (about 2 min on 2 cores, cached) and check the real demo policy",
-)
+@pytest.mark.long  # builds the real demo policy: about 2 min on 2 cores (cached)
 def test_demo_policy_calibration():
     """The default demo policy's warm-start calibration targets: temperature-1 reward on
     the train set in [0.15, 0.6] and mean response length >= 48 tokens."""

@@ -18,10 +18,10 @@ def test_train_on_local_model_and_gsm8k_file(model_dir, tmp_path, capsys):
     rc = main([
         "train", "--model", str(model_dir), "--data", str(SHARED / "gsm8k_test.jsonl"), "--limit", "4",
         "--epochs", "2", "--group-size", "2", "--prompts-per-step", "4", "--max-response-len", "8",
-        "--max-model-len", "128", "--out", str(out), "--no-progress", "--compare", "--no-checkpoint",
+        "--max-model-len", "128", "--out", str(out), "--no-progress", "--modes", "vanilla,spec", "--no-checkpoint",
     ])
     assert rc == 0
-    summary = json.loads((out / "summary.json").read_text())
+    summary = json.loads((out / "summary.json").read_text())["runs"]
     assert set(summary) == {"vanilla", "spec"}
     assert summary["spec"][1]["drafts_found"] == 8
     printed = capsys.readouterr().out
@@ -42,6 +42,18 @@ def test_bad_cli_input(tmp_path, model_dir, capsys):
         main(["train", "--lenience", "-1"])
     with pytest.raises(SystemExit, match="--modes"):
         main(["train", "--model", str(model_dir), "--data", "x", "--modes", "fast"])
+
+
+def test_debug_shows_the_traceback_of_a_bad_input(tmp_path, capsys):
+    argv = ["train", "--model", str(tmp_path / "nope"), "--data", str(tmp_path / "x.jsonl"), "--no-progress"]
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert capsys.readouterr().err.startswith("spec-rl: error: --model")
+    with pytest.raises(FileNotFoundError, match="not a transformers checkpoint directory"):  # the exception itself
+        main(["--debug", *argv])
+    assert "spec-rl: error:" not in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a flag of the command, before the subcommand only
+        main([*argv, "--debug"])
 
 
 def _error_line(capsys, argv) -> str:
@@ -74,31 +86,46 @@ def _train_argv(model_dir, data_file, out, *extra):
 # (flags, what the one error line must contain): the flag at fault and what it must be.
 BAD_FLAGS = [
     (["--clip-high", "nan"], ["--clip-high must be a finite number >= 0", "got nan"]),
-    (["--clip-low", "nan"], ["--clip-low must be a finite number in [0, 1)", "got nan"]),
-    (["--clip-low", "1"], ["--clip-low must be a finite number in [0, 1)", "got 1.0"]),
+    (["--clip-low", "nan"], ["--clip-low must be a finite number >= 0 and < 1", "got nan"]),
+    (["--clip-low", "1"], ["--clip-low must be a finite number >= 0 and < 1", "got 1.0"]),
     (["--kl-coef", "nan"], ["--kl-coef must be a finite number >= 0", "0 turns the KL term off"]),
     (["--kl-coef", "inf"], ["--kl-coef must be a finite number >= 0", "got inf"]),
     (["--lr", "nan"], ["--lr must be a finite number > 0", "got nan"]),
     (["--lr", "0"], ["--lr must be a finite number > 0"]),
-    (["--temperature", "nan"], ["--temperature must be a finite number > 0"]),
-    (["--top-p", "1.5"], ["--top-p must be a finite number in (0, 1]", "1 disables"]),
-    (["--lenience", "nan"], ["argument --lenience: must be a number >= 0 (or inf)", "'nan'"]),
-    (["--max-model-len", "0"], ["--max-model-len must be an integer >= 2", "None: the model's max_posit", "got 0"]),
-    (["--max-model-len", "-5"], ["--max-model-len must be an integer >= 2", "got -5"]),
+    (["--temperature", "nan"], ["--temperature must be a finite number > 0", "greedy decoding"]),
+    (["--temperature", "0"], ["--temperature must be a finite number > 0", "got 0.0"]),
+    (["--top-p", "1.5"], ["--top-p must be a finite number > 0 and <= 1", "got 1.5", "1.0 to disable"]),
+    (["--top-k", "-1"], ["--top-k must be >= 0, got -1", "0 to disable top-k"]),
+    (["--max-response-len", "0"], ["--max-response-len must be >= 1, got 0"]),
+    (["--lenience", "nan"], ["argument --lenience: must be a number > 0 (e.g. 1, 1.65, e^0.5, inf)", "'nan'"]),
+    (["--lenience", "0"], ["argument --lenience: must be a number > 0", "got '0'"]),
+    (["--lenience", "auto"], ["argument --lenience: must be a number > 0", "got 'auto'"]),
+    (["--lenience", "e^x"], ["argument --lenience: must be a number > 0", "got 'e^x'"]),
+    (["--max-model-len", "0"], ["--max-model-len must be >= 2", "None: the model's max_posit", "got 0"]),
+    (["--max-model-len", "-5"], ["--max-model-len must be >= 2", "got -5"]),
     (["--max-model-len", "100000"], ["--max-model-len must be <= the model's max_position_embeddings (128)", "100000"]),
     (["--seed", "1e23"], ["argument --seed: invalid int value: '1e23'", "--help"]),
     (["--seed", "abc"], ["argument --seed: invalid int value: 'abc'"]),
-    (["--seed", str(10**23)], ["--seed must be an integer in [-2**63, 2**64 - 1]"]),
+    (["--seed", str(10**23)], ["--seed must be <= 18446744073709551615"]),
     (["--limit", "0"], ["argument --limit: must be an integer >= 1", "'0'"]),
     (["--device", "tpu9"], ["--device must be auto, cpu, cuda, cuda:<index> or mps", "'tpu9'"]),
-    (["--modes", "histspec", "--spec-tokens", "-1"], ["--spec-tokens must be an integer >= 0", "0 disables tail speculation"]),
-    (["--epochs", "0"], ["--epochs must be an integer >= 1"]),
-    (["--target-drift", "0.05"], ["--target-drift only applies with lenience='auto'"]),
-    # --modes (here: vanilla) chooses the runs; the flags that would choose them are refused, not ignored
-    (["--no-spec"], ["--modes lists the runs itself, so --no-spec would be ignored; drop it"]),
-    (["--reuse", "random", "--compare"], ["so --reuse random, --compare would be ignored; drop them", "random-ref, auto)"]),
-    (["--no-compare"], ["so --no-compare would be ignored"]),
-    (["--lenience", "0"], ["so --lenience 0 would be ignored"]),
+    (["--modes", "histspec", "--spec-tokens", "0"], ["argument --spec-tokens: must be an integer >= 1, got '0'"]),
+    (["--spec-tokens", "-1"], ["argument --spec-tokens: must be an integer >= 1, got '-1'"]),
+    (["--epochs", "0"], ["--epochs must be >= 1, got 0"]),
+    # --modes chooses the runs; the mode flags change the selected runs' modes, and one that no selected run has a
+    # field for is refused, not ignored (here the runs are vanilla)
+    (["--lenience", "2"], ["--lenience applies to the runs spec; the selected runs (vanilla) have no such setting",
+                           "drop --lenience, or add such a run to --modes"]),
+    (["--modes", "exact", "--lenience", "2"], ["--lenience applies to the runs spec; the selected runs (exact)"]),
+    (["--no-tail"], ["--no-tail applies to the runs spec, exact, random; the selected runs (vanilla)"]),
+    (["--modes", "vanilla,histspec", "--no-tail"], ["--no-tail applies to", "the selected runs (vanilla, histspec)"]),
+    (["--rejection-draw", "policy"], ["--rejection-draw applies to the runs spec; the selected runs (vanilla)"]),
+    (["--modes", "vanilla,vanilla"], ["--modes names a run twice: 'vanilla,vanilla' (each run has one folder)"]),
+    (["--modes", "vanilla,random-ref"], ["--modes takes vanilla, histspec, spec, exact, random; got 'vanilla,random-"]),
+    (["--modes", "auto"], ["--modes takes vanilla, histspec, spec, exact, random; got 'auto'"]),
+    (["--modes", ","], ["--modes takes vanilla, histspec, spec, exact, random; got ','"]),
+    (["--modes", "spec", "--lenience", "0.5", "--rejection-draw", "without-draft"],
+     ["--rejection-draw 'without-draft' needs lenience >= 1, got 0.5"]),
 ]
 
 
@@ -169,13 +196,17 @@ def test_resume_with_another_budget_is_refused_or_continues_without_cut_response
     capsys.readouterr()
     longer = ["--modes", "spec", "--epochs", "3", "--max-response-len", "12", "--resume"]
     line = _error_line(capsys, _train_argv(model_dir, data_file, out, *longer))
-    assert "--max-response-len: 4 -> 12" in line and "--allow-config-change" in line and "fresh --out" in line
-    assert len(json.loads((out / "summary.json").read_text())["spec"]) == 1  # nothing was touched
+    assert "the sampling settings (--temperature, --top-p, --top-k, --max-response-len): " in line
+    assert "'max_tokens': 4} -> {" in line and "'max_tokens': 12}" in line
+    assert "--allow-config-change" in line and "fresh --out" in line
+    assert len(json.loads((out / "summary.json").read_text())["runs"]["spec"]) == 1  # nothing was touched
     assert main(_train_argv(model_dir, data_file, out, *longer, "--allow-config-change")) == 0
-    assert "max_response_len 4 -> 12 (recorded in run_info.json)" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "--allow-config-change: sampling {" in said and "'max_tokens': 12} (recorded in run_info.json)" in said
     info = json.loads((out / "run_info.json").read_text())
-    assert [(c["field"], c["old"], c["new"]) for c in info["config_changes"]] == [("max_response_len", 4, 12)]
-    assert info["fingerprint"]["max_response_len"] == 12
+    assert [(c["field"], c["old"]["max_tokens"], c["new"]["max_tokens"]) for c in info["config_changes"]] == [
+        ("sampling", 4, 12)]
+    assert info["fingerprint"]["sampling"]["max_tokens"] == 12
     # The responses of the resumed epochs (the drafts stored at the end): none is cut short by the old budget.
     cache = RolloutCache.load(latest_checkpoint(out / "spec").path / CACHE_FILE)
     eos = policy_eos_ids(model_dir)
@@ -201,11 +232,12 @@ def test_limit_applies_to_the_demo_train_set():
 def test_resume_with_a_subset_of_modes_keeps_the_others(model_dir, data_file, tmp_path, capsys):
     out = tmp_path / "run"
     assert main(_train_argv(model_dir, data_file, out, "--modes", "vanilla,spec")) == 0
-    spec = json.loads((out / "summary.json").read_text())["spec"]
+    spec = json.loads((out / "summary.json").read_text())["runs"]["spec"]
     assert main(_train_argv(model_dir, data_file, out, "--modes", "vanilla", "--epochs", "2", "--resume")) == 0
-    summary = json.loads((out / "summary.json").read_text())
+    summary = json.loads((out / "summary.json").read_text())["runs"]
     assert summary["spec"] == spec and [r["epoch"] for r in summary["vanilla"]] == [1, 2]
-    assert json.loads((out / "run_info.json").read_text())["modes"] == ["vanilla", "spec"]
+    runs = json.loads((out / "run_info.json").read_text())["runs"]
+    assert list(runs) == ["vanilla", "spec"] and runs["vanilla"]["epochs"] == 2 and runs["spec"]["epochs"] == 1
     assert "[vanilla] resumed at epoch 2" in capsys.readouterr().out
     steps = [json.loads(x)["step"] for x in (out / "vanilla" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1]
@@ -220,9 +252,9 @@ BAD_EVAL_FLAGS = [
     (["--eval-fraction", "1"], "argument --eval-fraction: must be a number in (0, 1), got '1'"),
     (["--eval-fraction", "nan"], "argument --eval-fraction: must be a number in (0, 1)"),
     (["--eval-fraction", "half"], "argument --eval-fraction: must be a number in (0, 1), got 'half'"),
-    (["--eval-samples", "0", "--eval-fraction", "0.5"], "--eval-samples must be an integer >= 1, got 0"),
+    (["--eval-samples", "0", "--eval-fraction", "0.5"], "--eval-samples must be >= 1, got 0"),
     (["--eval-samples", "2.5"], "argument --eval-samples: invalid int value: '2.5'"),
-    (["--eval-every", "0", "--eval-fraction", "0.5"], "--eval-every must be an integer >= 1, got 0"),
+    (["--eval-every", "0", "--eval-fraction", "0.5"], "--eval-every must be >= 1, got 0"),
     (["--eval-data", "EVAL", "--eval-fraction", "0.5"], "pass either --eval-data or --eval-fraction, not both"),
     (["--no-eval", "--eval-data", "EVAL"], "--no-eval turns held-out evaluation off; drop --eval-data"),
     (["--no-eval", "--eval-samples", "2"], "--no-eval turns held-out evaluation off; drop --eval-samples"),
@@ -252,23 +284,25 @@ def test_eval_fraction_and_eval_data_evaluate_every_epoch(model_dir, data_file, 
     out = tmp_path / "frac"
     assert main(_train_argv(model_dir, data_file, out, "--eval-fraction", "0.5", "--eval-samples", "2",
                             "--modes", "vanilla,spec", "--epochs", "2")) == 0  # fmt: skip
-    summary = json.loads((out / "summary.json").read_text())
+    summary = json.loads((out / "summary.json").read_text())["runs"]
     info = json.loads((out / "run_info.json").read_text())
-    assert info["train_prompts"] == 1 and info["eval_prompts"] == 1 and info["config"]["eval_samples"] == 2
+    assert info["train_prompts"] == 1 and info["eval_prompts"] == 1
+    assert {m: c["eval_samples"] for m, c in info["runs"].items()} == {"vanilla": 2, "spec": 2}
     for mode in ("vanilla", "spec"):
         assert all("heldout_reward" in r and "heldout_greedy_accuracy" in r for r in summary[mode])
         assert "start_heldout_reward" in summary[mode][0]
     printed = capsys.readouterr().out
     assert "held-out: 1 prompts x 2 sample(s) + greedy" in printed
     assert "vanilla: held-out reward" in printed and "final held-out reward" in printed
-    assert "| held-out |" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "| held-out |" in report and "1 prompts not trained on, 2 fresh sample(s) each" in report
     out = tmp_path / "file"
     assert main(_train_argv(model_dir, data_file, out, "--eval-data", str(data_file))) == 0
     assert json.loads((out / "run_info.json").read_text())["eval_prompts"] == 2
     assert "2 --eval-data prompt(s) are also training prompts" in capsys.readouterr().err
     out = tmp_path / "off"
     assert main(_train_argv(model_dir, data_file, out, "--no-eval")) == 0
-    assert "heldout_reward" not in json.loads((out / "summary.json").read_text())["vanilla"][0]
+    assert "heldout_reward" not in json.loads((out / "summary.json").read_text())["runs"]["vanilla"][0]
 
 
 def test_vllm_backend_without_vllm_is_refused_before_the_run(model_dir, data_file, tmp_path, capsys):
@@ -308,4 +342,4 @@ def test_resume_under_another_training_recipe_is_refused_even_when_the_run_is_co
 
 def test_a_group_of_one_is_refused(model_dir, data_file, tmp_path, capsys):
     line = _error_line(capsys, _train_argv(model_dir, data_file, tmp_path / "run", "--group-size", "1"))
-    assert line.startswith("spec-rl: error: --group-size") and "G >= 2" in line
+    assert line.startswith("spec-rl: error: --group-size must be >= 2, got 1") and "the G samples of a prompt" in line

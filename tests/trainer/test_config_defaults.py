@@ -1,156 +1,176 @@
-"""Lenience defaults per algorithm (paper App. A.1), adaptive lenience and random-ref in the trainer config and CLI."""
+"""The runs of the command line: --modes, the flags that change the selected runs' modes, and the defaults of the
+demo (l = 1, without-draft draw) and of a user's model (the paper's e^0.5 for GRPO, e^0.15 for DAPO's clip-higher)."""
 
+import json
 import math
 
 import pytest
 
-from spec_rl.cli import _config, build_parser
-from spec_rl.cli_modes import chosen_runs
-from spec_rl.trainer.config import MODE_PRESETS, ConfigError, GRPOConfig
+from spec_rl.acceptance.mode import MODES, RolloutMode
+from spec_rl.cli import UsageError, _config, _lenient_note, _modes, _one_line, build_parser
+from spec_rl.sampling.distribution import SamplingSettings
+from spec_rl.trainer.config import (
+    DEMO_DEFAULTS,
+    DEMO_MODES,
+    DEMO_SPEC,
+    MODEL_DEFAULTS,
+    GRPOConfig,
+    config_from,
+    demo_config,
+)
 
 
-def test_the_paper_default_follows_the_algorithm_unless_a_lenience_is_given():
-    assert GRPOConfig().lenience == pytest.approx(math.exp(0.5))
-    dapo = GRPOConfig(algorithm="dapo")
-    assert dapo.lenience == pytest.approx(math.exp(0.15))
-    assert dapo.to_dict()["lenience_source"] == "paper default for DAPO (App. A.1)"
-    assert GRPOConfig(algorithm="ppo").lenience == pytest.approx(math.exp(0.3))
-    given = GRPOConfig(algorithm="dapo", lenience=2.0)
-    assert given.lenience == 2.0 and given.to_dict()["lenience_source"] == "given"
-    with pytest.raises(ConfigError, match="algorithm"):
-        GRPOConfig(algorithm="reinforce")
-
-
-def test_cli_clip_higher_takes_dapos_lenience_and_records_why():
-    args = build_parser().parse_args(["train", "--clip-higher"])
-    cfg = _config(args, demo=True)
-    assert cfg.clip_high == 0.28 and cfg.lenience == pytest.approx(math.exp(0.15))
-    assert "DAPO" in cfg.to_dict()["lenience_source"]
-    args = build_parser().parse_args(["train", "--clip-higher", "--lenience", "1.5"])
-    assert _config(args, demo=True).lenience == 1.5
-
-
-def test_auto_lenience_and_random_ref_are_runs_of_their_own():
-    args = build_parser().parse_args(["train", "--lenience", "auto", "--target-drift", "0.05"])
-    cfg = _config(args, demo=True)
-    assert cfg.lenience == "auto" and cfg.target_drift == 0.05 and cfg.to_dict()["log_lenience"] == "auto"
-    assert MODE_PRESETS["auto"]["lenience"] == "auto"
-    assert GRPOConfig(mode="random-ref").rollout_strategy == "random-ref"
-    args = build_parser().parse_args(["train", "--reuse", "random-ref", "--no-compare"])
-    assert chosen_runs(args, demo=True) == ["random-ref"]
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["train", "--lenience", "often"])
-    with pytest.raises(ConfigError, match="target_drift"):
-        GRPOConfig(lenience="auto", target_drift=0.0)
+def _args(*argv):
+    return build_parser().parse_args(["train", *argv])
 
 
 def test_the_demo_runs_l1_without_draft_and_a_users_model_the_papers_rule():
-    from spec_rl.cli_modes import UsageError
-    from spec_rl.trainer.run import mode_configs
-
-    demo = _config(build_parser().parse_args(["train"]), demo=True)
-    assert demo.lenience == 1.0 and demo.rejection_draw == "without-draft" and "6 seeds" in demo.to_dict()["lenience_source"]
-    model = _config(build_parser().parse_args(["train", "--model", "m"]), demo=False)
-    assert model.lenience == pytest.approx(math.exp(0.5)) and model.rejection_draw == "policy"
-    paper = _config(build_parser().parse_args(["train", "--rejection-draw", "policy"]), demo=True)
-    assert paper.rejection_draw == "policy"
-    # the demo's rule is the pair (l = 1, without-draft): a lenience or algorithm of the user's gets the paper's draw
-    for argv in (["--acceptance", "exact"], ["--lenience", "2"], ["--lenience", "0"], ["--clip-higher"]):
-        assert _config(build_parser().parse_args(["train", *argv]), demo=True).rejection_draw == "policy", argv
-    # the demo's own lenience, given explicitly, is still the demo's rule (a resume that repeats it changes nothing)
-    assert _config(build_parser().parse_args(["train", "--lenience", "1"]), demo=True).rejection_draw == "without-draft"
-    mine = _config(build_parser().parse_args(["train", "--lenience", "2", "--rejection-draw", "without-draft"]), demo=True)
-    assert mine.lenience == 2.0 and mine.rejection_draw == "without-draft"
-    auto = build_parser().parse_args(["train", "--modes", "vanilla,auto", "--rejection-draw", "without-draft"])
-    assert chosen_runs(auto, demo=True) == ["vanilla", "auto"]
-    # each run of the demo: only the lenient spec run draws without the draft token
-    runs = mode_configs(demo, ["vanilla", "spec", "exact", "histspec", "random"])
-    assert {m: c.rejection_draw for m, c in runs.items()} == {
-        "vanilla": "policy", "spec": "without-draft", "exact": "policy", "histspec": "policy", "random": "policy"}
-    for argv in (["--rejection-draw", "without-draft", "--modes", "vanilla,exact"], ["--rejection-draw", "policy", "--no-spec"],
-                 ["--rejection-draw", "without-draft", "--acceptance", "exact"], ["--rejection-draw", "policy", "--reuse", "random"]):
-        with pytest.raises(UsageError, match="--rejection-draw applies to lenient SPEC-RL runs .* drop --rejection-draw"):
-            chosen_runs(build_parser().parse_args(["train", *argv]), demo=True)
-    with pytest.raises(ConfigError, match="needs lenience >= 1"):
-        _config(build_parser().parse_args(["train", "--lenience", "0.5", "--rejection-draw", "without-draft"]), demo=True)
-    with pytest.raises(UsageError, match="invalid choice"):
-        build_parser().parse_args(["train", "--rejection-draw", "residual"])
+    demo = _modes(_args(), demo=True)
+    assert list(demo) == list(DEMO_MODES) == ["vanilla", "spec", "exact", "histspec"]
+    assert DEMO_SPEC == dict(lenience=1.0, rejection_draw="without-draft")
+    assert demo == {"vanilla": MODES["vanilla"], "spec": RolloutMode("lenient", 1.0, "without-draft"),
+                    "exact": MODES["exact"], "histspec": MODES["histspec"]}  # fmt: skip
+    assert _modes(_args("--model", "m"), demo=False) == {"spec": MODES["spec"]}
+    assert MODES["spec"].lenience == pytest.approx(math.exp(0.5)) and MODES["spec"].rejection_draw == "policy"
+    # the user's flags replace the defaults they name, the others stay
+    assert _modes(_args("--rejection-draw", "policy"), demo=True)["spec"] == RolloutMode("lenient", 1.0, "policy")
+    assert _modes(_args("--lenience", "2"), demo=True)["spec"] == RolloutMode("lenient", 2.0, "without-draft")
+    mine = _modes(_args("--model", "m", "--lenience", "e^0.3", "--rejection-draw", "without-draft"), demo=False)
+    assert mine["spec"] == RolloutMode("lenient", math.exp(0.3), "without-draft")
+    assert _modes(_args("--lenience", "inf"), demo=True)["spec"].lenience == math.inf
 
 
-def test_resume_under_another_rejection_draw_is_refused(tmp_path):
-    import json
-
-    from spec_rl.trainer.resume_check import ConfigChangeError, check_resume, run_fingerprint
-
-    def fingerprint(draw):
-        return run_fingerprint(GRPOConfig(lenience=1.0, rejection_draw=draw), "m", [2], [], None)
-
-    (tmp_path / "run_info.json").write_text(json.dumps({"fingerprint": fingerprint("policy")}))
-    assert check_resume(tmp_path, fingerprint("policy"), allow_change=False) == []
-    with pytest.raises(ConfigChangeError, match="rejection_draw: 'policy' -> 'without-draft'"):
-        check_resume(tmp_path, fingerprint("without-draft"), allow_change=False)
-    (change,) = check_resume(tmp_path, fingerprint("without-draft"), allow_change=True)
-    assert change["field"] == "rejection_draw" and change["new"] == "without-draft"
+def test_clip_higher_takes_dapos_lenience_on_a_users_model_only():
+    demo = _args("--clip-higher")
+    assert _config(demo, demo=True).clip_high == 0.28
+    assert _modes(demo, demo=True)["spec"] == RolloutMode("lenient", 1.0, "without-draft")
+    model = _args("--model", "m", "--clip-higher")
+    assert _config(model, demo=False).clip_high == 0.28
+    assert _modes(model, demo=False)["spec"] == RolloutMode("lenient", math.exp(0.15), "policy")
+    for demo_run in (True, False):
+        args = _args("--model", "m", "--clip-higher", "--lenience", "1.5")
+        assert _modes(args, demo=demo_run)["spec"].lenience == 1.5
 
 
-def test_resume_under_another_eval_schedule_is_refused_by_its_flag(tmp_path):
-    import json
-
-    from spec_rl.cli import _one_line
-    from spec_rl.trainer.resume_check import ConfigChangeError, check_resume, run_fingerprint
-
-    def fingerprint(every):
-        return run_fingerprint(GRPOConfig(eval_every=every), "m", [2], [], None)
-
-    (tmp_path / "run_info.json").write_text(json.dumps({"fingerprint": fingerprint(1)}))
-    assert check_resume(tmp_path, fingerprint(1), allow_change=False) == []
-    with pytest.raises(ConfigChangeError) as err:
-        check_resume(tmp_path, fingerprint(2), allow_change=False)
-    assert "--eval-every: 1 -> 2" in _one_line(err.value)
-    old = json.loads((tmp_path / "run_info.json").read_text())["fingerprint"]
-    del old["eval_every"]  # a run stored before eval_every was compared resumes as before
-    (tmp_path / "run_info.json").write_text(json.dumps({"fingerprint": old}))
-    assert check_resume(tmp_path, fingerprint(2), allow_change=False) == []
-
-
-def test_the_header_and_the_records_name_the_draw_only_where_a_run_uses_it():
-    from spec_rl.cli import _draw_note
-    from spec_rl.trainer.records import epoch_record
-
-    demo = _config(build_parser().parse_args(["train"]), demo=True)
-    assert _draw_note(demo, ["vanilla", "spec", "exact", "histspec"]) == " (rejection draw: without-draft)"
-    assert _draw_note(demo, ["vanilla", "auto"]) == " (rejection draw: without-draft)"
-    assert _draw_note(demo, ["vanilla", "histspec"]) == "" and _draw_note(GRPOConfig(), ["spec"]) == ""
-    step = {"num_samples": 4, "reward_sum": 2.0}
-    assert epoch_record(1, [step], "spec", 1.0, "lenient", "without-draft")["rejection_draw"] == "without-draft"
-    assert epoch_record(1, [step], "exact", 1.0, "exact")["rejection_draw"] == "policy"
+def test_no_tail_turns_tail_speculation_off_in_the_runs_that_have_it():
+    runs = _modes(_args("--modes", "vanilla,spec,exact,random,histspec", "--no-tail"), demo=True)
+    assert [m.tail for m in runs.values()] == [False, False, False, False, True]  # histspec is tail speculation
+    assert runs["spec"] == RolloutMode("lenient", 1.0, "without-draft", tail=False)
+    assert all(m.tail for m in _modes(_args(), demo=True).values() if m.reuses_drafts)
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--lenience", "0", "--reuse", "random"], r"--lenience 0 is vanilla GRPO \(no reuse\), so --reuse random would be ignored"),
-    (["--no-spec", "--compare"], "the selected run is plain vanilla .* so --compare would be ignored"),
-    (["--no-spec", "--lenience", "2"], r"--lenience 2.0 applies to lenient SPEC-RL runs \(spec\), and the selected runs \(vanilla\)"),
-    (["--modes", "exact", "--lenience", "2"], "--lenience 2.0 applies to lenient SPEC-RL runs"),
-    (["--modes", "exact", "--lenience", "auto"], r"--lenience auto applies to lenient SPEC-RL runs \(spec, auto\)"),
-    (["--modes", "auto", "--lenience", "2"], "auto adapts its own"),
-    (["--modes", "vanilla,histspec,random", "--lenience", "inf"], "--lenience inf applies"),
-    (["--modes", "vanilla", "--spec-tokens", "4"], "so --spec-tokens would be ignored; drop it, or run histspec"),
-    (["--modes", "vanilla", "--history-spec"], "so --history-spec would be ignored"),
+    (["--modes", "exact", "--lenience", "2"], "--lenience applies to the runs spec; the selected runs (exact) have no "
+                                              "such setting: drop --lenience, or add such a run to --modes"),
+    (["--modes", "vanilla,histspec,random", "--lenience", "inf"], "--lenience applies to the runs spec;"),
+    (["--modes", "vanilla", "--no-tail"], "--no-tail applies to the runs spec, exact, random; the selected runs ("),
+    (["--modes", "vanilla,histspec", "--no-tail"], "the selected runs (vanilla, histspec) have no such setting"),
+    (["--modes", "vanilla,exact", "--rejection-draw", "without-draft"], "--rejection-draw applies to the runs spec"),
+    (["--modes", "random", "--rejection-draw", "policy"], "drop --rejection-draw"),
+    (["--modes", "spec,exact,spec"], "--modes names a run twice: 'spec,exact,spec' (each run has one folder)"),
+    (["--modes", "random-ref"], "--modes takes vanilla, histspec, spec, exact, random; got 'random-ref'"),
+    (["--modes", "auto"], "--modes takes vanilla, histspec, spec, exact, random; got 'auto'"),
+    (["--modes", " , "], "--modes takes"),
 ])  # fmt: skip
-def test_flags_the_chosen_runs_would_ignore_are_refused(argv, message):
-    from spec_rl.cli_modes import UsageError
-
-    with pytest.raises(UsageError, match=message):
-        chosen_runs(build_parser().parse_args(["train", *argv]), demo=True)
+def test_mode_flags_no_selected_run_has_and_bad_runs_are_refused(argv, message):
+    with pytest.raises(UsageError) as err:
+        _modes(_args(*argv), demo=True)
+    assert message in str(err.value)
+    assert err.value.code == 2
 
 
 @pytest.mark.parametrize("argv, runs", [
-    (["--modes", "spec,exact", "--lenience", "2"], ["spec", "exact"]),
-    (["--modes", "exact", "--lenience", "1"], ["exact"]),  # 1 is "not set" for exact, as in the adapters
-    (["--modes", "auto", "--lenience", "auto"], ["auto"]),
-    (["--modes", "vanilla,histspec", "--spec-tokens", "4"], ["vanilla", "histspec"]),
-    (["--reuse", "random", "--no-compare"], ["random"]),
-    (["--lenience", "0"], ["vanilla"]),
+    (["--modes", "spec,exact", "--lenience", "2"], {"spec": RolloutMode("lenient", 2.0, "without-draft"),
+                                                    "exact": MODES["exact"]}),
+    (["--modes", "vanilla,exact", "--no-tail"], {"vanilla": MODES["vanilla"],
+                                                 "exact": RolloutMode("exact", tail=False)}),
+    (["--modes", " random , spec "], {"random": MODES["random"], "spec": RolloutMode("lenient", 1.0, "without-draft")}),
+    (["--modes", "histspec"], {"histspec": MODES["histspec"]}),
 ])  # fmt: skip
-def test_flags_the_chosen_runs_use_are_taken(argv, runs):
-    assert chosen_runs(build_parser().parse_args(["train", *argv]), demo=True) == runs
+def test_mode_flags_some_selected_run_has_are_taken(argv, runs):
+    assert _modes(_args(*argv), demo=True) == runs
+
+
+@pytest.mark.parametrize("argv", [
+    ["--lenience", "often"], ["--lenience", "0"], ["--lenience", "-1"], ["--lenience", "nan"], ["--lenience", "auto"],
+    ["--rejection-draw", "residual"], ["--spec-tokens", "0"], ["--no-spec"], ["--reuse", "random"], ["--compare"],
+    ["--acceptance", "exact"], ["--history-spec"], ["--sibling-drafts"], ["--target-drift", "0.05"],
+])  # fmt: skip
+def test_bad_and_unknown_flags_are_refused_by_the_parser(argv):
+    with pytest.raises(UsageError) as err:
+        _args(*argv)
+    assert argv[0] in str(err.value)
+
+
+def test_the_demo_and_model_defaults_make_configs():
+    demo = _config(_args(), demo=True)
+    assert demo == config_from(DEMO_DEFAULTS, spec_tokens=8, eval_every=1)
+    assert demo.sampling.max_tokens == DEMO_DEFAULTS["max_response_len"] == 160 and demo.sampling.temperature == 1.0
+    model = _config(_args("--model", "m", "--temperature", "0.7", "--max-response-len", "64"), demo=False)
+    assert model.sampling.temperature == 0.7 and model.sampling.max_tokens == 64
+    assert model.lr == MODEL_DEFAULTS["lr"] and model.group_size == MODEL_DEFAULTS["group_size"]
+    assert _config(_args("--spec-tokens", "3"), demo=True).spec_tokens == 3
+    assert demo_config() == config_from(DEMO_DEFAULTS) and demo_config(epochs=2).epochs == 2
+    assert config_from(MODEL_DEFAULTS, SamplingSettings(top_p=0.9, max_tokens=7)).sampling == SamplingSettings(
+        top_p=0.9, max_tokens=MODEL_DEFAULTS["max_response_len"])  # the defaults' budget replaces the settings' own
+
+
+def test_resume_under_another_mode_is_refused_naming_the_run(tmp_path):
+    from spec_rl.trainer.resume_check import ConfigChangeError, check_resume, run_fingerprint
+
+    def fingerprint(**modes):
+        return run_fingerprint(GRPOConfig(), modes, "m", [2], [], None)
+
+    policy, without = RolloutMode("lenient", 1.0, "policy"), RolloutMode("lenient", 1.0, "without-draft")
+    stored = fingerprint(vanilla=MODES["vanilla"], spec=policy)
+    (tmp_path / "run_info.json").write_text(json.dumps({"fingerprint": stored}))
+    assert check_resume(tmp_path, fingerprint(vanilla=MODES["vanilla"], spec=policy), allow_change=False) == []
+    # tail speculation changes decode steps, never a token: not compared
+    assert check_resume(tmp_path, fingerprint(vanilla=MODES["vanilla"], spec=RolloutMode("lenient", 1.0, tail=False)),
+                        allow_change=False) == []  # fmt: skip
+    with pytest.raises(ConfigChangeError) as err:
+        check_resume(tmp_path, fingerprint(vanilla=MODES["vanilla"], spec=without), allow_change=False)
+    assert [k for k, _, _ in err.value.changes] == ["mode:spec"]
+    line = _one_line(err.value)
+    assert "the mode of run spec: {" in line and "'rejection_draw': 'policy'" in line
+    assert "'rejection_draw': 'without-draft'" in line
+    (change,) = check_resume(tmp_path, fingerprint(vanilla=MODES["vanilla"], spec=without), allow_change=True)
+    assert change["field"] == "mode:spec" and change["new"]["rejection_draw"] == "without-draft"
+
+
+def test_resume_under_another_training_recipe_names_the_flag(tmp_path):
+    from spec_rl.trainer.resume_check import ConfigChangeError, check_resume, run_fingerprint
+
+    def fingerprint(**config):
+        return run_fingerprint(GRPOConfig(**config), {"spec": MODES["spec"]}, "m", [2], [], None)
+
+    (tmp_path / "run_info.json").write_text(json.dumps({"fingerprint": fingerprint(lr=1e-4)}))
+    assert check_resume(tmp_path, fingerprint(lr=1e-4, spec_tokens=3, epochs=9), allow_change=False) == []
+    with pytest.raises(ConfigChangeError) as err:
+        check_resume(tmp_path, fingerprint(lr=2e-4, group_size=8), allow_change=False)
+    assert "(--group-size: 4 -> 8; --lr: 0.0001 -> 0.0002)" in _one_line(err.value)
+    with pytest.raises(ConfigChangeError) as err:  # another held-out schedule would leave gaps read as the new one's
+        check_resume(tmp_path, fingerprint(lr=1e-4, eval_every=2), allow_change=False)
+    assert "(--eval-every: 1 -> 2)" in _one_line(err.value)
+
+
+def test_the_demo_draw_follows_a_lenience_below_one():
+    assert _modes(_args("--lenience", "0.5"), demo=True)["spec"] == RolloutMode("lenient", 0.5, "policy")
+    assert _modes(_args("--lenience", "2"), demo=True)["spec"] == RolloutMode("lenient", 2.0, "without-draft")
+
+
+def test_the_header_and_the_records_name_the_rule_only_where_a_run_uses_it():
+    from spec_rl.trainer.records import epoch_record
+
+    assert _lenient_note(_modes(_args(), demo=True)) == " | lenience l=1 (rejection draw: without-draft)"
+    assert _lenient_note(_modes(_args("--modes", "vanilla,histspec,exact"), demo=True)) == ""
+    assert _lenient_note({"spec": MODES["spec"]}) == " | lenience l=1.649 (rejection draw: policy)"
+    step = {"num_samples": 4, "reward_sum": 2.0}
+    spec = epoch_record(1, [step], "spec", RolloutMode("lenient", 1.0, "without-draft"))
+    assert {k: spec[k] for k in ("mode", "acceptance", "lenience", "rejection_draw", "tail", "log_lenience")} == {
+        "mode": "spec", "acceptance": "lenient", "lenience": 1.0, "rejection_draw": "without-draft", "tail": True,
+        "log_lenience": 0.0}  # fmt: skip
+    exact = epoch_record(1, [step], "exact", MODES["exact"])
+    assert (exact["acceptance"], exact["lenience"], exact["rejection_draw"]) == ("exact", None, "policy")
+    assert epoch_record(1, [step], "vanilla", MODES["vanilla"])["acceptance"] is None
+    assert "strategy" not in spec and "history_spec" not in spec

@@ -83,7 +83,7 @@ def _without_timings(record: dict) -> dict:
 
 def _results(out: Path) -> tuple[dict, dict]:
     """(summary without timings, {mode: [step metrics without timings]}); asserts every step is listed once."""
-    summary = json.loads((out / "summary.json").read_text())
+    summary = json.loads((out / "summary.json").read_text())["runs"]
     steps = {}
     for mode in MODES:
         lines = [json.loads(x) for x in (out / mode / "metrics.jsonl").read_text().splitlines()]
@@ -120,7 +120,7 @@ def _pointer(out: Path, mode: str) -> str | None:
 
 
 def _epochs_in_summary(out: Path, mode: str) -> list[int]:
-    return [r["epoch"] for r in json.loads((out / "summary.json").read_text()).get(mode, [])]
+    return [r["epoch"] for r in json.loads((out / "summary.json").read_text())["runs"].get(mode, [])]
 
 
 # (SPEC_RL_FAULT of one run, what that kill must have left on disk). Each run after the first resumes
@@ -168,7 +168,8 @@ def test_kill_at_named_points_then_resume_matches_an_uninterrupted_run(inputs, u
     summary, steps, _ = uninterrupted
     assert _results(out) == (summary, steps)
     _assert_clean(out)
-    assert latest_checkpoint(out / "spec").state["records"] == json.loads((out / "summary.json").read_text())["spec"]
+    runs = json.loads((out / "summary.json").read_text())["runs"]
+    assert latest_checkpoint(out / "spec").state["records"] == runs["spec"]
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 from tiny_models import tiny_model, tiny_tokenizer
 
+from spec_rl.acceptance.mode import MODES
 from spec_rl.rollout.reward_split import ORIGINS, origin_means, origin_sums, response_origins
 from spec_rl.sampling.distribution import SamplingSettings
 from spec_rl.tasks.data import Example
@@ -36,11 +37,12 @@ def _parity(text: str, gold: str) -> float:
     return float(len(text) % 2)  # a reward the tiny random policy earns about half of the time
 
 
-def _config(**kw):
-    base = dict(epochs=2, group_size=4, prompts_per_step=2, max_response_len=10, lr=1e-2, seed=5, eval_samples=3,
-                lenience=0.5, save_checkpoint=False)  # fmt: skip
+def _config(mode="spec", lenience=0.5, **kw):
+    """A small config; ``mode`` names a run of MODES, whose lenience (where it has one) is ``lenience``."""
+    base = dict(epochs=2, group_size=4, prompts_per_step=2, sampling=SamplingSettings(max_tokens=10), lr=1e-2, seed=5,
+                eval_samples=3, save_checkpoint=False)  # fmt: skip
     base.update(kw)
-    return GRPOConfig(**base)
+    return GRPOConfig(mode=MODES[mode].with_overrides(lenience=lenience), **base)
 
 
 def _trainer(tmp_path, model=None, **kw):
@@ -84,12 +86,14 @@ def test_eval_every_skips_epochs_but_always_evaluates_the_warm_start_and_the_las
 
 
 def test_lossless_modes_beside_vanilla_are_evaluated_after_the_last_epoch_only():
-    from spec_rl.trainer.run import mode_configs
+    from spec_rl.trainer.run import run_configs
 
     base = _config(epochs=4)
-    together = mode_configs(base, ["vanilla", "spec", "exact", "histspec"])
+    together = run_configs(base, {m: MODES[m] for m in ("vanilla", "spec", "exact", "histspec")})
     assert {m: c.eval_every for m, c in together.items()} == {"vanilla": 1, "spec": 1, "exact": 4, "histspec": 4}
-    alone = mode_configs(base, ["exact", "histspec"])  # nothing to repeat: every epoch
+    assert {m: c.mode for m, c in together.items()} == {m: MODES[m] for m in together}
+    assert all(c.lr == base.lr and c.sampling == base.sampling for c in together.values())
+    alone = run_configs(base, {m: MODES[m] for m in ("exact", "histspec")})  # nothing to repeat: every epoch
     assert {c.eval_every for c in alone.values()} == {1}
 
 
@@ -99,6 +103,18 @@ def test_the_warm_start_evaluation_is_the_same_in_every_mode(tmp_path):
         records = _trainer(tmp_path / mode, mode=mode, epochs=1).train()
         starts[mode] = {k: records[0][START + k] for k in FIELDS if k != "heldout_seconds"}
     assert starts["vanilla"] == starts["spec"] == starts["random"]
+
+
+def test_a_known_warm_start_evaluation_is_not_redone(tmp_path, seen_seeds):
+    first = _trainer(tmp_path / "spec", epochs=1)
+    assert first.initial_heldout is None
+    first.train()
+    assert set(FIELDS) <= set(first.initial_heldout) and len(seen_seeds) == 2
+    second = _trainer(tmp_path / "vanilla", mode="vanilla", epochs=1)
+    second.initial_heldout = first.initial_heldout  # another run from the same weights, seed and held-out set
+    (rec,) = second.train()
+    assert seen_seeds[2:] == [heldout_seed(5, 1)]  # after its epoch only
+    assert all(rec[START + k] == first.initial_heldout[k] for k in FIELDS)
 
 
 def test_evaluation_uses_fresh_samples_whatever_the_cache(tmp_path):

@@ -5,6 +5,8 @@ import math
 
 import pytest
 
+from spec_rl.acceptance.mode import MODES, RolloutMode
+from spec_rl.sampling.distribution import SamplingSettings
 from spec_rl.tasks.data import Example
 from spec_rl.trainer.config import GRPOConfig
 from spec_rl.trainer.sweep import PAPER, SETTINGS, Setting, aggregate, chosen_settings, markdown, run_sweep
@@ -20,12 +22,13 @@ def _parity(text: str, gold: str) -> float:
 
 
 def test_sweep_runs_every_setting_and_seed_and_resumes(model_dir, tmp_path):
-    base = GRPOConfig(epochs=2, group_size=2, prompts_per_step=2, max_response_len=6, lr=1e-2, eval_samples=2,
-                      max_model_len=64, device="cpu")  # fmt: skip
-    settings = (SETTINGS[0], Setting("l=inf", "spec", (("lenience", math.inf),)), Setting("exact", "exact"))
+    base = GRPOConfig(epochs=2, group_size=2, prompts_per_step=2, sampling=SamplingSettings(max_tokens=6), lr=1e-2,
+                      eval_samples=2, max_model_len=64, device="cpu")  # fmt: skip
+    settings = (SETTINGS[0], Setting("l=inf", RolloutMode("lenient", lenience=math.inf)),
+                Setting("exact", MODES["exact"]))
     train, heldout = _examples([(1, 2), (3, 4)], "t"), _examples([(1, 1)], "e")
     out = tmp_path / "sweep"
-    rows = run_sweep(model_dir, train, heldout, _parity, base, out, "small", 2, settings, log=lambda s: None, progress=False)
+    rows = run_sweep(model_dir, train, heldout, _parity, base, out, "small", 2, settings, progress=False)
     assert [r["setting"] for r in rows] == ["vanilla", "l=inf", "exact"]
     assert all(r["seeds"] == 2 for r in rows)
     by = {r["setting"]: r for r in rows}
@@ -33,14 +36,18 @@ def test_sweep_runs_every_setting_and_seed_and_resumes(model_dir, tmp_path):
     assert by["l=inf"]["generated_tokens"] == 0  # l = inf reuses every draft from epoch 2 on
     for name in ("vanilla", "l=inf", "exact"):
         for seed in range(2):
-            assert (out / name / f"seed{seed}" / "summary.json").is_file()
+            runs = json.loads((out / name / f"seed{seed}" / "summary.json").read_text())["runs"]
+            assert list(runs) == [name]  # each run's label is its setting's name
+            assert runs[name][0]["acceptance"] == {"vanilla": None, "l=inf": "lenient", "exact": "exact"}[name]
+    inf_run = json.loads((out / "l=inf" / "seed1" / "summary.json").read_text())["runs"]["l=inf"]
+    assert inf_run[0]["lenience"] == math.inf
     data = json.loads((out / "sweep.json").read_text())
     assert data["info"]["seeds"] == 2 and set(data["runs"]) == {"vanilla", "l=inf", "exact"}
     assert (out / "sweep.png").stat().st_size > 0
     md = (out / "sweep.md").read_text()
     assert "14.86x" in md and "| l=inf |" in md  # the paper's numbers beside ours
     stamp = (out / "vanilla" / "seed0" / "summary.json").stat().st_mtime_ns
-    again = run_sweep(model_dir, train, heldout, _parity, base, out, "small", 2, settings, log=lambda s: None, progress=False)
+    again = run_sweep(model_dir, train, heldout, _parity, base, out, "small", 2, settings, progress=False)
     assert (out / "vanilla" / "seed0" / "summary.json").stat().st_mtime_ns == stamp  # finished runs are not redone
     assert again == rows
 
@@ -66,6 +73,20 @@ def test_aggregate_and_table_layout():
     assert "| l=e^0.5 | 20 | 0.200 |" in md and str(PAPER["l=e^0.5"]["speedup"]) in md
     with pytest.raises(ValueError, match="preset"):
         run_sweep(".", [], [], _parity, GRPOConfig(), ".", "huge", 1)
+
+
+def test_the_settings_and_their_modes():
+    by = {x.name: x.mode for x in SETTINGS}
+    assert list(by)[:2] == ["vanilla", "random"]
+    assert by["vanilla"] == MODES["vanilla"] and by["random"] == MODES["random"]
+    assert by["exact"] == MODES["exact"] and "random-ref" not in by and "auto" not in by
+    grid = {"1": 1.0, "e^0.2": math.exp(0.2), "e^0.5": math.exp(0.5), "e^1": math.e, "e^2": math.exp(2.0),
+            "inf": math.inf}
+    for name, lenience in grid.items():
+        assert by[f"l={name}"] == RolloutMode("lenient", lenience=lenience, rejection_draw="policy", tail=True)
+    for name in ("1", "e^0.2", "e^0.5"):
+        assert by[f"l={name}-excl"] == RolloutMode("lenient", lenience=grid[name], rejection_draw="without-draft")
+    assert len(SETTINGS) == 2 + len(grid) + 1 + 3
 
 
 def test_settings_flag_names_the_unknown_setting_and_puts_vanilla_first():

@@ -7,6 +7,8 @@ import pytest
 import torch
 from tiny_models import tiny_model, tiny_tokenizer
 
+from spec_rl.acceptance.mode import MODES
+from spec_rl.sampling.distribution import SamplingSettings
 from spec_rl.trainer import GRPOConfig, GRPOTrainer, clipped_policy_loss, group_advantages, response_mask
 from spec_rl.trainer.checkpoint import latest_checkpoint
 from spec_rl.trainer.run import load_policy, run_modes
@@ -78,7 +80,8 @@ def _reward(text: str, gold: str) -> float:
 
 
 def _config(**kw):
-    base = dict(epochs=1, group_size=4, prompts_per_step=4, max_response_len=12, lr=1e-2, seed=0, save_checkpoint=False)
+    base = dict(epochs=1, group_size=4, prompts_per_step=4, sampling=SamplingSettings(max_tokens=12), lr=1e-2, seed=0,
+                save_checkpoint=False)  # fmt: skip
     base.update(kw)
     return GRPOConfig(**base)
 
@@ -108,12 +111,15 @@ def test_all_zero_advantages_give_no_update(tmp_path):
 def test_bad_trainer_input(tmp_path):
     with pytest.raises(ValueError, match="empty"):
         GRPOTrainer(tiny_model(), tiny_tokenizer(), [], _reward, _config(), tmp_path)
-    with pytest.raises(ValueError, match="mode"):
+    with pytest.raises(TypeError, match="^mode must be a RolloutMode"):
         GRPOConfig(mode="fast")
-    with pytest.raises(ValueError, match="lenience"):
-        GRPOConfig(lenience=-1)
-    with pytest.raises(ValueError, match="group_size"):
+    with pytest.raises(ValueError, match="^lenience"):
+        GRPOConfig(mode=MODES["spec"].with_overrides(lenience=-1))
+    with pytest.raises(ValueError, match="^group_size"):
         GRPOConfig(group_size=0)
+    with pytest.raises(ValueError, match=r"unknown mode\(s\) \['random-ref'\]; choose from \['vanilla', 'histspec'"):
+        run_modes(tmp_path / "policy", EXAMPLES, _reward, _config(), ["vanilla", "random-ref"], tmp_path / "run")
+    assert not (tmp_path / "run").exists()  # refused before anything is written
 
 
 @pytest.mark.slow
@@ -121,9 +127,10 @@ def test_two_epoch_end_to_end_reuses_drafts_and_resumes(tmp_path):
     model_dir = tmp_path / "policy"
     tiny_model(seed=0).save_pretrained(model_dir)
     tiny_tokenizer().save_pretrained(model_dir)
-    cfg = _config(epochs=2, lr=1e-3, lenience=math.exp(0.5), save_checkpoint=True)
+    cfg = _config(epochs=2, lr=1e-3, save_checkpoint=True)
+    assert cfg.mode == MODES["spec"] and cfg.mode.lenience == pytest.approx(math.exp(0.5))
     out = tmp_path / "run"
-    summary = run_modes(model_dir, EXAMPLES, _reward, cfg, ["vanilla", "spec"], out, progress=False, log=lambda s: None)
+    summary = run_modes(model_dir, EXAMPLES, _reward, cfg, ["vanilla", "spec"], out, progress=False)
     spec, vanilla = summary["spec"], summary["vanilla"]
     assert [r["epoch"] for r in spec] == [1, 2]
     assert spec[0]["drafts_found"] == 0 and spec[0]["reused_tokens"] == 0
@@ -131,16 +138,18 @@ def test_two_epoch_end_to_end_reuses_drafts_and_resumes(tmp_path):
     assert spec[1]["generated_tokens"] < vanilla[1]["generated_tokens"]
     assert vanilla[1]["reused_tokens"] == 0
     on_disk = json.loads((out / "summary.json").read_text())
+    assert set(on_disk) == {"versions", "runs"} and on_disk["runs"] == summary
+    assert on_disk["versions"]["torch"] == torch.__version__ and "python" in on_disk["versions"]
     for key in ("epoch", "mean_reward", "generated_tokens", "reused_tokens", "full_reuse_ratio", "mean_verified_prefix",
                 "rollout_seconds", "scoring_seconds"):
-        assert key in on_disk["spec"][1]
+        assert key in on_disk["runs"]["spec"][1]
     assert (out / "report.md").is_file() and (out / "report.png").stat().st_size > 1000
     ckpt = latest_checkpoint(out / "spec")  # the version LATEST names: a transformers checkpoint + trainer files
     assert ckpt.path.name == "checkpoint-2" and (ckpt.path / "config.json").is_file()
     assert (ckpt.path / "rollout_cache.safetensors").is_file()
     # Resume: a third epoch starts from the checkpoint and its cache (drafts found at once).
-    cfg3 = _config(epochs=3, lr=1e-3, lenience=math.exp(0.5), save_checkpoint=True)
-    summary = run_modes(model_dir, EXAMPLES, _reward, cfg3, ["spec"], out, progress=False, resume=True, log=lambda s: None)
+    cfg3 = _config(epochs=3, lr=1e-3, save_checkpoint=True)
+    summary = run_modes(model_dir, EXAMPLES, _reward, cfg3, ["spec"], out, progress=False, resume=True)
     assert [r["epoch"] for r in summary["spec"]] == [1, 2, 3]
     assert summary["spec"][2]["drafts_found"] == 16
 
@@ -169,50 +178,58 @@ def test_paged_backend_in_the_trainer_splices_without_reprefill(tmp_path):
     assert type(auto.rollout.backend).__name__ == "TransformersBackend"  # CPU default (see GRPOConfig)
 
 
-# (field, bad value, the message must contain): every float is finite where it must be and in range;
-# counts are integers (no float or bool coercion).
+# (field, bad value, error, the message must contain): every float is finite where it must be and in range; counts
+# are integers (no float or bool coercion); the message starts with the field's name. The sampling settings and the
+# mode check their own fields (tests/acceptance/test_api_arguments.py, tests/acceptance/test_mode.py).
 BAD_CONFIG = [
-    ("clip_high", float("nan"), "clip_high must be a finite number >= 0, got nan"),
-    ("clip_low", float("nan"), "clip_low must be a finite number in [0, 1), got nan"),
-    ("clip_low", 1.0, "clip_low must be a finite number in [0, 1)"),
-    ("kl_coef", float("nan"), "kl_coef must be a finite number >= 0 (0 turns the KL term off), got nan"),
-    ("kl_coef", float("inf"), "kl_coef must be a finite number >= 0"),
-    ("lr", float("nan"), "lr must be a finite number > 0, got nan"),
-    ("lr", float("inf"), "lr must be a finite number > 0, got inf"),
-    ("lenience", float("nan"), "lenience must be a number (inf allowed) >= 0"),
-    ("weight_decay", float("nan"), "weight_decay must be a finite number >= 0"),
-    ("max_grad_norm", 0.0, "max_grad_norm must be a number (inf allowed) > 0"),
-    ("temperature", float("nan"), "temperature must be a finite number > 0"),
-    ("top_p", 0.0, "top_p must be a finite number in (0, 1]"),
-    ("top_p", "abc", "top_p must be a finite number in (0, 1] (1 disables nucleus sampling), got 'abc'"),
-    ("top_k", float("nan"), "top_k must be an integer >= 0 (0 disables top-k), got nan"),
-    ("max_model_len", 0, "max_model_len must be an integer >= 2 (None: the model's max_position_embeddings), got 0"),
-    ("max_model_len", 8.7, "max_model_len must be an integer >= 2"),
-    ("seed", 1.9, "seed must be an integer in [-2**63, 2**64 - 1], got 1.9"),
-    ("seed", 10**23, "seed must be an integer in [-2**63, 2**64 - 1]"),
-    ("seed", None, "seed must be an integer"),
-    ("epochs", 2.0, "epochs must be an integer >= 1, got 2.0"),
-    ("group_size", True, "group_size must be an integer >= 1, got True"),
-    ("spec_tokens", -1, "spec_tokens must be an integer >= 0 (0 disables tail speculation)"),
-    ("save_checkpoint", 1, "save_checkpoint must be True or False, got 1"),
-    ("device", "tpu9", "device must be auto, cpu, cuda, cuda:<index> or mps, got 'tpu9'"),
+    ("clip_high", float("nan"), ValueError, "clip_high must be a finite number >= 0, got nan"),
+    ("clip_low", float("nan"), ValueError, "clip_low must be a finite number >= 0 and < 1, got nan"),
+    ("clip_low", 1.0, ValueError, "clip_low must be a finite number >= 0 and < 1"),
+    ("kl_coef", float("nan"), ValueError, "kl_coef must be a finite number >= 0, got nan (0 turns the KL term off)"),
+    ("kl_coef", float("inf"), ValueError, "kl_coef must be a finite number >= 0"),
+    ("lr", float("nan"), ValueError, "lr must be a finite number > 0, got nan"),
+    ("lr", float("inf"), ValueError, "lr must be a finite number > 0, got inf"),
+    ("weight_decay", float("nan"), ValueError, "weight_decay must be a finite number >= 0"),
+    ("max_grad_norm", 0.0, ValueError, "max_grad_norm must be a number (inf allowed) > 0"),
+    ("max_model_len", 0, ValueError, "max_model_len must be >= 2, got 0 (None: the model's max_position_embeddings)"),
+    ("max_model_len", 8.7, TypeError, "max_model_len must be an integer, got float 8.7"),
+    ("seed", 1.9, TypeError, "seed must be an integer, got float 1.9"),
+    ("seed", 10**23, ValueError, "seed must be <= 18446744073709551615, got 100000000000000000000000"),
+    ("seed", -(2**63) - 1, ValueError, "seed must be >= -9223372036854775808"),
+    ("seed", None, TypeError, "seed must be an integer, got NoneType"),
+    ("epochs", 2.0, TypeError, "epochs must be an integer, got float 2.0"),
+    ("group_size", True, TypeError, "group_size must be an integer, got bool True"),
+    ("group_size", 1, ValueError, "group_size must be >= 2, got 1 (GRPO compares the G samples of a prompt)"),
+    ("spec_tokens", 0, ValueError, "spec_tokens must be >= 1, got 0"),
+    ("eval_every", 0, ValueError, "eval_every must be >= 1, got 0"),
+    ("save_checkpoint", 1, TypeError, "save_checkpoint must be True or False, got 1"),
+    ("scale_adv_by_std", "yes", TypeError, "scale_adv_by_std must be True or False, got 'yes'"),
+    ("device", "tpu9", ValueError, "device must be auto, cpu, cuda, cuda:<index> or mps, got 'tpu9'"),
+    ("generation_backend", "sglang", ValueError, "generation_backend must be one of ('auto', 'transformers', "),
+    ("mode", "spec", TypeError, "mode must be a RolloutMode (e.g. spec_rl.MODES['spec']), got str"),
+    ("sampling", {"temperature": 0.5}, TypeError, "sampling must be a SamplingSettings, got dict"),
 ]
 
 
-@pytest.mark.parametrize("field, value, message", BAD_CONFIG, ids=[f"{f}={v!r}" for f, v, _ in BAD_CONFIG])
-def test_config_refuses_bad_values_naming_the_field(field, value, message):
-    from spec_rl.trainer.config import ConfigError
-
-    with pytest.raises(ConfigError) as info:
+@pytest.mark.parametrize("field, value, error, message", BAD_CONFIG, ids=[f"{f}={v!r}" for f, v, _, _ in BAD_CONFIG])
+def test_config_refuses_bad_values_naming_the_field(field, value, error, message):
+    with pytest.raises(error) as info:
         GRPOConfig(**{field: value})
-    assert message in str(info.value) and info.value.field == field
+    assert message in str(info.value) and str(info.value).startswith(f"{field} ")
+
+
+def test_config_to_dict_nests_the_mode_and_the_sampling_settings():
+    cfg = GRPOConfig(mode=MODES["exact"], sampling=SamplingSettings(temperature=0.7, max_tokens=64))
+    d = cfg.to_dict()
+    assert d["mode"] == MODES["exact"].to_dict() and d["sampling"] == cfg.sampling.to_dict()
+    assert d["sampling"]["max_tokens"] == 64 and d["spec_tokens"] == 8
+    json.dumps(d)  # what run_info.json holds
+    assert GRPOConfig().sampling == SamplingSettings(max_tokens=256)
 
 
 def test_max_model_len_above_the_models_positions_is_refused(tmp_path):
-    from spec_rl.trainer.config import ConfigError
-
-    match = r"max_model_len must be <= the model's max_position_embeddings \(128\), got 129"
-    with pytest.raises(ConfigError, match=match):
+    match = r"^max_model_len must be <= the model's max_position_embeddings \(128\), got 129"
+    with pytest.raises(ValueError, match=match):
         GRPOTrainer(tiny_model(), tiny_tokenizer(), EXAMPLES, _reward, _config(max_model_len=129), tmp_path)
 
 

