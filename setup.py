@@ -74,8 +74,10 @@ def _extensions():
             extra_compile_args={"cxx": cxx},
             extra_link_args=link,
         )
-    print(f"spec-rl: building spec_rl._C with {'CPU + CUDA' if use_cuda else 'CPU'} ops "
-          f"(torch {torch.__version__}, CUDA_HOME={CUDA_HOME})")
+    print(
+        f"spec-rl: building spec_rl._C with {'CPU + CUDA' if use_cuda else 'CPU'} ops "
+        f"(torch {torch.__version__}, CUDA_HOME={CUDA_HOME})"
+    )
     return [ext], {"build_ext": BuildExtension.with_options(use_ninja=True)}
 
 

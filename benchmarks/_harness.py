@@ -44,9 +44,10 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -82,7 +83,7 @@ class Timing:
     runs: int
 
     @classmethod
-    def from_samples(cls, samples: list[float]) -> "Timing":
+    def from_samples(cls, samples: list[float]) -> Timing:
         ordered = sorted(samples)
         return cls(statistics.median(ordered), _quantile(ordered, LOW_Q), _quantile(ordered, HIGH_Q), len(ordered))
 
@@ -374,9 +375,9 @@ class Table:
 
 
 def speedup_notes(row: dict) -> str:
-    """"label 1.23x, ..." from a row's ``speedup_vs_<label>`` entries (the notes column of the tables)."""
+    """ "label 1.23x, ..." from a row's ``speedup_vs_<label>`` entries (the notes column of the tables)."""
     prefix = "speedup_vs_"
-    return ", ".join(f"{k[len(prefix):]} {v:.2f}x" for k, v in row.items() if k.startswith(prefix))
+    return ", ".join(f"{k[len(prefix) :]} {v:.2f}x" for k, v in row.items() if k.startswith(prefix))
 
 
 def print_checks(checks: dict) -> None:

@@ -46,9 +46,19 @@ def _model(preset: str, device: torch.device):
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     hidden, inter, layers, heads, kv_heads, head_dim, vocab, dtype = PRESETS[preset]
-    config_class, model_class = (Qwen3Config, Qwen3ForCausalLM) if preset == "qwen3-0.6b" else (Qwen2Config, Qwen2ForCausalLM)
-    cfg = config_class(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads,
-                       num_key_value_heads=kv_heads, head_dim=head_dim, vocab_size=vocab, max_position_embeddings=4096)  # fmt: skip
+    config_class, model_class = (
+        (Qwen3Config, Qwen3ForCausalLM) if preset == "qwen3-0.6b" else (Qwen2Config, Qwen2ForCausalLM)
+    )
+    cfg = config_class(
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=vocab,
+        max_position_embeddings=4096,
+    )
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     with torch.device(device):  # initialised where it runs: a 0.6B model's CPU init alone takes seconds
@@ -84,7 +94,9 @@ def measure(preset: str, rows: int, context: int, width: int, repeats: int, devi
         for name, cache in caches.items():
             sync(device)
             t0 = time.perf_counter()
-            out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{cache_argument(model): cache})
+            out = model(
+                input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **{cache_argument(model): cache}
+            )
             sync(device)
             if i:
                 times[name].append(time.perf_counter() - t0)
@@ -92,8 +104,16 @@ def measure(preset: str, rows: int, context: int, width: int, repeats: int, devi
             cache.crop(-width)
     med = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
     diff = float((logits["in-place"] - logits["concatenating"]).abs().max())
-    return {"rows": rows, "context": context, "width": width, "repeats": repeats, "concatenating_s": med["concatenating"],
-            "in_place_s": med["in-place"], "ratio": med["in-place"] / med["concatenating"], "max_logit_diff": diff}  # fmt: skip
+    return {
+        "rows": rows,
+        "context": context,
+        "width": width,
+        "repeats": repeats,
+        "concatenating_s": med["concatenating"],
+        "in_place_s": med["in-place"],
+        "ratio": med["in-place"] / med["concatenating"],
+        "max_logit_diff": diff,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,15 +145,33 @@ def main(argv: list[str] | None = None) -> int:
             write_json(args.json, record, announce=None)
         except OSError as exc:
             ap.error(f"--json {args.json}: cannot write it ({exc.strerror or exc})")
-    table = Table(Column("width", 5), Column("rows", 5), Column("context", 7), Column("concat ms", 10, fmt="{:.2f}"),
-                  Column("in-place ms", 11, fmt="{:.2f}"), Column("ratio", 6, fmt="{:.3f}"), Column("max |dlogit|", 12, fmt="{:.1e}"))  # fmt: skip
+    table = Table(
+        Column("width", 5),
+        Column("rows", 5),
+        Column("context", 7),
+        Column("concat ms", 10, fmt="{:.2f}"),
+        Column("in-place ms", 11, fmt="{:.2f}"),
+        Column("ratio", 6, fmt="{:.3f}"),
+        Column("max |dlogit|", 12, fmt="{:.1e}"),
+    )
     print(f"bench_decode_cache: preset {args.preset}, device {device}, {args.repeats} steps per cache, timed in turn")
     print(table.header())
     results = record["results"]
     for width in widths:
         r = measure(args.preset, args.rows, args.context, width, args.repeats, device)
         results.append(r)
-        print(table.row(width, r["rows"], r["context"], r["concatenating_s"] * 1e3, r["in_place_s"] * 1e3, r["ratio"], r["max_logit_diff"]), flush=True)
+        print(
+            table.row(
+                width,
+                r["rows"],
+                r["context"],
+                r["concatenating_s"] * 1e3,
+                r["in_place_s"] * 1e3,
+                r["ratio"],
+                r["max_logit_diff"],
+            ),
+            flush=True,
+        )
         if args.json:
             write_json(args.json, record, announce=None)
     if args.json:

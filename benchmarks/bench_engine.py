@@ -86,15 +86,29 @@ def build_model(preset: str, device: torch.device):
     if preset == "qwen3-0.6b":
         # Qwen3-0.6B's published config.json shapes (random weights: throughput does not depend on them).
         cfg = Qwen3Config(
-            vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-            num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-            rope_theta=1_000_000.0, tie_word_embeddings=True, eos_token_id=151645,
+            vocab_size=151936,
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=40960,
+            rope_theta=1_000_000.0,
+            tie_word_embeddings=True,
+            eos_token_id=151645,
         )
         dtype = torch.bfloat16
     else:
         cfg = Qwen2Config(
-            vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=512, eos_token_id=1,
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=512,
+            eos_token_id=1,
         )
         dtype = torch.float32
     with torch.device(device):
@@ -125,14 +139,22 @@ def _time_hf_generate(model, prompts, new_tokens, device) -> dict:
     ids = prompts.to(device)
     mask = torch.ones_like(ids)
     kwargs = dict(
-        max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
         pad_token_id=0,
     )
     warm = {**kwargs, "max_new_tokens": 4, "min_new_tokens": 4}
     model.generate(input_ids=ids[:2, :8], attention_mask=mask[:2, :8], **warm)
     out, timing = wall_time(lambda: model.generate(input_ids=ids, attention_mask=mask, **kwargs), device)
-    return {"name": "transformers generate", "tokens": int((out.shape[1] - prompts.shape[1]) * prompts.shape[0]),
-            "seconds": timing.median}
+    return {
+        "name": "transformers generate",
+        "tokens": int((out.shape[1] - prompts.shape[1]) * prompts.shape[0]),
+        "seconds": timing.median,
+    }
 
 
 def _row_or_error(name: str, fn, rows: list, rec: RunRecord, show) -> dict:
@@ -171,11 +193,17 @@ def bench_decode(model, vocab, batch, prompt_len, new_tokens, device, skip_gener
         ("spec-rl TransformersBackend (HF KV cache)", lambda: TransformersBackend(model, eos, pad_id=0)),
     ]
     for name, make in todo:
-        _row_or_error(name, lambda: rate(_time_generate(name, make(), contexts, new_tokens, settings, device)),
-                      rows, rec, show)
+        _row_or_error(
+            name, lambda: rate(_time_generate(name, make(), contexts, new_tokens, settings, device)), rows, rec, show
+        )
     if not skip_generate:
-        _row_or_error("transformers generate", lambda: rate(_time_hf_generate(model, prompts, new_tokens, device)),
-                      rows, rec, show)
+        _row_or_error(
+            "transformers generate",
+            lambda: rate(_time_hf_generate(model, prompts, new_tokens, device)),
+            rows,
+            rec,
+            show,
+        )
     done = [r for r in rows if "error" not in r]
     base = next((r for r in done if r["name"] == "transformers generate"), done[-1] if done else None)
     engine = next((r for r in done if r["name"].startswith("spec-rl PagedEngine")), None)
@@ -234,8 +262,10 @@ def bench_splice(model, vocab, batch, prompt_len, new_tokens, device, perturb, r
     rows = rec.record["splice"]
 
     def show(r):
-        return (f"  {r['name']:<48} {r['seconds']:8.2f} s, accepted {r['accepted_tokens']}, "
-                f"generated {r['generated_tokens']}, re-prefill tokens {r['reprefill_tokens']}")
+        return (
+            f"  {r['name']:<48} {r['seconds']:8.2f} s, accepted {r['accepted_tokens']}, "
+            f"generated {r['generated_tokens']}, re-prefill tokens {r['reprefill_tokens']}"
+        )
 
     try:
         for name, backend in (
@@ -297,12 +327,17 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--prompt-len", type=int, default=None)
     ap.add_argument("--new-tokens", type=int, default=None)
-    ap.add_argument("--perturb", type=float, default=0.5,
-                    help="std (nats) of the logit noise added through the LM head before the splice section")
+    ap.add_argument(
+        "--perturb",
+        type=float,
+        default=0.5,
+        help="std (nats) of the logit noise added through the LM head before the splice section",
+    )
     ap.add_argument("--skip-generate", action="store_true", help="do not time transformers generate")
     ap.add_argument("--skip-splice", action="store_true")
-    ap.add_argument("--json", default=default_json_path("engine.json"),
-                    help="write results here (default $OUT/engine.json)")
+    ap.add_argument(
+        "--json", default=default_json_path("engine.json"), help="write results here (default $OUT/engine.json)"
+    )
     args = ap.parse_args(argv)
     device = device_arg(ap, args.device)
     preset = args.preset or ("qwen3-0.6b" if device.type == "cuda" else "demo")
@@ -327,8 +362,11 @@ def main(argv=None) -> int:
         "decode": [],
         "splice": [],
     }
-    print(f"bench_engine: preset {preset}, batch {batch}, prompt {prompt_len}, {new_tokens} new tokens, "
-          f"device {result['device']}, commit {result['commit'][:12]}", flush=True)
+    print(
+        f"bench_engine: preset {preset}, batch {batch}, prompt {prompt_len}, {new_tokens} new tokens, "
+        f"device {result['device']}, commit {result['commit'][:12]}",
+        flush=True,
+    )
     rec = RunRecord(args.json, result)
     with torch.no_grad():
         bench_decode(model, vocab, batch, prompt_len, new_tokens, device, args.skip_generate, rec)

@@ -23,8 +23,9 @@ import torch
 
 pytest.importorskip("pytest_benchmark")
 
-import spec_rl.ops as ops
 from _harness import run_pytest_file, synced  # benchmarks/ is on sys.path when a script here runs
+
+import spec_rl.ops as ops
 from spec_rl.ops import torch_kv
 
 HEADS, DIM, BLOCK = 8, 128, 16

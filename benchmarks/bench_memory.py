@@ -120,9 +120,18 @@ def measure_rollout(x: dict, device: torch.device) -> int:
     def call():
         cache = RolloutCache()
         for b, r in enumerate(requests):
-            cache.store(CacheKey.make(r.prompt_ids, r.slot), x["ids"][b].tolist(), x["old"][b].tolist(), "length", 0, settings)
-        rollout = SpeculativeRollout(HiddenStateBackend(x["hidden"], x["head"]), cache, settings, eos_ids=[vocab - 1],
-                                     max_model_len=3 + max_len, mode=RolloutMode("lenient", tail=False), seed=0)
+            cache.store(
+                CacheKey.make(r.prompt_ids, r.slot), x["ids"][b].tolist(), x["old"][b].tolist(), "length", 0, settings
+            )
+        rollout = SpeculativeRollout(
+            HiddenStateBackend(x["hidden"], x["head"]),
+            cache,
+            settings,
+            eos_ids=[vocab - 1],
+            max_model_len=3 + max_len,
+            mode=RolloutMode("lenient", tail=False),
+            seed=0,
+        )
         return rollout.run(requests, step=1)
 
     call()
@@ -145,10 +154,16 @@ def run(args, device: torch.device) -> dict:
 
 def print_table(record: dict) -> None:
     s = record["shape"]
-    print(f"bench_memory: N={s['tokens']} draft tokens, V={s['vocab']}, d={s['hidden']}, B={s['batch']}, "
-          f"device {record.get('device')}, commit {record.get('commit')}")  # fmt: skip
-    table = Table(Column("call", 8, "<"), Column("peak extra MiB", 14, fmt="{:.1f}", gap="  "),
-                  Column("full logits MiB", 15, fmt="{:.1f}", gap="  "), Column("ratio", 6, fmt="{:.3f}", gap="  "))  # fmt: skip
+    print(
+        f"bench_memory: N={s['tokens']} draft tokens, V={s['vocab']}, d={s['hidden']}, B={s['batch']}, "
+        f"device {record.get('device')}, commit {record.get('commit')}"
+    )
+    table = Table(
+        Column("call", 8, "<"),
+        Column("peak extra MiB", 14, fmt="{:.1f}", gap="  "),
+        Column("full logits MiB", 15, fmt="{:.1f}", gap="  "),
+        Column("ratio", 6, fmt="{:.3f}", gap="  "),
+    )
     print(table.header())
     for name, r in record["rows"].items():
         print(table.row(name, r["peak_extra_mib"], r["full_logits_mib"], r["ratio"]))

@@ -46,8 +46,8 @@ import argparse
 import sys
 import traceback
 
-import torch
 import _harness as H  # benchmarks/ is on sys.path when a script here runs
+import torch
 
 NOMINAL_SMS = 132  # H100 SXM / H200: used for the CPU-side plan and the CPU smoke run
 ACCURACY_TOL = 2e-2  # max |ours - fp32 SDPA| over the output (bf16 inputs and output)
@@ -66,10 +66,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="bf16", choices=sorted(H.DTYPES))
     ap.add_argument("--rep-ms", type=int, default=100, help="do_bench time budget per measurement (ms)")
     ap.add_argument("--sweep", action="store_true", help="also time every config in configs.PAGED_ATTENTION_SWEEP")
-    ap.add_argument("--device", choices=["cuda", "cpu"], default=None,
-                    help="default: cuda when visible (else print the plan); cpu = smoke run under the interpreter")
-    ap.add_argument("--json", default=H.default_json_path("paged_attention.json"),
-                    help="write results here (default $OUT/paged_attention.json)")
+    ap.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default=None,
+        help="default: cuda when visible (else print the plan); cpu = smoke run under the interpreter",
+    )
+    ap.add_argument(
+        "--json",
+        default=H.default_json_path("paged_attention.json"),
+        help="write results here (default $OUT/paged_attention.json)",
+    )
     args = ap.parse_args(argv)
     for name in ("batch", "context", "q_heads", "kv_heads", "head_dim", "block_size", "rep_ms"):
         if getattr(args, name) < 1:
@@ -162,8 +169,17 @@ def run_shape(args, K, shape, dev, rec: H.RunRecord, sm_count: int) -> None:
     rows = rec.record["rows"]
 
     def measure(name, fn, **extra):
-        row = H.measure(name, fn, rows, rep_ms=args.rep_ms, progress=_progress, device=dev, section=section,
-                        kv_bytes=kv_bytes, **extra)
+        row = H.measure(
+            name,
+            fn,
+            rows,
+            rep_ms=args.rep_ms,
+            progress=_progress,
+            device=dev,
+            section=section,
+            kv_bytes=kv_bytes,
+            **extra,
+        )
         rec.save()
         return row
 
@@ -201,8 +217,7 @@ def run_shape(args, K, shape, dev, rec: H.RunRecord, sm_count: int) -> None:
     ref = _sdpa(q.float(), k_d.float(), v_d.float(), scale)
     for ns in (None, 1, 4):
         got = K.paged_decode_attention(q, kv, bt, sl, scale, num_splits=ns, max_seq_len=context)
-        rec.check(f"{section} num_splits={ns} max_abs_diff_vs_fp32_sdpa", (got.float() - ref).abs().max(),
-                  ACCURACY_TOL)
+        rec.check(f"{section} num_splits={ns} max_abs_diff_vs_fp32_sdpa", (got.float() - ref).abs().max(), ACCURACY_TOL)
 
 
 def finish(rows) -> None:

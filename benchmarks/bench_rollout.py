@@ -61,7 +61,11 @@ from spec_rl.rollout.speculative import RolloutRequest, SpeculativeRollout
 from spec_rl.sampling.distribution import SamplingSettings
 
 # name: (prompts, group size, max tokens, dtype)
-PRESETS = {"demo": (64, 4, 160, torch.float32), "qwen3-0.6b": (64, 8, 512, torch.bfloat16), "tiny": (6, 2, 24, torch.float64)}
+PRESETS = {
+    "demo": (64, 4, 160, torch.float32),
+    "qwen3-0.6b": (64, 8, 512, torch.bfloat16),
+    "tiny": (6, 2, 24, torch.float64),
+}
 #: The measured modes (the trainer's); spec's lenience is ``--lenience``.
 MODE_NAMES = ("vanilla", "histspec", "spec", "exact")
 
@@ -86,13 +90,30 @@ def build(preset: str, device: torch.device, n_prompts: int | None = None):
         return model, prompts, sorted(eos_token_ids(model, tok)), tok.pad_token_id
     torch.manual_seed(0)
     if preset == "qwen3-0.6b":
-        cfg = Qwen3Config(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                          num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
-                          tie_word_embeddings=True, eos_token_id=151645)  # fmt: skip
+        cfg = Qwen3Config(
+            vocab_size=151936,
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=4096,
+            tie_word_embeddings=True,
+            eos_token_id=151645,
+        )
         model = Qwen3ForCausalLM(cfg)
     else:
-        cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, eos_token_id=1)  # fmt: skip
+        cfg = Qwen2Config(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+            eos_token_id=1,
+        )
         model = Qwen2ForCausalLM(cfg)
     with torch.no_grad():  # random weights sample near-uniform text; a sharper head gives text with structure
         model.get_output_embeddings().weight.mul_(4.0)
@@ -128,11 +149,21 @@ def timed_step(rollout: SpeculativeRollout, requests, step: int, device) -> dict
     res = rollout.run(requests, step)
     sync(device)
     s = res.stats
-    return {"generated_tokens": s.tokens_generated, "decode_steps": s.decode_steps, "longest": s.longest_continuation,
-            "rollout_s": s.rollout_seconds, "scoring_s": s.scoring_seconds, "decode_s": s.generation_seconds,
-            "other_s": s.assembly_seconds, "full_reuse": s.full_reuse_ratio, "tail_accept": s.tail_accepted / max(s.tail_proposed, 1),
-            "positions": s.decode_positions, "accepted_per_step": s.tail_accepted / max(s.decode_steps, 1),
-            "width": s.decode_positions / max(s.decode_rows, 1), RESPONSES: res.response_ids}  # fmt: skip
+    return {
+        "generated_tokens": s.tokens_generated,
+        "decode_steps": s.decode_steps,
+        "longest": s.longest_continuation,
+        "rollout_s": s.rollout_seconds,
+        "scoring_s": s.scoring_seconds,
+        "decode_s": s.generation_seconds,
+        "other_s": s.assembly_seconds,
+        "full_reuse": s.full_reuse_ratio,
+        "tail_accept": s.tail_accepted / max(s.tail_proposed, 1),
+        "positions": s.decode_positions,
+        "accepted_per_step": s.tail_accepted / max(s.decode_steps, 1),
+        "width": s.decode_positions / max(s.decode_rows, 1),
+        RESPONSES: res.response_ids,
+    }
 
 
 #: Key of a row's responses while the run compares them; dropped before the JSON is written.
@@ -154,8 +185,7 @@ def count_differences(rows: dict) -> None:
 #: Epoch-1 rows: name -> mode (no drafts; tail speculation over an empty history or none). ``e1-histspec`` is what
 #: every speculative mode does in its first epoch (nothing to draft: it must cost what vanilla costs).
 E1_REPEATS = 3
-FIRST_EPOCH = {"e1-warmup": MODES["histspec"], "e1-vanilla": MODES["vanilla"],
-               "e1-histspec": MODES["histspec"]}  # fmt: skip
+FIRST_EPOCH = {"e1-warmup": MODES["histspec"], "e1-vanilla": MODES["vanilla"], "e1-histspec": MODES["histspec"]}
 
 
 def first_epoch_rows(backend, requests, settings, eos, max_len, args, device, rec: RunRecord) -> None:
@@ -182,8 +212,10 @@ def first_epoch_rows(backend, requests, settings, eos, max_len, args, device, re
 def _show(name: str, r: dict) -> str:
     if "error" in r:
         return f"  {name:<9} {r['error']}"
-    return (f"  {name:<9} {r['generated_tokens']} tokens, {r['decode_steps']} decode steps, "
-            f"{r['rollout_s']:.3f} s (scoring {r['scoring_s']:.3f}, decode {r['decode_s']:.3f})")
+    return (
+        f"  {name:<9} {r['generated_tokens']} tokens, {r['decode_steps']} decode steps, "
+        f"{r['rollout_s']:.3f} s (scoring {r['scoring_s']:.3f}, decode {r['decode_s']:.3f})"
+    )
 
 
 def rollout_setup(args, rec: RunRecord):
@@ -208,8 +240,9 @@ def run(args, rec: RunRecord) -> None:
     backend, requests, settings, eos, max_len = rollout_setup(args, rec)
     first_epoch_rows(backend, requests, settings, eos, max_len, args, device, rec)
     cache, history = RolloutCache(), HistoryIndex()
-    filler = SpeculativeRollout(backend, cache, settings, eos, max_len, mode=MODES["histspec"], seed=args.seed,
-                                history=history)  # fmt: skip
+    filler = SpeculativeRollout(
+        backend, cache, settings, eos, max_len, mode=MODES["histspec"], seed=args.seed, history=history
+    )
     for step in range(args.history_epochs):
         filler.run(requests, step)
     perturb(backend.model, args.perturb)
@@ -217,8 +250,16 @@ def run(args, rec: RunRecord) -> None:
     measured = modes(args.lenience)
     for name, mode in [("warm-up", measured["spec"]), *measured.items()]:  # one untimed step first (allocations, JIT)
         try:
-            ro = SpeculativeRollout(backend, copy.deepcopy(cache), settings, eos, max_len, mode=mode, seed=args.seed,
-                                    history=copy.deepcopy(history) if mode.tail else None)  # fmt: skip
+            ro = SpeculativeRollout(
+                backend,
+                copy.deepcopy(cache),
+                settings,
+                eos,
+                max_len,
+                mode=mode,
+                seed=args.seed,
+                history=copy.deepcopy(history) if mode.tail else None,
+            )
             row = timed_step(ro, requests, args.history_epochs, device)
         except Exception as exc:  # noqa: BLE001  one failing mode is reported, the others still run
             traceback.print_exc(limit=3)
@@ -240,24 +281,55 @@ def run(args, rec: RunRecord) -> None:
 
 
 def print_table(record: dict) -> None:
-    spec = [("mode", 9, "<", "{}"), ("gen tokens", 10, ">", "{:d}"), ("steps", 6, ">", "{:d}"), ("longest", 7, ">", "{:d}"),
-            ("rollout s", 9, ">", "{:.3f}"), ("scoring s", 9, ">", "{:.3f}"), ("decode s", 8, ">", "{:.3f}"),
-            ("other s", 7, ">", "{:.3f}"), ("tokens x", 8, ">", "{:.3f}"), ("steps x", 7, ">", "{:.3f}"),
-            ("time x", 6, ">", "{:.3f}"), ("tail acc", 8, ">", "{:.2f}"), ("positions", 9, ">", "{:d}"),
-            ("acc/step", 8, ">", "{:.2f}"), ("width", 5, ">", "{:.2f}"), ("differs", 7, ">", "{:d}")]  # fmt: skip
+    spec = [
+        ("mode", 9, "<", "{}"),
+        ("gen tokens", 10, ">", "{:d}"),
+        ("steps", 6, ">", "{:d}"),
+        ("longest", 7, ">", "{:d}"),
+        ("rollout s", 9, ">", "{:.3f}"),
+        ("scoring s", 9, ">", "{:.3f}"),
+        ("decode s", 8, ">", "{:.3f}"),
+        ("other s", 7, ">", "{:.3f}"),
+        ("tokens x", 8, ">", "{:.3f}"),
+        ("steps x", 7, ">", "{:.3f}"),
+        ("time x", 6, ">", "{:.3f}"),
+        ("tail acc", 8, ">", "{:.2f}"),
+        ("positions", 9, ">", "{:d}"),
+        ("acc/step", 8, ">", "{:.2f}"),
+        ("width", 5, ">", "{:.2f}"),
+        ("differs", 7, ">", "{:d}"),
+    ]
     table = Table(*[Column(h, w, a, f, gap="  ") for h, w, a, f in spec])
-    print(f"bench_rollout: preset {record['preset']} ({record['prompts']} prompts x G={record['group']}, "
-          f"{record['max_tokens']} tokens), {record['backend']}, perturb {record['perturb']}, "
-          f"l = {record['lenience']:.4g}, device {record.get('device')}, commit {record.get('commit')}")
+    print(
+        f"bench_rollout: preset {record['preset']} ({record['prompts']} prompts x G={record['group']}, "
+        f"{record['max_tokens']} tokens), {record['backend']}, perturb {record['perturb']}, "
+        f"l = {record['lenience']:.4g}, device {record.get('device')}, commit {record.get('commit')}"
+    )
     print(table.header())
     for name, r in record["rows"].items():
         if "error" in r:
             print(f"{name:<9}  {r['error']}")
             continue
-        print(table.row(name, r["generated_tokens"], r["decode_steps"], r["longest"], r["rollout_s"], r["scoring_s"],
-                        r["decode_s"], r["other_s"], r["generated_tokens_ratio"], r["decode_steps_ratio"],
-                        r["rollout_s_ratio"], r["tail_accept"], r["positions"], r["accepted_per_step"],
-                        r["width"], r.get("differs")))  # fmt: skip
+        print(
+            table.row(
+                name,
+                r["generated_tokens"],
+                r["decode_steps"],
+                r["longest"],
+                r["rollout_s"],
+                r["scoring_s"],
+                r["decode_s"],
+                r["other_s"],
+                r["generated_tokens_ratio"],
+                r["decode_steps_ratio"],
+                r["rollout_s_ratio"],
+                r["tail_accept"],
+                r["positions"],
+                r["accepted_per_step"],
+                r["width"],
+                r.get("differs"),
+            )
+        )
 
 
 def add_rollout_arguments(ap: argparse.ArgumentParser) -> None:
@@ -266,7 +338,9 @@ def add_rollout_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--backend", choices=["auto", "transformers", "paged"], default="auto")
     ap.add_argument("--device", help="default: cuda if available, else cpu")
     ap.add_argument("--history-epochs", type=int, default=2, help="vanilla rollouts that fill the cache and history")
-    ap.add_argument("--perturb", type=float, default=0.02, help="relative weight noise applied before the measured step")
+    ap.add_argument(
+        "--perturb", type=float, default=0.02, help="relative weight noise applied before the measured step"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prompts", type=int, default=None, help="prompts (default: the preset's)")
     ap.add_argument("--group", type=int, default=None, help="samples per prompt G (default: the preset's)")
@@ -301,8 +375,16 @@ def main(argv=None) -> int:
     device = rollout_device(ap, args, "bench_rollout")
     if device is None:
         return 0
-    record = {"preset": args.preset, "backend": args.backend, "perturb": args.perturb, "lenience": args.lenience,
-              "history_epochs": args.history_epochs, "device_type": device.type, "rows": {}, **provenance(device)}
+    record = {
+        "preset": args.preset,
+        "backend": args.backend,
+        "perturb": args.perturb,
+        "lenience": args.lenience,
+        "history_epochs": args.history_epochs,
+        "device_type": device.type,
+        "rows": {},
+        **provenance(device),
+    }
     rec = RunRecord(args.json, record)
     return run_recorded(rec, lambda: run(args, rec), print_table)
 

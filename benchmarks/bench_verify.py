@@ -84,15 +84,17 @@ def test_bench_reference_philox(benchmark, inputs):
 def test_bench_triton_from_logits(benchmark, inputs):
     K = _kernels()
     scores = DraftScores(logits=inputs["logits"])
-    benchmark(synced(K.verify_padded, DEV), *_drafts(inputs), scores, seed=SEED, log_lenience=LOG_LENIENCE,
-              temperature=1.0)  # fmt: skip
+    benchmark(
+        synced(K.verify_padded, DEV), *_drafts(inputs), scores, seed=SEED, log_lenience=LOG_LENIENCE, temperature=1.0
+    )
 
 
 def test_bench_triton_fused_lm_head(benchmark, inputs):
     K = _kernels()
     scores = DraftScores(hidden_states=inputs["hidden"], lm_head_weight=inputs["weight"])
-    benchmark(synced(K.verify_padded, DEV), *_drafts(inputs), scores, seed=SEED, log_lenience=LOG_LENIENCE,
-              temperature=1.0)  # fmt: skip
+    benchmark(
+        synced(K.verify_padded, DEV), *_drafts(inputs), scores, seed=SEED, log_lenience=LOG_LENIENCE, temperature=1.0
+    )
 
 
 def test_bench_triton_philox(benchmark, inputs):

@@ -35,16 +35,26 @@ class RepeatLast:
         pass
 
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, slot_mappings=None):
-        return [[int(token_ids_cpu[i, int(num_tokens_no_spec[i]) - 1])] * self.k if s else []
-                for i, s in enumerate(sampled_token_ids)]  # fmt: skip
+        return [
+            [int(token_ids_cpu[i, int(num_tokens_no_spec[i]) - 1])] * self.k if s else []
+            for i, s in enumerate(sampled_token_ids)
+        ]
 
 
 def _checkpoint(path: Path) -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    cfg = Qwen2Config(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, max_position_embeddings=128, tie_word_embeddings=False)  # fmt: skip
+    cfg = Qwen2Config(
+        vocab_size=64,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(cfg).eval()
     with torch.no_grad():
@@ -59,9 +69,19 @@ def repeat_rate(path: Path, speculative_config) -> tuple[int, int]:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=str(path), skip_tokenizer_init=True, dtype="float32", max_model_len=72, block_size=32,
-              enforce_eager=True, seed=0, gpu_memory_utilization=0.2, enable_chunked_prefill=False,
-              max_num_batched_tokens=8192, speculative_config=speculative_config)  # fmt: skip
+    llm = LLM(
+        model=str(path),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=72,
+        block_size=32,
+        enforce_eager=True,
+        seed=0,
+        gpu_memory_utilization=0.2,
+        enable_chunked_prefill=False,
+        max_num_batched_tokens=8192,
+        speculative_config=speculative_config,
+    )
     params = SamplingParams(max_tokens=N_TOKENS, temperature=1.0, ignore_eos=True, detokenize=False)
     outs = llm.generate([TokensPrompt(prompt_token_ids=[3, 4, 5, 6, 7, 8])] * N_REQUESTS, params, use_tqdm=False)
     seqs = [list(o.outputs[0].token_ids) for o in outs]
@@ -77,7 +97,11 @@ def main() -> int:
     configs = {
         "plain": None,
         "ngram": {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3, "prompt_lookup_min": 1},
-        "repeat-last": {"method": "custom_class", "model": "check_vllm_spec_decode.RepeatLast", "num_speculative_tokens": K},
+        "repeat-last": {
+            "method": "custom_class",
+            "model": "check_vllm_spec_decode.RepeatLast",
+            "num_speculative_tokens": K,
+        },
     }
     if mode is not None:  # one engine per process: a child run per configuration
         path = Path(sys.argv[2])
@@ -89,11 +113,15 @@ def main() -> int:
         _checkpoint(Path(tmp))
         rates = {}
         for name in configs:
-            out = subprocess.run([sys.executable, __file__, name, tmp], capture_output=True, text=True, check=True).stdout
+            out = subprocess.run(
+                [sys.executable, __file__, name, tmp], capture_output=True, text=True, check=True
+            ).stdout
             rep, pairs = map(int, next(line for line in out.splitlines() if line.startswith("RATE")).split()[1:])
             rates[name] = (rep, pairs)
     base_rep, base_n = rates["plain"]
-    print(f"P(token == previous token), {N_REQUESTS} samples x {N_TOKENS} tokens at temperature 1, vLLM {_vllm_version()}:")
+    print(
+        f"P(token == previous token), {N_REQUESTS} samples x {N_TOKENS} tokens at temperature 1, vLLM {_vllm_version()}:"
+    )
     for name, (rep, n) in rates.items():
         p, p0 = rep / n, base_rep / base_n
         pooled = (rep + base_rep) / (n + base_n)

@@ -120,8 +120,11 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", type=int, default=90, help="compute capability x10 (90 = H100/H200)")
     which = ap.add_mutually_exclusive_group()
     which.add_argument("--sweep", action="store_true", help="compile every sweep config, not only the defaults")
-    which.add_argument("--defaults-only", action="store_true",
-                       help="only the configs the package picks at the Qwen3 shapes (compile_variants.default_variants)")
+    which.add_argument(
+        "--defaults-only",
+        action="store_true",
+        help="only the configs the package picks at the Qwen3 shapes (compile_variants.default_variants)",
+    )
     ap.add_argument("--jobs", type=int, default=1, help="compile in this many forked processes")
     ap.add_argument("--json", default=None, help="write the report as JSON here (rewritten after every kernel)")
     args = ap.parse_args(argv)

@@ -58,9 +58,11 @@ def from_logits_variants(sweep: bool) -> list[Variant]:
     from spec_rl.kernels import configs
     from spec_rl.kernels.from_logits import verify_from_logits_kernel
 
-    cfgs = configs.LOGITS_SWEEP if sweep else [
-        configs.LogitsConfig(4096, 8), configs.LogitsConfig(2048, 8), configs.LogitsConfig(1024, 4, block_r=4)
-    ]
+    cfgs = (
+        configs.LOGITS_SWEEP
+        if sweep
+        else [configs.LogitsConfig(4096, 8), configs.LogitsConfig(2048, 8), configs.LogitsConfig(1024, 4, block_r=4)]
+    )
     out = []
     for dtype in ("bf16", "fp32"):
         sig = {
@@ -101,15 +103,35 @@ def lm_head_variants(sweep: bool) -> list[Variant]:
     out = []
     for dtype, cfg, has_bias, dot_fp32, even_k in todo:
         sig = {
-            "h_ptr": f"*{dtype}", "w_ptr": f"*{dtype}", "bias_ptr": "*fp32", "ids_ptr": "*i64", "row_off_ptr": "*i64",
-            "part_m_ptr": "*fp32", "part_s_ptr": "*fp32", "tgt_ptr": "*fp32",
-            "N": "i32", "V": "i32", "D": "i32", "stride_h": "i32", "stride_w": "i32",
-            "n_vtiles": "i32", "tiles_per_split": "i32", "num_splits": "i32", "c_exp2": "fp32",
+            "h_ptr": f"*{dtype}",
+            "w_ptr": f"*{dtype}",
+            "bias_ptr": "*fp32",
+            "ids_ptr": "*i64",
+            "row_off_ptr": "*i64",
+            "part_m_ptr": "*fp32",
+            "part_s_ptr": "*fp32",
+            "tgt_ptr": "*fp32",
+            "N": "i32",
+            "V": "i32",
+            "D": "i32",
+            "stride_h": "i32",
+            "stride_w": "i32",
+            "n_vtiles": "i32",
+            "tiles_per_split": "i32",
+            "num_splits": "i32",
+            "c_exp2": "fp32",
         }
         for row_map in (False, True):
             const = dict(
-                HAS_BIAS=has_bias, HAS_ROW_MAP=row_map, ROW_ALIGN=8, EVEN_K=even_k, DOT_FP32=dot_fp32,
-                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FLATTEN=cfg.flatten,
+                HAS_BIAS=has_bias,
+                HAS_ROW_MAP=row_map,
+                ROW_ALIGN=8,
+                EVEN_K=even_k,
+                DOT_FP32=dot_fp32,
+                BLOCK_M=cfg.block_m,
+                BLOCK_N=cfg.block_n,
+                BLOCK_K=cfg.block_k,
+                FLATTEN=cfg.flatten,
             )
             name = (
                 f"lm_head_partial {dtype} bias={has_bias} even_k={even_k} row_map={row_map} "
@@ -119,8 +141,14 @@ def lm_head_variants(sweep: bool) -> list[Variant]:
             div = _pointers(sig, "V", "D", "stride_h", "stride_w")
             out.append(Variant(name, lm_head_partial_kernel, sig, const, div, cfg.num_warps, cfg.num_stages))
     sig = {
-        "part_m_ptr": "*fp32", "part_s_ptr": "*fp32", "tgt_ptr": "*fp32", **EPILOGUE_PTRS, "uids_ptr": "*i64",
-        "N": "i32", "num_splits": "i32", **RULE_SCALARS,
+        "part_m_ptr": "*fp32",
+        "part_s_ptr": "*fp32",
+        "tgt_ptr": "*fp32",
+        **EPILOGUE_PTRS,
+        "uids_ptr": "*i64",
+        "N": "i32",
+        "num_splits": "i32",
+        **RULE_SCALARS,
     }
     for mode in (0, 1, 2, 3):
         const = {"MODE": mode, "BLOCK": 256, "USE_LIBDEVICE": True}
@@ -131,8 +159,15 @@ def lm_head_variants(sweep: bool) -> list[Variant]:
 def philox_variants() -> list[Variant]:
     from spec_rl.kernels.philox import _philox_uniform_kernel, _philox_words_kernel
 
-    sig = {"out_ptr": "*fp32", "uids_ptr": "*i64", "tokens_ptr": "*i32", "n": "i32", "k0_w": "i32", "k1_w": "i32",
-           "stream_w": "i32"}
+    sig = {
+        "out_ptr": "*fp32",
+        "uids_ptr": "*i64",
+        "tokens_ptr": "*i32",
+        "n": "i32",
+        "k0_w": "i32",
+        "k1_w": "i32",
+        "stream_w": "i32",
+    }
     words = {"out_ptr": "*i64", "in_ptr": "*i64", "n": "i32"}
     return [
         Variant("philox_uniform", _philox_uniform_kernel, sig, {"BLOCK": 256}, [], 4, 1),
@@ -144,11 +179,29 @@ _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "f
 
 
 def _paged_signature(dt: str) -> dict:
-    ints = ("stride_qb", "stride_qh", "stride_ob", "stride_oh", "stride_blk", "stride_kv", "stride_tok",
-            "stride_head", "stride_btb", "tokens_per_split", "num_splits")
+    ints = (
+        "stride_qb",
+        "stride_qh",
+        "stride_ob",
+        "stride_oh",
+        "stride_blk",
+        "stride_kv",
+        "stride_tok",
+        "stride_head",
+        "stride_btb",
+        "tokens_per_split",
+        "num_splits",
+    )
     return {
-        "q_ptr": f"*{dt}", "kv_ptr": f"*{dt}", "bt_ptr": "*i32", "seq_lens_ptr": "*i32", "out_ptr": f"*{dt}",
-        "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "qk_scale": "fp32", **{k: "i32" for k in ints},
+        "q_ptr": f"*{dt}",
+        "kv_ptr": f"*{dt}",
+        "bt_ptr": "*i32",
+        "seq_lens_ptr": "*i32",
+        "out_ptr": f"*{dt}",
+        "part_acc_ptr": "*fp32",
+        "part_ml_ptr": "*fp32",
+        "qk_scale": "fp32",
+        **{k: "i32" for k in ints},
     }
 
 
@@ -164,7 +217,9 @@ def paged_attention_variants(sweep: bool) -> list[Variant]:
 
     shapes = [(2, 128, torch.bfloat16), (4, 128, torch.bfloat16), (8, 128, torch.bfloat16), (2, 64, torch.bfloat16)]
     shapes += [(2, 256, torch.bfloat16), (2, 128, torch.float16), (2, 128, torch.float32), (2, 8, torch.float32)]
-    todo = [(g, d, dt, C.default_paged_attention_config(g, d, dt), split) for g, d, dt in shapes for split in (False, True)]
+    todo = [
+        (g, d, dt, C.default_paged_attention_config(g, d, dt), split) for g, d, dt in shapes for split in (False, True)
+    ]
     if sweep:
         todo += [(2, 128, torch.bfloat16, c, False) for c in C.PAGED_ATTENTION_SWEEP]
     out = []
@@ -172,8 +227,15 @@ def paged_attention_variants(sweep: bool) -> list[Variant]:
         d_pad = C.next_pow2(max(d, 8))
         use_dot = cfg.use_dot and d_pad >= 16
         const = dict(
-            G=g, G_PAD=max(16, C.next_pow2(g)) if use_dot else C.next_pow2(g), D=d, D_PAD=d_pad, BLOCK_SIZE=16,
-            BLOCK_N=cfg.block_n, USE_DOT=use_dot, DOT_F32=dt == torch.float32, SPLIT=split,
+            G=g,
+            G_PAD=max(16, C.next_pow2(g)) if use_dot else C.next_pow2(g),
+            D=d,
+            D_PAD=d_pad,
+            BLOCK_SIZE=16,
+            BLOCK_N=cfg.block_n,
+            USE_DOT=use_dot,
+            DOT_F32=dt == torch.float32,
+            SPLIT=split,
         )
         sig = _paged_signature(_DTYPE_NAMES[dt])
         div = _pointers(sig, "stride_qb", "stride_qh", "stride_ob", "stride_oh", "stride_blk", "stride_kv")
@@ -183,11 +245,20 @@ def paged_attention_variants(sweep: bool) -> list[Variant]:
             f"{'dot' if use_dot else 'bcast'} w{cfg.num_warps} s{cfg.num_stages}"
         )
         out.append(Variant(name, PA.paged_decode_kernel, sig, const, div, cfg.num_warps, cfg.num_stages))
-    msig = {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": "*bf16", "stride_ob": "i32", "stride_oh": "i32",
-            "num_splits": "i32"}
+    msig = {
+        "part_acc_ptr": "*fp32",
+        "part_ml_ptr": "*fp32",
+        "out_ptr": "*bf16",
+        "stride_ob": "i32",
+        "stride_oh": "i32",
+        "num_splits": "i32",
+    }
     mdiv = ["part_acc_ptr", "part_ml_ptr", "out_ptr", "stride_ob", "stride_oh"]
-    out.append(Variant("paged_decode_merge bf16 D=128", PA.paged_decode_merge_kernel, msig, {"D": 128, "D_PAD": 128},
-                       mdiv, 2, 1))
+    out.append(
+        Variant(
+            "paged_decode_merge bf16 D=128", PA.paged_decode_merge_kernel, msig, {"D": 128, "D_PAD": 128}, mdiv, 2, 1
+        )
+    )
     return out
 
 
@@ -214,11 +285,17 @@ def default_variants() -> list[Variant]:
         c, first = v.constexprs, next(iter(v.signature.values()))
         kind = v.name.split()[0]
         if kind == "from_logits":
-            return first == "*bf16" and (c["BLOCK_V"], c["BLOCK_R"], v.num_warps) == (lg.block_v, lg.block_r,
-                                                                                      lg.num_warps)
+            return first == "*bf16" and (c["BLOCK_V"], c["BLOCK_R"], v.num_warps) == (
+                lg.block_v,
+                lg.block_r,
+                lg.num_warps,
+            )
         if kind == "lm_head_partial":
-            return first == "*bf16" and (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]) == (lm.block_m, lm.block_n,
-                                                                                       lm.block_k)
+            return first == "*bf16" and (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"]) == (
+                lm.block_m,
+                lm.block_n,
+                lm.block_k,
+            )
         if kind == "paged_decode":
             return first == "*bf16" and (c["G"], c["D"], c["BLOCK_N"]) == (2, 128, pa.block_n)
         return kind in ("lm_head_merge", "philox_uniform", "philox_words", "paged_decode_merge")

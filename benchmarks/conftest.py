@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import pytest
-
 import _harness  # pytest (import mode "prepend") puts this folder on sys.path
+import pytest
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -51,7 +51,11 @@ def report(require_cuda: bool) -> tuple[dict, list[str], list[str], bool]:
     should say, and whether spec_rl with spec_rl._C imported at all."""
     import torch
 
-    facts: dict = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda_available": torch.cuda.is_available()}
+    facts: dict = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "cuda_available": torch.cuda.is_available(),
+    }
     problems: list[str] = []
     notes: list[str] = []
     for mod in ("triton", "transformers"):
@@ -83,7 +87,9 @@ def report(require_cuda: bool) -> tuple[dict, list[str], list[str], bool]:
         import spec_rl.kernels as K
 
         device = "cuda" if facts["cuda_available"] else "cpu"
-        facts["kernels"] = f"{'interpreted' if K.INTERPRET else 'compiled'}, runnable on {device}: {K.is_available(device)}"
+        facts["kernels"] = (
+            f"{'interpreted' if K.INTERPRET else 'compiled'}, runnable on {device}: {K.is_available(device)}"
+        )
         if require_cuda and facts["cuda_available"] and (K.INTERPRET or not K.is_available("cuda")):
             problems.append("spec_rl.kernels cannot run compiled on CUDA (TRITON_INTERPRET set?)")
     except ImportError as exc:

@@ -58,8 +58,14 @@ def _json(work: str, name: str) -> dict | None:
 
 def _status_line(rec: dict) -> str:
     where = rec.get("meta", rec)
-    bits = [f"status **{rec.get('status', '?')}**", f"device {where.get('device')}", f"commit `{where.get('commit')}`",
-            f"date {where.get('date')}", f"torch {where.get('torch')}", f"triton {where.get('triton')}"]
+    bits = [
+        f"status **{rec.get('status', '?')}**",
+        f"device {where.get('device')}",
+        f"commit `{where.get('commit')}`",
+        f"date {where.get('date')}",
+        f"torch {where.get('torch')}",
+        f"triton {where.get('triton')}",
+    ]
     return ", ".join(bits)
 
 
@@ -77,99 +83,235 @@ def _result(r: dict, cells: list) -> list:
 
 
 def _speedups(r: dict) -> str:
-    return ", ".join(f"{k[len('speedup_vs_'):]} {v:.2f}x" for k, v in r.items() if k.startswith("speedup_vs_")) or "-"
+    return ", ".join(f"{k[len('speedup_vs_') :]} {v:.2f}x" for k, v in r.items() if k.startswith("speedup_vs_")) or "-"
 
 
 def section_suite(rec: dict) -> list[str]:
     """Stage 3: the from-logits and fused LM-head tables of RESULTS.md "Verification kernels: GPU results"."""
     meta = rec["meta"]
-    out = ["## Verification kernels (stage 3, gpu_suite.py)", "", _status_line(rec), "",
-           f"Shapes: N = {meta.get('n')} tokens, V = {meta.get('vocab')}, {meta.get('dtype')}.", ""]
+    out = [
+        "## Verification kernels (stage 3, gpu_suite.py)",
+        "",
+        _status_line(rec),
+        "",
+        f"Shapes: N = {meta.get('n')} tokens, V = {meta.get('vocab')}, {meta.get('dtype')}.",
+        "",
+    ]
     rows = rec.get("rows", [])
     logits = [r for r in rows if r.get("section", "").startswith("logits")]
-    out += table(["method", "ms", "GB/s", "fraction of copy bandwidth", "extra MB", "speedup of ours"],
-                 [_result(r, [r["name"], _cell(r.get("ms"), "{:.3f}"), _cell(r.get("gb_per_s"), "{:.0f}"),
-                              _cell(r.get("fraction_of_copy_bandwidth"), "{:.2f}"),
-                              _cell(r.get("extra_mb"), "{:.1f}"), _speedups(r)]) for r in logits])
+    out += table(
+        ["method", "ms", "GB/s", "fraction of copy bandwidth", "extra MB", "speedup of ours"],
+        [
+            _result(
+                r,
+                [
+                    r["name"],
+                    _cell(r.get("ms"), "{:.3f}"),
+                    _cell(r.get("gb_per_s"), "{:.0f}"),
+                    _cell(r.get("fraction_of_copy_bandwidth"), "{:.2f}"),
+                    _cell(r.get("extra_mb"), "{:.1f}"),
+                    _speedups(r),
+                ],
+            )
+            for r in logits
+        ],
+    )
     out.append("")
     hidden = [r for r in rows if r.get("section", "").startswith("hidden")]
-    out += table(["d", "method", "ms", "TFLOP/s", "time / matmul", "extra MB", "speedup of ours"],
-                 [[r["section"].split("-")[1]] + _result(r, [r["name"], _cell(r.get("ms"), "{:.3f}"),
-                  _cell(r.get("tflops"), "{:.0f}"), _cell(r.get("ratio_to_matmul"), "{:.2f}"),
-                  _cell(r.get("extra_mb"), "{:.1f}"), _speedups(r)]) for r in hidden])
+    out += table(
+        ["d", "method", "ms", "TFLOP/s", "time / matmul", "extra MB", "speedup of ours"],
+        [
+            [r["section"].split("-")[1]]
+            + _result(
+                r,
+                [
+                    r["name"],
+                    _cell(r.get("ms"), "{:.3f}"),
+                    _cell(r.get("tflops"), "{:.0f}"),
+                    _cell(r.get("ratio_to_matmul"), "{:.2f}"),
+                    _cell(r.get("extra_mb"), "{:.1f}"),
+                    _speedups(r),
+                ],
+            )
+            for r in hidden
+        ],
+    )
     return out + [""] + _checks_and_failures(rec)
 
 
 def section_paged(rec: dict) -> list[str]:
     """Stage 4: paged decode attention per shape (K/V bandwidth, fraction of the copy's, speedups)."""
     meta = rec["meta"]
-    out = ["## Paged decode attention (stage 4, bench_paged_attention.py)", "", _status_line(rec), "",
-           f"Hq = {meta.get('q_heads')}, kv heads = {meta.get('kv_heads')}, D = {meta.get('head_dim')}, "
-           f"block size {meta.get('block_size')}, {meta.get('dtype')}.", ""]
-    rows = [[r.get("section")] + _result(r, [r["name"], _cell(r.get("ms") and r["ms"] * 1e3, "{:.1f}"),
-             _cell(r.get("gb_per_s"), "{:.0f}"), _cell(r.get("fraction_of_copy_bandwidth"), "{:.2f}"), _speedups(r)])
-            for r in rec.get("rows", [])]
+    out = [
+        "## Paged decode attention (stage 4, bench_paged_attention.py)",
+        "",
+        _status_line(rec),
+        "",
+        f"Hq = {meta.get('q_heads')}, kv heads = {meta.get('kv_heads')}, D = {meta.get('head_dim')}, "
+        f"block size {meta.get('block_size')}, {meta.get('dtype')}.",
+        "",
+    ]
+    rows = [
+        [r.get("section")]
+        + _result(
+            r,
+            [
+                r["name"],
+                _cell(r.get("ms") and r["ms"] * 1e3, "{:.1f}"),
+                _cell(r.get("gb_per_s"), "{:.0f}"),
+                _cell(r.get("fraction_of_copy_bandwidth"), "{:.2f}"),
+                _speedups(r),
+            ],
+        )
+        for r in rec.get("rows", [])
+    ]
     out += table(["shape", "method", "us", "K/V GB/s", "fraction of copy bandwidth", "speedup of ours"], rows)
     return out + [""] + _checks_and_failures(rec)
 
 
 def section_engine(rec: dict) -> list[str]:
     """Stage 5: decode throughput and splice vs re-prefill (RESULTS.md "Paged KV cache and engine")."""
-    out = ["## Paged engine (stage 5, bench_engine.py)", "", _status_line(rec), "",
-           f"Preset {rec.get('preset')}: batch {rec.get('batch')}, prompt {rec.get('prompt_len')} tokens, "
-           f"{rec.get('new_tokens')} new tokens (temperature 1).", ""]
-    decode = [_result(r, [r["name"], _cell(r.get("tokens_per_s"), "{:.0f}"), _cell(r.get("ms_per_step"), "{:.2f}"),
-                          _cell(r.get("engine_speedup_vs_this"), "{:.2f}x")]) for r in rec.get("decode", [])]
+    out = [
+        "## Paged engine (stage 5, bench_engine.py)",
+        "",
+        _status_line(rec),
+        "",
+        f"Preset {rec.get('preset')}: batch {rec.get('batch')}, prompt {rec.get('prompt_len')} tokens, "
+        f"{rec.get('new_tokens')} new tokens (temperature 1).",
+        "",
+    ]
+    decode = [
+        _result(
+            r,
+            [
+                r["name"],
+                _cell(r.get("tokens_per_s"), "{:.0f}"),
+                _cell(r.get("ms_per_step"), "{:.2f}"),
+                _cell(r.get("engine_speedup_vs_this"), "{:.2f}x"),
+            ],
+        )
+        for r in rec.get("decode", [])
+    ]
     out += table(["decode", "tokens/s", "ms/step", "engine / this"], decode) + [""]
-    splice = [_result(r, [r["name"], _cell(r.get("seconds"), "{:.2f}"), _cell(r.get("accepted_tokens")),
-                          _cell(r.get("generated_tokens")), _cell(r.get("reprefill_tokens"))])
-              for r in rec.get("splice", [])]
+    splice = [
+        _result(
+            r,
+            [
+                r["name"],
+                _cell(r.get("seconds"), "{:.2f}"),
+                _cell(r.get("accepted_tokens")),
+                _cell(r.get("generated_tokens")),
+                _cell(r.get("reprefill_tokens")),
+            ],
+        )
+        for r in rec.get("splice", [])
+    ]
     out += table(["path", "rollout s", "accepted", "generated", "prefill beyond the scoring pass (tokens)"], splice)
     return out + [""] + _checks_and_failures(rec)
 
 
 def section_rollout(rec: dict) -> list[str]:
     """Stage 6: one rollout step per mode at fixed drafts (RESULTS.md's bench_rollout table)."""
-    out = ["## Rollout (stage 6, bench_rollout.py)", "", _status_line(rec), "",
-           f"Preset {rec.get('preset')}: {rec.get('prompts')} prompts x G={rec.get('group')}, "
-           f"{rec.get('max_tokens')} tokens, {rec.get('backend')}, perturb {rec.get('perturb')}, "
-           f"{rec.get('history_epochs')} history epochs.", ""]
+    out = [
+        "## Rollout (stage 6, bench_rollout.py)",
+        "",
+        _status_line(rec),
+        "",
+        f"Preset {rec.get('preset')}: {rec.get('prompts')} prompts x G={rec.get('group')}, "
+        f"{rec.get('max_tokens')} tokens, {rec.get('backend')}, perturb {rec.get('perturb')}, "
+        f"{rec.get('history_epochs')} history epochs.",
+        "",
+    ]
     rows = []
     for name, r in rec.get("rows", {}).items():
         r = {"name": name, **r}
-        rows.append(_result(r, [name, _cell(r.get("generated_tokens")), _cell(r.get("decode_steps")),
-                                _cell(r.get("rollout_s"), "{:.3f}"), _cell(r.get("scoring_s"), "{:.3f}"),
-                                _cell(r.get("decode_s"), "{:.3f}"), _cell(r.get("generated_tokens_ratio"), "{:.3f}"),
-                                _cell(r.get("decode_steps_ratio"), "{:.3f}"), _cell(r.get("rollout_s_ratio"), "{:.3f}"),
-                                _cell(r.get("tail_accept"), "{:.2f}")]))
-    out += table(["mode", "generated tokens", "decode steps", "rollout s", "scoring s", "decode s", "tokens x",
-                  "steps x", "time x", "tail acceptance"], rows)
+        rows.append(
+            _result(
+                r,
+                [
+                    name,
+                    _cell(r.get("generated_tokens")),
+                    _cell(r.get("decode_steps")),
+                    _cell(r.get("rollout_s"), "{:.3f}"),
+                    _cell(r.get("scoring_s"), "{:.3f}"),
+                    _cell(r.get("decode_s"), "{:.3f}"),
+                    _cell(r.get("generated_tokens_ratio"), "{:.3f}"),
+                    _cell(r.get("decode_steps_ratio"), "{:.3f}"),
+                    _cell(r.get("rollout_s_ratio"), "{:.3f}"),
+                    _cell(r.get("tail_accept"), "{:.2f}"),
+                ],
+            )
+        )
+    out += table(
+        [
+            "mode",
+            "generated tokens",
+            "decode steps",
+            "rollout s",
+            "scoring s",
+            "decode s",
+            "tokens x",
+            "steps x",
+            "time x",
+            "tail acceptance",
+        ],
+        rows,
+    )
     return out + [""] + _checks_and_failures(rec)
 
 
 def section_decode_cache(rec: dict) -> list[str]:
     """Stage 6, second part: one decode step with transformers' concatenating KV cache vs spec-rl's in-place one."""
-    out = ["## Decode cache (stage 6, bench_decode_cache.py)", "",
-           f"Preset {rec.get('preset')}, {rec.get('device')}, commit `{rec.get('commit')}`; median of the steps, "
-           "the two caches timed in turn.", ""]
-    rows = [[_cell(r.get("width")), _cell(r.get("rows")), _cell(r.get("context")),
-             _cell(r.get("concatenating_s") and r["concatenating_s"] * 1e3, "{:.2f}"),
-             _cell(r.get("in_place_s") and r["in_place_s"] * 1e3, "{:.2f}"), _cell(r.get("ratio"), "{:.3f}"),
-             _cell(r.get("max_logit_diff"), "{:.1e}")] for r in rec.get("results", [])]
-    return out + table(["fed tokens per row", "rows", "context", "concatenating ms", "in-place ms", "ratio",
-                        "max logit difference"], rows)
+    out = [
+        "## Decode cache (stage 6, bench_decode_cache.py)",
+        "",
+        f"Preset {rec.get('preset')}, {rec.get('device')}, commit `{rec.get('commit')}`; median of the steps, "
+        "the two caches timed in turn.",
+        "",
+    ]
+    rows = [
+        [
+            _cell(r.get("width")),
+            _cell(r.get("rows")),
+            _cell(r.get("context")),
+            _cell(r.get("concatenating_s") and r["concatenating_s"] * 1e3, "{:.2f}"),
+            _cell(r.get("in_place_s") and r["in_place_s"] * 1e3, "{:.2f}"),
+            _cell(r.get("ratio"), "{:.3f}"),
+            _cell(r.get("max_logit_diff"), "{:.1e}"),
+        ]
+        for r in rec.get("results", [])
+    ]
+    return out + table(
+        ["fed tokens per row", "rows", "context", "concatenating ms", "in-place ms", "ratio", "max logit difference"],
+        rows,
+    )
 
 
 def section_compile(rec: dict) -> list[str]:
     """Stage 7: registers / spills / shared memory per kernel from ptxas."""
     prov = rec.get("provenance", {})
-    out = ["## Compile check (stage 7, compile_check.py)", "",
-           f"sm_{rec.get('arch')}, triton {prov.get('triton')} (its own ptxas), commit `{prov.get('commit')}`.", ""]
-    rows = [[r["kernel"], "FAIL" if r.get("error") or r.get("ptxas_rc") else "ok", _cell(r.get("registers")),
-             _cell(r.get("spill_stores")), _cell(r.get("spill_loads")), _cell(r.get("shared")),
-             _cell(r.get("uses_wgmma")), _cell(r.get("vector_loads"))] for r in rec.get("results", [])]
-    return out + table(["kernel", "status", "registers", "spill stores", "spill loads", "shared bytes", "wgmma",
-                        "v4 loads"], rows)
+    out = [
+        "## Compile check (stage 7, compile_check.py)",
+        "",
+        f"sm_{rec.get('arch')}, triton {prov.get('triton')} (its own ptxas), commit `{prov.get('commit')}`.",
+        "",
+    ]
+    rows = [
+        [
+            r["kernel"],
+            "FAIL" if r.get("error") or r.get("ptxas_rc") else "ok",
+            _cell(r.get("registers")),
+            _cell(r.get("spill_stores")),
+            _cell(r.get("spill_loads")),
+            _cell(r.get("shared")),
+            _cell(r.get("uses_wgmma")),
+            _cell(r.get("vector_loads")),
+        ]
+        for r in rec.get("results", [])
+    ]
+    return out + table(
+        ["kernel", "status", "registers", "spill stores", "spill loads", "shared bytes", "wgmma", "v4 loads"], rows
+    )
 
 
 def section_env(rec: dict) -> list[str]:
@@ -179,9 +321,15 @@ def section_env(rec: dict) -> list[str]:
     return out + [f"- **PROBLEM**: {_cell(p)}" for p in rec.get("problems", [])]
 
 
-SECTIONS = [("env.json", section_env), ("gpu_suite.json", section_suite), ("paged_attention.json", section_paged), ("engine.json", section_engine),
-            ("rollout.json", section_rollout), ("decode_cache.json", section_decode_cache),
-            ("compile_check.json", section_compile)]
+SECTIONS = [
+    ("env.json", section_env),
+    ("gpu_suite.json", section_suite),
+    ("paged_attention.json", section_paged),
+    ("engine.json", section_engine),
+    ("rollout.json", section_rollout),
+    ("decode_cache.json", section_decode_cache),
+    ("compile_check.json", section_compile),
+]
 
 
 def stage_table(work: str) -> list[str]:
@@ -190,8 +338,17 @@ def stage_table(work: str) -> list[str]:
     running = _tsv(os.path.join(work, "current.tsv"))
     rows, wall, budget = [], 0.0, 0.0
     for num, name, status, secs, bud, limit, note in (r + [""] * (7 - len(r)) for r in done + running):
-        rows.append([num, name, _cell(status), f"{float(secs):.1f}" if secs else "-", bud or "-", limit or "-",
-                     _cell(note) or "-"])
+        rows.append(
+            [
+                num,
+                name,
+                _cell(status),
+                f"{float(secs):.1f}" if secs else "-",
+                bud or "-",
+                limit or "-",
+                _cell(note) or "-",
+            ]
+        )
         wall += float(secs or 0)
         budget += float(bud or 0)
     rows.append(["", "**total**", "", f"{wall:.1f}", f"{budget:.0f}", "", ""])
@@ -208,8 +365,14 @@ def _log_tails(work: str, lines: int = 25) -> list[str]:
                     tail = f.read().splitlines()[-lines:]
             except OSError:
                 tail = ["(no log)"]
-            out += [f"### stage {num} {name}: {status} (last {lines} lines of logs/{num}-{name}.log)", "", "```",
-                    *tail, "```", ""]
+            out += [
+                f"### stage {num} {name}: {status} (last {lines} lines of logs/{num}-{name}.log)",
+                "",
+                "```",
+                *tail,
+                "```",
+                "",
+            ]
     return out
 
 
@@ -220,8 +383,11 @@ def render(work: str) -> str:
     out = [f"# spec-rl GPU check ({mode})", ""]
     out += [f"- {k}: {v}" for k, v in meta.items() if k != "mode"] + [""]
     if mode.startswith("smoke"):
-        out += ["> Smoke run: CPU, Triton interpreter, tiny shapes. It runs every stage's code; "
-                "its times are **not** measurements and must not go into RESULTS.md.", ""]
+        out += [
+            "> Smoke run: CPU, Triton interpreter, tiny shapes. It runs every stage's code; "
+            "its times are **not** measurements and must not go into RESULTS.md.",
+            "",
+        ]
     out += ["## Stages", ""] + stage_table(work) + [""]
     for name, section in SECTIONS:
         rec = _json(work, name)

@@ -46,11 +46,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
-import torch
 import _harness as H  # benchmarks/ is on sys.path when a script here runs
+import torch
 
 EAGER_CHUNK = 2048  # rows per chunk of the eager baseline (bounds its fp32 log-softmax memory)
 FROM_LOGITS_TOL = 1e-3  # nats: ours vs fp32 eager torch over the same logits
@@ -67,10 +68,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--rep-ms", type=int, default=150, help="do_bench time budget per measurement (ms)")
     ap.add_argument("--sweep", action="store_true", help="also time every config of LOGITS_SWEEP / LM_HEAD_SWEEP")
     ap.add_argument("--skip-competitors", action="store_true", help="time only our kernels and the floors")
-    ap.add_argument("--device", choices=["cuda", "cpu"], default=None,
-                    help="default: cuda when visible; cpu = smoke run under the Triton interpreter (tiny shapes)")
-    ap.add_argument("--json", default=H.default_json_path("gpu_suite.json"),
-                    help="write results here (default $OUT/gpu_suite.json)")
+    ap.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default=None,
+        help="default: cuda when visible; cpu = smoke run under the Triton interpreter (tiny shapes)",
+    )
+    ap.add_argument(
+        "--json", default=H.default_json_path("gpu_suite.json"), help="write results here (default $OUT/gpu_suite.json)"
+    )
     args = ap.parse_args(argv)
     for name in ("n", "vocab", "tokens_per_sample", "rep_ms"):
         if getattr(args, name) < 1:
@@ -107,8 +113,9 @@ class Suite:
         return self.rec.record["rows"]
 
     def measure(self, name: str, fn: Callable[[], Any], **extra) -> dict:
-        row = H.measure(name, fn, self.rows, rep_ms=self.args.rep_ms, memory=True, progress=_progress,
-                        device=self.dev, **extra)
+        row = H.measure(
+            name, fn, self.rows, rep_ms=self.args.rep_ms, memory=True, progress=_progress, device=self.dev, **extra
+        )
         self.rec.save()
         return row
 
@@ -202,9 +209,13 @@ def section_logits(s: Suite) -> None:
         diff = (lp_k - _eager_from_logits(logits, s.ids)).abs().max()
         s.rec.check("from_logits_max_abs_diff_vs_eager_fp32", diff, FROM_LOGITS_TOL)
     if s.args.sweep:
-        s.sweep("from-logits", configs.LOGITS_SWEEP,
-                lambda cfg: K.verify_packed_logits(logits, s.drafts, config=cfg, **s.settings),
-                section="logits-sweep", bytes=logit_bytes)
+        s.sweep(
+            "from-logits",
+            configs.LOGITS_SWEEP,
+            lambda cfg: K.verify_packed_logits(logits, s.drafts, config=cfg, **s.settings),
+            section="logits-sweep",
+            bytes=logit_bytes,
+        )
     _rates(s, "logits", "gb_per_s", lambda r: r["bytes"] / r["ms"] / 1e6)
     if _has_ms(copy, ours):
         copy["fraction_of_copy_bandwidth"] = 1.0
@@ -224,8 +235,10 @@ def section_hidden(s: Suite, d: int, broken: bool = False) -> None:
 
     n, vocab, K = s.args.n, s.args.vocab, s.K
     section = f"hidden-{d}" + ("-broken" if broken else "")
-    print(f"\nfused LM head: h [{n}, {d}] @ W[{vocab}, {d}]^T, {s.args.dtype}{' (broken shape)' if broken else ''}",
-          flush=True)
+    print(
+        f"\nfused LM head: h [{n}, {d}] @ W[{vocab}, {d}]^T, {s.args.dtype}{' (broken shape)' if broken else ''}",
+        flush=True,
+    )
     h = torch.randn(n, d, device=s.dev, dtype=s.dtype, generator=s.gen)
     w = H.random_lm_head(vocab, d + (8 if broken else 0), s.dtype, s.dev, s.gen)
     tag = dict(section=section, flops=2.0 * n * vocab * d)
@@ -236,8 +249,9 @@ def section_hidden(s: Suite, d: int, broken: bool = False) -> None:
     ours = s.measure(
         f"ours: fused LM-head kernel d={d}", lambda: K.verify_packed_hidden(h, w, s.drafts, **s.settings), **tag
     )
-    eager = s.measure(f"eager torch: matmul + chunked log_softmax d={d}",
-                      lambda: _eager_from_logits(h @ w.T, s.ids), **tag)
+    eager = s.measure(
+        f"eager torch: matmul + chunked log_softmax d={d}", lambda: _eager_from_logits(h @ w.T, s.ids), **tag
+    )
     if _has_ms(ours):
         lp_k = K.verify_packed_hidden(h, w, s.drafts, **s.settings).new_logprobs
         w32 = w.float()
@@ -246,9 +260,13 @@ def section_hidden(s: Suite, d: int, broken: bool = False) -> None:
         del w32
         s.rec.check(f"fused_d{d}_max_abs_diff_vs_fp32_torch", (lp_k - lp_e).abs().max(), FUSED_TOL)
     if s.args.sweep:
-        s.sweep("fused", configs.LM_HEAD_SWEEP,
-                lambda cfg: K.verify_packed_hidden(h, w, s.drafts, config=cfg, **s.settings),
-                section=f"{section}-sweep", flops=tag["flops"])
+        s.sweep(
+            "fused",
+            configs.LM_HEAD_SWEEP,
+            lambda cfg: K.verify_packed_hidden(h, w, s.drafts, config=cfg, **s.settings),
+            section=f"{section}-sweep",
+            flops=tag["flops"],
+        )
     _rates(s, section, "tflops", lambda r: r["flops"] / r["ms"] / 1e9)
     if _has_ms(ours, mm):
         mm["ratio_to_matmul"] = 1.0
@@ -344,16 +362,21 @@ def run_suite(args, K, dev: torch.device, rec: H.RunRecord) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.device is None and not torch.cuda.is_available():
-        print("gpu_suite: no CUDA device available; nothing was measured (run this on a GPU machine, "
-              "or --device cpu for a smoke run under the Triton interpreter).")
+        print(
+            "gpu_suite: no CUDA device available; nothing was measured (run this on a GPU machine, "
+            "or --device cpu for a smoke run under the Triton interpreter)."
+        )
         return 0
     dev = torch.device(args.device or "cuda")
     K = H.kernels_for(dev, "gpu_suite")
     if K is None:
         return 2
     meta = {**H.provenance(dev), "n": args.n, "vocab": args.vocab, "dtype": args.dtype}
-    print(f"gpu_suite on {meta['device']} ({meta.get('sm_count', '-')} SMs), torch {meta['torch']}, "
-          f"triton {meta['triton']}, commit {meta['commit']}", flush=True)
+    print(
+        f"gpu_suite on {meta['device']} ({meta.get('sm_count', '-')} SMs), torch {meta['torch']}, "
+        f"triton {meta['triton']}, commit {meta['commit']}",
+        flush=True,
+    )
     rec = H.RunRecord(args.json, {"meta": meta, "rows": []})
     try:
         run_suite(args, K, dev, rec)

@@ -42,8 +42,12 @@ from spec_rl.trainer.run import load_policy
 
 EQUATION = re.compile(r"(\d+) ([-+*/]) (\d+) = (\d+)")
 BOXES_ADDED = re.compile(r"in each \w+, so \w+ has \d+ \+ \d+ = \d+ more")
-_EXACT = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b,
-          "/": lambda a, b: a // b if b and a % b == 0 else None}  # fmt: skip
+_EXACT = {
+    "+": lambda a, b: a + b,
+    "-": lambda a, b: a - b,
+    "*": lambda a, b: a * b,
+    "/": lambda a, b: a // b if b and a % b == 0 else None,
+}
 
 
 def classify(text: str, gold: str) -> str:
@@ -98,12 +102,17 @@ def diagnose(path: str, examples) -> dict:
     model, tok = load_policy(path)
     backend = _backend(model, tok, 256)
     greedy = SamplingSettings(top_k=1, max_tokens=DEMO_MAX_NEW_TOKENS)
-    outs = backend.generate([tok(e.prompt)["input_ids"] for e in examples], [DEMO_MAX_NEW_TOKENS] * len(examples),
-                            greedy, 0)  # fmt: skip
+    outs = backend.generate(
+        [tok(e.prompt)["input_ids"] for e in examples], [DEMO_MAX_NEW_TOKENS] * len(examples), greedy, 0
+    )
     texts = [tok.decode(o.token_ids, skip_special_tokens=True) for o in outs]
     classes = Counter(classify(t, e.answer) for t, e in zip(texts, examples))
-    return {"policy": path, "greedy": {k: v / len(examples) for k, v in sorted(classes.items())},
-            "equations": equation_errors(texts), "gold_token_accuracy": gold_accuracy(model, tok, examples[:300])}  # fmt: skip
+    return {
+        "policy": path,
+        "greedy": {k: v / len(examples) for k, v in sorted(classes.items())},
+        "equations": equation_errors(texts),
+        "gold_token_accuracy": gold_accuracy(model, tok, examples[:300]),
+    }
 
 
 def main(argv=None) -> int:
@@ -122,7 +131,10 @@ def main(argv=None) -> int:
         results.append(r)
         print(f"{path}: gold-token accuracy {r['gold_token_accuracy']:.4f}")
         print("  greedy: " + ", ".join(f"{k} {v:.3f}" for k, v in r["greedy"].items()))
-        print("  equation errors: " + ", ".join(f"{k} {w}/{n}" for k, (n, w) in sorted(r["equations"].items())), flush=True)
+        print(
+            "  equation errors: " + ", ".join(f"{k} {w}/{n}" for k, (n, w) in sorted(r["equations"].items())),
+            flush=True,
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -38,9 +38,17 @@ def load_policy(name: str):
         from spec_rl.tasks.demo_tokenizer import build_demo_tokenizer
 
         tok = build_demo_tokenizer([e.prompt for e in demo_train_set()[:64]], vocab_size=300, model_max_length=256)
-        cfg = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, eos_token_id=tok.eos_token_id,
-                          pad_token_id=tok.pad_token_id, tie_word_embeddings=False)  # fmt: skip
+        cfg = Qwen2Config(
+            vocab_size=len(tok),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            tie_word_embeddings=False,
+        )
         return Qwen2ForCausalLM(cfg), tok
     if name == "demo":
         from spec_rl.tasks.demo_policy import build_demo_policy
@@ -59,15 +67,31 @@ def main(argv=None) -> int:
     p.add_argument("--epochs", type=int, default=3, help="epochs over them (default 3)")
     p.add_argument("--num-generations", type=int, default=4, help="GRPO group size (default 4)")
     p.add_argument("--max-completion-length", type=int, default=96, help="response budget in tokens (default 96)")
-    p.add_argument("--strategy", choices=["spec", "off", "random"], default="spec",
-                   help="spec: SPEC-RL (default); off: no reuse, same decoder; random: random reuse")  # fmt: skip
-    p.add_argument("--lenience", type=float, default=None, help="l of the lenient rule (default e^0.5, the paper's "
-                   "GRPO value; exact acceptance takes none)")  # fmt: skip
-    p.add_argument("--acceptance", choices=["lenient", "exact"], default="lenient",
-                   help="lenient: the paper's rule (default); exact: lossless reuse (completions are fresh samples)")
-    p.add_argument("--rejection-draw", choices=["policy", "without-draft"], default="policy",
-                   help="the token at a lenient rejection: from the policy (the paper, default) or without the "
-                   "rejected draft token (needs l >= 1)")  # fmt: skip
+    p.add_argument(
+        "--strategy",
+        choices=["spec", "off", "random"],
+        default="spec",
+        help="spec: SPEC-RL (default); off: no reuse, same decoder; random: random reuse",
+    )
+    p.add_argument(
+        "--lenience",
+        type=float,
+        default=None,
+        help="l of the lenient rule (default e^0.5, the paper's GRPO value; exact acceptance takes none)",
+    )
+    p.add_argument(
+        "--acceptance",
+        choices=["lenient", "exact"],
+        default="lenient",
+        help="lenient: the paper's rule (default); exact: lossless reuse (completions are fresh samples)",
+    )
+    p.add_argument(
+        "--rejection-draw",
+        choices=["policy", "without-draft"],
+        default="policy",
+        help="the token at a lenient rejection: from the policy (the paper, default) or without the "
+        "rejected draft token (needs l >= 1)",
+    )
     args = p.parse_args(argv)
     if args.prompts < 1 or args.epochs < 1 or args.num_generations < 2:
         p.error("--prompts and --epochs must be >= 1 and --num-generations >= 2")
@@ -80,28 +104,50 @@ def main(argv=None) -> int:
     from spec_rl.tasks.rewards import math_reward
 
     try:  # the adapter's own checks (e.g. without-draft below l = 1), as one usage line
-        spec = SpecRLRollout(lenience=args.lenience, strategy=args.strategy, acceptance=args.acceptance,
-                             rejection_draw=args.rejection_draw, dataset_id_column="id",
-                             cache_path=Path(args.out) / "spec_rl_cache.safetensors")  # fmt: skip
+        spec = SpecRLRollout(
+            lenience=args.lenience,
+            strategy=args.strategy,
+            acceptance=args.acceptance,
+            rejection_draw=args.rejection_draw,
+            dataset_id_column="id",
+            cache_path=Path(args.out) / "spec_rl_cache.safetensors",
+        )
     except ValueError as exc:
         p.error(str(exc))
     model, tok = load_policy(args.model)
     problems = demo_train_set()[: args.prompts]
-    data = Dataset.from_dict({"prompt": [e.prompt for e in problems], "answer": [e.answer for e in problems],
-                              "id": [e.uid for e in problems]})  # fmt: skip
+    data = Dataset.from_dict(
+        {
+            "prompt": [e.prompt for e in problems],
+            "answer": [e.answer for e in problems],
+            "id": [e.uid for e in problems],
+        }
+    )
 
     def reward(completions, answer, **kwargs):  # TRL passes dataset columns by name
         return [math_reward(c, a) for c, a in zip(completions, answer)]
 
     config = GRPOConfig(
-        output_dir=args.out, use_cpu=True, bf16=False, report_to=[], logging_steps=1, save_strategy="no",
-        per_device_train_batch_size=2 * args.num_generations, num_generations=args.num_generations,
-        max_completion_length=args.max_completion_length, num_train_epochs=args.epochs, learning_rate=1e-5,
-        temperature=1.0, seed=0, disable_dropout=True, dataloader_num_workers=0,
-    )  # fmt: skip
+        output_dir=args.out,
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        logging_steps=1,
+        save_strategy="no",
+        per_device_train_batch_size=2 * args.num_generations,
+        num_generations=args.num_generations,
+        max_completion_length=args.max_completion_length,
+        num_train_epochs=args.epochs,
+        learning_rate=1e-5,
+        temperature=1.0,
+        seed=0,
+        disable_dropout=True,
+        dataloader_num_workers=0,
+    )
     check_trainer_args(config)  # our clear error (e.g. for use_vllm=True) before TRL's own checks
-    trainer = GRPOTrainer(model=model, args=config, train_dataset=data, reward_funcs=reward,
-                          processing_class=tok, rollout_func=spec)  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model, args=config, train_dataset=data, reward_funcs=reward, processing_class=tok, rollout_func=spec
+    )
     spec.attach(trainer)
     trainer.train()
 
@@ -110,11 +156,18 @@ def main(argv=None) -> int:
     epochs = []
     for e in range(args.epochs):
         part = logs[e * steps_per_epoch : (e + 1) * steps_per_epoch]
-        epochs.append({"epoch": e + 1, "tokens_generated": sum(r["spec_rl/tokens_generated"] for r in part),
-                       "reused_tokens": sum(r["spec_rl/reused_tokens"] for r in part),
-                       "rollout_seconds": round(sum(r["spec_rl/rollout_seconds"] for r in part), 3)})  # fmt: skip
-        print(f"epoch {e + 1}: generated {epochs[-1]['tokens_generated']:.0f} tokens, "
-              f"reused {epochs[-1]['reused_tokens']:.0f}, rollout {epochs[-1]['rollout_seconds']:.1f} s")  # fmt: skip
+        epochs.append(
+            {
+                "epoch": e + 1,
+                "tokens_generated": sum(r["spec_rl/tokens_generated"] for r in part),
+                "reused_tokens": sum(r["spec_rl/reused_tokens"] for r in part),
+                "rollout_seconds": round(sum(r["spec_rl/rollout_seconds"] for r in part), 3),
+            }
+        )
+        print(
+            f"epoch {e + 1}: generated {epochs[-1]['tokens_generated']:.0f} tokens, "
+            f"reused {epochs[-1]['reused_tokens']:.0f}, rollout {epochs[-1]['rollout_seconds']:.1f} s"
+        )
     print(json.dumps({"strategy": args.strategy, **spec.mode.to_dict(), "epochs": epochs}))
     return 0
 

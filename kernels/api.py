@@ -87,8 +87,16 @@ class PackedDrafts:
         return cls(draft_ids, old_logprobs, row_sample, row_token, lengths, uids, **extra)
 
     def rows(self, n_rows: int, **settings) -> DraftRows:
-        return packed_rows(n_rows, self.draft_ids, self.old_logprobs, self.row_sample, self.row_token, self.lengths,
-                           self.uids, **settings)
+        return packed_rows(
+            n_rows,
+            self.draft_ids,
+            self.old_logprobs,
+            self.row_sample,
+            self.row_token,
+            self.lengths,
+            self.uids,
+            **settings,
+        )
 
 
 def _packed_output(launched, rows: DraftRows, source: str, score_only: bool) -> PackedVerifyOutput:
@@ -223,8 +231,15 @@ def logprobs_from_logits(
     Raises:
         ValueError: a row without a valid distribution (NaN or +inf logits, or all -inf), named as (0, row).
     """
-    out = verify_packed_logits(logits, _score_only_drafts(token_ids), seed=0, log_lenience=0.0,
-                               temperature=temperature, config=config, score_only=True)
+    out = verify_packed_logits(
+        logits,
+        _score_only_drafts(token_ids),
+        seed=0,
+        log_lenience=0.0,
+        temperature=temperature,
+        config=config,
+        score_only=True,
+    )
     return out.new_logprobs
 
 
@@ -241,8 +256,17 @@ def logprobs_from_hidden(
     Raises:
         ValueError: a row without a valid distribution (NaN, overflow, or all -inf), named as (0, row).
     """
-    out = verify_packed_hidden(hidden, lm_head_weight, _score_only_drafts(token_ids), seed=0, log_lenience=0.0,
-                               lm_head_bias=lm_head_bias, temperature=temperature, config=config, score_only=True)
+    out = verify_packed_hidden(
+        hidden,
+        lm_head_weight,
+        _score_only_drafts(token_ids),
+        seed=0,
+        log_lenience=0.0,
+        lm_head_bias=lm_head_bias,
+        temperature=temperature,
+        config=config,
+        score_only=True,
+    )
     return out.new_logprobs
 
 
@@ -281,9 +305,14 @@ def _padded_from_hidden(hidden, weight, bias, draft_ids, old_logprobs, lengths, 
     ids, old = draft_ids[b_idx, t_idx].contiguous(), old_logprobs[b_idx, t_idx].contiguous()
     rows = DraftRows(ids, old, lengths, uids, b_idx.to(torch.int32), t_idx.to(torch.int32), **settings)
     lp_p, acc_p, n, flag = launch_lm_head(
-        hidden, weight, bias, rows, row_offsets=(b_idx * s_b + t_idx * s_t).contiguous(),
-        row_align=offsets_alignment(hidden.element_size(), s_b, s_t), config=config,
-    )  # fmt: skip
+        hidden,
+        weight,
+        bias,
+        rows,
+        row_offsets=(b_idx * s_b + t_idx * s_t).contiguous(),
+        row_align=offsets_alignment(hidden.element_size(), s_b, s_t),
+        config=config,
+    )
     lp_new = torch.zeros(draft_ids.shape, dtype=torch.float32, device=draft_ids.device)
     lp_new[b_idx, t_idx] = lp_p
     accept = torch.zeros(draft_ids.shape, dtype=torch.bool, device=draft_ids.device)

@@ -57,11 +57,29 @@ def log_f64_tl(x, USE_LIBDEVICE: tl.constexpr):
 
 @triton.jit
 def finish_rows(
-    row, in_range, valid, sample, token, m, s, tgt,
-    lp_out_ptr, acc_out_ptr, n_ptr, flag_ptr, old_ptr, uids_ptr,
-    k0_w, k1_w, log_l_lo, log_l_hi, temp_lo, temp_hi,
-    MODE: tl.constexpr, USE_LIBDEVICE: tl.constexpr,
-):  # fmt: skip
+    row,
+    in_range,
+    valid,
+    sample,
+    token,
+    m,
+    s,
+    tgt,
+    lp_out_ptr,
+    acc_out_ptr,
+    n_ptr,
+    flag_ptr,
+    old_ptr,
+    uids_ptr,
+    k0_w,
+    k1_w,
+    log_l_lo,
+    log_l_hi,
+    temp_lo,
+    temp_hi,
+    MODE: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr,
+):
     """Epilogue for a row (scalar) or a block of rows.
 
     in_range: rows that exist (stores are masked by it); valid: rows that

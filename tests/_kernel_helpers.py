@@ -14,7 +14,6 @@ except Exception as exc:  # not installed, or a broken install: skip every kerne
     pytest.skip(f"triton is not importable ({type(exc).__name__}: {exc})", allow_module_level=True)
 
 import spec_rl.kernels as K
-
 from spec_rl.acceptance.dispatch import VerifyOptions
 from spec_rl.acceptance.reference import lengths_mask, make_result, random_reuse_index, reference_verify
 from spec_rl.acceptance.scores import DraftScores
@@ -84,18 +83,40 @@ def far_from_ties_old_logprobs(
     return old.float()
 
 
-def reference64(draft_ids, old_logprobs, lengths, *, uids, seed, log_lenience, temperature=1.0, top_k=0, top_p=1.0,
-                rule="lenient", return_accept_mask=False, **sources):
+def reference64(
+    draft_ids,
+    old_logprobs,
+    lengths,
+    *,
+    uids,
+    seed,
+    log_lenience,
+    temperature=1.0,
+    top_k=0,
+    top_p=1.0,
+    rule="lenient",
+    return_accept_mask=False,
+    **sources,
+):
     """reference_verify in float64, inputs moved to the CPU; ``sources`` are DraftScores fields. ``log_lenience`` is
     read by the lenient rule only."""
     cpu = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in sources.items()}
     options = VerifyOptions(
-        rule=rule, lenience=math.exp(log_lenience) if rule == "lenient" else 1.0,
+        rule=rule,
+        lenience=math.exp(log_lenience) if rule == "lenient" else 1.0,
         sampling=SamplingSettings(temperature=temperature, top_k=top_k, top_p=top_p),
         return_accept_mask=return_accept_mask,
-    )  # fmt: skip
-    return reference_verify(draft_ids.cpu(), old_logprobs.cpu(), lengths.cpu(), uids.cpu(), DraftScores(**cpu),
-                            seed=seed, options=options, compute_dtype=torch.float64)  # fmt: skip
+    )
+    return reference_verify(
+        draft_ids.cpu(),
+        old_logprobs.cpu(),
+        lengths.cpu(),
+        uids.cpu(),
+        DraftScores(**cpu),
+        seed=seed,
+        options=options,
+        compute_dtype=torch.float64,
+    )
 
 
 def _packed_verify(draft_ids, old_logprobs, lengths, uids, scores: DraftScores, config, **settings):
@@ -104,8 +125,9 @@ def _packed_verify(draft_ids, old_logprobs, lengths, uids, scores: DraftScores, 
     them. Hidden states are gathered in-kernel from the padded tensor (row offsets), as the padded path does."""
     valid = lengths_mask(lengths, draft_ids.shape[1])
     b_idx, t_idx = valid.nonzero(as_tuple=True)
-    drafts = K.PackedDrafts(draft_ids[b_idx, t_idx], old_logprobs[b_idx, t_idx], b_idx.to(torch.int32),
-                            t_idx.to(torch.int32), lengths, uids)  # fmt: skip
+    drafts = K.PackedDrafts(
+        draft_ids[b_idx, t_idx], old_logprobs[b_idx, t_idx], b_idx.to(torch.int32), t_idx.to(torch.int32), lengths, uids
+    )
     if scores.logits is not None:
         out = K.verify_packed_logits(scores.logits[b_idx, t_idx], drafts, config=config, **settings)
     else:
@@ -115,8 +137,9 @@ def _packed_verify(draft_ids, old_logprobs, lengths, uids, scores: DraftScores, 
             hidden = hidden[0, :1]
         else:
             hidden = hidden[b_idx, t_idx]
-        out = K.verify_packed_hidden(hidden, scores.lm_head_weight, drafts, lm_head_bias=scores.lm_head_bias,
-                                     config=config, **settings)  # fmt: skip
+        out = K.verify_packed_hidden(
+            hidden, scores.lm_head_weight, drafts, lm_head_bias=scores.lm_head_bias, config=config, **settings
+        )
     lp = torch.zeros(draft_ids.shape, dtype=torch.float32, device=draft_ids.device)
     lp[b_idx, t_idx] = out.new_logprobs
     accept = torch.zeros(draft_ids.shape, dtype=torch.bool, device=draft_ids.device)
@@ -125,8 +148,20 @@ def _packed_verify(draft_ids, old_logprobs, lengths, uids, scores: DraftScores, 
     return lp, accept, out.accepted_len
 
 
-def kernel_verify(draft_ids, old_logprobs, lengths, *, uids, seed, log_lenience, temperature=1.0, rule="lenient",
-                  return_accept_mask=False, config=None, **sources):
+def kernel_verify(
+    draft_ids,
+    old_logprobs,
+    lengths,
+    *,
+    uids,
+    seed,
+    log_lenience,
+    temperature=1.0,
+    rule="lenient",
+    return_accept_mask=False,
+    config=None,
+    **sources,
+):
     """The kernels' verification packed as a VerifyResult the way the verify functions' triton backend does.
 
     ``sources``: the score source (logits= or hidden_states= with lm_head_weight=/lm_head_bias=). ``config``: a
@@ -138,8 +173,9 @@ def kernel_verify(draft_ids, old_logprobs, lengths, *, uids, seed, log_lenience,
     if config is None:
         lp, accept, n = K.verify_padded(draft_ids, old_logprobs, lengths, uids, scores, **settings)
     else:
-        lp, accept, n = _packed_verify(draft_ids, old_logprobs, lengths.to(draft_ids.device), uids, scores, config,
-                                       **settings)  # fmt: skip
+        lp, accept, n = _packed_verify(
+            draft_ids, old_logprobs, lengths.to(draft_ids.device), uids, scores, config, **settings
+        )
     assert lp.dtype == torch.float32 and accept.dtype == torch.bool and n.dtype == torch.int64
     if rule == "random":
         assert torch.equal(n.cpu(), lengths.cpu()) and not bool(accept.any())  # score-only contract

@@ -30,7 +30,9 @@ def assert_fits(counts: torch.Tensor, probs: torch.Tensor) -> None:
     if df == 0:
         return
     crit = chi2_critical(df)
-    assert stat < crit, f"chi-square {stat:.1f} >= {crit:.1f} (df {df}): counts {counts.tolist()} vs probs {probs.tolist()}"
+    assert stat < crit, (
+        f"chi-square {stat:.1f} >= {crit:.1f} (df {df}): counts {counts.tolist()} vs probs {probs.tolist()}"
+    )
 
 
 def assert_same_distribution(a: torch.Tensor, b: torch.Tensor) -> None:

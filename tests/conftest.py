@@ -26,8 +26,12 @@ if not _HAS_CUDA:
 def pytest_addoption(parser):
     group = parser.getgroup("spec-rl", "verl end to end (tests/integrations/test_verl_e2e.py, make test-verl-e2e)")
     group.addoption("--e2e-exact", action="store_true", help="also train with exact acceptance")
-    group.addoption("--e2e-out", metavar="DIR", default=None,
-                    help="keep the runs in DIR (benchmarks/verl_e2e_table.py tabulates them; default: a temporary one)")
+    group.addoption(
+        "--e2e-out",
+        metavar="DIR",
+        default=None,
+        help="keep the runs in DIR (benchmarks/verl_e2e_table.py tabulates them; default: a temporary one)",
+    )
 
 
 @pytest.fixture()

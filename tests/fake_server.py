@@ -100,8 +100,9 @@ class FixedServer(TinyServer):
     Prompt tokens outside the support get log-prob -inf; only the draft rows are read.
     """
 
-    def __init__(self, probs: torch.Tensor, eos_ids, max_model_len: int, step: int | None = 1,
-                 response_length: int | None = None):
+    def __init__(
+        self, probs: torch.Tensor, eos_ids, max_model_len: int, step: int | None = 1, response_length: int | None = None
+    ):
         super().__init__(None, eos_ids, max_model_len, step=step, response_length=response_length)
         self.log_probs = torch.log(probs.double()).float()
 

@@ -89,8 +89,17 @@ def test_readme_trl_example_runs(tmp_path, monkeypatch):
 
 #: Text about how the project was built, not about the package, and paths of one machine.
 _CIRCUMSTANCES = re.compile(
-    "|".join([r"\b(this|last|later|earlier|another|previous|next|work) session\b", r"\blent\b", r"\bdevice tool\b",
-              r"/work/\w", r"/root/", r"/home/[a-z]", r"/Users/[A-Za-z]"]),
+    "|".join(
+        [
+            r"\b(this|last|later|earlier|another|previous|next|work) session\b",
+            r"\blent\b",
+            r"\bdevice tool\b",
+            r"/work/\w",
+            r"/root/",
+            r"/home/[a-z]",
+            r"/Users/[A-Za-z]",
+        ]
+    ),
     re.I,
 )
 

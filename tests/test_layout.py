@@ -83,7 +83,11 @@ def import_graph(package: Path) -> dict[str, set[str]]:
                 targets.update(a.name for a in node.names)
             elif isinstance(node, ast.ImportFrom):
                 here = mod.split(".") if is_pkg else mod.split(".")[:-1]
-                base = ".".join(here[: len(here) - node.level + 1] + ([node.module] if node.module else [])) if node.level else node.module
+                base = (
+                    ".".join(here[: len(here) - node.level + 1] + ([node.module] if node.module else []))
+                    if node.level
+                    else node.module
+                )
                 targets.update(
                     f"{base}.{a.name}" if f"{base}.{a.name}" in modules or a.name in BUILT_ELSEWHERE else base
                     for a in node.names
@@ -129,7 +133,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
                 path.pop()
                 state[node] = "done"
             elif state.get(child) == "open":
-                cycles.append(path[path.index(child):] + [child])
+                cycles.append(path[path.index(child) :] + [child])
             elif child not in state:
                 state[child] = "open"
                 path.append(child)
@@ -191,13 +195,17 @@ def test_no_citation_of_files_or_trackers_we_do_not_ship():
     assert not bad, "cite docs/design.md or the paper instead:\n" + "\n".join(bad)
 
 
-OUR_PATH = re.compile(r"(?<![\w/.-])((?:spec_rl|kernels|csrc|benchmarks|tests|docs|examples)/[\w/.-]*\w\.(?:py|md|sh|cpp|cu|cuh))\b")
+OUR_PATH = re.compile(
+    r"(?<![\w/.-])((?:spec_rl|kernels|csrc|benchmarks|tests|docs|examples)/[\w/.-]*\w\.(?:py|md|sh|cpp|cu|cuh))\b"
+)
 
 
 def test_cited_paths_of_ours_exist():
     """Every path into our own folders that code, docs or the README cites names a file we ship."""
     texts = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-    texts += [p for folder in CODE_DIRS + ("examples",) for p in (ROOT / folder).rglob("*") if p.suffix in CODE_SUFFIXES]
+    texts += [
+        p for folder in CODE_DIRS + ("examples",) for p in (ROOT / folder).rglob("*") if p.suffix in CODE_SUFFIXES
+    ]
     missing = []
     for path in texts:
         for lineno, line in enumerate(path.read_text(errors="replace").splitlines(), 1):

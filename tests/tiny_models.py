@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import torch
 
-WORDS = ["<pad>", "<eos>", "<unk>", "Question:", "Answer:", "####", "+", "-", "*", "=", "."] + [str(d) for d in range(10)] + [
-    "apples", "has", "buys", "more", "how", "many", "now", "Tom", "Ann", "sells", "the", "a"
-]
+WORDS = (
+    ["<pad>", "<eos>", "<unk>", "Question:", "Answer:", "####", "+", "-", "*", "=", "."]
+    + [str(d) for d in range(10)]
+    + ["apples", "has", "buys", "more", "how", "many", "now", "Tom", "Ann", "sells", "the", "a"]
+)
 
 
 def tiny_tokenizer():
@@ -15,12 +17,16 @@ def tiny_tokenizer():
 
     vocab = {w: i for i, w in enumerate(WORDS)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Digits(individual_digits=True)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Digits(individual_digits=True)]
+    )
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
     return fast
 
 
-def tiny_model(vocab_size: int = len(WORDS), eos=(1,), seed: int = 0, layers: int = 2, hidden: int = 32, bias_eos: float = 0.0):
+def tiny_model(
+    vocab_size: int = len(WORDS), eos=(1,), seed: int = 0, layers: int = 2, hidden: int = 32, bias_eos: float = 0.0
+):
     """A Qwen2-architecture model with ~30k parameters; optional LM-head bias pushing EOS ids."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 

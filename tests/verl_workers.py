@@ -61,4 +61,6 @@ class FakeLLMClient:
         extra = {"global_steps": out["step"]}
         if out["prompt_logprobs"] is not None:
             extra.update(prompt_logprobs=out["prompt_logprobs"], prompt_ids=out["prompt_ids"])
-        return TokenOutput(token_ids=out["token_ids"], log_probs=out["log_probs"], stop_reason="completed", extra_fields=extra)
+        return TokenOutput(
+            token_ids=out["token_ids"], log_probs=out["log_probs"], stop_reason="completed", extra_fields=extra
+        )

@@ -28,9 +28,18 @@ def save_checkpoint(path, seed: int, eos_heavy: bool = False) -> torch.nn.Module
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     tok = tiny_tokenizer()
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
-                      eos_token_id=EOS, pad_token_id=0, tie_word_embeddings=False)  # fmt: skip
+    cfg = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+        eos_token_id=EOS,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(cfg).eval()
     with torch.no_grad():
@@ -54,10 +63,18 @@ def start_engine(path, caching: bool) -> dict:
     from vllm import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    args = AsyncEngineArgs(model=str(path), dtype="float32", max_model_len=MAX_LEN, block_size=32,
-                           enable_prefix_caching=caching, enforce_eager=True, seed=0,
-                           max_num_seqs=16, max_num_batched_tokens=512,
-                           gpu_memory_utilization=0.2)  # on CPU: the share of RAM reserved  # fmt: skip
+    args = AsyncEngineArgs(
+        model=str(path),
+        dtype="float32",
+        max_model_len=MAX_LEN,
+        block_size=32,
+        enable_prefix_caching=caching,
+        enforce_eager=True,
+        seed=0,
+        max_num_seqs=16,
+        max_num_batched_tokens=512,
+        gpu_memory_utilization=0.2,
+    )  # on CPU: the share of RAM reserved
 
     async def start():
         return AsyncLLM.from_engine_args(args)

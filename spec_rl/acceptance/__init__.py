@@ -9,6 +9,16 @@ from .reference import VerifyResult, VerifyStats
 from .scores import DraftScores
 
 __all__ = [
-    "ACCEPTANCE_RULES", "LENIENCE_DEFAULTS", "MODES", "REJECTION_DRAWS", "DraftScores", "RolloutMode", "VerifyOptions",
-    "VerifyResult", "VerifyStats", "verify_hidden", "verify_logits", "verify_logprobs",
+    "ACCEPTANCE_RULES",
+    "LENIENCE_DEFAULTS",
+    "MODES",
+    "REJECTION_DRAWS",
+    "DraftScores",
+    "RolloutMode",
+    "VerifyOptions",
+    "VerifyResult",
+    "VerifyStats",
+    "verify_hidden",
+    "verify_logits",
+    "verify_logprobs",
 ]

@@ -46,8 +46,13 @@ class VerifyOptions:
         check_choice("rule", self.rule, ACCEPTANCE_RULES)
         check_choice("backend", self.backend, BACKENDS)
         check_settings(self.sampling, "sampling")
-        l = check_real("lenience", self.lenience, low=0.0, finite=False,
-                       hint=" (0 rejects every draft token, 1 is vanilla speculative decoding, inf accepts all)")
+        l = check_real(
+            "lenience",
+            self.lenience,
+            low=0.0,
+            finite=False,
+            hint=" (0 rejects every draft token, 1 is vanilla speculative decoding, inf accepts all)",
+        )
         if self.rule != "lenient" and l != 1.0:
             raise ValueError(f"lenience applies to rule='lenient' only, not {self.rule!r}; drop it")
         object.__setattr__(self, "lenience", l)
@@ -157,7 +162,9 @@ def _check_scores(scores: DraftScores, shape: tuple[int, int], device: torch.dev
         raise ValueError("pass exactly one of new_logprobs, logits, or hidden_states (with lm_head_weight)")
     if scores.same_as is not None:
         _check_tensor("same_as", scores.same_as, shape, "int", device)
-        if scores.same_as.numel() and (int(scores.same_as.min()) < 0 or int(scores.same_as.max()) >= shape[0] * shape[1]):
+        if scores.same_as.numel() and (
+            int(scores.same_as.min()) < 0 or int(scores.same_as.max()) >= shape[0] * shape[1]
+        ):
             raise ValueError(f"same_as holds flat indices outside [0, {shape[0] * shape[1]}) (B * R)")
     if scores.new_logprobs is not None:
         _check_tensor("new_logprobs", scores.new_logprobs, shape, "float", device)
@@ -212,7 +219,9 @@ def _validate(draft_ids, old_logprobs, scores, lengths, uids, options: VerifyOpt
     if vocab is not None and valid.any():
         ids = draft_ids[valid]
         if bool(((ids < 0) | (ids >= vocab)).any()):
-            raise ValueError(f"draft_ids contains ids outside [0, {vocab}) at unmasked positions (vocabulary size {vocab})")
+            raise ValueError(
+                f"draft_ids contains ids outside [0, {vocab}) at unmasked positions (vocabulary size {vocab})"
+            )
     safe_ids = torch.where(valid, draft_ids, torch.zeros((), dtype=draft_ids.dtype, device=device))
     return _Checked(safe_ids, old_logprobs, lens, _check_uids(uids, shape[0], device), scores, chosen)
 
@@ -232,8 +241,15 @@ def _verify_triton(c: _Checked, seed: int, options: VerifyOptions) -> VerifyResu
         )
     s = c.scores
     lp_new, accept, n = kernels.verify_padded(
-        c.draft_ids, c.old_logprobs, c.lengths, c.uids, s, seed=seed, log_lenience=options.log_lenience,
-        temperature=options.sampling.temperature, score_only=options.rule == "random",
+        c.draft_ids,
+        c.old_logprobs,
+        c.lengths,
+        c.uids,
+        s,
+        seed=seed,
+        log_lenience=options.log_lenience,
+        temperature=options.sampling.temperature,
+        score_only=options.rule == "random",
     )
     if options.rule == "random":
         n = random_reuse_index(seed, c.uids, c.lengths)
@@ -241,8 +257,16 @@ def _verify_triton(c: _Checked, seed: int, options: VerifyOptions) -> VerifyResu
     return make_result(lp_new, n, accept, c.lengths, options.return_accept_mask)
 
 
-def verify_scores(draft_ids, old_logprobs, scores: DraftScores, lengths=None, *, seed: int = 0, uids=None,
-                  options: VerifyOptions | None = None) -> VerifyResult:
+def verify_scores(
+    draft_ids,
+    old_logprobs,
+    scores: DraftScores,
+    lengths=None,
+    *,
+    seed: int = 0,
+    uids=None,
+    options: VerifyOptions | None = None,
+) -> VerifyResult:
     """The common body of the three entry points: ``scores`` holds exactly one source (and, from the tree-packed
     scorer, ``same_as``). Arguments and errors as :func:`verify_logits`."""
     options = VerifyOptions() if options is None else options
@@ -267,18 +291,28 @@ def verify_scores(draft_ids, old_logprobs, scores: DraftScores, lengths=None, *,
         return reference_verify(c.draft_ids, c.old_logprobs, c.lengths, c.uids, c.scores, seed=seed, options=options)
 
 
-def verify_logprobs(draft_ids, old_logprobs, new_logprobs, lengths=None, *, seed: int = 0, uids=None,
-                    options: VerifyOptions | None = None) -> VerifyResult:
+def verify_logprobs(
+    draft_ids,
+    old_logprobs,
+    new_logprobs,
+    lengths=None,
+    *,
+    seed: int = 0,
+    uids=None,
+    options: VerifyOptions | None = None,
+) -> VerifyResult:
     """Verify drafts whose current log-probs are already computed: ``new_logprobs`` [B, R] float (<= 0).
 
     Other arguments, the result and the errors as :func:`verify_logits`.
     """
-    return verify_scores(draft_ids, old_logprobs, DraftScores(new_logprobs=new_logprobs), lengths, seed=seed, uids=uids,
-                         options=options)
+    return verify_scores(
+        draft_ids, old_logprobs, DraftScores(new_logprobs=new_logprobs), lengths, seed=seed, uids=uids, options=options
+    )
 
 
-def verify_logits(draft_ids, old_logprobs, logits, lengths=None, *, seed: int = 0, uids=None,
-                  options: VerifyOptions | None = None) -> VerifyResult:
+def verify_logits(
+    draft_ids, old_logprobs, logits, lengths=None, *, seed: int = 0, uids=None, options: VerifyOptions | None = None
+) -> VerifyResult:
     """Verify B drafts against the current policy's logits (SPEC-RL Sec. 3, Alg. 1).
 
     Args:
@@ -298,12 +332,22 @@ def verify_logits(draft_ids, old_logprobs, logits, lengths=None, *, seed: int = 
             positive log-probs. TypeError: non-tensor or wrongly typed inputs. NotImplementedError: backend
             "triton" with top-k/top-p or float64 scores.
     """
-    return verify_scores(draft_ids, old_logprobs, DraftScores(logits=logits), lengths, seed=seed, uids=uids,
-                         options=options)
+    return verify_scores(
+        draft_ids, old_logprobs, DraftScores(logits=logits), lengths, seed=seed, uids=uids, options=options
+    )
 
 
-def verify_hidden(draft_ids, old_logprobs, hidden_states, lm_head, lengths=None, *, seed: int = 0, uids=None,
-                  options: VerifyOptions | None = None) -> VerifyResult:
+def verify_hidden(
+    draft_ids,
+    old_logprobs,
+    hidden_states,
+    lm_head,
+    lengths=None,
+    *,
+    seed: int = 0,
+    uids=None,
+    options: VerifyOptions | None = None,
+) -> VerifyResult:
     """Verify drafts from final hidden states [B, R, d] and the LM head, without forming [B, R, V] logits.
 
     ``lm_head``: the weight [V, d], or a module with ``.weight`` (and ``.bias``), e.g.
@@ -317,5 +361,7 @@ def verify_hidden(draft_ids, old_logprobs, hidden_states, lm_head, lengths=None,
 def _lm_head_tensors(lm_head) -> tuple[torch.Tensor, torch.Tensor | None]:
     weight = getattr(lm_head, "weight", None)
     if not isinstance(weight, torch.Tensor):
-        raise TypeError(f"lm_head must be a [V, d] weight tensor or a module with .weight, got {type(lm_head).__name__}")
+        raise TypeError(
+            f"lm_head must be a [V, d] weight tensor or a module with .weight, got {type(lm_head).__name__}"
+        )
     return weight, getattr(lm_head, "bias", None)

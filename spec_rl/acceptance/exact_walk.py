@@ -96,7 +96,9 @@ def walk_tries(
         distinct = _distinct_drafts(rows, drafts, lengths)
         for r in rows:
             group_of[r] = distinct
-    out = WalkResult([0] * bsz, list(range(bsz)), [[] for _ in range(bsz)], [[] for _ in range(bsz)], [None] * bsz, [None] * bsz)
+    out = WalkResult(
+        [0] * bsz, list(range(bsz)), [[] for _ in range(bsz)], [[] for _ in range(bsz)], [None] * bsz, [None] * bsz
+    )
     follow = [group_of[r][0] for r in range(bsz)]  # the draft each row walks along
     walking = [r for r in range(bsz) if lengths[follow[r]] > 0]
     device = scores.lm_head_weight.device if scores.logits is None else scores.logits.device
@@ -155,7 +157,9 @@ def _sample_segments(segs, scores, settings, seed, uid_t, prompt_lens, device) -
     return toks.tolist(), lps.tolist()
 
 
-def _advance(out: WalkResult, group: list[int], r: int, f: int, start: int, drafts, sampled, logps, follow, lengths) -> bool:
+def _advance(
+    out: WalkResult, group: list[int], r: int, f: int, start: int, drafts, sampled, logps, follow, lengths
+) -> bool:
     """Accept row r's samples along draft f from depth ``start``; True while the walk goes on."""
     draft = drafts[f]
     k = 0
@@ -170,7 +174,10 @@ def _advance(out: WalkResult, group: list[int], r: int, f: int, start: int, draf
     depth, token = start + k, sampled[k]
     # another draft of the group through this node (same first `depth` tokens) continuing with `token`:
     # the longest such (the group is sorted longest first), as a trie's child would give
-    g = next((g for g in group if lengths[g] > depth and drafts[g][depth] == token and drafts[g][:depth] == draft[:depth]), None)
+    g = next(
+        (g for g in group if lengths[g] > depth and drafts[g][depth] == token and drafts[g][:depth] == draft[:depth]),
+        None,
+    )
     if g is None:  # off the trie: the token at n, already drawn from the policy
         out.next_token[r], out.next_logprob[r] = token, logps[k]
         return False

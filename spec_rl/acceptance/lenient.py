@@ -31,7 +31,9 @@ class LenientOutcome:
     drift: float
 
 
-def accepted_drift(lp_new: torch.Tensor, lp_old: torch.Tensor, lengths: torch.Tensor, accepted_len: torch.Tensor) -> float:
+def accepted_drift(
+    lp_new: torch.Tensor, lp_old: torch.Tensor, lengths: torch.Tensor, accepted_len: torch.Tensor
+) -> float:
     """Mean |lp_new - lp_old| (nats) over the accepted tokens (0 when none): [B, R], [B, R], [B], [B]."""
     mask = lengths_mask(torch.minimum(accepted_len, lengths), lp_new.shape[1])
     if not bool(mask.any()):
@@ -68,15 +70,23 @@ def lenient_prefixes(
     options = VerifyOptions.for_mode(mode, sampling=settings, backend=verify_backend)
     result = verify_scores(ids_t, old_t, scores, lengths, seed=seed, uids=uids_t, options=options)
     n, lp_new = result.accepted_len.tolist(), result.new_logprobs.cpu()
-    walk = WalkResult(n, list(range(len(n))), [list(d[:k]) for d, k in zip(draft_ids, n)],
-                      [lp_new[row, : n[row]].tolist() for row in range(len(n))], [None] * len(n), [None] * len(n))  # fmt: skip
+    walk = WalkResult(
+        n,
+        list(range(len(n))),
+        [list(d[:k]) for d, k in zip(draft_ids, n)],
+        [lp_new[row, : n[row]].tolist() for row in range(len(n))],
+        [None] * len(n),
+        [None] * len(n),
+    )
     rows = [row for row in range(len(draft_ids)) if n[row] < len(draft_ids[row])]
     if rows:  # the token at n, from the scoring output there (rule step 4)
         rows_t, n_t = torch.tensor(rows, device=device), torch.tensor([n[r] for r in rows], device=device)
         logits = scores.logits_at(rows_t, n_t)
         positions = torch.tensor([prompt_lens[r] + n[r] for r in rows], device=device)
         # the random-reuse ablation's n is not a rejection: its token at n comes from pi_t
-        exclude = ids_t[rows_t, n_t] if mode.acceptance == "lenient" and mode.rejection_draw == "without-draft" else None
+        exclude = (
+            ids_t[rows_t, n_t] if mode.acceptance == "lenient" and mode.rejection_draw == "without-draft" else None
+        )
         tok, tok_lp = keyed_sample(logits, settings, sample_seed, uids_t[rows], positions, exclude=exclude)
         for r, t, lp in zip(rows, tok.tolist(), tok_lp.tolist()):
             walk.next_token[r], walk.next_logprob[r] = t, lp

@@ -52,14 +52,21 @@ class RolloutMode:
         if self.lenience is not None:
             if not lenient:
                 raise ValueError(f"lenience applies to lenient acceptance only, not {self.acceptance!r}; drop it")
-            l = check_real("lenience", self.lenience, low=0.0, finite=False,
-                           hint=" (1 is vanilla speculative decoding, inf reuses every draft, 0 none)")
+            l = check_real(
+                "lenience",
+                self.lenience,
+                low=0.0,
+                finite=False,
+                hint=" (1 is vanilla speculative decoding, inf reuses every draft, 0 none)",
+            )
             object.__setattr__(self, "lenience", l)
         if self.rejection_draw != "policy" and not lenient:
             raise ValueError(f"rejection_draw applies to lenient acceptance only, not {self.acceptance!r}; drop it")
         if self.rejection_draw != "policy" and self.lenience is not None and self.lenience < 1:
-            raise ValueError(f"rejection_draw {self.rejection_draw!r} needs lenience >= 1, got {self.lenience:g}: "
-                             "below 1 the residual keeps the rejected token")
+            raise ValueError(
+                f"rejection_draw {self.rejection_draw!r} needs lenience >= 1, got {self.lenience:g}: "
+                "below 1 the residual keeps the rejected token"
+            )
 
     @property
     def reuses_drafts(self) -> bool:
@@ -112,8 +119,13 @@ def named_mode(name: str) -> RolloutMode:
 STRATEGIES = ("spec", "random", "off")
 
 
-def mode_from_options(strategy: str = "spec", acceptance: str = "lenient", lenience: float | None = None,
-                      rejection_draw: str = "policy", tail: bool = True) -> RolloutMode:
+def mode_from_options(
+    strategy: str = "spec",
+    acceptance: str = "lenient",
+    lenience: float | None = None,
+    rejection_draw: str = "policy",
+    tail: bool = True,
+) -> RolloutMode:
     """The :class:`RolloutMode` the adapters' options name (their configuration keys stay what users write).
 
     ``lenience`` is read by the lenient rule only; with exact acceptance it must be unset (None or 1).
@@ -129,11 +141,14 @@ def mode_from_options(strategy: str = "spec", acceptance: str = "lenient", lenie
     if acceptance == "exact" and strategy != "spec":
         raise ValueError(f"acceptance='exact' applies to strategy='spec' (lossless reuse), not {strategy!r}")
     if acceptance == "exact" and lenience not in (None, 1, 1.0):
-        raise ValueError(f"acceptance='exact' has no lenience (it accepts a draft token with probability "
-                         f"pi_t(token)), but lenience={lenience!r} was passed; leave it unset or use 'lenient'")
+        raise ValueError(
+            f"acceptance='exact' has no lenience (it accepts a draft token with probability "
+            f"pi_t(token)), but lenience={lenience!r} was passed; leave it unset or use 'lenient'"
+        )
     if strategy == "off":  # a draw other than "policy" is refused: no lenient rejection to draw at
         return RolloutMode(acceptance=None, rejection_draw=rejection_draw, tail=tail)
     if strategy == "random" or acceptance == "exact":
-        return RolloutMode(acceptance="random" if strategy == "random" else "exact", rejection_draw=rejection_draw,
-                           tail=tail)
+        return RolloutMode(
+            acceptance="random" if strategy == "random" else "exact", rejection_draw=rejection_draw, tail=tail
+        )
     return RolloutMode("lenient", lenience=lenience, rejection_draw=rejection_draw, tail=tail)

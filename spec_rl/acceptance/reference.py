@@ -156,7 +156,9 @@ def draft_logprobs(
     bounds = torch.searchsorted(sorted_index, starts).tolist()
     for c, start in enumerate(range(0, distinct.shape[0], chunk)):
         entries = order[bounds[c] : bounds[c + 1]]
-        logp = sampling_log_softmax(logits_of(slice(start, start + chunk)), settings.temperature, settings.top_k, settings.top_p, dtype=dtype)
+        logp = sampling_log_softmax(
+            logits_of(slice(start, start + chunk)), settings.temperature, settings.top_k, settings.top_p, dtype=dtype
+        )
         packed[entries] = logp[index[entries] - start, flat_ids[entries]]
     out = torch.zeros(bsz * max_len, dtype=dtype, device=draft_ids.device)
     out[flat_valid] = packed
@@ -177,10 +179,7 @@ def raise_if_no_distribution(lp_new: torch.Tensor, source: str) -> None:
 
 
 def acceptance_test(
-    new_logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    uniforms: torch.Tensor,
-    log_lenience: float,
+    new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, uniforms: torch.Tensor, log_lenience: float
 ) -> torch.Tensor:
     """Per-token test ``log u <= log l + lp_new - lp_old`` (paper Alg. 1), in float64.
 
@@ -217,7 +216,11 @@ def random_reuse_index(seed: int, uids: torch.Tensor, lengths: torch.Tensor) -> 
 
 
 def make_result(
-    new_logprobs: torch.Tensor, accepted_len: torch.Tensor, accept: torch.Tensor, lengths: torch.Tensor, return_accept_mask: bool
+    new_logprobs: torch.Tensor,
+    accepted_len: torch.Tensor,
+    accept: torch.Tensor,
+    lengths: torch.Tensor,
+    return_accept_mask: bool,
 ) -> VerifyResult:
     """Pack per-token outcomes and rejection indices as a :class:`VerifyResult` (one host sync for the stats)."""
     full = accepted_len == lengths

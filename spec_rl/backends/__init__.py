@@ -10,6 +10,13 @@ from .transformers_backend import TransformersBackend
 from .vllm_backend import VLLMBackend
 
 __all__ = [
-    "BackendContractError", "BackendStats", "Continuation", "GenerationBackend", "PolicyScorer", "ReprefillBackend",
-    "TransformersBackend", "VLLMBackend", "eos_token_ids",
-]  # fmt: skip
+    "BackendContractError",
+    "BackendStats",
+    "Continuation",
+    "GenerationBackend",
+    "PolicyScorer",
+    "ReprefillBackend",
+    "TransformersBackend",
+    "VLLMBackend",
+    "eos_token_ids",
+]

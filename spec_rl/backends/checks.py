@@ -44,7 +44,9 @@ class BackendContractError(RuntimeError):
 def _as_list(name: str, ids) -> list:
     if isinstance(ids, torch.Tensor):
         if ids.dim() != 1 or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-            raise TypeError(f"{name} must be a 1-D integer tensor or a sequence of token ids, got {ids.dtype} {list(ids.shape)}")
+            raise TypeError(
+                f"{name} must be a 1-D integer tensor or a sequence of token ids, got {ids.dtype} {list(ids.shape)}"
+            )
         return ids.tolist()
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence) and not hasattr(ids, "tolist"):
         raise TypeError(f"{name} must be a sequence of token ids, got {type(ids).__name__}")
@@ -133,9 +135,13 @@ def check_fits(name: str, length: int, budget: int, limit: int | None, owner: st
 
 
 def checked_contexts(
-    contexts: Sequence, budgets: Sequence, vocab_size: int | None, limit: int | None, owner: str,
+    contexts: Sequence,
+    budgets: Sequence,
+    vocab_size: int | None,
+    limit: int | None,
+    owner: str,
     names: tuple[str, str] = ("contexts", "budgets"),
-) -> list[list[int]]:  # fmt: skip
+) -> list[list[int]]:
     """``contexts`` as lists of ids in [0, vocab_size), each fitting ``limit`` positions with its budget.
 
     The lengths of ``contexts`` and ``budgets`` must already agree.
@@ -187,7 +193,11 @@ def check_continue_rows(prompts, drafts, accepted_lens, budgets, sources) -> lis
     rows = len(drafts)
     checked = []
     for i in range(rows):
-        s, n, budget = sources[i], check_int(f"accepted_lens[{i}]", accepted_lens[i]), check_int(f"budgets[{i}]", budgets[i])
+        s, n, budget = (
+            sources[i],
+            check_int(f"accepted_lens[{i}]", accepted_lens[i]),
+            check_int(f"budgets[{i}]", budgets[i]),
+        )
         if isinstance(s, bool) or int(s) != s or not 0 <= s < rows:
             raise ValueError(f"sources[{i}] = {s!r} is not a row index in [0, {rows})")
         s = int(s)
@@ -301,7 +311,9 @@ def check_scored(out, rows: int, width: int, source: str) -> tuple[DraftScores, 
     value = getattr(scores, scores.source)
     if not isinstance(value, torch.Tensor) or tuple(value.shape[:2]) != (rows, width):
         shape = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-        raise BackendContractError(f"{source} returned {scores.source} of shape {shape}; expected [{rows}, {width}, ...]")
+        raise BackendContractError(
+            f"{source} returned {scores.source} of shape {shape}; expected [{rows}, {width}, ...]"
+        )
     return out
 
 
@@ -353,7 +365,9 @@ def check_continuations(conts, budgets: Sequence[int], *, source: str, vocab_siz
     """
     if not isinstance(conts, (list, tuple)) or len(conts) != len(budgets):
         got = f"{len(conts)} continuations" if isinstance(conts, (list, tuple)) else type(conts).__name__
-        raise BackendContractError(f"{source} returned {got} for {len(budgets)} rows; a backend returns one Continuation per row, in order")
+        raise BackendContractError(
+            f"{source} returned {got} for {len(budgets)} rows; a backend returns one Continuation per row, in order"
+        )
     offsets = [0]
     for i, (c, budget) in enumerate(zip(conts, budgets)):
         if not isinstance(c, Continuation):

@@ -35,7 +35,7 @@ def cache_argument(model) -> str:
     return _cache_argument_of(type(model))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cache_argument_of(model_class: type) -> str:  # inspect.signature per forward cost ~1% of a scoring call
     return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
@@ -100,17 +100,20 @@ class KVRows:
         self.mask = new_mask
 
     @classmethod
-    def from_rows(cls, rows: Sequence[list[tuple[torch.Tensor, torch.Tensor]]]) -> "KVRows":
+    def from_rows(cls, rows: Sequence[list[tuple[torch.Tensor, torch.Tensor]]]) -> KVRows:
         """Build a left-padded batch from per-row K/V, each row a list over layers of ([H, L_r, D], [H, L_r, D])."""
         return cls(*left_padded_cache(rows))
 
-    def concat(self, other: "KVRows") -> "KVRows":
+    def concat(self, other: KVRows) -> KVRows:
         """Rows of ``self`` then rows of ``other`` in one batch (the narrower one padded on the left)."""
         width = max(self.width, other.width)
 
         def widen(kv: KVRows):
             pad = width - kv.width
-            layers = [(torch.nn.functional.pad(k, (0, 0, pad, 0)), torch.nn.functional.pad(v, (0, 0, pad, 0))) for k, v in _layers_of(kv.cache)]
+            layers = [
+                (torch.nn.functional.pad(k, (0, 0, pad, 0)), torch.nn.functional.pad(v, (0, 0, pad, 0)))
+                for k, v in _layers_of(kv.cache)
+            ]
             return layers, torch.nn.functional.pad(kv.mask, (pad, 0))
 
         a, ma = widen(self)
@@ -197,9 +200,12 @@ class SpeculativeDecoder:
     def sample(self, logits: torch.Tensor, uids: Sequence[int], positions: Sequence[int]):
         dev = logits.device
         ids, lps = keyed_sample(
-            logits, self.settings, self.seed, torch.tensor(list(uids), dtype=torch.long, device=dev),
+            logits,
+            self.settings,
+            self.seed,
+            torch.tensor(list(uids), dtype=torch.long, device=dev),
             torch.tensor(list(positions), dtype=torch.long, device=dev),
-        )  # fmt: skip
+        )
         return ids.tolist(), lps.tolist()
 
     @torch.no_grad()
@@ -209,7 +215,11 @@ class SpeculativeDecoder:
         if not live:
             return
         if len(live) != len(rows):
-            kv.select(torch.tensor([i for i, r in enumerate(rows) if r.finish is None], dtype=torch.long, device=kv.mask.device))
+            kv.select(
+                torch.tensor(
+                    [i for i, r in enumerate(rows) if r.finish is None], dtype=torch.long, device=kv.mask.device
+                )
+            )
         while live:
             self._step(kv, live)
             keep = [i for i, r in enumerate(live) if r.finish is None]
@@ -229,9 +239,12 @@ class SpeculativeDecoder:
         Each live row's proposer offers up to min(max_k, budget - 1) tokens and is asked to fill the batch's width
         (padding positions are computed anyway, so a shorter row's own proposal fills them at no cost).
         """
-        props = [r.proposer.propose(min(self.max_k, r.budget - 1), fill=self.max_k)
-                 if self.max_k > 0 and ok and r.proposer is not None and r.budget > 1 else []
-                 for r, ok in zip(rows, active)]  # fmt: skip
+        props = [
+            r.proposer.propose(min(self.max_k, r.budget - 1), fill=self.max_k)
+            if self.max_k > 0 and ok and r.proposer is not None and r.budget > 1
+            else []
+            for r, ok in zip(rows, active)
+        ]
         lens = torch.tensor([len(p) for p in props], dtype=torch.long)
         width = 1 + int(lens.max())
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
@@ -255,9 +268,12 @@ class SpeculativeDecoder:
         positions = torch.tensor([r.position for r in rows], dtype=torch.long).unsqueeze(1) + torch.arange(width)
         kv.mask = torch.cat([kv.mask, fed.to(dev, torch.long)], dim=1)
         out = self.model(
-            input_ids=ids.to(dev), attention_mask=kv.mask, position_ids=positions.to(dev), use_cache=True,
+            input_ids=ids.to(dev),
+            attention_mask=kv.mask,
+            position_ids=positions.to(dev),
+            use_cache=True,
             **{self.cache_arg: kv.cache},
-        )  # fmt: skip
+        )
         kv.cache = getattr(out, self.cache_arg, None) or getattr(out, "past_key_values", None)
         self.counters.steps += 1
         self.counters.rows += len(rows)
@@ -267,9 +283,12 @@ class SpeculativeDecoder:
         where = want.nonzero()
         uid_t = torch.tensor([r.uid for r in rows], dtype=torch.long)
         toks, lps = keyed_sample(
-            out.logits[where[:, 0].to(dev), where[:, 1].to(dev)].float(), self.settings, self.seed,
-            uid_t[where[:, 0]].to(dev), (positions[where[:, 0], where[:, 1]] + 1).to(dev),
-        )  # fmt: skip
+            out.logits[where[:, 0].to(dev), where[:, 1].to(dev)].float(),
+            self.settings,
+            self.seed,
+            uid_t[where[:, 0]].to(dev),
+            (positions[where[:, 0], where[:, 1]] + 1).to(dev),
+        )
         samples = torch.full((len(rows), width), -1, dtype=torch.long)
         samples[want] = toks.cpu()
         logps = torch.zeros((len(rows), width), dtype=torch.float32)
@@ -315,9 +334,12 @@ def prefill(model, contexts: Sequence[Sequence[int]], pad_id: int) -> tuple[KVRo
     arg = cache_argument(model)
     with torch.no_grad():
         out = model(
-            input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), use_cache=True,
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+            use_cache=True,
             logits_to_keep=1,
-        )  # fmt: skip
+        )
     cache = getattr(out, arg, None) or getattr(out, "past_key_values", None)
     logits = out.logits[:, -1, :]
     if len(distinct) == len(contexts):

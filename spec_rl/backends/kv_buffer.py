@@ -56,7 +56,7 @@ class InPlaceLayer(DynamicLayer):
         self._fill(n)
 
     @classmethod
-    def owning(cls, key_buffer: torch.Tensor, value_buffer: torch.Tensor, n: int) -> "InPlaceLayer":
+    def owning(cls, key_buffer: torch.Tensor, value_buffer: torch.Tensor, n: int) -> InPlaceLayer:
         """A layer that takes ``key_buffer``/``value_buffer`` [B, H, size, D] as its buffers, no copy; their first
         ``n`` columns are the cache (the caller filled them)."""
         if not 0 <= n <= key_buffer.shape[-2] or key_buffer.shape[:2] != value_buffer.shape[:2]:
@@ -74,8 +74,11 @@ class InPlaceLayer(DynamicLayer):
 
     def _owns_views(self) -> bool:
         """Whether ``keys``/``values`` still are views of the buffers (a base-class method may have replaced them)."""
-        return (self.keys.data_ptr() == self._key_buffer.data_ptr() and self.keys.shape[0] == self._key_buffer.shape[0]
-                and self.values.data_ptr() == self._value_buffer.data_ptr())  # fmt: skip
+        return (
+            self.keys.data_ptr() == self._key_buffer.data_ptr()
+            and self.keys.shape[0] == self._key_buffer.shape[0]
+            and self.values.data_ptr() == self._value_buffer.data_ptr()
+        )
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append [B, H, w, D] keys and values; returns the views of all n + w columns."""

@@ -59,16 +59,24 @@ class _Chunk:
         self.drafts = [d for g in groups for d in g.members]
         lengths = [len(p) for g in groups for p in g.score_pos]
         counts = int64_tensor(lengths)
-        self.entry_row = torch.repeat_interleave(torch.arange(len(groups)), int64_tensor([sum(len(p) for p in g.score_pos) for g in groups]))
+        self.entry_row = torch.repeat_interleave(
+            torch.arange(len(groups)), int64_tensor([sum(len(p) for p in g.score_pos) for g in groups])
+        )
         self.entry_node = int64_tensor([t for g in groups for p in g.score_pos for t in p])
         self.entry_local = torch.repeat_interleave(torch.arange(len(self.drafts)), counts)
         self.entry_draft = int64_tensor(self.drafts)[self.entry_local] if self.drafts else self.entry_local
-        self.entry_i = torch.arange(len(self.entry_node)) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+        self.entry_i = torch.arange(len(self.entry_node)) - torch.repeat_interleave(
+            torch.cumsum(counts, 0) - counts, counts
+        )
         self.lengths = counts
 
     def scored_lengths(self) -> list[int]:
         """Per draft of ``drafts``: how many leading tokens have their scoring node computed."""
-        missing = torch.where(self.column[self.entry_row, self.entry_node] >= 0, self.lengths.max() if len(self.lengths) else 0, self.entry_i)
+        missing = torch.where(
+            self.column[self.entry_row, self.entry_node] >= 0,
+            self.lengths.max() if len(self.lengths) else 0,
+            self.entry_i,
+        )
         first = self.lengths.clone().scatter_reduce(0, self.entry_local, missing, "amin")
         return first.tolist()
 
@@ -100,15 +108,23 @@ class ProgressiveTreeScores:
             every draft token.
     """
 
-    def __init__(self, scorer, prompts: Sequence[Sequence[int]], drafts: Sequence[Sequence[int]],
-                 draft_logprobs: Sequence[Sequence[float]] | None = None, first_window: int = FIRST_WINDOW,
-                 min_reach: float = MIN_REACH):  # fmt: skip
+    def __init__(
+        self,
+        scorer,
+        prompts: Sequence[Sequence[int]],
+        drafts: Sequence[Sequence[int]],
+        draft_logprobs: Sequence[Sequence[float]] | None = None,
+        first_window: int = FIRST_WINDOW,
+        min_reach: float = MIN_REACH,
+    ):
         draft_logprobs = _checked_arguments(prompts, drafts, draft_logprobs, first_window, min_reach)
         self.scorer = scorer
         self.lengths = [len(d) for d in drafts]
         self.max_r = max(self.lengths + [1])
         width = scorer.head.width
-        self._out = torch.zeros((len(drafts), self.max_r, width), dtype=scorer.head.lm_head.weight.dtype, device=scorer.device)
+        self._out = torch.zeros(
+            (len(drafts), self.max_r, width), dtype=scorer.head.lm_head.weight.dtype, device=scorer.device
+        )
         self._same = torch.arange(len(drafts) * self.max_r, device=scorer.device).view(len(drafts), self.max_r)
         self.scores: DraftScores = scorer.head.draft_scores(self._out, self._same)
         self.scored_len = [0] * len(drafts)
@@ -147,12 +163,16 @@ class ProgressiveTreeScores:
                 raise ValueError(f"each stop must be a (draft, n) pair of ints, got {stop!r}")
             d, n = self._draft_index("stop draft index", stop[0]), _int("stop n", stop[1])
             if n != self.scored_len[d] or not 0 < n < self.lengths[d]:
-                raise ValueError(f"stop (draft {d}, n={n}) must be inside the draft at its scored_len={self.scored_len[d]}")
+                raise ValueError(
+                    f"stop (draft {d}, n={n}) must be inside the draft at its scored_len={self.scored_len[d]}"
+                )
             c, row, m = self.where[d]
             roots.setdefault((c, row), []).append((self.chunks[c].groups[row].node_pos[m][n - 1], n))
         per_chunk = []
         for c, chunk in enumerate(self.chunks):
-            per_chunk.append([_subtree_nodes(chunk, row, roots.get((c, row), ()), self._window) for row in range(len(chunk.groups))])
+            per_chunk.append(
+                [_subtree_nodes(chunk, row, roots.get((c, row), ()), self._window) for row in range(len(chunk.groups))]
+            )
         self._window = min(2 * self._window, self.max_r)
         self._score_nodes(per_chunk)
 
@@ -191,8 +211,10 @@ class ProgressiveTreeScores:
 
     def _check_live(self, what: str) -> None:
         if self.released:
-            raise RuntimeError(f"{what} needs the kept keys and values, but these scores were released "
-                               "(continued, released, or a scoring forward failed): score the drafts again")
+            raise RuntimeError(
+                f"{what} needs the kept keys and values, but these scores were released "
+                "(continued, released, or a scoring forward failed): score the drafts again"
+            )
 
     # ------------------------------------------------------------------ internals
     @torch.inference_mode()  # as the one-forward scorer (its docstring: ~7% faster than no_grad on CPU)
@@ -260,7 +282,9 @@ class ProgressiveTreeScores:
         dst_t = chunk.entry_draft[hit] * self.max_r + chunk.entry_i[hit]
         dev = states.device
         flat = self._out.view(-1, self._out.shape[-1])
-        flat.index_copy_(0, dst_t.to(dev), states.reshape(-1, states.shape[-1]).index_select(0, src_t.to(dev)).to(flat.dtype))
+        flat.index_copy_(
+            0, dst_t.to(dev), states.reshape(-1, states.shape[-1]).index_select(0, src_t.to(dev)).to(flat.dtype)
+        )
         distinct, inverse = torch.unique(src_t, return_inverse=True)
         first = torch.full((len(distinct),), flat.shape[0], dtype=torch.long).scatter_reduce(0, inverse, dst_t, "amin")
         self._same.view(-1)[dst_t.to(self._same.device)] = first[inverse].to(self._same.device)
@@ -292,7 +316,9 @@ def _checked_arguments(prompts, drafts, draft_logprobs, first_window, min_reach)
     if draft_logprobs is None:
         return None
     if not hasattr(draft_logprobs, "__len__") or len(draft_logprobs) != len(drafts):
-        raise ValueError(f"draft_logprobs must hold one list per draft ({len(drafts)}), got {type(draft_logprobs).__name__}")
+        raise ValueError(
+            f"draft_logprobs must hold one list per draft ({len(drafts)}), got {type(draft_logprobs).__name__}"
+        )
     out = []
     for b, (lp, d) in enumerate(zip(draft_logprobs, drafts)):
         try:

@@ -63,7 +63,7 @@ class BackendStats:
     decode_rows: int = 0
     decode_positions: int = 0
 
-    def copy(self) -> "BackendStats":
+    def copy(self) -> BackendStats:
         return dataclasses.replace(self)
 
 
@@ -89,9 +89,15 @@ class GenerationBackend(Protocol):
     def device(self) -> torch.device: ...
 
     def generate(
-        self, contexts: Sequence[Sequence[int]], budgets: Sequence[int], settings: SamplingSettings, seed: int, *,
-        uids: Sequence[int] | None = None, proposers: Sequence[Any] | None = None,
-    ) -> list[Continuation]:  # fmt: skip
+        self,
+        contexts: Sequence[Sequence[int]],
+        budgets: Sequence[int],
+        settings: SamplingSettings,
+        seed: int,
+        *,
+        uids: Sequence[int] | None = None,
+        proposers: Sequence[Any] | None = None,
+    ) -> list[Continuation]:
         """Sample up to ``budgets[i]`` tokens after ``contexts[i]`` for every i.
 
         ``uids[i]`` keys row i's sampling uniforms (default i); ``proposers[i]`` (a
@@ -99,10 +105,15 @@ class GenerationBackend(Protocol):
         """
         ...
 
-    def score_drafts(self, prompts: Sequence[Sequence[int]], drafts: Sequence[Sequence[int]]) -> tuple[DraftScores, Any]: ...
+    def score_drafts(
+        self, prompts: Sequence[Sequence[int]], drafts: Sequence[Sequence[int]]
+    ) -> tuple[DraftScores, Any]: ...
 
     def score_drafts_progressive(
-        self, prompts: Sequence[Sequence[int]], drafts: Sequence[Sequence[int]], draft_logprobs: Sequence[Sequence[float]]
+        self,
+        prompts: Sequence[Sequence[int]],
+        drafts: Sequence[Sequence[int]],
+        draft_logprobs: Sequence[Sequence[float]],
     ) -> tuple[DraftScores, Any, Any] | None:
         """For exact acceptance: score the drafts only where a walk may read them (``draft_logprobs``, the stored
         ones, estimate where), more on demand; returns (scores, handle, progressive scores), or None when the
@@ -170,7 +181,9 @@ def backend_arguments(eos_ids, pad_id: int, max_batch_size: int) -> tuple[list[i
         ValueError: no EOS id, or ``max_batch_size`` < 1.
     """
     if not eos_ids:
-        raise ValueError("eos_ids must contain at least one end-of-sequence id (see spec_rl.backends.protocol.eos_token_ids)")
+        raise ValueError(
+            "eos_ids must contain at least one end-of-sequence id (see spec_rl.backends.protocol.eos_token_ids)"
+        )
     if max_batch_size < 1:
         raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
     return sorted({int(x) for x in eos_ids}), int(pad_id), int(max_batch_size)

@@ -42,17 +42,34 @@ class ReprefillBackend(GenerationBackend):
         return self.scorer.score(rows.prompts, rows.drafts), rows
 
     def continue_from(
-        self, handle: ScoredDrafts, accepted_lens, first_tokens, budgets, settings, seed, extra_contexts=(), extra_budgets=(),
-        *, uids=None, proposers=None, sources=None,
-    ) -> list[Continuation]:  # fmt: skip
+        self,
+        handle: ScoredDrafts,
+        accepted_lens,
+        first_tokens,
+        budgets,
+        settings,
+        seed,
+        extra_contexts=(),
+        extra_budgets=(),
+        *,
+        uids=None,
+        proposers=None,
+        sources=None,
+    ) -> list[Continuation]:
         """Generate from [prompt, y_<n, first token] per scored row (re-prefilled), then from each extra context."""
         if not isinstance(handle, ScoredDrafts) or handle.used:
             raise ValueError("handle must come from this backend's score_drafts and be continued once")
         handle.used = True
         rows = len(handle.prompts)
         sources = range(rows) if sources is None else sources
-        check_same_length(rows, "the handle's rows", accepted_lens=accepted_lens, first_tokens=first_tokens,
-                          budgets=budgets, sources=sources)  # fmt: skip
+        check_same_length(
+            rows,
+            "the handle's rows",
+            accepted_lens=accepted_lens,
+            first_tokens=first_tokens,
+            budgets=budgets,
+            sources=sources,
+        )
         sources = check_continue_rows(handle.prompts, handle.drafts, accepted_lens, budgets, sources)
         check_same_length(len(extra_contexts), "extra_contexts", extra_budgets=extra_budgets)
         results: list[Continuation | None] = [None] * (rows + len(extra_contexts))
@@ -71,7 +88,9 @@ class ReprefillBackend(GenerationBackend):
         todo += [rows + k for k in range(len(extra_contexts))]
         contexts += [list(c) for c in extra_contexts]
         todo_budgets += [int(b) for b in extra_budgets]
-        conts = self.generate(contexts, todo_budgets, settings, seed, uids=[uids[i] for i in todo], proposers=[proposers[i] for i in todo])
+        conts = self.generate(
+            contexts, todo_budgets, settings, seed, uids=[uids[i] for i in todo], proposers=[proposers[i] for i in todo]
+        )
         for i, c in zip(todo, conts):
             results[i] = c
         return results  # type: ignore[return-value]

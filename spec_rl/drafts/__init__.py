@@ -9,6 +9,13 @@ from .history import HistoryIndex
 from .validity import DraftView, draft_view, draft_views
 
 __all__ = [
-    "CacheKey", "DirectoryDraftStore", "Draft", "DraftStore", "DraftView", "HistoryIndex", "RolloutCache",
-    "draft_view", "draft_views",
-]  # fmt: skip
+    "CacheKey",
+    "DirectoryDraftStore",
+    "Draft",
+    "DraftStore",
+    "DraftView",
+    "HistoryIndex",
+    "RolloutCache",
+    "draft_view",
+    "draft_views",
+]

@@ -60,7 +60,7 @@ class CacheKey:
         return int.from_bytes(self.digest[:8], "little") & ((1 << 63) - 1)
 
     @classmethod
-    def make(cls, prompt_ids: Sequence[int] | torch.Tensor, slot: int, dataset_id: str | None = None) -> "CacheKey":
+    def make(cls, prompt_ids: Sequence[int] | torch.Tensor, slot: int, dataset_id: str | None = None) -> CacheKey:
         """Build a key.
 
         Args:
@@ -78,7 +78,7 @@ class CacheKey:
         if dataset_id is not None and not isinstance(dataset_id, str):
             raise TypeError(
                 f"dataset_id must be a str or None, got {type(dataset_id).__name__} {dataset_id!r} "
-                f"(e.g. dataset_id=\"gsm8k:{dataset_id}\")"
+                f'(e.g. dataset_id="gsm8k:{dataset_id}")'
             )
         h = hashlib.blake2b(digest_size=_KEY_BYTES, person=b"spec-rl-cache-1")
         h.update((dataset_id if dataset_id is not None else "\x00none").encode("utf-8"))
@@ -266,7 +266,7 @@ class RolloutCache(DraftStore):
     def clear(self) -> None:
         self._entries.clear()
 
-    def update(self, other: "RolloutCache") -> None:
+    def update(self, other: RolloutCache) -> None:
         """Insert (or replace) every draft of ``other``, e.g. one just loaded from disk."""
         if not isinstance(other, RolloutCache):
             raise TypeError(f"other must be a RolloutCache, got {type(other).__name__}")
@@ -309,7 +309,7 @@ class RolloutCache(DraftStore):
         return atomic_save_safetensors(path, tensors, metadata)
 
     @classmethod
-    def load(cls, path: str | os.PathLike, vocab_size: int | None = None) -> "RolloutCache":
+    def load(cls, path: str | os.PathLike, vocab_size: int | None = None) -> RolloutCache:
         """Read a cache written by :meth:`save`, checking everything in it first.
 
         Args:

@@ -155,9 +155,13 @@ class SuffixProposer:
     """
 
     def __init__(
-        self, automaton: SuffixAutomaton, prefix: Sequence[int] = (), max_k: int = 8, min_match: int = 2,
+        self,
+        automaton: SuffixAutomaton,
+        prefix: Sequence[int] = (),
+        max_k: int = 8,
+        min_match: int = 2,
         vocab_size: int | None = None,
-    ):  # fmt: skip
+    ):
         self.automaton = automaton
         self.vocab_size = vocab_size  # proposals stop before an id the model cannot read
         self.max_k = int(max_k)
@@ -238,7 +242,7 @@ class HistoryIndex:
         """Indexed tokens over all prompts."""
         return sum(len(r) for rs in self._responses.values() for r in rs)
 
-    def update(self, other: "HistoryIndex") -> None:
+    def update(self, other: HistoryIndex) -> None:
         """Index every response of ``other`` (e.g. one just loaded from disk), oldest first."""
         for key, responses in other._responses.items():
             for r in responses:
@@ -305,7 +309,7 @@ class HistoryIndex:
         return atomic_save_safetensors(path, tensors, meta)
 
     @classmethod
-    def load(cls, path: str | os.PathLike, vocab_size: int | None = None, **bounds) -> "HistoryIndex":
+    def load(cls, path: str | os.PathLike, vocab_size: int | None = None, **bounds) -> HistoryIndex:
         """Read a file written by :meth:`save`, checking everything in it first.
 
         Args:
@@ -342,7 +346,9 @@ def _read_history_file(path: str | os.PathLike, vocab_size: int | None):
     check = FileCheck(path, meta, tensors, _FIX)
     what = "a JSON list of hex strings (one per prompt)"
     hex_keys = check.json_field("keys", list, what)
-    bad = [k for k in hex_keys if not isinstance(k, str) or len(k) % 2 or any(c not in "0123456789abcdefABCDEF" for c in k)]
+    bad = [
+        k for k in hex_keys if not isinstance(k, str) or len(k) % 2 or any(c not in "0123456789abcdefABCDEF" for c in k)
+    ]
     if bad:
         raise check.fail(f"metadata 'keys' must be {what}, got {bad[0]!r}")
     keys = [bytes.fromhex(k) for k in hex_keys]

@@ -84,7 +84,9 @@ def paged_attention_forward(
     if batch is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     if kwargs.get("sliding_window") is not None:
         raise NotImplementedError("the paged engine does not support sliding-window attention layers")
     if kwargs.get("softcap") is not None:
@@ -102,13 +104,24 @@ def paged_attention_forward(
         # The block manager built the tables on the host and build_batch checked their ranges,
         # so the kernel's own range check (one host sync per layer) is skipped.
         out = batch.decode_kernel(
-            q.contiguous(), cache, batch.block_tables, batch.kv_lens_i32, scale, max_seq_len=batch.max_kv, validate=False
+            q.contiguous(),
+            cache,
+            batch.block_tables,
+            batch.kv_lens_i32,
+            scale,
+            max_seq_len=batch.max_kv,
+            validate=False,
         )
         return out.to(query.dtype).unsqueeze(0), None
     keys, values = ops.gather_kv(cache, batch.block_tables, batch.kv_lens, batch.max_kv)
     qp = q[batch.q_index].transpose(1, 2)  # [B, Hq, max_q, D]
     out = F.scaled_dot_product_attention(
-        qp, keys.to(q.dtype), values.to(q.dtype), attn_mask=batch.mask, scale=scale, enable_gqa=qp.shape[1] != keys.shape[1]
+        qp,
+        keys.to(q.dtype),
+        values.to(q.dtype),
+        attn_mask=batch.mask,
+        scale=scale,
+        enable_gqa=qp.shape[1] != keys.shape[1],
     )
     out = out.transpose(1, 2)[batch.q_valid]  # [T, Hq, D], packed order
     return out.unsqueeze(0), None

@@ -69,7 +69,7 @@ class CacheLayout:
     dtype: torch.dtype
 
     @classmethod
-    def from_model(cls, model) -> "CacheLayout":
+    def from_model(cls, model) -> CacheLayout:
         """Read the layout from a transformers config (the text config of a multimodal one).
 
         Raises:

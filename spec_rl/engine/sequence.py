@@ -43,7 +43,7 @@ class PrefillGroup:
     members: list[GroupMember]
     reprefill: bool = False
 
-    def split(self) -> list["PrefillGroup"]:
+    def split(self) -> list[PrefillGroup]:
         """One single-member group per member, in order (when the whole group cannot run at once)."""
         return [PrefillGroup(list(self.context), [m], self.reprefill) for m in self.members]
 

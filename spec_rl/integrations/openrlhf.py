@@ -48,9 +48,10 @@ from __future__ import annotations
 
 import inspect
 from collections import defaultdict
+from collections.abc import Callable
 from copy import deepcopy
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 from openrlhf.utils.agent import AgentExecutorBase
 
@@ -144,8 +145,9 @@ class SpecRLAgentExecutor(AgentExecutorBase):
         self.store = DirectoryDraftStore(cache_dir)
         self.n = int(n_samples_per_prompt)
         self.reward_fn = reward_fn
-        self.mode = mode_from_options("spec", acceptance, None if lenience is None else float(lenience), rejection_draw,
-                                      tail=False)  # fail now, not at the first execute
+        self.mode = mode_from_options(
+            "spec", acceptance, None if lenience is None else float(lenience), rejection_draw, tail=False
+        )  # fail now, not at the first execute
         self.seed = int(seed)
         self.prompt_logprobs_mode = prompt_logprobs_mode
         self.eos_token_ids = eos_token_ids
@@ -169,7 +171,12 @@ class SpecRLAgentExecutor(AgentExecutorBase):
                 e = getattr(hf_tokenizer, "eos_token_id", None)
                 eos = [e] if isinstance(e, int) else list(e or [])
             self._builders[key] = SpecRequestBuilder(
-                self.store, settings, int(max_length), eos, self.mode, seed=self.seed,
+                self.store,
+                settings,
+                int(max_length),
+                eos,
+                self.mode,
+                seed=self.seed,
                 prompt_logprobs_mode=self.prompt_logprobs_mode,
                 repetition_penalty=float(getattr(sampling_params, "repetition_penalty", 1.0) or 1.0),
                 max_resample_attempts=self.max_resample_attempts,
@@ -206,8 +213,9 @@ class SpecRLAgentExecutor(AgentExecutorBase):
     ) -> tuple[list[int], list[float], bool]:
         """The continuation request: new tokens, their log-probs, and whether it stopped at max_tokens."""
         logprobs = 0 if sampling_params.logprobs is None else sampling_params.logprobs
-        sp = request_params(sampling_params, len(cont.context_ids) - n_prompt, max_tokens=cont.max_tokens,
-                            logprobs=logprobs)
+        sp = request_params(
+            sampling_params, len(cont.context_ids) - n_prompt, max_tokens=cont.max_tokens, logprobs=logprobs
+        )
         if seed is not None:
             sp.seed = int(seed)
         out = (await llm_engine.generate(cont.context_ids, sp)).outputs[0]
@@ -225,15 +233,21 @@ class SpecRLAgentExecutor(AgentExecutorBase):
         b = self._builder(sampling_params, max_length, hf_tokenizer)
         prompt_ids = hf_tokenizer(text=prompt, add_special_tokens=False)["input_ids"]
         room = max_length - b.settings.max_tokens if getattr(sampling_params, "max_tokens", None) else max_length - 1
-        prompt_ids = list(prompt_ids)[-max(room, 1):]  # keep room for the response, as OpenRLHF does
+        prompt_ids = list(prompt_ids)[-max(room, 1) :]  # keep room for the response, as OpenRLHF does
         plan = b.plan(prompt_ids, slot)
         new_lps, sample = await self._score(b, plan, sampling_params, llm_engine)
         verified = b.verify(plan, new_lps, scoring_sample=sample)
         cont = b.continuation(plan, verified)
         send = partial(self._continue, cont, len(prompt_ids), sampling_params, llm_engine)  # send(seed)
         (new_ids, cont_lps, truncated), resamples = await draw_continuation(cont, send, nothing=([], [], False))
-        result = b.assemble(plan, verified, new_ids, cont_lps, resamples=resamples,
-                            kept_excluded=cont is not None and cont.kept_excluded)
+        result = b.assemble(
+            plan,
+            verified,
+            new_ids,
+            cont_lps,
+            resamples=resamples,
+            kept_excluded=cont is not None and cont.kept_excluded,
+        )
         if cont is None:
             truncated = result.finish_reason == "length"
         response = result.response_ids

@@ -68,9 +68,15 @@ from .request_types import Assembled, ContinuationRequest, SamplePlan, Verified
 from .server_checks import PROMPT_LOGPROBS_MODES, check_server_settings
 
 __all__ = [
-    "PROMPT_LOGPROBS_MODES", "Assembled", "ContinuationRequest", "SamplePlan", "SpecRequestBuilder", "Verified",
+    "PROMPT_LOGPROBS_MODES",
+    "Assembled",
+    "ContinuationRequest",
+    "SamplePlan",
+    "SpecRequestBuilder",
+    "Verified",
     "check_server_settings",
 ]
+
 
 class SpecRequestBuilder:
     """Builds and interprets the per-sample requests of a speculative rollout.
@@ -113,7 +119,11 @@ class SpecRequestBuilder:
         check_server_settings(settings, prompt_logprobs_mode, repetition_penalty, logprobs_mode)
         if not isinstance(mode, RolloutMode):
             raise TypeError(f"mode must be a RolloutMode, got {type(mode).__name__}")
-        if isinstance(max_resample_attempts, bool) or int(max_resample_attempts) != max_resample_attempts or max_resample_attempts < 1:
+        if (
+            isinstance(max_resample_attempts, bool)
+            or int(max_resample_attempts) != max_resample_attempts
+            or max_resample_attempts < 1
+        ):
             raise ValueError(f"max_resample_attempts must be an integer >= 1, got {max_resample_attempts!r}")
         if int(max_model_len) != max_model_len or max_model_len < 2:
             raise ValueError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
@@ -132,7 +142,8 @@ class SpecRequestBuilder:
     def _excludes_rejected(self) -> bool:
         """Whether the token at a rejection must differ from the rejected draft token."""
         return self.mode.acceptance == "exact" or (
-            self.mode.acceptance == "lenient" and self.mode.rejection_draw == "without-draft")
+            self.mode.acceptance == "lenient" and self.mode.rejection_draw == "without-draft"
+        )
 
     # ------------------------------------------------------------ step 1
     def plan(self, prompt_ids: Sequence[int], slot: int, dataset_id: str | None = None) -> SamplePlan:
@@ -263,8 +274,14 @@ class SpecRequestBuilder:
         old = torch.tensor([plan.old_logprobs], dtype=torch.float32)
         new = torch.tensor([list(new_logprobs)], dtype=torch.float32)
         options = VerifyOptions.for_mode(self.mode, backend="reference")
-        res = verify_logprobs(ids, old, new, seed=mix_seed(self.seed, step_used),
-                              uids=torch.tensor([plan.key.uid], dtype=torch.int64), options=options)
+        res = verify_logprobs(
+            ids,
+            old,
+            new,
+            seed=mix_seed(self.seed, step_used),
+            uids=torch.tensor([plan.key.uid], dtype=torch.int64),
+            options=options,
+        )
         n = int(res.accepted_len[0])
         full = n == len(plan.draft_ids) and plan.draft_end is not None
         out = Verified(n, plan.draft_ids[:n], [float(x) for x in new[0, :n].tolist()], full, step_used)
@@ -313,7 +330,9 @@ class SpecRequestBuilder:
         continuation begins with the rejected token (else the draw_fallbacks metric would count a fallback
         that did not happen)."""
         if self.mode.acceptance == "exact":
-            raise ValueError("kept_excluded is only for the lenient without-draft draw; exact acceptance never keeps y_n")
+            raise ValueError(
+                "kept_excluded is only for the lenient without-draft draw; exact acceptance never keeps y_n"
+            )
         if verified.rejected is None or not new_ids or new_ids[0] != verified.rejected:
             raise ValueError(
                 "kept_excluded=True needs a rejection with the without-draft draw and a continuation that begins with "

@@ -87,6 +87,7 @@ __all__ = [
     "sampling_settings_from_args",
 ]
 
+
 class SpecRLRollout:
     """A ``rollout_func`` for ``trl.GRPOTrainer`` that reuses last epoch's completions as drafts.
 
@@ -199,7 +200,9 @@ class SpecRLRollout:
         if isinstance(spec_tokens, bool) or int(spec_tokens) != spec_tokens or spec_tokens < 0:
             raise ValueError(f"spec_tokens must be an integer >= 0 (0 disables tail speculation), got {spec_tokens!r}")
         # Fail on bad options now rather than at the first rollout.
-        self.mode = mode_from_options(strategy, acceptance, lenience, rejection_draw, tail=history_spec and spec_tokens > 0)
+        self.mode = mode_from_options(
+            strategy, acceptance, lenience, rejection_draw, tail=history_spec and spec_tokens > 0
+        )
         self.seed = seed
         self.cache_path = Path(cache_path) if cache_path is not None else None
         if cache is None and self.cache_path is not None and self.cache_path.is_file():
@@ -314,7 +317,9 @@ class SpecRLRollout:
         """The training/evaluation rollouts of ``model`` (rebuilt for another model, history index or settings)."""
         key = (id(model), id(self.history_index), self.settings)
         if self._rollouts is None or self._rollouts_key != key:
-            self._rollouts = TrainerRollouts(model, trainer, self.settings, self.cache, self.history_index, self._options)
+            self._rollouts = TrainerRollouts(
+                model, trainer, self.settings, self.cache, self.history_index, self._options
+            )
             self._rollouts_key = key
         return self._rollouts
 
@@ -363,8 +368,15 @@ class SpecRLRollout:
         self.last_requests = requests
         stats = result.stats.to_dict()
         mode = (rollouts.train if training else rollouts.eval).mode
-        self.history.append({"call": "train" if training else "eval", "step": step, **mode.to_dict(),
-                             "wall_seconds": time.perf_counter() - t0, **stats})
+        self.history.append(
+            {
+                "call": "train" if training else "eval",
+                "step": step,
+                **mode.to_dict(),
+                "wall_seconds": time.perf_counter() - t0,
+                **stats,
+            }
+        )
         if self.log_metrics and training and hasattr(trainer, "_log_metric"):
             log_rollout_metrics(trainer, stats)
         return {

@@ -18,7 +18,14 @@ from ..backends.protocol import eos_token_ids
 from ..rollout.speculative import RolloutRequest
 from .trl_checks import UnsupportedTrainerConfig
 
-__all__ = ["batch_requests", "generation_tokens", "group_size", "hook_dataset_ids", "tokenize_prompts", "unwrapped_model"]
+__all__ = [
+    "batch_requests",
+    "generation_tokens",
+    "group_size",
+    "hook_dataset_ids",
+    "tokenize_prompts",
+    "unwrapped_model",
+]
 
 
 def tokenize_prompts(prompts: list, trainer) -> list[list[int]]:

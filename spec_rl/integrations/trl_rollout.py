@@ -77,24 +77,38 @@ class TrainerRollouts:
         UnsupportedTrainerConfig: no ``max_model_len`` and none in the model config.
     """
 
-    def __init__(self, model, trainer, settings: SamplingSettings, cache: RolloutCache,
-                 history: HistoryIndex | None, options: RolloutOptions):  # fmt: skip
+    def __init__(
+        self,
+        model,
+        trainer,
+        settings: SamplingSettings,
+        cache: RolloutCache,
+        history: HistoryIndex | None,
+        options: RolloutOptions,
+    ):
         eos, pad = generation_tokens(model, trainer)
         max_len = options.max_model_len or getattr(model.config.get_text_config(), "max_position_embeddings", None)
         if max_len is None:
             raise UnsupportedTrainerConfig("the model config has no max_position_embeddings; pass max_model_len=...")
         self.seed = options.seed if options.seed is not None else int(getattr(trainer.args, "seed", 0))
         backend = trainer_backend(model, trainer, eos, pad, options.spec_tokens)
-        common = dict(backend=backend, settings=settings, eos_ids=eos, max_model_len=int(max_len), seed=self.seed,
-                      verify_backend=options.verify_backend)
+        common = dict(
+            backend=backend,
+            settings=settings,
+            eos_ids=eos,
+            max_model_len=int(max_len),
+            seed=self.seed,
+            verify_backend=options.verify_backend,
+        )
         self.history = history
         self.train = SpeculativeRollout(cache=cache, mode=options.mode, history=history, **common)
         view = ReadOnlyHistory(history) if history is not None else None
         plain = RolloutMode(acceptance=None, tail=view is not None)
         self.eval = SpeculativeRollout(cache=RolloutCache(), mode=plain, history=view, **common)
 
-    def run(self, requests: list[RolloutRequest], training: bool, step: int, salt: int,
-            cache: RolloutCache) -> RolloutResult:  # fmt: skip
+    def run(
+        self, requests: list[RolloutRequest], training: bool, step: int, salt: int, cache: RolloutCache
+    ) -> RolloutResult:
         """One rollout call; evaluation samples plainly into a fresh throw-away cache."""
         if training:
             return self.train.run(requests, step=step, seed=self.seed ^ salt, cache=cache)
@@ -115,8 +129,10 @@ def trainer_backend(model, trainer, eos_ids, pad_id: int, spec_tokens: int):
 
         llm = getattr(getattr(trainer, "vllm_generation", None), "llm", None) or getattr(trainer, "llm", None)
         if llm is None:
-            raise UnsupportedTrainerConfig("use_vllm=True with vllm_mode='colocate' but the trainer has no vLLM engine "
-                                           "(trainer.vllm_generation.llm); is this trl >= 1.0?")  # fmt: skip
+            raise UnsupportedTrainerConfig(
+                "use_vllm=True with vllm_mode='colocate' but the trainer has no vLLM engine "
+                "(trainer.vllm_generation.llm); is this trl >= 1.0?"
+            )
         return VLLMBackend.on_engine(llm, model, eos_ids, pad_id)
     return TransformersBackend(model, eos_ids=eos_ids, pad_id=pad_id, max_k=spec_tokens)
 

@@ -195,8 +195,9 @@ class SpecRLAgentLoop(AgentLoopBase):
             self.settings,
             int(max_model_len),
             eos_token_ids,
-            mode_from_options(strategy, acceptance, None if lenience is None else float(lenience), rejection_draw,
-                              tail=False),
+            mode_from_options(
+                strategy, acceptance, None if lenience is None else float(lenience), rejection_draw, tail=False
+            ),
             seed=int(seed),
             prompt_logprobs_mode=prompt_logprobs_mode,
             repetition_penalty=float(_cfg(rc, "repetition_penalty", 1.0) or 1.0),
@@ -253,8 +254,15 @@ class SpecRLAgentLoop(AgentLoopBase):
             cont = b.continuation(plan, verified)
             send = partial(self._continue, request_id, base, cont)  # send(seed)
             (new_ids, cont_lps, cont_step), resamples = await draw_continuation(cont, send, nothing=([], [], None))
-            result = b.assemble(plan, verified, new_ids, cont_lps or [], step=cont_step, resamples=resamples,
-                                kept_excluded=cont is not None and cont.kept_excluded)
+            result = b.assemble(
+                plan,
+                verified,
+                new_ids,
+                cont_lps or [],
+                step=cont_step,
+                resamples=resamples,
+                kept_excluded=cont is not None and cont.kept_excluded,
+            )
         extra.update({f"spec_rl/{k}": v for k, v in result.metrics.items()})
         return self._output(prompt_ids, result.response_ids, result.logprobs, metrics, extra)
 

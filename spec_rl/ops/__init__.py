@@ -239,8 +239,13 @@ def splice_from_dense(
     if bsz == 0:
         return
     _impl("splice_from_dense", kv_cache.device)(
-        kv_cache, key.contiguous(), value.contiguous(), block_tables.int().contiguous(),
-        src_starts.long().contiguous(), dst_starts.long().contiguous(), lengths.long().contiguous(),
+        kv_cache,
+        key.contiguous(),
+        value.contiguous(),
+        block_tables.int().contiguous(),
+        src_starts.long().contiguous(),
+        dst_starts.long().contiguous(),
+        lengths.long().contiguous(),
     )
 
 
@@ -287,5 +292,7 @@ def gather_kv(
         raise ValueError(f"max_len={max_len} is shorter than the longest sequence ({longest})")
     _check_blocks_used(block_tables, lengths, kv_cache)
     return tuple(
-        _impl("gather_kv", kv_cache.device)(kv_cache, block_tables.int().contiguous(), lengths.long().contiguous(), int(max_len))
+        _impl("gather_kv", kv_cache.device)(
+            kv_cache, block_tables.int().contiguous(), lengths.long().contiguous(), int(max_len)
+        )
     )

@@ -8,6 +8,11 @@ from .speculative import SpeculativeRollout
 from .types import RolloutRequest, RolloutResult, RolloutStats
 
 __all__ = [
-    "ORIGINS", "RolloutRequest", "RolloutResult", "RolloutStats", "SpeculativeRollout", "origin_means",
+    "ORIGINS",
+    "RolloutRequest",
+    "RolloutResult",
+    "RolloutStats",
+    "SpeculativeRollout",
+    "origin_means",
     "response_origins",
 ]

@@ -22,9 +22,15 @@ from ..acceptance.exact_walk import WalkResult, walk_tries
 from ..acceptance.lenient import lenient_prefixes
 from ..acceptance.mode import MODES, RolloutMode
 from ..backends.checks import (
-    BackendContractError, backend_name, check_backend, check_continuations, check_model_len, check_scored,
-    scores_vocab_size, token_ids,
-)  # fmt: skip
+    BackendContractError,
+    backend_name,
+    check_backend,
+    check_continuations,
+    check_model_len,
+    check_scored,
+    scores_vocab_size,
+    token_ids,
+)
 from ..backends.protocol import BackendStats, Continuation, GenerationBackend
 from ..backends.shared_outputs import check_shared_outputs
 from ..drafts.cache import CacheKey, Draft, DraftStore
@@ -34,8 +40,14 @@ from ..sampling.distribution import SamplingSettings, check_settings
 from ..sampling.philox import SEED_SALT_CONTINUATION, mix_seed
 from ..util.validation import check_int
 from .types import (
-    RolloutRequest, RolloutResult, RolloutStats, check_draft_ids, check_store, check_unique_samples, request_prompts,
-)  # fmt: skip
+    RolloutRequest,
+    RolloutResult,
+    RolloutStats,
+    check_draft_ids,
+    check_store,
+    check_unique_samples,
+    request_prompts,
+)
 
 __all__ = ["BackendContractError", "RolloutRequest", "RolloutResult", "RolloutStats", "SpeculativeRollout"]
 
@@ -58,7 +70,9 @@ class _Batch:
     logprobs: list[list[float]] = field(default_factory=list)
     finish: list[str | None] = field(default_factory=list)
     prefix_len: list[int] = field(default_factory=list)
-    kv_len: list[int] = field(default_factory=list)  # draft tokens whose K/V the continuation keeps (before the fed token)
+    kv_len: list[int] = field(
+        default_factory=list
+    )  # draft tokens whose K/V the continuation keeps (before the fed token)
     group_keys: list[bytes] = field(default_factory=list)  # history key per request (its slot-0 draft key)
     sources: list[int] = field(default_factory=list)  # per request: the scored row whose draft holds its prefix
 
@@ -148,12 +162,7 @@ class SpeculativeRollout:
         return self.settings.budget(prompt_len, self.max_model_len)
 
     def run(
-        self,
-        requests: Sequence[RolloutRequest],
-        step: int,
-        *,
-        seed: int | None = None,
-        cache: DraftStore | None = None,
+        self, requests: Sequence[RolloutRequest], step: int, *, seed: int | None = None, cache: DraftStore | None = None
     ) -> RolloutResult:
         """Produce one response per request; stores them with version ``step``.
 
@@ -238,7 +247,9 @@ class SpeculativeRollout:
     def _score_and_verify(self, batch: _Batch) -> Any:
         """Score the drafts, verify them, and take the token at each rejection point. Returns the backend handle."""
         # Only the part of a draft that is valid under today's budget and EOS set is scored and tested.
-        views = draft_views([batch.drafts[i].token_ids for i in batch.drafted], [batch.budgets[i] for i in batch.drafted], self.eos_ids)
+        views = draft_views(
+            [batch.drafts[i].token_ids for i in batch.drafted], [batch.budgets[i] for i in batch.drafted], self.eos_ids
+        )
         draft_ids = [batch.drafts[i].token_ids[: v.length].tolist() for i, v in zip(batch.drafted, views)]
         prompts = [batch.prompts[i] for i in batch.drafted]
         # An exact walk reads only the nodes it walks through: a backend that scores where walks may go does so.
@@ -272,11 +283,24 @@ class SpeculativeRollout:
         """Exact: each sample follows the policy's keyed samples down its group's trie of drafts (``lazy``: the
         progressive scores it extends). Lenient: the paper's rule (or random reuse) at this step's l."""
         if self.mode.acceptance == "exact":
-            return walk_tries(prompts, draft_ids, scores, self.settings, batch.sample_seed,
-                              self._uids(batch, batch.drafted), progressive=lazy)  # fmt: skip
+            return walk_tries(
+                prompts,
+                draft_ids,
+                scores,
+                self.settings,
+                batch.sample_seed,
+                self._uids(batch, batch.drafted),
+                progressive=lazy,
+            )
         out = lenient_prefixes(
-            draft_ids, [batch.drafts[i].logprobs for i in batch.drafted], [len(batch.prompts[i]) for i in batch.drafted],
-            self._uids(batch, batch.drafted), scores, self.settings, self.mode, (batch.seed, batch.sample_seed),
+            draft_ids,
+            [batch.drafts[i].logprobs for i in batch.drafted],
+            [len(batch.prompts[i]) for i in batch.drafted],
+            self._uids(batch, batch.drafted),
+            scores,
+            self.settings,
+            self.mode,
+            (batch.seed, batch.sample_seed),
             self.verify_backend,
         )
         batch.stats.log_lenience, batch.stats.reused_drift = self.mode.log_lenience, out.drift
@@ -321,8 +345,14 @@ class SpeculativeRollout:
             if not extra:
                 return
             order, asked, method = extra, budgets, "generate"
-            conts = self.backend.generate(contexts, budgets, self.settings, seed, uids=self._uids(batch, order),
-                                          proposers=self._proposers(batch, order))  # fmt: skip
+            conts = self.backend.generate(
+                contexts,
+                budgets,
+                self.settings,
+                seed,
+                uids=self._uids(batch, order),
+                proposers=self._proposers(batch, order),
+            )
         else:
             live = [batch.finish[i] is None for i in batch.drafted]
             rows = [batch.budgets[i] - len(batch.responses[i]) if ok else 0 for i, ok in zip(batch.drafted, live)]
@@ -332,15 +362,21 @@ class SpeculativeRollout:
                     handle,
                     [batch.kv_len[i] for i in batch.drafted],
                     [batch.responses[i][-1] if ok else None for i, ok in zip(batch.drafted, live)],
-                    rows, self.settings, seed, extra_contexts=contexts, extra_budgets=budgets,
+                    rows,
+                    self.settings,
+                    seed,
+                    extra_contexts=contexts,
+                    extra_budgets=budgets,
                     uids=self._uids(batch, batch.drafted + extra),
                     proposers=self._proposers(batch, [i if ok else None for i, ok in zip(batch.drafted, live)] + extra),
                     **self._sources(batch),
-                )  # fmt: skip
+                )
             except BaseException:
                 self.backend.release(handle)
                 raise
-        check_continuations(conts, asked, source=self._source(method), vocab_size=batch.vocab_size, eos_ids=self.eos_ids)
+        check_continuations(
+            conts, asked, source=self._source(method), vocab_size=batch.vocab_size, eos_ids=self.eos_ids
+        )
         for i, c in zip(order, conts):
             if batch.finish[i] is None:
                 self._append(batch, i, c)
@@ -369,8 +405,10 @@ class SpeculativeRollout:
         if self.history is None:
             return None
         max_k, vocab = self.backend.max_k, self.backend.vocab_size
-        return [None if i is None else self.history.proposer(batch.group_keys[i], batch.responses[i], max_k, vocab)
-                for i in requests]
+        return [
+            None if i is None else self.history.proposer(batch.group_keys[i], batch.responses[i], max_k, vocab)
+            for i in requests
+        ]
 
     def _store(self, batch: _Batch) -> None:
         """Every response becomes next epoch's draft of its request (and enters the prompt's history)."""
@@ -383,9 +421,14 @@ class SpeculativeRollout:
     def _count_backend(self, batch: _Batch, before: BackendStats) -> None:
         """Backend work of this call: re-prefilled tokens, decode steps, history-drafted tokens."""
         now = self.backend.stats
-        for ours, theirs in (("reprefill_tokens", "reprefill_tokens"), ("decode_steps", "decode_steps"),
-                             ("tail_proposed", "proposed_tokens"), ("tail_accepted", "accepted_tokens"),
-                             ("decode_rows", "decode_rows"), ("decode_positions", "decode_positions")):  # fmt: skip
+        for ours, theirs in (
+            ("reprefill_tokens", "reprefill_tokens"),
+            ("decode_steps", "decode_steps"),
+            ("tail_proposed", "proposed_tokens"),
+            ("tail_accepted", "accepted_tokens"),
+            ("decode_rows", "decode_rows"),
+            ("decode_positions", "decode_positions"),
+        ):
             setattr(batch.stats, ours, getattr(now, theirs) - getattr(before, theirs))
         s = batch.stats
         generated = [len(r) - p for r, p in zip(batch.responses, batch.prefix_len)]

@@ -43,16 +43,27 @@ class SamplingSettings:
     def __post_init__(self) -> None:
         # Stored as plain Python numbers (numpy scalars included), so equal settings compare, hash and
         # serialise equal; bools and strings are refused rather than read as numbers.
-        temperature = check_real("temperature", self.temperature, low=0.0, low_open=True,
-                                 hint=" (greedy decoding has no usable log-probabilities; use e.g. temperature=0.1)")
-        top_p = check_real("top_p", self.top_p, low=0.0, low_open=True, high=1.0,
-                           hint=" (use 1.0 to disable nucleus sampling)")
+        temperature = check_real(
+            "temperature",
+            self.temperature,
+            low=0.0,
+            low_open=True,
+            hint=" (greedy decoding has no usable log-probabilities; use e.g. temperature=0.1)",
+        )
+        top_p = check_real(
+            "top_p", self.top_p, low=0.0, low_open=True, high=1.0, hint=" (use 1.0 to disable nucleus sampling)"
+        )
         top_k = check_int("top_k", self.top_k, low=0, hint=" (use 0 to disable top-k)")
         max_tokens = check_int("max_tokens", self.max_tokens, low=1, hint=" (the response budget in tokens)")
-        for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("max_tokens", max_tokens)):
+        for name, value in (
+            ("temperature", temperature),
+            ("top_p", top_p),
+            ("top_k", top_k),
+            ("max_tokens", max_tokens),
+        ):
             object.__setattr__(self, name, value)
 
-    def same_distribution(self, other: "SamplingSettings") -> bool:
+    def same_distribution(self, other: SamplingSettings) -> bool:
         """True when ``other`` samples from the same distribution (temperature, top_p, top_k equal).
 
         The budget ``max_tokens`` does not change any token's log-prob, only where a response is
@@ -62,7 +73,7 @@ class SamplingSettings:
         return (self.temperature, self.top_p, self.top_k) == (other.temperature, other.top_p, other.top_k)
 
     @classmethod
-    def from_dict(cls, data, name: str = "settings") -> "SamplingSettings":
+    def from_dict(cls, data, name: str = "settings") -> SamplingSettings:
         """Settings from :meth:`to_dict`'s output (e.g. read back from a file).
 
         Raises:
@@ -108,7 +119,9 @@ def _raise_if_no_distribution(total: torch.Tensor, labels=None) -> None:
     if not bool(bad.any()):
         return
     rows = torch.nonzero(bad).flatten().tolist()
-    named = ", ".join(f"row {r}" + (f" ({labels(r)})" if labels else "") for r in rows[:8]) + (", ..." if len(rows) > 8 else "")
+    named = ", ".join(f"row {r}" + (f" ({labels(r)})" if labels else "") for r in rows[:8]) + (
+        ", ..." if len(rows) > 8 else ""
+    )
     raise ValueError(
         f"logits {named} {'has' if len(rows) == 1 else 'have'} no sampling distribution: NaN or +inf logits, or "
         "every token has probability 0 after temperature/top-k/top-p. The policy forward produced invalid "
@@ -175,9 +188,7 @@ def token_logprobs(
 
 @torch.no_grad()  # sampling is never differentiated: no graph over [N, V]
 def sample_tokens(
-    logits: torch.Tensor,
-    settings: SamplingSettings,
-    generator: torch.Generator | None = None,
+    logits: torch.Tensor, settings: SamplingSettings, generator: torch.Generator | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row and return it with its sampling log-probability.
 
@@ -283,7 +294,9 @@ def _index_vector(name: str, t, n: int | None, high: int | None = None) -> torch
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
         raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
     if t.dim() != 1 or (n is not None and t.shape[0] != n):
-        raise ValueError(f"{name} must have shape [{'N' if n is None else n}] (one entry per sample), got {list(t.shape)}")
+        raise ValueError(
+            f"{name} must have shape [{'N' if n is None else n}] (one entry per sample), got {list(t.shape)}"
+        )
     if high is not None and t.numel() and (int(t.min()) < 0 or int(t.max()) >= high):
         raise ValueError(f"{name} holds values outside [0, {high}): min {int(t.min())}, max {int(t.max())}")
     return t.long()

@@ -126,7 +126,9 @@ def pack_groups(prompts: Sequence[Sequence[int]], drafts: Sequence[Sequence[int]
     return [_pack_group(list(key), [as_ints[i] for i in rows], rows) for key, rows in rows_by_prompt(prompts).items()]
 
 
-def tree_inputs(groups: Sequence[PackedGroup], pad_id: int, device: torch.device, additive_dtype: torch.dtype | None = None):
+def tree_inputs(
+    groups: Sequence[PackedGroup], pad_id: int, device: torch.device, additive_dtype: torch.dtype | None = None
+):
     """input_ids [B, T], position_ids [B, T] and a 4-D attention mask [B, 1, T, T] for packed rows.
 
     The mask is bool (True = attend) for SDPA, or additive (0 / dtype min) when ``additive_dtype``
@@ -149,11 +151,15 @@ def tree_inputs(groups: Sequence[PackedGroup], pad_id: int, device: torch.device
     mask = (j <= i) & (i < end.unsqueeze(1))
     mask = mask.unsqueeze(1).to(device)
     if additive_dtype is not None:
-        mask = torch.zeros(mask.shape, dtype=additive_dtype, device=device).masked_fill(~mask, torch.finfo(additive_dtype).min)
+        mask = torch.zeros(mask.shape, dtype=additive_dtype, device=device).masked_fill(
+            ~mask, torch.finfo(additive_dtype).min
+        )
     return ids.to(device), pos.to(device), mask
 
 
-def gather_scores(states: torch.Tensor, groups: Sequence[PackedGroup], out: torch.Tensor, same_as: torch.Tensor) -> None:
+def gather_scores(
+    states: torch.Tensor, groups: Sequence[PackedGroup], out: torch.Tensor, same_as: torch.Tensor
+) -> None:
     """Copy each member's scoring outputs from ``states`` [B, T, W] (row b = groups[b]) into ``out`` [N, R, W].
 
     ``same_as`` [N, R] (see :class:`~spec_rl.acceptance.scores.DraftScores`) gets, for every copied entry, the
@@ -175,7 +181,9 @@ def gather_scores(states: torch.Tensor, groups: Sequence[PackedGroup], out: torc
     dst_col = torch.arange(len(cols)) - torch.repeat_interleave(starts, lens)
     src = torch.repeat_interleave(int64_tensor(row_of), lens) * states.shape[1] + int64_tensor(cols)
     dst = torch.repeat_interleave(int64_tensor(member_of), lens) * out.shape[1] + dst_col
-    out.view(-1, width).index_copy_(0, dst.to(dev), states.reshape(-1, width).index_select(0, src.to(dev)).to(out.dtype))
+    out.view(-1, width).index_copy_(
+        0, dst.to(dev), states.reshape(-1, width).index_select(0, src.to(dev)).to(out.dtype)
+    )
     key_index = torch.unique(src, return_inverse=True)[1]
     first = torch.full((int(key_index.max()) + 1,), out.shape[0] * out.shape[1], dtype=torch.long)
     first = first.scatter_reduce(0, key_index, dst, "amin")  # per distinct output: its first entry

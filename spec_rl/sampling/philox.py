@@ -116,10 +116,7 @@ def bits_to_uniform(x0: torch.Tensor) -> torch.Tensor:
 
 
 def philox_uniform(
-    seed: int,
-    uids: torch.Tensor,
-    token_index: torch.Tensor,
-    stream: int = STREAM_ACCEPT,
+    seed: int, uids: torch.Tensor, token_index: torch.Tensor, stream: int = STREAM_ACCEPT
 ) -> torch.Tensor:
     """Keyed uniforms u(seed, uid, token_index, stream) in (0, 1], float32.
 

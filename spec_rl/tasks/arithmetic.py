@@ -44,16 +44,34 @@ __all__ = ["arithmetic_reward", "check_solution", "generate_problems", "TASK_VER
 TASK_VERSION = 1
 
 _NAMES = [
-    ("Tom", "he", "his"), ("Anna", "she", "her"), ("Ben", "he", "his"), ("Mia", "she", "her"),
-    ("Sam", "he", "his"), ("Lily", "she", "her"), ("Max", "he", "his"), ("Emma", "she", "her"),
-    ("Leo", "he", "his"), ("Zoe", "she", "her"), ("Jack", "he", "his"), ("Ella", "she", "her"),
+    ("Tom", "he", "his"),
+    ("Anna", "she", "her"),
+    ("Ben", "he", "his"),
+    ("Mia", "she", "her"),
+    ("Sam", "he", "his"),
+    ("Lily", "she", "her"),
+    ("Max", "he", "his"),
+    ("Emma", "she", "her"),
+    ("Leo", "he", "his"),
+    ("Zoe", "she", "her"),
+    ("Jack", "he", "his"),
+    ("Ella", "she", "her"),
 ]
 _FRIENDS = ["Nina", "Omar", "Paul", "Rosa", "Ivan", "Kate", "Luis", "Hana"]
 # (plural noun, container used for "k <container>s with m items each")
 _OBJECTS = [
-    ("apples", "bag"), ("pencils", "box"), ("stickers", "pack"), ("marbles", "jar"),
-    ("cookies", "box"), ("cards", "pack"), ("shells", "bucket"), ("books", "box"),
-    ("eggs", "carton"), ("flowers", "vase"), ("coins", "purse"), ("toys", "box"),
+    ("apples", "bag"),
+    ("pencils", "box"),
+    ("stickers", "pack"),
+    ("marbles", "jar"),
+    ("cookies", "box"),
+    ("cards", "pack"),
+    ("shells", "bucket"),
+    ("books", "box"),
+    ("eggs", "carton"),
+    ("flowers", "vase"),
+    ("coins", "purse"),
+    ("toys", "box"),
 ]
 _CONTAINER_PLURAL = {"box": "boxes"}
 
@@ -112,8 +130,14 @@ def _feasible_ops(x: int, w: int, max_value: int) -> list[str]:
     return options
 
 
-def _one_problem(rng: random.Random, steps: int, max_value: int, max_operand: int, slip_prob: float = 0.0,
-                 misconception_prob: float = 0.0):  # fmt: skip
+def _one_problem(
+    rng: random.Random,
+    steps: int,
+    max_value: int,
+    max_operand: int,
+    slip_prob: float = 0.0,
+    misconception_prob: float = 0.0,
+):
     """Return (question, solution, answer) for one problem, or None if the draw hit a dead end.
 
     ``x`` is the true count (it defines the question and the answer); ``w`` is
@@ -227,8 +251,14 @@ def generate_problems(
         ValueError: a bad argument (the message names it), or the options
             cannot produce ``n`` distinct problems.
     """
-    for arg, val in (("n", n), ("seed", seed), ("min_steps", min_steps), ("max_steps", max_steps),
-                     ("max_value", max_value), ("max_operand", max_operand)):
+    for arg, val in (
+        ("n", n),
+        ("seed", seed),
+        ("min_steps", min_steps),
+        ("max_steps", max_steps),
+        ("max_value", max_value),
+        ("max_operand", max_operand),
+    ):
         if isinstance(val, bool) or not isinstance(val, int):
             raise ValueError(f"{arg} must be an int, got {val!r}")
     if n < 0:

@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 from .rewards import extract_boxed
 
@@ -121,8 +122,7 @@ def _text_field(record: Mapping[str, Any], name: str, fmt: str, where: str) -> s
     """``record[name]`` as a non-empty string, or a ValueError naming the location and the field."""
     if name not in record:
         raise ValueError(
-            f"{where}: {fmt} record lacks the field {name!r} (has {sorted(record)}); "
-            f"fix the data or pass the right fmt"
+            f"{where}: {fmt} record lacks the field {name!r} (has {sorted(record)}); fix the data or pass the right fmt"
         )
     value = record[name]
     if not isinstance(value, str) or not value.strip():
@@ -136,9 +136,7 @@ def _gsm8k_fields(record: Mapping[str, Any], where: str) -> tuple[str, str, str 
     solution = _text_field(record, "answer", "gsm8k", where)
     gold = _gsm8k_gold(solution)
     if gold is None:
-        raise ValueError(
-            f"{where}: GSM8K 'answer' must end with a line '#### <answer>', got {solution[-80:]!r}"
-        )
+        raise ValueError(f"{where}: GSM8K 'answer' must end with a line '#### <answer>', got {solution[-80:]!r}")
     return question, gold, solution, "idx"
 
 
@@ -153,9 +151,7 @@ def _math_answer(record: Mapping[str, Any], solution: str | None, where: str) ->
         return answer.strip()
     answer = extract_boxed(solution or "")
     if not answer:
-        raise ValueError(
-            f"{where}: MATH record has no 'answer' and its 'solution' has no \\boxed{{...}} answer"
-        )
+        raise ValueError(f"{where}: MATH record has no 'answer' and its 'solution' has no \\boxed{{...}} answer")
     return answer
 
 
@@ -172,12 +168,7 @@ _FIELD_READERS = {"gsm8k": _gsm8k_fields, "math": _math_fields}
 
 
 def _record_to_example(
-    record: Mapping[str, Any],
-    fmt: str,
-    index: int,
-    uid_prefix: str,
-    prompt_fn: Callable[[str], str],
-    where: str,
+    record: Mapping[str, Any], fmt: str, index: int, uid_prefix: str, prompt_fn: Callable[[str], str], where: str
 ) -> Example:
     """Convert one record; ``where`` names the location (file and line) for errors."""
     if not isinstance(record, Mapping):
@@ -310,7 +301,11 @@ def load_jsonl(
                 yield f"{p}: line {lineno}", rec
 
     return _convert(
-        located(), fmt, limit, prefix, prompt_fn,
+        located(),
+        fmt,
+        limit,
+        prefix,
+        prompt_fn,
         empty_msg=f"{p} is empty (no JSON records); pass a non-empty GSM8K- or MATH-format .jsonl",
     )
 

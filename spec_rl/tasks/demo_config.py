@@ -20,8 +20,17 @@ RECIPE_VERSION = 1
 
 # Fields that must be strictly positive (the others have their own range checks).
 _POSITIVE_FIELDS = (
-    "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
-    "max_position_embeddings", "tokenizer_corpus", "sft_examples", "sft_steps", "batch_size", "lr",
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "intermediate_size",
+    "max_position_embeddings",
+    "tokenizer_corpus",
+    "sft_examples",
+    "sft_steps",
+    "batch_size",
+    "lr",
 )
 
 
@@ -91,18 +100,33 @@ class DemoConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"DemoConfig.{name} must be > 0, got {getattr(self, name)!r}")
         if self.hidden_size % self.num_heads:
-            raise ValueError(f"DemoConfig.hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})")
+            raise ValueError(
+                f"DemoConfig.hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})"
+            )
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"DemoConfig.num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})")
+            raise ValueError(
+                f"DemoConfig.num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})"
+            )
         if self.vocab_size < 300:
-            raise ValueError(f"DemoConfig.vocab_size must be >= 300 (256 bytes + specials + merges), got {self.vocab_size}")
+            raise ValueError(
+                f"DemoConfig.vocab_size must be >= 300 (256 bytes + specials + merges), got {self.vocab_size}"
+            )
 
     @classmethod
-    def tiny(cls, **overrides: Any) -> "DemoConfig":
+    def tiny(cls, **overrides: Any) -> DemoConfig:
         """A seconds-to-build config for tests (an untrained-quality policy, ~40k parameters)."""
         base = dict(
-            hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64,
-            vocab_size=400, tokenizer_corpus=200, sft_examples=64, sft_steps=3, batch_size=8, warmup_steps=1,
+            hidden_size=32,
+            num_layers=1,
+            num_heads=2,
+            num_kv_heads=1,
+            intermediate_size=64,
+            vocab_size=400,
+            tokenizer_corpus=200,
+            sft_examples=64,
+            sft_steps=3,
+            batch_size=8,
+            warmup_steps=1,
         )
         base.update(overrides)
         return cls(**base)

@@ -7,8 +7,8 @@ the same prompts recur every epoch (which is what lets drafts be reused).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Mapping
 
 from .arithmetic import generate_problems
 from .data import Example

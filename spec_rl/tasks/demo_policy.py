@@ -42,13 +42,7 @@ import torch
 
 from .arithmetic import TASK_VERSION, generate_problems
 from .demo_config import RECIPE_VERSION, DemoConfig
-from .demo_data import (
-    DEMO_MAX_NEW_TOKENS,
-    DEMO_TASK_OPTIONS,
-    demo_eval_set,
-    demo_response,
-    demo_train_set,
-)
+from .demo_data import DEMO_MAX_NEW_TOKENS, DEMO_TASK_OPTIONS, demo_eval_set, demo_response, demo_train_set
 from .demo_sft import make_demo_model
 from .demo_sft import run_sft as _sft  # module-level name, so tests can replace the SFT step
 from .demo_tokenizer import EOS_TOKEN, PAD_TOKEN, build_demo_tokenizer
@@ -84,10 +78,7 @@ def _is_complete(path: Path) -> bool:
 
 
 def build_demo_policy(
-    cache_dir: str | Path | None = None,
-    force: bool = False,
-    progress: bool = True,
-    config: DemoConfig | None = None,
+    cache_dir: str | Path | None = None, force: bool = False, progress: bool = True, config: DemoConfig | None = None
 ) -> Path:
     """Train (or reuse) the demo policy and return its checkpoint directory.
 
@@ -176,8 +167,12 @@ def _train_into(out: Path, cfg: DemoConfig, progress: bool) -> None:
     texts = [e.prompt + demo_response(e) for e in corpus]
     tokenizer = build_demo_tokenizer(texts, cfg.vocab_size, cfg.max_position_embeddings)
     sft_set = generate_problems(
-        cfg.sft_examples, seed=cfg.sft_seed, exclude=held_out, slip_prob=cfg.slip_prob,
-        misconception_prob=cfg.misconception_prob, **DEMO_TASK_OPTIONS
+        cfg.sft_examples,
+        seed=cfg.sft_seed,
+        exclude=held_out,
+        slip_prob=cfg.slip_prob,
+        misconception_prob=cfg.misconception_prob,
+        **DEMO_TASK_OPTIONS,
     )
     model = make_demo_model(cfg, tokenizer)
     record = _sft(model, tokenizer, cfg, sft_set, progress)

@@ -25,7 +25,8 @@ from __future__ import annotations
 import math
 import random
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

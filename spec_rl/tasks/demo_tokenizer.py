@@ -7,7 +7,7 @@ computed on decoded responses are exact.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 __all__ = ["EOS_TOKEN", "PAD_TOKEN", "build_demo_tokenizer"]
 

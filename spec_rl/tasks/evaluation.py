@@ -11,7 +11,7 @@ from or written to a rollout cache.
 from __future__ import annotations
 
 import random
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -136,7 +136,9 @@ def evaluate_policy(
     }
 
 
-def _heldout_budgets(prompts: Sequence[Sequence[int]], settings: SamplingSettings, max_model_len: int | None) -> list[int]:
+def _heldout_budgets(
+    prompts: Sequence[Sequence[int]], settings: SamplingSettings, max_model_len: int | None
+) -> list[int]:
     """Per prompt: ``min(max_tokens, max_model_len - prompt_len)`` (the rollout's budget), at least 1 token."""
     if max_model_len is None:
         return [settings.max_tokens] * len(prompts)
@@ -223,10 +225,14 @@ def evaluate_heldout(
     budgets = _heldout_budgets(prompts, settings, max_model_len)
     greedy = SamplingSettings(top_k=1, max_tokens=settings.max_tokens)
     repeat = range(samples_per_prompt)
-    sampled, argmax = _generate(model, backend, [
-        ([p for p in prompts for _ in repeat], [b for b in budgets for _ in repeat], settings, seed),
-        (prompts, budgets, greedy, seed),
-    ])  # fmt: skip
+    sampled, argmax = _generate(
+        model,
+        backend,
+        [
+            ([p for p in prompts for _ in repeat], [b for b in budgets for _ in repeat], settings, seed),
+            (prompts, budgets, greedy, seed),
+        ],
+    )
     rewards = _rewards(tokenizer, sampled, [e.answer for e in examples for _ in repeat], reward_fn)
     if samples_out is not None:
         samples_out.extend((p, list(o.token_ids)) for p, o in zip([p for p in prompts for _ in repeat], sampled))
@@ -269,8 +275,10 @@ def heldout_split(examples: Sequence[Example], fraction: float, seed: int) -> tu
     prompts = list(dict.fromkeys(e.prompt for e in examples))
     n_held = min(max(1, round(float(fraction) * len(prompts))), len(prompts) - 1)
     if n_held < 1:
-        raise ValueError(f"{len(prompts)} distinct prompt(s) cannot be split into training and held-out prompts; "
-                         "pass more data or a separate held-out file")  # fmt: skip
+        raise ValueError(
+            f"{len(prompts)} distinct prompt(s) cannot be split into training and held-out prompts; "
+            "pass more data or a separate held-out file"
+        )
     order = list(range(len(prompts)))
     random.Random(int(seed)).shuffle(order)
     held = {prompts[i] for i in order[:n_held]}

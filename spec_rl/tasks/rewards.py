@@ -32,8 +32,8 @@ import functools
 import logging
 import re
 import threading
+from collections.abc import Callable
 from fractions import Fraction
-from typing import Callable
 
 __all__ = [
     "MathVerifyUnavailable",
@@ -77,10 +77,7 @@ def extract_boxed(text: str) -> str | None:
     """
     if not isinstance(text, str):
         return None
-    starts = sorted(
-        (i for opener in _BOXED_OPENERS for i in _find_all(text, opener)),
-        reverse=True,
-    )
+    starts = sorted((i for opener in _BOXED_OPENERS for i in _find_all(text, opener)), reverse=True)
     for start in starts:
         open_idx = text.index("{", start)
         depth = 0

@@ -38,7 +38,9 @@ def resolve_device(name: str) -> torch.device:
         if count == 0:
             raise ValueError(f"device is {name!r} but this machine has no CUDA device; use auto or cpu")
         if device.index is not None and device.index >= count:
-            raise ValueError(f"device is {name!r} but this machine has {count} CUDA device(s): cuda:0..cuda:{count - 1}")
+            raise ValueError(
+                f"device is {name!r} but this machine has {count} CUDA device(s): cuda:0..cuda:{count - 1}"
+            )
     elif device.type == "mps":
         if not torch.backends.mps.is_available():
             raise ValueError(f"device is {name!r} but MPS is not available on this machine; use auto or cpu")
@@ -99,8 +101,15 @@ class GRPOConfig:
             raise TypeError(f"mode must be a RolloutMode (e.g. spec_rl.MODES['spec']), got {type(self.mode).__name__}")
         check_settings(self.sampling, "sampling")
         check_choice("generation_backend", self.generation_backend, GENERATION_BACKENDS)
-        for name in ("epochs", "prompts_per_step", "ppo_mini_batches", "micro_batch_size", "eval_samples", "eval_every",
-                     "spec_tokens"):
+        for name in (
+            "epochs",
+            "prompts_per_step",
+            "ppo_mini_batches",
+            "micro_batch_size",
+            "eval_samples",
+            "eval_every",
+            "spec_tokens",
+        ):
             check_int(name, getattr(self, name), low=1)
         # GRPO's advantage is a reward minus its group's mean: one sample per group always gets 0.
         check_int("group_size", self.group_size, low=2, hint=" (GRPO compares the G samples of a prompt)")
@@ -131,11 +140,27 @@ DEMO_MODES = ("vanilla", "spec", "exact", "histspec")
 DEMO_SPEC = dict(lenience=1.0, rejection_draw="without-draft")
 #: Demo schedule, sized so four runs finish in minutes on 2 CPU cores; 640 held-out problems x 1 sample keep one
 #: evaluation's standard error <= 0.02.
-DEMO_DEFAULTS = dict(epochs=5, group_size=4, prompts_per_step=64, lr=1e-4, max_response_len=160, ppo_mini_batches=2,
-                     micro_batch_size=128, eval_samples=1)
+DEMO_DEFAULTS = dict(
+    epochs=5,
+    group_size=4,
+    prompts_per_step=64,
+    lr=1e-4,
+    max_response_len=160,
+    ppo_mini_batches=2,
+    micro_batch_size=128,
+    eval_samples=1,
+)
 #: Defaults for a user's own model and data (paper-like settings, Sec. 4).
-MODEL_DEFAULTS = dict(epochs=3, group_size=8, prompts_per_step=32, lr=1e-6, max_response_len=1024, ppo_mini_batches=1,
-                      micro_batch_size=8, eval_samples=4)
+MODEL_DEFAULTS = dict(
+    epochs=3,
+    group_size=8,
+    prompts_per_step=32,
+    lr=1e-6,
+    max_response_len=1024,
+    ppo_mini_batches=1,
+    micro_batch_size=8,
+    eval_samples=4,
+)
 
 
 def config_from(defaults: dict, sampling: SamplingSettings | None = None, **overrides) -> GRPOConfig:

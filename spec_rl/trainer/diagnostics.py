@@ -36,7 +36,11 @@ def _log_probs(model, prompts, responses, pad_id: int, temperature: float) -> to
 
 @torch.no_grad()
 def policy_drift(
-    model, reference, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int,
+    model,
+    reference,
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    pad_id: int,
     temperature: float = 1.0,
 ) -> dict[str, float]:
     """Mean per-token entropy of ``model`` and KL(model || reference) over the given responses.
@@ -61,7 +65,9 @@ def policy_drift(
         ps, rs = [prompts[i] for i in chunk], [responses[i] for i in chunk]
         logp = _log_probs(model, ps, rs, pad_id, temperature)
         width = logp.shape[1]
-        mask = torch.arange(width, device=logp.device).unsqueeze(0) < torch.tensor([len(r) for r in rs], device=logp.device).unsqueeze(1)
+        mask = torch.arange(width, device=logp.device).unsqueeze(0) < torch.tensor(
+            [len(r) for r in rs], device=logp.device
+        ).unsqueeze(1)
         p = logp.exp()
         entropy += float((-(p * logp).sum(-1))[mask].sum())
         if reference is not None:

@@ -42,6 +42,7 @@ from .report import format_row
 _MINIBATCH_SEED_STRIDE = 1_000_003
 _EPOCH_SEED_STRIDE = 7919
 
+
 class GRPOTrainer:
     """GRPO (group-normalised advantages, clipped loss) with speculative rollouts.
 
@@ -116,7 +117,9 @@ class GRPOTrainer:
             raise ValueError("the tokenizer has neither a pad token nor an EOS token; set tokenizer.pad_token")
         self.eos_ids = eos_token_ids(model, tokenizer)
         if not self.eos_ids:
-            raise ValueError("no EOS id found in the model's generation_config/config or the tokenizer; set eos_token_id")
+            raise ValueError(
+                "no EOS id found in the model's generation_config/config or the tokenizer; set eos_token_id"
+            )
         max_model_len = self._max_model_len(model, config)
         self.settings = config.sampling
         self.prompt_ids = [tokenizer(e.prompt)["input_ids"] for e in self.examples]
@@ -125,8 +128,9 @@ class GRPOTrainer:
         if eval_examples is not None:
             eval_ids = [tokenizer(e.prompt)["input_ids"] for e in eval_examples]
             self._check_prompt_lengths(eval_examples, eval_ids, max_model_len, "held-out prompt")
-            self.heldout = HeldoutEvaluator(eval_examples, tokenizer, self.settings, config.eval_samples, reward_fn,
-                                            config.seed, max_model_len)  # fmt: skip
+            self.heldout = HeldoutEvaluator(
+                eval_examples, tokenizer, self.settings, config.eval_samples, reward_fn, config.seed, max_model_len
+            )
         self.initial_heldout: dict | None = None
 
         self.cache = RolloutCache()
@@ -142,8 +146,16 @@ class GRPOTrainer:
 
     def _make_rollout(self, model, config: GRPOConfig, max_model_len: int) -> SpeculativeRollout:
         backend = self._make_backend(model, config, max_model_len)
-        return SpeculativeRollout(backend, self.cache, self.settings, sorted(self.eos_ids), max_model_len,
-                                  mode=config.mode, seed=config.seed, history=self.history)
+        return SpeculativeRollout(
+            backend,
+            self.cache,
+            self.settings,
+            sorted(self.eos_ids),
+            max_model_len,
+            mode=config.mode,
+            seed=config.seed,
+            history=self.history,
+        )
 
     def _set_initial_policy(self, model, ref_model) -> None:
         """The initial policy, frozen: the KL term's reference and the held-out diagnostics' (KL to the warm start)."""
@@ -173,8 +185,10 @@ class GRPOTrainer:
                 raise ValueError("cannot infer max_model_len from the model config; set GRPOConfig.max_model_len")
             return int(positions)
         if positions and config.max_model_len > positions:
-            raise ValueError(f"max_model_len must be <= the model's max_position_embeddings ({positions}), "
-                             f"got {config.max_model_len}")
+            raise ValueError(
+                f"max_model_len must be <= the model's max_position_embeddings ({positions}), "
+                f"got {config.max_model_len}"
+            )
         return config.max_model_len
 
     def _make_backend(self, model, config: GRPOConfig, max_model_len: int):
@@ -187,8 +201,9 @@ class GRPOTrainer:
         if choice == "vllm":
             from ..backends.vllm_backend import VLLMBackend
 
-            return VLLMBackend(model, self.tokenizer, sorted(self.eos_ids), self.pad_id, self.out_dir / "vllm-weights",
-                               max_model_len)  # fmt: skip
+            return VLLMBackend(
+                model, self.tokenizer, sorted(self.eos_ids), self.pad_id, self.out_dir / "vllm-weights", max_model_len
+            )
         if choice == "paged":
             from ..engine import PagedEngine
 
@@ -378,7 +393,10 @@ class GRPOTrainer:
             from tqdm.auto import tqdm
 
             bar = tqdm(
-                total=(cfg.epochs - self.start_epoch) * steps_per_epoch, desc=f"GRPO [{self.label}]", unit="step", leave=False
+                total=(cfg.epochs - self.start_epoch) * steps_per_epoch,
+                desc=f"GRPO [{self.label}]",
+                unit="step",
+                leave=False,
             )
         start = self._warm_start_evaluation()
         for epoch in range(self.start_epoch, cfg.epochs):

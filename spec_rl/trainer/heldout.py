@@ -43,8 +43,15 @@ HELDOUT_SEED_SALT = 0x4E1D_0E7A
 #: 128 prompts x 4 samples + 128 greedy); 256 is the rollout's batch of 64 prompts x 4.
 EVAL_BATCH_SIZE = 256
 #: Fields one evaluation adds to a record.
-FIELDS = ("heldout_reward", "heldout_greedy_accuracy", "heldout_response_tokens", *DIAGNOSTIC_FIELDS, "heldout_prompts",
-          "heldout_seed", "heldout_seconds")  # fmt: skip
+FIELDS = (
+    "heldout_reward",
+    "heldout_greedy_accuracy",
+    "heldout_response_tokens",
+    *DIAGNOSTIC_FIELDS,
+    "heldout_prompts",
+    "heldout_seed",
+    "heldout_seconds",
+)
 #: Prefix of the warm-start evaluation's fields in the first epoch record.
 START = "start_"
 
@@ -71,9 +78,17 @@ class HeldoutEvaluator:
         ValueError: no examples.
     """
 
-    def __init__(self, examples: Sequence, tokenizer, settings: SamplingSettings, samples_per_prompt: int,
-                 reward_fn: Callable[[str, str], float], run_seed: int, max_model_len: int | None = None,
-                 batch_size: int = EVAL_BATCH_SIZE):  # fmt: skip
+    def __init__(
+        self,
+        examples: Sequence,
+        tokenizer,
+        settings: SamplingSettings,
+        samples_per_prompt: int,
+        reward_fn: Callable[[str, str], float],
+        run_seed: int,
+        max_model_len: int | None = None,
+        batch_size: int = EVAL_BATCH_SIZE,
+    ):
         if len(examples) == 0:
             raise ValueError("no held-out examples; pass at least one, or none to turn held-out evaluation off")
         self.examples = list(examples)
@@ -93,12 +108,23 @@ class HeldoutEvaluator:
         seed = heldout_seed(self.run_seed, epoch)
         t0 = time.perf_counter()
         samples: list = []
-        result = evaluate_heldout(model, self.tokenizer, self.examples, self.settings, self.samples_per_prompt, seed,
-                                  batch_size=self.batch_size, reward_fn=self.reward_fn, max_model_len=self.max_model_len,
-                                  samples_out=samples)  # fmt: skip
+        result = evaluate_heldout(
+            model,
+            self.tokenizer,
+            self.examples,
+            self.settings,
+            self.samples_per_prompt,
+            seed,
+            batch_size=self.batch_size,
+            reward_fn=self.reward_fn,
+            max_model_len=self.max_model_len,
+            samples_out=samples,
+        )
         if self.pad_id is not None:
             prompts, responses = [p for p, _ in samples], [r for _, r in samples]
-            result.update(policy_drift(model, self.reference, prompts, responses, self.pad_id, self.settings.temperature))
+            result.update(
+                policy_drift(model, self.reference, prompts, responses, self.pad_id, self.settings.temperature)
+            )
         return {**result, "heldout_seed": seed, "heldout_seconds": time.perf_counter() - t0}
 
 

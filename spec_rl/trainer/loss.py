@@ -18,7 +18,6 @@ from collections.abc import Sequence
 import torch
 
 
-
 def group_advantages(
     rewards: torch.Tensor, group_size: int, scale_by_std: bool = True, eps: float = 1e-6
 ) -> torch.Tensor:

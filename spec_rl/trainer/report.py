@@ -38,7 +38,14 @@ EPOCH_COLUMNS = (
     ("heldout_seconds", "eval s", "{:.1f}"),
 )
 #: Summed over epochs for the run-level ratios.
-_TOTALS = ("generated_tokens", "decode_steps", "rollout_seconds", "scoring_seconds", "generation_seconds", "other_seconds")
+_TOTALS = (
+    "generated_tokens",
+    "decode_steps",
+    "rollout_seconds",
+    "scoring_seconds",
+    "generation_seconds",
+    "other_seconds",
+)
 
 
 def _cell(rec: dict, key: str, fmt: str) -> str:
@@ -95,17 +102,20 @@ def comparison(summary: dict[str, list[dict]]) -> list[dict]:
         for rec in records if mode != "vanilla" else []:
             v = base.get(rec["epoch"])
             if v is not None:
-                rows.append({
-                    "mode": mode,
-                    "epoch": rec["epoch"],
-                    "generated_tokens_ratio": _ratio(rec["generated_tokens"], v["generated_tokens"]),
-                    "decode_steps_ratio": _ratio(rec.get("decode_steps", 0), v.get("decode_steps", 0)),
-                    "rollout_seconds_ratio": _ratio(rec["rollout_seconds"], v["rollout_seconds"]),
-                    "reward_minus_vanilla": rec["mean_reward"] - v["mean_reward"],
-                    "heldout_reward_minus_vanilla": _minus(rec.get("heldout_reward"), v.get("heldout_reward")),
-                    "greedy_accuracy_minus_vanilla": _minus(rec.get("heldout_greedy_accuracy"),
-                                                            v.get("heldout_greedy_accuracy")),
-                })  # fmt: skip
+                rows.append(
+                    {
+                        "mode": mode,
+                        "epoch": rec["epoch"],
+                        "generated_tokens_ratio": _ratio(rec["generated_tokens"], v["generated_tokens"]),
+                        "decode_steps_ratio": _ratio(rec.get("decode_steps", 0), v.get("decode_steps", 0)),
+                        "rollout_seconds_ratio": _ratio(rec["rollout_seconds"], v["rollout_seconds"]),
+                        "reward_minus_vanilla": rec["mean_reward"] - v["mean_reward"],
+                        "heldout_reward_minus_vanilla": _minus(rec.get("heldout_reward"), v.get("heldout_reward")),
+                        "greedy_accuracy_minus_vanilla": _minus(
+                            rec.get("heldout_greedy_accuracy"), v.get("heldout_greedy_accuracy")
+                        ),
+                    }
+                )
     return rows
 
 
@@ -113,9 +123,14 @@ def _final_quality(records: list[dict], vanilla: dict[int, dict]) -> dict:
     """Rollout and held-out numbers of the last epoch this run shares with vanilla, and their gaps."""
     shared = [r for r in records if r["epoch"] in vanilla]
     if not shared:
-        return {"final_epoch": None, "final_reward_minus_vanilla": None, "final_heldout_reward": None,
-                "final_heldout_greedy_accuracy": None, "final_heldout_reward_minus_vanilla": None,
-                "final_greedy_accuracy_minus_vanilla": None}  # fmt: skip
+        return {
+            "final_epoch": None,
+            "final_reward_minus_vanilla": None,
+            "final_heldout_reward": None,
+            "final_heldout_greedy_accuracy": None,
+            "final_heldout_reward_minus_vanilla": None,
+            "final_greedy_accuracy_minus_vanilla": None,
+        }
     last = shared[-1]
     v = vanilla[last["epoch"]]
     return {
@@ -124,7 +139,9 @@ def _final_quality(records: list[dict], vanilla: dict[int, dict]) -> dict:
         "final_heldout_reward": last.get("heldout_reward"),
         "final_heldout_greedy_accuracy": last.get("heldout_greedy_accuracy"),
         "final_heldout_reward_minus_vanilla": _minus(last.get("heldout_reward"), v.get("heldout_reward")),
-        "final_greedy_accuracy_minus_vanilla": _minus(last.get("heldout_greedy_accuracy"), v.get("heldout_greedy_accuracy")),
+        "final_greedy_accuracy_minus_vanilla": _minus(
+            last.get("heldout_greedy_accuracy"), v.get("heldout_greedy_accuracy")
+        ),
     }
 
 
@@ -151,13 +168,18 @@ def run_ratios(summary: dict[str, list[dict]], from_epoch: int = 2) -> list[dict
     out = []
     for mode, records in summary.items():
         t = total(records)
-        out.append({
-            "mode": mode, **t,
-            **{f"{k}_ratio": _ratio(t[k], base[k]) for k in ("generated_tokens", "decode_steps", "rollout_seconds")},
-            "scoring_share": _ratio(t["scoring_seconds"], base["rollout_seconds"]),
-            **_final_quality(records, vanilla),
-            "epochs": sorted(epochs),
-        })  # fmt: skip
+        out.append(
+            {
+                "mode": mode,
+                **t,
+                **{
+                    f"{k}_ratio": _ratio(t[k], base[k]) for k in ("generated_tokens", "decode_steps", "rollout_seconds")
+                },
+                "scoring_share": _ratio(t["scoring_seconds"], base["rollout_seconds"]),
+                **_final_quality(records, vanilla),
+                "epochs": sorted(epochs),
+            }
+        )
     return out
 
 
@@ -166,22 +188,26 @@ def _fmt(x: float | None, spec: str) -> str:
 
 
 def heldout_progress(mode: str, records: list[dict]) -> str | None:
-    """"<mode>: held-out reward a -> b, greedy accuracy c -> d (epochs 0 -> E, N prompts)", or None."""
+    """ "<mode>: held-out reward a -> b, greedy accuracy c -> d (epochs 0 -> E, N prompts)", or None."""
     curve = heldout_curve(records)
     if not curve:
         return None
     first, last = curve[0], curve[-1]
-    return (f"{mode}: held-out reward {first['heldout_reward']:.3f} -> {last['heldout_reward']:.3f}, greedy accuracy "
-            f"{first['heldout_greedy_accuracy']:.3f} -> {last['heldout_greedy_accuracy']:.3f} (epochs {first['epoch']} -> "
-            f"{last['epoch']}, {last.get('heldout_prompts', '?')} held-out prompts)")  # fmt: skip
+    return (
+        f"{mode}: held-out reward {first['heldout_reward']:.3f} -> {last['heldout_reward']:.3f}, greedy accuracy "
+        f"{first['heldout_greedy_accuracy']:.3f} -> {last['heldout_greedy_accuracy']:.3f} (epochs {first['epoch']} -> "
+        f"{last['epoch']}, {last.get('heldout_prompts', '?')} held-out prompts)"
+    )
 
 
 def _final_heldout_text(r: dict) -> str:
     if r["final_heldout_reward"] is None:
         return "held-out: not evaluated (--no-eval, or no held-out set)"
-    return (f"final held-out reward {r['final_heldout_reward']:.3f} ({_fmt(r['final_heldout_reward_minus_vanilla'], '+.3f')} "
-            f"vs vanilla), greedy accuracy {r['final_heldout_greedy_accuracy']:.3f} "
-            f"({_fmt(r['final_greedy_accuracy_minus_vanilla'], '+.3f')})")  # fmt: skip
+    return (
+        f"final held-out reward {r['final_heldout_reward']:.3f} ({_fmt(r['final_heldout_reward_minus_vanilla'], '+.3f')} "
+        f"vs vanilla), greedy accuracy {r['final_heldout_greedy_accuracy']:.3f} "
+        f"({_fmt(r['final_greedy_accuracy_minus_vanilla'], '+.3f')})"
+    )
 
 
 def closing_lines(summary: dict[str, list[dict]], from_epoch: int = 2) -> list[str]:
@@ -197,8 +223,10 @@ def closing_lines(summary: dict[str, list[dict]], from_epoch: int = 2) -> list[s
         if r["mode"] == "vanilla":
             continue
         if not r["epochs"]:  # e.g. a one-epoch run: no drafts yet, nothing to compare
-            lines.append(f"{r['mode']}/vanilla: no epoch >= {from_epoch} to compare (the first epoch has no drafts); "
-                         + _final_heldout_text(r))  # fmt: skip
+            lines.append(
+                f"{r['mode']}/vanilla: no epoch >= {from_epoch} to compare (the first epoch has no drafts); "
+                + _final_heldout_text(r)
+            )
             continue
         lines.append(
             f"{r['mode']}/vanilla, epochs {from_epoch}+: generated tokens {_fmt(r['generated_tokens_ratio'], '.2f')}x, "
@@ -224,17 +252,25 @@ def _describe(rec: dict) -> str:
 def _origin_markdown(summary: dict[str, list[dict]]) -> list[str]:
     """The rollout reward of each epoch split by response origin, beside the held-out reward."""
     heads = " | ".join(f"{o.replace('_', ' ')} (n)" for o in ORIGINS)
-    lines = ["## Rollout reward by response origin", "",
-             "With lenient acceptance the rollout reward is biased upward: a draft survives the test when the policy "
-             "still likes it, and it likes responses that were rewarded, so responses reused whole lean towards ones "
-             "that were already correct. With exact acceptance every response is a fresh sample of the policy, so the "
-             "total is unbiased although the origins differ in reward. Compare runs on the held-out reward.", "",
-             f"| run | epoch | rollout reward | {heads} | held-out reward |", "|---|---|---|" + "---|" * len(ORIGINS) + "---|"]  # fmt: skip
+    lines = [
+        "## Rollout reward by response origin",
+        "",
+        "With lenient acceptance the rollout reward is biased upward: a draft survives the test when the policy "
+        "still likes it, and it likes responses that were rewarded, so responses reused whole lean towards ones "
+        "that were already correct. With exact acceptance every response is a fresh sample of the policy, so the "
+        "total is unbiased although the origins differ in reward. Compare runs on the held-out reward.",
+        "",
+        f"| run | epoch | rollout reward | {heads} | held-out reward |",
+        "|---|---|---|" + "---|" * len(ORIGINS) + "---|",
+    ]
     for mode, records in summary.items():
         for rec in records:
             cells = [f"{_fmt(rec.get(f'reward_{o}'), '.3f')} ({rec.get(f'count_{o}', 0)})" for o in ORIGINS]
-            lines.append(f"| {mode} | {rec['epoch']} | {rec['mean_reward']:.3f} | " + " | ".join(cells)
-                         + f" | {_fmt(rec.get('heldout_reward'), '.3f')} |")  # fmt: skip
+            lines.append(
+                f"| {mode} | {rec['epoch']} | {rec['mean_reward']:.3f} | "
+                + " | ".join(cells)
+                + f" | {_fmt(rec.get('heldout_reward'), '.3f')} |"
+            )
     return lines + [""]
 
 
@@ -242,10 +278,13 @@ def _comparison_markdown(summary: dict[str, list[dict]]) -> list[str]:
     lines = []
     totals = run_ratios(summary)
     if totals:
-        lines += ["## Relative to plain vanilla, epochs 2+ summed", "",
-                  "| run | tokens ratio | decode steps ratio | rollout time ratio | scoring s | decode s | other s | "
-                  "scoring / vanilla rollout | final held-out reward - vanilla | final greedy accuracy - vanilla |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [
+            "## Relative to plain vanilla, epochs 2+ summed",
+            "",
+            "| run | tokens ratio | decode steps ratio | rollout time ratio | scoring s | decode s | other s | "
+            "scoring / vanilla rollout | final held-out reward - vanilla | final greedy accuracy - vanilla |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in totals:
             lines.append(
                 f"| {r['mode']} | {_fmt(r['generated_tokens_ratio'], '.3f')} | {_fmt(r['decode_steps_ratio'], '.3f')} | "
@@ -256,9 +295,13 @@ def _comparison_markdown(summary: dict[str, list[dict]]) -> list[str]:
         lines.append("")
     comp = comparison(summary)
     if comp:
-        lines += ["## Per epoch, relative to plain vanilla", "",
-                  "| run | epoch | tokens ratio | decode steps ratio | rollout time ratio | held-out reward - vanilla | "
-                  "greedy accuracy - vanilla |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [
+            "## Per epoch, relative to plain vanilla",
+            "",
+            "| run | epoch | tokens ratio | decode steps ratio | rollout time ratio | held-out reward - vanilla | "
+            "greedy accuracy - vanilla |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for c in comp:
             lines.append(
                 f"| {c['mode']} | {c['epoch']} | {_fmt(c['generated_tokens_ratio'], '.3f')} | {_fmt(c['decode_steps_ratio'], '.3f')} | "
@@ -270,7 +313,7 @@ def _comparison_markdown(summary: dict[str, list[dict]]) -> list[str]:
 
 
 def _evaluated_after(records: list[dict], epochs) -> str:
-    """"the last epoch" or, e.g. after a resume that extended the run, "epochs 3 and 5": when a run was evaluated."""
+    """ "the last epoch" or, e.g. after a resume that extended the run, "epochs 3 and 5": when a run was evaluated."""
     done = [r["epoch"] for r in records if r.get("heldout_reward") is not None]
     if not done or done == [epochs]:
         return "the last epoch"
@@ -280,8 +323,11 @@ def _evaluated_after(records: list[dict], epochs) -> str:
 def _heldout_note(info: dict, summary: dict | None = None) -> list[str]:
     prompts = info.get("eval_prompts") or 0
     if not prompts:
-        return ["No held-out evaluation (--no-eval, or no held-out set): the rollout reward above is biased under reuse and does "
-                "not compare runs.", ""]  # fmt: skip
+        return [
+            "No held-out evaluation (--no-eval, or no held-out set): the rollout reward above is biased under reuse and does "
+            "not compare runs.",
+            "",
+        ]
     # the runs' configs (run_info.json "runs"): the lossless runs beside vanilla have eval_every = epochs
     configs = list((info.get("runs") or {}).values())
     samples = configs[0].get("eval_samples", "?") if configs else "?"
@@ -295,11 +341,20 @@ def _heldout_note(info: dict, summary: dict | None = None) -> list[str]:
     last_only = [m for m, c in (info.get("runs") or {}).items() if epochs and c.get("eval_every", 1) >= epochs > every]
     produce, are = ("produce", "are") if len(last_only) > 1 else ("produces", "is")
     after = sorted({_evaluated_after((summary or {}).get(m, []), epochs) for m in last_only})
-    lossless = (f" {' and '.join(last_only)} {produce} vanilla's responses token for token and, beside vanilla, {are} "
-                f"evaluated at the warm start and after {' / '.join(after)} only.") if last_only else ""  # fmt: skip
-    return [f"Held-out evaluation: {prompts} prompts not trained on, {samples} fresh sample(s) each with the training "
-            f"sampling settings (`held-out`) and one greedy response (`greedy`), before training (epoch 0) and after "
-            f"{when}, with the same seed in every run; never from the rollout cache.{lossless}", ""]  # fmt: skip
+    lossless = (
+        (
+            f" {' and '.join(last_only)} {produce} vanilla's responses token for token and, beside vanilla, {are} "
+            f"evaluated at the warm start and after {' / '.join(after)} only."
+        )
+        if last_only
+        else ""
+    )
+    return [
+        f"Held-out evaluation: {prompts} prompts not trained on, {samples} fresh sample(s) each with the training "
+        f"sampling settings (`held-out`) and one greedy response (`greedy`), before training (epoch 0) and after "
+        f"{when}, with the same seed in every run; never from the rollout cache.{lossless}",
+        "",
+    ]
 
 
 def _lenient_draw(info: dict) -> str | None:
@@ -313,14 +368,20 @@ def _lenient_draw(info: dict) -> str | None:
 def _rejection_note(draw: str) -> str:
     """What the token at a lenient rejection is drawn from (docs/design.md "The rule")."""
     if draw == "without-draft":
-        how = ("from the current policy without the rejected draft token (renormalised): at l = 1 exact speculative "
-               "sampling when a choice has two tokens, not exactly on-policy in general (the draft's whole old distribution "
-               "is not stored)")  # fmt: skip
+        how = (
+            "from the current policy without the rejected draft token (renormalised): at l = 1 exact speculative "
+            "sampling when a choice has two tokens, not exactly on-policy in general (the draft's whole old distribution "
+            "is not stored)"
+        )
     else:
-        how = ("from the current policy (the paper's rule), not from the residual of exact speculative sampling, so "
-               "even l = 1 is not exactly on-policy")  # fmt: skip
-    return (f"Lenient acceptance draws the token at a rejection {how}; exact acceptance is on-policy (paper Sec. 3; "
-            "docs/design.md, 'The rule' and 'Exact acceptance').")
+        how = (
+            "from the current policy (the paper's rule), not from the residual of exact speculative sampling, so "
+            "even l = 1 is not exactly on-policy"
+        )
+    return (
+        f"Lenient acceptance draws the token at a rejection {how}; exact acceptance is on-policy (paper Sec. 3; "
+        "docs/design.md, 'The rule' and 'Exact acceptance')."
+    )
 
 
 def write_report(
@@ -340,15 +401,29 @@ def write_report(
     png = plot(run_dir, summary) if plot_png else None
     if png is None and not plot_png and (run_dir / "report.png").is_file():
         png = run_dir / "report.png"
-    lines = ["# spec-rl run report", "", f"Model: `{info.get('model')}`; device: {info.get('device')}; runs: "
-             + ", ".join(f"{m} ({_describe(r[0]) if r else '?'})" for m, r in summary.items()) + ".", "",
-             "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()) + ".", "",
-             *_heldout_note(info, summary), "## Per-epoch results", "", markdown_table(summary), ""]  # fmt: skip
+    lines = [
+        "# spec-rl run report",
+        "",
+        f"Model: `{info.get('model')}`; device: {info.get('device')}; runs: "
+        + ", ".join(f"{m} ({_describe(r[0]) if r else '?'})" for m, r in summary.items())
+        + ".",
+        "",
+        "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()) + ".",
+        "",
+        *_heldout_note(info, summary),
+        "## Per-epoch results",
+        "",
+        markdown_table(summary),
+        "",
+    ]
     lines += _comparison_markdown(summary)
     lines += _origin_markdown(summary)
     if png is not None:
-        lines += ["![held-out reward per epoch; reward, generated tokens, decode steps and rollout time per step]"
-                  "(report.png)", ""]  # fmt: skip
+        lines += [
+            "![held-out reward per epoch; reward, generated tokens, decode steps and rollout time per step]"
+            "(report.png)",
+            "",
+        ]
     draw = _lenient_draw(info)
     lines += [_rejection_note(draw), ""] if draw else []
     md = atomic_write_text(run_dir / "report.md", "\n".join(lines))

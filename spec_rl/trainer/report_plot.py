@@ -9,8 +9,12 @@ from .heldout import heldout_curve
 from .records import read_step_metrics
 
 # Per-step panels (metrics.jsonl key, title).
-_STEP_PANELS = (("mean_reward", "rollout reward"), ("tokens_generated", "tokens generated"),
-                ("decode_steps", "decode steps"), ("rollout_seconds", "rollout seconds"))  # fmt: skip
+_STEP_PANELS = (
+    ("mean_reward", "rollout reward"),
+    ("tokens_generated", "tokens generated"),
+    ("decode_steps", "decode steps"),
+    ("rollout_seconds", "rollout seconds"),
+)
 
 
 def _heldout_panel(ax, summary: dict[str, list[dict]]) -> bool:
@@ -23,8 +27,15 @@ def _heldout_panel(ax, summary: dict[str, list[dict]]) -> bool:
         drawn = True
         x = [p["epoch"] for p in curve]
         (line,) = ax.plot(x, [p["heldout_reward"] for p in curve], marker="o", ms=4, label=f"{mode} sampled")
-        ax.plot(x, [p["heldout_greedy_accuracy"] for p in curve], ls="--", marker="x", ms=4, color=line.get_color(),
-                label=f"{mode} greedy")  # fmt: skip
+        ax.plot(
+            x,
+            [p["heldout_greedy_accuracy"] for p in curve],
+            ls="--",
+            marker="x",
+            ms=4,
+            color=line.get_color(),
+            label=f"{mode} greedy",
+        )
     if drawn:
         ax.set_title("held-out reward per epoch (0 = warm start)")
         ax.set_xlabel("epoch")
@@ -53,7 +64,7 @@ def plot(run_dir: Path, summary: dict[str, list[dict]]) -> Path | None:
     fig, axes = plt.subplots(1, n_panels, figsize=(5 * n_panels, 4))
     if evaluated:
         _heldout_panel(axes[0], summary)
-    step_axes = axes[int(evaluated):]
+    step_axes = axes[int(evaluated) :]
     for mode, rows in steps.items():
         if not rows:
             continue

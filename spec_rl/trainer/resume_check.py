@@ -30,9 +30,19 @@ RESPONSE_FIELDS = ("sampling", "max_model_len", "seed")
 #: mix two recipes in one report. Not compared: epochs (a resume may extend a run), micro_batch_size (memory only),
 #: spec_tokens (decode steps only), device and backend (keyed sampling).
 TRAINING_FIELDS = (
-    "group_size", "prompts_per_step", "ppo_mini_batches", "lr", "weight_decay", "max_grad_norm", "clip_low",
-    "clip_high", "kl_coef", "scale_adv_by_std", "eval_samples", "eval_every",
-)  # fmt: skip
+    "group_size",
+    "prompts_per_step",
+    "ppo_mini_batches",
+    "lr",
+    "weight_decay",
+    "max_grad_norm",
+    "clip_low",
+    "clip_high",
+    "kl_coef",
+    "scale_adv_by_std",
+    "eval_samples",
+    "eval_every",
+)
 
 
 class ConfigChangeError(RunDirError):
@@ -69,15 +79,23 @@ def data_digest(examples: Sequence, eval_examples: Sequence | None) -> str:
     return h.hexdigest()
 
 
-def run_fingerprint(config: GRPOConfig, modes: dict[str, RolloutMode], model_path, eos_ids: Collection[int],
-                    examples: Sequence, eval_examples) -> dict:
+def run_fingerprint(
+    config: GRPOConfig,
+    modes: dict[str, RolloutMode],
+    model_path,
+    eos_ids: Collection[int],
+    examples: Sequence,
+    eval_examples,
+) -> dict:
     """What the runs' responses and training depend on: the fields compared by :func:`check_resume` (``config``:
     the base config of the runs, ``modes``: each run's mode)."""
     cfg = config.to_dict()
     out = {field: cfg[field] for field in RESPONSE_FIELDS + TRAINING_FIELDS}
     for label, mode in modes.items():
         out[f"mode:{label}"] = {k: v for k, v in mode.to_dict().items() if k != "tail"}
-    out.update(model=str(model_path), eos_ids=sorted(int(e) for e in eos_ids), data=data_digest(examples, eval_examples))
+    out.update(
+        model=str(model_path), eos_ids=sorted(int(e) for e in eos_ids), data=data_digest(examples, eval_examples)
+    )
     return out
 
 

@@ -11,10 +11,10 @@ from types import SimpleNamespace
 
 import torch
 
+from ..acceptance.mode import LOSSLESS_MODES, MODES, RolloutMode
 from ..backends.protocol import eos_token_ids
 from ..util.atomic import remove_leftovers
 from .checkpoint import latest_checkpoint
-from ..acceptance.mode import LOSSLESS_MODES, MODES, RolloutMode
 from .config import GRPOConfig, resolve_device
 from .grpo import GRPOTrainer
 from .report import format_row, header_row, write_report
@@ -42,7 +42,9 @@ def load_policy(path: str | Path, device: torch.device | str = "cpu"):
             f"{path} is not a transformers checkpoint directory (no config.json); pass --model a local model folder"
         )
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32 if torch.device(device).type == "cpu" else "auto")
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32 if torch.device(device).type == "cpu" else "auto"
+    )
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return model.to(device).eval(), tokenizer
@@ -169,7 +171,9 @@ def run_modes(
     if resume:  # compared first: a finished run resumed under other settings is refused too
         new_changes = check_resume(out_dir, fingerprint, allow_config_change)
         if all(plan[m] is not None and len(summary.get(m, [])) >= configs[m].epochs for m in configs):
-            log(f"--resume: the run in {out_dir} is complete ({config.epochs} epochs of {', '.join(modes)}); nothing to do")
+            log(
+                f"--resume: the run in {out_dir} is complete ({config.epochs} epochs of {', '.join(modes)}); nothing to do"
+            )
             return summary
         for c in new_changes:
             log(f"--allow-config-change: {c['field']} {c['old']!r} -> {c['new']!r} (recorded in run_info.json)")
@@ -179,8 +183,12 @@ def run_modes(
         ran = {label: configs[label] for label in summary if label in configs}
         stored = (stored_info(out_dir) or {}).get("runs", {}) if resume else {}
         runs = {**stored, **{label: c.to_dict() for label, c in ran.items()}}
-        return {**_run_info(model_path, device, ran, len(train_examples), num_eval), "runs": runs,
-                "fingerprint": fingerprint, "config_changes": changes}  # fmt: skip
+        return {
+            **_run_info(model_path, device, ran, len(train_examples), num_eval),
+            "runs": runs,
+            "fingerprint": fingerprint,
+            "config_changes": changes,
+        }
 
     initial = None  # the warm-start evaluation, shared by the runs
     log(header_row())
@@ -193,8 +201,19 @@ def run_modes(
         # The initial policy (KL reference, diagnostics), also when the trained weights come from a checkpoint.
         needs_initial = cfg.kl_coef > 0 or eval_examples is not None  # KL term, held-out KL to the warm start
         ref = load_policy(model_path, device)[0] if ckpt is not None and needs_initial else None
-        trainer = GRPOTrainer(model, tokenizer, train_examples, reward_fn, cfg, mode_dir, progress=progress, log=log,
-                              label=mode, eval_examples=eval_examples, ref_model=ref)  # fmt: skip
+        trainer = GRPOTrainer(
+            model,
+            tokenizer,
+            train_examples,
+            reward_fn,
+            cfg,
+            mode_dir,
+            progress=progress,
+            log=log,
+            label=mode,
+            eval_examples=eval_examples,
+            ref_model=ref,
+        )
         trainer.initial_heldout = initial
         if resume:
             if not trainer.resume():

@@ -71,7 +71,7 @@ def read_summary(out_dir: str | os.PathLike) -> dict[str, list[dict]]:
     runs = summary.get("runs") if isinstance(summary, dict) else None
     if not isinstance(runs, dict) or not all(isinstance(v, list) for v in runs.values()):
         raise RunDirError(
-            f"{path} is not a run summary ({{\"runs\": {{label: [epoch record, ...]}}}}); move it away to resume without it"
+            f'{path} is not a run summary ({{"runs": {{label: [epoch record, ...]}}}}); move it away to resume without it'
         )
     return runs
 
@@ -95,8 +95,10 @@ def plan_run(out_dir: str | os.PathLike, modes: Sequence[str], resume: bool) -> 
             )
         return {mode: None for mode in modes}
     if not found:
-        raise RunDirError(f"--resume: {out_dir} holds no run to resume (no summary.json, metrics or checkpoint); "
-                          "drop --resume to start a new run there")  # fmt: skip
+        raise RunDirError(
+            f"--resume: {out_dir} holds no run to resume (no summary.json, metrics or checkpoint); "
+            "drop --resume to start a new run there"
+        )
     previous = read_summary(out_dir)
     plan = {}
     for mode in modes:

@@ -43,8 +43,14 @@ PAPER = {
 }
 
 
-_GRID = (("1", 1.0), ("e^0.2", math.exp(0.2)), ("e^0.5", math.exp(0.5)), ("e^1", math.exp(1.0)),
-         ("e^2", math.exp(2.0)), ("inf", math.inf))
+_GRID = (
+    ("1", 1.0),
+    ("e^0.2", math.exp(0.2)),
+    ("e^0.5", math.exp(0.5)),
+    ("e^1", math.exp(1.0)),
+    ("e^2", math.exp(2.0)),
+    ("inf", math.inf),
+)
 
 
 @dataclass(frozen=True)
@@ -111,9 +117,14 @@ def _paired_se(runs: list[dict], vanilla: list[dict], key: str = "heldout_reward
 def aggregate(results: dict[str, list[dict]]) -> list[dict]:
     """Per setting: mean/std over seeds of every total, and ratios to vanilla's means."""
     rows = []
-    base = {k: _mean_std([r[k] for r in results.get("vanilla", [])])[0] for k in ("generated_tokens", "rollout_seconds", "decode_steps")}
+    base = {
+        k: _mean_std([r[k] for r in results.get("vanilla", [])])[0]
+        for k in ("generated_tokens", "rollout_seconds", "decode_steps")
+    }
     vanilla = results.get("vanilla", [])
-    base_reward, base_greedy = (_mean_std([r[k] for r in vanilla])[0] for k in ("heldout_reward", "heldout_greedy_accuracy"))
+    base_reward, base_greedy = (
+        _mean_std([r[k] for r in vanilla])[0] for k in ("heldout_reward", "heldout_greedy_accuracy")
+    )
     for name, runs in results.items():
         row = {"setting": name, "seeds": len(runs)}
         for key in ("generated_tokens", "rollout_seconds", "decode_steps", "heldout_reward", "heldout_greedy_accuracy"):
@@ -136,11 +147,18 @@ def _num(x: float) -> str:
 
 def markdown(rows: list[dict], info: dict) -> str:
     """The sweep table in the layout of the paper's Tables 2-3, the paper's numbers beside ours."""
-    head = ("| setting | gen tokens (epochs 2+) | tokens vs vanilla | rollout s | speed-up | decode steps vs vanilla | "
-            "held-out reward (mean ± std) | vs vanilla (paired ± s.e.) | greedy acc. (vs vanilla, paired ± s.e.) | paper tokens (M) | "
-            "paper speed-up | paper AVG |")  # fmt: skip
-    lines = [f"Sweep: preset {info['preset']}, seeds {info['seeds']}, commit {info.get('commit')}, {info.get('date')}, "
-             f"device {info.get('device')}.", "", head, "|" + "---|" * 12]  # fmt: skip
+    head = (
+        "| setting | gen tokens (epochs 2+) | tokens vs vanilla | rollout s | speed-up | decode steps vs vanilla | "
+        "held-out reward (mean ± std) | vs vanilla (paired ± s.e.) | greedy acc. (vs vanilla, paired ± s.e.) | paper tokens (M) | "
+        "paper speed-up | paper AVG |"
+    )
+    lines = [
+        f"Sweep: preset {info['preset']}, seeds {info['seeds']}, commit {info.get('commit')}, {info.get('date')}, "
+        f"device {info.get('device')}.",
+        "",
+        head,
+        "|" + "---|" * 12,
+    ]
     for r in rows:
         p = PAPER.get(r["setting"], {})
         lines.append(
@@ -164,15 +182,26 @@ def plot(rows: list[dict], path: Path) -> Path:
     names = [r["setting"] for r in rows]
     x = range(len(rows))
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5))
-    a.bar([i - 0.2 for i in x], [r["generated_tokens_ratio"] for r in rows], width=0.4, label="generated tokens vs vanilla")
+    a.bar(
+        [i - 0.2 for i in x],
+        [r["generated_tokens_ratio"] for r in rows],
+        width=0.4,
+        label="generated tokens vs vanilla",
+    )
     a.bar([i + 0.2 for i in x], [r["rollout_seconds_ratio"] for r in rows], width=0.4, label="rollout time vs vanilla")
     a.set_xticks(list(x), names, rotation=40, ha="right")
     a.set_title("cost relative to vanilla (epochs 2+)")
     a.legend()
     a.grid(alpha=0.3, axis="y")
     for shift, key, label in ((-0.1, "heldout", "held-out reward"), (0.1, "greedy", "greedy accuracy")):
-        b.errorbar([i + shift for i in x], [r[f"{key}_minus_vanilla"] for r in rows],
-                   yerr=[r[f"{key}_paired_se"] for r in rows], fmt="o", capsize=4, label=label)  # fmt: skip
+        b.errorbar(
+            [i + shift for i in x],
+            [r[f"{key}_minus_vanilla"] for r in rows],
+            yerr=[r[f"{key}_paired_se"] for r in rows],
+            fmt="o",
+            capsize=4,
+            label=label,
+        )
     b.axhline(0.0, color="gray", ls="--", lw=1)
     b.set_xticks(list(x), names, rotation=40, ha="right")
     b.set_title("after the last epoch, minus vanilla (paired mean ± s.e. over seeds)")
@@ -220,15 +249,26 @@ def run_sweep(
         else:
             cfg = dataclasses.replace(base_config, seed=base_config.seed + k)
             with contextlib.redirect_stdout(io.StringIO()):  # the per-epoch rows of each run
-                run_modes(model_path, train_examples, reward_fn, cfg, {setting.name: setting.mode}, run_dir,
-                          eval_examples, resume=run_dir.is_dir() and any(run_dir.iterdir()), progress=False)
+                run_modes(
+                    model_path,
+                    train_examples,
+                    reward_fn,
+                    cfg,
+                    {setting.name: setting.mode},
+                    run_dir,
+                    eval_examples,
+                    resume=run_dir.is_dir() and any(run_dir.iterdir()),
+                    progress=False,
+                )
         data = json.loads(summary.read_text())["runs"]
         results[setting.name].append(_run_totals(data[setting.name]))
         bar.update(1)
     bar.close()
     rows = aggregate(results)
     info = _info(preset, seeds, base_config)
-    atomic_write_text(out_dir / "sweep.json", json.dumps({"info": info, "rows": rows, "runs": results}, indent=2, default=str))
+    atomic_write_text(
+        out_dir / "sweep.json", json.dumps({"info": info, "rows": rows, "runs": results}, indent=2, default=str)
+    )
     atomic_write_text(out_dir / "sweep.md", markdown(rows, info))
     plot(rows, out_dir / "sweep.png")
     return rows
@@ -254,8 +294,12 @@ def _commit() -> str:
 
     here = Path(__file__).resolve().parent
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=here, capture_output=True, text=True).stdout.strip()
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain"], cwd=here, capture_output=True, text=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return sha[:12] + ("-dirty" if dirty else "")
@@ -268,9 +312,15 @@ def _info(preset: str, seeds: int, config) -> dict:
 
     from .run import package_versions
 
-    return {"preset": preset, "seeds": seeds, "date": time.strftime("%Y-%m-%d %H:%M"), "commit": _commit(),
-            "device": f"{config.device} ({platform.machine()}, {torch.get_num_threads()} threads)",
-            "versions": package_versions(), "config": config.to_dict()}
+    return {
+        "preset": preset,
+        "seeds": seeds,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "commit": _commit(),
+        "device": f"{config.device} ({platform.machine()}, {torch.get_num_threads()} threads)",
+        "versions": package_versions(),
+        "config": config.to_dict(),
+    }
 
 
 # ---------------------------------------------------------------------- command line
@@ -281,10 +331,14 @@ def add_parser(sub) -> None:
         help="the paper's lenience / random-reuse ablations (Tables 2-3) over several seeds on the demo task",
         description=__doc__.split("\n\n")[0],
     )
-    s.add_argument("--preset", choices=list(PRESETS), default="full",
-                   help="small: 256 prompts, 4 epochs (about 4 minutes per seed for vanilla, l=1, e^0.2, e^0.5 and exact "
-                   "on 2 CPU cores); full: the demo's 5 epochs (default); both evaluate the demo's 640 held-out prompts x 1 "
-                   "sample + greedy at the warm start and after the last epoch")  # fmt: skip
+    s.add_argument(
+        "--preset",
+        choices=list(PRESETS),
+        default="full",
+        help="small: 256 prompts, 4 epochs (about 4 minutes per seed for vanilla, l=1, e^0.2, e^0.5 and exact "
+        "on 2 CPU cores); full: the demo's 5 epochs (default); both evaluate the demo's 640 held-out prompts x 1 "
+        "sample + greedy at the warm start and after the last epoch",
+    )
     s.add_argument("--seeds", type=int, default=3, help="training seeds per setting (default 3)")
     s.add_argument("--settings", help="comma-separated subset of: " + ", ".join(x.name for x in SETTINGS))
     s.add_argument("--out", default="runs/sweep", help="sweep directory (a finished run is skipped: rerun to continue)")
@@ -327,8 +381,20 @@ def cmd_sweep(args) -> int:
     prompts, epochs, eval_prompts, eval_samples = PRESETS[args.preset]
     model_path = build_demo_policy(cache_dir=args.cache_dir, progress=not args.no_progress)
     base = demo_config(epochs=epochs, eval_samples=eval_samples, eval_every=epochs)
-    run_sweep(model_path, demo_train_set()[:prompts], demo_eval_set()[:eval_prompts], arithmetic_reward, base,
-                     args.out, args.preset, args.seeds, settings, progress=not args.no_progress)  # fmt: skip
+    run_sweep(
+        model_path,
+        demo_train_set()[:prompts],
+        demo_eval_set()[:eval_prompts],
+        arithmetic_reward,
+        base,
+        args.out,
+        args.preset,
+        args.seeds,
+        settings,
+        progress=not args.no_progress,
+    )
     print((Path(args.out) / "sweep.md").read_text())
-    print(f"table: {Path(args.out) / 'sweep.md'}, plot: {Path(args.out) / 'sweep.png'}, data: {Path(args.out) / 'sweep.json'}")
+    print(
+        f"table: {Path(args.out) / 'sweep.md'}, plot: {Path(args.out) / 'sweep.png'}, data: {Path(args.out) / 'sweep.json'}"
+    )
     return 0

@@ -49,8 +49,15 @@ def check_int(name: str, value, *, low: int | None = None, high: int | None = No
 
 
 def check_real(
-    name: str, value, *, low: float | None = None, high: float | None = None, low_open: bool = False,
-    high_open: bool = False, finite: bool = True, hint: str = "",
+    name: str,
+    value,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+    finite: bool = True,
+    hint: str = "",
 ) -> float:
     """``value`` as a Python float; TypeError unless it is a real number (numpy scalars included, bool not),
     ValueError when NaN, infinite (unless ``finite`` is False) or outside the range ([low, high]; ``*_open``
@@ -83,7 +90,9 @@ def _as_tensor(name: str, values, kind: str, high: int) -> torch.Tensor:
     if isinstance(values, torch.Tensor):
         return values
     if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
-        raise TypeError(f"{name} must be a sequence of {kind}s or a 1-D {_TENSOR_KIND[kind]} tensor, got {type(values).__name__}")
+        raise TypeError(
+            f"{name} must be a sequence of {kind}s or a 1-D {_TENSOR_KIND[kind]} tensor, got {type(values).__name__}"
+        )
     if len(values) == 0:
         return torch.zeros(0, dtype=torch.int64 if kind == "int" else torch.float32)
     try:

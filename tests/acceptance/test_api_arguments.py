@@ -177,8 +177,11 @@ def test_cache_keys_are_those_of_earlier_versions():
         (dict(value=float("nan"), finite=False), ValueError, "x must be a number (inf allowed), got nan"),
         (dict(value=float("inf"), low=0.0), ValueError, "x must be a finite number >= 0, got inf"),
         (dict(value=0.0, low=0.0, low_open=True), ValueError, "x must be a finite number > 0, got 0.0"),
-        (dict(value=1.0, low=0.0, high=1.0, high_open=True), ValueError,
-         "x must be a finite number >= 0 and < 1, got 1.0"),
+        (
+            dict(value=1.0, low=0.0, high=1.0, high_open=True),
+            ValueError,
+            "x must be a finite number >= 0 and < 1, got 1.0",
+        ),
         (dict(value=-2, low=-1.0, hint=" (a hint)"), ValueError, "x must be a finite number >= -1, got -2.0 (a hint)"),
         (dict(value=True), TypeError, "x must be a real number, got bool True"),
         (dict(value="1"), TypeError, "x must be a real number, got str '1'"),

@@ -60,7 +60,7 @@ class TablePolicy(ReprefillBackend):
         uids = torch.tensor(list(uids) if uids is not None else range(len(contexts)))
         seqs = [list(c) for c in contexts]
         out = [Continuation([], [], "length") for _ in contexts]
-        for step in range(max(budgets, default=0)):
+        for _step in range(max(budgets, default=0)):
             live = [i for i, c in enumerate(out) if c.finish_reason != "eos" and len(c.token_ids) < budgets[i]]
             if not live:
                 break
@@ -83,8 +83,15 @@ def _first_two_tokens(acceptance: str, lenience: float = 1.0) -> torch.Tensor:
     for r in requests:
         cache.store(CacheKey.make(r.prompt_ids, r.slot), [0, 0], [0.0, 0.0], "length", 0, settings)
     kw = dict(lenience=lenience) if acceptance == "lenient" else {}
-    rollout = SpeculativeRollout(TablePolicy(), cache, settings, eos_ids=[EOS], max_model_len=16, seed=3,
-                                 mode=RolloutMode(acceptance, tail=False, **kw))
+    rollout = SpeculativeRollout(
+        TablePolicy(),
+        cache,
+        settings,
+        eos_ids=[EOS],
+        max_model_len=16,
+        seed=3,
+        mode=RolloutMode(acceptance, tail=False, **kw),
+    )
     result = rollout.run(requests, step=1)
     counts = torch.zeros(2, 3)
     for resp in result.response_ids:
@@ -103,10 +110,12 @@ def test_exact_acceptance_gives_the_current_policy():
 def test_lenient_rule_at_l1_stays_the_papers():
     p0 = TABLE[0, :3]
     accept_second = torch.tensor([1.0, 0.0, 0.0])
-    joint = torch.stack([
-        0.5 * (0.2 * accept_second + 0.8 * p0) + 0.25 * p0,  # first token 0: draft kept, or resampled to 0
-        0.25 * TABLE[1, :3],  # first token 1: only after a rejection
-    ])  # fmt: skip
+    joint = torch.stack(
+        [
+            0.5 * (0.2 * accept_second + 0.8 * p0) + 0.25 * p0,  # first token 0: draft kept, or resampled to 0
+            0.25 * TABLE[1, :3],  # first token 1: only after a rejection
+        ]
+    )
     counts = _first_two_tokens("lenient", lenience=1.0)
     assert_fits(counts, joint)
     assert abs(float(counts[0].sum()) / N - 0.75) < 0.015  # first-token marginal [0.75, 0.25]

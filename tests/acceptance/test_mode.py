@@ -48,21 +48,32 @@ def test_the_papers_lenience_per_algorithm_is_the_lenient_default():
         assert RolloutMode(rule).log_lenience == 0.0
 
 
-@pytest.mark.parametrize("kwargs, error, words", [
-    (dict(acceptance="fast"), ValueError, "acceptance must be one of ('lenient', 'exact', 'random') (or None: no "),
-    (dict(acceptance="random-ref"), ValueError, "acceptance must be one of"),
-    (dict(lenience=-1.0), ValueError, "lenience must be a number (inf allowed) >= 0, got -1.0"),
-    (dict(lenience=math.nan), ValueError, "lenience must be a number (inf allowed) >= 0, got nan"),
-    (dict(lenience="auto"), TypeError, "lenience must be a real number, got str 'auto'"),
-    (dict(lenience=True), TypeError, "lenience must be a real number, got bool"),
-    (dict(acceptance="exact", lenience=2.0), ValueError, "lenience applies to lenient acceptance only, not 'exact'"),
-    (dict(acceptance="random", lenience=1.0), ValueError, "lenience applies to lenient acceptance only, not 'random'"),
-    (dict(acceptance=None, lenience=1.0), ValueError, "lenience applies to lenient acceptance only, not None"),
-    (dict(rejection_draw="residual"), ValueError, "rejection_draw must be one of ('policy', 'without-draft')"),
-    (dict(acceptance="exact", rejection_draw="without-draft"), ValueError, "rejection_draw applies to lenient"),
-    (dict(lenience=0.5, rejection_draw="without-draft"), ValueError, "needs lenience >= 1, got 0.5"),
-    (dict(tail=1), TypeError, "tail must be True or False, got 1"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        (dict(acceptance="fast"), ValueError, "acceptance must be one of ('lenient', 'exact', 'random') (or None: no "),
+        (dict(acceptance="random-ref"), ValueError, "acceptance must be one of"),
+        (dict(lenience=-1.0), ValueError, "lenience must be a number (inf allowed) >= 0, got -1.0"),
+        (dict(lenience=math.nan), ValueError, "lenience must be a number (inf allowed) >= 0, got nan"),
+        (dict(lenience="auto"), TypeError, "lenience must be a real number, got str 'auto'"),
+        (dict(lenience=True), TypeError, "lenience must be a real number, got bool"),
+        (
+            dict(acceptance="exact", lenience=2.0),
+            ValueError,
+            "lenience applies to lenient acceptance only, not 'exact'",
+        ),
+        (
+            dict(acceptance="random", lenience=1.0),
+            ValueError,
+            "lenience applies to lenient acceptance only, not 'random'",
+        ),
+        (dict(acceptance=None, lenience=1.0), ValueError, "lenience applies to lenient acceptance only, not None"),
+        (dict(rejection_draw="residual"), ValueError, "rejection_draw must be one of ('policy', 'without-draft')"),
+        (dict(acceptance="exact", rejection_draw="without-draft"), ValueError, "rejection_draw applies to lenient"),
+        (dict(lenience=0.5, rejection_draw="without-draft"), ValueError, "needs lenience >= 1, got 0.5"),
+        (dict(tail=1), TypeError, "tail must be True or False, got 1"),
+    ],
+)
 def test_bad_modes_are_refused_naming_the_field(kwargs, error, words):
     with pytest.raises(error) as info:
         RolloutMode(**kwargs)
@@ -84,10 +95,20 @@ def test_overrides_set_only_the_fields_a_mode_has():
 
 def test_to_dict_is_what_records_hold_and_reads_back():
     d = MODES["spec"].to_dict()
-    assert d == {"acceptance": "lenient", "lenience": pytest.approx(math.exp(0.5)), "rejection_draw": "policy",
-                 "tail": True, "log_lenience": pytest.approx(0.5)}  # fmt: skip
-    assert MODES["vanilla"].to_dict() == {"acceptance": None, "lenience": None, "rejection_draw": "policy",
-                                          "tail": False, "log_lenience": 0.0}  # fmt: skip
+    assert d == {
+        "acceptance": "lenient",
+        "lenience": pytest.approx(math.exp(0.5)),
+        "rejection_draw": "policy",
+        "tail": True,
+        "log_lenience": pytest.approx(0.5),
+    }
+    assert MODES["vanilla"].to_dict() == {
+        "acceptance": None,
+        "lenience": None,
+        "rejection_draw": "policy",
+        "tail": False,
+        "log_lenience": 0.0,
+    }
     for mode in MODES.values():
         assert RolloutMode.from_dict(mode.to_dict()) == mode
 
@@ -106,7 +127,8 @@ def test_the_adapters_options_name_a_mode():
     assert STRATEGIES == ("spec", "random", "off")
     assert mode_from_options() == MODES["spec"]
     assert mode_from_options(lenience=2.0, rejection_draw="without-draft", tail=False) == RolloutMode(
-        "lenient", 2.0, "without-draft", tail=False)
+        "lenient", 2.0, "without-draft", tail=False
+    )
     assert mode_from_options("random") == MODES["random"]
     assert mode_from_options("off", tail=False) == MODES["vanilla"] and mode_from_options("off") == MODES["histspec"]
     assert mode_from_options("random", lenience=2.0).lenience is None  # the ablation reads no lenience
@@ -115,20 +137,23 @@ def test_the_adapters_options_name_a_mode():
         assert mode_from_options(acceptance="exact", lenience=unset) == MODES["exact"]
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    (dict(strategy="random-ref"), "strategy must be one of ('spec', 'random', 'off'), got 'random-ref'"),
-    (dict(strategy=False), 'in YAML write strategy: "off" (quoted)'),
-    (dict(acceptance="random"), "acceptance must be one of ('lenient', 'exact'), got 'random'"),
-    (dict(acceptance="exact", lenience=2.0), "acceptance='exact' has no lenience"),
-    (dict(acceptance="exact", lenience=math.exp(0.5)), "but lenience=1.64"),
-    (dict(strategy="random", acceptance="exact"), "acceptance='exact' applies to strategy='spec'"),
-    (dict(strategy="off", acceptance="exact"), "acceptance='exact' applies to strategy='spec'"),
-    (dict(strategy="off", rejection_draw="without-draft"), "rejection_draw applies to lenient acceptance only"),
-    (dict(strategy="random", rejection_draw="without-draft"), "rejection_draw applies to lenient acceptance only"),
-    (dict(acceptance="exact", rejection_draw="without-draft"), "rejection_draw applies to lenient acceptance only"),
-    (dict(lenience=0.5, rejection_draw="without-draft"), "needs lenience >= 1"),
-    (dict(lenience=-1.0), "lenience must be a number (inf allowed) >= 0"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(strategy="random-ref"), "strategy must be one of ('spec', 'random', 'off'), got 'random-ref'"),
+        (dict(strategy=False), 'in YAML write strategy: "off" (quoted)'),
+        (dict(acceptance="random"), "acceptance must be one of ('lenient', 'exact'), got 'random'"),
+        (dict(acceptance="exact", lenience=2.0), "acceptance='exact' has no lenience"),
+        (dict(acceptance="exact", lenience=math.exp(0.5)), "but lenience=1.64"),
+        (dict(strategy="random", acceptance="exact"), "acceptance='exact' applies to strategy='spec'"),
+        (dict(strategy="off", acceptance="exact"), "acceptance='exact' applies to strategy='spec'"),
+        (dict(strategy="off", rejection_draw="without-draft"), "rejection_draw applies to lenient acceptance only"),
+        (dict(strategy="random", rejection_draw="without-draft"), "rejection_draw applies to lenient acceptance only"),
+        (dict(acceptance="exact", rejection_draw="without-draft"), "rejection_draw applies to lenient acceptance only"),
+        (dict(lenience=0.5, rejection_draw="without-draft"), "needs lenience >= 1"),
+        (dict(lenience=-1.0), "lenience must be a number (inf allowed) >= 0"),
+    ],
+)
 def test_options_that_name_no_mode_are_refused(kwargs, words):
     with pytest.raises(ValueError) as info:
         mode_from_options(**kwargs)

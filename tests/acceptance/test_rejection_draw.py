@@ -76,8 +76,9 @@ def first_tokens(p: torch.Tensor, q: torch.Tensor, lenience: float, draw: str, s
     for r, y in zip(requests, drafts):
         cache.store(CacheKey.make(r.prompt_ids, r.slot), [y], [math.log(float(q[y]))], "length", 0, settings)
     mode = RolloutMode("lenient", lenience=lenience, rejection_draw=draw, tail=False)
-    rollout = SpeculativeRollout(FixedPolicy(p), cache, settings, eos_ids=[len(p) - 1], max_model_len=8, seed=seed,
-                                 mode=mode)
+    rollout = SpeculativeRollout(
+        FixedPolicy(p), cache, settings, eos_ids=[len(p) - 1], max_model_len=8, seed=seed, mode=mode
+    )
     result = rollout.run(requests, step=1)
     tokens = [r[0] for r in result.response_ids]
     return torch.bincount(torch.tensor(tokens), minlength=len(p)).double(), list(zip(drafts, tokens))
@@ -118,8 +119,9 @@ def test_bad_rejection_draw_is_refused():
     import numpy as np
 
     def rollout(mode):
-        return SpeculativeRollout(FixedPolicy(torch.tensor([0.5, 0.5])), RolloutCache(), SamplingSettings(), [1], 8,
-                                  mode=mode)
+        return SpeculativeRollout(
+            FixedPolicy(torch.tensor([0.5, 0.5])), RolloutCache(), SamplingSettings(), [1], 8, mode=mode
+        )
 
     for bad in ("residual", None, 1, b"policy", ["policy"], np.array(["policy"])):  # an array compares element-wise
         with pytest.raises(ValueError, match="rejection_draw must be one of"):

@@ -65,8 +65,14 @@ def test_empirical_acceptance_rate_matches_min_1_l_ratio(log_l, log_ratio):
     n = 40000
     lp_old = torch.full((n, 1), -1.0)
     lp_new = lp_old + log_ratio
-    res = verify_logprobs(torch.zeros((n, 1), dtype=torch.long), lp_old, lp_new, seed=7, uids=torch.arange(n),
-                          options=VerifyOptions(lenience=math.exp(log_l)))
+    res = verify_logprobs(
+        torch.zeros((n, 1), dtype=torch.long),
+        lp_old,
+        lp_new,
+        seed=7,
+        uids=torch.arange(n),
+        options=VerifyOptions(lenience=math.exp(log_l)),
+    )
     expected = min(1.0, math.exp(log_l + log_ratio))
     rate = res.accepted_len.float().mean().item()
     sigma = math.sqrt(max(expected * (1 - expected), 1e-12) / n)
@@ -81,8 +87,14 @@ def test_empirical_rate_on_synthetic_distributions():
     p_new = torch.softmax(torch.randn(vocab), 0)
     tokens = torch.multinomial(p_old, n, replacement=True)
     lenience = 1.3
-    res = verify_logprobs(tokens.unsqueeze(1), p_old.log()[tokens].unsqueeze(1), p_new.log()[tokens].unsqueeze(1),
-                          seed=11, uids=torch.arange(n), options=VerifyOptions(lenience=lenience))
+    res = verify_logprobs(
+        tokens.unsqueeze(1),
+        p_old.log()[tokens].unsqueeze(1),
+        p_new.log()[tokens].unsqueeze(1),
+        seed=11,
+        uids=torch.arange(n),
+        options=VerifyOptions(lenience=lenience),
+    )
     expected = float((p_old * torch.clamp(lenience * p_new / p_old, max=1.0)).sum())
     rate = res.accepted_len.float().mean().item()
     assert abs(rate - expected) < 5 * math.sqrt(expected * (1 - expected) / n)
@@ -93,7 +105,11 @@ def _random_case(bsz=6, max_len=12, vocab=50, seed=0):
     logits = torch.randn(bsz, max_len, vocab, generator=g) * 2
     ids = torch.randint(0, vocab, (bsz, max_len), generator=g)
     lengths = torch.randint(0, max_len + 1, (bsz,), generator=g)
-    old = torch.log_softmax(logits + torch.randn(bsz, max_len, vocab, generator=g) * 0.3, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    old = (
+        torch.log_softmax(logits + torch.randn(bsz, max_len, vocab, generator=g) * 0.3, -1)
+        .gather(-1, ids.unsqueeze(-1))
+        .squeeze(-1)
+    )
     return logits, ids, lengths, old
 
 
@@ -101,8 +117,9 @@ def test_identical_policies_reuse_everything_when_l_at_least_1():
     logits, ids, lengths, _ = _random_case()
     same = torch.log_softmax(logits, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     for lenience in (1.0, math.exp(0.5)):
-        res = verify_logits(ids, same, logits, lengths, seed=3, uids=torch.arange(6),
-                            options=VerifyOptions(lenience=lenience))
+        res = verify_logits(
+            ids, same, logits, lengths, seed=3, uids=torch.arange(6), options=VerifyOptions(lenience=lenience)
+        )
         assert torch.equal(res.accepted_len, lengths)
         assert bool(res.full_reuse.all())
 
@@ -121,13 +138,20 @@ def test_infinite_lenience_reuses_everything_and_tiny_lenience_nothing():
 
 def test_first_rejection_index_is_the_number_of_leading_accepts():
     logits, ids, lengths, old = _random_case(bsz=16, seed=2)
-    res = verify_logits(ids, old, logits, lengths, seed=5, uids=torch.arange(16),
-                        options=VerifyOptions(lenience=1.0, return_accept_mask=True))
+    res = verify_logits(
+        ids,
+        old,
+        logits,
+        lengths,
+        seed=5,
+        uids=torch.arange(16),
+        options=VerifyOptions(lenience=1.0, return_accept_mask=True),
+    )
     for b in range(16):
         row = res.accept_mask[b, : lengths[b]].tolist()
         expected = row.index(False) if False in row else int(lengths[b])
         assert int(res.accepted_len[b]) == expected
-        assert not res.accept_mask[b, lengths[b]:].any()
+        assert not res.accept_mask[b, lengths[b] :].any()
 
 
 def test_decisions_invariant_under_permutation_and_padding():
@@ -149,7 +173,7 @@ def test_decisions_invariant_under_permutation_and_padding():
     )
     assert torch.equal(res.accepted_len, base.accepted_len)
     assert torch.allclose(res.new_logprobs[:, : ids.shape[1]], base.new_logprobs)
-    assert bool((res.new_logprobs[:, ids.shape[1]:] == 0).all())
+    assert bool((res.new_logprobs[:, ids.shape[1] :] == 0).all())
 
 
 def test_a_prefix_mask_verifies_as_its_lengths():
@@ -193,17 +217,27 @@ def test_temperature_and_score_sources_agree():
 def test_top_k_outside_support_is_rejected():
     logits = torch.tensor([[[5.0, 4.0, 0.0, -1.0]]])
     ids = torch.tensor([[2]])
-    res = verify_logits(ids, torch.tensor([[-3.0]]), logits, seed=0,
-                        options=VerifyOptions(lenience=1e6, sampling=SamplingSettings(top_k=2)))
+    res = verify_logits(
+        ids,
+        torch.tensor([[-3.0]]),
+        logits,
+        seed=0,
+        options=VerifyOptions(lenience=1e6, sampling=SamplingSettings(top_k=2)),
+    )
     assert res.new_logprobs[0, 0].item() == float("-inf")
     assert int(res.accepted_len[0]) == 0
 
 
 def test_random_reuse_is_uniform_over_0_to_R():
     n, length = 30000, 9
-    res = verify_logprobs(torch.zeros((n, length), dtype=torch.long), torch.full((n, length), -1.0),
-                          torch.full((n, length), -1.0), seed=2, uids=torch.arange(n),
-                          options=VerifyOptions(rule="random"))
+    res = verify_logprobs(
+        torch.zeros((n, length), dtype=torch.long),
+        torch.full((n, length), -1.0),
+        torch.full((n, length), -1.0),
+        seed=2,
+        uids=torch.arange(n),
+        options=VerifyOptions(rule="random"),
+    )
     counts = torch.bincount(res.accepted_len, minlength=length + 1).float()
     expected = n / (length + 1)
     assert counts.numel() == length + 1
@@ -230,8 +264,9 @@ def test_float64_reference_matches_float32_path():
     logits, ids, lengths, old = _random_case(seed=6)
     scores = DraftScores(logits=logits)
     a = reference_verify(ids, old, lengths, torch.arange(6), scores, seed=1, options=VerifyOptions())
-    b = reference_verify(ids, old, lengths, torch.arange(6), scores, seed=1, options=VerifyOptions(),
-                         compute_dtype=torch.float64)
+    b = reference_verify(
+        ids, old, lengths, torch.arange(6), scores, seed=1, options=VerifyOptions(), compute_dtype=torch.float64
+    )
     assert torch.allclose(a.new_logprobs, b.new_logprobs, atol=1e-5)
 
 

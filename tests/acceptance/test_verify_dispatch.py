@@ -19,7 +19,11 @@ def _case(seed=0, bsz=5, max_len=9, vocab=300, d=16):
     ids = torch.randint(0, vocab, (bsz, max_len), generator=g)
     lengths = torch.tensor([0, 1, max_len, 4, 7])[:bsz]
     logits = hidden @ weight.T
-    old = torch.log_softmax(logits / 0.8, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1) + torch.rand(bsz, max_len, generator=g) * 0.4 - 0.3
+    old = (
+        torch.log_softmax(logits / 0.8, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+        + torch.rand(bsz, max_len, generator=g) * 0.4
+        - 0.3
+    )
     old = old.clamp(max=0)
     return [t.to(DEVICE) for t in (hidden, weight, ids, lengths, logits, old)]
 
@@ -34,8 +38,12 @@ def _verify(source, ids, old, logits, hidden, weight, lengths, backend, seed, ui
 @pytest.mark.parametrize("source", ["logits", "hidden"])
 def test_triton_backend_matches_reference(source):
     hidden, weight, ids, lengths, logits, old = _case()
-    kw = dict(sampling=SamplingSettings(temperature=0.8), lenience=1.2, seed=77,
-              uids=torch.arange(5, device=DEVICE) * 1000 + 3)
+    kw = dict(
+        sampling=SamplingSettings(temperature=0.8),
+        lenience=1.2,
+        seed=77,
+        uids=torch.arange(5, device=DEVICE) * 1000 + 3,
+    )
     ref = _verify(source, ids, old, logits, hidden, weight, lengths, "reference", **kw)
     tri = _verify(source, ids, old, logits, hidden, weight, lengths, "triton", **kw)
     assert torch.equal(ref.accepted_len.cpu(), tri.accepted_len.cpu())

@@ -49,8 +49,14 @@ def _bad_scores(case: str) -> dict:
     return dict(hidden_states=hidden, lm_head_weight=weight)
 
 
-CASES = ["all -inf logits", "nan logit", "+inf logit", "finite hidden, logits overflow", "-inf hidden, positive head",
-         "-inf hidden, mixed head"]  # fmt: skip
+CASES = [
+    "all -inf logits",
+    "nan logit",
+    "+inf logit",
+    "finite hidden, logits overflow",
+    "-inf hidden, positive head",
+    "-inf hidden, mixed head",
+]
 
 
 def _on(device, scores):
@@ -98,8 +104,9 @@ def test_an_impossible_draft_token_is_still_a_rejection(backend):
     device = "cpu" if backend == "reference" else DEVICE
     logits = hidden @ weight.T
     logits[1, 2, ids[1, 2]] = float("-inf")  # the rest of the row is finite: a valid distribution
-    res = verify_logits(ids.to(device), old.to(device), logits.to(device),
-                        options=VerifyOptions(backend=backend, lenience=1e6))
+    res = verify_logits(
+        ids.to(device), old.to(device), logits.to(device), options=VerifyOptions(backend=backend, lenience=1e6)
+    )
     assert res.new_logprobs[1, 2].item() == float("-inf") and int(res.accepted_len[1]) == 2
 
 
@@ -117,8 +124,9 @@ def test_packed_kernels_name_the_rows_of_an_invalid_distribution():
     logits = (hidden @ weight.T).reshape(B * R, V).to(DEVICE)
     logits[6] = float("-inf")  # sample 1, token 2
     cu_seqlens = torch.tensor([0, 4, 8, 12], device=DEVICE)
-    drafts = kernels.PackedDrafts.from_cu_seqlens(cu_seqlens, ids.reshape(-1).to(DEVICE), old.reshape(-1).to(DEVICE),
-                                                  torch.arange(B, device=DEVICE))
+    drafts = kernels.PackedDrafts.from_cu_seqlens(
+        cu_seqlens, ids.reshape(-1).to(DEVICE), old.reshape(-1).to(DEVICE), torch.arange(B, device=DEVICE)
+    )
     with pytest.raises(ValueError, match=re.escape("(sample, token): (1, 2)")):
         kernels.verify_packed_logits(logits, drafts, seed=1, log_lenience=0.0)
     h = hidden.reshape(B * R, D).clone().to(DEVICE)
@@ -184,7 +192,9 @@ def test_logits_at_and_keyed_sample_build_no_graph():
     scores = DraftScores(hidden_states=hidden.requires_grad_(True), lm_head_weight=head.weight, lm_head_bias=head.bias)
     (logits, saved) = _count_saved_tensors(lambda: scores.logits_at(torch.tensor([0, 1]), torch.tensor([2, 3])))
     assert not logits.requires_grad and saved == []
-    ids, lps = keyed_sample(head(hidden[:, 0]), SamplingSettings(), 1, torch.arange(B), torch.zeros(B, dtype=torch.long))
+    ids, lps = keyed_sample(
+        head(hidden[:, 0]), SamplingSettings(), 1, torch.arange(B), torch.zeros(B, dtype=torch.long)
+    )
     assert not lps.requires_grad
 
 

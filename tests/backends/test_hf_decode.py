@@ -21,7 +21,9 @@ def _decode(model, settings, budgets, max_k=0, automata=None, seed=7, proposer=S
     rows = []
     for i, (p, t, lp, b) in enumerate(zip(PROMPTS, toks, lps, budgets)):
         prop = proposer(automata[i], prefix=[t], max_k=max_k) if automata else None
-        row = DecodeRow(out=i, uid=uids[i], last=t, position=len(p), budget=b - 1, proposer=prop, tokens=[t], logprobs=[lp])
+        row = DecodeRow(
+            out=i, uid=uids[i], last=t, position=len(p), budget=b - 1, proposer=prop, tokens=[t], logprobs=[lp]
+        )
         row.finish = "eos" if t == 1 else ("length" if b == 1 else None)
         rows.append(row)
     dec.run(kv, rows)
@@ -96,7 +98,9 @@ def test_prefill_computes_a_repeated_context_once_with_each_rows_values():
     model = tiny_model(seed=3).double()
     contexts = [[3, 11, 12], [5, 6], [3, 11, 12], [7, 8, 9, 10], [5, 6], [3, 11, 12]]
     fed = []
-    hook = model.register_forward_hook(lambda mod, args, kwargs, out: fed.append(kwargs["input_ids"].shape), with_kwargs=True)
+    hook = model.register_forward_hook(
+        lambda mod, args, kwargs, out: fed.append(kwargs["input_ids"].shape), with_kwargs=True
+    )
     kv, logits = prefill(model, contexts, pad_id=0)
     hook.remove()
     assert fed == [torch.Size([3, 4])]  # three distinct contexts, one forward
@@ -136,7 +140,9 @@ def test_trim_front_drops_only_columns_every_row_pads():
     assert kv.width == 12  # 9 leading columns: fewer than asked, kept
     kv.trim_front()
     assert kv.mask.tolist() == [[1, 1, 1], [0, 1, 1]]
-    assert torch.equal(kv.cache.layers[0].keys, k[:, :, 9:]) and torch.equal(kv.cache.layers[0].values, k[:, :, 9:] + 100)
+    assert torch.equal(kv.cache.layers[0].keys, k[:, :, 9:]) and torch.equal(
+        kv.cache.layers[0].values, k[:, :, 9:] + 100
+    )
 
 
 def test_decoding_after_the_longest_context_leaves_is_unchanged(monkeypatch):
@@ -157,8 +163,10 @@ def test_decoding_after_the_longest_context_leaves_is_unchanged(monkeypatch):
     dec = SpeculativeDecoder(model, settings, 5, eos_ids={1}, max_k=0, pad_id=0)
     uids = list(range(len(prompts)))
     toks, lps = dec.sample(logits.float(), uids, [len(p) for p in prompts])
-    rows = [DecodeRow(out=i, uid=i, last=t, position=len(p), budget=b - 1, tokens=[t], logprobs=[lp])
-            for i, (p, t, lp, b) in enumerate(zip(prompts, toks, lps, budgets))]  # fmt: skip
+    rows = [
+        DecodeRow(out=i, uid=i, last=t, position=len(p), budget=b - 1, tokens=[t], logprobs=[lp])
+        for i, (p, t, lp, b) in enumerate(zip(prompts, toks, lps, budgets))
+    ]
     dec.run(kv, rows)
     assert widths and widths[0] < len(prompts[0])  # the 21-token prompt's padding is gone
     for p, r in zip(prompts, rows):
@@ -178,14 +186,16 @@ def test_speculation_keeps_the_next_token_marginals():
         model.lm_head.weight.mul_(40.0)  # a peaked policy, so history drafts are often right
     settings = SamplingSettings(temperature=1.0, max_tokens=6)
     contexts = [[3, 11, 12]] * 3000
-    plain = TransformersBackend(model, {1}, pad_id=0, max_k=0).generate(contexts, [6] * 3000, settings, seed=1,
-                                                                          uids=list(range(3000)))  # fmt: skip
+    plain = TransformersBackend(model, {1}, pad_id=0, max_k=0).generate(
+        contexts, [6] * 3000, settings, seed=1, uids=list(range(3000))
+    )
     history = SuffixAutomaton()
     for c in plain[:50]:
         history.add_response(c.token_ids)
     proposers = [SuffixProposer(history, max_k=4) for _ in contexts]
-    spec = TransformersBackend(model, {1}, pad_id=0, max_k=4).generate(contexts, [6] * 3000, settings, seed=2,
-                                                                         uids=list(range(3000)), proposers=proposers)  # fmt: skip
+    spec = TransformersBackend(model, {1}, pad_id=0, max_k=4).generate(
+        contexts, [6] * 3000, settings, seed=2, uids=list(range(3000)), proposers=proposers
+    )
     assert sum(p.accepted for p in proposers) > 3000  # speculation really ran
     vocab = model.config.vocab_size
     for pos in (1, 2, 4):

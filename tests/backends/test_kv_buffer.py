@@ -11,7 +11,9 @@ from spec_rl.backends.kv_buffer import MIN_SPARE, InPlaceLayer, buffer_columns, 
 
 def _random_kv(gen, rows, width, heads=2, dim=3):
     shape = (rows, heads, width, dim)
-    return torch.randn(shape, generator=gen, dtype=torch.float64), torch.randn(shape, generator=gen, dtype=torch.float64)
+    return torch.randn(shape, generator=gen, dtype=torch.float64), torch.randn(
+        shape, generator=gen, dtype=torch.float64
+    )
 
 
 @pytest.mark.parametrize("start", [0, 1, 5, 130])
@@ -64,8 +66,9 @@ def test_decode_forward_over_the_in_place_cache_equals_a_plain_forward():
     mask = torch.cat([kv.mask, torch.ones((3, 1), dtype=torch.long)], 1)
     pos = (mask.cumsum(-1) - 1)[:, -1:]
     with torch.no_grad():
-        out = model(input_ids=new, attention_mask=mask, position_ids=pos, use_cache=True,
-                    **{cache_argument(model): kv.cache})
+        out = model(
+            input_ids=new, attention_mask=mask, position_ids=pos, use_cache=True, **{cache_argument(model): kv.cache}
+        )
         for row, ctx in enumerate(contexts):
             full = model(input_ids=torch.tensor([ctx + new[row].tolist()])).logits[0, -1]
             assert torch.allclose(out.logits[row, -1], full, atol=1e-10)

@@ -35,7 +35,14 @@ def _peaked_model(seed: int):
 
 @pytest.mark.parametrize(
     "seed,first_window,min_reach,impl",
-    [(0, 1, None, "sdpa"), (1, 2, None, "sdpa"), (2, 3, 0.5, "eager"), (3, 4, 0.05, "sdpa"), (4, 2, 0.9, "sdpa"), (5, 16, 0.0, "sdpa")],
+    [
+        (0, 1, None, "sdpa"),
+        (1, 2, None, "sdpa"),
+        (2, 3, 0.5, "eager"),
+        (3, 4, 0.05, "sdpa"),
+        (4, 2, 0.9, "sdpa"),
+        (5, 16, 0.0, "sdpa"),
+    ],
 )
 def test_progressive_walk_takes_the_one_forward_decisions(seed, first_window, min_reach, impl):
     model = _peaked_model(seed)
@@ -48,8 +55,9 @@ def test_progressive_walk_takes_the_one_forward_decisions(seed, first_window, mi
     with torch.no_grad():
         full = scorer.score(prompts, drafts)
         want = walk_tries(prompts, drafts, full, settings, 5, uids)
-        lazy = ProgressiveTreeScores(scorer, prompts, drafts, None if min_reach is None else logprobs, first_window,
-                                     min_reach=min_reach or 0.0)  # fmt: skip
+        lazy = ProgressiveTreeScores(
+            scorer, prompts, drafts, None if min_reach is None else logprobs, first_window, min_reach=min_reach or 0.0
+        )
         got = walk_tries(prompts, drafts, lazy.scores, settings, 5, uids, progressive=lazy)
     assert got.n == want.n and got.source == want.source and got.tokens == want.tokens
     assert got.next_token == want.next_token
@@ -120,8 +128,15 @@ def test_extend_refuses_a_stop_off_the_scored_length_and_bad_arguments():
         assert huge.scored_len == [5, 3]
         for _ in range(70):
             huge.extend([])  # doubling stays bounded
-    bad_logprobs = ([[-0.1] * 5, [-0.1] * 2], [[-0.1] * 5, None], [[-0.1] * 5, [None] * 3], [[-0.1] * 5, -0.1],
-                    [[-0.1] * 5], [[-0.1] * 5, [-0.1] * 3, [-0.1]], (lp for lp in [[-0.1] * 5, [-0.1] * 3]))  # fmt: skip
+    bad_logprobs = (
+        [[-0.1] * 5, [-0.1] * 2],
+        [[-0.1] * 5, None],
+        [[-0.1] * 5, [None] * 3],
+        [[-0.1] * 5, -0.1],
+        [[-0.1] * 5],
+        [[-0.1] * 5, [-0.1] * 3, [-0.1]],
+        (lp for lp in [[-0.1] * 5, [-0.1] * 3]),
+    )
     matches = ["draft_logprobs\\[1\\]"] * 4 + ["one list per draft"] * 3
     for lps, match in zip(bad_logprobs, matches):
         with pytest.raises(ValueError, match=match):
@@ -185,9 +200,9 @@ def test_backend_offers_progressive_scoring_only_with_tree_layout_and_splice():
 def test_exact_rollout_with_progressive_scores_is_fresh_decoding(monkeypatch, min_reach):
     """The rollout takes the progressive path under exact acceptance (and only there), and its responses are
     token for token those of fresh keyed decoding, also when most walks need :meth:`extend`."""
+    from spec_rl.acceptance.mode import MODES, RolloutMode
     from spec_rl.backends import progressive
     from spec_rl.drafts.cache import RolloutCache
-    from spec_rl.acceptance.mode import MODES, RolloutMode
     from spec_rl.rollout.speculative import RolloutRequest, SpeculativeRollout
 
     # the backend builds ProgressiveTreeScores with the defaults of (draft_logprobs, first_window, min_reach)

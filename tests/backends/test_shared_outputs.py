@@ -24,7 +24,9 @@ def _groups(seed: int, n_groups: int = 4, group_size: int = 4):
     gen = torch.Generator().manual_seed(seed)
     prompts, drafts = [], []
     for g in range(n_groups):
-        prompt = [4, g] + torch.randint(0, VOCAB, (int(torch.randint(0, 3, (1,), generator=gen)),), generator=gen).tolist()
+        prompt = [4, g] + torch.randint(
+            0, VOCAB, (int(torch.randint(0, 3, (1,), generator=gen)),), generator=gen
+        ).tolist()
         base = torch.randint(0, 3, (10,), generator=gen).tolist()
         for s in range(group_size):
             cut = int(torch.randint(0, 11, (1,), generator=gen))
@@ -61,7 +63,9 @@ def _padded(drafts):
     return ids, torch.tensor([len(d) for d in drafts])
 
 
-@pytest.mark.parametrize("settings", [SamplingSettings(), SamplingSettings(temperature=0.7, top_k=3), SamplingSettings(top_p=0.8)])
+@pytest.mark.parametrize(
+    "settings", [SamplingSettings(), SamplingSettings(temperature=0.7, top_k=3), SamplingSettings(top_p=0.8)]
+)
 @pytest.mark.parametrize("source", ["hidden_states", "logits"])
 def test_draft_logprobs_once_per_output_equal_every_position(settings, source, monkeypatch):
     monkeypatch.setattr(acceptance, "_LOGIT_ROWS_PER_CHUNK", 3)  # several chunks, ranges cut mid-group
@@ -112,7 +116,9 @@ def test_keyed_sample_with_index_equals_sampling_the_indexed_rows():
     tok, lp = keyed_sample(logits, SamplingSettings(), 7, empty, empty, index=empty)
     assert tok.shape == (0,) and lp.shape == (0,)
     with pytest.raises(ValueError, match="index or exclude"):
-        keyed_sample(logits, SamplingSettings(), 7, uids, positions, exclude=torch.zeros(300, dtype=torch.long), index=index)
+        keyed_sample(
+            logits, SamplingSettings(), 7, uids, positions, exclude=torch.zeros(300, dtype=torch.long), index=index
+        )
 
 
 def _reference_walk(prompts, drafts, logits_of, settings, seed, uids):
@@ -126,7 +132,9 @@ def _reference_walk(prompts, drafts, logits_of, settings, seed, uids):
             if not children:  # a leaf: every draft through it ends here
                 out.append((prefix, None))
                 break
-            tok, lp = keyed_sample(logits_of(p, prefix), settings, seed, torch.tensor([uids[b]]), torch.tensor([len(p) + len(prefix)]))
+            tok, lp = keyed_sample(
+                logits_of(p, prefix), settings, seed, torch.tensor([uids[b]]), torch.tensor([len(p) + len(prefix)])
+            )
             if int(tok) not in children:
                 out.append((prefix, int(tok)))
                 break
@@ -142,8 +150,14 @@ def test_exact_walk_equals_a_plain_trie_walk(shared):
         prompts, drafts = _groups(seed, n_groups=3, group_size=5)
         hidden, weight, _, same_as = _scores(prompts, drafts, seed, dtype=torch.float32)
         bias = torch.tensor([2.0, 2.0, 2.0, -3.0, -3.0])  # mostly the drafts' alphabet: walks go deep and branch
-        scores = DraftScores(hidden_states=hidden, lm_head_weight=weight, lm_head_bias=bias, same_as=same_as if shared else None)
-        table = {(tuple(p), tuple(d[:r])): hidden[b, r] for b, (p, d) in enumerate(zip(prompts, drafts)) for r in range(len(d))}
+        scores = DraftScores(
+            hidden_states=hidden, lm_head_weight=weight, lm_head_bias=bias, same_as=same_as if shared else None
+        )
+        table = {
+            (tuple(p), tuple(d[:r])): hidden[b, r]
+            for b, (p, d) in enumerate(zip(prompts, drafts))
+            for r in range(len(d))
+        }
 
         def logits_of(p, prefix):
             return torch.nn.functional.linear(table[(tuple(p), tuple(prefix))].unsqueeze(0), weight, bias).float()

@@ -9,8 +9,15 @@ from spec_rl.backends.transformers_backend import TransformersBackend
 from spec_rl.sampling.groups import supports_tree_attention
 from spec_rl.util.model_config import model_sliding_window
 
-SMALL = dict(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-             num_key_value_heads=1, max_position_embeddings=128)  # fmt: skip
+SMALL = dict(
+    vocab_size=32,
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=128,
+)
 
 
 def _model(cls, config):
@@ -18,13 +25,16 @@ def _model(cls, config):
     return cls(config(**SMALL) if isinstance(config, type) else config).eval()
 
 
-@pytest.mark.parametrize("config, window", [
-    (MistralConfig(**SMALL, sliding_window=16), 16),  # no switch, no layer types: the window alone
-    (MistralConfig(**SMALL, sliding_window=None), None),
-    (Qwen2Config(**SMALL), None),  # a window in the config, but use_sliding_window=False
-    (Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=8, max_window_layers=1), 8),  # layer 2 slides
-    (Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=8, max_window_layers=2), None),  # no layer slides
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "config, window",
+    [
+        (MistralConfig(**SMALL, sliding_window=16), 16),  # no switch, no layer types: the window alone
+        (MistralConfig(**SMALL, sliding_window=None), None),
+        (Qwen2Config(**SMALL), None),  # a window in the config, but use_sliding_window=False
+        (Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=8, max_window_layers=1), 8),  # layer 2 slides
+        (Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=8, max_window_layers=2), None),  # no layer slides
+    ],
+)
 def test_the_window_is_read_as_transformers_applies_it(config, window):
     cls = MistralForCausalLM if isinstance(config, MistralConfig) else Qwen2ForCausalLM
     model = _model(cls, config)

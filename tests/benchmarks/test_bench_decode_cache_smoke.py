@@ -13,12 +13,30 @@ import bench_decode_cache  # noqa: E402
 
 def test_bench_decode_cache_tiny_preset_gives_identical_logits(tmp_path, capsys):
     out = tmp_path / "decode_cache.json"
-    rc = bench_decode_cache.main(["--preset", "tiny", "--device", "cpu", "--rows", "3", "--context", "5",
-                                  "--widths", "1,3", "--repeats", "2", "--json", str(out)])  # fmt: skip
+    rc = bench_decode_cache.main(
+        [
+            "--preset",
+            "tiny",
+            "--device",
+            "cpu",
+            "--rows",
+            "3",
+            "--context",
+            "5",
+            "--widths",
+            "1,3",
+            "--repeats",
+            "2",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     record = json.loads(out.read_text())
     assert [r["width"] for r in record["results"]] == [1, 3]
-    assert all(r["max_logit_diff"] == 0.0 and r["concatenating_s"] > 0 and r["in_place_s"] > 0 for r in record["results"])
+    assert all(
+        r["max_logit_diff"] == 0.0 and r["concatenating_s"] > 0 and r["in_place_s"] > 0 for r in record["results"]
+    )
     assert "in-place ms" in capsys.readouterr().out
 
 
@@ -27,10 +45,19 @@ def test_bench_decode_cache_refuses_the_gpu_preset_on_cpu(capsys):
     assert "needs a CUDA device" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("args, named", [(["--rows", "0"], "--rows"), (["--context", "-1"], "--context"),
-                                         (["--repeats", "0"], "--repeats"), (["--widths", "1,x"], "--widths"),
-                                         (["--widths", "0"], "--widths"), (["--device", "nope"], "--device"),
-                                         (["--device", "meta"], "--device"), (["--json", "/proc/x.json"], "--json")])  # fmt: skip
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--rows", "0"], "--rows"),
+        (["--context", "-1"], "--context"),
+        (["--repeats", "0"], "--repeats"),
+        (["--widths", "1,x"], "--widths"),
+        (["--widths", "0"], "--widths"),
+        (["--device", "nope"], "--device"),
+        (["--device", "meta"], "--device"),
+        (["--json", "/proc/x.json"], "--json"),
+    ],
+)
 def test_bench_decode_cache_names_a_bad_argument(args, named, capsys):
     with pytest.raises(SystemExit) as exc:
         bench_decode_cache.main(["--preset", "tiny", "--device", "cpu", *args])

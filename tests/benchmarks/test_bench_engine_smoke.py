@@ -12,8 +12,22 @@ import bench_engine  # noqa: E402
 
 def test_bench_engine_tiny_preset_writes_its_table(tmp_path, capsys):
     out = tmp_path / "engine.json"
-    rc = bench_engine.main(["--preset", "tiny", "--device", "cpu", "--batch", "3", "--new-tokens", "6",
-                            "--prompt-len", "5", "--json", str(out)])
+    rc = bench_engine.main(
+        [
+            "--preset",
+            "tiny",
+            "--device",
+            "cpu",
+            "--batch",
+            "3",
+            "--new-tokens",
+            "6",
+            "--prompt-len",
+            "5",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     result = json.loads(out.read_text())
     names = [r["name"] for r in result["decode"]]

@@ -21,10 +21,40 @@ kernels = pytest.importorskip("spec_rl.kernels")
 if not kernels.is_available("cpu"):
     pytest.skip("the smoke path needs the Triton interpreter on the CPU (TRITON_INTERPRET=1)", allow_module_level=True)
 
-PAGED_ARGS = ["--device", "cpu", "--batch", "2", "--context", "40", "--long-batch", "1", "--long-context", "70",
-              "--q-heads", "4", "--kv-heads", "2", "--head-dim", "32", "--rep-ms", "1"]
-SUITE_ARGS = ["--device", "cpu", "--n", "48", "--vocab", "256", "--d", "64", "--tokens-per-sample", "16",
-              "--rep-ms", "1"]
+PAGED_ARGS = [
+    "--device",
+    "cpu",
+    "--batch",
+    "2",
+    "--context",
+    "40",
+    "--long-batch",
+    "1",
+    "--long-context",
+    "70",
+    "--q-heads",
+    "4",
+    "--kv-heads",
+    "2",
+    "--head-dim",
+    "32",
+    "--rep-ms",
+    "1",
+]
+SUITE_ARGS = [
+    "--device",
+    "cpu",
+    "--n",
+    "48",
+    "--vocab",
+    "256",
+    "--d",
+    "64",
+    "--tokens-per-sample",
+    "16",
+    "--rep-ms",
+    "1",
+]
 
 
 def test_paged_attention_benchmark_measures_and_checks_every_shape(tmp_path, capsys):
@@ -58,7 +88,9 @@ def test_verification_suite_orders_ours_first_and_fails_on_a_broken_shape(tmp_pa
     names = [r["name"] for r in record["rows"]]
     assert names.index("ours: fused LM-head kernel d=64") < names.index("liger d=64")  # competitors come last
     assert record["status"] == "ok" and set(record["checks"]) == {
-        "from_logits_max_abs_diff_vs_eager_fp32", "fused_d64_max_abs_diff_vs_fp32_torch"}
+        "from_logits_max_abs_diff_vs_eager_fp32",
+        "fused_d64_max_abs_diff_vs_fp32_torch",
+    }
     monkeypatch.setenv("SPEC_RL_FAULT", _harness.broken_shape_fault("gpu_suite"))
     assert gpu_suite.main([*SUITE_ARGS, "--skip-competitors", "--json", str(out)]) == 1
     failures = json.loads(out.read_text())["failures"]

@@ -28,10 +28,18 @@ kernels = pytest.importorskip("spec_rl.kernels")
 def smoke(tmp_path: Path, stages: str, **env) -> tuple[subprocess.CompletedProcess, Path]:
     out = tmp_path / "out"
     base = {k: v for k, v in os.environ.items() if k not in ("SPEC_RL_FAULT", "FULL", "DEADLINE_S")}
-    full_env = {**base, "SMOKE": "1", "PYTHON": sys.executable, "OUT": str(out), "WORK": str(tmp_path / "work"),
-                "STAGES": stages, **env}
-    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], env=full_env, capture_output=True,
-                          text=True, timeout=600)
+    full_env = {
+        **base,
+        "SMOKE": "1",
+        "PYTHON": sys.executable,
+        "OUT": str(out),
+        "WORK": str(tmp_path / "work"),
+        "STAGES": stages,
+        **env,
+    }
+    proc = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], env=full_env, capture_output=True, text=True, timeout=600
+    )
     return proc, out
 
 
@@ -91,28 +99,81 @@ def test_report_renders_gpu_records_as_results_tables(tmp_path):
     work = tmp_path
     (work / "logs").mkdir()
     (work / "meta.tsv").write_text("mode\tGPU\ncommit\tabc123\n")
-    (work / "stages.tsv").write_text("1\tinstall\tok\t61.0\t75\t300\t\n2\ttests\tTIMEOUT after 240 s\t240.1\t150\t240\t\n")
+    (work / "stages.tsv").write_text(
+        "1\tinstall\tok\t61.0\t75\t300\t\n2\ttests\tTIMEOUT after 240 s\t240.1\t150\t240\t\n"
+    )
     (work / "current.tsv").write_text("3\tsuite\trunning\t\t60\t180\t\n")
     (work / "logs" / "2-tests.log").write_text("collected\n" + "x\n" * 30 + "last line of the log\n")
-    meta = {"device": "NVIDIA H200", "commit": "abc123", "date": "2026-12-02", "torch": "2.11", "triton": "3.6",
-            "n": 16384, "vocab": 151936, "dtype": "bf16"}
+    meta = {
+        "device": "NVIDIA H200",
+        "commit": "abc123",
+        "date": "2026-12-02",
+        "torch": "2.11",
+        "triton": "3.6",
+        "n": 16384,
+        "vocab": 151936,
+        "dtype": "bf16",
+    }
     rows = [
-        {"name": "copy logits (floor, read+write)", "section": "logits", "ms": 2.1, "gb_per_s": 4700.0,
-         "fraction_of_copy_bandwidth": 1.0, "extra_mb": 0.0},
-        {"name": "ours: from-logits kernel", "section": "logits", "ms": 1.2, "gb_per_s": 4100.0,
-         "fraction_of_copy_bandwidth": 0.87, "extra_mb": 0.2, "speedup_vs_eager": 5.0},
-        {"name": "ours: fused LM-head kernel d=2048", "section": "hidden-2048", "ms": 15.5, "tflops": 660.0,
-         "ratio_to_matmul": 1.04, "extra_mb": 12.0, "speedup_vs_liger": 1.2},
-        {"name": "liger d=4096", "section": "hidden-4096", "skipped": "skipped: liger-kernel not importable",
-         "optional": True},
+        {
+            "name": "copy logits (floor, read+write)",
+            "section": "logits",
+            "ms": 2.1,
+            "gb_per_s": 4700.0,
+            "fraction_of_copy_bandwidth": 1.0,
+            "extra_mb": 0.0,
+        },
+        {
+            "name": "ours: from-logits kernel",
+            "section": "logits",
+            "ms": 1.2,
+            "gb_per_s": 4100.0,
+            "fraction_of_copy_bandwidth": 0.87,
+            "extra_mb": 0.2,
+            "speedup_vs_eager": 5.0,
+        },
+        {
+            "name": "ours: fused LM-head kernel d=2048",
+            "section": "hidden-2048",
+            "ms": 15.5,
+            "tflops": 660.0,
+            "ratio_to_matmul": 1.04,
+            "extra_mb": 12.0,
+            "speedup_vs_liger": 1.2,
+        },
+        {
+            "name": "liger d=4096",
+            "section": "hidden-4096",
+            "skipped": "skipped: liger-kernel not importable",
+            "optional": True,
+        },
     ]
-    _write(work, "gpu_suite.json", {"meta": meta, "rows": rows, "checks": {"fused_d2048": 1e-3}, "status": "running",
-                                    "failures": []})
-    _write(work, "engine.json", {"device": "NVIDIA H200", "preset": "qwen3-0.6b", "batch": 64, "status": "failed",
-                                 "decode": [{"name": "spec-rl PagedEngine.generate", "tokens_per_s": 9000.0,
-                                             "ms_per_step": 7.1, "engine_speedup_vs_this": 1.0},
-                                            {"name": "transformers generate", "error": "OutOfMemoryError: x"}],
-                                 "splice": [], "failures": ["transformers generate: OutOfMemoryError: x"]})
+    _write(
+        work,
+        "gpu_suite.json",
+        {"meta": meta, "rows": rows, "checks": {"fused_d2048": 1e-3}, "status": "running", "failures": []},
+    )
+    _write(
+        work,
+        "engine.json",
+        {
+            "device": "NVIDIA H200",
+            "preset": "qwen3-0.6b",
+            "batch": 64,
+            "status": "failed",
+            "decode": [
+                {
+                    "name": "spec-rl PagedEngine.generate",
+                    "tokens_per_s": 9000.0,
+                    "ms_per_step": 7.1,
+                    "engine_speedup_vs_this": 1.0,
+                },
+                {"name": "transformers generate", "error": "OutOfMemoryError: x"},
+            ],
+            "splice": [],
+            "failures": ["transformers generate: OutOfMemoryError: x"],
+        },
+    )
     text = gpu_report.render(str(work))
     assert "| 2 | tests | TIMEOUT after 240 s | 240.1 | 150 | 240 | - |" in text
     assert "| 3 | suite | running | - | 60 | 180 | - |" in text
@@ -129,9 +190,26 @@ def test_report_renders_gpu_records_as_results_tables(tmp_path):
 def test_report_renders_the_decode_cache_comparison(tmp_path):
     (tmp_path / "logs").mkdir()
     (tmp_path / "stages.tsv").write_text("6\trollout\tok\t70.2\t75\t165\t\n")
-    _write(tmp_path, "decode_cache.json", {"preset": "qwen3-0.6b", "device": "NVIDIA H200", "commit": "abc123", "results": [
-        {"width": 1, "rows": 64, "context": 512, "concatenating_s": 0.0121, "in_place_s": 0.0071, "ratio": 0.5868,
-         "max_logit_diff": 0.0}]})  # fmt: skip
+    _write(
+        tmp_path,
+        "decode_cache.json",
+        {
+            "preset": "qwen3-0.6b",
+            "device": "NVIDIA H200",
+            "commit": "abc123",
+            "results": [
+                {
+                    "width": 1,
+                    "rows": 64,
+                    "context": 512,
+                    "concatenating_s": 0.0121,
+                    "in_place_s": 0.0071,
+                    "ratio": 0.5868,
+                    "max_logit_diff": 0.0,
+                }
+            ],
+        },
+    )
     text = gpu_report.render(str(tmp_path))
     assert "## Decode cache (stage 6, bench_decode_cache.py)" in text
     assert "| 1 | 64 | 512 | 12.10 | 7.10 | 0.587 | 0.0e+00 |" in text

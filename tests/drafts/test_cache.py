@@ -15,7 +15,9 @@ def _fill(cache, n=5):
     keys = []
     for i in range(n):
         k = CacheKey.make([1, 2, 3, i], slot=i % 2, dataset_id=f"ds:{i}")
-        cache.store(k, list(range(i + 1)), [-0.5 * j for j in range(i + 1)], "eos" if i % 2 else "length", version=i, settings=S)
+        cache.store(
+            k, list(range(i + 1)), [-0.5 * j for j in range(i + 1)], "eos" if i % 2 else "length", version=i, settings=S
+        )
         keys.append(k)
     return keys
 
@@ -85,7 +87,7 @@ def test_round_trip_to_disk(tmp_path):
     path = cache.save(tmp_path / "c.safetensors")
     loaded = RolloutCache.load(path)
     assert len(loaded) == 6
-    for i, key in enumerate(keys):
+    for _i, key in enumerate(keys):
         a, b = cache.lookup(key, S), loaded.lookup(key, S)
         assert torch.equal(a.token_ids, b.token_ids) and torch.equal(a.logprobs, b.logprobs)
         assert (a.finish_reason, a.version, a.settings) == (b.finish_reason, b.version, b.settings)
@@ -157,13 +159,19 @@ def test_bad_input(tmp_path):
         (dict(version="3"), TypeError, "version must be an integer, got str"),
         (dict(version=-1), ValueError, "version must be >= 0, got -1"),
         (dict(finish_reason=None), ValueError, "finish_reason must be one of ('eos', 'length'), got None"),
-        (dict(key=b"abc"), TypeError, "key must be a CacheKey (CacheKey.make(prompt_ids, slot, dataset_id)), got bytes"),
+        (
+            dict(key=b"abc"),
+            TypeError,
+            "key must be a CacheKey (CacheKey.make(prompt_ids, slot, dataset_id)), got bytes",
+        ),
     ],
 )
 def test_store_refuses_bad_drafts_at_store_time(tmp_path, change, error, words):
     from spec_rl.drafts.directory import DirectoryDraftStore
 
-    args = dict(key=CacheKey.make([1], 0), token_ids=[1, 2], logprobs=[-0.1, -0.2], finish_reason="eos", version=0, settings=S)
+    args = dict(
+        key=CacheKey.make([1], 0), token_ids=[1, 2], logprobs=[-0.1, -0.2], finish_reason="eos", version=0, settings=S
+    )
     args.update(change)
     for store in (RolloutCache(), DirectoryDraftStore(tmp_path / "d")):
         with pytest.raises(error) as info:

@@ -41,24 +41,80 @@ def _damage(path, tensors=None, meta=None, drop=(), drop_meta=()):
 CACHE_DAMAGE = [
     ("C08 no settings", dict(drop_meta=("settings",)), "metadata 'settings' is missing"),
     ("C09 settings not JSON", dict(meta={"settings": "{not json"}), "metadata 'settings' is not valid JSON"),
-    ("C10 unknown settings field", dict(meta={"settings": json.dumps([{"temp": 1}])}), "settings[0] has unknown fields ['temp']"),
-    ("C10 settings not a list", dict(meta={"settings": json.dumps({"temperature": 1})}), "metadata 'settings' must be a JSON list"),
-    ("C10 bad settings value", dict(meta={"settings": json.dumps([{"temperature": -1}])}), "settings[0]: temperature must be"),
+    (
+        "C10 unknown settings field",
+        dict(meta={"settings": json.dumps([{"temp": 1}])}),
+        "settings[0] has unknown fields ['temp']",
+    ),
+    (
+        "C10 settings not a list",
+        dict(meta={"settings": json.dumps({"temperature": 1})}),
+        "metadata 'settings' must be a JSON list",
+    ),
+    (
+        "C10 bad settings value",
+        dict(meta={"settings": json.dumps([{"temperature": -1}])}),
+        "settings[0]: temperature must be",
+    ),
     ("C11 no keys tensor", dict(drop=("keys",)), "tensor 'keys' is missing"),
     ("C11 no logprobs tensor", dict(drop=("logprobs",)), "tensor 'logprobs' is missing"),
     ("C12 finish index 7", dict(tensors={"finish": torch.tensor([0, 7], dtype=torch.uint8)}), "'finish' holds 7"),
-    ("C13 settings index 3", dict(tensors={"settings_index": torch.tensor([0, 3], dtype=torch.int32)}), "'settings_index' holds 3"),
-    ("C18 float token ids", dict(tensors={"token_ids": torch.tensor([3.0, 4, 5, 6])}), "'token_ids' has dtype torch.float32, expected torch.int32"),
-    ("C18 keys of 8 bytes", dict(tensors={"keys": torch.zeros(2, 8, dtype=torch.uint8)}), "'keys' has shape (2, 8), expected (2, 16)"),
-    ("C18 one version for two drafts", dict(tensors={"versions": torch.tensor([1])}), "'versions' has shape (1,), expected (2,)"),
+    (
+        "C13 settings index 3",
+        dict(tensors={"settings_index": torch.tensor([0, 3], dtype=torch.int32)}),
+        "'settings_index' holds 3",
+    ),
+    (
+        "C18 float token ids",
+        dict(tensors={"token_ids": torch.tensor([3.0, 4, 5, 6])}),
+        "'token_ids' has dtype torch.float32, expected torch.int32",
+    ),
+    (
+        "C18 keys of 8 bytes",
+        dict(tensors={"keys": torch.zeros(2, 8, dtype=torch.uint8)}),
+        "'keys' has shape (2, 8), expected (2, 16)",
+    ),
+    (
+        "C18 one version for two drafts",
+        dict(tensors={"versions": torch.tensor([1])}),
+        "'versions' has shape (1,), expected (2,)",
+    ),
     ("C18 2-D logprobs", dict(tensors={"logprobs": torch.zeros(1, 4)}), "'logprobs' has shape (1, 4), expected (4,)"),
-    ("C14 fewer logprobs than ids", dict(tensors={"logprobs": torch.tensor([-0.1, -0.2, -0.3])}), "'logprobs' has shape (3,), expected (4,)"),
-    ("C15 NaN logprob", dict(tensors={"logprobs": torch.tensor([-0.1, float("nan"), -0.3, -0.5])}), "log-probabilities (<= 0, not NaN)"),
-    ("C15 positive logprob", dict(tensors={"logprobs": torch.tensor([-0.1, 0.7, -0.3, -0.5])}), "log-probabilities (<= 0, not NaN)"),
-    ("C16 negative id", dict(tensors={"token_ids": torch.tensor([3, -4, 5, 6], dtype=torch.int32)}), "'token_ids' holds -4"),
-    ("C17 offsets not monotonic", dict(tensors={"offsets": torch.tensor([0, 5, 4])}), "'offsets' must rise from 0 to 4"),
-    ("C17 offsets do not start at 0", dict(tensors={"offsets": torch.tensor([1, 3, 4])}), "'offsets' must rise from 0 to 4"),
-    ("C17 offsets past the tokens", dict(tensors={"offsets": torch.tensor([0, 3, 9])}), "'offsets' must rise from 0 to 4"),
+    (
+        "C14 fewer logprobs than ids",
+        dict(tensors={"logprobs": torch.tensor([-0.1, -0.2, -0.3])}),
+        "'logprobs' has shape (3,), expected (4,)",
+    ),
+    (
+        "C15 NaN logprob",
+        dict(tensors={"logprobs": torch.tensor([-0.1, float("nan"), -0.3, -0.5])}),
+        "log-probabilities (<= 0, not NaN)",
+    ),
+    (
+        "C15 positive logprob",
+        dict(tensors={"logprobs": torch.tensor([-0.1, 0.7, -0.3, -0.5])}),
+        "log-probabilities (<= 0, not NaN)",
+    ),
+    (
+        "C16 negative id",
+        dict(tensors={"token_ids": torch.tensor([3, -4, 5, 6], dtype=torch.int32)}),
+        "'token_ids' holds -4",
+    ),
+    (
+        "C17 offsets not monotonic",
+        dict(tensors={"offsets": torch.tensor([0, 5, 4])}),
+        "'offsets' must rise from 0 to 4",
+    ),
+    (
+        "C17 offsets do not start at 0",
+        dict(tensors={"offsets": torch.tensor([1, 3, 4])}),
+        "'offsets' must rise from 0 to 4",
+    ),
+    (
+        "C17 offsets past the tokens",
+        dict(tensors={"offsets": torch.tensor([0, 3, 9])}),
+        "'offsets' must rise from 0 to 4",
+    ),
     ("duplicate key", dict(tensors={"keys": torch.zeros(2, 16, dtype=torch.uint8)}), "'keys' holds the same key twice"),
     ("negative version", dict(tensors={"versions": torch.tensor([1, -2])}), "'versions' holds -2"),
 ]
@@ -100,13 +156,25 @@ HISTORY_DAMAGE = [
     ("negative token", dict(tensors={"tokens": torch.tensor([1, -2, 3, 4])}), "'tokens' holds -2"),
     ("token past int32", dict(tensors={"tokens": torch.tensor([1, 2**40, 3, 4])}), "'tokens' holds 1099511627776"),
     ("negative length", dict(tensors={"lengths": torch.tensor([5, -1])}), "'lengths' holds -1"),
-    ("float tokens", dict(tensors={"tokens": torch.tensor([1.5, 2, 3, 4])}), "'tokens' has dtype torch.float32, expected torch.int64"),
+    (
+        "float tokens",
+        dict(tensors={"tokens": torch.tensor([1.5, 2, 3, 4])}),
+        "'tokens' has dtype torch.float32, expected torch.int64",
+    ),
     ("2-D counts", dict(tensors={"counts": torch.tensor([[2]])}), "'counts' has shape (1, 1), expected (1,)"),
     ("keys not hex", dict(meta={"keys": json.dumps(["zz"])}), "metadata 'keys' must be a JSON list of hex strings"),
-    ("keys not a list", dict(meta={"keys": json.dumps({"a": 1})}), "metadata 'keys' must be a JSON list of hex strings"),
+    (
+        "keys not a list",
+        dict(meta={"keys": json.dumps({"a": 1})}),
+        "metadata 'keys' must be a JSON list of hex strings",
+    ),
     ("keys missing", dict(drop_meta=("keys",)), "metadata 'keys' is missing"),
     ("no tokens tensor", dict(drop=("tokens",)), "tensor 'tokens' is missing"),
-    ("duplicate keys", dict(tensors={"counts": torch.tensor([1, 1])}, meta={"keys": json.dumps(["6162", "6162"])}), "same key twice"),
+    (
+        "duplicate keys",
+        dict(tensors={"counts": torch.tensor([1, 1])}, meta={"keys": json.dumps(["6162", "6162"])}),
+        "same key twice",
+    ),
     ("counts do not add up", dict(tensors={"counts": torch.tensor([3])}), "response counts and lengths do not match"),
 ]
 
@@ -131,17 +199,53 @@ def test_history_ids_are_checked_against_the_vocabulary_and_on_add(history_file)
 # ------------------------------------------------------------------ directory draft store
 STORE_DAMAGE = [
     ("S06 unknown finish reason", dict(meta={"finish_reason": "stop"}), "finish_reason must be one of"),
-    ("S07 version not a number", dict(meta={"version": "x"}), "metadata 'version' must be a decimal integer >= 0, got 'x'"),
-    ("S07 negative version", dict(meta={"version": "-1"}), "metadata 'version' must be a decimal integer >= 0, got '-1'"),
+    (
+        "S07 version not a number",
+        dict(meta={"version": "x"}),
+        "metadata 'version' must be a decimal integer >= 0, got 'x'",
+    ),
+    (
+        "S07 negative version",
+        dict(meta={"version": "-1"}),
+        "metadata 'version' must be a decimal integer >= 0, got '-1'",
+    ),
     ("S08 settings not JSON", dict(meta={"settings": "{"}), "metadata 'settings' is not valid JSON"),
-    ("S09 unknown settings field", dict(meta={"settings": json.dumps({"temp": 1})}), "settings has unknown fields ['temp']"),
+    (
+        "S09 unknown settings field",
+        dict(meta={"settings": json.dumps({"temp": 1})}),
+        "settings has unknown fields ['temp']",
+    ),
     ("S09 settings missing", dict(drop_meta=("settings",)), "metadata 'settings' is missing"),
-    ("S10 NaN logprob", dict(tensors={"logprobs": torch.tensor([float("nan"), -0.2])}), "log-probabilities (<= 0, not NaN)"),
-    ("S10 positive logprob", dict(tensors={"logprobs": torch.tensor([0.5, -0.2])}), "log-probabilities (<= 0, not NaN)"),
-    ("S11 length mismatch", dict(tensors={"logprobs": torch.tensor([-0.2])}), "'logprobs' has shape (1,), expected (2,)"),
-    ("S11 float token ids", dict(tensors={"token_ids": torch.tensor([3.0, 4.0])}), "'token_ids' has dtype torch.float32"),
-    ("S11 negative token id", dict(tensors={"token_ids": torch.tensor([-3, 4], dtype=torch.int32)}), "token_ids must be token ids in [0, 2**31 - 1], got -3"),
-    ("S14 2-D token ids", dict(tensors={"token_ids": torch.tensor([[3, 4]], dtype=torch.int32)}), "'token_ids' has shape (1, 2)"),
+    (
+        "S10 NaN logprob",
+        dict(tensors={"logprobs": torch.tensor([float("nan"), -0.2])}),
+        "log-probabilities (<= 0, not NaN)",
+    ),
+    (
+        "S10 positive logprob",
+        dict(tensors={"logprobs": torch.tensor([0.5, -0.2])}),
+        "log-probabilities (<= 0, not NaN)",
+    ),
+    (
+        "S11 length mismatch",
+        dict(tensors={"logprobs": torch.tensor([-0.2])}),
+        "'logprobs' has shape (1,), expected (2,)",
+    ),
+    (
+        "S11 float token ids",
+        dict(tensors={"token_ids": torch.tensor([3.0, 4.0])}),
+        "'token_ids' has dtype torch.float32",
+    ),
+    (
+        "S11 negative token id",
+        dict(tensors={"token_ids": torch.tensor([-3, 4], dtype=torch.int32)}),
+        "token_ids must be token ids in [0, 2**31 - 1], got -3",
+    ),
+    (
+        "S14 2-D token ids",
+        dict(tensors={"token_ids": torch.tensor([[3, 4]], dtype=torch.int32)}),
+        "'token_ids' has shape (1, 2)",
+    ),
     ("S14 no logprobs tensor", dict(drop=("logprobs",)), "tensor 'logprobs' is missing"),
 ]
 

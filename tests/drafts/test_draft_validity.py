@@ -149,7 +149,9 @@ def assert_fits_enumeration(responses: list[tuple], probs: dict[tuple, float]) -
     """Chi-square of the observed responses against ``probs`` (expected < 5 pooled), p > 0.001."""
     counts = Counter(responses)
     impossible = [y for y in counts if probs.get(y, 0.0) <= 0.0]
-    assert not impossible, f"responses of probability zero occurred: {impossible[:5]} ({sum(counts[y] for y in impossible)} times)"
+    assert not impossible, (
+        f"responses of probability zero occurred: {impossible[:5]} ({sum(counts[y] for y in impossible)} times)"
+    )
     total = len(responses)
     cells = sorted(probs, key=probs.get)
     stat, pooled_obs, pooled_exp, df = 0.0, 0, 0.0, -1
@@ -182,7 +184,9 @@ def _filled(draft: list[int], old_lps: list[float], finish: str, settings: Sampl
     cache = RolloutCache()
     cache.store(CacheKey.make(PROMPT, 0), draft, old_lps, finish, version=0, settings=settings)
     stored = cache.lookup(CacheKey.make(PROMPT, 0), settings)
-    cache._entries.update({CacheKey.make(PROMPT, s).digest: stored for s in range(1, n)})  # the same Draft, no re-validation
+    cache._entries.update(
+        {CacheKey.make(PROMPT, s).digest: stored for s in range(1, n)}
+    )  # the same Draft, no re-validation
     return cache
 
 
@@ -285,15 +289,26 @@ def _copy(cache: RolloutCache) -> RolloutCache:
 
 @pytest.mark.slow
 @pytest.mark.long
-@pytest.mark.parametrize("settings", [SamplingSettings(temperature=0.7, top_k=3, max_tokens=4), SamplingSettings(top_p=0.9, max_tokens=4)])
+@pytest.mark.parametrize(
+    "settings", [SamplingSettings(temperature=0.7, top_k=3, max_tokens=4), SamplingSettings(top_p=0.9, max_tokens=4)]
+)
 @pytest.mark.parametrize("case", FIXED_DRAFTS, ids=[c[0] for c in FIXED_DRAFTS])
 def test_long_variant_other_sampling_settings(case, settings):
     _, draft, finish, _, today, eos = case
-    today = SamplingSettings(temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p, max_tokens=today.max_tokens)
-    stored = SamplingSettings(temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p, max_tokens=len(draft) if finish == "length" else 4)
+    today = SamplingSettings(
+        temperature=settings.temperature, top_k=settings.top_k, top_p=settings.top_p, max_tokens=today.max_tokens
+    )
+    stored = SamplingSettings(
+        temperature=settings.temperature,
+        top_k=settings.top_k,
+        top_p=settings.top_p,
+        max_tokens=len(draft) if finish == "length" else 4,
+    )
     model = _model(seed=5)
     enum = Enumerator(model, today, set(eos))
     budget = today.budget(len(PROMPT), 16)
     for history in (None, _history([draft, [4, 3, 3, 3]])):
-        out = _rollout(model, _filled(draft, OLD_LPS[: len(draft)], finish, stored, 2 * N), today, eos=eos, history=history).run(_requests(2 * N), step=2)
+        out = _rollout(
+            model, _filled(draft, OLD_LPS[: len(draft)], finish, stored, 2 * N), today, eos=eos, history=history
+        ).run(_requests(2 * N), step=2)
         assert_fits_enumeration([tuple(r) for r in out.response_ids], enum.fresh((), budget))

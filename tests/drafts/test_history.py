@@ -91,8 +91,11 @@ def test_load_rejects_damaged_files(tmp_path):
     from safetensors.torch import save_file
 
     bad = tmp_path / "bad.safetensors"
-    save_file({"counts": torch.tensor([2]), "lengths": torch.tensor([1]), "tokens": torch.tensor([3])}, str(bad),
-              metadata={"format": "spec-rl-history", "format_version": "1", "keys": '["61"]'})
+    save_file(
+        {"counts": torch.tensor([2]), "lengths": torch.tensor([1]), "tokens": torch.tensor([3])},
+        str(bad),
+        metadata={"format": "spec-rl-history", "format_version": "1", "keys": '["61"]'},
+    )
     with pytest.raises(ValueError, match="damaged"):
         HistoryIndex.load(bad)
     (tmp_path / "junk.safetensors").write_bytes(b"junk")

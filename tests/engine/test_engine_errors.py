@@ -56,7 +56,9 @@ def _explode_after(engine, calls):
 # ------------------------------------------------------------------ token ids
 
 
-@pytest.mark.parametrize("bad, message", [(VOCAB + 3, rf"= {VOCAB + 3} is outside \[0, {VOCAB}\)"), (-1, "= -1 is outside")])
+@pytest.mark.parametrize(
+    "bad, message", [(VOCAB + 3, rf"= {VOCAB + 3} is outside \[0, {VOCAB}\)"), (-1, "= -1 is outside")]
+)
 def test_generate_range_checks_contexts_and_frees_nothing(bad, message):
     engine = _engine()
     free = engine.blocks.num_free
@@ -90,8 +92,9 @@ def test_continue_from_range_checks_first_tokens_and_extra_contexts_and_frees_th
     _assert_untouched(engine, free)
     _, handle = engine.score_drafts(PROMPTS, DRAFTS)
     with pytest.raises(ValueError, match=r"extra_contexts\[0\]\[1\] = -3 is outside"):
-        engine.continue_from(handle, [1, 1, 1], [5, 5, 5], [4, 4, 4], SETTINGS, seed=0,
-                             extra_contexts=[[3, -3]], extra_budgets=[4])  # fmt: skip
+        engine.continue_from(
+            handle, [1, 1, 1], [5, 5, 5], [4, 4, 4], SETTINGS, seed=0, extra_contexts=[[3, -3]], extra_budgets=[4]
+        )
     _assert_untouched(engine, free)
 
 
@@ -124,8 +127,17 @@ def test_a_failed_forward_in_continue_from_frees_every_block(calls):
     _explode_after(engine, calls)  # the scoring pass is forward 1
     _, handle = engine.score_drafts(PROMPTS, DRAFTS)
     with pytest.raises(Boom):
-        engine.continue_from(handle, [2, 0, 3], [5, 6, 7], [8, 8, 8], SETTINGS, seed=0, sources=[0, 1, 2],
-                             extra_contexts=[PROMPTS[0]], extra_budgets=[8])  # fmt: skip
+        engine.continue_from(
+            handle,
+            [2, 0, 3],
+            [5, 6, 7],
+            [8, 8, 8],
+            SETTINGS,
+            seed=0,
+            sources=[0, 1, 2],
+            extra_contexts=[PROMPTS[0]],
+            extra_budgets=[8],
+        )
     _assert_untouched(engine, free)
 
 
@@ -146,7 +158,9 @@ def test_the_engine_works_normally_after_failures():
 def test_sequences_never_pass_the_models_positions():
     engine = _engine()  # max_position_embeddings = 128
     assert engine.max_positions == 128 and engine.vocab_size == VOCAB
-    with pytest.raises(ValueError, match=r"contexts\[0\] .*120 tokens \+ a budget of 10\).*max_position_embeddings=128"):
+    with pytest.raises(
+        ValueError, match=r"contexts\[0\] .*120 tokens \+ a budget of 10\).*max_position_embeddings=128"
+    ):
         engine.generate([[3] * 120], [10], SETTINGS, seed=0)
     with pytest.raises(ValueError, match=r"prompts\[0\] \+ drafts\[0\] .*129 tokens.*max_position_embeddings=128"):
         engine.score_drafts([[3] * 120], [[4] * 9])

@@ -148,8 +148,16 @@ def test_bad_arguments():
         engine.continue_from(handle, [1], [7], [2], GREEDY, seed=0)
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    cfg = Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, use_sliding_window=True, sliding_window=4)
+    cfg = Qwen2Config(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        use_sliding_window=True,
+        sliding_window=4,
+    )
     with pytest.raises(ValueError, match="sliding-window"):
         PagedEngine(Qwen2ForCausalLM(cfg), eos_ids={1}, pad_id=0)
 
@@ -216,8 +224,14 @@ def test_paged_kernel_test_picks_a_device_the_kernels_run_on(tmp_path):
     test = f"{__file__}::test_decode_through_the_triton_paged_kernel_matches_the_gather_path"
     # cwd outside the checkout: `python -m` puts the cwd first on sys.path, and the source tree's spec_rl/
     # (without spec_rl.kernels) must not shadow the installed package.
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", test], env=env,
-                         capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", test],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     if torch.cuda.is_available():
         assert "1 passed" in out.stdout, out.stdout[-3000:]
@@ -249,5 +263,7 @@ def test_cuda_engine_matches_plain_forward(family):
         with torch.no_grad():
             logits = model(input_ids=ids).logits[0].double()
         rows = logits[len(p) - 1 : len(p) - 1 + len(out.token_ids)] / 0.7
-        ref = torch.log_softmax(rows, -1).gather(-1, torch.tensor(out.token_ids, device="cuda").unsqueeze(-1)).squeeze(-1)
+        ref = (
+            torch.log_softmax(rows, -1).gather(-1, torch.tensor(out.token_ids, device="cuda").unsqueeze(-1)).squeeze(-1)
+        )
         assert torch.allclose(torch.tensor(out.logprobs, dtype=torch.float64), ref.cpu(), atol=1e-4)

@@ -196,6 +196,7 @@ def test_every_step_feeds_each_sequence_its_whole_proposal():
     proposers = _proposers(automata)
     calls = []  # (limit, fill, tokens proposed) of every lookup
     for p in proposers:
+
         def propose(limit, fill=0, _f=p.propose):
             out = _f(limit, fill)
             calls.append((limit, fill, len(out)))

@@ -102,8 +102,14 @@ def test_speculative_rollout_with_engine_equals_transformers_backend():
             backend = PagedEngine(model, eos_ids={1}, pad_id=0, block_size=4, num_blocks=128)
         else:  # the transformers backend splices the scoring K/V, or (splice=False) prefills again
             backend = TransformersBackend(model, {1}, pad_id=0, splice=name == "transformers")
-        rollout = SpeculativeRollout(backend, RolloutCache(), settings, eos_ids=[1], max_model_len=64,
-                                     mode=RolloutMode("lenient", lenience=1.0, tail=False))
+        rollout = SpeculativeRollout(
+            backend,
+            RolloutCache(),
+            settings,
+            eos_ids=[1],
+            max_model_len=64,
+            mode=RolloutMode("lenient", lenience=1.0, tail=False),
+        )
         first = rollout.run(requests, step=0)
         _perturb(model, 0)  # the policy moves: some drafts are now rejected part-way
         if name == "engine":

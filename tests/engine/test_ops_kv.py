@@ -295,7 +295,9 @@ def test_gather_kv_matches_reference(device, dtype, block_size):
 @pytest.mark.parametrize("device", DEVICES)
 def test_gather_kv_empty_batch_and_int64_table(device):
     cache = torch.randn(3, 2, 4, 1, 8, device=device)
-    k, v = ops.gather_kv(cache, torch.empty(0, 2, dtype=torch.int32, device=device), torch.empty(0, dtype=torch.long, device=device))
+    k, v = ops.gather_kv(
+        cache, torch.empty(0, 2, dtype=torch.int32, device=device), torch.empty(0, dtype=torch.long, device=device)
+    )
     assert k.shape == (0, 1, 0, 8) and v.shape == (0, 1, 0, 8)
     tables = torch.tensor([[2, 0]], device=device)
     k, v = torch.ops.spec_rl.gather_kv(cache, tables, torch.tensor([6], dtype=torch.int32, device=device), 6)
@@ -367,8 +369,20 @@ def _valid(device):
 @pytest.mark.parametrize(
     "case",
     [
-        "cache_type", "cache_shape", "cache_dtype", "cache_noncontig", "cache_block0", "key_type", "key_dims",
-        "key_dtype", "slot_type", "slot_dtype", "slot_dims", "key_heads", "key_vs_slots", "slot_too_big",
+        "cache_type",
+        "cache_shape",
+        "cache_dtype",
+        "cache_noncontig",
+        "cache_block0",
+        "key_type",
+        "key_dims",
+        "key_dtype",
+        "slot_type",
+        "slot_dtype",
+        "slot_dims",
+        "key_heads",
+        "key_vs_slots",
+        "slot_too_big",
     ],
 )
 def test_write_kv_rejects_bad_arguments(device, case):
@@ -400,13 +414,30 @@ def test_write_kv_rejects_bad_arguments(device, case):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     "case",
-    ["value_shape", "key_heads", "table_rows", "table_dtype", "src_count", "src_negative", "len_negative",
-     "past_dense", "few_columns", "block_id"],
+    [
+        "value_shape",
+        "key_heads",
+        "table_rows",
+        "table_dtype",
+        "src_count",
+        "src_negative",
+        "len_negative",
+        "past_dense",
+        "few_columns",
+        "block_id",
+    ],
 )
 def test_splice_rejects_bad_arguments(device, case):
     cache, _, _, dense, tables, idx = _valid(device)
-    args = dict(kv_cache=cache, key=dense, value=dense.clone(), block_tables=tables, src_starts=idx([0, 1]),
-                dst_starts=idx([0, 2]), lengths=idx([6, 5]))
+    args = dict(
+        kv_cache=cache,
+        key=dense,
+        value=dense.clone(),
+        block_tables=tables,
+        src_starts=idx([0, 1]),
+        dst_starts=idx([0, 2]),
+        lengths=idx([6, 5]),
+    )
     bad = {
         "value_shape": ("value", dense[:, :, :5], ValueError, "must be \\[B, 2, S, 4\\]"),
         "key_heads": ("key", torch.zeros(2, 1, 6, 4, device=device), ValueError, "must be \\[B, 2, S, 4\\]"),
@@ -417,8 +448,12 @@ def test_splice_rejects_bad_arguments(device, case):
         "len_negative": ("lengths", idx([-1, 0]), ValueError, "lengths must be >= 0"),
         "past_dense": ("src_starts", idx([1, 1]), ValueError, "exceeds the dense length"),
         "few_columns": ("dst_starts", idx([12, 0]), ValueError, "needs 3 blocks"),
-        "block_id": ("block_tables", torch.tensor([[4, 1], [2, 3]], dtype=torch.int32, device=device), ValueError,
-                     "block id out of range"),
+        "block_id": (
+            "block_tables",
+            torch.tensor([[4, 1], [2, 3]], dtype=torch.int32, device=device),
+            ValueError,
+            "block id out of range",
+        ),
     }[case]
     before = cache.clone()
     args[bad[0]] = bad[1]
@@ -576,8 +611,10 @@ def test_native_copy_blocks_and_gather_raise(device):
         ((tables, idx([-3, 1]), 2), r"lengths\[0\] = -3 must be >= 0"),
         ((tables, idx([3, 1]), -1), "max_len must be >= 0"),
         ((tables, idx([3]), 4), "lengths has 1 entries"),
-        ((torch.tensor([[0, 7], [1, 2]], dtype=torch.int32, device=device), idx([9, 1]), 9),
-         r"block_tables\[0, 1\] = 7 is out of range"),
+        (
+            (torch.tensor([[0, 7], [1, 2]], dtype=torch.int32, device=device), idx([9, 1]), 9),
+            r"block_tables\[0, 1\] = 7 is out of range",
+        ),
     ]:
         with pytest.raises(RuntimeError, match=match):
             torch.ops.spec_rl.gather_kv(cache, *args)

@@ -22,8 +22,21 @@ def _load():
 
 
 def _run(tmp_path, capsys, *extra):
-    args = ["--model", "tiny", "--prompts", "4", "--epochs", "2", "--num-generations", "2",
-            "--max-completion-length", "12", "--out", str(tmp_path / "out"), *extra]  # fmt: skip
+    args = [
+        "--model",
+        "tiny",
+        "--prompts",
+        "4",
+        "--epochs",
+        "2",
+        "--num-generations",
+        "2",
+        "--max-completion-length",
+        "12",
+        "--out",
+        str(tmp_path / "out"),
+        *extra,
+    ]
     assert _load().main(args) == 0
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
@@ -61,13 +74,19 @@ def test_example_runs_the_lossless_rule_and_the_without_draft_draw(tmp_path, cap
     assert exact["epochs"][1]["reused_tokens"] < 0.1 * total and exact["epochs"][1]["tokens_generated"] > 0
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--lenience", "0.5", "--rejection-draw", "without-draft"], "needs lenience >= 1"),
-    (["--acceptance", "exact", "--lenience", "2"], "acceptance='exact' has no lenience"),
-    (["--acceptance", "exact", "--rejection-draw", "without-draft"], "rejection_draw applies to lenient acceptance"),
-    (["--acceptance", "exact", "--strategy", "off"], "acceptance='exact' applies to strategy='spec'"),
-    (["--lenience", "-1"], "lenience must be a number (inf allowed) >= 0"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--lenience", "0.5", "--rejection-draw", "without-draft"], "needs lenience >= 1"),
+        (["--acceptance", "exact", "--lenience", "2"], "acceptance='exact' has no lenience"),
+        (
+            ["--acceptance", "exact", "--rejection-draw", "without-draft"],
+            "rejection_draw applies to lenient acceptance",
+        ),
+        (["--acceptance", "exact", "--strategy", "off"], "acceptance='exact' applies to strategy='spec'"),
+        (["--lenience", "-1"], "lenience must be a number (inf allowed) >= 0"),
+    ],
+)
 def test_example_refuses_rules_that_do_not_combine(tmp_path, capsys, flags, message):
     with pytest.raises(SystemExit) as err:
         _load().main(["--model", "tiny", "--out", str(tmp_path / "out"), *flags])

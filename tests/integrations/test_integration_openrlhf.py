@@ -13,11 +13,11 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
-from optional import require
 import torch
+from optional import require
 
 pytestmark = [pytest.mark.engines]
-require('openrlhf.utils.agent')
+require("openrlhf.utils.agent")
 
 from fake_server import FixedServer, TinyServer  # noqa: E402
 from openrlhf.utils.agent import AgentExecutorBase  # noqa: E402
@@ -54,26 +54,54 @@ class FakeVLLMEngine:
     async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
         self.count += 1
         sp = sampling_params
-        params = dict(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, max_tokens=sp.max_tokens,
-                      logprobs=sp.logprobs is not None, prompt_logprobs=sp.prompt_logprobs,
-                      seed=getattr(sp, "seed", None), min_tokens=getattr(sp, "min_tokens", 0))
+        params = dict(
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            top_k=sp.top_k,
+            max_tokens=sp.max_tokens,
+            logprobs=sp.logprobs is not None,
+            prompt_logprobs=sp.prompt_logprobs,
+            seed=getattr(sp, "seed", None),
+            min_tokens=getattr(sp, "min_tokens", 0),
+        )
         r = self.core.run(str(self.count), prompt_token_ids, params)
         ids = list(prompt_token_ids)
         cached = self._cached_len(ids, sp)
         self.seen.update(tuple(ids[:k]) for k in range(self.BLOCK, len(ids) + 1, self.BLOCK))
         plp = None
         if r["prompt_logprobs"] is not None:
-            plp = [None] + [{ids[j] if j >= cached else self.GARBAGE_ID: SimpleNamespace(logprob=r["prompt_logprobs"][j - 1][0] if j >= cached else 0.0)}
-                            for j in range(1, len(ids))]  # fmt: skip
-        lps = None if r["log_probs"] is None else [{t: SimpleNamespace(logprob=x)} for t, x in zip(r["token_ids"], r["log_probs"])]
+            plp = [None] + [
+                {
+                    ids[j] if j >= cached else self.GARBAGE_ID: SimpleNamespace(
+                        logprob=r["prompt_logprobs"][j - 1][0] if j >= cached else 0.0
+                    )
+                }
+                for j in range(1, len(ids))
+            ]
+        lps = (
+            None
+            if r["log_probs"] is None
+            else [{t: SimpleNamespace(logprob=x)} for t, x in zip(r["token_ids"], r["log_probs"])]
+        )
         fin = "length" if r["finish_reason"] == "length" else "stop"
-        return SimpleNamespace(prompt_logprobs=plp, outputs=[SimpleNamespace(token_ids=r["token_ids"], logprobs=lps, finish_reason=fin)])
+        return SimpleNamespace(
+            prompt_logprobs=plp, outputs=[SimpleNamespace(token_ids=r["token_ids"], logprobs=lps, finish_reason=fin)]
+        )
 
 
 def params(**kw):
     # vLLM fixes skip_reading_prefix_cache when SamplingParams is built: prompt_logprobs was None then
-    base = dict(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=None, logprobs=1, prompt_logprobs=None,
-                repetition_penalty=1.0, min_tokens=0, skip_reading_prefix_cache=False)
+    base = dict(
+        temperature=1.0,
+        top_p=1.0,
+        top_k=-1,
+        max_tokens=None,
+        logprobs=1,
+        prompt_logprobs=None,
+        repetition_penalty=1.0,
+        min_tokens=0,
+        skip_reading_prefix_cache=False,
+    )
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -105,11 +133,13 @@ def test_executor_reuses_drafts_and_keeps_slots_apart(env):
     ep1 = run_epoch(ex, env["engine"], env["tok"])
     assert len(DirectoryDraftStore(env["dir"])) == len(PROMPTS) * N  # one draft per (prompt, slot)
     for o in ep1:
-        (start, end), = o["action_ranges"]
+        ((start, end),) = o["action_ranges"]
         resp = o["observation_tokens"][start:end]
         assert o["rollout_log_probs"][:start] == [0.0] * start
         ref = full_forward_logprobs(env["model"], o["observation_tokens"][:start], resp)
-        torch.testing.assert_close(torch.tensor(o["rollout_log_probs"][start:], dtype=torch.float64), ref, atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(o["rollout_log_probs"][start:], dtype=torch.float64), ref, atol=1e-5, rtol=0
+        )
         assert o["reward"] == 1.0 and o["extra_logs"]["spec_rl/draft_found"] == 0.0
     env["core"].calls = []
     ex2 = SpecRLAgentExecutor(env["dir"], N)  # e.g. another engine actor, same directory
@@ -141,14 +171,18 @@ def test_executor_budget_after_policy_change(env):
     ep2 = run_epoch(ex, env["engine"], env["tok"], sp)
     partial = 0
     for a, b in zip(ep1, ep2):
-        (start, end), = a["action_ranges"]
+        ((start, end),) = a["action_ranges"]
         p, draft = a["observation_tokens"][:start], a["observation_tokens"][start:end]
         n = int(b["extra_logs"]["spec_rl/verified_prefix_len"])
         resp = b["observation_tokens"][start:]
         assert resp[:n] == draft[:n]
         if n < len(draft):
             partial += 1
-            conts = [c for c in env["core"].calls if c["prompt_ids"] == p + draft[:n] and c["params"]["prompt_logprobs"] is None]
+            conts = [
+                c
+                for c in env["core"].calls
+                if c["prompt_ids"] == p + draft[:n] and c["params"]["prompt_logprobs"] is None
+            ]
             assert conts and conts[0]["params"]["max_tokens"] == min(6, MAX_LEN - len(p)) - n
     assert partial >= 1
 
@@ -160,7 +194,7 @@ def test_executor_continues_drafts_a_smaller_budget_cut(env):
     ep2 = run_epoch(ex, env["engine"], env["tok"], params(max_tokens=8))
     continued = 0
     for a, b in zip(ep1, ep2):
-        (start, end), = a["action_ranges"]
+        ((start, end),) = a["action_ranges"]
         draft, resp = a["observation_tokens"][start:end], b["observation_tokens"][start:]
         assert 1 not in resp[:-1] and (resp[-1] == 1 or len(resp) == min(8, MAX_LEN - start))
         if len(draft) == 3 and draft[-1] != 1 and len(a["observation_tokens"]) < MAX_LEN:
@@ -194,7 +228,7 @@ def test_executor_exact_mode_resamples_the_rejected_token(env):
     ep2 = run_epoch(SpecRLAgentExecutor(env["dir"], N, acceptance="exact"), engine, tok, prompts=prompts)
     resampled = 0
     for a, b in zip(ep1, ep2):
-        (start, end), = a["action_ranges"]
+        ((start, end),) = a["action_ranges"]
         draft, resp, logs = a["observation_tokens"][start:end], b["observation_tokens"][start:], b["extra_logs"]
         assert logs["spec_rl/exact_acceptance"] == 1.0
         lp = torch.tensor(b["rollout_log_probs"][start:])
@@ -209,7 +243,6 @@ def test_executor_exact_mode_resamples_the_rejected_token(env):
     assert seeded and all(c["params"]["seed"] is not None for c in seeded)
 
 
-
 def test_executor_without_draft_draw_never_returns_the_rejected_token(env):
     tok = env["tok"]
     probs = torch.zeros(len(tok))
@@ -222,13 +255,17 @@ def test_executor_without_draft_draw_never_returns_the_rejected_token(env):
     with pytest.raises(ValueError, match="rejection_draw applies to lenient acceptance only"):
         SpecRLAgentExecutor(env["dir"], N, acceptance="exact", rejection_draw="without-draft")
     assert SpecRLAgentExecutor(env["dir"], N).mode == RolloutMode("lenient", tail=False)  # the paper's e^0.5
-    ep1 = run_epoch(SpecRLAgentExecutor(env["dir"], N), FakeVLLMEngine(FixedServer(probs, {1}, max_model_len=MAX_LEN)),
-                    tok, prompts=prompts)  # fmt: skip
+    ep1 = run_epoch(
+        SpecRLAgentExecutor(env["dir"], N),
+        FakeVLLMEngine(FixedServer(probs, {1}, max_model_len=MAX_LEN)),
+        tok,
+        prompts=prompts,
+    )
     ex = SpecRLAgentExecutor(env["dir"], N, lenience=1.0, rejection_draw="without-draft")
     ep2 = run_epoch(ex, FakeVLLMEngine(FixedServer(moved, {1}, max_model_len=MAX_LEN)), tok, prompts=prompts)
     rejected = resampled = 0
     for a, b in zip(ep1, ep2):
-        (start, end), = a["action_ranges"]
+        ((start, end),) = a["action_ranges"]
         draft, resp, logs = a["observation_tokens"][start:end], b["observation_tokens"][start:], b["extra_logs"]
         n = int(logs["spec_rl/verified_prefix_len"])
         assert resp[:n] == draft[:n]
@@ -265,15 +302,18 @@ def test_min_tokens_counts_from_the_response_start(env):
     core = FixedServer(a, {1}, max_model_len=MAX_LEN)
     engine = FakeVLLMEngine(core)
     sp = params(min_tokens=1, max_tokens=6)
-    prompts = [f"Tom has {d} apples" for d in range(10)] + [f"Ann buys {d} more" for d in range(10)] + \
-              [f"how many {d} now" for d in range(10)]  # fmt: skip
+    prompts = (
+        [f"Tom has {d} apples" for d in range(10)]
+        + [f"Ann buys {d} more" for d in range(10)]
+        + [f"how many {d} now" for d in range(10)]
+    )
     ex = SpecRLAgentExecutor(env["dir"], N)
     ep1 = run_epoch(ex, engine, tok, sp, prompts=prompts)
     core.log_probs, core.calls = torch.log(b.double()).float(), []
     ep2 = run_epoch(ex, engine, tok, sp, prompts=prompts)
     at_rejection = []
     for o1, o2 in zip(ep1, ep2):
-        (start, end), = o1["action_ranges"]
+        ((start, end),) = o1["action_ranges"]
         n = int(o2["extra_logs"]["spec_rl/verified_prefix_len"])
         if 1 <= n < end - start:
             at_rejection.append(o2["observation_tokens"][start + n] == 1)
@@ -281,7 +321,7 @@ def test_min_tokens_counts_from_the_response_start(env):
     assert 0.2 <= sum(at_rejection) / len(at_rejection) <= 0.8, at_rejection  # p(EOS) = 1/2 there
     fresh = [o for o in ep2 if o["extra_logs"]["spec_rl/verified_prefix_len"] == 0]
     for o in fresh + ep1:  # min_tokens=1 still holds for the response as a whole
-        (start, end), = o["action_ranges"]
+        ((start, end),) = o["action_ranges"]
         assert end - start >= 2 or o["observation_tokens"][start] != 1
 
 

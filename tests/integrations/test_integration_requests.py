@@ -69,9 +69,14 @@ def test_plan_budget_rows_and_verify():
         b.draft_logprobs_from_rows(plan, rows[:3])
     v = b.verify(plan, lp, step=None)
     assert v.step == 3  # draft version 2 + 1 when the server reports no step
-    expect = verify_logprobs(torch.tensor([[4, 5, 6]]), torch.tensor([[-1.0, -2.0, -0.5]]), torch.tensor([lp]),
-                             seed=mix_seed(3, 3), uids=torch.tensor([key.uid]),
-                             options=VerifyOptions(lenience=1.0, backend="reference"))  # fmt: skip
+    expect = verify_logprobs(
+        torch.tensor([[4, 5, 6]]),
+        torch.tensor([[-1.0, -2.0, -0.5]]),
+        torch.tensor([lp]),
+        seed=mix_seed(3, 3),
+        uids=torch.tensor([key.uid]),
+        options=VerifyOptions(lenience=1.0, backend="reference"),
+    )
     assert v.n == int(expect.accepted_len[0]) and v.prefix_ids == [4, 5, 6][: v.n]
     cont = b.continuation(plan, v)
     if v.full_reuse:
@@ -158,7 +163,9 @@ def test_draft_longer_than_the_budget_is_cut_to_it_and_ends_by_length():
     cache = RolloutCache()
     b = builder(cache, max_model_len=16, mode=lenient(math.inf))
     prompt = [7, 8, 9]
-    cache.store(CacheKey.make(prompt, 0), [4, 5, 6, 2, 3, 4, 5, 6], [-1.0] * 8, "length", 0, SamplingSettings(max_tokens=8))
+    cache.store(
+        CacheKey.make(prompt, 0), [4, 5, 6, 2, 3, 4, 5, 6], [-1.0] * 8, "length", 0, SamplingSettings(max_tokens=8)
+    )
     plan = b.plan(prompt, 0)
     assert plan.draft_ids == [4, 5, 6, 2, 3, 4] and plan.draft_end == "length"
     v = b.verify(plan, [-0.5] * 6, step=1, scoring_sample=([6], [-0.1]))
@@ -193,16 +200,26 @@ def test_exact_options_and_requests():
         v = b.verify(plan, new, step=step)
         if v.n < len(draft):
             break
-    ref = verify_logprobs(torch.tensor([draft]), None, torch.tensor([new]), seed=mix_seed(5, step),
-                          uids=torch.tensor([plan.key.uid]), options=VerifyOptions(rule="exact", backend="reference"))
+    ref = verify_logprobs(
+        torch.tensor([draft]),
+        None,
+        torch.tensor([new]),
+        seed=mix_seed(5, step),
+        uids=torch.tensor([plan.key.uid]),
+        options=VerifyOptions(rule="exact", backend="reference"),
+    )
     assert v.n == int(ref.accepted_len[0]) < len(draft)
     assert v.rejected == draft[v.n] and v.rejected_logprob == pytest.approx(new[v.n])
     cont = b.continuation(plan, v)
     assert cont.excluded == draft[v.n] and cont.context_ids == prompt + draft[: v.n]
     assert cont.seeds == residual_seeds(mix_seed(5, step), plan.key.uid, 4) and len(set(cont.seeds)) == 4
     params = b.continuation_sampling_params({"temperature": 1.0, "prompt_logprobs": 0}, cont, cont.seeds[1])
-    assert params == {"temperature": 1.0, "max_tokens": cont.max_tokens, "logprobs": True,
-                      "sampling_seed": cont.seeds[1]}
+    assert params == {
+        "temperature": 1.0,
+        "max_tokens": cont.max_tokens,
+        "logprobs": True,
+        "sampling_seed": cont.seeds[1],
+    }
     with pytest.raises(ValueError, match="begins with the rejected draft token"):
         b.assemble(plan, v, [draft[v.n]], [-0.5])
     res = b.assemble(plan, v, [1], [-0.5], resamples=2)
@@ -236,7 +253,9 @@ def test_draw_continuation_resends_and_gives_up():
 async def _one_exact_sample(b, server, index):
     """The verl/OpenRLHF request sequence for one sample, against a server with a fixed distribution."""
     plan = b.plan([0, 1], 0, f"ds:{index}")
-    rid = f"r{index}"  # without a seed the fake server's randomness follows the request id (as a server's own would vary)
+    rid = (
+        f"r{index}"  # without a seed the fake server's randomness follows the request id (as a server's own would vary)
+    )
     scored = server.run(rid, plan.scoring_ids, b.scoring_sampling_params({"temperature": 1.0}))
     lps = b.draft_logprobs_from_rows(plan, scored["prompt_logprobs"], scored["prompt_ids"])
     v = b.verify(plan, lps, step=1, scoring_sample=(scored["token_ids"], scored["log_probs"]))

@@ -175,10 +175,17 @@ def _trainer(tmp_path, spec, args=None, model=None, tok=None, eval_dataset=None)
 def _run_three_epochs(tmp_path, lenience, eval_dataset=None, spec_kw=None, model=None, **config):
     tok = _tokenizer()
     spec_kw = spec_kw or {}
-    spec = RecordingRollout(lenience=lenience, dataset_id_column="id", cache_path=tmp_path / "cache.safetensors",
-                            **spec_kw)
-    trainer = _trainer(tmp_path, spec, args=_config(tmp_path, **config), tok=tok, eval_dataset=eval_dataset,
-                       model=model(tok) if model is not None else None)
+    spec = RecordingRollout(
+        lenience=lenience, dataset_id_column="id", cache_path=tmp_path / "cache.safetensors", **spec_kw
+    )
+    trainer = _trainer(
+        tmp_path,
+        spec,
+        args=_config(tmp_path, **config),
+        tok=tok,
+        eval_dataset=eval_dataset,
+        model=model(tok) if model is not None else None,
+    )
     spec.attach(trainer)
     trainer.train()
     recs = [r for r in spec.records if r["training"]]
@@ -289,7 +296,9 @@ def test_vllm_server_sleep_and_tensor_parallel_are_refused_with_a_reason(tmp_pat
     with pytest.raises(UnsupportedTrainerConfig, match="'colocate' \\(supported\\) and 'server'"):
         check_trainer_args(args)
     # plain colocate mode passes where vLLM is installed (tests/integrations/test_vllm_trl.py runs it on a real engine)
-    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, use_vllm=True, vllm_mode="colocate", max_completion_length=8)
+    args = GRPOConfig(
+        output_dir=str(tmp_path), use_cpu=True, use_vllm=True, vllm_mode="colocate", max_completion_length=8
+    )
     if importlib.util.find_spec("vllm") is None:
         with pytest.raises(UnsupportedTrainerConfig, match="vLLM is not installed"):
             check_trainer_args(args)
@@ -330,7 +339,9 @@ def test_length_curriculum_continues_drafts_the_shorter_budget_cut(tmp_path):
     tok = _tokenizer()
     model = _model(tok)
     spec = SpecRLRollout(lenience=math.exp(0.5))
-    short = _trainer(tmp_path, spec, args=_config(tmp_path, num_train_epochs=1, max_completion_length=3), model=model, tok=tok)
+    short = _trainer(
+        tmp_path, spec, args=_config(tmp_path, num_train_epochs=1, max_completion_length=3), model=model, tok=tok
+    )
     spec.attach(short)
     short.train()
     cut = [d for d in spec.cache.drafts() if len(d) == 3 and d.token_ids[-1].item() != tok.eos_token_id]
@@ -418,16 +429,20 @@ def test_grpo_trainer_partial_reuse_continues_from_the_verified_prefix(tmp_path)
     for h in spec.history:
         assert {"step", "wall_seconds", "num_samples", *RolloutMode().to_dict()} <= set(h)
         assert not {"mode", "strategy", "history_spec"} & set(h)
-        assert (h["acceptance"], h["lenience"], h["tail"]) == (("lenient", 0.5, True) if h["call"] == "train"
-                                                              else (None, None, True))  # fmt: skip
+        assert (h["acceptance"], h["lenience"], h["tail"]) == (
+            ("lenient", 0.5, True) if h["call"] == "train" else (None, None, True)
+        )
     # Evaluation rollouts sample without drafts and leave the training cache alone.
     evals = [r for r in spec.records if not r["training"]]
     assert len(evals) >= 3
     assert all(r["stats"]["drafts_found"] == 0 and r["lp_err"] < 1e-4 for r in evals)
     # ... and the history index: it holds training completions only.
     trained = {tuple(c) for r in spec.records if r["training"] for c in r["out"]["completion_ids"]}
-    indexed = [tuple(x) for i, p in enumerate(PROMPTS)
-               for x in _indexed(spec.history_index, CacheKey.make(tok(p)["input_ids"], 0, f"toy:{i}").digest)]
+    indexed = [
+        tuple(x)
+        for i, p in enumerate(PROMPTS)
+        for x in _indexed(spec.history_index, CacheKey.make(tok(p)["input_ids"], 0, f"toy:{i}").digest)
+    ]
     assert indexed and set(indexed) <= trained
     assert any(tuple(c) not in trained for r in evals for c in r["out"]["completion_ids"])
     assert len(spec.cache) == len(PROMPTS) * NUM_GEN

@@ -11,11 +11,11 @@ import math
 import os
 
 import pytest
-from optional import require
 import torch
+from optional import require
 
 pytestmark = [pytest.mark.engines]
-require('verl.experimental.agent_loop.agent_loop')
+require("verl.experimental.agent_loop.agent_loop")
 
 import hydra  # noqa: E402
 from _stats import assert_fits  # noqa: E402
@@ -49,13 +49,23 @@ class VerlServer:
         extra = {"global_steps": self.core.step}
         if r["prompt_logprobs"] is not None:
             extra.update(prompt_logprobs=r["prompt_logprobs"], prompt_ids=r["prompt_ids"])
-        return TokenOutput(token_ids=r["token_ids"], log_probs=r["log_probs"], stop_reason="completed", extra_fields=extra)
+        return TokenOutput(
+            token_ids=r["token_ids"], log_probs=r["log_probs"], stop_reason="completed", extra_fields=extra
+        )
 
 
 def make_config(**rollout):
     base = dict(
-        prompt_length=PROMPT_LEN, response_length=RESPONSE_LEN, temperature=1.0, top_p=1.0, top_k=-1, n=N,
-        max_model_len=None, name="vllm", logprobs_mode="processed_logprobs", repetition_penalty=1.0,
+        prompt_length=PROMPT_LEN,
+        response_length=RESPONSE_LEN,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=-1,
+        n=N,
+        max_model_len=None,
+        name="vllm",
+        logprobs_mode="processed_logprobs",
+        repetition_penalty=1.0,
         calculate_log_probs=False,
     )
     base.update(rollout)
@@ -65,7 +75,9 @@ def make_config(**rollout):
 @pytest.fixture(scope="module")
 def tok():
     t = tiny_tokenizer()
-    t.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}Answer:{% endif %}"
+    t.chat_template = (
+        "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}Answer:{% endif %}"
+    )
     return t
 
 
@@ -73,8 +85,14 @@ def new_loop(cfg, server, tok, **loop_kwargs):
     """Instantiate the loop the way verl's AgentLoopWorker does (registry entry + hydra)."""
     entry = {**_agent_loop_registry[sv.AGENT_NAME], **loop_kwargs}
     return hydra.utils.instantiate(
-        config=entry, trainer_config=DictConfigWrap(cfg), server_manager=server, tokenizer=tok, processor=None,
-        dataset_cls=None, data_config=DictConfigWrap(cfg.data), hf_model_type=None,
+        config=entry,
+        trainer_config=DictConfigWrap(cfg),
+        server_manager=server,
+        tokenizer=tok,
+        processor=None,
+        dataset_cls=None,
+        data_config=DictConfigWrap(cfg.data),
+        hf_model_type=None,
     )
 
 
@@ -83,8 +101,15 @@ def rows():
     out = []
     for p, text in enumerate(PROMPTS):
         for s in range(N):
-            out.append({"raw_prompt": [{"role": "user", "content": text}], "priority": p * N + s, "index": 0,
-                        "data_source": "toy", "extra_info": {"index": 0}})
+            out.append(
+                {
+                    "raw_prompt": [{"role": "user", "content": text}],
+                    "priority": p * N + s,
+                    "index": 0,
+                    "data_source": "toy",
+                    "extra_info": {"index": 0},
+                }
+            )
     return out
 
 
@@ -102,8 +127,9 @@ def run_epoch(cfg, server, tok, sampling=None, **loop_kwargs):
 def setup(tmp_path, tok):
     sv._STORES.clear()
     model = tiny_model(eos=(1,), bias_eos=1.5)
-    server = VerlServer(TinyServer(model, {1}, max_model_len=PROMPT_LEN + RESPONSE_LEN, step=1,
-                                   response_length=RESPONSE_LEN))
+    server = VerlServer(
+        TinyServer(model, {1}, max_model_len=PROMPT_LEN + RESPONSE_LEN, step=1, response_length=RESPONSE_LEN)
+    )
     return dict(cfg=make_config(), server=server, tok=tok, cache_dir=str(tmp_path / "drafts"), model=model)
 
 
@@ -138,7 +164,9 @@ def test_registered_and_epoch2_reuses_drafts(setup):
         assert b.extra_fields["spec_rl/full_reuse"] is True
         assert b.extra_fields["spec_rl/verified_prefix_len"] == len(a.response_ids)
         assert b.extra_fields["spec_rl/tokens_generated"] == 0
-        torch.testing.assert_close(torch.tensor(b.response_logprobs), torch.tensor(a.response_logprobs), atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(b.response_logprobs), torch.tensor(a.response_logprobs), atol=1e-5, rtol=0
+        )
     # slots of one prompt kept their own drafts (a collapsed key would give both the same response)
     assert any(ep1[2 * p].response_ids != ep1[2 * p + 1].response_ids for p in range(len(PROMPTS)))
     store = DirectoryDraftStore(d)
@@ -162,12 +190,19 @@ def test_changed_policy_budgets_and_assembly(setup):
         # n is what the rule gives on float64 reference log-probs of the new policy
         lp_new = full_forward_logprobs(new_model, p, draft)
         slot, key = i % N, CacheKey.make(p, i % N, "toy:0")
-        expect = verify_logprobs(torch.tensor([draft]), torch.tensor([a.response_logprobs]), lp_new.float()[None],
-                                 seed=mix_seed(0, 5), uids=torch.tensor([key.uid]),
-                                 options=VerifyOptions(lenience=0.3, backend="reference"))  # fmt: skip
+        expect = verify_logprobs(
+            torch.tensor([draft]),
+            torch.tensor([a.response_logprobs]),
+            lp_new.float()[None],
+            seed=mix_seed(0, 5),
+            uids=torch.tensor([key.uid]),
+            options=VerifyOptions(lenience=0.3, backend="reference"),
+        )
         assert n == int(expect.accepted_len[0]), slot
         assert b.response_ids[:n] == draft[:n]
-        torch.testing.assert_close(torch.tensor(b.response_logprobs[:n], dtype=torch.float64), lp_new[:n], atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(b.response_logprobs[:n], dtype=torch.float64), lp_new[:n], atol=1e-5, rtol=0
+        )
         if n == len(draft):
             assert b.response_ids == draft
             continue
@@ -182,7 +217,9 @@ def test_changed_policy_budgets_and_assembly(setup):
         assert 1 <= len(tail) <= budget - n
         # the new part's log-probs are the new policy's sampling log-probs
         ref_tail = full_forward_logprobs(new_model, p + draft[:n], tail)
-        torch.testing.assert_close(torch.tensor(b.response_logprobs[n:], dtype=torch.float64), ref_tail, atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(b.response_logprobs[n:], dtype=torch.float64), ref_tail, atol=1e-5, rtol=0
+        )
         assert b.extra_fields["spec_rl/tokens_generated"] == len(tail)
     assert seen_partial >= 1  # a different random policy must reject somewhere
     # the assembled responses are the next drafts, stored with version 5
@@ -215,8 +252,9 @@ def test_drafts_that_no_longer_fit_are_cut_or_continued(setup):
     settings = sv.settings_from_rollout_config(cfg.actor_rollout_ref.rollout)
     key0 = CacheKey.make(ep1[0].prompt_ids, 0, "toy:0")
     inside = [5, 1, 6, 7]
-    DirectoryDraftStore(d).store(key0, inside, full_forward_logprobs(setup["model"], ep1[0].prompt_ids, inside).float(),
-                                 "length", 1, settings)  # fmt: skip
+    DirectoryDraftStore(d).store(
+        key0, inside, full_forward_logprobs(setup["model"], ep1[0].prompt_ids, inside).float(), "length", 1, settings
+    )
     server.core.calls, server.core.step = [], 2
     ep2 = run_epoch(cfg, server, tok, cache_dir=d)
     assert ep2[0].response_ids == [5, 1] and ep2[0].extra_fields["spec_rl/full_reuse"] is True
@@ -302,15 +340,23 @@ def exact_setup(tmp_path, tok, response_length=RESPONSE_LEN, store=None):
     d = str(tmp_path / "drafts")
     # many small drafts: skip the fsyncs, or keep them in memory (any DraftStore serves the loop)
     sv._STORES[os.path.abspath(d)] = store if store is not None else DirectoryDraftStore(d, fsync=False)
-    core = FixedServer(fixed_probs(len(tok)), {1}, max_model_len=PROMPT_LEN + response_length, step=1,
-                       response_length=response_length)
+    core = FixedServer(
+        fixed_probs(len(tok)), {1}, max_model_len=PROMPT_LEN + response_length, step=1, response_length=response_length
+    )
     return make_config(response_length=response_length), VerlServer(core), d
 
 
 def many_rows(count):
     """One sample each of ``count`` dataset rows with the same prompt (distinct ids, so distinct uids)."""
-    return [{"raw_prompt": [{"role": "user", "content": PROMPTS[0]}], "priority": 0, "data_source": "toy",
-             "extra_info": {"index": i}} for i in range(count)]
+    return [
+        {
+            "raw_prompt": [{"role": "user", "content": PROMPTS[0]}],
+            "priority": 0,
+            "data_source": "toy",
+            "extra_info": {"index": i},
+        }
+        for i in range(count)
+    ]
 
 
 def run_rows(cfg, server, tok, rows_, **loop_kwargs):
@@ -337,15 +383,24 @@ def test_exact_mode_resamples_the_rejected_token(tmp_path, tok):
         assert fields["spec_rl/exact_acceptance"] is True
         n = fields["spec_rl/verified_prefix_len"]
         uid = CacheKey.make(a.prompt_ids, 0, f"toy:{i}").uid
-        expect = verify_logprobs(torch.tensor([draft]), None, log_p[draft][None], seed=mix_seed(0, 2),
-                                 uids=torch.tensor([uid]), options=VerifyOptions(rule="exact", backend="reference"))
+        expect = verify_logprobs(
+            torch.tensor([draft]),
+            None,
+            log_p[draft][None],
+            seed=mix_seed(0, 2),
+            uids=torch.tensor([uid]),
+            options=VerifyOptions(rule="exact", backend="reference"),
+        )
         assert n == int(expect.accepted_len[0]) and resp[:n] == draft[:n]
         torch.testing.assert_close(torch.tensor(b.response_logprobs), log_p[resp], atol=1e-5, rtol=0)
         if n == fields["spec_rl/draft_len"]:  # no rejection among the scored tokens
             continue
         assert resp[n] != draft[n]  # the token at the rejection comes from the residual
-        conts = [c for c in server.core.calls if c["prompt_ids"] == a.prompt_ids + draft[:n]
-                 and c["params"].get("prompt_logprobs") is None]
+        conts = [
+            c
+            for c in server.core.calls
+            if c["prompt_ids"] == a.prompt_ids + draft[:n] and c["params"].get("prompt_logprobs") is None
+        ]
         mine = [c for c in conts if c["params"]["seed"] in set(residual_seeds(mix_seed(0, 2), uid))]
         assert len(mine) == fields["spec_rl/resamples"] + 1 and len({c["params"]["seed"] for c in mine}) == len(mine)
         resampled += fields["spec_rl/resamples"]
@@ -365,7 +420,9 @@ def _apples_drafts(tmp_path, tok, count, old_logprob, **loop_kwargs):
     out = run_rows(cfg, server, tok, rows_, cache_dir=d, **loop_kwargs)
     bins = {t: k for k, t in enumerate(SUPPORT)}
     first = torch.tensor([bins[o.response_ids[0]] for o in out])
-    at_rejection = torch.tensor([bins[o.response_ids[0]] for o in out if o.extra_fields["spec_rl/verified_prefix_len"] == 0])
+    at_rejection = torch.tensor(
+        [bins[o.response_ids[0]] for o in out if o.extra_fields["spec_rl/verified_prefix_len"] == 0]
+    )
     return out, first, at_rejection
 
 
@@ -385,8 +442,9 @@ def test_without_draft_draw_token_at_a_lenient_rejection_is_never_the_draft_toke
     # Drafts [apples, apples] stored with q = 0.9 each; the server gives "apples" 0.6, so at l = 1 a draft
     # token is kept with probability 2/3. At a rejection the continuation is resent until it does not begin
     # with "apples": the token there follows SUPPORT_P without "apples", renormalised.
-    out, _, at_rejection = _apples_drafts(tmp_path, tok, 1500, math.log(0.9), lenience=1.0,
-                                          rejection_draw="without-draft", max_resample_attempts=64)  # fmt: skip
+    out, _, at_rejection = _apples_drafts(
+        tmp_path, tok, 1500, math.log(0.9), lenience=1.0, rejection_draw="without-draft", max_resample_attempts=64
+    )
     assert len(at_rejection) > 300
     p = torch.tensor(SUPPORT_P)
     assert_fits(torch.bincount(at_rejection, minlength=4), torch.cat([torch.zeros(1), p[1:] / p[1:].sum()]))
@@ -397,8 +455,9 @@ def test_without_draft_draw_that_runs_out_of_attempts_keeps_the_last_and_counts_
     # One attempt: when it begins with "apples" it is kept (not a RuntimeError that would stop the run), so the
     # token at a rejection is the server's own draw, SUPPORT_P (the paper's rule), and each keep is counted.
     with pytest.warns(RuntimeWarning, match="kept a continuation"):
-        out, _, at_rejection = _apples_drafts(tmp_path, tok, 1200, math.log(0.9), lenience=1.0,
-                                              rejection_draw="without-draft", max_resample_attempts=1)  # fmt: skip
+        out, _, at_rejection = _apples_drafts(
+            tmp_path, tok, 1200, math.log(0.9), lenience=1.0, rejection_draw="without-draft", max_resample_attempts=1
+        )
     assert len(at_rejection) > 250
     assert_fits(torch.bincount(at_rejection, minlength=4), torch.tensor(SUPPORT_P))
     kept = [o for o in out if o.extra_fields["spec_rl/draw_fallbacks"]]
@@ -444,7 +503,9 @@ def test_strategy_off_generates_everything_and_stores_it(setup):
     server.core.calls, server.core.step = [], 2
     ep2 = run_epoch(cfg, server, tok, cache_dir=d, strategy="off")
     # no draft read or scored: one plain generation per sample with the full budget
-    assert len(server.core.calls) == len(rows()) and all("prompt_logprobs" not in c["params"] for c in server.core.calls)
+    assert len(server.core.calls) == len(rows()) and all(
+        "prompt_logprobs" not in c["params"] for c in server.core.calls
+    )
     for call in server.core.calls:
         assert call["params"]["max_tokens"] == min(RESPONSE_LEN, PROMPT_LEN + RESPONSE_LEN - len(call["prompt_ids"]))
     for i, out in enumerate(ep2):
@@ -452,8 +513,10 @@ def test_strategy_off_generates_everything_and_stores_it(setup):
         assert f["spec_rl/draft_found"] is False and f["spec_rl/verified_prefix_len"] == 0
         assert f["spec_rl/tokens_generated"] == f["spec_rl/response_len"] == len(out.response_ids)
         # ... and stored, as spec-rl's own rollout does with reuse off
-        stored = DirectoryDraftStore(d).lookup(CacheKey.make(out.prompt_ids, i % N, "toy:0"), sv.settings_from_rollout_config(
-            cfg.actor_rollout_ref.rollout))  # fmt: skip
+        stored = DirectoryDraftStore(d).lookup(
+            CacheKey.make(out.prompt_ids, i % N, "toy:0"),
+            sv.settings_from_rollout_config(cfg.actor_rollout_ref.rollout),
+        )
         assert stored.token_ids.tolist() == out.response_ids and stored.version == 2
 
 
@@ -472,8 +535,14 @@ def test_a_configured_entry_survives_the_import(setup):
 
     saved = dict(_agent_loop_registry)
     try:
-        entry = OmegaConf.create({"name": sv.AGENT_NAME, "_target_": "spec_rl.integrations.verl.SpecRLAgentLoop",
-                                  "cache_dir": setup["cache_dir"], "lenience": 1.25})  # fmt: skip
+        entry = OmegaConf.create(
+            {
+                "name": sv.AGENT_NAME,
+                "_target_": "spec_rl.integrations.verl.SpecRLAgentLoop",
+                "cache_dir": setup["cache_dir"],
+                "lenience": 1.25,
+            }
+        )
         _agent_loop_registry[sv.AGENT_NAME] = entry
         importlib.reload(sv)
         assert _agent_loop_registry[sv.AGENT_NAME] is entry

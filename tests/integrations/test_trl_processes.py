@@ -30,8 +30,9 @@ def _torchrun(out: Path, epochs: int, resume: Path | None = None) -> dict[int, d
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
     cmd = [torchrun, "--standalone", "--nproc_per_node", "2", str(WORKER), str(out), str(epochs)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd + ([str(resume)] if resume else []), capture_output=True, text=True, env=env,
-                          timeout=600, cwd=out.parent)  # fmt: skip
+    proc = subprocess.run(
+        cmd + ([str(resume)] if resume else []), capture_output=True, text=True, env=env, timeout=600, cwd=out.parent
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return {r: json.loads((out / f"calls.rank{r}.json").read_text()) for r in (0, 1)}
 

@@ -25,7 +25,7 @@ import pytest
 from optional import require
 
 pytestmark = [pytest.mark.engines, pytest.mark.e2e]
-require('vllm', 'verl.trainer.main_ppo', 'torchdata', 'peft')
+require("vllm", "verl.trainer.main_ppo", "torchdata", "peft")
 
 import torch  # noqa: E402
 from repo_paths import EXAMPLES, TESTS  # noqa: E402
@@ -46,11 +46,23 @@ def modes(config) -> dict[str, dict]:
 def run_mode(name: str, mode_env: dict, out: Path, data: Path) -> dict:
     """One verl training run in ``out`` (its working directory, where the probe records the batches); its metrics
     (one dict per step) and recorded batches."""
-    env = {**os.environ, **mode_env, "PYTHON": sys.executable, "OUT": str(out), "DATA": str(data),
-           "PROMPTS": str(PROMPTS), "GROUP": str(GROUP), "EPOCHS": str(EPOCHS), "SEED": "0",
-           "PYTHONPATH": str(TESTS)}  # fmt: skip
-    cmd = ["bash", str(EXAMPLES / "verl" / "cpu" / "run_grpo_cpu.sh"),
-           "++actor_rollout_ref.rollout.agent.agent_loop_manager_class=verl_e2e_probe.RecordingAgentLoopManager"]  # fmt: skip
+    env = {
+        **os.environ,
+        **mode_env,
+        "PYTHON": sys.executable,
+        "OUT": str(out),
+        "DATA": str(data),
+        "PROMPTS": str(PROMPTS),
+        "GROUP": str(GROUP),
+        "EPOCHS": str(EPOCHS),
+        "SEED": "0",
+        "PYTHONPATH": str(TESTS),
+    }
+    cmd = [
+        "bash",
+        str(EXAMPLES / "verl" / "cpu" / "run_grpo_cpu.sh"),
+        "++actor_rollout_ref.rollout.agent.agent_loop_manager_class=verl_e2e_probe.RecordingAgentLoopManager",
+    ]
     log = out / "run.log"
     out.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as f:
@@ -69,8 +81,10 @@ def runs(tmp_path_factory, pytestconfig):
     out = pytestconfig.getoption("e2e_out")
     root = Path(out).resolve() if out else tmp_path_factory.mktemp("verl-e2e")
     data = root / "data"
-    subprocess.run([sys.executable, str(EXAMPLES / "verl" / "cpu" / "prepare.py"), "--out", str(data),
-                    "--prompts", str(PROMPTS)], check=True)  # fmt: skip
+    subprocess.run(
+        [sys.executable, str(EXAMPLES / "verl" / "cpu" / "prepare.py"), "--out", str(data), "--prompts", str(PROMPTS)],
+        check=True,
+    )
     return {name: run_mode(name, env, root / name, data) for name, env in modes(pytestconfig).items()}
 
 
@@ -115,7 +129,9 @@ def test_every_sequence_is_consistent(runs):
             lens = mask.sum(1)
             cols = rec["columns"]
             assert lens.tolist() == cols["spec_rl/response_len"], (name, k)
-            assert [a + b for a, b in zip(cols["spec_rl/verified_prefix_len"], cols["spec_rl/tokens_generated"])] == lens.tolist()
+            assert [
+                a + b for a, b in zip(cols["spec_rl/verified_prefix_len"], cols["spec_rl/tokens_generated"])
+            ] == lens.tolist()
             for i in range(len(ids)):
                 n = int(lens[i])
                 assert n >= 1 and mask[i, :n].all() and not mask[i, n:].any(), (name, k, i)

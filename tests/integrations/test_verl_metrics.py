@@ -10,7 +10,7 @@ import pytest
 from optional import require
 
 pytestmark = [pytest.mark.engines]
-require('verl.experimental.agent_loop.agent_loop')
+require("verl.experimental.agent_loop.agent_loop")
 
 from spec_rl.integrations.verl_metrics import SAMPLE_FIELDS, rollout_metrics  # noqa: E402
 
@@ -30,17 +30,30 @@ def test_totals_and_ratios():
     # rejected at 0 then 5 generated with one discarded resample (exact); a draft of 3 rejected at 1 whose
     # without-draft draw ran out of attempts (3 discarded, the last kept: one fallback)
     batch = columns(
-        draft_found=[False, True, True, True, True], draft_len=[0, 6, 5, 2, 3], verified_prefix_len=[0, 6, 3, 0, 1],
-        full_reuse=[False, True, False, False, False], tokens_generated=[10, 0, 4, 5, 2], response_len=[10, 6, 7, 5, 3],
-        resamples=[0, 0, 0, 1, 3], draw_fallbacks=[0, 0, 0, 0, 1],
-    )  # fmt: skip
+        draft_found=[False, True, True, True, True],
+        draft_len=[0, 6, 5, 2, 3],
+        verified_prefix_len=[0, 6, 3, 0, 1],
+        full_reuse=[False, True, False, False, False],
+        tokens_generated=[10, 0, 4, 5, 2],
+        response_len=[10, 6, 7, 5, 3],
+        resamples=[0, 0, 0, 1, 3],
+        draw_fallbacks=[0, 0, 0, 0, 1],
+    )
     m = rollout_metrics(batch)
     assert m == {
-        "spec_rl/samples": 5.0, "spec_rl/draft_found_ratio": 0.8, "spec_rl/full_reuse_ratio": 0.2,
-        "spec_rl/reused_tokens": 10.0, "spec_rl/tokens_generated": 21.0, "spec_rl/response_tokens": 31.0,
-        "spec_rl/draft_tokens": 16.0, "spec_rl/reused_token_ratio": 10 / 31, "spec_rl/accepted_draft_ratio": 10 / 16,
-        "spec_rl/mean_verified_prefix": 2.5, "spec_rl/resamples": 4.0, "spec_rl/draw_fallbacks": 1.0,
-    }  # fmt: skip
+        "spec_rl/samples": 5.0,
+        "spec_rl/draft_found_ratio": 0.8,
+        "spec_rl/full_reuse_ratio": 0.2,
+        "spec_rl/reused_tokens": 10.0,
+        "spec_rl/tokens_generated": 21.0,
+        "spec_rl/response_tokens": 31.0,
+        "spec_rl/draft_tokens": 16.0,
+        "spec_rl/reused_token_ratio": 10 / 31,
+        "spec_rl/accepted_draft_ratio": 10 / 16,
+        "spec_rl/mean_verified_prefix": 2.5,
+        "spec_rl/resamples": 4.0,
+        "spec_rl/draw_fallbacks": 1.0,
+    }
 
 
 def test_no_columns_no_metrics_and_partial_columns_refused():

@@ -22,7 +22,7 @@ import pytest
 from optional import require
 
 pytestmark = [pytest.mark.engines]
-require('ray', 'verl.experimental.agent_loop.agent_loop')
+require("ray", "verl.experimental.agent_loop.agent_loop")
 
 import ray  # noqa: E402
 import torch  # noqa: E402
@@ -37,8 +37,12 @@ from spec_rl.integrations.verl_metrics import SpecRLAgentLoopManager  # noqa: E4
 from spec_rl.tasks import DemoConfig, build_demo_policy  # noqa: E402
 
 PROMPT_LEN, RESPONSE_LEN, N, WORKERS = 32, 8, 2, 2
-PROMPTS = ["Question: Tom has 3 apples.\nAnswer:", "Question: Ann buys 4 more pears.\nAnswer:",
-           "Question: How many apples now?\nAnswer:", "Question: Tom sells 2 apples.\nAnswer:"]  # fmt: skip
+PROMPTS = [
+    "Question: Tom has 3 apples.\nAnswer:",
+    "Question: Ann buys 4 more pears.\nAnswer:",
+    "Question: How many apples now?\nAnswer:",
+    "Question: Tom sells 2 apples.\nAnswer:",
+]
 EOS = 0  # the demo tokenizer's
 TAGGED = "spec_rl_agent_tagged"
 
@@ -49,13 +53,20 @@ def verl_config(model_dir: Path, loops_yaml: Path):
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=str(Path(verl.__file__).parent / "trainer" / "config"), version_base=None):
-        cfg = compose(config_name="ppo_trainer", overrides=[
-            f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.rollout.name=vllm",
-            f"actor_rollout_ref.rollout.prompt_length={PROMPT_LEN}", f"actor_rollout_ref.rollout.response_length={RESPONSE_LEN}",
-            f"actor_rollout_ref.rollout.n={N}", "actor_rollout_ref.rollout.calculate_log_probs=True",
-            f"actor_rollout_ref.rollout.agent.num_workers={WORKERS}", f"actor_rollout_ref.rollout.agent.default_agent_loop={TAGGED}",
-            f"actor_rollout_ref.rollout.agent.agent_loop_config_path={loops_yaml}",
-        ])  # fmt: skip
+        cfg = compose(
+            config_name="ppo_trainer",
+            overrides=[
+                f"actor_rollout_ref.model.path={model_dir}",
+                "actor_rollout_ref.rollout.name=vllm",
+                f"actor_rollout_ref.rollout.prompt_length={PROMPT_LEN}",
+                f"actor_rollout_ref.rollout.response_length={RESPONSE_LEN}",
+                f"actor_rollout_ref.rollout.n={N}",
+                "actor_rollout_ref.rollout.calculate_log_probs=True",
+                f"actor_rollout_ref.rollout.agent.num_workers={WORKERS}",
+                f"actor_rollout_ref.rollout.agent.default_agent_loop={TAGGED}",
+                f"actor_rollout_ref.rollout.agent.agent_loop_config_path={loops_yaml}",
+            ],
+        )
     return cfg
 
 
@@ -122,7 +133,7 @@ def check_assembled_batch(out: DataProto, rows: int) -> None:
     lens = mask.sum(1)
     assert torch.equal(lens, torch.as_tensor(out.non_tensor_batch["spec_rl/response_len"].astype(np.int64)))
     for i, ids in enumerate(responses(out)):
-        assert mask[i, : lens[i]].all() and not mask[i, lens[i]:].any()  # right-padded, no holes
+        assert mask[i, : lens[i]].all() and not mask[i, lens[i] :].any()  # right-padded, no holes
         assert ids[-1] == EOS or len(ids) == RESPONSE_LEN, (i, ids)  # ends at EOS or at the budget
         assert EOS not in ids[:-1]
     lp = b["rollout_log_probs"]
@@ -154,10 +165,14 @@ def test_drafts_found_across_workers_and_batch_shapes(cluster):
         # the same weights and l = e^0.5 keep every draft whole: the other worker's response, token for token
         assert second.non_tensor_batch["spec_rl/full_reuse"][j] is True
         assert responses(second)[j] == responses(first)[i]
-        torch.testing.assert_close(second.batch["rollout_log_probs"][j], first.batch["rollout_log_probs"][i], atol=1e-5, rtol=0)
+        torch.testing.assert_close(
+            second.batch["rollout_log_probs"][j], first.batch["rollout_log_probs"][i], atol=1e-5, rtol=0
+        )
     timing = second.meta_info["timing"]
     assert timing["spec_rl/draft_found_ratio"] == 1.0 and timing["spec_rl/full_reuse_ratio"] == 1.0
-    assert timing["spec_rl/tokens_generated"] == 0 and timing["spec_rl/reused_tokens"] == int(second.batch["response_mask"].sum())
+    assert timing["spec_rl/tokens_generated"] == 0 and timing["spec_rl/reused_tokens"] == int(
+        second.batch["response_mask"].sum()
+    )
 
 
 def test_one_key_written_by_many_samples_at_once(cluster):
@@ -176,5 +191,6 @@ def test_one_key_written_by_many_samples_at_once(cluster):
     assert draft is not None, "the draft of the key was lost"
     candidates = [(ids, out.batch["rollout_log_probs"][i][: len(ids)]) for i, ids in enumerate(responses(out))]
     assert any(
-        draft.token_ids.tolist() == ids and torch.allclose(draft.logprobs, lps, atol=1e-6, rtol=0) for ids, lps in candidates
+        draft.token_ids.tolist() == ids and torch.allclose(draft.logprobs, lps, atol=1e-6, rtol=0)
+        for ids, lps in candidates
     ), "the stored draft is none of the responses written (torn or mixed)"

@@ -17,11 +17,11 @@ import uuid
 from copy import deepcopy
 
 import pytest
-from optional import require
 import torch
+from optional import require
 
 pytestmark = [pytest.mark.engines]
-require('vllm', 'openrlhf.utils.agent')
+require("vllm", "openrlhf.utils.agent")
 
 from tiny_models import full_forward_logprobs, tiny_tokenizer  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
@@ -52,15 +52,18 @@ class OpenRLHFActor:
     async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
         self.sent.append(deepcopy(sampling_params))
         final = None
-        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_token_ids)),
-                                           deepcopy(sampling_params), request_id=uuid.uuid4().hex):
+        async for out in self.llm.generate(
+            TokensPrompt(prompt_token_ids=list(prompt_token_ids)),
+            deepcopy(sampling_params),
+            request_id=uuid.uuid4().hex,
+        ):
             final = out
         return final
 
     async def generate_responses(self, prompt, label, sampling_params, max_length, tok, num_samples):
-        return await asyncio.gather(*[
-            self.executor.execute(prompt, label, sampling_params, max_length, tok, self) for _ in range(num_samples)
-        ])
+        return await asyncio.gather(
+            *[self.executor.execute(prompt, label, sampling_params, max_length, tok, self) for _ in range(num_samples)]
+        )
 
 
 @pytest.fixture()
@@ -79,7 +82,7 @@ def run_epoch(env, executor, sp, prompts=PROMPTS):
 
 def check_logprobs(env, outputs, atol=1e-4):
     for o in outputs:
-        (start, end), = o["action_ranges"]
+        ((start, end),) = o["action_ranges"]
         ids = o["observation_tokens"]
         ref = full_forward_logprobs(env["model"].double(), ids[:start], ids[start:end])
         env["model"].float()
@@ -128,10 +131,10 @@ def test_new_weights_partial_reuse_and_budgets(engine):
         check_logprobs(engine, ep2)  # pi_new's log-probs on reused and new tokens alike
         partial = 0
         for a, b in zip(ep1, ep2):
-            (s1, e1), = a["action_ranges"]
-            (s2, e2), = b["action_ranges"]
+            ((s1, e1),) = a["action_ranges"]
+            ((s2, e2),) = b["action_ranges"]
             n = int(b["extra_logs"]["spec_rl/verified_prefix_len"])
-            assert b["observation_tokens"][s2:s2 + n] == a["observation_tokens"][s1:s1 + n]
+            assert b["observation_tokens"][s2 : s2 + n] == a["observation_tokens"][s1 : s1 + n]
             assert e2 - s2 <= 12 and e2 <= MAX_LEN
             partial += int(0 < n < e1 - s1)
         assert partial >= 1
@@ -149,12 +152,16 @@ def test_min_tokens_counts_from_the_request_start(engine):
         prompt = engine["tok"](PROMPTS[1], add_special_tokens=False)["input_ids"]
         actor = OpenRLHFActor(engine["llm"], None)
         run = SamplingParams(temperature=1.0, max_tokens=6, logprobs=0, min_tokens=1)
-        first = [engine["loop"].run_until_complete(actor.generate(prompt + [21], run)).outputs[0].token_ids[0]
-                 for _ in range(5)]  # fmt: skip
+        first = [
+            engine["loop"].run_until_complete(actor.generate(prompt + [21], run)).outputs[0].token_ids[0]
+            for _ in range(5)
+        ]
         assert EOS not in first  # the engine's own min_tokens, counted from this request's start
         cont = ContinuationRequest(context_ids=prompt + [21], max_tokens=6)
-        got = [engine["loop"].run_until_complete(SpecRLAgentExecutor._continue(cont, len(prompt), run, actor))[0][0]
-               for _ in range(5)]  # fmt: skip
+        got = [
+            engine["loop"].run_until_complete(SpecRLAgentExecutor._continue(cont, len(prompt), run, actor))[0][0]
+            for _ in range(5)
+        ]
         assert got == [EOS] * 5
     finally:
         reload(engine, seed=0)
@@ -171,10 +178,27 @@ def test_trainer_on_vllm_backend(tmp_path):
 
     model = save_checkpoint(tmp_path / "init", seed=1)
     examples = [Example(p, "7", f"t:{i}", "arith") for i, p in enumerate(PROMPTS)]
-    cfg = GRPOConfig(epochs=2, group_size=4, prompts_per_step=3, sampling=SamplingSettings(max_tokens=10), lr=3e-3,
-                     seed=0, save_checkpoint=False, generation_backend="vllm", max_model_len=MAX_LEN)  # fmt: skip
-    trainer = GRPOTrainer(model, tiny_tokenizer(), examples, lambda text, gold: float("apples" in text), cfg,
-                          tmp_path / "run", progress=False, log=lambda s: None)  # fmt: skip
+    cfg = GRPOConfig(
+        epochs=2,
+        group_size=4,
+        prompts_per_step=3,
+        sampling=SamplingSettings(max_tokens=10),
+        lr=3e-3,
+        seed=0,
+        save_checkpoint=False,
+        generation_backend="vllm",
+        max_model_len=MAX_LEN,
+    )
+    trainer = GRPOTrainer(
+        model,
+        tiny_tokenizer(),
+        examples,
+        lambda text, gold: float("apples" in text),
+        cfg,
+        tmp_path / "run",
+        progress=False,
+        log=lambda s: None,
+    )
     backend = trainer.rollout.backend
     assert isinstance(backend, VLLMBackend)
     try:

@@ -20,11 +20,11 @@ from __future__ import annotations
 import os
 
 import pytest
-from optional import require
 import torch
+from optional import require
 
 pytestmark = [pytest.mark.engines]
-require('vllm', 'trl')
+require("vllm", "trl")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 from tiny_models import full_forward_logprobs  # noqa: E402
@@ -53,7 +53,10 @@ class CheckedRollout(SpecRLRollout):
         out = super().__call__(prompts, trainer)
         if trainer.model.training:
             model = self.trainer.model
-            ref = [full_forward_logprobs(_double(model), p, c, TEMPERATURE) for p, c in zip(out["prompt_ids"], out["completion_ids"])]
+            ref = [
+                full_forward_logprobs(_double(model), p, c, TEMPERATURE)
+                for p, c in zip(out["prompt_ids"], out["completion_ids"])
+            ]
             self.calls.append((self.last_result, ref, [list(lp) for lp in out["logprobs"]]))
         return out
 
@@ -72,13 +75,35 @@ def _trainer(tmp_path, spec, path):
     save_checkpoint(path, seed=3)
     model, tok = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
     data = Dataset.from_dict({"prompt": PROMPTS, "id": [f"q{i}" for i in range(len(PROMPTS))]})
-    args = GRPOConfig(output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, report_to=[], logging_steps=1,
-                      save_strategy="no", per_device_train_batch_size=2 * NUM_GEN, num_generations=NUM_GEN,
-                      max_completion_length=MAX_COMPLETION, num_train_epochs=3, learning_rate=2e-3, temperature=TEMPERATURE,
-                      seed=0, disable_dropout=True, dataloader_num_workers=0, use_vllm=True, vllm_mode="colocate",
-                      vllm_gpu_memory_utilization=0.2, vllm_max_model_length=MAX_LEN)  # fmt: skip
-    return GRPOTrainer(model=model, args=args, train_dataset=data, processing_class=tok, rollout_func=spec,
-                       reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions])  # fmt: skip
+    args = GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        logging_steps=1,
+        save_strategy="no",
+        per_device_train_batch_size=2 * NUM_GEN,
+        num_generations=NUM_GEN,
+        max_completion_length=MAX_COMPLETION,
+        num_train_epochs=3,
+        learning_rate=2e-3,
+        temperature=TEMPERATURE,
+        seed=0,
+        disable_dropout=True,
+        dataloader_num_workers=0,
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_gpu_memory_utilization=0.2,
+        vllm_max_model_length=MAX_LEN,
+    )
+    return GRPOTrainer(
+        model=model,
+        args=args,
+        train_dataset=data,
+        processing_class=tok,
+        rollout_func=spec,
+        reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+    )
 
 
 def test_colocate_mode_continues_on_trls_engine(tmp_path, monkeypatch):
@@ -139,7 +164,9 @@ def test_an_engine_in_another_dtype_or_logprobs_mode_is_flagged(tmp_path):
     model = save_checkpoint(tmp_path / "m", seed=0)
 
     def engine(dtype, mode="processed_logprobs"):
-        return SimpleNamespace(llm_engine=SimpleNamespace(model_config=SimpleNamespace(dtype=dtype, logprobs_mode=mode)))
+        return SimpleNamespace(
+            llm_engine=SimpleNamespace(model_config=SimpleNamespace(dtype=dtype, logprobs_mode=mode))
+        )
 
     with pytest.warns(UserWarning, match="bfloat16.*float32"):
         VLLMBackend.on_engine(engine(torch.bfloat16), model, [1], 0)

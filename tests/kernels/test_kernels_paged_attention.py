@@ -24,6 +24,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _kernel_helpers import DEVICE, K, triton  # noqa: F401  first: skips this module when triton is missing
+
 from spec_rl.kernels.configs import (
     PagedAttentionConfig,
     default_paged_attention_config,

@@ -24,12 +24,16 @@ def _lenient(lenience: float) -> RolloutMode:
     return RolloutMode("lenient", lenience=lenience, tail=False)
 
 
-def _rollout(model, eos=(1,), max_tokens=24, max_model_len=128, cache=None, mode=RolloutMode("lenient", tail=False),
-             **kw):
+def _rollout(
+    model, eos=(1,), max_tokens=24, max_model_len=128, cache=None, mode=RolloutMode("lenient", tail=False), **kw
+):
     settings = SamplingSettings(temperature=kw.pop("temperature", 1.0), max_tokens=max_tokens)
     return SpeculativeRollout(
         TransformersBackend(
-            model, set(eos), pad_id=0, max_batch_size=kw.pop("max_batch_size", 256),
+            model,
+            set(eos),
+            pad_id=0,
+            max_batch_size=kw.pop("max_batch_size", 256),
             max_tokens_per_forward=kw.pop("max_tokens_per_forward", 65536),
         ),
         cache if cache is not None else RolloutCache(),

@@ -54,8 +54,9 @@ def _lenient(lenience: float = math.exp(0.5)) -> RolloutMode:
 
 def _rollout(backend, max_tokens=4, max_model_len=64, mode=None, **kw):
     settings = SamplingSettings(max_tokens=max_tokens)
-    return SpeculativeRollout(backend, RolloutCache(), settings, eos_ids=[1], max_model_len=max_model_len,
-                              mode=mode or _lenient(), **kw)
+    return SpeculativeRollout(
+        backend, RolloutCache(), settings, eos_ids=[1], max_model_len=max_model_len, mode=mode or _lenient(), **kw
+    )
 
 
 def _requests(group=2):
@@ -164,7 +165,10 @@ def test_scores_for_the_wrong_rows_are_refused_and_the_handle_released():
     drop_row = lambda s: DraftScores(hidden_states=s.hidden_states[1:], lm_head_weight=s.lm_head_weight)  # noqa: E731
     broken = Tampered(model, tamper_scores=drop_row)
     rollout = SpeculativeRollout(broken, plain.cache, plain.settings, [1], 64, mode=_lenient(1.0))
-    with pytest.raises(BackendContractError, match=r"Tampered\.score_drafts returned hidden_states of shape \[5, 6, 32\]; expected \[6, 6, \.\.\.\]"):
+    with pytest.raises(
+        BackendContractError,
+        match=r"Tampered\.score_drafts returned hidden_states of shape \[5, 6, 32\]; expected \[6, 6, \.\.\.\]",
+    ):
         rollout.run(_requests(), step=1)
     assert broken.released == 1
 
@@ -197,7 +201,11 @@ def test_a_bad_same_as_is_refused(bad):
     corrupt = _SAME_AS_CORRUPTIONS[bad]
     broken = Tampered(model, tamper_scores=lambda s: dataclasses.replace(s, same_as=corrupt(s)))
     rollout = SpeculativeRollout(broken, plain.cache, plain.settings, [1], 64, mode=_lenient(1.0))
-    match = "expected None or int64 \\[6, 6\\]|indices outside" if bad in ("out of range", "wrong shape", "float") else "does not name a position scored by the same output"
+    match = (
+        "expected None or int64 \\[6, 6\\]|indices outside"
+        if bad in ("out of range", "wrong shape", "float")
+        else "does not name a position scored by the same output"
+    )
     with pytest.raises(BackendContractError, match=r"Tampered\.score_drafts returned same_as.*(" + match + ")"):
         rollout.run(_requests(), step=1)
     assert broken.released == 1
@@ -239,7 +247,9 @@ def test_a_stored_draft_outside_the_vocabulary_names_its_request():
     rollout = _rollout(backend)
     requests = _requests(1)
     rollout.cache.store(CacheKey.make(PROMPTS[2], 0, "p2"), [4, VOCAB + 1], [-1.0, -1.0], "length", 0, rollout.settings)
-    with pytest.raises(ValueError, match=rf"stored draft of requests\[2\] holds token id {VOCAB + 1} outside \[0, {VOCAB}\)"):
+    with pytest.raises(
+        ValueError, match=rf"stored draft of requests\[2\] holds token id {VOCAB + 1} outside \[0, {VOCAB}\)"
+    ):
         rollout.run(requests, step=1)
     assert backend.stats.decode_steps == 0
 
@@ -285,8 +295,13 @@ def test_max_model_len_past_the_models_positions_is_refused():
     ],
 )
 def test_bad_constructor_arguments_name_themselves(kwargs, error, message):
-    args = dict(backend=TransformersBackend(tiny_model(seed=8), {1}, pad_id=0), cache=RolloutCache(),
-                settings=SamplingSettings(max_tokens=4), eos_ids=[1], max_model_len=64)  # fmt: skip
+    args = dict(
+        backend=TransformersBackend(tiny_model(seed=8), {1}, pad_id=0),
+        cache=RolloutCache(),
+        settings=SamplingSettings(max_tokens=4),
+        eos_ids=[1],
+        max_model_len=64,
+    )
     args.update(kwargs)
     with pytest.raises(error, match=message):
         SpeculativeRollout(**args)
@@ -361,8 +376,15 @@ def test_every_backend_checks_continue_from_arguments(make, kwargs, match):
     args = dict(accepted_lens=[1, 1], first_tokens=[4, 4], budgets=[2, 2], sources=None)
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
-        backend.continue_from(handle, args["accepted_lens"], args["first_tokens"], args["budgets"], SamplingSettings(),
-                              0, sources=args["sources"])  # fmt: skip
+        backend.continue_from(
+            handle,
+            args["accepted_lens"],
+            args["first_tokens"],
+            args["budgets"],
+            SamplingSettings(),
+            0,
+            sources=args["sources"],
+        )
     if make == "engine":
         assert backend.blocks.num_free == backend.blocks.num_blocks
 

@@ -9,11 +9,15 @@ from _stats import assert_fits
 from spec_rl.sampling.distribution import SamplingSettings, keyed_sample, sampling_log_softmax
 
 
-@pytest.mark.parametrize("settings", [SamplingSettings(), SamplingSettings(temperature=0.7, top_k=5), SamplingSettings(top_p=0.8)])
+@pytest.mark.parametrize(
+    "settings", [SamplingSettings(), SamplingSettings(temperature=0.7, top_k=5), SamplingSettings(top_p=0.8)]
+)
 def test_marginal_matches_the_sampling_distribution(settings):
     n, vocab = 40000, 8
     logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(3)) * 1.5
-    ids, lps = keyed_sample(logits.expand(n, vocab), settings, seed=11, uids=torch.arange(n), positions=torch.full((n,), 7))
+    ids, lps = keyed_sample(
+        logits.expand(n, vocab), settings, seed=11, uids=torch.arange(n), positions=torch.full((n,), 7)
+    )
     p = sampling_log_softmax(logits, settings.temperature, settings.top_k, settings.top_p)[0].double().exp()
     assert_fits(torch.bincount(ids, minlength=vocab), p)
     assert torch.allclose(lps, torch.log(p.float())[ids])
@@ -38,7 +42,9 @@ def test_residual_removes_the_excluded_token_and_renormalises():
     logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(5))
     p = torch.softmax(logits[0].double(), -1)
     exclude = torch.full((n,), 2)
-    ids, lps = keyed_sample(logits.expand(n, vocab), SamplingSettings(), 3, torch.arange(n), torch.zeros(n, dtype=torch.long), exclude)
+    ids, lps = keyed_sample(
+        logits.expand(n, vocab), SamplingSettings(), 3, torch.arange(n), torch.zeros(n, dtype=torch.long), exclude
+    )
     q = p.clone()
     q[2] = 0
     q /= q.sum()

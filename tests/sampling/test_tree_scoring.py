@@ -36,10 +36,10 @@ def test_tree_scores_equal_separate_scores(impl):
     model.config._attn_implementation = impl
     gen = torch.Generator().manual_seed(0)
     prompts, drafts = [], []
-    for g in range(4):
+    for _g in range(4):
         prompt = torch.randint(3, 30, (int(torch.randint(1, 9, (1,), generator=gen)),), generator=gen).tolist()
         base = torch.randint(3, 30, (12,), generator=gen).tolist()
-        for s in range(3):
+        for _s in range(3):
             cut = int(torch.randint(0, 12, (1,), generator=gen))
             tail = torch.randint(3, 30, (int(torch.randint(0, 6, (1,), generator=gen)),), generator=gen).tolist()
             prompts.append(prompt)
@@ -59,6 +59,10 @@ def test_tree_scores_equal_separate_scores(impl):
     # same_as: the first (lowest flat index) entry with the same prompt and draft prefix; padding: itself
     for i, d in enumerate(drafts):
         for r in range(width):
-            twins = [j for j in range(len(drafts)) if prompts[j] == prompts[i] and len(drafts[j]) > r and drafts[j][:r] == d[:r]]
+            twins = [
+                j
+                for j in range(len(drafts))
+                if prompts[j] == prompts[i] and len(drafts[j]) > r and drafts[j][:r] == d[:r]
+            ]
             want_index = min(twins) * width + r if r < len(d) else i * width + r
             assert int(same_as[i, r]) == want_index, (i, r)

@@ -114,7 +114,9 @@ def test_malformed_line_number(tmp_path):
 
 def test_gsm8k_without_hashes(tmp_path):
     p = tmp_path / "g.jsonl"
-    p.write_text(json.dumps({"question": "q", "answer": "3"}) + "\n" + json.dumps({"question": "q", "answer": "5"}) + "\n")
+    p.write_text(
+        json.dumps({"question": "q", "answer": "3"}) + "\n" + json.dumps({"question": "q", "answer": "5"}) + "\n"
+    )
     with pytest.raises(ValueError, match="line 1.*####"):
         load_jsonl(p)
 

@@ -155,8 +155,18 @@ def test_reward_tests_skip_without_math_verify(tmp_path):
     blocker.mkdir()
     (blocker / "__init__.py").write_text("raise ImportError('math-verify hidden by the test')\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", __file__,
-           "-k", "not skip_without_math_verify and not missing_math_verify"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-rs",
+        __file__,
+        "-k",
+        "not skip_without_math_verify and not missing_math_verify",
+    ]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)  # not the checkout
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert "skipped" in out.stdout and "math-verify hidden by the test" in out.stdout, out.stdout[-3000:]

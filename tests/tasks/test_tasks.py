@@ -21,13 +21,17 @@ _SENTENCE_RULES = [
     (re.compile(r"^\w+ has (\d+) \w+\.$"), lambda x, m: int(m[1])),
     (re.compile(_CONN + r"(?:buys|finds) (\d+) more \w+\.$"), lambda x, m: x + int(m[1])),
     (re.compile(_CONN + r"gets (\d+) \w+ from \w+\.$"), lambda x, m: x + int(m[1])),
-    (re.compile(_CONN + r"(?:gives (\d+) \w+ to \w+|loses (\d+) \w+|sells (\d+) \w+)\.$"),
-     lambda x, m: x - int(m[1] or m[2] or m[3])),
+    (
+        re.compile(_CONN + r"(?:gives (\d+) \w+ to \w+|loses (\d+) \w+|sells (\d+) \w+)\.$"),
+        lambda x, m: x - int(m[1] or m[2] or m[3]),
+    ),
     (re.compile(_CONN + r"buys (\d+) \w+ with (\d+) \w+ in each \w+\.$"), lambda x, m: x + int(m[1]) * int(m[2])),
     (re.compile(_CONN + r"doubles (?:his|her) \w+\.$"), lambda x, m: 2 * x),
     (re.compile(_CONN + r"triples (?:his|her) \w+\.$"), lambda x, m: 3 * x),
-    (re.compile(_CONN + r"splits (?:his|her) \w+ into (\d+) equal groups and keeps one group\.$"),
-     lambda x, m: _exact_div(x, int(m[1]))),
+    (
+        re.compile(_CONN + r"splits (?:his|her) \w+ into (\d+) equal groups and keeps one group\.$"),
+        lambda x, m: _exact_div(x, int(m[1])),
+    ),
 ]
 
 

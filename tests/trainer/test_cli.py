@@ -15,11 +15,33 @@ SHARED = SHARED_DATA
 @pytest.mark.skipif(not (SHARED / "gsm8k_test.jsonl").is_file(), reason="shared GSM8K file not present")
 def test_train_on_local_model_and_gsm8k_file(model_dir, tmp_path, capsys):
     out = tmp_path / "run"
-    rc = main([
-        "train", "--model", str(model_dir), "--data", str(SHARED / "gsm8k_test.jsonl"), "--limit", "4",
-        "--epochs", "2", "--group-size", "2", "--prompts-per-step", "4", "--max-response-len", "8",
-        "--max-model-len", "128", "--out", str(out), "--no-progress", "--modes", "vanilla,spec", "--no-checkpoint",
-    ])
+    rc = main(
+        [
+            "train",
+            "--model",
+            str(model_dir),
+            "--data",
+            str(SHARED / "gsm8k_test.jsonl"),
+            "--limit",
+            "4",
+            "--epochs",
+            "2",
+            "--group-size",
+            "2",
+            "--prompts-per-step",
+            "4",
+            "--max-response-len",
+            "8",
+            "--max-model-len",
+            "128",
+            "--out",
+            str(out),
+            "--no-progress",
+            "--modes",
+            "vanilla,spec",
+            "--no-checkpoint",
+        ]
+    )
     assert rc == 0
     summary = json.loads((out / "summary.json").read_text())["runs"]
     assert set(summary) == {"vanilla", "spec"}
@@ -31,8 +53,18 @@ def test_train_on_local_model_and_gsm8k_file(model_dir, tmp_path, capsys):
 def test_bad_cli_input(tmp_path, model_dir, capsys):
     # Bad input: one "spec-rl: error: ..." line and exit status 2 (argparse's convention), no traceback.
     with pytest.raises(SystemExit) as exit_info:
-        main(["train", "--model", str(tmp_path / "nope"), "--data", str(tmp_path / "x.jsonl"), "--no-progress",
-              "--out", str(tmp_path / "r")])
+        main(
+            [
+                "train",
+                "--model",
+                str(tmp_path / "nope"),
+                "--data",
+                str(tmp_path / "x.jsonl"),
+                "--no-progress",
+                "--out",
+                str(tmp_path / "r"),
+            ]
+        )
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("spec-rl: error: --model") and "config.json" in err
@@ -69,18 +101,38 @@ def _error_line(capsys, argv) -> str:
 @pytest.fixture()
 def data_file(tmp_path):
     path = tmp_path / "train.jsonl"
-    path.write_text("".join(
-        json.dumps({"question": f"Tom has {a} apples . Ann buys {b} more . how many ?", "answer": f"#### {a + b}"})
-        + "\n"
-        for a, b in [(1, 2), (3, 4)]
-    ))  # fmt: skip
+    path.write_text(
+        "".join(
+            json.dumps({"question": f"Tom has {a} apples . Ann buys {b} more . how many ?", "answer": f"#### {a + b}"})
+            + "\n"
+            for a, b in [(1, 2), (3, 4)]
+        )
+    )
     return path
 
 
 def _train_argv(model_dir, data_file, out, *extra):
-    return ["train", "--model", str(model_dir), "--data", str(data_file), "--out", str(out), "--epochs", "1",
-            "--group-size", "2", "--prompts-per-step", "2", "--max-response-len", "4", "--modes", "vanilla",
-            "--no-progress", *extra]  # fmt: skip
+    return [
+        "train",
+        "--model",
+        str(model_dir),
+        "--data",
+        str(data_file),
+        "--out",
+        str(out),
+        "--epochs",
+        "1",
+        "--group-size",
+        "2",
+        "--prompts-per-step",
+        "2",
+        "--max-response-len",
+        "4",
+        "--modes",
+        "vanilla",
+        "--no-progress",
+        *extra,
+    ]
 
 
 # (flags, what the one error line must contain): the flag at fault and what it must be.
@@ -114,8 +166,13 @@ BAD_FLAGS = [
     (["--epochs", "0"], ["--epochs must be >= 1, got 0"]),
     # --modes chooses the runs; the mode flags change the selected runs' modes, and one that no selected run has a
     # field for is refused, not ignored (here the runs are vanilla)
-    (["--lenience", "2"], ["--lenience applies to the runs spec; the selected runs (vanilla) have no such setting",
-                           "drop --lenience, or add such a run to --modes"]),
+    (
+        ["--lenience", "2"],
+        [
+            "--lenience applies to the runs spec; the selected runs (vanilla) have no such setting",
+            "drop --lenience, or add such a run to --modes",
+        ],
+    ),
     (["--modes", "exact", "--lenience", "2"], ["--lenience applies to the runs spec; the selected runs (exact)"]),
     (["--no-tail"], ["--no-tail applies to the runs spec, exact, random; the selected runs (vanilla)"]),
     (["--modes", "vanilla,histspec", "--no-tail"], ["--no-tail applies to", "the selected runs (vanilla, histspec)"]),
@@ -124,8 +181,10 @@ BAD_FLAGS = [
     (["--modes", "vanilla,random-ref"], ["--modes takes vanilla, histspec, spec, exact, random; got 'vanilla,random-"]),
     (["--modes", "auto"], ["--modes takes vanilla, histspec, spec, exact, random; got 'auto'"]),
     (["--modes", ","], ["--modes takes vanilla, histspec, spec, exact, random; got ','"]),
-    (["--modes", "spec", "--lenience", "0.5", "--rejection-draw", "without-draft"],
-     ["--rejection-draw 'without-draft' needs lenience >= 1, got 0.5"]),
+    (
+        ["--modes", "spec", "--lenience", "0.5", "--rejection-draw", "without-draft"],
+        ["--rejection-draw 'without-draft' needs lenience >= 1, got 0.5"],
+    ),
 ]
 
 
@@ -186,7 +245,9 @@ def test_resume_needs_a_run_and_a_checkpoint(model_dir, data_file, tmp_path, cap
     assert "--no-checkpoint" in line and "fresh --out" in line
 
 
-def test_resume_with_another_budget_is_refused_or_continues_without_cut_responses(model_dir, data_file, tmp_path, capsys):
+def test_resume_with_another_budget_is_refused_or_continues_without_cut_responses(
+    model_dir, data_file, tmp_path, capsys
+):
     from spec_rl.drafts.cache import RolloutCache
     from spec_rl.trainer.checkpoint import CACHE_FILE, latest_checkpoint
     from spec_rl.trainer.run import policy_eos_ids
@@ -205,7 +266,8 @@ def test_resume_with_another_budget_is_refused_or_continues_without_cut_response
     assert "--allow-config-change: sampling {" in said and "'max_tokens': 12} (recorded in run_info.json)" in said
     info = json.loads((out / "run_info.json").read_text())
     assert [(c["field"], c["old"]["max_tokens"], c["new"]["max_tokens"]) for c in info["config_changes"]] == [
-        ("sampling", 4, 12)]
+        ("sampling", 4, 12)
+    ]
     assert info["fingerprint"]["sampling"]["max_tokens"] == 12
     # The responses of the resumed epochs (the drafts stored at the end): none is cut short by the old budget.
     cache = RolloutCache.load(latest_checkpoint(out / "spec").path / CACHE_FILE)
@@ -282,8 +344,24 @@ def test_demo_refuses_heldout_files(capsys):
 
 def test_eval_fraction_and_eval_data_evaluate_every_epoch(model_dir, data_file, tmp_path, capsys):
     out = tmp_path / "frac"
-    assert main(_train_argv(model_dir, data_file, out, "--eval-fraction", "0.5", "--eval-samples", "2",
-                            "--modes", "vanilla,spec", "--epochs", "2")) == 0  # fmt: skip
+    assert (
+        main(
+            _train_argv(
+                model_dir,
+                data_file,
+                out,
+                "--eval-fraction",
+                "0.5",
+                "--eval-samples",
+                "2",
+                "--modes",
+                "vanilla,spec",
+                "--epochs",
+                "2",
+            )
+        )
+        == 0
+    )
     summary = json.loads((out / "summary.json").read_text())["runs"]
     info = json.loads((out / "run_info.json").read_text())
     assert info["train_prompts"] == 1 and info["eval_prompts"] == 1
@@ -329,12 +407,17 @@ def test_the_header_line_states_the_policy_parameter_count(model_dir, data_file,
     assert f"policy: {expected:,} parameters" in capsys.readouterr().out
 
 
-def test_resume_under_another_training_recipe_is_refused_even_when_the_run_is_complete(model_dir, data_file, tmp_path, capsys):
+def test_resume_under_another_training_recipe_is_refused_even_when_the_run_is_complete(
+    model_dir, data_file, tmp_path, capsys
+):
     out = tmp_path / "run"
     assert main(_train_argv(model_dir, data_file, out)) == 0  # 1 epoch of vanilla: complete
     capsys.readouterr()
     lr = json.loads((out / "run_info.json").read_text())["fingerprint"]["lr"]
-    for flags, shown in ((["--lr", "5e-4"], f"--lr: {lr!r} -> 0.0005"), (["--kl-coef", "0.1"], "--kl-coef: 0.0 -> 0.1")):
+    for flags, shown in (
+        (["--lr", "5e-4"], f"--lr: {lr!r} -> 0.0005"),
+        (["--kl-coef", "0.1"], "--kl-coef: 0.0 -> 0.1"),
+    ):
         line = _error_line(capsys, _train_argv(model_dir, data_file, out, "--resume", *flags))
         assert shown in line and "how the policy is trained" in line and "--allow-config-change" in line
     assert json.loads((out / "run_info.json").read_text())["config_changes"] == []  # nothing was touched

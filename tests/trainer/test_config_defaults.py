@@ -28,8 +28,12 @@ def test_the_demo_runs_l1_without_draft_and_a_users_model_the_papers_rule():
     demo = _modes(_args(), demo=True)
     assert list(demo) == list(DEMO_MODES) == ["vanilla", "spec", "exact", "histspec"]
     assert DEMO_SPEC == dict(lenience=1.0, rejection_draw="without-draft")
-    assert demo == {"vanilla": MODES["vanilla"], "spec": RolloutMode("lenient", 1.0, "without-draft"),
-                    "exact": MODES["exact"], "histspec": MODES["histspec"]}  # fmt: skip
+    assert demo == {
+        "vanilla": MODES["vanilla"],
+        "spec": RolloutMode("lenient", 1.0, "without-draft"),
+        "exact": MODES["exact"],
+        "histspec": MODES["histspec"],
+    }
     assert _modes(_args("--model", "m"), demo=False) == {"spec": MODES["spec"]}
     assert MODES["spec"].lenience == pytest.approx(math.exp(0.5)) and MODES["spec"].rejection_draw == "policy"
     # the user's flags replace the defaults they name, the others stay
@@ -59,19 +63,28 @@ def test_no_tail_turns_tail_speculation_off_in_the_runs_that_have_it():
     assert all(m.tail for m in _modes(_args(), demo=True).values() if m.reuses_drafts)
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--modes", "exact", "--lenience", "2"], "--lenience applies to the runs spec; the selected runs (exact) have no "
-                                              "such setting: drop --lenience, or add such a run to --modes"),
-    (["--modes", "vanilla,histspec,random", "--lenience", "inf"], "--lenience applies to the runs spec;"),
-    (["--modes", "vanilla", "--no-tail"], "--no-tail applies to the runs spec, exact, random; the selected runs ("),
-    (["--modes", "vanilla,histspec", "--no-tail"], "the selected runs (vanilla, histspec) have no such setting"),
-    (["--modes", "vanilla,exact", "--rejection-draw", "without-draft"], "--rejection-draw applies to the runs spec"),
-    (["--modes", "random", "--rejection-draw", "policy"], "drop --rejection-draw"),
-    (["--modes", "spec,exact,spec"], "--modes names a run twice: 'spec,exact,spec' (each run has one folder)"),
-    (["--modes", "random-ref"], "--modes takes vanilla, histspec, spec, exact, random; got 'random-ref'"),
-    (["--modes", "auto"], "--modes takes vanilla, histspec, spec, exact, random; got 'auto'"),
-    (["--modes", " , "], "--modes takes"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            ["--modes", "exact", "--lenience", "2"],
+            "--lenience applies to the runs spec; the selected runs (exact) have no "
+            "such setting: drop --lenience, or add such a run to --modes",
+        ),
+        (["--modes", "vanilla,histspec,random", "--lenience", "inf"], "--lenience applies to the runs spec;"),
+        (["--modes", "vanilla", "--no-tail"], "--no-tail applies to the runs spec, exact, random; the selected runs ("),
+        (["--modes", "vanilla,histspec", "--no-tail"], "the selected runs (vanilla, histspec) have no such setting"),
+        (
+            ["--modes", "vanilla,exact", "--rejection-draw", "without-draft"],
+            "--rejection-draw applies to the runs spec",
+        ),
+        (["--modes", "random", "--rejection-draw", "policy"], "drop --rejection-draw"),
+        (["--modes", "spec,exact,spec"], "--modes names a run twice: 'spec,exact,spec' (each run has one folder)"),
+        (["--modes", "random-ref"], "--modes takes vanilla, histspec, spec, exact, random; got 'random-ref'"),
+        (["--modes", "auto"], "--modes takes vanilla, histspec, spec, exact, random; got 'auto'"),
+        (["--modes", " , "], "--modes takes"),
+    ],
+)
 def test_mode_flags_no_selected_run_has_and_bad_runs_are_refused(argv, message):
     with pytest.raises(UsageError) as err:
         _modes(_args(*argv), demo=True)
@@ -79,23 +92,47 @@ def test_mode_flags_no_selected_run_has_and_bad_runs_are_refused(argv, message):
     assert err.value.code == 2
 
 
-@pytest.mark.parametrize("argv, runs", [
-    (["--modes", "spec,exact", "--lenience", "2"], {"spec": RolloutMode("lenient", 2.0, "without-draft"),
-                                                    "exact": MODES["exact"]}),
-    (["--modes", "vanilla,exact", "--no-tail"], {"vanilla": MODES["vanilla"],
-                                                 "exact": RolloutMode("exact", tail=False)}),
-    (["--modes", " random , spec "], {"random": MODES["random"], "spec": RolloutMode("lenient", 1.0, "without-draft")}),
-    (["--modes", "histspec"], {"histspec": MODES["histspec"]}),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv, runs",
+    [
+        (
+            ["--modes", "spec,exact", "--lenience", "2"],
+            {"spec": RolloutMode("lenient", 2.0, "without-draft"), "exact": MODES["exact"]},
+        ),
+        (
+            ["--modes", "vanilla,exact", "--no-tail"],
+            {"vanilla": MODES["vanilla"], "exact": RolloutMode("exact", tail=False)},
+        ),
+        (
+            ["--modes", " random , spec "],
+            {"random": MODES["random"], "spec": RolloutMode("lenient", 1.0, "without-draft")},
+        ),
+        (["--modes", "histspec"], {"histspec": MODES["histspec"]}),
+    ],
+)
 def test_mode_flags_some_selected_run_has_are_taken(argv, runs):
     assert _modes(_args(*argv), demo=True) == runs
 
 
-@pytest.mark.parametrize("argv", [
-    ["--lenience", "often"], ["--lenience", "0"], ["--lenience", "-1"], ["--lenience", "nan"], ["--lenience", "auto"],
-    ["--rejection-draw", "residual"], ["--spec-tokens", "0"], ["--no-spec"], ["--reuse", "random"], ["--compare"],
-    ["--acceptance", "exact"], ["--history-spec"], ["--sibling-drafts"], ["--target-drift", "0.05"],
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--lenience", "often"],
+        ["--lenience", "0"],
+        ["--lenience", "-1"],
+        ["--lenience", "nan"],
+        ["--lenience", "auto"],
+        ["--rejection-draw", "residual"],
+        ["--spec-tokens", "0"],
+        ["--no-spec"],
+        ["--reuse", "random"],
+        ["--compare"],
+        ["--acceptance", "exact"],
+        ["--history-spec"],
+        ["--sibling-drafts"],
+        ["--target-drift", "0.05"],
+    ],
+)
 def test_bad_and_unknown_flags_are_refused_by_the_parser(argv):
     with pytest.raises(UsageError) as err:
         _args(*argv)
@@ -112,7 +149,8 @@ def test_the_demo_and_model_defaults_make_configs():
     assert _config(_args("--spec-tokens", "3"), demo=True).spec_tokens == 3
     assert demo_config() == config_from(DEMO_DEFAULTS) and demo_config(epochs=2).epochs == 2
     assert config_from(MODEL_DEFAULTS, SamplingSettings(top_p=0.9, max_tokens=7)).sampling == SamplingSettings(
-        top_p=0.9, max_tokens=MODEL_DEFAULTS["max_response_len"])  # the defaults' budget replaces the settings' own
+        top_p=0.9, max_tokens=MODEL_DEFAULTS["max_response_len"]
+    )  # the defaults' budget replaces the settings' own
 
 
 def test_resume_under_another_mode_is_refused_naming_the_run(tmp_path):
@@ -126,8 +164,14 @@ def test_resume_under_another_mode_is_refused_naming_the_run(tmp_path):
     (tmp_path / "run_info.json").write_text(json.dumps({"fingerprint": stored}))
     assert check_resume(tmp_path, fingerprint(vanilla=MODES["vanilla"], spec=policy), allow_change=False) == []
     # tail speculation changes decode steps, never a token: not compared
-    assert check_resume(tmp_path, fingerprint(vanilla=MODES["vanilla"], spec=RolloutMode("lenient", 1.0, tail=False)),
-                        allow_change=False) == []  # fmt: skip
+    assert (
+        check_resume(
+            tmp_path,
+            fingerprint(vanilla=MODES["vanilla"], spec=RolloutMode("lenient", 1.0, tail=False)),
+            allow_change=False,
+        )
+        == []
+    )
     with pytest.raises(ConfigChangeError) as err:
         check_resume(tmp_path, fingerprint(vanilla=MODES["vanilla"], spec=without), allow_change=False)
     assert [k for k, _, _ in err.value.changes] == ["mode:spec"]
@@ -168,8 +212,13 @@ def test_the_header_and_the_records_name_the_rule_only_where_a_run_uses_it():
     step = {"num_samples": 4, "reward_sum": 2.0}
     spec = epoch_record(1, [step], "spec", RolloutMode("lenient", 1.0, "without-draft"))
     assert {k: spec[k] for k in ("mode", "acceptance", "lenience", "rejection_draw", "tail", "log_lenience")} == {
-        "mode": "spec", "acceptance": "lenient", "lenience": 1.0, "rejection_draw": "without-draft", "tail": True,
-        "log_lenience": 0.0}  # fmt: skip
+        "mode": "spec",
+        "acceptance": "lenient",
+        "lenience": 1.0,
+        "rejection_draw": "without-draft",
+        "tail": True,
+        "log_lenience": 0.0,
+    }
     exact = epoch_record(1, [step], "exact", MODES["exact"])
     assert (exact["acceptance"], exact["lenience"], exact["rejection_draw"]) == ("exact", None, "policy")
     assert epoch_record(1, [step], "vanilla", MODES["vanilla"])["acceptance"] is None

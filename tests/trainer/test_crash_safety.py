@@ -37,9 +37,15 @@ HELDOUT = [(1, 1), (4, 3)]
 
 def _gsm8k_lines(problems) -> str:
     return "".join(
-        json.dumps({"question": f"Tom has {a} apples . Ann buys {b} more . how many now ?",
-                    "answer": f"{a} + {b} = {a + b} #### {a + b}"}) + "\n" for a, b in problems
-    )  # fmt: skip
+        json.dumps(
+            {
+                "question": f"Tom has {a} apples . Ann buys {b} more . how many now ?",
+                "answer": f"{a} + {b} = {a + b} #### {a + b}",
+            }
+        )
+        + "\n"
+        for a, b in problems
+    )
 
 
 @pytest.fixture(scope="module")
@@ -56,11 +62,40 @@ def inputs(tmp_path_factory):
 
 def _argv(inputs, out: Path, resume: bool) -> list[str]:
     policy, data, heldout = inputs
-    argv = ["train", "--model", str(policy), "--data", str(data), "--eval-data", str(heldout), "--eval-samples", "2",
-            "--out", str(out), "--modes", ",".join(MODES),
-            "--epochs", "2", "--group-size", "4", "--prompts-per-step", "2", "--max-response-len", "8",
-            "--lr", "5e-2", "--lenience", "1", "--kl-coef", "0.05", "--seed", "3", "--reward", "gold_word",
-            "--no-progress"]  # fmt: skip
+    argv = [
+        "train",
+        "--model",
+        str(policy),
+        "--data",
+        str(data),
+        "--eval-data",
+        str(heldout),
+        "--eval-samples",
+        "2",
+        "--out",
+        str(out),
+        "--modes",
+        ",".join(MODES),
+        "--epochs",
+        "2",
+        "--group-size",
+        "4",
+        "--prompts-per-step",
+        "2",
+        "--max-response-len",
+        "8",
+        "--lr",
+        "5e-2",
+        "--lenience",
+        "1",
+        "--kl-coef",
+        "0.05",
+        "--seed",
+        "3",
+        "--reward",
+        "gold_word",
+        "--no-progress",
+    ]
     return argv + (["--resume"] if resume else [])
 
 
@@ -128,32 +163,64 @@ def _epochs_in_summary(out: Path, mode: str) -> list[int]:
 # every epoch (checkpoint-2 after epoch 1, checkpoint-4 after epoch 2).
 CHAIN = [
     # during an epoch: vanilla's epoch 2 has one of its two steps done; epoch 1 is committed and reported
-    ("step.end@3", lambda out: (_pointer(out, "vanilla") == "checkpoint-2"
-                                and len((out / "vanilla/metrics.jsonl").read_text().splitlines()) == 3
-                                and _epochs_in_summary(out, "vanilla") == [1])),
+    (
+        "step.end@3",
+        lambda out: (
+            _pointer(out, "vanilla") == "checkpoint-2"
+            and len((out / "vanilla/metrics.jsonl").read_text().splitlines()) == 3
+            and _epochs_in_summary(out, "vanilla") == [1]
+        ),
+    ),
     # between the checkpoint's renames: the new pointer is written to its temporary name only
-    ("write:LATEST@1", lambda out: (_pointer(out, "vanilla") == "checkpoint-2"
-                                    and (out / "vanilla/checkpoint-4" / MARKER).is_file()
-                                    and any((out / "vanilla").glob(".LATEST.*.tmp")))),
+    (
+        "write:LATEST@1",
+        lambda out: (
+            _pointer(out, "vanilla") == "checkpoint-2"
+            and (out / "vanilla/checkpoint-4" / MARKER).is_file()
+            and any((out / "vanilla").glob(".LATEST.*.tmp"))
+        ),
+    ),
     # the pointer moved; the old version and the summary are not updated yet
-    ("checkpoint.committed@1", lambda out: (_pointer(out, "vanilla") == "checkpoint-4"
-                                            and (out / "vanilla/checkpoint-2").is_dir()
-                                            and _epochs_in_summary(out, "vanilla") == [1])),
+    (
+        "checkpoint.committed@1",
+        lambda out: (
+            _pointer(out, "vanilla") == "checkpoint-4"
+            and (out / "vanilla/checkpoint-2").is_dir()
+            and _epochs_in_summary(out, "vanilla") == [1]
+        ),
+    ),
     # during the rollout-cache write of spec's first checkpoint (vanilla is finished and reported)
-    ("write:rollout_cache.safetensors@1", lambda out: (_pointer(out, "spec") is None
-                                                       and any((out / "spec/checkpoint-2").glob(".rollout_cache*.tmp"))
-                                                       and _epochs_in_summary(out, "vanilla") == [1, 2])),
+    (
+        "write:rollout_cache.safetensors@1",
+        lambda out: (
+            _pointer(out, "spec") is None
+            and any((out / "spec/checkpoint-2").glob(".rollout_cache*.tmp"))
+            and _epochs_in_summary(out, "vanilla") == [1, 2]
+        ),
+    ),
     # spec's epoch-2 version has its files but no trainer state or marker yet
-    ("checkpoint.files@2", lambda out: (_pointer(out, "spec") == "checkpoint-2"
-                                        and (out / "spec/checkpoint-4").is_dir()
-                                        and not (out / "spec/checkpoint-4" / MARKER).exists())),
+    (
+        "checkpoint.files@2",
+        lambda out: (
+            _pointer(out, "spec") == "checkpoint-2"
+            and (out / "spec/checkpoint-4").is_dir()
+            and not (out / "spec/checkpoint-4" / MARKER).exists()
+        ),
+    ),
     # the version is complete and marked, the pointer still names the previous one
-    ("checkpoint.marked@1", lambda out: (_pointer(out, "spec") == "checkpoint-2"
-                                         and (out / "spec/checkpoint-4" / MARKER).is_file())),
+    (
+        "checkpoint.marked@1",
+        lambda out: _pointer(out, "spec") == "checkpoint-2" and (out / "spec/checkpoint-4" / MARKER).is_file(),
+    ),
     # during the summary write after spec's epoch 2 (the first summary write is vanilla's end-of-run report)
-    ("write:summary.json@2", lambda out: (_pointer(out, "spec") == "checkpoint-4"
-                                          and any(out.glob(".summary.json.*.tmp"))
-                                          and _epochs_in_summary(out, "spec") == [1])),
+    (
+        "write:summary.json@2",
+        lambda out: (
+            _pointer(out, "spec") == "checkpoint-4"
+            and any(out.glob(".summary.json.*.tmp"))
+            and _epochs_in_summary(out, "spec") == [1]
+        ),
+    ),
 ]
 
 

@@ -25,8 +25,15 @@ from spec_rl.trainer.run import load_policy
 
 
 def _examples(pairs, tag):
-    return [Example(f"Question: Tom has {a} apples . Ann buys {b} more . how many now ? Answer:", str(a + b),
-                    f"{tag}:{a}:{b}", "test") for a, b in pairs]  # fmt: skip
+    return [
+        Example(
+            f"Question: Tom has {a} apples . Ann buys {b} more . how many now ? Answer:",
+            str(a + b),
+            f"{tag}:{a}:{b}",
+            "test",
+        )
+        for a, b in pairs
+    ]
 
 
 TRAIN = _examples([(1, 2), (3, 4), (2, 2), (5, 1)], "t")
@@ -39,15 +46,32 @@ def _parity(text: str, gold: str) -> float:
 
 def _config(mode="spec", lenience=0.5, **kw):
     """A small config; ``mode`` names a run of MODES, whose lenience (where it has one) is ``lenience``."""
-    base = dict(epochs=2, group_size=4, prompts_per_step=2, sampling=SamplingSettings(max_tokens=10), lr=1e-2, seed=5,
-                eval_samples=3, save_checkpoint=False)  # fmt: skip
+    base = dict(
+        epochs=2,
+        group_size=4,
+        prompts_per_step=2,
+        sampling=SamplingSettings(max_tokens=10),
+        lr=1e-2,
+        seed=5,
+        eval_samples=3,
+        save_checkpoint=False,
+    )
     base.update(kw)
     return GRPOConfig(mode=MODES[mode].with_overrides(lenience=lenience), **base)
 
 
 def _trainer(tmp_path, model=None, **kw):
-    return GRPOTrainer(model or tiny_model(seed=0), tiny_tokenizer(), TRAIN, _parity, _config(**kw), tmp_path,
-                       progress=False, log=lambda s: None, eval_examples=HELDOUT)  # fmt: skip
+    return GRPOTrainer(
+        model or tiny_model(seed=0),
+        tiny_tokenizer(),
+        TRAIN,
+        _parity,
+        _config(**kw),
+        tmp_path,
+        progress=False,
+        log=lambda s: None,
+        eval_examples=HELDOUT,
+    )
 
 
 @pytest.fixture()
@@ -143,13 +167,28 @@ def test_resume_keeps_the_evaluations_and_does_not_redo_them(tmp_path, seen_seed
 
 
 def test_no_eval_examples_means_no_heldout_fields(tmp_path):
-    trainer = GRPOTrainer(tiny_model(seed=0), tiny_tokenizer(), TRAIN, _parity, _config(epochs=1), tmp_path,
-                          progress=False, log=lambda s: None)  # fmt: skip
+    trainer = GRPOTrainer(
+        tiny_model(seed=0),
+        tiny_tokenizer(),
+        TRAIN,
+        _parity,
+        _config(epochs=1),
+        tmp_path,
+        progress=False,
+        log=lambda s: None,
+    )
     (rec,) = trainer.train()
     assert not any(k.startswith(("heldout_", START)) for k in rec)
     with pytest.raises(ValueError, match="held-out prompt"):
-        GRPOTrainer(tiny_model(), tiny_tokenizer(), TRAIN, _parity, _config(max_model_len=20), tmp_path,
-                    eval_examples=_examples([(1, 1)], "e") + [Example("Question: " + "Tom has 1 . " * 10, "1", "long", "t")])
+        GRPOTrainer(
+            tiny_model(),
+            tiny_tokenizer(),
+            TRAIN,
+            _parity,
+            _config(max_model_len=20),
+            tmp_path,
+            eval_examples=_examples([(1, 1)], "e") + [Example("Question: " + "Tom has 1 . " * 10, "1", "long", "t")],
+        )
 
 
 def test_reward_split_adds_up_to_the_rollout_reward(tmp_path):
@@ -167,13 +206,22 @@ def test_reward_split_adds_up_to_the_rollout_reward(tmp_path):
 
 
 def test_response_origins_and_means():
-    result = SimpleNamespace(draft_found=[False, True, True, True], verified_prefix_len=[0, 0, 2, 3],
-                             response_ids=[[1, 2], [4, 5], [1, 2, 7], [1, 2, 3]])  # fmt: skip
+    result = SimpleNamespace(
+        draft_found=[False, True, True, True],
+        verified_prefix_len=[0, 0, 2, 3],
+        response_ids=[[1, 2], [4, 5], [1, 2, 7], [1, 2, 3]],
+    )
     origins = response_origins(result)
     assert origins == ["fresh", "fresh", "partly_reused", "reused_whole"]
     sums = origin_sums(origins, [1.0, 0.0, 1.0, float("nan")])
-    assert origin_means(sums) == {"reward_reused_whole": None, "count_reused_whole": 0, "reward_partly_reused": 1.0,
-                                  "count_partly_reused": 1, "reward_fresh": 0.5, "count_fresh": 2}  # fmt: skip
+    assert origin_means(sums) == {
+        "reward_reused_whole": None,
+        "count_reused_whole": 0,
+        "reward_partly_reused": 1.0,
+        "count_partly_reused": 1,
+        "reward_fresh": 0.5,
+        "count_fresh": 2,
+    }
     with pytest.raises(ValueError, match="origins"):
         origin_sums(origins, [1.0])
     with pytest.raises(ValueError, match="unknown origin"):

@@ -13,8 +13,15 @@ from spec_rl.trainer.sweep import PAPER, SETTINGS, Setting, aggregate, chosen_se
 
 
 def _examples(pairs, tag):
-    return [Example(f"Question: Tom has {a} apples . Ann buys {b} more . how many now ? Answer:", str(a + b),
-                    f"{tag}:{a}:{b}", "test") for a, b in pairs]  # fmt: skip
+    return [
+        Example(
+            f"Question: Tom has {a} apples . Ann buys {b} more . how many now ? Answer:",
+            str(a + b),
+            f"{tag}:{a}:{b}",
+            "test",
+        )
+        for a, b in pairs
+    ]
 
 
 def _parity(text: str, gold: str) -> float:
@@ -22,10 +29,21 @@ def _parity(text: str, gold: str) -> float:
 
 
 def test_sweep_runs_every_setting_and_seed_and_resumes(model_dir, tmp_path):
-    base = GRPOConfig(epochs=2, group_size=2, prompts_per_step=2, sampling=SamplingSettings(max_tokens=6), lr=1e-2,
-                      eval_samples=2, max_model_len=64, device="cpu")  # fmt: skip
-    settings = (SETTINGS[0], Setting("l=inf", RolloutMode("lenient", lenience=math.inf)),
-                Setting("exact", MODES["exact"]))
+    base = GRPOConfig(
+        epochs=2,
+        group_size=2,
+        prompts_per_step=2,
+        sampling=SamplingSettings(max_tokens=6),
+        lr=1e-2,
+        eval_samples=2,
+        max_model_len=64,
+        device="cpu",
+    )
+    settings = (
+        SETTINGS[0],
+        Setting("l=inf", RolloutMode("lenient", lenience=math.inf)),
+        Setting("exact", MODES["exact"]),
+    )
     train, heldout = _examples([(1, 2), (3, 4)], "t"), _examples([(1, 1)], "e")
     out = tmp_path / "sweep"
     rows = run_sweep(model_dir, train, heldout, _parity, base, out, "small", 2, settings, progress=False)
@@ -54,10 +72,21 @@ def test_sweep_runs_every_setting_and_seed_and_resumes(model_dir, tmp_path):
 
 def test_aggregate_and_table_layout():
     runs = {
-        "vanilla": [dict(generated_tokens=100, rollout_seconds=10.0, decode_steps=50, heldout_reward=0.4, heldout_greedy_accuracy=0.5)] * 2,
-        "l=e^0.5": [dict(generated_tokens=20, rollout_seconds=4.0, decode_steps=10, heldout_reward=r, heldout_greedy_accuracy=g)
-                    for r, g in ((0.38, 0.44), (0.42, 0.48))],
-    }  # fmt: skip
+        "vanilla": [
+            dict(
+                generated_tokens=100,
+                rollout_seconds=10.0,
+                decode_steps=50,
+                heldout_reward=0.4,
+                heldout_greedy_accuracy=0.5,
+            )
+        ]
+        * 2,
+        "l=e^0.5": [
+            dict(generated_tokens=20, rollout_seconds=4.0, decode_steps=10, heldout_reward=r, heldout_greedy_accuracy=g)
+            for r, g in ((0.38, 0.44), (0.42, 0.48))
+        ],
+    }
     rows = aggregate(runs)
     row = rows[1]
     assert row["generated_tokens_ratio"] == pytest.approx(0.2) and row["speedup"] == pytest.approx(2.5)
@@ -80,8 +109,14 @@ def test_the_settings_and_their_modes():
     assert list(by)[:2] == ["vanilla", "random"]
     assert by["vanilla"] == MODES["vanilla"] and by["random"] == MODES["random"]
     assert by["exact"] == MODES["exact"] and "random-ref" not in by and "auto" not in by
-    grid = {"1": 1.0, "e^0.2": math.exp(0.2), "e^0.5": math.exp(0.5), "e^1": math.e, "e^2": math.exp(2.0),
-            "inf": math.inf}
+    grid = {
+        "1": 1.0,
+        "e^0.2": math.exp(0.2),
+        "e^0.5": math.exp(0.5),
+        "e^1": math.e,
+        "e^2": math.exp(2.0),
+        "inf": math.inf,
+    }
     for name, lenience in grid.items():
         assert by[f"l={name}"] == RolloutMode("lenient", lenience=lenience, rejection_draw="policy", tail=True)
     for name in ("1", "e^0.2", "e^0.5"):

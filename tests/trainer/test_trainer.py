@@ -41,17 +41,22 @@ def test_clipped_loss_values_and_empty_batch():
     mask = torch.tensor([[True, True], [True, False]])
     loss, m = clipped_policy_loss(lp, old, adv, mask, clip_low=0.2, clip_high=0.28)
     ratio = torch.exp(lp.detach() - old)
-    expected = -(
-        min(ratio[0, 0], 1.0) * 1
-        + min(ratio[0, 1] * 1, max(ratio[0, 1], 0.8) * 1)
-        + min(-ratio[1, 0], -min(ratio[1, 0], 1.28))
-    ) / 3
+    expected = (
+        -(
+            min(ratio[0, 0], 1.0) * 1
+            + min(ratio[0, 1] * 1, max(ratio[0, 1], 0.8) * 1)
+            + min(-ratio[1, 0], -min(ratio[1, 0], 1.28))
+        )
+        / 3
+    )
     assert loss.item() == pytest.approx(float(expected), rel=1e-6)
     assert m["clip_frac"] == pytest.approx(2 / 3)
     empty, _ = clipped_policy_loss(lp, old, adv, torch.zeros_like(mask))
     assert empty.item() == 0.0 and not math.isnan(empty.item())
     empty.backward()
-    none, _ = clipped_policy_loss(torch.zeros(0, 0, requires_grad=True), torch.zeros(0, 0), torch.zeros(0), torch.zeros(0, 0, dtype=torch.bool))
+    none, _ = clipped_policy_loss(
+        torch.zeros(0, 0, requires_grad=True), torch.zeros(0, 0), torch.zeros(0), torch.zeros(0, 0, dtype=torch.bool)
+    )
     assert none.item() == 0.0
 
 
@@ -59,8 +64,14 @@ def test_kl_term_needs_reference():
     lp = torch.zeros(1, 2)
     with pytest.raises(ValueError, match="ref_logprobs"):
         clipped_policy_loss(lp, lp, torch.ones(1), torch.ones(1, 2, dtype=torch.bool), kl_coef=0.1)
-    loss, m = clipped_policy_loss(lp, lp, torch.zeros(1), torch.ones(1, 2, dtype=torch.bool), kl_coef=0.1,
-                                  ref_logprobs=torch.tensor([[-0.5, 0.2]]))
+    loss, m = clipped_policy_loss(
+        lp,
+        lp,
+        torch.zeros(1),
+        torch.ones(1, 2, dtype=torch.bool),
+        kl_coef=0.1,
+        ref_logprobs=torch.tensor([[-0.5, 0.2]]),
+    )
     k3 = [math.exp(d) - d - 1 for d in (-0.5, 0.2)]
     assert loss.item() == pytest.approx(0.1 * sum(k3) / 2, rel=1e-5)
 
@@ -70,8 +81,10 @@ class _Ex:
         self.prompt, self.answer, self.uid = prompt, answer, uid
 
 
-EXAMPLES = [_Ex(f"Question: Tom has {a} apples . Ann buys {b} more . how many now ? Answer:", str(a + b), f"t:{a}:{b}")
-            for a, b in [(1, 2), (3, 4), (2, 2), (5, 1)]]
+EXAMPLES = [
+    _Ex(f"Question: Tom has {a} apples . Ann buys {b} more . how many now ? Answer:", str(a + b), f"t:{a}:{b}")
+    for a, b in [(1, 2), (3, 4), (2, 2), (5, 1)]
+]
 
 
 def _reward(text: str, gold: str) -> float:
@@ -80,8 +93,15 @@ def _reward(text: str, gold: str) -> float:
 
 
 def _config(**kw):
-    base = dict(epochs=1, group_size=4, prompts_per_step=4, sampling=SamplingSettings(max_tokens=12), lr=1e-2, seed=0,
-                save_checkpoint=False)  # fmt: skip
+    base = dict(
+        epochs=1,
+        group_size=4,
+        prompts_per_step=4,
+        sampling=SamplingSettings(max_tokens=12),
+        lr=1e-2,
+        seed=0,
+        save_checkpoint=False,
+    )
     base.update(kw)
     return GRPOConfig(**base)
 
@@ -140,8 +160,16 @@ def test_two_epoch_end_to_end_reuses_drafts_and_resumes(tmp_path):
     on_disk = json.loads((out / "summary.json").read_text())
     assert set(on_disk) == {"versions", "runs"} and on_disk["runs"] == summary
     assert on_disk["versions"]["torch"] == torch.__version__ and "python" in on_disk["versions"]
-    for key in ("epoch", "mean_reward", "generated_tokens", "reused_tokens", "full_reuse_ratio", "mean_verified_prefix",
-                "rollout_seconds", "scoring_seconds"):
+    for key in (
+        "epoch",
+        "mean_reward",
+        "generated_tokens",
+        "reused_tokens",
+        "full_reuse_ratio",
+        "mean_verified_prefix",
+        "rollout_seconds",
+        "scoring_seconds",
+    ):
         assert key in on_disk["runs"]["spec"][1]
     assert (out / "report.md").is_file() and (out / "report.png").stat().st_size > 1000
     ckpt = latest_checkpoint(out / "spec")  # the version LATEST names: a transformers checkpoint + trainer files
@@ -170,10 +198,19 @@ def test_paged_backend_in_the_trainer_splices_without_reprefill(tmp_path):
         GRPOConfig(generation_backend="sglang")
     try:
         import vllm  # noqa: F401
-    except ImportError:  # the main venv: a clear error naming what to install (tests/integrations/test_vllm_engine.py runs it)
+    except (
+        ImportError
+    ):  # the main venv: a clear error naming what to install (tests/integrations/test_vllm_engine.py runs it)
         with pytest.raises(ImportError, match="generation_backend='vllm' needs vLLM"):
-            GRPOTrainer(tiny_model(seed=0), tiny_tokenizer(), EXAMPLES, _reward, _config(generation_backend="vllm"),
-                        tmp_path, progress=False)  # fmt: skip
+            GRPOTrainer(
+                tiny_model(seed=0),
+                tiny_tokenizer(),
+                EXAMPLES,
+                _reward,
+                _config(generation_backend="vllm"),
+                tmp_path,
+                progress=False,
+            )
     auto = GRPOTrainer(tiny_model(seed=0), tiny_tokenizer(), EXAMPLES, _reward, _config(), tmp_path, progress=False)
     assert type(auto.rollout.backend).__name__ == "TransformersBackend"  # CPU default (see GRPOConfig)
 
