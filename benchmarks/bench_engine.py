@@ -193,9 +193,11 @@ def bench_decode(model, vocab, batch, prompt_len, new_tokens, device, skip_gener
         ("spec-rl TransformersBackend (HF KV cache)", lambda: TransformersBackend(model, eos, pad_id=0)),
     ]
     for name, make in todo:
-        _row_or_error(
-            name, lambda: rate(_time_generate(name, make(), contexts, new_tokens, settings, device)), rows, rec, show
-        )
+
+        def measure(name=name, make=make):
+            return rate(_time_generate(name, make(), contexts, new_tokens, settings, device))
+
+        _row_or_error(name, measure, rows, rec, show)
     if not skip_generate:
         _row_or_error(
             "transformers generate",

@@ -119,9 +119,8 @@ def main() -> int:
             rep, pairs = map(int, next(line for line in out.splitlines() if line.startswith("RATE")).split()[1:])
             rates[name] = (rep, pairs)
     base_rep, base_n = rates["plain"]
-    print(
-        f"P(token == previous token), {N_REQUESTS} samples x {N_TOKENS} tokens at temperature 1, vLLM {_vllm_version()}:"
-    )
+    print(f"P(token == previous token), {N_REQUESTS} samples x {N_TOKENS} tokens at temperature 1, ", end="")
+    print(f"vLLM {_vllm_version()}:")
     for name, (rep, n) in rates.items():
         p, p0 = rep / n, base_rep / base_n
         pooled = (rep + base_rep) / (n + base_n)

@@ -11,8 +11,8 @@ CUDA, interpreted on CPU); and the optional packages the later stages import
 
 Exit code 1 when ``spec_rl`` or ``spec_rl._C`` cannot be imported (nothing
 later can run); 3 when, with ``--require-cuda``, CUDA is not visible or the
-CUDA KV ops or the compiled kernels are missing (the later stages still run). Without CUDA the CUDA lines say "skipped: no CUDA" and a
-``NOTE:`` line says so (the smoke run's stage note).
+CUDA KV ops or the compiled kernels are missing (the later stages still run). Without CUDA the CUDA lines
+say "skipped: no CUDA" and a ``NOTE:`` line says so (the smoke run's stage note).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Everything :mod:`spec_rl.kernels` exports (see the package docstring)."""
+"""Everything :mod:`spec_rl.kernels` exports (docs/api.md "Kernels")."""
 
 from __future__ import annotations
 
@@ -9,13 +9,8 @@ try:
 except Exception as exc:  # pragma: no cover - exercised only without triton
     _IMPORT_ERROR = exc
 
-from .configs import (  # torch only
-    LMHeadConfig,
-    LogitsConfig,
-    PagedAttentionConfig,
-    default_lm_head_config,
-    default_logits_config,
-)
+# The configs need torch only: importable without Triton.
+from .configs import LMHeadConfig, LogitsConfig, PagedAttentionConfig, default_lm_head_config, default_logits_config
 
 if _IMPORT_ERROR is None:
     from ._common import INTERPRET

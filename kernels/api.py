@@ -1,27 +1,7 @@
-"""Public entry points of the Triton verification kernels.
+"""Public verification entry points (docs/api.md "Kernels"): padded drafts or packed rows, from logits or hidden
+states; the rule is SPEC-RL Sec. 3, Alg. 1 (docs/design.md "The rule"), u = Philox(seed, uid, token index).
 
-* :func:`verify_padded` -- padded [B, R] drafts, for ``spec_rl.acceptance.dispatch``'s
-  ``"triton"`` backend: tensors in, (new log-probs, per-token outcome,
-  rejection index) out. Inputs are assumed validated by ``spec_rl.acceptance.dispatch``
-  except for scores without a valid distribution (NaN or +inf logits, or a
-  row of -inf logits, from logits / hidden states / LM-head weight), which the
-  kernels detect with an in-kernel flag (a ValueError naming the (sample,
-  token) positions is raised; no result is returned).
-* packed entry points for trainers that never pad:
-  :func:`verify_packed_logits`, :func:`verify_packed_hidden` (rows of
-  logits [N, V] / hidden states [N, d], each row tagged with its sample and
-  its token index), :func:`rows_from_cu_seqlens` to build the tags from
-  cumulative lengths, and score-only :func:`logprobs_from_logits` /
-  :func:`logprobs_from_hidden`.
-* :func:`is_available` -- whether the kernels can run on a device.
-
-Decision rule (SPEC-RL, arXiv 2509.23232, Sec. 3, Alg. 1; docs/design.md
-"The rule"): token i of sample b is accepted iff ``log u_i <= log(l) +
-lp_new_i - lp_old_i`` with u_i = Philox(seed, uid_b, i) (spec_rl.sampling.philox);
-the accepted length n_b is the first rejected token index (or the draft
-length). The kernels live beside their launchers in :mod:`.from_logits` and
-:mod:`.lm_head`.
-"""
+Scores without a valid distribution (NaN, +inf, a row of -inf) set an in-kernel flag and raise ValueError."""
 
 from __future__ import annotations
 
@@ -40,16 +20,8 @@ _HIDDEN_SOURCE = "logits (hidden_states @ lm_head_weight.T)"
 
 @dataclass
 class PackedVerifyOutput:
-    """Result of a packed verification over N rows and B samples.
-
-    Attributes:
-        new_logprobs: [N] float32 sampling log-probs of the rows' draft tokens
-            (0 on padding rows, i.e. row_sample == -1).
-        accept: [N] bool per-token test outcome (False on padding rows), or
-            None for score-only calls.
-        accepted_len: [B] int64 rejection index n_b = min(lengths[b], first
-            rejected token index of sample b).
-    """
+    """Packed result: new_logprobs [N] f32 (0 on padding rows), accept [N] bool (None when score-only),
+    accepted_len [B] int64 = min(lengths[b], first rejected token index of sample b)."""
 
     new_logprobs: torch.Tensor
     accept: torch.Tensor | None
@@ -58,18 +30,10 @@ class PackedVerifyOutput:
 
 @dataclass
 class PackedDrafts:
-    """N draft tokens packed back to back (no padding), each row tagged with its sample and token index.
-
-    Attributes:
-        draft_ids: [N] integer ids; old_logprobs: [N] float stored log-probs (<= 0).
-        row_sample: [N] int sample index in [0, B) (-1: a padding row, never read); row_token: [N] int token index
-            within its draft (keys the Philox uniform with the sample's uid).
-        lengths: [B] int draft lengths (every token index in [0, lengths[b]) appears in exactly one row);
-            uids: [B] int64 per-sample ids.
-        row_offsets: optional [N] int64 element offsets of each row inside a hidden-state tensor (gathers rows of a
-            padded [B, T, d] tensor without a copy); row_offsets_multiple_of: a power of two dividing every offset
-            (a promise that lets the kernel use 16-byte loads; wrong values give wrong results).
-    """
+    """N draft tokens packed back to back (docs/api.md): draft_ids, old_logprobs, row_sample, row_token: [N];
+    lengths, uids: [B]. row_sample in [0, B) (-1: padding, never read); row_token keys the uniform; each index below
+    lengths[b] is in exactly one row; row_offsets: optional [N] int64 element offsets into ``hidden``;
+    row_offsets_multiple_of: a power of two dividing them (a promise for 16-byte loads: if false, wrong results)."""
 
     draft_ids: torch.Tensor
     old_logprobs: torch.Tensor
@@ -82,7 +46,7 @@ class PackedDrafts:
 
     @classmethod
     def from_cu_seqlens(cls, cu_seqlens, draft_ids, old_logprobs, uids, **extra) -> PackedDrafts:
-        """Drafts laid out back to back with cumulative lengths ``cu_seqlens`` [B + 1] (:func:`rows_from_cu_seqlens`)."""
+        """Drafts back to back with cumulative lengths ``cu_seqlens`` [B + 1] (:func:`rows_from_cu_seqlens`)."""
         row_sample, row_token, lengths = rows_from_cu_seqlens(cu_seqlens)
         return cls(draft_ids, old_logprobs, row_sample, row_token, lengths, uids, **extra)
 
@@ -105,23 +69,9 @@ def _packed_output(launched, rows: DraftRows, source: str, score_only: bool) -> 
     return PackedVerifyOutput(lp, None if score_only else acc.bool(), n.to(torch.int64))
 
 
-# ----------------------------------------------------------------------------
-# packed API
-
-
 def rows_from_cu_seqlens(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Row tags for drafts packed back to back (varlen layout).
-
-    Args:
-        cu_seqlens: [B + 1] integer cumulative lengths (cu[0] = 0, cu[B] = N).
-
-    Returns:
-        (row_sample [N] int32, row_token [N] int32, lengths [B] int64) on
-        cu_seqlens' device (one host sync to read N).
-
-    Raises:
-        ValueError: not 1-D, cu[0] != 0, or decreasing.
-    """
+    """(row_sample [N] int32, row_token [N] int32, lengths [B] int64) from cu_seqlens [B + 1] (one sync).
+    ValueError unless cu_seqlens is a 1-D integer tensor starting at 0 and non-decreasing."""
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1 or cu_seqlens.is_floating_point():
         raise ValueError("cu_seqlens must be a 1-D integer tensor [B + 1]")
     cu = cu_seqlens.to(torch.int64)
@@ -145,16 +95,11 @@ def verify_packed_logits(
     config: LogitsConfig | None = None,
     score_only: bool = False,
 ) -> PackedVerifyOutput:
-    """Verify packed draft tokens from rows of logits [N, V] (bf16/fp16/fp32, unit stride over V), read once.
+    """Verify packed drafts from logits [N, V] bf16/fp16/fp32 (unit stride over V), read once; row r scores id r.
 
-    Row r scores ``drafts.draft_ids[r]``. ``log_lenience``: log(l), +inf accepts all, -inf rejects all;
-    ``temperature``: the T that produced the drafts; ``config``: tile override; ``score_only``: log-probs only
-    (accept None, accepted_len = lengths). Ids are not range-checked here (the verify functions do that).
-
-    Raises:
-        ValueError: a scored row without a valid distribution (NaN or +inf logits, or every logit -inf), named as
-            (sample, token); shape errors. RuntimeError: the kernels cannot run on the inputs' device.
-    """
+    ``log_lenience``: log(l), +inf accepts all, -inf rejects all; ``score_only``: log-probs only (accept None,
+    accepted_len = lengths). Ids are not range-checked. Raises ValueError for bad shapes or a row without a valid
+    distribution (named as (sample, token)), TypeError for other dtypes, RuntimeError if the device has no kernels."""
     if logits.dim() != 2:
         raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")
     if logits.dtype not in FLOAT_DTYPES:
@@ -178,14 +123,11 @@ def verify_packed_hidden(
     config: LMHeadConfig | None = None,
     score_only: bool = False,
 ) -> PackedVerifyOutput:
-    """Verify packed draft tokens from final hidden states with the fused LM head (logits never materialised;
-    extra memory (2 * splits + 1) * N float32, splits ~16).
+    """Verify packed drafts from hidden states with the fused LM head; extra memory (2 * splits + 1) * N f32.
 
-    ``hidden``: [N, d] (any 2-D view with ``drafts.row_offsets``), bf16/fp16/fp32, unit stride over d;
-    ``lm_head_weight``: [V, d] (bf16/fp16 of ``hidden``'s dtype use tensor cores with fp32 accumulation; fp32 or
-    mixed dtypes an IEEE fp32 dot); ``lm_head_bias``: optional [V]. Other arguments and errors as
-    :func:`verify_packed_logits`.
-    """
+    ``hidden``: [N, d] (any 2-D view with ``drafts.row_offsets``), unit stride over d; ``lm_head_weight``: [V, d]
+    (bf16/fp16 of hidden's dtype: tensor cores with fp32 accumulation, else an IEEE fp32 dot); ``lm_head_bias``:
+    optional [V]. Other arguments and errors as :func:`verify_packed_logits`."""
     if hidden.dim() != 2 or lm_head_weight.dim() != 2 or hidden.shape[-1] != lm_head_weight.shape[1]:
         raise ValueError(
             f"hidden [N, d] and lm_head_weight [V, d] disagree: {tuple(hidden.shape)} vs {tuple(lm_head_weight.shape)}"
@@ -214,7 +156,7 @@ def verify_packed_hidden(
 
 
 def _score_only_drafts(token_ids: torch.Tensor) -> PackedDrafts:
-    """N rows scored on their own: token r of one sample (errors name row r as (0, r))."""
+    """Row r as token r of sample 0 (errors name it (0, r))."""
     rows, device = token_ids.shape[0], token_ids.device
     zeros = torch.zeros(rows, dtype=torch.int32, device=device)
     tokens = torch.arange(rows, dtype=torch.int32, device=device)
@@ -226,11 +168,7 @@ def _score_only_drafts(token_ids: torch.Tensor) -> PackedDrafts:
 def logprobs_from_logits(
     logits: torch.Tensor, token_ids: torch.Tensor, temperature: float = 1.0, config: LogitsConfig | None = None
 ) -> torch.Tensor:
-    """log softmax(logits / T)[token] for logits [N, V] and ids [N] -> [N] float32 (one read of the logits).
-
-    Raises:
-        ValueError: a row without a valid distribution (NaN or +inf logits, or all -inf), named as (0, row).
-    """
+    """log softmax(logits / T)[token] for logits [N, V], ids [N] -> [N] f32; invalid row r: ValueError at (0, r)."""
     out = verify_packed_logits(
         logits,
         _score_only_drafts(token_ids),
@@ -251,11 +189,7 @@ def logprobs_from_hidden(
     temperature: float = 1.0,
     config: LMHeadConfig | None = None,
 ) -> torch.Tensor:
-    """log softmax((hidden @ W.T + b) / T)[token] for hidden [N, d] -> [N] float32, logits never materialised.
-
-    Raises:
-        ValueError: a row without a valid distribution (NaN, overflow, or all -inf), named as (0, row).
-    """
+    """log softmax((hidden @ W.T + b) / T)[token] for hidden [N, d] -> [N] f32; invalid row r: ValueError (0, r)."""
     out = verify_packed_hidden(
         hidden,
         lm_head_weight,
@@ -270,12 +204,7 @@ def logprobs_from_hidden(
     return out.new_logprobs
 
 
-# ----------------------------------------------------------------------------
-# padded API (spec_rl.acceptance.dispatch's "triton" backend)
-
-
 def _padded_from_logits(logits, draft_ids, old_logprobs, lengths, uids, settings, config):
-    """From-logits kernel over padded [B, R, V] logits (padded rows are never read)."""
     if logits.dtype not in FLOAT_DTYPES:
         raise NotImplementedError(f"Triton kernels take bf16/fp16/fp32 logits, got {logits.dtype}; use the reference")
     logits = unit_stride(logits)
@@ -287,7 +216,6 @@ def _padded_from_logits(logits, draft_ids, old_logprobs, lengths, uids, settings
 
 
 def _padded_from_hidden(hidden, weight, bias, draft_ids, old_logprobs, lengths, uids, settings, config):
-    """Fused LM-head kernel over the valid rows of padded [B, R, d] hidden states (gathered in-kernel)."""
     if weight is None:
         raise ValueError("hidden_states needs lm_head_weight [V, d]")
     if hidden.dtype not in FLOAT_DTYPES or weight.dtype not in FLOAT_DTYPES:
@@ -332,21 +260,14 @@ def verify_padded(
     temperature: float,
     score_only: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Score right-padded drafts [B, R] and apply the acceptance test in one pass over the scores: the "triton"
-    backend of the verify functions, whose inputs it assumes validated.
+    """The "triton" backend of the verify functions (inputs assumed validated): right-padded drafts [B, R].
 
-    ``scores`` has ``logits`` [B, R, V] or ``hidden_states`` [B, R, d] with ``lm_head_weight`` [V, d] (and
-    ``lm_head_bias``), e.g. a :class:`spec_rl.DraftScores`; padded rows are never read. ``score_only``: log-probs
-    only (accept all False, accepted_len = lengths). Returns new_logprobs [B, R] float32 (0 at padding), accept
-    [B, R] bool, accepted_len [B] int64.
-
-    Raises:
-        ValueError: a scored position without a valid distribution, named as (sample, token).
-        NotImplementedError: scores that are not bf16/fp16/fp32. RuntimeError: no kernels on the device.
-    """
+    ``scores``: ``logits`` [B, R, V], or ``hidden_states`` [B, R, d] with ``lm_head_weight`` [V, d] (and
+    ``lm_head_bias``), e.g. a :class:`spec_rl.DraftScores`; padding is never read. Returns new_logprobs [B, R] f32
+    (0 at padding), accept [B, R] bool (False if ``score_only``), accepted_len [B] int64. Raises ValueError for an
+    invalid distribution (sample, token), NotImplementedError unless bf16/fp16/fp32, RuntimeError without kernels."""
     logits, hidden_states = scores.logits, scores.hidden_states
     lm_head_weight, lm_head_bias = scores.lm_head_weight, scores.lm_head_bias
-    logits_config = lm_head_config = None
     if (logits is None) == (hidden_states is None):
         raise ValueError("pass exactly one of logits or hidden_states (with lm_head_weight)")
     device = draft_ids.device
@@ -356,14 +277,12 @@ def verify_padded(
     settings = dict(seed=seed, log_lenience=log_lenience, temperature=temperature, mode=mode)
     inputs = (draft_ids, old_logprobs, lengths, uids, settings)
     if logits is not None:
-        lp_new, accept, n, flag = _padded_from_logits(logits, *inputs, logits_config)
+        lp_new, accept, n, flag = _padded_from_logits(logits, *inputs, None)
         raise_if_flagged(flag, "logits", lp_new)
     else:
-        lp_new, accept, n, flag = _padded_from_hidden(
-            hidden_states, lm_head_weight, lm_head_bias, *inputs, lm_head_config
-        )
+        lp_new, accept, n, flag = _padded_from_hidden(hidden_states, lm_head_weight, lm_head_bias, *inputs, None)
         raise_if_flagged(flag, _HIDDEN_SOURCE, lp_new)
-    if score_only:  # the kernel made no decisions (its accept buffer is unwritten)
+    if score_only:  # the accept buffer is unwritten
         accept = torch.zeros_like(accept)
     return lp_new, accept, n.to(torch.int64)
 

@@ -1,12 +1,5 @@
-"""Argument checks of the public entry points, in the flashinfer style (one helper per kind of check).
-
-Verification (:mod:`.api`): :func:`is_available`, :func:`check_device`,
-:func:`packed_rows` (the packed per-row inputs), :func:`raise_if_flagged`
-(the kernels' flag of rows without a valid distribution). Paged decode attention (:mod:`.paged_attention`):
-:func:`validate_paged_decode` (shapes, dtypes, devices, strides; no sync),
-:func:`check_block_ranges` (one device->host sync), :func:`check_paged_device`,
-:func:`check_paged_options`. Every error names the argument and the fix.
-"""
+"""Argument checks of the public entry points, one helper per kind of check; every error names the argument
+and the fix. Only :func:`raise_if_flagged` and :func:`check_block_ranges` synchronise with the device."""
 
 from __future__ import annotations
 
@@ -20,17 +13,9 @@ from .configs import PagedAttentionConfig
 
 MAX_HEAD_DIM = 256  # the largest head size of paged decode attention
 
-# ----------------------------------------------------------------------------
-# verification
-
 
 def is_available(device: torch.device | str | None = None) -> bool:
-    """True when the kernels can run on ``device`` (default: CUDA if present).
-
-    CUDA tensors need a CUDA build of torch with a visible GPU; CPU tensors
-    need the Triton interpreter (TRITON_INTERPRET=1 set before importing
-    spec_rl.kernels) -- slow, for tests only.
-    """
+    """Whether the kernels can run on ``device`` (default: CUDA if present); CPU needs TRITON_INTERPRET=1."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
@@ -42,7 +27,7 @@ def is_available(device: torch.device | str | None = None) -> bool:
 
 
 def check_device(*tensors: torch.Tensor | None) -> None:
-    """All tensors on the first one's device, and the kernels runnable there."""
+    """RuntimeError unless the kernels run on the first tensor's device; ValueError for a tensor elsewhere."""
     dev = tensors[0].device
     if not is_available(dev):
         hint = (
@@ -57,13 +42,8 @@ def check_device(*tensors: torch.Tensor | None) -> None:
 
 
 def raise_if_flagged(flag: torch.Tensor, source: str, lp: torch.Tensor, tags=None) -> None:
-    """Raise the invalid-scores error when the kernel's flag is set (one device->host sync when not).
-
-    The kernel sets the flag, and the row's log-prob to NaN, for every scored row without a valid
-    distribution: a NaN or +inf logit, or every logit -inf. The error names those rows as (sample,
-    token): directly for [B, R] ``lp``; through ``tags`` = (row_sample [N], row_token [N]) for packed
-    [N] ``lp``. The wording is spec_rl.acceptance.dispatch's reference backend's, so both backends fail alike.
-    """
+    """If the flag is set, ValueError naming the NaN rows of ``lp`` ([B, R], or [N] with ``tags`` = (row_sample,
+    row_token)) as (sample, token), worded as the reference backend's (spec_rl.acceptance.dispatch). One sync."""
     if not int(flag.item()):
         return
     rows = torch.nonzero(torch.isnan(lp))
@@ -78,7 +58,6 @@ def raise_if_flagged(flag: torch.Tensor, source: str, lp: torch.Tensor, tags=Non
 
 
 def unit_stride(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself when its last dimension is contiguous, else a contiguous copy."""
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
@@ -90,7 +69,7 @@ def row_vector(t: torch.Tensor, n: int, name: str) -> torch.Tensor:
 
 
 def packed_rows(n_rows: int, draft_ids, old_logprobs, row_sample, row_token, lengths, uids, **settings) -> DraftRows:
-    """Check the packed per-row and per-sample inputs; ``settings``: seed, log_lenience, temperature, mode."""
+    """Checked packed inputs as :class:`DraftRows`; ``settings``: seed, log_lenience, temperature, mode."""
     draft_ids = row_vector(draft_ids, n_rows, "draft_ids")
     old_logprobs = row_vector(old_logprobs, n_rows, "old_logprobs")
     if draft_ids.is_floating_point():
@@ -105,12 +84,8 @@ def packed_rows(n_rows: int, draft_ids, old_logprobs, row_sample, row_token, len
     return DraftRows(draft_ids, old_logprobs, lengths.contiguous(), uids, row_sample, row_token, **settings)
 
 
-# ----------------------------------------------------------------------------
-# paged decode attention
-
-
 def check_tensor(name: str, t, dims: int, shape_doc: str, kind: str, device: torch.device | None = None) -> None:
-    """``check_shape_dtype_device``-style check: a ``dims``-D tensor, float (the kernels' dtypes) or int32."""
+    """A ``dims``-D tensor of ``kind`` ("float": the kernels' dtypes, or "int32") on ``device``."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor {shape_doc}, got {type(t).__name__}")
     if t.dim() != dims:
@@ -124,7 +99,6 @@ def check_tensor(name: str, t, dims: int, shape_doc: str, kind: str, device: tor
 
 
 def _check_strides(query, kv_cache, block_tables, seq_lens) -> None:
-    """The unit strides the kernel's address arithmetic assumes."""
     if not kv_cache.is_contiguous():
         raise ValueError("kv_cache must be contiguous (allocate it with torch.empty/zeros)")
     if query.stride(2) != 1:
@@ -136,7 +110,6 @@ def _check_strides(query, kv_cache, block_tables, seq_lens) -> None:
 
 
 def _check_out(out, query) -> None:
-    """``out`` None, or a tensor like ``query`` with unit stride over head_dim."""
     if out is None:
         return
     if not isinstance(out, torch.Tensor):
@@ -151,7 +124,7 @@ def _check_out(out, query) -> None:
 
 
 def validate_paged_decode(query, kv_cache, block_tables, seq_lens, scale, out, max_seq_len) -> None:
-    """Shapes, dtypes, devices, strides and scalars (no device->host sync; see :func:`check_block_ranges`)."""
+    """Shapes, dtypes, devices, strides and scalars (no sync)."""
     check_tensor("kv_cache", kv_cache, 5, "[num_blocks, 2, block_size, kv_heads, head_dim]", "float")
     dev = kv_cache.device
     check_tensor("query", query, 3, "[batch, q_heads, head_dim]", "float", dev)
@@ -186,18 +159,16 @@ def validate_paged_decode(query, kv_cache, block_tables, seq_lens, scale, out, m
 
 
 def check_block_ranges(kv_cache, block_tables, seq_lens, max_seq_len) -> None:
-    """Range checks with one device->host transfer (skip with validate=False, e.g. under CUDA-graph capture)."""
+    """seq_lens and the block ids they read within range (one device->host transfer)."""
     if seq_lens.numel() == 0:
         return
     num_blocks, _, block_size, _, _ = kv_cache.shape
     max_blocks = block_tables.shape[1]
     capacity = max_blocks * block_size
     lens = seq_lens.long()
-    # Only the entries a sequence actually reads are checked: unused table
-    # entries may hold any padding value (e.g. -1).
     pages = (lens + block_size - 1) // block_size
     used = torch.arange(max_blocks, device=lens.device).unsqueeze(0) < pages.unsqueeze(1)
-    bad_block = used & ((block_tables < 0) | (block_tables >= num_blocks))
+    bad_block = used & ((block_tables < 0) | (block_tables >= num_blocks))  # unread entries may be padding (-1)
     lo, hi, bad = torch.stack([lens.min(), lens.max(), bad_block.any().long()]).tolist()
     if lo < 0:
         raise ValueError(f"seq_lens must be >= 0, got a minimum of {lo}")
@@ -218,7 +189,7 @@ def check_block_ranges(kv_cache, block_tables, seq_lens, max_seq_len) -> None:
 
 
 def check_paged_device(dev: torch.device) -> None:
-    """The kernels run on CUDA (compiled) or on CPU (interpreter); say which switch is missing otherwise."""
+    """RuntimeError naming the missing switch unless the kernels run on ``dev`` (CUDA compiled, CPU interpreted)."""
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError("paged_decode_attention: CUDA tensors but no usable CUDA device")
@@ -238,7 +209,6 @@ def check_paged_device(dev: torch.device) -> None:
 
 
 def check_paged_options(num_splits, config) -> None:
-    """``num_splits`` None or >= 1; ``config`` None or a :class:`~.configs.PagedAttentionConfig`."""
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits must be None or an int >= 1, got {num_splits!r}")
     if config is not None and not isinstance(config, PagedAttentionConfig):

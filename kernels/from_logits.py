@@ -1,44 +1,7 @@
-"""From-logits verification kernel: one streaming read of the logits.
+"""From-logits verification: one streaming read of packed [N, V] or padded [B, T, V] logits, never copied.
 
-Each program owns BLOCK_R logits rows (1 for large vocabularies; several
-for small ones, and in the interpreter, where every Triton op is one numpy
-call). A row is read once, in tiles of BLOCK_V columns, with a *per-lane*
-online log-sum-exp: every lane j of the tile keeps
-its own running max m_j and sum s_j, updated with a single exponential per
-element,
-
-    d = x - m_j;  e = exp2(-|d| * c)
-    s_j = s_j * e + 1   if d > 0   (new max: rescale the old sum)
-    s_j = s_j + e       otherwise
-    m_j = max(m_j, x),
-
-and lanes are merged once at the end of the row (max, then a rescaled sum).
-Compared with the usual per-tile update (tile max, then exp of every
-element), this has no cross-warp reduction (shared memory + barrier) inside
-the loop, so nothing stalls the stream of loads; the cost is one exp2 per
-element, which on an H100/H200 (16 MUFU ops/clk/SM, CUDA C Programming Guide
-"Arithmetic Instructions" throughput table) is below the time the HBM needs to
-deliver the element. The next tile is loaded before the current one is
-consumed (software prefetch), and loads use ``evict_first`` since every byte
-is read exactly once.
-
-The draft token's logit is one extra scalar load; the epilogue
-(:func:`.epilogue.finish_rows`) forms the log-prob, draws the Philox uniform,
-applies the test and lowers the sample's rejection index with an int32 atomic
-min (order-independent, hence deterministic).
-
-Row addressing, without copying the logits:
-
-* padded  (PACKED=False): logits [B, T, V] with strides (stride_b, stride_t, 1);
-  row r -> (b, t) = (r // T, r % T); rows with t >= lengths[b] are skipped
-  (no logits read, so garbage or NaN at padded positions is ignored).
-* packed  (PACKED=True): logits [N, V] with row stride stride_t; row r belongs
-  to sample row_sample[r] (-1 = padding row, skipped) at token index
-  row_token[r].
-
-:func:`launch_from_logits` picks the layout from the logits' rank and
-launches the kernel.
-"""
+Per-lane online log-sum-exp: each lane keeps its own (max, sum) with one exp2 per element and lanes merge once
+per row, so the load loop has no cross-warp reduction; the next tile is prefetched. Padding rows are not read."""
 
 from __future__ import annotations
 
@@ -53,6 +16,7 @@ from .epilogue import finish_rows
 
 @triton.jit
 def _lane_update(m, s, x, c):
+    # d > 0: new max, rescale the old sum (s * e + 1); otherwise add e. One exp2 either way.
     d = x - m
     e = tl.exp2(-tl.abs(d) * c)
     s = tl.where(d > 0, s * e + 1.0, s + e)
@@ -104,16 +68,12 @@ def verify_from_logits_kernel(
         length = tl.load(lengths_ptr + sample, mask=in_range, other=0).to(tl.int32)
         valid = in_range & (token < length)
         row_off = sample.to(tl.int64) * stride_b + token.to(tl.int64) * stride_t
-    # (No tl.where(valid, row_off, 0) here: it hides the offsets' 16-byte
-    # divisibility from Triton and the loads stop being vectorised; loads of
-    # rows that are not valid are masked anyway.)
+    # No tl.where(valid, row_off, 0): it would hide the 16-byte divisibility and unvectorise the (masked) loads.
     ptrs = logits_ptr + row_off[:, None] + tl.arange(0, BLOCK_V)[None, :]
     row_mask = valid[:, None]
-
     m = tl.full([BLOCK_R, BLOCK_V], NEG_FLT_MAX, tl.float32)
     s = tl.zeros([BLOCK_R, BLOCK_V], tl.float32)
-    # Skip the stream entirely when no row of this program is a draft token.
-    n_full = (V // BLOCK_V) * tl.max(valid.to(tl.int32), axis=0)
+    n_full = (V // BLOCK_V) * tl.max(valid.to(tl.int32), axis=0)  # 0 when no row is a draft token
     if n_full > 0:
         x = tl.load(ptrs, mask=row_mask, other=float("-inf"), eviction_policy="evict_first").to(tl.float32)
         for i in range(1, n_full):
@@ -123,19 +83,15 @@ def verify_from_logits_kernel(
             m, s = _lane_update(m, s, x, c_exp2)
             x = x_next
         m, s = _lane_update(m, s, x, c_exp2)
-    # Ragged tail (V not a multiple of BLOCK_V, or V < BLOCK_V): columns past
-    # V load -inf, which leaves (m, s) unchanged since m > -inf.
-    tail = n_full * BLOCK_V + tl.arange(0, BLOCK_V)
+    tail = n_full * BLOCK_V + tl.arange(0, BLOCK_V)  # columns past V load -inf: (m, s) unchanged as m > -inf
     x = tl.load(
         ptrs + n_full * BLOCK_V, mask=row_mask & (tail < V)[None, :], other=float("-inf"), eviction_policy="evict_first"
     )
     m, s = _lane_update(m, s, x.to(tl.float32), c_exp2)
-
     m_row = tl.max(m, axis=1)
     s_row = tl.sum(s * tl.exp2((m - m_row[:, None]) * c_exp2), axis=1)
     tid = tl.load(ids_ptr + rows, mask=valid, other=0).to(tl.int64)
     tgt = tl.load(logits_ptr + row_off + tid, mask=valid, other=0.0).to(tl.float32)
-
     finish_rows(
         rows,
         in_range,
@@ -163,18 +119,7 @@ def verify_from_logits_kernel(
 
 
 def launch_from_logits(logits: torch.Tensor, rows: DraftRows, config: LogitsConfig | None = None):
-    """Run the from-logits kernel over ``rows``; inputs are validated by the caller.
-
-    Args:
-        logits: [N, V] (packed: ``rows`` has row tags) or [B, R, V] (padded),
-            bf16/fp16/fp32 with unit stride over V.
-        rows: the draft tokens, N or B * R of them.
-        config: tiles (default :func:`~.configs.default_logits_config`).
-
-    Returns:
-        (log-probs [n_rows] float32, accept [n_rows] int8, rejection index
-        [B] int32, NaN flag [1] int32), see :meth:`DraftRows.buffers`.
-    """
+    """Run the kernel on packed [N, V] (tagged ``rows``) or padded [B, R, V] logits -> :meth:`DraftRows.buffers`."""
     vocab = logits.shape[-1]
     packed = logits.dim() == 2
     if packed:

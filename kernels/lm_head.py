@@ -1,38 +1,8 @@
-"""Fused LM-head verification kernel: logits = h @ W^T (+ b) never materialised.
+"""Fused LM-head verification: logits = h @ W^T (+ b) are never materialised.
 
-Two launches:
-
-1. ``lm_head_partial_kernel`` -- grid = row blocks x vocabulary splits. A
-   program owns BLOCK_M hidden rows and a contiguous range of
-   ``tiles_per_split`` vocabulary tiles of BLOCK_N columns. For each tile it
-   runs the d-loop of tensor-core ``tl.dot`` (bf16/fp16 inputs, fp32
-   accumulation; fp32 inputs use IEEE fp32, never TF32), then folds the
-   [BLOCK_M, BLOCK_N] logits tile into per-row running (max, sum) with the
-   online log-sum-exp (Milakov & Gimelshein 2018, "Online normalizer
-   calculation for softmax"), and picks up the draft token's logit when the
-   token falls in the tile (a branch taken by ~BLOCK_M*BLOCK_N/V of the
-   tiles). At the end it writes its per-row partial (max, sum) to
-   ``part_m/part_s[split, row]`` and -- only the split that contains the
-   token -- the draft logit to ``tgt[row]``. Every output element has
-   exactly one writer: no atomics on floats.
-2. ``lm_head_merge_kernel`` -- per row, merges the splits in the fixed order
-   0..S-1 (deterministic; the merge used by verl's fused log-prob kernel, see
-   docs/design.md "Facts from the field"), then runs the shared epilogue
-   (:func:`.epilogue.finish_rows`).
-
-Extra memory: 2 * S * N + N float32 (S = number of splits, ~16), i.e. O(N).
-
-Program order: pid -> (row block = pid // S, split = pid % S), so the
-programs resident at one time share a few row blocks of h (kept in L2) and
-walk S disjoint vocabulary ranges; each W tile is then fetched from HBM about
-N / (BLOCK_M * resident row blocks) times instead of once per row block.
-
-The split count depends only on (V, BLOCK_N, tiles_per_split), never on N,
-so a row's log-prob -- and the decision -- does not depend on which other
-rows are in the batch (permutation and padding invariance).
-
-:func:`launch_lm_head` sizes the partials and runs both launches.
-"""
+``lm_head_partial_kernel`` folds tensor-core logit tiles into per-row online (max, sum) (Milakov & Gimelshein
+2018), one partial per vocabulary split; ``lm_head_merge_kernel`` merges splits in fixed order, then the epilogue.
+No float atomics and a split count set by V alone: bit-reproducible, batch-independent (docs/design.md)."""
 
 from __future__ import annotations
 
@@ -75,26 +45,22 @@ def lm_head_partial_kernel(
     FLATTEN: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    rb = pid // num_splits
+    rb = pid // num_splits  # neighbouring programs share a row block of h (in L2), walking disjoint vocab ranges
     sp = pid - rb * num_splits
-
     rows = rb * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < N
-    rows_ld = tl.where(row_ok, rows, 0)  # in-bounds loads; results of these rows are discarded
+    rows_ld = tl.where(row_ok, rows, 0)  # in-bounds loads; these rows' results are discarded
     if HAS_ROW_MAP:
         roff = tl.load(row_off_ptr + rows_ld)
         roff = tl.multiple_of(roff, ROW_ALIGN)
     else:
         roff = rows_ld.to(tl.int64) * stride_h
     tid = tl.load(ids_ptr + rows_ld).to(tl.int32)
-
     rk = tl.arange(0, BLOCK_K)
     a_base = h_ptr + roff[:, None] + rk[None, :]
-
     m = tl.full([BLOCK_M], NEG_FLT_MAX, tl.float32)
     s = tl.zeros([BLOCK_M], tl.float32)
     tg = tl.zeros([BLOCK_M], tl.float32)
-
     t_lo = sp * tiles_per_split
     t_hi = tl.minimum(t_lo + tiles_per_split, n_vtiles)
     for vt in tl.range(t_lo, t_hi, flatten=FLATTEN):
@@ -118,8 +84,7 @@ def lm_head_partial_kernel(
                 acc = tl.dot(a, b, acc)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + cols_ld).to(tl.float32)[None, :]
-        # Padded vocabulary columns never enter max/sum nor match a target.
-        x = tl.where(col_ok[None, :], acc, float("-inf"))
+        x = tl.where(col_ok[None, :], acc, float("-inf"))  # padded columns: out of max/sum, never a target
         m_new = tl.maximum(m, tl.max(x, axis=1))
         p = tl.exp2((x - m_new[:, None]) * c_exp2)
         s = s * tl.exp2((m - m_new) * c_exp2) + tl.sum(p, axis=1)
@@ -127,7 +92,6 @@ def lm_head_partial_kernel(
         hit = (tid >= col0) & (tid < col0 + BLOCK_N)
         if tl.max(hit.to(tl.int32), axis=0) > 0:
             tg += tl.sum(tl.where(cols[None, :] == tid[:, None], x, 0.0), axis=1)
-
     part = sp * N + rows
     tl.store(part_m_ptr + part, m, mask=row_ok)
     tl.store(part_s_ptr + part, s, mask=row_ok)
@@ -166,8 +130,6 @@ def lm_head_merge_kernel(
     sample = tl.load(row_sample_ptr + rows, mask=in_range, other=-1).to(tl.int32)
     token = tl.load(row_token_ptr + rows, mask=in_range, other=0).to(tl.int32)
     valid = in_range & (sample >= 0)
-
-    # Fixed merge order over splits: bit-reproducible.
     m = tl.full([BLOCK], NEG_FLT_MAX, tl.float32)
     for sp in range(num_splits):
         m = tl.maximum(m, tl.load(part_m_ptr + sp * N + rows, mask=in_range, other=NEG_FLT_MAX))
@@ -177,7 +139,6 @@ def lm_head_merge_kernel(
         s_k = tl.load(part_s_ptr + sp * N + rows, mask=in_range, other=0.0)
         s += s_k * tl.exp2((m_k - m) * c_exp2)
     tgt = tl.load(tgt_ptr + rows, mask=in_range, other=0.0)
-
     finish_rows(
         rows,
         in_range,
@@ -222,29 +183,14 @@ def launch_lm_head(
     row_align: int = 1,
     config: LMHeadConfig | None = None,
 ):
-    """Run the fused LM-head kernels over ``rows``; inputs are validated by the caller.
-
-    Args:
-        hidden: [N, d] rows, or any tensor addressed by ``row_offsets``;
-            bf16/fp16/fp32 with unit stride over d.
-        weight: [V, d] with unit stride over d; bias: optional [V].
-        rows: the draft tokens (with row tags), N of them.
-        row_offsets: optional [N] int64 element offset of each row in ``hidden``.
-        row_align: a power of two dividing every row offset (a load-width hint).
-        config: tiles (default :func:`~.configs.default_lm_head_config`).
-
-    Returns:
-        (log-probs [N] float32, accept [N] int8, rejection index [B] int32,
-        NaN flag [1] int32), see :meth:`DraftRows.buffers`.
-    """
+    """Run both kernels over the N tagged ``rows`` -> :meth:`DraftRows.buffers`. hidden: [N, d], or any tensor
+    addressed by ``row_offsets`` [N] int64, unit stride over d; ``row_align`` divides every row offset."""
     device = hidden.device
     vocab, d = weight.shape
     n_rows = rows.ids.shape[0]
     tensor_core = hidden.dtype == weight.dtype and hidden.dtype in (torch.bfloat16, torch.float16)
     cfg = config or default_lm_head_config(d, vocab, hidden.dtype if tensor_core else torch.float32, INTERPRET)
-    # The Triton 3.x interpreter computes bf16 tl.dot wrongly (it treats the
-    # raw bf16 bits as integers); upcasting first is numerically what the
-    # tensor cores do (exact bf16 products, fp32 accumulation).
+    # The interpreter's bf16 tl.dot multiplies raw bits as integers; fp32 operands match the tensor cores.
     dot_fp32 = not tensor_core or (INTERPRET and hidden.dtype == torch.bfloat16)
     lp, acc, n, flag = rows.buffers(n_rows, device)
     if n_rows == 0:

@@ -1,56 +1,8 @@
-"""Paged decode attention in Triton: one new query token per sequence against a paged KV cache.
+"""Paged decode attention: one query token per sequence against a paged KV cache (docs/design.md "Paged KV cache").
 
-The GPU attention path of the paged generation engine (docs/design.md
-"Paged KV cache"). Cache layout, one tensor per layer (vLLM / FlashInfer
-"NHD", see :mod:`spec_rl.ops.torch_kv`): ``kv_cache[num_blocks, 2, block_size,
-kv_heads, head_dim]``, keys at ``[:, 0]``, values at ``[:, 1]``; token
-position ``p`` of sequence ``b`` lives in block ``block_tables[b, p //
-block_size]`` at offset ``p % block_size``.
-
-Work split (why):
-
-* One program per (sequence, kv head): it loads the group of
-  ``G = Hq / kv_heads`` query heads that share that kv head (transformers'
-  ``repeat_kv`` convention: query head ``h`` reads kv head ``h // G``), so
-  each K/V tile is read from memory once for the whole group (GQA; the
-  FlashDecoding / vLLM GQA-decode observation that decode is bound by K/V
-  bytes, not FLOPs).
-* Online softmax over tiles of ``BLOCK_N`` tokens (Milakov & Gimelshein
-  2018; FlashAttention, Dao et al. 2022): running max ``m``, running sum
-  ``l`` and an unnormalised float32 accumulator, all in float32. A tile
-  may straddle cache blocks: every token looks up its own block id, so
-  ``BLOCK_N`` and ``block_size`` are independent.
-* Contractions, two paths (see
-  :func:`~.configs.default_paged_attention_config`): ``tl.dot`` with
-  the group padded to >= 16 rows (tensor cores for bf16/fp16; the padding
-  rows are free in a kernel bound by K/V bytes; the probabilities are
-  rounded to the cache dtype before the P @ V product, as FlashAttention
-  does; IEEE fp32 dot for fp32 caches), or ``q * k`` broadcast and summed
-  in float32 (exact products, fp32 probabilities; no padding of the group;
-  the default for fp32 caches with groups of up to 4 and for head_dim < 16).
-* Split-K ("flash-decoding", Dao et al. 2023) for small batches with long
-  contexts: the context is cut into ``num_splits`` partitions of a fixed
-  number of tokens (the last one takes the rest), each program writes
-  float32 partials ``(acc, m, l)``, and a second kernel merges the
-  partials of each (sequence, head) in a fixed sequential order, so the
-  result is bit-reproducible run to run (docs/design.md "Randomness").
-  The partition plan is :func:`~.configs.plan_paged_decode`.
-
-Numerics: scores are kept in log2 units (``q . k * scale * log2(e)``, then
-``exp2``); the running maximum starts at ``-FLT_MAX`` rather than ``-inf``
-so a tile or split with no valid token never evaluates ``-inf - -inf``.
-Masked tokens (positions ``>= seq_len``, including the unused tail of the
-last block) are never loaded, so whatever is stored there (NaN in freed
-blocks) cannot leak into the result. A sequence with ``seq_len == 0``
-attends to nothing and gets an all-zero output row (the empty-sum
-convention; FlashAttention-style kernels do the same).
-
-Accuracy (asserted in tests/kernels/test_kernels_paged_attention.py against a
-float64 gather + softmax over the same inputs): fp32 caches within ~1e-5;
-bf16 / fp16 within a few units of the output dtype's rounding (the final
-rounding of the output, plus the rounding of the probabilities before the
-tensor-core P @ V product on the ``tl.dot`` path).
-"""
+A program per (sequence, kv head, split) reads each K/V tile once for the G query heads of its kv head; online
+softmax in log2 units (Milakov & Gimelshein 2018), each token of a tile looking up its own block; split-K partials
+merge in a fixed order (bit-reproducible). Positions >= seq_len are never loaded; seq_len 0 gives a zero row."""
 
 from __future__ import annotations
 
@@ -65,7 +17,6 @@ from .configs import PagedAttentionConfig, PagedDecodePlan, plan_paged_decode, p
 
 @triton.jit
 def _prepare_query(q, kv_ptr, qk_scale, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr):
-    """The query group as the contraction wants it (scaled once on the broadcast path)."""
     if USE_DOT:
         if DOT_F32:
             q = q.to(tl.float32)
@@ -134,21 +85,15 @@ def paged_decode_kernel(
     DOT_F32: tl.constexpr,
     SPLIT: tl.constexpr,
 ):
-    """Program (b, kv head, split): attention of the G query heads of one kv head over one partition.
-
-    SPLIT=False: num_splits == 1, writes the normalised output rows.
-    SPLIT=True: writes float32 partials part_acc[b, h, split, :D_PAD] (unnormalised)
-    and part_ml[b, h, split, 0:2] = (running max in log2 units, running sum).
-    """
+    """Program (b, kv head, split). SPLIT=False: normalised output rows; SPLIT=True: f32 partials
+    part_acc[b, h, split, :D_PAD] (unnormalised) and part_ml[b, h, split] = (max in log2 units, sum)."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     start = split * tokens_per_split
-    # The last partition takes everything up to seq_len, so coverage never
-    # depends on how the host sized the partitions.
+    # The last partition runs to seq_len: coverage never depends on the host's partition sizes.
     end = tl.where(split == num_splits - 1, seq_len, tl.minimum(seq_len, start + tokens_per_split))
-
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
     g_ok = g < G
@@ -160,7 +105,6 @@ def paged_decode_kernel(
         other=0.0,
     )
     q = _prepare_query(q, kv_ptr, qk_scale, USE_DOT, DOT_F32)
-
     m = tl.full([G_PAD], NEG_FLT_MAX, tl.float32)
     l_sum = tl.zeros([G_PAD], dtype=tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
@@ -188,7 +132,6 @@ def paged_decode_kernel(
         pv = _tile_values(p, v, USE_DOT, DOT_F32)
         acc = acc * alpha[:, None] + pv
         m = m_new
-
     if SPLIT:
         hq = tl.num_programs(1) * G
         row_id = (b.to(tl.int64) * hq + heads) * num_splits + split  # [G_PAD]
@@ -209,7 +152,7 @@ def paged_decode_kernel(
 def paged_decode_merge_kernel(
     part_acc_ptr, part_ml_ptr, out_ptr, stride_ob, stride_oh, num_splits, D: tl.constexpr, D_PAD: tl.constexpr
 ):
-    """Program (b, h): merge the split partials of one query head in split order (deterministic)."""
+    """Program (b, h): merge one query head's partials in split order (deterministic)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     base = (b.to(tl.int64) * tl.num_programs(1) + h) * num_splits
@@ -229,12 +172,7 @@ def paged_decode_merge_kernel(
     tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
-# ----------------------------------------------------------------------------
-# launch
-
-
 def _launch(query, kv_cache, block_tables, seq_lens, scale: float, out, plan: PagedDecodePlan) -> None:
-    """Run the decode kernel (and, with split-K, the merge kernel) into ``out``."""
     batch, q_heads, head_dim = query.shape
     kv_heads = kv_cache.shape[3]
     splits, split = plan.num_splits, plan.num_splits > 1
@@ -270,9 +208,7 @@ def _launch(query, kv_cache, block_tables, seq_lens, scale: float, out, plan: Pa
         BLOCK_SIZE=kv_cache.shape[2],
         BLOCK_N=plan.config.block_n,
         USE_DOT=plan.use_dot,
-        # fp32 caches: IEEE fp32 dot (never TF32). The interpreter's tl.dot
-        # multiplies bf16 operands as their raw uint16 bits (triton 3.9
-        # interpreter.create_dot), so it gets fp32 operands there too.
+        # fp32 caches: IEEE fp32 dot (never TF32); the interpreter's bf16 tl.dot multiplies raw bits as integers.
         DOT_F32=kv_cache.dtype == torch.float32 or (INTERPRET and kv_cache.dtype == torch.bfloat16),
         SPLIT=split,
         num_warps=plan.config.num_warps,
@@ -305,58 +241,16 @@ def paged_decode_attention(
     config: PagedAttentionConfig | None = None,
     validate: bool = True,
 ) -> torch.Tensor:
-    """Decode attention of one query token per sequence over its paged K/V.
+    """Decode attention of one query token per sequence over its paged K/V (docs/api.md "Kernels").
 
-    out[b, h] = sum_p softmax_p(scale * q[b, h] . K[b, p, h // G]) V[b, p, h // G]
-    over positions p in [0, seq_lens[b]), where K/V[b, p, j] = kv_cache[
-    block_tables[b, p // block_size], 0/1, p % block_size, j] and
-    G = q_heads // kv_heads (GQA, transformers' repeat_kv head order).
-
-    Args:
-        query: [B, Hq, D] float32/bf16/fp16, unit stride over D (any batch /
-            head strides). The new token's own K/V must already be written
-            into the cache (its position is seq_lens[b] - 1).
-        kv_cache: [num_blocks, 2, block_size, kv_heads, D] contiguous,
-            float32/bf16/fp16; D <= 256 (powers of two are the fast path,
-            others are masked). It may differ from query's dtype; on the
-            ``tl.dot`` path the query is then rounded to the cache dtype.
-        block_tables: [B, max_blocks] int32. Only entries
-            [0, ceil(seq_lens[b] / block_size)) of row b are read; the rest
-            may hold any padding value.
-        seq_lens: [B] int32, 0 <= seq_lens[b] <= max_blocks * block_size
-            (tokens). A length of 0 gives an all-zero output row.
-        scale: softmax scale (Python number), typically D ** -0.5.
-        out: optional [B, Hq, D] output of query's dtype/device (unit stride
-            over D); written and returned.
-        max_seq_len: an upper bound of seq_lens known on the host (tokens);
-            only sizes the split-K partitions (never affects which tokens are
-            attended to). Default: the block-table capacity.
-        num_splits: split-K partitions: None chooses automatically
-            (:func:`~.configs.plan_splits`: splits only when B * kv_heads does
-            not fill the GPU), 1 disables split-K, n > 1 asks for up to n
-            partitions.
-        config: tile override (:class:`~.configs.PagedAttentionConfig`);
-            default :func:`~.configs.default_paged_attention_config`.
-        validate: run the range checks (seq_lens within [0, capacity],
-            read block ids within [0, num_blocks)); they cost one
-            device->host sync. Pass False only when the caller guarantees
-            the ranges (e.g. inside CUDA-graph capture); shape, dtype and
-            device checks always run.
-
-    Returns:
-        [B, Hq, D] tensor of query's dtype (``out`` when given).
-
-    Raises:
-        TypeError / ValueError naming the argument for bad shapes, dtypes,
-        devices, strides, out-of-range seq_lens or block ids;
-        RuntimeError when the kernels cannot run on the device (CPU tensors
-        need TRITON_INTERPRET=1 set before spec_rl.kernels is imported).
-
-    The result is a deterministic function of the inputs and of
-    (num_splits, config); the automatic choices depend only on shapes,
-    max_seq_len and the device's SM count, so a different batch size can
-    change the last bits (not the math).
-    """
+    out[b, h] = softmax(scale * q[b, h] . K[b, :seq_lens[b], h // G]) V[...], G = Hq // kv_heads (repeat_kv order).
+    query: [B, Hq, D] f32/bf16/fp16, unit stride over D, its own K/V already in the cache; kv_cache: [num_blocks, 2,
+    block_size, kv_heads, D] contiguous, D <= 256 (``tl.dot`` rounds the query to its dtype); block_tables: [B,
+    max_blocks] int32, only the first ceil(seq_lens[b] / block_size) read; seq_lens: [B] int32; out: optional, like
+    query; max_seq_len: host bound of seq_lens, sizes partitions only; num_splits: None auto, 1 off, n up to n;
+    validate=False skips the range checks (one sync), e.g. in CUDA-graph capture. Deterministic given the inputs
+    and (num_splits, config); automatic choices depend on the batch size. Raises TypeError / ValueError naming the
+    argument, RuntimeError if the device has no kernels (CPU: TRITON_INTERPRET=1 before import)."""
     validate_paged_decode(query, kv_cache, block_tables, seq_lens, scale, out, max_seq_len)
     check_paged_device(kv_cache.device)
     check_paged_options(num_splits, config)
@@ -366,7 +260,7 @@ def paged_decode_attention(
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if query.shape[0] == 0:
         return out
-    if block_tables.shape[1] == 0:  # no blocks: every seq_len is 0 (checked above when validate=True)
+    if block_tables.shape[1] == 0:  # every seq_len is 0 (checked when validate=True)
         return out.zero_()
     batch, q_heads, head_dim = query.shape
     _, _, block_size, kv_heads, _ = kv_cache.shape

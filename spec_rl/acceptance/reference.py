@@ -1,26 +1,5 @@
-"""The SPEC-RL acceptance rule in plain torch: the executable specification.
-
-Rule (SPEC-RL, Liu et al. 2025, arXiv 2509.23232, Section 3 and Algorithm 1;
-docs/design.md "The rule"): for a draft response y_1..y_R with stored log-probs
-lp_old_i, the current policy scores every draft token in one forward pass
-(lp_new_i), and token i is accepted iff
-
-    log u_i <= log(l) + lp_new_i - lp_old_i,     u_i ~ U(0, 1]  (keyed Philox)
-
-The rejection index n is the number of leading accepted tokens (0..R); the
-verified prefix y_<n is kept and the policy generates the rest. Everything is
-computed in log space; the ratio is never exponentiated.
-
-Exact acceptance (``acceptance="exact"``, docs/design.md "Exact acceptance"): a
-cached draft token is a fixed proposal, a point mass, so exact speculative
-sampling needs no old distribution: accept y_i iff ``log u_i <= lp_new_i``
-(the lenient test with lp_old = 0 and l = 1), and at the first rejection draw
-from pi_t with y_n removed and renormalised. Every position's marginal is then
-exactly pi_t, so the response is a fresh sample of the current policy.
-
-This module does no input validation (see :func:`spec_rl.acceptance.dispatch.verify`), but it refuses
-scores that give no distribution (:func:`raise_if_no_distribution`), as the kernels do;
-kernels are tested against it, in float64 for logprob accuracy.
+"""The SPEC-RL acceptance rule in plain torch (SPEC-RL Sec. 3, Alg. 1; docs/design.md "The rule", "Exact acceptance"):
+the executable specification the kernels are tested against. No input validation here (``dispatch.verify_scores``).
 """
 
 from __future__ import annotations
@@ -37,10 +16,7 @@ from .scores import DraftScores
 #: How each score source is named in errors (the Triton kernels use the same names).
 SCORE_NAMES = {"logits": "logits", "hidden_states": "logits (hidden_states @ lm_head_weight.T)"}
 
-# Logits materialised at once in the hidden-state path: at most 1024 rows and about
-# _LOGIT_ELEMENTS_PER_CHUNK values (16 MiB in float32; the log-softmax holds about three such
-# buffers), so the reference's extra memory stays far below the full [N, V] logits
-# (benchmarks/bench_memory.py). Small vocabularies keep 1024-row chunks.
+# Logits formed at once: at most 1024 rows and about 2**22 values, so the extra memory stays far below [N, V].
 _LOGIT_ROWS_PER_CHUNK = 1024
 _LOGIT_ELEMENTS_PER_CHUNK = 1 << 22
 
@@ -56,7 +32,6 @@ class VerifyStats:
 
     @property
     def full_reuse_ratio(self) -> float:
-        """Fraction of samples whose whole draft was accepted."""
         return self.full_reuse_count / self.num_samples if self.num_samples else 0.0
 
     @property
@@ -83,18 +58,9 @@ class VerifyStats:
 
 @dataclass
 class VerifyResult:
-    """Output of verification for a batch of B drafts padded to length R.
-
-    Attributes:
-        new_logprobs: [B, R] float32, log pi_t(y_i | x, y_<i) under the
-            sampling distribution; 0 at padded positions.
-        accepted_len: [B] int64, the rejection index n (number of leading
-            accepted tokens, 0..length).
-        full_reuse: [B] bool, n == length (the whole draft is kept).
-        accept_mask: [B, R] bool per-token test outcome (False at padding),
-            or None when not requested.
-        stats: counts over the batch.
-    """
+    """Verification of B drafts padded to R: ``new_logprobs`` [B, R] float32 (log pi_t(y_i | x, y_<i) under the
+    sampling distribution, 0 at padding), ``accepted_len`` [B] int64 (rejection index n, 0..length), ``full_reuse``
+    [B] bool (n == length), ``accept_mask`` [B, R] bool test outcomes (False at padding; None unless requested)."""
 
     new_logprobs: torch.Tensor
     accepted_len: torch.Tensor
@@ -115,13 +81,8 @@ def draft_logprobs(
     settings: SamplingSettings,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Sampling log-probs [B, R] of the draft tokens under the scores (0 at padding).
-
-    Logits are formed a chunk of rows at a time (at most :data:`_LOGIT_ROWS_PER_CHUNK` rows and
-    about :data:`_LOGIT_ELEMENTS_PER_CHUNK` values), in ``dtype`` (float32, or float64 for
-    references), only for valid positions, and once per distinct output when ``scores.same_as``
-    says which positions share one (the tree-packed scorer: drafts of a group with a common prefix).
-    """
+    """Sampling log-probs [B, R] in ``dtype`` of the draft tokens (0 at padding); logits are formed in chunks, at
+    valid positions only, once per distinct output (``scores.same_as``)."""
     bsz, max_len = draft_ids.shape
     valid = lengths_mask(lengths, max_len)
     zero = torch.zeros((), dtype=dtype, device=draft_ids.device)
@@ -166,12 +127,8 @@ def draft_logprobs(
 
 
 def raise_if_no_distribution(lp_new: torch.Tensor, source: str) -> None:
-    """ValueError naming the (sample, token) positions of [B, R] ``lp_new`` that are NaN (one host sync).
-
-    A scored log-prob is NaN exactly when its row of logits has no distribution: a NaN or +inf logit
-    (e.g. hidden states whose logits overflow), or every logit -inf. ``source`` is a key of
-    :data:`SCORE_NAMES`; log-probs given as ``new_logprobs`` are checked by ``verify`` itself.
-    """
+    """ValueError naming the (sample, token) positions where [B, R] ``lp_new`` is NaN: logits without a distribution
+    (a NaN or +inf logit, or all -inf). ``source``: a key of :data:`SCORE_NAMES`; "new_logprobs" is not checked."""
     bad = torch.isnan(lp_new)
     if source != "new_logprobs" and bool(bad.any()):
         where = torch.nonzero(bad)
@@ -181,12 +138,8 @@ def raise_if_no_distribution(lp_new: torch.Tensor, source: str) -> None:
 def acceptance_test(
     new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, uniforms: torch.Tensor, log_lenience: float
 ) -> torch.Tensor:
-    """Per-token test ``log u <= log l + lp_new - lp_old`` (paper Alg. 1), in float64.
-
-    Conventions at the extremes: log l = +inf accepts every token; log l =
-    -inf rejects every token; lp_new = -inf (token impossible now) is
-    rejected for any finite l.
-    """
+    """Per-token test ``log u <= log l + lp_new - lp_old`` in float64 (SPEC-RL Alg. 1). log l = +inf accepts all,
+    -inf rejects all; lp_new = -inf is rejected for any finite l."""
     if log_lenience == float("inf"):
         return torch.ones_like(new_logprobs, dtype=torch.bool)
     if log_lenience == float("-inf"):
@@ -207,8 +160,7 @@ def rejection_index(accept: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor
 
 
 def random_reuse_index(seed: int, uids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Random-reuse ablation (paper Table 2): n = min(floor(u * (length + 1)), length), uniform over
-    {0, ..., length} whatever the scores; u from the random-reuse Philox stream at token index 0."""
+    """Random-reuse ablation (paper Table 2): n = min(floor(u * (length + 1)), length), u from STREAM_RANDOM_REUSE."""
     u = philox_uniform(seed, uids, torch.zeros_like(uids), stream=STREAM_RANDOM_REUSE).double()
     lengths = lengths.to(torch.int64)
     n = torch.floor(u * (lengths.double() + 1)).to(torch.int64)
@@ -222,7 +174,7 @@ def make_result(
     lengths: torch.Tensor,
     return_accept_mask: bool,
 ) -> VerifyResult:
-    """Pack per-token outcomes and rejection indices as a :class:`VerifyResult` (one host sync for the stats)."""
+    """:class:`VerifyResult` of per-token outcomes and rejection indices (one host sync for the stats)."""
     full = accepted_len == lengths
     draft_tokens, accepted_tokens, full_count = torch.stack([lengths.sum(), accepted_len.sum(), full.sum()]).tolist()
     stats = VerifyStats(
@@ -251,12 +203,9 @@ def reference_verify(
     options,
     compute_dtype: torch.dtype = torch.float32,
 ) -> VerifyResult:
-    """Verify B padded drafts; inputs are assumed valid (:func:`spec_rl.acceptance.dispatch.verify_scores`).
-
-    Shapes: draft_ids/old_logprobs [B, R]; lengths [B] int64; uids [B] int64; ``scores`` holds one source, row i
-    scoring draft token i; ``options`` a :class:`~spec_rl.acceptance.dispatch.VerifyOptions` (rule, lenience,
-    sampling). Raises ValueError for scored positions without a distribution (:func:`raise_if_no_distribution`).
-    """
+    """Verify B padded drafts with validated inputs: draft_ids, old_logprobs [B, R]; lengths, uids [B] int64;
+    ``scores`` with row i scoring draft token i; ``options`` a ``VerifyOptions``. ValueError: see
+    :func:`raise_if_no_distribution`."""
     if options.rule == "exact":
         old_logprobs = torch.zeros_like(old_logprobs)
     lp_new = draft_logprobs(draft_ids, lengths, scores, options.sampling, compute_dtype)

@@ -1,6 +1,5 @@
-"""Who generates: the backend protocol and its contract checks, the scoring pass, the transformers backend
-with its decode loop, and the vLLM backend. Layer 5: may import util, ops, sampling, acceptance, drafts.
-"""
+"""Who generates: the backend protocol and its checks, the scoring pass, the transformers and vLLM backends. Layer 5:
+may import util, ops, sampling, acceptance, drafts."""
 
 from .checks import BackendContractError
 from .protocol import BackendStats, Continuation, GenerationBackend, eos_token_ids

@@ -1,25 +1,5 @@
-"""Checks on what flows between the rollout and a generation backend: integers, token ids, positions, outputs.
-
-The rollout trusts a backend with the policy's numbers, not with its bookkeeping. Everything that
-goes in (prompt, draft and context ids, budgets) is checked against the model's limits before any
-forward runs, so a bad id gives an error naming the request instead of "index out of range in self"
-deep inside an embedding; everything that comes out (one :class:`~spec_rl.backends.protocol.Continuation`
-per row, within its budget, ids in the vocabulary, a finish reason that agrees with the tokens,
-finite log-probs <= 0) is checked before it becomes a response and next epoch's draft.
-
-Model limits (see :class:`~spec_rl.backends.protocol.GenerationBackend`): a backend may expose
-``vocab_size`` (ids it accepts and returns lie in [0, vocab_size)) and ``max_positions`` (the
-model's ``max_position_embeddings``: prompt + response never exceed it). Both are optional; where
-one is missing or None the checks that need it are skipped.
-
-Example
--------
->>> token_ids("prompt", [3, 4, 5], vocab_size=8)
-[3, 4, 5]
->>> token_ids("prompt", [3, 9], vocab_size=8)
-Traceback (most recent call last):
-ValueError: prompt[1] = 9 is outside [0, 8) (the vocabulary of the model); tokenize with the policy's own tokenizer
-"""
+"""Checks on what flows between the rollout and a backend: ids and lengths before any forward (the error names the
+request), and every continuation before it becomes a response and next epoch's draft."""
 
 from __future__ import annotations
 
@@ -36,9 +16,6 @@ from .protocol import Continuation, GenerationBackend
 
 class BackendContractError(RuntimeError):
     """A generation backend returned something its contract rules out (the message names the backend)."""
-
-
-# ------------------------------------------------------------------ token ids
 
 
 def _as_list(name: str, ids) -> list:
@@ -60,14 +37,7 @@ def _as_list(name: str, ids) -> list:
 
 
 def token_ids(name: str, ids, vocab_size: int | None = None, owner: str = "the model") -> list[int]:
-    """``ids`` (a sequence, a 1-D integer tensor or array) as a list of ints in [0, vocab_size).
-
-    ``vocab_size`` None checks only that ids are >= 0. ``owner`` names whose vocabulary it is.
-
-    Raises:
-        TypeError: not a sequence of integers (floats and strings are refused, not truncated).
-        ValueError: an id outside [0, vocab_size); the message names ``name[j]``.
-    """
+    """``ids`` as ints in [0, vocab_size) (None: >= 0). TypeError for non-integers, ValueError naming ``name[j]``."""
     values = _as_list(name, ids)
     if values and (min(values) < 0 or (vocab_size is not None and max(values) >= vocab_size)):
         j = next(j for j, t in enumerate(values) if t < 0 or (vocab_size is not None and t >= vocab_size))
@@ -76,7 +46,6 @@ def token_ids(name: str, ids, vocab_size: int | None = None, owner: str = "the m
 
 
 def token_id(name: str, value, vocab_size: int | None = None, owner: str = "the model") -> int:
-    """One token id (see :func:`token_ids`)."""
     if isinstance(value, bool) or not hasattr(value, "__index__"):
         raise TypeError(f"{name} must be an integer token id, got {value!r}")
     value = operator.index(value)
@@ -89,15 +58,13 @@ def _outside(name: str, value: int, vocab_size: int | None, owner: str) -> Value
     if vocab_size is None:
         return ValueError(f"{name} = {value} is negative; token ids are >= 0")
     return ValueError(
-        f"{name} = {value} is outside [0, {vocab_size}) (the vocabulary of {owner}); tokenize with the policy's own tokenizer"
+        f"{name} = {value} is outside [0, {vocab_size}) (the vocabulary of {owner}); "
+        "tokenize with the policy's own tokenizer"
     )
 
 
-# ------------------------------------------------------------------ model limits
-
-
 def model_vocab_size(model) -> int | None:
-    """Ids a transformers causal LM can read and emit: the smaller of its input and output embedding rows."""
+    """Ids the model reads and emits: the smaller of its input and output embedding rows."""
     rows = []
     for getter in ("get_input_embeddings", "get_output_embeddings"):
         module = getattr(model, getter, lambda: None)()
@@ -111,7 +78,7 @@ def model_vocab_size(model) -> int | None:
 
 
 def model_max_positions(model) -> int | None:
-    """The model's ``max_position_embeddings`` (of the text config of a multimodal model), or None."""
+    """The (text) config's ``max_position_embeddings``, or None."""
     cfg = getattr(model, "config", None)
     if cfg is not None and hasattr(cfg, "get_text_config"):
         cfg = cfg.get_text_config()
@@ -120,11 +87,7 @@ def model_max_positions(model) -> int | None:
 
 
 def check_fits(name: str, length: int, budget: int, limit: int | None, owner: str) -> None:
-    """Refuse a sequence of ``length`` tokens + ``budget`` new ones that would pass ``limit`` positions.
-
-    Raises:
-        ValueError: naming ``name``, both numbers and the limit.
-    """
+    """ValueError when ``length`` tokens + ``budget`` new ones pass ``limit`` positions."""
     if limit is not None and length + budget > limit:
         parts = f"{length} tokens + a budget of {budget}" if budget else f"{length} tokens"
         raise ValueError(
@@ -142,14 +105,7 @@ def checked_contexts(
     owner: str,
     names: tuple[str, str] = ("contexts", "budgets"),
 ) -> list[list[int]]:
-    """``contexts`` as lists of ids in [0, vocab_size), each fitting ``limit`` positions with its budget.
-
-    The lengths of ``contexts`` and ``budgets`` must already agree.
-
-    Raises:
-        TypeError: non-integer ids or budgets.
-        ValueError: an id outside the vocabulary, a negative budget, or context + budget past ``limit``.
-    """
+    """``contexts`` as id lists, each fitting ``limit`` with its budget; TypeError or ValueError naming the row."""
     cname, bname = names
     out = []
     for i, (ctx, budget) in enumerate(zip(contexts, budgets)):
@@ -160,11 +116,7 @@ def checked_contexts(
 
 
 def checked_rows(prompts: Sequence, drafts: Sequence, vocab_size: int | None, limit: int | None, owner: str):
-    """Prompts and drafts of a scoring pass as id lists: non-empty prompts, each prompt + draft within ``limit``.
-
-    Raises:
-        ValueError: mismatched lengths, an empty prompt, an id outside the vocabulary, or a row past ``limit``.
-    """
+    """Scoring rows as id lists; ValueError for unequal counts, an empty prompt, a bad id or a row past ``limit``."""
     if len(prompts) != len(drafts):
         raise ValueError(f"prompts ({len(prompts)}) and drafts ({len(drafts)}) must have the same length")
     prompts = [token_ids(f"prompts[{i}]", p, vocab_size, owner) for i, p in enumerate(prompts)]
@@ -177,19 +129,14 @@ def checked_rows(prompts: Sequence, drafts: Sequence, vocab_size: int | None, li
 
 
 def check_same_length(expected: int, what: str, **named: Sequence) -> None:
-    """Raise ValueError naming the first of ``named`` whose length is not ``expected`` (the length of ``what``)."""
+    """ValueError naming the first of ``named`` whose length is not ``expected`` (that of ``what``)."""
     for name, values in named.items():
         if len(values) != expected:
             raise ValueError(f"{name} ({len(values)}) and {what} ({expected}) must have the same length")
 
 
 def check_continue_rows(prompts, drafts, accepted_lens, budgets, sources) -> list[int]:
-    """The per-row arguments of a ``continue_from`` over scored rows (``prompts``/``drafts``); returns the sources.
-
-    Raises:
-        ValueError: a source that is not a row index or has another prompt, n outside
-            [0, len(draft of the source)], or a negative budget.
-    """
+    """Checked ``sources``; ValueError for a source of another prompt, n past its draft or a negative budget."""
     rows = len(drafts)
     checked = []
     for i in range(rows):
@@ -218,29 +165,20 @@ class ModelLimits:
 
     @property
     def vocab_size(self) -> int | None:
-        """Ids the model reads and emits lie in [0, vocab_size) (its embedding rows)."""
         return model_vocab_size(self.model)
 
     @property
     def max_positions(self) -> int | None:
-        """The model's ``max_position_embeddings``: no context + budget passes it."""
         return model_max_positions(self.model)
 
     def checked_contexts(self, contexts, budgets, names: tuple[str, str] = ("contexts", "budgets")) -> list[list[int]]:
-        """:func:`checked_contexts` against this model's limits."""
         return checked_contexts(contexts, budgets, self.vocab_size, self.max_positions, type(self).__name__, names)
 
     def checked_rows(self, prompts, drafts) -> tuple[list[list[int]], list[list[int]]]:
-        """:func:`checked_rows` against this model's limits."""
         return checked_rows(prompts, drafts, self.vocab_size, self.max_positions, type(self).__name__)
 
     def check_continue(self, handle, accepted_lens, first_tokens, budgets, sources) -> list[int]:
-        """Every per-row argument of ``continue_from`` over a handle with ``prompts``/``drafts``; returns the sources.
-
-        Raises:
-            ValueError: mismatched lengths, see :func:`check_continue_rows`, or a first token outside
-                the vocabulary or a row past the model's positions.
-        """
+        """Check every per-row argument of ``continue_from``, first tokens included; returns the sources."""
         rows = len(handle.drafts)
         sources = range(rows) if sources is None else sources
         named = dict(accepted_lens=accepted_lens, first_tokens=first_tokens, budgets=budgets, sources=sources)
@@ -252,19 +190,12 @@ class ModelLimits:
         return checked
 
     def check_first_token(self, row: int, token, length: int, budget: int) -> None:
-        """Row ``row`` of a continuation: ``token`` is an id, and ``length`` tokens (its context with the
-        token) + ``budget`` fit the model's positions."""
         token_id(f"first_tokens[{row}]", token, self.vocab_size, type(self).__name__)
         check_fits(f"row {row}", length, budget, self.max_positions, type(self).__name__)
 
 
 def check_model_len(max_model_len, backend) -> int:
-    """``max_model_len`` as an int >= 2 that does not pass the backend's ``max_positions``.
-
-    Raises:
-        TypeError: not an integer.
-        ValueError: < 2, or more than the model's positions (naming both numbers).
-    """
+    """``max_model_len`` as an int >= 2 within the backend's ``max_positions``; TypeError or ValueError."""
     max_model_len = check_int("max_model_len", max_model_len, low=2)
     limit = getattr(backend, "max_positions", None)
     if limit is not None and max_model_len > limit:
@@ -280,7 +211,7 @@ def backend_name(backend) -> str:
 
 
 def check_backend(backend) -> None:
-    """Raise TypeError unless ``backend`` has the :class:`~spec_rl.backends.protocol.GenerationBackend` methods."""
+    """TypeError unless ``backend`` is a :class:`~spec_rl.backends.protocol.GenerationBackend`."""
     if not isinstance(backend, GenerationBackend):
         raise TypeError(
             "backend must be a GenerationBackend (TransformersBackend, PagedEngine, or your own class with device, "
@@ -289,22 +220,15 @@ def check_backend(backend) -> None:
         )
 
 
-# ------------------------------------------------------------------ what a backend returns
-
-
 def scores_vocab_size(scores: DraftScores) -> int | None:
-    """V of a scoring pass's logits (or its LM head); None for precomputed log-probs."""
+    """V of a scoring pass's logits or LM head; None for precomputed log-probs."""
     if scores.logits is not None:
         return int(scores.logits.shape[-1])
     return int(scores.lm_head_weight.shape[0]) if scores.lm_head_weight is not None else None
 
 
 def check_scored(out, rows: int, width: int, source: str) -> tuple[DraftScores, object]:
-    """``(scores, handle)`` of a ``score_drafts`` call: one [rows, width, ...] score source.
-
-    Raises:
-        BackendContractError: anything else.
-    """
+    """``(scores, handle)`` with one [rows, width, ...] score source, else BackendContractError."""
     if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], DraftScores)):
         raise BackendContractError(f"{source} must return (DraftScores, handle), got {type(out).__name__}")
     scores = out[0]
@@ -322,12 +246,10 @@ def _fail(source: str, row: int, what: str) -> BackendContractError:
 
 
 def _row_of(offsets: list[int], j: int) -> int:
-    """The row that holds flat position ``j``."""
     return bisect_right(offsets, j) - 1
 
 
 def _flat_ids(source: str, conts: Sequence[Continuation], offsets: list[int], vocab_size: int | None) -> torch.Tensor:
-    """All rows' token ids as one int64 tensor, each an integer in [0, vocab_size)."""
     values = [t for c in conts for t in c.token_ids]
     if set(map(type, values)) - {int}:  # bools and floats are refused, not read as ids
         for j, t in enumerate(values):
@@ -353,16 +275,8 @@ def _check_logprobs(source: str, conts: Sequence[Continuation], offsets: list[in
 
 
 def check_continuations(conts, budgets: Sequence[int], *, source: str, vocab_size: int | None, eos_ids) -> None:
-    """Check a backend's continuations against the rows it was asked for.
-
-    ``budgets[i]`` is row i's token budget; ``source`` names the call (``"PagedEngine.generate"``).
-    Row i must be a :class:`~spec_rl.backends.protocol.Continuation` of at most ``budgets[i]`` ids in
-    [0, vocab_size) with one log-prob per id, each finite and <= 0; an EOS id only as the last
-    token and exactly when ``finish_reason`` is "eos"; "length" only with the whole budget used.
-
-    Raises:
-        BackendContractError: the first violation, naming ``source`` and the row.
-    """
+    """BackendContractError naming ``source`` and the row unless each is a Continuation within its budget, with ids in
+    the vocabulary, finite log-probs <= 0, and a finish reason that agrees with its tokens."""
     if not isinstance(conts, (list, tuple)) or len(conts) != len(budgets):
         got = f"{len(conts)} continuations" if isinstance(conts, (list, tuple)) else type(conts).__name__
         raise BackendContractError(
@@ -384,7 +298,6 @@ def check_continuations(conts, budgets: Sequence[int], *, source: str, vocab_siz
 
 
 def _check_finish(source, conts, budgets, ids: torch.Tensor, offsets: list[int], eos_ids) -> None:
-    """EOS only at the end, and finish reasons that agree with the tokens and the budget."""
     eos = sorted(int(e) for e in eos_ids)
     lengths = torch.tensor([b - a for a, b in zip(offsets[:-1], offsets[1:])], dtype=torch.long)
     is_eos = torch.isin(ids, torch.tensor(eos, dtype=torch.long))

@@ -1,21 +1,5 @@
-"""Decoding over a transformers KV cache: keyed sampling, multi-token speculation, rollback by masking.
-
-Used by :class:`spec_rl.backends.transformers_backend.TransformersBackend`. Rows of a batch sit left-padded in one
-``DynamicCache``; :class:`KVRows` keeps, beside the cache, the attention mask of every cached
-position (1 = a real token of that row). Each decode step feeds, per row, the last sampled token
-followed by up to k proposed tokens (drafts from the prompt's history, :mod:`spec_rl.drafts.history`), runs
-ONE forward, samples a token at every fed position with :func:`~spec_rl.sampling.distribution.keyed_sample` and
-keeps the longest run of proposals that equal the samples, plus the sample after it. A proposal is
-accepted exactly when the token the policy samples at its position (with that position's keyed
-uniform) is the proposal itself, so the output is token for token what plain one-token-per-step
-decoding would produce: the rollout distribution is unchanged (lossless), and a proposed token is
-accepted with probability p_t(token), as in exact speculative sampling with a point-mass draft.
-
-Rejected positions are rolled back by setting their mask to 0 (their K/V stay in the cache as holes);
-when holes make the cache much wider than its longest row, :meth:`KVRows.compact` gathers each row's
-real positions into a fresh, tightly left-padded cache, and when the longest rows leave the batch,
-:meth:`KVRows.trim_front` drops the left padding no remaining row needs.
-"""
+"""Decoding over a transformers KV cache: keyed sampling, history-drafted tokens kept iff they equal the keyed sample
+(lossless; docs/design.md "Tail speculation"), rollback by masking the rejected columns."""
 
 from __future__ import annotations
 
@@ -31,17 +15,17 @@ from .kv_buffer import InPlaceLayer, in_place_cache, left_padded_cache
 
 
 def cache_argument(model) -> str:
-    """transformers >= 5.24 names the KV cache argument ``cache``; earlier versions ``past_key_values``."""
+    """The forward's KV-cache argument: ``cache`` from transformers 5.24 on, else ``past_key_values``."""
     return _cache_argument_of(type(model))
 
 
 @functools.cache
-def _cache_argument_of(model_class: type) -> str:  # inspect.signature per forward cost ~1% of a scoring call
+def _cache_argument_of(model_class: type) -> str:
     return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 def _dynamic_cache(layers: Sequence[tuple[torch.Tensor, torch.Tensor]]):
-    return in_place_cache(layers)  # decode steps append in place (no torch.cat of the whole cache per step)
+    return in_place_cache(layers)
 
 
 def _layers_of(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -50,12 +34,7 @@ def _layers_of(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 @dataclass
 class KVRows:
-    """A left-padded batch in a ``DynamicCache`` with a per-position mask.
-
-    Attributes:
-        cache: the transformers cache (None before the first forward).
-        mask: [B, W] int64, 1 where the cache position holds a real token of the row.
-    """
+    """A left-padded batch in a ``DynamicCache`` and its mask [B, W] int64 (1: a real token of the row)."""
 
     cache: object
     mask: torch.Tensor
@@ -65,13 +44,11 @@ class KVRows:
         return int(self.mask.shape[1])
 
     def select(self, rows: torch.Tensor) -> None:
-        """Keep only ``rows`` (finished rows leave the batch)."""
         self.cache.batch_select_indices(rows)
         self.mask = self.mask[rows]
 
     def trim_front(self, min_columns: int = 8) -> None:
-        """Drop the leading columns that are padding in every row (left padding of contexts longer than any
-        left in the batch), when at least ``min_columns``: attention then reads fewer columns per step."""
+        """Drop the leading all-padding columns when there are at least ``min_columns``."""
         used = self.mask.any(0)
         lead = int(used.int().argmax()) if bool(used.any()) else 0
         if lead < min_columns:
@@ -88,7 +65,6 @@ class KVRows:
         counts = self.mask.sum(1)
         new_w = int(counts.max())
         b = self.mask.shape[0]
-        # Row r's real positions, in order, right-aligned into new_w columns.
         order = torch.argsort(self.mask, dim=1, stable=True)[:, -new_w:] if new_w else self.mask[:, :0]
         idx = order
         new_mask = (torch.arange(new_w, device=self.mask.device).unsqueeze(0) >= (new_w - counts).unsqueeze(1)).long()
@@ -101,11 +77,11 @@ class KVRows:
 
     @classmethod
     def from_rows(cls, rows: Sequence[list[tuple[torch.Tensor, torch.Tensor]]]) -> KVRows:
-        """Build a left-padded batch from per-row K/V, each row a list over layers of ([H, L_r, D], [H, L_r, D])."""
+        """A batch from per-row K/V: per row, per layer ([H, L_r, D], [H, L_r, D])."""
         return cls(*left_padded_cache(rows))
 
     def concat(self, other: KVRows) -> KVRows:
-        """Rows of ``self`` then rows of ``other`` in one batch (the narrower one padded on the left)."""
+        """Rows of ``self``, then of ``other``, in one batch."""
         width = max(self.width, other.width)
 
         def widen(kv: KVRows):
@@ -124,16 +100,7 @@ class KVRows:
 
 @dataclass
 class DecodeRow:
-    """One sequence being decoded.
-
-    Attributes:
-        out: index of the row in the caller's results.
-        uid: key of its sampling uniforms.
-        last: the newest sampled token (its K/V is not in the cache yet).
-        position: absolute position of ``last`` in the sequence.
-        budget: tokens it may still emit (``last`` already counted).
-        proposer: drafts for its next tokens (:class:`~spec_rl.drafts.history.SuffixProposer`) or None.
-    """
+    """One sequence being decoded: ``last`` (not cached yet) sits at absolute ``position``; ``budget``: tokens left."""
 
     out: int
     uid: int
@@ -148,7 +115,7 @@ class DecodeRow:
 
 @dataclass
 class DecodeCounters:
-    """What a decode loop did: forwards (sequential steps), proposed and accepted draft tokens."""
+    """Forwards, proposed and accepted draft tokens, rows and positions (padding included)."""
 
     steps: int = 0
     proposed: int = 0
@@ -174,17 +141,7 @@ def _emit(row: DecodeRow, tokens: list[int], logprobs: list[float], eos: set[int
 
 
 class SpeculativeDecoder:
-    """The decode loop (see the module docstring) for one batch of rows sharing a :class:`KVRows`.
-
-    Args:
-        model: a transformers causal LM.
-        settings: sampling settings.
-        seed: seed of the keyed uniforms.
-        eos_ids: the complete EOS set.
-        max_k: most proposed tokens per row and step (0: no speculation).
-        pad_id: id fed at padding positions.
-        on_step: called with the number of live rows after every forward (progress bars).
-    """
+    """The decode loop of one batch sharing a :class:`KVRows`; ``max_k``: most proposed tokens per row and step."""
 
     def __init__(self, model, settings: SamplingSettings, seed: int, eos_ids, max_k: int, pad_id: int, on_step=None):
         self.model = model
@@ -228,17 +185,12 @@ class SpeculativeDecoder:
                 if live:
                     kv.select(torch.tensor(keep, dtype=torch.long, device=kv.mask.device))
                     kv.trim_front()  # the rows that left may have been the longest contexts
-            # Otherwise finished rows ride along until a quarter of the batch is done: they sample
-            # nothing, but dropping them one by one would copy the whole cache every step.
+            # Finished rows ride along until a quarter is done: dropping each would copy the cache every step.
             if live and kv.width > 2 * int(kv.mask.sum(1).max()) + 16:
                 kv.compact()
 
     def _inputs(self, rows: list[DecodeRow], active: list[bool]):
-        """Per row: [last token, proposal...] right-padded to one width; which positions are fed.
-
-        Each live row's proposer offers up to min(max_k, budget - 1) tokens and is asked to fill the batch's width
-        (padding positions are computed anyway, so a shorter row's own proposal fills them at no cost).
-        """
+        """Per row [last, proposal] right-padded, and the fed positions; proposals fill the width, computed anyway."""
         props = [
             r.proposer.propose(min(self.max_k, r.budget - 1), fill=self.max_k)
             if self.max_k > 0 and ok and r.proposer is not None and r.budget > 1
@@ -260,7 +212,6 @@ class SpeculativeDecoder:
         return props, lens, ids, fed
 
     def _step(self, kv: KVRows, rows: list[DecodeRow]) -> None:
-        """One forward over every row."""
         dev = kv.mask.device
         active = [r.finish is None for r in rows]
         props, lens, ids, fed = self._inputs(rows, active)
@@ -278,7 +229,6 @@ class SpeculativeDecoder:
         self.counters.steps += 1
         self.counters.rows += len(rows)
         self.counters.positions += len(rows) * width
-        # A sample after every fed position of the live rows, keyed by the position it fills.
         want = fed & torch.tensor(active).unsqueeze(1)
         where = want.nonzero()
         uid_t = torch.tensor([r.uid for r in rows], dtype=torch.long)
@@ -294,10 +244,8 @@ class SpeculativeDecoder:
         logps = torch.zeros((len(rows), width), dtype=torch.float32)
         logps[want] = lps.cpu()
         col = torch.arange(width)
-        # Proposal j+1 is accepted while every sample so far equals the proposal it checks.
         match = (samples[:, :-1] == ids[:, 1:]) & (col[:-1].unsqueeze(0) < lens.unsqueeze(1))
         accepted = match.long().cumprod(1).sum(1)
-        # Fed positions past the accepted ones hold K/V of rejected proposals: roll them back.
         kv.mask[:, -width:] *= (col.unsqueeze(0) <= accepted.unsqueeze(1)).to(dev, torch.long)
         s_rows, lp_rows, acc = samples.tolist(), logps.tolist(), accepted.tolist()
         for i, r in enumerate(rows):
@@ -315,12 +263,7 @@ class SpeculativeDecoder:
 
 
 def prefill(model, contexts: Sequence[Sequence[int]], pad_id: int) -> tuple[KVRows, torch.Tensor]:
-    """One forward over left-padded contexts: (the batch's :class:`KVRows`, logits [B, V] at each last position).
-
-    Identical contexts (the G samples of one prompt) are computed once and their K/V copied to every
-    row that holds them (prefix sharing, as vLLM's prefix cache does): a GRPO batch of G samples per
-    prompt prefills 1/G of its tokens. Each row's values are those of a forward over its own context.
-    """
+    """One forward over left-padded contexts: (:class:`KVRows`, last logits [B, V]); identical contexts run once."""
     device = next(model.parameters()).device
     index: dict[tuple[int, ...], int] = {}
     row_of = [index.setdefault(tuple(int(t) for t in c), len(index)) for c in contexts]

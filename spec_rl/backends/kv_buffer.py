@@ -1,14 +1,5 @@
-"""A transformers KV-cache layer that appends in place instead of concatenating.
-
-transformers' ``DynamicLayer.update`` appends a decode step's keys and values with ``torch.cat``, which copies
-the whole cache every step: O(width) bytes per step, O(width^2) per response. On the demo's decode batch
-(256 rows, ~150 cached positions, 2 CPU cores) that copy was 55% of a decode step (torch profiler,
-``aten::cat``). :class:`InPlaceLayer` keeps each layer's keys and values in a buffer with spare columns;
-``update`` writes the new columns into the spare ones and returns views of the filled part, so a step
-copies only what it adds. The buffer grows by half its size when full (amortised O(1) copies per
-column, as a vector grows). Values are bitwise those of the ``torch.cat`` path: the same numbers at the
-same positions, only stored in a longer buffer.
-"""
+"""A transformers KV-cache layer that appends in place: ``DynamicLayer`` copies the whole cache with ``torch.cat`` every
+decode step; :class:`InPlaceLayer` writes into spare columns of a buffer that grows by half, with the same values."""
 
 from __future__ import annotations
 
@@ -24,20 +15,13 @@ MIN_SPARE = 64
 
 
 def buffer_columns(n: int, extra: int = 0) -> int:
-    """Columns of a buffer that holds ``n`` columns now and ``extra`` more soon (plus spare: grows by half)."""
+    """Columns for ``n`` columns now and ``extra`` soon, plus spare."""
     return n + max(extra, n // 2, MIN_SPARE)
 
 
 class InPlaceLayer(DynamicLayer):
-    """A ``DynamicLayer`` whose ``keys``/``values`` [B, H, n, D] are views of longer buffers.
-
-    Everything that reads ``keys``/``values`` (attention, :class:`~spec_rl.backends.hf_decode.KVRows`)
-    sees the same values as with ``DynamicLayer``; a method of the base class that replaces them
-    (``reorder_cache``, ``batch_repeat_interleave``) is noticed by :meth:`update`, which then copies
-    them into a fresh buffer, and after ``reset`` the next update starts a new buffer. One difference:
-    the tensors returned are views, so after ``crop`` the next update overwrites the cropped columns
-    of views returned before it (``DynamicLayer`` returns fresh tensors); nothing in spec-rl keeps them.
-    """
+    """A ``DynamicLayer`` whose ``keys``/``values`` [B, H, n, D] are views of longer buffers; after ``crop`` the next
+    update overwrites the cropped columns of views returned before."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor):
         super().__init__()
@@ -46,7 +30,6 @@ class InPlaceLayer(DynamicLayer):
         self._adopt(keys, values, extra=0)
 
     def _adopt(self, keys: torch.Tensor, values: torch.Tensor, extra: int) -> None:
-        """Copy ``keys``/``values`` into new buffers with room for ``extra`` more columns (and some spare)."""
         b, h, n, d = keys.shape
         size = buffer_columns(n, extra)
         self._key_buffer = keys.new_empty((b, h, size, d))
@@ -57,8 +40,7 @@ class InPlaceLayer(DynamicLayer):
 
     @classmethod
     def owning(cls, key_buffer: torch.Tensor, value_buffer: torch.Tensor, n: int) -> InPlaceLayer:
-        """A layer that takes ``key_buffer``/``value_buffer`` [B, H, size, D] as its buffers, no copy; their first
-        ``n`` columns are the cache (the caller filled them)."""
+        """A layer on buffers [B, H, size, D] (no copy) whose first ``n`` columns are the cache."""
         if not 0 <= n <= key_buffer.shape[-2] or key_buffer.shape[:2] != value_buffer.shape[:2]:
             raise ValueError(f"buffers {tuple(key_buffer.shape)} / {tuple(value_buffer.shape)} cannot hold {n} columns")
         layer = cls.__new__(cls)
@@ -73,7 +55,6 @@ class InPlaceLayer(DynamicLayer):
         self.values = self._value_buffer[:, :, :n]
 
     def _owns_views(self) -> bool:
-        """Whether ``keys``/``values`` still are views of the buffers (a base-class method may have replaced them)."""
         return (
             self.keys.data_ptr() == self._key_buffer.data_ptr()
             and self.keys.shape[0] == self._key_buffer.shape[0]
@@ -82,7 +63,7 @@ class InPlaceLayer(DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append [B, H, w, D] keys and values; returns the views of all n + w columns."""
-        if not self.is_initialized or self.keys is None:  # after reset(): start again from these columns
+        if not self.is_initialized or self.keys is None:  # after reset()
             self.device, self.is_initialized = key_states.device, True
             self._adopt(key_states[:, :, :0], value_states[:, :, :0], extra=key_states.shape[-2])
         n, w = self.keys.shape[-2], key_states.shape[-2]
@@ -94,8 +75,6 @@ class InPlaceLayer(DynamicLayer):
         return self.keys, self.values
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep the rows ``indices`` (one gather of the buffers, spare columns included); like ``DynamicLayer``,
-        an empty layer is left as it is."""
         if self.get_seq_length() == 0:
             return
         n = self.keys.shape[-2]
@@ -106,7 +85,7 @@ class InPlaceLayer(DynamicLayer):
         self._fill(n)
 
     def drop_front(self, n: int) -> None:
-        """Forget the first ``n`` columns (padding no row attends to): a view of the buffers, no copy."""
+        """Forget the first ``n`` columns (padding no row attends to) without a copy."""
         if not self._owns_views():
             self._adopt(self.keys, self.values, extra=0)
         kept = self.keys.shape[-2] - n
@@ -116,12 +95,7 @@ class InPlaceLayer(DynamicLayer):
 
 
 def left_padded_cache(rows: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]]) -> tuple[DynamicCache, torch.Tensor]:
-    """A cache of :class:`InPlaceLayer` s holding each row's keys/values right-aligned (left padding is zero),
-    and its attention mask [B, W] int64 (1 = a real column). ``rows[b][layer]`` is (keys, values) [H, L_b, D].
-
-    Each row is copied once, straight into the buffers the decode steps append to (building a padded
-    batch first and copying it into the buffers copied every K/V twice).
-    """
+    """(cache of right-aligned rows, mask [B, W] int64); ``rows[b][layer]`` = (keys, values) [H, L_b, D]."""
     lengths = [int(r[0][0].shape[1]) for r in rows]
     width, b = max(lengths), len(rows)
     device = rows[0][0][0].device
@@ -143,7 +117,7 @@ def left_padded_cache(rows: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 
 def in_place_cache(layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
-    """A ``DynamicCache`` holding per-layer (keys, values) [B, H, n, D] in :class:`InPlaceLayer` s (copied)."""
+    """A ``DynamicCache`` of :class:`InPlaceLayer` s holding per-layer (keys, values) [B, H, n, D] (copied)."""
     return _cache_of([InPlaceLayer(k, v) for k, v in layers])
 
 

@@ -1,24 +1,6 @@
-"""Scoring a group's trie of drafts where the exact walk may read it, and below that only on demand.
-
-The exact walk (:mod:`spec_rl.acceptance.exact_walk`) reads the output of a trie node only while some
-sample of the group still walks through it, and a sample passes a node with probability p(token) under
-the current policy. Scoring the whole trie in one forward pays for every node, also for those below the
-point where every walk has left the drafts: on the demo's exact rollout (64 prompts x G = 4, policy
-perturbed by 2%: ``benchmarks/bench_rollout.py``'s setup) the walked paths hold 39% of the trie's nodes.
-
-:class:`ProgressiveTreeScores` first scores the prompt and every node that some sample of the group
-reaches with estimated probability >= :data:`MIN_REACH`, the estimate being the product of the stored
-(last epoch's) token probabilities down to the node. When walks reach the end of what is scored, the walk
-asks :meth:`~ProgressiveTreeScores.extend` for the next ``first_window`` tokens (doubling per call) of the
-subtrees below them. The keys and values of every scored node stay in the chunk's cache, so a later
-forward attends to the nodes scored before it without computing them again, and a continuation gathers
-its context from them (no second prefill), as from the one-forward :class:`~spec_rl.sampling.groups.TreeKV`.
-
-A node's output depends only on its ancestors, which are always scored first, so every score equals the
-one-forward score up to floating-point summation order and the walk takes the same decisions: the
-estimate decides only what is computed when (tests/backends/test_progressive.py checks the decisions and
-the continuation's keys and values in float64).
-"""
+"""Scoring a group's draft trie only where exact walks may read it (docs/design.md "Exact acceptance"): first the nodes
+reached with estimated probability >= :data:`MIN_REACH`, then below waiting walks on demand. Ancestors are scored first
+and their K/V kept, so every score equals the one-forward score up to summation order."""
 
 from __future__ import annotations
 
@@ -33,19 +15,12 @@ from ..util.validation import check_int, check_real
 
 #: Draft tokens below a stop that one :meth:`ProgressiveTreeScores.extend` scores first; it doubles per call.
 FIRST_WINDOW = 16
-#: First pass: a node is scored when the chance that some sample of its group walks through it, estimated
-#: from the draft's stored log-probs (a sample passes a node with probability p(token), exact acceptance),
-#: is at least this. On the demo's exact rollout (bench_rollout.py's setup) 0.05 leaves ~70% of the trie's
-#: nodes for the first pass and ~3% of the walks go past it (they are served by :meth:`extend`).
+#: First pass: nodes some sample reaches with at least this probability (from the stored log-probs).
 MIN_REACH = 0.05
 
 
 class _Chunk:
-    """One forward batch of groups (one group per row) and the keys and values of its scored nodes.
-
-    ``entry_*`` list every (draft, token) of the chunk: its row, the tree index of the node whose output
-    scores it, the draft, the token index and the draft's index among the chunk's drafts (``drafts``).
-    """
+    """One forward batch of groups (one per row), the K/V of its scored nodes, an ``entry_*`` per (draft, token)."""
 
     def __init__(self, groups: list[PackedGroup]):
         self.groups = groups
@@ -85,27 +60,11 @@ class _Chunk:
 
 
 class ProgressiveTreeScores:
-    """Scores of B drafts (tree layout), computed where walks may need them and extended on demand (module docstring).
+    """Scores of B drafts, computed where walks may need them (valid for token i < ``scored_len[b]`` of draft b).
 
-    Attributes:
-        scores: the :class:`DraftScores` [B, R, d|V]; entry (b, i) is valid for i < ``scored_len[b]``.
-        scored_len: per draft, how many of its leading tokens are scored.
-        scored_nodes: prompt and trie positions computed so far (the one-forward layout computes all of them).
-
-    Args:
-        scorer: the backend's :class:`~spec_rl.backends.scoring.PolicyScorer` (tree layout).
-        prompts, drafts: B prompt and draft id lists (the drafts cut to their budget).
-        draft_logprobs: per draft, the stored log-probs of its tokens (at least as many as its ids); they
-            choose the first pass's nodes (:data:`MIN_REACH`). None: the first pass scores the first
-            ``first_window`` tokens of every draft.
-        first_window: draft tokens below a stop scored by the first :meth:`extend` (and by a first pass
-            without log-probs); >= 1.
-        min_reach: :data:`MIN_REACH` (0 scores the whole trie in the first pass).
-
-    Raises:
-        ValueError: prompts and drafts of different counts, ``first_window`` not an integer >= 1, ``min_reach``
-            not a number >= 0, or ``draft_logprobs`` not one list of numbers per draft with a log-prob for
-            every draft token.
+    ``draft_logprobs`` (stored, per draft) pick the first pass (None: the first ``first_window`` tokens);
+    ``first_window`` (>= 1) is what the first :meth:`extend` scores below a stop, doubling per call; ``min_reach`` 0
+    scores the whole trie. ValueError for unequal counts, bad ``first_window``/``min_reach``, or too few log-probs.
     """
 
     def __init__(
@@ -142,20 +101,9 @@ class ProgressiveTreeScores:
                     self.where[d] = (c, row, m)
         self._score_nodes([[first[i] for i in rows] for rows in order])
 
-    # ------------------------------------------------------------------ walk side
     def extend(self, stops: Sequence[tuple[int, int]]) -> None:
-        """Score below the nodes where walks stand: the next ``first_window`` (doubling per call) draft tokens
-        of the subtree below each stop.
-
-        Args:
-            stops: (draft, n) per waiting sample: it accepted the first n = ``scored_len[draft]`` tokens of that
-                draft (0 < n < its length) and needs the scores below them.
-
-        Raises:
-            ValueError: a stop that is not a pair of ints, whose draft index is out of range, or that is not
-                at its draft's ``scored_len`` or not inside the draft.
-            RuntimeError: after :meth:`release`.
-        """
+        """Score below each stop (draft, n = ``scored_len[draft]``); ValueError for a bad stop, RuntimeError once
+        released."""
         self._check_live("extend")
         roots: dict[tuple[int, int], list[tuple[int, int]]] = {}
         for stop in stops:
@@ -176,14 +124,12 @@ class ProgressiveTreeScores:
         self._window = min(2 * self._window, self.max_r)
         self._score_nodes(per_chunk)
 
-    # ------------------------------------------------------------------ continuation side
     def prompt_len(self, draft: int) -> int:
         c, row, _ = self.where[self._draft_index("draft", draft)]
         return self.chunks[c].groups[row].prompt_len
 
     def context(self, draft: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer (keys [H, P + n, D], values) of [prompt, the draft's first n tokens] (all scored: a walk
-        that accepted n tokens read the outputs of the nodes before them)."""
+        """Per layer (keys [H, P + n, D], values) of [prompt, the draft's first n tokens]."""
         self._check_live("context")
         draft, n = self._draft_index("context draft", draft), _int("context n", n)
         if not 0 <= n <= self.lengths[draft]:
@@ -198,7 +144,7 @@ class ProgressiveTreeScores:
         return [(k[row].index_select(1, cols), v[row].index_select(1, cols)) for k, v in layers]
 
     def release(self) -> None:
-        """Drop the kept keys and values (the handle was continued or released)."""
+        """Drop the kept keys and values."""
         self.released = True
         for chunk in self.chunks:
             chunk.cache = None
@@ -216,8 +162,7 @@ class ProgressiveTreeScores:
                 "(continued, released, or a scoring forward failed): score the drafts again"
             )
 
-    # ------------------------------------------------------------------ internals
-    @torch.inference_mode()  # as the one-forward scorer (its docstring: ~7% faster than no_grad on CPU)
+    @torch.inference_mode()
     def _score_nodes(self, per_chunk: list[list[torch.Tensor]]) -> None:
         """Forward the given nodes of every chunk (tree indices per row), then update ``scored_len``."""
         for chunk, nodes in zip(self.chunks, per_chunk):
@@ -257,9 +202,8 @@ class ProgressiveTreeScores:
         try:
             res = target(input_ids=ids.to(dev), position_ids=pos.to(dev), attention_mask=mask, use_cache=True, **extra)
         except BaseException:
-            self.release()  # a transformers cache grows in place, layer by layer: it cannot be trusted after a failure
+            self.release()  # the cache grows layer by layer: not to be trusted after a failure
             raise
-        # The chunk's bookkeeping changes only once the forward succeeded.
         chunk.cache = getattr(res, cache_argument(target), None) or getattr(res, "past_key_values", None)
         chunk.key_node, chunk.key_size = keys, key_size
         for row, x in enumerate(nodes):
@@ -291,7 +235,7 @@ class ProgressiveTreeScores:
 
 
 def _int(name: str, value, low: int | None = None) -> int:
-    """:func:`check_int` (what counts as an integer), refused as this class's ValueError naming ``name``."""
+    """:func:`check_int`, refused as a ValueError naming ``name``."""
     try:
         checked = check_int(name, value)
     except TypeError:
@@ -302,8 +246,7 @@ def _int(name: str, value, low: int | None = None) -> int:
 
 
 def _checked_arguments(prompts, drafts, draft_logprobs, first_window, min_reach) -> list[torch.Tensor] | None:
-    """Refuse arguments the scores cannot honour, naming the argument (class docstring's Raises); returns the
-    log-probs of each draft's tokens as float64 tensors (None without log-probs)."""
+    """Refuse bad arguments; returns each draft's log-probs as float64 (None without)."""
     if len(prompts) != len(drafts):
         raise ValueError(f"prompts and drafts must pair up: got {len(prompts)} prompts for {len(drafts)} drafts")
     _int("first_window", first_window, low=1)
@@ -332,10 +275,8 @@ def _checked_arguments(prompts, drafts, draft_logprobs, first_window, min_reach)
 
 
 def _first_pass(g: PackedGroup, logprobs, min_reach: float, window: int) -> torch.Tensor:
-    """Tree indices of the group's first-pass nodes: the prompt, and each trie node some sample of the group
-    walks through with estimated probability >= ``min_reach`` (rows x the product of the stored token
-    probabilities down to it), or without log-probs every node of the first ``window`` tokens. Both sets
-    hold every ancestor of a node they hold."""
+    """Tree indices of the first pass: the prompt and nodes reached with estimated probability >= ``min_reach`` (or the
+    first ``window`` tokens); both keep every ancestor."""
     depth = int64_tensor(g.depth)
     if logprobs is None:
         return torch.nonzero(depth < g.prompt_len + window - 1).flatten()
@@ -344,8 +285,7 @@ def _first_pass(g: PackedGroup, logprobs, min_reach: float, window: int) -> torc
     floor = math.log(min_reach / len(g.members)) if min_reach > 0 else -math.inf
     for m, d in enumerate(g.members):
         if g.node_pos[m]:
-            # A stored log-prob > 0 (a custom store) must not lift a node above its parent: clamp each to <= 0
-            # so the reach only falls along a path and every kept node keeps its ancestors.
+            # Clamped to <= 0 so the reach only falls along a path and a kept node keeps its ancestors.
             lps = logprobs[d][: len(g.node_pos[m])].clamp(max=0.0)
             reach = torch.cumsum(lps, 0)
             keep[int64_tensor(g.node_pos[m])[reach >= floor]] = True
@@ -353,8 +293,7 @@ def _first_pass(g: PackedGroup, logprobs, min_reach: float, window: int) -> torc
 
 
 def _subtree_nodes(chunk: _Chunk, row: int, roots, window: int) -> torch.Tensor:
-    """Tree indices of the nodes not yet scored below each (root, n): the root's subtree, down to the nodes
-    whose outputs score draft tokens below n + ``window``."""
+    """Unscored nodes below each (root, n): the root's subtree down to the draft tokens below n + ``window``."""
     g = chunk.groups[row]
     want = torch.zeros(len(g.tokens), dtype=torch.bool)
     for root, n in roots:
@@ -376,8 +315,7 @@ def chunk_rows(counts: Sequence[int], max_tokens: int) -> list[list[int]]:
 
 
 def _ancestor_mask(query: torch.Tensor, keys: torch.Tensor, key_size: torch.Tensor, past: int) -> torch.Tensor:
-    """[rows, Tq, Tk] bool: query i sees key j iff node j is an ancestor of node i or i itself (preorder:
-    j <= i < j + size[j]); a padding query sees only its own column, so no softmax row is empty."""
+    """[rows, Tq, Tk] bool: query i sees key j iff j <= i < j + size[j] (preorder ancestors); padding sees itself."""
     q = query.unsqueeze(2)
     k, s = keys.unsqueeze(1), key_size.unsqueeze(1)
     mask = (k >= 0) & (k <= q) & (q < k + s)

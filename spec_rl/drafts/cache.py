@@ -1,24 +1,6 @@
-"""Rollout cache: last epoch's response per (prompt, sample slot), used as the draft.
-
-Keys are the prompt's token ids (plus an optional dataset id) and the sample
-slot within the group, hashed with BLAKE2b. Text is never used as a key, so
-two prompts that decode to the same string but tokenise differently never
-collide, and shuffling the data between epochs changes nothing. (The SPEC-RL
-reference implementation keys by decoded prompt text and needs unshuffled
-data; docs/design.md "Facts from the field".)
-
-Each entry stores the response token ids (int32), their log-probs (float32)
-under the policy that last validated them, the finish reason, the policy
-version (training step) and the sampling settings. A lookup under different
-sampling settings is a miss (with one warning per distinct pair of
-settings): comparing log-probs of different distributions would silently
-destroy reuse (docs/design.md "The rule", step 1).
-
-On disk the cache is one safetensors file, written to a temporary file in
-the same folder, fsynced and renamed over the old one, so a crash mid-write
-leaves the previous file intact. Everything is checked twice: a draft when it is
-stored (a float id is refused, never rounded) and the whole file when it is
-loaded (a damaged file is one ValueError naming the file and the problem).
+"""The rollout cache: last epoch's response per (prompt, sample slot), reused as the draft. Keys hash the prompt's
+token ids, never its text (docs/design.md "Facts from the field"); a lookup under other sampling settings is a miss
+(docs/design.md "The rule", step 1). On disk: one safetensors file, written atomically, checked whole on load.
 """
 
 from __future__ import annotations
@@ -47,11 +29,8 @@ _FIX = "delete the file or restore a backup (without a cache the next epoch gene
 
 @dataclass(frozen=True)
 class CacheKey:
-    """Identity of one draft: hash of (dataset id, sample slot, prompt token ids).
-
-    ``uid`` (63-bit, from the hash) keys the acceptance uniforms of this
-    sample, so its random decisions are independent of batch position.
-    """
+    """Identity of one draft: BLAKE2b hash of (dataset id, sample slot, prompt token ids). ``uid`` (63-bit, from the
+    hash) keys this sample's uniforms, so its decisions do not depend on batch position."""
 
     digest: bytes
 
@@ -61,18 +40,10 @@ class CacheKey:
 
     @classmethod
     def make(cls, prompt_ids: Sequence[int] | torch.Tensor, slot: int, dataset_id: str | None = None) -> CacheKey:
-        """Build a key.
-
-        Args:
-            prompt_ids: the prompt's token ids (list, numpy array or 1-D integer tensor), each in [0, 2**63).
-            slot: sample index within the group, 0 <= slot.
-            dataset_id: optional stable id of the dataset row (e.g. "gsm8k:17").
-
-        Raises:
-            TypeError: ids that are not integers (floats are never rounded), a non-integer slot, a
-                dataset id that is not a str.
-            ValueError: ids not 1-D or out of range, a negative slot.
-        """
+        """Key of ``prompt_ids`` (list, numpy array or 1-D integer tensor; ids in [0, 2**63)), ``slot`` >= 0 (the
+        sample's index in its group) and an optional stable ``dataset_id`` (e.g. "gsm8k:17"). TypeError for
+        non-integer ids (never rounded) or slot, or a non-str dataset id; ValueError for ids not 1-D or out of range,
+        or a negative slot."""
         ids = as_id_vector("prompt_ids", prompt_ids, high=INT64_MAX)
         slot = check_int("slot", slot, low=0, high=INT64_MAX, hint=" (the sample's index within its group)")
         if dataset_id is not None and not isinstance(dataset_id, str):
@@ -84,21 +55,15 @@ class CacheKey:
         h.update((dataset_id if dataset_id is not None else "\x00none").encode("utf-8"))
         h.update(b"\xff")
         h.update(slot.to_bytes(8, "little", signed=False))
-        h.update(ids.cpu().contiguous().numpy().tobytes())  # int64 little-endian, as keys always were
+        h.update(ids.cpu().contiguous().numpy().tobytes())  # int64 little-endian: part of the stored key format
         return cls(h.digest())
 
 
 @dataclass
 class Draft:
-    """One cached response.
-
-    Attributes:
-        token_ids: [R] int32 response token ids (EOS included when it ended with EOS).
-        logprobs: [R] float32 sampling log-probs under the policy of ``version``.
-        finish_reason: "eos" or "length".
-        version: training step of the policy that last validated the tokens.
-        settings: sampling settings the response was drawn with.
-    """
+    """One cached response: ``token_ids`` [R] int32 (EOS included when it ended with one), ``logprobs`` [R] float32
+    under the policy of ``version`` (the training step that last validated the tokens), ``finish_reason`` ("eos" or
+    "length") and the ``settings`` it was sampled with."""
 
     token_ids: torch.Tensor
     logprobs: torch.Tensor
@@ -119,11 +84,9 @@ def make_draft(
 ) -> Draft:
     """Validate a response and its log-probs and pack them as a :class:`Draft` (CPU copies).
 
-    Raises:
-        TypeError: ids that are not integers (floats are never rounded, bools are not ids), log-probs
-            that are not numbers, a non-integer version, settings that are not a SamplingSettings.
-        ValueError: ids or log-probs not 1-D, length mismatch, unknown finish reason, NaN or positive
-            logprobs, token ids outside [0, 2**31), a negative version.
+    TypeError: non-integer ids (never rounded) or version, non-numeric log-probs, settings not a SamplingSettings.
+    ValueError: not 1-D, length mismatch, unknown finish reason, NaN or positive log-probs, ids outside [0, 2**31),
+    a negative version.
     """
     ids = as_id_vector("token_ids", token_ids)
     lps = as_float_vector("logprobs", logprobs)
@@ -146,13 +109,8 @@ def make_draft(
 
 
 def draft_fits(draft: Draft, settings: SamplingSettings) -> bool:
-    """Whether ``draft`` can be scored under ``settings``: it was sampled from the same distribution.
-
-    The budget (``max_tokens``) changes no token's log-prob, only where a response ends, so a draft
-    recorded under another budget is still looked up; what part of it is valid under today's budget
-    and EOS set, and whether it is a whole response or a prefix to continue, is decided where it is
-    reused (:mod:`spec_rl.drafts.validity`).
-    """
+    """Whether ``draft`` was sampled from the distribution of ``settings`` (the budget may differ: it changes no
+    log-prob; :mod:`spec_rl.drafts.validity` cuts the draft to today's budget and EOS set where it is reused)."""
     return draft.settings.same_distribution(settings)
 
 
@@ -166,14 +124,8 @@ def check_key(key) -> CacheKey:
 
 
 class DraftStore:
-    """Lookup/store semantics shared by every draft store (in memory, on a shared filesystem).
-
-    Subclasses implement ``_read(key) -> Draft | None`` and ``_write(key, draft)``.
-    A lookup under other sampling settings than the draft's is a miss, with one
-    warning per distinct pair: log-probs of different sampling distributions are not
-    comparable (docs/design.md "The rule", step 1), and reusing them would silently destroy reuse.
-    Counters ``hits``, ``misses`` and ``settings_mismatches`` count this process's lookups.
-    """
+    """Lookup/store semantics of every draft store; subclasses implement ``_read(key)`` and ``_write(key, draft)``.
+    Counters ``hits``, ``misses`` and ``settings_mismatches`` count this process's lookups."""
 
     _name = "draft store"
     _fix = "use the same temperature/top-k/top-p, or start from an empty store"
@@ -191,14 +143,9 @@ class DraftStore:
         raise NotImplementedError
 
     def lookup(self, key: CacheKey, settings: SamplingSettings) -> Draft | None:
-        """Return the draft for ``key`` if it was sampled from the distribution of ``settings``, else None.
-
-        The draft comes back as stored: cut it to today's budget and EOS set before reusing it
-        (:func:`spec_rl.drafts.validity.draft_views`).
-
-        Raises:
-            TypeError: ``key`` is not a CacheKey or ``settings`` not a SamplingSettings.
-        """
+        """The draft of ``key`` as stored (cut it with :func:`~spec_rl.drafts.validity.draft_views` before reuse), or
+        None. Another sampling distribution than ``settings``' is a miss, warned once per pair: log-probs of different
+        distributions are not comparable. TypeError: ``key`` not a CacheKey, ``settings`` not a SamplingSettings."""
         check_settings(settings)
         draft = self._read(check_key(key))
         if draft is None:
@@ -229,11 +176,7 @@ class DraftStore:
         version: int,
         settings: SamplingSettings,
     ) -> None:
-        """Insert or replace the draft for ``key`` (validated here, so nothing bad reaches a file).
-
-        Raises:
-            TypeError, ValueError: see :func:`make_draft`; TypeError for a ``key`` that is not a CacheKey.
-        """
+        """Insert or replace the draft of ``key``, validated as :func:`make_draft` does (TypeError: not a CacheKey)."""
         self._write(check_key(key), make_draft(token_ids, logprobs, finish_reason, version, settings))
 
 
@@ -272,14 +215,8 @@ class RolloutCache(DraftStore):
             raise TypeError(f"other must be a RolloutCache, got {type(other).__name__}")
         self._entries.update(other._entries)
 
-    # ------------------------------------------------------------------ disk
     def save(self, path: str | os.PathLike) -> Path:
-        """Write the cache to ``path`` (a .safetensors file) atomically.
-
-        The data go to a temporary file in the same folder, which is fsynced
-        and then renamed over ``path``; an interrupted save leaves any earlier
-        file untouched.
-        """
+        """Write the cache to ``path`` (a .safetensors file) atomically: an interrupted save leaves the old file."""
         digests = list(self._entries.keys())
         drafts = [self._entries[d] for d in digests]
         settings_list: list[SamplingSettings] = []
@@ -310,21 +247,9 @@ class RolloutCache(DraftStore):
 
     @classmethod
     def load(cls, path: str | os.PathLike, vocab_size: int | None = None) -> RolloutCache:
-        """Read a cache written by :meth:`save`, checking everything in it first.
-
-        Args:
-            path: the .safetensors file.
-            vocab_size: when given, every stored token id must lie in [0, vocab_size) (without it:
-                in the int32 range).
-
-        Raises:
-            FileNotFoundError: no file at ``path``.
-            ValueError: the file is not a spec-rl rollout cache, or is damaged: one error naming the
-                file and what is wrong (a missing or mistyped tensor or metadata field, settings that
-                are not valid JSON, offsets that do not rise from 0 to the token count, NaN or positive
-                log-probs, ids out of range, indices past their tables, a key stored twice).
-            TypeError: ``vocab_size`` is not an integer.
-        """
+        """Read a cache written by :meth:`save`, checking all of it first; token ids must lie in [0, ``vocab_size``)
+        when given, else in the int32 range. FileNotFoundError: no file; ValueError: not a spec-rl rollout cache, or
+        damaged (one error naming the file and the problem); TypeError: a non-integer ``vocab_size``."""
         if vocab_size is not None:
             vocab_size = check_int("vocab_size", vocab_size, low=1)
         cache = cls()
@@ -333,7 +258,7 @@ class RolloutCache(DraftStore):
 
 
 def _read_cache_file(path: str | os.PathLike, vocab_size: int | None) -> dict[bytes, Draft]:
-    """The drafts of a cache file by key digest, after checking every tensor and field of it."""
+    """The drafts of a cache file by key digest, after checking all of it."""
     path, meta, tensors = read_safetensors(path, "rollout cache")
     if meta.get("format") != _FORMAT:
         raise ValueError(f"{path} is not a spec-rl rollout cache (format={meta.get('format')!r})")

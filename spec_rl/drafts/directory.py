@@ -1,30 +1,6 @@
-"""A draft store shared by many processes and nodes: one file per key in a directory.
-
-Trainers that roll out from many workers (verl's agent-loop workers are Ray
-actors spread over nodes; OpenRLHF's vLLM engines are Ray actors too) cannot
-share an in-process :class:`~spec_rl.drafts.cache.RolloutCache`. This store keeps
-the same lookup/store semantics, but every draft lives in its own small
-safetensors file under a directory that all workers can reach (a local disk
-for one node; NFS, Lustre or another shared filesystem for many):
-
-    <root>/<first 2 hex digits of the key>/<32 hex digits of the key>.safetensors
-
-Each file holds the response token ids (int32) and their log-probs (float32);
-its metadata holds the key, finish reason, policy version and sampling
-settings. A write goes to a temporary file in the same folder and is renamed
-over the target with :func:`os.replace`, which POSIX makes atomic within a
-filesystem: a reader sees the old file or the new one, never a torn one, and
-concurrent writers of the same key leave exactly one complete file (the last
-rename wins). No locks are taken, so nothing can be left locked by a worker
-that dies.
-
-A lookup under different sampling settings is a miss (with one warning per
-distinct pair), exactly as in :class:`~spec_rl.drafts.cache.RolloutCache`: comparing
-log-probs of different sampling distributions would silently destroy reuse
-(docs/design.md, "The rule"). A file that cannot be read, or whose contents are
-not a valid draft (unknown finish reason, NaN or positive log-probs, ids out of
-range, lengths that disagree, broken settings), is a miss with a warning naming
-the file and the problem; the next store of that key replaces it.
+"""A draft store shared by processes and nodes (verl's and OpenRLHF's Ray workers): one safetensors file per key,
+``<root>/<2 hex digits>/<32 hex digits>.safetensors``. Writes rename a temporary with :func:`os.replace` (atomic, no
+locks): readers see the old or the new file, concurrent writers leave one. An unreadable file is a miss, warned.
 """
 
 from __future__ import annotations
@@ -47,23 +23,10 @@ _MARKER = "SPEC_RL_DRAFT_STORE"
 
 
 class DirectoryDraftStore(DraftStore):
-    """Drafts keyed by :class:`~spec_rl.drafts.cache.CacheKey`, one atomic file each.
-
-    Args:
-        root: directory of the store (created if missing). Every worker that
-            shares drafts must see the same directory.
-        fsync: fsync each file before renaming it (durable across a machine
-            crash; costs a disk flush per write). Atomicity against
-            concurrent readers and writers does not depend on it.
-
-    Counters ``hits``, ``misses`` and ``settings_mismatches`` count this
-    process's lookups only.
-
-    Raises:
-        ValueError: ``root`` exists and is a file, or is a non-empty directory
-            that is not a draft store (so a typo cannot scatter files into an
-            unrelated folder).
-    """
+    """Drafts keyed by :class:`~spec_rl.drafts.cache.CacheKey`, one atomic file each, under ``root`` (created if
+    missing; the same for every worker). ``fsync``: flush each file before the rename (durable across a machine
+    crash; atomicity does not depend on it). ValueError when ``root`` is a file, or a non-empty directory that is not
+    a draft store (so a typo cannot scatter files into an unrelated folder)."""
 
     _name = "draft store"
     _fix = "use the same temperature/top-k/top-p, or point the run at a new directory"
@@ -89,7 +52,6 @@ class DirectoryDraftStore(DraftStore):
                 pass
 
     def path_for(self, key: CacheKey) -> Path:
-        """File that holds the draft of ``key``."""
         hexkey = key.digest.hex()
         return self.root / hexkey[:2] / f"{hexkey}.safetensors"
 
@@ -104,8 +66,7 @@ class DirectoryDraftStore(DraftStore):
 
         path = self.path_for(key)
         try:
-            # Read the file once: metadata and tensors must come from the same version of it,
-            # since a concurrent writer may os.replace the path between two opens.
+            # One read, so metadata and tensors come from one version even if a writer replaces the file meanwhile.
             with open(path, "rb") as f:
                 data = f.read()
             (header_len,) = struct.unpack("<Q", data[:8])
@@ -128,7 +89,6 @@ class DirectoryDraftStore(DraftStore):
             return None
 
     def _write(self, key: CacheKey, draft: Draft) -> None:
-        """Write ``draft`` (validated by :meth:`DraftStore.store`) to its file with an atomic rename."""
         path = self.path_for(key)
         metadata = {
             "format": _FORMAT,
@@ -142,8 +102,7 @@ class DirectoryDraftStore(DraftStore):
         atomic_save_safetensors(path, tensors, metadata, fsync=self.fsync)
 
     def clear(self) -> None:
-        """Delete every draft file and the temporary files of writers that were killed mid-write (the
-        directory and its marker stay). A leftover temporary is never read as a draft, only disk space."""
+        """Delete every draft file and the temporaries of killed writers (the directory and its marker stay)."""
         for p in self.root.glob("??/*.safetensors"):
             try:
                 p.unlink()

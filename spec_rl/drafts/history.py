@@ -1,27 +1,6 @@
-"""Drafts past the first rejection: a per-prompt index over every earlier response of that prompt.
-
-After the verified prefix is cut, SPEC-RL (paper Alg. 1) decodes the rest one token per step. The
-responses a prompt received before (all G slots of its group, earlier epochs, and the rejected suffix
-of the current draft) usually share long stretches with what the policy is about to write, so each
-decode step can propose several tokens taken from that history and verify them in the same forward
-(RhymeRL/HistoSpec, arXiv 2508.18588, and DAS, arXiv 2511.13841, draft from history the same way).
-
-:class:`SuffixAutomaton` indexes one prompt's responses (token ids, separated by :data:`SEPARATOR`):
-it finds, in amortised O(1) per generated token, the longest suffix of the sequence being generated
-that occurs somewhere in the history, and proposes the tokens that followed that occurrence.
-:class:`HistoryIndex` keeps one automaton per prompt, bounded in memory:
-
-* at most ``max_responses`` responses and ``max_tokens`` tokens per prompt (when a prompt reaches
-  twice either bound, its oldest responses are dropped down to the bound and the automaton is
-  rebuilt from the rest, so rebuilds are rare), and
-* at most ``max_prompts`` prompts (the least recently used prompt is dropped first).
-
-The worst case is about ``2 * max_prompts * max_tokens`` indexed tokens; an automaton holds at most
-two states per token (about 0.5 KB of Python objects per indexed token). :meth:`HistoryIndex.save` writes the responses (not the automata, which are rebuilt
-on load) to one safetensors file, atomically.
-
-Proposals are deterministic given the history, so verifying them with the exact rule keeps the
-output distribution unchanged (docs/design.md "Speculation past the first rejection").
+"""Drafts past the first rejection (docs/design.md "Tail speculation"): per-prompt suffix automata over the prompt's
+earlier responses propose, at each decode step, the tokens that followed the longest suffix match (as RhymeRL/HistoSpec,
+arXiv 2508.18588, and DAS, arXiv 2511.13841). Proposals depend only on the history, so exact verification is lossless.
 """
 
 from __future__ import annotations
@@ -63,11 +42,8 @@ def matched_prefix(proposal: Sequence[int], emitted: Sequence[int]) -> int:
 
 
 class SuffixAutomaton:
-    """Suffix automaton over a growing token text (Blumer et al. 1985), with one end position per state.
-
-    States are parallel lists: ``trans`` (token -> state), ``link`` (suffix link), ``length`` (longest
-    string of the state) and ``endpos`` (end index in :attr:`text` of one occurrence: the first).
-    """
+    """Suffix automaton over a growing token text (Blumer et al. 1985). States are parallel lists: ``trans`` (token ->
+    state), ``link`` (suffix link), ``length`` (longest string) and ``endpos`` (end of its first occurrence)."""
 
     def __init__(self) -> None:
         self.text: list[int] = []
@@ -140,18 +116,11 @@ class SuffixAutomaton:
 
 
 class SuffixProposer:
-    """Proposes up to k tokens for one sequence being decoded, from one prompt's automaton.
+    """Proposes up to k tokens for one sequence being decoded whose response so far is ``prefix``.
 
-    ``k`` adapts to the sequence's recent acceptance: it doubles (up to ``max_k``) after a step that
-    accepted every proposed token and falls to ``accepted + 1`` otherwise; nothing is proposed while
-    the current match is shorter than ``min_match`` tokens. At the start of a response (nothing
-    generated yet) it proposes the beginning of the most recent earlier response.
-
-    Args:
-        automaton: the prompt's :class:`SuffixAutomaton`.
-        prefix: tokens of the response generated so far (the verified prefix and the token at n).
-        max_k: most tokens proposed per step.
-        min_match: shortest suffix match that earns a proposal.
+    ``k`` doubles (up to ``max_k``) after a step that accepted every proposed token and falls to ``accepted + 1``
+    otherwise; nothing is proposed while the match is shorter than ``min_match`` tokens; at the start of a response
+    it proposes the start of the newest earlier response. Proposals stop before an id outside [0, ``vocab_size``).
     """
 
     def __init__(
@@ -163,7 +132,7 @@ class SuffixProposer:
         vocab_size: int | None = None,
     ):
         self.automaton = automaton
-        self.vocab_size = vocab_size  # proposals stop before an id the model cannot read
+        self.vocab_size = vocab_size
         self.max_k = int(max_k)
         self.min_match = int(min_match)
         self.k = max(1, self.max_k // 2)
@@ -176,12 +145,8 @@ class SuffixProposer:
             self.state, self.matched = automaton.step(self.state, self.matched, int(t))
 
     def propose(self, limit: int, fill: int = 0) -> list[int]:
-        """Up to ``min(k, limit)`` tokens expected next ([] when nothing matches).
-
-        ``fill`` asks for up to that many tokens whatever the adaptive k (still at most ``limit``):
-        a batched backend that computes padding positions anyway fills them with proposals, which
-        cost nothing extra there. The adaptive k only learns from the first k of them.
-        """
+        """Up to ``min(k, limit)`` tokens expected next ([] when nothing matches); ``fill`` asks for up to that many
+        whatever k (padding positions a batched backend computes anyway), k learning only from the first k."""
         self.asked = min(self.k, int(limit))
         k = min(max(self.k, int(fill)), int(limit))
         if k <= 0:
@@ -213,25 +178,18 @@ class SuffixProposer:
 
 
 class HistoryIndex:
-    """Per-prompt suffix automata over earlier responses, bounded in memory (see the module docstring).
+    """Per-prompt suffix automata over earlier responses, bounded in memory (ValueError: a bound below 1).
 
-    Prompts are identified by any hashable key; :class:`~spec_rl.rollout.speculative.SpeculativeRollout` uses the
-    draft key of slot 0 (prompt token ids + dataset id), so the G samples of a group share one index.
-
-    Args:
-        max_responses: responses kept per prompt (newest first).
-        max_tokens: tokens kept per prompt.
-        max_prompts: prompts kept (least recently used dropped first).
-
-    Raises:
-        ValueError: a bound below 1.
+    Prompts are identified by any hashable key (the rollout uses the draft key of slot 0, shared by a group). A prompt
+    is trimmed to its newest ``max_responses`` responses and ``max_tokens`` tokens once it holds twice either (its
+    automaton is then rebuilt); past ``max_prompts`` prompts the least recently used goes. At most about
+    ``2 * max_prompts * max_tokens`` tokens are indexed, with up to two automaton states per token.
     """
 
     def __init__(self, max_responses: int = 16, max_tokens: int = 8192, max_prompts: int = 16384):
-        for name, value in (("max_responses", max_responses), ("max_tokens", max_tokens), ("max_prompts", max_prompts)):
-            if isinstance(value, bool) or int(value) != value or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        self.max_responses, self.max_tokens, self.max_prompts = int(max_responses), int(max_tokens), int(max_prompts)
+        self.max_responses = check_int("max_responses", max_responses, low=1)
+        self.max_tokens = check_int("max_tokens", max_tokens, low=1)
+        self.max_prompts = check_int("max_prompts", max_prompts, low=1)
         self._responses: OrderedDict[bytes, list[list[int]]] = OrderedDict()
         self._automata: dict[bytes, SuffixAutomaton] = {}
 
@@ -239,7 +197,6 @@ class HistoryIndex:
         return len(self._responses)
 
     def num_tokens(self) -> int:
-        """Indexed tokens over all prompts."""
         return sum(len(r) for rs in self._responses.values() for r in rs)
 
     def update(self, other: HistoryIndex) -> None:
@@ -249,14 +206,8 @@ class HistoryIndex:
                 self.add(key, r)
 
     def add(self, key: bytes, response: Sequence[int]) -> None:
-        """Index one more response of prompt ``key`` (evicting the oldest responses or prompts past the bounds).
-
-        A response the prompt's index already holds (a draft reused whole) adds nothing and is skipped.
-
-        Raises:
-            TypeError: ids that are not integers (never rounded).
-            ValueError: ids not 1-D or outside [0, 2**31) (a negative id would read as :data:`SEPARATOR`).
-        """
+        """Index one more response of prompt ``key`` (evicting past the bounds); one it already holds is skipped.
+        TypeError: non-integer ids; ValueError: not 1-D or outside [0, 2**31) (a negative id reads as a separator)."""
         tokens = as_id_vector("response", response).tolist()
         rs = self._responses.setdefault(key, [])
         self._responses.move_to_end(key)
@@ -264,7 +215,7 @@ class HistoryIndex:
             return
         rs.append(tokens)
         automaton = self._automata.get(key)
-        # Trim only at twice the bounds, so the rebuild that trimming costs happens rarely.
+        # Trim only at twice the bounds, so the rebuild it costs is rare.
         if len(rs) > 2 * self.max_responses or sum(len(r) for r in rs) > 2 * self.max_tokens:
             while len(rs) > 1 and (len(rs) > self.max_responses or sum(len(r) for r in rs) > self.max_tokens):
                 rs.pop(0)
@@ -291,14 +242,12 @@ class HistoryIndex:
     def proposer(
         self, key: bytes, prefix: Sequence[int] = (), max_k: int = 8, vocab_size: int | None = None
     ) -> SuffixProposer | None:
-        """A :class:`SuffixProposer` for a sequence of prompt ``key`` whose response so far is ``prefix``
-        (its proposals never hold an id outside [0, ``vocab_size``) when that is given)."""
+        """A :class:`SuffixProposer` for a sequence of prompt ``key``, or None when the prompt has no history."""
         automaton = self.automaton(key)
         return None if automaton is None else SuffixProposer(automaton, prefix, max_k=max_k, vocab_size=vocab_size)
 
-    # ------------------------------------------------------------------ disk
     def save(self, path: str | os.PathLike) -> Path:
-        """Write every prompt's responses to one safetensors file, atomically."""
+        """Write every prompt's responses (not the automata) to one safetensors file, atomically."""
         keys = list(self._responses)
         flat = [r for k in keys for r in self._responses[k]]
         counts = torch.tensor([len(self._responses[k]) for k in keys], dtype=torch.int64)
@@ -310,20 +259,9 @@ class HistoryIndex:
 
     @classmethod
     def load(cls, path: str | os.PathLike, vocab_size: int | None = None, **bounds) -> HistoryIndex:
-        """Read a file written by :meth:`save`, checking everything in it first.
-
-        Args:
-            path: the .safetensors file.
-            vocab_size: when given, every stored token id must lie in [0, vocab_size) (without it:
-                in the int32 range).
-            bounds: ``max_responses``, ``max_tokens``, ``max_prompts`` of the new index.
-
-        Raises:
-            FileNotFoundError: no file at ``path``.
-            ValueError: not a spec-rl history file, or a damaged one: one error naming the file and
-                what is wrong (missing or mistyped tensors or keys, counts and lengths that do not add
-                up, negative lengths, ids out of range, a prompt stored twice).
-        """
+        """Read a file written by :meth:`save` into a new index with ``bounds``, checking all of it first; token ids
+        must lie in [0, ``vocab_size``) when given, else in the int32 range. FileNotFoundError: no file; ValueError:
+        not a spec-rl history file, or damaged (one error naming the file and the problem)."""
         if vocab_size is not None:
             vocab_size = check_int("vocab_size", vocab_size, low=1)
         index = cls(**bounds)

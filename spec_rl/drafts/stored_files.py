@@ -1,11 +1,6 @@
-"""Reading spec-rl's safetensors files back: every file is checked before its contents are used.
-
-A file written by spec-rl is replaced atomically (:mod:`spec_rl.util.atomic`), so a torn write cannot
-happen; what can happen is a file damaged later (a bad disk, a copy cut short, an edit, another
-program's file under our name) that still parses. Such a file must not load silently (NaN
-log-probs or out-of-range ids would corrupt training much later, far from the cause) nor end in a
-KeyError or IndexError deep inside the loader. :class:`FileCheck` checks metadata and tensors and
-raises one :class:`DamagedFileError` (a ValueError) naming the file, what is wrong and the fix.
+"""Reading spec-rl's safetensors files back, checked before use: a file damaged after its atomic write may still
+parse, and must neither load silently (bad log-probs or ids corrupt training far from the cause) nor fail deep in a
+loader. :class:`FileCheck` raises one :class:`DamagedFileError` naming the file, the problem and the fix.
 """
 
 from __future__ import annotations
@@ -29,12 +24,7 @@ class DamagedFileError(ValueError):
 
 
 def read_safetensors(path: str | os.PathLike, what: str) -> tuple[Path, dict[str, str], dict[str, torch.Tensor]]:
-    """(path, metadata, tensors) of a safetensors file on the CPU.
-
-    Raises:
-        FileNotFoundError: no file at ``path``.
-        ValueError: not a readable safetensors file.
-    """
+    """(path, metadata, tensors) of a safetensors file on the CPU; FileNotFoundError, or ValueError when unreadable."""
     from safetensors import safe_open
 
     path = Path(path)
@@ -50,13 +40,8 @@ def read_safetensors(path: str | os.PathLike, what: str) -> tuple[Path, dict[str
 
 
 class FileCheck:
-    """Checks of one stored file; each failure raises :class:`DamagedFileError` ``"<file>: <problem>; <fix>"``.
-
-    Args:
-        path: the file (named in every error).
-        meta, tensors: its metadata and tensors.
-        fix: what the user should do about a damaged file.
-    """
+    """Checks of one stored file (``path``, its ``meta`` and ``tensors``); each failure raises
+    :class:`DamagedFileError` ``"<path>: <problem>; <fix>"``, ``fix`` saying what to do about it."""
 
     def __init__(self, path, meta: dict[str, str], tensors: dict[str, torch.Tensor], fix: str) -> None:
         self.path, self.meta, self.tensors, self.fix = path, meta, tensors, fix
@@ -108,7 +93,6 @@ class FileCheck:
             raise self.fail(text if text.startswith(name) else f"{name}: {text}") from exc
 
     def in_range(self, name: str, t: torch.Tensor, high: int, why: str = "") -> None:
-        """Every value of ``t`` in [0, high)."""
         t = t.to(torch.int64)  # compare without wrapping (2**31 does not fit in int32)
         bad = (t < 0) | (t >= high)
         if t.numel() and bool(bad.any()):
@@ -116,7 +100,6 @@ class FileCheck:
             raise self.fail(f"tensor {name!r} holds {int(t[bad][0])}, outside [0, {bound}{why}")
 
     def non_negative(self, name: str, t: torch.Tensor) -> None:
-        """Every value of ``t`` >= 0 (counts, lengths, versions)."""
         if t.numel() and bool((t < 0).any()):
             raise self.fail(f"tensor {name!r} holds {int(t[t < 0][0])}, expected values >= 0")
 
@@ -139,6 +122,5 @@ class FileCheck:
             raise self.fail(f"tensor {name!r} must rise from 0 to {total} (the stored tokens), got {t.tolist()[:8]}")
 
     def unique(self, name: str, keys: list) -> None:
-        """No key twice (a file spec-rl writes never repeats one)."""
         if len(set(keys)) != len(keys):
             raise self.fail(f"{name!r} holds the same key twice")

@@ -1,23 +1,6 @@
-"""What part of a stored draft is still a response the current run could produce.
-
-A draft was sampled under the budget and EOS set of its own run. Reusing it as if nothing changed is
-wrong whenever those differ today: a draft that runs on past a token that is an EOS today, or one that
-stopped at a smaller budget, is not a response today's rollout can return. The rule (docs/design.md
-"Draft validity"), applied by every path that reuses drafts (the in-process rollout and its exact
-walk, the server adapters' request builder, hence TRL, verl and OpenRLHF):
-
-1. cut the draft at its first token in today's EOS set (that token is kept: it ends the response);
-2. cut it to today's per-sample budget ``min(max_tokens, max_model_len - len(prompt))``;
-3. what is left is **complete** when it ends with an EOS token or fills the budget; otherwise it is
-   a **prefix only**: if all of it is accepted, decoding continues from its end with the remaining
-   budget, and it is never returned as finished.
-
-The stored finish reason does not enter: a draft that finished "eos" under an EOS id that is no longer
-one is a prefix today, and a draft cut by an old, smaller budget ("length") is a prefix too. The
-acceptance test then runs over the valid part only, with the stored log-probs of those tokens.
-
-Cost: one vectorised pass over the drafts of a batch (``torch.isin`` on the concatenated ids), not a
-scan per token.
+"""What part of a stored draft is still a response today's run could produce (docs/design.md "Draft validity"): cut
+at its first token in today's EOS set (kept) and at today's budget, the rest is complete when it ends with an EOS or
+fills the budget, else a prefix only (continued if accepted whole, never returned as finished).
 """
 
 from __future__ import annotations
@@ -32,46 +15,28 @@ __all__ = ["DraftView", "draft_view", "draft_views"]
 
 @dataclass(frozen=True)
 class DraftView:
-    """The valid part of one draft today.
-
-    Attributes:
-        length: leading draft tokens that remain a valid response prefix (0 <= length <= budget).
-        finish_reason: "eos" (they end with a token of today's EOS set), "length" (they fill today's
-            budget) or None (a prefix only: decoding must continue after them).
-    """
+    """The valid part of one draft today: ``length`` leading tokens (0 <= length <= budget), and ``finish_reason``
+    "eos" (they end with one of today's EOS ids), "length" (they fill the budget) or None (a prefix only)."""
 
     length: int
     finish_reason: str | None
 
     @property
     def complete(self) -> bool:
-        """The valid part is a whole response (reused whole, nothing is generated after it)."""
+        """The valid part is a whole response (nothing is generated after it)."""
         return self.finish_reason is not None
 
 
 def draft_view(token_ids: Sequence[int] | torch.Tensor, budget: int, eos_ids: Collection[int]) -> DraftView:
-    """The valid part of one draft (see the module docstring).
-
-    Args:
-        token_ids: [R] the stored draft's ids (list or 1-D integer tensor).
-        budget: today's per-sample budget in tokens (>= 1).
-        eos_ids: today's complete EOS set.
-
-    Raises:
-        ValueError: ``budget`` < 1 or an empty ``eos_ids``.
-    """
+    """The valid part of one draft: ``token_ids`` [R] (list or 1-D integer tensor), ``budget`` today's per-sample
+    budget in tokens (>= 1), ``eos_ids`` today's complete EOS set. ValueError: budget < 1 or empty ``eos_ids``."""
     return draft_views([token_ids], [budget], eos_ids)[0]
 
 
 def draft_views(
     drafts: Sequence[Sequence[int] | torch.Tensor], budgets: Sequence[int], eos_ids: Collection[int]
 ) -> list[DraftView]:
-    """:func:`draft_view` of every draft at once (one ``torch.isin`` over all their ids).
-
-    Args:
-        drafts: B stored drafts, each [R_b] ids (lists or 1-D integer tensors).
-        budgets: B per-sample budgets, tokens.
-        eos_ids: today's complete EOS set.
+    """:func:`draft_view` of B drafts (each [R_b] ids) with B per-sample budgets (tokens), in one vectorised pass.
 
     Raises:
         ValueError: mismatched lengths, a budget < 1, or an empty ``eos_ids``.

@@ -1,28 +1,6 @@
-"""Paged attention plugged into transformers' attention extension point.
-
-transformers (>= 4.48, 5.x) looks the attention function up by name in
-``AttentionInterface`` on every forward (``config._attn_implementation``);
-a name without a registered mask function makes the model skip mask creation
-(masking_utils ``_preprocess_mask_arguments``: "custom attention without
-equivalent mask creation"), which is what its own continuous-batching path
-relies on. We register :func:`paged_attention_forward` under
-:data:`ATTN_NAME` and switch a model to it only inside
-:func:`paged_attention_active`; outside, the model runs exactly as before, and
-the function itself falls back to SDPA if it is ever called without an active
-paged batch.
-
-Inputs are packed: the model sees one row ``[1, T]`` holding the new tokens of
-every sequence, with explicit ``position_ids``. Per layer the function writes
-the new K/V through the slot mapping (:func:`spec_rl.ops.write_kv`), then
-attends each sequence's queries over its paged K/V:
-
-- CPU, and on every device for prefill and multi-query (speculative) decode
-  steps: :func:`spec_rl.ops.gather_kv` to dense
-  [B, H_kv, L, D] + ``torch.nn.functional.scaled_dot_product_attention`` with a
-  causal + length mask and GQA;
-- CUDA decode (one query per sequence): ``spec_rl.kernels.paged_decode_attention``
-  when that Triton kernel is available.
-"""
+"""Paged attention registered in transformers' ``AttentionInterface`` and used only inside
+:func:`paged_attention_active`: write the new K/V through the slot mapping, then the CUDA decode kernel (one query per
+sequence) or gather + SDPA."""
 
 from __future__ import annotations
 
@@ -39,19 +17,7 @@ ATTN_NAME = "spec_rl_paged"
 
 @dataclass
 class PagedBatch:
-    """Everything one packed forward needs to read and write the paged cache.
-
-    Attributes:
-        kv_caches: one [num_blocks, 2, block_size, H_kv, D] tensor per layer.
-        slot_mapping: [T] int64, slot of each new token (packed order).
-        block_tables: [B, max_blocks] int32.
-        kv_lens: [B] int64, tokens in each sequence's cache *after* this forward's writes.
-        max_kv: max(kv_lens).
-        q_index: [B, max_q] int64, packed index of query i of sequence b (padding points to 0).
-        q_valid: [B, max_q] bool.
-        mask: [B, 1, max_q, max_kv] bool (True = attend) or None (no masking needed).
-        decode_kernel: callable for one-query-per-sequence batches on CUDA, else None.
-    """
+    """Index tensors of one packed forward (``kv_lens`` count this forward's writes; ``mask`` None: none needed)."""
 
     kv_caches: list[torch.Tensor]
     slot_mapping: torch.Tensor
@@ -79,7 +45,7 @@ def paged_attention_forward(
     scaling: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention function: query [1, Hq, T, D], key/value [1, H_kv, T, D] -> ([1, T, Hq, D], None)."""
+    """Query [1, Hq, T, D], key/value [1, H_kv, T, D] -> ([1, T, Hq, D], None); SDPA when no batch is active."""
     batch = _ACTIVE
     if batch is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -96,13 +62,12 @@ def paged_attention_forward(
     cache = batch.kv_caches[module.layer_idx]
     k = key[0].transpose(0, 1).to(cache.dtype)  # [T, H_kv, D]
     v = value[0].transpose(0, 1).to(cache.dtype)
-    # max_slot from the host-built mapping: no device->host sync per layer on CUDA.
+    # max_slot comes from the host: no device sync per layer.
     ops.write_kv(cache, k, v, batch.slot_mapping, max_slot=batch.max_slot)
     q = query[0].transpose(0, 1)  # [T, Hq, D]
     scale = float(scaling) if scaling is not None else q.shape[-1] ** -0.5
     if batch.decode_kernel is not None:
-        # The block manager built the tables on the host and build_batch checked their ranges,
-        # so the kernel's own range check (one host sync per layer) is skipped.
+        # build_batch checked the tables' ranges on the host.
         out = batch.decode_kernel(
             q.contiguous(),
             cache,
@@ -131,7 +96,6 @@ _registered = False
 
 
 def register() -> None:
-    """Register :func:`paged_attention_forward` with transformers (idempotent)."""
     global _registered
     if not _registered:
         from transformers import AttentionInterface
@@ -142,7 +106,7 @@ def register() -> None:
 
 @contextlib.contextmanager
 def paged_attention_active(model: torch.nn.Module, batch: PagedBatch):
-    """Run ``model`` with paged attention over ``batch``; restores every config's implementation afterwards."""
+    """Run ``model`` with paged attention over ``batch``; restores every config afterwards."""
     global _ACTIVE
     register()
     configs = {}
@@ -171,20 +135,12 @@ def build_batch(
     device: torch.device,
     decode_kernel=None,
 ) -> PagedBatch:
-    """Index tensors for one packed forward.
-
-    Args:
-        slot_mapping: slot of every new token, packed in sequence order.
-        block_tables: block ids per sequence.
-        starts: cached tokens per sequence before this forward (its first new token's position).
-        q_lens: new tokens per sequence (>= 1).
-    """
+    """The :class:`PagedBatch` of one packed forward; ValueError when a block table does not cover its tokens."""
     bsz = len(q_lens)
     kv_lens = [s + q for s, q in zip(starts, q_lens)]
     capacity = kv_caches[0].shape[0] if kv_caches else 0
     block_size = kv_caches[0].shape[2] if kv_caches else 1
     for b, (t, n) in enumerate(zip(block_tables, kv_lens)):
-        # Host-side range check of everything the kernels will read: -(-n // bs) blocks per sequence.
         if len(t) * block_size < n or any(not 0 <= x < capacity for x in t[: -(-n // block_size)]):
             raise ValueError(f"sequence {b}: block table {t} does not cover {n} tokens in a cache of {capacity} blocks")
     max_kv, max_q = max(kv_lens), max(q_lens)
@@ -204,9 +160,9 @@ def build_batch(
         mask = None
     else:
         j = torch.arange(max_kv)
-        qpos = starts_t.unsqueeze(1) + i.unsqueeze(0)  # [B, max_q] absolute position of each query
+        qpos = starts_t.unsqueeze(1) + i.unsqueeze(0)
         allowed = (j.view(1, 1, -1) <= qpos.unsqueeze(-1)) & (j.view(1, 1, -1) < kv_t.view(-1, 1, 1))
-        # Padding queries attend to key 0 only (their output is dropped): no all-masked rows, no NaN.
+        # Padding queries attend to key 0 only: no all-masked row, no NaN.
         allowed = torch.where(q_valid.unsqueeze(-1), allowed, j.view(1, 1, -1) == 0)
         mask = allowed.unsqueeze(1).to(device)
     return PagedBatch(

@@ -1,11 +1,5 @@
-"""Model runner of the paged engine: the KV cache tensors, the packed forward, prefill, decode steps.
-
-Every forward is *packed*: one row [1, T] holding the new tokens of all
-sequences, with explicit position ids. The model's own modeling code does the
-math; attention is swapped for :mod:`spec_rl.engine.attention` only inside a
-forward, which writes the new K/V through the slot mapping and attends over
-each sequence's blocks (docs/design.md "Paged KV cache").
-"""
+"""Model runner of the paged engine: the KV cache tensors, and packed forwards (one row [1, T] of all new tokens with
+explicit positions) whose attention is :mod:`spec_rl.engine.attention` only inside the forward."""
 
 from __future__ import annotations
 
@@ -25,29 +19,14 @@ from .blocks import BlockManager, OutOfBlocks
 from .sampler import KeyedSampler
 from .sequence import PrefillGroup, SequenceState
 
-DEFAULT_CPU_KV_BYTES = 1 << 30  # KV budget on CPU when neither num_blocks nor kv_cache_bytes is given
-CUDA_FREE_MEMORY_SHARE = 0.4  # share of free CUDA memory the KV cache takes by default
+DEFAULT_CPU_KV_BYTES = 1 << 30
+CUDA_FREE_MEMORY_SHARE = 0.4
 
 
 @dataclass
 class EngineStats(BackendStats):
-    """Counters since the engine was built (or :meth:`PagedEngine.reset_stats`).
-
-    Attributes:
-        prefill_tokens: tokens fed in prefill forwards (new contexts), scoring included.
-        reprefill_tokens: tokens prefilled again because a scored sequence's K/V had to be
-            evicted for lack of blocks (part of prefill_tokens; 0 when the cache is large enough).
-        decode_steps: forwards run by generate/continue_from (prefill waves and decode steps;
-            the scoring pass is not counted).
-        proposed_tokens: history tokens proposed in decode steps (speculation past the cut).
-        accepted_tokens: proposed tokens that equalled the policy's sample and were kept.
-        scoring_tokens: tokens fed by :meth:`PagedEngine.score_drafts` (part of prefill_tokens).
-        decode_tokens: tokens fed in decode steps (per active sequence and step: its pending
-            token and its proposed tokens).
-        shared_prefill_tokens: context tokens not prefilled because a group shares them.
-        cow_copies: blocks copied on write.
-        forwards: model forward calls, scoring included.
-    """
+    """:class:`~spec_rl.backends.protocol.BackendStats` plus scoring, decode, shared-prefill tokens, copy-on-write
+    blocks and forwards; ``prefill_tokens`` includes scoring and re-prefills."""
 
     scoring_tokens: int = 0
     decode_tokens: int = 0
@@ -70,12 +49,7 @@ class CacheLayout:
 
     @classmethod
     def from_model(cls, model) -> CacheLayout:
-        """Read the layout from a transformers config (the text config of a multimodal one).
-
-        Raises:
-            ValueError: sliding-window attention layers (the cache keeps every token), or a
-                model dtype other than fp32/fp16/bf16.
-        """
+        """The layout of a transformers model; ValueError for sliding-window layers or a dtype not fp32/fp16/bf16."""
         cfg = model.config
         text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         if model_may_slide(model):
@@ -94,12 +68,7 @@ class CacheLayout:
         return self.num_layers * 2 * int(block_size) * self.kv_heads * self.head_dim * self.dtype.itemsize
 
     def num_blocks_for(self, block_size: int, device: torch.device, kv_cache_bytes: int | None = None) -> int:
-        """Blocks that fit ``kv_cache_bytes`` (default: 1 GiB on CPU, 40% of free memory on CUDA).
-
-        Raises:
-            TypeError: a non-integer ``kv_cache_bytes``.
-            ValueError: ``kv_cache_bytes`` < 1, or too small for one block.
-        """
+        """Blocks that fit ``kv_cache_bytes`` (default 1 GiB on CPU, 40% of free CUDA memory); ValueError below one."""
         cuda_share = kv_cache_bytes is None and device.type == "cuda"
         if cuda_share:
             kv_cache_bytes = int(CUDA_FREE_MEMORY_SHARE * torch.cuda.mem_get_info(device)[0])
@@ -128,28 +97,7 @@ def find_decode_kernel(device: torch.device):
 
 
 class ModelRunner:
-    """Runs packed forwards of one model over the paged KV cache: prefill and decode steps.
-
-    Parameters
-    ----------
-    model:
-        a transformers causal LM whose attention dispatches through ``AttentionInterface``.
-    head:
-        its :class:`~spec_rl.backends.scoring.ScoringHead` (hidden-state or logits outputs).
-    blocks:
-        the engine's block manager; the runner appends slots and applies copy-on-write.
-    layout:
-        the cache layout (:class:`CacheLayout`).
-
-    Attributes
-    ----------
-    kv_caches:
-        one [num_blocks, 2, block_size, kv_heads, head_dim] tensor per layer (None until first use).
-    decode_kernel:
-        the attention kernel for one-query-per-sequence batches on CUDA, or None (gather + SDPA).
-    stats:
-        the :class:`EngineStats` the runner counts into.
-    """
+    """Packed forwards of one model over the paged KV cache; ``kv_caches``: a tensor per layer, None until used."""
 
     def __init__(self, model, head: ScoringHead, blocks: BlockManager, layout: CacheLayout):
         self.model = model
@@ -166,7 +114,6 @@ class ModelRunner:
         return next(self.model.parameters()).device
 
     def allocate_cache(self) -> None:
-        """Allocate the KV tensors on first use."""
         if self.kv_caches is None:
             lay = self.layout
             shape = (self.blocks.num_blocks, 2, self.blocks.block_size, lay.kv_heads, lay.head_dim)
@@ -174,7 +121,6 @@ class ModelRunner:
             self.kv_caches = [torch.empty(shape, dtype=lay.dtype, device=self.device) for _ in range(lay.num_layers)]
 
     def new_sequence(self) -> int:
-        """A fresh, empty sequence in the block manager; returns its id."""
         seq_id = next(self._seq_ids)
         self.blocks.allocate(seq_id, 0)
         return seq_id
@@ -185,31 +131,9 @@ class ModelRunner:
         self.blocks.fork(parent, seq_id, length)
         return seq_id
 
-    # ------------------------------------------------------------------ forward
     def forward(self, items, want, hidden: bool, relative: bool = False) -> list[torch.Tensor]:
-        """One packed forward.
-
-        Parameters
-        ----------
-        items:
-            (seq_id, new token ids, start position) per sequence; the sequence must hold
-            exactly ``start`` tokens; slots for the new tokens are appended here.
-        want:
-            per item, positions whose output to return (absolute, or relative to the
-            item's first new token when ``relative``).
-        hidden:
-            return final hidden states [.., d] instead of logits [.., V].
-
-        Returns
-        -------
-        list[torch.Tensor]
-            per item a [len(want[i]), V or d] tensor.
-
-        Raises
-        ------
-        OutOfBlocks
-            the new tokens need more blocks than are free (nothing changed).
-        """
+        """One packed forward of ``items`` (seq_id, new ids, start = tokens held): per item, outputs [len(w), d|V] at
+        ``want`` positions (absolute, or ``relative`` to the first new token); OutOfBlocks if short."""
         cost = sum(self.blocks.append_cost(seq_id, len(toks)) for seq_id, toks, _ in items)
         if cost > self.blocks.num_free:
             raise OutOfBlocks(cost, self.blocks.num_free, "forward")
@@ -255,14 +179,8 @@ class ModelRunner:
                 ops.copy_blocks(layer, mapping)
             self.stats.cow_copies += len(pairs)
 
-    # ------------------------------------------------------- prefill / decode
     def prefill(self, groups: list[PrefillGroup], sampler: KeyedSampler) -> list[SequenceState]:
-        """One forward over the contexts of ``groups``; fork each group's members and sample their first tokens.
-
-        Member m of a group draws its first token at position ``len(context)`` with its own uid,
-        so the G members of a group diverge although they share the context's blocks. On an
-        error every sequence made here is freed before it propagates (none is running yet).
-        """
+        """One forward over the groups' contexts; forks the members and samples each first token with its own uid."""
         made: list[int] = []
         try:
             return self._prefill(groups, sampler, made)
@@ -298,20 +216,8 @@ class ModelRunner:
         return seqs
 
     def decode(self, seqs: list[SequenceState], sampler: KeyedSampler) -> None:
-        """One decode step: feed each sequence's pending token and its proposal, keep what is accepted.
-
-        A sequence with proposal p (maybe empty) feeds [pending] + p in one forward; the sample
-        after fed token j sits at position ``start + 1 + j`` (``start`` = tokens cached before the
-        step). The accepted proposals and the sample after them are kept
-        (:meth:`KeyedSampler.record`), and the K/V slots of rejected proposals are given back at
-        once (:meth:`BlockManager.truncate`): the sequence then holds exactly the K/V of the tokens
-        before its new pending token, as if it had been decoded one token per step.
-
-        Attention: a step in which no sequence has a proposal feeds one query per sequence and
-        uses the one-query decode kernel on CUDA (when available). A step with proposals has
-        several queries per sequence and takes the prefill attention path (gather + SDPA with a
-        causal mask) on every device: the Triton decode kernel only takes one query per sequence.
-        """
+        """One decode step: feed [pending] + proposal, keep what :meth:`KeyedSampler.record` accepts, free the rejected
+        slots. Only steps without proposals use the CUDA decode kernel."""
         starts = [self.blocks.length(s.seq_id) for s in seqs]
         props = sampler.proposals(seqs)
         items = [(s.seq_id, [s.pending_token] + p, start) for s, p, start in zip(seqs, props, starts)]
@@ -331,20 +237,13 @@ class ModelRunner:
             if p:
                 self.stats.proposed_tokens += len(p)
                 self.stats.accepted_tokens += min(accepted, kept)
-                self.blocks.truncate(seq.seq_id, start + kept)  # roll back the rejected proposals' K/V
+                self.blocks.truncate(seq.seq_id, start + kept)
 
-    # ------------------------------------------------------------ scoring
     def score(
         self, rows: list[int], prompts: list[list[int]], drafts: list[list[int]], seq_ids: list[int | None]
     ) -> list[torch.Tensor]:
-        """One forward over [prompt, draft] of each row in ``rows``; their K/V stay in the cache.
-
-        Each row gets a new sequence, stored in ``seq_ids[row]`` before the forward
-        (so the caller can free it on an error). Returns, per row, the outputs
-        [max(len(draft), 1), d|V] (hidden states or logits, the head's choice) that
-        score draft token i: the output at position ``len(prompt) - 1 + i``
-        (:func:`spec_rl.acceptance.scores.response_positions`).
-        """
+        """One forward over [prompt, draft] of each of ``rows``, kept as new ``seq_ids[row]`` (set before the forward);
+        per row the outputs [max(len(draft), 1), d|V]."""
         rlens = [max(len(drafts[r]), 1) for r in rows]
         positions = response_positions(torch.tensor([len(prompts[r]) for r in rows]), max(rlens))
         items = []

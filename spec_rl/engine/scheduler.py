@@ -1,22 +1,6 @@
-"""Scheduler of the paged engine: admission, eviction and forward packing.
-
-Admission reserves the worst case (docs/design.md "Paged KV cache"): a
-sequence or group is admitted only when the free blocks cover the most that
-every running sequence can still take (its remaining budget), so a decode step
-never runs out of blocks midway. A speculative decode step feeds the pending
-token and up to ``budget - 1`` proposed tokens, so even before the rejected
-ones are given back it holds no more slots than its remaining budget reserves:
-the reservation is the same with or without speculation. What does not fit
-waits until running sequences finish and free their blocks. When nothing runs and the next group
-still does not fit (too many blocks, or more members than ``max_batch_size``),
-the group is split into single members; a single sequence that cannot fit an
-empty cache raises :class:`~spec_rl.engine.blocks.OutOfBlocks`.
-
-Resumed sequences (continued from a scoring pass, or forked from the scored
-row whose draft holds their verified prefix) already hold blocks, so they
-are admitted first; if none of them fits while nothing runs, the newest gives
-up its K/V and is prefilled again later (counted as re-prefill).
-"""
+"""Scheduler of the paged engine (docs/design.md "Paged KV cache"): admission reserves every running sequence's
+remaining budget, so a decode step never runs out of blocks; when nothing fits an idle cache, the newest resumed
+sequence is evicted or a group is split."""
 
 from __future__ import annotations
 
@@ -30,10 +14,7 @@ from .sequence import GroupMember, PrefillGroup, SequenceState, SpliceHandle, em
 
 
 def packed_wave_end(lengths: Sequence[int], start: int, max_tokens: int) -> int:
-    """End (exclusive) of the wave that starts at ``start``: rows are taken while their token total fits.
-
-    The first row is always taken, however long, so every wave makes progress.
-    """
+    """End of the wave from ``start``: rows while their tokens fit ``max_tokens``, at least one."""
     end, tokens = start, 0
     while end < len(lengths) and (end == start or tokens + lengths[end] <= max_tokens):
         tokens += lengths[end]
@@ -42,26 +23,7 @@ def packed_wave_end(lengths: Sequence[int], start: int, max_tokens: int) -> int:
 
 
 class Scheduler:
-    """Which sequences run next, under a block budget and a batch-size limit.
-
-    Parameters
-    ----------
-    blocks:
-        the engine's block manager (shared with the model runner).
-    max_batch_size:
-        most sequences decoded together.
-    max_tokens_per_forward:
-        most tokens in one prefill or scoring forward.
-
-    Attributes
-    ----------
-    waiting:
-        groups waiting for prefill, in admission order.
-    resumed:
-        sequences that hold blocks but have not been admitted yet.
-    running:
-        admitted sequences (decoding, or finished and not yet retired).
-    """
+    """Which sequences run next under a block budget: ``waiting`` groups, ``resumed`` and ``running`` sequences."""
 
     def __init__(self, blocks: BlockManager, max_batch_size: int, max_tokens_per_forward: int):
         self.blocks = blocks
@@ -71,17 +33,11 @@ class Scheduler:
         self.resumed: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []
 
-    # ------------------------------------------------------------ block needs
     def sequence_need(self, seq: SequenceState) -> int:
-        """Most blocks ``seq`` can still take: K/V growth of its remaining budget (+1 copy-on-write).
-
-        Also the peak of a speculative step: its 1 + k fed tokens never exceed the budget
-        (k <= budget - 1), and tokens + budget stays constant after the rollback.
-        """
+        """Most blocks ``seq`` can still take: its remaining budget's K/V (+1 copy-on-write)."""
         return self.blocks.append_cost(seq.seq_id, seq.budget)
 
     def group_need(self, group: PrefillGroup) -> int:
-        """Blocks a group takes in the worst case: the shared context, then each member's growth."""
         plen = len(group.context)
         cow = 1 if plen % self.blocks.block_size and len(group.members) > 1 else 0
         need = self.blocks.blocks_for(plen)
@@ -89,7 +45,6 @@ class Scheduler:
             need += self.blocks.blocks_for(plen + member.budget - 1) - self.blocks.blocks_for(plen) + cow
         return need
 
-    # -------------------------------------------------------------- admission
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.resumed or self.running)
@@ -99,17 +54,11 @@ class Scheduler:
         self.resumed.extend(resumed)
 
     def schedule(self) -> list[PrefillGroup]:
-        """Admit what fits: resumed sequences join :attr:`running`; the admitted groups are returned for prefill.
-
-        Raises:
-            OutOfBlocks: a single sequence does not fit even in an idle cache.
-        """
+        """Admit what fits; returns the groups to prefill. OutOfBlocks when one sequence cannot fit an idle cache."""
         while True:
             committed = sum(self.sequence_need(s) for s in self.running)
             committed = self._admit_resumed(committed)
             if self.resumed and not self.running:
-                # Nothing runs and the next resumed sequence does not fit: give up the
-                # K/V of a waiting one (newest first) and prefill it again later.
                 seq = self.resumed.pop()
                 self.blocks.free(seq.seq_id)
                 self.waiting.append(seq.as_reprefill())
@@ -147,7 +96,6 @@ class Scheduler:
         return admitted
 
     def prefill_waves(self, groups: list[PrefillGroup]) -> Iterator[list[PrefillGroup]]:
-        """Admitted groups in waves of at most ``max_tokens_per_forward`` context tokens (one forward each)."""
         lengths = [len(g.context) for g in groups]
         start = 0
         while start < len(groups):
@@ -155,9 +103,7 @@ class Scheduler:
             yield groups[start:end]
             start = end
 
-    # ------------------------------------------------------------ retirement
     def retire(self, results: list[Continuation | None]) -> None:
-        """Free the blocks of finished sequences and store their continuations."""
         still = []
         for seq in self.running:
             if seq.finished:
@@ -168,24 +114,16 @@ class Scheduler:
         self.running = still
 
     def abort(self) -> None:
-        """Free every sequence this scheduler holds (after an error) and forget all waiting work."""
+        """Free every sequence held and forget all waiting work."""
         for seq in [*self.running, *self.resumed]:
             if self.blocks.has(seq.seq_id):
                 self.blocks.free(seq.seq_id)
         self.running, self.resumed, self.waiting = [], deque(), deque()
 
-    # ------------------------------------------------------ speculative path
     def scoring_waves(self, lengths: Sequence[int], seq_ids: list[int | None]) -> Iterator[list[int]]:
-        """Rows of a scoring pass in waves that fit the free blocks; ``seq_ids[r]`` is set by the caller.
-
-        When blocks run short, the oldest scored rows give up their K/V
-        (``seq_ids[r] = None``; continue_from prefills them again), then waves
-        shrink to fewer rows.
-
-        Raises:
-            OutOfBlocks: one row does not fit even in an empty cache.
-        """
-        resident: deque[int] = deque()  # rows whose K/V is in the cache, oldest first
+        """Scoring rows in waves that fit the free blocks; when short, the oldest scored rows are evicted (``seq_ids[r]
+        = None``)."""
+        resident: deque[int] = deque()  # oldest first
         start = 0
         while start < len(lengths):
             end = packed_wave_end(lengths, start, self.max_tokens_per_forward)
@@ -214,21 +152,9 @@ class Scheduler:
         sources: Sequence[int],
         fork: Callable[[int, int], int],
     ) -> tuple[list[SequenceState], list[PrefillGroup]]:
-        """Cut each scored row to its verified prefix and turn it into a sequence to resume.
-
-        Row i continues [prompt, drafts[sources[i]][:n], first token]. A row whose
-        source is another row gets a fork of the source's sequence (``fork(parent,
-        length)`` returns the new id), made before any row is cut, so a source may
-        itself continue with another n or be released. Ownership of a row resumed on
-        its own sequence moves from the handle to the returned sequence
-        (``handle.seq_ids[i] = None``); the caller releases what the handle still holds.
-        A row whose source's K/V was evicted while scoring becomes a re-prefill group
-        of [prompt, prefix, first token] (rows with the same context share one); a row
-        with no first token or a zero budget gets an empty continuation in ``results``.
-
-        Raises:
-            ValueError: see :func:`spec_rl.backends.checks.check_continue_rows`; nothing changed then.
-        """
+        """(sequences to resume, re-prefill groups): each live row cut to [prompt, drafts[sources[i]][:n]], forks made
+        before any cut; an evicted source becomes a re-prefill. ValueError as
+        :func:`~spec_rl.backends.checks.check_continue_rows`."""
         sources = check_continue_rows(handle.prompts, handle.drafts, accepted_lens, budgets, sources)
         lens = [len(p) + int(n) for p, n in zip(handle.prompts, accepted_lens)]
         live = [i for i in range(len(lens)) if first_tokens[i] is not None and int(budgets[i]) > 0]

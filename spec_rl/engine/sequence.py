@@ -1,16 +1,5 @@
-"""Sequence state of the paged engine: what waits for prefill, what decodes, what a scoring pass keeps.
-
-Three kinds of state travel between the scheduler and the model runner
-(docs/design.md "Paged KV cache"):
-
-- :class:`PrefillGroup`: a context not yet in the cache, with the members that
-  continue it. The G samples of a group share one context, so it is prefilled
-  once and forked.
-- :class:`SequenceState`: a sequence that holds blocks in the cache and is
-  being decoded (or waits to be, after :meth:`PagedEngine.continue_from`).
-- :class:`SpliceHandle`: rows scored by :meth:`PagedEngine.score_drafts` whose
-  K/V stay in the cache until they are continued or released.
-"""
+"""Sequence state of the paged engine: contexts waiting for prefill, sequences holding blocks, scored rows kept between
+score_drafts and continue_from."""
 
 from __future__ import annotations
 
@@ -22,47 +11,25 @@ from ..backends.protocol import Continuation
 
 
 class GroupMember(NamedTuple):
-    """One continuation of a group's context."""
-
     result_index: int  # position in the caller's result list
     budget: int  # tokens to sample (>= 1)
 
 
 @dataclass
 class PrefillGroup:
-    """A context waiting for prefill and the members that continue it.
-
-    Attributes:
-        context: token ids to prefill (prompt, maybe a verified prefix and a first token).
-        members: one :class:`GroupMember` per sequence forked from the context.
-        reprefill: the context was in the cache once and had to be evicted; its
-            prefill is counted in ``EngineStats.reprefill_tokens``.
-    """
+    """A context waiting for prefill and its members; ``reprefill``: it was evicted once."""
 
     context: list[int]
     members: list[GroupMember]
     reprefill: bool = False
 
     def split(self) -> list[PrefillGroup]:
-        """One single-member group per member, in order (when the whole group cannot run at once)."""
         return [PrefillGroup(list(self.context), [m], self.reprefill) for m in self.members]
 
 
 @dataclass
 class SequenceState:
-    """One sequence that holds blocks in the paged cache.
-
-    Attributes:
-        seq_id: the sequence's id in the block manager.
-        result_index: position in the caller's result list.
-        budget: tokens still to sample.
-        pending_token: the last sampled (or given) token, whose K/V is not written yet;
-            the next decode step feeds it.
-        token_ids, logprobs: what was sampled so far and its sampling log-probs.
-        finish_reason: None while decoding, then "eos" or "length".
-        context: tokens in the cache, kept for resumed sequences only so that they
-            can be prefilled again if their blocks must be given up.
-    """
+    """A sequence holding blocks; the next step writes ``pending_token``'s K/V; ``context`` allows a re-prefill."""
 
     seq_id: int
     result_index: int
@@ -92,21 +59,14 @@ class SequenceState:
         return Continuation(self.token_ids, self.logprobs, self.finish_reason)
 
     def as_reprefill(self) -> PrefillGroup:
-        """The group that prefills this (evicted) sequence again: its context plus the pending token."""
+        """The group that prefills this evicted sequence again (context plus pending token)."""
         member = GroupMember(self.result_index, self.budget)
         return PrefillGroup(self.context + [self.pending_token], [member], reprefill=True)
 
 
 @dataclass
 class SpliceHandle:
-    """Scored sequences kept in the paged cache between score_drafts and continue_from.
-
-    Attributes:
-        prompts, drafts: the scored rows.
-        seq_ids: block-manager ids of the rows (None where the row's K/V had to be evicted).
-        epoch: engine epoch at scoring time (a handle is valid for one continue_from).
-        used: set once the handle was continued or released.
-    """
+    """Scored rows kept in the cache (``seq_ids[i]`` None once evicted); valid for one continue_from."""
 
     prompts: list[list[int]]
     drafts: list[list[int]]
@@ -116,7 +76,6 @@ class SpliceHandle:
 
 
 def empty_continuation() -> Continuation:
-    """The result of a zero budget: no token, finish reason "length"."""
     return Continuation([], [], "length")
 
 
@@ -127,28 +86,8 @@ def group_by_context(
     names: tuple[str, str] = ("contexts", "budgets"),
     offset: int = 0,
 ) -> list[PrefillGroup]:
-    """Validate contexts and budgets and group identical contexts, in first-seen order.
-
-    Parameters
-    ----------
-    contexts, budgets:
-        one token-id list (non-empty) and one integer budget (>= 0) per request.
-    results:
-        the caller's result list; request i is stored at ``offset + i``. A zero
-        budget is answered here with an empty "length" continuation.
-    names:
-        argument names for the error messages.
-
-    Returns
-    -------
-    list[PrefillGroup]
-        one group per distinct context, members in request order.
-
-    Raises
-    ------
-    ValueError
-        a budget that is not an integer >= 0, or an empty context.
-    """
+    """Identical contexts grouped in first-seen order (results at ``offset + i``; zero budgets answered at once);
+    ValueError for a bad budget or an empty context."""
     cname, bname = names
     groups: dict[tuple[int, ...], PrefillGroup] = {}
     for i, (ctx, budget) in enumerate(zip(contexts, budgets)):

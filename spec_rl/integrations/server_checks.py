@@ -1,15 +1,7 @@
-"""What a rollout server's log-probs allow: sampling settings the speculative requests can score faithfully.
+"""Sampling settings whose log-probs a rollout server can score faithfully (docs/integrations.md "Log-prob modes").
 
-The acceptance test compares log-probs of the *sampling* distribution, softmax(process(logits)) with
-the rollout's temperature, top-k and top-p (docs/design.md "The rule"). vLLM computes
-``prompt_logprobs`` from the raw logits (temperature and top-k/top-p are not applied; verl's
-distillation code says the same: "temperature has no effect on prompt_logprobs"), whatever its
-``logprobs_mode``; the sampled-token log-probs follow ``logprobs_mode`` (verl sets
-``processed_logprobs``). A raw log-prob cannot be rescaled to temperature T:
-log softmax(z/T)_y = z_y/T - logsumexp(z/T) needs the whole logit vector, and the server returns one
-number per position. So with ``prompt_logprobs_mode="raw"`` (the default, true for vLLM)
-:func:`check_server_settings` refuses any temperature != 1, top-k or top-p, with an error that says
-so; ``"processed"`` is for a server known to apply the sampling processing to prompt log-probs.
+vLLM's ``prompt_logprobs`` come from the raw logits, and a raw log-prob cannot be rescaled to the sampling
+distribution (temperature, top-k/top-p) without the whole logit vector.
 """
 
 from __future__ import annotations
@@ -29,16 +21,9 @@ def check_server_settings(
 ) -> None:
     """Refuse a sampling configuration whose log-probs the server cannot score faithfully.
 
-    Args:
-        settings: the rollout's sampling settings.
-        prompt_logprobs_mode: "raw" (log_softmax of the raw logits: vLLM) or
-            "processed" (temperature/top-k/top-p applied).
-        repetition_penalty: must be 1 (a penalty makes the sampling
-            distribution depend on the tokens generated so far, which the
-            scoring prefill does not reproduce).
-        logprobs_mode: the server's mode for *sampled* token log-probs
-            (vLLM's ``logprobs_mode``), or None if unknown. Logits modes are
-            refused (they are not log-probabilities).
+    ``prompt_logprobs_mode``: "raw" (vLLM; then only temperature 1 without top-k/top-p passes) or "processed" (for
+    a server known to apply them). ``repetition_penalty`` must be 1: the scoring prefill does not apply it.
+    ``logprobs_mode``: the server's mode for sampled-token log-probs (vLLM's), None if unknown; logits modes fail.
 
     Raises:
         ValueError: naming the setting and the fix.

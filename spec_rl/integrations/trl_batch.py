@@ -1,10 +1,4 @@
-"""What one ``rollout_func`` call reads from a TRL ``GRPOTrainer``.
-
-The prompts' token ids (the trainer's own tokenisation), each sample's slot within its
-group, the model to generate with (unwrapped the way TRL unwraps it for generation)
-and its special tokens. The layout these rely on is described in
-:mod:`spec_rl.integrations.trl`.
-"""
+"""What one ``rollout_func`` call reads from a TRL ``GRPOTrainer``: prompt ids, slots, the model, special tokens."""
 
 from __future__ import annotations
 
@@ -29,23 +23,8 @@ __all__ = [
 
 
 def tokenize_prompts(prompts: list, trainer) -> list[list[int]]:
-    """Token ids of each prompt, as TRL tokenises them for generation.
-
-    Parameters
-    ----------
-    prompts : list
-        Strings or chat message lists (the ``prompt`` column of each row).
-    trainer : trl.GRPOTrainer
-
-    Returns
-    -------
-    list of list of int
-        One id list per prompt, in order.
-
-    Raises
-    ------
-    UnsupportedTrainerConfig
-        Multimodal prompts (images or multimodal fields).
+    """Token ids of each prompt (string or chat message list), as TRL tokenises them for generation;
+    UnsupportedTrainerConfig for multimodal prompts.
     """
     tokenize = getattr(trainer, "_tokenize_prompts", None)
     if tokenize is not None:
@@ -71,27 +50,9 @@ def batch_requests(
 ) -> list[RolloutRequest]:
     """One request per sample; sample i is slot ``(offset + i) % group`` of its group.
 
-    Parameters
-    ----------
-    prompt_ids : sequence of sequence of int
-        This process's prompts, each repeated ``group`` times in a row.
-    dataset_ids : sequence of str or None
-        One per prompt.
-    group : int
-        Samples per prompt (:func:`group_size`).
-    offset : int
-        Index of this process's first sample in the global batch
-        (``process_index * len(prompt_ids)``).
-
-    Returns
-    -------
-    list of RolloutRequest
-
-    Raises
-    ------
-    RuntimeError
-        Two samples of one group have different prompts or dataset ids (the batch is
-        not laid out by TRL's RepeatSampler, so slots would be wrong).
+    ``prompt_ids`` holds this process's prompts, each repeated ``group`` times in a row (TRL's RepeatSampler);
+    ``offset`` is the index of its first sample in the global batch (``process_index * len(prompt_ids)``).
+    Raises RuntimeError when one group has different prompts or dataset ids (slots would be wrong).
     """
     requests = []
     first_of_group: dict[int, int] = {}
@@ -128,12 +89,8 @@ def unwrapped_model(trainer):
 
 
 def generation_tokens(model, trainer) -> tuple[set[int], int]:
-    """The full EOS set (TRL's list, the model's generation config, the tokenizer) and the pad id.
-
-    Raises
-    ------
-    UnsupportedTrainerConfig
-        Neither the model nor the tokenizer declares an EOS id.
+    """The full EOS set (TRL's list, the model's generation config, the tokenizer) and the pad id;
+    UnsupportedTrainerConfig when neither model nor tokenizer declares an EOS id.
     """
     tok = getattr(trainer, "_tokenizer", None) or trainer.processing_class
     eos = eos_token_ids(model, tok) | {int(x) for x in (getattr(trainer, "eos_token_ids", None) or [])}
@@ -146,17 +103,11 @@ def generation_tokens(model, trainer) -> tuple[set[int], int]:
 
 
 def hook_dataset_ids(trainer, column: str, set_ids: Callable[[list[str] | None], None]) -> None:
-    """Wrap ``trainer._generate_and_score_completions`` to read ``column`` of the batch rows first.
+    """Wrap ``trainer._generate_and_score_completions`` so that ``set_ids`` gets the batch rows' ``column`` (str, in
+    order) before the call, for the rollout_func inside, and None after it.
 
-    ``set_ids(ids)`` receives the rows' ids (as str, in order) before the wrapped call and None
-    after it; the rollout_func called inside reads them.
-
-    Raises
-    ------
-    UnsupportedTrainerConfig
-        This TRL version has no ``_generate_and_score_completions``.
-    KeyError
-        (at a call) batch rows without ``column``.
+    Raises UnsupportedTrainerConfig when TRL has no ``_generate_and_score_completions``, and at a call KeyError
+    for rows without ``column``.
     """
     original = getattr(trainer, "_generate_and_score_completions", None)
     if original is None:

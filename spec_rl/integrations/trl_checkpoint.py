@@ -1,12 +1,4 @@
-"""The rollout cache and history index saved with TRL checkpoints and reloaded when training resumes.
-
-Each process keeps the drafts of the samples it generated, so each writes its own
-files: ``checkpoint-<step>/spec_rl_rollout_cache.safetensors`` for rank 0 and
-``...rollout_cache.rank<k>.safetensors`` for rank k > 0, and, with tail speculation,
-the history index beside it (``spec_rl_history.safetensors``, ``...history.rank<k>...``).
-Every write is atomic (:meth:`spec_rl.drafts.cache.RolloutCache.save`,
-:meth:`spec_rl.drafts.history.HistoryIndex.save`).
-"""
+"""The rollout cache and history index saved with TRL checkpoints (one file each per process) and reloaded on resume."""
 
 from __future__ import annotations
 
@@ -18,46 +10,28 @@ from transformers import TrainerCallback
 
 __all__ = ["CACHE_FILENAME", "HISTORY_FILENAME", "RolloutCacheCallback", "history_path", "ranked_path"]
 
-#: File name of the rollout cache inside a TRL checkpoint folder (``checkpoint-<step>/``).
-#: Processes other than rank 0 add ``.rank<k>`` before the suffix.
+#: File name of the rollout cache inside a TRL checkpoint folder; rank k > 0 adds ``.rank<k>`` before the suffix.
 CACHE_FILENAME = "spec_rl_rollout_cache.safetensors"
 #: File name of the history index inside a TRL checkpoint folder (ranked the same way).
 HISTORY_FILENAME = "spec_rl_history.safetensors"
 
 
 def ranked_path(path: str | os.PathLike, process_index: int) -> Path:
-    """``path`` for rank 0; ``<stem>.rank<k><suffix>`` beside it for rank k > 0.
-
-    Example
-    -------
-    >>> ranked_path("ckpt/spec_rl_rollout_cache.safetensors", 2).name
-    'spec_rl_rollout_cache.rank2.safetensors'
-    """
+    """``path`` for rank 0; ``<stem>.rank<k><suffix>`` beside it for rank k > 0."""
     path = Path(path)
     return path if process_index == 0 else path.with_name(f"{path.stem}.rank{process_index}{path.suffix}")
 
 
 def history_path(cache_path: str | os.PathLike) -> Path:
-    """The history index file kept beside a rollout cache file given as ``cache_path``.
-
-    Example
-    -------
-    >>> history_path("runs/cache.safetensors").name
-    'cache.history.safetensors'
-    """
+    """The history index file beside a rollout cache file: ``<stem>.history<suffix>``."""
     path = Path(cache_path)
     return path.with_name(f"{path.stem}.history{path.suffix}")
 
 
 class RolloutCacheCallback(TrainerCallback):
-    """Saves the adapter's rollout cache (and history index) with each TRL checkpoint; reloads them on resume.
+    """Saves the adapter's cache and history index with each checkpoint (atomically); reloads them on resume."""
 
-    Registered by :meth:`spec_rl.integrations.trl.SpecRLRollout.attach`. It uses the
-    adapter's public ``cache``, ``history_index``, ``cache_path``, ``process_index``,
-    ``checkpoint_file``, ``history_file``, ``load_cache`` and ``load_history``.
-    """
-
-    def __init__(self, spec):  # a spec_rl.integrations.trl.SpecRLRollout (not imported: it imports this module)
+    def __init__(self, spec):  # a SpecRLRollout, not imported: its module imports this one
         self.spec = spec
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -82,7 +56,7 @@ class RolloutCacheCallback(TrainerCallback):
                 )
         if spec.history_index is not None and len(spec.history_index) == 0:
             path = spec.history_file(folder, rank)
-            if path.is_file():  # without one, tail speculation starts from an empty history (still lossless)
+            if path.is_file():  # else tail speculation starts from an empty history (still lossless)
                 spec.load_history(path)
 
     def on_save(self, args, state, control, **kwargs):

@@ -1,20 +1,6 @@
-"""Start-up checks of a TRL ``GRPOTrainer`` for speculative rollouts.
+"""Start-up checks of a TRL ``GRPOTrainer`` for speculative rollouts (docs/integrations.md "Refused at start").
 
-Each check raises :class:`UnsupportedTrainerConfig` naming the setting and the fix,
-before anything is generated. What is refused, and why:
-
-- vLLM server mode (per-request budgets and seeds cannot be sent), colocate mode with sleep
-  mode or tensor parallelism, ``repetition_penalty != 1``, ``min_p``, extra ``generation_kwargs``
-  (:func:`check_trainer_args`); plain colocate mode is supported (``trl_rollout.trainer_backend``);
-- tools and environments, FSDP, a dataset-id column that the trainer drops
-  (:func:`check_trainer_features`);
-- a rollout cache whose drafts were sampled with other settings
-  (:func:`check_cache_settings`);
-- a trainer whose per-token log-probs differ from ``log_softmax(logits / temperature)``,
-  for example with dropout left on during training (:func:`check_trainer_logprobs`).
-
-Multimodal prompts are refused when they are tokenised (see
-:meth:`spec_rl.integrations.trl.SpecRLRollout.requests_for`).
+Each raises :class:`UnsupportedTrainerConfig` naming the setting and the fix, before anything is generated.
 """
 
 from __future__ import annotations
@@ -36,7 +22,7 @@ __all__ = [
     "sampling_settings_from_args",
 ]
 
-#: Length of the random probe sequence and how many of its last tokens are scored.
+#: Length of the random probe sequence, and how many of its last tokens are scored.
 _PROBE_TOKENS, _PROBE_SCORED = 12, 8
 _PROBE_SEED = 1234
 #: Largest |TRL log-prob - log_softmax(logits / T)| accepted on the probe (nats).
@@ -48,25 +34,8 @@ class UnsupportedTrainerConfig(ValueError):
 
 
 def sampling_settings_from_args(args) -> SamplingSettings:
-    """The sampling distribution TRL's ``GRPOConfig`` asks for, as :class:`SamplingSettings`.
-
-    ``temperature``, ``top_p``, ``top_k`` (``None`` read as 0) and ``max_completion_length``
-    (tokens) map one to one; the other generation options are checked by
-    :func:`check_trainer_args`.
-
-    Parameters
-    ----------
-    args : trl.GRPOConfig
-        The trainer's arguments (any object with those attributes).
-
-    Returns
-    -------
-    SamplingSettings
-
-    Raises
-    ------
-    UnsupportedTrainerConfig
-        ``max_completion_length`` is None.
+    """The sampling distribution of a ``trl.GRPOConfig`` (top_k None read as 0); UnsupportedTrainerConfig when
+    ``max_completion_length`` is None.
     """
     top_k = getattr(args, "top_k", 0)
     top_p = getattr(args, "top_p", 1.0)
@@ -125,29 +94,10 @@ def _check_vllm(args) -> None:
 def check_trainer_args(args) -> SamplingSettings:
     """Validate a ``trl.GRPOConfig`` for speculative rollouts; return its sampling settings.
 
-    Parameters
-    ----------
-    args : trl.GRPOConfig
-        The trainer's arguments.
-
-    Returns
-    -------
-    SamplingSettings
-        See :func:`sampling_settings_from_args`.
-
-    Raises
-    ------
-    UnsupportedTrainerConfig
-        Naming the argument and the fix, for vLLM server mode (colocate mode is supported, without
-        sleep mode and with one engine per process), ``repetition_penalty != 1``,
-        ``min_p`` set, non-empty ``generation_kwargs``, a missing ``max_completion_length``
-        or temperature <= 0.
-
-    Example
-    -------
-    >>> from trl import GRPOConfig
-    >>> check_trainer_args(GRPOConfig(output_dir="out", max_completion_length=64)).max_tokens
-    64
+    Raises:
+        UnsupportedTrainerConfig: vLLM server mode, a missing vLLM, or colocate mode with sleep mode, structured
+            outputs or tensor parallelism; a repetition penalty, ``min_p``, ``generation_kwargs``, no
+            ``max_completion_length``, temperature <= 0.
     """
     _check_vllm(args)
     rp = getattr(args, "repetition_penalty", 1.0)
@@ -177,18 +127,8 @@ def check_trainer_args(args) -> SamplingSettings:
 
 
 def check_trainer_features(trainer, dataset_id_column: str | None = None) -> None:
-    """Refuse trainer features the adapter cannot serve: tools, environments, FSDP.
-
-    Parameters
-    ----------
-    trainer : trl.GRPOTrainer
-    dataset_id_column : str or None
-        The adapter's dataset-id column; it must survive ``remove_unused_columns``.
-
-    Raises
-    ------
-    UnsupportedTrainerConfig
-        Naming the feature and the fix.
+    """Refuse (UnsupportedTrainerConfig) tools, environments, FSDP, and a dataset-id column that
+    ``remove_unused_columns`` drops.
     """
     if getattr(trainer, "tools", None) or getattr(trainer, "environment_factories", None):
         raise UnsupportedTrainerConfig(
@@ -208,26 +148,11 @@ def check_trainer_features(trainer, dataset_id_column: str | None = None) -> Non
 
 
 def check_cache_settings(cache: DraftStore, settings: SamplingSettings) -> None:
-    """Refuse a cache whose drafts were sampled from another distribution than the trainer's.
-
-    A lookup under other settings is a miss anyway; at start an error is better than a
-    run that silently reuses nothing.
-
-    Parameters
-    ----------
-    cache : RolloutCache
-        Any store with ``drafts()`` (every stored :class:`~spec_rl.drafts.cache.Draft`).
-    settings : SamplingSettings
-        The trainer's sampling settings.
-
-    Raises
-    ------
-    UnsupportedTrainerConfig
-        Naming the cached settings and the trainer's.
+    """Refuse (UnsupportedTrainerConfig) a cache whose drafts were sampled from another distribution than
+    ``settings``: a lookup would miss anyway, and an error at start beats a run that silently reuses nothing.
     """
     found = {d.settings for d in cache.drafts()}
-    # Another budget (max_completion_length) is fine: drafts are cut to today's budget and EOS set, and
-    # ones a smaller budget cut are continued (spec_rl.drafts.validity).
+    # Another budget is fine: drafts are cut to today's budget and EOS set, or continued (spec_rl.drafts.validity).
     other = [s for s in found if not s.same_distribution(settings)]
     if other:
         raise UnsupportedTrainerConfig(
@@ -249,23 +174,10 @@ def _probe_logits(trainer, model, ids: torch.Tensor, mask: torch.Tensor) -> torc
 
 
 def check_trainer_logprobs(trainer, settings: SamplingSettings) -> None:
-    """Compare TRL's per-token log-probs with ``log_softmax(logits / T)`` on a random probe.
+    """Check TRL's per-token log-probs against ``log_softmax(logits / T)`` of the unwrapped model on a random probe.
 
-    The probe is 12 random token ids; TRL's ``_get_per_token_logps_and_entropies`` (on
-    the trainer's model, in its current train/eval mode) scores the last 8, and so does
-    ``log_softmax(logits / settings.temperature)`` of the unwrapped model in eval mode.
-
-    Parameters
-    ----------
-    trainer : trl.GRPOTrainer
-    settings : SamplingSettings
-        The trainer's sampling settings (its temperature is the one checked).
-
-    Raises
-    ------
-    UnsupportedTrainerConfig
-        The largest difference exceeds 1e-3 nats (5e-2 for bf16/fp16 weights or
-        autocast), or TRL lacks ``_get_per_token_logps_and_entropies``.
+    TRL scores in the model's current mode, so dropout left on in training shows. Raises UnsupportedTrainerConfig
+    above 1e-3 nats (5e-2 with bf16/fp16), or when TRL lacks ``_get_per_token_logps_and_entropies``.
     """
     fn = getattr(trainer, "_get_per_token_logps_and_entropies", None)
     if fn is None:

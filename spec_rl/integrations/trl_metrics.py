@@ -1,11 +1,5 @@
-"""The ``spec_rl/*`` metrics :class:`~spec_rl.integrations.trl.SpecRLRollout` logs to TRL's metric log.
-
-Per training rollout: the reuse statistics (:data:`ROLLOUT_METRICS`). Per training batch, once TRL
-has scored it: the reward split by response origin (:mod:`spec_rl.rollout.reward_split`), read by wrapping
-the trainer's ``_calculate_rewards`` (trl 1.16.0: it returns ``rewards_per_func`` [B_global, F],
-gathered over processes; the logged ``reward`` is their ``reward_weights``-weighted ``nansum``, NaN for
-a row every function left unscored). TRL's own ``reward`` mixes the three origins and is biased
-upward under reuse; TRL's evaluation (``eval_strategy``) samples fresh, without drafts.
+"""The ``spec_rl/*`` metrics :class:`~spec_rl.integrations.trl.SpecRLRollout` logs to TRL's metric log: reuse
+statistics per training rollout, and the reward split by response origin, since TRL's ``reward`` mixes the origins.
 """
 
 from __future__ import annotations
@@ -37,7 +31,9 @@ def log_rollout_metrics(trainer, stats: dict) -> None:
 
 
 def weighted_rewards(trainer, rewards_per_func: torch.Tensor) -> list[float]:
-    """The reward TRL logs per row: ``nansum(rewards_per_func * reward_weights)``, NaN where every function gave NaN."""
+    """TRL's logged reward per row of ``rewards_per_func`` ([B, F], one column per reward function): the
+    ``reward_weights``-weighted nansum, NaN where every function gave NaN.
+    """
     weights = trainer.reward_weights.to(rewards_per_func.device).unsqueeze(0)
     rewards = (rewards_per_func * weights).nansum(dim=1)
     rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
@@ -47,14 +43,11 @@ def weighted_rewards(trainer, rewards_per_func: torch.Tensor) -> list[float]:
 def hook_reward_split(trainer, spec) -> None:
     """Wrap ``trainer._calculate_rewards`` to log ``spec_rl/reward_<origin>`` and ``spec_rl/count_<origin>``.
 
-    Each training batch logs, for every origin (reused whole, partly reused, fresh), the mean reward
-    (one value per response, so TRL's average over processes weighs them by count; not logged for an
-    origin without a response) and this process's count of scored responses (TRL averages it over
-    processes). The origins are those of
-    ``spec.last_result``, the rollout of the batch being scored.
+    Per training batch and origin of ``spec.last_result`` (:mod:`spec_rl.rollout.reward_split`): each response's
+    reward, one value each so TRL's mean over processes weighs them by count, and this process's count.
 
     Raises:
-        UnsupportedTrainerConfig: this TRL version has no ``_calculate_rewards``.
+        UnsupportedTrainerConfig: this TRL has no ``_calculate_rewards``.
     """
     original = getattr(trainer, "_calculate_rewards", None)
     if original is None:

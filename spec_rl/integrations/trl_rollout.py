@@ -1,18 +1,7 @@
 """The speculative rollouts behind :class:`~spec_rl.integrations.trl.SpecRLRollout`.
 
-One :class:`TrainerRollouts` per model holds two :class:`~spec_rl.rollout.speculative.SpeculativeRollout`
-objects over one backend (:func:`trainer_backend`: a :class:`~spec_rl.backends.transformers_backend.TransformersBackend`
-on the trainer's model, or the trainer's colocated vLLM engine):
-
-* the **training** rollout: the adapter's draft cache, mode and history index
-  (tail speculation, docs/design.md "Speculation past the first rejection"), whose responses
-  become the next epoch's drafts and enter the history;
-* the **evaluation** rollout: no drafts (plain sampling) into a throw-away cache per call,
-  reading the history through :class:`ReadOnlyHistory`. History drafts are verified with
-  "sample == proposal", so they make evaluation decode in fewer steps without changing a token,
-  and evaluation responses never enter the index or the cache.
-
-:class:`CallSeeds` gives each call its seed salt (process index, call count within a step).
+Evaluation samples without drafts into a throw-away cache and only reads the history (:class:`ReadOnlyHistory`):
+history drafts are verified with "sample == proposal", so they save decode steps without changing a token.
 """
 
 from __future__ import annotations
@@ -34,7 +23,7 @@ __all__ = ["CallSeeds", "ReadOnlyHistory", "RolloutOptions", "TrainerRollouts", 
 
 
 class ReadOnlyHistory:
-    """A view of a :class:`~spec_rl.drafts.history.HistoryIndex` that proposes drafts and ignores ``add``."""
+    """A :class:`~spec_rl.drafts.history.HistoryIndex` view that proposes drafts and ignores ``add``."""
 
     def __init__(self, index: HistoryIndex):
         self.index = index
@@ -63,15 +52,7 @@ class RolloutOptions:
 
 
 class TrainerRollouts:
-    """The training and evaluation rollouts of one model (module docstring).
-
-    Args:
-        model: the trainer's unwrapped model.
-        trainer: the ``GRPOTrainer`` (special tokens, run seed).
-        settings: the trainer's sampling settings.
-        cache: the training draft cache.
-        history: the history index (None: no tail speculation).
-        options: the adapter's options.
+    """The training and evaluation rollouts of one model over one backend (:func:`trainer_backend`).
 
     Raises:
         UnsupportedTrainerConfig: no ``max_model_len`` and none in the model config.
@@ -116,12 +97,11 @@ class TrainerRollouts:
 
 
 def trainer_backend(model, trainer, eos_ids, pad_id: int, spec_tokens: int):
-    """The generation backend: the trainer's colocated vLLM engine when it has one, else its own model.
+    """The trainer's colocated vLLM engine when it has one (drafts still scored by its model, no tail speculation),
+    else a TransformersBackend on its model.
 
-    With ``use_vllm=True, vllm_mode="colocate"`` continuations and fresh samples run on TRL's
-    ``vllm.LLM`` (per-request ``max_tokens`` and keyed seeds, processed log-probs; TRL pushes the
-    weights before every ``rollout_func`` call) and drafts are scored by the trainer's own model, as
-    without vLLM. vLLM decodes without our history drafts (no tail speculation there).
+    Raises:
+        UnsupportedTrainerConfig: colocate mode but the trainer has no vLLM engine.
     """
     args = trainer.args
     if getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", "colocate") == "colocate":
@@ -138,10 +118,8 @@ def trainer_backend(model, trainer, eos_ids, pad_id: int, spec_tokens: int):
 
 
 class CallSeeds:
-    """Seed salt of each ``rollout_func`` call: the process index and the call's count within its step.
-
-    Several generation batches may share one global step (``steps_per_generation <
-    gradient_accumulation_steps``); evaluation calls count on their own (negative) axis.
+    """Seed salt of each ``rollout_func`` call: the process index and the call's count within its step (several
+    generation batches may share one), or on a negative axis the evaluation call's count.
     """
 
     def __init__(self) -> None:

@@ -1,60 +1,8 @@
-"""verl agent loop that rolls out speculatively (SPEC-RL, arXiv 2509.23232).
+"""verl agent loop ``spec_rl_agent`` with speculative rollouts (SPEC-RL, arXiv 2509.23232; docs/integrations.md "verl").
 
-verl (>= 0.9) generates through agent loops: each sample of a batch runs
-``AgentLoopBase.run(sampling_params, **row)`` in an agent-loop worker (a Ray
-actor; many per job, spread over nodes) against the rollout servers (vLLM or
-SGLang) through ``server_manager.generate(request_id, prompt_ids=...,
-sampling_params=...)``, which returns a ``TokenOutput`` (token_ids, log_probs,
-extra_fields). Loops are registered by name (``@register``) or listed in the
-YAML file named by ``actor_rollout_ref.rollout.agent.agent_loop_config_path``;
-``actor_rollout_ref.rollout.agent.default_agent_loop`` (or a per-row
-``agent_name`` column) selects one.
-
-:class:`SpecRLAgentLoop` (registered as ``"spec_rl_agent"``) does, per sample,
-what :mod:`spec_rl.integrations.requests` describes: draft lookup -> one
-scoring request (prompt + draft, ``prompt_logprobs=0``, ``max_tokens=1``) ->
-verify -> one continuation request (prompt + verified prefix,
-``max_tokens`` = remaining budget) -> assemble -> store. Both requests use one
-request id, so verl's sticky routing sends them to the same server and the
-continuation's prefill is a prefix-cache hit.
-
-Where its inputs come from (read in verl 0.9.1's source):
-
-* prompt ids: ``ct_build_initial_tokens(raw_prompt)``, as the single-turn loop;
-* the sample slot: the row's ``priority``, which ``AgentLoopManager``
-  sets to the row's position in the batch *before* splitting it between
-  workers; the trainer repeats each prompt ``rollout.n`` times with
-  ``interleave=True``, so slot = priority mod n. (verl's ``rollout_n`` in
-  the trajectory info counts equal consecutive ``index`` values and collapses
-  when the dataset has no index, since verl then passes 0 for every row; it is
-  not used.) A ``spec_rl_slot`` column, if present, overrides it;
-* the dataset id: ``data_source`` and ``extra_info.index`` (or ``index``);
-  keys also hold the prompt token ids, so rows with index 0 never collide;
-* the training step (Philox seed, draft version): the scoring response's
-  ``extra_fields["global_steps"]`` (vLLM/SGLang servers report the step of
-  the weights they hold); without it, the draft's version + 1.
-
-With ``acceptance: exact`` the continuation after a rejection carries a
-per-attempt sampling seed (``seed`` for vLLM; ``sampling_seed`` when the
-rollout's ``name`` is ``sglang``; it overrides the seed verl injects under
-``full_determinism``) and is resent while its first token is the rejected
-draft token: the residual draw of :mod:`spec_rl.integrations.exact`, exact,
-at 1 / (1 - p) continuation requests per rejection on average.
-
-The cache is a :class:`~spec_rl.drafts.directory.DirectoryDraftStore`
-(one file per draft, atomic renames) on a directory every worker can reach.
-Validation batches and greedy rows (sampling parameters that differ from the
-training settings) are generated plainly and never touch the cache.
-
-Configure it with an agent-loop YAML (see docs/integrations.md):
-
-.. code-block:: yaml
-
-    - name: spec_rl_agent
-      _target_: spec_rl.integrations.verl.SpecRLAgentLoop
-      cache_dir: /shared/spec_rl_drafts
-      lenience: 1.6487
-      acceptance: lenient   # or exact (lossless; no lenience then)
+Both requests of a sample (:mod:`spec_rl.integrations.requests`) share one request id, so verl's sticky routing sends
+them to one server. Drafts live in a directory every agent-loop worker reaches; validation and greedy rows are
+generated plainly and never touch it.
 """
 
 from __future__ import annotations
@@ -76,7 +24,7 @@ from .requests import ContinuationRequest, SpecRequestBuilder
 AGENT_NAME = "spec_rl_agent"
 CACHE_DIR_ENV = "SPEC_RL_DRAFT_DIR"
 
-# One store object per directory per process: agent loops are instantiated per sample.
+# One store per directory per process: verl builds an agent loop per sample.
 _STORES: dict[str, DirectoryDraftStore] = {}
 
 
@@ -88,7 +36,7 @@ def _store_for(path: str) -> DirectoryDraftStore:
 
 
 def _cfg(config: Any, name: str, default: Any = None) -> Any:
-    """Read a field of a DictConfig or dataclass config."""
+    """A field of a DictConfig or dataclass config."""
     if hasattr(config, "get"):
         try:
             return config.get(name, default)
@@ -98,7 +46,7 @@ def _cfg(config: Any, name: str, default: Any = None) -> Any:
 
 
 def settings_from_rollout_config(rollout_config: Any) -> SamplingSettings:
-    """Sampling settings of verl's ``actor_rollout_ref.rollout`` (top_k -1 = off -> 0; max_tokens = response_length)."""
+    """Sampling settings of verl's ``actor_rollout_ref.rollout`` (top_k -1 -> 0; max_tokens = response_length)."""
     top_k = int(_cfg(rollout_config, "top_k", -1) or 0)
     return SamplingSettings(
         temperature=float(_cfg(rollout_config, "temperature", 1.0)),
@@ -109,10 +57,9 @@ def settings_from_rollout_config(rollout_config: Any) -> SamplingSettings:
 
 
 def slot_of(row: dict, n: int) -> int:
-    """The sample's index within its group (see the module docstring).
-
-    Raises:
-        ValueError: the row has neither ``spec_rl_slot`` nor ``priority``.
+    """The sample's index within its group: ``spec_rl_slot`` if set, else ``priority`` mod n (verl sets ``priority`` to
+    the row's position in the whole batch, and the trainer repeats each prompt n times in a row); ValueError if
+    the row has neither.
     """
     if "spec_rl_slot" in row:
         return int(row["spec_rl_slot"])
@@ -125,40 +72,28 @@ def slot_of(row: dict, n: int) -> int:
 
 
 def dataset_id_of(row: dict) -> str:
-    """data_source and dataset index of a row ("" / 0 when absent)."""
+    """``"<data_source>:<index>"`` of a row ("" / 0 when absent; keys also hold the prompt ids)."""
     extra = row.get("extra_info") or {}
     index = row.get("index", extra.get("index", 0) if hasattr(extra, "get") else 0)
     return f"{row.get('data_source', '')}:{index}"
 
 
 class SpecRLAgentLoop(AgentLoopBase):
-    """Single-turn agent loop with speculative rollouts.
+    """Single-turn agent loop with speculative rollouts; its arguments besides verl's come from the agent-loop YAML.
 
-    Args (besides verl's own, which it passes to ``AgentLoopBase``; set them in
-    the agent-loop YAML):
-        cache_dir: draft directory shared by all workers (default: the
-            ``SPEC_RL_DRAFT_DIR`` environment variable).
-        lenience: l (default e^0.5, the paper's GRPO setting); 0 rejects every draft token.
-        seed: run seed of the acceptance uniforms.
-        strategy: "spec", "random" (random-reuse ablation) or "off" (the baseline: every
-            response generated whole by this same loop and stored; no draft is read).
-        prompt_logprobs_mode: "raw" (vLLM: temperature must be 1, no top-k/top-p)
-            or "processed"; see :mod:`spec_rl.integrations.requests`.
+    Args:
+        cache_dir: draft directory shared by all workers (default: ``$SPEC_RL_DRAFT_DIR``).
+        lenience, strategy, acceptance, rejection_draw: the RolloutMode (``mode_from_options``); strategy "off" is
+            the baseline: every response generated whole and stored.
+        prompt_logprobs_mode: "raw" (vLLM: temperature 1, no top-k/top-p) or "processed".
         eos_token_ids: EOS ids (default: the tokenizer's eos_token_id).
-        acceptance: "lenient" (the paper's rule) or "exact" (lossless; leave lenience unset).
-            strategy, acceptance, lenience and rejection_draw name a
-            :class:`~spec_rl.acceptance.mode.RolloutMode` (:func:`~spec_rl.acceptance.mode.mode_from_options`).
-        max_resample_attempts: continuation attempts at one rejection (exact, without-draft draw).
-        rejection_draw: the token at a lenient rejection: "policy" (the paper's) or "without-draft"
-            (pi_t without the rejected draft token, by resending the continuation; l >= 1;
-            :class:`~spec_rl.integrations.requests.SpecRequestBuilder`).
+
+    The seed step is the server's ``global_steps``, else the draft's version + 1. On SGLang (rollout ``name``
+    "sglang") the per-attempt seed is sent as ``sampling_seed``.
 
     Raises:
-        ValueError: no cache directory, or a rollout configuration whose log-probs
-            cannot be compared (temperature != 1 with raw prompt logprobs, top-k,
-            top-p, repetition penalty, a logits ``logprobs_mode``), a lenience
-            with ``acceptance="exact"``, or a rejection_draw the lenient rule cannot take,
-            raised when the first sample's loop is built.
+        ValueError: no cache directory, settings whose log-probs cannot be compared
+            (:func:`~spec_rl.integrations.server_checks.check_server_settings`), options that name no RolloutMode.
     """
 
     def __init__(
@@ -207,7 +142,7 @@ class SpecRLAgentLoop(AgentLoopBase):
         )
 
     def _is_training_request(self, sampling_params: dict[str, Any]) -> bool:
-        """True when the request samples with the training settings (not validation or greedy)."""
+        """The request samples with the training settings (not validation or greedy)."""
         top_k = int(sampling_params.get("top_k", -1) or 0)
         return (
             float(sampling_params.get("temperature", 1.0)) == self.settings.temperature
@@ -252,7 +187,7 @@ class SpecRLAgentLoop(AgentLoopBase):
                 sample = (list(scored.token_ids), scored.log_probs)
             verified = b.verify(plan, new_lps, step, scoring_sample=sample)
             cont = b.continuation(plan, verified)
-            send = partial(self._continue, request_id, base, cont)  # send(seed)
+            send = partial(self._continue, request_id, base, cont)
             (new_ids, cont_lps, cont_step), resamples = await draw_continuation(cont, send, nothing=([], [], None))
             result = b.assemble(
                 plan,
@@ -267,7 +202,7 @@ class SpecRLAgentLoop(AgentLoopBase):
         return self._output(prompt_ids, result.response_ids, result.logprobs, metrics, extra)
 
     async def _continue(self, request_id: str, base: dict, cont: ContinuationRequest, seed: int | None):
-        """One continuation request (same request id: same server) -> (new ids, their log-probs, weight step)."""
+        """One continuation request on the same server -> (new ids, their log-probs, weight step)."""
         out = await self.server_manager.generate(
             request_id=request_id,
             prompt_ids=cont.context_ids,
@@ -292,8 +227,6 @@ class SpecRLAgentLoop(AgentLoopBase):
         )
 
 
-# verl's AgentLoopWorker loads the agent-loop YAML into its registry first and imports this module only
-# when it instantiates the first loop; registering unconditionally would then replace the YAML's entry
-# (with cache_dir, lenience, ...) by a bare one for every later sample. A configured entry is kept.
+# verl registers the YAML's entry (with cache_dir, lenience, ...) before it imports this module; keep that entry.
 if AGENT_NAME not in _agent_loop_registry:
     register(AGENT_NAME)(SpecRLAgentLoop)

@@ -1,18 +1,8 @@
-"""Paged KV-cache ops: validated Python entry points of the C++/CUDA ops (spec_rl._C) and pure-torch versions.
-Layer 1: may import util (and the compiled spec_rl._C).
+"""Paged KV-cache ops. Layer 1: may import util (and spec_rl._C).
 
-Each function checks its arguments (shapes, dtypes, devices, slot and block
-ranges) and raises ``ValueError``/``TypeError`` naming the argument, then runs
-the compiled op ``torch.ops.spec_rl.<name>`` from the ``spec_rl._C`` extension
-(csrc/: C++ on CPU, CUDA on GPU). If the extension is not built (or has no
-kernels for the tensors' device), the pure-torch reference in
-:mod:`spec_rl.ops.torch_kv` runs instead and a warning says so once per device.
-No out-of-bounds write can be reached from Python: every index is range-checked
-here before the native code runs, and the native ops check again (raising
-``RuntimeError``) for callers of ``torch.ops.spec_rl.*``; under CUDA-graph capture,
-where no host check is possible, the CUDA kernels skip out-of-range rows.
-
-Layout and conventions: see :mod:`spec_rl.ops.torch_kv`.
+Validated entry points of the compiled ``spec_rl._C`` ops (csrc/: C++, CUDA). Every index is range-checked here
+before native code runs (the native ops check again; under CUDA-graph capture the CUDA
+kernels skip out-of-range rows). Without the extension for a device, :mod:`spec_rl.ops.torch_kv` runs, warned once.
 """
 
 from __future__ import annotations
@@ -44,12 +34,7 @@ def _register_fakes() -> None:
 
 
 def native_available(device: torch.device | str | None = None) -> bool:
-    """True when the compiled ``spec_rl._C`` ops are loaded (and, given ``device``, built for its type).
-
-    ``native_available()`` asks whether the extension imported; ``native_available("cuda")``
-    whether it also has CUDA kernels (built only where a CUDA toolkit and a CUDA build of
-    torch were present at install time).
-    """
+    """Whether ``spec_rl._C`` loaded and, given ``device``, has kernels for its type (CUDA only if built with CUDA)."""
     global _native, _native_error
     if _native is None:
         try:
@@ -135,24 +120,11 @@ def write_kv(
     *,
     max_slot: int | None = None,
 ) -> None:
-    """Scatter new K/V rows into the paged cache (in place).
-
-    Args:
-        kv_cache: [num_blocks, 2, block_size, H, D] float32/float16/bfloat16.
-        key, value: [T, H, D], same dtype and device as ``kv_cache``.
-        slot_mapping: [T] int32/int64; slot = block * block_size + offset; negative = skip.
-            Non-negative slots must be distinct: a slot listed twice in one call ends up
-            with unspecified contents (the rows are written concurrently; vLLM's convention too).
-        max_slot: the largest slot in ``slot_mapping``, when the caller built it on the host
-            (the paged engine does). It is range-checked instead of the tensor, so no
-            device->host copy and no sync happen on CUDA (one per layer per decode step
-            otherwise). A wrong value cannot cause an out-of-bounds write: the kernels skip
-            slots outside the cache.
-
-    Raises:
-        ValueError: shape/device mismatch or a slot >= num_blocks * block_size.
-        TypeError: wrong dtypes.
-    """
+    """Scatter ``key``, ``value`` [T, H, D] into ``kv_cache`` [num_blocks, 2, block_size, H, D] (float32/16, bf16;
+    same dtype and device) at ``slot_mapping`` [T] int32/int64 (block * block_size + offset; negative: skipped;
+    non-negative slots must be distinct, as in vLLM). ``max_slot``: the largest slot, when known on the host:
+    checked instead of the tensor, so no device sync (a wrong value cannot write out of bounds: kernels skip).
+    ValueError: shape/device mismatch, a slot >= num_blocks * block_size; TypeError: wrong dtypes."""
     _check_cache(kv_cache)
     _check_kv("key", key, kv_cache, 3)
     _check_kv("value", value, kv_cache, 3)
@@ -204,22 +176,17 @@ def splice_from_dense(
     dst_starts: torch.Tensor,
     lengths: torch.Tensor,
 ) -> None:
-    """Copy dense, left-padded K/V [B, H, S, D] (a transformers cache layer) into paged blocks.
-
-    Sequence b: dense positions [src_starts[b], src_starts[b] + lengths[b]) go to
-    logical positions [dst_starts[b], dst_starts[b] + lengths[b]) through
-    ``block_tables[b]``. Zero lengths are skipped.
-
-    Raises:
-        ValueError: a range outside [0, S), a block id out of range, too few block-table columns.
-    """
+    """Copy dense, left-padded K/V [B, H, S, D] (a transformers cache layer) into paged blocks: dense position
+    src_starts[b] + j, j < lengths[b], goes to logical position dst_starts[b] + j through ``block_tables[b]`` ([B]
+    int32/int64 each). ValueError: a range outside [0, S), a block id out of range, too few table columns."""
     _check_cache(kv_cache)
     _check_kv("key", key, kv_cache, 4)
     _check_kv("value", value, kv_cache, 4)
     bsz, heads, seq, dim = key.shape
     if value.shape != key.shape or (heads, dim) != tuple(kv_cache.shape[3:]):
         raise ValueError(
-            f"key {tuple(key.shape)} and value {tuple(value.shape)} must be [B, {kv_cache.shape[3]}, S, {kv_cache.shape[4]}]"
+            f"key {tuple(key.shape)} and value {tuple(value.shape)} must be "
+            f"[B, {kv_cache.shape[3]}, S, {kv_cache.shape[4]}]"
         )
     _check_tables(block_tables, kv_cache, bsz)
     for name, t in (("src_starts", src_starts), ("dst_starts", dst_starts), ("lengths", lengths)):
@@ -250,11 +217,7 @@ def splice_from_dense(
 
 
 def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
-    """Copy whole blocks: kv_cache[dst] = kv_cache[src] for each (src, dst) row of ``block_mapping`` [M, 2].
-
-    Raises:
-        ValueError: a block id out of range, or a destination listed twice.
-    """
+    """kv_cache[dst] = kv_cache[src] per row (src, dst) of ``block_mapping`` [M, 2]; ValueError: bad id, dst twice."""
     _check_cache(kv_cache)
     _check_index("block_mapping", block_mapping, kv_cache.device, 2)
     if block_mapping.shape[1] != 2:
@@ -271,13 +234,8 @@ def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
 def gather_kv(
     kv_cache: torch.Tensor, block_tables: torch.Tensor, lengths: torch.Tensor, max_len: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Paged -> dense keys and values [B, H, max_len, D], right-padded with zeros.
-
-    Args:
-        block_tables: [B, max_blocks] int32.
-        lengths: [B] tokens per sequence.
-        max_len: dense length (default: max(lengths)); must be >= max(lengths).
-    """
+    """Paged -> dense keys and values [B, H, max_len, D] (zeros past lengths[b]) from ``block_tables`` [B, max_blocks]
+    and ``lengths`` [B] (tokens); max_len defaults to, and must reach, max(lengths). ValueError for bad ranges."""
     _check_cache(kv_cache)
     _check_tables(block_tables, kv_cache, block_tables.shape[0] if isinstance(block_tables, torch.Tensor) else -1)
     _check_index("lengths", lengths, kv_cache.device, 1)

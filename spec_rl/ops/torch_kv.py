@@ -1,14 +1,6 @@
-"""Pure-torch references of the paged KV-cache ops (the semantics csrc/ must match).
-
-Cache layout, one tensor per layer (vLLM / FlashInfer "NHD"):
-``kv_cache[num_blocks, 2, block_size, kv_heads, head_dim]``; ``kv_cache[:, 0]``
-holds keys, ``kv_cache[:, 1]`` values. Token position ``p`` of a sequence with
-block table ``bt`` lives in slot ``bt[p // block_size] * block_size + p % block_size``
-(block = slot // block_size, offset = slot % block_size). Negative slots are
-padding and are skipped (vLLM's convention).
-
-These functions do no argument checking: :mod:`spec_rl.ops` validates before
-calling either them or the compiled ops.
+"""Pure-torch references of the paged KV-cache ops: the semantics csrc/ must match (no argument checks). Layout per
+layer (vLLM "NHD"): ``kv_cache[num_blocks, 2 (keys, values), block_size, kv_heads, head_dim]``; position p with block
+table bt is slot ``bt[p // block_size] * block_size + p % block_size``; negative slots are padding, skipped.
 """
 
 from __future__ import annotations
@@ -19,10 +11,7 @@ import torch
 def write_kv(
     kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, check_range: bool = True
 ) -> None:
-    """Scatter ``key``/``value`` [T, H, D] into ``kv_cache`` at ``slot_mapping`` [T] (in place).
-
-    ``check_range`` exists for signature parity with the native op (the wrapper checks ranges).
-    """
+    """Scatter ``key``/``value`` [T, H, D] into ``kv_cache`` at ``slot_mapping`` [T]; ``check_range``: unused here."""
     block_size = kv_cache.shape[2]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
@@ -40,14 +29,8 @@ def splice_from_dense(
     dst_starts: torch.Tensor,
     lengths: torch.Tensor,
 ) -> None:
-    """Copy dense K/V [B, H, S, D] positions into each sequence's blocks (in place).
-
-    For sequence b and j in [0, lengths[b]): dense position ``src_starts[b] + j``
-    (a left-padded transformers cache puts sequence b's first real token at
-    ``src_starts[b]``) goes to logical position ``dst_starts[b] + j`` of the
-    sequence whose block table is ``block_tables[b]`` [max_blocks] (int32).
-    ``dst_starts`` lets a sequence skip prompt blocks it shares with others.
-    """
+    """Dense position ``src_starts[b] + j`` of K/V [B, H, S, D] (left-padded) to logical position ``dst_starts[b] + j``
+    through ``block_tables[b]``, j < lengths[b]; ``dst_starts`` skips prompt blocks shared with others."""
     block_size = kv_cache.shape[2]
     for b in range(key.shape[0]):
         n = int(lengths[b])
@@ -62,11 +45,8 @@ def splice_from_dense(
 
 
 def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
-    """For each row (src, dst) of ``block_mapping`` [M, 2] (int64): kv_cache[dst] = kv_cache[src].
-
-    Copy-on-write of shared blocks. All sources are read before any destination
-    is written, so a block may be both a source and (in another row) a destination.
-    """
+    """Copy-on-write: kv_cache[dst] = kv_cache[src] per row of ``block_mapping`` [M, 2] (int64); all sources are read
+    before any destination is written, so a block may be both (in different rows)."""
     if block_mapping.numel() == 0:
         return
     src = block_mapping[:, 0].long()
@@ -77,11 +57,7 @@ def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
 def gather_kv(
     kv_cache: torch.Tensor, block_tables: torch.Tensor, lengths: torch.Tensor, max_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Paged -> dense: keys and values [B, H, max_len, D], right-padded with zeros.
-
-    Row b holds positions [0, lengths[b]) of the sequence with block table
-    ``block_tables[b]``; positions >= lengths[b] are zero.
-    """
+    """Paged -> dense K and V [B, H, max_len, D]: positions [0, lengths[b]) via ``block_tables[b]``, zeros after."""
     num_blocks, _, block_size, heads, dim = kv_cache.shape
     bsz = block_tables.shape[0]
     key = kv_cache.new_zeros((bsz, heads, max_len, dim))

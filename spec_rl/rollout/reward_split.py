@@ -1,20 +1,6 @@
-"""The rollout reward split by where each response came from: reused whole, partly reused, fresh.
-
-Under lenient reuse the mean rollout reward is not the reward of fresh samples of the policy: a draft
-survives the acceptance test more often when the policy still likes it, and the policy has learnt to
-like responses that were rewarded, so responses reused whole lean towards ones that were already
-correct (measured with TRL: the logged reward exceeded a fresh-sample reward by ~0.07 under SPEC-RL,
-~0.01 for vanilla; on the demo at epoch 5, rollout vs held-out reward: SPEC-RL 0.430 vs 0.363, vanilla
-0.398 vs 0.410). Reporting the reward per origin shows that bias; the number to compare runs on is the
-held-out reward of fresh samples (:func:`spec_rl.tasks.evaluation.evaluate_heldout`). Under exact acceptance
-every response is distributed as a fresh sample, so the mean is unbiased though the origins differ.
-
-Origins (n = rejection index, the verified-prefix length; docs/design.md "The rule"):
-
-* ``reused_whole``: the whole draft was accepted (n equals the response length, nothing generated);
-* ``partly_reused``: 0 < n < the draft length (a verified prefix, then generation);
-* ``fresh``: no draft, or n = 0 (everything generated).
-"""
+"""The rollout reward split by origin of each response (n: rejection index): ``reused_whole``, ``partly_reused`` (0 < n
+< draft length), ``fresh`` (no draft or n = 0). Under lenient reuse, drafts the policy still likes survive more often,
+so the mean rollout reward is biased: compare runs on held-out fresh samples (``evaluate_heldout``)."""
 
 from __future__ import annotations
 
@@ -27,11 +13,7 @@ ORIGINS = ("reused_whole", "partly_reused", "fresh")
 
 
 def response_origins(result) -> list[str]:
-    """The origin of each response of a :class:`~spec_rl.rollout.types.RolloutResult` (one of :data:`ORIGINS`).
-
-    A response is reused whole exactly when nothing follows its verified prefix: at a rejection the
-    token at n is appended, so a partly reused response is longer than n.
-    """
+    """The origin of each response of a :class:`~spec_rl.rollout.types.RolloutResult`."""
     out = []
     for found, n, resp in zip(result.draft_found, result.verified_prefix_len, result.response_ids):
         if not found or n == 0:
@@ -42,13 +24,7 @@ def response_origins(result) -> list[str]:
 
 
 def origin_sums(origins: Sequence[str], rewards: Sequence[float]) -> dict[str, float | int]:
-    """``reward_sum_<origin>`` (float) and ``count_<origin>`` (int) for every origin; NaN rewards are skipped.
-
-    Sums add up over steps and processes; :func:`origin_means` turns them into means.
-
-    Raises:
-        ValueError: ``origins`` and ``rewards`` differ in length, or an unknown origin.
-    """
+    """``reward_sum_<origin>``, ``count_<origin>``, NaN skipped; ValueError for unequal lengths or an unknown origin."""
     if len(origins) != len(rewards):
         raise ValueError(f"{len(origins)} origins but {len(rewards)} rewards; pass one of each per response")
     sums: dict[str, float | int] = {}
@@ -64,11 +40,7 @@ def origin_sums(origins: Sequence[str], rewards: Sequence[float]) -> dict[str, f
 
 
 def origin_means(sums: dict) -> dict[str, float | int | None]:
-    """``reward_<origin>`` (mean reward, None without a response of that origin) and ``count_<origin>``.
-
-    ``sums`` holds the keys of :func:`origin_sums` (missing keys count as 0). Weighted by the counts,
-    the three means give back the mean rollout reward.
-    """
+    """``reward_<origin>`` (None without responses) and ``count_<origin>`` from :func:`origin_sums`' keys."""
     out: dict[str, float | int | None] = {}
     for name in ORIGINS:
         count = int(sums.get(f"count_{name}", 0))

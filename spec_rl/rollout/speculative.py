@@ -1,13 +1,6 @@
-"""Speculative rollout: reuse last epoch's responses as drafts (SPEC-RL, paper Sec. 3, Alg. 1).
-
-:meth:`SpeculativeRollout.run` runs a short sequence of phases over a batch of (prompt, slot) requests: **lookup**
-each request's draft; **score** the drafts under the current policy in one batched forward (under exact acceptance
-only where walks may read, when the backend can); **verify** them (the rejection index n per sample); **token at n**
-from the scoring pass's own output there (no extra forward; n == R reuses the draft whole); **continue** from
-[prompt, y_<n, token] with the remaining budget min(max_response_len, max_model_len - prompt_len) - n;
-**assemble** [y_<n, new] with their log-probs; **store** the responses as next epoch's drafts. How drafts are
-accepted is the :class:`~spec_rl.acceptance.mode.RolloutMode` (docs/design.md "The rule", "Exact acceptance").
-"""
+"""Speculative rollout: reuse last epoch's responses as drafts (SPEC-RL Sec. 3, Alg. 1; docs/design.md "Data flow of one
+step"): look up, score and verify each draft, take the token at the rejection index n from the scoring output, continue
+from [prompt, y_<n, token], and store the responses as next epoch's drafts."""
 
 from __future__ import annotations
 
@@ -63,18 +56,16 @@ class _Batch:
     seed: int  # this step's seed (acceptance uniforms)
     store: DraftStore
     stats: RolloutStats
-    vocab_size: int | None = None  # the backend's, or the scoring pass's V when the backend does not say
+    vocab_size: int | None = None  # the backend's, else the scoring pass's V
     drafts: list[Draft | None] = field(default_factory=list)
     drafted: list[int] = field(default_factory=list)  # requests with a non-empty draft
     responses: list[list[int]] = field(default_factory=list)
     logprobs: list[list[float]] = field(default_factory=list)
     finish: list[str | None] = field(default_factory=list)
     prefix_len: list[int] = field(default_factory=list)
-    kv_len: list[int] = field(
-        default_factory=list
-    )  # draft tokens whose K/V the continuation keeps (before the fed token)
-    group_keys: list[bytes] = field(default_factory=list)  # history key per request (its slot-0 draft key)
-    sources: list[int] = field(default_factory=list)  # per request: the scored row whose draft holds its prefix
+    kv_len: list[int] = field(default_factory=list)  # draft tokens whose K/V are kept (before the fed token)
+    group_keys: list[bytes] = field(default_factory=list)  # history key: the slot-0 draft key
+    sources: list[int] = field(default_factory=list)  # the scored row whose draft holds the prefix
 
     @property
     def sample_seed(self) -> int:
@@ -98,27 +89,12 @@ def _sync(device: torch.device) -> None:
 
 
 class SpeculativeRollout:
-    """Speculative rollouts over a generation backend.
+    """Speculative rollouts over a generation backend (docs/api.md "Rollout").
 
-    Args:
-        backend: a :class:`~spec_rl.backends.protocol.GenerationBackend` (scores the drafts and continues from the
-            verified prefix).
-        cache: the draft store (shared across steps and epochs).
-        settings: sampling settings (drafts are reused only under the same distribution).
-        eos_ids: the model's complete EOS set.
-        max_model_len: context limit of the model (prompt + response tokens).
-        mode: how drafts are reused (default: SPEC-RL's lenient rule at e^0.5 with tail speculation).
-        seed: run seed; each step's seed is :func:`~spec_rl.sampling.philox.mix_seed` (seed, step).
-        history: the per-prompt index of earlier responses that tail speculation drafts from (default: a new
-            :class:`~spec_rl.drafts.history.HistoryIndex` when ``mode.tail``); every stored response enters it.
-        verify_backend: "auto", "reference" or "triton" (:class:`~spec_rl.acceptance.dispatch.VerifyOptions`).
-
-    Raises:
-        TypeError: a backend, cache, settings or mode of the wrong kind; non-integer ``max_model_len``, ``seed`` or
-            EOS ids.
-        ValueError: empty ``eos_ids`` or ids outside the vocabulary, ``max_model_len`` < 2 or past the model's
-            ``max_position_embeddings``, a history without tail speculation.
-        BackendContractError (from :meth:`run`): the backend returned something its contract rules out.
+    ``mode`` defaults to SPEC-RL's lenient rule at e^0.5 with tail speculation; each step's seed is ``mix_seed(seed,
+    step)``; ``history`` (default: a new index when ``mode.tail``) is what tail speculation drafts from. TypeError for
+    arguments of the wrong kind; ValueError for no EOS id or one outside the vocabulary, ``max_model_len`` < 2 or past
+    the model's positions, or a history without tail speculation.
     """
 
     def __init__(
@@ -164,25 +140,9 @@ class SpeculativeRollout:
     def run(
         self, requests: Sequence[RolloutRequest], step: int, *, seed: int | None = None, cache: DraftStore | None = None
     ) -> RolloutResult:
-        """Produce one response per request; stores them with version ``step``.
-
-        The call never builds an autograd graph, whatever the caller's grad mode: it runs under
-        ``torch.no_grad()`` (the scores hold the LM head as a Parameter, and verifying them with
-        grad on would keep every chunk of logits alive for a backward that never comes). Not
-        ``inference_mode``: the drafts it stores must stay ordinary tensors.
-
-        Args:
-            requests: the samples to produce (prompt ids, slot, dataset id).
-            step: training step (derives this step's seed; the stored drafts' version).
-            seed, cache: per-call overrides of the constructor's values.
-
-        Raises:
-            TypeError: a request that is not a :class:`RolloutRequest`, non-integer ids, step or seed.
-            ValueError: an empty prompt, a prompt that leaves no room for a response under
-                ``max_model_len``, an id outside the vocabulary in a prompt or a stored draft
-                (naming the request), or two requests for the same sample.
-            BackendContractError: the backend returned something its contract rules out.
-        """
+        """One response per request, stored with version ``step``; ``seed``/``cache`` override the constructor's. Runs
+        under ``torch.no_grad()`` (not ``inference_mode``: stored drafts stay ordinary tensors). TypeError or ValueError
+        for bad requests (docs/api.md "Rollout"), BackendContractError when the backend breaks its contract."""
         with torch.no_grad():
             return self._run(requests, step, seed, cache)
 
@@ -212,7 +172,6 @@ class SpeculativeRollout:
             stats=stats,
         )
 
-    # ------------------------------------------------------------------ phases
     def _plan(self, requests, step, seed, cache) -> _Batch:
         """Validate the requests; budgets, cache keys and this step's seed."""
         step = check_int("step", step)
@@ -245,14 +204,12 @@ class SpeculativeRollout:
         check_draft_ids(batch.drafts, batch.drafted, batch.vocab_size, backend_name(self.backend))
 
     def _score_and_verify(self, batch: _Batch) -> Any:
-        """Score the drafts, verify them, and take the token at each rejection point. Returns the backend handle."""
-        # Only the part of a draft that is valid under today's budget and EOS set is scored and tested.
+        """Score the valid part of each draft, verify it and take the token at n; returns the handle."""
         views = draft_views(
             [batch.drafts[i].token_ids for i in batch.drafted], [batch.budgets[i] for i in batch.drafted], self.eos_ids
         )
         draft_ids = [batch.drafts[i].token_ids[: v.length].tolist() for i, v in zip(batch.drafted, views)]
         prompts = [batch.prompts[i] for i in batch.drafted]
-        # An exact walk reads only the nodes it walks through: a backend that scores where walks may go does so.
         out = None
         if self.mode.acceptance == "exact":
             stored = [batch.drafts[i].logprobs[: len(d)].tolist() for i, d in zip(batch.drafted, draft_ids)]
@@ -261,7 +218,7 @@ class SpeculativeRollout:
         handle = out[1] if isinstance(out, tuple) and len(out) == 2 else None
         try:
             scores, _ = check_scored(out, len(draft_ids), max(len(d) for d in draft_ids), self._source("score_drafts"))
-            if lazy is None:  # (progressive scores fill same_as as the walk goes; tests/backends/test_progressive.py)
+            if lazy is None:  # progressive scores fill same_as as the walk goes
                 check_shared_outputs(scores.same_as, prompts, draft_ids, self._source("score_drafts"))
             batch.vocab_size = batch.vocab_size or scores_vocab_size(scores)
             walk = self._walk(batch, prompts, draft_ids, scores, lazy)
@@ -276,12 +233,11 @@ class SpeculativeRollout:
             raise
         return handle
 
-    def _source(self, method: str) -> str:  # "PagedEngine.generate": names the backend in errors
+    def _source(self, method: str) -> str:
         return f"{backend_name(self.backend)}.{method}"
 
     def _walk(self, batch: _Batch, prompts, draft_ids: list[list[int]], scores, lazy) -> WalkResult:
-        """Exact: each sample follows the policy's keyed samples down its group's trie of drafts (``lazy``: the
-        progressive scores it extends). Lenient: the paper's rule (or random reuse) at this step's l."""
+        """Exact: keyed samples walk down the group's draft trie. Lenient: the paper's rule (or random reuse)."""
         if self.mode.acceptance == "exact":
             return walk_tries(
                 prompts,
@@ -307,12 +263,7 @@ class SpeculativeRollout:
         return out.walk
 
     def _accept_prefix(self, batch: _Batch, i: int, walk: WalkResult, row: int, end_reason: str | None) -> None:
-        """Request i keeps its verified prefix (+ the token at n).
-
-        A walk that ended on a draft's end is a full reuse when that draft is a whole response today
-        (``end_reason``); a draft that is only a prefix (None) is continued from its end: its last
-        token is fed again as the continuation's first token, with the K/V of the tokens before it kept.
-        """
+        """Keep the verified prefix and token at n; a draft accepted whole that is only a prefix today is continued."""
         batch.responses[i] = list(walk.tokens[row])
         batch.logprobs[i] = list(walk.logprobs[row])
         batch.prefix_len[i] = batch.kv_len[i] = walk.n[row]
@@ -391,7 +342,7 @@ class SpeculativeRollout:
 
     @staticmethod
     def _sources(batch: _Batch) -> dict:
-        """``sources=`` for continue_from, only when a row continues another row's draft (exact acceptance)."""
+        """``sources=`` for continue_from, only when a row continues another row's draft."""
         src = [batch.sources[i] for i in batch.drafted]
         return {"sources": src} if any(s != row for row, s in enumerate(src)) else {}
 
@@ -400,8 +351,7 @@ class SpeculativeRollout:
         return [batch.keys[i].uid for i in requests]
 
     def _proposers(self, batch: _Batch, requests: Sequence[int | None]) -> list | None:
-        """Per request (None: a row that will not decode), its tail-speculation proposer: drafts from its prompt's
-        earlier responses (None where the prompt has no history)."""
+        """Per request (None: not decoding), its tail-speculation proposer over the prompt's history."""
         if self.history is None:
             return None
         max_k, vocab = self.backend.max_k, self.backend.vocab_size
@@ -411,7 +361,7 @@ class SpeculativeRollout:
         ]
 
     def _store(self, batch: _Batch) -> None:
-        """Every response becomes next epoch's draft of its request (and enters the prompt's history)."""
+        """Every response becomes next epoch's draft of its request and enters the prompt's history."""
         for i, key in enumerate(batch.keys):
             batch.store.store(key, batch.responses[i], batch.logprobs[i], batch.finish[i], batch.step, self.settings)
             if self.history is not None:
@@ -419,7 +369,6 @@ class SpeculativeRollout:
         batch.stats.vanilla_tokens = sum(len(r) for r in batch.responses)
 
     def _count_backend(self, batch: _Batch, before: BackendStats) -> None:
-        """Backend work of this call: re-prefilled tokens, decode steps, history-drafted tokens."""
         now = self.backend.stats
         for ours, theirs in (
             ("reprefill_tokens", "reprefill_tokens"),

@@ -1,4 +1,4 @@
-"""What a speculative rollout takes and returns: requests (and their checks), per-step statistics, results."""
+"""What a speculative rollout takes and returns: requests and their checks, per-step statistics, results."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from ..drafts.cache import Draft, DraftStore
 
 @dataclass
 class RolloutRequest:
-    """One sample to produce: a prompt (token ids), its slot in the group, and an optional dataset id."""
+    """One sample to produce: prompt ids, its slot in the group, and an optional dataset id."""
 
     prompt_ids: Sequence[int]
     slot: int = 0
@@ -21,12 +21,7 @@ class RolloutRequest:
 
 
 def request_prompts(requests: Sequence[RolloutRequest], vocab_size: int | None, owner: str) -> list[list[int]]:
-    """The prompts of ``requests`` as lists of ints, each non-empty and in [0, vocab_size).
-
-    Raises:
-        TypeError: a request that is not a :class:`RolloutRequest`, or non-integer ids.
-        ValueError: an empty prompt or an id outside the vocabulary of ``owner`` (the message names the request).
-    """
+    """The prompts as non-empty id lists in [0, vocab_size); TypeError or ValueError naming the request."""
     prompts = []
     for i, r in enumerate(requests):
         if not isinstance(r, RolloutRequest):
@@ -45,11 +40,7 @@ def check_store(name: str, store) -> DraftStore:
 
 
 def check_draft_ids(drafts: Sequence[Draft | None], rows: Sequence[int], vocab_size: int | None, owner: str) -> None:
-    """Refuse a stored draft (``drafts[i]`` for i in ``rows``) with an id outside [0, vocab_size).
-
-    Raises:
-        ValueError: naming the request; such a store was filled by another model or tokenizer.
-    """
+    """ValueError naming the request whose stored draft holds an id outside [0, vocab_size)."""
     for i in rows:
         ids = drafts[i].token_ids
         low, high = int(ids.min()), int(ids.max())
@@ -62,15 +53,7 @@ def check_draft_ids(drafts: Sequence[Draft | None], rows: Sequence[int], vocab_s
 
 
 def check_unique_samples(keys: Sequence) -> None:
-    """Refuse two requests with one cache key (same prompt, slot and dataset id).
-
-    They would share one cache entry (the second response overwrites the first) and one uid, so
-    the same sampling uniforms: both would get the same response. Refused rather than warned
-    about, since a warning would still train on duplicated samples and lose one of the drafts.
-
-    Raises:
-        ValueError: naming both request indices.
-    """
+    """ValueError naming two requests with one cache key: they would share a uid, hence one response."""
     first: dict[bytes, int] = {}
     for i, key in enumerate(keys):
         j = first.setdefault(key.digest, i)
@@ -84,16 +67,9 @@ def check_unique_samples(keys: Sequence) -> None:
 
 @dataclass
 class RolloutStats:
-    """Per-step rollout statistics (tokens, samples, seconds).
-
-    ``reprefill_tokens``: tokens of [prompt, verified prefix, token] contexts that
-    the backend had to prefill again after the scoring pass (0 with a splicing backend).
-    ``decode_steps``: sequential generation forwards after the scoring pass (what sets the
-    time of a memory-bound decode); ``longest_continuation``: most tokens any sample generated
-    (the token at n included); ``tail_proposed``/``tail_accepted``: history-drafted tokens
-    verified in decode steps and how many were accepted; ``decode_rows``/``decode_positions``:
-    sequences and query positions (padding included) computed by the decode steps, summed over steps.
-    """
+    """Per-step rollout statistics (docs/api.md "Rollout"): ``decode_steps`` counts sequential generation forwards after
+    scoring, ``longest_continuation`` the most tokens one sample generated (token at n included), ``reused_drift`` is
+    the mean abs(lp_new - lp_old) of reused tokens in nats."""
 
     num_samples: int = 0
     drafts_found: int = 0
@@ -117,7 +93,7 @@ class RolloutStats:
 
     @property
     def full_reuse_ratio(self) -> float:
-        """Fraction of all samples whose response was reused whole (no generation)."""
+        """Fraction of all samples whose response was reused whole."""
         return self.full_reuse_count / self.num_samples if self.num_samples else 0.0
 
     @property
@@ -142,18 +118,7 @@ class RolloutStats:
 
 @dataclass
 class RolloutResult:
-    """Responses for B requests, in request order.
-
-    Attributes:
-        prompt_ids: B prompt id lists.
-        response_ids: B response id lists (EOS included when sampled).
-        logprobs: B lists of float log-probs of the response tokens under
-            the policy that ran this rollout (the "old" log-probs for PPO).
-        finish_reasons: "eos" or "length" (truncated at the budget).
-        verified_prefix_len: n per sample (0 when there was no draft).
-        draft_found: whether a draft existed for the sample.
-        stats: :class:`RolloutStats`.
-    """
+    """Responses for B requests in request order, with log-probs under the rollout's policy (the "old" log-probs)."""
 
     prompt_ids: list[list[int]]
     response_ids: list[list[int]]
@@ -168,7 +133,7 @@ class RolloutResult:
         return [r == "length" for r in self.finish_reasons]
 
     def padded(self, pad_id: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-        """Right-padded tensors: response_ids [B, R] int64, response_mask [B, R] bool, logprobs [B, R] float32."""
+        """Right-padded response_ids [B, R] int64, response_mask [B, R] bool, logprobs [B, R] float32."""
         bsz = len(self.response_ids)
         width = max([len(r) for r in self.response_ids] + [1])
         ids = torch.full((bsz, width), pad_id, dtype=torch.long)

@@ -1,7 +1,4 @@
-"""Keyed randomness and the sampling distribution: Philox uniforms, SamplingSettings, keyed sampling, prompt groups.
-
-Layer 2: may import util and ops.
-"""
+"""Keyed randomness and the sampling distribution. Layer 2: may import util and ops."""
 
 from .distribution import SamplingSettings, keyed_sample, sampling_log_softmax, token_logprobs
 from .philox import mix_seed, philox_uniform

@@ -1,15 +1,7 @@
-"""The sampling distribution: temperature, top-k and top-p applied to logits.
-
-SPEC-RL compares log-probabilities of the *sampling* distribution (paper
-Sec. 3; docs/design.md, rule step 1): the draft was drawn from softmax(process(logits)), so it must be
-re-scored with exactly the same processing. Generation backends and the
-verifier both call :func:`sampling_log_softmax`, so they cannot drift apart.
-
-Order of operations (as in transformers' and vLLM's samplers): divide by the
-temperature, then keep the top-k logits (ties at the k-th value are kept),
-then keep the smallest set of highest-probability tokens whose mass reaches
-top_p (the token that crosses top_p is kept). Tokens outside the support get
-log-probability -inf.
+"""The sampling distribution and keyed sampling from it. Drafts must be re-scored under exactly the processing that
+sampled them (docs/design.md "The rule", step 1), so backends and the verifier share :func:`sampling_log_softmax`:
+divide by the temperature, keep the top-k logits (ties kept), then the fewest most likely tokens whose mass reaches
+top_p (the crossing token kept), as transformers and vLLM do; tokens outside the support get log-prob -inf.
 """
 
 from __future__ import annotations
@@ -24,15 +16,11 @@ from .philox import STREAM_SAMPLE, philox_uniform
 
 @dataclass(frozen=True)
 class SamplingSettings:
-    """How responses are sampled; drafts are only reused under equal settings.
+    """How responses are sampled; drafts are reused only under the same distribution.
 
-    Attributes:
-        temperature: softmax temperature, > 0 (greedy decoding is not
-            supported: it has no usable log-probabilities).
-        top_p: nucleus mass in (0, 1]; 1 disables it.
-        top_k: number of top logits kept; 0 disables it.
-        max_tokens: maximum response length in tokens (the budget before the
-            model-length cap), >= 1.
+    ``temperature`` > 0 (greedy decoding has no usable log-probabilities); ``top_p`` in (0, 1], 1 disables it;
+    ``top_k`` >= 0, 0 disables it; ``max_tokens`` >= 1, the response budget in tokens before the model-length cap.
+    TypeError or ValueError for a field of the wrong type or out of range (bools and strings are not numbers).
     """
 
     temperature: float = 1.0
@@ -64,22 +52,14 @@ class SamplingSettings:
             object.__setattr__(self, name, value)
 
     def same_distribution(self, other: SamplingSettings) -> bool:
-        """True when ``other`` samples from the same distribution (temperature, top_p, top_k equal).
-
-        The budget ``max_tokens`` does not change any token's log-prob, only where a response is
-        cut, so drafts recorded under another budget can still be scored (see
-        :func:`spec_rl.drafts.cache.draft_fits`).
-        """
+        """True when temperature, top_p and top_k are equal: ``max_tokens`` changes where a response is cut, not
+        any token's log-prob (:func:`spec_rl.drafts.cache.draft_fits`)."""
         return (self.temperature, self.top_p, self.top_k) == (other.temperature, other.top_p, other.top_k)
 
     @classmethod
     def from_dict(cls, data, name: str = "settings") -> SamplingSettings:
-        """Settings from :meth:`to_dict`'s output (e.g. read back from a file).
-
-        Raises:
-            ValueError: ``data`` is not a dict, or has fields the settings do not have.
-            TypeError, ValueError: a field of the wrong type or value (as the constructor).
-        """
+        """Settings from :meth:`to_dict`'s output. ValueError when ``data`` is not a dict or has unknown fields;
+        TypeError or ValueError for a bad field, as the constructor."""
         names = [f.name for f in fields(cls)]
         if not isinstance(data, dict):
             raise ValueError(f"{name} must be an object with fields {names}, got {type(data).__name__}")
@@ -112,9 +92,7 @@ def check_settings(settings, name: str = "settings") -> SamplingSettings:
 
 
 def _raise_if_no_distribution(total: torch.Tensor, labels=None) -> None:
-    """ValueError naming the rows whose probability mass ``total`` [N] is NaN or 0 (one host sync).
-
-    ``labels(r)`` describes row r (e.g. its uid and position)."""
+    """ValueError naming the rows whose probability mass ``total`` [N] is NaN or 0; ``labels(r)`` describes row r."""
     bad = ~(total > 0)  # NaN compares False
     if not bool(bad.any()):
         return
@@ -136,18 +114,10 @@ def sampling_log_softmax(
     top_p: float = 1.0,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Log-probabilities of the sampling distribution over the vocabulary.
+    """Log-probs [..., V] in ``dtype`` of the sampling distribution of ``logits`` [..., V]; -inf outside the support.
 
-    Args:
-        logits: [..., V] raw logits, any float dtype.
-        temperature: > 0.
-        top_k: 0 disables; otherwise keep the k largest (ties kept).
-        top_p: 1 disables; otherwise nucleus filtering.
-        dtype: computation/output dtype (float32 by default; float64 for
-            references).
-
-    Returns:
-        [..., V] tensor of ``dtype``; -inf outside the support.
+    temperature > 0; top_k: 0 disables, else the k largest are kept (ties too); top_p: 1 disables nucleus filtering;
+    ``dtype``: computation and output dtype (float64 for references).
     """
     x = logits.to(dtype) / float(temperature)
     vocab = x.shape[-1]
@@ -173,15 +143,7 @@ def token_logprobs(
     top_p: float = 1.0,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Log-probability of ``token_ids`` under the sampling distribution.
-
-    Args:
-        logits: [..., V].
-        token_ids: [...] integer ids in [0, V).
-
-    Returns:
-        [...] tensor of ``dtype``.
-    """
+    """Log-probs [...] in ``dtype`` of ``token_ids`` [...] under the sampling distribution of ``logits`` [..., V]."""
     logp = sampling_log_softmax(logits, temperature, top_k, top_p, dtype=dtype)
     return logp.gather(-1, token_ids.long().unsqueeze(-1)).squeeze(-1)
 
@@ -190,19 +152,10 @@ def token_logprobs(
 def sample_tokens(
     logits: torch.Tensor, settings: SamplingSettings, generator: torch.Generator | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row and return it with its sampling log-probability.
+    """One token per row of ``logits`` [B, V] with its sampling log-prob: (token_ids [B] int64, logprobs [B] float32).
 
-    Args:
-        logits: [B, V].
-        settings: the sampling settings.
-        generator: optional torch generator on ``logits``' device.
-
-    Returns:
-        (token_ids [B] int64, logprobs [B] float32).
-
-    Raises:
-        TypeError: ``settings`` is not a :class:`SamplingSettings`.
-        ValueError: a row without a distribution (NaN or +inf logits, or no token left).
+    ``generator``: optional, on ``logits``' device. TypeError when ``settings`` is not a SamplingSettings;
+    ValueError for a row without a distribution (NaN or +inf logits, or no token left).
     """
     check_settings(settings)
     logp = sampling_log_softmax(logits, settings.temperature, settings.top_k, settings.top_p)
@@ -222,44 +175,20 @@ def keyed_sample(
     exclude: torch.Tensor | None = None,
     index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row by inverse CDF with a keyed uniform (docs/design.md "Randomness").
+    """One token per row by inverse CDF with a keyed uniform (docs/design.md "Randomness").
 
-    Row r draws ``u = philox_uniform(seed, uids[r], positions[r], STREAM_SAMPLE)`` and returns the
-    first token whose cumulative probability reaches ``u`` (vocabulary order, float64 sums). The
-    result is a pure function of (seed, uid, position, logits): the same whatever the batch
-    composition, so a sequence decoded one token per step and the same sequence decoded with
-    speculative multi-token steps produce the same tokens.
+    Row r takes the first token whose cumulative probability (vocabulary order, float64 sums) reaches
+    ``philox_uniform(seed, uids[r], positions[r], STREAM_SAMPLE)``: a pure function of (seed, uid, position, logits),
+    so one-token and speculative multi-token decode steps give the same tokens whatever the batch.
 
-    Parameters
-    ----------
-    logits : [N, V] float tensor
-    settings : the sampling settings (temperature, top-k, top-p)
-    seed : 64-bit seed
-    uids : [N] int64 per-sequence ids
-    positions : [N] int64 absolute positions of the sampled tokens in their sequences
-    exclude : [N] int64, optional
-        Token to remove from row r's distribution before sampling (renormalised): the residual of
-        exact speculative sampling with a point-mass draft. A row whose whole mass sits on the
-        excluded token samples from the full distribution instead.
-    index : [N] int64, optional
-        Row r samples from ``logits[index[r]]`` (``logits`` then holds U distinct rows, computed
-        once: e.g. the G samples of a group at the same draft position); not with ``exclude``.
+    ``logits``: [N, V] float, or [U, V] distinct rows with ``index`` [N] int64 (row r samples ``logits[index[r]]``);
+    ``uids``, ``positions``: [N] int64 sequence ids and absolute positions; ``exclude``: [N] int64 token removed from
+    row r's distribution (renormalised: exact sampling's residual for a point-mass draft; a row whose whole mass is
+    on it samples the full distribution), not with ``index``.
 
-    Returns
-    -------
-    (token_ids [N] int64, logprobs [N] float32): logprobs are under the *full* sampling
-    distribution (the policy's log-prob of the token), also for residual samples.
-
-    Raises
-    ------
-    TypeError
-        ``settings`` is not a :class:`SamplingSettings`, or ``seed`` is not an integer.
-    ValueError
-        A row without a distribution (NaN or +inf logits, or every token -inf), named with its uid
-        and position; logits not [N, V]; uids, positions, exclude or index of another length than
-        the samples, or exclude outside [0, V), index outside [0, N_logits).
-    TypeError
-        uids, positions, exclude or index not integer tensors.
+    Returns (token_ids [N] int64, logprobs [N] float32), log-probs under the full sampling distribution. TypeError:
+    ``settings`` not a SamplingSettings, a non-integer seed or index tensor. ValueError: a row without a distribution
+    (named by uid and position), wrong shapes or lengths, ids outside [0, V) or [0, U), both index and exclude.
     """
     check_settings(settings)
     seed = check_int("seed", seed, hint=" (a 64-bit seed, taken modulo 2**64)")
@@ -287,8 +216,7 @@ def keyed_sample(
 
 
 def _index_vector(name: str, t, n: int | None, high: int | None = None) -> torch.Tensor:
-    """``t`` as an int64 1-D tensor of length ``n`` (any length when None), values in [0, high) when given;
-    else a TypeError/ValueError naming ``name``."""
+    """``t`` as a 1-D int64 tensor of length ``n`` (None: any), values in [0, high) when given."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a 1-D integer torch.Tensor, got {type(t).__name__}")
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
@@ -316,9 +244,7 @@ def _checked_rows(logits, uids, positions, exclude, index):
 
 
 def _search_shared_rows(cdf: torch.Tensor, index: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """``searchsorted(cdf[index], target)`` without forming cdf[index] [N, V]: the targets of each
-    distinct row are laid out as one row of a [U, K] table (K = most samples of one row), searched at once.
-    The comparisons are the same as on ``cdf[index]``, so the tokens are too."""
+    """``searchsorted(cdf[index], target)`` without forming [N, V]: per distinct row, its targets in a [U, K] table."""
     if index.numel() == 0:
         return index.clone()
     order = torch.argsort(index, stable=True)

@@ -1,20 +1,7 @@
-"""Score the G drafts of a group in one row: the prompt once, then the trie of the drafts (tree attention).
-
-The G samples of a GRPO group share their prompt, and their drafts (last epoch's G responses) often
-share long prefixes too: on the demo task the trie of a group's 4 drafts holds about half of their
-tokens. Packing the prompt and that trie into a single sequence, with an attention mask that lets
-every token see exactly its ancestors and positions equal to the depth in the tree, computes every
-distinct (prefix, next token) once. The outputs are the same as scoring each [prompt, draft]
-separately (same keys, values and positions for every query), up to floating-point summation order.
-
-Layout of one packed row (preorder of the tree, so the subtree of node j is the index range
-``[j, j + size[j])`` and "j is an ancestor of i" is ``j <= i < j + size[j]``)::
-
-    prompt tokens 0 .. P-1 (a chain), then the drafts' trie below the last prompt token
-
-Draft token i of a draft is scored at the node of token i - 1, and token 0 at the last prompt token
-(paper Sec. 3, docs/design.md "The rule", step 1). The path of a draft (prompt positions, then its
-nodes) is what a continuation needs as its KV context.
+"""Tree-packed scoring (docs/design.md "Scoring the group once"): a group's prompt once, then the trie of its drafts
+in preorder, in one row whose 4-D mask lets each token see exactly its ancestors (the subtree of node j is
+``[j, j + size[j])``) at positions equal to its depth. Draft token i is scored at the node of token i - 1, token 0 at
+the last prompt token.
 """
 
 from __future__ import annotations
@@ -32,8 +19,7 @@ TREE_ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 
 
 def int64_tensor(values: Iterable[int]) -> torch.Tensor:
-    """A CPU int64 tensor of Python ints, built through ``array.array`` (3-4x faster than ``torch.tensor``
-    on a list: that was ~5% of a demo scoring call)."""
+    """A CPU int64 tensor of Python ints, built through ``array.array`` (faster than ``torch.tensor`` on a list)."""
     buf = array.array("q", values)
     return torch.frombuffer(buf, dtype=torch.int64) if len(buf) else torch.zeros(0, dtype=torch.int64)
 
@@ -53,17 +39,9 @@ def as_id_lists(seqs: Sequence[Sequence[int]]) -> list[list[int]]:
 
 @dataclass
 class PackedGroup:
-    """One packed row: the prompt and the trie of its drafts, in preorder.
-
-    Attributes:
-        tokens: token id per position.
-        depth: position id per position (the distance from the first prompt token).
-        size: subtree size per position.
-        members: indices (into the caller's draft list) of the drafts packed here.
-        score_pos: per member, the positions whose outputs score its tokens.
-        node_pos: per member, the position of each of its tokens.
-        prompt_len: P.
-    """
+    """One packed row in preorder: per position its token, ``depth`` (position id) and subtree ``size``; the caller's
+    indices of the drafts packed here (``members``) and, per member, the positions of its tokens (``node_pos``) and
+    of the outputs that score them (``score_pos``)."""
 
     tokens: list[int]
     depth: list[int]
@@ -79,12 +57,8 @@ class PackedGroup:
 
 
 def _pack_group(prompt: Sequence[int], drafts: Sequence[Sequence[int]], members: list[int]) -> PackedGroup:
-    """Lay out the trie in preorder from the drafts sorted lexicographically.
-
-    In sorted order each draft adds the tokens after its longest common prefix (LCP) with the draft
-    before it, contiguously: that is the trie's preorder (children by token id). The subtree of the
-    node at depth e of draft j ends where the first later draft with LCP <= e begins.
-    """
+    """The trie in preorder: in lexicographic order each draft adds its tokens after the longest common prefix (LCP)
+    with the previous one; the subtree of draft j's node at depth e ends where the next draft with LCP <= e begins."""
     plen = len(prompt)
     order = sorted(range(len(drafts)), key=lambda k: drafts[k])
     tokens, depth = list(prompt), list(range(plen))
@@ -129,11 +103,8 @@ def pack_groups(prompts: Sequence[Sequence[int]], drafts: Sequence[Sequence[int]
 def tree_inputs(
     groups: Sequence[PackedGroup], pad_id: int, device: torch.device, additive_dtype: torch.dtype | None = None
 ):
-    """input_ids [B, T], position_ids [B, T] and a 4-D attention mask [B, 1, T, T] for packed rows.
-
-    The mask is bool (True = attend) for SDPA, or additive (0 / dtype min) when ``additive_dtype``
-    is given (eager attention). Padding positions attend to themselves only, so no softmax row is empty.
-    """
+    """input_ids [B, T], position_ids [B, T] and a 4-D mask [B, 1, T, T] for packed rows: bool (True = attend) for
+    SDPA, additive (0 / dtype min) given ``additive_dtype`` (eager). Padding attends to itself, so no row is empty."""
     width = max(len(g.tokens) for g in groups)
     bsz = len(groups)
     ids = torch.full((bsz, width), int(pad_id), dtype=torch.long)
@@ -160,12 +131,8 @@ def tree_inputs(
 def gather_scores(
     states: torch.Tensor, groups: Sequence[PackedGroup], out: torch.Tensor, same_as: torch.Tensor
 ) -> None:
-    """Copy each member's scoring outputs from ``states`` [B, T, W] (row b = groups[b]) into ``out`` [N, R, W].
-
-    ``same_as`` [N, R] (see :class:`~spec_rl.acceptance.scores.DraftScores`) gets, for every copied entry, the
-    flat index of the first entry copied from the same (row, position): drafts sharing a prefix.
-    """
-    # one list of positions, the rest as segment arithmetic (per-token Python lists were ~4% of scoring)
+    """Copy each member's scoring outputs from ``states`` [B, T, W] (row b = groups[b]) into ``out`` [N, R, W], and
+    into ``same_as`` [N, R] the flat index of the first entry copied from the same output (``DraftScores.same_as``)."""
     row_of, member_of, lengths, cols = [], [], [], []
     for b, g in enumerate(groups):
         for member, positions in zip(g.members, g.score_pos):
@@ -213,11 +180,8 @@ def chunk_groups(groups: Sequence[PackedGroup], max_tokens: int) -> list[list[Pa
 
 @dataclass
 class TreeKV:
-    """Keys and values of a tree-packed scoring forward, kept so a continuation needs no second prefill.
-
-    ``chunks[c]`` holds one forward's groups and its per-layer K/V [rows, kv_heads, T, head_dim];
-    ``where[i]`` locates draft i as (chunk, row in the chunk, member index in the group).
-    """
+    """K/V of a tree-packed scoring forward, kept so a continuation needs no second prefill: ``chunks[c]`` holds one
+    forward's groups and per-layer K/V [rows, kv_heads, T, head_dim]; ``where[i]`` is draft i's (chunk, row, member)."""
 
     chunks: list[tuple[list[PackedGroup], list[tuple[torch.Tensor, torch.Tensor]]]] = field(default_factory=list)
     where: dict[int, tuple[int, int, int]] = field(default_factory=dict)

@@ -1,35 +1,9 @@
-"""Procedurally generated multi-step arithmetic word problems in GSM8K format.
+"""Procedurally generated multi-step arithmetic word problems in GSM8K format: the demo task.
 
-Each problem follows one person's stock of some item through a few events
-(buying or finding more, giving some away, buying k boxes of m, doubling or
-tripling, splitting into equal groups) and asks how many there are at the
-end. Events open with fixed connectives ("First,", "Then", "Next,",
-"Finally,"). The worked solution restates the start and each event after the
-same connective, with one short equation per event (two for "k boxes of m"),
-and ends with ``#### <n>``, the answer format of GSM8K (Cobbe et al. 2021,
-arXiv 2110.14168)::
-
-    Question: Leo has 16 books. First, he splits his books into 2 equal groups
-    and keeps one group. Then he buys 5 boxes with 8 books in each box. Finally,
-    he loses 3 books. How many books does Leo have now?
-    Answer: Leo has 16 books.
-    First, he splits his books into 2 equal groups and keeps one group, so he has 16 / 2 = 8 books.
-    Then he buys 5 boxes with 8 books in each box, so he has 5 * 8 = 40 more, and 8 + 40 = 48 books.
-    Finally, he loses 3 books, so he has 48 - 3 = 45 books.
-    #### 45
-
-Design for a sub-million-parameter learner (our own procedure, not taken
-from any dataset): counts stay in 1..``max_value`` and divisions are exact;
-restating each event after its connective turns "which event is next" into
-an induction-style copy; digits are tokenized one by one by the demo
-tokenizer. Optional *slips* (``slip_prob``) make some worked solutions
-contain a result off by 1 or 2, and an optional *misconception*
-(``misconception_prob``) works "k boxes with m in each" as k + m; both are
-used for the demo policy's warm start (docs/design.md "The demo recipe").
-
-Generation is deterministic given the seed: it uses only ``random.Random(seed)``
-(``randrange``/``choice``/``random``, whose output sequences Python keeps stable).
-"""
+A problem follows one person's stock of an item through a few events, each opened by a fixed connective that the
+worked solution restates before its equation; the solution ends with ``#### <n>``. Counts stay in 1..``max_value``,
+divisions are exact, and generation uses only ``random.Random(seed)``. Slips and the misconception feed the demo's
+warm start (docs/design.md "The demo recipe")."""
 
 from __future__ import annotations
 
@@ -80,10 +54,8 @@ def _plural(container: str) -> str:
     return _CONTAINER_PLURAL.get(container, container + "s")
 
 
-# Connectives that open each event sentence, by number of events. The
-# solution restates each event after the same connective, so the model can
-# find the event it is working on by matching the connective (an induction
-# pattern) instead of counting sentences.
+# Connectives opening the event sentences, by number of events. The solution repeats them, so the model finds its
+# event by matching the connective (an induction pattern) instead of counting sentences.
 _CONNECTIVES = {
     1: ["Then"],
     2: ["First,", "Finally,"],
@@ -138,12 +110,9 @@ def _one_problem(
     slip_prob: float = 0.0,
     misconception_prob: float = 0.0,
 ):
-    """Return (question, solution, answer) for one problem, or None if the draw hit a dead end.
-
-    ``x`` is the true count (it defines the question and the answer); ``w`` is
-    the count the worked solution believes (equal to ``x`` unless a slip or the
-    misconception was injected). Every event is chosen to be valid for both.
-    """
+    """(question, solution, answer) of one problem, or None at a dead end. ``x`` is the true count (question and
+    answer), ``w`` the count the worked solution believes (differs after a slip or the misconception); every event is
+    valid for both."""
 
     def slip(v: int) -> int:
         if slip_prob and rng.random() < slip_prob:
@@ -175,7 +144,6 @@ def _one_problem(
             event = _count_event(rng, _SUB_EVENTS, he, b, obj)
             calc = f"{w} - {b} = {wy}"
         elif op == "group":
-            # k containers of m items each, with count + k*m <= max_value.
             pairs = [(k, m) for k in range(2, 6) for m in range(2, 10) if hi + k * m <= max_value]
             k, m = rng.choice(pairs)
             if misconception_prob and rng.random() < misconception_prob:
@@ -217,39 +185,17 @@ def generate_problems(
     slip_prob: float = 0.0,
     misconception_prob: float = 0.0,
 ) -> list[Example]:
-    """Generate ``n`` arithmetic word problems with worked GSM8K-style solutions.
+    """``n`` arithmetic word problems with worked GSM8K-style solutions; the same arguments give the same problems.
 
     Args:
-        n: number of problems (>= 0).
-        seed: RNG seed; the same (n, seed, options) always give the same problems.
-        min_steps, max_steps: number of events per problem, 1 <= min <= max
-            (each event is one solution line; "group" lines hold two equations).
-        max_value: every count in the story stays in 1..max_value (>= 10).
-        max_operand: largest number added, subtracted or used as a start (>= 2).
-        unique: skip problems whose question text was already generated.
-        exclude: question texts to skip (e.g. another split's, to keep splits disjoint).
-        slip_prob: probability in [0, 1) that each result written in the worked
-            solution is off by 1 or 2 (an "arithmetic slip"); later lines continue
-            from the slipped value, so such a solution ends in a wrong ``#### n``
-            while ``answer`` stays the true answer. 0 (default) gives correct
-            solutions and consumes no extra randomness. Used to give the demo
-            policy calibrated arithmetic noise that RL can remove.
-        misconception_prob: probability in [0, 1) that a "k boxes with m in each"
-            line is worked as ``k + m`` instead of ``k * m`` (a *systematic*
-            error, unlike slips: above 0.5 it is the rule the solutions follow
-            most often, so a model trained on them prefers it, and a right
-            answer needs the rarer rule). 0 (default) consumes no randomness.
-
-    Returns:
-        list of ``n`` :class:`~spec_rl.tasks.data.Example` with ``prompt =
-        format_prompt(question)``, ``answer`` the final count as a decimal
-        string, ``solution`` ending in ``"#### <answer>"`` (unless a slip or
-        the misconception changed a result), ``source="arith"``
-        and ``uid = f"arith:{seed}:{i}"`` (i = index in the returned list).
-
-    Raises:
-        ValueError: a bad argument (the message names it), or the options
-            cannot produce ``n`` distinct problems.
+        min_steps, max_steps: events per problem, 1 <= min <= max <= :data:`MAX_STEPS`.
+        max_value: every count stays in 1..max_value (>= 10); max_operand: largest number added, subtracted or
+            started from (>= 2). unique: skip repeated questions; exclude: questions to skip (another split's).
+        slip_prob: in [0, 1), chance that each written result is off by 1 or 2; later lines continue from it, so the
+            solution ends wrong while ``answer`` stays true.
+        misconception_prob: in [0, 1), chance that "k boxes with m in each" is worked as k + m (a systematic error).
+    Returns :class:`~spec_rl.tasks.data.Example` with ``source="arith"`` and ``uid = f"arith:{seed}:{i}"``.
+    Raises ValueError for a bad argument (named) or when the options cannot produce ``n`` distinct problems.
     """
     for arg, val in (
         ("n", n),
@@ -311,14 +257,9 @@ _EQUATION = re.compile(r"(\d+) ([-+*/]) (\d+) = (\d+)")
 
 
 def check_solution(solution: str) -> bool:
-    """True if a worked solution in this task's format is consistent.
-
-    Checks that every equation ``a op b = c`` is arithmetically correct
-    (division exact), that the equations chain (each line's last equation
-    starts from the previous line's result, the first from the start count
-    in line 1; in a "group" line the second equation adds the first one's
-    result), and that the last line is ``#### <final result>``.
-    """
+    """True if a worked solution in this task's format is consistent. Every equation ``a op b = c`` holds (division
+    exact), each line's last equation starts from the previous result (in a "group" line the second adds the first one's
+    result), and the last line is ``#### <final result>``."""
     lines = solution.strip().split("\n")
     if len(lines) < 2 or not lines[-1].startswith("#### "):
         return False
@@ -341,17 +282,8 @@ def check_solution(solution: str) -> bool:
 
 
 def arithmetic_reward(completion: str, gold: str) -> float:
-    """The demo task's verifiable reward: 1.0 when the worked solution is consistent and ends in the gold answer.
-
-    Every step is checked (:func:`check_solution`: each equation true, each line starting from the
-    previous result) and the last line must be ``#### <gold>``; else 0.0. A final answer alone is not
-    enough: on this task a slip propagates to the answer, so a right answer after a slip means steps
-    that do not follow from each other, and a final-answer-only reward pays for exactly that
-    (docs/design.md "The demo recipe").
-
-    Args:
-        completion: the response text (special tokens removed).
-        gold: the gold final answer, e.g. ``"45"``.
-    """
+    """The demo task's reward: 1.0 when the worked solution is consistent (:func:`check_solution`) and its last line is
+    ``#### <gold>``, else 0.0. A final answer alone is not enough: it pays for steps that do not follow from each other
+    (docs/design.md "The demo recipe")."""
     text = completion.strip()
     return float(check_solution(text) and text.split("\n")[-1].strip() == f"#### {str(gold).strip()}")

@@ -1,25 +1,8 @@
-"""Prompt/answer examples and loaders for GSM8K- and MATH-format data.
+"""Prompt/answer examples and loaders for GSM8K- and MATH-format data (``.jsonl`` files or ``datasets`` tables).
 
-Two record formats are understood (one JSON object per line in ``.jsonl``
-files, or one row per record in a ``datasets`` table):
-
-* **GSM8K** (Cobbe et al. 2021, "Training Verifiers to Solve Math Word
-  Problems", arXiv 2110.14168; github.com/openai/grade-school-math): fields
-  ``question`` and ``answer``, where ``answer`` is a worked solution whose last
-  line is ``#### <number>``. The gold answer is the text after the last
-  ``####`` with thousands separators (commas) removed, as in the dataset's own
-  evaluation script. An optional integer ``idx`` field is used in the uid.
-* **MATH / MATH-500** (Hendrycks et al. 2021, arXiv 2103.03874; MATH-500 subset
-  of Lightman et al. 2023, arXiv 2305.20050): fields ``problem`` and
-  ``answer`` (a LaTeX expression), optionally ``solution`` (worked solution,
-  final answer in ``\\boxed{...}``) and ``unique_id``. A record without
-  ``answer`` but with a ``solution`` takes the content of the solution's last
-  ``\\boxed{...}`` as its gold answer.
-
-Every loaded record becomes an :class:`Example`, whose ``prompt`` is the text
-the policy sees (:func:`format_prompt` by default) and whose ``uid`` is a
-stable string id used as the dataset id that keys the rollout cache.
-"""
+GSM8K (arXiv 2110.14168): ``question`` and ``answer``, a worked solution ending ``#### <number>``; the gold answer is
+the text after the last ``####`` without thousands commas, as in the dataset's own evaluation. MATH / MATH-500
+(arXiv 2103.03874, 2305.20050): ``problem`` and ``answer`` (LaTeX), else the last ``\\boxed{...}`` of ``solution``."""
 
 from __future__ import annotations
 
@@ -45,8 +28,7 @@ __all__ = [
 #: Record formats accepted by the loaders ("auto" detects one of the others).
 FORMATS = ("auto", "gsm8k", "math")
 
-#: The single prompt template. The response the policy writes follows
-#: ``Answer:`` directly, so demo responses start with a space.
+#: The prompt template; the response follows ``Answer:`` directly, so demo responses start with a space.
 PROMPT_TEMPLATE = "Question: {question}\nAnswer:"
 
 
@@ -55,16 +37,11 @@ class Example:
     """One prompt with its gold answer.
 
     Attributes:
-        prompt: formatted text the policy sees (e.g. ``format_prompt(question)``).
-        answer: gold final answer as text, e.g. ``"42"`` or a LaTeX expression
-            such as ``"\\frac{1}{2}"``; compared by :func:`spec_rl.tasks.rewards.math_reward`.
-        uid: stable id such as ``"gsm8k_test:17"`` or ``"arith:0:17"``; used as
-            the dataset id that keys the rollout cache, so it must not change
-            between runs for the same record.
-        source: where the record came from: ``"gsm8k"``, ``"math"``, ``"arith"``.
-        solution: worked solution text (used as the SFT target), or None. For
-            GSM8K-format data it ends with a line ``#### <answer>``.
-        question: the raw question text before formatting, or None.
+        prompt: the text the policy sees (e.g. ``format_prompt(question)``).
+        answer: gold final answer as text, e.g. ``"42"`` or ``"\\frac{1}{2}"``.
+        uid: stable id such as ``"gsm8k_test:17"``; keys the rollout cache, so it must not change between runs.
+        source: ``"gsm8k"``, ``"math"`` or ``"arith"``; question: the raw question text, or None.
+        solution: worked solution (the SFT target) or None; GSM8K-format ones end with ``#### <answer>``.
     """
 
     prompt: str
@@ -76,17 +53,8 @@ class Example:
 
 
 def format_prompt(question: str) -> str:
-    """Format a question as the prompt text the policy sees.
-
-    Template: ``"Question: {question}\\nAnswer:"`` (:data:`PROMPT_TEMPLATE`);
-    the question is stripped of surrounding whitespace. The response is
-    expected to start right after ``Answer:`` (the demo policy's responses
-    start with a space).
-
-    Raises:
-        TypeError: ``question`` is not a str.
-        ValueError: ``question`` is empty or only whitespace.
-    """
+    """The prompt text for ``question`` (:data:`PROMPT_TEMPLATE`, question stripped). Raises TypeError when ``question``
+    is not a str, ValueError when it is empty or only whitespace."""
     if not isinstance(question, str):
         raise TypeError(f"question must be a str, got {type(question).__name__}")
     q = question.strip()
@@ -94,10 +62,6 @@ def format_prompt(question: str) -> str:
         raise ValueError("question is empty; pass the problem text to format_prompt(question)")
     return PROMPT_TEMPLATE.format(question=q)
 
-
-# ---------------------------------------------------------------------------
-# Record parsing
-# ---------------------------------------------------------------------------
 
 _COMMA_IN_NUMBER = re.compile(r"(?<=\d),(?=\d)")
 
@@ -170,11 +134,7 @@ _FIELD_READERS = {"gsm8k": _gsm8k_fields, "math": _math_fields}
 def _record_to_example(
     record: Mapping[str, Any], fmt: str, index: int, uid_prefix: str, prompt_fn: Callable[[str], str], where: str
 ) -> Example:
-    """Convert one record; ``where`` names the location (file and line) for errors."""
-    if not isinstance(record, Mapping):
-        raise ValueError(f"{where}: expected a JSON object (dict), got {type(record).__name__}")
-    if fmt not in _FIELD_READERS:
-        raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+
     question, answer, solution, key_field = _FIELD_READERS[fmt](record, where)
     return Example(
         prompt=prompt_fn(question),
@@ -201,24 +161,12 @@ def records_to_examples(
     prompt_fn: Callable[[str], str] = format_prompt,
     where: str = "record",
 ) -> list[Example]:
-    """Convert an iterable of GSM8K- or MATH-format records to examples.
+    """Convert GSM8K- or MATH-format records (dicts, e.g. JSON lines or ``datasets`` rows) to examples, in order.
 
-    Args:
-        records: dict-like records (e.g. parsed JSON lines or ``datasets`` rows).
-        fmt: ``"gsm8k"``, ``"math"`` or ``"auto"`` (detected from the first
-            record's fields: question+answer -> gsm8k, problem+answer/solution -> math).
-        limit: keep at most this many examples (None: all).
-        uid_prefix: uid = ``f"{uid_prefix}:{key}"`` where key is the record's
-            ``idx`` (GSM8K) / ``unique_id`` (MATH) field, else its 0-based index.
-        prompt_fn: question text -> prompt text.
-        where: name used in error messages (``"<where> #<n>"``, 1-based).
-
-    Returns:
-        list of :class:`Example` in input order.
-
-    Raises:
-        ValueError: unknown ``fmt``, bad ``limit``, undetectable format,
-            records missing fields, or no records at all.
+    ``fmt``: ``"gsm8k"``, ``"math"`` or ``"auto"`` (from the first record's fields); ``limit``: at most this many
+    (None: all). uid = ``f"{uid_prefix}:{key}"``, key the ``idx`` (GSM8K) / ``unique_id`` (MATH) field, else the
+    record's 0-based index. ``where`` names records in errors (``"<where> #<n>"``, 1-based). Raises ValueError for
+    an unknown ``fmt``, a bad ``limit``, an undetectable format, a missing field, or no records.
     """
     _check_fmt_limit(fmt, limit)
     located = ((f"{where} #{i + 1}", rec) for i, rec in enumerate(records))
@@ -233,7 +181,7 @@ def _convert(
     prompt_fn: Callable[[str], str],
     empty_msg: str,
 ) -> list[Example]:
-    """Shared loop: (location, record) pairs -> examples, detecting the format from the first record."""
+    """(location, record) pairs -> examples, detecting the format from the first record."""
     out: list[Example] = []
     detected = None if fmt == "auto" else fmt
     for index, (loc, rec) in enumerate(located):
@@ -262,27 +210,9 @@ def load_jsonl(
     uid_prefix: str | None = None,
     prompt_fn: Callable[[str], str] = format_prompt,
 ) -> list[Example]:
-    """Load GSM8K- or MATH-format examples from a JSON-lines file.
-
-    Blank lines are skipped. Example: ``load_jsonl("gsm8k_test.jsonl")[0].answer == "18"``.
-
-    Args:
-        path: the ``.jsonl`` file (one JSON object per line).
-        fmt: ``"gsm8k"``, ``"math"`` or ``"auto"`` (detected from the first record).
-        limit: keep at most this many examples (None: all).
-        uid_prefix: prefix of every uid (default: the file name without
-            extension, e.g. ``"gsm8k_test"`` -> uid ``"gsm8k_test:17"``).
-        prompt_fn: question text -> prompt text (default :func:`format_prompt`).
-
-    Returns:
-        list of :class:`Example` in file order.
-
-    Raises:
-        FileNotFoundError: ``path`` does not exist or is not a file.
-        ValueError: unknown ``fmt``, bad ``limit``, empty file, a line that is
-            not valid JSON or not an object, undetectable format, or a record
-            missing required fields (the message gives the 1-based line number).
-    """
+    """Load GSM8K- or MATH-format examples from a ``.jsonl`` file (blank lines skipped), in file order. ``uid_prefix``
+    defaults to the file name without extension (uids ``"gsm8k_test:17"``); the other arguments and errors are those of
+    :func:`records_to_examples`, plus ValueError for a line that is not JSON."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"path {str(p)!r} does not exist or is not a file; pass a GSM8K- or MATH-format .jsonl")
@@ -320,29 +250,12 @@ def load_hf_dataset(
     prompt_fn: Callable[[str], str] = format_prompt,
     **kwargs: Any,
 ) -> list[Example]:
-    """Load GSM8K- or MATH-format examples with the ``datasets`` library.
+    """Load GSM8K- or MATH-format examples with ``datasets``: ``load_hf_dataset("openai/gsm8k", "test", name="main")``.
 
-    Example: ``load_hf_dataset("openai/gsm8k", split="test", name="main")``.
-
-    Args:
-        path: a dataset name/path for ``datasets.load_dataset`` (called as
-            ``load_dataset(path, split=split, **kwargs)``), or an already
-            loaded ``datasets.Dataset`` (then ``split`` and ``kwargs`` are unused).
-        split: split to load, e.g. ``"train"`` or ``"test"``.
-        fmt: ``"gsm8k"``, ``"math"`` or ``"auto"``.
-        limit: keep at most this many examples (None: all).
-        uid_prefix: prefix of every uid (default ``f"{path}:{split}"``, or
-            ``"dataset"`` for an in-memory Dataset).
-        prompt_fn: question text -> prompt text.
-        **kwargs: passed to ``datasets.load_dataset`` (e.g. ``name="main"``).
-
-    Returns:
-        list of :class:`Example` in dataset order.
-
-    Raises:
-        ImportError: ``datasets`` is not installed (``pip install spec-rl[datasets]``).
-        ValueError: as :func:`records_to_examples`, or ``path`` resolves to a
-            DatasetDict (pass ``split``).
+    ``path``: a name for ``datasets.load_dataset(path, split=split, **kwargs)``, or a loaded ``datasets.Dataset``.
+    ``uid_prefix`` defaults to ``f"{path}:{split}"`` (``"dataset"`` for a Dataset); the rest and the errors as in
+    :func:`records_to_examples`, plus ImportError without ``datasets`` and ValueError for a DatasetDict (pass
+    ``split``).
     """
     _check_fmt_limit(fmt, limit)
     try:

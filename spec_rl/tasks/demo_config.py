@@ -14,8 +14,7 @@ from .demo_data import _EVAL_N, _TRAIN_N, DEMO_TASK_OPTIONS, EVAL_SEED, TRAIN_SE
 
 __all__ = ["DemoConfig", "RECIPE_VERSION"]
 
-#: Bumped whenever the training recipe (tokenizer, model, SFT) changes in a
-#: way the config hash would not see (part of the cache key).
+#: Bumped whenever the recipe (tokenizer, model, SFT) changes in a way the config hash would not see.
 RECIPE_VERSION = 1
 
 # Fields that must be strictly positive (the others have their own range checks).
@@ -36,31 +35,14 @@ _POSITIVE_FIELDS = (
 
 @dataclass(frozen=True)
 class DemoConfig:
-    """Everything that determines the demo checkpoint (its hash names the cache folder).
-
-    Model (Qwen2 architecture): ``hidden_size``, ``num_layers``,
-    ``num_heads``/``num_kv_heads`` (grouped-query attention),
-    ``intermediate_size`` (MLP width), ``max_position_embeddings`` (tokens).
-    Tokenizer: ``vocab_size`` (BPE target, including 256 byte tokens and 2
-    specials), trained on ``tokenizer_corpus`` generated problems.
-    SFT: ``sft_examples`` generated problems (seed ``sft_seed``, arithmetic
-    slips injected with probability ``slip_prob`` per written result, "k boxes with m in each"
-    worked as k + m with probability ``misconception_prob``), ``sft_steps``
-    optimizer steps of ``batch_size`` sequences, peak learning rate ``lr``
-    after ``warmup_steps``, cosine decay to ``lr * min_lr_ratio``,
-    ``weight_decay``; ``seed`` seeds model init and batch order.
-
-    Raises
-    ------
-    ValueError
-        A field is not a finite number, an int field holds a float, or a
-        value is out of range (the message names the field).
-
-    Example
-    -------
-    >>> DemoConfig.tiny().num_layers
-    1
-    """
+    """Everything that determines the demo checkpoint; :meth:`cache_key` names its cache folder. Model (Qwen2):
+    ``num_heads``/``num_kv_heads`` (grouped-query attention), ``intermediate_size`` (MLP width),
+    ``max_position_embeddings`` (tokens). Tokenizer: ``vocab_size`` (256 bytes + 2 specials + merges), trained on
+    ``tokenizer_corpus`` problems. SFT: ``sft_examples`` problems (seed ``sft_seed``) with slips at ``slip_prob`` per
+    written result and "k boxes with m in each" worked as k + m at ``misconception_prob``; ``sft_steps`` optimizer steps
+    of ``batch_size`` sequences, peak ``lr`` after ``warmup_steps``, cosine decay to ``lr * min_lr_ratio``. ``seed``
+    seeds model init and batch order. Raises ValueError when a field is not a finite number, an int field holds a float,
+    or a value is out of range."""
 
     hidden_size: int = 128
     num_layers: int = 2
@@ -114,7 +96,7 @@ class DemoConfig:
 
     @classmethod
     def tiny(cls, **overrides: Any) -> DemoConfig:
-        """A seconds-to-build config for tests (an untrained-quality policy, ~40k parameters)."""
+        """A seconds-to-build config for tests (an untrained-quality policy)."""
         base = dict(
             hidden_size=32,
             num_layers=1,

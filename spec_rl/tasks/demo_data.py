@@ -1,9 +1,7 @@
 """The demo's problem sets: fixed RL train and held-out sets, and the SFT target format.
 
-All demo data comes from :func:`~spec_rl.tasks.arithmetic.generate_problems`
-with :data:`DEMO_TASK_OPTIONS`; the train and eval sets use fixed seeds, so
-the same prompts recur every epoch (which is what lets drafts be reused).
-"""
+All come from :func:`~spec_rl.tasks.arithmetic.generate_problems` with :data:`DEMO_TASK_OPTIONS` and fixed seeds, so the
+same prompts recur every epoch, which is what lets drafts be reused."""
 
 from __future__ import annotations
 
@@ -28,26 +26,19 @@ DEMO_TASK_OPTIONS: Mapping[str, int] = MappingProxyType(
     {"min_steps": 2, "max_steps": 3, "max_value": 20, "max_operand": 9}
 )
 
-#: Response budget (tokens, EOS included) that comfortably fits every demo
-#: response (the longest SFT target is 136 tokens, the mean about 82).
+#: Response budget (tokens, EOS included) that fits every demo response.
 DEMO_MAX_NEW_TOKENS = 160
 
 #: Seeds of the train and eval sets (part of the demo cache key).
 TRAIN_SEED = 1234
 EVAL_SEED = 5678
 _TRAIN_N = 256
-#: The SFT set excludes these questions, so the size is part of the demo policy. 640 held-out problems:
-#: one evaluation's standard error is <= sqrt(0.25 / 640) = 0.020 on greedy accuracy and on the reward of
-#: one sample per problem (128 gave ~0.04; docs/design.md "The demo recipe").
+#: The SFT set excludes these questions, so the size is part of the demo policy (docs/design.md "The demo recipe").
 _EVAL_N = 640
 
 
 def demo_train_set() -> list[Example]:
-    """The fixed RL train set of the demo: 256 arithmetic problems.
-
-    Always the same problems (uids ``"arith:1234:<i>"``), so prompts recur
-    across epochs and drafts can be reused.
-    """
+    """The demo's fixed RL train set: 256 problems (uids ``"arith:1234:<i>"``), the same every call."""
     return generate_problems(_TRAIN_N, seed=TRAIN_SEED, **DEMO_TASK_OPTIONS)
 
 
@@ -58,23 +49,8 @@ def demo_eval_set() -> list[Example]:
 
 
 def demo_response(example: Example) -> str:
-    """The SFT target response for an example: ``" " + solution`` (EOS is appended as a token id).
-
-    Parameters
-    ----------
-    example : Example
-        A problem with a worked ``solution``.
-
-    Returns
-    -------
-    str
-        The response text the warm-start teaches for ``example.prompt``.
-
-    Raises
-    ------
-    ValueError
-        ``example.solution`` is None.
-    """
+    """The SFT target response for ``example``: ``" " + solution`` (EOS is appended as a token id). Raises ValueError
+    when ``example.solution`` is None."""
     if example.solution is None:
         raise ValueError(f"example {example.uid!r} has no solution; demo SFT needs worked solutions")
     return " " + example.solution

@@ -1,33 +1,8 @@
-"""The embedded demo policy: a small (~0.6M-parameter) transformers model,
-warm-started on arithmetic word problems, trained once and cached.
+"""The embedded demo policy: a small transformers model warm-started on arithmetic problems, trained once and cached.
 
-What :func:`build_demo_policy` makes (all in-process, offline):
-
-1. A byte-level BPE tokenizer with every digit its own token
-   (:mod:`spec_rl.tasks.demo_tokenizer`).
-2. A small Qwen2-architecture causal LM, warm-started by SFT on worked
-   solutions with injected arithmetic slips and one systematic error
-   (:mod:`spec_rl.tasks.demo_sft`),
-   on problems disjoint from the demo train/eval sets
-   (:mod:`spec_rl.tasks.demo_data`).
-
-Everything that shapes the checkpoint is in :class:`DemoConfig`; its
-:meth:`~DemoConfig.cache_key` names the cache folder. The checkpoint is a
-normal transformers directory (``config.json``, ``generation_config.json``,
-``model.safetensors``, tokenizer files, plus ``demo_info.json`` with the
-build record), loadable with ``AutoModelForCausalLM.from_pretrained(path)`` /
-``AutoTokenizer.from_pretrained(path)``.
-
-The default configuration (measured on a 2-core CPU, about 2 minutes of SFT)
-gives a warm-started policy that, sampling at temperature 1 without
-top-k/top-p, earns a mean :func:`~spec_rl.tasks.arithmetic.arithmetic_reward`
-of about 0.24 on :func:`demo_eval_set` (greedy decoding: about 0.44; 0.06 on
-the problems with a "boxes" line, 0.70 on the others) with responses of about
-82 tokens (EOS included; all well under 160).
-
-This module also re-exports the demo's public names from those modules, so
-``spec_rl.tasks.demo_policy`` is the one import a caller needs.
-"""
+:func:`build_demo_policy` trains the tokenizer (:mod:`.demo_tokenizer`) and the SFT warm start (:mod:`.demo_sft`)
+offline, on problems disjoint from the demo sets, into a plain transformers checkpoint named by
+:meth:`DemoConfig.cache_key`. This module re-exports the demo's public names."""
 
 from __future__ import annotations
 
@@ -80,49 +55,12 @@ def _is_complete(path: Path) -> bool:
 def build_demo_policy(
     cache_dir: str | Path | None = None, force: bool = False, progress: bool = True, config: DemoConfig | None = None
 ) -> Path:
-    """Train (or reuse) the demo policy and return its checkpoint directory.
-
-    The checkpoint lives in ``<cache_dir>/demo-policy-<hash>`` where hash is
-    :meth:`DemoConfig.cache_key`; if that directory is complete it is returned
-    without training. A build trains into a temporary directory next to it
-    and renames it into place (atomic on POSIX), so an interrupted build never
-    leaves a directory that would be taken as a valid checkpoint; concurrent
-    builds of the same config are safe (the first rename wins). Thread count is
-    left to the caller (``torch.set_num_threads``). Global RNG state is
-    restored afterwards.
-
-    Parameters
-    ----------
-    cache_dir : str or Path, optional
-        Parent folder; default :func:`default_cache_dir` (``$SPEC_RL_CACHE``
-        or ``~/.cache/spec-rl``).
-    force : bool
-        Retrain and replace an existing checkpoint.
-    progress : bool
-        Show a tqdm bar during SFT.
-    config : DemoConfig, optional
-        Model/SFT settings (default :class:`DemoConfig`; tests pass a tiny one).
-
-    Returns
-    -------
-    Path
-        The checkpoint directory (``config.json``, ``generation_config.json``,
-        ``model.safetensors``, tokenizer files, ``demo_info.json`` with the SFT
-        record: seconds, losses, parameter count, vocab size).
-
-    Raises
-    ------
-    TypeError
-        ``config`` is not a DemoConfig.
-    OSError
-        The cache directory cannot be created or written.
-
-    Example
-    -------
-    >>> path = build_demo_policy(progress=False)  # doctest: +SKIP
-    >>> path.name  # doctest: +SKIP
-    'demo-policy-10b0ca1c3559'
-    """
+    """Train (or reuse) the demo policy; returns its directory ``<cache_dir>/demo-policy-<DemoConfig.cache_key()>``. A
+    complete directory is returned as it is unless ``force``. A build trains into a temporary directory and renames it
+    into place, so an interrupted build never looks complete and concurrent builds are safe (the first rename wins). The
+    global RNG state is restored; the thread count is the caller's. ``cache_dir`` defaults to :func:`default_cache_dir`.
+    Besides the transformers files the directory holds ``demo_info.json``, the build record. Raises TypeError when
+    ``config`` is not a DemoConfig, OSError when the cache cannot be written."""
     cfg = config if config is not None else DemoConfig()
     if not isinstance(cfg, DemoConfig):
         raise TypeError(f"config must be a DemoConfig, got {type(cfg).__name__}")

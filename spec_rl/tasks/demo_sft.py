@@ -1,24 +1,8 @@
-"""The demo model and its supervised warm-start (SFT).
+"""The demo model (a small Qwen2-architecture causal LM) and its supervised warm start on worked solutions.
 
-:func:`make_demo_model` builds a small Qwen2-architecture causal LM
-(``transformers.Qwen2Config``; by default 2 layers, hidden size 128, ~0.6M
-parameters). :func:`run_sft` warm-starts it on worked solutions: input =
-``format_prompt(question)`` followed by the response ``" " + solution + EOS``;
-cross-entropy on response tokens only (prompt and padding masked), AdamW with
-linear warm-up and cosine decay, gradient clipping at 1.0, fixed seed.
-
-Some SFT solutions carry injected arithmetic slips (``DemoConfig.slip_prob``),
-so the warm-started policy samples calibrated arithmetic mistakes: its greedy
-answer is usually right but at temperature 1 it slips. Most "k boxes with m in
-each" lines are worked as k + m (``DemoConfig.misconception_prob`` = 0.6: a
-systematic teacher error), so the policy prefers the wrong rule there and
-samples the right one 40% of the time. Both are what RL on the verifiable
-reward removes; the misconception is what lets it raise greedy accuracy
-(docs/design.md "The demo recipe").
-
-Everything here is deterministic given the config: the same operations in the
-same order give the same weights, which is what the checkpoint cache relies on.
-"""
+The SFT solutions carry arithmetic slips and a systematic "k + m" error, so the warm-started policy samples mistakes
+that RL on the verifiable reward can remove (docs/design.md "The demo recipe"). Everything is deterministic given the
+config, which the checkpoint cache relies on."""
 
 from __future__ import annotations
 
@@ -47,22 +31,8 @@ _MAX_GRAD_NORM = 1.0
 
 
 def make_demo_model(cfg: DemoConfig, tokenizer):
-    """A freshly initialised demo causal LM (init seeded with ``cfg.seed``).
-
-    Parameters
-    ----------
-    cfg : DemoConfig
-        Architecture sizes and the init seed.
-    tokenizer : transformers tokenizer
-        Gives the vocabulary size and the EOS (also used as BOS) and pad ids.
-
-    Returns
-    -------
-    transformers.Qwen2ForCausalLM
-        Tied input/output embeddings; its ``generation_config`` samples plain
-        softmax at temperature 1 (no hidden top-k/top-p) for
-        :data:`~spec_rl.tasks.demo_data.DEMO_MAX_NEW_TOKENS` tokens.
-    """
+    """A freshly initialised ``Qwen2ForCausalLM`` (init seeded with ``cfg.seed``) with tied embeddings, EOS as BOS,
+    and a ``generation_config`` that samples plain softmax at temperature 1 for ``DEMO_MAX_NEW_TOKENS`` tokens."""
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     mcfg = Qwen2Config(
@@ -94,8 +64,7 @@ def make_demo_model(cfg: DemoConfig, tokenizer):
 
 
 def _encode_sft(tokenizer, examples: Sequence[Example]) -> list[Pair]:
-    """(prompt ids, response ids + EOS) per example; prompt and response tokenized separately,
-    exactly as a rollout sees them (prompt ids, then generated ids)."""
+    """(prompt ids, response ids + EOS) per example, tokenized separately as a rollout sees them."""
     out = []
     eos = tokenizer.eos_token_id
     for ex in examples:
@@ -121,8 +90,7 @@ def _collate(pairs: Sequence[Pair], pad_id: int):
 
 
 def _bucketed_batches(data: Sequence[Pair], batch_size: int, rng: random.Random) -> list[list[int]]:
-    """One epoch of batches (lists of indices): shuffle, sort windows of batches by length
-    (less padding), shuffle the batch order. Returned as a stack (pop from the end)."""
+    """One epoch of batches (index lists): shuffle, sort windows of batches by length, shuffle the batch order."""
     perm = list(range(len(data)))
     rng.shuffle(perm)
     chunk = _BUCKET_BATCHES * batch_size
@@ -136,7 +104,7 @@ def _bucketed_batches(data: Sequence[Pair], batch_size: int, rng: random.Random)
 
 
 def _lr_at(step: int, cfg: DemoConfig) -> float:
-    """Learning rate of optimizer step ``step``: linear warm-up, then cosine decay to ``lr * min_lr_ratio``."""
+    """Learning rate at ``step``: linear warm-up, then cosine decay to ``lr * min_lr_ratio``."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     span = max(1, cfg.sft_steps - cfg.warmup_steps)
@@ -166,33 +134,10 @@ def _check_fits(data: Sequence[Pair], cfg: DemoConfig) -> None:
 
 
 def run_sft(model, tokenizer, cfg: DemoConfig, examples: Sequence[Example], progress: bool) -> dict[str, Any]:
-    """Warm-start ``model`` in place on worked solutions (see the module docstring for the recipe).
-
-    Parameters
-    ----------
-    model : transformers causal LM
-        Trained in place; left in eval mode.
-    tokenizer : transformers tokenizer
-        Encodes prompts and responses (needs ``eos_token_id``, ``pad_token_id``).
-    cfg : DemoConfig
-        Steps, batch size, learning-rate schedule, weight decay and batch-order seed.
-    examples : sequence of Example
-        SFT problems with worked solutions.
-    progress : bool
-        Show a tqdm bar with the running loss.
-
-    Returns
-    -------
-    dict
-        ``sft_seconds`` (wall time), ``first_loss``, ``final_loss`` (mean of
-        the last 10 steps), ``steps``.
-
-    Raises
-    ------
-    ValueError
-        An SFT sequence is longer than ``cfg.max_position_embeddings``, or an
-        example has no solution.
-    """
+    """Warm-start ``model`` in place (left in eval mode) on the worked solutions of ``examples``. Input: prompt, then
+    ``" " + solution + EOS``; cross-entropy on response tokens only, AdamW with linear warm-up and cosine decay,
+    gradient clipping at 1.0. Returns {"sft_seconds", "first_loss", "final_loss" (mean of the last 10 steps), "steps"}.
+    Raises ValueError when a sequence exceeds ``cfg.max_position_embeddings`` or an example has no solution."""
     from tqdm.auto import tqdm
 
     data = _encode_sft(tokenizer, examples)

@@ -1,9 +1,7 @@
 """The demo tokenizer: byte-level BPE with every digit its own token.
 
-Numbers are spelled digit by digit, so arithmetic is learnable by a tiny
-model, and byte-level decoding gives back the exact input text, so rewards
-computed on decoded responses are exact.
-"""
+Digit-by-digit numbers make arithmetic learnable by a tiny model; byte-level decoding gives back the exact text, so
+rewards computed on decoded responses are exact."""
 
 from __future__ import annotations
 
@@ -16,34 +14,10 @@ PAD_TOKEN = "<|pad|>"
 
 
 def build_demo_tokenizer(texts: Sequence[str], vocab_size: int = 640, model_max_length: int = 384):
-    """Train the demo's byte-level BPE tokenizer on ``texts``.
-
-    Pre-tokenization: GPT-2 byte-level split, then every digit split into its
-    own token (``tokenizers.pre_tokenizers.Digits(individual_digits=True)``).
-    Decoding is byte-level, so ``decode(encode(s)) == s`` for any string.
-
-    Parameters
-    ----------
-    texts : sequence of str
-        Training text (prompts and responses).
-    vocab_size : int
-        Target vocabulary size (256 byte tokens + 2 specials + merges).
-    model_max_length : int
-        The tokenizer's ``model_max_length`` (tokens).
-
-    Returns
-    -------
-    transformers.PreTrainedTokenizerFast
-        With ``eos_token="<|endoftext|>"``, ``pad_token="<|pad|>"``,
-        ``padding_side="left"`` (for generation), and no special tokens added
-        on encode.
-
-    Example
-    -------
-    >>> tok = build_demo_tokenizer(["Tom has 12 apples."] * 4, vocab_size=300)
-    >>> tok.decode(tok("12 + 3", add_special_tokens=False)["input_ids"])
-    '12 + 3'
-    """
+    """Train the demo's byte-level BPE tokenizer on ``texts``: GPT-2 byte-level split, then every digit on its own.
+    ``vocab_size`` counts 256 byte tokens, 2 specials and the merges. Returns a ``PreTrainedTokenizerFast`` with
+    ``eos_token="<|endoftext|>"``, ``pad_token="<|pad|>"``, left padding and no special tokens added on encode;
+    ``decode(encode(s)) == s`` for any string."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 

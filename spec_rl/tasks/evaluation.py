@@ -1,12 +1,8 @@
-"""Policy evaluation: sample fresh responses to held-out prompts and score them with a reward function.
+"""Policy evaluation: fresh responses to held-out prompts, scored with a reward function; never a rollout cache.
 
-Decoding goes through :class:`~spec_rl.backends.transformers_backend.TransformersBackend`, the same sampler the
-rollouts use (exact temperature/top-k/top-p, the model's full EOS set, keyed sampling: the token at
-position p of row i is a pure function of the seed, i, p and the logits, docs/design.md
-"Randomness"), so an evaluation measures the policy the trainer actually samples from, gives the
-same responses whatever the batch size, and leaves the caller's torch RNG alone. Nothing is read
-from or written to a rollout cache.
-"""
+Decoding uses the rollouts' sampler (:class:`~spec_rl.backends.transformers_backend.TransformersBackend`: exact
+temperature/top-k/top-p, the model's full EOS set, keyed sampling, docs/design.md "Randomness"), so it measures the
+policy the trainer samples from, gives the same responses at any batch size and leaves the torch RNG alone."""
 
 from __future__ import annotations
 
@@ -69,55 +65,12 @@ def evaluate_policy(
     top_p: float = 1.0,
     reward_fn: RewardFn = math_reward,
 ) -> dict[str, float]:
-    """Sample one response per example and score it.
-
-    Prompts are encoded without special tokens and decoded by
-    :class:`~spec_rl.backends.transformers_backend.TransformersBackend` with exactly the given
-    sampling settings (defaults: temperature 1, top-k and top-p disabled);
-    a response ends at any id of the model's EOS set
-    (:func:`~spec_rl.backends.protocol.eos_token_ids`) or at the budget. Sampling is
-    keyed by ``seed``, so the caller's torch RNG is untouched and equal seeds
-    give equal results.
-
-    Parameters
-    ----------
-    model : transformers causal LM
-        Any device; put in eval mode for the call (its training mode is restored).
-    tokenizer : transformers tokenizer
-        Needs a pad or an EOS id (its own or the model's).
-    examples : sequence of Example
-        Prompts and gold answers.
-    max_new_tokens : int
-        Response budget in tokens, EOS included (>= 1).
-    seed : int
-        Sampling seed.
-    batch_size : int
-        Prompts per decode batch (>= 1).
-    temperature, top_k, top_p : float, int, float
-        Sampling settings (``top_k=0`` / ``top_p=1`` disable).
-    reward_fn : callable
-        ``fn(response_text, gold) -> float``; the response is decoded with
-        special tokens (EOS) skipped.
-
-    Returns
-    -------
-    dict
-        ``mean_reward`` (float), ``mean_response_tokens`` (tokens per
-        response, EOS included), ``truncated_fraction`` (responses without EOS
-        within the budget), ``num_examples``.
-
-    Raises
-    ------
-    ValueError
-        Empty ``examples``, ``max_new_tokens`` < 1, ``batch_size`` < 1, bad
-        sampling settings, or no pad/EOS id.
-
-    Example
-    -------
-    >>> r = evaluate_policy(model, tok, demo_eval_set(), seed=0)  # doctest: +SKIP
-    >>> sorted(r)  # doctest: +SKIP
-    ['mean_response_tokens', 'mean_reward', 'num_examples', 'truncated_fraction']
-    """
+    """Sample one response per example (keyed by ``seed``) and score it with ``reward_fn``. Prompts are encoded without
+    special tokens; a response ends at any EOS id of the model or after ``max_new_tokens`` (EOS included). ``top_k=0`` /
+    ``top_p=1`` disable those filters. The model's training mode is restored afterwards. Returns {"mean_reward",
+    "mean_response_tokens" (EOS included), "truncated_fraction" (no EOS within the budget), "num_examples"}. Raises
+    ValueError for empty ``examples``, ``max_new_tokens`` or ``batch_size`` < 1, bad sampling settings, or no pad/EOS
+    id."""
     if not examples:
         raise ValueError("examples is empty; pass at least one Example")
     _check_positive_int("max_new_tokens", max_new_tokens)
@@ -166,56 +119,14 @@ def evaluate_heldout(
     max_model_len: int | None = None,
     samples_out: list | None = None,
 ) -> dict[str, float]:
-    """Held-out quality of the current policy: fresh samples and greedy decoding (never from a cache).
-
-    ``samples_per_prompt`` responses per prompt are sampled with the training sampling ``settings``,
-    keyed by (``seed``, row = prompt index * samples_per_prompt + sample index), and one greedy
-    response per prompt (top-k = 1, the same budget). This is the number to compare modes on: the
-    rollout reward under reuse is biased towards drafts that were already correct. Prompts are
-    encoded as :class:`~spec_rl.trainer.GRPOTrainer` encodes training prompts (``tokenizer(prompt)``).
-
-    Parameters
-    ----------
-    model : transformers causal LM
-        Put in eval mode for the call (its training mode is restored).
-    tokenizer : transformers tokenizer
-        Needs a pad or an EOS id.
-    examples : sequence of Example
-        Held-out prompts and gold answers.
-    settings : SamplingSettings
-        The training sampling settings; ``max_tokens`` is the response budget (tokens, EOS included).
-    samples_per_prompt : int
-        Fresh samples per prompt (>= 1).
-    seed : int
-        Sampling seed (the trainer derives one per epoch: :func:`spec_rl.trainer.heldout.heldout_seed`).
-    batch_size : int
-        Sequences per decode batch (>= 1); the results do not depend on it (keyed sampling).
-    reward_fn : callable
-        ``fn(response_text, gold) -> float``.
-    max_model_len : int, optional
-        Context limit: the budget is then ``min(max_tokens, max_model_len - prompt_len)``.
-    samples_out : list, optional
-        Receives one (prompt ids, sampled response ids) pair per fresh sample, for diagnostics.
-
-    Returns
-    -------
-    dict
-        ``heldout_reward`` (mean reward of the samples), ``heldout_greedy_accuracy`` (mean reward of
-        the greedy responses), ``heldout_response_tokens`` (mean sampled response length, EOS
-        included), ``heldout_prompts``.
-
-    Raises
-    ------
-    ValueError
-        Empty ``examples``, ``samples_per_prompt`` or ``batch_size`` < 1, no pad/EOS id, or a prompt
-        that leaves no room for a response under ``max_model_len``.
-
-    Example
-    -------
-    >>> r = evaluate_heldout(model, tok, demo_eval_set(), SamplingSettings(max_tokens=160), 4, seed=1)  # doctest: +SKIP
-    >>> sorted(r)  # doctest: +SKIP
-    ['heldout_greedy_accuracy', 'heldout_prompts', 'heldout_response_tokens', 'heldout_reward']
-    """
+    """Held-out quality of the policy: ``samples_per_prompt`` fresh samples per prompt and one greedy response. Samples
+    use the training ``settings`` keyed by (``seed``, row = prompt index * samples_per_prompt + sample); the greedy
+    response (top-k = 1) has the same budget, ``min(max_tokens, max_model_len - prompt_len)`` tokens when
+    ``max_model_len`` is given. Prompts are encoded as the trainer encodes them (``tokenizer(prompt)``). ``samples_out``
+    receives one (prompt ids, response ids) pair per sample. Compare modes on this, not on the rollout reward, which
+    reuse biases towards drafts that were already correct. Returns {"heldout_reward", "heldout_greedy_accuracy",
+    "heldout_response_tokens" (EOS included), "heldout_prompts"}. Raises ValueError for empty ``examples``,
+    ``samples_per_prompt`` or ``batch_size`` < 1, no pad/EOS id, or a prompt that leaves no room for a response."""
     if not examples:
         raise ValueError("examples is empty; pass at least one held-out Example")
     _check_positive_int("samples_per_prompt", samples_per_prompt)
@@ -246,30 +157,9 @@ def evaluate_heldout(
 
 
 def heldout_split(examples: Sequence[Example], fraction: float, seed: int) -> tuple[list[Example], list[Example]]:
-    """Hold out ``fraction`` of the distinct prompts of ``examples``: (training examples, held-out examples).
-
-    Examples with the same prompt text stay on one side, so no held-out prompt is trained on. Which
-    prompts are held out is a pure function of the prompts and ``seed``; both parts keep the input order.
-
-    Parameters
-    ----------
-    examples : sequence of Example
-        The loaded training data (after any ``--limit``).
-    fraction : float
-        In (0, 1): the share of distinct prompts held out, rounded, at least one.
-    seed : int
-        Seeds the choice (the run seed).
-
-    Returns
-    -------
-    tuple of list of Example
-        (training part, held-out part), disjoint in prompt text, both non-empty.
-
-    Raises
-    ------
-    ValueError
-        ``fraction`` outside (0, 1), or fewer than two distinct prompts (one side would be empty).
-    """
+    """(training, held-out) examples: ``fraction`` of the distinct prompts (rounded, at least one) held out. Examples
+    with the same prompt stay on one side; the choice is a pure function of the prompts and ``seed``, and both parts
+    keep the input order. Raises ValueError for ``fraction`` outside (0, 1) or fewer than two distinct prompts."""
     if isinstance(fraction, bool) or not 0.0 < float(fraction) < 1.0:
         raise ValueError(f"the held-out fraction must be a number in (0, 1), got {fraction!r}")
     prompts = list(dict.fromkeys(e.prompt for e in examples))

@@ -1,30 +1,8 @@
-"""Verifiable rewards: final-answer checking for GSM8K- and MATH-style tasks.
+"""Verifiable rewards: final-answer checking for GSM8K- and MATH-style tasks (the paper's rule-based reward).
 
-The paper's reward (SPEC-RL, arXiv 2509.23232, experimental setup) is rule
-based: 1 if the response's final answer is mathematically equivalent to the
-gold answer, else 0, checked with HuggingFace's ``math-verify`` library
-(github.com/huggingface/Math-Verify). :func:`math_reward` implements it:
-
-1. :func:`extract_final_answer` takes the response's final answer: the text
-   after the last ``####`` (GSM8K convention, Cobbe et al. 2021), else the
-   content of the last complete ``\\boxed{...}`` (MATH convention, Hendrycks
-   et al. 2021). No final answer -> reward 0.
-2. Fast path: if both the extracted answer and the gold answer are plain
-   decimal numbers (after removing ``$``, thousands commas, a trailing period,
-   and for the response also trailing unit words such as "apples"), they are
-   compared exactly as rationals, without math-verify.
-3. Otherwise both are wrapped as ``\\boxed{...}`` and compared with
-   ``math_verify.verify(parse(gold), parse(pred))`` (symbolic / numeric
-   equivalence, e.g. ``\\frac{1}{2}`` == ``0.5``).
-
-Reward functions have the signature ``fn(completion: str, gold: str) -> float``
-(completion: the generated response text only, without the prompt; gold:
-``Example.answer``) and return a float in [0, 1].
-
-math-verify is a dependency of the package. Without it only step 2 can be
-decided: a comparison that needs step 3 raises :class:`MathVerifyUnavailable`
-instead of scoring 0 (a silent 0 would train on wrong rewards).
-"""
+A reward ``fn(completion, gold) -> float`` in [0, 1] gets the response text only and ``Example.answer``.
+:func:`math_reward` decides equivalence with HuggingFace's math-verify; without it, a comparison that needs it raises
+:class:`MathVerifyUnavailable` instead of scoring 0 (a silent 0 would train on wrong rewards)."""
 
 from __future__ import annotations
 
@@ -47,12 +25,10 @@ __all__ = [
 
 RewardFn = Callable[[str, str], float]
 
-#: Extracted answers longer than this (characters) are treated as junk and
-#: score 0 without calling math-verify (bounds sympy work on garbage).
+#: Longer extracted answers (characters) score 0 without math-verify: bounds sympy work on junk.
 MAX_ANSWER_CHARS = 1000
 
-# Seconds math-verify may spend parsing / comparing one expression when called
-# from the main thread (its timeouts use signal.alarm, main thread only).
+# Seconds per math-verify parse or comparison; its timeouts use signal.alarm, so the main thread only.
 _MV_TIMEOUT_S = 5
 
 _BOXED_OPENERS = ("\\boxed{", "\\fbox{")
@@ -63,18 +39,8 @@ _LEADING_NUMBER_WITH_UNITS = re.compile(r"([-+]?(?:\d+(?:\.\d*)?|\.\d+))\s+[A-Za
 
 
 def extract_boxed(text: str) -> str | None:
-    """Content of the last complete ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``.
-
-    Braces are balanced (nested ``{}`` inside the box are kept). An unclosed
-    box (e.g. a truncated generation) is skipped in favour of the previous
-    complete one.
-
-    Args:
-        text: any string.
-
-    Returns:
-        the stripped content, or None when there is no complete box.
-    """
+    """Stripped content of the last complete ``\\boxed{...}`` or ``\\fbox{...}`` (nested braces kept), or None. An
+    unclosed box (a truncated generation) is skipped in favour of the previous complete one."""
     if not isinstance(text, str):
         return None
     starts = sorted((i for opener in _BOXED_OPENERS for i in _find_all(text, opener)), reverse=True)
@@ -100,18 +66,8 @@ def _find_all(text: str, sub: str):
 
 
 def extract_final_answer(text: str) -> str | None:
-    """The final answer written in a response.
-
-    Rule: the text after the last ``####`` up to the end of that line (GSM8K
-    format), if non-empty; else the content of the last complete
-    ``\\boxed{...}`` (MATH format, see :func:`extract_boxed`); else None.
-
-    Args:
-        text: the response text (the prompt should not be included).
-
-    Returns:
-        the answer text, stripped, or None.
-    """
+    """The stripped final answer of a response: the rest of the line after the last ``####`` (GSM8K) if non-empty,
+    else the last complete ``\\boxed{...}`` (MATH), else None."""
     if not isinstance(text, str):
         return None
     idx = text.rfind("####")
@@ -145,7 +101,7 @@ class MathVerifyUnavailable(ImportError):
 
 
 def _require_math_verify() -> None:
-    """Raise :class:`MathVerifyUnavailable` (naming the fix) when ``math_verify`` cannot be imported."""
+
     try:
         import math_verify  # noqa: F401
     except ImportError as exc:
@@ -211,32 +167,13 @@ def _install_log_filter() -> None:
 
 
 def math_reward(completion: str, gold: str) -> float:
-    """1.0 if the completion's final answer equals the gold answer, else 0.0.
+    """1.0 if the completion's final answer (:func:`extract_final_answer`) equals ``gold``, else 0.0.
 
-    The paper's rule-based reward (see the module docstring): final answer from
-    ``####`` or ``\\boxed{}`` (:func:`extract_final_answer`); exact rational
-    comparison when both sides are plain numbers; otherwise equivalence by
-    ``math_verify.verify(parse(gold), parse(answer))``.
-
-    Never raises on the completion: junk text, no final answer, an answer
-    longer than :data:`MAX_ANSWER_CHARS` characters, or any error inside
-    math-verify gives 0.0. A missing math-verify is not such an error: it
-    raises (below). Thread-safe: math-verify's signal-based timeouts
-    (``parsing_timeout`` / ``timeout_seconds``, 5 s each) are used only in the
-    main thread; in other threads they are disabled (``None``), since
-    ``signal.alarm`` only works in the main thread.
-
-    Args:
-        completion: the response text (without the prompt).
-        gold: the gold final answer (``Example.answer``), e.g. ``"72"`` or
-            ``"\\frac{1}{2}"``.
-
-    Returns:
-        1.0 or 0.0 (float).
-
-    Raises:
-        TypeError: ``gold`` is not a str (a caller bug, not a policy error).
-        ValueError: ``gold`` is empty.
+    Two plain decimal numbers (after ``$``, thousands commas, a trailing period and, in the prediction, trailing unit
+    words) are compared exactly as rationals, anything else by ``math_verify.verify(parse(gold), parse(answer))``.
+    Junk, no answer, an answer over :data:`MAX_ANSWER_CHARS` characters or an error inside math-verify give 0.0.
+    Thread-safe: math-verify's signal-based timeouts are used in the main thread only. Raises TypeError when
+    ``gold`` is not a str, ValueError when it is empty, MathVerifyUnavailable when math-verify is needed but missing.
     """
     if not isinstance(gold, str):
         raise TypeError(f"gold must be a str (Example.answer), got {type(gold).__name__}")
@@ -274,19 +211,8 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {"math": math_reward}
 
 
 def get_reward_fn(name_or_callable: str | RewardFn) -> RewardFn:
-    """Resolve a reward function by name (see :data:`REWARD_FUNCTIONS`) or pass a callable through.
-
-    Args:
-        name_or_callable: a registered name such as ``"math"``, or a callable
-            ``fn(completion: str, gold: str) -> float``.
-
-    Returns:
-        the reward function.
-
-    Raises:
-        ValueError: unknown name (the message lists the known ones).
-        TypeError: neither a str nor a callable.
-    """
+    """The reward function registered as ``name_or_callable`` (:data:`REWARD_FUNCTIONS`), or the callable itself. Raises
+    ValueError for an unknown name (listing the known ones), TypeError for neither a str nor a callable."""
     if callable(name_or_callable):
         return name_or_callable
     if isinstance(name_or_callable, str):

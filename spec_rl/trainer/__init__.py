@@ -1,21 +1,7 @@
-"""The small GRPO trainer: config, loss, records, reports, checkpoints, held-out evaluation per epoch, the sweep.
-Layer 9: may import every layer below (util .. tasks).
+"""The small GRPO trainer with speculative rollouts: config, loss, records, reports, checkpoints, the sweep.
 
-Run directory of :func:`run_modes` (``spec-rl train --out DIR``)::
-
-    DIR/summary.json, run_info.json, report.md   rewritten (atomically) after every epoch
-    DIR/report.png                               redrawn when a run ends
-    DIR/<label>/metrics.jsonl                    one line per training step
-    DIR/<label>/LATEST                           names the committed checkpoint version
-    DIR/<label>/checkpoint-<steps>/              transformers checkpoint + optimizer.pt, rollout cache,
-                                                 history index, trainer_state.json, COMPLETE marker
-
-Each epoch record holds the rollout statistics, the rollout reward split by response origin and, with
-held-out examples, the held-out evaluation after that epoch (the first record also the warm start's);
-see :class:`GRPOTrainer` and :mod:`spec_rl.trainer.heldout`. A checkpoint version commits as one unit (:mod:`spec_rl.trainer.checkpoint`): resume after a kill at any
-instant continues from the last finished epoch with the records of an uninterrupted run. Load a trained
-policy with ``load_policy("DIR/spec")`` or ``from_pretrained("DIR/spec/checkpoint-<steps>")``.
-"""
+Layer 9: may import every layer below (util .. tasks). Run directory: docs/api.md "Trainer" and docs/design.md
+"Crash safety"."""
 
 from .checkpoint import Checkpoint, latest_checkpoint
 from .config import GRPOConfig

@@ -1,23 +1,7 @@
-"""Versioned checkpoints of one trainer run: every version is committed as one unit or not at all.
+"""Versioned checkpoints of one trainer run: a version is committed as one unit or not at all.
 
-A trainer's run directory holds::
-
-    LATEST                  the name of the newest committed version, e.g. "checkpoint-16"
-    checkpoint-16/          one version, named by the training steps done when it was written
-        config.json, model.safetensors, generation_config.json, tokenizer files   (transformers format)
-        optimizer.pt        AdamW state
-        rollout_cache.safetensors, history.safetensors    drafts and the history index (spec_rl formats)
-        trainer_state.json  epoch, step, config and the per-epoch records so far
-        COMPLETE            written last: epoch, step and the size of every file above
-
-A version is written completely (every file fsynced), then marked ``COMPLETE``, and only then does
-``LATEST`` move to it (one :func:`os.replace`); older versions are deleted after that. So a process
-killed at any instant leaves either the old pointer and an old complete version, or the new pointer
-and the new complete version. Reading takes the version ``LATEST`` names when its marker checks out,
-else the newest version whose marker does; on resume every other version and every temporary file
-left by a killed writer is removed. Each version is a plain transformers checkpoint
-(``AutoModelForCausalLM.from_pretrained("run/spec/checkpoint-16")`` loads it).
-"""
+A ``checkpoint-<steps>/`` folder (a plain transformers checkpoint plus the trainer's files) gets its ``COMPLETE`` marker
+last; only then does ``LATEST`` move to it and are older versions deleted (docs/design.md "Crash safety")."""
 
 from __future__ import annotations
 
@@ -43,13 +27,8 @@ _VERSION = re.compile(r"checkpoint-(\d+)")
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """One complete checkpoint version.
-
-    Attributes:
-        path: its folder (a transformers checkpoint plus the trainer's files).
-        state: the parsed trainer_state.json: ``epoch`` (epochs done, 1-based), ``step`` (training
-            steps done), ``config``, ``records`` (one per finished epoch).
-    """
+    """One complete checkpoint version: its folder and the parsed trainer_state.json (``epoch`` and ``step`` done,
+    ``config``, ``records``)."""
 
     path: Path
     state: dict
@@ -95,20 +74,8 @@ def _pointed(run_dir: Path) -> Path | None:
 
 
 def latest_checkpoint(run_dir: str | os.PathLike, log: Callable[[str], None] | None = None) -> Checkpoint | None:
-    """The committed checkpoint of ``run_dir``: the one ``LATEST`` names, else the newest complete one.
-
-    Parameters
-    ----------
-    run_dir : path
-        A trainer's run directory (``out/<mode>`` of :func:`~spec_rl.trainer.run.run_modes`).
-    log : callable, optional
-        Told when the pointer is missing or damaged and an older rule picks the version.
-
-    Returns
-    -------
-    Checkpoint or None
-        None when no complete version exists.
-    """
+    """The committed checkpoint of a trainer's ``run_dir`` (``out/<label>``): the one ``LATEST`` names, else the
+    newest complete one (told to ``log``); None when no version is complete."""
     run_dir = Path(run_dir)
     pointed = _pointed(run_dir)
     if pointed is not None and (ckpt := _verified(pointed)) is not None:
@@ -122,11 +89,8 @@ def latest_checkpoint(run_dir: str | os.PathLike, log: Callable[[str], None] | N
 
 
 def remove_stale(run_dir: str | os.PathLike, keep: Checkpoint | None) -> list[Path]:
-    """Delete leftover temporary files and every checkpoint version but ``keep``; returns what was removed.
-
-    Run at resume: versions other than the committed one are partial, uncommitted (written after the
-    pointer's) or already superseded.
-    """
+    """At resume, delete temporary files and every version but ``keep`` (partial, uncommitted or superseded);
+    returns what was removed."""
     run_dir = Path(run_dir)
     removed = remove_leftovers(run_dir)
     for _, path in _versions(run_dir):
@@ -137,23 +101,8 @@ def remove_stale(run_dir: str | os.PathLike, keep: Checkpoint | None) -> list[Pa
 
 
 def commit_checkpoint(run_dir: str | os.PathLike, state: dict, write_files: Callable[[Path], None]) -> Checkpoint:
-    """Write one checkpoint version and make it the committed one.
-
-    Parameters
-    ----------
-    run_dir : path
-        The trainer's run directory.
-    state : dict
-        JSON-serialisable trainer state with at least ``epoch`` and ``step`` (ints); the version is
-        named ``checkpoint-<step>``.
-    write_files : callable
-        ``write_files(folder)`` writes the model, optimizer, cache and history files into ``folder``.
-
-    Returns
-    -------
-    Checkpoint
-        The new committed version.
-    """
+    """Write version ``checkpoint-<state["step"]>`` (``state``: JSON, with int ``epoch`` and ``step``; ``write_files``
+    fills the folder with model, optimizer, cache and history) and make it the committed one."""
     run_dir = Path(run_dir)
     folder = run_dir / f"checkpoint-{int(state['step'])}"
     if folder.exists():  # written by a killed run past the committed step: never committed

@@ -25,11 +25,7 @@ def parse_device(name: str) -> torch.device | None:
 
 
 def resolve_device(name: str) -> torch.device:
-    """The device to train on: "auto" picks CUDA when present, else CPU.
-
-    Raises:
-        ValueError: ``name`` is not a device string, or names a device this machine does not have.
-    """
+    """The device to train on ("auto": CUDA when present, else CPU); ValueError for a bad or absent device."""
     device = parse_device(name)
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -51,27 +47,11 @@ def resolve_device(name: str) -> torch.device:
 
 @dataclass
 class GRPOConfig:
-    """GRPO with speculative rollouts (docs/api.md "Trainer" describes every field).
-
-    Attributes:
-        mode: how rollouts reuse last epoch's responses (:class:`~spec_rl.acceptance.mode.RolloutMode`).
-        spec_tokens: most history-drafted tokens verified per decode step under tail speculation (>= 1).
-        sampling: temperature, top-k, top-p and the response budget ``max_tokens``.
-        epochs, group_size (G >= 2), prompts_per_step, ppo_mini_batches (optimizer steps per rollout batch),
-            micro_batch_size: the schedule.
-        lr, weight_decay, max_grad_norm, clip_low, clip_high (DAPO's clip-higher: 0.28), kl_coef (k3 KL to the
-            frozen initial policy), scale_adv_by_std (GRPO's std normalisation): the update.
-        max_model_len: context limit (prompt + response); None: the model's max_position_embeddings.
-        seed: seeds data order, sampling, acceptance and the held-out evaluation.
-        eval_samples, eval_every: fresh samples per held-out prompt; evaluate after every N-th epoch (and the last).
-        save_checkpoint: commit a checkpoint (weights, optimizer, rollout cache, history) after every epoch.
-        device: "auto", "cpu", "cuda", "cuda:1", ...
-        generation_backend: "transformers", "paged" (the paged KV engine, opt-in), "vllm" (needs vLLM), or "auto":
-            vLLM when installed and on CUDA, else transformers.
-
-    Raises:
-        ValueError, TypeError: a field out of range or of the wrong type, named in the message.
-    """
+    """Options of the GRPO trainer with speculative rollouts (the fields: docs/api.md "Trainer"). ``spec_tokens``: most
+    history-drafted tokens verified per decode step (tail speculation). ``max_model_len``: prompt + response limit in
+    tokens (None: the model's max_position_embeddings). ``seed`` keys data order, sampling, acceptance and the held-out
+    evaluation. ``eval_every``: evaluate every N-th epoch and the last. A field out of range or of the wrong type raises
+    ValueError or TypeError naming it."""
 
     mode: RolloutMode = MODES["spec"]
     spec_tokens: int = 8
@@ -111,7 +91,6 @@ class GRPOConfig:
             "spec_tokens",
         ):
             check_int(name, getattr(self, name), low=1)
-        # GRPO's advantage is a reward minus its group's mean: one sample per group always gets 0.
         check_int("group_size", self.group_size, low=2, hint=" (GRPO compares the G samples of a prompt)")
         check_int("seed", self.seed, low=-(2**63), high=2**64 - 1)
         if self.max_model_len is not None:
@@ -134,12 +113,10 @@ class GRPOConfig:
 
 #: The demo's runs: plain vanilla (the reference), SPEC-RL, SPEC-RL with exact acceptance, tail speculation alone.
 DEMO_MODES = ("vanilla", "spec", "exact", "histspec")
-#: The demo's SPEC-RL rule: l = 1, the token at a rejection drawn without the rejected draft token. On the demo task
-#: it costs the least held-out reward of the rules measured (benchmarks/RESULTS.md "Learning"); a user's own model
-#: keeps the paper's e^0.5 and draw.
+#: The demo's SPEC-RL rule: l = 1, the token at a rejection drawn without the rejected draft token
+#: (docs/design.md "The demo recipe"); a user's own model keeps the paper's e^0.5 and draw.
 DEMO_SPEC = dict(lenience=1.0, rejection_draw="without-draft")
-#: Demo schedule, sized so four runs finish in minutes on 2 CPU cores; 640 held-out problems x 1 sample keep one
-#: evaluation's standard error <= 0.02.
+#: The demo's schedule (docs/design.md "The demo recipe").
 DEMO_DEFAULTS = dict(
     epochs=5,
     group_size=4,
@@ -164,8 +141,8 @@ MODEL_DEFAULTS = dict(
 
 
 def config_from(defaults: dict, sampling: SamplingSettings | None = None, **overrides) -> GRPOConfig:
-    """A GRPOConfig from :data:`DEMO_DEFAULTS` or :data:`MODEL_DEFAULTS` (whose ``max_response_len`` is the
-    sampling budget) and ``overrides``; ``sampling`` sets temperature/top-k/top-p (its budget is replaced)."""
+    """A GRPOConfig from ``defaults`` (``max_response_len``: the sampling budget) and ``overrides``;
+    ``sampling`` sets temperature, top-k and top-p (its budget is replaced)."""
     fields = {**defaults, **overrides}
     budget = fields.pop("max_response_len")
     sampling = dataclasses.replace(sampling or SamplingSettings(), max_tokens=budget)

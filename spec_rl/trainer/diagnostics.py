@@ -1,18 +1,7 @@
-"""Policy diagnostics per epoch: entropy and KL to the warm start, on the held-out samples.
+"""Policy diagnostics per epoch: entropy and KL to the warm start, per response token (nats), on held-out samples.
 
-RL practitioners watch two numbers beside the reward: the entropy of the policy (does it sharpen, or
-collapse?) and how far it moved from where it started (KL to the initial policy). Both are measured
-on the policy's own fresh held-out samples y ~ pi_t (:mod:`spec_rl.trainer.heldout`), teacher-forced,
-per response token, in nats:
-
-    entropy      H_i  = - sum_v pi_t(v | x, y_<i) log pi_t(v | x, y_<i)
-    KL to init   KL_i =   sum_v pi_t(v | x, y_<i) [log pi_t(v | x, y_<i) - log pi_0(v | x, y_<i)]
-
-averaged over every response token of every sample (EOS included). Both use softmax(logits / T) over
-the full vocabulary (top-k / top-p would make the KL infinite wherever the warm start cut a token the
-policy keeps). The KL is the exact sum over the vocabulary, not a sampled estimate, so it is >= 0 and
-0 for the warm start itself.
-"""
+Both use softmax(logits / T) over the full vocabulary: top-k / top-p would make the KL infinite wherever the warm start
+cut a token the policy keeps. The KL is the exact sum over the vocabulary, so it is >= 0."""
 
 from __future__ import annotations
 
@@ -26,7 +15,7 @@ __all__ = ["DIAGNOSTIC_FIELDS", "policy_drift"]
 
 #: Fields :func:`policy_drift` adds to a held-out evaluation (nats per response token).
 DIAGNOSTIC_FIELDS = ("heldout_entropy", "heldout_kl_to_init")
-#: Logits formed per forward chunk (rows x positions x vocabulary), to bound memory on large vocabularies.
+#: Logits per forward chunk (rows x positions x vocabulary): bounds memory on large vocabularies.
 _CHUNK_ELEMENTS = 1 << 24
 
 
@@ -43,18 +32,8 @@ def policy_drift(
     pad_id: int,
     temperature: float = 1.0,
 ) -> dict[str, float]:
-    """Mean per-token entropy of ``model`` and KL(model || reference) over the given responses.
-
-    Args:
-        model: the current policy (transformers causal LM).
-        reference: the initial policy, or None (then only the entropy is measured).
-        prompts, responses: token ids; response i follows prompt i (empty responses are skipped).
-        pad_id: padding id (masked out).
-        temperature: the sampling temperature (> 0).
-
-    Returns:
-        {"heldout_entropy": nats/token, "heldout_kl_to_init": nats/token (absent without ``reference``)}.
-    """
+    """Mean per-token entropy of ``model`` and KL(model || reference) in nats over the responses (token ids; response
+    i follows prompt i; empty ones skipped). ``reference`` None: no ``heldout_kl_to_init``."""
     rows = [i for i, r in enumerate(responses) if len(r) > 0]
     vocab = model.get_output_embeddings().weight.shape[0]
     longest = max([len(responses[i]) for i in rows] + [1])

@@ -37,51 +37,22 @@ from .loss import clipped_policy_loss, group_advantages, response_mask
 from .records import METRICS_FILE, epoch_record
 from .report import format_row
 
-# Seeds of the per-step mini-batch split and the per-epoch prompt order: seed * stride + counter,
-# with prime strides so (seed, counter) pairs of nearby runs do not collide.
+# Seeds of the mini-batch split and the epoch's prompt order: seed * stride + counter; primes, so that the
+# (seed, counter) pairs of nearby runs do not collide.
 _MINIBATCH_SEED_STRIDE = 1_000_003
 _EPOCH_SEED_STRIDE = 7919
 
 
 class GRPOTrainer:
-    """GRPO (group-normalised advantages, clipped loss) with speculative rollouts.
+    """GRPO (group-normalised advantages, clipped loss) with speculative rollouts; docs/api.md "Trainer".
 
-    Records: one line per step in ``metrics.jsonl`` and one record per finished epoch in ``records``
-    (:mod:`spec_rl.trainer.records`): rollout counters and times, the rollout reward ``mean_reward``
-    and its split by response origin (``reward_<origin>``, ``count_<origin>`` for reused_whole,
-    partly_reused, fresh; :mod:`spec_rl.rollout.reward_split`). With held-out examples every epoch record also
-    holds the evaluation after that epoch (``heldout_reward``, ``heldout_greedy_accuracy``,
-    ``heldout_response_tokens``, ``heldout_prompts``, ``heldout_seed``, ``heldout_seconds``), and the
-    first one the warm-start evaluation under the same names prefixed ``start_``
-    (:mod:`spec_rl.trainer.heldout`). Records are checkpointed with their epoch.
-
-    Args:
-        model: a transformers causal LM (trained in place).
-        tokenizer: its tokenizer (used to encode prompts and decode responses).
-        train_examples: objects with ``prompt`` (str), ``answer`` (str) and
-            ``uid`` (str, a stable dataset id) attributes, e.g.
-            :class:`spec_rl.tasks.data.Example`.
-        reward_fn: ``reward_fn(completion_text, gold_answer) -> float``.
-        config: :class:`GRPOConfig`.
-        out_dir: run directory: metrics.jsonl (one line per step) and the checkpoint versions
-            (see :mod:`spec_rl.trainer.checkpoint`).
-        progress: show a tqdm progress bar.
-        log: callable for one-line messages (default print).
-        label: name of this run in records and reports (default "run").
-        eval_examples: held-out examples (like ``train_examples``, none of them a training prompt).
-            With them the policy is evaluated before training (epoch 0) and after every epoch
-            (``config.eval_samples`` fresh samples per prompt and greedy decoding; the fields and
-            their layout in the records: :mod:`spec_rl.trainer.heldout`). None: no evaluation.
-        ref_model: the initial policy, frozen: the KL term's reference and the held-out diagnostics'
-            (default: a copy of ``model`` as given); pass it when ``model`` was loaded from a checkpoint.
-
-    Attributes:
-        initial_heldout: the warm-start evaluation (the fields of :data:`spec_rl.trainer.heldout.FIELDS`); set it
-            before :meth:`train` when it is already known for the same weights, seed and held-out set.
-
-    Raises:
-        ValueError: no examples, no pad/EOS token, a prompt too long (training or held-out), or
-            ``config.max_model_len`` above the model's ``max_position_embeddings``.
+    Appends one line per step to ``out_dir/metrics.jsonl``; ``records`` holds one record per finished epoch
+    (:mod:`.records`, :mod:`.heldout`), checkpointed with it. ``train_examples`` need ``prompt``, ``answer`` and a
+    stable ``uid`` (e.g. ``Example``); ``reward_fn(completion_text, gold_answer) -> float``. ``eval_examples`` (none
+    a training prompt; None: off) are evaluated at epoch 0 and after epochs. ``ref_model``: the frozen initial policy
+    (default: a copy of ``model``), needed when ``model`` comes from a checkpoint. Set ``initial_heldout`` before
+    :meth:`train` when the warm-start evaluation is known for the same weights, seed and held-out set.
+    Raises ValueError for no examples, no pad/EOS token, a prompt too long, or ``max_model_len`` above the model's.
     """
 
     def __init__(
@@ -93,7 +64,6 @@ class GRPOTrainer:
         config: GRPOConfig,
         out_dir: str | os.PathLike,
         progress: bool = True,
-        log: Callable[[str], None] = print,
         label: str = "run",
         eval_examples: Sequence | None = None,
         ref_model=None,
@@ -109,7 +79,7 @@ class GRPOTrainer:
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.progress = progress
-        self.log = log
+        self.log = print
         self.label = label
 
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -158,7 +128,7 @@ class GRPOTrainer:
         )
 
     def _set_initial_policy(self, model, ref_model) -> None:
-        """The initial policy, frozen: the KL term's reference and the held-out diagnostics' (KL to the warm start)."""
+        """The frozen initial policy: the KL term's reference and the held-out diagnostics' warm start."""
         initial = None
         if self.config.kl_coef > 0 or self.heldout is not None:
             initial = copy.deepcopy(model) if ref_model is None else ref_model.to(self.device)
@@ -172,7 +142,8 @@ class GRPOTrainer:
         for e, ids in zip(examples, prompt_ids):
             if len(ids) >= max_model_len:
                 raise ValueError(
-                    f"{what} {getattr(e, 'uid', '?')!r} has {len(ids)} tokens, not less than max_model_len={max_model_len}; "
+                    f"{what} {getattr(e, 'uid', '?')!r} has {len(ids)} tokens, "
+                    f"not less than max_model_len={max_model_len}; "
                     "filter long prompts or raise max_model_len"
                 )
 
@@ -192,8 +163,7 @@ class GRPOTrainer:
         return config.max_model_len
 
     def _make_backend(self, model, config: GRPOConfig, max_model_len: int):
-        """The generation backend named by ``config.generation_backend`` ("auto": vLLM on CUDA when installed,
-        else transformers; the paged engine is opt-in until it has been measured on a GPU)."""
+        """The backend ``config.generation_backend`` names ("auto": vLLM on CUDA when installed, else transformers)."""
         choice = config.generation_backend
         if choice == "auto":
             on_cuda = next(model.parameters()).device.type == "cuda"
@@ -210,16 +180,11 @@ class GRPOTrainer:
             return PagedEngine(model, self.eos_ids, self.pad_id, max_k=config.spec_tokens)
         return TransformersBackend(model, self.eos_ids, self.pad_id, max_k=config.spec_tokens)
 
-    # ------------------------------------------------------------- resume
     def resume(self) -> bool:
-        """Restore optimizer, counters, epoch records, rollout cache and history from the committed checkpoint.
-
-        The model weights must already be loaded from that checkpoint by the caller
-        (``latest_checkpoint(out_dir).path``; :func:`spec_rl.trainer.run.load_policy` does both).
-        Everything after the checkpoint is redone: metrics.jsonl keeps only the steps before it, and
-        uncommitted checkpoint versions and temporary files of a killed run are deleted.
-        Returns True when a checkpoint was found (with none, the run starts over at step 0).
-        """
+        """Restore optimizer, counters, records, rollout cache and history from the committed checkpoint. The caller
+        loads the weights from that checkpoint (:func:`spec_rl.trainer.run.load_policy`). Steps after it are dropped
+        from metrics.jsonl and redone; uncommitted versions and temporary files are deleted. Returns False when there is
+        no checkpoint (the run starts at step 0)."""
         ckpt = latest_checkpoint(self.out_dir, log=self.log)
         remove_stale(self.out_dir, keep=ckpt)
         if ckpt is not None:
@@ -239,7 +204,7 @@ class GRPOTrainer:
             self.history.update(HistoryIndex.load(ckpt.path / HISTORY_FILE))
 
     def _trim_metrics(self) -> None:
-        """Drop metrics lines of steps >= ``self.step`` (and torn lines) so redone steps are not listed twice."""
+        """Drop metrics lines of steps >= ``self.step`` (and torn lines), so redone steps are not listed twice."""
         if not self.metrics_path.is_file():
             return
         kept = []
@@ -252,7 +217,7 @@ class GRPOTrainer:
         atomic_write_text(self.metrics_path, "".join(kept))
 
     def _save(self, epoch: int) -> Checkpoint:
-        """Commit model (transformers format), optimizer, cache, history and trainer state as one version."""
+        """Commit model, optimizer, cache, history and trainer state as one checkpoint version."""
 
         def write_files(folder) -> None:
             self.model.save_pretrained(folder)
@@ -265,7 +230,6 @@ class GRPOTrainer:
         state = {"epoch": epoch + 1, "step": self.step, "config": self.config.to_dict(), "records": self.records}
         return commit_checkpoint(self.out_dir, state, write_files)
 
-    # ------------------------------------------------------------- training
     def _update(self, result: RolloutResult, advantages: torch.Tensor) -> dict[str, float]:
         cfg = self.config
         self.model.train()
@@ -277,7 +241,7 @@ class GRPOTrainer:
         for mini in minis:
             num_tokens = int(masks[mini].sum())
             if cfg.kl_coef == 0:
-                # Zero-advantage samples add nothing to the gradient; they still count in the token mean.
+                # Zero-advantage samples add no gradient; they still count in the token mean.
                 mini = [i for i in mini if float(advantages[i]) != 0.0]
             if not mini or num_tokens == 0:
                 continue
@@ -321,7 +285,7 @@ class GRPOTrainer:
         }
 
     def train_step(self, batch_indices: Sequence[int], epoch: int) -> dict:
-        """One rollout + reward + policy update over the given example indices."""
+        """One rollout, reward and policy update over the given example indices; returns the step record."""
         cfg = self.config
         requests = [
             RolloutRequest(self.prompt_ids[i], slot, dataset_id=self.examples[i].uid)
@@ -359,7 +323,7 @@ class GRPOTrainer:
         return record
 
     def _warm_start_evaluation(self) -> dict | None:
-        """The epoch-0 evaluation when this call trains epoch 1 (computed unless given); logged as an epoch-0 row."""
+        """The epoch-0 evaluation when this call trains epoch 1 (computed unless given), logged as an epoch-0 row."""
         if self.heldout is None or self.start_epoch > 0:
             return None
         if self.initial_heldout is None:
@@ -368,7 +332,7 @@ class GRPOTrainer:
         return self.initial_heldout
 
     def _epoch_end(self, epoch: int, steps: list[dict], start: dict | None) -> dict:
-        """The record of a finished epoch (0-based ``epoch``), with the held-out evaluation after it."""
+        """The record of finished (0-based) ``epoch``, with the held-out evaluation after it."""
         cfg = self.config
         record = epoch_record(epoch + 1, steps, self.label, cfg.mode)
         if self.heldout is not None:
@@ -379,13 +343,9 @@ class GRPOTrainer:
         return record
 
     def train(self, on_epoch: Callable[[dict], None] | None = None) -> list[dict]:
-        """Run epochs ``start_epoch + 1 .. config.epochs``; returns one record per finished epoch.
-
-        The returned list (also ``self.records``) starts with the records restored by :meth:`resume`.
-        With held-out examples the policy is evaluated before epoch 1 and after every epoch
-        (:mod:`spec_rl.trainer.heldout`). With ``config.save_checkpoint`` every epoch ends with a
-        committed checkpoint, then ``on_epoch(record)``.
-        """
+        """Train epochs ``start_epoch + 1 .. config.epochs``; returns ``records`` (restored ones included). Every epoch
+        ends with its evaluation (held-out examples), a committed checkpoint (``config.save_checkpoint``), then
+        ``on_epoch(record)``."""
         cfg = self.config
         steps_per_epoch = -(-len(self.examples) // cfg.prompts_per_step)
         bar = None
@@ -400,7 +360,7 @@ class GRPOTrainer:
             )
         start = self._warm_start_evaluation()
         for epoch in range(self.start_epoch, cfg.epochs):
-            # Shuffled every epoch: the cache is keyed by prompt ids, so order does not matter.
+            # The cache is keyed by prompt ids, so the order may change every epoch.
             order = list(range(len(self.examples)))
             random.Random(cfg.seed * _EPOCH_SEED_STRIDE + epoch).shuffle(order)
             steps = []

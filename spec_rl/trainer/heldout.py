@@ -1,29 +1,8 @@
 """Held-out evaluation in the trainer: the warm start (epoch 0) and the policy after every epoch.
 
-Each evaluation samples ``GRPOConfig.eval_samples`` fresh responses per held-out prompt with the
-training sampling settings and decodes one greedy response per prompt
-(:func:`spec_rl.tasks.evaluation.evaluate_heldout`); nothing comes from the rollout cache or the history.
-Its seed is :func:`heldout_seed` (run seed, epoch): the same for every mode, so the modes of one run
-are compared on the same uniforms (docs/design.md "Randomness"), and the warm-start evaluation of
-every mode gives the same numbers.
-
-Record layout (summary.json, trainer_state.json). The evaluation after epoch e is part of that
-epoch's record::
-
-    heldout_reward            mean reward of the fresh samples
-    heldout_greedy_accuracy   mean reward of the greedy responses
-    heldout_response_tokens   mean sampled response length (tokens, EOS included)
-    heldout_entropy           mean per-token entropy of the policy on those samples (nats; :mod:`.diagnostics`)
-    heldout_kl_to_init        mean per-token KL(policy || warm start) on those samples (nats)
-    heldout_prompts           held-out prompts evaluated
-    heldout_seed              the sampling seed used
-    heldout_seconds           wall time of the evaluation
-
-and the warm-start evaluation (epoch 0, before any update) goes into the record of epoch 1 under the
-same names prefixed with ``start_`` (``start_heldout_reward``, ...). Records are checkpointed with
-their epoch, so a resumed run neither redoes nor loses an evaluation. :func:`heldout_curve` reads
-the points 0..E back. Runs without held-out examples have none of these fields.
-"""
+Fresh samples plus one greedy response per prompt, never from the rollout cache. The seed depends on (run seed, epoch)
+only, so all modes are evaluated on the same uniforms (docs/design.md "Randomness"). The evaluation after epoch e is
+part of that epoch's record (:data:`FIELDS`); the warm start's is in epoch 1's, prefixed ``start_``."""
 
 from __future__ import annotations
 
@@ -39,18 +18,17 @@ __all__ = ["EVAL_BATCH_SIZE", "FIELDS", "START", "HeldoutEvaluator", "heldout_cu
 
 #: Salt of the held-out seeds: keeps their uniforms apart from the rollouts' (which use the run seed).
 HELDOUT_SEED_SALT = 0x4E1D_0E7A
-#: Sequences per decode batch. On the 2-core demo 128..640 cost the same (~3.4 s per evaluation of
-#: 128 prompts x 4 samples + 128 greedy); 256 is the rollout's batch of 64 prompts x 4.
+#: Sequences per decode batch (the rollout's batch of 64 prompts x 4 samples).
 EVAL_BATCH_SIZE = 256
 #: Fields one evaluation adds to a record.
 FIELDS = (
-    "heldout_reward",
-    "heldout_greedy_accuracy",
-    "heldout_response_tokens",
-    *DIAGNOSTIC_FIELDS,
+    "heldout_reward",  # mean reward of the fresh samples
+    "heldout_greedy_accuracy",  # mean reward of the greedy responses
+    "heldout_response_tokens",  # mean sampled response length (tokens, EOS included)
+    *DIAGNOSTIC_FIELDS,  # entropy and KL to the warm start (nats per token)
     "heldout_prompts",
     "heldout_seed",
-    "heldout_seconds",
+    "heldout_seconds",  # wall time of the evaluation
 )
 #: Prefix of the warm-start evaluation's fields in the first epoch record.
 START = "start_"
@@ -62,21 +40,8 @@ def heldout_seed(run_seed: int, epoch: int) -> int:
 
 
 class HeldoutEvaluator:
-    """Evaluates a policy on fixed held-out examples with one keyed seed per epoch.
-
-    Args:
-        examples: held-out examples (``prompt``, ``answer``), none of them a training prompt.
-        tokenizer: the policy's tokenizer.
-        settings: the training sampling settings.
-        samples_per_prompt: fresh samples per prompt (``GRPOConfig.eval_samples``).
-        reward_fn: ``reward_fn(completion_text, gold_answer) -> float``, the training reward.
-        run_seed: the run seed (``GRPOConfig.seed``).
-        max_model_len: context limit (the budget is the rollout's).
-        batch_size: sequences per decode batch.
-
-    Raises:
-        ValueError: no examples.
-    """
+    """Evaluates a policy on fixed held-out examples with one keyed seed per epoch; ValueError without examples.
+    ``settings``, ``reward_fn``: the training ones; ``max_model_len``: context limit (the budget is the rollout's)."""
 
     def __init__(
         self,
@@ -99,7 +64,7 @@ class HeldoutEvaluator:
         self.run_seed = run_seed
         self.max_model_len = max_model_len
         self.batch_size = batch_size
-        #: the initial policy (KL to the warm start) and the pad id of the diagnostics; set by the trainer
+        #: the initial policy and pad id of the diagnostics, set by the trainer
         self.reference = None
         self.pad_id: int | None = None
 

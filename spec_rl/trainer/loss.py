@@ -1,15 +1,8 @@
 """GRPO objective: group-normalised advantages and the clipped policy loss.
 
-* Advantages (GRPO, Shao et al. 2024, arXiv 2402.03300, Sec. 4.1.2): each
-  sample's reward minus its group's mean, divided by the group's standard
-  deviation (optional; Dr. GRPO, arXiv 2503.20783, drops the division).
-* Loss (PPO, Schulman et al. 2017, Eq. 7) with separate lower/upper clip
-  ranges; DAPO's clip-higher (arXiv 2503.14476, Sec. 3.1) uses eps_high >
-  eps_low (0.28 vs 0.2). Token-mean aggregation over all response tokens of
-  the mini-batch (DAPO Sec. 3.3).
-* Optional KL penalty to a frozen reference policy with the k3 estimator
-  (Schulman, "Approximating KL divergence", 2020), as in GRPO Eq. 4.
-"""
+Advantages: GRPO (arXiv 2402.03300, Sec. 4.1.2); Dr. GRPO (arXiv 2503.20783) drops the std division. Loss: PPO's clipped
+surrogate (Schulman et al. 2017, Eq. 7) with DAPO's clip-higher and token-mean aggregation (arXiv 2503.14476, Sec. 3.1
+and 3.3), plus an optional k3 KL to a frozen reference (GRPO Eq. 4)."""
 
 from __future__ import annotations
 
@@ -21,20 +14,8 @@ import torch
 def group_advantages(
     rewards: torch.Tensor, group_size: int, scale_by_std: bool = True, eps: float = 1e-6
 ) -> torch.Tensor:
-    """Group-normalised advantages.
-
-    Args:
-        rewards: [B] float rewards, B = num_groups * group_size, groups contiguous.
-        group_size: G samples per prompt.
-        scale_by_std: divide by the group's (unbiased) std; groups whose
-            rewards are all equal get advantage 0.
-
-    Returns:
-        [B] float32 advantages.
-
-    Raises:
-        ValueError: B is not a multiple of ``group_size``.
-    """
+    """Each reward minus its group's mean, divided by the group's unbiased std when ``scale_by_std`` (equal: 0).
+    ``rewards``: [B] float, groups of ``group_size`` contiguous. Returns [B] float32; ValueError if B % G != 0."""
     if group_size < 1 or rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards cannot be split into groups of {group_size}")
     r = rewards.float().reshape(-1, group_size)
@@ -45,10 +26,7 @@ def group_advantages(
 
 
 def response_mask(response_ids: Sequence[Sequence[int]], eos_ids: set[int], width: int | None = None) -> torch.Tensor:
-    """[B, R] bool: True from the first response token through the first EOS (inclusive).
-
-    Padding and anything after the first EOS are excluded.
-    """
+    """[B, R] bool: True from the first response token through the first EOS; R = ``width`` or the longest."""
     width = width if width is not None else max([len(r) for r in response_ids] + [1])
     mask = torch.zeros((len(response_ids), width), dtype=torch.bool)
     for b, resp in enumerate(response_ids):
@@ -72,21 +50,15 @@ def clipped_policy_loss(
     kl_coef: float = 0.0,
     num_tokens: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO clipped surrogate with token-mean aggregation (+ optional k3 KL).
+    """PPO clipped surrogate, token mean over ``mask``, plus ``kl_coef`` times the k3 KL to ``ref_logprobs``.
 
     Args:
-        logprobs: [B, R] current log-probs (with grad).
-        old_logprobs: [B, R] rollout log-probs.
-        advantages: [B] per-sample advantages (broadcast over tokens).
-        mask: [B, R] bool response-token mask.
-        clip_low, clip_high: ratio clipped to [1 - clip_low, 1 + clip_high].
-        ref_logprobs: [B, R] reference-policy log-probs, needed when kl_coef > 0.
-        num_tokens: divisor of the token mean (default: mask.sum()); pass the
-            mini-batch total when accumulating over micro-batches.
-
-    Returns:
-        (scalar loss, metrics). An all-masked or empty batch gives a zero loss
-        (still connected to the graph), never NaN.
+        logprobs, old_logprobs, ref_logprobs: [B, R] float: current (with grad), rollout, reference policy.
+        advantages: [B] float, broadcast over tokens; mask: [B, R] bool, the response tokens.
+        clip_low, clip_high: the ratio is clipped to [1 - clip_low, 1 + clip_high].
+        num_tokens: divisor of the mean (default mask.sum()); the mini-batch total when accumulating micro-batches.
+    Returns (scalar loss, metrics), a zero loss on the graph for an all-masked batch; ValueError for kl_coef > 0
+    without ``ref_logprobs``.
     """
     m = mask.to(logprobs.dtype)
     denom = float(num_tokens) if num_tokens is not None else float(m.sum())

@@ -1,10 +1,6 @@
 """The trainer's records: one per training step (metrics.jsonl) and one per epoch (summary.json).
 
-An epoch record sums its steps' counters and derives the rates from the sums; the rollout reward is
-also split by the origin of each response (:mod:`spec_rl.rollout.reward_split`: ``reward_<origin>`` and
-``count_<origin>``). The held-out fields of an epoch record are described in
-:mod:`spec_rl.trainer.heldout`.
-"""
+An epoch record sums its steps' counters and derives rates from the sums; held-out fields: :mod:`.heldout`."""
 
 from __future__ import annotations
 
@@ -17,7 +13,7 @@ from ..rollout.reward_split import ORIGINS, origin_means
 #: One JSON line per training step, in each mode's folder of a run directory.
 METRICS_FILE = "metrics.jsonl"
 
-# Per-epoch fields summed over steps; the rest are derived in epoch_record.
+# Step fields summed into an epoch record.
 SUMMED = (
     "num_samples",
     "drafts_found",
@@ -84,8 +80,7 @@ def epoch_record(epoch: int, steps: list[dict], label: str, mode: RolloutMode) -
 
 
 def read_step_metrics(run_dir: str | Path, mode: str) -> list[dict]:
-    """The step records of ``run_dir/mode/metrics.jsonl`` in order ([] when the file is absent); a line that is
-    not JSON (the last line of a killed run may be cut short; ``--resume`` rewrites the file) is skipped."""
+    """The step records of ``run_dir/mode/metrics.jsonl`` in order ([] without the file); a torn line is skipped."""
     path = Path(run_dir) / mode / METRICS_FILE
     if not path.is_file():
         return []

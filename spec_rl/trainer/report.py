@@ -1,13 +1,7 @@
-"""Run reports: summary.json, a markdown table and a PNG plot in the run directory.
+"""Run reports (summary.json, run_info.json, report.md, report.png): each run's cost and quality against vanilla.
 
-What a reader compares is time, and rollout time follows the number of sequential decode steps
-(the longest continuation of a batch), not the number of generated tokens. So every comparison
-with plain vanilla shows three ratios side by side: generated tokens, decode steps and rollout
-seconds, plus the split of rollout time into scoring, decode and other work. What a reader compares
-quality on is the held-out evaluation (fresh samples and greedy decoding, :mod:`spec_rl.trainer.heldout`):
-the rollout reward is biased upward under reuse (:mod:`spec_rl.rollout.reward_split`), so it is shown split by
-the origin of the responses and never used to compare runs.
-"""
+Rollout time follows the sequential decode steps, so token and decode-step ratios are both shown. Runs are compared on
+held-out numbers; the rollout reward, biased upward under reuse, is only shown split by response origin."""
 
 from __future__ import annotations
 
@@ -50,7 +44,7 @@ _TOTALS = (
 
 def _cell(rec: dict, key: str, fmt: str) -> str:
     value = rec.get(key)
-    if value is None:  # not measured (no held-out set, the epoch-0 row, a run from an older version)
+    if value is None:  # not measured (no held-out set, the epoch-0 row)
         return "-"
     return fmt.format(int(value) if fmt.endswith("d}") else value)
 
@@ -66,7 +60,7 @@ def header_row() -> str:
 
 
 def _with_start(records: list[dict]) -> list[dict]:
-    """The records, preceded by the warm-start evaluation as an epoch-0 row when there is one."""
+
     start = start_point(records)
     return records if start is None else [start, *records]
 
@@ -88,12 +82,8 @@ def _minus(a: float | None, b: float | None) -> float | None:
 
 
 def comparison(summary: dict[str, list[dict]]) -> list[dict]:
-    """Per-epoch ratios of every other run to plain vanilla: tokens, decode steps, rollout time; quality gaps.
-
-    ``heldout_reward_minus_vanilla`` and ``greedy_accuracy_minus_vanilla`` (None without a held-out
-    evaluation) are the gaps to compare runs on; ``reward_minus_vanilla`` is the rollout reward's gap,
-    biased under reuse.
-    """
+    """Per epoch, each run against plain vanilla: token, decode-step and rollout-time ratios and held-out gaps (None
+    without evaluation); ``reward_minus_vanilla``, the rollout reward's gap, is biased under reuse."""
     if "vanilla" not in summary:
         return []
     base = {r["epoch"]: r for r in summary["vanilla"]}
@@ -146,16 +136,8 @@ def _final_quality(records: list[dict], vanilla: dict[int, dict]) -> dict:
 
 
 def run_ratios(summary: dict[str, list[dict]], from_epoch: int = 2) -> list[dict]:
-    """Each run vs plain vanilla over epochs >= ``from_epoch`` summed (epoch 1 has no drafts).
-
-    Returns one dict per run (vanilla included, ratios 1): summed ``generated_tokens``,
-    ``decode_steps``, ``rollout_seconds`` and their ratios to vanilla; the rollout time split
-    (scoring, decode, other seconds); ``scoring_share`` = scoring seconds / vanilla rollout
-    seconds; at the last epoch shared with vanilla (``final_epoch``): ``final_heldout_reward``,
-    ``final_heldout_greedy_accuracy`` and their gaps to vanilla (``final_heldout_reward_minus_vanilla``,
-    ``final_greedy_accuracy_minus_vanilla``; None without a held-out evaluation), and the rollout
-    reward's gap ``final_reward_minus_vanilla`` (biased under reuse).
-    """
+    """Each run (vanilla included) against vanilla over epochs >= ``from_epoch`` summed (epoch 1 has no drafts):
+    totals, ``*_ratio``, ``scoring_share`` and the held-out gaps at ``final_epoch``; [] without vanilla."""
     if "vanilla" not in summary:
         return []
     epochs = {r["epoch"] for r in summary["vanilla"] if r["epoch"] >= from_epoch}
@@ -204,18 +186,15 @@ def _final_heldout_text(r: dict) -> str:
     if r["final_heldout_reward"] is None:
         return "held-out: not evaluated (--no-eval, or no held-out set)"
     return (
-        f"final held-out reward {r['final_heldout_reward']:.3f} ({_fmt(r['final_heldout_reward_minus_vanilla'], '+.3f')} "
+        f"final held-out reward {r['final_heldout_reward']:.3f} "
+        f"({_fmt(r['final_heldout_reward_minus_vanilla'], '+.3f')} "
         f"vs vanilla), greedy accuracy {r['final_heldout_greedy_accuracy']:.3f} "
         f"({_fmt(r['final_greedy_accuracy_minus_vanilla'], '+.3f')})"
     )
 
 
 def closing_lines(summary: dict[str, list[dict]], from_epoch: int = 2) -> list[str]:
-    """The console summary: vanilla's held-out progress, then every run vs vanilla (epochs >= ``from_epoch``).
-
-    Runs are compared on held-out numbers (fresh samples, greedy accuracy) and on rollout cost; without
-    vanilla, each run's held-out progress.
-    """
+    """Console summary: vanilla's held-out progress, then each run against vanilla (held-out numbers, rollout cost)."""
     if "vanilla" not in summary:
         return [line for mode, recs in summary.items() if (line := heldout_progress(mode, recs)) is not None]
     lines = [line] if (line := heldout_progress("vanilla", summary["vanilla"])) is not None else []
@@ -229,8 +208,10 @@ def closing_lines(summary: dict[str, list[dict]], from_epoch: int = 2) -> list[s
             )
             continue
         lines.append(
-            f"{r['mode']}/vanilla, epochs {from_epoch}+: generated tokens {_fmt(r['generated_tokens_ratio'], '.2f')}x, "
-            f"decode steps {_fmt(r['decode_steps_ratio'], '.2f')}x, rollout time {_fmt(r['rollout_seconds_ratio'], '.2f')}x "
+            f"{r['mode']}/vanilla, epochs {from_epoch}+: "
+            f"generated tokens {_fmt(r['generated_tokens_ratio'], '.2f')}x, "
+            f"decode steps {_fmt(r['decode_steps_ratio'], '.2f')}x, "
+            f"rollout time {_fmt(r['rollout_seconds_ratio'], '.2f')}x "
             f"(scoring {_fmt(r['scoring_share'], '.0%')} of vanilla's rollout); " + _final_heldout_text(r)
         )
     return lines
@@ -287,10 +268,12 @@ def _comparison_markdown(summary: dict[str, list[dict]]) -> list[str]:
         ]
         for r in totals:
             lines.append(
-                f"| {r['mode']} | {_fmt(r['generated_tokens_ratio'], '.3f')} | {_fmt(r['decode_steps_ratio'], '.3f')} | "
-                f"{_fmt(r['rollout_seconds_ratio'], '.3f')} | {r['scoring_seconds']:.2f} | {r['generation_seconds']:.2f} | "
+                f"| {r['mode']} | {_fmt(r['generated_tokens_ratio'], '.3f')} | "
+                f"{_fmt(r['decode_steps_ratio'], '.3f')} | {_fmt(r['rollout_seconds_ratio'], '.3f')} | "
+                f"{r['scoring_seconds']:.2f} | {r['generation_seconds']:.2f} | "
                 f"{r['other_seconds']:.2f} | {_fmt(r['scoring_share'], '.1%')} | "
-                f"{_fmt(r['final_heldout_reward_minus_vanilla'], '+.3f')} | {_fmt(r['final_greedy_accuracy_minus_vanilla'], '+.3f')} |"
+                f"{_fmt(r['final_heldout_reward_minus_vanilla'], '+.3f')} | "
+                f"{_fmt(r['final_greedy_accuracy_minus_vanilla'], '+.3f')} |"
             )
         lines.append("")
     comp = comparison(summary)
@@ -304,7 +287,8 @@ def _comparison_markdown(summary: dict[str, list[dict]]) -> list[str]:
         ]
         for c in comp:
             lines.append(
-                f"| {c['mode']} | {c['epoch']} | {_fmt(c['generated_tokens_ratio'], '.3f')} | {_fmt(c['decode_steps_ratio'], '.3f')} | "
+                f"| {c['mode']} | {c['epoch']} | {_fmt(c['generated_tokens_ratio'], '.3f')} | "
+                f"{_fmt(c['decode_steps_ratio'], '.3f')} | "
                 f"{_fmt(c['rollout_seconds_ratio'], '.3f')} | {_fmt(c['heldout_reward_minus_vanilla'], '+.3f')} | "
                 f"{_fmt(c['greedy_accuracy_minus_vanilla'], '+.3f')} |"
             )
@@ -313,7 +297,7 @@ def _comparison_markdown(summary: dict[str, list[dict]]) -> list[str]:
 
 
 def _evaluated_after(records: list[dict], epochs) -> str:
-    """ "the last epoch" or, e.g. after a resume that extended the run, "epochs 3 and 5": when a run was evaluated."""
+    """When a run was evaluated: "the last epoch", or e.g. "epochs 3 and 5" after a resume extended it."""
     done = [r["epoch"] for r in records if r.get("heldout_reward") is not None]
     if not done or done == [epochs]:
         return "the last epoch"
@@ -324,11 +308,11 @@ def _heldout_note(info: dict, summary: dict | None = None) -> list[str]:
     prompts = info.get("eval_prompts") or 0
     if not prompts:
         return [
-            "No held-out evaluation (--no-eval, or no held-out set): the rollout reward above is biased under reuse and does "
-            "not compare runs.",
+            "No held-out evaluation (--no-eval, or no held-out set): "
+            "the rollout reward above is biased under reuse and does not compare runs.",
             "",
         ]
-    # the runs' configs (run_info.json "runs"): the lossless runs beside vanilla have eval_every = epochs
+    # the lossless runs beside vanilla have eval_every = epochs (run_configs)
     configs = list((info.get("runs") or {}).values())
     samples = configs[0].get("eval_samples", "?") if configs else "?"
     every = min((c.get("eval_every", 1) for c in configs), default=1)
@@ -370,8 +354,8 @@ def _rejection_note(draw: str) -> str:
     if draw == "without-draft":
         how = (
             "from the current policy without the rejected draft token (renormalised): at l = 1 exact speculative "
-            "sampling when a choice has two tokens, not exactly on-policy in general (the draft's whole old distribution "
-            "is not stored)"
+            "sampling when a choice has two tokens, not exactly on-policy in general "
+            "(the draft's whole old distribution is not stored)"
         )
     else:
         how = (
@@ -387,12 +371,8 @@ def _rejection_note(draw: str) -> str:
 def write_report(
     run_dir: str | Path, summary: dict[str, list[dict]], info: dict, plot_png: bool = True
 ) -> dict[str, Path]:
-    """Write summary.json, run_info.json, report.md and report.png into ``run_dir`` (each file atomically).
-
-    ``summary`` maps each run label ("vanilla", "spec", "exact", ...) to its list of per-epoch
-    records; ``info`` (config, model, device) goes to run_info.json. ``plot_png=False`` keeps the
-    report.png already there (the plot is the slow part; the trainer redraws it when a run ends).
-    """
+    """Write summary.json, run_info.json, report.md and report.png (each atomically) into ``run_dir``;
+    ``plot_png=False`` keeps the report.png already there (the plot is the slow part)."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     versions = info.get("versions", {})

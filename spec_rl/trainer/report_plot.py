@@ -46,11 +46,7 @@ def _heldout_panel(ax, summary: dict[str, list[dict]]) -> bool:
 
 
 def plot(run_dir: Path, summary: dict[str, list[dict]]) -> Path | None:
-    """Write ``run_dir/report.png`` (atomically); None when there is nothing to draw.
-
-    Panels: the held-out reward per epoch (when evaluated), then the rollout reward, generated tokens,
-    decode steps and rollout seconds per training step (from each run's metrics.jsonl).
-    """
+    """Write ``run_dir/report.png`` (atomically): held-out reward per epoch, rollout cost per step; None if empty."""
     import matplotlib
 
     matplotlib.use("Agg")

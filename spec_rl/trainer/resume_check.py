@@ -1,15 +1,8 @@
-"""Resuming a run under another configuration: what is compared, what is refused, what is recorded.
+"""Resuming a run under another configuration: what is compared, refused and recorded.
 
-A resumed run reuses the rollout cache of the run it continues. A change of what a response can be
-(the model, the data, the sampling settings, the budgets, the EOS set, acceptance, lenience or the
-seed) would otherwise go unnoticed: the old drafts would be scored as if they came from this run. A
-change of the training recipe (learning rate, group size, clipping, KL, ...) would mix two recipes in
-one run, with modes restored from a checkpoint keeping the old optimizer state.
-``--resume`` therefore compares the stored fingerprint of the run (run_info.json, "fingerprint") with
-the new one and refuses any difference, naming each changed field; with ``--allow-config-change``
-it goes on, records the change in run_info.json ("config_changes"), and the stored drafts are cut
-to today's budget and EOS set or continued (:mod:`spec_rl.drafts.validity`), as every reuse is.
-"""
+A resumed run reuses the rollout cache of the run it continues, and a changed response space or training recipe would go
+unnoticed. ``--resume`` refuses any changed fingerprint field unless ``--allow-config-change``, which records the change
+in run_info.json; stored drafts are then cut or continued (:mod:`spec_rl.drafts.validity`)."""
 
 from __future__ import annotations
 
@@ -23,12 +16,11 @@ from ..acceptance.mode import RolloutMode
 from .config import GRPOConfig
 from .rundir import INFO_FILE, RunDirError
 
-#: GRPOConfig fields that change what a response can be (as to_dict() writes them); each run's mode is compared
-#: too, without ``tail`` (tail speculation changes decode steps, never a token).
+#: GRPOConfig fields that change what a response can be; each run's mode is compared too, without ``tail``
+#: (tail speculation changes decode steps, never a token).
 RESPONSE_FIELDS = ("sampling", "max_model_len", "seed")
-#: GRPOConfig fields that change how the policy is trained or measured: a run resumed under another value would
-#: mix two recipes in one report. Not compared: epochs (a resume may extend a run), micro_batch_size (memory only),
-#: spec_tokens (decode steps only), device and backend (keyed sampling).
+#: GRPOConfig fields that change how the policy is trained or measured. Not compared: epochs (a resume may extend a
+#: run), micro_batch_size (memory only), spec_tokens (decode steps only), device and backend (keyed sampling).
 TRAINING_FIELDS = (
     "group_size",
     "prompts_per_step",
@@ -46,13 +38,7 @@ TRAINING_FIELDS = (
 
 
 class ConfigChangeError(RunDirError):
-    """``--resume`` under a configuration that changes what a response can be.
-
-    Attributes:
-        out_dir: the run directory.
-        changes: [(field, stored value, new value)], fields by their fingerprint names (GRPOConfig
-            fields, plus "model", "data" and "eos_ids").
-    """
+    """``--resume`` under another configuration; ``changes``: [(fingerprint field, stored value, new value)]."""
 
     def __init__(self, out_dir, changes: list[tuple[str, object, object]]):
         self.out_dir, self.changes = out_dir, changes
@@ -87,8 +73,7 @@ def run_fingerprint(
     examples: Sequence,
     eval_examples,
 ) -> dict:
-    """What the runs' responses and training depend on: the fields compared by :func:`check_resume` (``config``:
-    the base config of the runs, ``modes``: each run's mode)."""
+    """What the runs' responses and training depend on, compared by :func:`check_resume`."""
     cfg = config.to_dict()
     out = {field: cfg[field] for field in RESPONSE_FIELDS + TRAINING_FIELDS}
     for label, mode in modes.items():
@@ -110,11 +95,8 @@ def stored_info(out_dir: str | Path) -> dict | None:
 
 
 def check_resume(out_dir: str | Path, fingerprint: dict, allow_change: bool) -> list[dict]:
-    """Compare the stored run's fingerprint with ``fingerprint``; the changes to record (empty: none).
-
-    Raises:
-        ConfigChangeError: a field differs and ``allow_change`` is False.
-    """
+    """The changes of ``fingerprint`` from the stored run's, to record (empty: none); ConfigChangeError when a field
+    differs and ``allow_change`` is False."""
     old = (stored_info(out_dir) or {}).get("fingerprint") or {}
     changes = [(k, old[k], v) for k, v in fingerprint.items() if k in old and old[k] != v]
     if not changes:

@@ -23,15 +23,8 @@ from .rundir import plan_run, read_summary
 
 
 def load_policy(path: str | Path, device: torch.device | str = "cpu"):
-    """Load a transformers causal LM and its tokenizer from a local directory.
-
-    ``path`` is a checkpoint folder (with config.json), or a trainer's run directory (``out/<mode>``),
-    whose committed checkpoint (named by its ``LATEST`` file) is loaded.
-
-    Raises:
-        FileNotFoundError: ``path`` is neither a directory with a config.json nor a run directory
-            with a complete checkpoint.
-    """
+    """Load a transformers causal LM and its tokenizer from a checkpoint folder or a trainer's run directory
+    (``out/<label>``: its committed checkpoint). FileNotFoundError when ``path`` is neither."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path)
@@ -51,8 +44,7 @@ def load_policy(path: str | Path, device: torch.device | str = "cpu"):
 
 
 def count_parameters(path: str | Path) -> int | None:
-    """Parameters of the checkpoint at ``path``, from its safetensors headers (no weight is read); None
-    when it has no safetensors file."""
+    """Parameters of the checkpoint at ``path`` from its safetensors headers (no weight read); None without any."""
     import json
     import struct
 
@@ -71,8 +63,8 @@ def count_parameters(path: str | Path) -> int | None:
 
 
 def policy_eos_ids(path: str | Path) -> set[int]:
-    """The EOS set of the checkpoint at ``path`` (generation config, model config and tokenizer), without
-    loading its weights; the same set :func:`~spec_rl.backends.protocol.eos_token_ids` gives for the loaded model."""
+    """The EOS set of the checkpoint at ``path`` without loading its weights (as
+    :func:`~spec_rl.backends.protocol.eos_token_ids` gives it for the loaded model)."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     try:
@@ -84,7 +76,7 @@ def policy_eos_ids(path: str | Path) -> set[int]:
 
 
 def run_configs(config: GRPOConfig, modes: Mapping[str, RolloutMode]) -> dict[str, GRPOConfig]:
-    """Each run's config: ``config`` with the run's mode; beside vanilla the lossless runs are evaluated after the
+    """Each run's config: ``config`` with the run's mode; beside vanilla, the lossless runs are evaluated after the
     last epoch only (their responses, hence their evaluations, are vanilla's)."""
     configs = {label: dataclasses.replace(config, mode=mode) for label, mode in modes.items()}
     if "vanilla" in modes:
@@ -135,23 +127,11 @@ def run_modes(
     allow_config_change: bool = False,
     progress: bool = True,
 ) -> dict[str, list[dict]]:
-    """Train one run per mode from ``model_path`` with identical seeds; write the report after every epoch.
-
-    ``modes``: names of :data:`~spec_rl.acceptance.mode.MODES`, or {label: RolloutMode}. Each run trains in
-    ``out_dir/<label>/`` (metrics.jsonl, checkpoint versions); ``out_dir`` gets summary.json, run_info.json and
-    report.md after every epoch (each written atomically) and report.png when a run ends. With ``eval_examples``
-    every run is evaluated before training and after every ``config.eval_every``-th epoch; the warm-start
-    evaluation is computed once. ``resume`` continues every run from its committed checkpoint; a changed
-    configuration is refused unless ``allow_config_change`` (recorded in run_info.json). docs/api.md "Trainer".
-
-    Returns:
-        {label: [per-epoch record, ...]} (with ``resume``: every label of the run directory).
-
-    Raises:
-        ValueError: an unknown mode name. RunDirError: ``out_dir`` holds a run without ``resume``, none to resume,
-            or is not writable. ConfigChangeError: ``resume`` under another configuration without
-            ``allow_config_change``.
-    """
+    """Train one run per mode from ``model_path`` with identical seeds; rewrite the report after every epoch. ``modes``:
+    names of :data:`~spec_rl.acceptance.mode.MODES`, or {label: RolloutMode}. Returns {label: [epoch record, ...]} (with
+    ``resume``: every label of the run directory). Run directory and options: docs/api.md "Trainer". Raises ValueError
+    for an unknown mode name, RunDirError when ``out_dir`` cannot take the run, ConfigChangeError for ``resume`` under
+    another configuration without ``allow_config_change``."""
     log = print
     if not isinstance(modes, Mapping):
         bad = [m for m in modes if m not in MODES]
@@ -172,7 +152,8 @@ def run_modes(
         new_changes = check_resume(out_dir, fingerprint, allow_config_change)
         if all(plan[m] is not None and len(summary.get(m, [])) >= configs[m].epochs for m in configs):
             log(
-                f"--resume: the run in {out_dir} is complete ({config.epochs} epochs of {', '.join(modes)}); nothing to do"
+                f"--resume: the run in {out_dir} is complete "
+                f"({config.epochs} epochs of {', '.join(modes)}); nothing to do"
             )
             return summary
         for c in new_changes:
@@ -198,21 +179,11 @@ def run_modes(
         ckpt = plan[mode]
         torch.manual_seed(cfg.seed)
         model, tokenizer = load_policy(model_path if ckpt is None else ckpt.path, device)
-        # The initial policy (KL reference, diagnostics), also when the trained weights come from a checkpoint.
-        needs_initial = cfg.kl_coef > 0 or eval_examples is not None  # KL term, held-out KL to the warm start
+        # A checkpoint's weights are not the initial policy, which the KL term and the diagnostics need.
+        needs_initial = cfg.kl_coef > 0 or eval_examples is not None
         ref = load_policy(model_path, device)[0] if ckpt is not None and needs_initial else None
         trainer = GRPOTrainer(
-            model,
-            tokenizer,
-            train_examples,
-            reward_fn,
-            cfg,
-            mode_dir,
-            progress=progress,
-            log=log,
-            label=mode,
-            eval_examples=eval_examples,
-            ref_model=ref,
+            model, tokenizer, train_examples, reward_fn, cfg, mode_dir, progress, mode, eval_examples, ref
         )
         trainer.initial_heldout = initial
         if resume:

@@ -1,11 +1,7 @@
-"""The run directory of :func:`~spec_rl.trainer.run.run_modes`: may a new run or a resume use it?
+"""May a new run or a resume use this run directory (:func:`~spec_rl.trainer.run.run_modes`)?
 
-A run directory holds summary.json, run_info.json, report.md and report.png, and one folder per run
-label (``vanilla/``, ``spec/``, ...) with that trainer's metrics.jsonl and checkpoint versions (see
-:mod:`spec_rl.trainer.checkpoint`). A new run never writes into a directory that holds a run (it
-would mix or overwrite results); a resume needs one, and every label that finished an epoch must
-have a committed checkpoint to continue from.
-"""
+A new run never writes into a directory that holds a run (it would mix or overwrite results); a resume needs one, and
+every label that finished an epoch must have a committed checkpoint (:mod:`spec_rl.trainer.checkpoint`)."""
 
 from __future__ import annotations
 
@@ -28,11 +24,7 @@ class RunDirError(ValueError):
 
 
 def check_writable_dir(out_dir: str | os.PathLike) -> Path:
-    """Create ``out_dir`` if needed and make sure files can be written in it.
-
-    Raises:
-        RunDirError: ``out_dir`` is a file, cannot be created, or is not writable.
-    """
+    """Create ``out_dir`` if needed; RunDirError when it is a file, cannot be created or is not writable."""
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise RunDirError(f"--out {out_dir} is a file, not a folder; pass a folder for the run directory")
@@ -56,11 +48,7 @@ def run_contents(out_dir: str | os.PathLike) -> list[str]:
 
 
 def read_summary(out_dir: str | os.PathLike) -> dict[str, list[dict]]:
-    """The per-label epoch records of ``out_dir/summary.json`` ({} when there is none).
-
-    Raises:
-        RunDirError: the file exists but is not a summary (not JSON, or not {label: [record, ...]}).
-    """
+    """The per-label epoch records of ``out_dir/summary.json`` ({} without it); RunDirError when it is not a summary."""
     path = Path(out_dir) / SUMMARY_FILE
     if not path.is_file():
         return {}
@@ -71,19 +59,15 @@ def read_summary(out_dir: str | os.PathLike) -> dict[str, list[dict]]:
     runs = summary.get("runs") if isinstance(summary, dict) else None
     if not isinstance(runs, dict) or not all(isinstance(v, list) for v in runs.values()):
         raise RunDirError(
-            f'{path} is not a run summary ({{"runs": {{label: [epoch record, ...]}}}}); move it away to resume without it'
+            f'{path} is not a run summary ({{"runs": {{label: [epoch record, ...]}}}}); '
+            "move it away to resume without it"
         )
     return runs
 
 
 def plan_run(out_dir: str | os.PathLike, modes: Sequence[str], resume: bool) -> dict[str, Checkpoint | None]:
-    """Check that ``out_dir`` can take this run; the checkpoint each label resumes from (None: epoch 1).
-
-    Raises:
-        RunDirError: without ``resume``, ``out_dir`` holds a run; with ``resume``, it holds none, or
-            a label has finished epochs in summary.json but no complete checkpoint (e.g. the run used
-            ``--no-checkpoint``); or ``out_dir`` is not a writable folder.
-    """
+    """Check that ``out_dir`` can take this run; the checkpoint each label resumes from (None: epoch 1). RunDirError:
+    it holds a run (no ``resume``), none (``resume``), a label with epochs but no checkpoint, or is not writable."""
     out_dir = check_writable_dir(out_dir)
     found = run_contents(out_dir)
     if not resume:

@@ -1,17 +1,7 @@
 """``spec-rl sweep``: the paper's lenience and random-reuse ablations (Tables 2-3) on the embedded task.
 
-One command trains every setting over several seeds from the same warm start (the demo policy) and
-writes a table and a plot: generated tokens, rollout seconds, decode steps and held-out reward
-(mean and standard deviation over seeds) per setting, each relative to vanilla, with the paper's
-numbers beside ours. Settings: vanilla GRPO, random reuse (n uniform over 0..L), the lenience grid
-{1, e^0.2, e^0.5, e^1, e^2, inf}, exact acceptance, and l in {1, e^0.2, e^0.5} with the token at a rejection
-drawn without the rejected draft token ("-excl"). Every non-vanilla setting decodes with tail speculation (it
-changes no token, only time); plain vanilla is the reference of every ratio.
-
-Each (setting, seed) is an ordinary run directory (``<out>/<setting>/seed<k>/``, written by
-:func:`spec_rl.trainer.run.run_modes`, crash-safe); a finished one is skipped, so an interrupted
-sweep continues where it stopped when run again with the same ``--out``.
-"""
+Every setting trains over several seeds from the demo policy; non-vanilla settings decode with tail speculation (it
+changes no token). A finished ``<out>/<setting>/seed<k>/`` run is skipped, so a rerun continues the sweep."""
 
 from __future__ import annotations
 
@@ -29,7 +19,7 @@ from pathlib import Path
 from ..acceptance.mode import MODES, RolloutMode
 from ..util.atomic import atomic_write_text, remove_leftovers
 
-#: Held-out accuracy AVG, generated tokens (millions) and rollout speed-up reported by the paper
+#: The paper's held-out accuracy AVG, generated tokens (millions) and rollout speed-up
 #: (arXiv 2509.23232, Qwen3-1.7B GRPO; Table 3 lenience, Table 2 random reuse, Table 1 vanilla).
 PAPER = {
     "vanilla": {"avg": 46.7, "tokens_m": None, "speedup": 1.0},
@@ -68,15 +58,14 @@ def _lenient(lenience: float, draw: str = "policy") -> RolloutMode:
 SETTINGS = (
     Setting("vanilla", MODES["vanilla"]),
     Setting("random", MODES["random"]),
-    *(Setting(f"l={name}", _lenient(l)) for name, l in _GRID),
+    *(Setting(f"l={name}", _lenient(lenience)) for name, lenience in _GRID),
     Setting("exact", MODES["exact"]),
     # "-excl": the token at a rejection is drawn without the rejected draft token
-    *(Setting(f"l={name}-excl", _lenient(l, "without-draft")) for name, l in _GRID[:3]),
+    *(Setting(f"l={name}-excl", _lenient(lenience, "without-draft")) for name, lenience in _GRID[:3]),
 )
 
-#: name: (train prompts, epochs, held-out prompts, fresh samples per held-out prompt). The whole demo
-#: held-out set (one evaluation's standard error <= 0.02), evaluated at the warm start and after the
-#: last epoch only: the sweep compares final numbers.
+#: name: (train prompts, epochs, held-out prompts, fresh samples per held-out prompt); evaluated at the warm start
+#: and after the last epoch only: the sweep compares final numbers.
 PRESETS = {"small": (256, 4, 640, 1), "full": (256, 5, 640, 1)}
 
 
@@ -104,10 +93,7 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
 
 
 def _paired_se(runs: list[dict], vanilla: list[dict], key: str = "heldout_reward") -> float:
-    """Standard error of the mean per-seed gap to vanilla in ``key`` (seed k against vanilla's seed k).
-
-    Pairing removes what the seeds share (the held-out draw, the prompt order); nan with < 2 pairs.
-    """
+    """Standard error of the mean gap to vanilla in ``key``, seed k against vanilla's seed k; nan with < 2 pairs."""
     gaps = [r[key] - v[key] for r, v in zip(runs, vanilla) if r.get(key) is not None and v.get(key) is not None]
     if len(gaps) < 2:
         return float("nan")
@@ -149,8 +135,8 @@ def markdown(rows: list[dict], info: dict) -> str:
     """The sweep table in the layout of the paper's Tables 2-3, the paper's numbers beside ours."""
     head = (
         "| setting | gen tokens (epochs 2+) | tokens vs vanilla | rollout s | speed-up | decode steps vs vanilla | "
-        "held-out reward (mean ± std) | vs vanilla (paired ± s.e.) | greedy acc. (vs vanilla, paired ± s.e.) | paper tokens (M) | "
-        "paper speed-up | paper AVG |"
+        "held-out reward (mean ± std) | vs vanilla (paired ± s.e.) | greedy acc. (vs vanilla, paired ± s.e.) | "
+        "paper tokens (M) | paper speed-up | paper AVG |"
     )
     lines = [
         f"Sweep: preset {info['preset']}, seeds {info['seeds']}, commit {info.get('commit')}, {info.get('date')}, "
@@ -162,8 +148,9 @@ def markdown(rows: list[dict], info: dict) -> str:
     for r in rows:
         p = PAPER.get(r["setting"], {})
         lines.append(
-            f"| {r['setting']} | {r['generated_tokens']:.0f} | {r['generated_tokens_ratio']:.3f} | {r['rollout_seconds']:.1f} | "
-            f"{r['speedup']:.2f}x | {r['decode_steps_ratio']:.3f} | {r['heldout_reward']:.3f} ± {r['heldout_reward_std']:.3f} | "
+            f"| {r['setting']} | {r['generated_tokens']:.0f} | {r['generated_tokens_ratio']:.3f} | "
+            f"{r['rollout_seconds']:.1f} | {r['speedup']:.2f}x | {r['decode_steps_ratio']:.3f} | "
+            f"{r['heldout_reward']:.3f} ± {r['heldout_reward_std']:.3f} | "
             f"{r['heldout_minus_vanilla']:+.3f} ± {_num(r['heldout_paired_se'])} | {r['heldout_greedy_accuracy']:.3f} "
             f"({r['greedy_minus_vanilla']:+.3f} ± {_num(r['greedy_paired_se'])}) | {p.get('tokens_m') or '-'} | "
             f"{(str(p['speedup']) + 'x') if p.get('speedup') else '-'} | {p.get('avg', '-')} |"
@@ -172,8 +159,8 @@ def markdown(rows: list[dict], info: dict) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> Path:
-    """Tokens ratio and rollout-time ratio (left); held-out reward and greedy accuracy minus vanilla's, paired
-    over seeds with their standard errors (right), per setting."""
+    """Cost ratios to vanilla (left) and held-out reward and greedy accuracy minus vanilla's, paired over seeds
+    with standard errors (right), per setting."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -225,11 +212,8 @@ def run_sweep(
     settings=SETTINGS,
     progress: bool = True,
 ) -> list[dict]:
-    """Train every (setting, seed) not finished yet, then write sweep.json, sweep.md and sweep.png.
-
-    Raises:
-        ValueError: an unknown preset or a number of seeds < 1.
-    """
+    """Train every (setting, seed) not finished yet, then write sweep.json, sweep.md and sweep.png. Raises ValueError
+    for an unknown preset or ``seeds`` < 1."""
     from .run import run_modes
 
     if preset not in PRESETS:
@@ -244,7 +228,7 @@ def run_sweep(
         run_dir = out_dir / setting.name / f"seed{k}"
         summary = run_dir / "summary.json"
         if summary.is_file() and _finished(summary, setting.name, base_config.epochs):
-            remove_leftovers(run_dir)  # temporary files of a writer killed after the summary was committed
+            remove_leftovers(run_dir)  # a writer killed after the summary was committed
             bar.write(f"{setting.name} seed {k}: finished earlier, skipped")
         else:
             cfg = dataclasses.replace(base_config, seed=base_config.seed + k)
@@ -323,7 +307,6 @@ def _info(preset: str, seeds: int, config) -> dict:
     }
 
 
-# ---------------------------------------------------------------------- command line
 def add_parser(sub) -> None:
     """Register ``spec-rl sweep`` on the CLI's subparsers."""
     s = sub.add_parser(
@@ -347,11 +330,8 @@ def add_parser(sub) -> None:
 
 
 def chosen_settings(spec: str | None) -> tuple[Setting, ...]:
-    """The settings named in ``--settings`` (comma-separated; None: all of :data:`SETTINGS`), vanilla first.
-
-    Raises:
-        ValueError: an unknown name (named, with the valid ones) or no name at all.
-    """
+    """The settings named in ``--settings`` (comma-separated; None: all of :data:`SETTINGS`), vanilla first. Raises
+    ValueError for an unknown name (listing the valid ones) or no name at all."""
     if spec is None:
         return SETTINGS
     names = [x.strip() for x in spec.split(",") if x.strip()]
@@ -395,6 +375,7 @@ def cmd_sweep(args) -> int:
     )
     print((Path(args.out) / "sweep.md").read_text())
     print(
-        f"table: {Path(args.out) / 'sweep.md'}, plot: {Path(args.out) / 'sweep.png'}, data: {Path(args.out) / 'sweep.json'}"
+        f"table: {Path(args.out) / 'sweep.md'}, plot: {Path(args.out) / 'sweep.png'}, "
+        f"data: {Path(args.out) / 'sweep.json'}"
     )
     return 0

@@ -1,4 +1,2 @@
-"""Shared utilities: argument validation, atomic file writes, fault points for the kill tests.
-
-Layer 0: may import nothing of spec_rl (the lowest layer).
-"""
+"""Shared utilities: argument validation, atomic file writes, fault points for crash tests.
+Layer 0: may import nothing of spec_rl."""

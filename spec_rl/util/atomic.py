@@ -1,10 +1,5 @@
-"""Atomic file writes: a reader (or a restarted run) sees the old file or the new one, never a torn one.
-
-Every file spec-rl stores (rollout caches, draft files, run summaries) is
-written to a temporary file in the target's folder, optionally fsynced, and
-renamed over the target with :func:`os.replace`, which POSIX makes atomic
-within one filesystem. Temporary names start with ``.`` and end with
-``.tmp`` so leftovers of a killed process are easy to find and remove.
+"""Atomic file writes: a reader (or a restarted run) sees the old file or the new one, never a torn one. Content goes
+to a temporary ``.<name>.<random>.tmp`` in the target's folder, then :func:`os.replace` renames it over the target.
 """
 
 from __future__ import annotations
@@ -36,7 +31,6 @@ def fsync_dir(folder: str | os.PathLike) -> None:
 
 
 def fsync_file(path: str | os.PathLike) -> None:
-    """Flush one file's data to disk."""
     with open(path, "rb+") as f:
         os.fsync(f.fileno())
 
@@ -48,10 +42,7 @@ def is_leftover(path: str | os.PathLike) -> bool:
 
 
 def remove_leftovers(folder: str | os.PathLike) -> list[Path]:
-    """Delete the temporary files that killed writers left directly in ``folder``; returns what was removed.
-
-    Only plain files named like :func:`atomic_write`'s temporaries are touched; a missing folder is fine.
-    """
+    """Delete and return the temporaries killed writers left directly in ``folder`` (a missing folder is fine)."""
     folder = Path(folder)
     if not folder.is_dir():
         return []
@@ -62,21 +53,8 @@ def remove_leftovers(folder: str | os.PathLike) -> list[Path]:
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[str], None], fsync: bool = True) -> Path:
-    """Call ``write(tmp_path)``, then rename the temporary file over ``path``.
-
-    Args:
-        path: the target file; its folder is created if missing.
-        write: writes the complete content to the path it is given.
-        fsync: flush the file (and the folder after the rename) to disk, so
-            the write also survives a machine crash.
-
-    Returns:
-        ``path`` as a :class:`~pathlib.Path`.
-
-    Raises:
-        whatever ``write`` or the filesystem raises; the temporary file is
-        removed and any earlier file at ``path`` is left untouched.
-    """
+    """Call ``write(tmp_path)`` to write the whole content, then rename the temporary over ``path`` (folder created
+    if missing); ``fsync`` makes it survive a machine crash. On an error the temporary is removed, the old file kept."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TMP_SUFFIX, dir=path.parent)

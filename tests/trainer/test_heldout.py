@@ -69,7 +69,6 @@ def _trainer(tmp_path, model=None, **kw):
         _config(**kw),
         tmp_path,
         progress=False,
-        log=lambda s: None,
         eval_examples=HELDOUT,
     )
 
@@ -168,14 +167,7 @@ def test_resume_keeps_the_evaluations_and_does_not_redo_them(tmp_path, seen_seed
 
 def test_no_eval_examples_means_no_heldout_fields(tmp_path):
     trainer = GRPOTrainer(
-        tiny_model(seed=0),
-        tiny_tokenizer(),
-        TRAIN,
-        _parity,
-        _config(epochs=1),
-        tmp_path,
-        progress=False,
-        log=lambda s: None,
+        tiny_model(seed=0), tiny_tokenizer(), TRAIN, _parity, _config(epochs=1), tmp_path, progress=False
     )
     (rec,) = trainer.train()
     assert not any(k.startswith(("heldout_", START)) for k in rec)
