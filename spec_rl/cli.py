@@ -170,8 +170,8 @@ def _add_mode_flags(t: argparse.ArgumentParser) -> None:
     t.add_argument(
         "--spec-tokens",
         type=_positive_int,
-        default=8,
-        help="most history-drafted tokens verified per decode step under tail speculation",
+        default=None,
+        help="most history-drafted tokens verified per decode step under tail speculation (default 8)",
     )
 
 
@@ -292,7 +292,13 @@ def _modes(args: argparse.Namespace, demo: bool) -> dict:
     lenience = given.get("lenience", 1.0 if demo else LENIENCE_DEFAULTS["dapo" if args.clip_higher else "grpo"])
     # The demo's without-draft draw needs l >= 1; another l gets the paper's draw.
     draw = DEMO_SPEC["rejection_draw"] if demo and lenience >= 1 else "policy"
-    return {m: MODES[m].with_overrides(**{"lenience": lenience, "rejection_draw": draw, **given}) for m in names}
+    modes = {m: MODES[m].with_overrides(**{"lenience": lenience, "rejection_draw": draw, **given}) for m in names}
+    if args.spec_tokens is not None and not any(mode.tail for mode in modes.values()):
+        raise UsageError(
+            f"--spec-tokens sets the width of tail speculation, which none of the selected runs ({', '.join(names)}) "
+            "uses: drop --spec-tokens, or add a run with tail speculation (histspec, spec, exact, random)"
+        )
+    return modes
 
 
 def _config(args: argparse.Namespace, demo: bool) -> GRPOConfig:
@@ -304,7 +310,7 @@ def _config(args: argparse.Namespace, demo: bool) -> GRPOConfig:
         defaults,
         sampling,
         **picked,
-        spec_tokens=args.spec_tokens,
+        spec_tokens=8 if args.spec_tokens is None else args.spec_tokens,
         max_model_len=args.max_model_len,
         clip_low=args.clip_low,
         clip_high=0.28 if args.clip_higher else args.clip_high,
@@ -339,7 +345,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .tasks.rewards import get_reward_fn
     from .trainer.config import resolve_device
     from .trainer.report import closing_lines
-    from .trainer.run import count_parameters, run_modes
+    from .trainer.run import count_parameters, package_versions, run_modes
     from .trainer.rundir import plan_run
 
     demo = args.model is None
@@ -379,6 +385,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         f"prompts: {len(examples)} | G={config.group_size} | epochs={config.epochs}{_lenient_note(modes)} | "
         f"held-out: {heldout}"
     )
+    print("versions: " + ", ".join(f"{k} {v}" for k, v in package_versions().items()))
     t0 = time.perf_counter()
     summary = run_modes(
         model_path,

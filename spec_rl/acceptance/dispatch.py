@@ -39,6 +39,8 @@ class VerifyOptions:
     def __post_init__(self) -> None:
         check_choice("rule", self.rule, ACCEPTANCE_RULES)
         check_choice("backend", self.backend, BACKENDS)
+        if not isinstance(self.return_accept_mask, bool):
+            raise TypeError(f"return_accept_mask must be True or False, got {self.return_accept_mask!r}")
         check_settings(self.sampling, "sampling")
         lenience = check_real(
             "lenience",

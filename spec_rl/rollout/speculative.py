@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ..acceptance.dispatch import BACKENDS
 from ..acceptance.exact_walk import WalkResult, walk_tries
 from ..acceptance.lenient import lenient_prefixes
 from ..acceptance.mode import MODES, RolloutMode
@@ -31,7 +32,7 @@ from ..drafts.history import HistoryIndex
 from ..drafts.validity import draft_views
 from ..sampling.distribution import SamplingSettings, check_settings
 from ..sampling.philox import SEED_SALT_CONTINUATION, mix_seed
-from ..util.validation import check_int
+from ..util.validation import check_choice, check_int
 from .types import (
     RolloutRequest,
     RolloutResult,
@@ -125,7 +126,7 @@ class SpeculativeRollout:
         self.settings = settings
         self.mode = mode
         self.seed = check_int("seed", seed)
-        self.verify_backend = verify_backend
+        self.verify_backend = check_choice("verify_backend", verify_backend, BACKENDS)
         self.history = (HistoryIndex() if history is None else history) if mode.tail else None
 
     @property

@@ -137,7 +137,11 @@ def run_modes(
         bad = [m for m in modes if m not in MODES]
         if bad:
             raise ValueError(f"unknown mode(s) {bad}; choose from {list(MODES)}")
+        if len(set(modes)) != len(modes):
+            raise ValueError(f"modes names a run twice: {list(modes)} (each run has one folder)")
         modes = {m: MODES[m] for m in modes}
+    if not modes:
+        raise ValueError("modes is empty: name at least one run (e.g. ['vanilla', 'spec'])")
     configs = run_configs(config, modes)  # all checked before any trains
     out_dir = Path(out_dir)
     device = resolve_device(config.device)
@@ -159,6 +163,9 @@ def run_modes(
         for c in new_changes:
             log(f"--allow-config-change: {c['field']} {c['old']!r} -> {c['new']!r} (recorded in run_info.json)")
         changes = changes + new_changes
+        # the runs not resumed now keep their stored modes, so a later resume of them is still compared
+        stored = (stored_info(out_dir) or {}).get("fingerprint") or {}
+        fingerprint = {**{k: v for k, v in stored.items() if k.startswith("mode:")}, **fingerprint}
 
     def info() -> dict:
         ran = {label: configs[label] for label in summary if label in configs}

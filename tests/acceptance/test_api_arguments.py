@@ -64,12 +64,13 @@ def _verify_inputs():
         (dict(lengths=[3, 2]), TypeError, "lengths must be a torch.Tensor, got list (e.g. torch.tensor(lengths))"),
         (dict(uids=[0, 1]), TypeError, "uids must be a torch.Tensor, got list (e.g. torch.tensor(uids))"),
         (dict(uids=torch.arange(3)), ValueError, "uids has shape (3,), expected (2,)"),
+        (dict(old_logprobs=[[0.0]]), TypeError, "old_logprobs must be a torch.Tensor, got list"),
     ],
 )
 def test_verify_refuses_bad_arguments(kwargs, error, words):
     ids, old, logits = _verify_inputs()
     with pytest.raises(error) as info:
-        verify_logits(ids, old, logits, **kwargs)
+        verify_logits(**{"draft_ids": ids, "old_logprobs": old, "logits": logits, **kwargs})
     assert words in str(info.value)
 
 
@@ -81,6 +82,7 @@ def test_verify_refuses_bad_arguments(kwargs, error, words):
         (dict(rule=None), ValueError, "rule must be one of ('lenient', 'exact', 'random'), got None"),
         (dict(backend="gpu"), ValueError, "backend must be one of ('auto', 'reference', 'triton'), got 'gpu'"),
         (dict(sampling=None), TypeError, "sampling must be a SamplingSettings, got NoneType"),
+        (dict(return_accept_mask=1), TypeError, "return_accept_mask must be True or False, got 1"),
     ],
 )
 def test_verify_options_refuse_bad_values(kwargs, error, words):

@@ -158,3 +158,8 @@ def test_options_that_name_no_mode_are_refused(kwargs, words):
     with pytest.raises(ValueError) as info:
         mode_from_options(**kwargs)
     assert words in str(info.value)
+
+
+def test_a_lenience_of_zero_has_log_minus_infinity():
+    mode = RolloutMode("lenient", 0.0)
+    assert mode.log_lenience == float("-inf") and mode.to_dict()["log_lenience"] == float("-inf")

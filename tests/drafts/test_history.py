@@ -121,3 +121,17 @@ def test_proposals_never_hold_an_id_the_model_cannot_read():
     p = SuffixProposer(sam, prefix=[5, 6], max_k=8, vocab_size=100)
     assert p.propose(100) == [7]
     assert SuffixProposer(sam, prefix=[5, 6], max_k=8).propose(100) == [7, 900, 8]
+
+
+@pytest.mark.parametrize(
+    "bounds, error, words",
+    [
+        (dict(max_responses="a"), TypeError, "max_responses must be an integer, got str 'a'"),
+        (dict(max_tokens=16.0), TypeError, "max_tokens must be an integer, got float 16.0"),
+        (dict(max_prompts=0), ValueError, "max_prompts must be >= 1, got 0"),
+    ],
+)
+def test_history_bounds_are_checked_by_name(bounds, error, words):
+    with pytest.raises(error) as info:
+        HistoryIndex(**bounds)
+    assert words in str(info.value)

@@ -292,6 +292,7 @@ def test_max_model_len_past_the_models_positions_is_refused():
         (dict(eos_ids=[1.5]), TypeError, r"eos_ids\[0\] must be an integer token id, got 1.5"),
         (dict(eos_ids=[VOCAB]), ValueError, rf"eos_ids\[0\] = {VOCAB} is outside \[0, {VOCAB}\)"),
         (dict(mode="spec"), TypeError, r"mode must be a RolloutMode \(e.g. spec_rl.MODES\['spec'\]\), got str"),
+        (dict(verify_backend="gpu"), ValueError, r"verify_backend must be one of \('auto', 'reference', 'triton'\)"),
     ],
 )
 def test_bad_constructor_arguments_name_themselves(kwargs, error, message):

@@ -308,6 +308,17 @@ def test_resume_with_a_subset_of_modes_keeps_the_others(model_dir, data_file, tm
     assert "[vanilla] finished earlier: all 2 epochs are in" in said and "[spec] resumed at epoch 2" in said
 
 
+def test_a_run_left_out_of_a_resume_keeps_its_mode_for_the_next_one(model_dir, data_file, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(_train_argv(model_dir, data_file, out, "--modes", "vanilla,spec")) == 0
+    assert main(_train_argv(model_dir, data_file, out, "--modes", "vanilla", "--epochs", "2", "--resume")) == 0
+    assert "mode:spec" in json.loads((out / "run_info.json").read_text())["fingerprint"]
+    other = ("--modes", "spec", "--epochs", "2", "--resume", "--lenience", "1", "--rejection-draw", "without-draft")
+    with pytest.raises(SystemExit):
+        main(_train_argv(model_dir, data_file, out, *other))
+    assert "the mode of run spec" in capsys.readouterr().err
+
+
 # Held-out flags: (extra flags, what the one error line must contain). "EVAL" is replaced by a held-out file.
 BAD_EVAL_FLAGS = [
     (["--eval-fraction", "0"], "argument --eval-fraction: must be a number in (0, 1), got '0'"),

@@ -83,6 +83,8 @@ def test_no_tail_turns_tail_speculation_off_in_the_runs_that_have_it():
         (["--modes", "random-ref"], "--modes takes vanilla, histspec, spec, exact, random; got 'random-ref'"),
         (["--modes", "auto"], "--modes takes vanilla, histspec, spec, exact, random; got 'auto'"),
         (["--modes", " , "], "--modes takes"),
+        (["--modes", "vanilla", "--spec-tokens", "4"], "--spec-tokens sets the width of tail speculation, which none"),
+        (["--modes", "spec", "--no-tail", "--spec-tokens", "4"], "drop --spec-tokens, or add a run with tail"),
     ],
 )
 def test_mode_flags_no_selected_run_has_and_bad_runs_are_refused(argv, message):

@@ -139,6 +139,10 @@ def test_bad_trainer_input(tmp_path):
         GRPOConfig(group_size=0)
     with pytest.raises(ValueError, match=r"unknown mode\(s\) \['random-ref'\]; choose from \['vanilla', 'histspec'"):
         run_modes(tmp_path / "policy", EXAMPLES, _reward, _config(), ["vanilla", "random-ref"], tmp_path / "run")
+    with pytest.raises(ValueError, match=r"modes names a run twice: \['spec', 'spec'\]"):
+        run_modes(tmp_path / "policy", EXAMPLES, _reward, _config(), ["spec", "spec"], tmp_path / "run")
+    with pytest.raises(ValueError, match="modes is empty"):
+        run_modes(tmp_path / "policy", EXAMPLES, _reward, _config(), [], tmp_path / "run")
     assert not (tmp_path / "run").exists()  # refused before anything is written
 
 
