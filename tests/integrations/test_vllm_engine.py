@@ -197,7 +197,6 @@ def test_trainer_on_vllm_backend(tmp_path):
         cfg,
         tmp_path / "run",
         progress=False,
-        log=lambda s: None,
     )
     backend = trainer.rollout.backend
     assert isinstance(backend, VLLMBackend)
