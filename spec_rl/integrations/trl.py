@@ -20,7 +20,7 @@ from ..drafts.cache import RolloutCache
 from ..drafts.history import HistoryIndex
 from ..rollout.speculative import RolloutRequest, RolloutResult
 from ..sampling.distribution import SamplingSettings
-from .trl_batch import batch_requests, group_size, hook_dataset_ids, tokenize_prompts, unwrapped_model
+from .trl_batch import batch_requests, group_size, hook_dataset_ids, tokenize_prompts, trainer_owner, unwrapped_model
 from .trl_checkpoint import CACHE_FILENAME, HISTORY_FILENAME, RolloutCacheCallback, history_path, ranked_path
 from .trl_checks import (
     UnsupportedTrainerConfig,
@@ -119,6 +119,7 @@ class SpecRLRollout:
         self.last_requests: list[RolloutRequest] = []
         self.history: list[dict] = []
         self.trainer = None
+        self.owner: str | None = None  # the policy the drafts belong to, set when a trainer is bound
         self.settings: SamplingSettings | None = None
         self._options = RolloutOptions(self.mode, verify_backend, int(spec_tokens), self.max_model_len, seed)
         self._rollouts: TrainerRollouts | None = None
@@ -150,6 +151,9 @@ class SpecRLRollout:
         settings = check_trainer_args(trainer.args)
         check_trainer_features(trainer, self.dataset_id_column)
         check_cache_settings(self.cache, settings)
+        self.owner = trainer_owner(trainer)
+        if self.owner is not None:
+            self.cache.claim(self.owner, f"rollout cache {self.cache_path}" if self.cache_path else None)
         if self.check_logprobs:
             check_trainer_logprobs(trainer, settings)
         self.settings = settings
@@ -270,7 +274,10 @@ class SpecRLRollout:
 
     def load_cache(self, path: str | os.PathLike) -> None:
         """Replace the cache with the file at ``path``; UnsupportedTrainerConfig if sampled with other settings."""
-        self.cache = RolloutCache.load(path)
+        cache = RolloutCache.load(path)
+        if self.owner is not None:
+            cache.claim(self.owner, f"rollout cache {path}")
+        self.cache = cache
         if self.settings is not None:
             check_cache_settings(self.cache, self.settings)
 

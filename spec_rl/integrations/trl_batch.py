@@ -131,3 +131,16 @@ def hook_dataset_ids(trainer, column: str, set_ids: Callable[[list[str] | None],
 
     trainer._generate_and_score_completions = with_ids
     trainer._spec_rl_id_hook = True
+
+
+def trainer_owner(trainer) -> str | None:
+    """The owner tag of the trainer's policy (:func:`~spec_rl.drafts.owner.policy_owner`); None when its processing
+    class has no vocabulary to fingerprint."""
+    from ..drafts.owner import policy_owner
+
+    tokenizer = getattr(trainer, "processing_class", None)
+    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a multimodal processor wraps its tokenizer
+    if not callable(getattr(tokenizer, "get_vocab", None)):
+        return None
+    model = getattr(trainer, "model", None)
+    return policy_owner(tokenizer, getattr(getattr(model, "module", model), "config", None))

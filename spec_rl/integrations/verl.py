@@ -8,6 +8,7 @@ generated plainly and never touch it.
 from __future__ import annotations
 
 import os
+import weakref
 from functools import partial
 from typing import Any
 from uuid import uuid4
@@ -17,6 +18,7 @@ from verl.utils.profiler import simple_timer
 
 from ..acceptance.mode import mode_from_options
 from ..drafts.directory import DirectoryDraftStore
+from ..drafts.owner import policy_owner
 from ..sampling.distribution import SamplingSettings
 from .exact import MAX_RESIDUAL_ATTEMPTS, draw_continuation
 from .requests import ContinuationRequest, SpecRequestBuilder
@@ -26,12 +28,20 @@ CACHE_DIR_ENV = "SPEC_RL_DRAFT_DIR"
 
 # One store per directory per process: verl builds an agent loop per sample.
 _STORES: dict[str, DirectoryDraftStore] = {}
+# The owner tag of each tokenizer, computed once (it hashes the vocabulary).
+_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _store_for(path: str) -> DirectoryDraftStore:
+def _store_for(path: str, tokenizer) -> DirectoryDraftStore:
+    """The process's store of ``path``, claimed for ``tokenizer``'s drafts (DraftOwnerError: another's)."""
     key = os.path.abspath(path)
     if key not in _STORES:
         _STORES[key] = DirectoryDraftStore(key)
+    if callable(getattr(tokenizer, "get_vocab", None)):
+        if tokenizer not in _OWNERS:
+            _OWNERS[tokenizer] = policy_owner(tokenizer)
+        if _STORES[key].owner != _OWNERS[tokenizer]:
+            _STORES[key].claim(_OWNERS[tokenizer])
     return _STORES[key]
 
 
@@ -126,7 +136,7 @@ class SpecRLAgentLoop(AgentLoopBase):
             eos = getattr(self.tokenizer, "eos_token_id", None)
             eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
         self.builder = SpecRequestBuilder(
-            _store_for(str(cache_dir)),
+            _store_for(str(cache_dir), self.tokenizer),
             self.settings,
             int(max_model_len),
             eos_token_ids,

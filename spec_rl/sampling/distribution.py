@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, fields
 import torch
 
 from ..util.validation import check_int, check_real
-from .philox import STREAM_SAMPLE, philox_uniform
+from .philox import STREAM_SAMPLE, philox_keys
 
 
 @dataclass(frozen=True)
@@ -175,11 +175,12 @@ def keyed_sample(
     exclude: torch.Tensor | None = None,
     index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row by inverse CDF with a keyed uniform (docs/design.md "Randomness").
+    """One token per row by a keyed exponential race (Gumbel-max; docs/design.md "Randomness").
 
-    Row r takes the first token whose cumulative probability (vocabulary order, float64 sums) reaches
-    ``philox_uniform(seed, uids[r], positions[r], STREAM_SAMPLE)``: a pure function of (seed, uid, position, logits),
-    so one-token and speculative multi-token decode steps give the same tokens whatever the batch.
+    Row r returns argmax over tokens of ``log p(token) + G(token)``, with Gumbel noise G = -log(-log u) whose
+    uniforms are keyed by (seed, uids[r], positions[r], token): an exact sample of the sampling distribution, a pure
+    function of the key and the logits (the same alone or in any batch, one token per decode step or several), and
+    robust to rounding: it changes only where two tokens' scores nearly tie.
 
     ``logits``: [N, V] float, or [U, V] distinct rows with ``index`` [N] int64 (row r samples ``logits[index[r]]``);
     ``uids``, ``positions``: [N] int64 sequence ids and absolute positions; ``exclude``: [N] int64 token removed from
@@ -196,23 +197,39 @@ def keyed_sample(
         raise ValueError("keyed_sample takes index or exclude, not both (index logits[index] first)")
     uids, positions, exclude, index = _checked_rows(logits, uids, positions, exclude, index)
     logp = sampling_log_softmax(logits, settings.temperature, settings.top_k, settings.top_p)
-    probs = logp.exp().double()  # exp in float32, sums in float64
-    if exclude is not None:
-        rows = torch.arange(probs.shape[0], device=probs.device)
-        residual = probs.clone()
-        residual[rows, exclude.long()] = 0.0
-        empty = residual.sum(-1) <= 0
-        probs = torch.where(empty.unsqueeze(-1), probs, residual)
-    cdf = torch.cumsum(probs, dim=-1)
-    total = cdf[:, -1] if index is None else cdf[:, -1][index]
-    _raise_if_no_distribution(total, lambda r: f"uid {int(uids[r])}, position {int(positions[r])}")
-    u = philox_uniform(seed, uids.to(torch.int64), positions.to(torch.int64), stream=STREAM_SAMPLE).double()
-    target = u * total
-    if index is None:
-        ids = torch.searchsorted(cdf, target.unsqueeze(-1)).squeeze(-1).clamp(max=probs.shape[-1] - 1)
-        return ids, logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
-    ids = _search_shared_rows(cdf, index, target).clamp(max=probs.shape[-1] - 1)
-    return ids, logp[index, ids]
+    total = logp.exp().sum(-1)
+    _raise_if_no_distribution(
+        total if index is None else total[index], lambda r: f"uid {int(uids[r])}, position {int(positions[r])}"
+    )
+    keys = philox_keys(seed, uids, positions, STREAM_SAMPLE).tolist()
+    n, vocab = len(keys), logp.shape[-1]
+    ids = torch.empty(n, dtype=torch.int64, device=logp.device)
+    step = max(1, _NOISE_ELEMENTS // max(vocab, 1))
+    gen = torch.Generator(device=logp.device)
+    for start in range(0, n, step):
+        rows = slice(start, start + step)
+        lp = logp[rows] if index is None else logp[index[rows]]
+        score = lp + _gumbel(keys[rows], vocab, gen, lp.device)
+        if exclude is not None:
+            ex = exclude[rows].unsqueeze(-1)
+            others = lp.scatter(-1, ex, float("-inf")).amax(-1) > float("-inf")  # mass left besides the excluded
+            score.scatter_(-1, ex, torch.where(others, float("-inf"), score.gather(-1, ex).squeeze(-1)).unsqueeze(-1))
+        ids[rows] = score.argmax(-1)
+    rows_of = torch.arange(n, device=logp.device) if index is None else index
+    return ids, logp[rows_of, ids]
+
+
+#: Noise values formed at once (rows x vocabulary): bounds the extra memory of a large batch at a large vocabulary.
+_NOISE_ELEMENTS = 1 << 22
+
+
+def _gumbel(keys: list[int], vocab: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    """Gumbel noise [len(keys), V] float32, row r drawn by the generator of ``device`` seeded with ``keys[r]``."""
+    u = torch.empty((len(keys), vocab), dtype=torch.float32, device=device)
+    for row, key in zip(u, keys):
+        gen.manual_seed(key)
+        row.uniform_(generator=gen)
+    return u.log_().neg_().log_().neg_()  # -log(-log u); u = 0 gives -inf: that token never wins
 
 
 def _index_vector(name: str, t, n: int | None, high: int | None = None) -> torch.Tensor:
@@ -241,20 +258,3 @@ def _checked_rows(logits, uids, positions, exclude, index):
     if exclude is not None:
         exclude = _index_vector("exclude", exclude, n, high=logits.shape[1])
     return _index_vector("uids", uids, n), _index_vector("positions", positions, n), exclude, index
-
-
-def _search_shared_rows(cdf: torch.Tensor, index: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """``searchsorted(cdf[index], target)`` without forming [N, V]: per distinct row, its targets in a [U, K] table."""
-    if index.numel() == 0:
-        return index.clone()
-    order = torch.argsort(index, stable=True)
-    counts = torch.bincount(index, minlength=cdf.shape[0])
-    starts = torch.cumsum(counts, 0) - counts
-    sorted_rows = index[order]
-    rank = torch.arange(index.shape[0], device=index.device) - starts[sorted_rows]
-    table = torch.full((cdf.shape[0], int(counts.max())), 2.0, dtype=cdf.dtype, device=cdf.device)  # 2.0: unused slots
-    table[sorted_rows, rank] = target[order]
-    found = torch.searchsorted(cdf, table)
-    ids = torch.empty_like(index)
-    ids[order] = found[sorted_rows, rank]
-    return ids

@@ -8,7 +8,8 @@ order, padding or backend (docs/design.md "Randomness"). Exact mapping (kernels 
 * the first output word x0 becomes ``u = ((x0 >> 8) + 1) * 2**-24`` in float32: 2**24 exact values in [2**-24, 1],
   so ``log(u)`` is finite and u == 1 is possible.
 
-Streams: 0 per-token acceptance, 1 random reuse (one per sample), 2 keyed sampling (indexed by absolute position).
+Streams: 0 per-token acceptance, 1 random reuse (one per sample), 2 keyed sampling (indexed by absolute position:
+the words seed the generator of the row's per-token noise, :func:`philox_keys`).
 """
 
 from __future__ import annotations
@@ -80,6 +81,24 @@ def bits_to_uniform(x0: torch.Tensor) -> torch.Tensor:
     return ((x0 >> 8) + 1).to(torch.float32) * _U24_SCALE
 
 
+def _words(seed: int, uids: torch.Tensor, token_index: torch.Tensor, stream: int) -> tuple[torch.Tensor, ...]:
+    """The four Philox output words of counter (token_index, uid, stream) under key ``seed``, broadcast."""
+    device = uids.device
+    k0, k1 = _as_u64_words(seed, device)
+    u_lo, u_hi = _as_u64_words(uids, device)
+    idx = token_index.to(device=device, dtype=torch.int64) & _MASK32
+    c3 = torch.tensor(int(stream) & _MASK32, dtype=torch.int64, device=device)
+    shape = torch.broadcast_shapes(u_lo.shape, idx.shape)
+    return philox4x32((idx.expand(shape), u_lo.expand(shape), u_hi.expand(shape), c3.expand(shape)), (k0, k1))
+
+
+def philox_keys(seed: int, uids: torch.Tensor, token_index: torch.Tensor, stream: int) -> torch.Tensor:
+    """Keyed 63-bit seeds ``(x1 << 32 | x0) & (2**63 - 1)`` int64, one per (uid, token_index): the seed of the
+    generator that draws a sampled row's per-token noise (:func:`spec_rl.sampling.distribution.keyed_sample`)."""
+    x0, x1, _, _ = _words(seed, uids, token_index, stream)
+    return ((x1 & 0x7FFFFFFF) << 32) | x0
+
+
 def philox_uniform(
     seed: int, uids: torch.Tensor, token_index: torch.Tensor, stream: int = STREAM_ACCEPT
 ) -> torch.Tensor:
@@ -89,14 +108,7 @@ def philox_uniform(
     positions broadcastable against them, e.g. [1, R]. The result has their broadcast shape. TypeError for a
     non-integer ``uids`` tensor.
     """
-    device = uids.device
-    k0, k1 = _as_u64_words(seed, device)
-    u_lo, u_hi = _as_u64_words(uids, device)
-    idx = token_index.to(device=device, dtype=torch.int64) & _MASK32
-    c3 = torch.tensor(int(stream) & _MASK32, dtype=torch.int64, device=device)
-    shape = torch.broadcast_shapes(u_lo.shape, idx.shape)
-    c0 = idx.expand(shape)
-    x0, _, _, _ = philox4x32((c0, u_lo.expand(shape), u_hi.expand(shape), c3.expand(shape)), (k0, k1))
+    x0, _, _, _ = _words(seed, uids, token_index, stream)
     return bits_to_uniform(x0)
 
 

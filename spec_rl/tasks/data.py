@@ -19,6 +19,7 @@ __all__ = [
     "Example",
     "FORMATS",
     "PROMPT_TEMPLATE",
+    "PromptFormat",
     "format_prompt",
     "load_jsonl",
     "load_hf_dataset",
@@ -61,6 +62,57 @@ def format_prompt(question: str) -> str:
     if not q:
         raise ValueError("question is empty; pass the problem text to format_prompt(question)")
     return PROMPT_TEMPLATE.format(question=q)
+
+
+#: What an instruct model's user message says (its chat template wraps it): the question and the answer form the
+#: rewards read, a ``#### <answer>`` line (GSM8K-style tasks) or ``\\boxed{}`` (MATH).
+CHAT_USER_TEMPLATE = "{question}\n\nSolve it step by step, then give the final answer on its own last line as: {form}"
+_ANSWER_FORMS = {"math": "\\boxed{<answer>}"}
+CHAT_TEMPLATE_CHOICES = ("auto", "on", "off")
+
+
+@dataclass(frozen=True)
+class PromptFormat:
+    """How an example becomes the prompt token ids the policy sees.
+
+    ``chat_template``: "on" wraps the question in the tokenizer's chat template (:data:`CHAT_USER_TEMPLATE` as the
+    user message, ``system_prompt`` first when given, the assistant turn opened); "off" tokenizes the example's plain
+    prompt (:data:`PROMPT_TEMPLATE`); "auto" is "on" when the tokenizer has a chat template. Raises ValueError for
+    another choice, or "on" with a tokenizer that has no chat template (from :meth:`encode`).
+    """
+
+    chat_template: str = "auto"
+    system_prompt: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.chat_template, str) or self.chat_template not in CHAT_TEMPLATE_CHOICES:
+            raise ValueError(f"chat_template must be one of {CHAT_TEMPLATE_CHOICES}, got {self.chat_template!r}")
+        if self.system_prompt is not None and not isinstance(self.system_prompt, str):
+            raise TypeError(f"system_prompt must be a str or None, got {type(self.system_prompt).__name__}")
+
+    def uses_chat(self, tokenizer) -> bool:
+        has = bool(getattr(tokenizer, "chat_template", None))
+        if self.chat_template == "on" and not has:
+            raise ValueError("chat_template is 'on' but the tokenizer has no chat template; use 'auto' or 'off'")
+        return has if self.chat_template == "auto" else self.chat_template == "on"
+
+    def encode(self, tokenizer, examples) -> list[list[int]]:
+        """The prompt token ids of each example (a chat template adds its own special tokens)."""
+        if not self.uses_chat(tokenizer):
+            return [tokenizer(e.prompt)["input_ids"] for e in examples]
+        out = []
+        for e in examples:
+            question = e.question if e.question is not None else e.prompt
+            user = CHAT_USER_TEMPLATE.format(question=question, form=_ANSWER_FORMS.get(e.source, "#### <answer>"))
+            system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+            ids = tokenizer.apply_chat_template(
+                [*system, {"role": "user", "content": user}], add_generation_prompt=True, tokenize=True
+            )
+            out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+        return out
+
+    def to_dict(self) -> dict:
+        return {"chat_template": self.chat_template, "system_prompt": self.system_prompt}
 
 
 _COMMA_IN_NUMBER = re.compile(r"(?<=\d),(?=\d)")

@@ -14,7 +14,7 @@ import torch
 from ..backends.protocol import Continuation, eos_token_ids
 from ..backends.transformers_backend import TransformersBackend
 from ..sampling.distribution import SamplingSettings
-from .data import Example
+from .data import Example, PromptFormat
 from .demo_data import DEMO_MAX_NEW_TOKENS
 from .rewards import RewardFn, math_reward
 
@@ -118,21 +118,23 @@ def evaluate_heldout(
     reward_fn: RewardFn = math_reward,
     max_model_len: int | None = None,
     samples_out: list | None = None,
+    prompt_format: PromptFormat | None = None,
 ) -> dict[str, float]:
     """Held-out quality of the policy: ``samples_per_prompt`` fresh samples per prompt and one greedy response. Samples
     use the training ``settings`` keyed by (``seed``, row = prompt index * samples_per_prompt + sample); the greedy
     response (top-k = 1) has the same budget, ``min(max_tokens, max_model_len - prompt_len)`` tokens when
-    ``max_model_len`` is given. Prompts are encoded as the trainer encodes them (``tokenizer(prompt)``). ``samples_out``
-    receives one (prompt ids, response ids) pair per sample. Compare modes on this, not on the rollout reward, which
-    reuse biases towards drafts that were already correct. Returns {"heldout_reward", "heldout_greedy_accuracy",
-    "heldout_response_tokens" (EOS included), "heldout_prompts"}. Raises ValueError for empty ``examples``,
-    ``samples_per_prompt`` or ``batch_size`` < 1, no pad/EOS id, or a prompt that leaves no room for a response."""
+    ``max_model_len`` is given. Prompts are encoded as the trainer encodes them (``prompt_format``, default the plain
+    prompt). ``samples_out`` receives one (prompt ids, response ids) pair per sample. Compare modes on this, not on
+    the rollout reward, which reuse biases towards drafts that were already correct. Returns {"heldout_reward",
+    "heldout_greedy_accuracy", "heldout_response_tokens" (EOS included), "heldout_prompts"}. Raises ValueError for
+    empty ``examples``, ``samples_per_prompt`` or ``batch_size`` < 1, no pad/EOS id, or a prompt that leaves no room
+    for a response."""
     if not examples:
         raise ValueError("examples is empty; pass at least one held-out Example")
     _check_positive_int("samples_per_prompt", samples_per_prompt)
     _check_positive_int("batch_size", batch_size)
     backend = _backend(model, tokenizer, batch_size)
-    prompts = [tokenizer(e.prompt)["input_ids"] for e in examples]
+    prompts = (prompt_format or PromptFormat("off")).encode(tokenizer, examples)
     budgets = _heldout_budgets(prompts, settings, max_model_len)
     greedy = SamplingSettings(top_k=1, max_tokens=settings.max_tokens)
     repeat = range(samples_per_prompt)

@@ -19,7 +19,9 @@ __all__ = [
     "REWARD_FUNCTIONS",
     "extract_boxed",
     "extract_final_answer",
+    "format_reward",
     "get_reward_fn",
+    "math_format_reward",
     "math_reward",
 ]
 
@@ -206,8 +208,24 @@ def math_reward(completion: str, gold: str) -> float:
         return 0.0
 
 
+def format_reward(completion: str, gold: str) -> float:
+    """1.0 when the response gives a final answer in the requested form (a ``#### <answer>`` line or a ``\\boxed{}``),
+    right or wrong, else 0.0: a signal a small model can earn while correctness is still out of reach."""
+    return 1.0 if extract_final_answer(completion) is not None else 0.0
+
+
+def math_format_reward(completion: str, gold: str) -> float:
+    """Partial credit: half for the answer form (:func:`format_reward`), half for the right answer
+    (:func:`math_reward`)."""
+    return 0.5 * format_reward(completion, gold) + 0.5 * math_reward(completion, gold)
+
+
 #: Reward functions by name, each ``fn(completion: str, gold: str) -> float``.
-REWARD_FUNCTIONS: dict[str, RewardFn] = {"math": math_reward}
+REWARD_FUNCTIONS: dict[str, RewardFn] = {
+    "math": math_reward,
+    "format": format_reward,
+    "math+format": math_format_reward,
+}
 
 
 def get_reward_fn(name_or_callable: str | RewardFn) -> RewardFn:

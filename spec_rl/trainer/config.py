@@ -9,6 +9,7 @@ import torch
 
 from ..acceptance.mode import MODES, RolloutMode
 from ..sampling.distribution import SamplingSettings, check_settings
+from ..tasks.data import PromptFormat
 from ..util.validation import check_choice, check_int, check_real
 
 GENERATION_BACKENDS = ("auto", "transformers", "paged", "vllm")
@@ -56,6 +57,7 @@ class GRPOConfig:
     mode: RolloutMode = MODES["spec"]
     spec_tokens: int = 8
     sampling: SamplingSettings = field(default_factory=lambda: SamplingSettings(max_tokens=256))
+    prompt_format: PromptFormat = field(default_factory=PromptFormat)
     epochs: int = 5
     group_size: int = 4
     prompts_per_step: int = 64
@@ -80,6 +82,8 @@ class GRPOConfig:
         if not isinstance(self.mode, RolloutMode):
             raise TypeError(f"mode must be a RolloutMode (e.g. spec_rl.MODES['spec']), got {type(self.mode).__name__}")
         check_settings(self.sampling, "sampling")
+        if not isinstance(self.prompt_format, PromptFormat):
+            raise TypeError(f"prompt_format must be a PromptFormat, got {type(self.prompt_format).__name__}")
         check_choice("generation_backend", self.generation_backend, GENERATION_BACKENDS)
         for name in (
             "epochs",
@@ -108,7 +112,12 @@ class GRPOConfig:
 
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return {**d, "mode": self.mode.to_dict(), "sampling": self.sampling.to_dict()}
+        return {
+            **d,
+            "mode": self.mode.to_dict(),
+            "sampling": self.sampling.to_dict(),
+            "prompt_format": self.prompt_format.to_dict(),
+        }
 
 
 #: The demo's runs: plain vanilla (the reference), SPEC-RL, SPEC-RL with exact acceptance, tail speculation alone.

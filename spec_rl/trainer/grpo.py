@@ -18,6 +18,7 @@ from ..backends.scoring import response_logprobs
 from ..backends.transformers_backend import TransformersBackend
 from ..drafts.cache import RolloutCache
 from ..drafts.history import HistoryIndex
+from ..drafts.owner import policy_owner
 from ..rollout.reward_split import origin_sums, response_origins
 from ..rollout.speculative import RolloutRequest, RolloutResult, SpeculativeRollout
 from ..util.atomic import atomic_write_text
@@ -34,7 +35,7 @@ from .checkpoint import (
 from .config import GRPOConfig, resolve_device
 from .heldout import START, HeldoutEvaluator
 from .loss import clipped_policy_loss, group_advantages, response_mask
-from .records import METRICS_FILE, epoch_record
+from .records import METRICS_FILE, epoch_record, no_signal_warning
 from .report import format_row
 
 # Seeds of the mini-batch split and the epoch's prompt order: seed * stride + counter; primes, so that the
@@ -92,18 +93,26 @@ class GRPOTrainer:
             )
         max_model_len = self._max_model_len(model, config)
         self.settings = config.sampling
-        self.prompt_ids = [tokenizer(e.prompt)["input_ids"] for e in self.examples]
+        self.prompt_ids = config.prompt_format.encode(tokenizer, self.examples)
         self._check_prompt_lengths(self.examples, self.prompt_ids, max_model_len, "prompt")
         self.heldout = None
         if eval_examples is not None:
-            eval_ids = [tokenizer(e.prompt)["input_ids"] for e in eval_examples]
+            eval_ids = config.prompt_format.encode(tokenizer, eval_examples)
             self._check_prompt_lengths(eval_examples, eval_ids, max_model_len, "held-out prompt")
             self.heldout = HeldoutEvaluator(
-                eval_examples, tokenizer, self.settings, config.eval_samples, reward_fn, config.seed, max_model_len
+                eval_examples,
+                tokenizer,
+                self.settings,
+                config.eval_samples,
+                reward_fn,
+                config.seed,
+                max_model_len,
+                prompt_format=config.prompt_format,
             )
         self.initial_heldout: dict | None = None
 
         self.cache = RolloutCache()
+        self.cache.claim(policy_owner(tokenizer, model.config))
         self.history = HistoryIndex() if config.mode.tail else None
         self.rollout = self._make_rollout(model, config, max_model_len)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
@@ -199,7 +208,9 @@ class GRPOTrainer:
         if opt_path.is_file():
             self.optimizer.load_state_dict(torch.load(opt_path, map_location=self.device, weights_only=True))
         if (ckpt.path / CACHE_FILE).is_file():
-            self.cache.update(RolloutCache.load(ckpt.path / CACHE_FILE))
+            stored = RolloutCache.load(ckpt.path / CACHE_FILE)
+            stored.claim(self.cache.owner, f"rollout cache {ckpt.path / CACHE_FILE}")
+            self.cache.update(stored)
         if self.history is not None and (ckpt.path / HISTORY_FILE).is_file():
             self.history.update(HistoryIndex.load(ckpt.path / HISTORY_FILE))
 
@@ -298,6 +309,7 @@ class GRPOTrainer:
         golds = [self.examples[i].answer for i in batch_indices for _ in range(cfg.group_size)]
         rewards = torch.tensor([float(self.reward_fn(t, g)) for t, g in zip(texts, golds)])
         advantages = group_advantages(rewards, cfg.group_size, cfg.scale_adv_by_std)
+        spread = rewards.reshape(-1, cfg.group_size)
         t0 = time.perf_counter()
         upd = self._update(result, advantages)
         self.rollout.backend.sync_weights()  # an engine with its own copy of the weights (vLLM) reloads them
@@ -309,6 +321,9 @@ class GRPOTrainer:
             "step": self.step,
             "mean_reward": float(rewards.mean()),
             "reward_sum": float(rewards.sum()),
+            "groups": spread.shape[0],
+            # groups whose rewards are all equal: zero advantage, no learning signal
+            "flat_groups": int((spread.amax(1) == spread.amin(1)).sum()),
             **origin_sums(response_origins(result), rewards.tolist()),
             "mean_response_len": sum(len(r) for r in result.response_ids) / len(result.response_ids),
             "truncated": sum(result.truncated),
@@ -335,6 +350,8 @@ class GRPOTrainer:
         """The record of finished (0-based) ``epoch``, with the held-out evaluation after it."""
         cfg = self.config
         record = epoch_record(epoch + 1, steps, self.label, cfg.mode)
+        if record["no_signal"]:
+            self.log(no_signal_warning(self.label, record))
         if self.heldout is not None:
             if (epoch + 1) % cfg.eval_every == 0 or epoch + 1 == cfg.epochs:
                 record.update(self.heldout.evaluate(self.model, epoch + 1))

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 
 from ..sampling.distribution import SamplingSettings
 from ..sampling.philox import mix_seed
+from ..tasks.data import PromptFormat
 from ..tasks.evaluation import evaluate_heldout
 from .diagnostics import DIAGNOSTIC_FIELDS, policy_drift
 
@@ -53,6 +54,7 @@ class HeldoutEvaluator:
         run_seed: int,
         max_model_len: int | None = None,
         batch_size: int = EVAL_BATCH_SIZE,
+        prompt_format: PromptFormat | None = None,
     ):
         if len(examples) == 0:
             raise ValueError("no held-out examples; pass at least one, or none to turn held-out evaluation off")
@@ -64,6 +66,7 @@ class HeldoutEvaluator:
         self.run_seed = run_seed
         self.max_model_len = max_model_len
         self.batch_size = batch_size
+        self.prompt_format = prompt_format
         #: the initial policy and pad id of the diagnostics, set by the trainer
         self.reference = None
         self.pad_id: int | None = None
@@ -84,6 +87,7 @@ class HeldoutEvaluator:
             reward_fn=self.reward_fn,
             max_model_len=self.max_model_len,
             samples_out=samples,
+            prompt_format=self.prompt_format,
         )
         if self.pad_id is not None:
             prompts, responses = [p for p, _ in samples], [r for _, r in samples]

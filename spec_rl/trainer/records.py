@@ -33,6 +33,8 @@ SUMMED = (
     "reward_sum",
     "truncated",
     "train_seconds",
+    "groups",
+    "flat_groups",
     *(f"{kind}_{origin}" for origin in ORIGINS for kind in ("reward_sum", "count")),
 )
 
@@ -76,7 +78,21 @@ def epoch_record(epoch: int, steps: list[dict], label: str, mode: RolloutMode) -
         # how far the policy moved on the tokens it reused (mean |lp_new - lp_old|, nats)
         "reused_drift": _mean([s.get("reused_drift") for s in steps if s.get("drafts_found")]),
         "train_seconds": tot["train_seconds"],
+        "groups": tot["groups"],
+        "flat_groups": tot["flat_groups"],
+        # every group's rewards equal: every advantage is 0 and the policy did not change this epoch
+        "no_signal": tot["groups"] > 0 and tot["flat_groups"] == tot["groups"],
     }
+
+
+def no_signal_warning(label: str, record: dict) -> str:
+    """The loud log line of an epoch without learning signal."""
+    return (
+        f"WARNING [{label}] epoch {record['epoch']}: no learning signal - all {record['groups']} groups have equal "
+        f"rewards (mean reward {record['mean_reward']:.3f}), so every advantage is 0 and the policy did not change. "
+        "Check the reward against the responses (prompt format, chat template, answer extraction) or use a reward "
+        "the model can earn (--reward format or math+format)"
+    )
 
 
 def read_step_metrics(run_dir: str | Path, mode: str) -> list[dict]:

@@ -39,6 +39,8 @@ _TOTALS = (
     "scoring_seconds",
     "generation_seconds",
     "other_seconds",
+    "reused_tokens",
+    "draft_tokens",
 )
 
 
@@ -158,11 +160,21 @@ def run_ratios(summary: dict[str, list[dict]], from_epoch: int = 2) -> list[dict
                     f"{k}_ratio": _ratio(t[k], base[k]) for k in ("generated_tokens", "decode_steps", "rollout_seconds")
                 },
                 "scoring_share": _ratio(t["scoring_seconds"], base["rollout_seconds"]),
+                # the policy-change context of the ratios: the share of draft tokens accepted, and how far the policy
+                # had moved on the tokens it reused (mean |lp_new - lp_old|, nats)
+                "accepted_share": _ratio(t["reused_tokens"], t["draft_tokens"]),
+                "reused_drift": _mean_of(records, "reused_drift", epochs),
+                "no_signal_epochs": [r["epoch"] for r in records if r.get("no_signal")],
                 **_final_quality(records, vanilla),
                 "epochs": sorted(epochs),
             }
         )
     return out
+
+
+def _mean_of(records: list[dict], key: str, epochs) -> float | None:
+    values = [r[key] for r in records if r["epoch"] in epochs and r.get(key) is not None]
+    return sum(values) / len(values) if values else None
 
 
 def _fmt(x: float | None, spec: str) -> str:
@@ -196,7 +208,9 @@ def _final_heldout_text(r: dict) -> str:
 def closing_lines(summary: dict[str, list[dict]], from_epoch: int = 2) -> list[str]:
     """Console summary: vanilla's held-out progress, then each run against vanilla (held-out numbers, rollout cost)."""
     if "vanilla" not in summary:
-        return [line for mode, recs in summary.items() if (line := heldout_progress(mode, recs)) is not None]
+        return no_signal_lines(summary) + [
+            line for mode, recs in summary.items() if (line := heldout_progress(mode, recs)) is not None
+        ]
     lines = [line] if (line := heldout_progress("vanilla", summary["vanilla"])) is not None else []
     for r in run_ratios(summary, from_epoch):
         if r["mode"] == "vanilla":
@@ -212,8 +226,34 @@ def closing_lines(summary: dict[str, list[dict]], from_epoch: int = 2) -> list[s
             f"generated tokens {_fmt(r['generated_tokens_ratio'], '.2f')}x, "
             f"decode steps {_fmt(r['decode_steps_ratio'], '.2f')}x, "
             f"rollout time {_fmt(r['rollout_seconds_ratio'], '.2f')}x "
-            f"(scoring {_fmt(r['scoring_share'], '.0%')} of vanilla's rollout); " + _final_heldout_text(r)
+            f"(scoring {_fmt(r['scoring_share'], '.0%')} of vanilla's rollout) {_context_text(r)}; "
+            + _final_heldout_text(r)
         )
+    return no_signal_lines(summary) + lines
+
+
+def _context_text(r: dict) -> str:
+    """The policy change behind a run's ratios: accepted share of draft tokens and drift of the reused ones."""
+    if r["accepted_share"] is None:
+        return "at no draft reuse"
+    return (
+        f"at {r['accepted_share']:.0%} of draft tokens accepted, policy drift "
+        f"{_fmt(r['reused_drift'], '.2g')} nats/token on the reused ones"
+    )
+
+
+def no_signal_lines(summary: dict[str, list[dict]]) -> list[str]:
+    """A warning per run with epochs whose groups all had equal rewards (no learning signal; the policy did not
+    change, so reuse ratios there describe an unchanged policy)."""
+    lines = []
+    for mode, records in summary.items():
+        flat = [r["epoch"] for r in records if r.get("no_signal")]
+        if flat:
+            lines.append(
+                f"WARNING: {mode}: no learning signal in epoch(s) {', '.join(map(str, flat))} of {len(records)}: "
+                "every group's rewards were equal, every advantage 0, and the policy did not change; "
+                "ratios over such epochs measure reuse under an unchanged policy"
+            )
     return lines
 
 
@@ -263,8 +303,9 @@ def _comparison_markdown(summary: dict[str, list[dict]]) -> list[str]:
             "## Relative to plain vanilla, epochs 2+ summed",
             "",
             "| run | tokens ratio | decode steps ratio | rollout time ratio | scoring s | decode s | other s | "
-            "scoring / vanilla rollout | final held-out reward - vanilla | final greedy accuracy - vanilla |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "scoring / vanilla rollout | accepted share of draft tokens | drift of reused tokens (nats) | "
+            "final held-out reward - vanilla | final greedy accuracy - vanilla |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in totals:
             lines.append(
@@ -272,6 +313,7 @@ def _comparison_markdown(summary: dict[str, list[dict]]) -> list[str]:
                 f"{_fmt(r['decode_steps_ratio'], '.3f')} | {_fmt(r['rollout_seconds_ratio'], '.3f')} | "
                 f"{r['scoring_seconds']:.2f} | {r['generation_seconds']:.2f} | "
                 f"{r['other_seconds']:.2f} | {_fmt(r['scoring_share'], '.1%')} | "
+                f"{_fmt(r['accepted_share'], '.1%')} | {_fmt(r['reused_drift'], '.3g')} | "
                 f"{_fmt(r['final_heldout_reward_minus_vanilla'], '+.3f')} | "
                 f"{_fmt(r['final_greedy_accuracy_minus_vanilla'], '+.3f')} |"
             )
@@ -376,7 +418,8 @@ def write_report(
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     versions = info.get("versions", {})
-    atomic_write_text(run_dir / "summary.json", json.dumps({"versions": versions, "runs": summary}, indent=2))
+    stored = {"versions": versions, "warnings": no_signal_lines(summary), "runs": summary}
+    atomic_write_text(run_dir / "summary.json", json.dumps(stored, indent=2))
     atomic_write_text(run_dir / "run_info.json", json.dumps(info, indent=2, default=str))
     png = plot(run_dir, summary) if plot_png else None
     if png is None and not plot_png and (run_dir / "report.png").is_file():
@@ -390,6 +433,7 @@ def write_report(
         "",
         "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()) + ".",
         "",
+        *[f"**{line}**\n" for line in no_signal_lines(summary)],
         *_heldout_note(info, summary),
         "## Per-epoch results",
         "",

@@ -18,7 +18,7 @@ from .rundir import INFO_FILE, RunDirError
 
 #: GRPOConfig fields that change what a response can be; each run's mode is compared too, without ``tail``
 #: (tail speculation changes decode steps, never a token).
-RESPONSE_FIELDS = ("sampling", "max_model_len", "seed")
+RESPONSE_FIELDS = ("sampling", "prompt_format", "max_model_len", "seed")
 #: GRPOConfig fields that change how the policy is trained or measured. Not compared: epochs (a resume may extend a
 #: run), micro_batch_size (memory only), spec_tokens (decode steps only), device and backend (keyed sampling).
 TRAINING_FIELDS = (

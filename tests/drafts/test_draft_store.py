@@ -119,3 +119,54 @@ def test_a_writer_killed_mid_write_leaves_the_old_draft_and_clear_removes_its_te
     assert got.token_ids.tolist() == [7, 8] and got.version == 1 and len(store) == 1
     store.clear()
     assert not leftover.exists() and len(store) == 0 and store.lookup(key, S) is None
+
+
+def _tokenizer(words):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
+
+
+def test_drafts_of_another_tokenizer_or_model_are_refused(tmp_path):
+    from types import SimpleNamespace
+
+    from spec_rl.drafts.owner import DraftOwnerError, policy_owner
+
+    words = ["<pad>", "<eos>", "<unk>", "a", "b"]
+    mine = policy_owner(_tokenizer(words), SimpleNamespace(model_type="llama", vocab_size=5, hidden_size=8))
+    assert mine.startswith("llama-v5-h8-lNone-tok") and mine == policy_owner(
+        _tokenizer(words), {"model_type": "llama", "vocab_size": 5, "hidden_size": 8}
+    )
+    other_tok = policy_owner(_tokenizer(["<pad>", "<eos>", "<unk>", "b", "a"]), {"model_type": "llama"})
+    other_model = policy_owner(_tokenizer(words), {"model_type": "qwen2", "vocab_size": 5, "hidden_size": 8})
+    assert len({mine, other_tok, other_model, policy_owner(_tokenizer(words))}) == 4
+    with pytest.raises(TypeError, match="tokenizer must be a transformers tokenizer"):
+        policy_owner(object())
+
+    # the in-memory cache, saved and loaded
+    cache = RolloutCache()
+    cache.claim(mine)
+    cache.store(CacheKey.make([3, 4], 0), [3, 1], [-0.5, -0.1], "eos", 0, SamplingSettings())
+    path = cache.save(tmp_path / "cache.safetensors")
+    loaded = RolloutCache.load(path)
+    assert loaded.owner == mine and len(loaded) == 1
+    loaded.claim(mine)  # the same policy (e.g. after training steps) keeps it
+    refused = rf"rollout cache .* holds drafts of another policy \({mine}\).*new draft"
+    with pytest.raises(DraftOwnerError, match=refused):
+        RolloutCache.load(path).claim(other_tok, f"rollout cache {path}")
+    fresh = RolloutCache()
+    fresh.claim(other_model)
+    with pytest.raises(ValueError, match="the cache merged in holds drafts of another policy"):
+        fresh.update(RolloutCache.load(path))
+    assert len(fresh) == 0
+
+    # the shared directory: the owner lives in its marker, for every worker
+    DirectoryDraftStore(tmp_path / "drafts").claim(mine)
+    DirectoryDraftStore(tmp_path / "drafts").claim(mine)
+    with pytest.raises(DraftOwnerError, match=r"draft directory .*drafts holds drafts of another policy"):
+        DirectoryDraftStore(tmp_path / "drafts").claim(other_model)
+    with pytest.raises(TypeError, match="owner must be a non-empty str"):
+        RolloutCache().claim("")

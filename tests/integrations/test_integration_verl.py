@@ -552,3 +552,39 @@ def test_a_configured_entry_survives_the_import(setup):
     finally:
         _agent_loop_registry.clear()
         _agent_loop_registry.update(saved)
+
+
+@pytest.mark.real_model
+def test_agent_loop_on_a_real_instruct_model(real_model_path, tmp_path):
+    """SmolLM2-135M-Instruct's tokenizer and chat template: prompts built by verl from chat messages, responses that
+    end at <|im_end|>, full reuse under unchanged weights, log-probs of the real model; and a draft directory of
+    another tokenizer is refused."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from spec_rl.drafts.owner import DraftOwnerError
+
+    sv._STORES.clear()
+    tok = AutoTokenizer.from_pretrained(real_model_path)
+    model = AutoModelForCausalLM.from_pretrained(real_model_path, dtype=torch.float32).eval()
+    prompt_len, response_len = 64, 6
+    server = VerlServer(TinyServer(model, {2}, prompt_len + response_len, step=1, response_length=response_len))
+    cfg = make_config(prompt_length=prompt_len, response_length=response_len)
+    d = str(tmp_path / "drafts")
+    ep1 = run_epoch(cfg, server, tok, cache_dir=d)
+    for out, row in zip(ep1, rows()):
+        want = tok.apply_chat_template(row["raw_prompt"], add_generation_prompt=True, tokenize=True)
+        assert out.prompt_ids == list(want["input_ids"] if hasattr(want, "keys") else want)
+        assert 2 not in out.response_ids[:-1] and 1 <= len(out.response_ids) <= response_len
+        ref = full_forward_logprobs(model, out.prompt_ids, out.response_ids)
+        torch.testing.assert_close(torch.tensor(out.response_logprobs, dtype=torch.float64), ref, atol=1e-4, rtol=0)
+    server.core.step = 2
+    ep2 = run_epoch(cfg, server, tok, cache_dir=d)
+    assert [o.response_ids for o in ep2] == [o.response_ids for o in ep1]
+    assert all(o.extra_fields["spec_rl/full_reuse"] for o in ep2)
+
+    sv._STORES.clear()
+    other = tiny_tokenizer()
+    with pytest.raises(Exception, match=r"draft directory .* holds drafts of another policy") as info:
+        run_epoch(make_config(), server, other, cache_dir=d)
+    # verl builds the agent loop through hydra, which wraps the error: it is the cause
+    assert isinstance(info.value, DraftOwnerError) or isinstance(info.value.__cause__, DraftOwnerError)

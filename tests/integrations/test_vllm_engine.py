@@ -214,3 +214,39 @@ def test_trainer_on_vllm_backend(tmp_path):
         assert record["reused_tokens"] > 0 and record["num_samples"] == 12
     finally:
         backend.close()
+
+
+@pytest.mark.real_model
+def test_vllm_backend_on_a_real_instruct_model(real_model_path, tmp_path):
+    """The vLLM backend on the converted SmolLM2-135M-Instruct (vocabulary 49152, tied head, chat template): its
+    samples' log-probs are the policy's, and a second epoch under the same weights reuses every draft whole."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from spec_rl.acceptance.mode import MODES
+    from spec_rl.backends.vllm_backend import VLLMBackend
+    from spec_rl.drafts.cache import RolloutCache
+    from spec_rl.rollout.speculative import RolloutRequest, SpeculativeRollout
+    from spec_rl.sampling.distribution import SamplingSettings
+    from spec_rl.tasks.data import PromptFormat
+    from spec_rl.tasks.demo_data import demo_train_set
+
+    eos = 2
+    tok = AutoTokenizer.from_pretrained(real_model_path)
+    model = AutoModelForCausalLM.from_pretrained(real_model_path, dtype=torch.float32).eval()
+    prompts = PromptFormat().encode(tok, demo_train_set()[:3])
+    requests = [RolloutRequest(p, s, dataset_id=f"q{i}") for i, p in enumerate(prompts) for s in range(2)]
+    backend = VLLMBackend(model, tok, [eos], eos, tmp_path / "engine", max_model_len=512)
+    try:
+        rollout = SpeculativeRollout(
+            backend, RolloutCache(), SamplingSettings(max_tokens=16), [eos], 512, MODES["spec"], seed=1
+        )
+        first = rollout.run(requests, 0)
+        for prompt, resp, lps in zip(first.prompt_ids, first.response_ids, first.logprobs):
+            assert 1 <= len(resp) <= 16 and eos not in resp[:-1]
+            ref = full_forward_logprobs(model.double(), prompt, resp)
+            model.float()
+            torch.testing.assert_close(torch.tensor(lps, dtype=torch.float64), ref, atol=2e-4, rtol=0)
+        second = rollout.run(requests, 1)
+        assert second.response_ids == first.response_ids and second.stats.tokens_generated == 0
+    finally:
+        backend.close()

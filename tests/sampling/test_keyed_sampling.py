@@ -1,4 +1,4 @@
-"""Keyed inverse-CDF sampling: exact marginals (chi-square), batch independence, residual draws."""
+"""Keyed sampling (exponential race): exact marginals (chi-square), batch independence, residual draws, robustness."""
 
 import math
 
@@ -56,3 +56,25 @@ def test_residual_of_a_point_mass_falls_back_to_the_distribution():
     logits = torch.tensor([[0.0, -math.inf, -math.inf]])
     ids, lps = keyed_sample(logits, SamplingSettings(), 0, torch.tensor([1]), torch.tensor([0]), torch.tensor([0]))
     assert ids.tolist() == [0] and lps.tolist() == [0.0]
+
+
+def test_rounding_of_the_logits_moves_no_token_of_a_large_vocabulary():
+    # A running sum of probabilities moves every boundary when any logit rounds differently; the race does not.
+    gen = torch.Generator().manual_seed(8)
+    logits = torch.randn(64, 49152, generator=gen) * 4
+    noisy = logits * (1 + 1e-6 * torch.randn(logits.shape, generator=gen))
+    uids, pos = torch.arange(64) * 7 + 1, torch.full((64,), 30)
+    a, _ = keyed_sample(logits, SamplingSettings(), 3, uids, pos)
+    b, _ = keyed_sample(noisy, SamplingSettings(), 3, uids, pos)
+    assert int((a != b).sum()) == 0
+
+
+def test_rows_are_drawn_in_chunks_without_changing_a_token(monkeypatch):
+    import spec_rl.sampling.distribution as dist
+
+    logits = torch.randn(40, 300, generator=torch.Generator().manual_seed(2))
+    uids, pos = torch.arange(40), torch.arange(40)
+    whole, _ = keyed_sample(logits, SamplingSettings(), 9, uids, pos)
+    monkeypatch.setattr(dist, "_NOISE_ELEMENTS", 600)  # two rows per chunk
+    chunked, _ = keyed_sample(logits, SamplingSettings(), 9, uids, pos)
+    assert torch.equal(whole, chunked)

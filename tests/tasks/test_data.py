@@ -161,3 +161,35 @@ def test_hf_dataset_missing_library_message(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", fake_import)
     with pytest.raises(ImportError, match=r"pip install spec-rl\[datasets\]"):
         load_hf_dataset("openai/gsm8k", split="test", name="main")
+
+
+def test_prompt_format_applies_the_chat_template_when_there_is_one():
+    from tiny_models import tiny_tokenizer
+
+    from spec_rl.tasks.data import CHAT_USER_TEMPLATE, PromptFormat
+
+    plain = tiny_tokenizer()
+    chat = tiny_tokenizer()
+    chat.chat_template = (
+        "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} <eos> {% endfor %}"
+        "{% if add_generation_prompt %}Answer:{% endif %}"
+    )
+    ex = [
+        Example(prompt="Question: Tom has 2\nAnswer:", answer="2", uid="a", source="gsm8k", question="Tom has 2"),
+        Example(prompt="Question: x\nAnswer:", answer="1", uid="b", source="math", question="x"),
+    ]
+    # auto: the plain prompt without a template, the chat template with one
+    assert PromptFormat().encode(plain, ex) == [plain(e.prompt)["input_ids"] for e in ex]
+    assert PromptFormat("off").encode(chat, ex) == [plain(e.prompt)["input_ids"] for e in ex]
+    got = PromptFormat("auto", system_prompt="be brief").encode(chat, ex)
+    user = CHAT_USER_TEMPLATE.format(question="Tom has 2", form="#### <answer>")
+    text = f"system : be brief <eos> user : {user} <eos> Answer:"
+    assert got[0] == chat(text, add_special_tokens=False)["input_ids"]
+    assert PromptFormat("on").encode(chat, ex[1:])[0][-1] == chat.convert_tokens_to_ids("Answer:")
+    assert "\\boxed{<answer>}" in CHAT_USER_TEMPLATE.format(question="q", form="\\boxed{<answer>}")
+    with pytest.raises(ValueError, match="chat_template is 'on' but the tokenizer has no chat template"):
+        PromptFormat("on").encode(plain, ex)
+    with pytest.raises(ValueError, match=r"chat_template must be one of \('auto', 'on', 'off'\), got 'yes'"):
+        PromptFormat("yes")
+    with pytest.raises(TypeError, match="system_prompt must be a str or None"):
+        PromptFormat(system_prompt=3)

@@ -131,10 +131,27 @@ def test_registry():
         return 0.5
 
     assert get_reward_fn(mine) is mine
-    with pytest.raises(ValueError, match=r"unknown reward 'gsm'.*\['math'\]"):
+    with pytest.raises(ValueError, match=r"unknown reward 'gsm'.*'math'"):
         get_reward_fn("gsm")
     with pytest.raises(TypeError, match="reward"):
         get_reward_fn(3)
+
+
+@pytest.mark.parametrize(
+    "completion, gold, form, both",
+    [
+        ("so 3 + 4 = 7\n#### 7", "7", 1.0, 1.0),  # right, in the form
+        ("so 3 + 4 = 8\n#### 8", "7", 1.0, 0.5),  # wrong, in the form
+        ("The answer is \\boxed{7}.", "7", 1.0, 1.0),
+        ("The answer is 7.", "7", 0.0, 0.0),  # right but not in the form: math_reward reads only the form too
+        ("#### ", "7", 0.0, 0.0),  # an empty answer line is no answer
+        ("", "7", 0.0, 0.0),
+    ],
+)
+def test_format_and_partial_credit_rewards(completion, gold, form, both):
+    assert get_reward_fn("format")(completion, gold) == form
+    assert get_reward_fn("math+format")(completion, gold) == both
+    assert both == 0.5 * form + 0.5 * math_reward(completion, gold)
 
 
 def test_missing_math_verify_is_an_error_not_a_zero(monkeypatch):

@@ -437,3 +437,23 @@ def test_resume_under_another_training_recipe_is_refused_even_when_the_run_is_co
 def test_a_group_of_one_is_refused(model_dir, data_file, tmp_path, capsys):
     line = _error_line(capsys, _train_argv(model_dir, data_file, tmp_path / "run", "--group-size", "1"))
     assert line.startswith("spec-rl: error: --group-size must be >= 2, got 1") and "the G samples of a prompt" in line
+
+
+def test_prompt_format_and_reward_flags(model_dir, data_file, tmp_path, capsys):
+    line = _error_line(capsys, _train_argv(model_dir, data_file, tmp_path / "r1", "--chat-template", "on"))
+    assert "--chat-template is 'on' but the tokenizer has no chat template; use 'auto' or 'off'" in line
+    line = _error_line(capsys, _train_argv(model_dir, data_file, tmp_path / "r2", "--reward", "gsm"))
+    assert "--reward: invalid choice: 'gsm' (choose from 'arithmetic', 'math', 'format', 'math+format')" in line
+    line = _error_line(capsys, _train_argv(model_dir, data_file, tmp_path / "r3", "--eval-limit", "2"))
+    assert "--eval-limit cuts --eval-data or the demo's held-out set" in line
+    line = _error_line(capsys, ["train", "--data", str(data_file), "--no-progress"])
+    assert "--data needs --model" in line
+
+
+def test_a_user_model_trains_on_the_demo_task(model_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = _train_argv(model_dir, "demo", out, "--limit", "2", "--eval-limit", "3", "--reward", "math+format")
+    assert main(argv) == 0
+    info = json.loads((out / "run_info.json").read_text())
+    assert info["train_prompts"] == 2 and info["eval_prompts"] == 3
+    assert info["runs"]["vanilla"]["prompt_format"] == {"chat_template": "auto", "system_prompt": None}

@@ -290,3 +290,34 @@ def test_resume_restores_records_and_drops_metrics_past_the_checkpoint(tmp_path)
     # load_policy also takes the run directory and loads the version LATEST names.
     model, _ = load_policy(tmp_path)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), first.model.state_dict().values()))
+
+
+def test_an_epoch_without_learning_signal_is_flagged_everywhere(model_dir, tmp_path, capsys):
+    from spec_rl.trainer.report import closing_lines
+
+    out = tmp_path / "run"
+    summary = run_modes(
+        model_dir, EXAMPLES, lambda t, g: 0.0, _config(epochs=2), ["vanilla", "spec"], out, progress=False
+    )
+    log = capsys.readouterr().out
+    for label in ("vanilla", "spec"):
+        assert [r["no_signal"] for r in summary[label]] == [True, True]
+        assert summary[label][0]["groups"] == 4 and summary[label][0]["flat_groups"] == 4
+        assert f"WARNING [{label}] epoch 1: no learning signal - all 4 groups have equal rewards" in log
+    stored = json.loads((out / "summary.json").read_text())
+    assert stored["warnings"][0].startswith("WARNING: vanilla: no learning signal in epoch(s) 1, 2 of 2")
+    assert "**WARNING: spec: no learning signal" in (out / "report.md").read_text()
+    lines = closing_lines(summary)
+    assert lines[0].startswith("WARNING: vanilla") and lines[1].startswith("WARNING: spec")
+    # the ratios come with the policy change behind them: an unchanged policy accepts every draft token
+    ratio_line = next(line for line in lines if line.startswith("spec/vanilla"))
+    drift = ratio_line.split("at 100% of draft tokens accepted, policy drift ")[1].split(" nats/token")[0]
+    assert float(drift) < 1e-6, ratio_line  # rounding only: the policy did not move
+
+
+def test_groups_with_signal_are_not_flagged(tmp_path):
+    trainer = GRPOTrainer(tiny_model(), tiny_tokenizer(), EXAMPLES, _reward, _config(), tmp_path, progress=False)
+    rewards = []
+    trainer.reward_fn = lambda t, g: rewards.append(len(rewards) % 2) or float(len(rewards) % 2)
+    rec = trainer.train_step(range(4), epoch=0)
+    assert rec["groups"] == 4 and rec["flat_groups"] == 0

@@ -1,0 +1,132 @@
+"""How much of last epoch's response survives one GRPO step on a real instruct model, per acceptance rule.
+
+SmolLM2-135M-Instruct (benchmarks/real_model.py) samples 16 of the demo's word problems x 4 (chat template,
+T = 1, 128 tokens); one GRPO step (reward ``math+format``, AdamW) at each learning rate moves the policy; the
+step-0 responses are then verified as drafts under the moved policy with exact acceptance and the lenient rule
+at l = 1 and l = e^0.5. Prints the accepted share of draft tokens, the full-reuse share and the mean
+|lp_new - lp_old| over draft tokens per (lr, rule); ``--json`` keeps the record.
+
+    python benchmarks/real_model_acceptance.py [--lrs 1e-6,1e-5,1e-4] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import real_model  # noqa: E402
+from _harness import Column, Table, default_json_path, provenance, write_json  # noqa: E402
+
+from spec_rl.acceptance.dispatch import VerifyOptions, verify_logprobs  # noqa: E402
+from spec_rl.acceptance.mode import MODES  # noqa: E402
+from spec_rl.backends.scoring import response_logprobs  # noqa: E402
+from spec_rl.drafts.cache import CacheKey  # noqa: E402
+from spec_rl.sampling.distribution import SamplingSettings  # noqa: E402
+from spec_rl.tasks.demo_data import demo_train_set  # noqa: E402
+from spec_rl.tasks.rewards import get_reward_fn  # noqa: E402
+from spec_rl.trainer import GRPOConfig, GRPOTrainer  # noqa: E402
+from spec_rl.trainer.run import load_policy  # noqa: E402
+
+RULES = {"exact": ("exact", 1.0), "l=1": ("lenient", 1.0), "l=e^0.5": ("lenient", math.exp(0.5))}
+
+
+def accepted(drafts, old, new, uids, rule: str, lenience: float) -> tuple[float, float]:
+    """(accepted share of draft tokens, share of drafts reused whole) under one rule."""
+    width = max(len(d) for d in drafts)
+    ids = torch.zeros(len(drafts), width, dtype=torch.long)
+    old_t = torch.zeros(len(drafts), width)
+    for b, (d, lp) in enumerate(zip(drafts, old)):
+        ids[b, : len(d)], old_t[b, : len(d)] = torch.tensor(d), torch.tensor(lp)
+    lengths = torch.tensor([len(d) for d in drafts])
+    result = verify_logprobs(
+        ids,
+        old_t,
+        new[:, :width],
+        lengths,
+        seed=1,
+        uids=uids,
+        options=VerifyOptions(rule=rule, lenience=lenience, backend="reference"),
+    )
+    return float(result.accepted_len.sum() / lengths.sum()), float(result.full_reuse.float().mean())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lrs", default="1e-6,1e-5,1e-4", help="comma-separated learning rates of the one GRPO step")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--json", default=default_json_path("real_model_acceptance.json"))
+    args = ap.parse_args(argv)
+    base, tokenizer = load_policy(real_model.build())
+    examples = demo_train_set()[: args.prompts]
+    settings = SamplingSettings(temperature=1.0, max_tokens=args.max_tokens)
+    record = {"provenance": provenance("cpu"), "model": "SmolLM2-135M-Instruct", "settings": settings.to_dict()}
+    rows = []
+    for lr in [float(x) for x in args.lrs.split(",")]:
+        config = GRPOConfig(
+            mode=MODES["spec"],  # stores the step-0 responses as drafts
+            sampling=settings,
+            group_size=4,
+            prompts_per_step=len(examples),
+            lr=lr,
+            micro_batch_size=8,
+            ppo_mini_batches=1,
+            save_checkpoint=False,
+            seed=0,
+        )
+        model = copy.deepcopy(base)
+        with tempfile.TemporaryDirectory() as out:
+            trainer = GRPOTrainer(model, tokenizer, examples, get_reward_fn("math+format"), config, out, progress=False)
+            step = trainer.train_step(range(len(examples)), epoch=0)  # the same step-0 sample for every lr
+        samples = [(i, s) for i in range(len(examples)) for s in range(4)]
+        keys = [CacheKey.make(trainer.prompt_ids[i], s, examples[i].uid) for i, s in samples]
+        drafts = [trainer.cache.lookup(k, settings) for k in keys]
+        ids, old = [d.token_ids.tolist() for d in drafts], [d.logprobs.tolist() for d in drafts]
+        prompts = [trainer.prompt_ids[i] for i, _ in samples]
+        with torch.no_grad():
+            new = response_logprobs(model, prompts, ids, tokenizer.pad_token_id, settings).float().cpu()
+        mask = torch.zeros_like(new, dtype=torch.bool)
+        old_t = torch.zeros_like(new)
+        for b, (d, lp) in enumerate(zip(ids, old)):
+            mask[b, : len(d)], old_t[b, : len(d)] = True, torch.tensor(lp)
+        drift = float((new - old_t)[mask].abs().mean())
+        uids = torch.tensor([k.uid for k in keys])
+        for name, (rule, lenience) in RULES.items():
+            share, whole = accepted(ids, old, new, uids, rule, lenience)
+            rows.append(
+                {
+                    "lr": lr,
+                    "rule": name,
+                    "accepted_share": share,
+                    "full_reuse": whole,
+                    "drift": drift,
+                    "groups_with_signal": step["groups"] - step["flat_groups"],
+                    "draft_tokens": int(mask.sum()),
+                }
+            )
+    record["rows"] = rows
+    table = Table(
+        Column("lr", 7, "<", "{:g}"),
+        Column("rule", 8, "<"),
+        Column("accepted share", 15, fmt="{:.1%}"),
+        Column("reused whole", 13, fmt="{:.1%}"),
+        Column("mean |lp_new - lp_old|", 23, fmt="{:.4f}"),
+        Column("groups with signal", 19),
+    )
+    print(table.header())
+    for r in rows:
+        print(table.row(r["lr"], r["rule"], r["accepted_share"], r["full_reuse"], r["drift"], r["groups_with_signal"]))
+    if args.json:
+        write_json(args.json, record)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
