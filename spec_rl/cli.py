@@ -23,9 +23,6 @@ from .trainer.resume_check import ConfigChangeError
 from .trainer.sweep import add_parser as add_sweep_parser
 from .trainer.sweep import cmd_sweep
 
-#: --reward's choices: the registered rewards and the demo task's check.
-REWARD_CHOICES = ("arithmetic", *REWARD_FUNCTIONS)
-
 #: Config fields whose flag is not ``--`` + the field name with dashes.
 _FLAGS = {
     "generation_backend": "--backend",
@@ -126,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out", help="run directory (default: runs/<timestamp>)")
     t.add_argument(
         "--reward",
-        choices=REWARD_CHOICES,
+        choices=("arithmetic", *REWARD_FUNCTIONS),  # read when the parser is built: registered rewards count
         help="math: the final answer matches (math-verify); format: a final answer in the requested form "
         "(`#### <answer>` or \\boxed{}), right or not; math+format: half each; arithmetic: the demo task's check, "
         "every step consistent and the final answer right (default: arithmetic for the demo, math for --model)",

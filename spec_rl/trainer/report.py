@@ -236,6 +236,8 @@ def _context_text(r: dict) -> str:
     """The policy change behind a run's ratios: accepted share of draft tokens and drift of the reused ones."""
     if r["accepted_share"] is None:
         return "at no draft reuse"
+    if r["reused_drift"] is None:
+        return f"at {r['accepted_share']:.0%} of draft tokens accepted (drift not measured by this rule)"
     return (
         f"at {r['accepted_share']:.0%} of draft tokens accepted, policy drift "
         f"{_fmt(r['reused_drift'], '.2g')} nats/token on the reused ones"

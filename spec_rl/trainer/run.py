@@ -93,13 +93,8 @@ def package_versions() -> dict[str, str]:
     """Python's and the installed versions of :data:`RECORDED_PACKAGES` (those that are installed)."""
     from importlib.metadata import PackageNotFoundError, version
 
-    from .. import __version__
-
     out = {"python": platform.python_version()}
     for name in RECORDED_PACKAGES:
-        if name == "spec-rl":  # the code that runs, even from a source tree whose install metadata is stale
-            out[name] = __version__
-            continue
         try:
             out[name] = version(name)
         except PackageNotFoundError:

@@ -142,7 +142,8 @@ def test_exact_mode_reproduces_vanilla_decoding_token_for_token():
 
     def rollout(mode, cache, history=None):
         backend = TransformersBackend(model, {1}, pad_id=0)
-        return SpeculativeRollout(backend, cache, settings, [1], 64, mode=mode, seed=9, history=history)
+        # seed 5: a draw in which the moved policy still samples a few draft tokens (the walk accepts them)
+        return SpeculativeRollout(backend, cache, settings, [1], 64, mode=mode, seed=5, history=history)
 
     cache = RolloutCache()
     rollout(MODES["vanilla"], cache).run(requests, step=0)  # last epoch's responses become the drafts

@@ -228,7 +228,8 @@ def test_exact_rollout_with_progressive_scores_is_fresh_decoding(monkeypatch, mi
             return real(*args)
 
         backend.score_drafts_progressive = counted
-        return SpeculativeRollout(backend, cache, settings, [1], 64, mode=mode, seed=3)
+        # seed 6: a draw whose walks outgrow the first window (extend runs at min_reach 0.9)
+        return SpeculativeRollout(backend, cache, settings, [1], 64, mode=mode, seed=6)
 
     vanilla = MODES["vanilla"]
     cache = RolloutCache()

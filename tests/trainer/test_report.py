@@ -103,7 +103,7 @@ def test_report_has_the_warm_start_row_the_origin_table_and_the_heldout_panel(tm
     assert "8 prompts not trained on, 4 fresh sample(s) each" in md and "after every epoch," in md
     assert "evaluated after the last epoch only" not in md
     assert "at a rejection from the current policy (the paper's rule)" in md  # spec draws leniently
-    assert json.loads(out["summary"].read_text()) == {"versions": info["versions"], "runs": SUMMARY}
+    assert json.loads(out["summary"].read_text()) == {"versions": info["versions"], "warnings": [], "runs": SUMMARY}
     assert json.loads((tmp_path / "run_info.json").read_text()) == info
     info["runs"] = _runs(["vanilla", "exact", "histspec"], epochs=2, eval_samples=1)
     md = write_report(tmp_path, SUMMARY, info, plot_png=False)["report"].read_text()

@@ -162,7 +162,7 @@ def test_two_epoch_end_to_end_reuses_drafts_and_resumes(tmp_path):
     assert spec[1]["generated_tokens"] < vanilla[1]["generated_tokens"]
     assert vanilla[1]["reused_tokens"] == 0
     on_disk = json.loads((out / "summary.json").read_text())
-    assert set(on_disk) == {"versions", "runs"} and on_disk["runs"] == summary
+    assert set(on_disk) == {"versions", "warnings", "runs"} and on_disk["runs"] == summary
     assert on_disk["versions"]["torch"] == torch.__version__ and "python" in on_disk["versions"]
     for key in (
         "epoch",
@@ -321,3 +321,12 @@ def test_groups_with_signal_are_not_flagged(tmp_path):
     trainer.reward_fn = lambda t, g: rewards.append(len(rewards) % 2) or float(len(rewards) % 2)
     rec = trainer.train_step(range(4), epoch=0)
     assert rec["groups"] == 4 and rec["flat_groups"] == 0
+
+
+def test_the_exact_rule_reports_its_accepted_share_without_a_drift_it_does_not_measure():
+    from spec_rl.trainer.report import _context_text
+
+    assert _context_text({"accepted_share": 0.62, "reused_drift": None}) == (
+        "at 62% of draft tokens accepted (drift not measured by this rule)"
+    )
+    assert "policy drift 0.0065 nats/token" in _context_text({"accepted_share": 0.84, "reused_drift": 0.0065})

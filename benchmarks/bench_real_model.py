@@ -1,0 +1,415 @@
+"""Rollouts of a real checkpoint over several epochs with real GRPO updates between them, per mode and engine.
+
+    python benchmarks/bench_real_model.py [--model PATH] [--data FILE|demo] [--epochs 3] [--lr 1e-6]
+        [--engines transformers,vllm] [--dtype auto|bf16|fp32] [--json FILE] [--plot FILE]
+
+The same prompts (chat template when the tokenizer has one) are rolled out every epoch by each mode (vanilla,
+spec at l = 1 and e^0.5, exact, histspec) on each engine (the in-process transformers backend; spec-rl's vLLM
+backend when vLLM is installed), each mode with its own drafts. Between epochs the policy takes ``--updates``
+GRPO steps (AdamW on a float32 master copy, the rollout copy refreshed from it, as a trainer does) on the
+transformers vanilla rollout, rewarded by ``--reward``: every mode sees the same sequence of policies. Peer rows
+run in the same epochs with the same prompts and sampling: vLLM's plain generation and vLLM's own n-gram (and
+suffix, when offered) speculation. Engine start times are reported apart.
+
+Per row and epoch: generated tokens, decode steps, accepted share of draft tokens, responses reused whole,
+rollout and scoring seconds, and the ratios to vanilla on the same engine; and the mean NLL of the row's samples
+under the float32 policy with a 95% bootstrap interval over sequences (a distribution check: a sampler that is
+wrong scores worse). After the last epoch, per engine: scoring the drafts against prefilling the same tokens,
+exact's overhead over vanilla, and every mode's time over the no-waste bound (scoring seconds + generated tokens
+x vanilla's seconds per generated token). JSON (``--json``) and a plot (``--plot``: rollout-time ratio per epoch
+per mode, peers dashed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import Column, Table, default_json_path, provenance, write_json  # noqa: E402
+
+from spec_rl.acceptance.mode import MODES  # noqa: E402
+from spec_rl.backends.protocol import eos_token_ids  # noqa: E402
+from spec_rl.backends.scoring import response_logprobs  # noqa: E402
+from spec_rl.backends.transformers_backend import TransformersBackend  # noqa: E402
+from spec_rl.drafts.cache import RolloutCache  # noqa: E402
+from spec_rl.drafts.history import HistoryIndex  # noqa: E402
+from spec_rl.rollout.speculative import RolloutRequest, SpeculativeRollout  # noqa: E402
+from spec_rl.sampling.distribution import SamplingSettings  # noqa: E402
+from spec_rl.tasks.data import PromptFormat, load_jsonl  # noqa: E402
+from spec_rl.tasks.demo_data import demo_train_set  # noqa: E402
+from spec_rl.tasks.rewards import get_reward_fn  # noqa: E402
+from spec_rl.trainer import clipped_policy_loss, group_advantages, load_policy  # noqa: E402
+
+BENCH_MODES = {
+    "vanilla": MODES["vanilla"],
+    "spec l=1": MODES["spec"].with_overrides(lenience=1.0),
+    "spec l=e^0.5": MODES["spec"].with_overrides(lenience=math.exp(0.5)),
+    "exact": MODES["exact"],
+    "histspec": MODES["histspec"],
+}
+#: vLLM's own speculation as peers (plain vLLM generation is the vllm engine's vanilla row).
+PEERS = {
+    "vllm ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4},
+    "vllm suffix": {"method": "suffix", "num_speculative_tokens": 4},
+}
+
+
+def bootstrap_nll(nll_rows: list[torch.Tensor], resamples: int = 1000, seed: int = 0) -> tuple[float, float, float]:
+    """Token-weighted mean NLL of the sequences and its 95% percentile bootstrap interval over sequences."""
+    sums = torch.tensor([float(r.sum()) for r in nll_rows], dtype=torch.float64)
+    counts = torch.tensor([r.numel() for r in nll_rows], dtype=torch.float64)
+    gen = torch.Generator().manual_seed(seed)
+    pick = torch.randint(len(nll_rows), (resamples, len(nll_rows)), generator=gen)
+    means = sums[pick].sum(1) / counts[pick].sum(1).clamp(min=1)
+    lo, hi = torch.quantile(means, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return float(sums.sum() / counts.sum().clamp(min=1)), lo, hi
+
+
+def sample_nll(policy, prompts, responses, pad: int, settings: SamplingSettings) -> list[torch.Tensor]:
+    with torch.no_grad():
+        lps = response_logprobs(policy, prompts, responses, pad, settings).double()
+    return [-lps[b, : len(r)] for b, r in enumerate(responses)]
+
+
+def grpo_update(policy, optimizer, result, rewards, group: int, pad: int, settings: SamplingSettings) -> None:
+    """One AdamW step of the clipped policy loss on ``result``'s responses with group advantages."""
+    advantages = group_advantages(torch.tensor(rewards), group)
+    padded = result.padded(pad)
+    old, mask = padded["logprobs"], padded["response_mask"]
+    policy.train()
+    logprobs = response_logprobs(policy, result.prompt_ids, result.response_ids, pad, settings)
+    loss, _ = clipped_policy_loss(logprobs, old, advantages, mask)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    policy.eval()
+
+
+class Row:
+    """One (engine, mode) of the benchmark: its backend, drafts and history, and its per-epoch records."""
+
+    def __init__(self, name: str, engine: str, backend, mode, settings, eos: list[int], max_len: int, seed: int):
+        self.name, self.engine, self.backend, self.records = name, engine, backend, []
+        history = HistoryIndex() if mode.tail else None
+        self.rollout = SpeculativeRollout(
+            backend, RolloutCache(), settings, eos, max_len, mode, seed=seed, history=history
+        )
+
+    def run(self, requests, epoch: int):
+        t0 = time.perf_counter()
+        result = self.rollout.run(requests, epoch)
+        seconds = time.perf_counter() - t0
+        s = result.stats
+        self.records.append(
+            {
+                "epoch": epoch,
+                "generated_tokens": s.tokens_generated,
+                "decode_steps": s.decode_steps,
+                "draft_tokens": s.draft_tokens,
+                "accepted_share": s.accepted_tokens / s.draft_tokens if s.draft_tokens else None,
+                "reused_whole": s.full_reuse_count / s.num_samples,
+                "rollout_seconds": seconds,
+                "scoring_seconds": s.scoring_seconds,
+            }
+        )
+        return result
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name == "fp32":
+        return torch.float32
+    if name == "bf16":
+        return torch.bfloat16
+    cpu_bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+    return torch.bfloat16 if torch.cuda.is_available() or cpu_bf16 else torch.float32
+
+
+def make_engines(args, rollout_model, tokenizer, eos, pad, max_len, workdir: Path) -> tuple[dict, dict]:
+    """{engine name: backend} for the modes and {peer name: backend}; start seconds per engine in the record."""
+    engines, peers, starts = {}, {}, {}
+    for name in args.engines:
+        t0 = time.perf_counter()
+        if name == "transformers":
+            engines[name] = TransformersBackend(rollout_model, set(eos), pad)
+        else:
+            from spec_rl.backends.vllm_backend import VLLMBackend
+
+            dtype = "bfloat16" if rollout_model.dtype == torch.bfloat16 else "float32"
+            engines[name] = VLLMBackend(rollout_model, tokenizer, eos, pad, workdir / name, max_len, dtype=dtype)
+            starts[name] = time.perf_counter() - t0
+            for peer, spec in PEERS.items() if args.peers else ():
+                t1 = time.perf_counter()
+                try:
+                    peers[peer] = VLLMBackend(
+                        rollout_model,
+                        tokenizer,
+                        eos,
+                        pad,
+                        workdir / peer.replace(" ", "-"),
+                        max_len,
+                        dtype=dtype,
+                        speculative_config=spec,
+                    )
+                    starts[peer] = time.perf_counter() - t1
+                except Exception as err:  # a method this vLLM does not offer: reported, not fatal
+                    starts[peer] = f"not available: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:120]}"
+        starts.setdefault(name, time.perf_counter() - t0)
+    return engines, peers, starts
+
+
+def summarize(rows: list[Row], peers: list[Row]) -> list[dict]:
+    """Per row, epochs 2+ summed: the ratios to vanilla on the same engine (the peers: to vllm vanilla)."""
+    by = {(r.engine, r.name): r for r in rows}
+    out = []
+    for r in rows + peers:
+        later = r.records[1:] or r.records
+        ref = by[(r.engine, "vanilla")].records
+        ref_later = ref[1:] or ref
+        tot = {k: sum(x[k] for x in later) for k in ("generated_tokens", "decode_steps", "rollout_seconds")}
+        ref_tot = {k: sum(x[k] for x in ref_later) for k in tot}
+        drafts = sum(x["draft_tokens"] for x in later)
+        accepted = sum((x["accepted_share"] or 0) * x["draft_tokens"] for x in later)
+        scoring = sum(x["scoring_seconds"] for x in later)
+        per_token = ref_tot["rollout_seconds"] / max(ref_tot["generated_tokens"], 1)
+        bound = scoring + tot["generated_tokens"] * per_token
+        out.append(
+            {
+                "row": r.name,
+                "engine": r.engine,
+                **{f"{k}_ratio": tot[k] / ref_tot[k] if ref_tot[k] else None for k in tot},
+                **tot,
+                "accepted_share": accepted / drafts if drafts else None,
+                "reused_whole": sum(x["reused_whole"] for x in later) / len(later),
+                "scoring_seconds": scoring,
+                "over_no_waste_bound": tot["rollout_seconds"] / bound if bound else None,
+                "nll": r.nll,
+            }
+        )
+    return out
+
+
+def prefill_seconds(backend, result, settings) -> float:
+    """Seconds the engine takes to prefill [prompt, response] of every row of ``result`` (one token sampled)."""
+    contexts = [list(p) + list(r) for p, r in zip(result.prompt_ids, result.response_ids)]
+    t0 = time.perf_counter()
+    backend.generate(contexts, [1] * len(contexts), SamplingSettings(temperature=settings.temperature, max_tokens=1), 0)
+    return time.perf_counter() - t0
+
+
+def plot(record: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(record["engines"]), figsize=(6 * len(record["engines"]), 4), squeeze=False)
+    for ax, engine in zip(axes[0], record["engines"]):
+        ref = {x["epoch"]: x["rollout_seconds"] for x in record["rows"][f"{engine}/vanilla"]}
+        for key, recs in record["rows"].items():
+            if not key.startswith(engine + "/") and not (engine == "vllm" and key.startswith("peer/")):
+                continue
+            ys = [x["rollout_seconds"] / ref[x["epoch"]] for x in recs]
+            style = "--" if key.startswith("peer/") else "-o"
+            ax.plot([x["epoch"] for x in recs], ys, style, label=key.split("/", 1)[1])
+        ax.set(title=f"{engine}: rollout time / vanilla", xlabel="epoch", ylim=(0, None))
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="a local transformers checkpoint (default: SmolLM2-135M-Instruct, built offline)")
+    ap.add_argument("--data", default="demo", help="a GSM8K- or MATH-format .jsonl, or `demo` (default)")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--group", type=int, default=4, help="samples per prompt G")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--lr", type=float, default=1e-6)
+    ap.add_argument("--updates", type=int, default=1, help="GRPO updates between two epochs")
+    ap.add_argument("--reward", default="math+format")
+    ap.add_argument("--modes", default=",".join(BENCH_MODES), help=f"from {', '.join(BENCH_MODES)}")
+    ap.add_argument("--engines", default=None, help="transformers,vllm (default: both when vLLM is installed)")
+    ap.add_argument("--no-peers", dest="peers", action="store_false", help="no vLLM peer rows")
+    ap.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto", help="auto: bf16 where supported")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=default_json_path("real_model_rollout.json") or "runs/real_model_rollout.json")
+    ap.add_argument("--plot", default=None, help="PNG path of the plot (default: beside --json)")
+    args = ap.parse_args(argv)
+    for name in ("prompts", "group", "max_tokens", "epochs", "updates"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    args.modes = sorted(
+        set(args.modes), key=lambda m: (m != "vanilla", list(BENCH_MODES).index(m) if m in BENCH_MODES else 0)
+    )
+    if "vanilla" not in args.modes or any(m not in BENCH_MODES for m in args.modes):
+        ap.error(f"--modes takes vanilla and any of {', '.join(BENCH_MODES)}, got {args.modes}")
+    if args.engines is None:
+        import importlib.util
+
+        args.engines = ["transformers"] + (["vllm"] if importlib.util.find_spec("vllm") else [])
+    else:
+        args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+        if not args.engines or any(e not in ("transformers", "vllm") for e in args.engines):
+            ap.error(f"--engines takes transformers and/or vllm, got {args.engines}")
+    if "transformers" not in args.engines:
+        ap.error("--engines must include transformers (its vanilla rollout drives the GRPO updates)")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.model is None:
+        import real_model
+
+        args.model = str(real_model.build())
+    policy, tokenizer = load_policy(args.model)
+    policy.eval()
+    dtype = resolve_dtype(args.dtype)
+    rollout_model = copy.deepcopy(policy).to(dtype).eval()
+    examples = demo_train_set() if args.data == "demo" else load_jsonl(args.data)
+    examples = examples[: args.prompts]
+    prompts = PromptFormat().encode(tokenizer, examples)
+    eos = sorted(eos_token_ids(policy, tokenizer))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    settings = SamplingSettings(temperature=args.temperature, max_tokens=args.max_tokens)
+    max_len = max(len(p) for p in prompts) + args.max_tokens
+    requests = [RolloutRequest(p, s, dataset_id=e.uid) for p, e in zip(prompts, examples) for s in range(args.group)]
+    reward_fn = get_reward_fn(args.reward)
+    golds = [e.answer for e in examples for _ in range(args.group)]
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr)
+    record = {
+        "provenance": provenance("cuda" if torch.cuda.is_available() else "cpu"),
+        "model": args.model,
+        "dtype": str(dtype).replace("torch.", ""),
+        "settings": settings.to_dict(),
+        "args": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},
+    }
+    with tempfile.TemporaryDirectory(prefix="bench-real-") as work:
+        engines, peer_backends, starts = make_engines(args, rollout_model, tokenizer, eos, pad, max_len, Path(work))
+        record["engine_start_seconds"], record["engines"] = starts, list(engines)
+        print(
+            f"model {args.model} ({record['dtype']}), {len(requests)} samples x {args.max_tokens} tokens, T = "
+            f"{args.temperature}, lr {args.lr:g} x {args.updates} update(s) per epoch; engine starts: "
+            + ", ".join(f"{k} {v:.1f} s" if isinstance(v, float) else f"{k} {v}" for k, v in starts.items())
+        )
+        rows = [
+            Row(m, e, b, BENCH_MODES[m], settings, eos, max_len, args.seed)
+            for e, b in engines.items()
+            for m in args.modes
+        ]
+        peers = [
+            Row(p, "vllm", b, MODES["vanilla"], settings, eos, max_len, args.seed) for p, b in peer_backends.items()
+        ]
+        nll = {id(r): [] for r in rows + peers}
+        table = Table(
+            Column("epoch", 5),
+            Column("engine", 12, "<"),
+            Column("row", 13, "<"),
+            Column("tokens", 7),
+            Column("steps", 6),
+            Column("accepted", 9, fmt="{:.1%}"),
+            Column("whole", 6, fmt="{:.0%}"),
+            Column("rollout s", 9, fmt="{:.2f}"),
+            Column("scoring s", 9, fmt="{:.2f}"),
+            Column("time x", 7, fmt="{:.3f}"),
+            Column("NLL", 6, fmt="{:.3f}"),
+        )
+        print(table.header())
+        last = {}
+        for epoch in range(args.epochs):
+            results = {}
+            for r in rows + peers:
+                results[id(r)] = result = r.run(requests, epoch)
+                nlls = sample_nll(policy, result.prompt_ids, result.response_ids, pad, settings)
+                nll[id(r)] += nlls
+                rec = r.records[-1]
+                rec["nll"] = bootstrap_nll(nlls)[0]
+                ref = next(x for x in rows if x.engine == r.engine and x.name == "vanilla").records[-1]
+                ratio = rec["rollout_seconds"] / ref["rollout_seconds"] if "vanilla" != r.name else 1.0
+                acc = rec["accepted_share"]
+                print(
+                    table.row(
+                        epoch + 1,
+                        r.engine if r in rows else "vllm (peer)",
+                        r.name,
+                        rec["generated_tokens"],
+                        rec["decode_steps"],
+                        acc if acc is not None else "-",
+                        rec["reused_whole"],
+                        rec["rollout_seconds"],
+                        rec["scoring_seconds"],
+                        ratio,
+                        rec["nll"],
+                    ),
+                    flush=True,
+                )
+            last = results
+            if epoch + 1 < args.epochs:
+                driver = next(r for r in rows if r.engine == "transformers" and r.name == "vanilla")
+                res = results[id(driver)]
+                rewards = [
+                    reward_fn(tokenizer.decode(t, skip_special_tokens=True), g) for t, g in zip(res.response_ids, golds)
+                ]
+                for _ in range(args.updates):
+                    grpo_update(policy, optimizer, res, rewards, args.group, pad, settings)
+                with torch.no_grad():
+                    for dst, src in zip(rollout_model.parameters(), policy.parameters()):
+                        dst.copy_(src)
+                for b in list(engines.values()) + list(peer_backends.values()):
+                    b.sync_weights()
+        for r in rows + peers:
+            r.nll = bootstrap_nll(nll[id(r)])
+        record["rows"] = {f"{r.engine}/{r.name}" if r in rows else f"peer/{r.name}": r.records for r in rows + peers}
+        record["summary"] = summarize(rows, peers)
+        targets = {}
+        for engine, backend in engines.items():
+            spec_row = next((r for r in rows if r.engine == engine and r.name == "spec l=e^0.5"), None)
+            if spec_row is not None and args.epochs > 1:
+                drafted = last[id(spec_row)]
+                scoring = spec_row.records[-1]["scoring_seconds"]
+                targets[f"{engine}: scoring / prefill of the same tokens"] = scoring / prefill_seconds(
+                    backend, drafted, settings
+                )
+            exact = next((s for s in record["summary"] if s["engine"] == engine and s["row"] == "exact"), None)
+            if exact is not None:
+                targets[f"{engine}: exact / vanilla rollout time"] = exact["rollout_seconds_ratio"]
+            for s in record["summary"]:
+                if s["engine"] == engine and s["row"] in BENCH_MODES:
+                    targets[f"{engine}: {s['row']} over the no-waste bound"] = s["over_no_waste_bound"]
+        record["targets"] = targets
+        for b in list(engines.values()) + [b for b in peer_backends.values() if b not in engines.values()]:
+            close = getattr(b, "close", None)
+            if close is not None:
+                close()
+    print("\nepochs 2+ (ratios to vanilla on the same engine; NLL: mean [95% bootstrap interval] over all epochs)")
+    for s in record["summary"]:
+        lo, mid, hi = s["nll"][1], s["nll"][0], s["nll"][2]
+        acc = "-" if s["accepted_share"] is None else f"{s['accepted_share']:.1%}"
+        print(
+            f"  {s['engine']:12} {s['row']:13} tokens {s['generated_tokens_ratio']:.3f}x  steps "
+            f"{s['decode_steps_ratio']:.3f}x  time {s['rollout_seconds_ratio']:.3f}x  accepted {acc}  "
+            f"NLL {mid:.3f} [{lo:.3f}, {hi:.3f}]"
+        )
+    print("targets (docs: scoring <= 1.1x prefill, a rejected mode <= 1.02x vanilla, <= 1.05x the no-waste bound)")
+    for k, v in record["targets"].items():
+        print(f"  {k}: {v:.3f}")
+    if args.json:
+        write_json(args.json, record)
+        plot(record, args.plot or str(Path(args.json).with_suffix(".png")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
