@@ -97,7 +97,7 @@ class Row:
     """One (engine, mode) of the benchmark: its backend, drafts and history, and its per-epoch records."""
 
     def __init__(self, name: str, engine: str, backend, mode, settings, eos: list[int], max_len: int, seed: int):
-        self.name, self.engine, self.backend, self.records = name, engine, backend, []
+        self.name, self.engine, self.backend, self.records, self.error = name, engine, backend, [], None
         history = HistoryIndex() if mode.tail else None
         self.rollout = SpeculativeRollout(
             backend, RolloutCache(), settings, eos, max_len, mode, seed=seed, history=history
@@ -169,7 +169,7 @@ def summarize(rows: list[Row], peers: list[Row]) -> list[dict]:
     """Per row, epochs 2+ summed: the ratios to vanilla on the same engine (the peers: to vllm vanilla)."""
     by = {(r.engine, r.name): r for r in rows}
     out = []
-    for r in rows + peers:
+    for r in rows + [p for p in peers if p.records]:
         later = r.records[1:] or r.records
         ref = by[(r.engine, "vanilla")].records
         ref_later = ref[1:] or ref
@@ -330,8 +330,15 @@ def main(argv=None) -> int:
         last = {}
         for epoch in range(args.epochs):
             results = {}
-            for r in rows + peers:
-                results[id(r)] = result = r.run(requests, epoch)
+            for r in rows + [p for p in peers if p.error is None]:
+                try:
+                    results[id(r)] = result = r.run(requests, epoch)
+                except Exception as err:  # a peer engine that fails mid-run is reported, not fatal
+                    if r in rows:
+                        raise
+                    r.error = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:160]}"
+                    print(f"peer {r.name} failed: {r.error}", flush=True)
+                    continue
                 nlls = sample_nll(policy, result.prompt_ids, result.response_ids, pad, settings)
                 nll[id(r)] += nlls
                 rec = r.records[-1]
@@ -370,7 +377,8 @@ def main(argv=None) -> int:
                 for b in list(engines.values()) + list(peer_backends.values()):
                     b.sync_weights()
         for r in rows + peers:
-            r.nll = bootstrap_nll(nll[id(r)])
+            r.nll = bootstrap_nll(nll[id(r)]) if nll[id(r)] else None
+        record["peer_errors"] = {p.name: p.error for p in peers if p.error}
         record["rows"] = {f"{r.engine}/{r.name}" if r in rows else f"peer/{r.name}": r.records for r in rows + peers}
         record["summary"] = summarize(rows, peers)
         targets = {}

