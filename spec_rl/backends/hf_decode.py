@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import functools
 import inspect
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from ..sampling.distribution import SamplingSettings, keyed_sample
+from .decode_attention import decode_attention
 from .kv_buffer import InPlaceLayer, in_place_cache, left_padded_cache
 
 
@@ -124,6 +126,55 @@ class DecodeCounters:
     positions: int = 0  # query positions computed, padding included
 
 
+class TailGate:
+    """Feeds history-drafted tokens only while they pay on this hardware (docs/design.md "Tail speculation").
+
+    A step computing T query positions costs about ``a + b T`` seconds: a least-squares line over the measured steps
+    (recent ones weigh more), which says what width costs without trying it. Proposals are made every step, fed or
+    not; ``q``, the chance a proposed token is accepted given the ones before it were, is counted on both (a proposal
+    not fed is checked against the token sampled instead). A step of R rows feeds proposals (width W) when
+    ``1 + p (q + ... + q^(W-1))`` tokens per row for ``a + b R W`` beat one token for ``a + b R`` (p: the share of
+    rows with a proposal). On a GPU, where a wider step costs almost nothing more, speculation stays on; on a CPU it
+    stays on only while enough proposals are accepted. Tokens never depend on it: a proposal changes how many forwards
+    a row takes, not what it samples.
+    """
+
+    DECAY = 0.98  # weight of a step's cost measurement per later step
+
+    def __init__(self):
+        self._sums = [0.0] * 5  # weighted 1, T, T^2, y, T y
+        self.hits, self.trials = 1.0, 2.0  # q starts at 1/2
+
+    @property
+    def q(self) -> float:
+        return self.hits / self.trials
+
+    def line(self) -> tuple[float, float] | None:
+        """(a, b) of the cost line, None until steps of two sizes were measured."""
+        w, t, tt, y, ty = self._sums
+        var = w * tt - t * t
+        if w <= 0 or var <= 1e-9 * max(w * tt, 1e-30):
+            return None
+        b = max((w * ty - t * y) / var, 0.0)
+        return max((y - b * t) / w, 1e-9), b
+
+    def speculate(self, rows: int, width: int, proposing: int) -> bool:
+        """Whether a step of ``rows`` rows, ``proposing`` of them with proposals, should run at ``width``."""
+        line = self.line()
+        if line is None or width <= 1:
+            return width > 1
+        a, b = line
+        gain = 1 + proposing / rows * sum(self.q**j for j in range(1, width))
+        return gain * (a + b * rows) > a + b * rows * width
+
+    def record(self, positions: int, seconds: float, hits: int, trials: int) -> None:
+        """One step: ``positions`` query positions took ``seconds``; ``hits`` of ``trials`` proposed tokens held."""
+        d = self.DECAY
+        for i, v in enumerate((1.0, positions, positions * positions, seconds, positions * seconds)):
+            self._sums[i] = d * self._sums[i] + v
+        self.hits, self.trials = d * self.hits + hits, d * self.trials + trials
+
+
 def _emit(row: DecodeRow, tokens: list[int], logprobs: list[float], eos: set[int]) -> int:
     """Append up to the first EOS; returns how many tokens were kept."""
     kept = len(tokens)
@@ -143,8 +194,11 @@ def _emit(row: DecodeRow, tokens: list[int], logprobs: list[float], eos: set[int
 class SpeculativeDecoder:
     """The decode loop of one batch sharing a :class:`KVRows`; ``max_k``: most proposed tokens per row and step."""
 
-    def __init__(self, model, settings: SamplingSettings, seed: int, eos_ids, max_k: int, pad_id: int, on_step=None):
+    def __init__(
+        self, model, settings: SamplingSettings, seed: int, eos_ids, max_k: int, pad_id: int, on_step=None, gate=None
+    ):
         self.model = model
+        self.gate = gate
         self.settings = settings
         self.seed = int(seed)
         self.eos = {int(e) for e in eos_ids}
@@ -190,13 +244,18 @@ class SpeculativeDecoder:
                 kv.compact()
 
     def _inputs(self, rows: list[DecodeRow], active: list[bool]):
-        """Per row [last, proposal] right-padded, and the fed positions; proposals fill the width, computed anyway."""
+        """Per row [last, fed proposal] right-padded, the fed positions, and the proposals held back by the gate;
+        proposals fill the width, computed anyway."""
         props = [
             r.proposer.propose(min(self.max_k, r.budget - 1), fill=self.max_k)
             if self.max_k > 0 and ok and r.proposer is not None and r.budget > 1
             else []
             for r, ok in zip(rows, active)
         ]
+        held = [[] for _ in rows]
+        width = 1 + max((len(p) for p in props), default=0)
+        if self.gate is not None and not self.gate.speculate(len(rows), width, sum(1 for p in props if p)):
+            props, held = held, props
         lens = torch.tensor([len(p) for p in props], dtype=torch.long)
         width = 1 + int(lens.max())
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
@@ -209,22 +268,24 @@ class SpeculativeDecoder:
         col = torch.arange(width)
         fed = (col.unsqueeze(0) <= lens.unsqueeze(1)) & torch.tensor(active).unsqueeze(1)
         fed[:, 0] = True  # finished rows keep one valid query so attention never sees an empty row
-        return props, lens, ids, fed
+        return props, held, lens, ids, fed
 
     def _step(self, kv: KVRows, rows: list[DecodeRow]) -> None:
+        t0 = time.perf_counter()
         dev = kv.mask.device
         active = [r.finish is None for r in rows]
-        props, lens, ids, fed = self._inputs(rows, active)
+        props, held, lens, ids, fed = self._inputs(rows, active)
         width = ids.shape[1]
         positions = torch.tensor([r.position for r in rows], dtype=torch.long).unsqueeze(1) + torch.arange(width)
         kv.mask = torch.cat([kv.mask, fed.to(dev, torch.long)], dim=1)
-        out = self.model(
-            input_ids=ids.to(dev),
-            attention_mask=kv.mask,
-            position_ids=positions.to(dev),
-            use_cache=True,
-            **{self.cache_arg: kv.cache},
-        )
+        with decode_attention(self.model):
+            out = self.model(
+                input_ids=ids.to(dev),
+                attention_mask=kv.mask,
+                position_ids=positions.to(dev),
+                use_cache=True,
+                **{self.cache_arg: kv.cache},
+            )
         kv.cache = getattr(out, self.cache_arg, None) or getattr(out, "past_key_values", None)
         self.counters.steps += 1
         self.counters.rows += len(rows)
@@ -247,10 +308,17 @@ class SpeculativeDecoder:
         match = (samples[:, :-1] == ids[:, 1:]) & (col[:-1].unsqueeze(0) < lens.unsqueeze(1))
         accepted = match.long().cumprod(1).sum(1)
         kv.mask[:, -width:] *= (col.unsqueeze(0) <= accepted.unsqueeze(1)).to(dev, torch.long)
-        s_rows, lp_rows, acc = samples.tolist(), logps.tolist(), accepted.tolist()
+        s_rows, lp_rows, acc = samples.tolist(), logps.tolist(), accepted.tolist()  # syncs: the step is done
+        hits = trials = 0
         for i, r in enumerate(rows):
             if not active[i]:
                 continue
+            if props[i]:  # accepted tokens, and the first rejected one when the proposal did not run out
+                hits += acc[i]
+                trials += acc[i] + (acc[i] < len(props[i]))
+            elif held[i]:  # checked against the sample instead
+                hits += held[i][0] == s_rows[i][0]
+                trials += 1
             kept = _emit(r, s_rows[i][: acc[i] + 1], lp_rows[i][: acc[i] + 1], self.eos)
             self.counters.proposed += len(props[i])
             self.counters.accepted += min(acc[i], kept)
@@ -258,6 +326,8 @@ class SpeculativeDecoder:
                 r.proposer.update(props[i], r.tokens[-kept:])
             r.last = r.tokens[-1]
             r.position += kept
+        if self.gate is not None:
+            self.gate.record(len(rows) * width, time.perf_counter() - t0, hits, trials)
         if self.on_step is not None:
             self.on_step(sum(active))
 

@@ -13,7 +13,7 @@ from ..sampling.groups import TreeKV
 from ..util.model_config import model_sliding_window
 from ..util.validation import check_int
 from .checks import ModelLimits, check_same_length
-from .hf_decode import DecodeRow, KVRows, SpeculativeDecoder, prefill
+from .hf_decode import DecodeRow, KVRows, SpeculativeDecoder, TailGate, prefill
 from .progressive import ProgressiveTreeScores
 from .protocol import BackendStats, Continuation, backend_arguments, split_zero_budgets
 from .reprefill import ReprefillBackend, ScoredDrafts
@@ -30,8 +30,9 @@ class SplicedDrafts(ScoredDrafts):
 
 class TransformersBackend(ModelLimits, ReprefillBackend):
     """Batched generation with a transformers causal LM (docs/api.md "Generation backends"); ``max_k``: most
-    history-drafted tokens verified per step (0: off); ``splice``: keep the scoring K/V for the continuation. ValueError
-    for no EOS id, ``max_batch_size`` < 1, ``max_k`` < 0 or a sliding-window model."""
+    history-drafted tokens verified per step (0: off); ``adaptive_tail``: feed them only while they pay, by measured
+    step times (:class:`~spec_rl.backends.hf_decode.TailGate`; False: every step); ``splice``: keep the scoring K/V
+    for the continuation. ValueError for no EOS id, ``max_batch_size`` < 1, ``max_k`` < 0 or a sliding-window model."""
 
     def __init__(
         self,
@@ -43,6 +44,7 @@ class TransformersBackend(ModelLimits, ReprefillBackend):
         max_tokens_per_forward: int | None = None,
         max_k: int = 8,
         splice: bool = True,
+        adaptive_tail: bool = True,
     ):
         self.model = model
         window = model_sliding_window(model)
@@ -57,6 +59,7 @@ class TransformersBackend(ModelLimits, ReprefillBackend):
         self.max_k = check_int("max_k", max_k, low=0, hint=" (0 disables speculation)")
         self.progress = progress
         self.splice = bool(splice)
+        self.tail_gate = TailGate() if adaptive_tail else None  # kept across calls: the hardware does not change
         self.scorer = PolicyScorer(model, self.pad_id, max_tokens_per_forward)
         self.stats = BackendStats()
 
@@ -229,7 +232,9 @@ class TransformersBackend(ModelLimits, ReprefillBackend):
         return kv, rows
 
     def _decoder(self, settings, seed) -> SpeculativeDecoder:
-        return SpeculativeDecoder(self.model, settings, seed, self.eos_ids, self.max_k, self.pad_id)
+        return SpeculativeDecoder(
+            self.model, settings, seed, self.eos_ids, self.max_k, self.pad_id, gate=self.tail_gate
+        )
 
     def _decode(self, kv: KVRows, rows: list[DecodeRow], settings, seed, results) -> None:
         dec = self._decoder(settings, seed)

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops
+from ..backends.decode_attention import attention_implementation
 
 ATTN_NAME = "spec_rl_paged"
 
@@ -109,21 +110,13 @@ def paged_attention_active(model: torch.nn.Module, batch: PagedBatch):
     """Run ``model`` with paged attention over ``batch``; restores every config afterwards."""
     global _ACTIVE
     register()
-    configs = {}
-    for m in model.modules():
-        cfg = getattr(m, "config", None)
-        if cfg is not None and hasattr(cfg, "_attn_implementation") and id(cfg) not in configs:
-            configs[id(cfg)] = (cfg, cfg._attn_implementation)
     previous = _ACTIVE
     try:
-        for cfg, _ in configs.values():
-            cfg._attn_implementation = ATTN_NAME
-        _ACTIVE = batch
-        yield
+        with attention_implementation(model, ATTN_NAME):
+            _ACTIVE = batch
+            yield
     finally:
         _ACTIVE = previous
-        for cfg, impl in configs.values():
-            cfg._attn_implementation = impl
 
 
 def build_batch(

@@ -6,16 +6,16 @@ import pytest
 import torch
 from tiny_models import full_forward_logprobs, tiny_model
 
-from spec_rl.backends.hf_decode import DecodeRow, KVRows, SpeculativeDecoder, prefill
+from spec_rl.backends.hf_decode import DecodeRow, KVRows, SpeculativeDecoder, TailGate, prefill
 from spec_rl.drafts.history import SuffixAutomaton, SuffixProposer
 from spec_rl.sampling.distribution import SamplingSettings
 
 PROMPTS = [[3, 11, 12, 13, 14], [3, 15, 16], [3, 17, 18, 19, 20, 21, 22], [4, 5], [6], [3, 11, 12, 13, 14]]
 
 
-def _decode(model, settings, budgets, max_k=0, automata=None, seed=7, proposer=SuffixProposer):
+def _decode(model, settings, budgets, max_k=0, automata=None, seed=7, proposer=SuffixProposer, gate=None):
     kv, logits = prefill(model, PROMPTS, pad_id=0)
-    dec = SpeculativeDecoder(model, settings, seed, eos_ids={1}, max_k=max_k, pad_id=0)
+    dec = SpeculativeDecoder(model, settings, seed, eos_ids={1}, max_k=max_k, pad_id=0, gate=gate)
     uids = [1000 + i for i in range(len(PROMPTS))]
     toks, lps = dec.sample(logits.float(), uids, [len(p) for p in PROMPTS])
     rows = []
@@ -193,7 +193,7 @@ def test_speculation_keeps_the_next_token_marginals():
     for c in plain[:50]:
         history.add_response(c.token_ids)
     proposers = [SuffixProposer(history, max_k=4) for _ in contexts]
-    spec = TransformersBackend(model, {1}, pad_id=0, max_k=4).generate(
+    spec = TransformersBackend(model, {1}, pad_id=0, max_k=4, adaptive_tail=False).generate(
         contexts, [6] * 3000, settings, seed=2, uids=list(range(3000)), proposers=proposers
     )
     assert sum(p.accepted for p in proposers) > 3000  # speculation really ran
@@ -202,3 +202,68 @@ def test_speculation_keeps_the_next_token_marginals():
         a = torch.bincount(torch.tensor([c.token_ids[pos] for c in plain if len(c.token_ids) > pos]), minlength=vocab)
         b = torch.bincount(torch.tensor([c.token_ids[pos] for c in spec if len(c.token_ids) > pos]), minlength=vocab)
         assert_same_distribution(a, b)
+
+
+def _gate(a, b, q, sizes=(64, 576)):
+    """A gate that measured steps costing a + b T at the given sizes and tokens held with probability q."""
+    gate = TailGate()
+    for _ in range(20):
+        for t in sizes:
+            gate.record(t, a + b * t, hits=round(100 * q), trials=100)
+    return gate
+
+
+def test_tail_gate_fits_the_step_cost_line_and_the_acceptance():
+    rng = random.Random(3)
+    a, b = rng.uniform(0.01, 0.1), rng.uniform(1e-5, 1e-3)
+    gate = TailGate()
+    assert gate.line() is None and gate.speculate(64, 9, 64)  # nothing measured yet: speculate
+    for _ in range(40):
+        t = rng.randrange(1, 600)
+        gate.record(t, a + b * t, hits=3, trials=10)
+    fit_a, fit_b = gate.line()
+    assert fit_a == pytest.approx(a, rel=1e-6) and fit_b == pytest.approx(b, rel=1e-6)
+    assert gate.q == pytest.approx(3 / 10, abs=0.02)  # the prior 1/2 has decayed away
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "q", "expected"),
+    [
+        (0.02, 0.0, 0.05, True),  # a wider step costs nothing more (a GPU): any acceptance pays
+        (0.02, 1e-3, 0.05, False),  # each position costs compute (a CPU) and proposals rarely hold
+        (0.02, 1e-3, 0.95, True),  # ... unless they usually hold
+        (0.02, 1e-4, 0.0, False),  # nothing ever held
+    ],
+)
+def test_tail_gate_speculates_only_where_it_pays(a, b, q, expected):
+    gate = _gate(a, b, q)
+    rows, width = 64, 9
+    gain = 1 + sum(q**j for j in range(1, width))
+    assert (gain / (a + b * rows * width) > 1 / (a + b * rows)) == expected  # the case is what it claims
+    assert gate.speculate(rows, width, proposing=rows) == expected
+    assert not gate.speculate(rows, 1, proposing=0)  # no proposal: nothing to feed
+
+
+class _ClosedGate(TailGate):
+    def speculate(self, rows, width, proposing):
+        return False
+
+
+def test_a_closed_tail_gate_keeps_the_tokens_and_feeds_no_proposal():
+    model = tiny_model(seed=11, bias_eos=-1.0)
+    settings = SamplingSettings(temperature=1.0, max_tokens=30)
+    budgets = [30, 20, 30, 3, 1, 30]
+    plain, _ = _decode(model, settings, budgets)
+    automata = []
+    for r in plain:  # a history that predicts every row exactly
+        sam = SuffixAutomaton()
+        sam.add_response(r.tokens)
+        automata.append(sam)
+    opened, c_open = _decode(model, settings, budgets, max_k=4, automata=automata)
+    gate = _ClosedGate()
+    closed, c_closed = _decode(model, settings, budgets, max_k=4, automata=automata, gate=gate)
+    for a, b, c in zip(plain, opened, closed):
+        assert a.tokens == b.tokens == c.tokens and a.logprobs == pytest.approx(c.logprobs, abs=1e-5)
+    assert c_open.accepted > 0 and c_open.steps < c_closed.steps
+    assert c_closed.proposed == 0 and c_closed.positions == c_closed.rows  # width 1 at every step
+    assert gate.q > 0.5  # the held-back proposals were checked against the samples: they would have held
