@@ -100,7 +100,7 @@ constraints: $(STAMP) $(VLLM_STAMP)
 
 # The GPU check (docs/gpu-check.md): staged, each stage under its own timeout, the whole run under 9 minutes.
 gpu-check:
-	bash benchmarks/gpu_check.sh
+	bash benchmarks/gpu_check.sh $(ARGS)
 
 # The same script on the CPU (Triton interpreter, tiny shapes, this venv): a broken benchmark fails `make test`.
 gpu-check-smoke: install

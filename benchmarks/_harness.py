@@ -164,6 +164,29 @@ def peak_extra_mb(fn: Callable[[], Any]) -> float:
     return (peak - base) / 2**20
 
 
+def peak_extra_rss_mb(fn: Callable[[], Any]) -> float:
+    """Peak resident memory during one ``fn()`` beyond the resident memory before it, in MiB (Linux, CPU tensors).
+
+    Allocations of 64 KiB and more are made by mmap (glibc ``mallopt``), so a freed tensor leaves the resident set at
+    once, and the kernel's peak (VmHWM) is reset before the call (``/proc/self/clear_refs``)."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: fixed, no longer adaptive
+
+    def status(field: str) -> float:
+        with open("/proc/self/status") as f:
+            line = next(x for x in f if x.startswith(field + ":"))
+        return int(line.split()[1]) / 1024
+
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = status("VmRSS")
+    out = fn()
+    peak = status("VmHWM")
+    del out
+    return peak - before
+
+
 def measure(
     name: str,
     fn: Callable[[], Any],

@@ -74,23 +74,39 @@ def bootstrap_nll(nll_rows: list[torch.Tensor], resamples: int = 1000, seed: int
 
 
 def sample_nll(policy, prompts, responses, pad: int, settings: SamplingSettings) -> list[torch.Tensor]:
+    out = []
     with torch.no_grad():
-        lps = response_logprobs(policy, prompts, responses, pad, settings).double()
-    return [-lps[b, : len(r)] for b, r in enumerate(responses)]
+        for start in range(0, len(responses), MICRO_BATCH):
+            rows = slice(start, start + MICRO_BATCH)
+            lps = response_logprobs(policy, prompts[rows], responses[rows], pad, settings).double()
+            out += [-lps[b, : len(r)] for b, r in enumerate(responses[rows])]
+    return out
 
 
 def grpo_update(policy, optimizer, result, rewards, group: int, pad: int, settings: SamplingSettings) -> None:
-    """One AdamW step of the clipped policy loss on ``result``'s responses with group advantages."""
+    """One AdamW step of the clipped policy loss on ``result``'s responses with group advantages, accumulated over
+    micro-batches of :data:`MICRO_BATCH` rows (the [rows, length, V] logits of a whole batch would not fit)."""
     advantages = group_advantages(torch.tensor(rewards), group)
     padded = result.padded(pad)
     old, mask = padded["logprobs"], padded["response_mask"]
+    total = int(mask.sum())
     policy.train()
-    logprobs = response_logprobs(policy, result.prompt_ids, result.response_ids, pad, settings)
-    loss, _ = clipped_policy_loss(logprobs, old, advantages, mask)
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    for start in range(0, len(result.response_ids), MICRO_BATCH):
+        rows = slice(start, start + MICRO_BATCH)
+        responses = result.response_ids[rows]
+        logprobs = response_logprobs(policy, result.prompt_ids[rows], responses, pad, settings)
+        width = logprobs.shape[1]
+        loss, _ = clipped_policy_loss(
+            logprobs, old[rows, :width], advantages[rows], mask[rows, :width], num_tokens=total
+        )
+        loss.backward()
     optimizer.step()
     policy.eval()
+
+
+#: Rows per forward of the GRPO update.
+MICRO_BATCH = 8
 
 
 class Row:

@@ -20,7 +20,10 @@
 #               bench_decode_cache (64 rows, 512 positions)
 #   7 compile   registers / spills from this Triton's ptxas,      25 s     120 s   sweep configs, csrc nvcc
 #               default configs only (15 kernels)
-#   total                                                        450 s (7.5 min)
+#   8 model     with --model PATH: bench_real_model on that         90 s     180 s
+#               checkpoint (32 x G=4, 256 tokens, 3 epochs; smoke:
+#               a tiny random Llama with the real tokenizer)
+#   total                                                        540 s (9 min)
 #
 # The budgets are estimates (no stage has run on an H200 yet); the summary prints each stage's wall time
 # beside its budget. DEADLINE_S (default 540 s, 0 = none) bounds the whole run below the device's 10-minute
@@ -32,12 +35,14 @@
 # summary.md (the stage table with wall time vs budget, then every measured table in RESULTS.md's format).
 #
 # Usage:  make gpu-check                 on the GPU machine, OUT set (default ./gpu-check-out)
+#         make gpu-check ARGS="--model PATH"   and stage 8: the real-model rollout benchmark on that checkpoint
 #         make gpu-check-smoke           SMOKE=1: this script on the CPU (Triton interpreter, tiny shapes,
 #                                        the venv's python, no install); CUDA-only parts say "skipped: no CUDA"
 # Env:    PYTHON (default python3), OUT, FULL=1, SMOKE=1, STAGES="3 4" (a subset), DEADLINE_S,
 #         WORK (the work folder; default a new one under $TMPDIR), SITE (install target, default
 #         /tmp/spec-rl-site), SPEC_RL_COMMIT (recorded when .git is absent), TORCH_CUDA_ARCH_LIST, MAX_JOBS.
 set -u
+CALLER_DIR=$PWD
 cd "$(dirname "$0")/.."
 SELF="$PWD/benchmarks/gpu_check.sh"
 
@@ -138,10 +143,33 @@ stage_7() {  # compile check: this Triton's ptxas, default configs
     fi
 }
 
+stage_8() {  # the real-model rollout benchmark on the user's checkpoint
+    local model=$MODEL args="--prompts 32 --group 4 --max-tokens 256 --epochs 3"
+    if [ "$SMOKE" = 1 ] && [ -z "$model" ]; then
+        model=$($PY benchmarks/real_model.py --tiny "$WORK/tiny-model") || return 1
+        args="--prompts 1 --group 2 --max-tokens 6 --epochs 2 --engines transformers"
+    elif [ -z "$model" ]; then
+        note "skipped: no --model PATH given"
+        return 0
+    fi
+    # shellcheck disable=SC2086
+    $PY benchmarks/bench_real_model.py --model "$model" $args --json "$WORK/json/real_model_rollout.json"
+}
+
 if [ "${1:-}" = "__stage" ]; then
     "stage_$2"
     exit $?
 fi
+
+MODEL=""
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --model) MODEL=${2:?--model needs a checkpoint folder}; shift 2 ;;
+        *) echo "gpu_check.sh: unknown argument $1 (takes --model PATH)" >&2; exit 2 ;;
+    esac
+done
+case "$MODEL" in "" | /*) ;; *) MODEL="$CALLER_DIR/$MODEL" ;; esac
+[ -z "$MODEL" ] || [ -d "$MODEL" ] || { echo "gpu_check.sh: --model $MODEL is not a folder" >&2; exit 2; }
 
 # ---------------------------------------------------------------- the runner
 
@@ -152,12 +180,12 @@ PY=${PYTHON:-python3}
 DEST=${OUT:-$PWD/gpu-check-out}
 SITE=${SITE:-/tmp/spec-rl-site}
 DEADLINE_S=${DEADLINE_S:-540}
-STAGES=" ${STAGES:-1 2 3 4 5 6 7} "
+STAGES=" ${STAGES:-1 2 3 4 5 6 7 8} "
 WORK=${WORK:-$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")}
 mkdir -p "$DEST" "$WORK/logs" "$WORK/json" || exit 1
 : > "$WORK/stages.tsv"
 rm -f "$WORK/current.tsv"
-export SMOKE FULL PY SITE WORK PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+export SMOKE FULL PY SITE WORK MODEL PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export OUT="$WORK/json"  # scripts that default their JSON to $OUT write into the archive, never into $DEST
 START=$(date +%s.%N)
 
@@ -272,6 +300,7 @@ run_stage 4 paged 25 90
 run_stage 5 engine 45 150
 run_stage 6 rollout 75 165
 run_stage 7 compile 25 120
+run_stage 8 model 90 180
 
 kill $REFRESHER 2>/dev/null
 wait $REFRESHER 2>/dev/null

