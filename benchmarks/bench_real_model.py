@@ -132,6 +132,7 @@ class Row:
                 "draft_tokens": s.draft_tokens,
                 "accepted_share": s.accepted_tokens / s.draft_tokens if s.draft_tokens else None,
                 "reused_whole": s.full_reuse_count / s.num_samples,
+                "drift": s.reused_drift,  # mean |lp_new - lp_old| over reused tokens: how far the policy moved
                 "rollout_seconds": seconds,
                 "scoring_seconds": s.scoring_seconds,
             }
@@ -205,6 +206,7 @@ def summarize(rows: list[Row], peers: list[Row]) -> list[dict]:
                 "accepted_share": accepted / drafts if drafts else None,
                 "reused_whole": sum(x["reused_whole"] for x in later) / len(later),
                 "scoring_seconds": scoring,
+                "drift": _mean([x.get("drift") for x in later if x["draft_tokens"] and x.get("drift") is not None]),
                 "over_no_waste_bound": tot["rollout_seconds"] / bound if bound else None,
                 "nll": r.nll,
             }
@@ -212,9 +214,14 @@ def summarize(rows: list[Row], peers: list[Row]) -> list[dict]:
     return out
 
 
+def _mean(values: list) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
 def prefill_seconds(backend, result, settings) -> float:
-    """Seconds the engine takes to prefill [prompt, response] of every row of ``result`` (one token sampled)."""
-    contexts = [list(p) + list(r) for p, r in zip(result.prompt_ids, result.response_ids)]
+    """Seconds the engine takes to prefill [prompt, response without its last token] of every row of ``result`` and
+    sample one token (the same positions as scoring the response, within the model length)."""
+    contexts = [list(p) + list(r[:-1]) for p, r in zip(result.prompt_ids, result.response_ids)]
     t0 = time.perf_counter()
     backend.generate(contexts, [1] * len(contexts), SamplingSettings(temperature=settings.temperature, max_tokens=1), 0)
     return time.perf_counter() - t0
@@ -379,6 +386,11 @@ def main(argv=None) -> int:
                     flush=True,
                 )
             last = results
+            record["rows"] = {
+                f"{r.engine}/{r.name}" if r in rows else f"peer/{r.name}": r.records for r in rows + peers
+            }
+            if args.json:  # an epoch's records are kept even if a later epoch fails
+                write_json(args.json, record, announce=None)
             if epoch + 1 < args.epochs:
                 driver = next(r for r in rows if r.engine == "transformers" and r.name == "vanilla")
                 res = results[id(driver)]
@@ -403,9 +415,11 @@ def main(argv=None) -> int:
             if spec_row is not None and args.epochs > 1:
                 drafted = last[id(spec_row)]
                 scoring = spec_row.records[-1]["scoring_seconds"]
-                targets[f"{engine}: scoring / prefill of the same tokens"] = scoring / prefill_seconds(
-                    backend, drafted, settings
-                )
+                key = f"{engine}: scoring / prefill of the same tokens"
+                try:
+                    targets[key] = scoring / prefill_seconds(backend, drafted, settings)
+                except Exception as err:  # reported, not fatal: the epochs' records are what matters
+                    targets[key] = f"failed: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:160]}"
             exact = next((s for s in record["summary"] if s["engine"] == engine and s["row"] == "exact"), None)
             if exact is not None:
                 targets[f"{engine}: exact / vanilla rollout time"] = exact["rollout_seconds_ratio"]
@@ -428,7 +442,7 @@ def main(argv=None) -> int:
         )
     print("targets (docs: scoring <= 1.1x prefill, a rejected mode <= 1.02x vanilla, <= 1.05x the no-waste bound)")
     for k, v in record["targets"].items():
-        print(f"  {k}: {v:.3f}")
+        print(f"  {k}: {v:.3f}" if isinstance(v, float) else f"  {k}: {v}")
     if args.json:
         write_json(args.json, record)
         plot(record, args.plot or str(Path(args.json).with_suffix(".png")))

@@ -84,6 +84,31 @@ class _Batch:
         self.sources = [0] * bsz
 
 
+class ReuseGate:
+    """Whether scoring this call's drafts will pay, from what the last scored call measured: reuse pays when the
+    accepted tokens' generation time (``accepted x`` seconds per generated token) exceeds the scoring time. Used by
+    the exact rule only, whose output does not depend on the drafts (keyed samples: the same tokens with or
+    without them), so skipping is purely a saving. After a call that did not pay, drafts are scored again every
+    :attr:`RETRY_EVERY` calls, to notice when the policy makes them pay again."""
+
+    RETRY_EVERY = 4
+
+    def __init__(self):
+        self.pays: bool | None = None
+        self.skipped = 0
+
+    def score(self) -> bool:
+        if self.pays is not False or self.skipped + 1 >= self.RETRY_EVERY:
+            self.skipped = 0
+            return True
+        self.skipped += 1
+        return False
+
+    def record(self, stats: RolloutStats) -> None:
+        per_generated = stats.generation_seconds / max(stats.tokens_generated, 1)
+        self.pays = stats.accepted_tokens * per_generated > stats.scoring_seconds
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -128,6 +153,7 @@ class SpeculativeRollout:
         self.seed = check_int("seed", seed)
         self.verify_backend = check_choice("verify_backend", verify_backend, BACKENDS)
         self.history = (HistoryIndex() if history is None else history) if mode.tail else None
+        self.reuse_gate = ReuseGate() if mode.acceptance == "exact" else None
 
     @property
     def vocab_size(self) -> int | None:
@@ -152,6 +178,9 @@ class SpeculativeRollout:
         counters0 = self.backend.stats.copy()
         batch = self._plan(requests, step, seed, cache)
         self._lookup(batch)
+        gated = self.reuse_gate is not None and bool(batch.drafted)
+        if gated and not self.reuse_gate.score():
+            batch.drafted, gated = [], False  # lossless either way: the same tokens are decoded from the prompt
         t1 = time.perf_counter()
         handle = self._score_and_verify(batch) if batch.drafted else None
         t2 = time.perf_counter()
@@ -162,6 +191,8 @@ class SpeculativeRollout:
         self._count_backend(batch, counters0)
         stats.assembly_seconds = (t1 - t0) + (time.perf_counter() - t3)
         stats.scoring_seconds, stats.generation_seconds = t2 - t1, t3 - t2
+        if gated:
+            self.reuse_gate.record(stats)
         drafted = set(batch.drafted)
         return RolloutResult(
             prompt_ids=batch.prompts,

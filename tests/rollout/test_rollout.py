@@ -222,3 +222,35 @@ def test_tail_speculation_changes_decode_steps_never_tokens(acceptance):
         assert a.response_ids == b.response_ids and a.finish_reasons == b.finish_reasons
     assert runs["tail"][1].stats.tail_accepted > 0
     assert runs["tail"][1].stats.decode_steps < runs["plain"][1].stats.decode_steps
+
+
+def test_the_exact_rule_stops_scoring_drafts_that_do_not_pay_and_retries_them():
+    model = tiny_model(seed=4)
+    ro = _rollout(copy.deepcopy(model), mode=RolloutMode("exact", tail=False), seed=3)
+    plain = _rollout(copy.deepcopy(model), mode=MODES["vanilla"], seed=3)
+    reqs = _requests()
+    ro.run(reqs, 0)
+    assert ro.run(reqs, 1).stats.draft_tokens > 0  # nothing measured yet: drafts are scored
+    ro.reuse_gate.pays = False  # as after a call whose accepted tokens saved less than the scoring cost
+    scored = []
+    for step in range(2, 2 + 2 * ro.reuse_gate.RETRY_EVERY):
+        out = ro.run(reqs, step)
+        scored.append(out.stats.draft_tokens > 0)
+        assert out.response_ids == plain.run(reqs, step).response_ids  # lossless: the same keyed samples
+        ro.reuse_gate.pays = False
+    every = ro.reuse_gate.RETRY_EVERY
+    assert scored == ([False] * (every - 1) + [True]) * 2
+
+
+@pytest.mark.parametrize(
+    ("accepted", "scoring_seconds", "pays"), [(100, 0.5, True), (2, 0.5, False), (0, 0.0, False), (10, 0.1, False)]
+)
+def test_reuse_pays_when_the_accepted_tokens_would_have_cost_more_to_generate(accepted, scoring_seconds, pays):
+    from spec_rl.rollout.speculative import ReuseGate
+    from spec_rl.rollout.types import RolloutStats
+
+    gate = ReuseGate()
+    stats = RolloutStats(accepted_tokens=accepted, scoring_seconds=scoring_seconds, generation_seconds=1.0)
+    stats.tokens_generated = 100  # 10 ms per generated token
+    gate.record(stats)
+    assert gate.pays is pays
