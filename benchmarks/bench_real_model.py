@@ -140,13 +140,14 @@ class Row:
         return result
 
 
-def warm_up(engines: dict, peers: dict, prompt, settings: SamplingSettings) -> None:
-    """One untimed token per engine: the first call (after start or a weight reload) pays one-time costs that no
-    mode should be charged for (the vanilla row, timed first, would be)."""
+def warm_up(engines: dict, peers: dict, prompts, settings: SamplingSettings) -> None:
+    """One untimed token per prompt and engine, at start and after every weight reload: the first call pays
+    one-time costs, and vLLM's prefix cache (reset by a reload) would otherwise serve the prompts to every mode but
+    the one timed first."""
     one = SamplingSettings(temperature=settings.temperature, max_tokens=1)
     for name, backend in list(engines.items()) + list(peers.items()):
         try:
-            backend.generate([list(prompt)], [1], one, 0)
+            backend.generate([list(p) for p in prompts], [1] * len(prompts), one, 0)
         except Exception:
             if name in engines:
                 raise  # a peer that fails is reported when its row runs
@@ -348,7 +349,7 @@ def main(argv=None) -> int:
             Row(p, "vllm", b, MODES["vanilla"], settings, eos, max_len, args.seed) for p, b in peer_backends.items()
         ]
         nll = {id(r): [] for r in rows + peers}
-        warm_up(engines, peer_backends, requests[0].prompt_ids, settings)
+        warm_up(engines, peer_backends, prompts, settings)
         table = Table(
             Column("epoch", 5),
             Column("engine", 12, "<"),
@@ -417,7 +418,7 @@ def main(argv=None) -> int:
                         dst.copy_(src)
                 for b in list(engines.values()) + list(peer_backends.values()):
                     b.sync_weights()
-                warm_up(engines, peer_backends, requests[0].prompt_ids, settings)
+                warm_up(engines, peer_backends, prompts, settings)
         for r in rows + peers:
             r.nll = bootstrap_nll(nll[id(r)]) if nll[id(r)] else None
         record["peer_errors"] = {p.name: p.error for p in peers if p.error}
