@@ -254,8 +254,9 @@ def plot(record: dict, path: str) -> None:
                 continue
             ys = [x["rollout_seconds"] / ref[x["epoch"]] for x in recs]
             style = "--" if key.startswith("peer/") else "-o"
-            ax.plot([x["epoch"] for x in recs], ys, style, label=key.split("/", 1)[1])
+            ax.plot([x["epoch"] + 1 for x in recs], ys, style, label=key.split("/", 1)[1])
         ax.set(title=f"{engine}: rollout time / vanilla", xlabel="epoch", ylim=(0, None))
+        ax.set_xticks(range(1, len(ref) + 1))
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -29,4 +29,5 @@ def test_verify_hidden_extra_memory_is_at_most_a_quarter_of_the_logits(bsz, max_
     logits_mb = bsz * max_len * vocab * 4 / 2**20
     verify_hidden(ids, old, hidden, weight, seed=3, options=options)  # warm-up: one-time allocations
     extra = peak_extra_rss_mb(lambda: verify_hidden(ids, old, hidden, weight, seed=3, options=options))
+    print(f"verify_hidden [{bsz}, {max_len}] x V={vocab}: {extra:.1f} MiB extra, logits {logits_mb:.1f} MiB")
     assert extra <= logits_mb / 4 + 1.0, f"{extra:.1f} MiB extra for {logits_mb:.1f} MiB of logits"  # 1 MiB: small
