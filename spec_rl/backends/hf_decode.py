@@ -134,12 +134,13 @@ class TailGate:
     not; ``q``, the chance a proposed token is accepted given the ones before it were, is counted on both (a proposal
     not fed is checked against the token sampled instead). A step of R rows feeds proposals (width W) when
     ``1 + p (q + ... + q^(W-1))`` tokens per row for ``a + b R W`` beat one token for ``a + b R`` (p: the share of
-    rows with a proposal). On a GPU, where a wider step costs almost nothing more, speculation stays on; on a CPU it
-    stays on only while enough proposals are accepted. Tokens never depend on it: a proposal changes how many forwards
-    a row takes, not what it samples.
+    rows with a proposal); at q >= :attr:`ALWAYS_Q` they are always fed. On a GPU, where a wider step costs almost
+    nothing more, speculation stays on; on a CPU it stays on only while enough proposals are accepted. Tokens never
+    depend on it: a proposal changes how many forwards a row takes, not what it samples.
     """
 
     DECAY = 0.98  # weight of a step's cost measurement per later step
+    ALWAYS_Q = 0.5  # proposals that usually hold are fed whatever the (noisy) timings say
 
     def __init__(self):
         self._sums = [0.0] * 5  # weighted 1, T, T^2, y, T y
@@ -161,7 +162,7 @@ class TailGate:
     def speculate(self, rows: int, width: int, proposing: int) -> bool:
         """Whether a step of ``rows`` rows, ``proposing`` of them with proposals, should run at ``width``."""
         line = self.line()
-        if line is None or width <= 1:
+        if line is None or width <= 1 or self.q >= self.ALWAYS_Q:
             return width > 1
         a, b = line
         gain = 1 + proposing / rows * sum(self.q**j for j in range(1, width))

@@ -86,12 +86,15 @@ class _Batch:
 
 class ReuseGate:
     """Whether scoring this call's drafts will pay, from what the last scored call measured: reuse pays when the
-    accepted tokens' generation time (``accepted x`` seconds per generated token) exceeds the scoring time. Used by
+    accepted tokens' generation time (``accepted x`` seconds per generated token) exceeds the scoring time, or at
+    least :attr:`MIN_SHARE` of the draft tokens were accepted. Used by
     the exact rule only, whose output does not depend on the drafts (keyed samples: the same tokens with or
     without them), so skipping is purely a saving. After a call that did not pay, drafts are scored again every
     :attr:`RETRY_EVERY` calls, to notice when the policy makes them pay again."""
 
     RETRY_EVERY = 4
+    #: Drafts accepted at least this share of their tokens are always scored (a timing is noisy; a share is not).
+    MIN_SHARE = 0.1
 
     def __init__(self):
         self.pays: bool | None = None
@@ -106,7 +109,8 @@ class ReuseGate:
 
     def record(self, stats: RolloutStats) -> None:
         per_generated = stats.generation_seconds / max(stats.tokens_generated, 1)
-        self.pays = stats.accepted_tokens * per_generated > stats.scoring_seconds
+        share = stats.accepted_tokens / max(stats.draft_tokens, 1)
+        self.pays = share >= self.MIN_SHARE or stats.accepted_tokens * per_generated > stats.scoring_seconds
 
 
 def _sync(device: torch.device) -> None:

@@ -243,14 +243,17 @@ def test_the_exact_rule_stops_scoring_drafts_that_do_not_pay_and_retries_them():
 
 
 @pytest.mark.parametrize(
-    ("accepted", "scoring_seconds", "pays"), [(100, 0.5, True), (2, 0.5, False), (0, 0.0, False), (10, 0.1, False)]
+    ("accepted", "scoring_seconds", "pays"),
+    [(100, 0.5, True), (2, 0.5, False), (0, 0.0, False), (9, 0.1, False), (9, 0.05, True), (10, 9.0, True)],
 )
 def test_reuse_pays_when_the_accepted_tokens_would_have_cost_more_to_generate(accepted, scoring_seconds, pays):
     from spec_rl.rollout.speculative import ReuseGate
     from spec_rl.rollout.types import RolloutStats
 
-    gate = ReuseGate()
-    stats = RolloutStats(accepted_tokens=accepted, scoring_seconds=scoring_seconds, generation_seconds=1.0)
+    gate = ReuseGate()  # 100 draft tokens; at 10% accepted (MIN_SHARE) drafts are scored whatever the timings
+    stats = RolloutStats(
+        draft_tokens=100, accepted_tokens=accepted, scoring_seconds=scoring_seconds, generation_seconds=1.0
+    )
     stats.tokens_generated = 100  # 10 ms per generated token
     gate.record(stats)
     assert gate.pays is pays
