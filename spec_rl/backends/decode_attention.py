@@ -16,7 +16,8 @@ MAX_QUERIES = 16
 _registered = False
 
 
-def _sdpa(*args, **kwargs):
+def sdpa(*args, **kwargs):
+    """transformers' SDPA attention (imported on first use)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     return sdpa_attention_forward(*args, **kwargs)
@@ -38,7 +39,7 @@ def decode_attention_forward(
     kv_heads, kv_len = key.shape[1], key.shape[2]
     special = any(kwargs.get(k) is not None for k in ("softcap", "s_aux"))
     if q_len > MAX_QUERIES or dropout or heads % kv_heads or special:
-        return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     group = heads // kv_heads
     scale = float(scaling) if scaling is not None else dim**-0.5
     grouped = query.reshape(bsz, kv_heads, group * q_len, dim).float()  # query head h uses key head h // group

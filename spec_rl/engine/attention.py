@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops
-from ..backends.decode_attention import attention_implementation
+from ..backends.decode_attention import attention_implementation, sdpa
 
 ATTN_NAME = "spec_rl_paged"
 
@@ -49,11 +49,7 @@ def paged_attention_forward(
     """Query [1, Hq, T, D], key/value [1, H_kv, T, D] -> ([1, T, Hq, D], None); SDPA when no batch is active."""
     batch = _ACTIVE
     if batch is None:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
+        return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if kwargs.get("sliding_window") is not None:
         raise NotImplementedError("the paged engine does not support sliding-window attention layers")
     if kwargs.get("softcap") is not None:
