@@ -106,13 +106,15 @@ gpu-check:
 gpu-check-smoke: install
 	SMOKE=1 PYTHON=$(PY) bash benchmarks/gpu_check.sh
 
-# Pure-Python wheels a GPU machine without internet lacks (Python 3.12): math-verify and its parser, and the
-# verification suite's peers, Liger-Kernel and Cut Cross-Entropy.
-GPU_WHEELS ?= math-verify latex2sympy2_extended antlr4-python3-runtime liger-kernel==0.8.5 cut-cross-entropy==25.1.1
+# Pure-Python wheels a GPU machine without internet lacks (Python 3.12): math-verify and its parser, the
+# verification suite's peers (Liger-Kernel, Cut Cross-Entropy), and gguf (real_model.py --gguf). The pinned
+# antlr4 runtime 4.9.3 has no wheel; latex2sympy2_extended parses with any runtime 4.9.3-4.13.2.
+GPU_WHEELS ?= math-verify latex2sympy2_extended liger-kernel==0.8.5 cut-cross-entropy==25.1.1 gguf
+GPU_WHEEL_ARGS := --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
 gpu-wheels: $(PY)
 	mkdir -p .whl
-	$(PIP) download -c $(CONSTRAINTS) --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-		--platform manylinux_2_28_x86_64 -d .whl $(GPU_WHEELS)
+	$(PIP) download -c $(CONSTRAINTS) $(GPU_WHEEL_ARGS) -d .whl $(GPU_WHEELS)
+	$(PIP) download $(GPU_WHEEL_ARGS) -d .whl antlr4-python3-runtime==4.13.2
 
 clean:
 	rm -rf build *.egg-info $(VENV_VLLM) gpu-check-out

@@ -86,8 +86,9 @@ def sample_nll(policy, prompts, responses, pad: int, settings: SamplingSettings)
 def grpo_update(policy, optimizer, result, rewards, group: int, pad: int, settings: SamplingSettings) -> None:
     """One AdamW step of the clipped policy loss on ``result``'s responses with group advantages, accumulated over
     micro-batches of :data:`MICRO_BATCH` rows (the [rows, length, V] logits of a whole batch would not fit)."""
-    advantages = group_advantages(torch.tensor(rewards), group)
-    padded = result.padded(pad)
+    device = next(policy.parameters()).device
+    advantages = group_advantages(torch.tensor(rewards), group).to(device)
+    padded = result.padded(pad, device)
     old, mask = padded["logprobs"], padded["response_mask"]
     total = int(mask.sum())
     policy.train()
@@ -313,8 +314,9 @@ def main(argv=None) -> int:
         import real_model
 
         args.model = str(real_model.build())
-    policy, tokenizer = load_policy(args.model)
-    policy.eval()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    policy, tokenizer = load_policy(args.model, device)
+    policy = policy.float().eval()  # the float32 master the optimizer steps; rollouts use a copy in --dtype
     dtype = resolve_dtype(args.dtype)
     rollout_model = copy.deepcopy(policy).to(dtype).eval()
     examples = demo_train_set() if args.data == "demo" else load_jsonl(args.data)

