@@ -4,29 +4,30 @@
 # archive and a summary rewritten under $OUT, so a run cut at any point returns everything finished.
 #
 #   stage                                                    H200 budget  timeout  FULL=1 adds
-#   1 install   env, pip install (TORCH_CUDA_ARCH_LIST=9.0,       75 s     300 s
+#   1 install   env, pip install (TORCH_CUDA_ARCH_LIST=9.0,       60 s     300 s
 #               MAX_JOBS=16, wheels from .whl/), spec_rl._C
 #               with its CUDA ops, compiled kernels
-#   2 tests     the GPU-relevant tests, -x --timeout=120:         145 s     240 s   the whole suite
-#               kernels, paged KV ops, engine, verify dispatch,
-#               invalid scores
-#   3 suite     verification kernels at RESULTS.md's shapes,       60 s     180 s   --sweep
+#   2 tests     the GPU-relevant tests, -x --timeout=120,         120 s     240 s   the whole suite
+#               8 workers when pytest-xdist is there: kernels,
+#               paged KV ops, engine, verify dispatch, invalid scores
+#   3 suite     verification kernels at RESULTS.md's shapes,       40 s     180 s   --sweep
 #               ours and floors first, Liger/CCE after
-#   4 paged     paged decode attention                             25 s      90 s   --sweep
-#   5 engine    decode vs transformers generate (128 new          45 s     150 s   512 new tokens
+#   4 paged     paged decode attention                             15 s      90 s   --sweep
+#   5 engine    decode vs transformers generate (64 new           55 s     150 s   512 new tokens
 #               tokens), splice vs re-prefill
-#   6 rollout   bench_rollout --preset qwen3-0.6b, 32 x G=4,      75 s     165 s   64 x G=8, 512 tokens
-#               256 tokens: vanilla / histspec / spec / exact;
+#   6 rollout   bench_rollout --preset qwen3-0.6b, 32 x G=4,     100 s     165 s   64 x G=8, 512 tokens
+#               128 tokens: vanilla / histspec / spec / exact;
 #               bench_decode_cache (64 rows, 512 positions)
-#   7 compile   registers / spills from this Triton's ptxas,      25 s     120 s   sweep configs, csrc nvcc
+#   7 compile   registers / spills from this Triton's ptxas,      10 s     120 s   sweep configs, csrc nvcc
 #               default configs only (15 kernels)
-#   8 model     with --model PATH: bench_real_model on that         90 s     180 s
-#               checkpoint (32 x G=4, 256 tokens, 3 epochs; smoke:
+#   8 model     with --model PATH: bench_real_model on that        100 s     180 s
+#               checkpoint (16 x G=4, 128 tokens, 3 epochs; smoke:
 #               a tiny random Llama with the real tokenizer)
-#   total                                                        540 s (9 min)
+#   total                                                        500 s
 #
-# The budgets are estimates (no stage has run on an H200 yet); the summary prints each stage's wall time
-# beside its budget. DEADLINE_S (default 540 s, 0 = none) bounds the whole run below the device's 10-minute
+# The budgets are stage 1-7 wall times measured on an H200 (benchmarks/RESULTS.md "GPU check"), scaled to the
+# work above where it was cut; the summary prints each stage's wall time beside its budget. DEADLINE_S
+# (default 540 s, 0 = none) bounds the whole run below the device's 10-minute
 # command limit: a stage gets min(its timeout, time left - 15 s) and is skipped when under 20 s are left.
 # FULL=1 does not fit one command: run it as further calls with STAGES subsets (e.g. STAGES="2", then "3 4 7";
 # stage 1's install in $SITE stays valid while the machine stays warm).
@@ -97,7 +98,10 @@ stage_2() {  # GPU-relevant tests
         local per_test="--timeout=120"
         $PY -c 'import pytest_timeout' 2>/dev/null || { per_test=""; note "pytest-timeout absent: no per-test timeout"; }
         # shellcheck disable=SC2086
-        $PY -P -m pytest -q -p no:cacheprovider -rs -x $per_test $GPU_TESTS
+        local workers=""  # Triton compiles on the CPU: one GPU, 8 test processes
+        $PY -c 'import xdist' 2>/dev/null && workers="-n 8"
+        # shellcheck disable=SC2086
+        $PY -P -m pytest -q -p no:cacheprovider -rs -x $per_test $workers $GPU_TESTS
     fi
 }
 
@@ -114,14 +118,14 @@ stage_4() {  # paged decode attention
 }
 
 stage_5() {  # paged engine
-    local args="--preset qwen3-0.6b --new-tokens 128" ; [ "$SMOKE" = 1 ] && args=$SMOKE_ENGINE
+    local args="--preset qwen3-0.6b --new-tokens 64" ; [ "$SMOKE" = 1 ] && args=$SMOKE_ENGINE
     [ "$FULL" = 1 ] && args="--preset qwen3-0.6b"
     # shellcheck disable=SC2086
     $PY benchmarks/bench_engine.py $args --json "$WORK/json/engine.json"
 }
 
 stage_6() {  # rollout modes at the Qwen3-0.6B shape, then one decode step: concatenating vs in-place KV cache
-    local args="--preset qwen3-0.6b --prompts 32 --group 4 --max-tokens 256" ; [ "$SMOKE" = 1 ] && args=$SMOKE_ROLLOUT
+    local args="--preset qwen3-0.6b --prompts 32 --group 4 --max-tokens 128" ; [ "$SMOKE" = 1 ] && args=$SMOKE_ROLLOUT
     [ "$FULL" = 1 ] && args="--preset qwen3-0.6b"
     local rc=0
     # shellcheck disable=SC2086
@@ -144,7 +148,7 @@ stage_7() {  # compile check: this Triton's ptxas, default configs
 }
 
 stage_8() {  # the real-model rollout benchmark on the user's checkpoint
-    local model=$MODEL args="--prompts 32 --group 4 --max-tokens 256 --epochs 3"
+    local model=$MODEL args="--prompts 16 --group 4 --max-tokens 128 --epochs 3"
     if [ "$SMOKE" = 1 ] && [ -z "$model" ]; then
         model=$($PY benchmarks/real_model.py --tiny "$WORK/tiny-model") || return 1
         args="--prompts 1 --group 2 --max-tokens 6 --epochs 2 --engines transformers"
@@ -291,16 +295,16 @@ refresher > /dev/null 2>&1 & REFRESHER=$!
 trap 'kill $REFRESHER 2>/dev/null' EXIT
 trap on_signal TERM INT
 
-run_stage 1 install 75 300
+run_stage 1 install 60 300
 # Install or import failed (not exit 3, "installed, something missing"): nothing later can run.
 case "$LAST_RC" in "" | 0 | 3) ;; *) ABORT="install failed" ;; esac
-run_stage 2 tests 145 240
-run_stage 3 suite 60 180
-run_stage 4 paged 25 90
-run_stage 5 engine 45 150
-run_stage 6 rollout 75 165
-run_stage 7 compile 25 120
-run_stage 8 model 90 180
+run_stage 2 tests 120 240
+run_stage 3 suite 40 180
+run_stage 4 paged 15 90
+run_stage 5 engine 55 150
+run_stage 6 rollout 100 165
+run_stage 7 compile 10 120
+run_stage 8 model 100 180
 
 kill $REFRESHER 2>/dev/null
 wait $REFRESHER 2>/dev/null

@@ -60,14 +60,14 @@ def test_smoke_stage_reports_wall_time_beside_its_budget(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["gpu-check.tar.gz", "summary.md"]  # nothing else in $OUT
     summary = (out / "summary.md").read_text()
     _, name, status, wall, budget, limit, _ = stage_rows(summary)["suite"]
-    assert (name, status, budget, limit) == ("suite", "ok", "60", "180") and float(wall) > 0
+    assert (name, status, budget, limit) == ("suite", "ok", "40", "180") and float(wall) > 0
     assert "## Verification kernels (stage 3" in summary and "not** measurements" in summary
     with tarfile.open(out / "gpu-check.tar.gz") as tar:
         names = set(tar.getnames())
         assert {"./summary.md", "./stages.tsv", "./logs/3-suite.log", "./json/gpu_suite.json"} <= names
         record = json.load(tar.extractfile("./json/gpu_suite.json"))
     assert record["status"] == "ok" and record["checks"]
-    assert "== stage 3 suite: ok" in proc.stdout and "H200 budget 60 s" in proc.stdout
+    assert "== stage 3 suite: ok" in proc.stdout and "H200 budget 40 s" in proc.stdout
 
 
 def test_smoke_run_fails_on_a_broken_benchmark_shape(tmp_path):
