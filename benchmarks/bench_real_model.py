@@ -6,18 +6,19 @@
 The same prompts (chat template when the tokenizer has one) are rolled out every epoch by each mode (vanilla,
 spec at l = 1 and e^0.5, exact, histspec) on each engine (the in-process transformers backend; spec-rl's vLLM
 backend when vLLM is installed), each mode with its own drafts. Between epochs the policy takes ``--updates``
-GRPO steps (AdamW on a float32 master copy, the rollout copy refreshed from it, as a trainer does) on the
+GRPO steps (AdamW on a float32 master copy, forward and backward under bf16 autocast when the rollouts are in
+bf16, the rollout copy refreshed from it, as a trainer does) on the
 transformers vanilla rollout, rewarded by ``--reward``: every mode sees the same sequence of policies. Peer rows
 run in the same epochs with the same prompts and sampling: vLLM's plain generation and vLLM's own n-gram (and
 suffix, when offered) speculation. Engine start times are reported apart.
 
 Per row and epoch: generated tokens, decode steps, accepted share of draft tokens, responses reused whole,
 rollout and scoring seconds, and the ratios to vanilla on the same engine; and the mean NLL of the row's samples
-under the float32 policy with a 95% bootstrap interval over sequences (a distribution check: a sampler that is
-wrong scores worse). After the last epoch, per engine: scoring the drafts against prefilling the same tokens,
-exact's overhead over vanilla, and every mode's time over the no-waste bound (scoring seconds + generated tokens
-x vanilla's seconds per generated token). JSON (``--json``) and a plot (``--plot``: rollout-time ratio per epoch
-per mode, peers dashed).
+under the rollout model (the policy in ``--dtype``) with a 95% bootstrap interval over sequences (a distribution
+check: a sampler that is wrong scores worse). After the last epoch, per engine: scoring the drafts against
+prefilling the same tokens, exact's overhead over vanilla, and every mode's time over the no-waste bound
+(scoring seconds + generated tokens x vanilla's seconds per generated token). JSON (``--json``) and a plot
+(``--plot``: rollout-time ratio per epoch per mode, peers dashed).
 """
 
 from __future__ import annotations
@@ -73,14 +74,18 @@ def bootstrap_nll(nll_rows: list[torch.Tensor], resamples: int = 1000, seed: int
     return float(sums.sum() / counts.sum().clamp(min=1)), lo, hi
 
 
-def sample_nll(policy, prompts, responses, pad: int, settings: SamplingSettings) -> list[torch.Tensor]:
-    out = []
+def sample_nll(model, prompts, responses, pad: int, settings: SamplingSettings, memo: dict) -> list[torch.Tensor]:
+    """Per response, the negative sampling log-probs [len] float64 of its tokens under ``model``; ``memo`` holds
+    those of the (prompt, response) pairs already scored under the same weights (rows that sampled alike, e.g.
+    exact and histspec beside vanilla, are scored once)."""
+    keys = [(tuple(p), tuple(r)) for p, r in zip(prompts, responses)]
+    todo = list(dict.fromkeys(k for k in keys if k not in memo))
     with torch.no_grad():
-        for start in range(0, len(responses), MICRO_BATCH):
-            rows = slice(start, start + MICRO_BATCH)
-            lps = response_logprobs(policy, prompts[rows], responses[rows], pad, settings).double()
-            out += [-lps[b, : len(r)] for b, r in enumerate(responses[rows])]
-    return out
+        for start in range(0, len(todo), MICRO_BATCH):
+            chunk = todo[start : start + MICRO_BATCH]
+            lps = response_logprobs(model, [k[0] for k in chunk], [k[1] for k in chunk], pad, settings).double()
+            memo.update({k: -lps[b, : len(k[1])].cpu() for b, k in enumerate(chunk)})
+    return [memo[k] for k in keys]
 
 
 def grpo_update(policy, optimizer, result, rewards, group: int, pad: int, settings: SamplingSettings) -> None:
@@ -371,7 +376,7 @@ def main(argv=None) -> int:
         print(table.header())
         last = {}
         for epoch in range(args.epochs):
-            results = {}
+            results, scored = {}, {}
             for r in rows + [p for p in peers if p.error is None]:
                 try:
                     results[id(r)] = result = r.run(requests, epoch)
@@ -381,7 +386,7 @@ def main(argv=None) -> int:
                     r.error = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:160]}"
                     print(f"peer {r.name} failed: {r.error}", flush=True)
                     continue
-                nlls = sample_nll(policy, result.prompt_ids, result.response_ids, pad, settings)
+                nlls = sample_nll(rollout_model, result.prompt_ids, result.response_ids, pad, settings, scored)
                 nll[id(r)] += nlls
                 rec = r.records[-1]
                 rec["nll"] = bootstrap_nll(nlls)[0]
@@ -416,8 +421,9 @@ def main(argv=None) -> int:
                 rewards = [
                     reward_fn(tokenizer.decode(t, skip_special_tokens=True), g) for t, g in zip(res.response_ids, golds)
                 ]
-                for _ in range(args.updates):
-                    grpo_update(policy, optimizer, res, rewards, args.group, pad, settings)
+                with torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+                    for _ in range(args.updates):
+                        grpo_update(policy, optimizer, res, rewards, args.group, pad, settings)
                 with torch.no_grad():
                     for dst, src in zip(rollout_model.parameters(), policy.parameters()):
                         dst.copy_(src)
