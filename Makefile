@@ -82,7 +82,7 @@ test-vllm: $(VLLM_STAMP)
 	SPEC_RL_REQUIRE=1 $(VENV_VLLM)/bin/pytest -q -m "engines and not e2e and not long"
 
 # The real-model rollout benchmark (benchmarks/bench_real_model.py): every mode on the in-process and the vLLM
-# engine, vLLM's own speculation as peers, GRPO updates between epochs; about 25 minutes on 2 CPU cores.
+# engine, vLLM's own speculation as peers, GRPO updates between epochs; about 13 minutes on 2 CPU cores.
 bench-real: $(VLLM_STAMP)
 	$(VPIP) install --no-build-isolation --no-deps --force-reinstall --quiet .
 	$(VENV_VLLM)/bin/python benchmarks/bench_real_model.py $(ARGS)
