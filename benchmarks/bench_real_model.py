@@ -133,7 +133,7 @@ class Row:
         s = result.stats
         self.records.append(
             {
-                "epoch": epoch,
+                "epoch": epoch + 1,  # 1-based, as printed
                 "generated_tokens": s.tokens_generated,
                 "decode_steps": s.decode_steps,
                 "draft_tokens": s.draft_tokens,
@@ -262,7 +262,7 @@ def plot(record: dict, path: str) -> None:
                 continue
             ys = [x["rollout_seconds"] / ref[x["epoch"]] for x in recs]
             style = "--" if key.startswith("peer/") else "-o"
-            ax.plot([x["epoch"] + 1 for x in recs], ys, style, label=key.split("/", 1)[1])
+            ax.plot([x["epoch"] for x in recs], ys, style, label=key.split("/", 1)[1])
         ax.set(title=f"{engine}: rollout time / vanilla", xlabel="epoch", ylim=(0, None))
         ax.set_xticks(range(1, len(ref) + 1))
         ax.legend(fontsize=8)
@@ -299,7 +299,7 @@ def parse_args(argv):
         set(args.modes), key=lambda m: (m != "vanilla", list(BENCH_MODES).index(m) if m in BENCH_MODES else 0)
     )
     if "vanilla" not in args.modes or any(m not in BENCH_MODES for m in args.modes):
-        ap.error(f"--modes takes vanilla and any of {', '.join(BENCH_MODES)}, got {args.modes}")
+        ap.error(f"--modes must include vanilla, each one of: {', '.join(BENCH_MODES)} (got {args.modes})")
     if args.engines is None:
         import importlib.util
 
@@ -320,7 +320,10 @@ def main(argv=None) -> int:
 
         args.model = str(real_model.build())
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    policy, tokenizer = load_policy(args.model, device)
+    try:
+        policy, tokenizer = load_policy(args.model, device)
+    except FileNotFoundError as err:
+        raise SystemExit(f"bench_real_model.py: --model: {err}") from None
     policy = policy.float().eval()  # the float32 master the optimizer steps; rollouts use a copy in --dtype
     dtype = resolve_dtype(args.dtype)
     rollout_model = copy.deepcopy(policy).to(dtype).eval()

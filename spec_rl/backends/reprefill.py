@@ -6,17 +6,25 @@ from dataclasses import dataclass
 
 from ..acceptance.scores import DraftScores
 from .checks import check_continue_rows, check_same_length
+from .progressive import ProgressiveTreeScores
 from .protocol import BackendStats, Continuation, GenerationBackend
 from .scoring import PolicyScorer
 
 
 @dataclass
 class ScoredDrafts:
-    """Handle of :class:`ReprefillBackend`: the rows scored by ``score_drafts``."""
+    """Handle of :class:`ReprefillBackend`: the rows scored by ``score_drafts`` (and the progressive scores, whose
+    kept K/V are dropped when the handle is continued or released)."""
 
     prompts: list[list[int]]
     drafts: list[list[int]]
     used: bool = False
+    progressive: ProgressiveTreeScores | None = None
+
+    def finish(self) -> None:
+        self.used = True
+        if self.progressive is not None:
+            self.progressive.release()
 
 
 class ReprefillBackend(GenerationBackend):
@@ -31,6 +39,17 @@ class ReprefillBackend(GenerationBackend):
     def score_drafts(self, prompts, drafts) -> tuple[DraftScores, ScoredDrafts]:
         rows = ScoredDrafts([list(map(int, p)) for p in prompts], [list(map(int, d)) for d in drafts])
         return self.scorer.score(rows.prompts, rows.drafts), rows
+
+    def score_drafts_progressive(
+        self, prompts, drafts, draft_logprobs=None
+    ) -> tuple[DraftScores, ScoredDrafts, ProgressiveTreeScores] | None:
+        """Score where exact walks may read (:class:`ProgressiveTreeScores`): a draft the walks leave early is never
+        scored past that point; None without the tree layout (or without a :class:`PolicyScorer`)."""
+        if not (isinstance(self.scorer, PolicyScorer) and self.scorer.tree):
+            return None
+        rows = ScoredDrafts([list(map(int, p)) for p in prompts], [list(map(int, d)) for d in drafts])
+        rows.progressive = ProgressiveTreeScores(self.scorer, rows.prompts, rows.drafts, draft_logprobs)
+        return rows.progressive.scores, rows, rows.progressive
 
     def continue_from(
         self,
@@ -49,7 +68,7 @@ class ReprefillBackend(GenerationBackend):
     ) -> list[Continuation]:
         if not isinstance(handle, ScoredDrafts) or handle.used:
             raise ValueError("handle must come from this backend's score_drafts and be continued once")
-        handle.used = True
+        handle.finish()
         rows = len(handle.prompts)
         sources = range(rows) if sources is None else sources
         check_same_length(
@@ -86,4 +105,4 @@ class ReprefillBackend(GenerationBackend):
         return results  # type: ignore[return-value]
 
     def release(self, handle: ScoredDrafts) -> None:
-        handle.used = True
+        handle.finish()

@@ -103,8 +103,11 @@ class TransformersBackend(ModelLimits, ReprefillBackend):
     def score_drafts_progressive(
         self, prompts, drafts, draft_logprobs=None
     ) -> tuple[DraftScores, SplicedDrafts, ProgressiveTreeScores] | None:
-        """Score where exact walks may read (:class:`ProgressiveTreeScores`); None without tree layout or splice."""
-        if not (self.scorer.tree and self.splice):
+        """Score where exact walks may read (:class:`ProgressiveTreeScores`), keeping the K/V for the continuation
+        when :attr:`splice` is on; None without the tree layout."""
+        if not self.splice:
+            return super().score_drafts_progressive(prompts, drafts, draft_logprobs)
+        if not self.scorer.tree:
             return None
         prompts, drafts = self.checked_rows(prompts, drafts)
         lazy = ProgressiveTreeScores(self.scorer, prompts, drafts, draft_logprobs)
@@ -189,7 +192,7 @@ class TransformersBackend(ModelLimits, ReprefillBackend):
         return results  # type: ignore[return-value]
 
     def release(self, handle: ScoredDrafts) -> None:
-        handle.used = True
+        handle.finish()
         if isinstance(handle, SplicedDrafts):
             self._drop_kv(handle)
 

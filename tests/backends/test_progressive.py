@@ -184,11 +184,18 @@ def test_a_failed_forward_releases_the_scores_and_the_backend_releases_them_too(
         assert lazy.released and all(chunk.cache is None for chunk in lazy.chunks)
 
 
-def test_backend_offers_progressive_scoring_only_with_tree_layout_and_splice():
+def test_backend_offers_progressive_scoring_only_with_tree_layout():
+    from spec_rl.backends.transformers_backend import SplicedDrafts
+
     model = _peaked_model(0)
     prompts, drafts = [[3, 4]] * 2, [[5, 6], [5, 7]]
-    assert TransformersBackend(model, {1}, 0).score_drafts_progressive(prompts, drafts) is not None
-    assert TransformersBackend(model, {1}, 0, splice=False).score_drafts_progressive(prompts, drafts) is None
+    _, spliced, _ = TransformersBackend(model, {1}, 0).score_drafts_progressive(prompts, drafts)
+    assert isinstance(spliced, SplicedDrafts)
+    plain = TransformersBackend(model, {1}, 0, splice=False)
+    _, handle, lazy = plain.score_drafts_progressive(prompts, drafts)  # scored progressively, continued by re-prefill
+    assert not isinstance(handle, SplicedDrafts) and handle.progressive is lazy
+    plain.release(handle)
+    assert lazy.released and all(chunk.cache is None for chunk in lazy.chunks)
     rows = TransformersBackend(model, {1}, 0)
     rows.scorer.tree = False
     assert rows.score_drafts_progressive(prompts, drafts) is None
@@ -196,10 +203,11 @@ def test_backend_offers_progressive_scoring_only_with_tree_layout_and_splice():
         TransformersBackend(model, {1}, 0).score_drafts_progressive([[3, 99]], [[5]])  # id outside the vocabulary
 
 
-@pytest.mark.parametrize("min_reach", [0.05, 0.9])
-def test_exact_rollout_with_progressive_scores_is_fresh_decoding(monkeypatch, min_reach):
+@pytest.mark.parametrize("min_reach, splice", [(0.05, True), (0.9, True), (0.9, False)])
+def test_exact_rollout_with_progressive_scores_is_fresh_decoding(monkeypatch, min_reach, splice):
     """The rollout takes the progressive path under exact acceptance (and only there), and its responses are
-    token for token those of fresh keyed decoding, also when most walks need :meth:`extend`."""
+    token for token those of fresh keyed decoding, also when most walks need :meth:`extend`, and also when the
+    continuation re-prefills (the path of every re-prefilling backend, the vLLM backend among them)."""
     from spec_rl.acceptance.mode import MODES, RolloutMode
     from spec_rl.backends import progressive
     from spec_rl.drafts.cache import RolloutCache
@@ -220,7 +228,7 @@ def test_exact_rollout_with_progressive_scores_is_fresh_decoding(monkeypatch, mi
     monkeypatch.setattr(progressive.ProgressiveTreeScores, "extend", counted_extend)
 
     def rollout(mode, cache):
-        backend = TransformersBackend(model, {1}, pad_id=0)
+        backend = TransformersBackend(model, {1}, pad_id=0, splice=splice)
         real = backend.score_drafts_progressive
 
         def counted(*args):

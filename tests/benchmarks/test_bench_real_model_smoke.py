@@ -23,7 +23,7 @@ def test_two_epochs_of_every_mode_with_an_update_between(tmp_path, capsys):
     assert set(record["rows"]) == {f"transformers/{m}" for m in bench_real_model.BENCH_MODES}
     rows = record["rows"]
     for recs in rows.values():
-        assert [r["epoch"] for r in recs] == [0, 1]
+        assert [r["epoch"] for r in recs] == [1, 2]
         assert (
             recs[0]["draft_tokens"] == 0
             and recs[0]["generated_tokens"] == rows["transformers/vanilla"][0]["generated_tokens"]
@@ -44,7 +44,7 @@ def test_two_epochs_of_every_mode_with_an_update_between(tmp_path, capsys):
     "flags, message",
     [
         (["--epochs", "0"], "--epochs must be >= 1"),
-        (["--modes", "spec l=1"], "--modes takes vanilla"),
+        (["--modes", "spec l=1"], "--modes must include vanilla"),
         (["--engines", "vllm"], "--engines must include transformers"),
     ],
 )
@@ -52,3 +52,8 @@ def test_bad_arguments_are_refused(flags, message, capsys):
     with pytest.raises(SystemExit):
         bench_real_model.main(["--model", "unused"] + flags)
     assert message in capsys.readouterr().err
+
+
+def test_a_model_path_without_a_checkpoint_is_a_clear_exit(tmp_path):
+    with pytest.raises(SystemExit, match="--model: .*no config.json"):
+        bench_real_model.main(["--model", str(tmp_path), "--engines", "transformers"])
