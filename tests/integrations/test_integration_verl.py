@@ -7,8 +7,10 @@ tests are skipped, unless SPEC_RL_REQUIRE=1 is set (then a broken install fails)
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import os
+import types
 
 import pytest
 import torch
@@ -124,8 +126,11 @@ def run_epoch(cfg, server, tok, sampling=None, **loop_kwargs):
 
 
 @pytest.fixture()
-def setup(tmp_path, tok):
+def setup(tmp_path, tok, monkeypatch):
     sv._STORES.clear()
+    # The server seeds a request without a seed from its id, a uuid4: counted ids make the samples reproducible
+    ids = itertools.count()
+    monkeypatch.setattr(sv, "uuid4", lambda: types.SimpleNamespace(hex=f"{next(ids):032x}"))
     model = tiny_model(eos=(1,), bias_eos=1.5)
     server = VerlServer(
         TinyServer(model, {1}, max_model_len=PROMPT_LEN + RESPONSE_LEN, step=1, response_length=RESPONSE_LEN)
