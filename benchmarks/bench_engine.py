@@ -59,6 +59,7 @@ from _harness import (  # benchmarks/ on sys.path
 )
 
 from spec_rl.acceptance.mode import RolloutMode
+from spec_rl.acceptance.rules import Lenient
 from spec_rl.backends.transformers_backend import TransformersBackend
 from spec_rl.drafts.cache import RolloutCache
 from spec_rl.engine import PagedEngine
@@ -219,7 +220,7 @@ def bench_decode(model, vocab, batch, prompt_len, new_tokens, device, skip_gener
 
 #: The splice comparison's rule: SPEC-RL's (e^0.5) without tail speculation, so only scoring and the continuation
 #: from the verified prefix differ between the two paths.
-SPLICE_MODE = RolloutMode("lenient", tail=False)
+SPLICE_MODE = RolloutMode(Lenient(), tail=0)
 
 
 def _splice_row(name, backend, seed_cache, requests, settings, eos, max_len, device) -> dict:

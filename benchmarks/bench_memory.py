@@ -33,6 +33,7 @@ from _harness import Column, Table, default_json_path, device_arg, peak_extra_mb
 
 from spec_rl.acceptance.dispatch import VerifyOptions, verify_hidden
 from spec_rl.acceptance.mode import RolloutMode
+from spec_rl.acceptance.rules import Lenient
 from spec_rl.acceptance.scores import DraftScores
 from spec_rl.backends.protocol import BackendStats, Continuation
 from spec_rl.backends.reprefill import ReprefillBackend
@@ -102,7 +103,7 @@ def measure_verify(x: dict, device: torch.device) -> int:
     lengths = torch.full((bsz,), max_len, dtype=torch.long, device=device)
     uids = torch.arange(bsz, device=device)
 
-    options = VerifyOptions(lenience=math.exp(0.5))
+    options = VerifyOptions(mode=Lenient(math.exp(0.5)))
 
     def call():
         return verify_hidden(x["ids"], x["old"], x["hidden"], x["head"], lengths, seed=1, uids=uids, options=options)
@@ -129,7 +130,7 @@ def measure_rollout(x: dict, device: torch.device) -> int:
             settings,
             eos_ids=[vocab - 1],
             max_model_len=3 + max_len,
-            mode=RolloutMode("lenient", tail=False),
+            mode=RolloutMode(Lenient(), tail=0),
             seed=0,
         )
         return rollout.run(requests, step=1)

@@ -120,7 +120,6 @@ class Row:
 
     def __init__(self, name: str, engine: str, backend, mode, settings, eos: list[int], max_len: int, seed: int):
         self.name, self.engine, self.backend, self.records, self.error = name, engine, backend, [], None
-        self.lenient = mode.acceptance == "lenient"
         history = HistoryIndex() if mode.tail else None
         self.rollout = SpeculativeRollout(
             backend, RolloutCache(), settings, eos, max_len, mode, seed=seed, history=history
@@ -140,7 +139,7 @@ class Row:
                 "accepted_share": s.accepted_tokens / s.draft_tokens if s.draft_tokens else None,
                 "reused_whole": s.full_reuse_count / s.num_samples,
                 # mean |lp_new - lp_old| over reused tokens: how far the policy moved (the exact rule measures none)
-                "drift": s.reused_drift if self.lenient else None,
+                "drift": s.reused_drift,
                 "rollout_seconds": seconds,
                 "scoring_seconds": s.scoring_seconds,
             }

@@ -34,6 +34,7 @@ from _harness import random_lm_head, run_pytest_file, synced  # benchmarks/ is o
 
 from spec_rl.acceptance.dispatch import VerifyOptions, verify_hidden, verify_logits
 from spec_rl.acceptance.reference import reference_verify
+from spec_rl.acceptance.rules import Lenient
 from spec_rl.acceptance.scores import DraftScores
 from spec_rl.sampling.philox import STREAM_ACCEPT, philox_uniform
 
@@ -43,7 +44,7 @@ DEV = torch.device("cuda" if CUDA else "cpu")
 SHAPE = (32, 512, 151936, 2048) if CUDA else (4, 64, 4096, 256)
 DTYPE = torch.bfloat16 if CUDA else torch.float32
 SEED, LOG_LENIENCE = 1, 0.5
-OPTIONS = VerifyOptions(lenience=math.exp(LOG_LENIENCE))
+OPTIONS = VerifyOptions(mode=Lenient(math.exp(LOG_LENIENCE)))
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +142,7 @@ def plain_torch_verify(logits, x):
 
 def _ours(x, **scores):
     ids, old, lengths = x["ids"], x["old"], x["lengths"]
-    options = VerifyOptions(lenience=OPTIONS.lenience, backend="reference" if not CUDA else "auto")
+    options = VerifyOptions(mode=OPTIONS.mode, backend="reference" if not CUDA else "auto")
     if "hidden" in scores:
         return verify_hidden(ids, old, scores["hidden"], x["weight"], lengths, seed=SEED, options=options)
     return verify_logits(ids, old, scores["logits"], lengths, seed=SEED, options=options)

@@ -3,9 +3,9 @@
     python examples/trl_grpo.py                      # the demo policy (built once, ~1.5 min, cached)
     python examples/trl_grpo.py --model PATH         # a local transformers checkpoint (with its tokenizer)
     python examples/trl_grpo.py --model tiny         # a tiny random model: seconds, for a smoke test
-    python examples/trl_grpo.py --strategy off       # the same decoder with reuse off: the fair baseline
-    python examples/trl_grpo.py --lenience 1 --rejection-draw without-draft   # the demo trainer's SPEC-RL rule
-    python examples/trl_grpo.py --acceptance exact   # lossless reuse
+    python examples/trl_grpo.py --mode vanilla       # the same decoder with reuse off: the fair baseline
+    python examples/trl_grpo.py --mode l=1-excl      # l = 1, the without-draft draw: the demo trainer's SPEC-RL rule
+    python examples/trl_grpo.py --mode exact         # lossless reuse
 
 Trains ``--epochs`` epochs over ``--prompts`` problems of the embedded arithmetic task (GSM8K format)
 and prints, per epoch, how many completion tokens were reused from last epoch's drafts and how many
@@ -68,29 +68,10 @@ def main(argv=None) -> int:
     p.add_argument("--num-generations", type=int, default=4, help="GRPO group size (default 4)")
     p.add_argument("--max-completion-length", type=int, default=96, help="response budget in tokens (default 96)")
     p.add_argument(
-        "--strategy",
-        choices=["spec", "off", "random"],
+        "--mode",
         default="spec",
-        help="spec: SPEC-RL (default); off: no reuse, same decoder; random: random reuse",
-    )
-    p.add_argument(
-        "--lenience",
-        type=float,
-        default=None,
-        help="l of the lenient rule (default e^0.5, the paper's GRPO value; exact acceptance takes none)",
-    )
-    p.add_argument(
-        "--acceptance",
-        choices=["lenient", "exact"],
-        default="lenient",
-        help="lenient: the paper's rule (default); exact: lossless reuse (completions are fresh samples)",
-    )
-    p.add_argument(
-        "--rejection-draw",
-        choices=["policy", "without-draft"],
-        default="policy",
-        help="the token at a lenient rejection: from the policy (the paper, default) or without the "
-        "rejected draft token (needs l >= 1)",
+        help="spec: SPEC-RL at the paper's e^0.5 (default); vanilla: no reuse, same decoder; exact: lossless reuse; "
+        "random: random reuse; l=<lenience>[-excl]: the lenient rule at that l (-excl: the without-draft draw)",
     )
     args = p.parse_args(argv)
     if args.prompts < 1 or args.epochs < 1 or args.num_generations < 2:
@@ -103,15 +84,8 @@ def main(argv=None) -> int:
     from spec_rl.tasks.demo_data import demo_train_set
     from spec_rl.tasks.rewards import math_reward
 
-    try:  # the adapter's own checks (e.g. without-draft below l = 1), as one usage line
-        spec = SpecRLRollout(
-            lenience=args.lenience,
-            strategy=args.strategy,
-            acceptance=args.acceptance,
-            rejection_draw=args.rejection_draw,
-            dataset_id_column="id",
-            cache_path=Path(args.out) / "spec_rl_cache.safetensors",
-        )
+    try:  # the adapter's own checks (e.g. an unknown mode), as one usage line
+        spec = SpecRLRollout(args.mode, dataset_id_column="id", cache_path=Path(args.out) / "spec_rl_cache.safetensors")
     except ValueError as exc:
         p.error(str(exc))
     model, tok = load_policy(args.model)
@@ -168,7 +142,7 @@ def main(argv=None) -> int:
             f"epoch {e + 1}: generated {epochs[-1]['tokens_generated']:.0f} tokens, "
             f"reused {epochs[-1]['reused_tokens']:.0f}, rollout {epochs[-1]['rollout_seconds']:.1f} s"
         )
-    print(json.dumps({"strategy": args.strategy, **spec.mode.to_dict(), "epochs": epochs}))
+    print(json.dumps({**spec.mode.to_dict(), "epochs": epochs}))
     return 0
 
 

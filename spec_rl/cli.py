@@ -11,14 +11,15 @@ import sys
 import time
 from pathlib import Path
 
-from .acceptance.mode import LENIENCE_DEFAULTS, MODES, REJECTION_DRAWS, RolloutMode
+from .acceptance.mode import MODES, TAIL_WIDTH, RolloutMode
+from .acceptance.rules import LENIENCE_DEFAULTS, REJECTION_DRAWS
 from .cli_types import fraction as _fraction
 from .cli_types import lenience as _lenience
 from .cli_types import positive_int as _positive_int
 from .sampling.distribution import SamplingSettings
 from .tasks.data import CHAT_TEMPLATE_CHOICES, PromptFormat
 from .tasks.rewards import REWARD_FUNCTIONS
-from .trainer.config import DEMO_DEFAULTS, DEMO_MODES, DEMO_SPEC, MODEL_DEFAULTS, GRPOConfig, config_from
+from .trainer.config import PRESETS, GRPOConfig, preset
 from .trainer.resume_check import ConfigChangeError
 from .trainer.sweep import add_parser as add_sweep_parser
 from .trainer.sweep import cmd_sweep
@@ -37,7 +38,8 @@ _FLAGS = {
 }
 #: Names whose errors are about a flag: fields of the config, its sampling settings and a run's mode.
 _FIELDS = {f.name for cls in (GRPOConfig, SamplingSettings, RolloutMode, PromptFormat) for f in dataclasses.fields(cls)}
-#: The flags that set a field of the selected runs' RolloutMode, where the mode has it.
+_FIELDS |= {"lenience", "rejection_draw"}
+#: The flags that set a field of the selected runs' RolloutMode (or its rule), where the mode has it.
 _MODE_FLAGS = {"lenience": "--lenience", "rejection_draw": "--rejection-draw", "tail": "--no-tail"}
 
 
@@ -163,7 +165,7 @@ def _add_mode_flags(t: argparse.ArgumentParser) -> None:
         help="comma-separated runs, from "
         + ", ".join(MODES)
         + " (demo default: "
-        + ",".join(DEMO_MODES)
+        + ",".join(PRESETS["demo"].runs)
         + "; with --model: spec)",
     )
     t.add_argument(
@@ -191,7 +193,7 @@ def _add_mode_flags(t: argparse.ArgumentParser) -> None:
         "--spec-tokens",
         type=_positive_int,
         default=None,
-        help="most history-drafted tokens verified per decode step under tail speculation (default 8)",
+        help=f"most history-drafted tokens verified per decode step under tail speculation (default {TAIL_WIDTH})",
     )
 
 
@@ -300,13 +302,16 @@ def _heldout_examples(args: argparse.Namespace, demo: bool, examples: list) -> t
 
 def _modes(args: argparse.Namespace, demo: bool) -> dict:
     """{label: RolloutMode} of the runs ``--modes`` names, mode flags applied; UsageError for a bad run or flag."""
-    names = [m.strip() for m in (args.modes or (",".join(DEMO_MODES) if demo else "spec")).split(",") if m.strip()]
+    recipe = PRESETS["demo" if demo else "model"]
+    names = [m.strip() for m in (args.modes or ",".join(recipe.runs)).split(",") if m.strip()]
     bad = [m for m in names if m not in MODES]
     if bad or not names:
         raise UsageError(f"--modes takes {', '.join(MODES)}; got {args.modes!r}")
     if len(set(names)) != len(names):
         raise UsageError(f"--modes names a run twice: {args.modes!r} (each run has one folder)")
     given = {k: getattr(args, k) for k in _MODE_FLAGS if getattr(args, k) is not None}
+    if given.get("tail") is False:
+        given["tail"] = 0
     for field, flag in _MODE_FLAGS.items():
         if field in given and not any(field in MODES[m].settable() for m in names):
             takers = [m for m in MODES if field in MODES[m].settable()]
@@ -314,28 +319,38 @@ def _modes(args: argparse.Namespace, demo: bool) -> dict:
                 f"{flag} applies to the runs {', '.join(takers)}; the selected runs ({', '.join(names)}) "
                 f"have no such setting: drop {flag}, or add such a run to --modes"
             )
-    lenience = given.get("lenience", 1.0 if demo else LENIENCE_DEFAULTS["dapo" if args.clip_higher else "grpo"])
+    spec = recipe.spec
+    lenience = given.get("lenience", LENIENCE_DEFAULTS["dapo"] if args.clip_higher and not demo else spec.lenience)
     # The demo's without-draft draw needs l >= 1; another l gets the paper's draw.
-    draw = DEMO_SPEC["rejection_draw"] if demo and lenience >= 1 else "policy"
+    draw = spec.rejection_draw if lenience >= 1 else "policy"
     modes = {m: MODES[m].with_overrides(**{"lenience": lenience, "rejection_draw": draw, **given}) for m in names}
-    if args.spec_tokens is not None and not any(mode.tail for mode in modes.values()):
-        raise UsageError(
-            f"--spec-tokens sets the width of tail speculation, which none of the selected runs ({', '.join(names)}) "
-            "uses: drop --spec-tokens, or add a run with tail speculation (histspec, spec, exact, random)"
-        )
+    if args.spec_tokens is not None:
+        if not any(mode.tail for mode in modes.values()):
+            raise UsageError(
+                f"--spec-tokens sets the width of tail speculation, which none of the selected runs "
+                f"({', '.join(names)}) uses: drop --spec-tokens, or add a run with tail speculation (histspec, spec, "
+                "exact, random)"
+            )
+        modes = {
+            m: dataclasses.replace(mode, tail=args.spec_tokens) if mode.tail else mode for m, mode in modes.items()
+        }
     return modes
 
 
 def _config(args: argparse.Namespace, demo: bool) -> GRPOConfig:
-    """GRPOConfig from the flags; the demo and a user's model have different defaults."""
-    defaults = DEMO_DEFAULTS if demo else MODEL_DEFAULTS
-    picked = {name: getattr(args, name) for name in defaults if getattr(args, name) is not None}
+    """GRPOConfig from the flags over the demo's or a user's model's preset."""
     sampling = SamplingSettings(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-    return config_from(
-        defaults,
+    return preset(
+        "demo" if demo else "model",
         sampling,
-        **picked,
-        spec_tokens=8 if args.spec_tokens is None else args.spec_tokens,
+        epochs=args.epochs,
+        group_size=args.group_size,
+        prompts_per_step=args.prompts_per_step,
+        lr=args.lr,
+        max_tokens=args.max_response_len,
+        ppo_mini_batches=args.ppo_mini_batches,
+        micro_batch_size=args.micro_batch_size,
+        eval_samples=args.eval_samples,
         max_model_len=args.max_model_len,
         clip_low=args.clip_low,
         clip_high=0.28 if args.clip_higher else args.clip_high,
@@ -429,9 +444,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _lenient_note(modes: dict) -> str:
-    """The lenient rule of the header line, where a run uses it."""
-    lenient = {(m.lenience, m.rejection_draw) for m in modes.values() if m.acceptance == "lenient"}
-    return "".join(f" | lenience l={value:.4g} (rejection draw: {draw})" for value, draw in sorted(lenient))
+    """The rules of the header line, where a run's rule has settings (the lenient rule's l and draw)."""
+    rules = dict.fromkeys(m.rule.describe() for m in modes.values() if m.rule is not None and m.rule.settable())
+    return "".join(f" | {r}" for r in rules)
 
 
 def _one_line(err: Exception) -> str:

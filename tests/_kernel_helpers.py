@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from modes import rule_mode
 
 try:
     import triton
@@ -15,7 +16,7 @@ except Exception as exc:  # not installed, or a broken install: skip every kerne
 
 import spec_rl.kernels as K
 from spec_rl.acceptance.dispatch import VerifyOptions
-from spec_rl.acceptance.reference import lengths_mask, make_result, random_reuse_index, reference_verify
+from spec_rl.acceptance.reference import lengths_mask, make_result, reference_verify
 from spec_rl.acceptance.scores import DraftScores
 from spec_rl.sampling.distribution import SamplingSettings
 from spec_rl.sampling.philox import philox_uniform
@@ -102,8 +103,7 @@ def reference64(
     read by the lenient rule only."""
     cpu = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in sources.items()}
     options = VerifyOptions(
-        rule=rule,
-        lenience=math.exp(log_lenience) if rule == "lenient" else 1.0,
+        mode=rule_mode(rule, math.exp(log_lenience)),
         sampling=SamplingSettings(temperature=temperature, top_k=top_k, top_p=top_p),
         return_accept_mask=return_accept_mask,
     )
@@ -166,10 +166,12 @@ def kernel_verify(
 
     ``sources``: the score source (logits= or hidden_states= with lm_head_weight=/lm_head_bias=). ``config``: a
     tile override (LogitsConfig or LMHeadConfig), which the packed entry points take; without it K.verify_padded
-    runs. rule="random" scores only and draws n with the reference's random_reuse_index.
+    runs. A rule without a kernel switch (random reuse) scores only and decides with its own torch code.
     """
     scores = DraftScores(**sources)
-    settings = dict(seed=seed, log_lenience=log_lenience, temperature=temperature, score_only=rule == "random")
+    decider = rule_mode(rule, math.exp(log_lenience)).rule
+    score_only = decider.kernel_switch() is None
+    settings = dict(seed=seed, log_lenience=log_lenience, temperature=temperature, score_only=score_only)
     if config is None:
         lp, accept, n = K.verify_padded(draft_ids, old_logprobs, lengths, uids, scores, **settings)
     else:
@@ -177,10 +179,9 @@ def kernel_verify(
             draft_ids, old_logprobs, lengths.to(draft_ids.device), uids, scores, config, **settings
         )
     assert lp.dtype == torch.float32 and accept.dtype == torch.bool and n.dtype == torch.int64
-    if rule == "random":
+    if score_only:
         assert torch.equal(n.cpu(), lengths.cpu()) and not bool(accept.any())  # score-only contract
-        n = random_reuse_index(seed, uids, lengths.to(uids.device))
-        accept = lengths_mask(n, draft_ids.shape[1])
+        accept, n = decider.decide(lp, old_logprobs, lengths.to(lp.device), seed, uids.to(lp.device))
     return make_result(lp, n, accept, lengths.to(n.device), return_accept_mask)
 
 

@@ -19,9 +19,8 @@ VAL_FILES=${VAL_FILES:-$TRAIN_FILES}
 PYTHON=${PYTHON:-python}
 RUN_DIR=$(realpath -m "${RUN_DIR:-runs/verl-grpo-spec-rl}")
 DRAFT_DIR=$(realpath -m "${DRAFT_DIR:-$RUN_DIR/drafts}")  # absolute: agent-loop workers run elsewhere
-STRATEGY=${STRATEGY:-spec}          # spec | off (same loop, no reuse: the fair baseline) | random (ablation)
-ACCEPTANCE=${ACCEPTANCE:-lenient}   # lenient (the paper's rule) | exact (lossless; takes no lenience)
-LENIENCE=${LENIENCE:-1.6487}        # e^0.5, the paper's GRPO setting (e^0.3 PPO, e^0.15 DAPO)
+MODE=${MODE:-spec}                  # spec (the paper's rule at e^0.5) | exact (lossless) | vanilla (same loop, no
+                                    # reuse: the fair baseline) | random (ablation) | l=<lenience> (e.g. l=e^0.3 PPO)
 SEED=${SEED:-0}                     # run seed of the acceptance uniforms
 GROUP=${GROUP:-8}                   # responses per prompt (GRPO group size)
 
@@ -31,9 +30,7 @@ AGENT_YAML=$RUN_DIR/spec_rl_agent.yaml
     echo "- name: spec_rl_agent"
     echo "  _target_: spec_rl.integrations.verl.SpecRLAgentLoop"
     echo "  cache_dir: \"$DRAFT_DIR\""
-    echo "  strategy: \"$STRATEGY\""   # quoted: YAML reads a bare off as false
-    echo "  acceptance: \"$ACCEPTANCE\""
-    [ "$ACCEPTANCE" = exact ] || echo "  lenience: $LENIENCE"
+    echo "  mode: \"$MODE\""
     echo "  seed: $SEED"
 } > "$AGENT_YAML"
 

@@ -5,15 +5,15 @@ tensors with plain sampling). Backends decide alike: same Philox uniforms, float
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 
 from ..sampling.distribution import SamplingSettings, check_settings
-from ..util.validation import check_choice, check_int, check_real, format_positions
-from .mode import ACCEPTANCE_RULES, RolloutMode
-from .reference import VerifyResult, lengths_mask, make_result, random_reuse_index, reference_verify
+from ..util.validation import check_choice, check_int, format_positions
+from .mode import RolloutMode
+from .reference import VerifyResult, lengths_mask, make_result, reference_verify
+from .rules import Rule
 from .scores import DraftScores
 
 BACKENDS = ("auto", "reference", "triton")
@@ -21,49 +21,33 @@ BACKENDS = ("auto", "reference", "triton")
 
 @dataclass(frozen=True)
 class VerifyOptions:
-    """The rule and settings of the verify functions.
+    """How the verify functions decide.
 
-    ``rule``: "lenient" (paper Alg. 1), "exact" (accept y_i with probability pi_t(y_i); old log-probs and lenience
-    unused) or "random" (ablation, Table 2). ``lenience``: l >= 0 of the lenient rule (1: vanilla speculative
-    decoding; inf: accept all; 0: reject all). ``sampling``: the settings that produced the drafts (scores are
-    log-softmaxed under them). ``backend``: "auto", "reference" or "triton". ValueError for an unknown rule or
-    backend, l < 0 or NaN, or l != 1 with another rule; TypeError for wrongly typed fields.
+    ``mode``: a :class:`~spec_rl.acceptance.mode.RolloutMode` that reuses drafts, or its name (``"spec"``: the paper's
+    lenient rule at e^0.5; ``"exact"``: lossless; ``"random"``: the ablation; ``"l=1"``, ...). ``sampling``: the
+    settings that produced the drafts (scores are log-softmaxed under them). ``backend``: "auto", "reference" or
+    "triton". ``return_accept_mask``: also return the per-token outcomes. ValueError for an unknown mode or backend,
+    or a mode without drafts; TypeError for wrongly typed fields.
     """
 
-    rule: str = "lenient"
-    lenience: float = 1.0
+    mode: RolloutMode | str = "spec"
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     backend: str = "auto"
     return_accept_mask: bool = False
 
     def __post_init__(self) -> None:
-        check_choice("rule", self.rule, ACCEPTANCE_RULES)
+        mode = RolloutMode.parse(self.mode)
+        if mode.rule is None:
+            raise ValueError(f"mode {self.mode!r} reuses no drafts: there is nothing to verify")
+        object.__setattr__(self, "mode", mode)
         check_choice("backend", self.backend, BACKENDS)
         if not isinstance(self.return_accept_mask, bool):
             raise TypeError(f"return_accept_mask must be True or False, got {self.return_accept_mask!r}")
         check_settings(self.sampling, "sampling")
-        lenience = check_real(
-            "lenience",
-            self.lenience,
-            low=0.0,
-            finite=False,
-            hint=" (0 rejects every draft token, 1 is vanilla speculative decoding, inf accepts all)",
-        )
-        if self.rule != "lenient" and lenience != 1.0:
-            raise ValueError(f"lenience applies to rule='lenient' only, not {self.rule!r}; drop it")
-        object.__setattr__(self, "lenience", lenience)
 
     @property
-    def log_lenience(self) -> float:
-        return math.log(self.lenience) if self.lenience > 0 else float("-inf")
-
-    @classmethod
-    def for_mode(cls, mode: RolloutMode, **options) -> VerifyOptions:
-        """The options that verify drafts as ``mode`` does (``mode`` must reuse drafts)."""
-        if mode.acceptance is None:
-            raise ValueError("this mode reuses no drafts: there is nothing to verify")
-        lenience = mode.lenience if mode.acceptance == "lenient" else 1.0
-        return cls(rule=mode.acceptance, lenience=lenience, **options)
+    def rule(self) -> Rule:
+        return self.mode.rule
 
 
 @dataclass
@@ -230,22 +214,28 @@ def _verify_triton(c: _Checked, seed: int, options: VerifyOptions) -> VerifyResu
             "Triton verification kernels score softmax(logits / T) over the full vocabulary; "
             "top_k/top_p filtering is only in the reference backend"
         )
-    s = c.scores
+    rule, switch = options.rule, options.rule.kernel_switch()
+    log_l, reads_old = switch if switch is not None else (0.0, True)
+    old = c.old_logprobs if reads_old else torch.zeros_like(c.old_logprobs)
     lp_new, accept, n = kernels.verify_padded(
         c.draft_ids,
-        c.old_logprobs,
+        old,
         c.lengths,
         c.uids,
-        s,
+        c.scores,
         seed=seed,
-        log_lenience=options.log_lenience,
+        log_lenience=log_l,
         temperature=options.sampling.temperature,
-        score_only=options.rule == "random",
+        score_only=switch is None,
     )
-    if options.rule == "random":
-        n = random_reuse_index(seed, c.uids, c.lengths)
-        accept = lengths_mask(n, c.draft_ids.shape[1])
+    if switch is None:  # the kernels scored; the rule decides in torch
+        accept, n = rule.decide(lp_new, c.old_logprobs, c.lengths, seed, c.uids)
     return make_result(lp_new, n, accept, c.lengths, options.return_accept_mask)
+
+
+def _reads_old(rule: Rule) -> bool:
+    switch = rule.kernel_switch()
+    return switch is None or switch[1]
 
 
 def verify_scores(
@@ -263,10 +253,8 @@ def verify_scores(
     if not isinstance(options, VerifyOptions):
         raise TypeError(f"options must be a VerifyOptions, got {type(options).__name__}")
     seed = check_int("seed", seed, hint=" (the 64-bit seed of the acceptance uniforms, taken modulo 2**64)")
-    if options.rule == "exact" and isinstance(draft_ids, torch.Tensor) and old_logprobs is None:
+    if isinstance(draft_ids, torch.Tensor) and not _reads_old(options.rule):  # e.g. exact: lp_old is not read
         old_logprobs = torch.zeros(draft_ids.shape, dtype=torch.float32, device=draft_ids.device)
-    elif options.rule == "exact" and isinstance(old_logprobs, torch.Tensor):
-        old_logprobs = torch.zeros_like(old_logprobs)  # the exact test is the lenient one with lp_old = 0, l = 1
     # No autograd: an LM-head Parameter or hidden states that carry a graph must not grow it here.
     with torch.no_grad():
         scores = DraftScores(**{k: _detached(v) for k, v in vars(scores).items()})
@@ -303,7 +291,7 @@ def verify_logits(
 
     Args:
         draft_ids: [B, R] integer token ids, right-padded.
-        old_logprobs: [B, R] float log-probs stored with the drafts (None with ``rule="exact"``).
+        old_logprobs: [B, R] float log-probs stored with the drafts (None for a rule that reads none, e.g. exact).
         logits: [B, R, V] float; row i scores draft token i (the logits at the position before it).
         lengths: [B] integer draft lengths, or a [B, R] bool mask of a leading prefix; None: all R valid.
         seed: 64-bit seed of the acceptance uniforms; uids: [B] int64 stable per-sample ids (default arange(B)).

@@ -15,15 +15,13 @@ import torch
 from ..sampling.distribution import SamplingSettings, keyed_sample
 from ..sampling.groups import as_id_lists, int64_tensor, rows_by_prompt
 
-#: Draft positions sampled per walking row in the first pass (doubling afterwards).
-_FIRST_WINDOW = 16
-
 
 @dataclass
-class WalkResult:
-    """Per drafted row: rejection index ``n``, the ``source`` row whose draft's first n tokens are the prefix (its
-    K/V can be continued), the prefix ``tokens`` with current ``logprobs``, and the token at n with its log-prob
-    (``next_token``, ``next_logprob``; None where the walk reached a draft's end)."""
+class Prefixes:
+    """Per drafted row: rejection index ``n``, the ``source`` row whose draft holds the prefix (its K/V can be
+    continued), the prefix ``tokens`` with current ``logprobs``, the token at n with its log-prob (``next_token``,
+    ``next_logprob``; None where the draft was accepted to its end); ``drift``: mean |lp_new - lp_old| (nats) over
+    the accepted tokens, None where it is not measured (the walk)."""
 
     n: list[int]
     source: list[int]
@@ -31,6 +29,11 @@ class WalkResult:
     logprobs: list[list[float]]
     next_token: list[int | None]
     next_logprob: list[float | None]
+    drift: float | None = None
+
+
+#: Draft positions sampled per walking row in the first pass (doubling afterwards).
+_FIRST_WINDOW = 16
 
 
 def walk_tries(
@@ -41,7 +44,7 @@ def walk_tries(
     seed: int,
     uids: Sequence[int],
     progressive=None,
-) -> WalkResult:
+) -> Prefixes:
     """Exact verification of every drafted row against its group's trie, in vectorised passes along the draft each
     row follows, over depth windows that double per pass; a sample off that draft moves the row to a sibling draft.
 
@@ -58,7 +61,7 @@ def walk_tries(
         distinct = _distinct_drafts(rows, drafts, lengths)
         for r in rows:
             group_of[r] = distinct
-    out = WalkResult(
+    out = Prefixes(
         [0] * bsz, list(range(bsz)), [[] for _ in range(bsz)], [[] for _ in range(bsz)], [None] * bsz, [None] * bsz
     )
     follow = [group_of[r][0] for r in range(bsz)]  # the draft each row walks along
@@ -115,7 +118,7 @@ def _sample_segments(segs, scores, settings, seed, uid_t, prompt_lens, device) -
 
 
 def _advance(
-    out: WalkResult, group: list[int], r: int, f: int, start: int, drafts, sampled, logps, follow, lengths
+    out: Prefixes, group: list[int], r: int, f: int, start: int, drafts, sampled, logps, follow, lengths
 ) -> bool:
     """Accept row r's samples along draft f from depth ``start``; True while the walk goes on."""
     draft = drafts[f]

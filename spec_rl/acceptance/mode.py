@@ -1,145 +1,112 @@
-"""The run mode: how a rollout reuses earlier responses. One definition; the trainer's presets, the rollout,
-verify's dispatch, the adapters and the command line are derived from it (docs/design.md "Run modes")."""
+"""The run mode: how a rollout reuses last epoch's responses. The one concept every entry point takes (verify, the
+rollout, the trainer, the command line, the sweep, the adapters); docs/design.md "Run modes"."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from ..util.validation import check_choice, check_real
+from ..util.validation import check_int
+from .rules import LENIENCE, Exact, Lenient, RandomReuse, Rule, rule_from_dict
 
-#: "lenient": the paper's test (Alg. 1); "exact": lossless acceptance of a point-mass draft; "random": the
-#: random-reuse ablation (paper Table 2: the rejection index is uniform over 0..R, the scores are ignored).
-ACCEPTANCE_RULES = ("lenient", "exact", "random")
-#: The token at a lenient rejection: "policy" draws it from pi_t (the paper); "without-draft" from pi_t without
-#: the rejected draft token, renormalised (never returns the token just rejected).
-REJECTION_DRAWS = ("policy", "without-draft")
-#: The paper's lenience per RL algorithm (App. A.1).
-LENIENCE_DEFAULTS = {"grpo": math.exp(0.5), "ppo": math.exp(0.3), "dapo": math.exp(0.15)}
+#: Most history-drafted tokens verified per decode step under tail speculation (docs/design.md "Tail speculation").
+TAIL_WIDTH = 8
 
 
 @dataclass(frozen=True)
 class RolloutMode:
-    """How a rollout uses last epoch's responses.
+    """``rule``: the acceptance rule of last epoch's drafts (:mod:`spec_rl.acceptance.rules`), None: every response is
+    generated. ``tail``: most history-drafted tokens verified per decode step, 0: off (tail speculation changes decode
+    steps, never a token). TypeError for a rule that is not a Rule or a tail that is not an int; ValueError for a
+    negative tail."""
 
-    ``acceptance``: None (every response is generated) or one of :data:`ACCEPTANCE_RULES`. ``lenience``: l >= 0 of
-    the lenient rule (inf reuses every draft); None becomes the paper's GRPO default e^0.5 under "lenient".
-    ``rejection_draw``: one of :data:`REJECTION_DRAWS`. ``tail``: tail speculation (lossless: it changes decode
-    steps, never a token). ValueError for an unknown rule or draw, l < 0 or NaN, or a lenience or draw given to a
-    rule without them; TypeError for a non-bool ``tail``.
-    """
-
-    acceptance: str | None = "lenient"
-    lenience: float | None = None
-    rejection_draw: str = "policy"
-    tail: bool = True
+    rule: Rule | None = field(default_factory=Lenient)
+    tail: int = TAIL_WIDTH
 
     def __post_init__(self) -> None:
-        if self.acceptance is not None:
-            check_choice("acceptance", self.acceptance, ACCEPTANCE_RULES, hint="or None: no drafts")
-        check_choice("rejection_draw", self.rejection_draw, REJECTION_DRAWS)
-        if not isinstance(self.tail, bool):
-            raise TypeError(f"tail must be True or False, got {self.tail!r}")
-        lenient = self.acceptance == "lenient"
-        if lenient and self.lenience is None:
-            object.__setattr__(self, "lenience", LENIENCE_DEFAULTS["grpo"])
-        if self.lenience is not None:
-            if not lenient:
-                raise ValueError(f"lenience applies to lenient acceptance only, not {self.acceptance!r}; drop it")
-            lenience = check_real(
-                "lenience",
-                self.lenience,
-                low=0.0,
-                finite=False,
-                hint=" (1 is vanilla speculative decoding, inf reuses every draft, 0 none)",
+        if self.rule is not None and not isinstance(self.rule, Rule):
+            raise TypeError(
+                f"rule must be an acceptance rule (spec_rl.acceptance.rules: Lenient(), Exact(), RandomReuse()) or "
+                f"None, got {type(self.rule).__name__}; a mode by name: RolloutMode.parse({self.rule!r})"
             )
-            object.__setattr__(self, "lenience", lenience)
-        if self.rejection_draw != "policy" and not lenient:
-            raise ValueError(f"rejection_draw applies to lenient acceptance only, not {self.acceptance!r}; drop it")
-        if self.rejection_draw != "policy" and self.lenience is not None and self.lenience < 1:
-            raise ValueError(
-                f"rejection_draw {self.rejection_draw!r} needs lenience >= 1, got {self.lenience:g}: "
-                "below 1 the residual keeps the rejected token"
-            )
+        check_int("tail", self.tail, low=0, hint=" (most history-drafted tokens per decode step; 0: off)")
 
     @property
     def reuses_drafts(self) -> bool:
-        return self.acceptance is not None
+        return self.rule is not None
+
+    @property
+    def lossless(self) -> bool:
+        """Responses are fresh samples of the current policy (vanilla's, token for token, under the same keys)."""
+        return self.rule is None or self.rule.lossless
 
     @property
     def log_lenience(self) -> float:
-        """log l of the lenient rule (0 for the other rules: they do not read it)."""
-        if self.acceptance != "lenient":
-            return 0.0
-        return math.log(self.lenience) if self.lenience > 0 else float("-inf")
+        return 0.0 if self.rule is None else self.rule.log_lenience
 
     def settable(self) -> tuple[str, ...]:
-        """The fields a user may still change on this mode (what :meth:`with_overrides` applies)."""
-        if self.acceptance == "lenient":
-            return ("lenience", "rejection_draw", "tail")
-        return ("tail",) if self.reuses_drafts else ()
+        """The fields a user may set on this mode: its rule's, and ``tail`` when it reuses drafts."""
+        return () if self.rule is None else (*self.rule.settable(), "tail")
 
     def with_overrides(self, **overrides) -> RolloutMode:
-        """This mode with every settable field of ``overrides`` set (fields it does not have are left out)."""
-        return dataclasses.replace(self, **{k: v for k, v in overrides.items() if k in self.settable()})
+        """This mode with each of ``overrides`` it has (:meth:`settable`) set; the others are ignored."""
+        ours = {k: v for k, v in overrides.items() if k in self.settable()}
+        tail = ours.pop("tail", self.tail)
+        rule = dataclasses.replace(self.rule, **ours) if ours else self.rule
+        return RolloutMode(rule, tail)
 
     def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "log_lenience": self.log_lenience}
+        rule = self.rule.to_dict() if self.rule is not None else {"acceptance": None}
+        return {**rule, "tail": self.tail, "log_lenience": self.log_lenience}
 
     @classmethod
     def from_dict(cls, data: dict) -> RolloutMode:
-        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
+        tail = data.get("tail", TAIL_WIDTH)
+        return cls(rule_from_dict(data), TAIL_WIDTH if tail is True else int(tail))
 
+    def describe(self) -> str:
+        """The mode in a report line: its rule and tail speculation."""
+        rule = "no draft reuse" if self.rule is None else self.rule.describe()
+        return f"{rule}, tail speculation {'on' if self.tail else 'off'}"
 
-#: The named modes of the trainer, the command line and the adapters. "vanilla" is the reference of every
-#: ratio; "histspec" is vanilla decoding with tail speculation only (HistoSpec-style); "spec" is SPEC-RL.
-MODES = {
-    "vanilla": RolloutMode(acceptance=None, tail=False),
-    "histspec": RolloutMode(acceptance=None, tail=True),
-    "spec": RolloutMode("lenient"),
-    "exact": RolloutMode("exact"),
-    "random": RolloutMode("random"),
-}
-#: Modes whose responses are vanilla's token for token (up to rounding of the logits).
-LOSSLESS_MODES = ("exact", "histspec")
-
-
-def named_mode(name: str) -> RolloutMode:
-    """The mode called ``name`` in :data:`MODES`; ValueError naming the choices otherwise."""
-    check_choice("mode", name, tuple(MODES))
-    return MODES[name]
-
-
-#: The adapters' ``strategy`` option (TRL, verl, OpenRLHF): reuse drafts under ``acceptance``, the random-reuse
-#: ablation, or none (the baseline, with the same requests and bookkeeping).
-STRATEGIES = ("spec", "random", "off")
-
-
-def mode_from_options(
-    strategy: str = "spec",
-    acceptance: str = "lenient",
-    lenience: float | None = None,
-    rejection_draw: str = "policy",
-    tail: bool = True,
-) -> RolloutMode:
-    """The :class:`RolloutMode` the adapters' options name. ValueError for an unknown strategy or rule, exact
-    acceptance with a lenience (other than None or 1) or without reuse, or a rejection draw the rule cannot take."""
-    if strategy is False:  # YAML 1.1 reads an unquoted `strategy: off` as false
-        raise ValueError(f'strategy must be one of {STRATEGIES}, got False; in YAML write strategy: "off" (quoted)')
-    check_choice("strategy", strategy, STRATEGIES)
-    check_choice("acceptance", acceptance, ACCEPTANCE_RULES[:2])
-    if acceptance == "exact" and strategy != "spec":
-        raise ValueError(f"acceptance='exact' applies to strategy='spec' (lossless reuse), not {strategy!r}")
-    if acceptance == "exact" and lenience not in (None, 1, 1.0):
+    @classmethod
+    def parse(cls, text) -> RolloutMode:
+        """A mode by name: one of :data:`MODES`, or ``l=<lenience>`` (lenient, e.g. ``l=1``, ``l=e^0.5``, ``l=inf``)
+        with ``-excl`` for the without-draft draw; a RolloutMode is returned as it is. ValueError naming the choices."""
+        if isinstance(text, RolloutMode):
+            return text
+        if isinstance(text, Rule):
+            return cls(text)
+        if isinstance(text, str) and text in MODES:
+            return MODES[text]
+        if isinstance(text, str) and text.startswith("l="):
+            value, excl = (text[2:-5], True) if text.endswith("-excl") else (text[2:], False)
+            lenience = parse_lenience(value)
+            if lenience is not None:
+                return cls(Lenient(lenience, "without-draft" if excl else "policy"))
         raise ValueError(
-            f"acceptance='exact' has no lenience (it accepts a draft token with probability "
-            f"pi_t(token)), but lenience={lenience!r} was passed; leave it unset or use 'lenient'"
+            f"mode must be one of {', '.join(MODES)} or l=<lenience>[-excl] (e.g. l=1, l=e^0.5-excl), got {text!r}"
         )
-    if strategy == "off":  # a draw other than "policy" is refused: no lenient rejection to draw at
-        return RolloutMode(acceptance=None, rejection_draw=rejection_draw, tail=tail)
-    if strategy == "random" or acceptance == "exact":
-        return RolloutMode(
-            acceptance="random" if strategy == "random" else "exact", rejection_draw=rejection_draw, tail=tail
-        )
-    return RolloutMode("lenient", lenience=lenience, rejection_draw=rejection_draw, tail=tail)
+
+
+def parse_lenience(text: str) -> float | None:
+    """A lenience written as a number or ``e^x`` (inf allowed); None when it is no number >= 0."""
+    try:
+        value = math.exp(float(text[2:])) if text.startswith("e^") else float(text)
+    except ValueError:
+        return None
+    return value if value >= 0 else None
+
+
+#: The named modes. "vanilla" is the reference of every ratio (no drafts, no tail speculation); "histspec" decodes
+#: with tail speculation only (HistoSpec-style); "spec" is SPEC-RL at the paper's e^0.5.
+MODES = {
+    "vanilla": RolloutMode(None, tail=0),
+    "histspec": RolloutMode(None),
+    "spec": RolloutMode(Lenient(LENIENCE)),
+    "exact": RolloutMode(Exact()),
+    "random": RolloutMode(RandomReuse()),
+}
+#: The run every ratio is to.
+VANILLA = "vanilla"

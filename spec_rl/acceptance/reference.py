@@ -9,7 +9,6 @@ from dataclasses import dataclass
 import torch
 
 from ..sampling.distribution import SamplingSettings, sampling_log_softmax
-from ..sampling.philox import STREAM_ACCEPT, STREAM_RANDOM_REUSE, philox_uniform
 from ..util.validation import invalid_scores_message
 from .scores import DraftScores
 
@@ -158,20 +157,6 @@ def raise_if_no_distribution(lp_new: torch.Tensor, source: str) -> None:
         raise ValueError(invalid_scores_message(SCORE_NAMES[source], where[:8].tolist(), where.shape[0]))
 
 
-def acceptance_test(
-    new_logprobs: torch.Tensor, old_logprobs: torch.Tensor, uniforms: torch.Tensor, log_lenience: float
-) -> torch.Tensor:
-    """Per-token test ``log u <= log l + lp_new - lp_old`` in float64 (SPEC-RL Alg. 1). log l = +inf accepts all,
-    -inf rejects all; lp_new = -inf is rejected for any finite l."""
-    if log_lenience == float("inf"):
-        return torch.ones_like(new_logprobs, dtype=torch.bool)
-    if log_lenience == float("-inf"):
-        return torch.zeros_like(new_logprobs, dtype=torch.bool)
-    margin = new_logprobs.double() - old_logprobs.double() + log_lenience
-    # NaN margin (e.g. -inf - -inf) compares False: rejected.
-    return torch.log(uniforms.double()) <= margin
-
-
 def rejection_index(accept: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """First rejected position within each row's length: [B, R] bool, [B] -> [B] int64."""
     valid = lengths_mask(lengths, accept.shape[1])
@@ -180,14 +165,6 @@ def rejection_index(accept: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor
     first = torch.where(rejected, torch.arange(accept.shape[1], device=accept.device), accept.shape[1])
     n = first.min(dim=1).values if accept.shape[1] else torch.zeros_like(lengths)
     return torch.minimum(n, lengths).to(torch.int64)
-
-
-def random_reuse_index(seed: int, uids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Random-reuse ablation (paper Table 2): n = min(floor(u * (length + 1)), length), u from STREAM_RANDOM_REUSE."""
-    u = philox_uniform(seed, uids, torch.zeros_like(uids), stream=STREAM_RANDOM_REUSE).double()
-    lengths = lengths.to(torch.int64)
-    n = torch.floor(u * (lengths.double() + 1)).to(torch.int64)
-    return torch.minimum(n, lengths)
 
 
 def make_result(
@@ -227,20 +204,9 @@ def reference_verify(
     compute_dtype: torch.dtype = torch.float32,
 ) -> VerifyResult:
     """Verify B padded drafts with validated inputs: draft_ids, old_logprobs [B, R]; lengths, uids [B] int64;
-    ``scores`` with row i scoring draft token i; ``options`` a ``VerifyOptions``. ValueError: see
+    ``scores`` with row i scoring draft token i; ``options`` a ``VerifyOptions`` (its rule decides). ValueError: see
     :func:`raise_if_no_distribution`."""
-    if options.rule == "exact":
-        old_logprobs = torch.zeros_like(old_logprobs)
     lp_new = draft_logprobs(draft_ids, lengths, scores, options.sampling, compute_dtype)
     raise_if_no_distribution(lp_new, scores.source)
-    max_len = draft_ids.shape[1]
-    if options.rule == "random":
-        n = random_reuse_index(seed, uids, lengths)
-        accept = lengths_mask(n, max_len)
-    else:
-        token_index = torch.arange(max_len, device=draft_ids.device, dtype=torch.int64).unsqueeze(0)
-        u = philox_uniform(seed, uids.unsqueeze(1), token_index, stream=STREAM_ACCEPT)
-        log_l = 0.0 if options.rule == "exact" else options.log_lenience
-        accept = acceptance_test(lp_new, old_logprobs, u, log_l) & lengths_mask(lengths, max_len)
-        n = rejection_index(accept, lengths)
+    accept, n = options.rule.decide(lp_new, old_logprobs, lengths, seed, uids)
     return make_result(lp_new, n, accept, lengths, options.return_accept_mask)

@@ -15,12 +15,12 @@ from typing import Any
 
 from openrlhf.utils.agent import AgentExecutorBase
 
-from ..acceptance.mode import mode_from_options
+from ..acceptance.mode import RolloutMode
 from ..drafts.directory import DirectoryDraftStore
 from ..drafts.owner import policy_owner
 from ..sampling.distribution import SamplingSettings
 from .exact import MAX_RESIDUAL_ATTEMPTS, draw_continuation
-from .requests import ContinuationRequest, SamplePlan, SpecRequestBuilder
+from .requests import ContinuationRequest, SamplePlan, SpecRequestBuilder, server_mode
 
 
 def request_params(sampling_params: Any, response_tokens_before: int, **changes: Any) -> Any:
@@ -58,12 +58,12 @@ class SpecRLAgentExecutor(AgentExecutorBase):
         n_samples_per_prompt: must equal the run's ``--rollout.n_samples_per_prompt`` (slots depend on it).
         reward_fn: ``(prompt, response_text, label) -> float``, sync or async (OpenRLHF's remote reward model is off
             with ``agent_func_path``).
-        lenience, acceptance, rejection_draw: the rule (:func:`~spec_rl.acceptance.mode.mode_from_options`).
+        mode: a RolloutMode or its name (``spec``, ``exact``, ``l=1``, ...; tail speculation does not apply).
         prompt_logprobs_mode: "raw" (vLLM: temperature 1, no top-k/top-p) or "processed".
         eos_token_ids: EOS ids (default: the tokenizer's eos_token_id).
 
     Raises:
-        ValueError: n_samples_per_prompt < 1 or options that name no RolloutMode; at ``execute``, settings whose
+        ValueError: n_samples_per_prompt < 1 or a name that names no mode; at ``execute``, settings whose
             log-probs cannot be scored (:func:`~spec_rl.integrations.server_checks.check_server_settings`) or images.
     """
 
@@ -72,13 +72,11 @@ class SpecRLAgentExecutor(AgentExecutorBase):
         cache_dir: str,
         n_samples_per_prompt: int,
         reward_fn: Callable | None = None,
-        lenience: float | None = None,
+        mode: RolloutMode | str = "spec",
         seed: int = 0,
         prompt_logprobs_mode: str = "raw",
         eos_token_ids: list[int] | None = None,
-        acceptance: str = "lenient",
         max_resample_attempts: int = MAX_RESIDUAL_ATTEMPTS,
-        rejection_draw: str = "policy",
     ) -> None:
         if int(n_samples_per_prompt) != n_samples_per_prompt or n_samples_per_prompt < 1:
             raise ValueError(
@@ -87,9 +85,7 @@ class SpecRLAgentExecutor(AgentExecutorBase):
         self.store = DirectoryDraftStore(cache_dir)
         self.n = int(n_samples_per_prompt)
         self.reward_fn = reward_fn
-        self.mode = mode_from_options(
-            "spec", acceptance, None if lenience is None else float(lenience), rejection_draw, tail=False
-        )
+        self.mode = server_mode(mode)
         self.seed = int(seed)
         self.prompt_logprobs_mode = prompt_logprobs_mode
         self.eos_token_ids = eos_token_ids

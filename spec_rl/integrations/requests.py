@@ -7,12 +7,13 @@ Alg. 1). A server returns no samples at prompt positions, so the token at the re
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
 
 from ..acceptance.dispatch import VerifyOptions, verify_logprobs
-from ..acceptance.mode import MODES, RolloutMode
+from ..acceptance.mode import RolloutMode
 from ..drafts.cache import CacheKey, DraftStore
 from ..drafts.validity import draft_view
 from ..sampling.distribution import SamplingSettings
@@ -32,13 +33,18 @@ __all__ = [
 ]
 
 
+def server_mode(mode: RolloutMode | str) -> RolloutMode:
+    """``mode`` (or the mode it names) as a server runs it: without tail speculation. ValueError for a bad name."""
+    return dataclasses.replace(RolloutMode.parse(mode), tail=0)
+
+
 class SpecRequestBuilder:
     """Builds and interprets the per-sample requests of a speculative rollout (docs/integrations.md "verl").
 
     Args:
         settings: sampling settings; ``settings.max_tokens`` is the response length in tokens.
         max_model_len: the server's context limit (prompt + response tokens).
-        mode: how drafts are reused (:func:`~spec_rl.acceptance.mode.mode_from_options`); no tail speculation.
+        mode: how drafts are reused, a RolloutMode or its name; its tail speculation does not apply on a server.
         seed: run seed; per-step seeds are ``mix_seed(seed, step)``.
         prompt_logprobs_mode, repetition_penalty, logprobs_mode: checked by :func:`check_server_settings`.
         seed_param: the server's per-request seed parameter: "seed" (vLLM) or "sampling_seed" (SGLang).
@@ -46,7 +52,7 @@ class SpecRequestBuilder:
 
     Raises:
         ValueError: unusable settings, max_resample_attempts < 1, max_model_len < 2, empty eos_ids.
-        TypeError: ``mode`` is not a RolloutMode.
+        ValueError: a mode name that names no mode.
     """
 
     def __init__(
@@ -55,7 +61,7 @@ class SpecRequestBuilder:
         settings: SamplingSettings,
         max_model_len: int,
         eos_ids: Sequence[int],
-        mode: RolloutMode = MODES["spec"],
+        mode: RolloutMode | str = "spec",
         seed: int = 0,
         prompt_logprobs_mode: str = "raw",
         repetition_penalty: float = 1.0,
@@ -64,8 +70,6 @@ class SpecRequestBuilder:
         max_resample_attempts: int = MAX_RESIDUAL_ATTEMPTS,
     ) -> None:
         check_server_settings(settings, prompt_logprobs_mode, repetition_penalty, logprobs_mode)
-        if not isinstance(mode, RolloutMode):
-            raise TypeError(f"mode must be a RolloutMode, got {type(mode).__name__}")
         if (
             isinstance(max_resample_attempts, bool)
             or int(max_resample_attempts) != max_resample_attempts
@@ -76,7 +80,8 @@ class SpecRequestBuilder:
             raise ValueError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
         if not eos_ids:
             raise ValueError("eos_ids must list at least one end-of-sequence id (e.g. the tokenizer's eos_token_id)")
-        self.mode = mode
+        self.mode = server_mode(mode)
+        self.rule = self.mode.rule
         self.seed_param = str(seed_param)
         self.max_resample_attempts = int(max_resample_attempts)
         self.store = store
@@ -84,13 +89,6 @@ class SpecRequestBuilder:
         self.max_model_len = int(max_model_len)
         self.eos_ids = {int(x) for x in eos_ids}
         self.seed = int(seed)
-
-    @property
-    def _excludes_rejected(self) -> bool:
-        """The token at a rejection must differ from the rejected draft token."""
-        return self.mode.acceptance == "exact" or (
-            self.mode.acceptance == "lenient" and self.mode.rejection_draw == "without-draft"
-        )
 
     def plan(self, prompt_ids: Sequence[int], slot: int, dataset_id: str | None = None) -> SamplePlan:
         """Look up the draft of one sample (none when the mode reuses none); ValueError for an empty prompt or one that
@@ -189,7 +187,7 @@ class SpecRequestBuilder:
         ids = torch.tensor([plan.draft_ids], dtype=torch.int64)
         old = torch.tensor([plan.old_logprobs], dtype=torch.float32)
         new = torch.tensor([list(new_logprobs)], dtype=torch.float32)
-        options = VerifyOptions.for_mode(self.mode, backend="reference")
+        options = VerifyOptions(self.mode, backend="reference")
         res = verify_logprobs(
             ids,
             old,
@@ -201,7 +199,7 @@ class SpecRequestBuilder:
         n = int(res.accepted_len[0])
         full = n == len(plan.draft_ids) and plan.draft_end is not None
         out = Verified(n, plan.draft_ids[:n], [float(x) for x in new[0, :n].tolist()], full, step_used)
-        if self._excludes_rejected and n < len(plan.draft_ids):
+        if self.rule.excludes_rejected and n < len(plan.draft_ids):
             out.rejected, out.rejected_logprob = plan.draft_ids[n], float(new[0, n])
         if not full and n == len(plan.draft_ids) and n < plan.budget and scoring_sample is not None:
             ids, lps = scoring_sample
@@ -227,7 +225,7 @@ class SpecRequestBuilder:
             request.excluded, request.excluded_logprob = verified.rejected, verified.rejected_logprob
             step_seed = mix_seed(self.seed, verified.step if verified.step is not None else 0)
             request.seeds = residual_seeds(step_seed, plan.key.uid, self.max_resample_attempts)
-            request.keep_last = self.mode.acceptance != "exact"
+            request.keep_last = not self.rule.lossless  # a lossless rule never keeps y_n
         return request
 
     def continuation_sampling_params(self, base: dict, request: ContinuationRequest, seed: int | None = None) -> dict:
@@ -240,9 +238,9 @@ class SpecRequestBuilder:
 
     def _check_kept_excluded(self, verified: Verified, new_ids: list[int]) -> None:
         """Refuse ``kept_excluded`` where draw_continuation cannot have set it."""
-        if self.mode.acceptance == "exact":
+        if self.rule.lossless:
             raise ValueError(
-                "kept_excluded is only for the lenient without-draft draw; exact acceptance never keeps y_n"
+                f"kept_excluded is only for the lenient without-draft draw; {self.rule.name} acceptance never keeps y_n"
             )
         if verified.rejected is None or not new_ids or new_ids[0] != verified.rejected:
             raise ValueError(
@@ -303,7 +301,7 @@ class SpecRequestBuilder:
             "full_reuse": verified.full_reuse,
             "tokens_generated": len(new_ids) + verified.sampled,
             "response_len": len(response),
-            "exact_acceptance": self.mode.acceptance == "exact",
+            "exact_acceptance": self.mode.rule is not None and self.rule.lossless,
             "resamples": int(resamples),
             "draw_fallbacks": int(bool(kept_excluded)),
         }

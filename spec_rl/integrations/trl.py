@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..acceptance.mode import mode_from_options
+from ..acceptance.mode import RolloutMode
 from ..drafts.cache import RolloutCache
 from ..drafts.history import HistoryIndex
 from ..rollout.speculative import RolloutRequest, RolloutResult
@@ -50,10 +50,8 @@ class SpecRLRollout:
     evaluation batches (``trainer.model.training`` False) use no drafts and store nothing.
 
     Args:
-        lenience, strategy, acceptance, rejection_draw, history_spec: the RolloutMode :attr:`mode`
-            (``mode_from_options``; lenience default e^0.5, the paper's GRPO setting).
-        spec_tokens: most history-drafted tokens per decode step (0: no tail speculation, docs/design.md
-            "Tail speculation").
+        mode: a :class:`~spec_rl.acceptance.mode.RolloutMode` or its name (``"spec"``: the paper's lenient rule at
+            e^0.5 with tail speculation; ``"exact"``: lossless; ``"vanilla"``: no reuse, the baseline; ``"l=1"``, ...).
         seed: run seed (default ``trainer.args.seed``).
         cache_path: a ``.safetensors`` cache file, loaded if present, written at every checkpoint and at the end.
         dataset_id_column, dataset_id_fn: a stable row id, from a column (read through :meth:`attach`) or as
@@ -65,14 +63,13 @@ class SpecRLRollout:
         last_result, last_requests, history: the latest call's RolloutResult and requests; one dict per call.
 
     Raises:
-        ValueError: options that name no RolloutMode, a bad spec_tokens or max_model_len, both dataset-id options.
+        ValueError: a mode name that names no mode, a bad max_model_len, both dataset-id options.
         TypeError: a dataset_id_column that is not a str, a dataset_id_fn that is not callable.
     """
 
     def __init__(
         self,
-        lenience: float | None = None,
-        strategy: str = "spec",
+        mode: RolloutMode | str = "spec",
         seed: int | None = None,
         cache: RolloutCache | None = None,
         cache_path: str | os.PathLike | None = None,
@@ -82,10 +79,6 @@ class SpecRLRollout:
         verify_backend: str = "auto",
         check_logprobs: bool = True,
         log_metrics: bool = True,
-        acceptance: str = "lenient",
-        history_spec: bool = True,
-        spec_tokens: int = 8,
-        rejection_draw: str = "policy",
     ):
         if dataset_id_column is not None and dataset_id_fn is not None:
             raise ValueError("pass either dataset_id_column or dataset_id_fn, not both")
@@ -95,11 +88,7 @@ class SpecRLRollout:
             raise TypeError("dataset_id_fn must be a callable prompt -> str")
         if max_model_len is not None and int(max_model_len) < 2:
             raise ValueError(f"max_model_len must be >= 2 tokens, got {max_model_len}")
-        if isinstance(spec_tokens, bool) or int(spec_tokens) != spec_tokens or spec_tokens < 0:
-            raise ValueError(f"spec_tokens must be an integer >= 0 (0 disables tail speculation), got {spec_tokens!r}")
-        self.mode = mode_from_options(
-            strategy, acceptance, lenience, rejection_draw, tail=history_spec and spec_tokens > 0
-        )
+        self.mode = RolloutMode.parse(mode)
         self.seed = seed
         self.cache_path = Path(cache_path) if cache_path is not None else None
         if cache is None and self.cache_path is not None and self.cache_path.is_file():
@@ -121,7 +110,7 @@ class SpecRLRollout:
         self.trainer = None
         self.owner: str | None = None  # the policy the drafts belong to, set when a trainer is bound
         self.settings: SamplingSettings | None = None
-        self._options = RolloutOptions(self.mode, verify_backend, int(spec_tokens), self.max_model_len, seed)
+        self._options = RolloutOptions(self.mode, verify_backend, self.max_model_len, seed)
         self._rollouts: TrainerRollouts | None = None
         self._rollouts_key: tuple | None = None
         self._seeds = CallSeeds()
@@ -288,5 +277,5 @@ class SpecRLRollout:
     def load_history(self, path: str | os.PathLike) -> None:
         """Replace the history index with the file at ``path``; RuntimeError when tail speculation is off."""
         if self.history_index is None:
-            raise RuntimeError("this SpecRLRollout has no history index (history_spec=False or spec_tokens=0)")
+            raise RuntimeError("this SpecRLRollout has no history index (its mode has tail=0)")
         self.history_index = HistoryIndex.load(path)

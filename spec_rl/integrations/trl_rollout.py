@@ -46,7 +46,6 @@ class RolloutOptions:
 
     mode: RolloutMode
     verify_backend: str
-    spec_tokens: int
     max_model_len: int | None
     seed: int | None
 
@@ -72,7 +71,7 @@ class TrainerRollouts:
         if max_len is None:
             raise UnsupportedTrainerConfig("the model config has no max_position_embeddings; pass max_model_len=...")
         self.seed = options.seed if options.seed is not None else int(getattr(trainer.args, "seed", 0))
-        backend = trainer_backend(model, trainer, eos, pad, options.spec_tokens)
+        backend = trainer_backend(model, trainer, eos, pad, options.mode.tail)
         common = dict(
             backend=backend,
             settings=settings,
@@ -84,7 +83,7 @@ class TrainerRollouts:
         self.history = history
         self.train = SpeculativeRollout(cache=cache, mode=options.mode, history=history, **common)
         view = ReadOnlyHistory(history) if history is not None else None
-        plain = RolloutMode(acceptance=None, tail=view is not None)
+        plain = RolloutMode(None, tail=options.mode.tail if view is not None else 0)
         self.eval = SpeculativeRollout(cache=RolloutCache(), mode=plain, history=view, **common)
 
     def run(
@@ -96,7 +95,7 @@ class TrainerRollouts:
         return self.eval.run(requests, step=step, seed=self.seed ^ salt, cache=RolloutCache())
 
 
-def trainer_backend(model, trainer, eos_ids, pad_id: int, spec_tokens: int):
+def trainer_backend(model, trainer, eos_ids, pad_id: int, tail: int):
     """The trainer's colocated vLLM engine when it has one (drafts still scored by its model, no tail speculation),
     else a TransformersBackend on its model.
 
@@ -114,7 +113,7 @@ def trainer_backend(model, trainer, eos_ids, pad_id: int, spec_tokens: int):
                 "(trainer.vllm_generation.llm); is this trl >= 1.0?"
             )
         return VLLMBackend.on_engine(llm, model, eos_ids, pad_id)
-    return TransformersBackend(model, eos_ids=eos_ids, pad_id=pad_id, max_k=spec_tokens)
+    return TransformersBackend(model, eos_ids=eos_ids, pad_id=pad_id, max_k=tail)
 
 
 class CallSeeds:

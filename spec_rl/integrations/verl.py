@@ -16,7 +16,6 @@ from uuid import uuid4
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput, _agent_loop_registry, register
 from verl.utils.profiler import simple_timer
 
-from ..acceptance.mode import mode_from_options
 from ..drafts.directory import DirectoryDraftStore
 from ..drafts.owner import policy_owner
 from ..sampling.distribution import SamplingSettings
@@ -93,8 +92,8 @@ class SpecRLAgentLoop(AgentLoopBase):
 
     Args:
         cache_dir: draft directory shared by all workers (default: ``$SPEC_RL_DRAFT_DIR``).
-        lenience, strategy, acceptance, rejection_draw: the RolloutMode (``mode_from_options``); strategy "off" is
-            the baseline: every response generated whole and stored.
+        mode: a RolloutMode or its name (``spec``, ``exact``, ``l=1``, ...; tail speculation does not apply on a
+            server); ``vanilla`` is the baseline: every response generated whole and stored.
         prompt_logprobs_mode: "raw" (vLLM: temperature 1, no top-k/top-p) or "processed".
         eos_token_ids: EOS ids (default: the tokenizer's eos_token_id).
 
@@ -103,21 +102,18 @@ class SpecRLAgentLoop(AgentLoopBase):
 
     Raises:
         ValueError: no cache directory, settings whose log-probs cannot be compared
-            (:func:`~spec_rl.integrations.server_checks.check_server_settings`), options that name no RolloutMode.
+            (:func:`~spec_rl.integrations.server_checks.check_server_settings`), a name that names no mode.
     """
 
     def __init__(
         self,
         *args,
         cache_dir: str | None = None,
-        lenience: float | None = None,
+        mode: str = "spec",
         seed: int = 0,
-        strategy: str = "spec",
         prompt_logprobs_mode: str = "raw",
         eos_token_ids: list[int] | None = None,
-        acceptance: str = "lenient",
         max_resample_attempts: int = MAX_RESIDUAL_ATTEMPTS,
-        rejection_draw: str = "policy",
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
@@ -140,9 +136,7 @@ class SpecRLAgentLoop(AgentLoopBase):
             self.settings,
             int(max_model_len),
             eos_token_ids,
-            mode_from_options(
-                strategy, acceptance, None if lenience is None else float(lenience), rejection_draw, tail=False
-            ),
+            mode,
             seed=int(seed),
             prompt_logprobs_mode=prompt_logprobs_mode,
             repetition_penalty=float(_cfg(rc, "repetition_penalty", 1.0) or 1.0),
@@ -237,6 +231,6 @@ class SpecRLAgentLoop(AgentLoopBase):
         )
 
 
-# verl registers the YAML's entry (with cache_dir, lenience, ...) before it imports this module; keep that entry.
+# verl registers the YAML's entry (with cache_dir, mode, ...) before it imports this module; keep that entry.
 if AGENT_NAME not in _agent_loop_registry:
     register(AGENT_NAME)(SpecRLAgentLoop)

@@ -12,9 +12,8 @@ from typing import Any
 import torch
 
 from ..acceptance.dispatch import BACKENDS
-from ..acceptance.exact_walk import WalkResult, walk_tries
-from ..acceptance.lenient import lenient_prefixes
-from ..acceptance.mode import MODES, RolloutMode
+from ..acceptance.mode import RolloutMode
+from ..acceptance.prefixes import DraftRows, Prefixes, verified_prefixes
 from ..backends.checks import (
     BackendContractError,
     backend_name,
@@ -134,19 +133,18 @@ class SpeculativeRollout:
         settings: SamplingSettings,
         eos_ids: Sequence[int],
         max_model_len: int,
-        mode: RolloutMode = MODES["spec"],
+        mode: RolloutMode | str = "spec",
         seed: int = 0,
         history: HistoryIndex | None = None,
         verify_backend: str = "auto",
     ):
         check_backend(backend)
         check_settings(settings)
-        if not isinstance(mode, RolloutMode):
-            raise TypeError(f"mode must be a RolloutMode (e.g. spec_rl.MODES['spec']), got {type(mode).__name__}")
+        mode = RolloutMode.parse(mode)
         if not eos_ids:
             raise ValueError("eos_ids must list at least one end-of-sequence id")
         if history is not None and not mode.tail:
-            raise ValueError("history is what tail speculation drafts from, and this mode has tail=False; drop it")
+            raise ValueError("history is what tail speculation drafts from, and this mode has tail=0; drop it")
         vocab = backend.vocab_size
         self.eos_ids = set(token_ids("eos_ids", list(eos_ids), vocab, backend_name(backend)))
         self.max_model_len = check_model_len(max_model_len, backend)
@@ -157,7 +155,7 @@ class SpeculativeRollout:
         self.seed = check_int("seed", seed)
         self.verify_backend = check_choice("verify_backend", verify_backend, BACKENDS)
         self.history = (HistoryIndex() if history is None else history) if mode.tail else None
-        self.reuse_gate = ReuseGate() if mode.acceptance == "exact" else None
+        self.reuse_gate = ReuseGate() if mode.rule is not None and mode.rule.keyed_walk else None
 
     @property
     def vocab_size(self) -> int | None:
@@ -247,7 +245,7 @@ class SpeculativeRollout:
         draft_ids = [batch.drafts[i].token_ids[: v.length].tolist() for i, v in zip(batch.drafted, views)]
         prompts = [batch.prompts[i] for i in batch.drafted]
         out = None
-        if self.mode.acceptance == "exact":
+        if self.mode.rule.keyed_walk:
             stored = [batch.drafts[i].logprobs[: len(d)].tolist() for i, d in zip(batch.drafted, draft_ids)]
             out = self.backend.score_drafts_progressive(prompts, draft_ids, stored)
         out, lazy = (out[:2], out[2]) if out is not None else (self.backend.score_drafts(prompts, draft_ids), None)
@@ -272,33 +270,23 @@ class SpeculativeRollout:
     def _source(self, method: str) -> str:
         return f"{backend_name(self.backend)}.{method}"
 
-    def _walk(self, batch: _Batch, prompts, draft_ids: list[list[int]], scores, lazy) -> WalkResult:
-        """Exact: keyed samples walk down the group's draft trie. Lenient: the paper's rule (or random reuse)."""
-        if self.mode.acceptance == "exact":
-            return walk_tries(
-                prompts,
-                draft_ids,
-                scores,
-                self.settings,
-                batch.sample_seed,
-                self._uids(batch, batch.drafted),
-                progressive=lazy,
-            )
-        out = lenient_prefixes(
+    def _walk(self, batch: _Batch, prompts, draft_ids: list[list[int]], scores, lazy) -> Prefixes:
+        """The rule's verified prefixes and tokens at n (exact: keyed samples walk down the group's draft trie)."""
+        rows = DraftRows(
+            prompts,
             draft_ids,
             [batch.drafts[i].logprobs for i in batch.drafted],
-            [len(batch.prompts[i]) for i in batch.drafted],
             self._uids(batch, batch.drafted),
-            scores,
+            batch.seed,
+            batch.sample_seed,
             self.settings,
-            self.mode,
-            (batch.seed, batch.sample_seed),
             self.verify_backend,
         )
+        out = verified_prefixes(self.mode.rule, rows, scores, lazy)
         batch.stats.log_lenience, batch.stats.reused_drift = self.mode.log_lenience, out.drift
-        return out.walk
+        return out
 
-    def _accept_prefix(self, batch: _Batch, i: int, walk: WalkResult, row: int, end_reason: str | None) -> None:
+    def _accept_prefix(self, batch: _Batch, i: int, walk: Prefixes, row: int, end_reason: str | None) -> None:
         """Keep the verified prefix and token at n; a draft accepted whole that is only a prefix today is continued."""
         batch.responses[i] = list(walk.tokens[row])
         batch.logprobs[i] = list(walk.logprobs[row])
@@ -390,7 +378,7 @@ class SpeculativeRollout:
         """Per request (None: not decoding), its tail-speculation proposer over the prompt's history."""
         if self.history is None:
             return None
-        max_k, vocab = self.backend.max_k, self.backend.vocab_size
+        max_k, vocab = self.mode.tail, self.backend.vocab_size
         return [
             None if i is None else self.history.proposer(batch.group_keys[i], batch.responses[i], max_k, vocab)
             for i in requests

@@ -89,7 +89,7 @@ class RolloutStats:
     decode_rows: int = 0
     decode_positions: int = 0
     log_lenience: float = 0.0
-    reused_drift: float = 0.0
+    reused_drift: float | None = 0.0  # None: the rule does not measure it (exact)
 
     @property
     def full_reuse_ratio(self) -> float:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..acceptance.mode import MODES, RolloutMode
+from ..acceptance.rules import Lenient, Rule
 from ..sampling.distribution import SamplingSettings, check_settings
 from ..tasks.data import PromptFormat
 from ..util.validation import check_choice, check_int, check_real
@@ -46,24 +47,28 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+#: GRPO's usual learning rate on a pretrained model (the paper's recipe, Sec. 4).
+LR = 1e-6
+
+
 @dataclass
 class GRPOConfig:
-    """Options of the GRPO trainer with speculative rollouts (the fields: docs/api.md "Trainer"). ``spec_tokens``: most
-    history-drafted tokens verified per decode step (tail speculation). ``max_model_len``: prompt + response limit in
-    tokens (None: the model's max_position_embeddings). ``seed`` keys data order, sampling, acceptance and the held-out
-    evaluation. ``eval_every``: evaluate every N-th epoch and the last. A field out of range or of the wrong type raises
-    ValueError or TypeError naming it."""
+    """Options of the GRPO trainer with speculative rollouts (the fields: docs/api.md "Trainer"); the defaults are for a
+    user's pretrained model, :func:`preset` names other recipes. ``mode``: how rollouts reuse drafts (its ``tail`` is
+    the tail-speculation width). ``max_model_len``: prompt + response limit in tokens (None: the model's
+    max_position_embeddings). ``seed`` keys data order, sampling, acceptance and the held-out evaluation.
+    ``eval_every``: evaluate every N-th epoch and the last. A field out of range or of the wrong type raises ValueError
+    or TypeError naming it."""
 
     mode: RolloutMode = MODES["spec"]
-    spec_tokens: int = 8
-    sampling: SamplingSettings = field(default_factory=lambda: SamplingSettings(max_tokens=256))
+    sampling: SamplingSettings = field(default_factory=lambda: SamplingSettings(max_tokens=1024))
     prompt_format: PromptFormat = field(default_factory=PromptFormat)
-    epochs: int = 5
-    group_size: int = 4
-    prompts_per_step: int = 64
-    ppo_mini_batches: int = 2
-    micro_batch_size: int = 64
-    lr: float = 1e-5
+    epochs: int = 3
+    group_size: int = 8
+    prompts_per_step: int = 32
+    ppo_mini_batches: int = 1
+    micro_batch_size: int = 8
+    lr: float = LR
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     clip_low: float = 0.2
@@ -79,8 +84,7 @@ class GRPOConfig:
     generation_backend: str = "auto"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.mode, RolloutMode):
-            raise TypeError(f"mode must be a RolloutMode (e.g. spec_rl.MODES['spec']), got {type(self.mode).__name__}")
+        self.mode = RolloutMode.parse(self.mode)
         check_settings(self.sampling, "sampling")
         if not isinstance(self.prompt_format, PromptFormat):
             raise TypeError(f"prompt_format must be a PromptFormat, got {type(self.prompt_format).__name__}")
@@ -92,7 +96,6 @@ class GRPOConfig:
             "micro_batch_size",
             "eval_samples",
             "eval_every",
-            "spec_tokens",
         ):
             check_int(name, getattr(self, name), low=1)
         check_int("group_size", self.group_size, low=2, hint=" (GRPO compares the G samples of a prompt)")
@@ -120,44 +123,46 @@ class GRPOConfig:
         }
 
 
-#: The demo's runs: plain vanilla (the reference), SPEC-RL, SPEC-RL with exact acceptance, tail speculation alone.
-DEMO_MODES = ("vanilla", "spec", "exact", "histspec")
-#: The demo's SPEC-RL rule: l = 1, the token at a rejection drawn without the rejected draft token
-#: (docs/design.md "The demo recipe"); a user's own model keeps the paper's e^0.5 and draw.
-DEMO_SPEC = dict(lenience=1.0, rejection_draw="without-draft")
-#: The demo's schedule (docs/design.md "The demo recipe").
-DEMO_DEFAULTS = dict(
-    epochs=5,
-    group_size=4,
-    prompts_per_step=64,
-    lr=1e-4,
-    max_response_len=160,
-    ppo_mini_batches=2,
-    micro_batch_size=128,
-    eval_samples=1,
-)
-#: Defaults for a user's own model and data (paper-like settings, Sec. 4).
-MODEL_DEFAULTS = dict(
-    epochs=3,
-    group_size=8,
-    prompts_per_step=32,
-    lr=1e-6,
-    max_response_len=1024,
-    ppo_mini_batches=1,
-    micro_batch_size=8,
-    eval_samples=4,
-)
+@dataclass(frozen=True)
+class Preset:
+    """A named recipe: the runs it compares by default and the config fields it changes (``max_tokens``: the response
+    budget); ``spec``: the rule of its "spec" run."""
+
+    runs: tuple[str, ...]
+    fields: dict
+    spec: Rule
 
 
-def config_from(defaults: dict, sampling: SamplingSettings | None = None, **overrides) -> GRPOConfig:
-    """A GRPOConfig from ``defaults`` (``max_response_len``: the sampling budget) and ``overrides``;
-    ``sampling`` sets temperature, top-k and top-p (its budget is replaced)."""
-    fields = {**defaults, **overrides}
-    budget = fields.pop("max_response_len")
-    sampling = dataclasses.replace(sampling or SamplingSettings(), max_tokens=budget)
-    return GRPOConfig(sampling=sampling, **fields)
+#: The demo (docs/design.md "The demo recipe"): the embedded toy policy, lr 1e-4, 5 epochs of 256 prompts x G = 4;
+#: its SPEC-RL run is l = 1 with the without-draft draw (the rule that costs this task the least learning).
+PRESETS = {
+    "demo": Preset(
+        runs=("vanilla", "spec", "exact", "histspec"),
+        fields=dict(
+            epochs=5,
+            group_size=4,
+            prompts_per_step=64,
+            lr=1e-4,
+            max_tokens=160,
+            ppo_mini_batches=2,
+            micro_batch_size=128,
+            eval_samples=1,
+        ),
+        spec=Lenient(1.0, "without-draft"),
+    ),
+    "model": Preset(runs=("spec",), fields={}, spec=MODES["spec"].rule),
+}
+
+
+def preset(name: str, sampling: SamplingSettings | None = None, **overrides) -> GRPOConfig:
+    """The config of preset ``name`` with ``overrides`` (None values are ignored; ``max_tokens`` sets the budget);
+    ``sampling`` sets temperature, top-k and top-p."""
+    fields = {**PRESETS[name].fields, **{k: v for k, v in overrides.items() if v is not None}}
+    sampling = sampling or SamplingSettings()
+    budget = fields.pop("max_tokens", GRPOConfig.__dataclass_fields__["sampling"].default_factory().max_tokens)
+    return GRPOConfig(sampling=dataclasses.replace(sampling, max_tokens=budget), **fields)
 
 
 def demo_config(**overrides) -> GRPOConfig:
-    """The demo's config (:data:`DEMO_DEFAULTS`) with ``overrides``."""
-    return config_from(DEMO_DEFAULTS, **overrides)
+    """The demo's config (:data:`PRESETS` "demo") with ``overrides``."""
+    return preset("demo", **overrides)

@@ -186,8 +186,8 @@ class GRPOTrainer:
         if choice == "paged":
             from ..engine import PagedEngine
 
-            return PagedEngine(model, self.eos_ids, self.pad_id, max_k=config.spec_tokens)
-        return TransformersBackend(model, self.eos_ids, self.pad_id, max_k=config.spec_tokens)
+            return PagedEngine(model, self.eos_ids, self.pad_id, max_k=config.mode.tail)
+        return TransformersBackend(model, self.eos_ids, self.pad_id, max_k=config.mode.tail)
 
     def resume(self) -> bool:
         """Restore optimizer, counters, records, rollout cache and history from the committed checkpoint. The caller

@@ -75,11 +75,9 @@ def epoch_record(epoch: int, steps: list[dict], label: str, mode: RolloutMode) -
         "tail_accepted": tot["tail_accepted"],
         "decode_positions": tot["decode_positions"],
         "mean_step_width": tot["decode_positions"] / tot["decode_rows"] if tot["decode_rows"] else None,
-        # how far the policy moved on the tokens it reused (mean |lp_new - lp_old|, nats); the lenient rule measures
-        # it, the exact walk does not (None)
-        "reused_drift": _mean(
-            [s.get("reused_drift") for s in steps if s.get("drafts_found") and s.get("acceptance") != "exact"]
-        ),
+        # how far the policy moved on the tokens it reused (mean |lp_new - lp_old|, nats); None where the rule does
+        # not measure it (the exact walk)
+        "reused_drift": _mean([s.get("reused_drift") for s in steps if s.get("drafts_found")]),
         "train_seconds": tot["train_seconds"],
         "groups": tot["groups"],
         "flat_groups": tot["flat_groups"],

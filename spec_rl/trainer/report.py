@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..acceptance.mode import RolloutMode
 from ..rollout.reward_split import ORIGINS
 from ..util.atomic import atomic_write_text
 from .heldout import heldout_curve, start_point
@@ -265,11 +266,7 @@ def _num(x, spec: str) -> str:
 
 def _describe(rec: dict) -> str:
     """How a run rolled out, from its first epoch record: reuse rule and tail speculation."""
-    rule = rec.get("acceptance")
-    reuse = "no draft reuse" if rule is None else f"{rule} acceptance"
-    if rule == "lenient":
-        reuse += f" at l = {_num(rec.get('lenience'), '.4g')}, rejection draw {rec.get('rejection_draw')}"
-    return f"{reuse}, tail speculation {'on' if rec.get('tail') else 'off'}"
+    return RolloutMode.from_dict(rec).describe()
 
 
 def _origin_markdown(summary: dict[str, list[dict]]) -> list[str]:
@@ -385,31 +382,10 @@ def _heldout_note(info: dict, summary: dict | None = None) -> list[str]:
     ]
 
 
-def _lenient_draw(info: dict) -> str | None:
-    """The draw of the run(s) that verify drafts leniently; None when no run does."""
-    modes = [c["mode"] for c in info.get("runs", {}).values() if c.get("mode", {}).get("acceptance") == "lenient"]
-    if not modes:
-        return None
-    return "without-draft" if any(m.get("rejection_draw") == "without-draft" for m in modes) else "policy"
-
-
-def _rejection_note(draw: str) -> str:
-    """What the token at a lenient rejection is drawn from (docs/design.md "The rule")."""
-    if draw == "without-draft":
-        how = (
-            "from the current policy without the rejected draft token (renormalised): at l = 1 exact speculative "
-            "sampling when a choice has two tokens, not exactly on-policy in general "
-            "(the draft's whole old distribution is not stored)"
-        )
-    else:
-        how = (
-            "from the current policy (the paper's rule), not from the residual of exact speculative sampling, so "
-            "even l = 1 is not exactly on-policy"
-        )
-    return (
-        f"Lenient acceptance draws the token at a rejection {how}; exact acceptance is on-policy (paper Sec. 3; "
-        "docs/design.md, 'The rule' and 'Exact acceptance')."
-    )
+def _rule_notes(info: dict) -> list[str]:
+    """What the rules of the runs say about themselves in a report (e.g. the lenient rule's draw at a rejection)."""
+    modes = [RolloutMode.from_dict(c.get("mode", {})) for c in info.get("runs", {}).values()]
+    return list(dict.fromkeys(n for m in modes if m.rule is not None and (n := m.rule.note()) is not None))
 
 
 def write_report(
@@ -450,8 +426,8 @@ def write_report(
             "(report.png)",
             "",
         ]
-    draw = _lenient_draw(info)
-    lines += [_rejection_note(draw), ""] if draw else []
+    for note in _rule_notes(info):
+        lines += [note, ""]
     md = atomic_write_text(run_dir / "report.md", "\n".join(lines))
     out = {"summary": run_dir / "summary.json", "report": md}
     if png is not None:

@@ -20,7 +20,7 @@ from .rundir import INFO_FILE, RunDirError
 #: (tail speculation changes decode steps, never a token).
 RESPONSE_FIELDS = ("sampling", "prompt_format", "max_model_len", "seed")
 #: GRPOConfig fields that change how the policy is trained or measured. Not compared: epochs (a resume may extend a
-#: run), micro_batch_size (memory only), spec_tokens (decode steps only), device and backend (keyed sampling).
+#: run), micro_batch_size (memory only), device and backend (keyed sampling).
 TRAINING_FIELDS = (
     "group_size",
     "prompts_per_step",

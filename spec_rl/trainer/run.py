@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ..acceptance.mode import LOSSLESS_MODES, MODES, RolloutMode
+from ..acceptance.mode import MODES, VANILLA, RolloutMode
 from ..backends.protocol import eos_token_ids
 from ..util.atomic import remove_leftovers
 from .checkpoint import latest_checkpoint
@@ -79,9 +79,10 @@ def run_configs(config: GRPOConfig, modes: Mapping[str, RolloutMode]) -> dict[st
     """Each run's config: ``config`` with the run's mode; beside vanilla, the lossless runs are evaluated after the
     last epoch only (their responses, hence their evaluations, are vanilla's)."""
     configs = {label: dataclasses.replace(config, mode=mode) for label, mode in modes.items()}
-    if "vanilla" in modes:
-        for label in set(configs) & set(LOSSLESS_MODES):
-            configs[label] = dataclasses.replace(configs[label], eval_every=config.epochs)
+    if VANILLA in modes:
+        for label, mode in modes.items():
+            if label != VANILLA and mode.lossless:
+                configs[label] = dataclasses.replace(configs[label], eval_every=config.epochs)
     return configs
 
 

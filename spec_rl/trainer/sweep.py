@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..acceptance.mode import MODES, RolloutMode
+from ..acceptance.mode import RolloutMode
 from ..util.atomic import atomic_write_text, remove_leftovers
 
 #: The paper's held-out accuracy AVG, generated tokens (millions) and rollout speed-up
@@ -33,14 +33,7 @@ PAPER = {
 }
 
 
-_GRID = (
-    ("1", 1.0),
-    ("e^0.2", math.exp(0.2)),
-    ("e^0.5", math.exp(0.5)),
-    ("e^1", math.exp(1.0)),
-    ("e^2", math.exp(2.0)),
-    ("inf", math.inf),
-)
+_GRID = ("1", "e^0.2", "e^0.5", "e^1", "e^2", "inf")
 
 
 @dataclass(frozen=True)
@@ -51,17 +44,20 @@ class Setting:
     mode: RolloutMode
 
 
-def _lenient(lenience: float, draw: str = "policy") -> RolloutMode:
-    return MODES["spec"].with_overrides(lenience=lenience, rejection_draw=draw)
+def _setting(name: str) -> Setting:
+    return Setting(name, RolloutMode.parse(name))
 
 
-SETTINGS = (
-    Setting("vanilla", MODES["vanilla"]),
-    Setting("random", MODES["random"]),
-    *(Setting(f"l={name}", _lenient(lenience)) for name, lenience in _GRID),
-    Setting("exact", MODES["exact"]),
-    # "-excl": the token at a rejection is drawn without the rejected draft token
-    *(Setting(f"l={name}-excl", _lenient(lenience, "without-draft")) for name, lenience in _GRID[:3]),
+SETTINGS = tuple(
+    _setting(name)
+    for name in (
+        "vanilla",
+        "random",
+        *(f"l={lenience}" for lenience in _GRID),
+        "exact",
+        # "-excl": the token at a rejection is drawn without the rejected draft token
+        *(f"l={lenience}-excl" for lenience in _GRID[:3]),
+    )
 )
 
 #: name: (train prompts, epochs, held-out prompts, fresh samples per held-out prompt); evaluated at the warm start

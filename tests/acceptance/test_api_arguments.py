@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from spec_rl.acceptance.dispatch import VerifyOptions, verify_logits
+from spec_rl.acceptance.rules import Lenient
 from spec_rl.drafts.cache import CacheKey
 from spec_rl.sampling.distribution import SamplingSettings, keyed_sample
 
@@ -77,9 +78,8 @@ def test_verify_refuses_bad_arguments(kwargs, error, words):
 @pytest.mark.parametrize(
     "kwargs, error, words",
     [
-        (dict(lenience=True), TypeError, "lenience must be a real number, got bool"),
-        (dict(lenience="1.5"), TypeError, "lenience must be a real number, got str"),
-        (dict(rule=None), ValueError, "rule must be one of ('lenient', 'exact', 'random'), got None"),
+        (dict(mode=None), ValueError, "mode must be one of vanilla, histspec, spec, exact, random or l=<lenience>"),
+        (dict(mode="vanilla"), ValueError, "mode 'vanilla' reuses no drafts: there is nothing to verify"),
         (dict(backend="gpu"), ValueError, "backend must be one of ('auto', 'reference', 'triton'), got 'gpu'"),
         (dict(sampling=None), TypeError, "sampling must be a SamplingSettings, got NoneType"),
         (dict(return_accept_mask=1), TypeError, "return_accept_mask must be True or False, got 1"),
@@ -107,13 +107,13 @@ def test_verify_sampling_settings_refuse_bad_values(kwargs, error, words):
 
 def test_verify_takes_numpy_temperature_and_lenience_and_any_integer_seed():
     ids, old, logits = _verify_inputs()
-    numpy = VerifyOptions(lenience=np.float32(2.0), sampling=SamplingSettings(temperature=np.float32(0.5)))
-    plain = VerifyOptions(lenience=2.0, sampling=SamplingSettings(temperature=float(np.float32(0.5))))
+    numpy = VerifyOptions(mode=Lenient(np.float32(2.0)), sampling=SamplingSettings(temperature=np.float32(0.5)))
+    plain = VerifyOptions(mode=Lenient(2.0), sampling=SamplingSettings(temperature=float(np.float32(0.5))))
     assert numpy == plain
     a = verify_logits(ids, old, logits, seed=np.int64(3), options=numpy)
     b = verify_logits(ids, old, logits, seed=3, options=plain)
     assert torch.equal(a.accepted_len, b.accepted_len) and torch.equal(a.new_logprobs, b.new_logprobs)
-    assert type(VerifyOptions(lenience=np.float32(2.0)).lenience) is float
+    assert type(VerifyOptions(mode=Lenient(np.float32(2.0))).rule.lenience) is float
     verify_logits(ids, old, logits, seed=-5)  # seeds are taken modulo 2**64
     verify_logits(ids, old, logits, seed=2**80)
 

@@ -16,6 +16,7 @@ import torch
 from _stats import assert_fits
 
 from spec_rl.acceptance.mode import MODES, RolloutMode
+from spec_rl.acceptance.rules import Exact, Lenient
 from spec_rl.acceptance.scores import DraftScores
 from spec_rl.backends.protocol import BackendStats, Continuation
 from spec_rl.backends.reprefill import ReprefillBackend
@@ -76,21 +77,14 @@ class TablePolicy(ReprefillBackend):
         return out
 
 
-def _first_two_tokens(acceptance: str, lenience: float = 1.0) -> torch.Tensor:
+def _first_two_tokens(rule) -> torch.Tensor:
     settings = SamplingSettings(max_tokens=2)
     cache = RolloutCache()
     requests = [RolloutRequest([PROMPT], slot=s) for s in range(N)]
     for r in requests:
         cache.store(CacheKey.make(r.prompt_ids, r.slot), [0, 0], [0.0, 0.0], "length", 0, settings)
-    kw = dict(lenience=lenience) if acceptance == "lenient" else {}
     rollout = SpeculativeRollout(
-        TablePolicy(),
-        cache,
-        settings,
-        eos_ids=[EOS],
-        max_model_len=16,
-        seed=3,
-        mode=RolloutMode(acceptance, tail=False, **kw),
+        TablePolicy(), cache, settings, eos_ids=[EOS], max_model_len=16, seed=3, mode=RolloutMode(rule, tail=0)
     )
     result = rollout.run(requests, step=1)
     counts = torch.zeros(2, 3)
@@ -102,7 +96,7 @@ def _first_two_tokens(acceptance: str, lenience: float = 1.0) -> torch.Tensor:
 
 def test_exact_acceptance_gives_the_current_policy():
     joint = TABLE[PROMPT, :2].unsqueeze(1) * TABLE[:2, :3]
-    counts = _first_two_tokens("exact")
+    counts = _first_two_tokens(Exact())
     assert_fits(counts, joint)
     assert abs(float(counts[0].sum()) / N - 0.5) < 0.015  # first-token marginal [0.5, 0.5]
 
@@ -116,16 +110,16 @@ def test_lenient_rule_at_l1_stays_the_papers():
             0.25 * TABLE[1, :3],  # first token 1: only after a rejection
         ]
     )
-    counts = _first_two_tokens("lenient", lenience=1.0)
+    counts = _first_two_tokens(Lenient(1.0))
     assert_fits(counts, joint)
     assert abs(float(counts[0].sum()) / N - 0.75) < 0.015  # first-token marginal [0.75, 0.25]
 
 
-def test_unknown_acceptance_rule_is_refused():
-    with pytest.raises(ValueError, match="acceptance must be one of"):
-        RolloutMode("fast")
-    with pytest.raises(TypeError, match="mode must be a RolloutMode"):
-        SpeculativeRollout(TablePolicy(), RolloutCache(), SamplingSettings(), [EOS], 16, mode="exact")
+def test_a_mode_by_name_is_taken_and_an_unknown_one_refused():
+    with pytest.raises(ValueError, match="mode must be one of"):
+        SpeculativeRollout(TablePolicy(), RolloutCache(), SamplingSettings(), [EOS], 16, mode="fast")
+    rollout = SpeculativeRollout(TablePolicy(), RolloutCache(), SamplingSettings(), [EOS], 16, mode="exact")
+    assert rollout.mode == MODES["exact"]
 
 
 def test_exact_mode_reproduces_vanilla_decoding_token_for_token():
@@ -158,26 +152,16 @@ def test_exact_mode_reproduces_vanilla_decoding_token_for_token():
     assert exact.stats.accepted_tokens > 0 and exact.stats.tokens_generated < fresh.stats.tokens_generated
 
 
-def test_random_reuse_with_exact_acceptance_is_refused_everywhere():
-    from spec_rl.acceptance.mode import mode_from_options
-
-    # one rule per mode: random reuse and exact acceptance cannot be combined
-    with pytest.raises(ValueError, match="acceptance='exact' applies to strategy='spec'.*not 'random'"):
-        mode_from_options("random", acceptance="exact")
-    with pytest.raises(ValueError, match="acceptance='exact' applies to strategy='spec'.*not 'off'"):
-        mode_from_options("off", acceptance="exact")
-    assert mode_from_options("random").acceptance == "random"
-    assert mode_from_options("spec", acceptance="exact").acceptance == "exact"
-
-
 def test_exact_acceptance_reads_no_old_logprobs():
     from spec_rl.acceptance.dispatch import VerifyOptions, verify_logprobs
 
     ids, lp_new = torch.zeros(64, 3, dtype=torch.long), torch.full((64, 3), -0.4)
-    exact = VerifyOptions(rule="exact", return_accept_mask=True)
+    exact = VerifyOptions(mode="exact", return_accept_mask=True)
     a = verify_logprobs(ids, None, lp_new, seed=4, options=exact)
     b = verify_logprobs(ids, torch.full((64, 3), -3.0), lp_new, seed=4, options=exact)
     # the exact test is the lenient one with lp_old = 0 and l = 1
-    c = verify_logprobs(ids, torch.zeros(64, 3), lp_new, seed=4, options=VerifyOptions(return_accept_mask=True))
+    c = verify_logprobs(
+        ids, torch.zeros(64, 3), lp_new, seed=4, options=VerifyOptions(Lenient(1.0), return_accept_mask=True)
+    )
     assert torch.equal(a.accept_mask, b.accept_mask) and torch.equal(a.accept_mask, c.accept_mask)
     assert 0 < int(a.accepted_len.sum()) < 64 * 3

@@ -1,82 +1,106 @@
-"""RolloutMode: the one definition of how a rollout reuses responses (named modes, the adapters' options, overrides,
-records) and the verify options it implies."""
+"""RolloutMode and the acceptance rules: the one definition of how a rollout reuses responses (named modes, parsing,
+overrides, records, the verify options it implies), and a rule added from outside in one file plus one registration."""
 
 import dataclasses
 import math
+from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import pytest
+import torch
+from tiny_models import tiny_model
 
-from spec_rl.acceptance.dispatch import VerifyOptions
-from spec_rl.acceptance.mode import (
-    ACCEPTANCE_RULES,
+from spec_rl.acceptance.dispatch import VerifyOptions, verify_logprobs
+from spec_rl.acceptance.mode import MODES, TAIL_WIDTH, RolloutMode
+from spec_rl.acceptance.rules import (
+    LENIENCE,
     LENIENCE_DEFAULTS,
-    LOSSLESS_MODES,
-    MODES,
     REJECTION_DRAWS,
-    STRATEGIES,
-    RolloutMode,
-    mode_from_options,
-    named_mode,
+    RULES,
+    Exact,
+    Lenient,
+    RandomReuse,
+    Rule,
+    register_rule,
 )
+from spec_rl.backends.transformers_backend import TransformersBackend
+from spec_rl.drafts.cache import RolloutCache
+from spec_rl.rollout.speculative import RolloutRequest, SpeculativeRollout
+from spec_rl.sampling.distribution import SamplingSettings
 
 
 def test_the_named_modes():
-    assert ACCEPTANCE_RULES == ("lenient", "exact", "random") and REJECTION_DRAWS == ("policy", "without-draft")
-    assert MODES["vanilla"] == RolloutMode(None, tail=False) and not MODES["vanilla"].reuses_drafts
-    assert MODES["histspec"] == RolloutMode(None, tail=True) and not MODES["histspec"].reuses_drafts
-    assert MODES["spec"] == RolloutMode("lenient", lenience=math.exp(0.5), rejection_draw="policy", tail=True)
-    assert MODES["exact"].acceptance == "exact" and MODES["exact"].tail and MODES["exact"].lenience is None
-    assert MODES["random"].acceptance == "random" and MODES["random"].lenience is None
-    assert set(LOSSLESS_MODES) <= set(MODES)
-    assert named_mode("exact") is MODES["exact"]
-    with pytest.raises(ValueError, match=r"mode must be one of \('vanilla', 'histspec', 'spec', 'exact', 'random'\)"):
-        named_mode("random-ref")
+    assert REJECTION_DRAWS == ("policy", "without-draft") and set(RULES) >= {"lenient", "exact", "random"}
+    assert MODES["vanilla"] == RolloutMode(None, tail=0) and not MODES["vanilla"].reuses_drafts
+    assert MODES["histspec"] == RolloutMode(None, tail=TAIL_WIDTH) and not MODES["histspec"].reuses_drafts
+    assert MODES["spec"] == RolloutMode(Lenient(math.exp(0.5), "policy"), tail=8)
+    assert MODES["exact"].rule == Exact() and MODES["random"].rule == RandomReuse()
+    assert [m for m, mode in MODES.items() if mode.lossless] == ["vanilla", "histspec", "exact"]
     with pytest.raises(dataclasses.FrozenInstanceError):
-        MODES["spec"].lenience = 2.0
+        MODES["spec"].rule.lenience = 2.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        MODES["spec"].tail = 2
+
+
+@pytest.mark.parametrize(
+    "text, mode",
+    [
+        ("exact", MODES["exact"]),
+        ("l=1", RolloutMode(Lenient(1.0))),
+        ("l=e^0.5", MODES["spec"]),
+        ("l=inf", RolloutMode(Lenient(math.inf))),
+        ("l=0", RolloutMode(Lenient(0.0))),
+        ("l=1-excl", RolloutMode(Lenient(1.0, "without-draft"))),
+        (MODES["random"], MODES["random"]),
+        (Exact(), MODES["exact"]),
+    ],
+)
+def test_modes_parse_from_names(text, mode):
+    assert RolloutMode.parse(text) == mode
+
+
+@pytest.mark.parametrize("text", ["random-ref", "l=", "l=nan", "l=-1", "l=abc", "", None, 3, "l=0.5-excl"])
+def test_names_that_name_no_mode_are_refused(text):
+    with pytest.raises(ValueError) as info:
+        RolloutMode.parse(text)
+    message = str(info.value)
+    if text == "l=0.5-excl":
+        assert "needs lenience >= 1, got 0.5" in message
+    else:
+        assert "mode must be one of vanilla, histspec, spec, exact, random or l=<lenience>[-excl]" in message
 
 
 def test_the_papers_lenience_per_algorithm_is_the_lenient_default():
     assert LENIENCE_DEFAULTS == pytest.approx({"grpo": math.exp(0.5), "ppo": math.exp(0.3), "dapo": math.exp(0.15)})
-    assert RolloutMode("lenient").lenience == pytest.approx(math.exp(0.5))
-    assert RolloutMode("lenient").log_lenience == pytest.approx(0.5)
-    assert RolloutMode("lenient", lenience=np.float32(2.0)).lenience == 2.0
-    assert type(RolloutMode("lenient", lenience=np.float32(2.0)).lenience) is float
-    assert RolloutMode("lenient", lenience=math.inf).log_lenience == math.inf
-    assert RolloutMode("lenient", lenience=0.0).lenience == 0.0  # rejects every draft token
-    for rule in ("exact", "random", None):  # the other rules read no lenience
-        assert RolloutMode(rule).log_lenience == 0.0
+    assert Lenient().lenience == LENIENCE == pytest.approx(math.exp(0.5))
+    assert RolloutMode().rule == Lenient() and RolloutMode().log_lenience == pytest.approx(0.5)
+    assert Lenient(np.float32(2.0)).lenience == 2.0 and type(Lenient(np.float32(2.0)).lenience) is float
+    assert Lenient(math.inf).log_lenience == math.inf
+    assert Lenient(0.0).log_lenience == -math.inf  # rejects every draft token
+    for mode in (MODES["exact"], MODES["random"], MODES["vanilla"]):  # the other rules read no lenience
+        assert mode.log_lenience == 0.0
 
 
 @pytest.mark.parametrize(
-    "kwargs, error, words",
+    "build, error, words",
     [
-        (dict(acceptance="fast"), ValueError, "acceptance must be one of ('lenient', 'exact', 'random') (or None: no "),
-        (dict(acceptance="random-ref"), ValueError, "acceptance must be one of"),
-        (dict(lenience=-1.0), ValueError, "lenience must be a number (inf allowed) >= 0, got -1.0"),
-        (dict(lenience=math.nan), ValueError, "lenience must be a number (inf allowed) >= 0, got nan"),
-        (dict(lenience="auto"), TypeError, "lenience must be a real number, got str 'auto'"),
-        (dict(lenience=True), TypeError, "lenience must be a real number, got bool"),
-        (
-            dict(acceptance="exact", lenience=2.0),
-            ValueError,
-            "lenience applies to lenient acceptance only, not 'exact'",
-        ),
-        (
-            dict(acceptance="random", lenience=1.0),
-            ValueError,
-            "lenience applies to lenient acceptance only, not 'random'",
-        ),
-        (dict(acceptance=None, lenience=1.0), ValueError, "lenience applies to lenient acceptance only, not None"),
-        (dict(rejection_draw="residual"), ValueError, "rejection_draw must be one of ('policy', 'without-draft')"),
-        (dict(acceptance="exact", rejection_draw="without-draft"), ValueError, "rejection_draw applies to lenient"),
-        (dict(lenience=0.5, rejection_draw="without-draft"), ValueError, "needs lenience >= 1, got 0.5"),
-        (dict(tail=1), TypeError, "tail must be True or False, got 1"),
+        (lambda: Lenient(-1.0), ValueError, "lenience must be a number (inf allowed) >= 0, got -1.0"),
+        (lambda: Lenient(math.nan), ValueError, "lenience must be a number (inf allowed) >= 0, got nan"),
+        (lambda: Lenient("auto"), TypeError, "lenience must be a real number, got str 'auto'"),
+        (lambda: Lenient(True), TypeError, "lenience must be a real number, got bool"),
+        (lambda: Lenient(rejection_draw="residual"), ValueError, "rejection_draw must be one of ('policy', 'without"),
+        (lambda: Lenient(0.5, "without-draft"), ValueError, "needs lenience >= 1, got 0.5"),
+        (lambda: Exact(2.0), TypeError, "positional argument"),
+        (lambda: RolloutMode("exact"), TypeError, "rule must be an acceptance rule"),
+        (lambda: RolloutMode(tail=True), TypeError, "tail must be an integer, got bool True"),
+        (lambda: RolloutMode(tail=-1), ValueError, "tail must be >= 0, got -1"),
+        (lambda: RolloutMode(tail=1.5), TypeError, "tail must be an integer, got float 1.5"),
     ],
 )
-def test_bad_modes_are_refused_naming_the_field(kwargs, error, words):
+def test_bad_modes_are_refused_naming_the_field(build, error, words):
     with pytest.raises(error) as info:
-        RolloutMode(**kwargs)
+        build()
     assert words in str(info.value)
 
 
@@ -84,82 +108,102 @@ def test_overrides_set_only_the_fields_a_mode_has():
     assert MODES["spec"].settable() == ("lenience", "rejection_draw", "tail")
     assert MODES["exact"].settable() == MODES["random"].settable() == ("tail",)
     assert MODES["vanilla"].settable() == MODES["histspec"].settable() == ()
-    every = dict(lenience=1.0, rejection_draw="without-draft", tail=False)
-    assert MODES["spec"].with_overrides(**every) == RolloutMode("lenient", 1.0, "without-draft", tail=False)
-    assert MODES["exact"].with_overrides(**every) == RolloutMode("exact", tail=False)
+    every = dict(lenience=1.0, rejection_draw="without-draft", tail=0)
+    assert MODES["spec"].with_overrides(**every) == RolloutMode(Lenient(1.0, "without-draft"), tail=0)
+    assert MODES["exact"].with_overrides(**every) == RolloutMode(Exact(), tail=0)
     assert MODES["vanilla"].with_overrides(**every) == MODES["vanilla"]
-    assert MODES["histspec"].with_overrides(tail=False) == MODES["histspec"]  # histspec is tail speculation itself
+    assert MODES["histspec"].with_overrides(tail=0) == MODES["histspec"]  # histspec is tail speculation itself
     with pytest.raises(ValueError, match="needs lenience >= 1"):  # the result is checked like any mode
         MODES["spec"].with_overrides(lenience=0.5, rejection_draw="without-draft")
 
 
 def test_to_dict_is_what_records_hold_and_reads_back():
-    d = MODES["spec"].to_dict()
-    assert d == {
+    assert MODES["spec"].to_dict() == {
         "acceptance": "lenient",
         "lenience": pytest.approx(math.exp(0.5)),
         "rejection_draw": "policy",
-        "tail": True,
+        "tail": 8,
         "log_lenience": pytest.approx(0.5),
     }
-    assert MODES["vanilla"].to_dict() == {
-        "acceptance": None,
-        "lenience": None,
-        "rejection_draw": "policy",
-        "tail": False,
-        "log_lenience": 0.0,
-    }
+    assert MODES["vanilla"].to_dict() == {"acceptance": None, "tail": 0, "log_lenience": 0.0}
+    assert MODES["exact"].to_dict() == {"acceptance": "exact", "tail": 8, "log_lenience": 0.0}
     for mode in MODES.values():
         assert RolloutMode.from_dict(mode.to_dict()) == mode
+    # a record of 0.3 (tail a bool; every field present) reads back as the same mode
+    old = {"acceptance": "exact", "lenience": None, "rejection_draw": "policy", "tail": True, "log_lenience": 0.0}
+    assert RolloutMode.from_dict(old) == MODES["exact"]
+    assert MODES["spec"].describe() == "lenient acceptance at l = 1.649, rejection draw policy, tail speculation on"
+    assert MODES["vanilla"].describe() == "no draft reuse, tail speculation off"
 
 
-def test_verify_options_for_a_mode():
-    spec = VerifyOptions.for_mode(RolloutMode("lenient", lenience=2.0), backend="reference")
-    assert (spec.rule, spec.lenience, spec.backend) == ("lenient", 2.0, "reference")
-    assert VerifyOptions.for_mode(MODES["exact"]) == VerifyOptions(rule="exact")
-    assert VerifyOptions.for_mode(MODES["random"]) == VerifyOptions(rule="random")
+def test_verify_options_take_a_mode_its_name_or_a_rule():
+    spec = VerifyOptions(Lenient(2.0), backend="reference")
+    assert (spec.rule, spec.mode, spec.backend) == (Lenient(2.0), RolloutMode(Lenient(2.0)), "reference")
+    assert VerifyOptions(MODES["exact"]) == VerifyOptions("exact") == VerifyOptions(Exact())
+    assert VerifyOptions().mode == MODES["spec"]  # one default lenience everywhere: the paper's e^0.5
     for name in ("vanilla", "histspec"):
         with pytest.raises(ValueError, match="reuses no drafts"):
-            VerifyOptions.for_mode(MODES[name])
+            VerifyOptions(name)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        VerifyOptions("greedy")
 
 
-def test_the_adapters_options_name_a_mode():
-    assert STRATEGIES == ("spec", "random", "off")
-    assert mode_from_options() == MODES["spec"]
-    assert mode_from_options(lenience=2.0, rejection_draw="without-draft", tail=False) == RolloutMode(
-        "lenient", 2.0, "without-draft", tail=False
+@register_rule
+@dataclass(frozen=True)
+class FirstTokens(Rule):
+    """A toy rule: keep the first ``k`` draft tokens whatever the scores (tests only)."""
+
+    name: ClassVar[str] = "first-tokens"
+    k: int = 2
+
+    def decide(self, lp_new, lp_old, lengths, seed, uids):
+        n = torch.clamp(lengths, max=self.k)
+        return torch.arange(lp_new.shape[1]).unsqueeze(0) < n.unsqueeze(1), n
+
+
+@register_rule
+@dataclass(frozen=True)
+class Likely(Rule):
+    """A toy per-token rule: accept draft tokens while the current policy gives them at least ``p``."""
+
+    name: ClassVar[str] = "likely"
+    p: float = 0.05
+
+    def test(self, lp_new, lp_old, u):
+        return lp_new >= math.log(self.p)
+
+
+def test_a_rule_added_in_one_file_and_one_registration_runs_everywhere():
+    assert RULES["first-tokens"] is FirstTokens and RolloutMode.from_dict({"acceptance": "likely", "p": 0.2}).rule == (
+        Likely(0.2)
     )
-    assert mode_from_options("random") == MODES["random"]
-    assert mode_from_options("off", tail=False) == MODES["vanilla"] and mode_from_options("off") == MODES["histspec"]
-    assert mode_from_options("random", lenience=2.0).lenience is None  # the ablation reads no lenience
-    assert mode_from_options(acceptance="exact") == MODES["exact"]
-    for unset in (None, 1, 1.0):  # 1 is "not set" for exact, as l = 1 is the exact test
-        assert mode_from_options(acceptance="exact", lenience=unset) == MODES["exact"]
+    ids, lengths = torch.tensor([[4, 5, 6], [7, 8, 0]]), torch.tensor([3, 1])
+    new = torch.log(torch.tensor([[0.5, 0.01, 0.5], [0.3, 1.0, 1.0]]))
+    res = verify_logprobs(ids, torch.zeros(2, 3), new, lengths, options=VerifyOptions(Likely(0.1)))
+    assert res.accepted_len.tolist() == [1, 1]
+    res = verify_logprobs(ids, torch.zeros(2, 3), new, lengths, options=VerifyOptions(FirstTokens(2)))
+    assert res.accepted_len.tolist() == [2, 1]
 
-
-@pytest.mark.parametrize(
-    "kwargs, words",
-    [
-        (dict(strategy="random-ref"), "strategy must be one of ('spec', 'random', 'off'), got 'random-ref'"),
-        (dict(strategy=False), 'in YAML write strategy: "off" (quoted)'),
-        (dict(acceptance="random"), "acceptance must be one of ('lenient', 'exact'), got 'random'"),
-        (dict(acceptance="exact", lenience=2.0), "acceptance='exact' has no lenience"),
-        (dict(acceptance="exact", lenience=math.exp(0.5)), "but lenience=1.64"),
-        (dict(strategy="random", acceptance="exact"), "acceptance='exact' applies to strategy='spec'"),
-        (dict(strategy="off", acceptance="exact"), "acceptance='exact' applies to strategy='spec'"),
-        (dict(strategy="off", rejection_draw="without-draft"), "rejection_draw applies to lenient acceptance only"),
-        (dict(strategy="random", rejection_draw="without-draft"), "rejection_draw applies to lenient acceptance only"),
-        (dict(acceptance="exact", rejection_draw="without-draft"), "rejection_draw applies to lenient acceptance only"),
-        (dict(lenience=0.5, rejection_draw="without-draft"), "needs lenience >= 1"),
-        (dict(lenience=-1.0), "lenience must be a number (inf allowed) >= 0"),
-    ],
-)
-def test_options_that_name_no_mode_are_refused(kwargs, words):
-    with pytest.raises(ValueError) as info:
-        mode_from_options(**kwargs)
-    assert words in str(info.value)
-
-
-def test_a_lenience_of_zero_has_log_minus_infinity():
-    mode = RolloutMode("lenient", 0.0)
-    assert mode.log_lenience == float("-inf") and mode.to_dict()["log_lenience"] == float("-inf")
+    prompts = [[3, 11, 12, 13], [3, 15, 16]]
+    requests = [RolloutRequest(p, s) for p in prompts for s in range(3)]
+    for rule in (FirstTokens(2), Likely(0.03)):
+        model = tiny_model(seed=3)
+        rollout = SpeculativeRollout(
+            TransformersBackend(model, {1}, pad_id=0),
+            RolloutCache(),
+            SamplingSettings(temperature=1.0, max_tokens=12),
+            eos_ids=[1],
+            max_model_len=64,
+            mode=RolloutMode(rule, tail=0),
+            seed=4,
+        )
+        first = rollout.run(requests, 0)
+        second = rollout.run(requests, 1)
+        assert second.stats.drafts_found == len(requests)
+        for a, b, n in zip(first.response_ids, second.response_ids, second.verified_prefix_len):
+            assert b[:n] == a[:n]
+        if isinstance(rule, FirstTokens):
+            assert second.verified_prefix_len == [min(2, len(r)) for r in first.response_ids]
+        else:
+            assert 0 < second.stats.accepted_tokens < second.stats.draft_tokens
+        assert second.stats.tokens_generated == second.stats.vanilla_tokens - second.stats.accepted_tokens

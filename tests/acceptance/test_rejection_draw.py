@@ -17,7 +17,8 @@ import pytest
 import torch
 from _stats import assert_fits
 
-from spec_rl.acceptance.mode import RolloutMode, mode_from_options
+from spec_rl.acceptance.mode import RolloutMode
+from spec_rl.acceptance.rules import Exact, Lenient
 from spec_rl.acceptance.scores import DraftScores
 from spec_rl.backends.protocol import BackendStats
 from spec_rl.backends.reprefill import ReprefillBackend
@@ -75,7 +76,7 @@ def first_tokens(p: torch.Tensor, q: torch.Tensor, lenience: float, draw: str, s
     requests = [RolloutRequest([PROMPT], slot=s) for s in range(N)]
     for r, y in zip(requests, drafts):
         cache.store(CacheKey.make(r.prompt_ids, r.slot), [y], [math.log(float(q[y]))], "length", 0, settings)
-    mode = RolloutMode("lenient", lenience=lenience, rejection_draw=draw, tail=False)
+    mode = RolloutMode(Lenient(lenience, draw), tail=0)
     rollout = SpeculativeRollout(
         FixedPolicy(p), cache, settings, eos_ids=[len(p) - 1], max_model_len=8, seed=seed, mode=mode
     )
@@ -125,26 +126,19 @@ def test_bad_rejection_draw_is_refused():
 
     for bad in ("residual", None, 1, b"policy", ["policy"], np.array(["policy"])):  # an array compares element-wise
         with pytest.raises(ValueError, match="rejection_draw must be one of"):
-            RolloutMode("lenient", rejection_draw=bad)
-        with pytest.raises(ValueError, match="rejection_draw must be one of"):
-            mode_from_options("spec", rejection_draw=bad)
-    # no lenient rejection to draw at: the ablation, reuse off, exact acceptance
-    for acceptance in ("random", None, "exact"):
-        with pytest.raises(ValueError, match=f"rejection_draw applies to lenient acceptance only, not {acceptance!r}"):
-            RolloutMode(acceptance, rejection_draw="without-draft")
-    for kw in (dict(strategy="random"), dict(strategy="off"), dict(acceptance="exact")):
-        with pytest.raises(ValueError, match="rejection_draw applies to lenient acceptance only"):
-            mode_from_options(rejection_draw="without-draft", **kw)
+            Lenient(rejection_draw=bad)
+    # no lenient rejection to draw at: the ablation and exact acceptance have no such field
+    with pytest.raises(TypeError, match="rejection_draw"):
+        Exact(rejection_draw="without-draft")
     # below l = 1 the residual keeps the rejected token (at l = 0 every draft token is "rejected")
     for lenience in (0.0, 0.5, np.float32(0.5)):
         with pytest.raises(ValueError, match=f"rejection_draw 'without-draft' needs lenience >= 1, got {lenience:g}"):
-            RolloutMode("lenient", lenience=lenience, rejection_draw="without-draft")
+            Lenient(lenience, "without-draft")
         with pytest.raises(ValueError, match="needs lenience >= 1"):
-            mode_from_options("spec", lenience=lenience, rejection_draw="without-draft")
+            RolloutMode.parse(f"l={lenience}-excl")
     for lenience in (-1.0, False):  # a bad lenience is named as such, not as a draw problem
         with pytest.raises((ValueError, TypeError), match="^lenience must be"):
-            RolloutMode("lenient", lenience=lenience, rejection_draw="without-draft")
+            Lenient(lenience, "without-draft")
     # the default lenience (e^0.5) and l = 1 take the draw
-    for lenience in (None, 1.0):
-        mode = RolloutMode("lenient", lenience=lenience, rejection_draw="without-draft")
-        assert rollout(mode).mode.rejection_draw == "without-draft"
+    for rule in (Lenient(rejection_draw="without-draft"), Lenient(1.0, "without-draft")):
+        assert rollout(RolloutMode(rule)).mode.rule.rejection_draw == "without-draft"

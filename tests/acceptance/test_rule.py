@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from spec_rl.acceptance.dispatch import VerifyOptions, verify_hidden, verify_logits, verify_logprobs, verify_scores
-from spec_rl.acceptance.reference import random_reuse_index, reference_verify
+from spec_rl.acceptance.reference import reference_verify
+from spec_rl.acceptance.rules import RULES, Lenient
+from spec_rl.acceptance.rules.random_reuse import random_reuse_index
 from spec_rl.acceptance.scores import DraftScores
 from spec_rl.sampling.distribution import SamplingSettings
 from spec_rl.sampling.philox import STREAM_ACCEPT, bits_to_uniform, philox4x32, philox_uniform
@@ -71,7 +73,7 @@ def test_empirical_acceptance_rate_matches_min_1_l_ratio(log_l, log_ratio):
         lp_new,
         seed=7,
         uids=torch.arange(n),
-        options=VerifyOptions(lenience=math.exp(log_l)),
+        options=VerifyOptions(mode=Lenient(math.exp(log_l))),
     )
     expected = min(1.0, math.exp(log_l + log_ratio))
     rate = res.accepted_len.float().mean().item()
@@ -93,7 +95,7 @@ def test_empirical_rate_on_synthetic_distributions():
         p_new.log()[tokens].unsqueeze(1),
         seed=11,
         uids=torch.arange(n),
-        options=VerifyOptions(lenience=lenience),
+        options=VerifyOptions(mode=Lenient(lenience)),
     )
     expected = float((p_old * torch.clamp(lenience * p_new / p_old, max=1.0)).sum())
     rate = res.accepted_len.float().mean().item()
@@ -118,7 +120,7 @@ def test_identical_policies_reuse_everything_when_l_at_least_1():
     same = torch.log_softmax(logits, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     for lenience in (1.0, math.exp(0.5)):
         res = verify_logits(
-            ids, same, logits, lengths, seed=3, uids=torch.arange(6), options=VerifyOptions(lenience=lenience)
+            ids, same, logits, lengths, seed=3, uids=torch.arange(6), options=VerifyOptions(mode=Lenient(lenience))
         )
         assert torch.equal(res.accepted_len, lengths)
         assert bool(res.full_reuse.all())
@@ -127,11 +129,11 @@ def test_identical_policies_reuse_everything_when_l_at_least_1():
 def test_infinite_lenience_reuses_everything_and_tiny_lenience_nothing():
     logits, ids, lengths, old = _random_case(seed=1)
     old = torch.zeros_like(old)  # old policy was certain: every ratio < 1
-    res = verify_logits(ids, old, logits, lengths, seed=1, options=VerifyOptions(lenience=float("inf")))
+    res = verify_logits(ids, old, logits, lengths, seed=1, options=VerifyOptions(mode=Lenient(float("inf"))))
     assert torch.equal(res.accepted_len, lengths)
-    res = verify_logits(ids, old, logits, lengths, seed=1, options=VerifyOptions(lenience=1e-30))
+    res = verify_logits(ids, old, logits, lengths, seed=1, options=VerifyOptions(mode=Lenient(1e-30)))
     assert int(res.accepted_len.sum()) == 0
-    res = verify_logits(ids, old, logits, lengths, seed=1, options=VerifyOptions(lenience=0.0))
+    res = verify_logits(ids, old, logits, lengths, seed=1, options=VerifyOptions(mode=Lenient(0.0)))
     assert int(res.accepted_len.sum()) == 0
     assert res.stats.full_reuse_count == int((lengths == 0).sum())
 
@@ -145,7 +147,7 @@ def test_first_rejection_index_is_the_number_of_leading_accepts():
         lengths,
         seed=5,
         uids=torch.arange(16),
-        options=VerifyOptions(lenience=1.0, return_accept_mask=True),
+        options=VerifyOptions(mode=Lenient(1.0), return_accept_mask=True),
     )
     for b in range(16):
         row = res.accept_mask[b, : lengths[b]].tolist()
@@ -169,7 +171,6 @@ def test_decisions_invariant_under_permutation_and_padding():
         lengths,
         seed=9,
         uids=uids,
-        options=VerifyOptions(lenience=1.0),
     )
     assert torch.equal(res.accepted_len, base.accepted_len)
     assert torch.allclose(res.new_logprobs[:, : ids.shape[1]], base.new_logprobs)
@@ -222,7 +223,7 @@ def test_top_k_outside_support_is_rejected():
         torch.tensor([[-3.0]]),
         logits,
         seed=0,
-        options=VerifyOptions(lenience=1e6, sampling=SamplingSettings(top_k=2)),
+        options=VerifyOptions(mode=Lenient(1e6), sampling=SamplingSettings(top_k=2)),
     )
     assert res.new_logprobs[0, 0].item() == float("-inf")
     assert int(res.accepted_len[0]) == 0
@@ -236,7 +237,7 @@ def test_random_reuse_is_uniform_over_0_to_R():
         torch.full((n, length), -1.0),
         seed=2,
         uids=torch.arange(n),
-        options=VerifyOptions(rule="random"),
+        options=VerifyOptions(mode="random"),
     )
     counts = torch.bincount(res.accepted_len, minlength=length + 1).float()
     expected = n / (length + 1)
@@ -250,7 +251,7 @@ def test_random_reuse_is_uniform_over_0_to_R():
 
 
 def test_accepted_drift_is_the_mean_gap_over_the_accepted_tokens():
-    from spec_rl.acceptance.lenient import accepted_drift
+    from spec_rl.acceptance.prefixes import accepted_drift
 
     new = torch.tensor([[-1.0, -2.0, -0.5], [-0.1, -0.2, -0.3]])
     old = torch.tensor([[-1.5, -1.0, -0.5], [-0.4, -0.2, -9.0]])
@@ -272,7 +273,7 @@ def test_float64_reference_matches_float32_path():
 
 def test_stats():
     logits, ids, lengths, old = _random_case(seed=8)
-    res = verify_logits(ids, old, logits, lengths, seed=1, options=VerifyOptions(lenience=1.0))
+    res = verify_logits(ids, old, logits, lengths, seed=1, options=VerifyOptions(mode=Lenient(1.0)))
     s = res.stats
     assert s.num_samples == 6 and s.draft_tokens == int(lengths.sum())
     assert s.accepted_tokens == int(res.accepted_len.sum())
@@ -291,9 +292,9 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="NaN"):
         verify_logits(ids, old, bad)
     with pytest.raises(ValueError, match=r"lenience must be a number \(inf allowed\) >= 0, got -1.0"):
-        VerifyOptions(lenience=-1.0)
+        VerifyOptions(mode=Lenient(-1.0))
     with pytest.raises(ValueError, match="lenience must be a number"):
-        VerifyOptions(lenience=float("nan"))
+        VerifyOptions(mode=Lenient(float("nan")))
     big = ids.clone()
     big[0, 0] = logits.shape[2]
     with pytest.raises(ValueError, match="outside"):
@@ -323,7 +324,7 @@ def test_nan_at_masked_positions_is_ignored():
     logits[:, 6:] = float("nan")
     old[:, 6:] = float("nan")
     ids[:, 6:] = -1  # padding ids may be anything
-    res = verify_logits(ids, old, logits, lengths, options=VerifyOptions(lenience=1.0))
+    res = verify_logits(ids, old, logits, lengths, options=VerifyOptions(mode=Lenient(1.0)))
     assert not torch.isnan(res.new_logprobs).any()
 
 
@@ -339,21 +340,21 @@ def test_positive_new_logprobs_and_inf_logits_raise():
 
 def test_lenience_of_the_wrong_type_names_the_argument():
     with pytest.raises(TypeError, match="lenience must be a real number"):
-        VerifyOptions(lenience="2")
+        VerifyOptions(mode=Lenient("2"))
     with pytest.raises(TypeError, match="lenience must be a real number"):
-        VerifyOptions(lenience=[0.5])
-    assert VerifyOptions(lenience=2).log_lenience == pytest.approx(math.log(2))
-    assert VerifyOptions(lenience=0).log_lenience == float("-inf")
-    assert VerifyOptions(lenience=float("inf")).log_lenience == float("inf")
+        VerifyOptions(mode=Lenient([0.5]))
+    assert VerifyOptions(mode=Lenient(2)).mode.log_lenience == pytest.approx(math.log(2))
+    assert VerifyOptions(mode=Lenient(0)).mode.log_lenience == float("-inf")
+    assert VerifyOptions(mode=Lenient(float("inf"))).mode.log_lenience == float("inf")
 
 
 def test_a_lenience_applies_to_the_lenient_rule_only():
     for rule in ("exact", "random"):
-        with pytest.raises(ValueError, match=f"lenience applies to rule='lenient' only, not '{rule}'"):
-            VerifyOptions(rule=rule, lenience=2.0)
-        assert VerifyOptions(rule=rule).lenience == 1.0
-    with pytest.raises(ValueError, match="rule must be one of"):
-        VerifyOptions(rule="random-ref")
+        with pytest.raises(TypeError, match="lenience"):
+            RULES[rule](lenience=2.0)
+        assert VerifyOptions(mode=rule).mode.log_lenience == 0.0
+    with pytest.raises(ValueError, match="mode must be one of"):
+        VerifyOptions(mode="random-ref")
     with pytest.raises(ValueError, match="backend must be one of"):
         VerifyOptions(backend="cuda")
     with pytest.raises(TypeError, match="sampling must be a SamplingSettings"):

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from spec_rl.acceptance.dispatch import VerifyOptions, verify_hidden, verify_logits
+from spec_rl.acceptance.rules import Lenient
 from spec_rl.sampling.distribution import SamplingSettings
 
 kernels = pytest.importorskip("spec_rl.kernels")
@@ -40,7 +41,7 @@ def test_triton_backend_matches_reference(source):
     hidden, weight, ids, lengths, logits, old = _case()
     kw = dict(
         sampling=SamplingSettings(temperature=0.8),
-        lenience=1.2,
+        mode=Lenient(1.2),
         seed=77,
         uids=torch.arange(5, device=DEVICE) * 1000 + 3,
     )
@@ -66,9 +67,9 @@ def test_triton_backend_raises_on_nan_and_on_top_k():
 
 @pytest.mark.parametrize("source", ["logits", "hidden"])
 def test_triton_backend_random_reuse_matches_reference(source):
-    # rule="random": the kernels only score (verify_padded(score_only=True)); n comes from the host draw.
+    # random reuse: the kernels only score; its rule decides n on the host.
     hidden, weight, ids, lengths, logits, old = _case(seed=2)
-    kw = dict(sampling=SamplingSettings(temperature=0.8), rule="random", seed=9, return_accept_mask=True)
+    kw = dict(sampling=SamplingSettings(temperature=0.8), mode="random", seed=9, return_accept_mask=True)
     ref = _verify(source, ids, old, logits, hidden, weight, lengths, "reference", **kw)
     tri = _verify(source, ids, old, logits, hidden, weight, lengths, "triton", **kw)
     assert torch.equal(ref.accepted_len.cpu(), tri.accepted_len.cpu())
@@ -79,9 +80,9 @@ def test_triton_backend_random_reuse_matches_reference(source):
 
 @pytest.mark.parametrize("source", ["logits", "hidden"])
 def test_triton_backend_exact_rule_matches_reference(source):
-    # rule="exact": both backends test log u <= lp_new (old log-probs unread, l = 1).
+    # exact: both backends test log u <= lp_new (old log-probs unread, l = 1).
     hidden, weight, ids, lengths, logits, old = _case(seed=3)
-    kw = dict(rule="exact", seed=5, return_accept_mask=True)
+    kw = dict(mode="exact", seed=5, return_accept_mask=True)
     ref = _verify(source, ids, old, logits, hidden, weight, lengths, "reference", **kw)
     tri = _verify(source, ids, None, logits, hidden, weight, lengths, "triton", **kw)
     assert torch.equal(ref.accepted_len.cpu(), tri.accepted_len.cpu())

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from spec_rl.acceptance.dispatch import VerifyOptions, verify_hidden, verify_logits
+from spec_rl.acceptance.rules import Lenient
 from spec_rl.acceptance.scores import DraftScores
 from spec_rl.sampling.distribution import SamplingSettings, keyed_sample, sample_tokens
 
@@ -72,15 +73,15 @@ def _verify(ids, old, scores: dict, lengths=None, seed=0, **options):
     return verify_hidden(ids, old, scores["hidden_states"], head, lengths, seed=seed, options=options)
 
 
-@pytest.mark.parametrize("rule", ["lenient", "random"])
+@pytest.mark.parametrize("mode", ["spec", "random"])
 @pytest.mark.parametrize("case", CASES)
-def test_invalid_scores_raise_the_same_error_on_every_backend(case, rule):
+def test_invalid_scores_raise_the_same_error_on_every_backend(case, mode):
     ids, old, _, _ = _drafts()
     messages = []
     for backend in BACKENDS:
         device = "cpu" if backend == "reference" else DEVICE
         with pytest.raises(ValueError) as info:
-            _verify(ids.to(device), old.to(device), _on(device, _bad_scores(case)), seed=3, backend=backend, rule=rule)
+            _verify(ids.to(device), old.to(device), _on(device, _bad_scores(case)), seed=3, backend=backend, mode=mode)
         msg = str(info.value)
         assert NO_DISTRIBUTION in msg and "(sample, token): (1, 2)" in msg and "1 scored position" in msg, msg
         assert msg.startswith("logits"), msg
@@ -105,7 +106,7 @@ def test_an_impossible_draft_token_is_still_a_rejection(backend):
     logits = hidden @ weight.T
     logits[1, 2, ids[1, 2]] = float("-inf")  # the rest of the row is finite: a valid distribution
     res = verify_logits(
-        ids.to(device), old.to(device), logits.to(device), options=VerifyOptions(backend=backend, lenience=1e6)
+        ids.to(device), old.to(device), logits.to(device), options=VerifyOptions(mode=Lenient(1e6), backend=backend)
     )
     assert res.new_logprobs[1, 2].item() == float("-inf") and int(res.accepted_len[1]) == 2
 

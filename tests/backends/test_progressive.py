@@ -209,6 +209,7 @@ def test_exact_rollout_with_progressive_scores_is_fresh_decoding(monkeypatch, mi
     token for token those of fresh keyed decoding, also when most walks need :meth:`extend`, and also when the
     continuation re-prefills (the path of every re-prefilling backend, the vLLM backend among them)."""
     from spec_rl.acceptance.mode import MODES, RolloutMode
+    from spec_rl.acceptance.rules import Exact, Lenient
     from spec_rl.backends import progressive
     from spec_rl.drafts.cache import RolloutCache
     from spec_rl.rollout.speculative import RolloutRequest, SpeculativeRollout
@@ -242,12 +243,12 @@ def test_exact_rollout_with_progressive_scores_is_fresh_decoding(monkeypatch, mi
     vanilla = MODES["vanilla"]
     cache = RolloutCache()
     rollout(vanilla, cache).run(requests, step=0)
-    rollout(RolloutMode("lenient", lenience=1.0, tail=False), RolloutCache()).run(requests, step=0)
+    rollout(RolloutMode(Lenient(1.0), tail=0), RolloutCache()).run(requests, step=0)
     assert calls["progressive"] == 0  # never for lenient acceptance
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
-    exact = rollout(RolloutMode("exact", tail=False), cache).run(requests, step=1)
+    exact = rollout(RolloutMode(Exact(), tail=0), cache).run(requests, step=1)
     fresh = rollout(vanilla, RolloutCache()).run(requests, step=1)
     assert calls["progressive"] == 1 and exact.stats.accepted_tokens > 0
     if min_reach == 0.9:

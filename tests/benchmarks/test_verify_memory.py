@@ -9,6 +9,7 @@ import torch
 from repo_paths import BENCHMARKS
 
 from spec_rl.acceptance.dispatch import VerifyOptions, verify_hidden
+from spec_rl.acceptance.rules import Lenient
 
 sys.path.insert(0, str(BENCHMARKS))
 
@@ -25,7 +26,7 @@ def test_verify_hidden_extra_memory_is_at_most_a_quarter_of_the_logits(bsz, max_
     weight = torch.randn(vocab, d, generator=gen) / math.sqrt(d)
     ids = torch.randint(0, vocab, (bsz, max_len), generator=gen)
     old = -torch.rand(bsz, max_len, generator=gen) * 5
-    options = VerifyOptions(lenience=math.exp(0.5), backend="reference")
+    options = VerifyOptions(mode=Lenient(math.exp(0.5)), backend="reference")
     logits_mb = bsz * max_len * vocab * 4 / 2**20
     verify_hidden(ids, old, hidden, weight, seed=3, options=options)  # warm-up: one-time allocations
     extra = peak_extra_rss_mb(lambda: verify_hidden(ids, old, hidden, weight, seed=3, options=options))

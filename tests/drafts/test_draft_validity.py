@@ -30,6 +30,7 @@ from _stats import chi2_critical
 from tiny_models import tiny_model
 
 from spec_rl.acceptance.mode import RolloutMode
+from spec_rl.acceptance.rules import Exact, Lenient
 from spec_rl.backends.transformers_backend import TransformersBackend
 from spec_rl.drafts.cache import CacheKey, RolloutCache
 from spec_rl.drafts.history import HistoryIndex
@@ -190,10 +191,10 @@ def _filled(draft: list[int], old_lps: list[float], finish: str, settings: Sampl
     return cache
 
 
-def _rollout(model, cache, settings, *, eos=(EOS,), max_model_len=16, acceptance="exact", history=None):
-    """``acceptance`` None: no drafts (vanilla); lenient at l = 1; tail speculation exactly when a history is given."""
+def _rollout(model, cache, settings, *, eos=(EOS,), max_model_len=16, rule=Exact(), history=None):
+    """``rule`` None: no drafts (vanilla); tail speculation exactly when a history is given."""
     backend = TransformersBackend(model, eos_ids=list(eos), pad_id=4, max_batch_size=4096, max_k=3 if history else 0)
-    mode = RolloutMode(acceptance, lenience=1.0 if acceptance == "lenient" else None, tail=history is not None)
+    mode = RolloutMode(rule, tail=3 if history is not None else 0)
     return SpeculativeRollout(backend, cache, settings, list(eos), max_model_len, mode=mode, seed=11, history=history)
 
 
@@ -224,7 +225,7 @@ def policy():
 
     def decode(settings: SamplingSettings, eos: tuple) -> list[list[int]]:
         if (settings, eos) not in plain:
-            out = _rollout(model, RolloutCache(), settings, eos=eos, acceptance=None).run(_requests(N), step=1)
+            out = _rollout(model, RolloutCache(), settings, eos=eos, rule=None).run(_requests(N), step=1)
             plain[(settings, eos)] = out.response_ids
         return plain[(settings, eos)]
 
@@ -245,7 +246,7 @@ def test_stored_drafts_give_fresh_samples_exact_and_the_paper_rule_lenient(case,
         # token for token what plain keyed decoding gives, hence the same chi-square against the enumeration
         assert out.response_ids == plain
         assert sum(out.draft_found) == N and out.stats.accepted_tokens > 0
-    out = _rollout(model, _copy(filled), today, eos=eos, acceptance="lenient").run(_requests(N), step=1)
+    out = _rollout(model, _copy(filled), today, eos=eos, rule=Lenient(1.0)).run(_requests(N), step=1)
     assert_fits_enumeration([tuple(r) for r in out.response_ids], enum.lenient(draft, OLD_LPS, budget))
     _assert_consistent(out, budget, set(eos))
 
@@ -262,7 +263,7 @@ def test_drafts_filled_under_a_smaller_max_model_len_are_continued(policy):
     new, decode = policy
     old = _model(seed=4)
     cache, history = RolloutCache(), HistoryIndex()
-    filled = _rollout(old, cache, S4, max_model_len=5, acceptance=None, history=history).run(_requests(N), step=0)
+    filled = _rollout(old, cache, S4, max_model_len=5, rule=None, history=history).run(_requests(N), step=0)
     assert max(len(r) for r in filled.response_ids) == 3 and "length" in filled.finish_reasons
     enum_new, enum_old = Enumerator(new, S4, {EOS}), Enumerator(old, S4, {EOS})
     plain = decode(S4, (EOS,))
@@ -271,7 +272,7 @@ def test_drafts_filled_under_a_smaller_max_model_len_are_continued(policy):
         out = _rollout(new, _copy(cache), S4, history=h).run(_requests(N), step=1)
         assert out.response_ids == plain
     # lenient: a mixture over the stored drafts (each drawn from the old policy with budget 3)
-    out = _rollout(new, _copy(cache), S4, acceptance="lenient").run(_requests(N), step=1)
+    out = _rollout(new, _copy(cache), S4, rule=Lenient(1.0)).run(_requests(N), step=1)
     mixture: dict[tuple, float] = {}
     for d, p_d in enum_old.fresh((), 3).items():
         old_lps = [math.log(float(enum_old.probs(tuple(PROMPT) + d[:i])[d[i]])) for i in range(len(d))]

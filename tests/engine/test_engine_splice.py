@@ -13,6 +13,7 @@ from engine_models import greedy_reference, tiny_family_model
 from tiny_models import full_forward_logprobs
 
 from spec_rl.acceptance.mode import RolloutMode
+from spec_rl.acceptance.rules import Lenient
 from spec_rl.backends.protocol import GenerationBackend
 from spec_rl.backends.transformers_backend import TransformersBackend
 from spec_rl.drafts.cache import RolloutCache
@@ -103,12 +104,7 @@ def test_speculative_rollout_with_engine_equals_transformers_backend():
         else:  # the transformers backend splices the scoring K/V, or (splice=False) prefills again
             backend = TransformersBackend(model, {1}, pad_id=0, splice=name == "transformers")
         rollout = SpeculativeRollout(
-            backend,
-            RolloutCache(),
-            settings,
-            eos_ids=[1],
-            max_model_len=64,
-            mode=RolloutMode("lenient", lenience=1.0, tail=False),
+            backend, RolloutCache(), settings, eos_ids=[1], max_model_len=64, mode=RolloutMode(Lenient(1.0), tail=0)
         )
         first = rollout.run(requests, step=0)
         _perturb(model, 0)  # the policy moves: some drafts are now rejected part-way

@@ -52,8 +52,8 @@ def test_example_reuses_drafts_in_the_second_epoch(tmp_path, capsys):
 
 
 def test_example_baseline_reuses_nothing(tmp_path, capsys):
-    result = _run(tmp_path, capsys, "--strategy", "off")
-    assert result["strategy"] == "off" and result["acceptance"] is None
+    result = _run(tmp_path, capsys, "--mode", "vanilla")
+    assert result["acceptance"] is None and result["tail"] == 0
     assert all(e["reused_tokens"] == 0 and e["tokens_generated"] > 0 for e in result["epochs"])
 
 
@@ -65,9 +65,9 @@ def test_example_refuses_a_missing_checkpoint(tmp_path):
 def test_example_runs_the_lossless_rule_and_the_without_draft_draw(tmp_path, capsys):
     # The tiny model is near uniform over ~300 tokens and barely moves at lr 1e-5: exact acceptance keeps a draft
     # token with probability pi_t(y) (~1/300), the lenient rule at l = 1 with probability ~min(1, p / q) ~ 1.
-    exact = _run(tmp_path / "exact", capsys, "--acceptance", "exact")
-    draw = _run(tmp_path / "draw", capsys, "--lenience", "1", "--rejection-draw", "without-draft")
-    assert exact["acceptance"] == "exact" and exact["lenience"] is None
+    exact = _run(tmp_path / "exact", capsys, "--mode", "exact")
+    draw = _run(tmp_path / "draw", capsys, "--mode", "l=1-excl")
+    assert exact["acceptance"] == "exact" and "lenience" not in exact
     assert draw["rejection_draw"] == "without-draft" and draw["lenience"] == 1.0
     total = draw["epochs"][1]["reused_tokens"] + draw["epochs"][1]["tokens_generated"]
     assert draw["epochs"][1]["reused_tokens"] > 0.5 * total
@@ -77,14 +77,9 @@ def test_example_runs_the_lossless_rule_and_the_without_draft_draw(tmp_path, cap
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--lenience", "0.5", "--rejection-draw", "without-draft"], "needs lenience >= 1"),
-        (["--acceptance", "exact", "--lenience", "2"], "acceptance='exact' has no lenience"),
-        (
-            ["--acceptance", "exact", "--rejection-draw", "without-draft"],
-            "rejection_draw applies to lenient acceptance",
-        ),
-        (["--acceptance", "exact", "--strategy", "off"], "acceptance='exact' applies to strategy='spec'"),
-        (["--lenience", "-1"], "lenience must be a number (inf allowed) >= 0"),
+        (["--mode", "l=0.5-excl"], "needs lenience >= 1"),
+        (["--mode", "exact-l=2"], "mode must be one of vanilla, histspec, spec, exact, random or l=<lenience>"),
+        (["--mode", "l=-1"], "mode must be one of"),
     ],
 )
 def test_example_refuses_rules_that_do_not_combine(tmp_path, capsys, flags, message):

@@ -23,7 +23,8 @@ from fake_server import FixedServer, TinyServer  # noqa: E402
 from openrlhf.utils.agent import AgentExecutorBase  # noqa: E402
 from tiny_models import full_forward_logprobs, tiny_model, tiny_tokenizer  # noqa: E402
 
-from spec_rl.acceptance.mode import RolloutMode  # noqa: E402
+from spec_rl.acceptance.mode import RolloutMode
+from spec_rl.acceptance.rules import Exact, Lenient  # noqa: E402
 from spec_rl.drafts.directory import DirectoryDraftStore  # noqa: E402
 from spec_rl.integrations.openrlhf import SpecRLAgentExecutor, request_params  # noqa: E402
 
@@ -164,7 +165,7 @@ def test_executor_reuses_drafts_and_keeps_slots_apart(env):
 
 
 def test_executor_budget_after_policy_change(env):
-    ex = SpecRLAgentExecutor(env["dir"], N, lenience=0.3)
+    ex = SpecRLAgentExecutor(env["dir"], N, mode="l=0.3")
     sp = params(max_tokens=6)
     ep1 = run_epoch(ex, env["engine"], env["tok"], sp)
     env["core"].model, env["core"].calls = tiny_model(eos=(1,), bias_eos=1.5, seed=7), []
@@ -219,13 +220,13 @@ def test_executor_exact_mode_resamples_the_rejected_token(env):
     core = FixedServer(probs, {1}, max_model_len=MAX_LEN)
     engine = FakeVLLMEngine(core)
     prompts = [f"Tom has {d} apples" for d in range(10)] + [f"Ann buys {d} more" for d in range(10)]
-    with pytest.raises(ValueError, match="has no lenience"):
-        SpecRLAgentExecutor(env["dir"], N, lenience=1.2, acceptance="exact")
-    ex = SpecRLAgentExecutor(env["dir"], N, acceptance="exact")
-    assert ex.mode == RolloutMode("exact", tail=False)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        SpecRLAgentExecutor(env["dir"], N, mode="exact-l=1.2")
+    ex = SpecRLAgentExecutor(env["dir"], N, mode="exact")
+    assert ex.mode == RolloutMode(Exact(), tail=0)
     ep1 = run_epoch(ex, engine, tok, prompts=prompts)
     core.calls = []
-    ep2 = run_epoch(SpecRLAgentExecutor(env["dir"], N, acceptance="exact"), engine, tok, prompts=prompts)
+    ep2 = run_epoch(SpecRLAgentExecutor(env["dir"], N, mode="exact"), engine, tok, prompts=prompts)
     resampled = 0
     for a, b in zip(ep1, ep2):
         ((start, end),) = a["action_ranges"]
@@ -251,17 +252,15 @@ def test_executor_without_draft_draw_never_returns_the_rejected_token(env):
     moved[[21, 22]] = torch.tensor([0.3, 0.55])  # the policy moved away from "apples": its drafts get rejected
     prompts = [f"Tom has {d} apples" for d in range(10)] + [f"Ann buys {d} more" for d in range(10)]
     with pytest.raises(ValueError, match="needs lenience >= 1"):
-        SpecRLAgentExecutor(env["dir"], N, lenience=0.5, rejection_draw="without-draft")
-    with pytest.raises(ValueError, match="rejection_draw applies to lenient acceptance only"):
-        SpecRLAgentExecutor(env["dir"], N, acceptance="exact", rejection_draw="without-draft")
-    assert SpecRLAgentExecutor(env["dir"], N).mode == RolloutMode("lenient", tail=False)  # the paper's e^0.5
+        SpecRLAgentExecutor(env["dir"], N, mode="l=0.5-excl")
+    assert SpecRLAgentExecutor(env["dir"], N).mode == RolloutMode(Lenient(), tail=0)  # the paper's e^0.5
     ep1 = run_epoch(
         SpecRLAgentExecutor(env["dir"], N),
         FakeVLLMEngine(FixedServer(probs, {1}, max_model_len=MAX_LEN)),
         tok,
         prompts=prompts,
     )
-    ex = SpecRLAgentExecutor(env["dir"], N, lenience=1.0, rejection_draw="without-draft")
+    ex = SpecRLAgentExecutor(env["dir"], N, mode="l=1-excl")
     ep2 = run_epoch(ex, FakeVLLMEngine(FixedServer(moved, {1}, max_model_len=MAX_LEN)), tok, prompts=prompts)
     rejected = resampled = 0
     for a, b in zip(ep1, ep2):

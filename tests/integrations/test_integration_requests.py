@@ -11,7 +11,8 @@ from _stats import assert_fits
 from fake_server import FixedServer
 
 from spec_rl.acceptance.dispatch import VerifyOptions, verify_logprobs
-from spec_rl.acceptance.mode import MODES, RolloutMode, mode_from_options
+from spec_rl.acceptance.mode import MODES, RolloutMode
+from spec_rl.acceptance.rules import Exact, Lenient
 from spec_rl.drafts.cache import CacheKey, RolloutCache
 from spec_rl.integrations.exact import draw_continuation, residual_seeds
 from spec_rl.integrations.requests import ContinuationRequest, SpecRequestBuilder, check_server_settings
@@ -27,7 +28,7 @@ def builder(cache=None, max_model_len=10, **kw):
 
 def lenient(lenience: float, draw: str = "policy") -> RolloutMode:
     """The lenient rule as the adapters build it (no tail speculation on a server)."""
-    return mode_from_options("spec", "lenient", lenience, draw, tail=False)
+    return RolloutMode(Lenient(lenience, draw), tail=0)
 
 
 def test_settings_checks():
@@ -45,8 +46,8 @@ def test_settings_checks():
         check_server_settings(S, logprobs_mode="processed_logits")
     with pytest.raises(ValueError, match="eos_ids"):
         SpecRequestBuilder(RolloutCache(), S, 10, [])
-    with pytest.raises(TypeError, match="mode must be a RolloutMode, got str"):
-        SpecRequestBuilder(RolloutCache(), S, 10, [1], mode="spec")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        builder(mode="lenient")
 
 
 def test_plan_budget_rows_and_verify():
@@ -75,7 +76,7 @@ def test_plan_budget_rows_and_verify():
         torch.tensor([lp]),
         seed=mix_seed(3, 3),
         uids=torch.tensor([key.uid]),
-        options=VerifyOptions(lenience=1.0, backend="reference"),
+        options=VerifyOptions(mode=Lenient(1.0), backend="reference"),
     )
     assert v.n == int(expect.accepted_len[0]) and v.prefix_ids == [4, 5, 6][: v.n]
     cont = b.continuation(plan, v)
@@ -118,10 +119,10 @@ def test_no_draft_path_and_eos_finish():
     assert res.finish_reason == "eos" and cache.lookup(CacheKey.make([5, 6], 0, "ds:1"), S).version == 9
     with pytest.raises(ValueError, match="no room"):
         b.plan(list(range(10)), 0)
-    # a mode without draft reuse (the adapters' strategy "off") looks up no draft: every response is generated
+    # a mode without draft reuse (vanilla) looks up no draft: every response is generated
     cache.store(CacheKey.make([5, 6], 1), [3, 4], [-1.0, -1.0], "length", 0, S)
     assert builder(cache).plan([5, 6], 1).scoring_ids == [5, 6, 3, 4]
-    off = builder(cache, mode=mode_from_options("off", tail=False))
+    off = builder(cache, mode="vanilla")
     plan = off.plan([5, 6], 1)
     assert plan.scoring_ids is None and plan.draft_ids == []
     assert off.continuation(plan, off.verify(plan, None)).context_ids == [5, 6]
@@ -180,18 +181,12 @@ EXACT_S = SamplingSettings(temperature=1.0, max_tokens=2)
 
 
 def test_exact_options_and_requests():
-    with pytest.raises(ValueError, match="has no lenience"):
-        mode_from_options(acceptance="exact", lenience=2.0)
-    with pytest.raises(ValueError, match="acceptance='exact' applies to strategy='spec' .*, not 'random'"):
-        mode_from_options("random", acceptance="exact")
-    with pytest.raises(ValueError, match="acceptance='exact' applies to strategy='spec' .*, not 'off'"):
-        mode_from_options("off", acceptance="exact")
-    exact = mode_from_options(acceptance="exact", tail=False)
+    exact = "exact"
     with pytest.raises(ValueError, match="max_resample_attempts"):
         builder(mode=exact, max_resample_attempts=0)
     cache = RolloutCache()
     b = builder(cache, mode=exact, seed=5, seed_param="sampling_seed", max_resample_attempts=4)
-    assert b.mode.acceptance == "exact" and b.mode.log_lenience == 0.0
+    assert b.mode == RolloutMode(Exact(), tail=0) and b.mode.log_lenience == 0.0
     prompt, draft = [7, 8, 9], [4, 5, 6]
     cache.store(CacheKey.make(prompt, 0), draft, [-1.0, -2.0, -0.5], "eos", 2, S)
     plan = b.plan(prompt, 0)
@@ -206,7 +201,7 @@ def test_exact_options_and_requests():
         torch.tensor([new]),
         seed=mix_seed(5, step),
         uids=torch.tensor([plan.key.uid]),
-        options=VerifyOptions(rule="exact", backend="reference"),
+        options=VerifyOptions(mode="exact", backend="reference"),
     )
     assert v.n == int(ref.accepted_len[0]) < len(draft)
     assert v.rejected == draft[v.n] and v.rejected_logprob == pytest.approx(new[v.n])
@@ -379,11 +374,8 @@ def test_the_without_draft_draw_keeps_the_last_attempt_when_all_begin_with_the_r
 
 
 def test_the_without_draft_draw_is_refused_where_it_means_nothing():
-    with pytest.raises(ValueError, match="rejection_draw must be one of"):
-        mode_from_options(rejection_draw="residual")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        builder(mode="l=2-residual")
     with pytest.raises(ValueError, match="needs lenience >= 1"):
-        mode_from_options(lenience=0.5, rejection_draw="without-draft")
-    for kw in ({"acceptance": "exact"}, {"strategy": "off"}, {"strategy": "random"}):
-        with pytest.raises(ValueError, match="rejection_draw applies to lenient acceptance only"):
-            mode_from_options(rejection_draw="without-draft", **kw)
-    assert builder(mode=lenient(2.0, "without-draft")).mode.rejection_draw == "without-draft"
+        builder(mode="l=0.5-excl")
+    assert builder(mode="l=2-excl").mode == lenient(2.0, "without-draft")

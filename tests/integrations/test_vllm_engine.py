@@ -121,7 +121,7 @@ def test_three_epochs_same_weights_reuse_everything(engine):
 
 
 def test_new_weights_partial_reuse_and_budgets(engine):
-    ex = SpecRLAgentExecutor(str(engine["path"] / f"drafts-new-{engine['caching']}"), N, lenience=1.0)
+    ex = SpecRLAgentExecutor(str(engine["path"] / f"drafts-new-{engine['caching']}"), N, mode="l=1.0")
     sp = SamplingParams(temperature=1.0, max_tokens=12, logprobs=0)
     prompts = PROMPTS + [p.replace("apples", "more") for p in PROMPTS]
     ep1, _ = run_epoch(engine, ex, sp, prompts)

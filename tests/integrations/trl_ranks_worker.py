@@ -8,7 +8,6 @@ Writes OUT_DIR/calls.rank<k>.json: per training rollout call, the global step, t
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 from pathlib import Path
@@ -68,7 +67,7 @@ def main(out: str, epochs: int, resume: str | None) -> None:
         disable_dropout=True,
         dataloader_num_workers=0,
     )
-    spec = RecordingRollout(lenience=math.exp(0.5), dataset_id_column="id")
+    spec = RecordingRollout(mode="spec", dataset_id_column="id")
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],

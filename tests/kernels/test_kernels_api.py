@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 from _kernel_helpers import DEVICE, HIDDEN_ATOL, LOGITS_ATOL, K, assert_lp_close, kernel_verify, reference64
+from modes import rule_mode
 
 from spec_rl.acceptance.dispatch import VerifyOptions, verify_logits, verify_logprobs
 from spec_rl.acceptance.reference import lengths_mask, reference_verify
@@ -150,7 +151,7 @@ def test_new_logprobs_source_is_the_reference():
     c = _padded_case(4)
     new = -torch.rand(4, 6) * 5
     for rule, lenience in (("lenient", math.exp(0.3)), ("random", 1.0), ("exact", 1.0)):
-        options = VerifyOptions(rule=rule, lenience=lenience, return_accept_mask=True)
+        options = VerifyOptions(mode=rule_mode(rule, lenience), return_accept_mask=True)
         out = verify_logprobs(
             c["ids"].to(DEVICE),
             c["old"].to(DEVICE),
@@ -158,7 +159,7 @@ def test_new_logprobs_source_is_the_reference():
             c["lengths"].to(DEVICE),
             seed=5,
             uids=c["uids"].to(DEVICE),
-            options=VerifyOptions(rule=rule, lenience=lenience, return_accept_mask=True, backend="triton"),
+            options=VerifyOptions(mode=rule_mode(rule, lenience), return_accept_mask=True, backend="triton"),
         )
         ref = reference_verify(
             c["ids"], c["old"], c["lengths"], c["uids"], DraftScores(new_logprobs=new), seed=5, options=options
@@ -177,8 +178,8 @@ def test_top_k_top_p_not_implemented_and_bad_arguments():
             verify_logits(
                 ids, old, logits, lengths, uids=uids, options=VerifyOptions(backend="triton", sampling=sampling)
             )
-    with pytest.raises(ValueError, match="rule must be one of"):
-        VerifyOptions(rule="greedy", backend="triton")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        VerifyOptions(mode="greedy", backend="triton")
     padded = dict(seed=0, log_lenience=0.0, temperature=1.0)
     with pytest.raises(ValueError, match="exactly one"):
         K.verify_padded(ids, old, lengths, uids, DraftScores(), **padded)

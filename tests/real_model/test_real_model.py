@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from modes import rule_mode
 
 from spec_rl.acceptance.dispatch import VerifyOptions, verify_hidden, verify_logits
 from spec_rl.acceptance.mode import MODES
@@ -84,7 +85,7 @@ def test_verify_from_logits_and_from_hidden_states_with_the_tied_head(policy, pr
     old = torch.full((2, 6), -0.7)
     decisions = []
     for backend in ("reference", "triton"):
-        options = VerifyOptions(rule=rule, lenience=lenience, backend=backend, return_accept_mask=True)
+        options = VerifyOptions(mode=rule_mode(rule, lenience), backend=backend, return_accept_mask=True)
         for result in (
             verify_logits(drafts, old, logits, lengths, seed=11, options=options),
             verify_hidden(drafts, old, hidden, model.get_output_embeddings(), lengths, seed=11, options=options),

@@ -8,6 +8,7 @@ import torch
 from tiny_models import full_forward_logprobs, tiny_model
 
 from spec_rl.acceptance.mode import MODES, RolloutMode
+from spec_rl.acceptance.rules import Exact, Lenient, RandomReuse
 from spec_rl.backends.protocol import eos_token_ids
 from spec_rl.backends.scoring import PolicyScorer
 from spec_rl.backends.transformers_backend import TransformersBackend
@@ -21,12 +22,10 @@ PROMPTS = [[3, 11, 12, 13, 14], [3, 15, 16], [3, 17, 18, 19, 20, 21, 22]]
 
 def _lenient(lenience: float) -> RolloutMode:
     """The lenient rule at ``lenience``, without tail speculation."""
-    return RolloutMode("lenient", lenience=lenience, tail=False)
+    return RolloutMode(Lenient(lenience), tail=0)
 
 
-def _rollout(
-    model, eos=(1,), max_tokens=24, max_model_len=128, cache=None, mode=RolloutMode("lenient", tail=False), **kw
-):
+def _rollout(model, eos=(1,), max_tokens=24, max_model_len=128, cache=None, mode=RolloutMode(Lenient(), tail=0), **kw):
     settings = SamplingSettings(temperature=kw.pop("temperature", 1.0), max_tokens=max_tokens)
     return SpeculativeRollout(
         TransformersBackend(
@@ -171,16 +170,15 @@ def test_padded_tensors():
 
 def test_random_reuse_and_bad_arguments():
     model = tiny_model(seed=8)
-    ro = _rollout(model, mode=RolloutMode("random", tail=False), seed=3)
+    ro = _rollout(model, mode=RolloutMode(RandomReuse(), tail=0), seed=3)
     ro.run(_requests(4), 0)
     res = ro.run(_requests(4), 1)
     assert res.stats.drafts_found == 12
-    with pytest.raises(ValueError, match="acceptance must be one of"):
-        RolloutMode("greedy")
-    with pytest.raises(TypeError, match=r"mode must be a RolloutMode \(e.g. spec_rl.MODES\['spec'\]\), got str"):
-        _rollout(model, mode="random")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        _rollout(model, mode="greedy")
+    assert _rollout(model, mode="random").mode == MODES["random"]
     with pytest.raises(ValueError, match="lenience"):
-        RolloutMode("lenient", lenience=-math.e)
+        Lenient(-math.e)
     with pytest.raises(ValueError, match="empty prompt"):
         ro.run([RolloutRequest([], 0)], 2)
 
@@ -193,15 +191,15 @@ def test_the_mode_decides_tail_speculation_and_the_recorded_lenience():
     assert _rollout(model, mode=MODES["spec"], history=mine).history is mine
     assert _rollout(model, mode=MODES["vanilla"]).history is None
     assert _rollout(model, mode=_lenient(2.0)).history is None
-    with pytest.raises(ValueError, match="history is what tail speculation drafts from, and this mode has tail=False"):
+    with pytest.raises(ValueError, match="history is what tail speculation drafts from, and this mode has tail=0"):
         _rollout(model, mode=MODES["vanilla"], history=HistoryIndex())
-    ro = _rollout(model, mode=RolloutMode("lenient", lenience=math.exp(0.3), tail=False), seed=1)
+    ro = _rollout(model, mode=RolloutMode(Lenient(math.exp(0.3)), tail=0), seed=1)
     ro.run(_requests(), 0)
     assert ro.run(_requests(), 1).stats.log_lenience == pytest.approx(0.3)
 
 
-@pytest.mark.parametrize("acceptance", ["lenient", None])
-def test_tail_speculation_changes_decode_steps_never_tokens(acceptance):
+@pytest.mark.parametrize("rule", [Lenient(1.0), None])
+def test_tail_speculation_changes_decode_steps_never_tokens(rule):
     model = tiny_model(seed=9).double()
     with torch.no_grad():
         model.lm_head.weight.mul_(60.0)  # a peaked policy: earlier responses predict the next ones
@@ -209,7 +207,7 @@ def test_tail_speculation_changes_decode_steps_never_tokens(acceptance):
     runs = {}
     for name, history in (("plain", None), ("tail", HistoryIndex())):
         m = copy.deepcopy(model)
-        mode = RolloutMode(acceptance, lenience=1.0 if acceptance else None, tail=history is not None)
+        mode = RolloutMode(rule, tail=8 if history is not None else 0)
         # seed 0: a draw whose longest row meets history drafts (decode steps are set by the longest row)
         ro = _rollout(m, mode=mode, seed=0, history=history, max_tokens=30)
         out = [ro.run(reqs, step=0)]
@@ -226,7 +224,7 @@ def test_tail_speculation_changes_decode_steps_never_tokens(acceptance):
 
 def test_the_exact_rule_stops_scoring_drafts_that_do_not_pay_and_retries_them():
     model = tiny_model(seed=4)
-    ro = _rollout(copy.deepcopy(model), mode=RolloutMode("exact", tail=False), seed=3)
+    ro = _rollout(copy.deepcopy(model), mode=RolloutMode(Exact(), tail=0), seed=3)
     plain = _rollout(copy.deepcopy(model), mode=MODES["vanilla"], seed=3)
     reqs = _requests()
     ro.run(reqs, 0)

@@ -13,6 +13,7 @@ import torch
 from tiny_models import WORDS, tiny_model
 
 from spec_rl.acceptance.mode import MODES, RolloutMode
+from spec_rl.acceptance.rules import Exact, Lenient
 from spec_rl.backends.checks import BackendContractError
 from spec_rl.backends.protocol import Continuation
 from spec_rl.backends.transformers_backend import TransformersBackend
@@ -49,7 +50,7 @@ class Tampered(TransformersBackend):
 
 def _lenient(lenience: float = math.exp(0.5)) -> RolloutMode:
     """The lenient rule at ``lenience``, without tail speculation."""
-    return RolloutMode("lenient", lenience=lenience, tail=False)
+    return RolloutMode(Lenient(lenience), tail=0)
 
 
 def _rollout(backend, max_tokens=4, max_model_len=64, mode=None, **kw):
@@ -291,7 +292,7 @@ def test_max_model_len_past_the_models_positions_is_refused():
         (dict(seed=None), TypeError, "seed must be an integer, got NoneType"),
         (dict(eos_ids=[1.5]), TypeError, r"eos_ids\[0\] must be an integer token id, got 1.5"),
         (dict(eos_ids=[VOCAB]), ValueError, rf"eos_ids\[0\] = {VOCAB} is outside \[0, {VOCAB}\)"),
-        (dict(mode="spec"), TypeError, r"mode must be a RolloutMode \(e.g. spec_rl.MODES\['spec'\]\), got str"),
+        (dict(mode="fast"), ValueError, r"mode must be one of vanilla, histspec, spec, exact, random or l=<lenience>"),
         (dict(verify_backend="gpu"), ValueError, r"verify_backend must be one of \('auto', 'reference', 'triton'\)"),
     ],
 )
@@ -321,22 +322,22 @@ def test_bad_run_arguments_name_themselves():
 # ------------------------------------------------------------------ no autograd graph
 
 
-@pytest.mark.parametrize("acceptance", ["lenient", "exact"])
-def test_run_builds_no_autograd_graph_even_when_the_caller_has_grad_on(monkeypatch, acceptance):
+@pytest.mark.parametrize("lenient", [True, False])
+def test_run_builds_no_autograd_graph_even_when_the_caller_has_grad_on(monkeypatch, lenient):
     model = tiny_model(seed=10)
     assert model.lm_head.weight.requires_grad  # the LM head reaches verify as a Parameter
     seen = []
-    import spec_rl.acceptance.lenient as lenient_module  # where the rollout's lenient rule calls verify_scores
+    import spec_rl.acceptance.prefixes as prefixes  # where the rollout verifies with its rule
 
-    real_verify = lenient_module.verify_scores
+    real_verify = prefixes.verify_scores
 
     def spy(*args, **kwargs):
         result = real_verify(*args, **kwargs)
         seen.append((torch.is_grad_enabled(), result.new_logprobs.requires_grad))
         return result
 
-    monkeypatch.setattr(lenient_module, "verify_scores", spy)
-    mode = _lenient(1.0) if acceptance == "lenient" else RolloutMode("exact", tail=False)
+    monkeypatch.setattr(prefixes, "verify_scores", spy)
+    mode = _lenient(1.0) if lenient else RolloutMode(Exact(), tail=0)
     rollout = _rollout(TransformersBackend(model, {1}, pad_id=0), max_tokens=8, mode=mode)
     rollout.run(_requests(), step=0)
     with torch.no_grad():
@@ -345,7 +346,7 @@ def test_run_builds_no_autograd_graph_even_when_the_caller_has_grad_on(monkeypat
     assert torch.is_grad_enabled()
     result = rollout.run(_requests(), step=1)
     assert torch.is_grad_enabled()  # restored for the caller
-    if acceptance == "lenient":
+    if lenient:
         assert seen == [(False, False)]
     for draft in rollout.cache.drafts():
         assert not draft.logprobs.requires_grad and not draft.token_ids.requires_grad

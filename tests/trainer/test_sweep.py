@@ -6,6 +6,7 @@ import math
 import pytest
 
 from spec_rl.acceptance.mode import MODES, RolloutMode
+from spec_rl.acceptance.rules import Lenient
 from spec_rl.sampling.distribution import SamplingSettings
 from spec_rl.tasks.data import Example
 from spec_rl.trainer.config import GRPOConfig
@@ -39,11 +40,7 @@ def test_sweep_runs_every_setting_and_seed_and_resumes(model_dir, tmp_path):
         max_model_len=64,
         device="cpu",
     )
-    settings = (
-        SETTINGS[0],
-        Setting("l=inf", RolloutMode("lenient", lenience=math.inf)),
-        Setting("exact", MODES["exact"]),
-    )
+    settings = (SETTINGS[0], Setting("l=inf", RolloutMode(Lenient(math.inf))), Setting("exact", MODES["exact"]))
     train, heldout = _examples([(1, 2), (3, 4)], "t"), _examples([(1, 1)], "e")
     out = tmp_path / "sweep"
     rows = run_sweep(model_dir, train, heldout, _parity, base, out, "small", 2, settings, progress=False)
@@ -118,9 +115,9 @@ def test_the_settings_and_their_modes():
         "inf": math.inf,
     }
     for name, lenience in grid.items():
-        assert by[f"l={name}"] == RolloutMode("lenient", lenience=lenience, rejection_draw="policy", tail=True)
+        assert by[f"l={name}"] == RolloutMode(Lenient(lenience, "policy"), tail=8)
     for name in ("1", "e^0.2", "e^0.5"):
-        assert by[f"l={name}-excl"] == RolloutMode("lenient", lenience=grid[name], rejection_draw="without-draft")
+        assert by[f"l={name}-excl"] == RolloutMode(Lenient(grid[name], "without-draft"))
     assert len(SETTINGS) == 2 + len(grid) + 1 + 3
 
 

@@ -131,7 +131,7 @@ def test_all_zero_advantages_give_no_update(tmp_path):
 def test_bad_trainer_input(tmp_path):
     with pytest.raises(ValueError, match="empty"):
         GRPOTrainer(tiny_model(), tiny_tokenizer(), [], _reward, _config(), tmp_path)
-    with pytest.raises(TypeError, match="^mode must be a RolloutMode"):
+    with pytest.raises(ValueError, match="^mode must be one of"):
         GRPOConfig(mode="fast")
     with pytest.raises(ValueError, match="^lenience"):
         GRPOConfig(mode=MODES["spec"].with_overrides(lenience=-1))
@@ -152,7 +152,7 @@ def test_two_epoch_end_to_end_reuses_drafts_and_resumes(tmp_path):
     tiny_model(seed=0).save_pretrained(model_dir)
     tiny_tokenizer().save_pretrained(model_dir)
     cfg = _config(epochs=2, lr=1e-3, save_checkpoint=True)
-    assert cfg.mode == MODES["spec"] and cfg.mode.lenience == pytest.approx(math.exp(0.5))
+    assert cfg.mode == MODES["spec"] and cfg.mode.rule.lenience == pytest.approx(math.exp(0.5))
     out = tmp_path / "run"
     summary = run_modes(model_dir, EXAMPLES, _reward, cfg, ["vanilla", "spec"], out, progress=False)
     spec, vanilla = summary["spec"], summary["vanilla"]
@@ -241,13 +241,12 @@ BAD_CONFIG = [
     ("epochs", 2.0, TypeError, "epochs must be an integer, got float 2.0"),
     ("group_size", True, TypeError, "group_size must be an integer, got bool True"),
     ("group_size", 1, ValueError, "group_size must be >= 2, got 1 (GRPO compares the G samples of a prompt)"),
-    ("spec_tokens", 0, ValueError, "spec_tokens must be >= 1, got 0"),
     ("eval_every", 0, ValueError, "eval_every must be >= 1, got 0"),
     ("save_checkpoint", 1, TypeError, "save_checkpoint must be True or False, got 1"),
     ("scale_adv_by_std", "yes", TypeError, "scale_adv_by_std must be True or False, got 'yes'"),
     ("device", "tpu9", ValueError, "device must be auto, cpu, cuda, cuda:<index> or mps, got 'tpu9'"),
     ("generation_backend", "sglang", ValueError, "generation_backend must be one of ('auto', 'transformers', "),
-    ("mode", "spec", TypeError, "mode must be a RolloutMode (e.g. spec_rl.MODES['spec']), got str"),
+    ("mode", "fast", ValueError, "mode must be one of vanilla, histspec, spec, exact, random or l=<lenience>"),
     ("sampling", {"temperature": 0.5}, TypeError, "sampling must be a SamplingSettings, got dict"),
 ]
 
@@ -263,9 +262,10 @@ def test_config_to_dict_nests_the_mode_and_the_sampling_settings():
     cfg = GRPOConfig(mode=MODES["exact"], sampling=SamplingSettings(temperature=0.7, max_tokens=64))
     d = cfg.to_dict()
     assert d["mode"] == MODES["exact"].to_dict() and d["sampling"] == cfg.sampling.to_dict()
-    assert d["sampling"]["max_tokens"] == 64 and d["spec_tokens"] == 8
+    assert d["sampling"]["max_tokens"] == 64 and d["mode"]["tail"] == 8
     json.dumps(d)  # what run_info.json holds
-    assert GRPOConfig().sampling == SamplingSettings(max_tokens=256)
+    assert GRPOConfig().sampling == SamplingSettings(max_tokens=1024)
+    assert GRPOConfig(mode="exact").mode == MODES["exact"]  # a mode by name
 
 
 def test_max_model_len_above_the_models_positions_is_refused(tmp_path):

