@@ -9,7 +9,7 @@ Sections, all measured in one run on one device:
 1. **Decode throughput.** ``--batch`` random prompts of ``--prompt-len``
    tokens, ``--new-tokens`` sampled tokens each (temperature 1, no top-k/p;
    EOS suppressed so every row runs the full budget), with
-   :class:`spec_rl.engine.PagedEngine` and with transformers ``generate``
+   :class:`spec_rl.backends.paged.PagedEngine` and with transformers ``generate``
    (``min_new_tokens`` = ``max_new_tokens``, ``top_k=0``), and with our own
    :class:`spec_rl.backends.transformers_backend.TransformersBackend` decode loop. Reported:
    tokens/s and ms per decode step; target (H200, Qwen3-0.6B shape, batch
@@ -60,9 +60,10 @@ from _harness import (  # benchmarks/ on sys.path
 
 from spec_rl.acceptance.mode import RolloutMode
 from spec_rl.acceptance.rules import Lenient
+from spec_rl.backends import fresh_jobs
+from spec_rl.backends.paged import PagedEngine
 from spec_rl.backends.transformers_backend import TransformersBackend
 from spec_rl.drafts.cache import RolloutCache
-from spec_rl.engine import PagedEngine
 from spec_rl.rollout.speculative import RolloutRequest, SpeculativeRollout
 from spec_rl.sampling.distribution import SamplingSettings
 
@@ -130,8 +131,9 @@ def _time_generate(name, backend, contexts, new_tokens, settings, device) -> dic
     """Tokens generated and wall seconds of one ``backend.generate`` over the whole batch."""
     # Warm-up over the full batch with a short budget: allocates the cache and touches its
     # pages (first-touch page faults cost ~1 s on CPU), compiles kernels.
-    backend.generate(contexts, [min(8, new_tokens)] * len(contexts), settings, seed=0)
-    outs, timing = wall_time(lambda: backend.generate(contexts, [new_tokens] * len(contexts), settings, seed=0), device)
+    backend.generate(fresh_jobs(contexts, [min(8, new_tokens)] * len(contexts)), settings, seed=0)
+    jobs = fresh_jobs(contexts, [new_tokens] * len(contexts))
+    outs, timing = wall_time(lambda: backend.generate(jobs, settings, seed=0), device)
     return {"name": name, "tokens": sum(len(o.token_ids) for o in outs), "seconds": timing.median}
 
 

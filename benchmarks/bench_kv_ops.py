@@ -9,7 +9,7 @@ csrc/ kernels with their own argument checks), ``wrapper`` (spec_rl.ops: the
 Python validation, then the native op) and ``reference`` (the pure-torch
 semantics in spec_rl.ops.torch_kv). One layer of a Qwen3-0.6B-shaped model:
 8 KV heads x head_dim 128, block size 16. Nothing is asserted about speed here;
-correctness lives in tests/engine/test_ops_kv.py. Each timed call waits for the device
+correctness lives in tests/paged/test_ops_kv.py. Each timed call waits for the device
 (``_harness.synced``); benchmarks/conftest.py adds the harness provenance to
 the JSON's ``machine_info``.
 """

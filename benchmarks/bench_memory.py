@@ -35,7 +35,7 @@ from spec_rl.acceptance.dispatch import VerifyOptions, verify_hidden
 from spec_rl.acceptance.mode import RolloutMode
 from spec_rl.acceptance.rules import Lenient
 from spec_rl.acceptance.scores import DraftScores
-from spec_rl.backends.protocol import BackendStats, Continuation
+from spec_rl.backends.base import BackendStats, Continuation, Scored
 from spec_rl.backends.reprefill import ReprefillBackend
 from spec_rl.drafts.cache import CacheKey, RolloutCache
 from spec_rl.rollout.speculative import RolloutRequest, SpeculativeRollout
@@ -72,19 +72,21 @@ class HiddenStateBackend(ReprefillBackend):
 
     def __init__(self, hidden: torch.Tensor, head: torch.nn.Parameter):
         self.hidden, self.head = hidden, head
-        self.vocab_size = head.shape[0]
-        self.scorer = self
         self.stats = BackendStats()
 
     @property
     def device(self) -> torch.device:
         return self.head.device
 
-    def score(self, prompts, drafts) -> DraftScores:
-        return DraftScores(hidden_states=self.hidden, lm_head_weight=self.head)
+    @property
+    def vocab_size(self) -> int:
+        return self.head.shape[0]
 
-    def generate(self, contexts, budgets, settings, seed, *, uids=None, proposers=None):
-        return [Continuation([0] * int(b), [-1.0] * int(b), "length") for b in budgets]
+    def score(self, prompts, drafts, logprobs=None) -> Scored:
+        return Scored(DraftScores(hidden_states=self.hidden, lm_head_weight=self.head), prompts, drafts)
+
+    def generate(self, jobs, settings, seed):
+        return [Continuation([0] * int(j.budget), [-1.0] * int(j.budget), "length") for j in jobs]
 
 
 def inputs(args, device: torch.device) -> dict:

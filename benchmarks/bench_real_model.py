@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import Column, Table, default_json_path, provenance, write_json  # noqa: E402
 
 from spec_rl.acceptance.mode import MODES  # noqa: E402
-from spec_rl.backends.protocol import eos_token_ids  # noqa: E402
+from spec_rl.backends import eos_token_ids, fresh_jobs  # noqa: E402
 from spec_rl.backends.scoring import response_logprobs  # noqa: E402
 from spec_rl.backends.transformers_backend import TransformersBackend  # noqa: E402
 from spec_rl.drafts.cache import RolloutCache  # noqa: E402
@@ -154,7 +154,7 @@ def warm_up(engines: dict, peers: dict, prompts, settings: SamplingSettings) -> 
     one = SamplingSettings(temperature=settings.temperature, max_tokens=1)
     for name, backend in list(engines.items()) + list(peers.items()):
         try:
-            backend.generate([list(p) for p in prompts], [1] * len(prompts), one, 0)
+            backend.generate(fresh_jobs(prompts, [1] * len(prompts)), one, 0)
         except Exception:
             if name in engines:
                 raise  # a peer that fails is reported when its row runs
@@ -243,7 +243,8 @@ def prefill_seconds(backend, result, settings) -> float:
     sample one token (the same positions as scoring the response, within the model length)."""
     contexts = [list(p) + list(r[:-1]) for p, r in zip(result.prompt_ids, result.response_ids)]
     t0 = time.perf_counter()
-    backend.generate(contexts, [1] * len(contexts), SamplingSettings(temperature=settings.temperature, max_tokens=1), 0)
+    one = SamplingSettings(temperature=settings.temperature, max_tokens=1)
+    backend.generate(fresh_jobs(contexts, [1] * len(contexts)), one, 0)
     return time.perf_counter() - t0
 
 

@@ -19,7 +19,7 @@ the modes above. Printed per mode: generated tokens, decode steps (sequential fo
 longest continuation, rollout seconds split into scoring / decode / other, the ratios of tokens, decode
 steps and seconds to vanilla (to e1-vanilla for the epoch-1 rows), the acceptance of drafted tokens, the
 query positions the decode steps computed (padding included), accepted drafted tokens per decode step, the
-mean width of a step (positions per row: every row feeds its whole proposal, up to the backend's max_k)
+mean width of a step (positions per row: every row feeds its whole proposal, up to the mode's tail width)
 and, for the lossless rows (e1-histspec, histspec, exact), how many responses differ from plain
 decoding's (0 up to float32 rounding flips).
 Times are host wall clock around device synchronizes, one timed step
@@ -54,7 +54,7 @@ from _harness import (  # benchmarks/ on sys.path
 )
 
 from spec_rl.acceptance.mode import MODES, RolloutMode
-from spec_rl.backends.protocol import eos_token_ids
+from spec_rl.backends import eos_token_ids
 from spec_rl.drafts.cache import RolloutCache
 from spec_rl.drafts.history import HistoryIndex
 from spec_rl.rollout.speculative import RolloutRequest, SpeculativeRollout
@@ -127,7 +127,7 @@ def make_backend(model, eos, pad, name: str, device: torch.device):
     if name == "auto":
         name = "paged" if device.type == "cuda" else "transformers"
     if name == "paged":
-        from spec_rl.engine import PagedEngine
+        from spec_rl.backends.paged import PagedEngine
 
         return PagedEngine(model, eos, pad)
     from spec_rl.backends.transformers_backend import TransformersBackend

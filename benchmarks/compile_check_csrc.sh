@@ -6,7 +6,7 @@
 #   2. csrc/kv_ops_cuda.cu, the torch layer, compiled (not linked) against the
 #      installed torch's headers. CPU wheels lack one generated header,
 #      c10/cuda/impl/cuda_cmake_macros.h; a one-line stand-in is supplied then.
-# It does not run anything: tests/engine/test_ops_kv.py runs the ops on a GPU (gpu_check.sh).
+# It does not run anything: tests/paged/test_ops_kv.py runs the ops on a GPU (gpu_check.sh).
 #
 # Usage: bash benchmarks/compile_check_csrc.sh     Env: PYTHON (default python3), ARCH (default 90), NVCC.
 set -euo pipefail

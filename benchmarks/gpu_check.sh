@@ -48,7 +48,7 @@ cd "$(dirname "$0")/.."
 SELF="$PWD/benchmarks/gpu_check.sh"
 
 GPU_TESTS="tests/kernels/test_kernels_from_logits.py tests/kernels/test_kernels_lm_head.py tests/kernels/test_kernels_paged_attention.py
-    tests/kernels/test_kernels_philox.py tests/kernels/test_kernels_api.py tests/engine/test_ops_kv.py tests/engine/test_engine_paged.py
+    tests/kernels/test_kernels_philox.py tests/kernels/test_kernels_api.py tests/paged/test_ops_kv.py tests/paged/test_engine_paged.py
     tests/acceptance/test_verify_dispatch.py tests/acceptance/test_verify_invalid_scores.py"
 # Tiny shapes of the smoke run (the same scripts and code paths as the GPU run).
 SMOKE_SUITE="--device cpu --n 64 --vocab 512 --d 64 --tokens-per-sample 16 --rep-ms 1"

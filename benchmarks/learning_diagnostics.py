@@ -33,6 +33,7 @@ from collections import Counter
 
 import torch
 
+from spec_rl.backends import fresh_jobs
 from spec_rl.sampling.distribution import SamplingSettings
 from spec_rl.tasks.arithmetic import check_solution, generate_problems
 from spec_rl.tasks.demo_data import DEMO_MAX_NEW_TOKENS, DEMO_TASK_OPTIONS, EVAL_SEED, demo_response, demo_train_set
@@ -102,9 +103,8 @@ def diagnose(path: str, examples) -> dict:
     model, tok = load_policy(path)
     backend = _backend(model, tok, 256)
     greedy = SamplingSettings(top_k=1, max_tokens=DEMO_MAX_NEW_TOKENS)
-    outs = backend.generate(
-        [tok(e.prompt)["input_ids"] for e in examples], [DEMO_MAX_NEW_TOKENS] * len(examples), greedy, 0
-    )
+    prompts = [tok(e.prompt)["input_ids"] for e in examples]
+    outs = backend.generate(fresh_jobs(prompts, [DEMO_MAX_NEW_TOKENS] * len(examples)), greedy, 0)
     texts = [tok.decode(o.token_ids, skip_special_tokens=True) for o in outs]
     classes = Counter(classify(t, e.answer) for t, e in zip(texts, examples))
     return {

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from .acceptance.mode import MODES, TAIL_WIDTH, RolloutMode
 from .acceptance.rules import LENIENCE_DEFAULTS, REJECTION_DRAWS
+from .backends import BACKENDS
 from .cli_types import fraction as _fraction
 from .cli_types import lenience as _lenience
 from .cli_types import positive_int as _positive_int
@@ -203,7 +204,7 @@ def _add_run_flags(t: argparse.ArgumentParser) -> None:
     t.add_argument(
         "--backend",
         default="auto",
-        choices=("auto", "transformers", "paged", "vllm"),
+        choices=("auto", *BACKENDS),
         help="generation backend: the transformers decode loop, vLLM (needs vllm installed; scoring stays on the "
         "trained model), or the paged KV engine (opt-in: no re-prefill of verified prefixes); auto = vLLM on CUDA "
         "when installed, else transformers",

@@ -193,17 +193,14 @@ def _emit(row: DecodeRow, tokens: list[int], logprobs: list[float], eos: set[int
 
 
 class SpeculativeDecoder:
-    """The decode loop of one batch sharing a :class:`KVRows`; ``max_k``: most proposed tokens per row and step."""
+    """The decode loop of one batch sharing a :class:`KVRows`; a row's proposer proposes up to its ``max_k`` tokens."""
 
-    def __init__(
-        self, model, settings: SamplingSettings, seed: int, eos_ids, max_k: int, pad_id: int, on_step=None, gate=None
-    ):
+    def __init__(self, model, settings: SamplingSettings, seed: int, eos_ids, pad_id: int, on_step=None, gate=None):
         self.model = model
         self.gate = gate
         self.settings = settings
         self.seed = int(seed)
         self.eos = {int(e) for e in eos_ids}
-        self.max_k = int(max_k)
         self.pad_id = int(pad_id)
         self.on_step = on_step
         self.cache_arg = cache_argument(model)
@@ -248,8 +245,8 @@ class SpeculativeDecoder:
         """Per row [last, fed proposal] right-padded, the fed positions, and the proposals held back by the gate;
         proposals fill the width, computed anyway."""
         props = [
-            r.proposer.propose(min(self.max_k, r.budget - 1), fill=self.max_k)
-            if self.max_k > 0 and ok and r.proposer is not None and r.budget > 1
+            r.proposer.propose(min(r.proposer.max_k, r.budget - 1), fill=r.proposer.max_k)
+            if ok and r.proposer is not None and r.budget > 1
             else []
             for r, ok in zip(rows, active)
         ]

@@ -13,15 +13,14 @@ import torch
 
 from ..sampling.distribution import SamplingSettings
 from ..sampling.philox import mix_seed
-from .checks import ModelLimits
-from .protocol import BackendStats, Continuation, backend_arguments, split_zero_budgets
+from .base import BackendStats, Continuation, eos_and_pad
 from .reprefill import ReprefillBackend
 from .scoring import PolicyScorer
 
 __all__ = ["VLLMBackend"]
 
 
-class VLLMBackend(ModelLimits, ReprefillBackend):
+class VLLMBackend(ReprefillBackend):
     """Continuations on an offline vLLM engine built from ``model``'s weights in ``workdir``; scoring on ``model``.
     ImportError without vLLM, ValueError without EOS ids."""
 
@@ -74,7 +73,7 @@ class VLLMBackend(ModelLimits, ReprefillBackend):
         import vllm
 
         self.model, self.owns_engine = model, owns_engine
-        self.eos_ids, self.pad_id, _ = backend_arguments(eos_ids, pad_id, 1)
+        self.eos_ids, self.pad_id = eos_and_pad(eos_ids, pad_id)
         self.scorer = PolicyScorer(model, self.pad_id)
         self.stats = BackendStats()
         self._sampling_params, self._tokens_prompt = vllm.SamplingParams, vllm.inputs.TokensPrompt
@@ -103,10 +102,6 @@ class VLLMBackend(ModelLimits, ReprefillBackend):
         self._setup(model, eos_ids, pad_id, owns_engine=False)
         self.llm, self.workdir = llm, None
         return self
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
 
     def _write_weights(self) -> None:
         """The model's config and weights into ``workdir``, each file replaced atomically."""
@@ -138,23 +133,25 @@ class VLLMBackend(ModelLimits, ReprefillBackend):
             detokenize=False,
         )
 
+    @classmethod
+    def for_policy(cls, policy) -> VLLMBackend:
+        return cls(policy.model, policy.tokenizer, policy.eos_ids, policy.pad_id, policy.workdir, policy.max_model_len)
+
     @torch.no_grad()
-    def generate(
-        self, contexts, budgets, settings: SamplingSettings, seed: int, *, uids=None, proposers=None
-    ) -> list[Continuation]:
-        """See :meth:`GenerationBackend.generate`; ``decode_steps`` counts the longest continuation."""
-        results, todo = split_zero_budgets(contexts, budgets)
-        contexts = self.checked_contexts(contexts, budgets)
-        uids = list(range(len(contexts))) if uids is None else [int(u) for u in uids]
+    def generate(self, jobs, settings: SamplingSettings, seed: int) -> list[Continuation]:
+        """See :meth:`Backend.generate`; ``decode_steps`` counts the longest continuation."""
+        jobs = self.checked_jobs(jobs)
+        results = [Continuation([], [], "length") for _ in jobs]
+        todo = [i for i, j in enumerate(jobs) if j.budget > 0]
         if todo:
-            prompts = [self._tokens_prompt(prompt_token_ids=list(contexts[i])) for i in todo]
-            params = [self._params(settings, int(budgets[i]), mix_seed(seed, uids[i]) >> 1) for i in todo]
+            prompts = [self._tokens_prompt(prompt_token_ids=list(jobs[i].context)) for i in todo]
+            params = [self._params(settings, int(jobs[i].budget), mix_seed(seed, int(jobs[i].uid)) >> 1) for i in todo]
             outs = self.llm.generate(prompts, params, use_tqdm=False)
             for i, out in zip(todo, outs):
                 results[i] = self._continuation(out.outputs[0])
-            self.stats.prefill_tokens += sum(len(contexts[i]) for i in todo)
+            self.stats.prefill_tokens += sum(len(jobs[i].context) for i in todo)
             self.stats.decode_steps += max(len(results[i].token_ids) for i in todo)
-        return results  # type: ignore[return-value]
+        return results
 
     def _continuation(self, out) -> Continuation:
         ids = [int(t) for t in out.token_ids]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from ..acceptance.mode import TAIL_WIDTH
 from ..util.atomic import atomic_save_safetensors
 from ..util.validation import as_id_vector, check_int
 from .stored_files import FileCheck, read_safetensors
@@ -127,7 +128,7 @@ class SuffixProposer:
         self,
         automaton: SuffixAutomaton,
         prefix: Sequence[int] = (),
-        max_k: int = 8,
+        max_k: int = TAIL_WIDTH,
         min_match: int = 2,
         vocab_size: int | None = None,
     ):
@@ -240,7 +241,7 @@ class HistoryIndex:
         return automaton
 
     def proposer(
-        self, key: bytes, prefix: Sequence[int] = (), max_k: int = 8, vocab_size: int | None = None
+        self, key: bytes, prefix: Sequence[int] = (), max_k: int = TAIL_WIDTH, vocab_size: int | None = None
     ) -> SuffixProposer | None:
         """A :class:`SuffixProposer` for a sequence of prompt ``key``, or None when the prompt has no history."""
         automaton = self.automaton(key)

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..backends.protocol import eos_token_ids
+from ..backends.base import eos_token_ids
 from ..rollout.speculative import RolloutRequest
 from .trl_checks import UnsupportedTrainerConfig
 

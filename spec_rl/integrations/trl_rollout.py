@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..acceptance.mode import RolloutMode
+from ..acceptance.mode import TAIL_WIDTH, RolloutMode
 from ..backends.transformers_backend import TransformersBackend
 from ..drafts.cache import RolloutCache
 from ..drafts.history import HistoryIndex, SuffixProposer
@@ -32,7 +32,7 @@ class ReadOnlyHistory:
         return len(self.index)
 
     def proposer(
-        self, key: bytes, prefix: Sequence[int] = (), max_k: int = 8, vocab_size: int | None = None
+        self, key: bytes, prefix: Sequence[int] = (), max_k: int = TAIL_WIDTH, vocab_size: int | None = None
     ) -> SuffixProposer | None:
         return self.index.proposer(key, prefix, max_k=max_k, vocab_size=vocab_size)
 
@@ -71,7 +71,7 @@ class TrainerRollouts:
         if max_len is None:
             raise UnsupportedTrainerConfig("the model config has no max_position_embeddings; pass max_model_len=...")
         self.seed = options.seed if options.seed is not None else int(getattr(trainer.args, "seed", 0))
-        backend = trainer_backend(model, trainer, eos, pad, options.mode.tail)
+        backend = trainer_backend(model, trainer, eos, pad)
         common = dict(
             backend=backend,
             settings=settings,
@@ -95,7 +95,7 @@ class TrainerRollouts:
         return self.eval.run(requests, step=step, seed=self.seed ^ salt, cache=RolloutCache())
 
 
-def trainer_backend(model, trainer, eos_ids, pad_id: int, tail: int):
+def trainer_backend(model, trainer, eos_ids, pad_id: int):
     """The trainer's colocated vLLM engine when it has one (drafts still scored by its model, no tail speculation),
     else a TransformersBackend on its model.
 
@@ -113,7 +113,7 @@ def trainer_backend(model, trainer, eos_ids, pad_id: int, tail: int):
                 "(trainer.vllm_generation.llm); is this trl >= 1.0?"
             )
         return VLLMBackend.on_engine(llm, model, eos_ids, pad_id)
-    return TransformersBackend(model, eos_ids=eos_ids, pad_id=pad_id, max_k=tail)
+    return TransformersBackend(model, eos_ids=eos_ids, pad_id=pad_id)
 
 
 class CallSeeds:

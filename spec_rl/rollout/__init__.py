@@ -1,5 +1,5 @@
-"""The speculative rollout, its request / result / stats types, the reward split by origin. Layer 7: may import every
-layer below (util .. engine)."""
+"""The speculative rollout, its request / result / stats types, the reward split by origin. Layer 6: may import every
+layer below (util .. backends)."""
 
 from .reward_split import ORIGINS, origin_means, response_origins
 from .speculative import SpeculativeRollout

@@ -7,25 +7,23 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from ..acceptance.dispatch import BACKENDS
 from ..acceptance.mode import RolloutMode
 from ..acceptance.prefixes import DraftRows, Prefixes, verified_prefixes
-from ..backends.checks import (
+from ..backends.base import Backend, BackendStats, Continuation, Cut, Job, Scored, token_ids
+from ..backends.contract import (
     BackendContractError,
     backend_name,
     check_backend,
     check_continuations,
     check_model_len,
     check_scored,
+    check_shared_outputs,
     scores_vocab_size,
-    token_ids,
 )
-from ..backends.protocol import BackendStats, Continuation, GenerationBackend
-from ..backends.shared_outputs import check_shared_outputs
 from ..drafts.cache import CacheKey, Draft, DraftStore
 from ..drafts.history import HistoryIndex
 from ..drafts.validity import draft_views
@@ -128,7 +126,7 @@ class SpeculativeRollout:
 
     def __init__(
         self,
-        backend: GenerationBackend,
+        backend: Backend,
         cache: DraftStore,
         settings: SamplingSettings,
         eos_ids: Sequence[int],
@@ -237,35 +235,34 @@ class SpeculativeRollout:
         batch.stats.drafts_found = len(batch.drafted)
         check_draft_ids(batch.drafts, batch.drafted, batch.vocab_size, backend_name(self.backend))
 
-    def _score_and_verify(self, batch: _Batch) -> Any:
-        """Score the valid part of each draft, verify it and take the token at n; returns the handle."""
+    def _score_and_verify(self, batch: _Batch) -> Scored:
+        """Score the valid part of each draft, verify it and take the token at n."""
         views = draft_views(
             [batch.drafts[i].token_ids for i in batch.drafted], [batch.budgets[i] for i in batch.drafted], self.eos_ids
         )
         draft_ids = [batch.drafts[i].token_ids[: v.length].tolist() for i, v in zip(batch.drafted, views)]
         prompts = [batch.prompts[i] for i in batch.drafted]
-        out = None
-        if self.mode.rule.keyed_walk:
+        stored = None
+        if self.mode.rule.keyed_walk:  # walks read only part of the trie: score where they may go
             stored = [batch.drafts[i].logprobs[: len(d)].tolist() for i, d in zip(batch.drafted, draft_ids)]
-            out = self.backend.score_drafts_progressive(prompts, draft_ids, stored)
-        out, lazy = (out[:2], out[2]) if out is not None else (self.backend.score_drafts(prompts, draft_ids), None)
-        handle = out[1] if isinstance(out, tuple) and len(out) == 2 else None
+        scored = self.backend.score(prompts, draft_ids, stored)
         try:
-            scores, _ = check_scored(out, len(draft_ids), max(len(d) for d in draft_ids), self._source("score_drafts"))
-            if lazy is None:  # progressive scores fill same_as as the walk goes
-                check_shared_outputs(scores.same_as, prompts, draft_ids, self._source("score_drafts"))
+            check_scored(scored, len(draft_ids), max(len(d) for d in draft_ids), self._source("score"))
+            scores = scored.scores
+            if scored.progressive is None:  # progressive scores fill same_as as the walk goes
+                check_shared_outputs(scores.same_as, prompts, draft_ids, self._source("score"))
             batch.vocab_size = batch.vocab_size or scores_vocab_size(scores)
-            walk = self._walk(batch, prompts, draft_ids, scores, lazy)
+            walk = self._walk(batch, prompts, draft_ids, scores, scored.progressive)
             batch.stats.draft_tokens = sum(len(d) for d in draft_ids)
             batch.stats.accepted_tokens = sum(walk.n)
             for row, i in enumerate(batch.drafted):
                 self._accept_prefix(batch, i, walk, row, views[walk.source[row]].finish_reason)
             _sync(self.backend.device)
         except BaseException:
-            if handle is not None:
-                self.backend.release(handle)
+            if isinstance(scored, Scored):
+                self.backend.release(scored)
             raise
-        return handle
+        return scored
 
     def _source(self, method: str) -> str:
         return f"{backend_name(self.backend)}.{method}"
@@ -308,53 +305,39 @@ class SpeculativeRollout:
         elif len(batch.responses[i]) >= batch.budgets[i]:
             batch.finish[i] = "length"
 
-    def _continue(self, batch: _Batch, handle: Any) -> None:
-        """Decode the unfinished requests: drafted ones from their verified prefix, the others from the prompt."""
-        todo = [i for i, f in enumerate(batch.finish) if f is None]
-        drafted = set(batch.drafted)
-        extra = [i for i in todo if i not in drafted]
-        contexts = [batch.prompts[i] + batch.responses[i] for i in extra]
-        budgets = [batch.budgets[i] - len(batch.responses[i]) for i in extra]
-        seed = batch.sample_seed
-        if handle is None:
-            if not extra:
-                return
-            order, asked, method = extra, budgets, "generate"
-            conts = self.backend.generate(
-                contexts,
-                budgets,
-                self.settings,
-                seed,
-                uids=self._uids(batch, order),
-                proposers=self._proposers(batch, order),
+    def _continue(self, batch: _Batch, scored: Scored | None) -> None:
+        """Decode the unfinished requests: drafted ones after their verified prefix, the others from the prompt."""
+        drafted = {i: row for row, i in enumerate(batch.drafted)}
+        order = [i for i in list(batch.drafted) + [i for i in range(len(batch.prompts)) if i not in drafted]]
+        order = [i for i in order if batch.finish[i] is None]
+        jobs = [
+            Job(
+                budget=batch.budgets[i] - len(batch.responses[i]),
+                uid=batch.keys[i].uid,
+                context=None if i in drafted else batch.prompts[i] + batch.responses[i],
+                cut=Cut(batch.sources[i], batch.kv_len[i], batch.responses[i][-1]) if i in drafted else None,
+                proposer=self._proposer(batch, i),
             )
+            for i in order
+        ]
+        seed, method = batch.sample_seed, "generate" if scored is None else "continue_from"
+        if scored is None:
+            conts = self.backend.generate(jobs, self.settings, seed) if jobs else []
         else:
-            live = [batch.finish[i] is None for i in batch.drafted]
-            rows = [batch.budgets[i] - len(batch.responses[i]) if ok else 0 for i, ok in zip(batch.drafted, live)]
-            order, asked, method = list(batch.drafted) + extra, rows + budgets, "continue_from"
             try:
-                conts = self.backend.continue_from(
-                    handle,
-                    [batch.kv_len[i] for i in batch.drafted],
-                    [batch.responses[i][-1] if ok else None for i, ok in zip(batch.drafted, live)],
-                    rows,
-                    self.settings,
-                    seed,
-                    extra_contexts=contexts,
-                    extra_budgets=budgets,
-                    uids=self._uids(batch, batch.drafted + extra),
-                    proposers=self._proposers(batch, [i if ok else None for i, ok in zip(batch.drafted, live)] + extra),
-                    **self._sources(batch),
-                )
+                conts = self.backend.continue_from(scored, jobs, self.settings, seed)
             except BaseException:
-                self.backend.release(handle)
+                self.backend.release(scored)
                 raise
         check_continuations(
-            conts, asked, source=self._source(method), vocab_size=batch.vocab_size, eos_ids=self.eos_ids
+            conts,
+            [j.budget for j in jobs],
+            source=self._source(method),
+            vocab_size=batch.vocab_size,
+            eos_ids=self.eos_ids,
         )
         for i, c in zip(order, conts):
-            if batch.finish[i] is None:
-                self._append(batch, i, c)
+            self._append(batch, i, c)
         _sync(self.backend.device)
 
     @staticmethod
@@ -365,24 +348,14 @@ class SpeculativeRollout:
         batch.stats.tokens_generated += len(c.token_ids)
 
     @staticmethod
-    def _sources(batch: _Batch) -> dict:
-        """``sources=`` for continue_from, only when a row continues another row's draft."""
-        src = [batch.sources[i] for i in batch.drafted]
-        return {"sources": src} if any(s != row for row, s in enumerate(src)) else {}
-
-    @staticmethod
     def _uids(batch: _Batch, requests: Sequence[int]) -> list[int]:
         return [batch.keys[i].uid for i in requests]
 
-    def _proposers(self, batch: _Batch, requests: Sequence[int | None]) -> list | None:
-        """Per request (None: not decoding), its tail-speculation proposer over the prompt's history."""
+    def _proposer(self, batch: _Batch, i: int):
+        """Request ``i``'s tail-speculation proposer over its prompt's history (None without tail speculation)."""
         if self.history is None:
             return None
-        max_k, vocab = self.mode.tail, self.backend.vocab_size
-        return [
-            None if i is None else self.history.proposer(batch.group_keys[i], batch.responses[i], max_k, vocab)
-            for i in requests
-        ]
+        return self.history.proposer(batch.group_keys[i], batch.responses[i], self.mode.tail, self.backend.vocab_size)
 
     def _store(self, batch: _Batch) -> None:
         """Every response becomes next epoch's draft of its request and enters the prompt's history."""

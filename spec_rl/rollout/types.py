@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..backends.checks import token_ids
+from ..backends.base import token_ids
 from ..drafts.cache import Draft, DraftStore
 
 

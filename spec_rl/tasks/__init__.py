@@ -1,6 +1,6 @@
 """Tasks: data loaders, rewards, held-out evaluation, the procedurally generated demo task and its policy.
 
-Layer 8: may import util .. rollout (evaluation generates with a backend). The demo-policy names (``_DEMO_NAMES``) are
+Layer 7: may import util .. rollout (evaluation generates with a backend). The demo-policy names (``_DEMO_NAMES``) are
 imported lazily, so ``import spec_rl.tasks`` does not import transformers."""
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..backends.protocol import Continuation, eos_token_ids
+from ..backends.base import Continuation, eos_token_ids, fresh_jobs
 from ..backends.transformers_backend import TransformersBackend
 from ..sampling.distribution import SamplingSettings
 from .data import Example, PromptFormat
@@ -32,15 +32,15 @@ def _backend(model, tokenizer, batch_size: int) -> TransformersBackend:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if not eos_ids or pad is None:
         raise ValueError("tokenizer needs eos_token_id and pad_token_id (set tokenizer.pad_token)")
-    return TransformersBackend(model, eos_ids, pad, max_batch_size=int(batch_size), max_k=0)
+    return TransformersBackend(model, eos_ids, pad, max_batch_size=int(batch_size))
 
 
 def _generate(model, backend, calls) -> list[list[Continuation]]:
-    """Run ``backend.generate(*args)`` for each argument tuple of ``calls`` with the model in eval mode."""
+    """``backend.generate`` of each (contexts, budgets, settings, seed) of ``calls`` with the model in eval mode."""
     was_training = model.training
     model.eval()
     try:
-        return [backend.generate(*args) for args in calls]
+        return [backend.generate(fresh_jobs(c, b), settings, seed) for c, b, settings, seed in calls]
     finally:
         if was_training:
             model.train()

@@ -1,6 +1,6 @@
 """The small GRPO trainer with speculative rollouts: config, loss, records, reports, checkpoints, the sweep.
 
-Layer 9: may import every layer below (util .. tasks). Run directory: docs/api.md "Trainer" and docs/design.md
+Layer 8: may import every layer below (util .. tasks). Run directory: docs/api.md "Trainer" and docs/design.md
 "Crash safety"."""
 
 from .checkpoint import Checkpoint, latest_checkpoint

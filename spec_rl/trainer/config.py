@@ -9,11 +9,10 @@ import torch
 
 from ..acceptance.mode import MODES, RolloutMode
 from ..acceptance.rules import Lenient, Rule
+from ..backends import BACKENDS
 from ..sampling.distribution import SamplingSettings, check_settings
 from ..tasks.data import PromptFormat
 from ..util.validation import check_choice, check_int, check_real
-
-GENERATION_BACKENDS = ("auto", "transformers", "paged", "vllm")
 
 
 def parse_device(name: str) -> torch.device | None:
@@ -88,7 +87,7 @@ class GRPOConfig:
         check_settings(self.sampling, "sampling")
         if not isinstance(self.prompt_format, PromptFormat):
             raise TypeError(f"prompt_format must be a PromptFormat, got {type(self.prompt_format).__name__}")
-        check_choice("generation_backend", self.generation_backend, GENERATION_BACKENDS)
+        check_choice("generation_backend", self.generation_backend, ("auto", *BACKENDS))
         for name in (
             "epochs",
             "prompts_per_step",

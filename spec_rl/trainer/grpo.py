@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import os
 import random
@@ -13,9 +12,8 @@ from pathlib import Path
 
 import torch
 
-from ..backends.protocol import eos_token_ids
+from ..backends import Policy, build_backend, eos_token_ids
 from ..backends.scoring import response_logprobs
-from ..backends.transformers_backend import TransformersBackend
 from ..drafts.cache import RolloutCache
 from ..drafts.history import HistoryIndex
 from ..drafts.owner import policy_owner
@@ -172,22 +170,12 @@ class GRPOTrainer:
         return config.max_model_len
 
     def _make_backend(self, model, config: GRPOConfig, max_model_len: int):
-        """The backend ``config.generation_backend`` names ("auto": vLLM on CUDA when installed, else transformers)."""
-        choice = config.generation_backend
-        if choice == "auto":
-            on_cuda = next(model.parameters()).device.type == "cuda"
-            choice = "vllm" if on_cuda and importlib.util.find_spec("vllm") is not None else "transformers"
-        if choice == "vllm":
-            from ..backends.vllm_backend import VLLMBackend
-
-            return VLLMBackend(
-                model, self.tokenizer, sorted(self.eos_ids), self.pad_id, self.out_dir / "vllm-weights", max_model_len
-            )
-        if choice == "paged":
-            from ..engine import PagedEngine
-
-            return PagedEngine(model, self.eos_ids, self.pad_id, max_k=config.mode.tail)
-        return TransformersBackend(model, self.eos_ids, self.pad_id, max_k=config.mode.tail)
+        """The backend ``config.generation_backend`` names (:data:`spec_rl.backends.BACKENDS`; "auto": vLLM on CUDA
+        when installed, else transformers)."""
+        policy = Policy(
+            model, self.tokenizer, sorted(self.eos_ids), self.pad_id, max_model_len, self.out_dir / "vllm-weights"
+        )
+        return build_backend(config.generation_backend, policy)
 
     def resume(self) -> bool:
         """Restore optimizer, counters, records, rollout cache and history from the committed checkpoint. The caller

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import torch
 
 from ..acceptance.mode import MODES, VANILLA, RolloutMode
-from ..backends.protocol import eos_token_ids
+from ..backends.base import eos_token_ids
 from ..util.atomic import remove_leftovers
 from .checkpoint import latest_checkpoint
 from .config import GRPOConfig, resolve_device
@@ -64,7 +64,7 @@ def count_parameters(path: str | Path) -> int | None:
 
 def policy_eos_ids(path: str | Path) -> set[int]:
     """The EOS set of the checkpoint at ``path`` without loading its weights (as
-    :func:`~spec_rl.backends.protocol.eos_token_ids` gives it for the loaded model)."""
+    :func:`~spec_rl.backends.base.eos_token_ids` gives it for the loaded model)."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     try:

@@ -18,7 +18,7 @@ from _stats import assert_fits
 from spec_rl.acceptance.mode import MODES, RolloutMode
 from spec_rl.acceptance.rules import Exact, Lenient
 from spec_rl.acceptance.scores import DraftScores
-from spec_rl.backends.protocol import BackendStats, Continuation
+from spec_rl.backends.base import BackendStats, Continuation, Scored
 from spec_rl.backends.reprefill import ReprefillBackend
 from spec_rl.drafts.cache import CacheKey, RolloutCache
 from spec_rl.rollout.speculative import RolloutRequest, SpeculativeRollout
@@ -42,7 +42,6 @@ class TablePolicy(ReprefillBackend):
 
     def __init__(self):
         self.stats = BackendStats()
-        self.scorer = self
 
     @property
     def device(self):
@@ -52,14 +51,16 @@ class TablePolicy(ReprefillBackend):
     def logits(last: torch.Tensor) -> torch.Tensor:
         return torch.log(TABLE[last]).float()
 
-    def score(self, prompts, drafts):
+    def score(self, prompts, drafts, logprobs=None):
         width = max(len(d) for d in drafts)
         rows = [[p[-1]] + list(d[:-1]) + [PROMPT] * (width - len(d)) for p, d in zip(prompts, drafts)]
-        return DraftScores(logits=self.logits(torch.tensor(rows)))
+        return Scored(DraftScores(logits=self.logits(torch.tensor(rows))), prompts, drafts)
 
-    def generate(self, contexts, budgets, settings, seed, *, uids=None, proposers=None):
-        uids = torch.tensor(list(uids) if uids is not None else range(len(contexts)))
-        seqs = [list(c) for c in contexts]
+    def generate(self, jobs, settings, seed):
+        uids = torch.tensor([j.uid for j in jobs])
+        budgets = [j.budget for j in jobs]
+        seqs = [list(j.context) for j in jobs]
+        contexts = seqs
         out = [Continuation([], [], "length") for _ in contexts]
         for _step in range(max(budgets, default=0)):
             live = [i for i, c in enumerate(out) if c.finish_reason != "eos" and len(c.token_ids) < budgets[i]]

@@ -20,7 +20,7 @@ from _stats import assert_fits
 from spec_rl.acceptance.mode import RolloutMode
 from spec_rl.acceptance.rules import Exact, Lenient
 from spec_rl.acceptance.scores import DraftScores
-from spec_rl.backends.protocol import BackendStats
+from spec_rl.backends.base import BackendStats, Scored
 from spec_rl.backends.reprefill import ReprefillBackend
 from spec_rl.drafts.cache import CacheKey, RolloutCache
 from spec_rl.rollout.speculative import RolloutRequest, SpeculativeRollout
@@ -34,21 +34,20 @@ class FixedPolicy(ReprefillBackend):
 
     def __init__(self, probs: torch.Tensor):
         self.stats = BackendStats()
-        self.scorer = self
         self.probs = probs
 
     @property
     def device(self):
         return torch.device("cpu")
 
-    def score(self, prompts, drafts):
+    def score(self, prompts, drafts, logprobs=None):
         width = max(len(d) for d in drafts)
         logp = torch.full((10,), -math.inf, dtype=torch.float64)
         logp[: len(self.probs)] = self.probs.log()
-        return DraftScores(logits=logp.float().expand(len(drafts), width, 10).clone())
+        return Scored(DraftScores(logits=logp.float().expand(len(drafts), width, 10).clone()), prompts, drafts)
 
-    def generate(self, contexts, budgets, settings, seed, *, uids=None, proposers=None):
-        assert not contexts, "one-token drafts are reused or rejected at n = 0: nothing is generated"
+    def generate(self, jobs, settings, seed):
+        assert not jobs, "one-token drafts are reused or rejected at n = 0: nothing is generated"
         return []
 
 

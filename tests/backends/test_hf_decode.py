@@ -4,6 +4,7 @@ import random
 
 import pytest
 import torch
+from backend_jobs import generate
 from tiny_models import full_forward_logprobs, tiny_model
 
 from spec_rl.backends.hf_decode import DecodeRow, KVRows, SpeculativeDecoder, TailGate, prefill
@@ -15,12 +16,12 @@ PROMPTS = [[3, 11, 12, 13, 14], [3, 15, 16], [3, 17, 18, 19, 20, 21, 22], [4, 5]
 
 def _decode(model, settings, budgets, max_k=0, automata=None, seed=7, proposer=SuffixProposer, gate=None):
     kv, logits = prefill(model, PROMPTS, pad_id=0)
-    dec = SpeculativeDecoder(model, settings, seed, eos_ids={1}, max_k=max_k, pad_id=0, gate=gate)
+    dec = SpeculativeDecoder(model, settings, seed, eos_ids={1}, pad_id=0, gate=gate)
     uids = [1000 + i for i in range(len(PROMPTS))]
     toks, lps = dec.sample(logits.float(), uids, [len(p) for p in PROMPTS])
     rows = []
     for i, (p, t, lp, b) in enumerate(zip(PROMPTS, toks, lps, budgets)):
-        prop = proposer(automata[i], prefix=[t], max_k=max_k) if automata else None
+        prop = proposer(automata[i], prefix=[t], max_k=max_k) if automata and max_k else None
         row = DecodeRow(
             out=i, uid=uids[i], last=t, position=len(p), budget=b - 1, proposer=prop, tokens=[t], logprobs=[lp]
         )
@@ -160,7 +161,7 @@ def test_decoding_after_the_longest_context_leaves_is_unchanged(monkeypatch):
     monkeypatch.setattr(KVRows, "trim_front", recorded)
     kv, logits = prefill(model, prompts, pad_id=0)
     settings = SamplingSettings(temperature=1.0, max_tokens=30)
-    dec = SpeculativeDecoder(model, settings, 5, eos_ids={1}, max_k=0, pad_id=0)
+    dec = SpeculativeDecoder(model, settings, 5, eos_ids={1}, pad_id=0)
     uids = list(range(len(prompts)))
     toks, lps = dec.sample(logits.float(), uids, [len(p) for p in prompts])
     rows = [
@@ -186,15 +187,21 @@ def test_speculation_keeps_the_next_token_marginals():
         model.lm_head.weight.mul_(40.0)  # a peaked policy, so history drafts are often right
     settings = SamplingSettings(temperature=1.0, max_tokens=6)
     contexts = [[3, 11, 12]] * 3000
-    plain = TransformersBackend(model, {1}, pad_id=0, max_k=0).generate(
-        contexts, [6] * 3000, settings, seed=1, uids=list(range(3000))
+    plain = generate(
+        TransformersBackend(model, {1}, pad_id=0), contexts, [6] * 3000, settings, seed=1, uids=list(range(3000))
     )
     history = SuffixAutomaton()
     for c in plain[:50]:
         history.add_response(c.token_ids)
     proposers = [SuffixProposer(history, max_k=4) for _ in contexts]
-    spec = TransformersBackend(model, {1}, pad_id=0, max_k=4, adaptive_tail=False).generate(
-        contexts, [6] * 3000, settings, seed=2, uids=list(range(3000)), proposers=proposers
+    spec = generate(
+        TransformersBackend(model, {1}, pad_id=0, adaptive_tail=False),
+        contexts,
+        [6] * 3000,
+        settings,
+        seed=2,
+        uids=list(range(3000)),
+        proposers=proposers,
     )
     assert sum(p.accepted for p in proposers) > 3000  # speculation really ran
     vocab = model.config.vocab_size

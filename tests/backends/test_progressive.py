@@ -3,6 +3,7 @@ scoring it in one forward, computes fewer nodes, and leaves a continuation the s
 
 import pytest
 import torch
+from backend_jobs import continue_rows, generate
 from tiny_models import tiny_model
 
 from spec_rl.acceptance.exact_walk import walk_tries
@@ -20,8 +21,8 @@ def _groups(model, seed: int, n_groups: int, group: int, length: int):
     for _ in range(n_groups):
         prompt = torch.randint(3, 12, (int(torch.randint(1, 7, (1,), generator=gen)),), generator=gen).tolist()
         prompts += [prompt] * group
-    backend = TransformersBackend(model, {1}, 0, max_k=0)
-    conts = backend.generate(prompts, [length] * len(prompts), SamplingSettings(max_tokens=length), seed=seed + 100)
+    backend = TransformersBackend(model, {1}, 0)
+    conts = generate(backend, prompts, [length] * len(prompts), SamplingSettings(max_tokens=length), seed=seed + 100)
     return prompts, [list(c.token_ids) for c in conts], [list(c.logprobs) for c in conts]
 
 
@@ -175,32 +176,35 @@ def test_a_failed_forward_releases_the_scores_and_the_backend_releases_them_too(
         with pytest.raises(RuntimeError, match="a scoring forward failed"):
             lazy.context(0, 2)
     backend = TransformersBackend(model, {1}, 0)
+    lps = [[-0.1] * len(d) for d in drafts]
     for finish in ("release", "continue"):
-        _, handle, lazy = backend.score_drafts_progressive(prompts, drafts)
+        scored = backend.score(prompts, drafts, lps)
+        lazy = scored.progressive
         if finish == "release":
-            backend.release(handle)
+            backend.release(scored)
         else:
-            backend.continue_from(handle, [1, 1], [6, 6], [2, 2], SamplingSettings(max_tokens=4), seed=0)
+            continue_rows(backend, scored, [1, 1], [6, 6], [2, 2], SamplingSettings(max_tokens=4), seed=0)
         assert lazy.released and all(chunk.cache is None for chunk in lazy.chunks)
 
 
-def test_backend_offers_progressive_scoring_only_with_tree_layout():
-    from spec_rl.backends.transformers_backend import SplicedDrafts
-
+def test_backend_offers_progressive_scoring_only_with_tree_layout_and_logprobs():
     model = _peaked_model(0)
     prompts, drafts = [[3, 4]] * 2, [[5, 6], [5, 7]]
-    _, spliced, _ = TransformersBackend(model, {1}, 0).score_drafts_progressive(prompts, drafts)
-    assert isinstance(spliced, SplicedDrafts)
+    lps = [[-0.1, -0.2], [-0.1, -3.0]]
+    spliced = TransformersBackend(model, {1}, 0).score(prompts, drafts, lps)
+    assert isinstance(spliced.progressive, ProgressiveTreeScores) and spliced.state is spliced.progressive
+    assert TransformersBackend(model, {1}, 0).score(prompts, drafts).progressive is None  # no log-probs: all of it
     plain = TransformersBackend(model, {1}, 0, splice=False)
-    _, handle, lazy = plain.score_drafts_progressive(prompts, drafts)  # scored progressively, continued by re-prefill
-    assert not isinstance(handle, SplicedDrafts) and handle.progressive is lazy
-    plain.release(handle)
+    scored = plain.score(prompts, drafts, lps)  # scored progressively, continued by re-prefill
+    lazy = scored.progressive
+    assert scored.state is None and isinstance(lazy, ProgressiveTreeScores)
+    plain.release(scored)
     assert lazy.released and all(chunk.cache is None for chunk in lazy.chunks)
     rows = TransformersBackend(model, {1}, 0)
     rows.scorer.tree = False
-    assert rows.score_drafts_progressive(prompts, drafts) is None
+    assert rows.score(prompts, drafts, lps).progressive is None
     with pytest.raises(ValueError):
-        TransformersBackend(model, {1}, 0).score_drafts_progressive([[3, 99]], [[5]])  # id outside the vocabulary
+        TransformersBackend(model, {1}, 0).score([[3, 99]], [[5]], [[-1.0]])  # id outside the vocabulary
 
 
 @pytest.mark.parametrize("min_reach, splice", [(0.05, True), (0.9, True), (0.9, False)])
@@ -230,13 +234,13 @@ def test_exact_rollout_with_progressive_scores_is_fresh_decoding(monkeypatch, mi
 
     def rollout(mode, cache):
         backend = TransformersBackend(model, {1}, pad_id=0, splice=splice)
-        real = backend.score_drafts_progressive
+        real = backend.score
 
-        def counted(*args):
-            calls["progressive"] += 1
-            return real(*args)
+        def counted(prompts, drafts, logprobs=None):
+            calls["progressive"] += logprobs is not None
+            return real(prompts, drafts, logprobs)
 
-        backend.score_drafts_progressive = counted
+        backend.score = counted
         # seed 6: a draw whose walks outgrow the first window (extend runs at min_reach 0.9)
         return SpeculativeRollout(backend, cache, settings, [1], 64, mode=mode, seed=6)
 

@@ -213,8 +213,7 @@ def test_keyed_sample_refuses_bad_index_exclude_and_row_arguments():
 
 
 def test_check_shared_outputs_accepts_the_truth_and_refuses_another_prefix():
-    from spec_rl.backends.checks import BackendContractError
-    from spec_rl.backends.shared_outputs import check_shared_outputs
+    from spec_rl.backends.contract import BackendContractError, check_shared_outputs
 
     prompts, drafts = _groups(7)
     _, _, _, same_as = _scores(prompts, drafts, 7)

@@ -193,7 +193,7 @@ def _filled(draft: list[int], old_lps: list[float], finish: str, settings: Sampl
 
 def _rollout(model, cache, settings, *, eos=(EOS,), max_model_len=16, rule=Exact(), history=None):
     """``rule`` None: no drafts (vanilla); tail speculation exactly when a history is given."""
-    backend = TransformersBackend(model, eos_ids=list(eos), pad_id=4, max_batch_size=4096, max_k=3 if history else 0)
+    backend = TransformersBackend(model, eos_ids=list(eos), pad_id=4, max_batch_size=4096)
     mode = RolloutMode(rule, tail=3 if history is not None else 0)
     return SpeculativeRollout(backend, cache, settings, list(eos), max_model_len, mode=mode, seed=11, history=history)
 

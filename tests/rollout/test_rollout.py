@@ -9,7 +9,7 @@ from tiny_models import full_forward_logprobs, tiny_model
 
 from spec_rl.acceptance.mode import MODES, RolloutMode
 from spec_rl.acceptance.rules import Exact, Lenient, RandomReuse
-from spec_rl.backends.protocol import eos_token_ids
+from spec_rl.backends.base import eos_token_ids, fresh_jobs
 from spec_rl.backends.scoring import PolicyScorer
 from spec_rl.backends.transformers_backend import TransformersBackend
 from spec_rl.drafts.cache import CacheKey, RolloutCache
@@ -82,7 +82,7 @@ def test_backend_logprobs_budgets_and_eos_set():
     assert eos_token_ids(model) == {1, 2}
     backend = TransformersBackend(model, {1, 2}, pad_id=0)
     settings = SamplingSettings(temperature=0.8, max_tokens=30)
-    outs = backend.generate(PROMPTS * 4, [30, 3, 0] * 4, settings, seed=0)
+    outs = backend.generate(fresh_jobs(PROMPTS * 4, [30, 3, 0] * 4), settings, seed=0)
     saw_eos = set()
     for ctx, budget, out in zip(PROMPTS * 4, [30, 3, 0] * 4, outs):
         assert len(out.token_ids) <= budget

@@ -1,9 +1,9 @@
 """The speculative rollout checks its inputs up front and everything its backend returns.
 
-A backend that breaks the :class:`~spec_rl.backends.protocol.GenerationBackend` contract (more tokens than
-the budget, ids outside the vocabulary, finish reasons that contradict the tokens, a wrong number
-of continuations, bad log-probs) gets a :class:`~spec_rl.backends.checks.BackendContractError` that
-names the backend class; bad requests and stored drafts get a ValueError naming the request.
+A backend that breaks the :class:`~spec_rl.backends.base.Backend` contract (more tokens than the budget, ids outside
+the vocabulary, finish reasons that contradict the tokens, a wrong number of continuations, bad log-probs) gets a
+:class:`~spec_rl.backends.contract.BackendContractError` that names the backend class; bad requests and stored drafts
+get a ValueError naming the request.
 """
 
 import math
@@ -14,8 +14,8 @@ from tiny_models import WORDS, tiny_model
 
 from spec_rl.acceptance.mode import MODES, RolloutMode
 from spec_rl.acceptance.rules import Exact, Lenient
-from spec_rl.backends.checks import BackendContractError
-from spec_rl.backends.protocol import Continuation
+from spec_rl.backends import BackendContractError
+from spec_rl.backends.base import Backend, BackendStats, Continuation, Cut, Job
 from spec_rl.backends.transformers_backend import TransformersBackend
 from spec_rl.drafts.cache import CacheKey, RolloutCache
 from spec_rl.rollout.speculative import RolloutRequest, SpeculativeRollout
@@ -33,9 +33,10 @@ class Tampered(TransformersBackend):
         self.tamper, self.tamper_scores = tamper, tamper_scores
         self.released = 0
 
-    def score_drafts(self, prompts, drafts):
-        scores, handle = super().score_drafts(prompts, drafts)
-        return self.tamper_scores(scores), handle
+    def score(self, prompts, drafts, logprobs=None):
+        scored = super().score(prompts, drafts, logprobs)
+        scored.scores = self.tamper_scores(scored.scores)
+        return scored
 
     def release(self, handle):
         self.released += 1
@@ -168,7 +169,7 @@ def test_scores_for_the_wrong_rows_are_refused_and_the_handle_released():
     rollout = SpeculativeRollout(broken, plain.cache, plain.settings, [1], 64, mode=_lenient(1.0))
     with pytest.raises(
         BackendContractError,
-        match=r"Tampered\.score_drafts returned hidden_states of shape \[5, 6, 32\]; expected \[6, 6, \.\.\.\]",
+        match=r"Tampered\.score returned hidden_states of shape \[5, 6, 32\]; expected \[6, 6, \.\.\.\]",
     ):
         rollout.run(_requests(), step=1)
     assert broken.released == 1
@@ -207,7 +208,7 @@ def test_a_bad_same_as_is_refused(bad):
         if bad in ("out of range", "wrong shape", "float")
         else "does not name a position scored by the same output"
     )
-    with pytest.raises(BackendContractError, match=r"Tampered\.score_drafts returned same_as.*(" + match + ")"):
+    with pytest.raises(BackendContractError, match=r"Tampered\.score returned same_as.*(" + match + ")"):
         rollout.run(_requests(), step=1)
     assert broken.released == 1
 
@@ -280,8 +281,8 @@ def test_max_model_len_past_the_models_positions_is_refused():
 @pytest.mark.parametrize(
     "kwargs, error, message",
     [
-        (dict(backend=None), TypeError, "backend must be a GenerationBackend .* got NoneType"),
-        (dict(backend=object()), TypeError, "backend must be a GenerationBackend .* got object"),
+        (dict(backend=None), TypeError, "backend must be a Backend .* got NoneType"),
+        (dict(backend=object()), TypeError, "backend must be a Backend .* got object"),
         (dict(settings=None), TypeError, "settings must be a SamplingSettings, got NoneType"),
         (dict(settings={"max_tokens": 4}), TypeError, "settings must be a SamplingSettings, got dict"),
         (dict(cache=None), TypeError, "cache must be a DraftStore"),
@@ -355,82 +356,62 @@ def test_run_builds_no_autograd_graph_even_when_the_caller_has_grad_on(monkeypat
 
 @pytest.mark.parametrize("make", ["splice", "reprefill", "engine"])
 @pytest.mark.parametrize(
-    "kwargs, match",
+    "jobs, error, match",
     [
-        (dict(sources=[0, 7]), "sources\\[1\\] = 7 is not a row index"),
-        (dict(sources=[1, 1]), "another prompt"),
-        (dict(accepted_lens=[3, 5]), "accepted_lens\\[1\\] = 5 is outside"),
-        (dict(accepted_lens=[-1, 0]), "accepted_lens\\[0\\] = -1 is outside"),
-        (dict(budgets=[2, -1]), "budgets\\[1\\] = -1 is negative"),
-        (dict(sources=[0]), "sources \\(1\\) and the handle's rows \\(2\\)"),
+        ([Job(2, cut=Cut(7, 1, 4))], ValueError, r"jobs\[0\]\.cut\.row = 7 is not a row of scored"),
+        ([Job(2, cut=Cut(1, 3, 4))], ValueError, r"jobs\[0\]\.cut\.n = 3 is outside \[0, 2\]"),
+        ([Job(2, cut=Cut(0, -1, 4))], ValueError, r"jobs\[0\]\.cut\.n = -1 is outside"),
+        ([Job(2, cut=Cut(0, 1, VOCAB))], ValueError, r"jobs\[0\]\.cut\.token = 33 is outside \[0, 33\)"),
+        ([Job(-1, cut=Cut(0, 1, 4))], ValueError, r"jobs\[0\]\.budget must be >= 0, got -1"),
+        ([Job(2, context=[3, 4], cut=Cut(0, 1, 4))], ValueError, r"jobs\[0\] needs exactly one of context"),
+        ([Job(2, context=[3, -3])], ValueError, r"jobs\[0\]\.context\[1\] = -3 is outside"),
+        ([(2, [3])], TypeError, r"jobs\[0\] must be a Job, got tuple"),
     ],
 )
-def test_every_backend_checks_continue_from_arguments(make, kwargs, match):
-    from spec_rl.backends.transformers_backend import TransformersBackend
-    from spec_rl.engine import PagedEngine
+def test_every_backend_checks_its_jobs_and_frees_what_it_scored(make, jobs, error, match):
+    from spec_rl.backends.paged import PagedEngine
 
     model = tiny_model(seed=3)
     if make == "engine":
         backend = PagedEngine(model, {1}, pad_id=0, block_size=4, num_blocks=64)
     else:
         backend = TransformersBackend(model, {1}, pad_id=0, splice=make == "splice")
-    _, handle = backend.score_drafts([[5, 6, 7], [9, 10]], [[11, 12, 13], [30, 31]])
-    args = dict(accepted_lens=[1, 1], first_tokens=[4, 4], budgets=[2, 2], sources=None)
-    args.update(kwargs)
-    with pytest.raises(ValueError, match=match):
-        backend.continue_from(
-            handle,
-            args["accepted_lens"],
-            args["first_tokens"],
-            args["budgets"],
-            SamplingSettings(),
-            0,
-            sources=args["sources"],
-        )
+    scored = backend.score([[5, 6, 7], [9, 10]], [[11, 12, 13], [30, 31]])
+    with pytest.raises(error, match=match):
+        backend.continue_from(scored, jobs, SamplingSettings(), 0)
+    assert scored.used
     if make == "engine":
         assert backend.blocks.num_free == backend.blocks.num_blocks
+    with pytest.raises(ValueError, match="continued once"):
+        backend.continue_from(scored, [Job(2, cut=Cut(0, 1, 4))], SamplingSettings(), 0)
+    with pytest.raises(ValueError, match=r"jobs\[0\] continues a cut; generate\(\) takes fresh contexts only"):
+        backend.generate([Job(2, cut=Cut(0, 1, 4))], SamplingSettings(), 0)
 
 
 class _Minimal:
-    """The required members of a generation backend only (no vocab_size, max_positions, max_k, ...)."""
+    """A backend's members without the Backend base class."""
 
     def __init__(self):
-        from spec_rl.backends.protocol import BackendStats
-
         self.stats = BackendStats()
 
     @property
     def device(self):
         return torch.device("cpu")
 
-    def generate(self, contexts, budgets, settings, seed, *, uids=None, proposers=None):
-        return [Continuation([1], [-0.5], "eos") for _ in contexts]
-
-    def score_drafts(self, prompts, drafts):
-        raise NotImplementedError
-
-    def continue_from(self, handle, *args, **kwargs):
-        raise NotImplementedError
-
-    def release(self, handle):
-        pass
+    def generate(self, jobs, settings, seed):
+        return [Continuation([1], [-0.5], "eos") for _ in jobs]
 
 
-def test_a_backend_gets_the_optional_capabilities_by_subclassing_the_protocol():
-    from spec_rl.backends.protocol import GenerationBackend
-
+def test_a_backend_subclasses_the_base_class():
     settings = SamplingSettings(max_tokens=4)
-    with pytest.raises(TypeError, match="backend must be a GenerationBackend .*subclass GenerationBackend") as err:
+    with pytest.raises(TypeError, match="backend must be a Backend .*your own subclass of spec_rl.backends.Backend"):
         SpeculativeRollout(_Minimal(), RolloutCache(), settings, eos_ids=[1], max_model_len=64)
-    assert "got _Minimal" in str(err.value)
 
-    class Subclassed(_Minimal, GenerationBackend):
+    class Subclassed(_Minimal, Backend):
         pass
 
     backend = Subclassed()
-    assert isinstance(backend, GenerationBackend) and not isinstance(_Minimal(), GenerationBackend)
-    assert (backend.vocab_size, backend.max_positions, backend.max_k) == (None, None, 0)
-    assert backend.score_drafts_progressive([[3]], [[4]], [[-1.0]]) is None and backend.sync_weights() is None
+    assert (backend.vocab_size, backend.max_positions) == (None, None) and backend.sync_weights() is None
     rollout = SpeculativeRollout(backend, RolloutCache(), settings, eos_ids=[1], max_model_len=64)
     result = rollout.run(_requests(1), step=0)  # no drafts yet: plain generation through the backend
     assert result.response_ids == [[1]] * 3 and rollout.vocab_size is None

@@ -187,7 +187,7 @@ def test_two_epoch_end_to_end_reuses_drafts_and_resumes(tmp_path):
 
 
 def test_paged_backend_in_the_trainer_splices_without_reprefill(tmp_path):
-    from spec_rl.engine import PagedEngine
+    from spec_rl.backends.paged import PagedEngine
 
     cfg = _config(epochs=2, lr=1e-4, generation_backend="paged")
     trainer = GRPOTrainer(tiny_model(seed=0), tiny_tokenizer(), EXAMPLES, _reward, cfg, tmp_path, progress=False)

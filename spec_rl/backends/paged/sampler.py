@@ -7,35 +7,26 @@ from collections.abc import Sequence
 
 import torch
 
-from ..sampling.distribution import SamplingSettings, keyed_sample
+from ...sampling.distribution import SamplingSettings, keyed_sample
 from .sequence import SequenceState
 
 
 class KeyedSampler:
-    """Keyed sampling and proposal acceptance for one call; ``uids``/``proposers`` per result row, each proposer told
-    the row's response up to the engine's first sampled token."""
+    """Keyed sampling and proposal acceptance for one call's ``jobs`` (a sequence's ``result_index`` is its job's
+    index); each job's proposer knows the response up to the engine's first sampled token."""
 
-    def __init__(
-        self,
-        settings: SamplingSettings,
-        seed: int,
-        uids: Sequence[int],
-        proposers: Sequence[object | None],
-        max_k: int,
-        eos_ids,
-    ):
+    def __init__(self, settings: SamplingSettings, seed: int, jobs: Sequence, eos_ids):
         self.settings = settings
         self.seed = int(seed)
-        self.uids = [int(u) for u in uids]
-        self.proposers = list(proposers)
-        self.max_k = int(max_k)
+        self.uids = [int(j.uid) for j in jobs]
+        self.proposers = [j.proposer for j in jobs]
         self.eos_ids = {int(e) for e in eos_ids}
 
     def proposal(self, seq: SequenceState) -> list[int]:
         """At most ``min(max_k, budget - 1)`` tokens, so a step stays within its reserved budget."""
         proposer = self.proposers[seq.result_index]
-        limit = min(self.max_k, seq.budget - 1)
-        if proposer is None or limit <= 0:
+        limit = 0 if proposer is None else min(proposer.max_k, seq.budget - 1)
+        if limit <= 0:
             return []
         return [int(t) for t in proposer.propose(limit, fill=limit)][:limit]
 

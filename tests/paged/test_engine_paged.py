@@ -9,11 +9,12 @@ import warnings
 
 import pytest
 import torch
+from backend_jobs import continue_rows, generate
 from engine_models import FAMILIES, greedy_reference, tiny_family_model
 from tiny_models import full_forward_logprobs
 
+from spec_rl.backends.paged import OutOfBlocks, PagedEngine
 from spec_rl.backends.scoring import PolicyScorer
-from spec_rl.engine import OutOfBlocks, PagedEngine
 from spec_rl.sampling.distribution import SamplingSettings
 
 warnings.filterwarnings("ignore", message="spec_rl._C is not built")
@@ -26,7 +27,7 @@ GREEDY = SamplingSettings(temperature=1.0, top_k=1, max_tokens=256)
 def test_greedy_matches_plain_forward_for_64_steps(family):
     model = tiny_family_model(family, seed=3)
     engine = PagedEngine(model, eos_ids={1}, pad_id=0, block_size=4, num_blocks=128)
-    outs = engine.generate(PROMPTS, [70] * len(PROMPTS), GREEDY, seed=0)
+    outs = generate(engine, PROMPTS, [70] * len(PROMPTS), GREEDY, seed=0)
     for p, out in zip(PROMPTS, outs):
         ref = greedy_reference(model, p, 70, eos_ids={1})
         assert out.token_ids == ref
@@ -41,7 +42,7 @@ def test_sampled_logprobs_match_full_forward(family):
     model = tiny_family_model(family, seed=4)
     engine = PagedEngine(model, eos_ids={1}, pad_id=0, block_size=4, num_blocks=64)
     settings = SamplingSettings(temperature=0.7, max_tokens=24)
-    outs = engine.generate(PROMPTS, [24, 5, 24, 10], settings, seed=11)
+    outs = generate(engine, PROMPTS, [24, 5, 24, 10], settings, seed=11)
     for p, out, budget in zip(PROMPTS, outs, [24, 5, 24, 10]):
         assert 1 <= len(out.token_ids) <= budget
         ref = full_forward_logprobs(model, p, out.token_ids, temperature=0.7)
@@ -56,8 +57,8 @@ def test_plain_forward_unchanged_after_engine_use():
     with torch.no_grad():
         before = model(input_ids=ids, attention_mask=mask).logits
     engine = PagedEngine(model, eos_ids={1}, pad_id=0, block_size=4, num_blocks=32)
-    engine.generate(PROMPTS, [8] * 4, SamplingSettings(max_tokens=8), seed=0)
-    engine.score_drafts(PROMPTS[:2], [[5, 6], [7]])[1]  # a handle left unused must not matter
+    generate(engine, PROMPTS, [8] * 4, SamplingSettings(max_tokens=8), seed=0)
+    engine.score(PROMPTS[:2], [[5, 6], [7]])  # scored rows left unused must not matter
     assert model.config._attn_implementation == impl
     with torch.no_grad():
         after = model(input_ids=ids, attention_mask=mask).logits
@@ -69,7 +70,7 @@ def test_identical_contexts_share_prompt_blocks_and_diverge():
     engine = PagedEngine(model, eos_ids={1}, pad_id=0, block_size=4, num_blocks=64)
     ctx = [3, 11, 12, 13, 14, 15]  # 6 tokens: one full block + a shared partial block
     settings = SamplingSettings(temperature=1.5, max_tokens=16)
-    outs = engine.generate([ctx] * 4 + [PROMPTS[1]], [16] * 5, settings, seed=3)
+    outs = generate(engine, [ctx] * 4 + [PROMPTS[1]], [16] * 5, settings, seed=3)
     assert engine.stats.prefill_tokens == len(ctx) + len(PROMPTS[1])  # the group was prefilled once
     assert engine.stats.shared_prefill_tokens == 3 * len(ctx)
     assert engine.stats.cow_copies >= 3  # the shared partial block was copied as members diverged
@@ -87,13 +88,13 @@ def test_out_of_blocks_schedules_the_rest_and_gives_the_same_tokens():
     # 8 + 20 tokens need 7 blocks per sequence: with 10 blocks only one runs at a time.
     small = PagedEngine(model, eos_ids={1}, pad_id=0, block_size=4, num_blocks=10, max_batch_size=4)
     settings = SamplingSettings(temperature=1.0, top_k=1, max_tokens=20)
-    ref = big.generate(prompts, [20] * 6, settings, seed=0)
-    got = small.generate(prompts, [20] * 6, settings, seed=0)
+    ref = generate(big, prompts, [20] * 6, settings, seed=0)
+    got = generate(small, prompts, [20] * 6, settings, seed=0)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     assert small.stats.forwards > big.stats.forwards  # it really ran in several waves
     assert small.blocks.num_free == 10
     with pytest.raises(OutOfBlocks, match="num_blocks"):
-        small.generate([list(range(3, 30))], [40], settings, seed=0)  # 66 tokens can never fit in 40 slots
+        generate(small, [list(range(3, 30))], [40], settings, seed=0)  # 66 tokens can never fit in 40 slots
     assert small.blocks.num_free == 10
     small.blocks.check_invariants()
 
@@ -102,7 +103,8 @@ def test_score_drafts_matches_policy_scorer():
     model = tiny_family_model("qwen3", seed=8)
     drafts = [[4, 5, 6], [7], [8, 9, 10, 2, 12, 13], [5, 5]]
     engine = PagedEngine(model, eos_ids={1}, pad_id=0, block_size=4, num_blocks=64)
-    scores, handle = engine.score_drafts(PROMPTS, drafts)
+    handle = engine.score(PROMPTS, drafts)
+    scores = handle.scores
     ref = PolicyScorer(model, pad_id=0).score(PROMPTS, drafts)
     for b, d in enumerate(drafts):
         rows = torch.full((len(d),), b)
@@ -114,14 +116,14 @@ def test_score_drafts_matches_policy_scorer():
 
 
 def test_stats_are_backend_stats_and_count_every_generation_forward():
-    from spec_rl.backends.protocol import BackendStats, GenerationBackend
+    from spec_rl.backends.base import Backend, BackendStats
 
     model = tiny_family_model("qwen2", seed=8)
     engine = PagedEngine(model, eos_ids={1}, pad_id=0, block_size=4, num_blocks=64)
-    assert isinstance(engine, GenerationBackend) and isinstance(engine.stats, BackendStats)
-    engine.generate(PROMPTS, [6] * len(PROMPTS), SamplingSettings(max_tokens=6), seed=0)
+    assert isinstance(engine, Backend) and isinstance(engine.stats, BackendStats)
+    generate(engine, PROMPTS, [6] * len(PROMPTS), SamplingSettings(max_tokens=6), seed=0)
     assert engine.stats.decode_steps == engine.stats.forwards  # one prefill wave + the decode steps
-    _, handle = engine.score_drafts(PROMPTS, [[5, 6]] * len(PROMPTS))
+    handle = engine.score(PROMPTS, [[5, 6]] * len(PROMPTS))
     assert engine.stats.decode_steps == engine.stats.forwards - 1  # the scoring forward is not a decode step
     engine.release(handle)
     engine.reset_stats()
@@ -133,19 +135,20 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="eos_ids"):
         PagedEngine(model, eos_ids=set(), pad_id=0)
     engine = PagedEngine(model, eos_ids={1}, pad_id=0, num_blocks=8)
-    with pytest.raises(ValueError, match="same length"):
-        engine.generate([[3]], [1, 2], GREEDY, seed=0)
-    with pytest.raises(ValueError, match=r"contexts\[0\] is empty"):
-        engine.generate([[]], [3], GREEDY, seed=0)
-    with pytest.raises(ValueError, match="budgets"):
-        engine.generate([[3]], [-1], GREEDY, seed=0)
-    assert engine.generate([[3]], [0], GREEDY, seed=0)[0].finish_reason == "length"
-    _, handle = engine.score_drafts([[3, 4]], [[5, 6]])
-    with pytest.raises(ValueError, match="accepted_lens"):
-        engine.continue_from(handle, [3], [7], [2], GREEDY, seed=0)
-    assert engine.blocks.num_free == 8  # the handle was released on the error
+    with pytest.raises(ValueError, match=r"jobs\[0\]\.context is empty"):
+        generate(engine, [[]], [3], GREEDY, seed=0)
+    with pytest.raises(ValueError, match=r"jobs\[0\]\.budget must be >= 0, got -1"):
+        generate(engine, [[3]], [-1], GREEDY, seed=0)
+    assert generate(engine, [[3]], [0], GREEDY, seed=0)[0].finish_reason == "length"
+    handle = engine.score([[3, 4]], [[5, 6]])
+    with pytest.raises(ValueError, match=r"jobs\[0\]\.cut\.n = 3 is outside"):
+        continue_rows(engine, handle, [3], [7], [2], GREEDY, seed=0)
+    assert engine.blocks.num_free == 8  # the scored rows were released on the error
+    handle = engine.score([[3, 4]], [[5, 6]])
+    generate(engine, [[3]], [1], GREEDY, seed=0)
     with pytest.raises(ValueError, match="stale"):
-        engine.continue_from(handle, [1], [7], [2], GREEDY, seed=0)
+        continue_rows(engine, handle, [1], [7], [2], GREEDY, seed=0)
+    assert engine.blocks.num_free == 8
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cfg = Qwen2Config(
@@ -203,8 +206,8 @@ def test_decode_through_the_triton_paged_kernel_matches_the_gather_path():
 
     plain.runner.decode_kernel = None  # gather + SDPA (on CUDA the engine would pick the kernel itself)
     triton.runner.decode_kernel = counted
-    want = plain.generate(prompts, [6, 6, 6], settings, seed=5)
-    got = triton.generate(prompts, [6, 6, 6], settings, seed=5)
+    want = generate(plain, prompts, [6, 6, 6], settings, seed=5)
+    got = generate(triton, prompts, [6, 6, 6], settings, seed=5)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     for g, w in zip(got, want):
         assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-4)
@@ -247,7 +250,7 @@ def test_cuda_engine_matches_plain_forward(family):
     model = tiny_family_model(family, seed=3).cuda()
     engine = PagedEngine(model, eos_ids={1}, pad_id=0, block_size=16, num_blocks=64)
     assert engine.runner.decode_kernel is not None
-    outs = engine.generate(PROMPTS, [40] * len(PROMPTS), GREEDY, seed=0)
+    outs = generate(engine, PROMPTS, [40] * len(PROMPTS), GREEDY, seed=0)
     for p, out in zip(PROMPTS, outs):
         ids, ref = list(p), []
         with torch.no_grad():
@@ -257,7 +260,7 @@ def test_cuda_engine_matches_plain_forward(family):
                 ids.append(t)
         assert out.token_ids == ref
     settings = SamplingSettings(temperature=0.7, max_tokens=24)
-    outs = engine.generate(PROMPTS, [24] * len(PROMPTS), settings, seed=11)
+    outs = generate(engine, PROMPTS, [24] * len(PROMPTS), settings, seed=11)
     for p, out in zip(PROMPTS, outs):
         ids = torch.tensor([list(p) + out.token_ids], device="cuda")
         with torch.no_grad():

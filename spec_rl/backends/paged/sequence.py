@@ -1,5 +1,5 @@
 """Sequence state of the paged engine: contexts waiting for prefill, sequences holding blocks, scored rows kept between
-score_drafts and continue_from."""
+score and continue_from."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from ..backends.protocol import Continuation
+from ..base import Continuation
 
 
 class GroupMember(NamedTuple):
@@ -65,41 +65,29 @@ class SequenceState:
 
 
 @dataclass
-class SpliceHandle:
-    """Scored rows kept in the cache (``seq_ids[i]`` None once evicted); valid for one continue_from."""
+class ScoredSequences:
+    """The engine's state of a :class:`~spec_rl.backends.base.Scored`: each row's sequence in the cache (None once
+    evicted or taken), valid for one continue_from in the same ``epoch``."""
 
-    prompts: list[list[int]]
-    drafts: list[list[int]]
     seq_ids: list[int | None]
-    epoch: int
-    used: bool = False
+    epoch: int = 0
 
 
 def empty_continuation() -> Continuation:
     return Continuation([], [], "length")
 
 
-def group_by_context(
-    contexts: Sequence[Sequence[int]],
-    budgets: Sequence[int],
-    results: list[Continuation | None],
-    names: tuple[str, str] = ("contexts", "budgets"),
-    offset: int = 0,
-) -> list[PrefillGroup]:
-    """Identical contexts grouped in first-seen order (results at ``offset + i``; zero budgets answered at once);
-    ValueError for a bad budget or an empty context."""
-    cname, bname = names
+def group_by_context(jobs: Sequence, indices, results: list[Continuation | None]) -> list[PrefillGroup]:
+    """The fresh ``jobs[i]`` (i in ``indices``) grouped by identical context in first-seen order; zero budgets are
+    answered at once."""
     groups: dict[tuple[int, ...], PrefillGroup] = {}
-    for i, (ctx, budget) in enumerate(zip(contexts, budgets)):
-        if int(budget) != budget or budget < 0:
-            raise ValueError(f"{bname}[{i}] = {budget} must be an integer >= 0")
-        if len(ctx) == 0:
-            raise ValueError(f"{cname}[{i}] is empty; a context needs at least one token (the prompt)")
-        if budget == 0:
-            results[offset + i] = empty_continuation()
+    for i in indices:
+        job = jobs[i]
+        if job.budget == 0:
+            results[i] = empty_continuation()
             continue
-        key = tuple(int(t) for t in ctx)
+        key = tuple(job.context)
         if key not in groups:
             groups[key] = PrefillGroup(list(key), [])
-        groups[key].members.append(GroupMember(offset + i, int(budget)))
+        groups[key].members.append(GroupMember(i, int(job.budget)))
     return list(groups.values())

@@ -11,11 +11,12 @@ import warnings
 
 import pytest
 import torch
+from backend_jobs import continue_rows, generate
 from engine_models import tiny_family_model
 from tiny_models import full_forward_logprobs, tiny_model
 
+from spec_rl.backends.paged import PagedEngine
 from spec_rl.drafts.history import SuffixAutomaton, SuffixProposer
-from spec_rl.engine import PagedEngine
 from spec_rl.sampling.distribution import SamplingSettings
 
 warnings.filterwarnings("ignore", message="spec_rl._C is not built")
@@ -80,13 +81,13 @@ def test_speculation_gives_the_same_tokens_logprobs_and_kv(temperature):
     model = tiny_model(seed=11, bias_eos=-1.0)
     settings = SamplingSettings(temperature=temperature, max_tokens=40)
     engine = _engine(model)
-    plain = engine.generate(PROMPTS, BUDGETS, settings, seed=7, uids=UIDS)
+    plain = generate(engine, PROMPTS, BUDGETS, settings, seed=7, uids=UIDS)
     plain_steps = engine.stats.decode_steps
     assert engine.stats.proposed_tokens == 0
     engine.reset_stats()
     _checked_decode(engine, [len(p) for p in PROMPTS])
     automata = _automata([o.token_ids for o in plain], model.config.vocab_size)
-    spec = engine.generate(PROMPTS, BUDGETS, settings, seed=7, uids=UIDS, proposers=_proposers(automata))
+    spec = generate(engine, PROMPTS, BUDGETS, settings, seed=7, uids=UIDS, proposers=_proposers(automata))
     _assert_same(plain, spec)
     for p, o, budget in zip(PROMPTS, spec, BUDGETS):
         assert 1 <= len(o.token_ids) <= budget
@@ -99,36 +100,30 @@ def test_speculation_gives_the_same_tokens_logprobs_and_kv(temperature):
     engine.blocks.check_invariants()
 
 
-def test_greedy_with_and_without_speculation_and_max_k_zero():
+def test_greedy_with_and_without_speculation_and_a_zero_width():
     model = tiny_family_model("llama", seed=3)
     greedy = SamplingSettings(temperature=1.0, top_k=1, max_tokens=30)
     engine = _engine(model)
-    plain = engine.generate(PROMPTS, BUDGETS, greedy, seed=0)
+    plain = generate(engine, PROMPTS, BUDGETS, greedy, seed=0)
     automata = _automata([o.token_ids for o in plain], model.config.vocab_size, seed=1)
-    spec = engine.generate(PROMPTS, BUDGETS, greedy, seed=0, proposers=_proposers(automata))
+    spec = generate(engine, PROMPTS, BUDGETS, greedy, seed=0, proposers=_proposers(automata))
     _assert_same(plain, spec)
     assert engine.stats.accepted_tokens > 0
-    off = _engine(model, max_k=0)
-    _assert_same(plain, off.generate(PROMPTS, BUDGETS, greedy, seed=0, proposers=_proposers(automata)))
+    off = _engine(model)
+    _assert_same(plain, generate(off, PROMPTS, BUDGETS, greedy, seed=0, proposers=_proposers(automata, max_k=0)))
     assert off.stats.proposed_tokens == 0
-    with pytest.raises(ValueError, match="max_k"):
-        _engine(model, max_k=-1)
-    with pytest.raises(ValueError, match="uids"):
-        engine.generate(PROMPTS, BUDGETS, greedy, seed=0, uids=[1, 2])
-    with pytest.raises(ValueError, match="proposers"):
-        engine.generate(PROMPTS, BUDGETS, greedy, seed=0, proposers=[None])
 
 
 def test_tiny_cache_waits_and_speculates_without_leaking_blocks():
     model = tiny_model(seed=12, bias_eos=-2.0)
     prompts = [[3, 11 + i, 12, 13, 14, 15, 16, 17] for i in range(5)] + [[3, 11, 12, 13, 14, 15, 16, 17]]
     settings = SamplingSettings(temperature=0.8, max_tokens=20)
-    ref = _engine(model).generate(prompts, [20] * 6, settings, seed=3, uids=UIDS)
+    ref = generate(_engine(model), prompts, [20] * 6, settings, seed=3, uids=UIDS)
     automata = _automata([o.token_ids for o in ref], model.config.vocab_size, seed=2)
     # 8 + 20 tokens need 7 blocks of 4 per sequence: with 10 blocks only one runs at a time.
     small = _engine(model, num_blocks=10, max_batch_size=4)
     _checked_decode(small, [len(p) for p in prompts])
-    got = small.generate(prompts, [20] * 6, settings, seed=3, uids=UIDS, proposers=_proposers(automata))
+    got = generate(small, prompts, [20] * 6, settings, seed=3, uids=UIDS, proposers=_proposers(automata))
     _assert_same(ref, got)
     assert small.stats.accepted_tokens > 0 and small.stats.proposed_tokens > small.stats.accepted_tokens
     assert small.blocks.num_free == 10
@@ -141,10 +136,10 @@ EXTRA = [[4, 9], [3, 17, 18]]
 
 
 def _continue(engine, settings, first, proposers=None):
-    _, handle = engine.score_drafts(PROMPTS[:3], DRAFTS)
+    handle = engine.score(PROMPTS[:3], DRAFTS)
     uids = UIDS[:5]
-    return engine.continue_from(
-        handle, ACCEPT, first, [30, 20, 30], settings, 5, EXTRA, [25, 25], uids=uids, proposers=proposers
+    return continue_rows(
+        engine, handle, ACCEPT, first, [30, 20, 30], settings, 5, EXTRA, [25, 25], uids=uids, proposers=proposers
     )
 
 
@@ -176,12 +171,12 @@ def test_a_row_alone_equals_the_same_row_in_a_batch():
     model = tiny_model(seed=14, bias_eos=-1.0)
     settings = SamplingSettings(temperature=1.0, max_tokens=40)
     engine = _engine(model)
-    plain = engine.generate(PROMPTS, BUDGETS, settings, seed=9, uids=UIDS)
+    plain = generate(engine, PROMPTS, BUDGETS, settings, seed=9, uids=UIDS)
     automata = _automata([o.token_ids for o in plain], model.config.vocab_size, seed=4)
-    batch = engine.generate(PROMPTS, BUDGETS, settings, seed=9, uids=UIDS, proposers=_proposers(automata))
+    batch = generate(engine, PROMPTS, BUDGETS, settings, seed=9, uids=UIDS, proposers=_proposers(automata))
     for i in (0, 2, 5):  # 0 and 5 are forked from one context in the batch, prefilled alone here
-        (alone,) = engine.generate(
-            [PROMPTS[i]], [BUDGETS[i]], settings, seed=9, uids=[UIDS[i]], proposers=_proposers([automata[i]])
+        (alone,) = generate(
+            engine, [PROMPTS[i]], [BUDGETS[i]], settings, seed=9, uids=[UIDS[i]], proposers=_proposers([automata[i]])
         )
         _assert_same([batch[i]], [alone])
     assert plain[0].token_ids != plain[5].token_ids  # same context, other uid: another sample
@@ -190,10 +185,10 @@ def test_a_row_alone_equals_the_same_row_in_a_batch():
 def test_every_step_feeds_each_sequence_its_whole_proposal():
     model = tiny_model(seed=3)
     settings = SamplingSettings(max_tokens=40)
-    plain = _engine(model).generate(PROMPTS, BUDGETS, settings, seed=9, uids=UIDS)
+    plain = generate(_engine(model), PROMPTS, BUDGETS, settings, seed=9, uids=UIDS)
     automata = _automata([c.token_ids for c in plain], model.config.vocab_size)
-    engine = _engine(model, max_k=4)
-    proposers = _proposers(automata)
+    engine = _engine(model)
+    proposers = _proposers(automata, max_k=4)
     calls = []  # (limit, fill, tokens proposed) of every lookup
     for p in proposers:
 
@@ -203,9 +198,9 @@ def test_every_step_feeds_each_sequence_its_whole_proposal():
             return out
 
         p.propose = propose
-    out = engine.generate(PROMPTS, BUDGETS, settings, seed=9, uids=UIDS, proposers=proposers)
+    out = generate(engine, PROMPTS, BUDGETS, settings, seed=9, uids=UIDS, proposers=proposers)
     assert [c.token_ids for c in out] == [c.token_ids for c in plain]
-    # each live sequence is asked for all it may feed (the engine's max_k, less only where its budget ends) ...
+    # each live sequence is asked for all it may feed (its proposer's max_k, less only where its budget ends) ...
     assert calls and all(fill == limit and 1 <= limit <= 4 for limit, fill, _ in calls)
     # ... and feeds all of it: every proposed token is verified
     stats = engine.stats

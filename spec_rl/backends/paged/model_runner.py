@@ -1,5 +1,5 @@
 """Model runner of the paged engine: the KV cache tensors, and packed forwards (one row [1, T] of all new tokens with
-explicit positions) whose attention is :mod:`spec_rl.engine.attention` only inside the forward."""
+explicit positions) whose attention is :mod:`spec_rl.backends.paged.attention` only inside the forward."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .. import ops
-from ..acceptance.scores import response_positions
-from ..backends.protocol import BackendStats
-from ..backends.scoring import ScoringHead
-from ..util.model_config import model_may_slide
-from ..util.validation import check_int
+from ... import ops
+from ...acceptance.scores import response_positions
+from ...util.model_config import model_may_slide
+from ...util.validation import check_int
+from ..base import BackendStats
+from ..scoring import ScoringHead
 from .attention import build_batch, paged_attention_active
 from .blocks import BlockManager, OutOfBlocks
 from .sampler import KeyedSampler
@@ -25,7 +25,7 @@ CUDA_FREE_MEMORY_SHARE = 0.4
 
 @dataclass
 class EngineStats(BackendStats):
-    """:class:`~spec_rl.backends.protocol.BackendStats` plus scoring, decode, shared-prefill tokens, copy-on-write
+    """:class:`~spec_rl.backends.base.BackendStats` plus scoring, decode, shared-prefill tokens, copy-on-write
     blocks and forwards; ``prefill_tokens`` includes scoring and re-prefills."""
 
     scoring_tokens: int = 0

@@ -1,4 +1,4 @@
-"""Speculative path of the PagedEngine: score_drafts + continue_from, and SpeculativeRollout on top of it.
+"""Speculative path of the PagedEngine: score + continue_from, and SpeculativeRollout on top of it.
 
 A continuation from a spliced prefix must equal a fresh prefill of
 [prompt, prefix, first token], and the engine must spend no prefill beyond the
@@ -9,15 +9,16 @@ import warnings
 
 import pytest
 import torch
+from backend_jobs import continue_rows, generate
 from engine_models import greedy_reference, tiny_family_model
 from tiny_models import full_forward_logprobs
 
 from spec_rl.acceptance.mode import RolloutMode
 from spec_rl.acceptance.rules import Lenient
-from spec_rl.backends.protocol import GenerationBackend
+from spec_rl.backends.base import Backend, Cut, Job
+from spec_rl.backends.paged import PagedEngine
 from spec_rl.backends.transformers_backend import TransformersBackend
 from spec_rl.drafts.cache import RolloutCache
-from spec_rl.engine import PagedEngine
 from spec_rl.rollout.speculative import RolloutRequest, SpeculativeRollout
 from spec_rl.sampling.distribution import SamplingSettings
 
@@ -42,11 +43,12 @@ def _first_tokens(scores, settings, gen=None):
 def test_greedy_continuation_from_spliced_prefix_equals_fresh_prefill():
     model = tiny_family_model("llama", seed=9)
     engine = PagedEngine(model, eos_ids={1}, pad_id=0, block_size=4, num_blocks=64)
-    assert isinstance(engine, GenerationBackend)
-    scores, handle = engine.score_drafts(PROMPTS, DRAFTS)
+    assert isinstance(engine, Backend)
+    handle = engine.score(PROMPTS, DRAFTS)
+    scores = handle.scores
     first = _first_tokens(scores, GREEDY)
     scored = engine.stats.prefill_tokens
-    outs = engine.continue_from(handle, ACCEPT, first, [40] * 3, GREEDY, seed=0)
+    outs = continue_rows(engine, handle, ACCEPT, first, [40] * 3, GREEDY, seed=0)
     assert engine.stats.prefill_tokens == scored == engine.stats.scoring_tokens  # nothing prefilled twice
     assert engine.stats.reprefill_tokens == 0
     for p, d, n, t, out in zip(PROMPTS, DRAFTS, ACCEPT, first, outs):
@@ -62,10 +64,10 @@ def test_sampled_continuation_equals_fresh_prefill_with_the_same_seed():
     engine = PagedEngine(model, eos_ids={1}, pad_id=0, block_size=4, num_blocks=64)
     for row in range(3):  # one row at a time: the generator draws the same uniforms in both runs
         p, d, n = PROMPTS[row], DRAFTS[row], ACCEPT[row]
-        _, handle = engine.score_drafts([p], [d])
+        handle = engine.score([p], [d])
         t = 5
-        spliced = engine.continue_from(handle, [n], [t], [20], settings, seed=123)[0]
-        fresh = engine.generate([p + d[:n] + [t]], [20], settings, seed=123)[0]
+        spliced = continue_rows(engine, handle, [n], [t], [20], settings, seed=123)[0]
+        fresh = generate(engine, [p + d[:n] + [t]], [20], settings, seed=123)[0]
         assert spliced.token_ids == fresh.token_ids
         assert torch.allclose(torch.tensor(spliced.logprobs), torch.tensor(fresh.logprobs), atol=1e-5)
         ref = full_forward_logprobs(model, p + d[:n] + [t], spliced.token_ids, temperature=0.9)
@@ -76,9 +78,10 @@ def test_scoring_eviction_falls_back_to_prefill_and_still_matches():
     model = tiny_family_model("qwen3", seed=11)
     # 13 blocks of 4: the three [prompt, draft] rows (3 + 3 + 4 blocks) plus their decode cannot all stay.
     engine = PagedEngine(model, eos_ids={1}, pad_id=0, block_size=4, num_blocks=13, max_tokens_per_forward=16)
-    scores, handle = engine.score_drafts(PROMPTS, DRAFTS)
+    handle = engine.score(PROMPTS, DRAFTS)
+    scores = handle.scores
     first = _first_tokens(scores, GREEDY)
-    outs = engine.continue_from(handle, ACCEPT, first, [30] * 3, GREEDY, seed=0)
+    outs = continue_rows(engine, handle, ACCEPT, first, [30] * 3, GREEDY, seed=0)
     for p, d, n, t, out in zip(PROMPTS, DRAFTS, ACCEPT, first, outs):
         assert out.token_ids == greedy_reference(model, p + d[:n] + [t], 30, eos_ids={1})
     assert engine.stats.reprefill_tokens > 0  # honest accounting of the fallback
@@ -155,10 +158,10 @@ SRC_UIDS = [500 + i for i in range(6)]
 
 
 def _continue_with_sources(backend, settings, budget, extra=((), ())):
-    _, handle = backend.score_drafts(SRC_PROMPTS, SRC_DRAFTS)
+    handle = backend.score(SRC_PROMPTS, SRC_DRAFTS)
     budgets = [budget] * 5 + [0]  # row 5 (its own source) has nothing left to sample
-    return backend.continue_from(
-        handle, SRC_ACCEPT, SRC_FIRST, budgets, settings, 17, *extra, uids=SRC_UIDS + [600], sources=SOURCES
+    return continue_rows(
+        backend, handle, SRC_ACCEPT, SRC_FIRST, budgets, settings, 17, *extra, uids=SRC_UIDS + [600], sources=SOURCES
     )
 
 
@@ -194,9 +197,9 @@ def test_scoring_eviction_of_a_source_is_prefilled_again():
     settings = SamplingSettings(temperature=1.0, top_k=1, max_tokens=20)
     model = tiny_family_model("qwen3", seed=22)
     engine = PagedEngine(model, eos_ids={1}, pad_id=0, block_size=4, num_blocks=14, max_tokens_per_forward=16)
-    _, handle = engine.score_drafts(SRC_PROMPTS, SRC_DRAFTS)
-    assert handle.seq_ids[0] is None and handle.seq_ids[3] is not None  # source 0 evicted, source 3 resident
-    outs = engine.continue_from(handle, SRC_ACCEPT, SRC_FIRST, [20] * 6, settings, 0, sources=SOURCES)
+    handle = engine.score(SRC_PROMPTS, SRC_DRAFTS)
+    assert handle.state.seq_ids[0] is None and handle.state.seq_ids[3] is not None  # 0 evicted, 3 resident
+    outs = continue_rows(engine, handle, SRC_ACCEPT, SRC_FIRST, [20] * 6, settings, 0, sources=SOURCES)
     for i in (0, 1, 2, 4):
         context = GROUP + SRC_DRAFTS[SOURCES[i]][: SRC_ACCEPT[i]] + [SRC_FIRST[i]]
         assert outs[i].token_ids == greedy_reference(model, context, 20, eos_ids={1})
@@ -207,18 +210,16 @@ def test_scoring_eviction_of_a_source_is_prefilled_again():
 
 
 @pytest.mark.parametrize(
-    "sources, accept, match",
+    "cut, match",
     [
-        ([0, 1], SRC_ACCEPT, "sources"),  # one entry short
-        ([0, 0, 3, 6, 0, 5], SRC_ACCEPT, "sources"),  # out of range
-        ([0, 0, 3, 3, 5, 5], SRC_ACCEPT, "sources"),  # a row of another prompt
-        (SOURCES, [2, 5, 8, 1, 8, 2], r"accepted_lens\[4\]"),  # longer than the source's draft
+        (Cut(6, 2, 9), r"jobs\[0\]\.cut\.row = 6 is not a row of scored"),  # out of range
+        (Cut(4, 2, 9), r"jobs\[0\]\.cut\.n = 2 is outside \[0, 1\]"),  # longer than the row's draft
     ],
 )
-def test_bad_sources_are_rejected_and_free_the_handle(sources, accept, match):
+def test_bad_cuts_are_rejected_and_free_every_block(cut, match):
     engine = PagedEngine(tiny_family_model("qwen2", seed=23), eos_ids={1}, pad_id=0, block_size=4, num_blocks=64)
-    _, handle = engine.score_drafts(SRC_PROMPTS, SRC_DRAFTS)
+    scored = engine.score(SRC_PROMPTS, SRC_DRAFTS)
     with pytest.raises(ValueError, match=match):
-        engine.continue_from(handle, accept, SRC_FIRST, [20] * 6, GREEDY, 0, sources=sources)
+        engine.continue_from(scored, [Job(20, cut=cut)], GREEDY, 0)
     assert engine.blocks.num_free == 64
     engine.blocks.check_invariants()

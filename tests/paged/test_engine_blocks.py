@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from spec_rl.engine.blocks import BlockManager, OutOfBlocks
+from spec_rl.backends.paged.blocks import BlockManager, OutOfBlocks
 
 
 class FakeCache:

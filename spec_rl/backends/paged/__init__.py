@@ -1,12 +1,12 @@
-"""The paged generation engine: block manager, scheduler, model runner, keyed sampler, PagedEngine (a backend). Layer 6:
-may import util, ops, sampling, acceptance, drafts, backends (docs/design.md "Paged KV cache")."""
+"""The paged KV engine (docs/design.md "Paged KV cache"): block manager, scheduler, model runner, keyed sampler and
+:class:`PagedEngine`, a backend."""
 
 from .blocks import BlockManager, OutOfBlocks
 from .engine import PagedEngine
 from .model_runner import EngineStats, ModelRunner
 from .sampler import KeyedSampler
 from .scheduler import Scheduler
-from .sequence import PrefillGroup, SequenceState, SpliceHandle
+from .sequence import PrefillGroup, ScoredSequences, SequenceState
 
 __all__ = [
     "BlockManager",
@@ -17,6 +17,6 @@ __all__ = [
     "PagedEngine",
     "PrefillGroup",
     "Scheduler",
+    "ScoredSequences",
     "SequenceState",
-    "SpliceHandle",
 ]

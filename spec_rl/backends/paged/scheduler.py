@@ -7,10 +7,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 
-from ..backends.checks import check_continue_rows
-from ..backends.protocol import Continuation
+from ..base import Continuation
 from .blocks import BlockManager, OutOfBlocks
-from .sequence import GroupMember, PrefillGroup, SequenceState, SpliceHandle, empty_continuation
+from .sequence import GroupMember, PrefillGroup, SequenceState, empty_continuation
 
 
 def packed_wave_end(lengths: Sequence[int], start: int, max_tokens: int) -> int:
@@ -143,39 +142,36 @@ class Scheduler:
             start = end
 
     def resume_scored_rows(
-        self,
-        handle: SpliceHandle,
-        accepted_lens: Sequence[int],
-        first_tokens: Sequence[int | None],
-        budgets: Sequence[int],
-        results: list[Continuation | None],
-        sources: Sequence[int],
-        fork: Callable[[int, int], int],
+        self, scored, jobs, results: list[Continuation | None], fork: Callable[[int, int], int]
     ) -> tuple[list[SequenceState], list[PrefillGroup]]:
-        """(sequences to resume, re-prefill groups): each live row cut to [prompt, drafts[sources[i]][:n]], forks made
-        before any cut; an evicted source becomes a re-prefill. ValueError as
-        :func:`~spec_rl.backends.checks.check_continue_rows`."""
-        sources = check_continue_rows(handle.prompts, handle.drafts, accepted_lens, budgets, sources)
-        lens = [len(p) + int(n) for p, n in zip(handle.prompts, accepted_lens)]
-        live = [i for i in range(len(lens)) if first_tokens[i] is not None and int(budgets[i]) > 0]
-        for i in set(range(len(lens))) - set(live):
-            results[i] = empty_continuation()
-        held: dict[int, int] = {}  # row -> the sequence it resumes on
-        for i in live:  # forks first: a source is cut or freed only once its children share its blocks
-            parent = handle.seq_ids[sources[i]]
-            if sources[i] != i and parent is not None:
-                held[i] = fork(parent, lens[i])
+        """(sequences to resume, re-prefill groups) of the jobs with a cut: the first job on a row takes the row's
+        sequence cut to [prompt, draft[:n]], the others fork it (forks before any cut); an evicted row becomes a
+        re-prefill."""
+        seq_ids = scored.state.seq_ids
+        live = [i for i, j in enumerate(jobs) if j.cut is not None]
         for i in live:
-            own = handle.seq_ids[i]
-            if sources[i] == i and own is not None:
-                self.blocks.truncate(own, lens[i])
-                handle.seq_ids[i] = None
-                held[i] = own
+            if jobs[i].budget == 0:
+                results[i] = empty_continuation()
+        live = [i for i in live if jobs[i].budget > 0]
+        lens = {i: len(scored.prompts[jobs[i].cut.row]) + int(jobs[i].cut.n) for i in live}
+        owner: dict[int, int] = {}  # row -> the job that takes its sequence
+        for i in live:
+            owner.setdefault(jobs[i].cut.row, i)
+        held: dict[int, int] = {}  # job -> the sequence it resumes on
+        for i in live:  # forks first: a row's sequence is cut or freed only once its children share its blocks
+            row = jobs[i].cut.row
+            if owner[row] != i and seq_ids[row] is not None:
+                held[i] = fork(seq_ids[row], lens[i])
+        for row, i in owner.items():
+            if seq_ids[row] is not None:
+                self.blocks.truncate(seq_ids[row], lens[i])
+                held[i], seq_ids[row] = seq_ids[row], None
         resumed: list[SequenceState] = []
         reprefill: dict[tuple[int, ...], PrefillGroup] = {}
         for i in live:
-            prefix = handle.prompts[i] + handle.drafts[sources[i]][: int(accepted_lens[i])]
-            token, budget = int(first_tokens[i]), int(budgets[i])
+            cut = jobs[i].cut
+            prefix = scored.prompts[cut.row] + scored.drafts[cut.row][: int(cut.n)]
+            token, budget = int(cut.token), int(jobs[i].budget)
             if i in held:
                 resumed.append(SequenceState(held[i], i, budget, pending_token=token, context=prefix))
             else:  # evicted while scoring: prefill prompt + prefix + token again

@@ -8,11 +8,12 @@ compared before and after each failed call, and the block manager's invariants m
 import warnings
 
 import pytest
+from backend_jobs import continue_rows, generate
 from engine_models import tiny_family_model
 from tiny_models import WORDS
 
+from spec_rl.backends.paged import BlockManager, PagedEngine
 from spec_rl.backends.transformers_backend import TransformersBackend
-from spec_rl.engine import BlockManager, PagedEngine
 from spec_rl.sampling.distribution import SamplingSettings
 
 warnings.filterwarnings("ignore", message="spec_rl._C is not built")
@@ -62,38 +63,46 @@ def _explode_after(engine, calls):
 def test_generate_range_checks_contexts_and_frees_nothing(bad, message):
     engine = _engine()
     free = engine.blocks.num_free
-    with pytest.raises(ValueError, match=r"contexts\[1\]\[2\] " + message):
-        engine.generate([PROMPTS[0], [3, 4, bad]], [4, 4], SETTINGS, seed=0)
+    with pytest.raises(ValueError, match=r"jobs\[1\]\.context\[2\] " + message):
+        generate(engine, [PROMPTS[0], [3, 4, bad]], [4, 4], SETTINGS, seed=0)
     _assert_untouched(engine, free)
 
 
 def test_generate_refuses_float_ids():
     engine = _engine()
-    with pytest.raises(TypeError, match=r"contexts\[0\]\[1\] must be an integer token id, got 1.7"):
-        engine.generate([[3, 1.7]], [4], SETTINGS, seed=0)
+    with pytest.raises(TypeError, match=r"jobs\[0\]\.context\[1\] must be an integer token id, got 1.7"):
+        generate(engine, [[3, 1.7]], [4], SETTINGS, seed=0)
 
 
-def test_score_drafts_range_checks_prompts_and_drafts():
+def test_score_range_checks_prompts_and_drafts():
     engine = _engine()
     free = engine.blocks.num_free
     with pytest.raises(ValueError, match=rf"drafts\[2\]\[0\] = {VOCAB} is outside \[0, {VOCAB}\)"):
-        engine.score_drafts(PROMPTS, DRAFTS[:2] + [[VOCAB]])
+        engine.score(PROMPTS, DRAFTS[:2] + [[VOCAB]])
     with pytest.raises(ValueError, match=r"prompts\[0\]\[0\] = -4 is outside"):
-        engine.score_drafts([[-4]] + PROMPTS[1:], DRAFTS)
+        engine.score([[-4]] + PROMPTS[1:], DRAFTS)
     _assert_untouched(engine, free)
 
 
 def test_continue_from_range_checks_first_tokens_and_extra_contexts_and_frees_the_handle():
     engine = _engine()
     free = engine.blocks.num_free
-    _, handle = engine.score_drafts(PROMPTS, DRAFTS)
-    with pytest.raises(ValueError, match=rf"first_tokens\[1\] = {VOCAB + 1} is outside \[0, {VOCAB}\)"):
-        engine.continue_from(handle, [1, 1, 1], [5, VOCAB + 1, 5], [4, 4, 4], SETTINGS, seed=0)
+    handle = engine.score(PROMPTS, DRAFTS)
+    with pytest.raises(ValueError, match=rf"jobs\[1\]\.cut\.token = {VOCAB + 1} is outside \[0, {VOCAB}\)"):
+        continue_rows(engine, handle, [1, 1, 1], [5, VOCAB + 1, 5], [4, 4, 4], SETTINGS, seed=0)
     _assert_untouched(engine, free)
-    _, handle = engine.score_drafts(PROMPTS, DRAFTS)
-    with pytest.raises(ValueError, match=r"extra_contexts\[0\]\[1\] = -3 is outside"):
-        engine.continue_from(
-            handle, [1, 1, 1], [5, 5, 5], [4, 4, 4], SETTINGS, seed=0, extra_contexts=[[3, -3]], extra_budgets=[4]
+    handle = engine.score(PROMPTS, DRAFTS)
+    with pytest.raises(ValueError, match=r"jobs\[3\]\.context\[1\] = -3 is outside"):
+        continue_rows(
+            engine,
+            handle,
+            [1, 1, 1],
+            [5, 5, 5],
+            [4, 4, 4],
+            SETTINGS,
+            seed=0,
+            extra_contexts=[[3, -3]],
+            extra_budgets=[4],
         )
     _assert_untouched(engine, free)
 
@@ -107,7 +116,7 @@ def test_a_failed_forward_in_generate_frees_every_block(calls):
     free = engine.blocks.num_free
     _explode_after(engine, calls)  # 0: the prefill fails; later: a decode step
     with pytest.raises(Boom):
-        engine.generate([PROMPTS[0]] * 3 + PROMPTS[1:], [8] * 5, SETTINGS, seed=0)
+        generate(engine, [PROMPTS[0]] * 3 + PROMPTS[1:], [8] * 5, SETTINGS, seed=0)
     _assert_untouched(engine, free)
 
 
@@ -116,7 +125,7 @@ def test_a_failed_scoring_forward_frees_every_block():
     free = engine.blocks.num_free
     _explode_after(engine, 1)
     with pytest.raises(Boom):
-        engine.score_drafts(PROMPTS, DRAFTS)
+        engine.score(PROMPTS, DRAFTS)
     _assert_untouched(engine, free)
 
 
@@ -125,9 +134,10 @@ def test_a_failed_forward_in_continue_from_frees_every_block(calls):
     engine = _engine()
     free = engine.blocks.num_free
     _explode_after(engine, calls)  # the scoring pass is forward 1
-    _, handle = engine.score_drafts(PROMPTS, DRAFTS)
+    handle = engine.score(PROMPTS, DRAFTS)
     with pytest.raises(Boom):
-        engine.continue_from(
+        continue_rows(
+            engine,
             handle,
             [2, 0, 3],
             [5, 6, 7],
@@ -145,9 +155,9 @@ def test_the_engine_works_normally_after_failures():
     engine = _engine()
     _explode_after(engine, 0)
     with pytest.raises(Boom):
-        engine.generate(PROMPTS, [6] * 3, SETTINGS, seed=0)
+        generate(engine, PROMPTS, [6] * 3, SETTINGS, seed=0)
     del engine.runner.head.states  # the class method again
-    outs = engine.generate(PROMPTS, [6] * 3, SETTINGS, seed=0)
+    outs = generate(engine, PROMPTS, [6] * 3, SETTINGS, seed=0)
     assert all(1 <= len(o.token_ids) <= 6 for o in outs)
     _assert_untouched(engine, engine.blocks.num_blocks)
 
@@ -159,32 +169,32 @@ def test_sequences_never_pass_the_models_positions():
     engine = _engine()  # max_position_embeddings = 128
     assert engine.max_positions == 128 and engine.vocab_size == VOCAB
     with pytest.raises(
-        ValueError, match=r"contexts\[0\] .*120 tokens \+ a budget of 10\).*max_position_embeddings=128"
+        ValueError, match=r"jobs\[0\]\.context .*120 tokens \+ a budget of 10\).*max_position_embeddings=128"
     ):
-        engine.generate([[3] * 120], [10], SETTINGS, seed=0)
+        generate(engine, [[3] * 120], [10], SETTINGS, seed=0)
     with pytest.raises(ValueError, match=r"prompts\[0\] \+ drafts\[0\] .*129 tokens.*max_position_embeddings=128"):
-        engine.score_drafts([[3] * 120], [[4] * 9])
-    _, handle = engine.score_drafts([[3] * 120], [[4] * 4])
-    with pytest.raises(ValueError, match=r"row 0 needs 130 positions .*max_position_embeddings=128"):
-        engine.continue_from(handle, [2], [5], [7], SETTINGS, seed=0)  # 120 + 2 + 1 + 7
-    engine.generate([[3] * 120], [8], SETTINGS, seed=0)  # exactly 128 positions is fine
+        engine.score([[3] * 120], [[4] * 9])
+    handle = engine.score([[3] * 120], [[4] * 4])
+    with pytest.raises(ValueError, match=r"jobs\[0\] needs 130 positions .*max_position_embeddings=128"):
+        continue_rows(engine, handle, [2], [5], [7], SETTINGS, seed=0)  # 120 + 2 + 1 + 7
+    generate(engine, [[3] * 120], [8], SETTINGS, seed=0)  # exactly 128 positions is fine
     _assert_untouched(engine, engine.blocks.num_blocks)
 
 
 def test_transformers_backend_checks_ids_and_positions_too():
     model = tiny_family_model("llama", seed=2)
     backend = TransformersBackend(model, {1}, pad_id=0)
-    with pytest.raises(ValueError, match=rf"contexts\[0\]\[1\] = {VOCAB} is outside \[0, {VOCAB}\)"):
-        backend.generate([[3, VOCAB]], [4], SETTINGS, seed=0)
+    with pytest.raises(ValueError, match=rf"jobs\[0\]\.context\[1\] = {VOCAB} is outside \[0, {VOCAB}\)"):
+        generate(backend, [[3, VOCAB]], [4], SETTINGS, seed=0)
     with pytest.raises(ValueError, match=r"drafts\[0\]\[0\] = -1 is outside"):
-        backend.score_drafts([[3]], [[-1]])
-    with pytest.raises(ValueError, match=r"contexts\[0\] .*max_position_embeddings=256"):
-        backend.generate([[3] * 200], [60], SETTINGS, seed=0)
-    _, handle = backend.score_drafts(PROMPTS, DRAFTS)
-    assert handle.kv is not None  # the spliced path: the scoring K/V are kept
-    with pytest.raises(ValueError, match=rf"first_tokens\[2\] = {VOCAB} is outside \[0, {VOCAB}\)"):
-        backend.continue_from(handle, [1, 1, 1], [5, 5, VOCAB], [4, 4, 4], SETTINGS, seed=0)
-    assert handle.used and handle.kv is None  # released on the error
+        backend.score([[3]], [[-1]])
+    with pytest.raises(ValueError, match=r"jobs\[0\]\.context .*max_position_embeddings=256"):
+        generate(backend, [[3] * 200], [60], SETTINGS, seed=0)
+    handle = backend.score(PROMPTS, DRAFTS)
+    assert handle.state is not None  # the spliced path: the scoring K/V are kept
+    with pytest.raises(ValueError, match=rf"jobs\[2\]\.cut\.token = {VOCAB} is outside \[0, {VOCAB}\)"):
+        continue_rows(backend, handle, [1, 1, 1], [5, 5, VOCAB], [4, 4, 4], SETTINGS, seed=0)
+    assert handle.used and handle.state is None  # released on the error
 
 
 # ------------------------------------------------------------------ block manager and sizes

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .. import ops
-from ..backends.decode_attention import attention_implementation, sdpa
+from ... import ops
+from ..decode_attention import attention_implementation, sdpa
 
 ATTN_NAME = "spec_rl_paged"
 

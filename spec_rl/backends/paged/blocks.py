@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Hashable
 
-from ..util.validation import check_int
+from ...util.validation import check_int
 
 
 class OutOfBlocks(RuntimeError):

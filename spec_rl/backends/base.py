@@ -1,0 +1,276 @@
+"""The backend contract, in the order of the data flow (docs/api.md "Backends"): ``score(prompts, drafts)`` gives a
+:class:`Scored` (the drafts' scores and what the backend keeps to continue them), ``continue_from(scored, jobs)``
+decodes after the verified prefixes (:class:`Cut`) and any fresh contexts in one batch, ``generate(jobs)`` decodes
+fresh contexts; each returns one :class:`Continuation` per job. Log-probs are those of the sampling distribution."""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..acceptance.scores import DraftScores
+from ..sampling.distribution import SamplingSettings
+from ..util.validation import check_int
+
+
+@dataclass
+class Continuation:
+    """New tokens and their sampling log-probs; "eos" iff the last token is an EOS id, else "length"."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+
+@dataclass
+class BackendStats:
+    """Counters since the backend was built (``decode_steps``: sequential forwards, scoring excluded)."""
+
+    prefill_tokens: int = 0
+    reprefill_tokens: int = 0
+    decode_steps: int = 0
+    proposed_tokens: int = 0
+    accepted_tokens: int = 0
+    decode_rows: int = 0
+    decode_positions: int = 0
+
+    def copy(self) -> BackendStats:
+        return dataclasses.replace(self)
+
+
+@dataclass(frozen=True)
+class Cut:
+    """Where a job continues a scored draft: the first ``n`` tokens of row ``row``'s draft are kept (their K/V where
+    the backend keeps it) and ``token`` is fed next. ``row`` may be any row of the same prompt (exact acceptance may
+    continue a sibling's draft)."""
+
+    row: int
+    n: int
+    token: int
+
+
+@dataclass
+class Job:
+    """One sequence to decode, up to ``budget`` new tokens: after ``context`` (fresh) or after a :class:`Cut`.
+    ``uid`` keys its sampled tokens; ``proposer`` (tail speculation) drafts tokens from history, knowing the response
+    so far."""
+
+    budget: int
+    uid: int = 0
+    context: list[int] | None = None
+    cut: Cut | None = None
+    proposer: Any = None
+
+
+def fresh_jobs(contexts: Sequence[Sequence[int]], budgets: Sequence[int]) -> list[Job]:
+    """One fresh :class:`Job` per context, keyed by its index (uid i)."""
+    if len(contexts) != len(budgets):
+        raise ValueError(f"contexts ({len(contexts)}) and budgets ({len(budgets)}) must have the same length")
+    return [Job(budget, i, context) for i, (context, budget) in enumerate(zip(contexts, budgets))]
+
+
+@dataclass
+class Scored:
+    """What :meth:`Backend.score` returns: the drafts' scores [B, R, ...] (row i scores draft token i), the rows
+    scored, the backend's own ``state`` for continuing them, and ``progressive`` scores (exact walks extend them)
+    where the backend scores only where walks may read."""
+
+    scores: DraftScores
+    prompts: list[list[int]]
+    drafts: list[list[int]]
+    state: Any = None
+    progressive: Any = None
+    used: bool = False
+
+
+class Backend:
+    """What generates tokens for a speculative rollout (SPEC-RL Alg. 1). A backend implements :meth:`score`,
+    :meth:`generate` and :meth:`continue_from`, counts what it did in ``stats`` and names its ``device``; a backend
+    built on a transformers ``model`` reads its vocabulary and positions from it. Register one in
+    :data:`spec_rl.backends.BACKENDS` to make it a ``--backend`` choice."""
+
+    stats: BackendStats
+    model: Any = None
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def vocab_size(self) -> int | None:
+        """Ids the model reads and emits (the smaller embedding); None where unknown."""
+        rows = []
+        for getter in ("get_input_embeddings", "get_output_embeddings"):
+            weight = getattr(getattr(self.model, getter, lambda: None)(), "weight", None)
+            if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+                rows.append(int(weight.shape[0]))
+        return min(rows) if rows else None
+
+    @property
+    def max_positions(self) -> int | None:
+        """The model's ``max_position_embeddings``; None where unknown."""
+        cfg = getattr(self.model, "config", None)
+        cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        limit = getattr(cfg, "max_position_embeddings", None)
+        return int(limit) if isinstance(limit, int) and limit > 0 else None
+
+    @classmethod
+    def for_policy(cls, policy: Policy) -> Backend:
+        """The backend a trainer builds for ``policy``."""
+        return cls(policy.model, policy.eos_ids, policy.pad_id)
+
+    def score(self, prompts: Sequence[Sequence[int]], drafts: Sequence[Sequence[int]], logprobs=None) -> Scored:
+        """Score each [prompt, draft] under the current policy; ``logprobs`` (the drafts' stored ones) ask for scores
+        only where exact walks may read, where the backend can."""
+        raise NotImplementedError
+
+    def generate(self, jobs: Sequence[Job], settings: SamplingSettings, seed: int) -> list[Continuation]:
+        """Decode every job (fresh contexts); ``seed`` keys the samples with each job's uid."""
+        raise NotImplementedError
+
+    def continue_from(
+        self, scored: Scored, jobs: Sequence[Job], settings: SamplingSettings, seed: int
+    ) -> list[Continuation]:
+        """Decode jobs with cuts of ``scored`` and fresh ones in one batch; ``scored`` is used up (released)."""
+        raise NotImplementedError
+
+    def release(self, scored: Scored) -> None:
+        """Drop what ``scored`` keeps, when it will not be continued."""
+        scored.used = True
+
+    def sync_weights(self) -> None:
+        """Called after every policy update; an engine with its own copy of the weights reloads them."""
+
+    # -- input checks of the public methods (the rollout's calls pass them; a user's own call is refused clearly)
+    def checked_rows(self, prompts, drafts) -> tuple[list[list[int]], list[list[int]]]:
+        """Scoring rows as id lists; ValueError for unequal counts, an empty prompt, a bad id or a row too long."""
+        if len(prompts) != len(drafts):
+            raise ValueError(f"prompts ({len(prompts)}) and drafts ({len(drafts)}) must have the same length")
+        owner, vocab = type(self).__name__, self.vocab_size
+        prompts = [token_ids(f"prompts[{i}]", p, vocab, owner) for i, p in enumerate(prompts)]
+        drafts = [token_ids(f"drafts[{i}]", d, vocab, owner) for i, d in enumerate(drafts)]
+        for i, (p, d) in enumerate(zip(prompts, drafts)):
+            if not p:
+                raise ValueError(f"prompts[{i}] is empty; a prompt needs at least one token")
+            self._check_fits(f"prompts[{i}] + drafts[{i}]", len(p) + len(d), 0)
+        return prompts, drafts
+
+    def checked_jobs(self, jobs: Sequence[Job], scored: Scored | None = None) -> list[Job]:
+        """``jobs`` with their contexts as id lists; TypeError or ValueError naming ``jobs[i]``: not a Job, a negative
+        budget, a context with bad ids or past the model's positions, a cut without ``scored``, of a row it does not
+        hold, past its draft, or with a bad token."""
+        owner, vocab, out = type(self).__name__, self.vocab_size, []
+        if scored is not None and not isinstance(scored, Scored):
+            raise TypeError(f"scored must be what this backend's score returned, got {type(scored).__name__}")
+        if scored is not None and scored.used:
+            raise ValueError("scored must come from this backend's score and be continued once")
+        for i, job in enumerate(jobs):
+            if not isinstance(job, Job):
+                raise TypeError(f"jobs[{i}] must be a Job, got {type(job).__name__}")
+            budget = check_int(f"jobs[{i}].budget", job.budget, low=0)
+            if (job.context is None) == (job.cut is None):
+                raise ValueError(f"jobs[{i}] needs exactly one of context (fresh) and cut (after a scored draft)")
+            if job.context is not None:
+                ids = token_ids(f"jobs[{i}].context", job.context, vocab, owner)
+                if not ids:
+                    raise ValueError(f"jobs[{i}].context is empty; a context needs at least one token (the prompt)")
+                self._check_fits(f"jobs[{i}].context", len(ids), budget)
+                job = dataclasses.replace(job, context=ids)
+            else:
+                cut = job.cut
+                if scored is None:
+                    raise ValueError(f"jobs[{i}] continues a cut; generate() takes fresh contexts only")
+                row = check_int(f"jobs[{i}].cut.row", cut.row)
+                if not 0 <= row < len(scored.drafts):
+                    raise ValueError(f"jobs[{i}].cut.row = {row} is not a row of scored (0..{len(scored.drafts) - 1})")
+                n = check_int(f"jobs[{i}].cut.n", cut.n)
+                if not 0 <= n <= len(scored.drafts[row]):
+                    raise ValueError(
+                        f"jobs[{i}].cut.n = {n} is outside [0, {len(scored.drafts[row])}] (the length of draft {row})"
+                    )
+                token_id(f"jobs[{i}].cut.token", cut.token, vocab, owner)
+                self._check_fits(f"jobs[{i}]", len(scored.prompts[row]) + n + 1, budget)
+            out.append(job)
+        return out
+
+    def _check_fits(self, name: str, length: int, budget: int) -> None:
+        limit = self.max_positions
+        if limit is not None and length + budget > limit:
+            parts = f"{length} tokens + a budget of {budget}" if budget else f"{length} tokens"
+            raise ValueError(
+                f"{name} needs {length + budget} positions ({parts}), past the model's max_position_embeddings="
+                f"{limit} ({type(self).__name__}); shorten it or lower the budget (for a model that takes a longer "
+                "context, e.g. by RoPE scaling, raise config.max_position_embeddings to it)"
+            )
+
+
+@dataclass
+class Policy:
+    """What a trainer hands :meth:`Backend.for_policy`: the model and its tokenizer, EOS ids and pad id, the context
+    limit, and a folder the backend may write to."""
+
+    model: Any
+    tokenizer: Any
+    eos_ids: list[int]
+    pad_id: int
+    max_model_len: int
+    workdir: Any
+
+
+def token_ids(name: str, ids, vocab_size: int | None = None, owner: str = "the model") -> list[int]:
+    """``ids`` (a sequence of ints, numpy array or 1-D integer tensor) as ints in [0, vocab_size) (None: >= 0).
+    TypeError for anything but integers (never rounded), ValueError naming ``name[j]``."""
+    if isinstance(ids, torch.Tensor):
+        if ids.dim() != 1 or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise TypeError(
+                f"{name} must be a 1-D integer tensor or a sequence of token ids, got {ids.dtype} {list(ids.shape)}"
+            )
+        values = ids.tolist()
+    elif isinstance(ids, (str, bytes)) or not (isinstance(ids, Sequence) or hasattr(ids, "tolist")):
+        raise TypeError(f"{name} must be a sequence of token ids, got {type(ids).__name__}")
+    else:
+        values = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+    if set(map(type, values)) - {int}:
+        values = [token_id(f"{name}[{j}]", t) for j, t in enumerate(values)]
+    if values and (min(values) < 0 or (vocab_size is not None and max(values) >= vocab_size)):
+        j = next(j for j, t in enumerate(values) if t < 0 or (vocab_size is not None and t >= vocab_size))
+        token_id(f"{name}[{j}]", values[j], vocab_size, owner)
+    return values
+
+
+def token_id(name: str, value, vocab_size: int | None = None, owner: str = "the model") -> int:
+    """``value`` as an int token id in [0, vocab_size); TypeError for a non-integer, ValueError outside the range."""
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{name} must be an integer token id, got {value!r}")
+    value = operator.index(value)
+    if value < 0 and vocab_size is None:
+        raise ValueError(f"{name} = {value} is negative; token ids are >= 0")
+    if value < 0 or (vocab_size is not None and value >= vocab_size):
+        raise ValueError(
+            f"{name} = {value} is outside [0, {vocab_size}) (the vocabulary of {owner}); "
+            "tokenize with the policy's own tokenizer"
+        )
+    return value
+
+
+def eos_token_ids(model, tokenizer=None) -> set[int]:
+    """The full EOS set: generation_config, config and tokenizer may each list several ids."""
+    ids: set[int] = set()
+    for src in (getattr(model, "generation_config", None), getattr(model, "config", None), tokenizer):
+        value = getattr(src, "eos_token_id", None) if src is not None else None
+        if value is None:
+            continue
+        ids.update([value] if isinstance(value, int) else (int(v) for v in value))
+    return ids
+
+
+def eos_and_pad(eos_ids, pad_id: int) -> tuple[list[int], int]:
+    """Sorted EOS ids and the pad id of a backend's constructor; ValueError without EOS ids."""
+    if not eos_ids:
+        raise ValueError("eos_ids must contain at least one end-of-sequence id (spec_rl.backends.eos_token_ids)")
+    return sorted({int(x) for x in eos_ids}), int(pad_id)
