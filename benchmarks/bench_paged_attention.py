@@ -16,7 +16,7 @@ Rows per shape:
 * copy floor: device-to-device copy of a tensor holding exactly the K/V
   bytes attention must read; its bandwidth counts bytes read + written.
 * ours: :func:`spec_rl.kernels.paged_decode_attention` with
-  ``validate=False`` (what a decode loop / CUDA graph calls), automatic
+  as a decode loop calls it, automatic
   split choice; plus forced no-split / split rows, and with the range checks
   (one host sync) for reference.
 * gather + SDPA: ``kv_cache[block_tables]`` to dense [B, kv_heads, S, D],
@@ -195,15 +195,15 @@ def run_shape(args, K, shape, dev, rec: H.RunRecord, sm_count: int) -> None:
 
     cfg = C.default_paged_attention_config(max(1, q.shape[1] // args.kv_heads), args.head_dim, kv.dtype)
     auto_splits, _ = C.plan_splits(batch, args.kv_heads, context, cfg.block_n, sm_count)
-    measure(f"ours: paged decode (auto, splits={auto_splits})", ours(max_seq_len=context, validate=False), ours=True)
-    measure("ours: no split", ours(num_splits=1, validate=False))
+    measure(f"ours: paged decode (auto, splits={auto_splits})", ours(max_seq_len=context), ours=True)
+    measure("ours: no split", ours(num_splits=1))
     if auto_splits == 1:
         forced = max(2, -(-2 * sm_count // (batch * args.kv_heads)))
-        measure(f"ours: split-K (num_splits={forced})", ours(num_splits=forced, max_seq_len=context, validate=False))
+        measure(f"ours: split-K (num_splits={forced})", ours(num_splits=forced, max_seq_len=context))
     measure("ours: auto, with range checks (1 host sync)", ours(max_seq_len=context))
     if args.sweep:
         for c in C.PAGED_ATTENTION_SWEEP:
-            measure(f"  sweep {c}", ours(max_seq_len=context, config=c, validate=False), config=str(c))
+            measure(f"  sweep {c}", ours(max_seq_len=context, config=c), config=str(c))
 
     def gather_sdpa():
         return _sdpa(q, *_gather_dense(kv, bt, context), scale)

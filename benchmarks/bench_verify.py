@@ -89,19 +89,27 @@ def test_bench_reference_philox(benchmark, inputs):
     benchmark(synced(philox_uniform, DEV), SEED, inputs["uids"].unsqueeze(1), idx)
 
 
+TRITON = VerifyOptions(mode=OPTIONS.mode, backend="triton")
+
+
 def test_bench_triton_from_logits(benchmark, inputs):
-    K = _kernels()
-    scores = DraftScores(logits=inputs["logits"])
-    benchmark(
-        synced(K.verify_padded, DEV), *_drafts(inputs), scores, seed=SEED, log_lenience=LOG_LENIENCE, temperature=1.0
-    )
+    _kernels()
+    x = inputs
+    benchmark(synced(verify_logits, DEV), *_drafts(x)[:2], x["logits"], x["lengths"], seed=SEED, options=TRITON)
 
 
 def test_bench_triton_fused_lm_head(benchmark, inputs):
-    K = _kernels()
-    scores = DraftScores(hidden_states=inputs["hidden"], lm_head_weight=inputs["weight"])
+    _kernels()
+    x = inputs
     benchmark(
-        synced(K.verify_padded, DEV), *_drafts(inputs), scores, seed=SEED, log_lenience=LOG_LENIENCE, temperature=1.0
+        synced(verify_hidden, DEV),
+        x["ids"],
+        x["old"],
+        x["hidden"],
+        x["weight"],
+        x["lengths"],
+        seed=SEED,
+        options=TRITON,
     )
 
 

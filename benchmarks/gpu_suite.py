@@ -103,8 +103,7 @@ class Suite:
     dtype: torch.dtype
     gen: torch.Generator
     ids: torch.Tensor  # [N] int64 draft tokens
-    drafts: Any  # spec_rl.kernels.PackedDrafts of ids: old log-probs, row map, uids
-    settings: dict  # seed and log lenience: the packed verify keywords
+    drafts: Any  # spec_rl.kernels.DraftRows of ids: old log-probs, (sample, token) tags, uids, seed, lenience
     rec: H.RunRecord
     hidden: dict = field(default_factory=dict)  # d -> (h [N, d], W [V, d], our row, section tag)
 
@@ -140,8 +139,11 @@ def build_suite(args, K, dev: torch.device, rec: H.RunRecord) -> Suite:
     if int(cu[-1]) != n:
         cu = torch.cat([cu, torch.tensor([n], device=dev)])
     uids = torch.arange(cu.numel() - 1, device=dev, dtype=torch.int64)
-    drafts = K.PackedDrafts.from_cu_seqlens(cu, ids, old, uids)
-    return Suite(args, K, dev, H.DTYPES[args.dtype], gen, ids, drafts, dict(seed=1234, log_lenience=0.5), rec)
+    lengths = cu[1:] - cu[:-1]
+    sample = torch.repeat_interleave(torch.arange(len(lengths), device=dev), lengths)
+    token = torch.arange(n, device=dev) - cu[:-1][sample]
+    drafts = K.DraftRows(ids, old, lengths, uids, sample.to(torch.int32), token.to(torch.int32), 1234, 0.5, 1.0, 0)
+    return Suite(args, K, dev, H.DTYPES[args.dtype], gen, ids, drafts, rec)
 
 
 def _eager_from_logits(logits, ids, temperature=1.0, chunk=EAGER_CHUNK):
@@ -202,17 +204,17 @@ def section_logits(s: Suite) -> None:
     dst = torch.empty_like(logits)
     copy = s.measure("copy logits (floor, read+write)", lambda: dst.copy_(logits), **{**tag, "bytes": 2 * logit_bytes})
     dst = None  # free the copy target
-    ours = s.measure("ours: from-logits kernel", lambda: K.verify_packed_logits(logits, s.drafts, **s.settings), **tag)
+    ours = s.measure("ours: from-logits kernel", lambda: K.verify_logits(logits, s.drafts), **tag)
     eager = s.measure("eager torch: chunked log_softmax+gather", lambda: _eager_from_logits(logits, s.ids), **tag)
     if _has_ms(ours):
-        lp_k = K.verify_packed_logits(logits, s.drafts, **s.settings).new_logprobs
+        lp_k = K.verify_logits(logits, s.drafts)[0]
         diff = (lp_k - _eager_from_logits(logits, s.ids)).abs().max()
         s.rec.check("from_logits_max_abs_diff_vs_eager_fp32", diff, FROM_LOGITS_TOL)
     if s.args.sweep:
         s.sweep(
             "from-logits",
             configs.LOGITS_SWEEP,
-            lambda cfg: K.verify_packed_logits(logits, s.drafts, config=cfg, **s.settings),
+            lambda cfg: K.verify_logits(logits, s.drafts, cfg),
             section="logits-sweep",
             bytes=logit_bytes,
         )
@@ -228,8 +230,8 @@ def section_logits(s: Suite) -> None:
 def section_hidden(s: Suite, d: int, broken: bool = False) -> None:
     """Fused LM head at hidden size d: ours vs the matmul floor and eager torch (+ the config sweep).
 
-    ``broken``: the weight gets d + 8 columns, a shape the argument checks must reject (the
-    smoke tests' deliberately failing shape).
+    ``broken``: the weight gets d + 8 columns, a shape the kernel's launcher refuses (the smoke tests'
+    deliberately failing shape).
     """
     from spec_rl.kernels import configs
 
@@ -246,14 +248,12 @@ def section_hidden(s: Suite, d: int, broken: bool = False) -> None:
     mm = s.measure(f"cuBLAS h @ W.T (floor) d={d}", lambda: torch.mm(h, w.T, out=out_buf), **tag)
     out_buf = None  # free the 5 GB matmul output
     s.free()
-    ours = s.measure(
-        f"ours: fused LM-head kernel d={d}", lambda: K.verify_packed_hidden(h, w, s.drafts, **s.settings), **tag
-    )
+    ours = s.measure(f"ours: fused LM-head kernel d={d}", lambda: K.verify_hidden(h, w, None, s.drafts), **tag)
     eager = s.measure(
         f"eager torch: matmul + chunked log_softmax d={d}", lambda: _eager_from_logits(h @ w.T, s.ids), **tag
     )
     if _has_ms(ours):
-        lp_k = K.verify_packed_hidden(h, w, s.drafts, **s.settings).new_logprobs
+        lp_k = K.verify_hidden(h, w, None, s.drafts)[0]
         w32 = w.float()
         rows = [slice(c, c + EAGER_CHUNK) for c in range(0, n, EAGER_CHUNK)]
         lp_e = torch.cat([_eager_from_logits(h[r].float() @ w32.T, s.ids[r]) for r in rows])
@@ -263,7 +263,7 @@ def section_hidden(s: Suite, d: int, broken: bool = False) -> None:
         s.sweep(
             "fused",
             configs.LM_HEAD_SWEEP,
-            lambda cfg: K.verify_packed_hidden(h, w, s.drafts, config=cfg, **s.settings),
+            lambda cfg: K.verify_hidden(h, w, None, s.drafts, config=cfg),
             section=f"{section}-sweep",
             flops=tag["flops"],
         )

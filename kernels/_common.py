@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..util.validation import invalid_scores_message
+
 
 @triton.jit
 def _interpreter_probe():
@@ -69,6 +71,28 @@ def epilogue_mode(log_lenience: float, score_only: bool = False) -> int:
     return mode.value
 
 
+def is_available(device: torch.device | str | None = None) -> bool:
+    """Whether the kernels can run on ``device`` (default: CUDA if present); CPU needs TRITON_INTERPRET=1."""
+    device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        return torch.cuda.is_available()
+    return device.type == "cpu" and INTERPRET
+
+
+def unit_stride(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def raise_if_flagged(flag: torch.Tensor, source: str, lp: torch.Tensor, tags=None) -> None:
+    """If the kernel set its flag, ValueError naming the NaN rows of ``lp`` ([B, R], or [N] with ``tags`` =
+    (row_sample, row_token)) as (sample, token), worded as the reference's. One sync."""
+    if not int(flag.item()):
+        return
+    rows = torch.nonzero(torch.isnan(lp))
+    first = rows[:8] if lp.dim() == 2 else torch.stack([tags[0][rows[:8, 0]], tags[1][rows[:8, 0]]], 1)
+    raise ValueError(invalid_scores_message(source, first.tolist(), rows.shape[0]))
+
+
 @dataclass
 class DraftRows:
     """Draft tokens of one verification launch (one per scored row) and the test's settings.
@@ -88,9 +112,13 @@ class DraftRows:
     temperature: float
     mode: int
 
-    def tensors(self) -> list[torch.Tensor]:
-        ts = (self.ids, self.old, self.lengths, self.uids, self.row_sample, self.row_token)
-        return [t for t in ts if t is not None]
+    @classmethod
+    def padded(cls, draft_ids, old_logprobs, lengths, uids, *, seed, log_lenience, temperature, score_only=False):
+        """Rows of right-padded drafts [B, R] (row r is token r % R of sample r // R)."""
+        ids, old = draft_ids.reshape(-1).contiguous(), old_logprobs.reshape(-1).contiguous()
+        mode = epilogue_mode(log_lenience, score_only)
+        lengths, uids = lengths.to(torch.int64).contiguous(), uids.to(torch.int64).contiguous()
+        return cls(ids, old, lengths, uids, None, None, seed, log_lenience, temperature, mode)
 
     def scalars(self) -> tuple:
         """Kernel scalars (k0, k1, log_l lo/hi, T lo/hi, c = log2(e) / T); an infinite log l is passed as 0."""

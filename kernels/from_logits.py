@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, NEG_FLT_MAX, DraftRows
+from ._common import FLOAT_DTYPES, INTERPRET, MODE_SCORE_ONLY, NEG_FLT_MAX, DraftRows, raise_if_flagged, unit_stride
 from .configs import LogitsConfig, default_logits_config
 from .epilogue import finish_rows
 
@@ -163,3 +163,18 @@ def launch_from_logits(logits: torch.Tensor, rows: DraftRows, config: LogitsConf
         num_warps=cfg.num_warps,
     )
     return lp, acc, n, flag
+
+
+def verify_logits(logits: torch.Tensor, rows: DraftRows, config: LogitsConfig | None = None):
+    """(new log-probs f32, accept bool, rejection index [B] int64) of ``rows`` from logits read once: packed [N, V]
+    (tagged rows; results [N]) or padded [B, R, V] (results [B, R]). ValueError naming (sample, token) where a row has
+    no distribution; NotImplementedError for a dtype the kernel does not take."""
+    if logits.dtype not in FLOAT_DTYPES:
+        raise NotImplementedError(f"Triton kernels take bf16/fp16/fp32 logits, got {logits.dtype}; use the reference")
+    logits = unit_stride(logits)
+    lp, acc, n, flag = launch_from_logits(logits, rows, config)
+    lp, acc = lp.view(logits.shape[:-1]), acc.view(logits.shape[:-1]).bool()
+    raise_if_flagged(flag, "logits", lp, None if logits.dim() == 3 else (rows.row_sample, rows.row_token))
+    if rows.mode == MODE_SCORE_ONLY.value:  # the accept buffer is unwritten
+        acc = torch.zeros_like(acc)
+    return lp, acc, n.to(torch.int64)

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import INTERPRET, NEG_FLT_MAX, DraftRows
+from ._common import FLOAT_DTYPES, INTERPRET, MODE_SCORE_ONLY, NEG_FLT_MAX, DraftRows, raise_if_flagged, unit_stride
 from .configs import LMHeadConfig, default_lm_head_config
 from .epilogue import finish_rows
 
@@ -257,3 +257,65 @@ def launch_lm_head(
         num_warps=4,
     )
     return lp, acc, n, flag
+
+
+#: How errors name the scores of the fused LM head (as the reference does).
+SOURCE = "logits (hidden_states @ lm_head_weight.T)"
+
+
+def verify_hidden(hidden, weight, bias, rows: DraftRows, *, row_offsets=None, row_align: int = 1, config=None):
+    """(new log-probs [N] f32, accept [N] bool, rejection index [B] int64) of the N tagged ``rows`` from hidden states
+    [N, d] (or any tensor addressed by ``row_offsets``) and the LM head [V, d] (+ bias [V]); logits are never formed.
+    Errors as :func:`~spec_rl.kernels.from_logits.verify_logits`."""
+    if hidden.dtype not in FLOAT_DTYPES or weight.dtype not in FLOAT_DTYPES:
+        raise NotImplementedError(
+            f"Triton kernels take bf16/fp16/fp32 hidden states and LM head, got {hidden.dtype}/{weight.dtype}; "
+            "use the reference"
+        )
+    assert hidden.shape[-1] == weight.shape[1], f"hidden [.., {hidden.shape[-1]}] vs lm_head [V, {weight.shape[1]}]"
+    hidden, weight = unit_stride(hidden), unit_stride(weight)
+    bias = bias.contiguous() if bias is not None else None
+    lp, acc, n, flag = launch_lm_head(
+        hidden, weight, bias, rows, row_offsets=row_offsets, row_align=row_align, config=config
+    )
+    raise_if_flagged(flag, SOURCE, lp, (rows.row_sample, rows.row_token))
+    acc = torch.zeros_like(acc, dtype=torch.bool) if rows.mode == MODE_SCORE_ONLY.value else acc.bool()
+    return lp, acc, n.to(torch.int64)
+
+
+def verify_hidden_padded(hidden, weight, bias, draft_ids, old_logprobs, lengths, uids, config=None, **settings):
+    """:func:`verify_hidden` of right-padded drafts [B, R] with hidden states [B, R, d]: the valid rows are read in
+    place (row offsets into ``hidden``), padding never; results [B, R], [B, R], [B]. ``settings``: seed,
+    log_lenience, temperature, score_only."""
+    valid = torch.arange(draft_ids.shape[1], device=lengths.device).unsqueeze(0) < lengths.unsqueeze(1)
+    b_idx, t_idx = valid.nonzero(as_tuple=True)
+    if hidden.stride(-1) != 1:
+        hidden = hidden.contiguous()
+    padded = DraftRows.padded(draft_ids, old_logprobs, lengths, uids, **settings)
+    rows = DraftRows(
+        draft_ids[b_idx, t_idx].contiguous(),
+        old_logprobs[b_idx, t_idx].contiguous(),
+        padded.lengths,
+        padded.uids,
+        b_idx.to(torch.int32),
+        t_idx.to(torch.int32),
+        padded.seed,
+        padded.log_lenience,
+        padded.temperature,
+        padded.mode,
+    )
+    s_b, s_t = hidden.stride(0), hidden.stride(1)
+    lp_p, acc_p, n = verify_hidden(
+        hidden,
+        weight,
+        bias,
+        rows,
+        row_offsets=(b_idx * s_b + t_idx * s_t).contiguous(),
+        row_align=offsets_alignment(hidden.element_size(), s_b, s_t),
+        config=config,
+    )
+    lp = torch.zeros(draft_ids.shape, dtype=torch.float32, device=draft_ids.device)
+    lp[b_idx, t_idx] = lp_p
+    acc = torch.zeros(draft_ids.shape, dtype=torch.bool, device=draft_ids.device)
+    acc[b_idx, t_idx] = acc_p
+    return lp, acc, n

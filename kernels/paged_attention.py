@@ -11,7 +11,6 @@ import triton
 import triton.language as tl
 
 from ._common import INTERPRET, LOG2E, NEG_FLT_MAX
-from .checks import check_block_ranges, check_paged_device, check_paged_options, validate_paged_decode
 from .configs import PagedAttentionConfig, PagedDecodePlan, plan_paged_decode, plan_splits, sm_count, splits_for
 
 
@@ -239,31 +238,24 @@ def paged_decode_attention(
     max_seq_len: int | None = None,
     num_splits: int | None = None,
     config: PagedAttentionConfig | None = None,
-    validate: bool = True,
 ) -> torch.Tensor:
-    """Decode attention of one query token per sequence over its paged K/V (docs/api.md "Kernels").
+    """Decode attention of one query token per sequence over its paged K/V (the engine's; inputs are trusted).
 
     out[b, h] = softmax(scale * q[b, h] . K[b, :seq_lens[b], h // G]) V[...], G = Hq // kv_heads (repeat_kv order).
     query: [B, Hq, D] f32/bf16/fp16, unit stride over D, its own K/V already in the cache; kv_cache: [num_blocks, 2,
-    block_size, kv_heads, D] contiguous, D <= 256 (``tl.dot`` rounds the query to its dtype); block_tables: [B,
-    max_blocks] int32, only the first ceil(seq_lens[b] / block_size) read; seq_lens: [B] int32; out: optional, like
-    query; max_seq_len: host bound of seq_lens, sizes partitions only; num_splits: None auto, 1 off, n up to n;
-    validate=False skips the range checks (one sync), e.g. in CUDA-graph capture. Deterministic given the inputs
-    and (num_splits, config); automatic choices depend on the batch size. Raises TypeError / ValueError naming the
-    argument, RuntimeError if the device has no kernels (CPU: TRITON_INTERPRET=1 before import)."""
-    validate_paged_decode(query, kv_cache, block_tables, seq_lens, scale, out, max_seq_len)
-    check_paged_device(kv_cache.device)
-    check_paged_options(num_splits, config)
-    if validate:
-        check_block_ranges(kv_cache, block_tables, seq_lens, max_seq_len)
+    block_size, kv_heads, D] contiguous, D <= 256; block_tables: [B, max_blocks] int32, only the first
+    ceil(seq_lens[b] / block_size) read; seq_lens: [B] int32; out: optional, like query; max_seq_len: host bound of
+    seq_lens, sizes partitions only; num_splits: None auto, 1 off, n up to n. Deterministic given the inputs and
+    (num_splits, config)."""
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if query.shape[0] == 0:
         return out
-    if block_tables.shape[1] == 0:  # every seq_len is 0 (checked when validate=True)
+    if block_tables.shape[1] == 0:  # every seq_len is 0
         return out.zero_()
     batch, q_heads, head_dim = query.shape
-    _, _, block_size, kv_heads, _ = kv_cache.shape
+    _, _, block_size, kv_heads, kv_dim = kv_cache.shape
+    assert q_heads % kv_heads == 0 and head_dim == kv_dim, f"query {tuple(query.shape)} vs kv_cache {kv_cache.shape}"
     plan = plan_paged_decode(
         batch,
         q_heads,

@@ -10,14 +10,16 @@ import torch
 import triton
 import triton.language as tl
 
+from ..sampling import philox as reference
 from ._common import as_i32, seed_words
 
-PHILOX_M0 = tl.constexpr(0xD2511F53)
-PHILOX_M1 = tl.constexpr(0xCD9E8D57)
-PHILOX_W0 = tl.constexpr(0x9E3779B9)
-PHILOX_W1 = tl.constexpr(0xBB67AE85)
-U24_SCALE = tl.constexpr(5.9604644775390625e-08)  # 2**-24, exact in float32: u in [2**-24, 1]
-STREAM_ACCEPT = tl.constexpr(0)  # the counter's last word for the acceptance test, as in the reference
+# The reference's constants (spec_rl/sampling/philox.py), as Triton compile-time values.
+PHILOX_M0 = tl.constexpr(reference.PHILOX_M0)
+PHILOX_M1 = tl.constexpr(reference.PHILOX_M1)
+PHILOX_W0 = tl.constexpr(reference.PHILOX_W0)
+PHILOX_W1 = tl.constexpr(reference.PHILOX_W1)
+U24_SCALE = tl.constexpr(reference.U24_SCALE)  # 2**-24, exact in float32: u in [2**-24, 1]
+STREAM_ACCEPT = tl.constexpr(reference.STREAM_ACCEPT)
 
 
 @triton.jit

@@ -119,33 +119,57 @@ def reference64(
     )
 
 
-def _packed_verify(draft_ids, old_logprobs, lengths, uids, scores: DraftScores, config, **settings):
-    """The padded drafts' valid tokens through the packed entry points under the tile ``config`` (the padded entry
-    point takes the default tiles), unpacked to (new_logprobs, accept, accepted_len) as K.verify_padded returns
-    them. Hidden states are gathered in-kernel from the padded tensor (row offsets), as the padded path does."""
+def packed_rows(draft_ids, old_logprobs, lengths, uids, **settings):
+    """The valid tokens of padded drafts [B, R] as tagged rows (sample, token index), and their (b, t) positions."""
     valid = lengths_mask(lengths, draft_ids.shape[1])
     b_idx, t_idx = valid.nonzero(as_tuple=True)
-    drafts = K.PackedDrafts(
-        draft_ids[b_idx, t_idx], old_logprobs[b_idx, t_idx], b_idx.to(torch.int32), t_idx.to(torch.int32), lengths, uids
+    padded = K.DraftRows.padded(draft_ids, old_logprobs, lengths, uids, **settings)
+    rows = K.DraftRows(
+        draft_ids[b_idx, t_idx].contiguous(),
+        old_logprobs[b_idx, t_idx].contiguous(),
+        padded.lengths,
+        padded.uids,
+        b_idx.to(torch.int32),
+        t_idx.to(torch.int32),
+        padded.seed,
+        padded.log_lenience,
+        padded.temperature,
+        padded.mode,
     )
+    return rows, (b_idx, t_idx)
+
+
+def _packed_verify(draft_ids, old_logprobs, lengths, uids, scores: DraftScores, config, **settings):
+    """The padded drafts' valid tokens through the packed launchers under the tile ``config``, unpacked to
+    (new_logprobs, accept, accepted_len) as the padded ones return them."""
+    rows, (b_idx, t_idx) = packed_rows(draft_ids, old_logprobs, lengths, uids, **settings)
     if scores.logits is not None:
-        out = K.verify_packed_logits(scores.logits[b_idx, t_idx], drafts, config=config, **settings)
+        lp_p, acc_p, n = K.verify_logits(scores.logits[b_idx, t_idx], rows, config)
     else:
-        hidden = scores.hidden_states
-        if hidden.stride(-1) == 1 and valid.any():  # a [1, d] view at the tensor's start: rows by offset
-            drafts.row_offsets = b_idx * hidden.stride(0) + t_idx * hidden.stride(1)
-            hidden = hidden[0, :1]
-        else:
-            hidden = hidden[b_idx, t_idx]
-        out = K.verify_packed_hidden(
-            hidden, scores.lm_head_weight, drafts, lm_head_bias=scores.lm_head_bias, config=config, **settings
+        lp_p, acc_p, n = K.verify_hidden(
+            scores.hidden_states[b_idx, t_idx], scores.lm_head_weight, scores.lm_head_bias, rows, config=config
         )
     lp = torch.zeros(draft_ids.shape, dtype=torch.float32, device=draft_ids.device)
-    lp[b_idx, t_idx] = out.new_logprobs
+    lp[b_idx, t_idx] = lp_p
     accept = torch.zeros(draft_ids.shape, dtype=torch.bool, device=draft_ids.device)
-    if out.accept is not None:
-        accept[b_idx, t_idx] = out.accept
-    return lp, accept, out.accepted_len
+    accept[b_idx, t_idx] = acc_p
+    return lp, accept, n
+
+
+def _padded_verify(draft_ids, old_logprobs, lengths, uids, scores: DraftScores, **settings):
+    if scores.logits is not None:
+        rows = K.DraftRows.padded(draft_ids, old_logprobs, lengths, uids, **settings)
+        return K.verify_logits(scores.logits, rows)
+    return K.verify_hidden_padded(
+        scores.hidden_states,
+        scores.lm_head_weight,
+        scores.lm_head_bias,
+        draft_ids,
+        old_logprobs,
+        lengths,
+        uids,
+        **settings,
+    )
 
 
 def kernel_verify(
@@ -165,15 +189,15 @@ def kernel_verify(
     """The kernels' verification packed as a VerifyResult the way the verify functions' triton backend does.
 
     ``sources``: the score source (logits= or hidden_states= with lm_head_weight=/lm_head_bias=). ``config``: a
-    tile override (LogitsConfig or LMHeadConfig), which the packed entry points take; without it K.verify_padded
-    runs. A rule without a kernel switch (random reuse) scores only and decides with its own torch code.
+    tile override (LogitsConfig or LMHeadConfig) for the packed launchers; without it the padded ones run. A rule
+    without a kernel switch (random reuse) scores only and decides with its own torch code.
     """
     scores = DraftScores(**sources)
     decider = rule_mode(rule, math.exp(log_lenience)).rule
     score_only = decider.kernel_switch() is None
     settings = dict(seed=seed, log_lenience=log_lenience, temperature=temperature, score_only=score_only)
     if config is None:
-        lp, accept, n = K.verify_padded(draft_ids, old_logprobs, lengths, uids, scores, **settings)
+        lp, accept, n = _padded_verify(draft_ids, old_logprobs, lengths.to(draft_ids.device), uids, scores, **settings)
     else:
         lp, accept, n = _packed_verify(
             draft_ids, old_logprobs, lengths.to(draft_ids.device), uids, scores, config, **settings
@@ -203,6 +227,7 @@ __all__ = [
     "assert_same_decisions",
     "far_from_ties_old_logprobs",
     "kernel_verify",
+    "packed_rows",
     "lengths_mask",
     "math",
     "reference64",

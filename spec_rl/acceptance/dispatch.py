@@ -217,17 +217,15 @@ def _verify_triton(c: _Checked, seed: int, options: VerifyOptions) -> VerifyResu
     rule, switch = options.rule, options.rule.kernel_switch()
     log_l, reads_old = switch if switch is not None else (0.0, True)
     old = c.old_logprobs if reads_old else torch.zeros_like(c.old_logprobs)
-    lp_new, accept, n = kernels.verify_padded(
-        c.draft_ids,
-        old,
-        c.lengths,
-        c.uids,
-        c.scores,
-        seed=seed,
-        log_lenience=log_l,
-        temperature=options.sampling.temperature,
-        score_only=switch is None,
-    )
+    settings = dict(seed=seed, log_lenience=log_l, temperature=options.sampling.temperature, score_only=switch is None)
+    s = c.scores
+    if s.logits is not None:
+        rows = kernels.DraftRows.padded(c.draft_ids, old, c.lengths, c.uids, **settings)
+        lp_new, accept, n = kernels.verify_logits(s.logits, rows)
+    else:
+        lp_new, accept, n = kernels.verify_hidden_padded(
+            s.hidden_states, s.lm_head_weight, s.lm_head_bias, c.draft_ids, old, c.lengths, c.uids, **settings
+        )
     if switch is None:  # the kernels scored; the rule decides in torch
         accept, n = rule.decide(lp_new, c.old_logprobs, c.lengths, seed, c.uids)
     return make_result(lp_new, n, accept, c.lengths, options.return_accept_mask)

@@ -30,7 +30,7 @@ STREAM_SAMPLE = 2
 SEED_SALT_CONTINUATION = 0x5EED
 
 _MASK32 = 0xFFFFFFFF
-_U24_SCALE = 2.0**-24
+U24_SCALE = 2.0**-24
 
 
 def _mulhilo32(a: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,7 +78,7 @@ def _as_u64_words(value: int | torch.Tensor, device: torch.device) -> tuple[torc
 
 def bits_to_uniform(x0: torch.Tensor) -> torch.Tensor:
     """uint32 words (int64 storage) to float32 uniforms ``((x0 >> 8) + 1) * 2**-24`` in (0, 1], exact."""
-    return ((x0 >> 8) + 1).to(torch.float32) * _U24_SCALE
+    return ((x0 >> 8) + 1).to(torch.float32) * U24_SCALE
 
 
 def _words(seed: int, uids: torch.Tensor, token_index: torch.Tensor, stream: int) -> tuple[torch.Tensor, ...]:

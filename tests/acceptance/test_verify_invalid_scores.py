@@ -120,22 +120,29 @@ def test_many_bad_positions_are_listed_with_their_count():
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="triton kernels not runnable here")
-def test_packed_kernels_name_the_rows_of_an_invalid_distribution():
+def test_tagged_kernel_rows_are_named_by_sample_and_token():
     ids, old, hidden, weight = _drafts()
     logits = (hidden @ weight.T).reshape(B * R, V).to(DEVICE)
     logits[6] = float("-inf")  # sample 1, token 2
-    cu_seqlens = torch.tensor([0, 4, 8, 12], device=DEVICE)
-    drafts = kernels.PackedDrafts.from_cu_seqlens(
-        cu_seqlens, ids.reshape(-1).to(DEVICE), old.reshape(-1).to(DEVICE), torch.arange(B, device=DEVICE)
+    tags = torch.arange(B * R, device=DEVICE)
+    rows = kernels.DraftRows(
+        ids.reshape(-1).to(DEVICE),
+        old.reshape(-1).to(DEVICE),
+        torch.full((B,), R, device=DEVICE),
+        torch.arange(B, device=DEVICE),
+        (tags // R).to(torch.int32),
+        (tags % R).to(torch.int32),
+        1,
+        0.0,
+        1.0,
+        0,
     )
     with pytest.raises(ValueError, match=re.escape("(sample, token): (1, 2)")):
-        kernels.verify_packed_logits(logits, drafts, seed=1, log_lenience=0.0)
+        kernels.verify_logits(logits, rows)
     h = hidden.reshape(B * R, D).clone().to(DEVICE)
     h[6] = float("-inf")
     with pytest.raises(ValueError, match=re.escape("(sample, token): (1, 2)")):
-        kernels.verify_packed_hidden(h, weight.abs().to(DEVICE) + 0.1, drafts, seed=1, log_lenience=0.0)
-    with pytest.raises(ValueError, match=re.escape("(sample, token): (0, 6): " + NO_DISTRIBUTION)):  # row 6
-        kernels.logprobs_from_logits(logits, ids.reshape(-1).to(DEVICE))
+        kernels.verify_hidden(h, weight.abs().to(DEVICE) + 0.1, None, rows)
 
 
 # ------------------------------------------------------------------ no autograd graph (V80)

@@ -77,7 +77,7 @@ def test_paged_attention_benchmark_fails_on_a_broken_shape(tmp_path, monkeypatch
     assert bench_paged_attention.main(args) == 1
     record = json.loads(out.read_text())
     assert record["status"] == "failed"
-    assert any(f.startswith("ours: no split: ValueError") and "multiple of kv_cache" in f for f in record["failures"])
+    assert any(f.startswith("ours: no split: AssertionError") for f in record["failures"]), record["failures"]
     assert all("error" not in r for r in record["rows"] if r["section"] == "B=2 ctx=40")  # the good shape still ran
 
 
@@ -94,7 +94,7 @@ def test_verification_suite_orders_ours_first_and_fails_on_a_broken_shape(tmp_pa
     monkeypatch.setenv("SPEC_RL_FAULT", _harness.broken_shape_fault("gpu_suite"))
     assert gpu_suite.main([*SUITE_ARGS, "--skip-competitors", "--json", str(out)]) == 1
     failures = json.loads(out.read_text())["failures"]
-    assert any(f.startswith("ours: fused LM-head kernel d=64: ValueError") for f in failures), failures
+    assert any(f.startswith("ours: fused LM-head kernel d=64: AssertionError") for f in failures), failures
 
 
 def test_run_record_fails_on_a_check_beyond_its_bound_or_nan(tmp_path):

@@ -1,4 +1,5 @@
-"""Public API of spec_rl.kernels: packed entry points, score-only helpers, dispatch contract."""
+"""The kernels' launchers (the layer under the verify functions): tagged rows and padded drafts agree, padding is
+never read, score-only launches, the triton backend's contract."""
 
 from __future__ import annotations
 
@@ -6,11 +7,20 @@ import math
 
 import pytest
 import torch
-from _kernel_helpers import DEVICE, HIDDEN_ATOL, LOGITS_ATOL, K, assert_lp_close, kernel_verify, reference64
+from _kernel_helpers import (
+    DEVICE,
+    HIDDEN_ATOL,
+    LOGITS_ATOL,
+    K,
+    assert_lp_close,
+    kernel_verify,
+    packed_rows,
+    reference64,
+)
 from modes import rule_mode
 
 from spec_rl.acceptance.dispatch import VerifyOptions, verify_logits, verify_logprobs
-from spec_rl.acceptance.reference import lengths_mask, reference_verify
+from spec_rl.acceptance.reference import reference_verify
 from spec_rl.acceptance.scores import DraftScores
 from spec_rl.sampling.distribution import SamplingSettings, token_logprobs
 
@@ -30,120 +40,81 @@ def _padded_case(gen_seed=0, vocab=120, d=24):
     return dict(logits=logits, hidden=hidden, weight=weight, ids=ids, old=old, lengths=lengths, uids=uids)
 
 
-def _pack(c):
-    valid = lengths_mask(c["lengths"], c["ids"].shape[1])
-    cu = torch.zeros(len(c["lengths"]) + 1, dtype=torch.int64)
-    cu[1:] = torch.cumsum(c["lengths"], 0)
-    return valid, cu
-
-
-def test_rows_from_cu_seqlens():
-    cu = torch.tensor([0, 3, 3, 5], device=DEVICE)
-    row_sample, row_token, lengths = K.rows_from_cu_seqlens(cu)
-    assert row_sample.cpu().tolist() == [0, 0, 0, 2, 2]
-    assert row_token.cpu().tolist() == [0, 1, 2, 0, 1]
-    assert lengths.cpu().tolist() == [3, 0, 2]
-    with pytest.raises(ValueError):
-        K.rows_from_cu_seqlens(torch.tensor([1, 3]))
-    with pytest.raises(ValueError):
-        K.rows_from_cu_seqlens(torch.tensor([0, 3, 2]))
-    ids, old, uids = torch.arange(5, device=DEVICE), torch.zeros(5, device=DEVICE), torch.arange(3, device=DEVICE)
-    drafts = K.PackedDrafts.from_cu_seqlens(cu, ids, old, uids, row_offsets_multiple_of=4)
-    assert drafts.row_sample.cpu().tolist() == [0, 0, 0, 2, 2] and drafts.row_token.cpu().tolist() == [0, 1, 2, 0, 1]
-    assert drafts.lengths.cpu().tolist() == [3, 0, 2] and drafts.row_offsets_multiple_of == 4
-    assert drafts.draft_ids is ids and drafts.old_logprobs is old and drafts.uids is uids
+def _on(c, *keys):
+    return [c[k].to(DEVICE) for k in keys]
 
 
 @pytest.mark.parametrize("source", ["logits", "hidden"])
-def test_packed_equals_padded(source):
+def test_packed_rows_equal_padded_rows(source):
     c = _padded_case(1)
-    valid, cu = _pack(c)
-    ids_p, old_p = c["ids"][valid].to(DEVICE), c["old"][valid].to(DEVICE)
-    drafts = K.PackedDrafts.from_cu_seqlens(cu.to(DEVICE), ids_p, old_p, c["uids"].to(DEVICE))
-    common = dict(seed=99, log_lenience=0.4, temperature=0.8)
+    ids, old, lengths, uids = _on(c, "ids", "old", "lengths", "uids")
+    settings = dict(seed=99, log_lenience=0.4, temperature=0.8)
+    rows, (b, t) = packed_rows(ids, old, lengths, uids, **settings)
     if source == "logits":
-        packed = K.verify_packed_logits(c["logits"][valid].to(DEVICE), drafts, **common)
-        padded = kernel_verify(
-            c["ids"].to(DEVICE),
-            c["old"].to(DEVICE),
-            c["lengths"].to(DEVICE),
-            seed=99,
-            uids=c["uids"].to(DEVICE),
-            log_lenience=0.4,
-            temperature=0.8,
-            logits=c["logits"].to(DEVICE),
-            return_accept_mask=True,
-        )
+        packed = K.verify_logits(c["logits"].to(DEVICE)[b, t], rows)
+        padded = K.verify_logits(c["logits"].to(DEVICE), K.DraftRows.padded(ids, old, lengths, uids, **settings))
     else:
-        packed = K.verify_packed_hidden(c["hidden"][valid].to(DEVICE), c["weight"].to(DEVICE), drafts, **common)
-        padded = kernel_verify(
-            c["ids"].to(DEVICE),
-            c["old"].to(DEVICE),
-            c["lengths"].to(DEVICE),
-            seed=99,
-            uids=c["uids"].to(DEVICE),
-            log_lenience=0.4,
-            temperature=0.8,
-            hidden_states=c["hidden"].to(DEVICE),
-            lm_head_weight=c["weight"].to(DEVICE),
-            return_accept_mask=True,
-        )
-    assert torch.equal(packed.new_logprobs.cpu(), padded.new_logprobs.cpu()[valid])
-    assert torch.equal(packed.accept.cpu(), padded.accept_mask.cpu()[valid])
-    assert torch.equal(packed.accepted_len.cpu(), padded.accepted_len.cpu())
+        hidden, weight = _on(c, "hidden", "weight")
+        packed = K.verify_hidden(hidden[b, t], weight, None, rows)
+        padded = K.verify_hidden_padded(hidden, weight, None, ids, old, lengths, uids, **settings)
+    assert torch.equal(packed[0].cpu(), padded[0].cpu()[b.cpu(), t.cpu()])
+    assert torch.equal(packed[1].cpu(), padded[1].cpu()[b.cpu(), t.cpu()])
+    assert torch.equal(packed[2].cpu(), padded[2].cpu())
 
 
-def test_packed_padding_rows_are_skipped():
+def test_padding_rows_are_skipped():
     c = _padded_case(2)
-    valid, cu = _pack(c)
-    row_sample, row_token, lengths = K.rows_from_cu_seqlens(cu)
-    logits = c["logits"][valid]
-    n = logits.shape[0]
-    # Interleave padding rows (sample -1) full of NaN.
-    big = torch.full((2 * n, logits.shape[1]), float("nan"))
+    ids, old, lengths, uids = _on(c, "ids", "old", "lengths", "uids")
+    settings = dict(seed=3, log_lenience=1.0, temperature=1.0)
+    dense, (b, t) = packed_rows(ids, old, lengths, uids, **settings)
+    n = dense.ids.shape[0]
+    logits = c["logits"].to(DEVICE)[b, t]
+    big = torch.full((2 * n, logits.shape[1]), float("nan"), device=DEVICE)  # padding rows (sample -1) of NaN
     big[::2] = logits
-    rs = torch.full((2 * n,), -1, dtype=torch.int32)
-    rs[::2] = row_sample
-    rt = torch.zeros(2 * n, dtype=torch.int32)
-    rt[::2] = row_token
-    ids = torch.zeros(2 * n, dtype=torch.int64)
-    ids[::2] = c["ids"][valid]
-    old = torch.zeros(2 * n)
-    old[::2] = c["old"][valid]
-    lengths, uids = lengths.to(DEVICE), c["uids"].to(DEVICE)
-    dense = K.PackedDrafts(
-        c["ids"][valid].to(DEVICE),
-        c["old"][valid].to(DEVICE),
-        row_sample.to(DEVICE),
-        row_token.to(DEVICE),
-        lengths,
-        uids,
-    )
-    padded = K.PackedDrafts(ids.to(DEVICE), old.to(DEVICE), rs.to(DEVICE), rt.to(DEVICE), lengths, uids)
-    ref = K.verify_packed_logits(logits.to(DEVICE), dense, seed=3, log_lenience=1.0)
-    out = K.verify_packed_logits(big.to(DEVICE), padded, seed=3, log_lenience=1.0)
-    assert torch.equal(out.new_logprobs.cpu()[::2], ref.new_logprobs.cpu())
-    assert bool((out.new_logprobs.cpu()[1::2] == 0).all()) and not bool(out.accept.cpu()[1::2].any())
-    assert torch.equal(out.accepted_len.cpu(), ref.accepted_len.cpu())
+    rs = torch.full((2 * n,), -1, dtype=torch.int32, device=DEVICE)
+    rs[::2] = dense.row_sample
+    rt = torch.zeros(2 * n, dtype=torch.int32, device=DEVICE)
+    rt[::2] = dense.row_token
+    spread = torch.zeros(2 * n, dtype=torch.int64, device=DEVICE)
+    spread[::2] = dense.ids
+    spread_old = torch.zeros(2 * n, device=DEVICE)
+    spread_old[::2] = dense.old
+    padded = K.DraftRows(spread, spread_old, dense.lengths, dense.uids, rs, rt, 3, 1.0, 1.0, dense.mode)
+    ref = K.verify_logits(logits, dense)
+    out = K.verify_logits(big, padded)
+    assert torch.equal(out[0].cpu()[::2], ref[0].cpu())
+    assert bool((out[0].cpu()[1::2] == 0).all()) and not bool(out[1].cpu()[1::2].any())
+    assert torch.equal(out[2].cpu(), ref[2].cpu())
 
 
-def test_score_only_helpers_match_reference_token_logprobs():
+def test_score_only_rows_match_reference_token_logprobs():
     c = _padded_case(3)
-    logits = c["logits"].reshape(-1, c["logits"].shape[-1])
-    ids = c["ids"].reshape(-1)
-    lp = K.logprobs_from_logits(logits.to(DEVICE), ids.to(DEVICE), temperature=0.6).cpu()
-    assert_lp_close(lp, token_logprobs(logits, ids, 0.6, dtype=torch.float64), LOGITS_ATOL)
-    hidden = c["hidden"].reshape(-1, c["hidden"].shape[-1])
-    bias = torch.randn(c["weight"].shape[0])
-    lp_h = K.logprobs_from_hidden(
-        hidden.to(DEVICE), c["weight"].to(DEVICE), ids.to(DEVICE), lm_head_bias=bias.to(DEVICE), temperature=1.3
-    ).cpu()
-    ref_logits = hidden.double() @ c["weight"].double().T + bias.double()
-    assert_lp_close(lp_h, token_logprobs(ref_logits, ids, 1.3, dtype=torch.float64), HIDDEN_ATOL)
-    with pytest.raises(ValueError, match="NaN"):
-        bad = logits.clone()
-        bad[3, 5] = float("nan")
-        K.logprobs_from_logits(bad.to(DEVICE), ids.to(DEVICE))
+    lengths = torch.full((4,), 6)
+    ids, old, uids = _on(c, "ids", "old", "uids")
+    rows = K.DraftRows.padded(
+        ids, old, lengths.to(DEVICE), uids, seed=0, log_lenience=0.0, temperature=0.6, score_only=True
+    )
+    lp, accept, n = K.verify_logits(c["logits"].to(DEVICE), rows)
+    want = token_logprobs(c["logits"], c["ids"], 0.6, dtype=torch.float64)
+    assert_lp_close(lp.cpu(), want, LOGITS_ATOL)
+    assert not bool(accept.any()) and n.cpu().tolist() == [6] * 4  # score only: no decisions
+    bias = torch.randn(c["weight"].shape[0]).to(DEVICE)
+    hidden, weight = _on(c, "hidden", "weight")
+    lp_h, _, _ = K.verify_hidden_padded(
+        hidden,
+        weight,
+        bias,
+        ids,
+        old,
+        lengths.to(DEVICE),
+        uids,
+        seed=0,
+        log_lenience=0.0,
+        temperature=1.3,
+        score_only=True,
+    )
+    ref_logits = c["hidden"].double() @ c["weight"].double().T + bias.cpu().double()
+    assert_lp_close(lp_h.cpu(), token_logprobs(ref_logits, c["ids"], 1.3, dtype=torch.float64), HIDDEN_ATOL)
 
 
 def test_new_logprobs_source_is_the_reference():
@@ -169,7 +140,7 @@ def test_new_logprobs_source_is_the_reference():
         assert torch.equal(out.new_logprobs.cpu(), ref.new_logprobs)
 
 
-def test_top_k_top_p_not_implemented_and_bad_arguments():
+def test_top_k_top_p_and_other_dtypes_are_not_implemented():
     c = _padded_case(5)
     ids, old, lengths, uids = (c[k].to(DEVICE) for k in ("ids", "old", "lengths", "uids"))
     logits = c["logits"].to(DEVICE)
@@ -178,13 +149,6 @@ def test_top_k_top_p_not_implemented_and_bad_arguments():
             verify_logits(
                 ids, old, logits, lengths, uids=uids, options=VerifyOptions(backend="triton", sampling=sampling)
             )
-    with pytest.raises(ValueError, match="mode must be one of"):
-        VerifyOptions(mode="greedy", backend="triton")
-    padded = dict(seed=0, log_lenience=0.0, temperature=1.0)
-    with pytest.raises(ValueError, match="exactly one"):
-        K.verify_padded(ids, old, lengths, uids, DraftScores(), **padded)
-    with pytest.raises(NotImplementedError):
-        K.verify_padded(ids, old, lengths, uids, DraftScores(logits=c["logits"].double().to(DEVICE)), **padded)
     with pytest.raises(NotImplementedError):  # the verify functions do not fall back when triton is asked for
         verify_logits(ids, old, c["logits"].double().to(DEVICE), lengths, options=VerifyOptions(backend="triton"))
     with pytest.raises(ValueError, match="block_v"):
@@ -216,25 +180,11 @@ def test_is_available_and_fp32_reference_agreement():
     assert_lp_close(out.new_logprobs, ref.new_logprobs, LOGITS_ATOL)
 
 
-def test_packed_hidden_with_row_offsets_gathers_rows_without_copy():
+def test_hidden_rows_addressed_by_offsets_are_read_in_place():
     c = _padded_case(7, d=32)
-    valid, cu = _pack(c)
-    hidden = c["hidden"].to(DEVICE)  # [B, T, d] contiguous
-    b_idx, t_idx = valid.nonzero(as_tuple=True)
-    offsets = (b_idx * hidden.stride(0) + t_idx * hidden.stride(1)).to(DEVICE)
-    ids, old, uids = c["ids"][valid].to(DEVICE), c["old"][valid].to(DEVICE), c["uids"].to(DEVICE)
-    kw = dict(seed=4, log_lenience=0.7)
-
-    def drafts(**extra):
-        return K.PackedDrafts.from_cu_seqlens(cu.to(DEVICE), ids, old, uids, **extra)
-
-    gathered = K.verify_packed_hidden(
-        hidden.view(-1, 32), c["weight"].to(DEVICE), drafts(row_offsets=offsets, row_offsets_multiple_of=8), **kw
-    )
-    copied = K.verify_packed_hidden(hidden[valid.to(DEVICE)], c["weight"].to(DEVICE), drafts(), **kw)
-    assert torch.equal(gathered.new_logprobs.cpu(), copied.new_logprobs.cpu())
-    assert torch.equal(gathered.accepted_len.cpu(), copied.accepted_len.cpu())
-    with pytest.raises(ValueError, match="power of two"):
-        K.verify_packed_hidden(
-            hidden.view(-1, 32), c["weight"].to(DEVICE), drafts(row_offsets=offsets, row_offsets_multiple_of=3), **kw
-        )
+    ids, old, lengths, uids, hidden, weight = _on(c, "ids", "old", "lengths", "uids", "hidden", "weight")
+    rows, (b, t) = packed_rows(ids, old, lengths, uids, seed=4, log_lenience=0.7, temperature=1.0)
+    offsets = (b * hidden.stride(0) + t * hidden.stride(1)).contiguous()
+    gathered = K.verify_hidden(hidden.view(-1, 32), weight, None, rows, row_offsets=offsets, row_align=8)
+    copied = K.verify_hidden(hidden[b, t], weight, None, rows)
+    assert torch.equal(gathered[0].cpu(), copied[0].cpu()) and torch.equal(gathered[2].cpu(), copied[2].cpu())

@@ -203,14 +203,12 @@ def test_split_k_matches_single_pass(dtype):
 
 
 def test_split_partitions_cover_everything_whatever_max_seq_len():
-    """max_seq_len only sizes partitions: an underestimate (validate=False) still attends to every token."""
+    """max_seq_len only sizes partitions: an underestimate still attends to every token."""
     q, kv, bt, sl = make_case([150, 9], 2, 1, 32, 16, seed=5)
     ref = reference64(q, kv, bt, sl, 0.3)
     cfg = PagedAttentionConfig(block_n=16)
-    out = paged_decode_attention(q, kv, bt, sl, 0.3, config=cfg, num_splits=4, max_seq_len=40, validate=False)
+    out = paged_decode_attention(q, kv, bt, sl, 0.3, config=cfg, num_splits=4, max_seq_len=40)
     assert_close(out, ref, kv, torch.float32)
-    with pytest.raises(ValueError, match="max_seq_len"):
-        paged_decode_attention(q, kv, bt, sl, 0.3, config=cfg, num_splits=4, max_seq_len=40)
 
 
 def test_automatic_split_on_small_batch_long_context():
@@ -275,70 +273,15 @@ def test_plan_splits_rule():
     assert splits_for(1, 0, 16) == (1, 16)
 
 
-def _valid():
-    return make_case([5, 17], 4, 2, 32, 16, seed=1)
-
-
-def _bad(**change):
-    q, kv, bt, sl = _valid()
-    args = {"query": q, "kv_cache": kv, "block_tables": bt, "seq_lens": sl, "scale": 0.1}
-    for k, v in change.items():
-        args[k] = v(args[k]) if callable(v) else v
-    return args
-
-
-@pytest.mark.parametrize(
-    "change, exc, words",
-    [
-        ({"query": lambda q: q[0]}, ValueError, "query must be 3-D"),
-        ({"query": lambda q: q.int()}, TypeError, "query dtype"),
-        ({"query": lambda q: q[:, :3]}, ValueError, "multiple of kv_cache's 2 kv heads"),
-        ({"query": lambda q: q[:, :, :16]}, ValueError, "head_dim 16 does not match"),
-        ({"query": lambda q: q[:1]}, ValueError, "block_tables has 2 rows"),
-        ({"kv_cache": lambda kv: kv[:, 0]}, ValueError, "kv_cache must be 5-D"),
-        ({"kv_cache": lambda kv: kv[..., :16].contiguous()}, ValueError, "does not match kv_cache head_dim 16"),
-        ({"kv_cache": lambda kv: kv.transpose(3, 4)}, ValueError, "kv_cache must be contiguous"),
-        ({"kv_cache": lambda kv: kv.int()}, TypeError, "kv_cache dtype"),
-        ({"block_tables": lambda bt: bt.long()}, TypeError, "block_tables must be int32"),
-        ({"seq_lens": lambda sl: sl.long()}, TypeError, "seq_lens must be int32"),
-        ({"seq_lens": lambda sl: sl[:1]}, ValueError, "seq_lens has shape"),
-        ({"seq_lens": lambda sl: sl * 0 + 10_000}, ValueError, "seq_lens must be <= max_blocks * block_size"),
-        ({"seq_lens": lambda sl: sl - 6}, ValueError, "seq_lens must be >= 0"),
-        ({"block_tables": lambda bt: torch.where(bt == bt[1, 1], 10_000, bt)}, ValueError, "block_tables[1, 1]"),
-        ({"block_tables": lambda bt: torch.where(bt == bt[0, 0], -3, bt)}, ValueError, "block_tables[0, 0] = -3"),
-        ({"scale": float("nan")}, ValueError, "scale must be a finite"),
-        ({"scale": torch.tensor(0.1)}, ValueError, "scale must be a finite"),
-    ],
-)
-def test_bad_arguments_raise_naming_the_argument(change, exc, words):
-    with pytest.raises(exc) as info:
-        paged_decode_attention(**_bad(**change))
-    assert words in str(info.value)
-
-
-def test_bad_out_and_options():
-    q, kv, bt, sl = _valid()
-    with pytest.raises(ValueError, match="out must match query"):
-        paged_decode_attention(q, kv, bt, sl, 0.1, out=torch.empty(2, 4, 32, dtype=torch.float16, device=DEVICE))
-    with pytest.raises(ValueError, match="num_splits"):
-        paged_decode_attention(q, kv, bt, sl, 0.1, num_splits=0)
-    with pytest.raises(ValueError, match="max_seq_len"):
-        paged_decode_attention(q, kv, bt, sl, 0.1, max_seq_len=-1)
+def test_bad_configs_are_refused():
     with pytest.raises(ValueError, match="block_n"):
         PagedAttentionConfig(block_n=24)
     with pytest.raises(ValueError, match="tl.dot minimum"):
         PagedAttentionConfig(block_n=8, use_dot=True)
-    with pytest.raises(ValueError, match="head_dim must be in"):
-        big = torch.zeros(1, 2, 16, 1, 512, device=DEVICE)
-        paged_decode_attention(torch.zeros(1, 1, 512, device=DEVICE), big, bt[:1], sl[:1] * 0, 0.1)
-    if DEVICE.type == "cuda":
-        with pytest.raises(ValueError, match="kv_cache is on"):
-            paged_decode_attention(q, kv, bt.cpu(), sl, 0.1)
 
 
-def test_unused_table_entries_are_not_checked_or_read():
-    # entries past a sequence's last block are padding (-1 / num_blocks + 7 from make_case); a
-    # block id out of range in a *used* entry is an error (test above), here everything else passes
+def test_unused_table_entries_are_not_read():
+    # entries past a sequence's last block are padding (-1 / num_blocks + 7 from make_case)
     q, kv, bt, sl = make_case([16, 3], 2, 1, 32, 16, seed=4, pad_cols=3)
     assert bool((bt[:, 1:] < 0).any()) and bool((bt[:, 1:] >= kv.shape[0]).any())
     out = paged_decode_attention(q, kv, bt, sl, 0.2)

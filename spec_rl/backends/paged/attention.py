@@ -64,15 +64,8 @@ def paged_attention_forward(
     q = query[0].transpose(0, 1)  # [T, Hq, D]
     scale = float(scaling) if scaling is not None else q.shape[-1] ** -0.5
     if batch.decode_kernel is not None:
-        # build_batch checked the tables' ranges on the host.
         out = batch.decode_kernel(
-            q.contiguous(),
-            cache,
-            batch.block_tables,
-            batch.kv_lens_i32,
-            scale,
-            max_seq_len=batch.max_kv,
-            validate=False,
+            q.contiguous(), cache, batch.block_tables, batch.kv_lens_i32, scale, max_seq_len=batch.max_kv
         )
         return out.to(query.dtype).unsqueeze(0), None
     keys, values = ops.gather_kv(cache, batch.block_tables, batch.kv_lens, batch.max_kv)
