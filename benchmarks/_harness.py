@@ -271,9 +271,8 @@ def kernels_for(device: torch.device | str, script: str):
     return K
 
 
-#: The tests of the smoke run arm a failing shape with the fault variable (spec_rl/util/faults.py), whose kill points
-#: are never named so: ``SPEC_RL_FAULT="broken-shape:<script>[,<script>...]"`` makes each named benchmark script add
-#: one shape that must fail.
+#: The tests of the smoke run arm a failing shape with ``SPEC_RL_FAULT="broken-shape:<script>[,<script>...]"``: each
+#: named benchmark script adds one shape that must fail.
 BROKEN_SHAPE = "broken-shape:"
 
 
@@ -284,9 +283,7 @@ def broken_shape_fault(*scripts: str) -> str:
 
 def broken_shape_requested(script: str) -> bool:
     """True when ``SPEC_RL_FAULT`` is a :data:`BROKEN_SHAPE` value naming ``script`` (e.g. "bench_paged_attention")."""
-    from spec_rl.util.faults import ENV
-
-    armed = os.environ.get(ENV, "")
+    armed = os.environ.get("SPEC_RL_FAULT", "")
     return armed.startswith(BROKEN_SHAPE) and script in armed[len(BROKEN_SHAPE) :].replace(" ", "").split(",")
 
 

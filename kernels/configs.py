@@ -19,12 +19,8 @@ class LogitsConfig:
     block_r: int = 1
 
     def __post_init__(self) -> None:
-        if self.block_v < 16 or self.block_v & (self.block_v - 1):
-            raise ValueError(f"block_v must be a power of two >= 16, got {self.block_v}")
-        if self.block_r < 1 or self.block_r & (self.block_r - 1):
-            raise ValueError(f"block_r must be a power of two >= 1, got {self.block_r}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
+        assert _pow2(self.block_v, 16) and _pow2(self.block_r, 1), f"block_v, block_r must be powers of two: {self}"
+        assert self.num_warps in (1, 2, 4, 8, 16), self
 
 
 @dataclass(frozen=True)
@@ -41,18 +37,19 @@ class LMHeadConfig:
     flatten: bool = False  # tl.range(flatten=True): pipeline across vocab tiles
 
     def __post_init__(self) -> None:
-        for name in ("block_m", "block_n", "block_k", "merge_block"):
-            v = getattr(self, name)
-            if v < 16 or v & (v - 1):
-                raise ValueError(f"{name} must be a power of two >= 16 (tl.dot minimum), got {v}")
-        if self.target_splits < 1:
-            raise ValueError(f"target_splits must be >= 1, got {self.target_splits}")
+        tiles = (self.block_m, self.block_n, self.block_k, self.merge_block)
+        assert all(_pow2(v, 16) for v in tiles), f"tiles must be powers of two >= 16 (tl.dot minimum): {self}"
+        assert self.target_splits >= 1, self
 
     def splits(self, vocab: int) -> tuple[int, int, int]:
         """(vocab tiles, tiles per split, splits) for a vocabulary of ``vocab``."""
         n_vtiles = -(-vocab // self.block_n)
         per = -(-n_vtiles // min(self.target_splits, n_vtiles))
         return n_vtiles, per, -(-n_vtiles // per)
+
+
+def _pow2(x: int, low: int) -> bool:
+    return x >= low and not x & (x - 1)
 
 
 def next_pow2(x: int) -> int:
@@ -120,14 +117,8 @@ class PagedAttentionConfig:
     num_stages: int = 1
 
     def __post_init__(self) -> None:
-        if self.block_n < 1 or self.block_n & (self.block_n - 1):
-            raise ValueError(f"block_n must be a power of two >= 1, got {self.block_n}")
-        if self.use_dot and self.block_n < 16:
-            raise ValueError(f"block_n must be >= 16 with use_dot=True (tl.dot minimum), got {self.block_n}")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"num_warps must be 1, 2, 4, 8 or 16, got {self.num_warps}")
-        if self.num_stages < 1:
-            raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
+        assert _pow2(self.block_n, 16 if self.use_dot else 1), f"block_n must be a power of two (tl.dot: >= 16): {self}"
+        assert self.num_warps in (1, 2, 4, 8, 16) and self.num_stages >= 1, self
 
 
 def default_paged_attention_config(group: int, head_dim: int, dtype: torch.dtype) -> PagedAttentionConfig:

@@ -387,7 +387,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .tasks.rewards import get_reward_fn
     from .trainer.config import resolve_device
     from .trainer.report import closing_lines
-    from .trainer.run import count_parameters, package_versions, run_modes
+    from .trainer.run import check_policy, count_parameters, package_versions, run_modes
     from .trainer.rundir import plan_run
 
     demo = args.model is None
@@ -415,6 +415,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     model_path = None if demo else _model_path(args, demo)
     examples, evals = _heldout_examples(args, demo, _load_examples(args, demo))
+    if model_path is not None:
+        check_policy(model_path, config)  # before anything is written
     plan_run(out, list(modes), args.resume)  # before the demo policy build, which can take minutes
     model_path = model_path or _model_path(args, demo)
     heldout = f"{len(evals)} prompts x {config.eval_samples} sample(s) + greedy" if evals else "off"

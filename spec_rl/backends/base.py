@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..acceptance.scores import DraftScores
+from ..drafts.owner import model_owner
 from ..sampling.distribution import SamplingSettings
 from ..util.validation import check_int
 
@@ -110,6 +111,15 @@ class Backend:
             if isinstance(weight, torch.Tensor) and weight.dim() == 2:
                 rows.append(int(weight.shape[0]))
         return min(rows) if rows else None
+
+    @property
+    def owner(self) -> str | None:
+        """The architecture part of the policy's owner tag (spec_rl.drafts.owner), from the model's config; a store
+        of another model's drafts is refused with it. None where unknown."""
+        config = getattr(self.model, "config", None)
+        return (
+            model_owner(config.get_text_config() if hasattr(config, "get_text_config") else config) if config else None
+        )
 
     @property
     def max_positions(self) -> int | None:

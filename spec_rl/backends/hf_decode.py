@@ -10,8 +10,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+from transformers import DynamicCache
 
 from ..sampling.distribution import SamplingSettings, keyed_sample
+from ..util.model_config import model_sliding_window
 from .decode_attention import decode_attention
 from .kv_buffer import InPlaceLayer, in_place_cache, left_padded_cache
 
@@ -24,6 +26,40 @@ def cache_argument(model) -> str:
 @functools.cache
 def _cache_argument_of(model_class: type) -> str:
     return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def position_masks(model, key_pos: torch.Tensor, query_pos: torch.Tensor):
+    """The attention masks of a batch whose cached keys sit at token positions ``key_pos`` [B, K] (-1: no token) and
+    whose queries at ``query_pos`` [B, Q]: causal in token positions, and within the sliding window on the layers that
+    slide (a key at q - window or before is hidden, as transformers does). A 4-D [B, 1, Q, K] mask, or a dict by
+    layer type where the config lists layer types; boolean for SDPA, additive for eager attention. Columns may hold
+    left padding and rolled-back holes: the window counts tokens, not columns."""
+    k, q = key_pos.unsqueeze(1), query_pos.unsqueeze(2)
+    full = ((k >= 0) & (k <= q)).unsqueeze(1)
+    window = model_sliding_window(model)
+    sliding = full & (q - k < (window or 0)).unsqueeze(1)
+    # A padding query (past its row's fed tokens) may have no token in its window: it sees the full context
+    # instead, so that no NaN reaches the values of its (masked) column in the next layer.
+    sliding |= full & ~sliding.any(-1, keepdim=True)
+    masks = {"full_attention": full, "sliding_attention": sliding}
+    if getattr(model.config, "_attn_implementation", "sdpa") == "eager":
+        dtype = next(model.parameters()).dtype
+        masks = {
+            t: torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(~m, torch.finfo(dtype).min)
+            for t, m in masks.items()
+        }
+    layer_types = getattr(model.config.get_text_config(), "layer_types", None)
+    if layer_types:
+        return {t: masks[t] for t in set(layer_types)}
+    return masks["sliding_attention" if window else "full_attention"]
+
+
+def _attention_mask(model, mask: torch.Tensor, query_pos: torch.Tensor):
+    """``mask`` [B, W] (1: a cached token) as the model takes it: itself, or position masks for a sliding model."""
+    if model_sliding_window(model) is None:
+        return mask
+    key_pos = torch.where(mask.bool(), mask.cumsum(1) - 1, -1)
+    return position_masks(model, key_pos, query_pos.to(mask.device))
 
 
 def _dynamic_cache(layers: Sequence[tuple[torch.Tensor, torch.Tensor]]):
@@ -279,7 +315,7 @@ class SpeculativeDecoder:
         with decode_attention(self.model):
             out = self.model(
                 input_ids=ids.to(dev),
-                attention_mask=kv.mask,
+                attention_mask=_attention_mask(self.model, kv.mask, positions),
                 position_ids=positions.to(dev),
                 use_cache=True,
                 **{self.cache_arg: kv.cache},
@@ -343,13 +379,17 @@ def prefill(model, contexts: Sequence[Sequence[int]], pad_id: int) -> tuple[KVRo
         ids[row, width - len(ctx) :] = torch.as_tensor(ctx, dtype=torch.long)
         mask[row, width - len(ctx) :] = 1
     arg = cache_argument(model)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    # A sliding model gets a cache of ours: transformers' own drops keys past the window, which later steps mask.
+    own = {arg: DynamicCache()} if model_sliding_window(model) is not None else {}
     with torch.no_grad():
         out = model(
             input_ids=ids,
-            attention_mask=mask,
-            position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+            attention_mask=_attention_mask(model, mask, positions),
+            position_ids=positions,
             use_cache=True,
             logits_to_keep=1,
+            **own,
         )
     cache = getattr(out, arg, None) or getattr(out, "past_key_values", None)
     logits = out.logits[:, -1, :]

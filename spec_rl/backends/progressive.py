@@ -11,7 +11,6 @@ import torch
 
 from ..acceptance.scores import DraftScores
 from ..sampling.groups import PackedGroup, int64_tensor, pack_groups
-from ..util.validation import check_int, check_real
 
 #: Draft tokens below a stop that one :meth:`ProgressiveTreeScores.extend` scores first; it doubles per call.
 FIRST_WINDOW = 16
@@ -64,7 +63,7 @@ class ProgressiveTreeScores:
 
     ``draft_logprobs`` (stored, per draft) pick the first pass (None: the first ``first_window`` tokens);
     ``first_window`` (>= 1) is what the first :meth:`extend` scores below a stop, doubling per call; ``min_reach`` 0
-    scores the whole trie. ValueError for unequal counts, bad ``first_window``/``min_reach``, or too few log-probs.
+    scores the whole trie.
     """
 
     def __init__(
@@ -76,7 +75,7 @@ class ProgressiveTreeScores:
         first_window: int = FIRST_WINDOW,
         min_reach: float = MIN_REACH,
     ):
-        draft_logprobs = _checked_arguments(prompts, drafts, draft_logprobs, first_window, min_reach)
+        draft_logprobs = _stored_logprobs(drafts, draft_logprobs)
         self.scorer = scorer
         self.lengths = [len(d) for d in drafts]
         self.max_r = max(self.lengths + [1])
@@ -102,18 +101,11 @@ class ProgressiveTreeScores:
         self._score_nodes([[first[i] for i in rows] for rows in order])
 
     def extend(self, stops: Sequence[tuple[int, int]]) -> None:
-        """Score below each stop (draft, n = ``scored_len[draft]``); ValueError for a bad stop, RuntimeError once
-        released."""
-        self._check_live("extend")
+        """Score below each stop (draft, n = ``scored_len[draft]``, inside the draft)."""
+        self._check_live()
         roots: dict[tuple[int, int], list[tuple[int, int]]] = {}
-        for stop in stops:
-            if not (isinstance(stop, Sequence) and len(stop) == 2):
-                raise ValueError(f"each stop must be a (draft, n) pair of ints, got {stop!r}")
-            d, n = self._draft_index("stop draft index", stop[0]), _int("stop n", stop[1])
-            if n != self.scored_len[d] or not 0 < n < self.lengths[d]:
-                raise ValueError(
-                    f"stop (draft {d}, n={n}) must be inside the draft at its scored_len={self.scored_len[d]}"
-                )
+        for d, n in stops:
+            assert n == self.scored_len[d] and 0 < n < self.lengths[d], (d, n, self.scored_len[d])
             c, row, m = self.where[d]
             roots.setdefault((c, row), []).append((self.chunks[c].groups[row].node_pos[m][n - 1], n))
         per_chunk = []
@@ -125,20 +117,16 @@ class ProgressiveTreeScores:
         self._score_nodes(per_chunk)
 
     def prompt_len(self, draft: int) -> int:
-        c, row, _ = self.where[self._draft_index("draft", draft)]
+        c, row, _ = self.where[draft]
         return self.chunks[c].groups[row].prompt_len
 
     def context(self, draft: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer (keys [H, P + n, D], values) of [prompt, the draft's first n tokens]."""
-        self._check_live("context")
-        draft, n = self._draft_index("context draft", draft), _int("context n", n)
-        if not 0 <= n <= self.lengths[draft]:
-            raise ValueError(f"context(draft={draft}, n={n}) needs 0 <= n <= the draft's length {self.lengths[draft]}")
+        """Per layer (keys [H, P + n, D], values) of [prompt, the draft's first n tokens] (all of them scored)."""
+        self._check_live()
         c, row, m = self.where[draft]
         chunk = self.chunks[c]
         cols = chunk.column[row, int64_tensor(chunk.groups[row].path(m, n))]
-        if bool((cols < 0).any()):
-            raise RuntimeError(f"context of draft {draft} up to {n} tokens holds nodes that were never scored")
+        assert bool((cols >= 0).all()), f"context of draft {draft} up to {n} tokens holds unscored nodes"
         layers = chunk.layers()
         cols = cols.to(layers[0][0].device)
         return [(k[row].index_select(1, cols), v[row].index_select(1, cols)) for k, v in layers]
@@ -149,17 +137,11 @@ class ProgressiveTreeScores:
         for chunk in self.chunks:
             chunk.cache = None
 
-    def _draft_index(self, name: str, value) -> int:
-        index = _int(name, value)
-        if not 0 <= index < len(self.lengths):
-            raise ValueError(f"{name} {index} must be in [0, {len(self.lengths)})")
-        return index
-
-    def _check_live(self, what: str) -> None:
+    def _check_live(self) -> None:
         if self.released:
             raise RuntimeError(
-                f"{what} needs the kept keys and values, but these scores were released "
-                "(continued, released, or a scoring forward failed): score the drafts again"
+                "these scores' keys and values were released (continued, released, or a scoring forward failed): "
+                "score the drafts again"
             )
 
     @torch.inference_mode()
@@ -234,44 +216,11 @@ class ProgressiveTreeScores:
         self._same.view(-1)[dst_t.to(self._same.device)] = first[inverse].to(self._same.device)
 
 
-def _int(name: str, value, low: int | None = None) -> int:
-    """:func:`check_int`, refused as a ValueError naming ``name``."""
-    try:
-        checked = check_int(name, value)
-    except TypeError:
-        checked = None
-    if checked is None or (low is not None and checked < low):
-        raise ValueError(f"{name} must be an int{'' if low is None else f' >= {low}'}, got {value!r}")
-    return checked
-
-
-def _checked_arguments(prompts, drafts, draft_logprobs, first_window, min_reach) -> list[torch.Tensor] | None:
-    """Refuse bad arguments; returns each draft's log-probs as float64 (None without)."""
-    if len(prompts) != len(drafts):
-        raise ValueError(f"prompts and drafts must pair up: got {len(prompts)} prompts for {len(drafts)} drafts")
-    _int("first_window", first_window, low=1)
-    try:
-        reach = check_real("min_reach", min_reach, finite=False)
-    except (TypeError, ValueError):  # NaN too: one message names what min_reach takes
-        reach = math.nan
-    if not reach >= 0:
-        raise ValueError(f"min_reach must be a number >= 0 (0 scores the whole trie first), got {min_reach!r}")
+def _stored_logprobs(drafts, draft_logprobs) -> list[torch.Tensor] | None:
+    """Each draft's stored log-probs as float64 (None without)."""
     if draft_logprobs is None:
         return None
-    if not hasattr(draft_logprobs, "__len__") or len(draft_logprobs) != len(drafts):
-        raise ValueError(
-            f"draft_logprobs must hold one list per draft ({len(drafts)}), got {type(draft_logprobs).__name__}"
-        )
-    out = []
-    for b, (lp, d) in enumerate(zip(draft_logprobs, drafts)):
-        try:
-            values = torch.as_tensor(lp[: len(d)], dtype=torch.float64).reshape(-1)
-        except (TypeError, ValueError, RuntimeError) as err:
-            raise ValueError(f"draft_logprobs[{b}] must be a list of numbers, got {lp!r:.80}") from err
-        if len(values) < len(d):
-            raise ValueError(f"draft_logprobs[{b}] must hold a log-prob for each of the draft's {len(d)} tokens")
-        out.append(values)
-    return out
+    return [torch.as_tensor(lp[: len(d)], dtype=torch.float64).reshape(-1) for lp, d in zip(draft_logprobs, drafts)]
 
 
 def _first_pass(g: PackedGroup, logprobs, min_reach: float, window: int) -> torch.Tensor:

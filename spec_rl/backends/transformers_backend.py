@@ -8,7 +8,6 @@ from collections.abc import Sequence
 import torch
 
 from ..sampling.distribution import SamplingSettings
-from ..util.model_config import model_sliding_window
 from ..util.validation import check_int
 from .base import BackendStats, Continuation, Scored, eos_and_pad
 from .hf_decode import DecodeRow, KVRows, SpeculativeDecoder, TailGate, prefill
@@ -20,8 +19,8 @@ from .scoring import PolicyScorer
 class TransformersBackend(ReprefillBackend):
     """Batched generation with a transformers causal LM (docs/api.md "Backends"); ``adaptive_tail``: feed history
     proposals only while they pay, by measured step times (:class:`~spec_rl.backends.hf_decode.TailGate`; False: every
-    step); ``splice``: keep the scoring K/V for the continuation. ValueError for no EOS id, ``max_batch_size`` < 1 or a
-    sliding-window model."""
+    step); ``splice``: keep the scoring K/V for the continuation. A sliding window is honoured in token positions (left
+    padding and rolled-back columns included). ValueError for no EOS id or ``max_batch_size`` < 1."""
 
     def __init__(
         self,
@@ -35,14 +34,6 @@ class TransformersBackend(ReprefillBackend):
         adaptive_tail: bool = True,
     ):
         self.model = model
-        window = model_sliding_window(model)
-        if window is not None:
-            # Left padding and rolled-back columns would make a window in cache columns differ from one in tokens.
-            raise ValueError(
-                f"model has sliding-window attention (window {window} tokens), which TransformersBackend's padded "
-                "decode batches cannot honour; serve it with VLLMBackend, or set the config's sliding_window to None "
-                "if the window never binds at your lengths"
-            )
         self.eos_ids, self.pad_id = eos_and_pad(eos_ids, pad_id)
         self.max_batch_size = check_int("max_batch_size", max_batch_size, low=1)
         self.progress = progress

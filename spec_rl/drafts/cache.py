@@ -18,7 +18,7 @@ import torch
 from ..sampling.distribution import SamplingSettings, check_settings
 from ..util.atomic import atomic_save_safetensors
 from ..util.validation import INT64_MAX, as_float_vector, as_id_vector, check_int, logprob_problem
-from .owner import check_owner
+from .owner import merged_owner
 from .stored_files import FileCheck, read_safetensors
 
 FINISH_REASONS = ("eos", "length")
@@ -144,8 +144,7 @@ class DraftStore:
         (``where`` names the store in the message)."""
         if not isinstance(owner, str) or not owner:
             raise TypeError(f"owner must be a non-empty str (policy_owner(tokenizer, config)), got {owner!r}")
-        check_owner(self.owner, owner, where or f"this {self._name}")
-        self.owner = owner
+        self.owner = merged_owner(self.owner, owner, where or f"this {self._name}")
 
     def _read(self, key: CacheKey) -> Draft | None:
         raise NotImplementedError

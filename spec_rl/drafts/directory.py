@@ -15,7 +15,7 @@ import torch
 
 from ..util.atomic import atomic_save_safetensors, atomic_write_text, remove_leftovers
 from .cache import CacheKey, Draft, DraftStore, make_draft
-from .owner import check_owner
+from .owner import merged_owner
 from .stored_files import FileCheck
 
 _FORMAT = "spec-rl-draft"
@@ -62,7 +62,7 @@ class DirectoryDraftStore(DraftStore):
         """Bind the directory to the policy ``owner`` (recorded in its marker file, for every worker);
         DraftOwnerError (a ValueError) when it holds another policy's drafts."""
         marker = self._marker()
-        check_owner(marker.get("owner"), owner, where or f"draft directory {self.root}")
+        merged_owner(marker.get("owner"), owner, where or f"draft directory {self.root}")
         super().claim(owner, where)
         if marker.get("owner") is None:
             marker = {"format": _FORMAT, "format_version": _FORMAT_VERSION, **marker, "owner": owner}

@@ -209,6 +209,8 @@ class SpeculativeRollout:
         step = check_int("step", step)
         seed = self.seed if seed is None else check_int("seed", seed)
         store = self.cache if cache is None else check_store("cache", cache)
+        if self.mode.reuses_drafts and self.backend.owner is not None:  # DraftOwnerError: another model's drafts
+            store.claim(self.backend.owner, f"the cache given to the rollout ({type(store).__name__})")
         prompts = request_prompts(requests, self.vocab_size, backend_name(self.backend))
         budgets = []
         for i, p in enumerate(prompts):

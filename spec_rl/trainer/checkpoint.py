@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..util.atomic import atomic_write_text, fsync_dir, fsync_file, remove_leftovers
-from ..util.faults import fault_point
 
 POINTER = "LATEST"
 MARKER = "COMPLETE"
@@ -109,7 +108,6 @@ def commit_checkpoint(run_dir: str | os.PathLike, state: dict, write_files: Call
         shutil.rmtree(folder)
     folder.mkdir(parents=True)
     write_files(folder)
-    fault_point("checkpoint.files")
     atomic_write_text(folder / STATE_FILE, json.dumps(state), fsync=False)
     files = {}
     for path in sorted(folder.iterdir()):
@@ -119,9 +117,7 @@ def commit_checkpoint(run_dir: str | os.PathLike, state: dict, write_files: Call
     fsync_dir(folder)
     marker = {"epoch": int(state["epoch"]), "step": int(state["step"]), "files": files}
     atomic_write_text(folder / MARKER, json.dumps(marker))
-    fault_point("checkpoint.marked")
     atomic_write_text(run_dir / POINTER, folder.name + "\n")
-    fault_point("checkpoint.committed")
     for _, path in _versions(run_dir):
         if path != folder:
             shutil.rmtree(path, ignore_errors=True)

@@ -112,6 +112,25 @@ class GRPOConfig:
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         parse_device(self.device)
 
+    def context_limit(self, positions: int | None) -> int:
+        """The prompt + response limit of a model with ``positions`` (its max_position_embeddings, None: unknown):
+        ``max_model_len``, or the positions. ValueError when ``max_model_len`` passes the positions, none is known, or
+        the response budget leaves no room for a prompt (responses would be cut to fit, silently)."""
+        if self.max_model_len is None and not positions:
+            raise ValueError("cannot infer max_model_len from the model config; set GRPOConfig.max_model_len")
+        if positions and self.max_model_len is not None and self.max_model_len > positions:
+            raise ValueError(
+                f"max_model_len must be <= the model's max_position_embeddings ({positions}), got {self.max_model_len}"
+            )
+        limit = self.max_model_len or positions
+        if self.sampling.max_tokens >= limit:
+            what = "max_model_len" if self.max_model_len else "context (max_position_embeddings)"
+            raise ValueError(
+                f"max_tokens must be < the {what} of {limit} tokens (a prompt and its response share it), got "
+                f"{self.sampling.max_tokens}: responses would be cut to fit silently"
+            )
+        return int(limit)
+
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         return {

@@ -20,7 +20,6 @@ from ..drafts.owner import policy_owner
 from ..rollout.reward_split import origin_sums, response_origins
 from ..rollout.speculative import RolloutRequest, RolloutResult, SpeculativeRollout
 from ..util.atomic import atomic_write_text
-from ..util.faults import fault_point
 from .checkpoint import (
     CACHE_FILE,
     HISTORY_FILE,
@@ -89,7 +88,7 @@ class GRPOTrainer:
             raise ValueError(
                 "no EOS id found in the model's generation_config/config or the tokenizer; set eos_token_id"
             )
-        max_model_len = self._max_model_len(model, config)
+        max_model_len = config.context_limit(getattr(model.config, "max_position_embeddings", None))
         self.settings = config.sampling
         self.prompt_ids = config.prompt_format.encode(tokenizer, self.examples)
         self._check_prompt_lengths(self.examples, self.prompt_ids, max_model_len, "prompt")
@@ -153,21 +152,6 @@ class GRPOTrainer:
                     f"not less than max_model_len={max_model_len}; "
                     "filter long prompts or raise max_model_len"
                 )
-
-    @staticmethod
-    def _max_model_len(model, config: GRPOConfig) -> int:
-        """``config.max_model_len``, or the model's ``max_position_embeddings``; never above the latter."""
-        positions = getattr(model.config, "max_position_embeddings", None)
-        if config.max_model_len is None:
-            if not positions:
-                raise ValueError("cannot infer max_model_len from the model config; set GRPOConfig.max_model_len")
-            return int(positions)
-        if positions and config.max_model_len > positions:
-            raise ValueError(
-                f"max_model_len must be <= the model's max_position_embeddings ({positions}), "
-                f"got {config.max_model_len}"
-            )
-        return config.max_model_len
 
     def _make_backend(self, model, config: GRPOConfig, max_model_len: int):
         """The backend ``config.generation_backend`` names (:data:`spec_rl.backends.BACKENDS`; "auto": vLLM on CUDA
@@ -321,7 +305,6 @@ class GRPOTrainer:
         }
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(record) + "\n")
-        fault_point("step.end")
         self.step += 1
         return record
 

@@ -103,6 +103,7 @@ def comparison(summary: dict[str, list[dict]]) -> list[dict]:
                         "decode_steps_ratio": _ratio(rec.get("decode_steps", 0), v.get("decode_steps", 0)),
                         "rollout_seconds_ratio": _ratio(rec["rollout_seconds"], v["rollout_seconds"]),
                         "reward_minus_vanilla": rec["mean_reward"] - v["mean_reward"],
+                        "no_signal": bool(rec.get("no_signal")),
                         "heldout_reward_minus_vanilla": _minus(rec.get("heldout_reward"), v.get("heldout_reward")),
                         "greedy_accuracy_minus_vanilla": _minus(
                             rec.get("heldout_greedy_accuracy"), v.get("heldout_greedy_accuracy")
@@ -222,8 +223,16 @@ def closing_lines(summary: dict[str, list[dict]], from_epoch: int = 2) -> list[s
                 + _final_heldout_text(r)
             )
             continue
+        flat = [e for e in r["epochs"] if e in r["no_signal_epochs"]]
+        if len(flat) == len(r["epochs"]):  # an unchanged policy reuses everything: no speed-up to report
+            lines.append(
+                f"{r['mode']}/vanilla, epochs {from_epoch}+: ratios withheld: no learning signal in epoch(s) "
+                f"{', '.join(map(str, flat))}, so the policy did not change and its drafts were reused under the "
+                "policy that made them; " + _final_heldout_text(r)
+            )
+            continue
         lines.append(
-            f"{r['mode']}/vanilla, epochs {from_epoch}+: "
+            f"{r['mode']}/vanilla, epochs {from_epoch}+{_no_signal_mark(flat)}: "
             f"generated tokens {_fmt(r['generated_tokens_ratio'], '.2f')}x, "
             f"decode steps {_fmt(r['decode_steps_ratio'], '.2f')}x, "
             f"rollout time {_fmt(r['rollout_seconds_ratio'], '.2f')}x "
@@ -231,6 +240,11 @@ def closing_lines(summary: dict[str, list[dict]], from_epoch: int = 2) -> list[s
             + _final_heldout_text(r)
         )
     return no_signal_lines(summary) + lines
+
+
+def _no_signal_mark(epochs: list[int]) -> str:
+    """The mark of rows and lines whose epochs include some without learning signal."""
+    return f" (no learning signal in epoch(s) {', '.join(map(str, epochs))})" if epochs else ""
 
 
 def _context_text(r: dict) -> str:
@@ -307,8 +321,9 @@ def _comparison_markdown(summary: dict[str, list[dict]]) -> list[str]:
             "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in totals:
+            flat = [e for e in r["epochs"] if e in r["no_signal_epochs"]]
             lines.append(
-                f"| {r['mode']} | {_fmt(r['generated_tokens_ratio'], '.3f')} | "
+                f"| {r['mode']}{_no_signal_mark(flat)} | {_fmt(r['generated_tokens_ratio'], '.3f')} | "
                 f"{_fmt(r['decode_steps_ratio'], '.3f')} | {_fmt(r['rollout_seconds_ratio'], '.3f')} | "
                 f"{r['scoring_seconds']:.2f} | {r['generation_seconds']:.2f} | "
                 f"{r['other_seconds']:.2f} | {_fmt(r['scoring_share'], '.1%')} | "
@@ -328,7 +343,8 @@ def _comparison_markdown(summary: dict[str, list[dict]]) -> list[str]:
         ]
         for c in comp:
             lines.append(
-                f"| {c['mode']} | {c['epoch']} | {_fmt(c['generated_tokens_ratio'], '.3f')} | "
+                f"| {c['mode']} | {c['epoch']}{' (no learning signal)' if c['no_signal'] else ''} | "
+                f"{_fmt(c['generated_tokens_ratio'], '.3f')} | "
                 f"{_fmt(c['decode_steps_ratio'], '.3f')} | "
                 f"{_fmt(c['rollout_seconds_ratio'], '.3f')} | {_fmt(c['heldout_reward_minus_vanilla'], '+.3f')} | "
                 f"{_fmt(c['greedy_accuracy_minus_vanilla'], '+.3f')} |"

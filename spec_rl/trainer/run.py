@@ -43,6 +43,25 @@ def load_policy(path: str | Path, device: torch.device | str = "cpu"):
     return model.to(device).eval(), tokenizer
 
 
+#: Files of which a checkpoint's tokenizer loads (one is enough).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def check_policy(path: str | Path, config: GRPOConfig) -> None:
+    """Refuse a checkpoint a run cannot use, before anything is written: no tokenizer beside the weights, a
+    ``max_model_len`` or a response budget past the model's positions. FileNotFoundError or ValueError naming the
+    setting and the limit."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"--model {path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); save the policy's tokenizer "
+            "beside its weights: tokenizer.save_pretrained(that folder)"
+        )
+    config.context_limit(getattr(AutoConfig.from_pretrained(path).get_text_config(), "max_position_embeddings", None))
+
+
 def count_parameters(path: str | Path) -> int | None:
     """Parameters of the checkpoint at ``path`` from its safetensors headers (no weight read); None without any."""
     import json
@@ -144,6 +163,7 @@ def run_modes(
     if not modes:
         raise ValueError("modes is empty: name at least one run (e.g. ['vanilla', 'spec'])")
     configs = run_configs(config, modes)  # all checked before any trains
+    check_policy(model_path, config)
     out_dir = Path(out_dir)
     device = resolve_device(config.device)
     plan = plan_run(out_dir, list(modes), resume)
@@ -167,6 +187,11 @@ def run_modes(
         # the runs not resumed now keep their stored modes, so a later resume of them is still compared
         stored = (stored_info(out_dir) or {}).get("fingerprint") or {}
         fingerprint = {**{k: v for k, v in stored.items() if k.startswith("mode:")}, **fingerprint}
+        trained = stored.get("model")
+        if trained and trained != str(model_path) and Path(trained).is_dir():  # the record says what trained
+            log(f"--resume: the runs continue from their checkpoints, trained from {trained}; --model is not used")
+            model_path = trained
+            fingerprint.update(model=trained, eos_ids=stored.get("eos_ids", fingerprint["eos_ids"]))
 
     def info() -> dict:
         ran = {label: configs[label] for label in summary if label in configs}

@@ -11,8 +11,6 @@ from pathlib import Path
 
 import torch
 
-from .faults import fault_point
-
 TMP_SUFFIX = ".tmp"
 
 
@@ -63,7 +61,6 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None], fsync: b
         write(tmp)
         if fsync:
             fsync_file(tmp)
-        fault_point(f"write:{path.name}")
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -84,64 +84,23 @@ def test_progressive_walk_takes_the_one_forward_decisions(seed, first_window, mi
             assert torch.allclose(k, layer.keys[0], atol=tol) and torch.allclose(v, layer.values[0], atol=tol)
 
 
-def test_extend_refuses_a_stop_off_the_scored_length_and_bad_arguments():
+def test_extend_scores_the_next_window_and_released_scores_are_refused():
     model = _peaked_model(0)
     prompts, drafts = [[3, 4]] * 2, [[5, 6, 7, 8, 9], [5, 6, 7]]
     with torch.no_grad():
         lazy = ProgressiveTreeScores(PolicyScorer(model, pad_id=0), prompts, drafts, first_window=2)
         assert lazy.scored_len == [2, 2]
-        with pytest.raises(ValueError, match="scored_len=2"):
-            lazy.extend([(0, 1)])
         lazy.extend([(0, 2)])
         assert lazy.scored_len == [4, 3]  # the next window below the stop (the shorter draft shares the nodes)
-        with pytest.raises(ValueError, match="inside the draft"):
-            lazy.extend([(1, 3)])
-        for stop in ((2, 1), (-1, 1), (0.0, 4), ("0", 4), (None, 4)):
-            with pytest.raises(ValueError, match="draft index"):
-                lazy.extend([stop])
-        for stops in ([0], [(0, 4.0)], [(0, 4, 1)]):
-            with pytest.raises(ValueError, match="pair of ints|stop n must be an int"):
-                lazy.extend(stops)
-        for args in ((0.5, 1), (0, 1.5), (0, None)):
-            with pytest.raises(ValueError, match="context .* must be an int"):
-                lazy.context(*args)
-        for draft in (5, -1):
-            with pytest.raises(ValueError, match="draft 5 must be in|draft -1 must be in"):
-                lazy.prompt_len(draft)
-        with pytest.raises(ValueError, match="context"):
-            lazy.context(5, 1)
-        with pytest.raises(ValueError, match="context"):
-            lazy.context(0, 6)
         lazy.release()
         for call in (lambda: lazy.extend([(0, 4)]), lambda: lazy.context(0, 1)):
             with pytest.raises(RuntimeError, match="released"):
                 call()
-    for kwargs in ({"first_window": 0}, {"first_window": float("inf")}, {"first_window": 2.5}):
-        with pytest.raises(ValueError, match="first_window must be an int >= 1"):
-            ProgressiveTreeScores(PolicyScorer(model, pad_id=0), prompts, drafts, **kwargs)
-    for kwargs in ({"min_reach": -1.0}, {"min_reach": float("nan")}, {"min_reach": None}, {"min_reach": "0.1"}):
-        with pytest.raises(ValueError, match="min_reach must be a number >= 0"):
-            ProgressiveTreeScores(PolicyScorer(model, pad_id=0), prompts, drafts, **kwargs)
-    with pytest.raises(ValueError, match="prompts and drafts must pair up"):
-        ProgressiveTreeScores(PolicyScorer(model, pad_id=0), prompts, drafts[:1])
     with torch.no_grad():  # a window past the longest draft scores what the longest draft needs, no more
         huge = ProgressiveTreeScores(PolicyScorer(model, pad_id=0), prompts, drafts, first_window=2**64)
         assert huge.scored_len == [5, 3]
         for _ in range(70):
             huge.extend([])  # doubling stays bounded
-    bad_logprobs = (
-        [[-0.1] * 5, [-0.1] * 2],
-        [[-0.1] * 5, None],
-        [[-0.1] * 5, [None] * 3],
-        [[-0.1] * 5, -0.1],
-        [[-0.1] * 5],
-        [[-0.1] * 5, [-0.1] * 3, [-0.1]],
-        (lp for lp in [[-0.1] * 5, [-0.1] * 3]),
-    )
-    matches = ["draft_logprobs\\[1\\]"] * 4 + ["one list per draft"] * 3
-    for lps, match in zip(bad_logprobs, matches):
-        with pytest.raises(ValueError, match=match):
-            ProgressiveTreeScores(PolicyScorer(model, pad_id=0), prompts, drafts, lps)
 
 
 def test_positive_stored_logprobs_do_not_lift_a_node_above_its_parent():
@@ -173,7 +132,7 @@ def test_a_failed_forward_releases_the_scores_and_the_backend_releases_them_too(
             with pytest.raises(MemoryError):
                 lazy.extend([(0, 2)])
         assert lazy.scored_len == [2, 2] and lazy.released  # nothing half-updated is used again
-        with pytest.raises(RuntimeError, match="a scoring forward failed"):
+        with pytest.raises(RuntimeError, match="released"):
             lazy.context(0, 2)
     backend = TransformersBackend(model, {1}, 0)
     lps = [[-0.1] * len(d) for d in drafts]

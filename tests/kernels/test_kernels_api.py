@@ -151,7 +151,7 @@ def test_top_k_top_p_and_other_dtypes_are_not_implemented():
             )
     with pytest.raises(NotImplementedError):  # the verify functions do not fall back when triton is asked for
         verify_logits(ids, old, c["logits"].double().to(DEVICE), lengths, options=VerifyOptions(backend="triton"))
-    with pytest.raises(ValueError, match="block_v"):
+    with pytest.raises(AssertionError, match="block_v"):
         K.LogitsConfig(block_v=100, num_warps=4)
 
 

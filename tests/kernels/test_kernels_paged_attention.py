@@ -274,9 +274,9 @@ def test_plan_splits_rule():
 
 
 def test_bad_configs_are_refused():
-    with pytest.raises(ValueError, match="block_n"):
+    with pytest.raises(AssertionError, match="block_n"):
         PagedAttentionConfig(block_n=24)
-    with pytest.raises(ValueError, match="tl.dot minimum"):
+    with pytest.raises(AssertionError, match="tl.dot"):
         PagedAttentionConfig(block_n=8, use_dot=True)
 
 

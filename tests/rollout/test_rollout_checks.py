@@ -415,3 +415,28 @@ def test_a_backend_subclasses_the_base_class():
     rollout = SpeculativeRollout(backend, RolloutCache(), settings, eos_ids=[1], max_model_len=64)
     result = rollout.run(_requests(1), step=0)  # no drafts yet: plain generation through the backend
     assert result.response_ids == [[1]] * 3 and rollout.vocab_size is None
+
+
+def test_a_cache_of_another_model_is_refused_before_any_work():
+    from spec_rl.drafts.owner import DraftOwnerError, model_owner
+
+    backend = TransformersBackend(tiny_model(seed=11), {1}, pad_id=0)
+    assert backend.owner == model_owner(backend.model.config) == "qwen2-v33-h32-l2"
+    foreign = RolloutCache()
+    foreign.claim("llama-v49152-h576-l30-tok3f2a9c1e04b7")  # e.g. loaded from SmolLM2's run
+    foreign.store(
+        CacheKey.make(PROMPTS[0], 0, "p0"), [4, 5, 6], [-1.0] * 3, "length", 0, SamplingSettings(max_tokens=4)
+    )
+    rollout = _rollout(backend)
+    with pytest.raises(DraftOwnerError, match=r"the cache given to the rollout \(RolloutCache\) holds drafts of"):
+        rollout.run(_requests(), step=1, cache=foreign)
+    assert backend.stats.decode_steps == 0 and backend.stats.prefill_tokens == 0
+    mine = RolloutCache()
+    mine.claim("qwen2-v33-h32-l2-tok0123456789ab")  # the same model with its tokenizer's digest: taken
+    _rollout(backend).run(_requests(), step=0, cache=mine)
+    assert mine.owner == "qwen2-v33-h32-l2-tok0123456789ab"
+    fresh = RolloutCache()
+    _rollout(backend).run(_requests(), step=0, cache=fresh)
+    assert fresh.owner == "qwen2-v33-h32-l2"  # a store without an owner is claimed for this model
+    with pytest.raises(DraftOwnerError):
+        fresh.claim("llama-v33-h32-l2-tokabc")

@@ -296,11 +296,7 @@ def test_force_rebuild_and_env_cache(tmp_path, monkeypatch):
     assert (path / "demo_info.json").is_file()
 
 
-def test_config_validation():
-    with pytest.raises(ValueError, match="hidden_size"):
-        dp.DemoConfig(hidden_size=100, num_heads=6)
-    with pytest.raises(ValueError, match="sft_steps"):
-        dp.DemoConfig(sft_steps=0)
+def test_the_config_names_its_checkpoint():
     assert dp.DemoConfig().cache_key() != dp.DemoConfig(sft_steps=7).cache_key()
     with pytest.raises(TypeError, match="config"):
         dp.build_demo_policy("/nonexistent-never-created", config={"sft_steps": 1})

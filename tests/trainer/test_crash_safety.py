@@ -4,7 +4,7 @@ The CLI runs in a subprocess (tests/crash_cli.py: the real ``main`` plus a rewar
 policy) on a tiny Qwen2 policy and four GSM8K-format prompts: vanilla then spec, 2 epochs of 2 steps,
 a KL term (so a resumed run must also restore the reference policy), and a held-out evaluation
 before training and after every epoch (two held-out prompts). It is killed at named points
-(the ``SPEC_RL_FAULT`` hook, spec_rl/util/faults.py) and at random instants; ``--resume`` must then give
+(``KILL_AT``, wrapped around the library by tests/crash_cli.py) and at random instants; ``--resume`` must then give
 the per-epoch records and per-step metrics of an uninterrupted run with the same seed (rewards,
 generated tokens, decode steps, held-out rewards: every field but timings), with no step listed twice and no
 temporary file or uncommitted checkpoint left behind.
@@ -27,7 +27,6 @@ from tiny_models import tiny_model, tiny_tokenizer
 
 from spec_rl.trainer.checkpoint import MARKER, POINTER, commit_checkpoint, latest_checkpoint, remove_stale
 from spec_rl.trainer.rundir import run_contents
-from spec_rl.util.faults import fault_point
 
 DRIVER = TESTS / "crash_cli.py"
 MODES = ("vanilla", "spec")
@@ -100,10 +99,10 @@ def _argv(inputs, out: Path, resume: bool) -> list[str]:
 
 
 def _start(argv: list[str], log: Path, fault: str | None = None) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k != "SPEC_RL_FAULT"}
+    env = {k: v for k, v in os.environ.items() if k != "KILL_AT"}
     env["OMP_NUM_THREADS"] = "1"  # same thread count in every run: identical float results
     if fault:
-        env["SPEC_RL_FAULT"] = fault
+        env["KILL_AT"] = fault
     with open(log, "ab") as f:
         return subprocess.Popen([sys.executable, str(DRIVER), *argv], stdout=f, stderr=subprocess.STDOUT, env=env)
 
@@ -158,7 +157,7 @@ def _epochs_in_summary(out: Path, mode: str) -> list[int]:
     return [r["epoch"] for r in json.loads((out / "summary.json").read_text())["runs"].get(mode, [])]
 
 
-# (SPEC_RL_FAULT of one run, what that kill must have left on disk). Each run after the first resumes
+# (KILL_AT of one run, what that kill must have left on disk). Each run after the first resumes
 # the one before; the hit counts are per process. Steps: vanilla 0-3, then spec 0-3; a checkpoint ends
 # every epoch (checkpoint-2 after epoch 1, checkpoint-4 after epoch 2).
 CHAIN = [
@@ -295,13 +294,3 @@ def test_resume_cleanup_removes_partial_versions_and_temporary_files(tmp_path):
     partial.mkdir()
     (partial / "stale").write_text("x")
     assert not (_commit(run, 4) / "stale").exists()
-
-
-def test_fault_points_fire_only_when_armed(monkeypatch):
-    monkeypatch.delenv("SPEC_RL_FAULT", raising=False)
-    fault_point("checkpoint.marked")  # unarmed: nothing happens
-    monkeypatch.setenv("SPEC_RL_FAULT", "checkpoint.files@2")
-    fault_point("checkpoint.marked")  # another point
-    monkeypatch.setenv("SPEC_RL_FAULT", "checkpoint.marked@0")
-    with pytest.raises(ValueError, match="SPEC_RL_FAULT='checkpoint.marked@0': the count after '@' must be an integer"):
-        fault_point("checkpoint.marked")

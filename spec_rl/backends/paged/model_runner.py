@@ -53,7 +53,10 @@ class CacheLayout:
         cfg = model.config
         text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         if model_may_slide(model):
-            raise ValueError("PagedEngine does not support sliding-window attention; serve this model with VLLMBackend")
+            raise ValueError(
+                "PagedEngine does not support sliding-window attention; use --backend transformers "
+                "(TransformersBackend honours the window) or VLLMBackend"
+            )
         dtype = next(model.parameters()).dtype
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ValueError(f"model dtype {dtype} is not supported by the paged cache (fp32/fp16/bf16)")
