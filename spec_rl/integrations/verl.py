@@ -116,6 +116,9 @@ class SpecRLAgentLoop(AgentLoopBase):
         max_resample_attempts: int = MAX_RESIDUAL_ATTEMPTS,
         **kwargs,
     ):
+        folded = sorted({"strategy", "acceptance", "lenience", "history_spec", "spec_tokens"} & kwargs.keys())
+        if folded:  # verl's base class swallows unknown options: a 0.3 YAML would run silently with the default
+            raise TypeError(f"{AGENT_NAME}: {', '.join(folded)} became part of mode (e.g. mode: l=1.6, exact, vanilla)")
         super().__init__(*args, **kwargs)
         rc = self.rollout_config
         self.response_length = int(_cfg(rc, "response_length"))

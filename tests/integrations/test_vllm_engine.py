@@ -171,6 +171,7 @@ def test_trainer_on_vllm_backend(tmp_path):
     # spec-rl's own trainer with generation on vLLM: returned log-probs are pi_t's sampling log-probs
     # (checked against a float64 forward of the trained model AFTER each update: the weights were pushed),
     # and epoch 2 reuses drafts.
+    from spec_rl.backends.base import Job
     from spec_rl.backends.vllm_backend import VLLMBackend
     from spec_rl.sampling.distribution import SamplingSettings
     from spec_rl.tasks.data import Example
@@ -207,7 +208,7 @@ def test_trainer_on_vllm_backend(tmp_path):
             assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
             # fresh samples from the engine now must follow the updated weights
             prompt = trainer.prompt_ids[0]
-            (cont,) = backend.generate([prompt], [6], trainer.settings, seed=epoch)
+            (cont,) = backend.generate([Job(6, 0, list(prompt))], trainer.settings, epoch)
             ref = full_forward_logprobs(model.double(), prompt, cont.token_ids)
             model.float()
             torch.testing.assert_close(torch.tensor(cont.logprobs, dtype=torch.float64), ref, atol=1e-4, rtol=0)
