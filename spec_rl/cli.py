@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from .acceptance.mode import MODES, TAIL_WIDTH, RolloutMode
+from .acceptance.mode import MODES, TAIL_WIDTH, RolloutMode, mode_names
 from .acceptance.rules import LENIENCE_DEFAULTS, REJECTION_DRAWS
 from .backends import BACKENDS
 from .cli_types import fraction as _fraction
@@ -304,12 +304,10 @@ def _heldout_examples(args: argparse.Namespace, demo: bool, examples: list) -> t
 def _modes(args: argparse.Namespace, demo: bool) -> dict:
     """{label: RolloutMode} of the runs ``--modes`` names, mode flags applied; UsageError for a bad run or flag."""
     recipe = PRESETS["demo" if demo else "model"]
-    names = [m.strip() for m in (args.modes or ",".join(recipe.runs)).split(",") if m.strip()]
-    bad = [m for m in names if m not in MODES]
-    if bad or not names:
-        raise UsageError(f"--modes takes {', '.join(MODES)}; got {args.modes!r}")
-    if len(set(names)) != len(names):
-        raise UsageError(f"--modes names a run twice: {args.modes!r} (each run has one folder)")
+    try:
+        names = mode_names(m.strip() for m in (args.modes or ",".join(recipe.runs)).split(",") if m.strip())
+    except ValueError as err:
+        raise UsageError(f"--{err}") from None
     given = {k: getattr(args, k) for k in _MODE_FLAGS if getattr(args, k) is not None}
     if given.get("tail") is False:
         given["tail"] = 0

@@ -3,18 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import math
 
-
-def lenience(text: str) -> float:
-    """``--lenience``: a number > 0 (inf allowed); e^x may be written ``e^x``."""
-    try:
-        value = math.exp(float(text[2:])) if text.startswith("e^") else float(text)
-    except ValueError:
-        value = math.nan
-    if math.isnan(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a number > 0 (e.g. 1, 1.65, e^0.5, inf), got {text!r}")
-    return value
+from .acceptance.mode import parse_lenience
 
 
 def checked(parse, ok, requirement: str):
@@ -34,3 +24,5 @@ def checked(parse, ok, requirement: str):
 
 fraction = checked(float, lambda v: 0.0 < v < 1.0, "a number in (0, 1)")
 positive_int = checked(int, lambda v: v >= 1, "an integer >= 1")
+#: ``--lenience``: a number > 0 (inf allowed); e^x may be written ``e^x``.
+lenience = checked(parse_lenience, lambda v: v > 0, "a number > 0 (e.g. 1, 1.65, e^0.5, inf)")

@@ -81,37 +81,35 @@ def _pick_backend(backend: str, device: torch.device, settings: SamplingSettings
     return "triton" if kernels.is_available(device) else "reference"
 
 
-def _check_tensor(name: str, t, shape: tuple[int, ...] | None, kind: str, device: torch.device | None = None) -> None:
-    """A tensor of ``shape`` (None: any) and ``kind`` ("int", "float", "any"), on ``device`` (None: any)."""
+def _check_tensor(name: str, t, shape: tuple | None, kind: str, device: torch.device | None = None) -> None:
+    """A tensor with values of ``shape`` (None: any; a str entry names a free size, e.g. "V") and ``kind`` ("int",
+    "float", "any"), on ``device`` (None: any)."""
     if not isinstance(t, torch.Tensor):
         hint = f" (e.g. torch.tensor({name}))" if isinstance(t, (list, tuple)) or hasattr(t, "__array__") else ""
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}{hint}")
-    if shape is not None and tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)}")
-    if kind == "float" and not t.is_floating_point():
-        raise TypeError(f"{name} must be a float tensor, got {t.dtype}")
-    if kind == "int" and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
-        raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
+    if t.device.type == "meta":
+        raise ValueError(f"{name} is on the meta device (it holds no data); verify needs tensors with values")
+    if shape is not None and (
+        t.dim() != len(shape) or any(n != s for n, s in zip(t.shape, shape) if isinstance(s, int))
+    ):
+        want = str(tuple(shape)).replace("'", "")
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {want}")
+    integer = not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
+    if kind != "any" and integer != (kind == "int"):
+        raise TypeError(f"{name} must be a{'n integer' if kind == 'int' else ' float'} tensor, got {t.dtype}")
     if device is not None and t.device != device:
         raise ValueError(f"{name} is on {t.device} but draft_ids is on {device}; move all inputs to one device")
 
 
-def _check_finite(name: str, lp: torch.Tensor, valid: torch.Tensor) -> None:
-    """NaN/+inf in [B, R] log-probs at valid positions: a ValueError naming the first (sample, token) positions."""
-    bad = valid & (torch.isnan(lp) | (lp == float("inf")))
+def _check_logprobs(name: str, lp: torch.Tensor, valid: torch.Tensor, hint: str) -> None:
+    """ValueError naming the first (sample, token) positions of [B, R] ``lp`` that are NaN or > 0 where ``valid``."""
+    bad = valid & (torch.isnan(lp) | (lp > 1e-4))
     if bool(bad.any()):
         where = torch.nonzero(bad)
         raise ValueError(
-            f"{name} contains NaN or +inf at {where.shape[0]} unmasked position(s) (sample, token): "
-            f"{format_positions(where[:8].tolist(), where.shape[0])}; the policy forward produced invalid scores "
-            "(check for overflow in fp16, or mask those positions out with lengths)"
+            f"{name} must be log-probabilities (<= 0, not NaN), got {lp[bad][0].item()} at {where.shape[0]} unmasked "
+            f"position(s) (sample, token): {format_positions(where[:8].tolist(), where.shape[0])}{hint}"
         )
-
-
-def _check_logprobs(name: str, lp: torch.Tensor, valid: torch.Tensor, hint: str = "") -> None:
-    _check_finite(name, lp, valid)
-    if bool((lp[valid] > 1e-4).any()):
-        raise ValueError(f"{name} must be log-probabilities (<= 0); got positive values{hint}")
 
 
 def _resolve_lengths(draft_ids: torch.Tensor, lengths) -> torch.Tensor:
@@ -137,31 +135,20 @@ def _resolve_lengths(draft_ids: torch.Tensor, lengths) -> torch.Tensor:
 
 def _check_scores(scores: DraftScores, shape: tuple[int, int], device: torch.device) -> int | None:
     """Shapes, dtypes and devices of the one score source; returns the vocabulary size (None for new_logprobs)."""
-    if sum(x is not None for x in (scores.new_logprobs, scores.logits, scores.hidden_states)) != 1:
-        raise ValueError("pass exactly one of new_logprobs, logits, or hidden_states (with lm_head_weight)")
+    sources = (scores.new_logprobs, scores.logits, scores.hidden_states)
+    if sum(x is not None for x in sources) != 1 or (scores.hidden_states is None) != (scores.lm_head_weight is None):
+        raise ValueError("pass exactly one of new_logprobs, logits, or hidden_states with lm_head_weight")
     if scores.same_as is not None:
         _check_tensor("same_as", scores.same_as, shape, "int", device)
-        if scores.same_as.numel() and (
-            int(scores.same_as.min()) < 0 or int(scores.same_as.max()) >= shape[0] * shape[1]
-        ):
-            raise ValueError(f"same_as holds flat indices outside [0, {shape[0] * shape[1]}) (B * R)")
     if scores.new_logprobs is not None:
         _check_tensor("new_logprobs", scores.new_logprobs, shape, "float", device)
         return None
     if scores.logits is not None:
-        _check_tensor("logits", scores.logits, None, "float", device)
-        if scores.logits.dim() != 3 or tuple(scores.logits.shape[:2]) != shape:
-            raise ValueError(f"logits has shape {tuple(scores.logits.shape)}, expected [B, R, V] with [B, R] = {shape}")
+        _check_tensor("logits", scores.logits, (*shape, "V"), "float", device)
         return scores.logits.shape[2]
     hidden, weight, bias = scores.hidden_states, scores.lm_head_weight, scores.lm_head_bias
-    if weight is None:
-        raise ValueError("hidden_states needs lm_head_weight [V, d]")
-    _check_tensor("hidden_states", hidden, None, "float", device)
-    if hidden.dim() != 3 or tuple(hidden.shape[:2]) != shape:
-        raise ValueError(f"hidden_states has shape {tuple(hidden.shape)}, expected [B, R, d] with [B, R] = {shape}")
-    _check_tensor("lm_head_weight", weight, None, "float", device)
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[2]:
-        raise ValueError(f"lm_head_weight has shape {tuple(weight.shape)}, expected [V, d] with d = {hidden.shape[2]}")
+    _check_tensor("hidden_states", hidden, (*shape, "d"), "float", device)
+    _check_tensor("lm_head_weight", weight, ("V", hidden.shape[2]), "float", device)
     if bias is not None:
         _check_tensor("lm_head_bias", bias, (weight.shape[0],), "float", device)
     return weight.shape[0]
@@ -175,19 +162,15 @@ def _check_uids(uids, bsz: int, device: torch.device) -> torch.Tensor:
 
 
 def _validate(draft_ids, old_logprobs, scores, lengths, uids, options: VerifyOptions) -> _Checked:
-    _check_tensor("draft_ids", draft_ids, None, "int")
-    if draft_ids.dim() != 2:
-        raise ValueError(f"draft_ids must be a [B, R] tensor, got shape {tuple(draft_ids.shape)}")
+    _check_tensor("draft_ids", draft_ids, ("B", "R"), "int")
     shape, device = (draft_ids.shape[0], draft_ids.shape[1]), draft_ids.device
-    if device.type == "meta":
-        raise ValueError("draft_ids is on the meta device (it holds no data); verify needs tensors with values")
     _check_tensor("old_logprobs", old_logprobs, shape, "float", device)
     vocab = _check_scores(scores, shape, device)
     lens = _resolve_lengths(draft_ids, lengths)
     valid = lengths_mask(lens, shape[1])
     chosen = _pick_backend(options.backend, device, options.sampling, scores)
     if scores.new_logprobs is not None:
-        _check_logprobs("new_logprobs", scores.new_logprobs, valid)
+        _check_logprobs("new_logprobs", scores.new_logprobs, valid, "; the policy forward produced invalid scores")
     # Logits and hidden states are not scanned here: both backends flag positions without a distribution while
     # scoring (one read of the scores), with the same error.
     _check_logprobs("old_logprobs", old_logprobs, valid, " — did you pass probabilities or logits?")

@@ -75,8 +75,7 @@ def walk_tries(
         ready = [r for r in walking if out.n[r] < scored[follow[r]]]
         if not ready:  # every walking row used up the scored part of its draft: score further
             progressive.extend([(follow[r], out.n[r]) for r in walking])
-            if not any(out.n[r] < scored[follow[r]] for r in walking):
-                raise RuntimeError("progressive scores did not extend below the walks that wait for them")
+            assert any(out.n[r] < scored[follow[r]] for r in walking), "progressive scores did not extend"
             continue
         # (row, draft, from depth, to depth)
         segs = [(r, follow[r], out.n[r], min(scored[follow[r]], out.n[r] + window)) for r in ready]

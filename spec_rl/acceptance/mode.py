@@ -108,5 +108,25 @@ MODES = {
     "exact": RolloutMode(Exact()),
     "random": RolloutMode(RandomReuse()),
 }
+
+
+def mode_names(names) -> list[str]:
+    """``names`` (of :data:`MODES`) as a list of runs; ValueError for an unknown name, a name twice or none."""
+    names = list(names)
+    unknown = [m for m in names if m not in MODES]
+    problem = (
+        f"takes {', '.join(MODES)}; got {unknown}"
+        if unknown
+        else "is empty: name at least one run (e.g. vanilla,spec)"
+        if not names
+        else f"names a run twice: {names} (each run has one folder)"
+        if len(set(names)) != len(names)
+        else None
+    )
+    if problem:
+        raise ValueError(f"modes {problem}")
+    return names
+
+
 #: The run every ratio is to.
 VANILLA = "vanilla"

@@ -70,9 +70,7 @@ class Job:
 
 def fresh_jobs(contexts: Sequence[Sequence[int]], budgets: Sequence[int]) -> list[Job]:
     """One fresh :class:`Job` per context, keyed by its index (uid i)."""
-    if len(contexts) != len(budgets):
-        raise ValueError(f"contexts ({len(contexts)}) and budgets ({len(budgets)}) must have the same length")
-    return [Job(budget, i, context) for i, (context, budget) in enumerate(zip(contexts, budgets))]
+    return [Job(budget, i, context) for i, (context, budget) in enumerate(zip(contexts, budgets, strict=True))]
 
 
 @dataclass
@@ -175,10 +173,8 @@ class Backend:
         budget, a context with bad ids or past the model's positions, a cut without ``scored``, of a row it does not
         hold, past its draft, or with a bad token."""
         owner, vocab, out = type(self).__name__, self.vocab_size, []
-        if scored is not None and not isinstance(scored, Scored):
-            raise TypeError(f"scored must be what this backend's score returned, got {type(scored).__name__}")
-        if scored is not None and scored.used:
-            raise ValueError("scored must come from this backend's score and be continued once")
+        if scored is not None and (not isinstance(scored, Scored) or scored.used):
+            raise ValueError(f"scored must come from this backend's score and be continued once, got {scored!r:.80}")
         for i, job in enumerate(jobs):
             if not isinstance(job, Job):
                 raise TypeError(f"jobs[{i}] must be a Job, got {type(job).__name__}")
@@ -195,14 +191,12 @@ class Backend:
                 cut = job.cut
                 if scored is None:
                     raise ValueError(f"jobs[{i}] continues a cut; generate() takes fresh contexts only")
-                row = check_int(f"jobs[{i}].cut.row", cut.row)
-                if not 0 <= row < len(scored.drafts):
-                    raise ValueError(f"jobs[{i}].cut.row = {row} is not a row of scored (0..{len(scored.drafts) - 1})")
-                n = check_int(f"jobs[{i}].cut.n", cut.n)
-                if not 0 <= n <= len(scored.drafts[row]):
-                    raise ValueError(
-                        f"jobs[{i}].cut.n = {n} is outside [0, {len(scored.drafts[row])}] (the length of draft {row})"
-                    )
+                row = check_int(
+                    f"jobs[{i}].cut.row", cut.row, low=0, high=len(scored.drafts) - 1, hint=" (a row of scored)"
+                )
+                n = check_int(
+                    f"jobs[{i}].cut.n", cut.n, low=0, high=len(scored.drafts[row]), hint=f" (draft {row}'s length)"
+                )
                 token_id(f"jobs[{i}].cut.token", cut.token, vocab, owner)
                 self._check_fits(f"jobs[{i}]", len(scored.prompts[row]) + n + 1, budget)
             out.append(job)
@@ -235,16 +229,13 @@ class Policy:
 def token_ids(name: str, ids, vocab_size: int | None = None, owner: str = "the model") -> list[int]:
     """``ids`` (a sequence of ints, numpy array or 1-D integer tensor) as ints in [0, vocab_size) (None: >= 0).
     TypeError for anything but integers (never rounded), ValueError naming ``name[j]``."""
-    if isinstance(ids, torch.Tensor):
-        if ids.dim() != 1 or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-            raise TypeError(
-                f"{name} must be a 1-D integer tensor or a sequence of token ids, got {ids.dtype} {list(ids.shape)}"
-            )
-        values = ids.tolist()
-    elif isinstance(ids, (str, bytes)) or not (isinstance(ids, Sequence) or hasattr(ids, "tolist")):
-        raise TypeError(f"{name} must be a sequence of token ids, got {type(ids).__name__}")
-    else:
-        values = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+    tensor = isinstance(ids, torch.Tensor)
+    if (tensor and (ids.dim() != 1 or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool)) or (
+        not tensor and (isinstance(ids, (str, bytes)) or not (isinstance(ids, Sequence) or hasattr(ids, "tolist")))
+    ):
+        got = f"{ids.dtype} {list(ids.shape)}" if tensor else type(ids).__name__
+        raise TypeError(f"{name} must be a 1-D integer tensor or a sequence of token ids, got {got}")
+    values = ids.tolist() if hasattr(ids, "tolist") else list(ids)
     if set(map(type, values)) - {int}:
         values = [token_id(f"{name}[{j}]", t) for j, t in enumerate(values)]
     if values and (min(values) < 0 or (vocab_size is not None and max(values) >= vocab_size)):
@@ -258,13 +249,9 @@ def token_id(name: str, value, vocab_size: int | None = None, owner: str = "the 
     if isinstance(value, bool) or not hasattr(value, "__index__"):
         raise TypeError(f"{name} must be an integer token id, got {value!r}")
     value = operator.index(value)
-    if value < 0 and vocab_size is None:
-        raise ValueError(f"{name} = {value} is negative; token ids are >= 0")
     if value < 0 or (vocab_size is not None and value >= vocab_size):
-        raise ValueError(
-            f"{name} = {value} is outside [0, {vocab_size}) (the vocabulary of {owner}); "
-            "tokenize with the policy's own tokenizer"
-        )
+        where = "the ids >= 0" if vocab_size is None else f"[0, {vocab_size}) (the vocabulary of {owner})"
+        raise ValueError(f"{name} = {value} is outside {where}; tokenize with the policy's own tokenizer")
     return value
 
 

@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-import operator
-from bisect import bisect_right
+import math
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -53,48 +53,13 @@ def scores_vocab_size(scores: DraftScores) -> int | None:
 
 def check_scored(scored, rows: int, width: int, source: str) -> None:
     """BackendContractError unless ``scored`` is a Scored whose scores are [rows, width, ...]."""
-    if not (isinstance(scored, Scored) and isinstance(scored.scores, DraftScores)):
-        raise BackendContractError(f"{source} must return a Scored holding DraftScores, got {type(scored).__name__}")
-    scores = scored.scores
-    value = getattr(scores, scores.source)
-    if not isinstance(value, torch.Tensor) or tuple(value.shape[:2]) != (rows, width):
-        shape = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+    scores = getattr(scored, "scores", None)
+    value = getattr(scores, scores.source, None) if isinstance(scores, DraftScores) else None
+    if not isinstance(scored, Scored) or not isinstance(value, torch.Tensor) or tuple(value.shape[:2]) != (rows, width):
+        got = f"{scores.source} of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else repr(scored)[:80]
         raise BackendContractError(
-            f"{source} returned {scores.source} of shape {shape}; expected [{rows}, {width}, ...]"
+            f"{source} returned {got}; expected a Scored with DraftScores of shape [{rows}, {width}, ...]"
         )
-
-
-def _fail(source: str, row: int, what: str) -> BackendContractError:
-    return BackendContractError(f"{source} returned an invalid continuation for row {row}: {what}")
-
-
-def _row_of(offsets: list[int], j: int) -> int:
-    return bisect_right(offsets, j) - 1
-
-
-def _flat_ids(source: str, conts: Sequence[Continuation], offsets: list[int], vocab_size: int | None) -> torch.Tensor:
-    values = [t for c in conts for t in c.token_ids]
-    if set(map(type, values)) - {int}:  # bools and floats are refused, not read as ids
-        for j, t in enumerate(values):
-            if isinstance(t, bool) or not hasattr(t, "__index__"):
-                raise _fail(source, _row_of(offsets, j), f"token ids must be integers, got {t!r}")
-        values = [operator.index(t) for t in values]
-    if values and (min(values) < 0 or (vocab_size is not None and max(values) >= vocab_size)):
-        j = next(j for j, t in enumerate(values) if t < 0 or (vocab_size is not None and t >= vocab_size))
-        where = f"[0, {vocab_size}) (the model's vocabulary)" if vocab_size is not None else "the ids >= 0"
-        raise _fail(source, _row_of(offsets, j), f"token id {values[j]} outside {where}")
-    return torch.tensor(values, dtype=torch.long)
-
-
-def _check_logprobs(source: str, conts: Sequence[Continuation], offsets: list[int]) -> None:
-    try:
-        lps = torch.tensor([v for c in conts for v in c.logprobs], dtype=torch.float64)
-    except (TypeError, ValueError, RuntimeError) as exc:
-        raise BackendContractError(f"{source} returned logprobs that are not numbers ({exc})") from None
-    bad = ~torch.isfinite(lps) | (lps > LOGPROB_SLACK)
-    if bool(bad.any()):
-        j = int(bad.nonzero()[0, 0])
-        raise _fail(source, _row_of(offsets, j), f"logprobs must be finite and <= 0, got {float(lps[j])}")
 
 
 def check_continuations(conts, budgets: Sequence[int], *, source: str, vocab_size: int | None, eos_ids) -> None:
@@ -105,43 +70,50 @@ def check_continuations(conts, budgets: Sequence[int], *, source: str, vocab_siz
         raise BackendContractError(
             f"{source} returned {got} for {len(budgets)} rows; a backend returns one Continuation per row, in order"
         )
-    offsets = [0]
-    for i, (c, budget) in enumerate(zip(conts, budgets)):
-        if not isinstance(c, Continuation):
-            raise _fail(source, i, f"{type(c).__name__} is not a Continuation")
-        n = len(c.token_ids)
-        if len(c.logprobs) != n:
-            raise _fail(source, i, f"{len(c.logprobs)} logprobs for {n} tokens")
-        if n > budget:
-            raise _fail(source, i, f"{n} tokens but its budget is {budget}")
-        offsets.append(offsets[-1] + n)
-    ids = _flat_ids(source, conts, offsets, vocab_size)
-    _check_finish(source, conts, budgets, ids, offsets, eos_ids)
-    _check_logprobs(source, conts, offsets)
-
-
-def _check_finish(source, conts, budgets, ids: torch.Tensor, offsets: list[int], eos_ids) -> None:
     eos = sorted(int(e) for e in eos_ids)
-    lengths = torch.tensor([b - a for a, b in zip(offsets[:-1], offsets[1:])], dtype=torch.long)
-    is_eos = torch.isin(ids, torch.tensor(eos, dtype=torch.long))
-    rows = torch.repeat_interleave(torch.arange(len(conts)), lengths)
-    eos_count = torch.zeros(len(conts), dtype=torch.long).index_add_(0, rows, is_eos.long())
-    last = torch.tensor(offsets[1:], dtype=torch.long) - 1
-    ends_eos = (lengths > 0) & is_eos[last.clamp(min=0)] if ids.numel() else torch.zeros(len(conts), dtype=torch.bool)
+    for i, (c, budget) in enumerate(zip(conts, budgets)):
+        problem = _continuation_problem(c, budget, vocab_size, eos)
+        if problem:
+            raise BackendContractError(f"{source} returned an invalid continuation for row {i}: {problem}")
+
+
+def _continuation_problem(c, budget: int, vocab_size: int | None, eos: list[int]) -> str | None:
+    """What is wrong with one continuation (the contract of :func:`check_continuations`), or None."""
+    if not isinstance(c, Continuation):
+        return f"{type(c).__name__} is not a Continuation"
+    ids, n = c.token_ids, len(c.token_ids)
+    if len(c.logprobs) != n:
+        return f"{len(c.logprobs)} logprobs for {n} tokens"
+    if n > budget:
+        return f"{n} tokens but its budget is {budget}"
+    odd = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+    if odd:
+        return f"token ids must be integers, got {odd[0]!r}"
+    outside = [t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
+    if outside:
+        where = f"[0, {vocab_size}) (the model's vocabulary)" if vocab_size is not None else "the ids >= 0"
+        return f"token id {outside[0]} outside {where}"
+    bad_lp = [v for v in c.logprobs if not (isinstance(v, numbers.Real) and -math.inf < v <= LOGPROB_SLACK)]
+    if bad_lp:
+        return f"logprobs must be finite and <= 0, got {bad_lp[0]!r}"
     hint = f" (the rollout's EOS ids are {eos}; give the backend the same set)"
-    for i, (n, count, at_end) in enumerate(zip(lengths.tolist(), eos_count.tolist(), ends_eos.tolist())):
-        reason, budget = conts[i].finish_reason, budgets[i]
-        if count > int(at_end):
-            raise _fail(source, i, "tokens after an EOS id" + hint)
-        if reason not in ("eos", "length"):
-            raise _fail(source, i, f"finish_reason must be 'eos' or 'length', got {reason!r}")
-        if reason == "eos" and not at_end:
-            what = f"last token {int(ids[offsets[i + 1] - 1])} is not an EOS id" if n else "it has no tokens"
-            raise _fail(source, i, f"finish_reason 'eos' but its {what}" + hint)
-        if reason == "length" and at_end:
-            raise _fail(source, i, f"finish_reason 'length' but it ends with the EOS id {int(ids[offsets[i + 1] - 1])}")
-        if reason == "length" and n < budget:
-            raise _fail(source, i, f"finish_reason 'length' with {n} tokens, fewer than its budget of {budget}")
+    at_end = n > 0 and ids[-1] in eos
+    if sum(t in eos for t in ids) > at_end:
+        return "tokens after an EOS id" + hint
+    if c.finish_reason == "eos" and not at_end:
+        return (
+            f"finish_reason 'eos' but its {f'last token {ids[-1]} is not an EOS id' if n else 'it has no tokens'}{hint}"
+        )
+    if c.finish_reason == "length" and (at_end or n < budget):
+        why = (
+            f"but it ends with the EOS id {ids[-1]}"
+            if at_end
+            else f"with {n} tokens, fewer than its budget of {budget}"
+        )
+        return f"finish_reason 'length' {why}"
+    if c.finish_reason not in ("eos", "length"):
+        return f"finish_reason must be 'eos' or 'length', got {c.finish_reason!r}"
+    return None
 
 
 def check_shared_outputs(same, prompts: Sequence[Sequence[int]], drafts: Sequence[Sequence[int]], source: str) -> None:
@@ -152,16 +124,14 @@ def check_shared_outputs(same, prompts: Sequence[Sequence[int]], drafts: Sequenc
     if same is None:
         return
     bsz, width = len(drafts), max([len(d) for d in drafts] + [1])
-    if not (isinstance(same, torch.Tensor) and tuple(same.shape) == (bsz, width) and same.dtype == torch.int64):
+    shaped = isinstance(same, torch.Tensor) and tuple(same.shape) == (bsz, width) and same.dtype == torch.int64
+    t = same.cpu() if shaped else None
+    if not shaped or (t.numel() and (int(t.min()) < 0 or int(t.max()) >= bsz * width)):
         what = f"{tuple(same.shape)} {same.dtype}" if isinstance(same, torch.Tensor) else type(same).__name__
+        what += f" with indices in [{int(t.min())}, {int(t.max())}]" if shaped else ""
         raise BackendContractError(
             f"{source} returned same_as {what}; expected None or int64 [{bsz}, {width}] of flat indices in "
             f"[0, {bsz * width})"
-        )
-    t = same.cpu()
-    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= bsz * width):
-        raise BackendContractError(
-            f"{source} returned same_as with indices outside [0, {bsz * width}) (the flat [B, R] range)"
         )
     ok = _matches(t, prompts, drafts)
     if not bool(ok.all()):

@@ -41,8 +41,7 @@ class InPlaceLayer(DynamicLayer):
     @classmethod
     def owning(cls, key_buffer: torch.Tensor, value_buffer: torch.Tensor, n: int) -> InPlaceLayer:
         """A layer on buffers [B, H, size, D] (no copy) whose first ``n`` columns are the cache."""
-        if not 0 <= n <= key_buffer.shape[-2] or key_buffer.shape[:2] != value_buffer.shape[:2]:
-            raise ValueError(f"buffers {tuple(key_buffer.shape)} / {tuple(value_buffer.shape)} cannot hold {n} columns")
+        assert 0 <= n <= key_buffer.shape[-2] and key_buffer.shape[:2] == value_buffer.shape[:2]
         layer = cls.__new__(cls)
         DynamicLayer.__init__(layer)
         layer.device, layer.is_initialized = key_buffer.device, True

@@ -140,8 +140,7 @@ class PolicyScorer:
     @torch.inference_mode()
     def score_with_kv(self, prompts, drafts, keep_kv: bool = True) -> tuple[DraftScores, TreeKV | None]:
         """:meth:`score` and the kept K/V (tree layout); results are inference tensors (``.clone()`` for autograd)."""
-        if len(prompts) != len(drafts):
-            raise ValueError(f"prompts ({len(prompts)}) and drafts ({len(drafts)}) must have the same length")
+        assert len(prompts) == len(drafts)
         max_r = max([len(d) for d in drafts] + [1])
         out = torch.zeros((len(prompts), max_r, self.head.width), dtype=self._dtype(), device=self.device)
         if self.tree:

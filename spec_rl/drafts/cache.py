@@ -5,6 +5,7 @@ token ids, never its text (docs/design.md "Facts from the field"); a lookup unde
 
 from __future__ import annotations
 
+import abc
 import hashlib
 import json
 import os
@@ -124,7 +125,7 @@ def check_key(key) -> CacheKey:
     return key
 
 
-class DraftStore:
+class DraftStore(abc.ABC):
     """Lookup/store semantics of every draft store; subclasses implement ``_read(key)`` and ``_write(key, draft)``.
     Counters ``hits``, ``misses`` and ``settings_mismatches`` count this process's lookups. ``owner``: the policy the
     drafts belong to (:func:`~spec_rl.drafts.owner.policy_owner`; None until :meth:`claim`)."""
@@ -146,11 +147,11 @@ class DraftStore:
             raise TypeError(f"owner must be a non-empty str (policy_owner(tokenizer, config)), got {owner!r}")
         self.owner = merged_owner(self.owner, owner, where or f"this {self._name}")
 
-    def _read(self, key: CacheKey) -> Draft | None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _read(self, key: CacheKey) -> Draft | None: ...
 
-    def _write(self, key: CacheKey, draft: Draft) -> None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _write(self, key: CacheKey, draft: Draft) -> None: ...
 
     def lookup(self, key: CacheKey, settings: SamplingSettings) -> Draft | None:
         """The draft of ``key`` as stored (cut it with :func:`~spec_rl.drafts.validity.draft_views` before reuse), or

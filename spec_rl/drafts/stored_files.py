@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from ..sampling.distribution import SamplingSettings
-from ..util.validation import INT32_MAX, LOGPROB_SLACK
+from ..util.validation import INT32_MAX, INT64_MAX, LOGPROB_SLACK
 
 
 class DamagedFileError(ValueError):
@@ -49,12 +49,16 @@ class FileCheck:
     def fail(self, problem: str) -> DamagedFileError:
         return DamagedFileError(self.path, problem, self.fix)
 
-    def json_field(self, key: str, kind: type, what: str | None = None):
-        """Metadata ``key`` parsed as JSON, which must be a ``kind`` (e.g. list); ``what`` describes it in errors."""
+    def field(self, key: str) -> str:
+        """Metadata ``key``'s text."""
         if key not in self.meta:
             raise self.fail(f"metadata {key!r} is missing")
+        return self.meta[key]
+
+    def json_field(self, key: str, kind: type, what: str | None = None):
+        """Metadata ``key`` parsed as JSON, which must be a ``kind`` (e.g. list); ``what`` describes it in errors."""
         try:
-            value = json.loads(self.meta[key])
+            value = json.loads(self.field(key))
         except json.JSONDecodeError as exc:
             raise self.fail(f"metadata {key!r} is not valid JSON ({exc})") from exc
         if not isinstance(value, kind):
@@ -63,9 +67,7 @@ class FileCheck:
 
     def count_field(self, key: str) -> int:
         """Metadata ``key``: a decimal integer >= 0 written as text (e.g. a policy version)."""
-        text = self.meta.get(key)
-        if text is None:
-            raise self.fail(f"metadata {key!r} is missing")
+        text = self.field(key)
         if not (text.isascii() and text.isdigit()):
             raise self.fail(f"metadata {key!r} must be a decimal integer >= 0, got {text!r}")
         return int(text)
@@ -77,11 +79,10 @@ class FileCheck:
             raise self.fail(f"tensor {name!r} is missing")
         if t.dtype != dtype:
             raise self.fail(f"tensor {name!r} has dtype {t.dtype}, expected {dtype}")
-        if t.dim() != len(shape) and None in shape:
-            raise self.fail(f"tensor {name!r} has shape {tuple(t.shape)}, expected {len(shape)}-D")
-        expected = tuple(t.shape[i] if s is None else s for i, s in enumerate(shape))
-        if tuple(t.shape) != expected:
-            raise self.fail(f"tensor {name!r} has shape {tuple(t.shape)}, expected {expected}")
+        expected = tuple(n if s is None else s for n, s in zip(t.shape, shape)) if None in shape else tuple(shape)
+        if tuple(t.shape) != expected or t.dim() != len(shape):
+            want = f"{len(shape)}-D" if t.dim() != len(shape) and None in shape else expected
+            raise self.fail(f"tensor {name!r} has shape {tuple(t.shape)}, expected {want}")
         return t
 
     def settings(self, value, name: str) -> SamplingSettings:
@@ -96,12 +97,11 @@ class FileCheck:
         t = t.to(torch.int64)  # compare without wrapping (2**31 does not fit in int32)
         bad = (t < 0) | (t >= high)
         if t.numel() and bool(bad.any()):
-            bound = "2**31 - 1]" if high == INT32_MAX + 1 else f"{high})"
+            bound = {INT32_MAX + 1: "2**31 - 1]", INT64_MAX: "inf)"}.get(high, f"{high})")
             raise self.fail(f"tensor {name!r} holds {int(t[bad][0])}, outside [0, {bound}{why}")
 
     def non_negative(self, name: str, t: torch.Tensor) -> None:
-        if t.numel() and bool((t < 0).any()):
-            raise self.fail(f"tensor {name!r} holds {int(t[t < 0][0])}, expected values >= 0")
+        self.in_range(name, t, INT64_MAX)
 
     def token_ids(self, name: str, t: torch.Tensor, vocab_size: int | None) -> None:
         """Token ids in [0, vocab_size) when it is known, else in the int32 range."""

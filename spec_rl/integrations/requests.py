@@ -18,6 +18,7 @@ from ..drafts.cache import CacheKey, DraftStore
 from ..drafts.validity import draft_view
 from ..sampling.distribution import SamplingSettings
 from ..sampling.philox import mix_seed
+from ..util.validation import check_int
 from .exact import MAX_RESIDUAL_ATTEMPTS, residual_seeds
 from .request_types import Assembled, ContinuationRequest, SamplePlan, Verified
 from .server_checks import PROMPT_LOGPROBS_MODES, check_server_settings
@@ -70,14 +71,8 @@ class SpecRequestBuilder:
         max_resample_attempts: int = MAX_RESIDUAL_ATTEMPTS,
     ) -> None:
         check_server_settings(settings, prompt_logprobs_mode, repetition_penalty, logprobs_mode)
-        if (
-            isinstance(max_resample_attempts, bool)
-            or int(max_resample_attempts) != max_resample_attempts
-            or max_resample_attempts < 1
-        ):
-            raise ValueError(f"max_resample_attempts must be an integer >= 1, got {max_resample_attempts!r}")
-        if int(max_model_len) != max_model_len or max_model_len < 2:
-            raise ValueError(f"max_model_len must be an integer >= 2, got {max_model_len!r}")
+        check_int("max_resample_attempts", max_resample_attempts, low=1)
+        check_int("max_model_len", max_model_len, low=2)
         if not eos_ids:
             raise ValueError("eos_ids must list at least one end-of-sequence id (e.g. the tokenizer's eos_token_id)")
         self.mode = server_mode(mode)

@@ -20,6 +20,7 @@ from ..drafts.cache import RolloutCache
 from ..drafts.history import HistoryIndex
 from ..rollout.speculative import RolloutRequest, RolloutResult
 from ..sampling.distribution import SamplingSettings
+from ..util.validation import check_int
 from .trl_batch import batch_requests, group_size, hook_dataset_ids, tokenize_prompts, trainer_owner, unwrapped_model
 from .trl_checkpoint import CACHE_FILENAME, HISTORY_FILENAME, RolloutCacheCallback, history_path, ranked_path
 from .trl_checks import (
@@ -86,8 +87,8 @@ class SpecRLRollout:
             raise TypeError(f"dataset_id_column must be a column name (str), got {type(dataset_id_column).__name__}")
         if dataset_id_fn is not None and not callable(dataset_id_fn):
             raise TypeError("dataset_id_fn must be a callable prompt -> str")
-        if max_model_len is not None and int(max_model_len) < 2:
-            raise ValueError(f"max_model_len must be >= 2 tokens, got {max_model_len}")
+        if max_model_len is not None:
+            check_int("max_model_len", max_model_len, low=2)
         self.mode = RolloutMode.parse(mode)
         self.seed = seed
         self.cache_path = Path(cache_path) if cache_path is not None else None

@@ -63,8 +63,7 @@ def philox4x32(
 
 def _as_u64_words(value: int | torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     if isinstance(value, torch.Tensor):
-        if value.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
-            raise TypeError(f"expected an integer tensor, got dtype {value.dtype}")
+        assert value.dtype in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8), value.dtype
         v = value.to(device=device, dtype=torch.int64)
         lo = v & _MASK32
         hi = (v >> 32) & _MASK32  # arithmetic shift then mask == two's complement reinterpretation

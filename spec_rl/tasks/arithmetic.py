@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 import re
 
+from ..util.validation import check_int, check_real
 from .data import Example, format_prompt
 
 __all__ = ["arithmetic_reward", "check_solution", "generate_problems", "TASK_VERSION"]
@@ -197,29 +198,14 @@ def generate_problems(
     Returns :class:`~spec_rl.tasks.data.Example` with ``source="arith"`` and ``uid = f"arith:{seed}:{i}"``.
     Raises ValueError for a bad argument (named) or when the options cannot produce ``n`` distinct problems.
     """
-    for arg, val in (
-        ("n", n),
-        ("seed", seed),
-        ("min_steps", min_steps),
-        ("max_steps", max_steps),
-        ("max_value", max_value),
-        ("max_operand", max_operand),
-    ):
-        if isinstance(val, bool) or not isinstance(val, int):
-            raise ValueError(f"{arg} must be an int, got {val!r}")
-    if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
-    if not 1 <= min_steps <= max_steps <= MAX_STEPS:
-        raise ValueError(
-            f"need 1 <= min_steps <= max_steps <= {MAX_STEPS}, got min_steps={min_steps}, max_steps={max_steps}"
-        )
-    if max_value < 10:
-        raise ValueError(f"max_value must be >= 10, got {max_value}")
-    if max_operand < 2:
-        raise ValueError(f"max_operand must be >= 2, got {max_operand}")
-    for name, prob in (("slip_prob", slip_prob), ("misconception_prob", misconception_prob)):
-        if isinstance(prob, bool) or not isinstance(prob, (int, float)) or not 0.0 <= prob < 1.0:
-            raise ValueError(f"{name} must be a float in [0, 1), got {prob!r}")
+    check_int("n", n, low=0)
+    check_int("seed", seed)
+    check_int("min_steps", min_steps, low=1)
+    check_int("max_steps", max_steps, low=min_steps, high=MAX_STEPS, hint=" (needs min_steps <= max_steps)")
+    check_int("max_value", max_value, low=10)
+    check_int("max_operand", max_operand, low=2)
+    check_real("slip_prob", slip_prob, low=0, high=1, high_open=True)
+    check_real("misconception_prob", misconception_prob, low=0, high=1, high_open=True)
     rng = random.Random(seed)
     seen: set[str] = set(exclude or ())
     out: list[Example] = []

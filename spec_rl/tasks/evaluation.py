@@ -14,16 +14,12 @@ import torch
 from ..backends.base import Continuation, eos_token_ids, fresh_jobs
 from ..backends.transformers_backend import TransformersBackend
 from ..sampling.distribution import SamplingSettings
+from ..util.validation import check_int
 from .data import Example, PromptFormat
 from .demo_data import DEMO_MAX_NEW_TOKENS
 from .rewards import RewardFn, math_reward
 
 __all__ = ["evaluate_heldout", "evaluate_policy", "heldout_split"]
-
-
-def _check_positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or int(value) != value or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
 def _backend(model, tokenizer, batch_size: int) -> TransformersBackend:
@@ -73,8 +69,8 @@ def evaluate_policy(
     id."""
     if not examples:
         raise ValueError("examples is empty; pass at least one Example")
-    _check_positive_int("max_new_tokens", max_new_tokens)
-    _check_positive_int("batch_size", batch_size)
+    check_int("max_new_tokens", max_new_tokens, low=1)
+    check_int("batch_size", batch_size, low=1)
     settings = SamplingSettings(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=int(max_new_tokens))
     backend = _backend(model, tokenizer, batch_size)
     contexts = [tokenizer(e.prompt, add_special_tokens=False)["input_ids"] for e in examples]
@@ -131,8 +127,8 @@ def evaluate_heldout(
     for a response."""
     if not examples:
         raise ValueError("examples is empty; pass at least one held-out Example")
-    _check_positive_int("samples_per_prompt", samples_per_prompt)
-    _check_positive_int("batch_size", batch_size)
+    check_int("samples_per_prompt", samples_per_prompt, low=1)
+    check_int("batch_size", batch_size, low=1)
     backend = _backend(model, tokenizer, batch_size)
     prompts = (prompt_format or PromptFormat("off")).encode(tokenizer, examples)
     budgets = _heldout_budgets(prompts, settings, max_model_len)

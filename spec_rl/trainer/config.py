@@ -16,13 +16,16 @@ from ..util.validation import check_choice, check_int, check_real
 
 
 def parse_device(name: str) -> torch.device | None:
-    """The torch device ``name`` names (None for "auto"); ValueError for a string torch cannot parse."""
+    """The torch device ``name`` names (None for "auto"); ValueError unless it is a cpu, cuda or mps device."""
     if name == "auto":
         return None
     try:
-        return torch.device(name)
+        device = torch.device(name)
     except (RuntimeError, TypeError, ValueError):
-        raise ValueError(f"device must be auto, cpu, cuda, cuda:<index> or mps, got {name!r}") from None
+        device = None
+    if device is None or device.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"device must be auto, cpu, cuda, cuda:<index> or mps, got {name!r}")
+    return device
 
 
 def resolve_device(name: str) -> torch.device:
@@ -30,20 +33,14 @@ def resolve_device(name: str) -> torch.device:
     device = parse_device(name)
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise ValueError(f"device is {name!r} but this machine has no CUDA device; use auto or cpu")
-        if device.index is not None and device.index >= count:
-            raise ValueError(
-                f"device is {name!r} but this machine has {count} CUDA device(s): cuda:0..cuda:{count - 1}"
-            )
-    elif device.type == "mps":
-        if not torch.backends.mps.is_available():
-            raise ValueError(f"device is {name!r} but MPS is not available on this machine; use auto or cpu")
-    elif device.type != "cpu":
-        raise ValueError(f"device must be auto, cpu, cuda, cuda:<index> or mps, got {name!r}")
-    return device
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.type == "cuda" and count <= (device.index or 0):
+        why = f"has {count} CUDA device(s): cuda:0..cuda:{count - 1}" if count else "has no CUDA device"
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        why = "has no MPS device"
+    else:
+        return device
+    raise ValueError(f"device is {name!r} but this machine {why}; use auto or cpu")
 
 
 #: GRPO's usual learning rate on a pretrained model (the paper's recipe, Sec. 4).

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ..acceptance.mode import MODES, VANILLA, RolloutMode
+from ..acceptance.mode import MODES, VANILLA, RolloutMode, mode_names
 from ..backends.base import eos_token_ids
 from ..util.atomic import remove_leftovers
 from .checkpoint import latest_checkpoint
@@ -154,14 +154,7 @@ def run_modes(
     another configuration without ``allow_config_change``."""
     log = print
     if not isinstance(modes, Mapping):
-        bad = [m for m in modes if m not in MODES]
-        if bad:
-            raise ValueError(f"unknown mode(s) {bad}; choose from {list(MODES)}")
-        if len(set(modes)) != len(modes):
-            raise ValueError(f"modes names a run twice: {list(modes)} (each run has one folder)")
-        modes = {m: MODES[m] for m in modes}
-    if not modes:
-        raise ValueError("modes is empty: name at least one run (e.g. ['vanilla', 'spec'])")
+        modes = {m: MODES[m] for m in mode_names(modes)}
     configs = run_configs(config, modes)  # all checked before any trains
     check_policy(model_path, config)
     out_dir = Path(out_dir)

@@ -17,7 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..acceptance.mode import RolloutMode
+from ..cli_types import positive_int
 from ..util.atomic import atomic_write_text, remove_leftovers
+from ..util.validation import check_choice, check_int
 
 #: The paper's held-out accuracy AVG, generated tokens (millions) and rollout speed-up
 #: (arXiv 2509.23232, Qwen3-1.7B GRPO; Table 3 lenience, Table 2 random reuse, Table 1 vanilla).
@@ -212,10 +214,8 @@ def run_sweep(
     for an unknown preset or ``seeds`` < 1."""
     from .run import run_modes
 
-    if preset not in PRESETS:
-        raise ValueError(f"preset must be one of {list(PRESETS)}, got {preset!r}")
-    if isinstance(seeds, bool) or int(seeds) != seeds or seeds < 1:
-        raise ValueError(f"seeds must be an integer >= 1, got {seeds!r}")
+    check_choice("preset", preset, tuple(PRESETS))
+    check_int("seeds", seeds, low=1)
     out_dir = Path(out_dir)
     todo = [(s, k) for s in settings for k in range(int(seeds))]
     bar = _progress(len(todo), progress)
@@ -318,7 +318,7 @@ def add_parser(sub) -> None:
         "on 2 CPU cores); full: the demo's 5 epochs (default); both evaluate the demo's 640 held-out prompts x 1 "
         "sample + greedy at the warm start and after the last epoch",
     )
-    s.add_argument("--seeds", type=int, default=3, help="training seeds per setting (default 3)")
+    s.add_argument("--seeds", type=positive_int, default=3, help="training seeds per setting (default 3)")
     s.add_argument("--settings", help="comma-separated subset of: " + ", ".join(x.name for x in SETTINGS))
     s.add_argument("--out", default="runs/sweep", help="sweep directory (a finished run is skipped: rerun to continue)")
     s.add_argument("--cache-dir", help="where the demo policy is cached (default $SPEC_RL_CACHE or ~/.cache/spec-rl)")
@@ -352,8 +352,6 @@ def cmd_sweep(args) -> int:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()  # "Loading weights" / "Writing model shards" bars
-    if args.seeds < 1:  # argparse made it an int; the message names the flag
-        raise ValueError(f"--seeds must be an integer >= 1, got {args.seeds}")
     prompts, epochs, eval_prompts, eval_samples = PRESETS[args.preset]
     model_path = build_demo_policy(cache_dir=args.cache_dir, progress=not args.no_progress)
     base = demo_config(epochs=epochs, eval_samples=eval_samples, eval_every=epochs)

@@ -141,7 +141,7 @@ def test_bad_arguments():
         generate(engine, [[3]], [-1], GREEDY, seed=0)
     assert generate(engine, [[3]], [0], GREEDY, seed=0)[0].finish_reason == "length"
     handle = engine.score([[3, 4]], [[5, 6]])
-    with pytest.raises(ValueError, match=r"jobs\[0\]\.cut\.n = 3 is outside"):
+    with pytest.raises(ValueError, match=r"jobs\[0\]\.cut\.n must be <= 2, got 3"):
         continue_rows(engine, handle, [3], [7], [2], GREEDY, seed=0)
     assert engine.blocks.num_free == 8  # the scored rows were released on the error
     handle = engine.score([[3, 4]], [[5, 6]])

@@ -212,8 +212,8 @@ def test_scoring_eviction_of_a_source_is_prefilled_again():
 @pytest.mark.parametrize(
     "cut, match",
     [
-        (Cut(6, 2, 9), r"jobs\[0\]\.cut\.row = 6 is not a row of scored"),  # out of range
-        (Cut(4, 2, 9), r"jobs\[0\]\.cut\.n = 2 is outside \[0, 1\]"),  # longer than the row's draft
+        (Cut(6, 2, 9), r"jobs\[0\]\.cut\.row must be <= 5, got 6"),  # out of range
+        (Cut(4, 2, 9), r"jobs\[0\]\.cut\.n must be <= 1, got 2"),  # longer than the row's draft
     ],
 )
 def test_bad_cuts_are_rejected_and_free_every_block(cut, match):

@@ -169,7 +169,7 @@ def test_scores_for_the_wrong_rows_are_refused_and_the_handle_released():
     rollout = SpeculativeRollout(broken, plain.cache, plain.settings, [1], 64, mode=_lenient(1.0))
     with pytest.raises(
         BackendContractError,
-        match=r"Tampered\.score returned hidden_states of shape \[5, 6, 32\]; expected \[6, 6, \.\.\.\]",
+        match=r"Tampered\.score returned hidden_states of shape \[5, 6, 32\]; expected .* \[6, 6, \.\.\.\]",
     ):
         rollout.run(_requests(), step=1)
     assert broken.released == 1
@@ -233,7 +233,7 @@ def test_valid_backends_pass_every_check():
         ([3, 2**70], ValueError, r"requests\[1\]\.prompt_ids\[1\] = 1180591620717411303424 is outside"),
         ([1.7, 2.2], TypeError, r"requests\[1\]\.prompt_ids\[0\] must be an integer token id, got 1.7"),
         (["3", "4"], TypeError, r"requests\[1\]\.prompt_ids\[0\] must be an integer token id, got '3'"),
-        ("34", TypeError, r"requests\[1\]\.prompt_ids must be a sequence of token ids"),
+        ("34", TypeError, r"requests\[1\]\.prompt_ids must be a 1-D integer tensor or a sequence of token ids"),
     ],
 )
 def test_prompt_ids_are_range_checked_before_any_work(prompt, error, message):
@@ -358,9 +358,9 @@ def test_run_builds_no_autograd_graph_even_when_the_caller_has_grad_on(monkeypat
 @pytest.mark.parametrize(
     "jobs, error, match",
     [
-        ([Job(2, cut=Cut(7, 1, 4))], ValueError, r"jobs\[0\]\.cut\.row = 7 is not a row of scored"),
-        ([Job(2, cut=Cut(1, 3, 4))], ValueError, r"jobs\[0\]\.cut\.n = 3 is outside \[0, 2\]"),
-        ([Job(2, cut=Cut(0, -1, 4))], ValueError, r"jobs\[0\]\.cut\.n = -1 is outside"),
+        ([Job(2, cut=Cut(7, 1, 4))], ValueError, r"jobs\[0\]\.cut\.row must be <= 1, got 7 \(a row of scored\)"),
+        ([Job(2, cut=Cut(1, 3, 4))], ValueError, r"jobs\[0\]\.cut\.n must be <= 2, got 3"),
+        ([Job(2, cut=Cut(0, -1, 4))], ValueError, r"jobs\[0\]\.cut\.n must be >= 0, got -1"),
         ([Job(2, cut=Cut(0, 1, VOCAB))], ValueError, r"jobs\[0\]\.cut\.token = 33 is outside \[0, 33\)"),
         ([Job(-1, cut=Cut(0, 1, 4))], ValueError, r"jobs\[0\]\.budget must be >= 0, got -1"),
         ([Job(2, context=[3, 4], cut=Cut(0, 1, 4))], ValueError, r"jobs\[0\] needs exactly one of context"),

@@ -149,7 +149,7 @@ def test_generate_bad_args():
         generate_problems(3, min_steps=3, max_steps=2)
     with pytest.raises(ValueError, match="max_value"):
         generate_problems(3, max_value=5)
-    with pytest.raises(ValueError, match="seed"):
+    with pytest.raises(TypeError, match="seed"):
         generate_problems(3, seed="a")
 
 

@@ -137,7 +137,7 @@ def test_bad_trainer_input(tmp_path):
         GRPOConfig(mode=MODES["spec"].with_overrides(lenience=-1))
     with pytest.raises(ValueError, match="^group_size"):
         GRPOConfig(group_size=0)
-    with pytest.raises(ValueError, match=r"unknown mode\(s\) \['random-ref'\]; choose from \['vanilla', 'histspec'"):
+    with pytest.raises(ValueError, match=r"modes takes vanilla, histspec, spec, exact, random; got \['random-ref'\]"):
         run_modes(tmp_path / "policy", EXAMPLES, _reward, _config(), ["vanilla", "random-ref"], tmp_path / "run")
     with pytest.raises(ValueError, match=r"modes names a run twice: \['spec', 'spec'\]"):
         run_modes(tmp_path / "policy", EXAMPLES, _reward, _config(), ["spec", "spec"], tmp_path / "run")

@@ -50,12 +50,7 @@ def paged_attention_forward(
     batch = _ACTIVE
     if batch is None:
         return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    if kwargs.get("sliding_window") is not None:
-        raise NotImplementedError("the paged engine does not support sliding-window attention layers")
-    if kwargs.get("softcap") is not None:
-        raise NotImplementedError("the paged engine does not support attention logit soft-capping")
-    if query.shape[0] != 1:
-        raise RuntimeError(f"paged attention expects packed input of batch 1, got query {tuple(query.shape)}")
+    assert query.shape[0] == 1, f"paged attention takes packed input of batch 1, got query {tuple(query.shape)}"
     cache = batch.kv_caches[module.layer_idx]
     k = key[0].transpose(0, 1).to(cache.dtype)  # [T, H_kv, D]
     v = value[0].transpose(0, 1).to(cache.dtype)
@@ -123,8 +118,7 @@ def build_batch(
     capacity = kv_caches[0].shape[0] if kv_caches else 0
     block_size = kv_caches[0].shape[2] if kv_caches else 1
     for b, (t, n) in enumerate(zip(block_tables, kv_lens)):
-        if len(t) * block_size < n or any(not 0 <= x < capacity for x in t[: -(-n // block_size)]):
-            raise ValueError(f"sequence {b}: block table {t} does not cover {n} tokens in a cache of {capacity} blocks")
+        assert len(t) * block_size >= n and all(0 <= x < capacity for x in t[: -(-n // block_size)]), (b, t, n)
     max_kv, max_q = max(kv_lens), max(q_lens)
     width = max(len(t) for t in block_tables)
     tables = torch.zeros((bsz, width), dtype=torch.int32)

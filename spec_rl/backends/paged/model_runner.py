@@ -52,10 +52,10 @@ class CacheLayout:
         """The layout of a transformers model; ValueError for sliding-window layers or a dtype not fp32/fp16/bf16."""
         cfg = model.config
         text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-        if model_may_slide(model):
+        if model_may_slide(model) or getattr(text, "attn_logit_softcapping", None):
             raise ValueError(
-                "PagedEngine does not support sliding-window attention; use --backend transformers "
-                "(TransformersBackend honours the window) or VLLMBackend"
+                "PagedEngine does not support sliding-window attention or logit soft-capping; use --backend "
+                "transformers (TransformersBackend honours the window) or VLLMBackend"
             )
         dtype = next(model.parameters()).dtype
         if dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -143,9 +143,7 @@ class ModelRunner:
         slots, cow, tables, starts, q_lens, ids, pos, keep = [], [], [], [], [], [], [], []
         offset = 0
         for (seq_id, toks, start), w in zip(items, want):
-            if self.blocks.length(seq_id) != start:
-                held = self.blocks.length(seq_id)
-                raise RuntimeError(f"engine bug: sequence {seq_id} holds {held} tokens, expected {start}")
+            assert self.blocks.length(seq_id) == start, (seq_id, self.blocks.length(seq_id), start)
             new_slots, pairs = self.blocks.append_slots(seq_id, len(toks))
             slots.extend(new_slots)
             cow.extend(pairs)
