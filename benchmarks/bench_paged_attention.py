@@ -47,6 +47,7 @@ import sys
 import traceback
 
 import _harness as H  # benchmarks/ is on sys.path when a script here runs
+import kernel_sweeps  # benchmarks/ is on sys.path when a script here runs
 import torch
 
 NOMINAL_SMS = 132  # H100 SXM / H200: used for the CPU-side plan and the CPU smoke run
@@ -202,7 +203,7 @@ def run_shape(args, K, shape, dev, rec: H.RunRecord, sm_count: int) -> None:
         measure(f"ours: split-K (num_splits={forced})", ours(num_splits=forced, max_seq_len=context))
     measure("ours: auto, with range checks (1 host sync)", ours(max_seq_len=context))
     if args.sweep:
-        for c in C.PAGED_ATTENTION_SWEEP:
+        for c in kernel_sweeps.PAGED_ATTENTION_SWEEP:
             measure(f"  sweep {c}", ours(max_seq_len=context, config=c), config=str(c))
 
     def gather_sdpa():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import kernel_sweeps  # benchmarks/ is on sys.path when a script here runs
 import torch
 
 
@@ -59,7 +60,7 @@ def from_logits_variants(sweep: bool) -> list[Variant]:
     from spec_rl.kernels.from_logits import verify_from_logits_kernel
 
     cfgs = (
-        configs.LOGITS_SWEEP
+        kernel_sweeps.LOGITS_SWEEP
         if sweep
         else [configs.LogitsConfig(4096, 8), configs.LogitsConfig(2048, 8), configs.LogitsConfig(1024, 4, block_r=4)]
     )
@@ -95,10 +96,10 @@ def lm_head_variants(sweep: bool) -> list[Variant]:
     from spec_rl.kernels import configs
     from spec_rl.kernels.lm_head import lm_head_merge_kernel, lm_head_partial_kernel
 
-    bf16_cfgs = configs.LM_HEAD_SWEEP if sweep else configs.LM_HEAD_SWEEP[:1]
+    bf16_cfgs = kernel_sweeps.LM_HEAD_SWEEP if sweep else kernel_sweeps.LM_HEAD_SWEEP[:1]
     todo = [("bf16", cfg, False, False, True) for cfg in bf16_cfgs]
     # fp16 + bias + ragged d; fp32 (IEEE dot) with the default fp32 config.
-    todo.append(("fp16", configs.LM_HEAD_SWEEP[0], True, False, False))
+    todo.append(("fp16", kernel_sweeps.LM_HEAD_SWEEP[0], True, False, False))
     todo.append(("fp32", configs.LMHeadConfig(64, 64, 32, 4, 3), True, True, False))
     out = []
     for dtype, cfg, has_bias, dot_fp32, even_k in todo:
@@ -221,7 +222,7 @@ def paged_attention_variants(sweep: bool) -> list[Variant]:
         (g, d, dt, C.default_paged_attention_config(g, d, dt), split) for g, d, dt in shapes for split in (False, True)
     ]
     if sweep:
-        todo += [(2, 128, torch.bfloat16, c, False) for c in C.PAGED_ATTENTION_SWEEP]
+        todo += [(2, 128, torch.bfloat16, c, False) for c in kernel_sweeps.PAGED_ATTENTION_SWEEP]
     out = []
     for g, d, dt, cfg, split in todo:
         d_pad = C.next_pow2(max(d, 8))
@@ -278,7 +279,7 @@ def default_variants() -> list[Variant]:
     from spec_rl.kernels import configs
 
     lg = configs.default_logits_config(151936, torch.bfloat16, interpret=False)
-    lm = configs.LM_HEAD_SWEEP[0]
+    lm = kernel_sweeps.LM_HEAD_SWEEP[0]
     pa = configs.default_paged_attention_config(2, 128, torch.bfloat16)
 
     def keep(v: Variant) -> bool:

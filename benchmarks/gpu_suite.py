@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import _harness as H  # benchmarks/ is on sys.path when a script here runs
+import kernel_sweeps  # benchmarks/ is on sys.path when a script here runs
 import torch
 
 EAGER_CHUNK = 2048  # rows per chunk of the eager baseline (bounds its fp32 log-softmax memory)
@@ -191,7 +192,6 @@ def _rates(s: Suite, section: str, key: str, per_ms: Callable[[dict], float]) ->
 
 def section_logits(s: Suite) -> None:
     """From materialised logits: ours vs the copy floor and eager torch (+ the config sweep)."""
-    from spec_rl.kernels import configs
 
     n, vocab, d0, K = s.args.n, s.args.vocab, s.args.d[0], s.K
     h0 = torch.randn(n, d0, device=s.dev, dtype=s.dtype, generator=s.gen)
@@ -213,7 +213,7 @@ def section_logits(s: Suite) -> None:
     if s.args.sweep:
         s.sweep(
             "from-logits",
-            configs.LOGITS_SWEEP,
+            kernel_sweeps.LOGITS_SWEEP,
             lambda cfg: K.verify_logits(logits, s.drafts, cfg),
             section="logits-sweep",
             bytes=logit_bytes,
@@ -233,7 +233,6 @@ def section_hidden(s: Suite, d: int, broken: bool = False) -> None:
     ``broken``: the weight gets d + 8 columns, a shape the kernel's launcher refuses (the smoke tests'
     deliberately failing shape).
     """
-    from spec_rl.kernels import configs
 
     n, vocab, K = s.args.n, s.args.vocab, s.K
     section = f"hidden-{d}" + ("-broken" if broken else "")
@@ -262,7 +261,7 @@ def section_hidden(s: Suite, d: int, broken: bool = False) -> None:
     if s.args.sweep:
         s.sweep(
             "fused",
-            configs.LM_HEAD_SWEEP,
+            kernel_sweeps.LM_HEAD_SWEEP,
             lambda cfg: K.verify_hidden(h, w, None, s.drafts, config=cfg),
             section=f"{section}-sweep",
             flops=tag["flops"],

@@ -27,17 +27,11 @@ LOG2E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2(e))
 NEG_FLT_MAX = tl.constexpr(-3.4028234663852886e38)  # initial running max: all -inf never gives -inf - -inf
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-# The epilogue's MODE: finite log l, +inf, -inf, or score only (no decisions); launches pass :func:`epilogue_mode`.
+# The epilogue's MODE: finite log l, +inf, -inf, or score only (no decisions); :meth:`DraftRows.padded` picks it.
 MODE_FINITE = tl.constexpr(0)
 MODE_ACCEPT_ALL = tl.constexpr(1)
 MODE_REJECT_ALL = tl.constexpr(2)
 MODE_SCORE_ONLY = tl.constexpr(3)
-
-
-def split_u64(value: int) -> tuple[int, int]:
-    """(low, high) 32-bit words of ``value`` mod 2**64, split as in spec_rl/sampling/philox.py."""
-    v = int(value) % (1 << 64)
-    return v & 0xFFFFFFFF, v >> 32
 
 
 def as_i32(word: int) -> int:
@@ -47,28 +41,15 @@ def as_i32(word: int) -> int:
 
 
 def seed_words(seed: int) -> tuple[int, int]:
-    """The Philox key (seed lo, seed hi) as two signed int32 words."""
-    lo, hi = split_u64(seed)
-    return as_i32(lo), as_i32(hi)
+    """The Philox key words (lo, hi) of ``seed`` mod 2**64 as signed int32, split as spec_rl/sampling/philox.py does."""
+    v = int(seed) % (1 << 64)
+    return as_i32(v & 0xFFFFFFFF), as_i32(v >> 32)
 
 
 def f64_words(x: float) -> tuple[int, int]:
     """IEEE-754 bits of a Python float as two signed int32 words (lo, hi)."""
     (bits,) = struct.unpack("<Q", struct.pack("<d", float(x)))
     return as_i32(bits & 0xFFFFFFFF), as_i32(bits >> 32)
-
-
-def epilogue_mode(log_lenience: float, score_only: bool = False) -> int:
-    """The epilogue MODE for ``log_lenience`` (or score only)."""
-    if score_only:
-        mode = MODE_SCORE_ONLY
-    elif log_lenience == float("inf"):
-        mode = MODE_ACCEPT_ALL
-    elif log_lenience == float("-inf"):
-        mode = MODE_REJECT_ALL
-    else:
-        mode = MODE_FINITE
-    return mode.value
 
 
 def is_available(device: torch.device | str | None = None) -> bool:
@@ -83,14 +64,18 @@ def unit_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def raise_if_flagged(flag: torch.Tensor, source: str, lp: torch.Tensor, tags=None) -> None:
-    """If the kernel set its flag, ValueError naming the NaN rows of ``lp`` ([B, R], or [N] with ``tags`` =
-    (row_sample, row_token)) as (sample, token), worded as the reference's. One sync."""
-    if not int(flag.item()):
-        return
-    rows = torch.nonzero(torch.isnan(lp))
-    first = rows[:8] if lp.dim() == 2 else torch.stack([tags[0][rows[:8, 0]], tags[1][rows[:8, 0]]], 1)
-    raise ValueError(invalid_scores_message(source, first.tolist(), rows.shape[0]))
+def kernel_results(rows: DraftRows, lp, acc, n, flag, source: str):
+    """(new log-probs f32, accept bool, rejection index int64) of a launch over ``rows``. If the kernel set its flag,
+    ValueError naming the NaN positions of ``lp`` ([B, R], or tagged [N]) as (sample, token), worded as the
+    reference's (one sync)."""
+    if int(flag.item()):
+        where = torch.nonzero(torch.isnan(lp))
+        first = where[:8]
+        if lp.dim() == 1:  # tagged rows
+            first = torch.stack([rows.row_sample[first[:, 0]], rows.row_token[first[:, 0]]], 1)
+        raise ValueError(invalid_scores_message(source, first.tolist(), where.shape[0]))
+    acc = torch.zeros_like(acc, dtype=torch.bool) if rows.mode == MODE_SCORE_ONLY.value else acc.bool()
+    return lp, acc, n.to(torch.int64)
 
 
 @dataclass
@@ -116,7 +101,8 @@ class DraftRows:
     def padded(cls, draft_ids, old_logprobs, lengths, uids, *, seed, log_lenience, temperature, score_only=False):
         """Rows of right-padded drafts [B, R] (row r is token r % R of sample r // R)."""
         ids, old = draft_ids.reshape(-1).contiguous(), old_logprobs.reshape(-1).contiguous()
-        mode = epilogue_mode(log_lenience, score_only)
+        infinite = {math.inf: MODE_ACCEPT_ALL, -math.inf: MODE_REJECT_ALL}
+        mode = (MODE_SCORE_ONLY if score_only else infinite.get(log_lenience, MODE_FINITE)).value
         lengths, uids = lengths.to(torch.int64).contiguous(), uids.to(torch.int64).contiguous()
         return cls(ids, old, lengths, uids, None, None, seed, log_lenience, temperature, mode)
 

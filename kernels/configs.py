@@ -85,28 +85,6 @@ def default_lm_head_config(d: int, vocab: int, dtype: torch.dtype, interpret: bo
     return LMHeadConfig(block_m=128, block_n=128, block_k=32, num_warps=4, num_stages=4)  # Ampere/Ada
 
 
-# Candidates timed by benchmarks/gpu_suite.py --sweep; the first is the Hopper default.
-LOGITS_SWEEP = [
-    LogitsConfig(2048, 8),
-    LogitsConfig(1024, 4),
-    LogitsConfig(2048, 4),
-    LogitsConfig(4096, 8),
-    LogitsConfig(4096, 16),
-    LogitsConfig(8192, 16),
-]
-LM_HEAD_SWEEP = [
-    LMHeadConfig(128, 256, 64, 8, 3),
-    LMHeadConfig(128, 256, 64, 8, 4),
-    LMHeadConfig(128, 128, 64, 8, 3),
-    LMHeadConfig(128, 128, 64, 8, 3, flatten=True),
-    LMHeadConfig(128, 128, 64, 8, 4),
-    LMHeadConfig(128, 128, 64, 4, 4),
-    LMHeadConfig(256, 128, 64, 8, 3),
-    LMHeadConfig(128, 256, 64, 8, 3, target_splits=8),
-    LMHeadConfig(128, 256, 64, 8, 3, target_splits=32),
-]
-
-
 @dataclass(frozen=True)
 class PagedAttentionConfig:
     """Paged decode tiles: ``block_n`` tokens per tile, ``num_stages`` of K/V pipelining (``tl.dot`` path)."""
@@ -132,18 +110,6 @@ def default_paged_attention_config(group: int, head_dim: int, dtype: torch.dtype
         return PagedAttentionConfig(block_n=64 if d_pad <= 128 else 32, num_warps=8, use_dot=True, num_stages=2)
     block_n = max(8, min(128, 8192 // (g_pad * d_pad)))
     return PagedAttentionConfig(block_n=block_n, num_warps=4, use_dot=False, num_stages=1)
-
-
-# Candidates timed by benchmarks/bench_paged_attention.py --sweep.
-PAGED_ATTENTION_SWEEP = [
-    PagedAttentionConfig(64, 8, True, 2),  # default at D=128, bf16
-    PagedAttentionConfig(64, 8, True, 3),
-    PagedAttentionConfig(64, 4, True, 3),
-    PagedAttentionConfig(128, 8, True, 2),
-    PagedAttentionConfig(32, 4, True, 3),
-    PagedAttentionConfig(32, 4, False, 1),  # fp32-exact broadcast path
-    PagedAttentionConfig(16, 4, False, 1),
-]
 
 
 def plan_splits(

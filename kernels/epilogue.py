@@ -8,14 +8,10 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice as _libdevice  # triton >= 3.0; GPU path only
 
 from ._common import MODE_ACCEPT_ALL, MODE_FINITE, MODE_SCORE_ONLY
 from .philox import STREAM_ACCEPT, philox_uniform_tl, u32_from_i32_tl
-
-try:  # triton >= 3.0; GPU path only
-    from triton.language.extra import libdevice as _libdevice
-except Exception:  # pragma: no cover - very old triton
-    _libdevice = None
 
 
 @triton.jit

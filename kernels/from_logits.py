@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, INTERPRET, MODE_SCORE_ONLY, NEG_FLT_MAX, DraftRows, raise_if_flagged, unit_stride
+from ._common import FLOAT_DTYPES, INTERPRET, NEG_FLT_MAX, DraftRows, kernel_results, unit_stride
 from .configs import LogitsConfig, default_logits_config
 from .epilogue import finish_rows
 
@@ -130,7 +130,6 @@ def launch_from_logits(logits: torch.Tensor, rows: DraftRows, config: LogitsConf
     lp, acc, n, flag = rows.buffers(n_rows, logits.device)
     if n_rows == 0:
         return lp, acc, n, flag
-    k0, k1, l_lo, l_hi, t_lo, t_hi, c = rows.scalars()
     verify_from_logits_kernel[(triton.cdiv(n_rows, cfg.block_r),)](
         logits,
         rows.ids,
@@ -148,13 +147,7 @@ def launch_from_logits(logits: torch.Tensor, rows: DraftRows, config: LogitsConf
         T,
         stride_b,
         stride_t,
-        k0,
-        k1,
-        l_lo,
-        l_hi,
-        t_lo,
-        t_hi,
-        c,
+        *rows.scalars(),  # k0, k1, log_l lo/hi, temperature lo/hi, c
         PACKED=packed,
         MODE=rows.mode,
         BLOCK_R=cfg.block_r,
@@ -173,8 +166,4 @@ def verify_logits(logits: torch.Tensor, rows: DraftRows, config: LogitsConfig | 
         raise NotImplementedError(f"Triton kernels take bf16/fp16/fp32 logits, got {logits.dtype}; use the reference")
     logits = unit_stride(logits)
     lp, acc, n, flag = launch_from_logits(logits, rows, config)
-    lp, acc = lp.view(logits.shape[:-1]), acc.view(logits.shape[:-1]).bool()
-    raise_if_flagged(flag, "logits", lp, None if logits.dim() == 3 else (rows.row_sample, rows.row_token))
-    if rows.mode == MODE_SCORE_ONLY.value:  # the accept buffer is unwritten
-        acc = torch.zeros_like(acc)
-    return lp, acc, n.to(torch.int64)
+    return kernel_results(rows, lp.view(logits.shape[:-1]), acc.view(logits.shape[:-1]), n, flag, "logits")

@@ -6,11 +6,13 @@ No float atomics and a split count set by V alone: bit-reproducible, batch-indep
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
 
-from ._common import FLOAT_DTYPES, INTERPRET, MODE_SCORE_ONLY, NEG_FLT_MAX, DraftRows, raise_if_flagged, unit_stride
+from ._common import FLOAT_DTYPES, INTERPRET, NEG_FLT_MAX, DraftRows, kernel_results, unit_stride
 from .configs import LMHeadConfig, default_lm_head_config
 from .epilogue import finish_rows
 
@@ -199,7 +201,7 @@ def launch_lm_head(
     part_m = torch.empty(n_splits, n_rows, dtype=torch.float32, device=device)
     part_s = torch.empty(n_splits, n_rows, dtype=torch.float32, device=device)
     tgt = torch.empty(n_rows, dtype=torch.float32, device=device)
-    k0, k1, l_lo, l_hi, t_lo, t_hi, c = rows.scalars()
+    scalars = rows.scalars()  # k0, k1, log_l lo/hi, temperature lo/hi, c
     lm_head_partial_kernel[(triton.cdiv(n_rows, cfg.block_m) * n_splits,)](
         hidden,
         weight,
@@ -217,7 +219,7 @@ def launch_lm_head(
         n_vtiles,
         per_split,
         n_splits,
-        c,
+        scalars[-1],
         HAS_BIAS=bias is not None,
         HAS_ROW_MAP=row_offsets is not None,
         ROW_ALIGN=row_align,
@@ -244,23 +246,13 @@ def launch_lm_head(
         rows.uids,
         n_rows,
         n_splits,
-        k0,
-        k1,
-        l_lo,
-        l_hi,
-        t_lo,
-        t_hi,
-        c,
+        *scalars,
         MODE=rows.mode,
         BLOCK=cfg.merge_block,
         USE_LIBDEVICE=not INTERPRET,
         num_warps=4,
     )
     return lp, acc, n, flag
-
-
-#: How errors name the scores of the fused LM head (as the reference does).
-SOURCE = "logits (hidden_states @ lm_head_weight.T)"
 
 
 def verify_hidden(hidden, weight, bias, rows: DraftRows, *, row_offsets=None, row_align: int = 1, config=None):
@@ -275,12 +267,8 @@ def verify_hidden(hidden, weight, bias, rows: DraftRows, *, row_offsets=None, ro
     assert hidden.shape[-1] == weight.shape[1], f"hidden [.., {hidden.shape[-1]}] vs lm_head [V, {weight.shape[1]}]"
     hidden, weight = unit_stride(hidden), unit_stride(weight)
     bias = bias.contiguous() if bias is not None else None
-    lp, acc, n, flag = launch_lm_head(
-        hidden, weight, bias, rows, row_offsets=row_offsets, row_align=row_align, config=config
-    )
-    raise_if_flagged(flag, SOURCE, lp, (rows.row_sample, rows.row_token))
-    acc = torch.zeros_like(acc, dtype=torch.bool) if rows.mode == MODE_SCORE_ONLY.value else acc.bool()
-    return lp, acc, n.to(torch.int64)
+    launched = launch_lm_head(hidden, weight, bias, rows, row_offsets=row_offsets, row_align=row_align, config=config)
+    return kernel_results(rows, *launched, "logits (hidden_states @ lm_head_weight.T)")  # named as the reference does
 
 
 def verify_hidden_padded(hidden, weight, bias, draft_ids, old_logprobs, lengths, uids, config=None, **settings):
@@ -289,20 +277,13 @@ def verify_hidden_padded(hidden, weight, bias, draft_ids, old_logprobs, lengths,
     log_lenience, temperature, score_only."""
     valid = torch.arange(draft_ids.shape[1], device=lengths.device).unsqueeze(0) < lengths.unsqueeze(1)
     b_idx, t_idx = valid.nonzero(as_tuple=True)
-    if hidden.stride(-1) != 1:
-        hidden = hidden.contiguous()
-    padded = DraftRows.padded(draft_ids, old_logprobs, lengths, uids, **settings)
-    rows = DraftRows(
-        draft_ids[b_idx, t_idx].contiguous(),
-        old_logprobs[b_idx, t_idx].contiguous(),
-        padded.lengths,
-        padded.uids,
-        b_idx.to(torch.int32),
-        t_idx.to(torch.int32),
-        padded.seed,
-        padded.log_lenience,
-        padded.temperature,
-        padded.mode,
+    hidden = unit_stride(hidden)
+    rows = dataclasses.replace(
+        DraftRows.padded(draft_ids, old_logprobs, lengths, uids, **settings),
+        ids=draft_ids[b_idx, t_idx].contiguous(),
+        old=old_logprobs[b_idx, t_idx].contiguous(),
+        row_sample=b_idx.to(torch.int32),
+        row_token=t_idx.to(torch.int32),
     )
     s_b, s_t = hidden.stride(0), hidden.stride(1)
     lp_p, acc_p, n = verify_hidden(
@@ -314,8 +295,6 @@ def verify_hidden_padded(hidden, weight, bias, draft_ids, old_logprobs, lengths,
         row_align=offsets_alignment(hidden.element_size(), s_b, s_t),
         config=config,
     )
-    lp = torch.zeros(draft_ids.shape, dtype=torch.float32, device=draft_ids.device)
-    lp[b_idx, t_idx] = lp_p
-    acc = torch.zeros(draft_ids.shape, dtype=torch.bool, device=draft_ids.device)
-    acc[b_idx, t_idx] = acc_p
+    lp = lp_p.new_zeros(draft_ids.shape).index_put_((b_idx, t_idx), lp_p)
+    acc = acc_p.new_zeros(draft_ids.shape).index_put_((b_idx, t_idx), acc_p)
     return lp, acc, n

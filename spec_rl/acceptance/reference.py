@@ -4,7 +4,7 @@ the executable specification the kernels are tested against. No input validation
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -44,15 +44,8 @@ class VerifyStats:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
     def to_dict(self) -> dict:
-        return {
-            "num_samples": self.num_samples,
-            "draft_tokens": self.draft_tokens,
-            "accepted_tokens": self.accepted_tokens,
-            "full_reuse_count": self.full_reuse_count,
-            "full_reuse_ratio": self.full_reuse_ratio,
-            "mean_accepted_len": self.mean_accepted_len,
-            "acceptance_rate": self.acceptance_rate,
-        }
+        ratios = ("full_reuse_ratio", "mean_accepted_len", "acceptance_rate")
+        return {**asdict(self), **{name: getattr(self, name) for name in ratios}}
 
 
 @dataclass
@@ -176,20 +169,10 @@ def make_result(
 ) -> VerifyResult:
     """:class:`VerifyResult` of per-token outcomes and rejection indices (one host sync for the stats)."""
     full = accepted_len == lengths
-    draft_tokens, accepted_tokens, full_count = torch.stack([lengths.sum(), accepted_len.sum(), full.sum()]).tolist()
-    stats = VerifyStats(
-        num_samples=int(lengths.shape[0]),
-        draft_tokens=int(draft_tokens),
-        accepted_tokens=int(accepted_tokens),
-        full_reuse_count=int(full_count),
-    )
-    return VerifyResult(
-        new_logprobs=new_logprobs.to(torch.float32),
-        accepted_len=accepted_len.to(torch.int64),
-        full_reuse=full,
-        accept_mask=accept if return_accept_mask else None,
-        stats=stats,
-    )
+    counts = torch.stack([lengths.sum(), accepted_len.sum(), full.sum()]).tolist()  # draft, accepted, full reuse
+    stats = VerifyStats(lengths.shape[0], *counts)
+    mask = accept if return_accept_mask else None
+    return VerifyResult(new_logprobs.to(torch.float32), accepted_len.to(torch.int64), full, mask, stats)
 
 
 def reference_verify(

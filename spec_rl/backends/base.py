@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,6 +26,38 @@ class Continuation:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
+
+
+@dataclass(kw_only=True)
+class Decoding:
+    """A :class:`Continuation` being decoded: ``budget`` tokens left, ``last`` the newest token (its K/V not cached
+    yet), and ``finish`` set at an EOS id or when the budget runs out."""
+
+    budget: int
+    last: int | None = None
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish is not None
+
+    def emit(self, tokens: list[int], logprobs: list[float], eos_ids) -> int:
+        """Append ``tokens`` (at least one) up to the first EOS id; returns how many were kept."""
+        kept = next((i + 1 for i, t in enumerate(tokens) if t in eos_ids), len(tokens))
+        self.tokens += tokens[:kept]
+        self.logprobs += logprobs[:kept]
+        self.budget -= kept
+        self.last = self.tokens[-1]
+        if self.last in eos_ids:
+            self.finish = "eos"
+        elif self.budget <= 0:
+            self.finish = "length"
+        return kept
+
+    def continuation(self) -> Continuation:
+        return Continuation(self.tokens, self.logprobs, self.finish or "length")
 
 
 @dataclass
@@ -176,29 +208,27 @@ class Backend:
         if scored is not None and (not isinstance(scored, Scored) or scored.used):
             raise ValueError(f"scored must come from this backend's score and be continued once, got {scored!r:.80}")
         for i, job in enumerate(jobs):
+            name = f"jobs[{i}]"
             if not isinstance(job, Job):
-                raise TypeError(f"jobs[{i}] must be a Job, got {type(job).__name__}")
-            budget = check_int(f"jobs[{i}].budget", job.budget, low=0)
+                raise TypeError(f"{name} must be a Job, got {type(job).__name__}")
+            budget = check_int(f"{name}.budget", job.budget, low=0)
             if (job.context is None) == (job.cut is None):
-                raise ValueError(f"jobs[{i}] needs exactly one of context (fresh) and cut (after a scored draft)")
+                raise ValueError(f"{name} needs exactly one of context (fresh) and cut (after a scored draft)")
             if job.context is not None:
-                ids = token_ids(f"jobs[{i}].context", job.context, vocab, owner)
+                ids = token_ids(f"{name}.context", job.context, vocab, owner)
                 if not ids:
-                    raise ValueError(f"jobs[{i}].context is empty; a context needs at least one token (the prompt)")
-                self._check_fits(f"jobs[{i}].context", len(ids), budget)
+                    raise ValueError(f"{name}.context is empty; a context needs at least one token (the prompt)")
+                self._check_fits(f"{name}.context", len(ids), budget)
                 job = dataclasses.replace(job, context=ids)
             else:
                 cut = job.cut
                 if scored is None:
-                    raise ValueError(f"jobs[{i}] continues a cut; generate() takes fresh contexts only")
-                row = check_int(
-                    f"jobs[{i}].cut.row", cut.row, low=0, high=len(scored.drafts) - 1, hint=" (a row of scored)"
-                )
-                n = check_int(
-                    f"jobs[{i}].cut.n", cut.n, low=0, high=len(scored.drafts[row]), hint=f" (draft {row}'s length)"
-                )
-                token_id(f"jobs[{i}].cut.token", cut.token, vocab, owner)
-                self._check_fits(f"jobs[{i}]", len(scored.prompts[row]) + n + 1, budget)
+                    raise ValueError(f"{name} continues a cut; generate() takes fresh contexts only")
+                drafts = scored.drafts
+                row = check_int(f"{name}.cut.row", cut.row, low=0, high=len(drafts) - 1, hint=" (a row of scored)")
+                n = check_int(f"{name}.cut.n", cut.n, low=0, high=len(drafts[row]), hint=f" (draft {row}'s length)")
+                token_id(f"{name}.cut.token", cut.token, vocab, owner)
+                self._check_fits(name, len(scored.prompts[row]) + n + 1, budget)
             out.append(job)
         return out
 
@@ -259,10 +289,9 @@ def eos_token_ids(model, tokenizer=None) -> set[int]:
     """The full EOS set: generation_config, config and tokenizer may each list several ids."""
     ids: set[int] = set()
     for src in (getattr(model, "generation_config", None), getattr(model, "config", None), tokenizer):
-        value = getattr(src, "eos_token_id", None) if src is not None else None
-        if value is None:
-            continue
-        ids.update([value] if isinstance(value, int) else (int(v) for v in value))
+        value = getattr(src, "eos_token_id", None)
+        if value is not None:
+            ids.update([value] if isinstance(value, int) else (int(v) for v in value))
     return ids
 
 

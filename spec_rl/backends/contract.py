@@ -101,16 +101,12 @@ def _continuation_problem(c, budget: int, vocab_size: int | None, eos: list[int]
     if sum(t in eos for t in ids) > at_end:
         return "tokens after an EOS id" + hint
     if c.finish_reason == "eos" and not at_end:
-        return (
-            f"finish_reason 'eos' but its {f'last token {ids[-1]} is not an EOS id' if n else 'it has no tokens'}{hint}"
-        )
-    if c.finish_reason == "length" and (at_end or n < budget):
-        why = (
-            f"but it ends with the EOS id {ids[-1]}"
-            if at_end
-            else f"with {n} tokens, fewer than its budget of {budget}"
-        )
-        return f"finish_reason 'length' {why}"
+        last = f"its last token {ids[-1]} is not an EOS id" if n else "it has no tokens"
+        return f"finish_reason 'eos' but {last}{hint}"
+    if c.finish_reason == "length" and at_end:
+        return f"finish_reason 'length' but it ends with the EOS id {ids[-1]}"
+    if c.finish_reason == "length" and n < budget:
+        return f"finish_reason 'length' with {n} tokens, fewer than its budget of {budget}"
     if c.finish_reason not in ("eos", "length"):
         return f"finish_reason must be 'eos' or 'length', got {c.finish_reason!r}"
     return None

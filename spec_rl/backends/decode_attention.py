@@ -6,21 +6,14 @@ row it spends most of a decode step there (RESULTS.md "A real model: rollouts");
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward as sdpa
 
 NAME = "spec_rl_decode"
 #: Queries per row up to which the matmul form runs (a decode step with tail speculation feeds 1 + max_k).
 MAX_QUERIES = 16
-
-_registered = False
-
-
-def sdpa(*args, **kwargs):
-    """transformers' SDPA attention (imported on first use)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    return sdpa_attention_forward(*args, **kwargs)
 
 
 def decode_attention_forward(
@@ -55,15 +48,13 @@ def decode_attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
+@functools.cache  # once
 def register() -> None:
-    global _registered
-    if not _registered:
-        from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-        AttentionInterface.register(NAME, decode_attention_forward)
-        AttentionMaskInterface.register(NAME, sdpa_mask)
-        _registered = True
+    AttentionInterface.register(NAME, decode_attention_forward)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
 
 
 @contextlib.contextmanager

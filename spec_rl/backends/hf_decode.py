@@ -7,15 +7,16 @@ import functools
 import inspect
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 
 from ..sampling.distribution import SamplingSettings, keyed_sample
 from ..util.model_config import model_sliding_window
+from .base import BackendStats, Decoding
 from .decode_attention import decode_attention
-from .kv_buffer import InPlaceLayer, in_place_cache, left_padded_cache
+from .kv_buffer import InPlaceLayer, in_place_cache
 
 
 def cache_argument(model) -> str:
@@ -26,6 +27,30 @@ def cache_argument(model) -> str:
 @functools.cache
 def _cache_argument_of(model_class: type) -> str:
     return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def returned_cache(model, out):
+    """The KV cache a forward of ``model`` returned (under either name)."""
+    return getattr(out, cache_argument(model), None) or getattr(out, "past_key_values", None)
+
+
+def model_mask(model, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean attention mask as ``model`` takes it: itself (SDPA), or additive in ``dtype`` (eager attention)."""
+    if getattr(model.config, "_attn_implementation", "sdpa") != "eager":
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+
+
+def padded_ids(seqs: Sequence[Sequence[int]], pad_id: int, device, left: bool = False) -> tuple[torch.Tensor, ...]:
+    """Right-padded (``left``: left-padded) input_ids [B, L] int64 and attention_mask [B, L] int64."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long, device=device)
+    attn = torch.zeros((len(seqs), width), dtype=torch.long, device=device)
+    for row, s in enumerate(seqs):
+        cols = slice(width - len(s), width) if left else slice(0, len(s))
+        ids[row, cols] = torch.as_tensor(list(s), dtype=torch.long)
+        attn[row, cols] = 1
+    return ids, attn
 
 
 def position_masks(model, key_pos: torch.Tensor, query_pos: torch.Tensor):
@@ -41,13 +66,8 @@ def position_masks(model, key_pos: torch.Tensor, query_pos: torch.Tensor):
     # A padding query (past its row's fed tokens) may have no token in its window: it sees the full context
     # instead, so that no NaN reaches the values of its (masked) column in the next layer.
     sliding |= full & ~sliding.any(-1, keepdim=True)
-    masks = {"full_attention": full, "sliding_attention": sliding}
-    if getattr(model.config, "_attn_implementation", "sdpa") == "eager":
-        dtype = next(model.parameters()).dtype
-        masks = {
-            t: torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(~m, torch.finfo(dtype).min)
-            for t, m in masks.items()
-        }
+    dtype = next(model.parameters()).dtype
+    masks = {"full_attention": model_mask(model, full, dtype), "sliding_attention": model_mask(model, sliding, dtype)}
     layer_types = getattr(model.config.get_text_config(), "layer_types", None)
     if layer_types:
         return {t: masks[t] for t in set(layer_types)}
@@ -60,10 +80,6 @@ def _attention_mask(model, mask: torch.Tensor, query_pos: torch.Tensor):
         return mask
     key_pos = torch.where(mask.bool(), mask.cumsum(1) - 1, -1)
     return position_masks(model, key_pos, query_pos.to(mask.device))
-
-
-def _dynamic_cache(layers: Sequence[tuple[torch.Tensor, torch.Tensor]]):
-    return in_place_cache(layers)
 
 
 def _layers_of(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -101,65 +117,35 @@ class KVRows:
     def compact(self) -> None:
         """Move each row's real positions into a tight left-padded cache (removes rollback holes)."""
         counts = self.mask.sum(1)
-        new_w = int(counts.max())
-        b = self.mask.shape[0]
+        new_w, b = int(counts.max()), self.mask.shape[0]
         order = torch.argsort(self.mask, dim=1, stable=True)[:, -new_w:] if new_w else self.mask[:, :0]
-        idx = order
-        new_mask = (torch.arange(new_w, device=self.mask.device).unsqueeze(0) >= (new_w - counts).unsqueeze(1)).long()
         layers = []
         for k, v in _layers_of(self.cache):
-            gi = idx.view(b, 1, new_w, 1).expand(b, k.shape[1], new_w, k.shape[3])
+            gi = order.view(b, 1, new_w, 1).expand(b, k.shape[1], new_w, k.shape[3])
             layers.append((k.gather(2, gi), v.gather(2, gi)))
-        self.cache = _dynamic_cache(layers)
-        self.mask = new_mask
-
-    @classmethod
-    def from_rows(cls, rows: Sequence[list[tuple[torch.Tensor, torch.Tensor]]]) -> KVRows:
-        """A batch from per-row K/V: per row, per layer ([H, L_r, D], [H, L_r, D])."""
-        return cls(*left_padded_cache(rows))
+        self.cache = in_place_cache(layers)
+        self.mask = (torch.arange(new_w, device=self.mask.device).unsqueeze(0) >= (new_w - counts).unsqueeze(1)).long()
 
     def concat(self, other: KVRows) -> KVRows:
         """Rows of ``self``, then of ``other``, in one batch."""
-        width = max(self.width, other.width)
-
-        def widen(kv: KVRows):
-            pad = width - kv.width
-            layers = [
-                (torch.nn.functional.pad(k, (0, 0, pad, 0)), torch.nn.functional.pad(v, (0, 0, pad, 0)))
-                for k, v in _layers_of(kv.cache)
-            ]
-            return layers, torch.nn.functional.pad(kv.mask, (pad, 0))
-
-        a, ma = widen(self)
-        b, mb = widen(other)
-        layers = [(torch.cat([ka, kb]), torch.cat([va, vb])) for (ka, va), (kb, vb) in zip(a, b)]
-        return KVRows(_dynamic_cache(layers), torch.cat([ma, mb]))
+        width, pad = max(self.width, other.width), torch.nn.functional.pad
+        pad_a, pad_b = (0, 0, width - self.width, 0), (0, 0, width - other.width, 0)  # columns, on the left
+        layers = [
+            (torch.cat([pad(ka, pad_a), pad(kb, pad_b)]), torch.cat([pad(va, pad_a), pad(vb, pad_b)]))
+            for (ka, va), (kb, vb) in zip(_layers_of(self.cache), _layers_of(other.cache))
+        ]
+        mask = torch.cat([pad(self.mask, pad_a[2:]), pad(other.mask, pad_b[2:])])
+        return KVRows(in_place_cache(layers), mask)
 
 
 @dataclass
-class DecodeRow:
-    """One sequence being decoded: ``last`` (not cached yet) sits at absolute ``position``; ``budget``: tokens left."""
+class DecodeRow(Decoding):
+    """One sequence being decoded into result ``out``: ``last`` sits at absolute ``position``."""
 
     out: int
     uid: int
-    last: int
     position: int
-    budget: int
     proposer: object | None = None
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish: str | None = None
-
-
-@dataclass
-class DecodeCounters:
-    """Forwards, proposed and accepted draft tokens, rows and positions (padding included)."""
-
-    steps: int = 0
-    proposed: int = 0
-    accepted: int = 0
-    rows: int = 0  # sequences per forward, summed over steps
-    positions: int = 0  # query positions computed, padding included
 
 
 class TailGate:
@@ -212,26 +198,13 @@ class TailGate:
         self.hits, self.trials = d * self.hits + hits, d * self.trials + trials
 
 
-def _emit(row: DecodeRow, tokens: list[int], logprobs: list[float], eos: set[int]) -> int:
-    """Append up to the first EOS; returns how many tokens were kept."""
-    kept = len(tokens)
-    for i, t in enumerate(tokens):
-        if t in eos:
-            kept = i + 1
-            row.finish = "eos"
-            break
-    row.tokens += tokens[:kept]
-    row.logprobs += logprobs[:kept]
-    row.budget -= kept
-    if row.finish is None and row.budget <= 0:
-        row.finish = "length"
-    return kept
-
-
 class SpeculativeDecoder:
-    """The decode loop of one batch sharing a :class:`KVRows`; a row's proposer proposes up to its ``max_k`` tokens."""
+    """The decode loop of one batch sharing a :class:`KVRows`; a row's proposer proposes up to its ``max_k`` tokens.
+    Forwards, rows, positions (padding included) and proposed and accepted tokens are counted in ``stats``."""
 
-    def __init__(self, model, settings: SamplingSettings, seed: int, eos_ids, pad_id: int, on_step=None, gate=None):
+    def __init__(
+        self, model, settings: SamplingSettings, seed: int, eos_ids, pad_id: int, on_step=None, gate=None, stats=None
+    ):
         self.model = model
         self.gate = gate
         self.settings = settings
@@ -240,31 +213,21 @@ class SpeculativeDecoder:
         self.pad_id = int(pad_id)
         self.on_step = on_step
         self.cache_arg = cache_argument(model)
-        self.counters = DecodeCounters()
+        self.stats = stats if stats is not None else BackendStats()
 
     def sample(self, logits: torch.Tensor, uids: Sequence[int], positions: Sequence[int]):
-        dev = logits.device
-        ids, lps = keyed_sample(
-            logits,
-            self.settings,
-            self.seed,
-            torch.tensor(list(uids), dtype=torch.long, device=dev),
-            torch.tensor(list(positions), dtype=torch.long, device=dev),
-        )
+        uids = torch.tensor(list(uids), dtype=torch.long, device=logits.device)
+        positions = torch.tensor(list(positions), dtype=torch.long, device=logits.device)
+        ids, lps = keyed_sample(logits, self.settings, self.seed, uids, positions)
         return ids.tolist(), lps.tolist()
 
     @torch.no_grad()
     def run(self, kv: KVRows, rows: list[DecodeRow]) -> None:
         """Decode every row until EOS or its budget; rows are updated in place."""
-        live = [r for r in rows if r.finish is None]
-        if not live:
-            return
-        if len(live) != len(rows):
-            kv.select(
-                torch.tensor(
-                    [i for i, r in enumerate(rows) if r.finish is None], dtype=torch.long, device=kv.mask.device
-                )
-            )
+        keep = [i for i, r in enumerate(rows) if r.finish is None]
+        live = [rows[i] for i in keep]
+        if live and len(live) != len(rows):
+            kv.select(torch.tensor(keep, dtype=torch.long, device=kv.mask.device))
         while live:
             self._step(kv, live)
             keep = [i for i, r in enumerate(live) if r.finish is None]
@@ -292,15 +255,9 @@ class SpeculativeDecoder:
             props, held = held, props
         lens = torch.tensor([len(p) for p in props], dtype=torch.long)
         width = 1 + int(lens.max())
-        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        ids[:, 0] = torch.tensor([r.last for r in rows], dtype=torch.long)
-        flat = [t for p in props for t in p]
-        if flat:
-            row_of = torch.repeat_interleave(torch.arange(len(rows)), lens)
-            col_of = torch.arange(len(flat)) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens) + 1
-            ids[row_of, col_of] = torch.tensor(flat, dtype=torch.long)
-        col = torch.arange(width)
-        fed = (col.unsqueeze(0) <= lens.unsqueeze(1)) & torch.tensor(active).unsqueeze(1)
+        pad = [self.pad_id] * width
+        ids = torch.tensor([[r.last, *p, *pad[len(p) + 1 :]] for r, p in zip(rows, props)], dtype=torch.long)
+        fed = (torch.arange(width).unsqueeze(0) <= lens.unsqueeze(1)) & torch.tensor(active).unsqueeze(1)
         fed[:, 0] = True  # finished rows keep one valid query so attention never sees an empty row
         return props, held, lens, ids, fed
 
@@ -320,20 +277,15 @@ class SpeculativeDecoder:
                 use_cache=True,
                 **{self.cache_arg: kv.cache},
             )
-        kv.cache = getattr(out, self.cache_arg, None) or getattr(out, "past_key_values", None)
-        self.counters.steps += 1
-        self.counters.rows += len(rows)
-        self.counters.positions += len(rows) * width
+        kv.cache = returned_cache(self.model, out)
+        self.stats.decode_steps += 1
+        self.stats.decode_rows += len(rows)
+        self.stats.decode_positions += len(rows) * width
         want = fed & torch.tensor(active).unsqueeze(1)
-        where = want.nonzero()
-        uid_t = torch.tensor([r.uid for r in rows], dtype=torch.long)
-        toks, lps = keyed_sample(
-            out.logits[where[:, 0].to(dev), where[:, 1].to(dev)].float(),
-            self.settings,
-            self.seed,
-            uid_t[where[:, 0]].to(dev),
-            (positions[where[:, 0], where[:, 1]] + 1).to(dev),
-        )
+        at_row, at_col = want.nonzero().unbind(1)
+        logits = out.logits[at_row.to(dev), at_col.to(dev)].float()
+        uids = torch.tensor([r.uid for r in rows], dtype=torch.long)[at_row].to(dev)
+        toks, lps = keyed_sample(logits, self.settings, self.seed, uids, (positions[at_row, at_col] + 1).to(dev))
         samples = torch.full((len(rows), width), -1, dtype=torch.long)
         samples[want] = toks.cpu()
         logps = torch.zeros((len(rows), width), dtype=torch.float32)
@@ -353,12 +305,11 @@ class SpeculativeDecoder:
             elif held[i]:  # checked against the sample instead
                 hits += held[i][0] == s_rows[i][0]
                 trials += 1
-            kept = _emit(r, s_rows[i][: acc[i] + 1], lp_rows[i][: acc[i] + 1], self.eos)
-            self.counters.proposed += len(props[i])
-            self.counters.accepted += min(acc[i], kept)
+            kept = r.emit(s_rows[i][: acc[i] + 1], lp_rows[i][: acc[i] + 1], self.eos)
+            self.stats.proposed_tokens += len(props[i])
+            self.stats.accepted_tokens += min(acc[i], kept)
             if r.proposer is not None:
                 r.proposer.update(props[i], r.tokens[-kept:])
-            r.last = r.tokens[-1]
             r.position += kept
         if self.gate is not None:
             self.gate.record(len(rows) * width, time.perf_counter() - t0, hits, trials)
@@ -372,16 +323,10 @@ def prefill(model, contexts: Sequence[Sequence[int]], pad_id: int) -> tuple[KVRo
     index: dict[tuple[int, ...], int] = {}
     row_of = [index.setdefault(tuple(int(t) for t in c), len(index)) for c in contexts]
     distinct = list(index)
-    width = max(len(c) for c in distinct)
-    ids = torch.full((len(distinct), width), int(pad_id), dtype=torch.long, device=device)
-    mask = torch.zeros((len(distinct), width), dtype=torch.long, device=device)
-    for row, ctx in enumerate(distinct):
-        ids[row, width - len(ctx) :] = torch.as_tensor(ctx, dtype=torch.long)
-        mask[row, width - len(ctx) :] = 1
-    arg = cache_argument(model)
+    ids, mask = padded_ids(distinct, int(pad_id), device, left=True)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     # A sliding model gets a cache of ours: transformers' own drops keys past the window, which later steps mask.
-    own = {arg: DynamicCache()} if model_sliding_window(model) is not None else {}
+    own = {cache_argument(model): DynamicCache()} if model_sliding_window(model) is not None else {}
     with torch.no_grad():
         out = model(
             input_ids=ids,
@@ -391,10 +336,10 @@ def prefill(model, contexts: Sequence[Sequence[int]], pad_id: int) -> tuple[KVRo
             logits_to_keep=1,
             **own,
         )
-    cache = getattr(out, arg, None) or getattr(out, "past_key_values", None)
+    cache = returned_cache(model, out)
     logits = out.logits[:, -1, :]
     if len(distinct) == len(contexts):
-        return KVRows(_dynamic_cache(_layers_of(cache)), mask), logits
+        return KVRows(in_place_cache(_layers_of(cache)), mask), logits
     rows = torch.tensor(row_of, dtype=torch.long, device=device)
     layers = [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in _layers_of(cache)]
-    return KVRows(_dynamic_cache(layers), mask.index_select(0, rows)), logits.index_select(0, rows)
+    return KVRows(in_place_cache(layers), mask.index_select(0, rows)), logits.index_select(0, rows)

@@ -11,6 +11,8 @@ import torch
 
 from ..acceptance.scores import DraftScores
 from ..sampling.groups import PackedGroup, int64_tensor, pack_groups
+from .hf_decode import cache_argument, model_mask, returned_cache
+from .scoring import chunk_rows
 
 #: Draft tokens below a stop that one :meth:`ProgressiveTreeScores.extend` scores first; it doubles per call.
 FIRST_WINDOW = 16
@@ -31,8 +33,7 @@ class _Chunk:
         self.tokens = [int64_tensor(g.tokens) for g in groups]
         self.column = torch.full((len(groups), max(len(g.tokens) for g in groups)), -1, dtype=torch.long)  # per node
         self.drafts = [d for g in groups for d in g.members]
-        lengths = [len(p) for g in groups for p in g.score_pos]
-        counts = int64_tensor(lengths)
+        self.lengths = counts = int64_tensor([len(p) for g in groups for p in g.score_pos])
         self.entry_row = torch.repeat_interleave(
             torch.arange(len(groups)), int64_tensor([sum(len(p) for p in g.score_pos) for g in groups])
         )
@@ -42,7 +43,6 @@ class _Chunk:
         self.entry_i = torch.arange(len(self.entry_node)) - torch.repeat_interleave(
             torch.cumsum(counts, 0) - counts, counts
         )
-        self.lengths = counts
 
     def scored_lengths(self) -> list[int]:
         """Per draft of ``drafts``: how many leading tokens have their scoring node computed."""
@@ -53,9 +53,6 @@ class _Chunk:
         )
         first = self.lengths.clone().scatter_reduce(0, self.entry_local, missing, "amin")
         return first.tolist()
-
-    def layers(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(layer.keys, layer.values) for layer in self.cache.layers]
 
 
 class ProgressiveTreeScores:
@@ -75,7 +72,10 @@ class ProgressiveTreeScores:
         first_window: int = FIRST_WINDOW,
         min_reach: float = MIN_REACH,
     ):
-        draft_logprobs = _stored_logprobs(drafts, draft_logprobs)
+        if draft_logprobs is not None:  # as float64, cut to the drafts
+            draft_logprobs = [
+                torch.as_tensor(lp[: len(d)], dtype=torch.float64).reshape(-1) for lp, d in zip(draft_logprobs, drafts)
+            ]
         self.scorer = scorer
         self.lengths = [len(d) for d in drafts]
         self.max_r = max(self.lengths + [1])
@@ -108,11 +108,10 @@ class ProgressiveTreeScores:
             assert n == self.scored_len[d] and 0 < n < self.lengths[d], (d, n, self.scored_len[d])
             c, row, m = self.where[d]
             roots.setdefault((c, row), []).append((self.chunks[c].groups[row].node_pos[m][n - 1], n))
-        per_chunk = []
-        for c, chunk in enumerate(self.chunks):
-            per_chunk.append(
-                [_subtree_nodes(chunk, row, roots.get((c, row), ()), self._window) for row in range(len(chunk.groups))]
-            )
+        per_chunk = [
+            [_subtree_nodes(chunk, row, roots.get((c, row), ()), self._window) for row in range(len(chunk.groups))]
+            for c, chunk in enumerate(self.chunks)
+        ]
         self._window = min(2 * self._window, self.max_r)
         self._score_nodes(per_chunk)
 
@@ -127,7 +126,7 @@ class ProgressiveTreeScores:
         chunk = self.chunks[c]
         cols = chunk.column[row, int64_tensor(chunk.groups[row].path(m, n))]
         assert bool((cols >= 0).all()), f"context of draft {draft} up to {n} tokens holds unscored nodes"
-        layers = chunk.layers()
+        layers = [(layer.keys, layer.values) for layer in chunk.cache.layers]
         cols = cols.to(layers[0][0].device)
         return [(k[row].index_select(1, cols), v[row].index_select(1, cols)) for k, v in layers]
 
@@ -154,8 +153,6 @@ class ProgressiveTreeScores:
                     self.scored_len[d] = n
 
     def _forward(self, chunk: _Chunk, nodes: list[torch.Tensor]) -> None:
-        from .hf_decode import cache_argument
-
         scorer = self.scorer
         rows, width = len(nodes), max(1, max(len(x) for x in nodes))
         past = chunk.key_node.shape[1]
@@ -171,13 +168,9 @@ class ProgressiveTreeScores:
             size[row, :k] = chunk.size[row][x]
         keys = torch.cat([chunk.key_node, query], dim=1)
         key_size = torch.cat([chunk.key_size, size], dim=1)
-        mask = _ancestor_mask(query, keys, key_size, past)
-        impl = getattr(scorer.model.config, "_attn_implementation", "sdpa")
         dev = scorer.device
-        mask = mask.unsqueeze(1).to(dev)
-        if impl == "eager":
-            dtype = scorer.head.lm_head.weight.dtype
-            mask = torch.zeros(mask.shape, dtype=dtype, device=dev).masked_fill(~mask, torch.finfo(dtype).min)
+        mask = _ancestor_mask(query, keys, key_size, past).unsqueeze(1).to(dev)
+        mask = model_mask(scorer.model, mask, scorer.head.lm_head.weight.dtype)
         hidden = scorer.head.uses_hidden_states
         target = scorer.head.decoder if hidden else scorer.model
         extra = {} if chunk.cache is None else {cache_argument(target): chunk.cache}
@@ -186,7 +179,7 @@ class ProgressiveTreeScores:
         except BaseException:
             self.release()  # the cache grows layer by layer: not to be trusted after a failure
             raise
-        chunk.cache = getattr(res, cache_argument(target), None) or getattr(res, "past_key_values", None)
+        chunk.cache = returned_cache(target, res)
         chunk.key_node, chunk.key_size = keys, key_size
         for row, x in enumerate(nodes):
             chunk.column[row, x] = past + torch.arange(len(x))
@@ -216,13 +209,6 @@ class ProgressiveTreeScores:
         self._same.view(-1)[dst_t.to(self._same.device)] = first[inverse].to(self._same.device)
 
 
-def _stored_logprobs(drafts, draft_logprobs) -> list[torch.Tensor] | None:
-    """Each draft's stored log-probs as float64 (None without)."""
-    if draft_logprobs is None:
-        return None
-    return [torch.as_tensor(lp[: len(d)], dtype=torch.float64).reshape(-1) for lp, d in zip(draft_logprobs, drafts)]
-
-
 def _first_pass(g: PackedGroup, logprobs, min_reach: float, window: int) -> torch.Tensor:
     """Tree indices of the first pass: the prompt and nodes reached with estimated probability >= ``min_reach`` (or the
     first ``window`` tokens); both keep every ancestor."""
@@ -250,17 +236,6 @@ def _subtree_nodes(chunk: _Chunk, row: int, roots, window: int) -> torch.Tensor:
         want[root:end] |= chunk.depth[row][root:end] < g.prompt_len + n + window - 1
     want &= chunk.column[row, : len(g.tokens)] < 0
     return torch.nonzero(want).flatten()
-
-
-def chunk_rows(counts: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Row indices sorted by count, cut so each chunk's padded size (rows x largest count) fits ``max_tokens``."""
-    chunks: list[list[int]] = []
-    for i in sorted(range(len(counts)), key=lambda i: counts[i]):
-        if chunks and counts[i] * (len(chunks[-1]) + 1) <= max_tokens:
-            chunks[-1].append(i)
-        else:
-            chunks.append([i])
-    return chunks
 
 
 def _ancestor_mask(query: torch.Tensor, keys: torch.Tensor, key_size: torch.Tensor, past: int) -> torch.Tensor:

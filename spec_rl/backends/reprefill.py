@@ -13,16 +13,20 @@ from .scoring import PolicyScorer
 class ReprefillBackend(Backend):
     """:meth:`score` and :meth:`continue_from` over :meth:`generate`; subclasses set ``scorer`` (a PolicyScorer) and
     ``stats`` and implement ``generate``. Asked with the drafts' log-probs, the tree scorer scores only where exact
-    walks may read (:class:`ProgressiveTreeScores`)."""
+    walks may read (:class:`ProgressiveTreeScores`). A subclass with ``splice`` on continues on the scoring K/V
+    instead: the tree scorer keeps them in ``Scored.state``."""
 
     scorer: PolicyScorer
+    splice = False
 
     def score(self, prompts, drafts, logprobs=None) -> Scored:
         prompts, drafts = self.checked_rows(prompts, drafts)
+        keep = self.splice and self.scorer.tree
         if logprobs is not None and self.scorer.tree:
             lazy = ProgressiveTreeScores(self.scorer, prompts, drafts, logprobs)
-            return Scored(lazy.scores, prompts, drafts, progressive=lazy)
-        return Scored(self.scorer.score(prompts, drafts), prompts, drafts)
+            return Scored(lazy.scores, prompts, drafts, state=lazy if keep else None, progressive=lazy)
+        scores, kv = self.scorer.score_with_kv(prompts, drafts, keep_kv=keep)
+        return Scored(scores, prompts, drafts, state=kv)
 
     def continue_from(self, scored: Scored, jobs, settings, seed) -> list[Continuation]:
         try:
@@ -40,6 +44,6 @@ class ReprefillBackend(Backend):
         return self.generate(fresh, settings, seed)
 
     def release(self, scored: Scored) -> None:
-        scored.used = True
+        scored.used, scored.state = True, None
         if scored.progressive is not None:
             scored.progressive.release()

@@ -11,17 +11,18 @@ from ..acceptance.scores import DraftScores, response_positions
 from ..sampling.distribution import SamplingSettings, token_logprobs
 from ..sampling.groups import TreeKV, chunk_groups, gather_scores, pack_groups, supports_tree_attention, tree_inputs
 from ..util.validation import check_int
+from .hf_decode import padded_ids, returned_cache
 
 
-def right_padded(seqs: Sequence[Sequence[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded input_ids [B, L] int64 and attention_mask [B, L] int64."""
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long, device=device)
-    attn = torch.zeros((len(seqs), width), dtype=torch.long, device=device)
-    for row, s in enumerate(seqs):
-        ids[row, : len(s)] = torch.as_tensor(list(s), dtype=torch.long)
-        attn[row, : len(s)] = 1
-    return ids, attn
+def chunk_rows(counts: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Row indices sorted by count, cut so each chunk's padded size (rows x largest count) fits ``max_tokens``."""
+    chunks: list[list[int]] = []
+    for i in sorted(range(len(counts)), key=lambda i: counts[i]):
+        if chunks and counts[i] * (len(chunks[-1]) + 1) <= max_tokens:
+            chunks[-1].append(i)
+        else:
+            chunks.append([i])
+    return chunks
 
 
 class ScoringHead:
@@ -78,7 +79,7 @@ def response_states(
     """Outputs [B, R, d|V] scoring each response token (R = max length, >= 1); token i at ``len(prompt) - 1 + i``."""
     device = next(model.parameters()).device
     max_r = max([len(r) for r in responses] + [1])
-    ids, attn = right_padded([list(p) + list(r) for p, r in zip(prompts, responses)], pad_id, device)
+    ids, attn = padded_ids([list(p) + list(r) for p, r in zip(prompts, responses)], pad_id, device)
     states = (
         head.states(input_ids=ids, attention_mask=attn)
         if head is not None
@@ -123,16 +124,6 @@ class PolicyScorer:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def _chunks(self, lengths: Sequence[int]) -> list[list[int]]:
-        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-        chunks: list[list[int]] = []
-        for i in order:
-            if chunks and lengths[i] * (len(chunks[-1]) + 1) <= self.max_tokens_per_forward:
-                chunks[-1].append(i)
-            else:
-                chunks.append([i])
-        return chunks
-
     def score(self, prompts: Sequence[Sequence[int]], drafts: Sequence[Sequence[int]]) -> DraftScores:
         """:class:`DraftScores` [B, R] (R = max draft length, >= 1); ValueError when the counts differ."""
         return self.score_with_kv(prompts, drafts, keep_kv=False)[0]
@@ -142,24 +133,20 @@ class PolicyScorer:
         """:meth:`score` and the kept K/V (tree layout); results are inference tensors (``.clone()`` for autograd)."""
         assert len(prompts) == len(drafts)
         max_r = max([len(d) for d in drafts] + [1])
-        out = torch.zeros((len(prompts), max_r, self.head.width), dtype=self._dtype(), device=self.device)
+        dtype = self.head.lm_head.weight.dtype
+        out = torch.zeros((len(prompts), max_r, self.head.width), dtype=dtype, device=self.device)
         if self.tree:
             same_as = torch.arange(out.shape[0] * max_r, device=self.device).view(out.shape[0], max_r)
             kv = self._score_tree(prompts, drafts, out, same_as, keep_kv)
             return self.head.draft_scores(out, same_as), kv
-        for chunk in self._chunks([len(p) + len(d) for p, d in zip(prompts, drafts)]):
+        for chunk in chunk_rows([len(p) + len(d) for p, d in zip(prompts, drafts)], self.max_tokens_per_forward):
             values = response_states(
                 self.model, [prompts[i] for i in chunk], [drafts[i] for i in chunk], self.pad_id, self.head
             )
             out[torch.tensor(chunk, device=values.device), : values.shape[1]] = values.to(out.dtype)
         return self.head.draft_scores(out), None
 
-    def _dtype(self) -> torch.dtype:
-        return self.head.lm_head.weight.dtype
-
     def _score_tree(self, prompts, drafts, out: torch.Tensor, same_as: torch.Tensor, keep_kv: bool) -> TreeKV | None:
-        from .hf_decode import cache_argument
-
         impl = getattr(self.model.config, "_attn_implementation", "sdpa")
         additive = self.head.lm_head.weight.dtype if impl == "eager" else None
         kv = TreeKV() if keep_kv else None
@@ -170,7 +157,7 @@ class PolicyScorer:
                 target = self.head.decoder if hidden else self.model
                 res = target(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True)
                 states = res.last_hidden_state if hidden else res.logits
-                cache = getattr(res, cache_argument(self.model), None) or getattr(res, "past_key_values", None)
+                cache = returned_cache(self.model, res)
                 kv.add(groups, [(layer.keys, layer.values) for layer in cache.layers])
             else:
                 states = self.head.states(input_ids=ids, position_ids=pos, attention_mask=mask)

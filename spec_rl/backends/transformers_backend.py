@@ -11,7 +11,7 @@ from ..sampling.distribution import SamplingSettings
 from ..util.validation import check_int
 from .base import BackendStats, Continuation, Scored, eos_and_pad
 from .hf_decode import DecodeRow, KVRows, SpeculativeDecoder, TailGate, prefill
-from .progressive import ProgressiveTreeScores
+from .kv_buffer import left_padded_cache
 from .reprefill import ReprefillBackend
 from .scoring import PolicyScorer
 
@@ -48,18 +48,6 @@ class TransformersBackend(ReprefillBackend):
         return self._decode_jobs(self.checked_jobs(jobs), settings, seed)
 
     @torch.no_grad()
-    def score(self, prompts, drafts, logprobs=None) -> Scored:
-        """Score the drafts, keeping the K/V when :attr:`splice` is on and the tree layout ran."""
-        if not (self.splice and self.scorer.tree):
-            return super().score(prompts, drafts, logprobs)
-        prompts, drafts = self.checked_rows(prompts, drafts)
-        if logprobs is not None:
-            lazy = ProgressiveTreeScores(self.scorer, prompts, drafts, logprobs)
-            return Scored(lazy.scores, prompts, drafts, state=lazy, progressive=lazy)
-        scores, kv = self.scorer.score_with_kv(prompts, drafts, keep_kv=True)
-        return Scored(scores, prompts, drafts, state=kv)
-
-    @torch.no_grad()
     def continue_from(self, scored: Scored, jobs, settings, seed) -> list[Continuation]:
         """See :meth:`Backend.continue_from`; ValueError for a foreign or used ``scored`` or bad jobs."""
         if not isinstance(scored, Scored) or scored.state is None:
@@ -73,28 +61,21 @@ class TransformersBackend(ReprefillBackend):
             self.release(scored)  # gathered, or failed
         return self._decode_jobs(jobs, settings, seed, spliced)
 
-    def release(self, scored: Scored) -> None:
-        super().release(scored)
-        scored.state = None
-
     def _decode_jobs(self, jobs, settings, seed, spliced: dict | None = None) -> list[Continuation]:
         """Decode ``jobs`` in batches of :attr:`max_batch_size`: the cut ones on their gathered K/V (``spliced``: job ->
         (prompt length, per-layer K/V)), then the fresh ones after one prefill of their distinct contexts (sorted by
         length when alone: less left padding per batch)."""
-        results: list[Continuation | None] = [None] * len(jobs)
-        for i, job in enumerate(jobs):
-            if job.budget == 0:
-                results[i] = Continuation([], [], "length")
+        results = [Continuation([], [], "length") if j.budget == 0 else None for j in jobs]
         rows = [
             DecodeRow(
+                budget=int(jobs[i].budget),
+                last=int(jobs[i].cut.token),
                 out=i,
                 uid=int(jobs[i].uid),
-                last=int(jobs[i].cut.token),
-                position=spliced[i][0] + int(jobs[i].cut.n),
-                budget=int(jobs[i].budget),
+                position=plen + int(jobs[i].cut.n),
                 proposer=jobs[i].proposer,
             )
-            for i in spliced or ()
+            for i, (plen, _) in (spliced or {}).items()
         ]
         contexts = [kv for _, kv in (spliced or {}).values()]
         fresh = [i for i, j in enumerate(jobs) if j.context is not None and j.budget > 0]
@@ -103,7 +84,7 @@ class TransformersBackend(ReprefillBackend):
         for start in range(0, len(rows) + len(fresh), self.max_batch_size):
             end = start + self.max_batch_size
             part, ex = rows[start:end], fresh[max(0, start - len(rows)) : max(0, end - len(rows))]
-            kv = KVRows.from_rows(contexts[start:end]) if part else None
+            kv = KVRows(*left_padded_cache(contexts[start:end])) if part else None
             if ex:
                 kv_e, rows_e = self._prefill_rows([jobs[i] for i in ex], ex, settings, seed)
                 kv, part = (kv_e, rows_e) if kv is None else (kv.concat(kv_e), part + rows_e)
@@ -120,36 +101,24 @@ class TransformersBackend(ReprefillBackend):
         toks, lps = dec.sample(logits.float(), [int(j.uid) for j in jobs], [len(c) for c in contexts])
         rows = []
         for ctx, job, out, t, lp in zip(contexts, jobs, outs, toks, lps):
-            row = DecodeRow(out=out, uid=int(job.uid), last=t, position=len(ctx), budget=int(job.budget) - 1)
-            row.proposer, row.tokens, row.logprobs = job.proposer, [t], [lp]
-            row.finish = "eos" if t in dec.eos else ("length" if row.budget <= 0 else None)
+            row = DecodeRow(budget=int(job.budget), out=out, uid=int(job.uid), position=len(ctx), proposer=job.proposer)
+            row.emit([t], [lp], dec.eos)
             if job.proposer is not None:
                 job.proposer.update([], [t])
             rows.append(row)
         return kv, rows
 
     def _decoder(self, settings, seed) -> SpeculativeDecoder:
-        return SpeculativeDecoder(self.model, settings, seed, self.eos_ids, self.pad_id, gate=self.tail_gate)
+        return SpeculativeDecoder(
+            self.model, settings, seed, self.eos_ids, self.pad_id, gate=self.tail_gate, stats=self.stats
+        )
 
     def _decode(self, kv: KVRows, rows: list[DecodeRow], settings, seed, results) -> None:
-        dec = self._decoder(settings, seed)
-        bar = None
-        if self.progress:
-            from tqdm.auto import tqdm
+        from tqdm.auto import tqdm
 
-            bar = tqdm(desc="decode", leave=False, unit="step")
+        dec = self._decoder(settings, seed)
+        with tqdm(desc="decode", leave=False, unit="step", disable=not self.progress) as bar:
             dec.on_step = lambda live: bar.update(1)
-        try:
             dec.run(kv, rows)
-        finally:
-            if bar is not None:
-                bar.close()
-        c, s = dec.counters, self.stats
-        s.decode_steps, s.decode_rows, s.decode_positions = (
-            s.decode_steps + c.steps,
-            s.decode_rows + c.rows,
-            s.decode_positions + c.positions,
-        )
-        s.proposed_tokens, s.accepted_tokens = s.proposed_tokens + c.proposed, s.accepted_tokens + c.accepted
         for r in rows:
-            results[r.out] = Continuation(r.tokens, r.logprobs, r.finish or "length")
+            results[r.out] = r.continuation()

@@ -146,18 +146,13 @@ class VLLMBackend(ReprefillBackend):
         if todo:
             prompts = [self._tokens_prompt(prompt_token_ids=list(jobs[i].context)) for i in todo]
             params = [self._params(settings, int(jobs[i].budget), mix_seed(seed, int(jobs[i].uid)) >> 1) for i in todo]
-            outs = self.llm.generate(prompts, params, use_tqdm=False)
-            for i, out in zip(todo, outs):
-                results[i] = self._continuation(out.outputs[0])
+            for i, out in zip(todo, self.llm.generate(prompts, params, use_tqdm=False)):
+                ids = [int(t) for t in out.outputs[0].token_ids]
+                lps = [float(entry[t].logprob) for entry, t in zip(out.outputs[0].logprobs, ids)]
+                results[i] = Continuation(ids, lps, "eos" if ids and ids[-1] in self.eos_ids else "length")
             self.stats.prefill_tokens += sum(len(jobs[i].context) for i in todo)
             self.stats.decode_steps += max(len(results[i].token_ids) for i in todo)
         return results
-
-    def _continuation(self, out) -> Continuation:
-        ids = [int(t) for t in out.token_ids]
-        lps = [float(entry[t].logprob) for entry, t in zip(out.logprobs, ids)]
-        finish = "eos" if ids and ids[-1] in self.eos_ids else "length"
-        return Continuation(ids, lps, finish)
 
     def close(self) -> None:
         """Shut an owned engine down."""

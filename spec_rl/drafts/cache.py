@@ -1,12 +1,12 @@
-"""The rollout cache: last epoch's response per (prompt, sample slot), reused as the draft. Keys hash the prompt's
-token ids, never its text (docs/design.md "Facts from the field"); a lookup under other sampling settings is a miss
-(docs/design.md "The rule", step 1). On disk: one safetensors file, written atomically, checked whole on load.
-"""
+"""The rollout cache: last epoch's response per (prompt, sample slot), reused as the draft. Keys hash the prompt's token
+ids, never its text (docs/design.md "Facts from the field"); a lookup under other sampling settings is a miss
+(docs/design.md "The rule", step 1). On disk: one safetensors file, written atomically, checked whole on load."""
 
 from __future__ import annotations
 
 import abc
 import hashlib
+import itertools
 import json
 import os
 import warnings
@@ -18,9 +18,9 @@ import torch
 
 from ..sampling.distribution import SamplingSettings, check_settings
 from ..util.atomic import atomic_save_safetensors
-from ..util.validation import INT64_MAX, as_float_vector, as_id_vector, check_int, logprob_problem
+from ..util.validation import INT64_MAX, as_float_vector, as_id_vector, check_choice, check_int, logprob_problem
 from .owner import merged_owner
-from .stored_files import FileCheck, read_safetensors
+from .stored_files import open_stored
 
 FINISH_REASONS = ("eos", "length")
 _FORMAT = "spec-rl-rollout-cache"
@@ -84,36 +84,20 @@ def make_draft(
     version: int,
     settings: SamplingSettings,
 ) -> Draft:
-    """Validate a response and its log-probs and pack them as a :class:`Draft` (CPU copies).
-
-    TypeError: non-integer ids (never rounded) or version, non-numeric log-probs, settings not a SamplingSettings.
-    ValueError: not 1-D, length mismatch, unknown finish reason, NaN or positive log-probs, ids outside [0, 2**31),
-    a negative version.
-    """
+    """Validate a response and its log-probs and pack them as a :class:`Draft` (CPU copies). TypeError: non-integer ids
+    (never rounded) or version, non-numeric log-probs, settings not a SamplingSettings. ValueError: not 1-D, length
+    mismatch, unknown finish reason, NaN or positive log-probs, ids outside [0, 2**31), a negative version."""
     ids = as_id_vector("token_ids", token_ids)
     lps = as_float_vector("logprobs", logprobs)
     if ids.numel() != lps.numel():
         raise ValueError(f"token_ids ({ids.numel()}) and logprobs ({lps.numel()}) must have the same length")
-    if not isinstance(finish_reason, str) or finish_reason not in FINISH_REASONS:
-        raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {finish_reason!r}")
+    check_choice("finish_reason", finish_reason, FINISH_REASONS)
     problem = logprob_problem(lps)
     if problem:
         raise ValueError(f"logprobs {problem}")
     version = check_int("version", version, low=0, hint=" (the training step of the policy that validated the draft)")
     check_settings(settings)
-    return Draft(
-        token_ids=ids.to(torch.int32).cpu().clone(),
-        logprobs=lps.cpu().clone(),
-        finish_reason=finish_reason,
-        version=version,
-        settings=settings,
-    )
-
-
-def draft_fits(draft: Draft, settings: SamplingSettings) -> bool:
-    """Whether ``draft`` was sampled from the distribution of ``settings`` (the budget may differ: it changes no
-    log-prob; :mod:`spec_rl.drafts.validity` cuts the draft to today's budget and EOS set where it is reused)."""
-    return draft.settings.same_distribution(settings)
+    return Draft(ids.to(torch.int32).cpu().clone(), lps.cpu().clone(), finish_reason, version, settings)
 
 
 def check_key(key) -> CacheKey:
@@ -135,9 +119,7 @@ class DraftStore(abc.ABC):
 
     def __init__(self) -> None:
         self._warned: set[tuple[SamplingSettings, SamplingSettings]] = set()
-        self.hits = 0
-        self.misses = 0
-        self.settings_mismatches = 0
+        self.hits = self.misses = self.settings_mismatches = 0
         self.owner: str | None = None
 
     def claim(self, owner: str, where: str | None = None) -> None:
@@ -159,11 +141,8 @@ class DraftStore(abc.ABC):
         distributions are not comparable. TypeError: ``key`` not a CacheKey, ``settings`` not a SamplingSettings."""
         check_settings(settings)
         draft = self._read(check_key(key))
-        if draft is None:
-            self.misses += 1
-            return None
-        if not draft_fits(draft, settings):
-            self.misses += 1
+        # The budget may differ (it changes no log-prob): draft_views cuts the draft to today's budget and EOS set.
+        if draft is not None and not draft.settings.same_distribution(settings):
             self.settings_mismatches += 1
             pair = (draft.settings, settings)
             if pair not in self._warned:
@@ -174,6 +153,9 @@ class DraftStore(abc.ABC):
                     f"To reuse drafts, {self._fix}.",
                     stacklevel=2,
                 )
+            draft = None
+        if draft is None:
+            self.misses += 1
             return None
         self.hits += 1
         return draft
@@ -231,26 +213,16 @@ class RolloutCache(DraftStore):
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the cache to ``path`` (a .safetensors file) atomically: an interrupted save leaves the old file."""
-        digests = list(self._entries.keys())
-        drafts = [self._entries[d] for d in digests]
-        settings_list: list[SamplingSettings] = []
-        settings_index: list[int] = []
-        for d in drafts:
-            if d.settings not in settings_list:
-                settings_list.append(d.settings)
-            settings_index.append(settings_list.index(d.settings))
-        lengths = torch.tensor([len(d) for d in drafts], dtype=torch.int64)
-        offsets = torch.zeros(len(drafts) + 1, dtype=torch.int64)
-        if drafts:
-            offsets[1:] = torch.cumsum(lengths, 0)
+        digests, drafts = list(self._entries.keys()), list(self._entries.values())
+        settings_list = list(dict.fromkeys(d.settings for d in drafts))  # distinct, in order of first use
         tensors = {
             "keys": torch.tensor(list(b"".join(digests)), dtype=torch.uint8).reshape(len(digests), _KEY_BYTES),
-            "offsets": offsets,
+            "offsets": torch.tensor([0, *itertools.accumulate(len(d) for d in drafts)], dtype=torch.int64),
             "token_ids": torch.cat([d.token_ids for d in drafts]) if drafts else torch.zeros(0, dtype=torch.int32),
             "logprobs": torch.cat([d.logprobs for d in drafts]) if drafts else torch.zeros(0, dtype=torch.float32),
             "versions": torch.tensor([d.version for d in drafts], dtype=torch.int64),
             "finish": torch.tensor([FINISH_REASONS.index(d.finish_reason) for d in drafts], dtype=torch.uint8),
-            "settings_index": torch.tensor(settings_index, dtype=torch.int32),
+            "settings_index": torch.tensor([settings_list.index(d.settings) for d in drafts], dtype=torch.int32),
         }
         metadata = {
             "format": _FORMAT,
@@ -266,49 +238,32 @@ class RolloutCache(DraftStore):
         when given, else in the int32 range. FileNotFoundError: no file; ValueError: not a spec-rl rollout cache, or
         damaged (one error naming the file and the problem); TypeError: a non-integer ``vocab_size``. The cache's
         ``owner`` is the policy recorded with it (check it with :meth:`claim`)."""
-        if vocab_size is not None:
-            vocab_size = check_int("vocab_size", vocab_size, low=1)
+        check = open_stored(path, "rollout cache", _FORMAT, _FORMAT_VERSION, _FIX, vocab_size)
+        stored_settings = check.json_field("settings", list, "a JSON list of sampling settings")
+        settings_list = [check.settings(d, f"settings[{i}]") for i, d in enumerate(stored_settings)]
+        keys = check.tensor("keys", torch.uint8, (None, _KEY_BYTES))
+        n = keys.shape[0]
+        offsets = check.tensor("offsets", torch.int64, (n + 1,))
+        ids = check.tensor("token_ids", torch.int32, (None,))
+        lps = check.tensor("logprobs", torch.float32, (ids.numel(),))
+        versions = check.tensor("versions", torch.int64, (n,))
+        finish = check.tensor("finish", torch.uint8, (n,))
+        settings_index = check.tensor("settings_index", torch.int32, (n,))
+        check.offsets("offsets", offsets, ids.numel())
+        check.token_ids("token_ids", ids)
+        check.logprobs("logprobs", lps)
+        check.in_range("finish", finish, len(FINISH_REASONS))
+        check.in_range("settings_index", settings_index, len(settings_list))
+        check.non_negative("versions", versions)
+        digests = [bytes(k) for k in keys.tolist()]
+        check.unique("keys", digests)
+        lengths = offsets.diff().tolist()
+        token_rows, logprob_rows = ids.split(lengths), lps.split(lengths)
+        rows = zip(digests, token_rows, logprob_rows, finish.tolist(), versions.tolist(), settings_index.tolist())
         cache = cls()
-        cache._entries, cache.owner = _read_cache_file(path, vocab_size)
+        cache.owner = check.meta.get("owner")
+        cache._entries = {
+            digest: Draft(t.clone(), lp.clone(), FINISH_REASONS[f], v, settings_list[s])
+            for digest, t, lp, f, v, s in rows
+        }
         return cache
-
-
-def _read_cache_file(path: str | os.PathLike, vocab_size: int | None) -> tuple[dict[bytes, Draft], str | None]:
-    """The drafts of a cache file by key digest, after checking all of it, and their owner (None: not recorded)."""
-    path, meta, tensors = read_safetensors(path, "rollout cache")
-    if meta.get("format") != _FORMAT:
-        raise ValueError(f"{path} is not a spec-rl rollout cache (format={meta.get('format')!r})")
-    if meta.get("format_version") != _FORMAT_VERSION:
-        raise ValueError(f"{path} has cache format version {meta.get('format_version')!r}; expected {_FORMAT_VERSION}")
-    check = FileCheck(path, meta, tensors, _FIX)
-    stored_settings = check.json_field("settings", list, "a JSON list of sampling settings")
-    settings_list = [check.settings(d, f"settings[{i}]") for i, d in enumerate(stored_settings)]
-    keys = check.tensor("keys", torch.uint8, (None, _KEY_BYTES))
-    n = keys.shape[0]
-    offsets = check.tensor("offsets", torch.int64, (n + 1,))
-    ids = check.tensor("token_ids", torch.int32, (None,))
-    lps = check.tensor("logprobs", torch.float32, (ids.numel(),))
-    versions = check.tensor("versions", torch.int64, (n,))
-    finish = check.tensor("finish", torch.uint8, (n,))
-    settings_index = check.tensor("settings_index", torch.int32, (n,))
-    check.offsets("offsets", offsets, ids.numel())
-    check.token_ids("token_ids", ids, vocab_size)
-    check.logprobs("logprobs", lps)
-    check.in_range("finish", finish, len(FINISH_REASONS))
-    check.in_range("settings_index", settings_index, len(settings_list))
-    check.non_negative("versions", versions)
-    digests = [bytes(k) for k in keys.tolist()]
-    check.unique("keys", digests)
-    bounds = offsets.tolist()
-    rows = zip(digests, versions.tolist(), finish.tolist(), settings_index.tolist())
-    drafts = {
-        digest: Draft(
-            token_ids=ids[bounds[i] : bounds[i + 1]].clone(),
-            logprobs=lps[bounds[i] : bounds[i + 1]].clone(),
-            finish_reason=FINISH_REASONS[f],
-            version=v,
-            settings=settings_list[si],
-        )
-        for i, (digest, v, f, si) in enumerate(rows)
-    }
-    return drafts, meta.get("owner")

@@ -1,10 +1,10 @@
 """A draft store shared by processes and nodes (verl's and OpenRLHF's Ray workers): one safetensors file per key,
 ``<root>/<2 hex digits>/<32 hex digits>.safetensors``. Writes rename a temporary with :func:`os.replace` (atomic, no
-locks): readers see the old or the new file, concurrent writers leave one. An unreadable file is a miss, warned.
-"""
+locks): readers see the old or the new file, concurrent writers leave one. An unreadable file is a miss, warned."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -21,6 +21,7 @@ from .stored_files import FileCheck
 _FORMAT = "spec-rl-draft"
 _FORMAT_VERSION = "1"
 _MARKER = "SPEC_RL_DRAFT_STORE"
+_STORE_FORMAT = {"format": _FORMAT, "format_version": _FORMAT_VERSION}
 
 
 class DirectoryDraftStore(DraftStore):
@@ -29,7 +30,6 @@ class DirectoryDraftStore(DraftStore):
     crash; atomicity does not depend on it). ValueError when ``root`` is a file, or a non-empty directory that is not
     a draft store (so a typo cannot scatter files into an unrelated folder)."""
 
-    _name = "draft store"
     _fix = "use the same temperature/top-k/top-p, or point the run at a new directory"
 
     def __init__(self, root: str | os.PathLike, fsync: bool = True) -> None:
@@ -46,11 +46,9 @@ class DirectoryDraftStore(DraftStore):
                     f"{self.root} is a non-empty directory that is not a spec-rl draft store; "
                     "pass an empty or new directory"
                 )
-            try:  # several workers may race to create the marker: any one of them is fine
-                with open(marker, "x") as f:
-                    f.write(json.dumps({"format": _FORMAT, "format_version": _FORMAT_VERSION}) + "\n")
-            except FileExistsError:
-                pass
+            # Several workers may race to create the marker: any one of them is fine.
+            with contextlib.suppress(FileExistsError), open(marker, "x") as f:
+                f.write(json.dumps(_STORE_FORMAT) + "\n")
 
     def _marker(self) -> dict:
         try:
@@ -65,7 +63,7 @@ class DirectoryDraftStore(DraftStore):
         merged_owner(marker.get("owner"), owner, where or f"draft directory {self.root}")
         super().claim(owner, where)
         if marker.get("owner") is None:
-            marker = {"format": _FORMAT, "format_version": _FORMAT_VERSION, **marker, "owner": owner}
+            marker = {**_STORE_FORMAT, **marker, "owner": owner}
             atomic_write_text(self.root / _MARKER, json.dumps(marker) + "\n")
 
     def path_for(self, key: CacheKey) -> Path:
@@ -84,8 +82,7 @@ class DirectoryDraftStore(DraftStore):
         path = self.path_for(key)
         try:
             # One read, so metadata and tensors come from one version even if a writer replaces the file meanwhile.
-            with open(path, "rb") as f:
-                data = f.read()
+            data = path.read_bytes()
             (header_len,) = struct.unpack("<Q", data[:8])
             meta = json.loads(data[8 : 8 + header_len]).get("__metadata__") or {}
             tensors = load(data)
@@ -98,8 +95,13 @@ class DirectoryDraftStore(DraftStore):
         if (meta.get("format"), meta.get("format_version"), meta.get("key")) != expected:
             warnings.warn(f"draft store: {path} is not a draft of this key/format; treating it as a miss", stacklevel=3)
             return None
-        try:
-            return _draft_from_file(FileCheck(path, meta, tensors, "treating it as a miss"))
+        check = FileCheck(path, meta, tensors, "treating it as a miss")
+        try:  # checked as DraftStore.store checks a new draft
+            ids = check.tensor("token_ids", torch.int32, (None,))
+            lps = check.tensor("logprobs", torch.float32, (ids.numel(),))
+            stored = check.json_field("settings", dict, "a JSON object of sampling settings")
+            settings = check.settings(stored, "settings")
+            return make_draft(ids, lps, meta.get("finish_reason"), check.count_field("version"), settings)
         except (TypeError, ValueError) as exc:
             problem = getattr(exc, "problem", exc)  # a DamagedFileError's text without the path again
             warnings.warn(f"draft store: {path} is damaged ({problem}); treating it as a miss", stacklevel=3)
@@ -108,8 +110,7 @@ class DirectoryDraftStore(DraftStore):
     def _write(self, key: CacheKey, draft: Draft) -> None:
         path = self.path_for(key)
         metadata = {
-            "format": _FORMAT,
-            "format_version": _FORMAT_VERSION,
+            **_STORE_FORMAT,
             "key": key.digest.hex(),
             "finish_reason": draft.finish_reason,
             "version": str(draft.version),
@@ -121,17 +122,6 @@ class DirectoryDraftStore(DraftStore):
     def clear(self) -> None:
         """Delete every draft file and the temporaries of killed writers (the directory and its marker stay)."""
         for p in self.root.glob("??/*.safetensors"):
-            try:
-                p.unlink()
-            except FileNotFoundError:
-                pass
+            p.unlink(missing_ok=True)
         for folder in self.root.glob("??"):
             remove_leftovers(folder)
-
-
-def _draft_from_file(check: FileCheck) -> Draft:
-    """The draft of one store file, checked as :meth:`DraftStore.store` checks a new one."""
-    ids = check.tensor("token_ids", torch.int32, (None,))
-    lps = check.tensor("logprobs", torch.float32, (ids.numel(),))
-    settings = check.settings(check.json_field("settings", dict, "a JSON object of sampling settings"), "settings")
-    return make_draft(ids, lps, check.meta.get("finish_reason"), check.count_field("version"), settings)

@@ -5,8 +5,10 @@ arXiv 2508.18588, and DAS, arXiv 2511.13841). Proposals depend only on the histo
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import string
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,7 +18,7 @@ import torch
 from ..acceptance.mode import TAIL_WIDTH
 from ..util.atomic import atomic_save_safetensors
 from ..util.validation import as_id_vector, check_int
-from .stored_files import FileCheck, read_safetensors
+from .stored_files import open_stored
 
 #: Separates responses in an automaton's text; never a token id.
 SEPARATOR = -1
@@ -103,26 +105,23 @@ class SuffixAutomaton:
             state = link[state]
             matched = length[state]
         nxt = trans[state].get(token)
-        if nxt is None:
-            return 0, 0
-        return nxt, matched + 1
+        return (0, 0) if nxt is None else (nxt, matched + 1)
 
     def continuation(self, state: int, k: int) -> list[int]:
         """Up to ``k`` tokens that followed the occurrence of ``state`` in the text (stops at a separator)."""
-        start = self.endpos[state] + 1
+        return self.read(self.endpos[state] + 1, k)
+
+    def read(self, start: int, k: int) -> list[int]:
+        """Up to ``k`` tokens of the text from index ``start``, stopping before a separator."""
         out = self.text[start : start + k]
-        if SEPARATOR in out:
-            out = out[: out.index(SEPARATOR)]
-        return out
+        return out[: out.index(SEPARATOR)] if SEPARATOR in out else out
 
 
 class SuffixProposer:
-    """Proposes up to k tokens for one sequence being decoded whose response so far is ``prefix``.
-
-    ``k`` doubles (up to ``max_k``) after a step that accepted every proposed token and falls to ``accepted + 1``
-    otherwise; nothing is proposed while the match is shorter than ``min_match`` tokens; at the start of a response
-    it proposes the start of the newest earlier response. Proposals stop before an id outside [0, ``vocab_size``).
-    """
+    """Proposes up to k tokens for one sequence being decoded whose response so far is ``prefix``. ``k`` doubles (up to
+    ``max_k``) after a step that accepted every proposed token and falls to ``accepted + 1`` otherwise; nothing is
+    proposed while the match is shorter than ``min_match`` tokens; at the start of a response it proposes the start of
+    the newest earlier response. Proposals stop before an id outside [0, ``vocab_size``)."""
 
     def __init__(
         self,
@@ -139,8 +138,7 @@ class SuffixProposer:
         self.k = max(1, self.max_k // 2)
         self.state, self.matched = 0, 0
         self.at_start = len(prefix) == 0
-        self.proposed = 0
-        self.accepted = 0
+        self.proposed = self.accepted = 0
         self.asked = 0  # the adaptive part of the last proposal
         for t in prefix[-64:]:  # a longer match than 64 tokens changes nothing in practice
             self.state, self.matched = automaton.step(self.state, self.matched, int(t))
@@ -153,11 +151,8 @@ class SuffixProposer:
         if k <= 0:
             return []
         if self.at_start:
-            starts, text = self.automaton.starts, self.automaton.text
-            if not starts:
-                return []
-            out = text[starts[-1] : starts[-1] + k]
-            out = out[: out.index(SEPARATOR)] if SEPARATOR in out else out
+            starts = self.automaton.starts
+            out = self.automaton.read(starts[-1], k) if starts else []
         elif self.matched < self.min_match:
             return []
         else:
@@ -179,13 +174,11 @@ class SuffixProposer:
 
 
 class HistoryIndex:
-    """Per-prompt suffix automata over earlier responses, bounded in memory (ValueError: a bound below 1).
-
-    Prompts are identified by any hashable key (the rollout uses the draft key of slot 0, shared by a group). A prompt
-    is trimmed to its newest ``max_responses`` responses and ``max_tokens`` tokens once it holds twice either (its
-    automaton is then rebuilt); past ``max_prompts`` prompts the least recently used goes. At most about
-    ``2 * max_prompts * max_tokens`` tokens are indexed, with up to two automaton states per token.
-    """
+    """Per-prompt suffix automata over earlier responses, bounded in memory (ValueError: a bound below 1). Prompts are
+    identified by any hashable key (the rollout uses the draft key of slot 0, shared by a group). A prompt is trimmed to
+    its newest ``max_responses`` responses and ``max_tokens`` tokens once it holds twice either (its automaton is then
+    rebuilt); past ``max_prompts`` prompts the least recently used goes. At most about ``2 * max_prompts * max_tokens``
+    tokens are indexed, with up to two automaton states per token."""
 
     def __init__(self, max_responses: int = 16, max_tokens: int = 8192, max_prompts: int = 16384):
         self.max_responses = check_int("max_responses", max_responses, low=1)
@@ -215,14 +208,13 @@ class HistoryIndex:
         if tokens in rs:
             return
         rs.append(tokens)
-        automaton = self._automata.get(key)
         # Trim only at twice the bounds, so the rebuild it costs is rare.
         if len(rs) > 2 * self.max_responses or sum(len(r) for r in rs) > 2 * self.max_tokens:
             while len(rs) > 1 and (len(rs) > self.max_responses or sum(len(r) for r in rs) > self.max_tokens):
                 rs.pop(0)
             self._automata.pop(key, None)  # rebuilt from what is left on next use
-        elif automaton is not None:
-            automaton.add_response(tokens)
+        elif key in self._automata:
+            self._automata[key].add_response(tokens)
         while len(self._responses) > self.max_prompts:
             old, _ = self._responses.popitem(last=False)
             self._automata.pop(old, None)
@@ -263,41 +255,26 @@ class HistoryIndex:
         """Read a file written by :meth:`save` into a new index with ``bounds``, checking all of it first; token ids
         must lie in [0, ``vocab_size``) when given, else in the int32 range. FileNotFoundError: no file; ValueError:
         not a spec-rl history file, or damaged (one error naming the file and the problem)."""
-        if vocab_size is not None:
-            vocab_size = check_int("vocab_size", vocab_size, low=1)
         index = cls(**bounds)
-        keys, counts, lengths, tokens = _read_history_file(path, vocab_size)
+        check = open_stored(path, "history index", _FORMAT, _FORMAT_VERSION, _FIX, vocab_size)
+        what = "a JSON list of hex strings (one per prompt)"
+        hex_keys = check.json_field("keys", list, what)
+        bad = [k for k in hex_keys if not isinstance(k, str) or len(k) % 2 or not set(k) <= set(string.hexdigits)]
+        if bad:
+            raise check.fail(f"metadata 'keys' must be {what}, got {bad[0]!r}")
+        keys = [bytes.fromhex(k) for k in hex_keys]
+        check.unique("keys", keys)
+        counts = check.tensor("counts", torch.int64, (len(keys),))
+        lengths = check.tensor("lengths", torch.int64, (None,))
+        tokens = check.tensor("tokens", torch.int64, (None,))
+        check.non_negative("counts", counts)
+        check.non_negative("lengths", lengths)
+        if int(counts.sum()) != lengths.numel() or int(lengths.sum()) != tokens.numel():
+            raise check.fail("response counts and lengths do not match the stored tokens (damaged file)")
+        check.token_ids("tokens", tokens)
         flat = tokens.tolist()
-        offsets = [0] + torch.cumsum(lengths, 0).tolist()
-        r = 0
-        for key, count in zip(keys, counts.tolist()):
-            for _ in range(count):
-                index.add(key, flat[offsets[r] : offsets[r + 1]])
-                r += 1
+        offsets = [0, *itertools.accumulate(lengths.tolist())]
+        owners = [key for key, count in zip(keys, counts.tolist()) for _ in range(count)]
+        for key, start, end in zip(owners, offsets, offsets[1:]):
+            index.add(key, flat[start:end])
         return index
-
-
-def _read_history_file(path: str | os.PathLike, vocab_size: int | None):
-    """(keys, counts [P], lengths [sum counts], tokens [sum lengths]) of a history file, checked."""
-    path, meta, tensors = read_safetensors(path, "history index")
-    if meta.get("format") != _FORMAT or meta.get("format_version") != _FORMAT_VERSION:
-        raise ValueError(f"{path} is not a spec-rl history index (format={meta.get('format')!r})")
-    check = FileCheck(path, meta, tensors, _FIX)
-    what = "a JSON list of hex strings (one per prompt)"
-    hex_keys = check.json_field("keys", list, what)
-    bad = [
-        k for k in hex_keys if not isinstance(k, str) or len(k) % 2 or any(c not in "0123456789abcdefABCDEF" for c in k)
-    ]
-    if bad:
-        raise check.fail(f"metadata 'keys' must be {what}, got {bad[0]!r}")
-    keys = [bytes.fromhex(k) for k in hex_keys]
-    check.unique("keys", keys)
-    counts = check.tensor("counts", torch.int64, (len(keys),))
-    lengths = check.tensor("lengths", torch.int64, (None,))
-    tokens = check.tensor("tokens", torch.int64, (None,))
-    check.non_negative("counts", counts)
-    check.non_negative("lengths", lengths)
-    if int(counts.sum()) != lengths.numel() or int(lengths.sum()) != tokens.numel():
-        raise check.fail("response counts and lengths do not match the stored tokens (damaged file)")
-    check.token_ids("tokens", tokens, vocab_size)
-    return keys, counts, lengths, tokens

@@ -1,7 +1,6 @@
-"""Reading spec-rl's safetensors files back, checked before use: a file damaged after its atomic write may still
-parse, and must neither load silently (bad log-probs or ids corrupt training far from the cause) nor fail deep in a
-loader. :class:`FileCheck` raises one :class:`DamagedFileError` naming the file, the problem and the fix.
-"""
+"""Reading spec-rl's safetensors files back, checked before use: a file damaged after its atomic write may still parse,
+and must neither load silently (bad log-probs or ids corrupt training far from the cause) nor fail deep in a loader.
+:class:`FileCheck` raises one :class:`DamagedFileError` naming the file, the problem and the fix."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ from pathlib import Path
 import torch
 
 from ..sampling.distribution import SamplingSettings
-from ..util.validation import INT32_MAX, INT64_MAX, LOGPROB_SLACK
+from ..util.validation import INT32_MAX, INT64_MAX, LOGPROB_SLACK, check_int
 
 
 class DamagedFileError(ValueError):
@@ -23,10 +22,16 @@ class DamagedFileError(ValueError):
         self.path, self.problem = path, problem
 
 
-def read_safetensors(path: str | os.PathLike, what: str) -> tuple[Path, dict[str, str], dict[str, torch.Tensor]]:
-    """(path, metadata, tensors) of a safetensors file on the CPU; FileNotFoundError, or ValueError when unreadable."""
+def open_stored(
+    path: str | os.PathLike, what: str, fmt: str, version: str, fix: str, vocab_size: int | None = None
+) -> FileCheck:
+    """The checks of the safetensors file ``path`` (read on the CPU), a ``what`` (e.g. "rollout cache") whose metadata
+    says format ``fmt`` at ``version``. FileNotFoundError: no file; TypeError: a non-integer ``vocab_size``;
+    ValueError: ``vocab_size`` < 1, an unreadable file or another format."""
     from safetensors import safe_open
 
+    if vocab_size is not None:
+        vocab_size = check_int("vocab_size", vocab_size, low=1)
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no {what} at {path}")
@@ -36,21 +41,27 @@ def read_safetensors(path: str | os.PathLike, what: str) -> tuple[Path, dict[str
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as exc:  # safetensors raises its own error types
         raise ValueError(f"{path} is not a readable safetensors file ({what}): {exc}") from exc
-    return path, meta, tensors
+    if meta.get("format") != fmt:
+        raise ValueError(f"{path} is not a spec-rl {what} (format={meta.get('format')!r})")
+    if meta.get("format_version") != version:
+        raise ValueError(f"{path} has {what} format version {meta.get('format_version')!r}; expected {version}")
+    return FileCheck(path, meta, tensors, fix, vocab_size)
 
 
 class FileCheck:
     """Checks of one stored file (``path``, its ``meta`` and ``tensors``); each failure raises
-    :class:`DamagedFileError` ``"<path>: <problem>; <fix>"``, ``fix`` saying what to do about it."""
+    :class:`DamagedFileError` ``"<path>: <problem>; <fix>"``, ``fix`` saying what to do about it. Token ids must lie
+    in [0, ``vocab_size``) when it is given, else in the int32 range."""
 
-    def __init__(self, path, meta: dict[str, str], tensors: dict[str, torch.Tensor], fix: str) -> None:
-        self.path, self.meta, self.tensors, self.fix = path, meta, tensors, fix
+    def __init__(
+        self, path, meta: dict[str, str], tensors: dict[str, torch.Tensor], fix: str, vocab_size: int | None = None
+    ) -> None:
+        self.path, self.meta, self.tensors, self.fix, self.vocab_size = path, meta, tensors, fix, vocab_size
 
     def fail(self, problem: str) -> DamagedFileError:
         return DamagedFileError(self.path, problem, self.fix)
 
     def field(self, key: str) -> str:
-        """Metadata ``key``'s text."""
         if key not in self.meta:
             raise self.fail(f"metadata {key!r} is missing")
         return self.meta[key]
@@ -103,21 +114,18 @@ class FileCheck:
     def non_negative(self, name: str, t: torch.Tensor) -> None:
         self.in_range(name, t, INT64_MAX)
 
-    def token_ids(self, name: str, t: torch.Tensor, vocab_size: int | None) -> None:
-        """Token ids in [0, vocab_size) when it is known, else in the int32 range."""
-        if vocab_size is None:
+    def token_ids(self, name: str, t: torch.Tensor) -> None:
+        if self.vocab_size is None:
             self.in_range(name, t, INT32_MAX + 1)
         else:
-            self.in_range(name, t, vocab_size, f" (vocab_size={vocab_size})")
+            self.in_range(name, t, self.vocab_size, f" (vocab_size={self.vocab_size})")
 
     def logprobs(self, name: str, t: torch.Tensor) -> None:
-        """Log-probabilities: <= 0 (up to float rounding), not NaN."""
         bad = torch.isnan(t) | (t > LOGPROB_SLACK)
         if t.numel() and bool(bad.any()):
             raise self.fail(f"tensor {name!r} must hold log-probabilities (<= 0, not NaN), got {t[bad][0].item()}")
 
     def offsets(self, name: str, t: torch.Tensor, total: int) -> None:
-        """Offsets of back-to-back slices: start at 0, never decrease, end at ``total``."""
         if int(t[0]) != 0 or int(t[-1]) != total or bool((t[1:] < t[:-1]).any()):
             raise self.fail(f"tensor {name!r} must rise from 0 to {total} (the stored tokens), got {t.tolist()[:8]}")
 

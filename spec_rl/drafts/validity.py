@@ -1,7 +1,6 @@
-"""What part of a stored draft is still a response today's run could produce (docs/design.md "Draft validity"): cut
-at its first token in today's EOS set (kept) and at today's budget, the rest is complete when it ends with an EOS or
-fills the budget, else a prefix only (continued if accepted whole, never returned as finished).
-"""
+"""What part of a stored draft is still a response today's run could produce (docs/design.md "Draft validity"): cut at
+its first token in today's EOS set (kept) and at today's budget, the rest is complete when it ends with an EOS or fills
+the budget, else a prefix only (continued if accepted whole, never returned as finished)."""
 
 from __future__ import annotations
 
@@ -37,10 +36,7 @@ def draft_views(
     drafts: Sequence[Sequence[int] | torch.Tensor], budgets: Sequence[int], eos_ids: Collection[int]
 ) -> list[DraftView]:
     """:func:`draft_view` of B drafts (each [R_b] ids) with B per-sample budgets (tokens), in one vectorised pass.
-
-    Raises:
-        ValueError: mismatched lengths, a budget < 1, or an empty ``eos_ids``.
-    """
+    ValueError: mismatched lengths, a budget < 1, or an empty ``eos_ids``."""
     if len(drafts) != len(budgets):
         raise ValueError(f"drafts ({len(drafts)}) and budgets ({len(budgets)}) must have the same length")
     if not eos_ids:
@@ -59,7 +55,7 @@ def draft_views(
     hits = is_eos.nonzero().squeeze(1)
     # scatter_reduce "amin" over rows: the first EOS column of each row (rows without one stay -1)
     first_eos = first_eos.scatter_reduce(0, row[hits], col[hits], reduce="amin", include_self=False)
-    views = []
-    for c, b, e in zip(cut, budgets, first_eos.tolist()):
-        views.append(DraftView(e + 1, "eos") if e >= 0 else DraftView(c, "length" if c == int(b) else None))
-    return views
+    return [
+        DraftView(e + 1, "eos") if e >= 0 else DraftView(c, "length" if c == int(b) else None)
+        for c, b, e in zip(cut, budgets, first_eos.tolist())
+    ]

@@ -19,7 +19,7 @@ from ..acceptance.mode import RolloutMode
 from ..drafts.directory import DirectoryDraftStore
 from ..drafts.owner import policy_owner
 from ..sampling.distribution import SamplingSettings
-from .exact import MAX_RESIDUAL_ATTEMPTS, draw_continuation
+from .exact import MAX_RESIDUAL_ATTEMPTS
 from .requests import ContinuationRequest, SamplePlan, SpecRequestBuilder, server_mode
 
 
@@ -44,10 +44,8 @@ def request_params(sampling_params: Any, response_tokens_before: int, **changes:
 
 def _token_logprob(entry: Any, token: int) -> float:
     """Log-prob of ``token`` from one vLLM position entry ({token_id: Logprob} or a float)."""
-    if isinstance(entry, dict):
-        v = entry[token]
-        return float(getattr(v, "logprob", v))
-    return float(entry)
+    value = entry[token] if isinstance(entry, dict) else entry
+    return float(getattr(value, "logprob", value))
 
 
 class SpecRLAgentExecutor(AgentExecutorBase):
@@ -64,7 +62,7 @@ class SpecRLAgentExecutor(AgentExecutorBase):
 
     Raises:
         ValueError: n_samples_per_prompt < 1 or a name that names no mode; at ``execute``, settings whose
-            log-probs cannot be scored (:func:`~spec_rl.integrations.server_checks.check_server_settings`) or images.
+            log-probs cannot be scored (:func:`~spec_rl.integrations.requests.check_server_settings`) or images.
     """
 
     def __init__(
@@ -94,13 +92,11 @@ class SpecRLAgentExecutor(AgentExecutorBase):
         self._builders: dict[tuple, SpecRequestBuilder] = {}
 
     def _builder(self, sampling_params: Any, max_length: int, hf_tokenizer: Any) -> SpecRequestBuilder:
-        top_k = int(getattr(sampling_params, "top_k", -1) or 0)
-        max_tokens = getattr(sampling_params, "max_tokens", None) or max_length
         settings = SamplingSettings(
             temperature=float(sampling_params.temperature),
             top_p=float(getattr(sampling_params, "top_p", 1.0)),
-            top_k=0 if top_k < 0 else top_k,
-            max_tokens=int(max_tokens),
+            top_k=max(int(getattr(sampling_params, "top_k", -1) or 0), 0),
+            max_tokens=int(getattr(sampling_params, "max_tokens", None) or max_length),
         )
         key = (settings, int(max_length))
         if key not in self._builders:
@@ -125,11 +121,9 @@ class SpecRLAgentExecutor(AgentExecutorBase):
 
     @staticmethod
     async def _score(
-        b: SpecRequestBuilder, plan: SamplePlan, sampling_params, llm_engine
-    ) -> tuple[list[float] | None, tuple[list[int], list[float]] | None]:
-        """The scoring request -> (lp_new of the draft, the token sampled after it); (None, None) without a draft."""
-        if plan.scoring_ids is None:
-            return None, None
+        b: SpecRequestBuilder, sampling_params, llm_engine, plan: SamplePlan
+    ) -> tuple[list[float], None, tuple[list[int], list[float]] | None]:
+        """The scoring request -> (lp_new of the draft, no weight step, the token sampled after it)."""
         sp = request_params(sampling_params, len(plan.draft_ids), prompt_logprobs=0, max_tokens=1, logprobs=0)
         scored = await llm_engine.generate(plan.scoring_ids, sp)
         if scored.prompt_logprobs is None:
@@ -142,13 +136,13 @@ class SpecRLAgentExecutor(AgentExecutorBase):
         if first.logprobs:
             toks = list(first.token_ids)
             sample = (toks, [_token_logprob(e, t) for e, t in zip(first.logprobs, toks)])
-        return new_lps, sample
+        return new_lps, None, sample
 
     @staticmethod
     async def _continue(
         cont: ContinuationRequest, n_prompt: int, sampling_params, llm_engine, seed: int | None = None
-    ) -> tuple[list[int], list[float], bool]:
-        """The continuation request -> (new tokens, their log-probs, stopped at max_tokens)."""
+    ) -> tuple[list[int], list[float], None, bool]:
+        """The continuation request -> (new tokens, their log-probs, no weight step, stopped at max_tokens)."""
         logprobs = 0 if sampling_params.logprobs is None else sampling_params.logprobs
         sp = request_params(
             sampling_params, len(cont.context_ids) - n_prompt, max_tokens=cont.max_tokens, logprobs=logprobs
@@ -159,7 +153,8 @@ class SpecRLAgentExecutor(AgentExecutorBase):
         new_ids = list(out.token_ids)
         if out.logprobs is None:
             raise RuntimeError("the vLLM engine returned tokens without logprobs although logprobs was set")
-        return new_ids, [_token_logprob(e, t) for e, t in zip(out.logprobs, new_ids)], out.finish_reason == "length"
+        lps = [_token_logprob(e, t) for e, t in zip(out.logprobs, new_ids)]
+        return new_ids, lps, None, out.finish_reason == "length"
 
     async def execute(self, prompt, label, sampling_params, max_length: int, hf_tokenizer, llm_engine, images=None):
         # Before any await: the n calls of one prompt start in order (module docstring).
@@ -172,21 +167,10 @@ class SpecRLAgentExecutor(AgentExecutorBase):
         room = max_length - b.settings.max_tokens if getattr(sampling_params, "max_tokens", None) else max_length - 1
         prompt_ids = list(prompt_ids)[-max(room, 1) :]  # keep room for the response, as OpenRLHF does
         plan = b.plan(prompt_ids, slot)
-        new_lps, sample = await self._score(b, plan, sampling_params, llm_engine)
-        verified = b.verify(plan, new_lps, scoring_sample=sample)
-        cont = b.continuation(plan, verified)
-        send = partial(self._continue, cont, len(prompt_ids), sampling_params, llm_engine)
-        (new_ids, cont_lps, truncated), resamples = await draw_continuation(cont, send, nothing=([], [], False))
-        result = b.assemble(
-            plan,
-            verified,
-            new_ids,
-            cont_lps,
-            resamples=resamples,
-            kept_excluded=cont is not None and cont.kept_excluded,
-        )
-        if cont is None:
-            truncated = result.finish_reason == "length"
+        score = partial(self._score, b, sampling_params, llm_engine)
+        send = partial(self._continue, n_prompt=len(prompt_ids), sampling_params=sampling_params, llm_engine=llm_engine)
+        result, sent = await b.run_sample(plan, score, send)
+        truncated = sent[3] if sent is not None else result.finish_reason == "length"
         response = result.response_ids
         output = {
             "prompt": prompt,

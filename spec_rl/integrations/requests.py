@@ -8,7 +8,7 @@ Alg. 1). A server returns no samples at prompt positions, so the token at the re
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import torch
 
@@ -19,9 +19,8 @@ from ..drafts.validity import draft_view
 from ..sampling.distribution import SamplingSettings
 from ..sampling.philox import mix_seed
 from ..util.validation import check_int
-from .exact import MAX_RESIDUAL_ATTEMPTS, residual_seeds
+from .exact import MAX_RESIDUAL_ATTEMPTS, draw_continuation, residual_seeds
 from .request_types import Assembled, ContinuationRequest, SamplePlan, Verified
-from .server_checks import PROMPT_LOGPROBS_MODES, check_server_settings
 
 __all__ = [
     "PROMPT_LOGPROBS_MODES",
@@ -32,6 +31,48 @@ __all__ = [
     "Verified",
     "check_server_settings",
 ]
+
+PROMPT_LOGPROBS_MODES = ("raw", "processed")
+
+
+def check_server_settings(
+    settings: SamplingSettings,
+    prompt_logprobs_mode: str = "raw",
+    repetition_penalty: float = 1.0,
+    logprobs_mode: str | None = None,
+) -> None:
+    """Refuse a sampling configuration whose log-probs the server cannot score faithfully (docs/integrations.md
+    "Log-prob modes").
+
+    ``prompt_logprobs_mode``: "raw" (vLLM: its ``prompt_logprobs`` come from the raw logits, which cannot be rescaled
+    to temperature or top-k/top-p without the whole logit vector, so only temperature 1 without them passes) or
+    "processed" (for a server known to apply them). ``repetition_penalty`` must be 1: the scoring prefill does not
+    apply it. ``logprobs_mode``: the server's mode for sampled-token log-probs (vLLM's), None if unknown; logits
+    modes fail.
+
+    Raises:
+        ValueError: naming the setting and the fix.
+    """
+    if prompt_logprobs_mode not in PROMPT_LOGPROBS_MODES:
+        raise ValueError(f"prompt_logprobs_mode must be one of {PROMPT_LOGPROBS_MODES}, got {prompt_logprobs_mode!r}")
+    if prompt_logprobs_mode == "raw" and not (settings.temperature == 1.0 and settings.is_plain):
+        raise ValueError(
+            f"the rollout samples with temperature={settings.temperature}, top_k={settings.top_k}, "
+            f"top_p={settings.top_p}, but the server's prompt_logprobs are raw (log_softmax of unscaled logits; "
+            "vLLM ignores temperature/top-k/top-p for prompt logprobs), and a raw log-prob cannot be rescaled "
+            "without the full logit vector. Use temperature=1.0, top_k=-1 (or 0), top_p=1.0, or set "
+            "prompt_logprobs_mode='processed' only if your server applies them to prompt logprobs."
+        )
+    if not (isinstance(repetition_penalty, (int, float)) and float(repetition_penalty) == 1.0):
+        raise ValueError(
+            f"repetition_penalty={repetition_penalty!r} is not supported: the penalised distribution depends on "
+            "previously generated tokens, which the scoring prefill does not apply; set it to 1.0"
+        )
+    if logprobs_mode is not None and logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
+        raise ValueError(
+            f"logprobs_mode={logprobs_mode!r} returns logits, not log-probabilities; drafts need sampling "
+            "log-probs: set the rollout's logprobs_mode to 'processed_logprobs'"
+        )
 
 
 def server_mode(mode: RolloutMode | str) -> RolloutMode:
@@ -52,8 +93,8 @@ class SpecRequestBuilder:
         max_resample_attempts: continuation attempts at one rejection (exact acceptance, without-draft draw).
 
     Raises:
-        ValueError: unusable settings, max_resample_attempts < 1, max_model_len < 2, empty eos_ids.
-        ValueError: a mode name that names no mode.
+        ValueError: unusable settings, max_resample_attempts < 1, max_model_len < 2, empty eos_ids, a mode name that
+            names no mode.
     """
 
     def __init__(
@@ -150,14 +191,6 @@ class SpecRequestBuilder:
             out.append(float(v))
         return out
 
-    def step_for(self, plan: SamplePlan, step: int | None) -> int:
-        """The step that seeds the uniforms: ``step`` (the server's weight version) if known, else the draft's
-        version + 1 (0 without a draft), so a prompt's uniforms change every time it comes back.
-        """
-        if step is not None:
-            return int(step)
-        return plan.draft.version + 1 if plan.draft is not None else 0
-
     def verify(
         self,
         plan: SamplePlan,
@@ -173,7 +206,10 @@ class SpecRequestBuilder:
         Raises ValueError for a missing or mismatched ``new_logprobs`` and the errors of
         :func:`spec_rl.acceptance.dispatch.verify_logprobs` (NaN, positive log-probs).
         """
-        step_used = self.step_for(plan, step)
+        # The step that seeds the uniforms: the server's weight version if known, else the draft's version + 1 (0
+        # without a draft), so a prompt's uniforms change every time it comes back.
+        draft_step = plan.draft.version + 1 if plan.draft is not None else 0
+        step_used = int(step) if step is not None else draft_step
         if not plan.draft_ids:
             return Verified(0, [], [], False, step_used)
         if new_logprobs is None or len(new_logprobs) != len(plan.draft_ids):
@@ -182,15 +218,9 @@ class SpecRequestBuilder:
         ids = torch.tensor([plan.draft_ids], dtype=torch.int64)
         old = torch.tensor([plan.old_logprobs], dtype=torch.float32)
         new = torch.tensor([list(new_logprobs)], dtype=torch.float32)
+        uids = torch.tensor([plan.key.uid], dtype=torch.int64)
         options = VerifyOptions(self.mode, backend="reference")
-        res = verify_logprobs(
-            ids,
-            old,
-            new,
-            seed=mix_seed(self.seed, step_used),
-            uids=torch.tensor([plan.key.uid], dtype=torch.int64),
-            options=options,
-        )
+        res = verify_logprobs(ids, old, new, seed=mix_seed(self.seed, step_used), uids=uids, options=options)
         n = int(res.accepted_len[0])
         full = n == len(plan.draft_ids) and plan.draft_end is not None
         out = Verified(n, plan.draft_ids[:n], [float(x) for x in new[0, :n].tolist()], full, step_used)
@@ -208,12 +238,9 @@ class SpecRequestBuilder:
         """The request after the verified prefix, or None when nothing is left; after a rejection that excludes y_n
         it carries y_n and one server seed per attempt (:func:`~spec_rl.integrations.exact.residual_seeds`).
         """
-        if verified.full_reuse:
-            return None
-        if verified.sampled and verified.prefix_ids[-1] in self.eos_ids:
-            return None
         remaining = plan.budget - len(verified.prefix_ids)
-        if remaining < 1:
+        sampled_eos = verified.sampled and verified.prefix_ids[-1] in self.eos_ids
+        if verified.full_reuse or sampled_eos or remaining < 1:
             return None
         request = ContinuationRequest(plan.prompt_ids + verified.prefix_ids, remaining)
         if verified.rejected is not None:
@@ -230,18 +257,6 @@ class SpecRequestBuilder:
         if seed is not None:
             params[self.seed_param] = int(seed)
         return params
-
-    def _check_kept_excluded(self, verified: Verified, new_ids: list[int]) -> None:
-        """Refuse ``kept_excluded`` where draw_continuation cannot have set it."""
-        if self.rule.lossless:
-            raise ValueError(
-                f"kept_excluded is only for the lenient without-draft draw; {self.rule.name} acceptance never keeps y_n"
-            )
-        if verified.rejected is None or not new_ids or new_ids[0] != verified.rejected:
-            raise ValueError(
-                "kept_excluded=True needs a rejection with the without-draft draw and a continuation that begins with "
-                "the rejected draft token; pass ContinuationRequest.kept_excluded as draw_continuation set it"
-            )
 
     def assemble(
         self,
@@ -264,9 +279,18 @@ class SpecRequestBuilder:
                 the rejected token without ``kept_excluded``, or a ``kept_excluded`` draw_continuation cannot have set.
         """
         new_ids = [int(t) for t in new_ids]
-        if kept_excluded:
-            self._check_kept_excluded(verified, new_ids)
-        if verified.rejected is not None and new_ids and new_ids[0] == verified.rejected and not kept_excluded:
+        begins_rejected = verified.rejected is not None and new_ids[:1] == [verified.rejected]
+        # kept_excluded only where draw_continuation can have set it
+        if kept_excluded and self.rule.lossless:
+            raise ValueError(
+                f"kept_excluded is only for the lenient without-draft draw; {self.rule.name} acceptance never keeps y_n"
+            )
+        if kept_excluded and not begins_rejected:
+            raise ValueError(
+                "kept_excluded=True needs a rejection with the without-draft draw and a continuation that begins with "
+                "the rejected draft token; pass ContinuationRequest.kept_excluded as draw_continuation set it"
+            )
+        if begins_rejected and not kept_excluded:
             raise ValueError(
                 f"the continuation begins with the rejected draft token {verified.rejected}; "
                 "send it through spec_rl.integrations.exact.draw_continuation, which resamples it"
@@ -301,3 +325,27 @@ class SpecRequestBuilder:
             "draw_fallbacks": int(bool(kept_excluded)),
         }
         return Assembled(response, lps, finish, metrics)
+
+    async def run_sample(
+        self, plan: SamplePlan, score: Callable[[SamplePlan], Awaitable[tuple]], send: Callable[..., Awaitable[tuple]]
+    ) -> tuple[Assembled, tuple | None]:
+        """One planned sample's requests: scoring, :meth:`verify`, the continuation (through
+        :func:`~spec_rl.integrations.exact.draw_continuation`) and :meth:`assemble` (stored).
+
+        ``score(plan)``, awaited only with a draft, returns (lp_new of the draft, the server's weight step or None,
+        the scoring request's (token ids, log-probs)); ``send(request, seed=...)`` returns (new token ids, their
+        log-probs or None, weight step or None, ...). Returns the sample and what the kept ``send`` returned (None:
+        nothing sent). Raises what those steps raise.
+        """
+        new_lps = step = sample = None
+        if plan.scoring_ids is not None:
+            new_lps, step, sample = await score(plan)
+        verified = self.verify(plan, new_lps, step, scoring_sample=sample)
+        cont = self.continuation(plan, verified)
+        sent, resamples = await draw_continuation(cont, lambda seed: send(cont, seed=seed))
+        new_ids, new_logprobs, cont_step = sent[:3] if sent is not None else ([], [], None)
+        kept = cont is not None and cont.kept_excluded
+        result = self.assemble(
+            plan, verified, new_ids, new_logprobs or [], step=cont_step, resamples=resamples, kept_excluded=kept
+        )
+        return result, sent

@@ -22,7 +22,7 @@ from ..rollout.speculative import RolloutRequest, RolloutResult
 from ..sampling.distribution import SamplingSettings
 from ..util.validation import check_int
 from .trl_batch import batch_requests, group_size, hook_dataset_ids, tokenize_prompts, trainer_owner, unwrapped_model
-from .trl_checkpoint import CACHE_FILENAME, HISTORY_FILENAME, RolloutCacheCallback, history_path, ranked_path
+from .trl_checkpoint import CACHE_FILENAME, HISTORY_FILENAME, RolloutCacheCallback, history_path
 from .trl_checks import (
     UnsupportedTrainerConfig,
     check_cache_settings,
@@ -113,7 +113,7 @@ class SpecRLRollout:
         self.settings: SamplingSettings | None = None
         self._options = RolloutOptions(self.mode, verify_backend, self.max_model_len, seed)
         self._rollouts: TrainerRollouts | None = None
-        self._rollouts_key: tuple | None = None
+        self._rollouts_key: tuple | None = None  # the model, history index and settings they were built for
         self._seeds = CallSeeds()
         self._pending_ids: list | None = None
 
@@ -129,7 +129,7 @@ class SpecRLRollout:
             )
         self._validate(trainer)
         if self.dataset_id_column is not None and not getattr(trainer, "_spec_rl_id_hook", False):
-            self._hook_dataset_ids(trainer)
+            hook_dataset_ids(trainer, self.dataset_id_column, self._set_pending_ids)
         if self.log_metrics and hasattr(trainer, "_log_metric") and not getattr(trainer, "_spec_rl_reward_hook", False):
             hook_reward_split(trainer, self)
         if not getattr(trainer, "_spec_rl_callback", False):
@@ -148,9 +148,6 @@ class SpecRLRollout:
             check_trainer_logprobs(trainer, settings)
         self.settings = settings
         self.trainer = trainer
-
-    def _hook_dataset_ids(self, trainer) -> None:
-        hook_dataset_ids(trainer, self.dataset_id_column, self._set_pending_ids)
 
     def _set_pending_ids(self, ids: list[str] | None) -> None:
         self._pending_ids = ids
@@ -184,29 +181,25 @@ class SpecRLRollout:
         offset = trainer.accelerator.process_index * len(prompts)
         return batch_requests(prompt_ids, self._dataset_ids(prompts), group, offset)
 
-    def _rollouts_for(self, model, trainer) -> TrainerRollouts:
-        """The rollouts of ``model``, rebuilt for another model, history index or settings."""
-        key = (id(model), id(self.history_index), self.settings)
-        if self._rollouts is None or self._rollouts_key != key:
-            self._rollouts = TrainerRollouts(
-                model, trainer, self.settings, self.cache, self.history_index, self._options
-            )
-            self._rollouts_key = key
-        return self._rollouts
-
-    def _run_rollout(self, requests, trainer, training: bool, step: int) -> tuple[RolloutResult, TrainerRollouts]:
-        """One rollout on the unwrapped model in eval mode, under the trainer's autocast."""
+    def _run_rollout(self, requests, trainer, training: bool, step: int) -> RolloutResult:
+        """One rollout on the unwrapped model in eval mode, under the trainer's autocast; the rollouts are rebuilt for
+        another model, history index or settings.
+        """
         salt = self._seeds.salt(training, step, trainer.accelerator.process_index)
         with unwrapped_model(trainer) as model, torch.no_grad():
             was_training = model.training
             model.eval()  # no dropout in scoring and sampling
             try:
-                rollouts = self._rollouts_for(model, trainer)
+                key = (id(model), id(self.history_index), self.settings)
+                if self._rollouts is None or self._rollouts_key != key:
+                    history, options = self.history_index, self._options
+                    self._rollouts = TrainerRollouts(model, trainer, self.settings, self.cache, history, options)
+                    self._rollouts_key = key
                 with trainer.accelerator.autocast():
-                    result = rollouts.run(requests, training, step, salt, self.cache)
+                    result = self._rollouts.run(requests, training, step, salt, self.cache)
             finally:
                 model.train(was_training)
-        return result, rollouts
+        return result
 
     def __call__(self, prompts: list, trainer) -> dict[str, list]:
         """TRL's ``rollout_func``: one completion per prompt (string or chat message list), in order.
@@ -217,21 +210,17 @@ class SpecRLRollout:
         """
         if self.trainer is not trainer:
             self._validate(trainer)
-            if self.dataset_id_column is not None and not getattr(trainer, "_spec_rl_id_hook", False):
-                raise RuntimeError(
-                    f"dataset_id_column={self.dataset_id_column!r} needs spec.attach(trainer) before trainer.train()"
-                )
         if not prompts:
             return {"prompt_ids": [], "completion_ids": [], "logprobs": []}
         training = bool(trainer.model.training)
         requests = self.requests_for(prompts, trainer)
         step = int(trainer.state.global_step)
         t0 = time.perf_counter()
-        result, rollouts = self._run_rollout(requests, trainer, training, step)
+        result = self._run_rollout(requests, trainer, training, step)
         self.last_result = result
         self.last_requests = requests
         stats = result.stats.to_dict()
-        mode = (rollouts.train if training else rollouts.eval).mode
+        mode = (self._rollouts.train if training else self._rollouts.eval).mode
         self.history.append(
             {
                 "call": "train" if training else "eval",
@@ -254,14 +243,6 @@ class SpecRLRollout:
         """The bound trainer's process index (0 before one is bound)."""
         return int(self.trainer.accelerator.process_index) if self.trainer is not None else 0
 
-    def checkpoint_file(self, checkpoint_dir: str | os.PathLike, process_index: int = 0) -> Path:
-        """The cache file of process ``process_index`` in a checkpoint folder."""
-        return ranked_path(Path(checkpoint_dir) / CACHE_FILENAME, process_index)
-
-    def save_cache(self, path: str | os.PathLike) -> Path:
-        """Write the cache atomically (:meth:`spec_rl.drafts.cache.RolloutCache.save`)."""
-        return self.cache.save(path)
-
     def load_cache(self, path: str | os.PathLike) -> None:
         """Replace the cache with the file at ``path``; UnsupportedTrainerConfig if sampled with other settings."""
         cache = RolloutCache.load(path)
@@ -270,10 +251,6 @@ class SpecRLRollout:
         self.cache = cache
         if self.settings is not None:
             check_cache_settings(self.cache, self.settings)
-
-    def history_file(self, checkpoint_dir: str | os.PathLike, process_index: int = 0) -> Path:
-        """The history index file of process ``process_index`` in a checkpoint folder."""
-        return ranked_path(Path(checkpoint_dir) / HISTORY_FILENAME, process_index)
 
     def load_history(self, path: str | os.PathLike) -> None:
         """Replace the history index with the file at ``path``; RuntimeError when tail speculation is off."""

@@ -74,8 +74,6 @@ def unwrapped_model(trainer):
     try:
         from trl.models.utils import unwrap_model_for_generation
     except ImportError:  # pragma: no cover - older layouts
-        unwrap_model_for_generation = None
-    if unwrap_model_for_generation is None:
         return contextlib.nullcontext(trainer.accelerator.unwrap_model(trainer.model))
     args = trainer.args
     kwargs = {

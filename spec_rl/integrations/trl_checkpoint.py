@@ -28,6 +28,11 @@ def history_path(cache_path: str | os.PathLike) -> Path:
     return path.with_name(f"{path.stem}.history{path.suffix}")
 
 
+def _checkpoint_files(folder: Path, process_index: int) -> tuple[Path, Path]:
+    """The rollout cache and history index files of process ``process_index`` in a checkpoint folder."""
+    return ranked_path(folder / CACHE_FILENAME, process_index), ranked_path(folder / HISTORY_FILENAME, process_index)
+
+
 class RolloutCacheCallback(TrainerCallback):
     """Saves the adapter's cache and history index with each checkpoint (atomically); reloads them on resume."""
 
@@ -37,43 +42,42 @@ class RolloutCacheCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         if state.global_step == 0:
             return
-        spec, rank = self.spec, self.spec.process_index
+        spec = self.spec
         resume = getattr(args, "resume_from_checkpoint", None)
         folder = (
             Path(resume)
             if isinstance(resume, str) and os.path.isdir(resume)
             else Path(args.output_dir) / f"checkpoint-{state.global_step}"
         )
+        cache_file, history_file = _checkpoint_files(folder, spec.process_index)
         if len(spec.cache) == 0:
-            path = spec.checkpoint_file(folder, rank)
-            if path.is_file():
-                spec.load_cache(path)
+            if cache_file.is_file():
+                spec.load_cache(cache_file)
             else:
                 warnings.warn(
-                    f"spec-rl: resuming at step {state.global_step} without a rollout cache at {path}; "
+                    f"spec-rl: resuming at step {state.global_step} without a rollout cache at {cache_file}; "
                     "the first epoch after resuming generates from scratch",
                     stacklevel=2,
                 )
-        if spec.history_index is not None and len(spec.history_index) == 0:
-            path = spec.history_file(folder, rank)
-            if path.is_file():  # else tail speculation starts from an empty history (still lossless)
-                spec.load_history(path)
+        # Without a saved history index, tail speculation starts from an empty history (still lossless).
+        if spec.history_index is not None and len(spec.history_index) == 0 and history_file.is_file():
+            spec.load_history(history_file)
 
     def on_save(self, args, state, control, **kwargs):
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         if folder.is_dir():
-            rank = self.spec.process_index
-            self.spec.cache.save(self.spec.checkpoint_file(folder, rank))
-            if self.spec.history_index is not None:
-                self.spec.history_index.save(self.spec.history_file(folder, rank))
+            self._save(*_checkpoint_files(folder, self.spec.process_index))
         self._save_at_cache_path()
 
     def on_train_end(self, args, state, control, **kwargs):
         self._save_at_cache_path()
 
     def _save_at_cache_path(self) -> None:
-        if self.spec.cache_path is not None:
-            rank = self.spec.process_index
-            self.spec.cache.save(ranked_path(self.spec.cache_path, rank))
-            if self.spec.history_index is not None:
-                self.spec.history_index.save(ranked_path(history_path(self.spec.cache_path), rank))
+        path, rank = self.spec.cache_path, self.spec.process_index
+        if path is not None:
+            self._save(ranked_path(path, rank), ranked_path(history_path(path), rank))
+
+    def _save(self, cache_file: Path, history_file: Path) -> None:
+        self.spec.cache.save(cache_file)
+        if self.spec.history_index is not None:
+            self.spec.history_index.save(history_file)

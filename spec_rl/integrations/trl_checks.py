@@ -162,17 +162,6 @@ def check_cache_settings(cache: DraftStore, settings: SamplingSettings) -> None:
         )
 
 
-def _probe_logits(trainer, model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Logits [T, V] (float64, CPU) of the unwrapped model in eval mode on the probe."""
-    was_training = model.training
-    model.eval()
-    try:
-        with trainer.accelerator.autocast():
-            return model(input_ids=ids, attention_mask=mask).logits[0].double().cpu()
-    finally:
-        model.train(was_training)
-
-
 def check_trainer_logprobs(trainer, settings: SamplingSettings) -> None:
     """Check TRL's per-token log-probs against ``log_softmax(logits / T)`` of the unwrapped model on a random probe.
 
@@ -192,9 +181,15 @@ def check_trainer_logprobs(trainer, settings: SamplingSettings) -> None:
     ids = torch.randint(0, vocab, (1, _PROBE_TOKENS), generator=gen).to(device)
     mask = torch.ones_like(ids)
     keep = _PROBE_SCORED
+    was_training = model.training
     with torch.no_grad():
         trl_lp = fn(trainer.model, ids, mask, keep, batch_size=1)[0].double().cpu()[0]
-        logits = _probe_logits(trainer, model, ids, mask)
+        model.eval()  # the unwrapped model's logits [T, V] without dropout
+        try:
+            with trainer.accelerator.autocast():
+                logits = model(input_ids=ids, attention_mask=mask).logits[0].double().cpu()
+        finally:
+            model.train(was_training)
     tgt = ids[0, -keep:].cpu()
     rows = logits[-keep - 1 : -1]
     mine = token_logprobs(rows, tgt, settings.temperature, dtype=torch.float64)

@@ -11,23 +11,23 @@ from .trl_checks import UnsupportedTrainerConfig
 
 __all__ = ["ROLLOUT_METRICS", "hook_reward_split", "log_rollout_metrics", "weighted_rewards"]
 
-#: The ``spec_rl/*`` metrics logged per training call: (TRL metric name, RolloutStats key).
+#: The RolloutStats keys logged per training call as ``spec_rl/<key>``.
 ROLLOUT_METRICS = (
-    ("spec_rl/full_reuse_ratio", "full_reuse_ratio"),
-    ("spec_rl/mean_verified_prefix", "mean_verified_prefix"),
-    ("spec_rl/reused_tokens", "reused_tokens"),
-    ("spec_rl/tokens_generated", "tokens_generated"),
-    ("spec_rl/rollout_seconds", "rollout_seconds"),
-    ("spec_rl/decode_steps", "decode_steps"),
-    ("spec_rl/tail_accepted", "tail_accepted"),
+    "full_reuse_ratio",
+    "mean_verified_prefix",
+    "reused_tokens",
+    "tokens_generated",
+    "rollout_seconds",
+    "decode_steps",
+    "tail_accepted",
 )
 
 
 def log_rollout_metrics(trainer, stats: dict) -> None:
     """Log the reuse statistics of one training rollout (``RolloutStats.to_dict()``)."""
     trainer._log_metric("spec_rl/draft_found_ratio", stats["drafts_found"] / max(stats["num_samples"], 1))
-    for name, key in ROLLOUT_METRICS:
-        trainer._log_metric(name, float(stats[key]))
+    for key in ROLLOUT_METRICS:
+        trainer._log_metric(f"spec_rl/{key}", float(stats[key]))
 
 
 def weighted_rewards(trainer, rewards_per_func: torch.Tensor) -> list[float]:

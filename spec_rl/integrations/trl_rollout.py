@@ -71,16 +71,14 @@ class TrainerRollouts:
         if max_len is None:
             raise UnsupportedTrainerConfig("the model config has no max_position_embeddings; pass max_model_len=...")
         self.seed = options.seed if options.seed is not None else int(getattr(trainer.args, "seed", 0))
-        backend = trainer_backend(model, trainer, eos, pad)
         common = dict(
-            backend=backend,
+            backend=trainer_backend(model, trainer, eos, pad),
             settings=settings,
             eos_ids=eos,
             max_model_len=int(max_len),
             seed=self.seed,
             verify_backend=options.verify_backend,
         )
-        self.history = history
         self.train = SpeculativeRollout(cache=cache, mode=options.mode, history=history, **common)
         view = ReadOnlyHistory(history) if history is not None else None
         plain = RolloutMode(None, tail=options.mode.tail if view is not None else 0)

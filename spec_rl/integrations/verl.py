@@ -19,8 +19,8 @@ from verl.utils.profiler import simple_timer
 from ..drafts.directory import DirectoryDraftStore
 from ..drafts.owner import policy_owner
 from ..sampling.distribution import SamplingSettings
-from .exact import MAX_RESIDUAL_ATTEMPTS, draw_continuation
-from .requests import ContinuationRequest, SpecRequestBuilder
+from .exact import MAX_RESIDUAL_ATTEMPTS
+from .requests import ContinuationRequest, SamplePlan, SpecRequestBuilder
 
 AGENT_NAME = "spec_rl_agent"
 CACHE_DIR_ENV = "SPEC_RL_DRAFT_DIR"
@@ -56,11 +56,10 @@ def _cfg(config: Any, name: str, default: Any = None) -> Any:
 
 def settings_from_rollout_config(rollout_config: Any) -> SamplingSettings:
     """Sampling settings of verl's ``actor_rollout_ref.rollout`` (top_k -1 -> 0; max_tokens = response_length)."""
-    top_k = int(_cfg(rollout_config, "top_k", -1) or 0)
     return SamplingSettings(
         temperature=float(_cfg(rollout_config, "temperature", 1.0)),
         top_p=float(_cfg(rollout_config, "top_p", 1.0)),
-        top_k=0 if top_k < 0 else top_k,
+        top_k=max(int(_cfg(rollout_config, "top_k", -1) or 0), 0),
         max_tokens=int(_cfg(rollout_config, "response_length")),
     )
 
@@ -102,7 +101,7 @@ class SpecRLAgentLoop(AgentLoopBase):
 
     Raises:
         ValueError: no cache directory, settings whose log-probs cannot be compared
-            (:func:`~spec_rl.integrations.server_checks.check_server_settings`), a name that names no mode.
+            (:func:`~spec_rl.integrations.requests.check_server_settings`), a name that names no mode.
     """
 
     def __init__(
@@ -150,63 +149,59 @@ class SpecRLAgentLoop(AgentLoopBase):
 
     def _is_training_request(self, sampling_params: dict[str, Any]) -> bool:
         """The request samples with the training settings (not validation or greedy)."""
-        top_k = int(sampling_params.get("top_k", -1) or 0)
         return (
             float(sampling_params.get("temperature", 1.0)) == self.settings.temperature
             and float(sampling_params.get("top_p", 1.0)) == self.settings.top_p
-            and (0 if top_k < 0 else top_k) == self.settings.top_k
+            and max(int(sampling_params.get("top_k", -1) or 0), 0) == self.settings.top_k
         )
 
     async def run(self, sampling_params: dict[str, Any], **kwargs) -> AgentLoopOutput:
         messages = list(kwargs["raw_prompt"])
-        mm = await self.process_multi_modal_info(messages)
-        if mm:
+        if await self.process_multi_modal_info(messages):
             raise ValueError(f"{AGENT_NAME} supports text prompts only; use single_turn_agent for multimodal data")
         prompt_ids = await self.ct_build_initial_tokens(messages)
         request_id = uuid4().hex
         base = {k: v for k, v in sampling_params.items() if k not in ("max_tokens", "max_new_tokens")}
         metrics: dict[str, float] = {}
         extra: dict[str, Any] = {}
-
-        if not self._is_training_request(sampling_params):
-            with simple_timer("generate_sequences", metrics):
+        with simple_timer("generate_sequences", metrics):
+            if self._is_training_request(sampling_params):
+                plan = self.builder.plan(prompt_ids, slot_of(kwargs, self.n), dataset_id_of(kwargs))
+                score, send = partial(self._score, request_id, base), partial(self._continue, request_id, base)
+                result, _ = await self.builder.run_sample(plan, score, send)
+                response_ids, logprobs = result.response_ids, result.logprobs
+                extra = {f"spec_rl/{k}": v for k, v in result.metrics.items()}
+            else:  # validation or greedy: generated plainly
                 out = await self.server_manager.generate(
                     request_id=request_id, prompt_ids=prompt_ids, sampling_params=dict(sampling_params)
                 )
-            return self._output(prompt_ids, list(out.token_ids), out.log_probs, metrics, extra)
+                response_ids, logprobs = list(out.token_ids), out.log_probs
+        response_ids = list(response_ids)[: self.response_length]
+        return AgentLoopOutput(
+            prompt_ids=list(prompt_ids),
+            response_ids=response_ids,
+            response_mask=[1] * len(response_ids),
+            response_logprobs=list(logprobs)[: self.response_length] if logprobs is not None else None,
+            num_turns=2,
+            metrics=metrics,
+            extra_fields=extra,
+        )
 
-        b = self.builder
-        with simple_timer("generate_sequences", metrics):
-            plan = b.plan(prompt_ids, slot_of(kwargs, self.n), dataset_id_of(kwargs))
-            step = new_lps = sample = None
-            if plan.scoring_ids is not None:
-                scored = await self.server_manager.generate(
-                    request_id=request_id, prompt_ids=plan.scoring_ids, sampling_params=b.scoring_sampling_params(base)
-                )
-                fields = scored.extra_fields or {}
-                if "prompt_logprobs" not in fields:
-                    raise RuntimeError(
-                        "the rollout server returned no prompt_logprobs for the scoring request; spec_rl_agent needs "
-                        "verl's vLLM or SGLang server (which pass prompt_logprobs through)"
-                    )
-                new_lps = b.draft_logprobs_from_rows(plan, fields["prompt_logprobs"], fields.get("prompt_ids"))
-                step = fields.get("global_steps")
-                sample = (list(scored.token_ids), scored.log_probs)
-            verified = b.verify(plan, new_lps, step, scoring_sample=sample)
-            cont = b.continuation(plan, verified)
-            send = partial(self._continue, request_id, base, cont)
-            (new_ids, cont_lps, cont_step), resamples = await draw_continuation(cont, send, nothing=([], [], None))
-            result = b.assemble(
-                plan,
-                verified,
-                new_ids,
-                cont_lps or [],
-                step=cont_step,
-                resamples=resamples,
-                kept_excluded=cont is not None and cont.kept_excluded,
+    async def _score(self, request_id: str, base: dict, plan: SamplePlan):
+        """The scoring request -> (lp_new of the draft, weight step, the token sampled after it and its log-prob)."""
+        scored = await self.server_manager.generate(
+            request_id=request_id,
+            prompt_ids=plan.scoring_ids,
+            sampling_params=self.builder.scoring_sampling_params(base),
+        )
+        fields = scored.extra_fields or {}
+        if "prompt_logprobs" not in fields:
+            raise RuntimeError(
+                "the rollout server returned no prompt_logprobs for the scoring request; spec_rl_agent needs "
+                "verl's vLLM or SGLang server (which pass prompt_logprobs through)"
             )
-        extra.update({f"spec_rl/{k}": v for k, v in result.metrics.items()})
-        return self._output(prompt_ids, result.response_ids, result.logprobs, metrics, extra)
+        new_lps = self.builder.draft_logprobs_from_rows(plan, fields["prompt_logprobs"], fields.get("prompt_ids"))
+        return new_lps, fields.get("global_steps"), (list(scored.token_ids), scored.log_probs)
 
     async def _continue(self, request_id: str, base: dict, cont: ContinuationRequest, seed: int | None):
         """One continuation request on the same server -> (new ids, their log-probs, weight step)."""
@@ -219,19 +214,6 @@ class SpecRLAgentLoop(AgentLoopBase):
         if new_ids and lps is None:
             raise RuntimeError("the rollout server returned tokens without log_probs although logprobs=True was sent")
         return new_ids, lps, (out.extra_fields or {}).get("global_steps")
-
-    def _output(self, prompt_ids, response_ids, logprobs, metrics, extra) -> AgentLoopOutput:
-        r = self.response_length
-        response_ids = list(response_ids)[:r]
-        return AgentLoopOutput(
-            prompt_ids=list(prompt_ids),
-            response_ids=response_ids,
-            response_mask=[1] * len(response_ids),
-            response_logprobs=list(logprobs)[:r] if logprobs is not None else None,
-            num_turns=2,
-            metrics=metrics,
-            extra_fields=extra,
-        )
 
 
 # verl registers the YAML's entry (with cache_dir, mode, ...) before it imports this module; keep that entry.

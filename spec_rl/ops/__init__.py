@@ -21,15 +21,12 @@ _OPS = ("write_kv", "splice_from_dense", "copy_blocks", "gather_kv")
 def _register_fakes() -> None:
     """Shape-only ("fake") implementations, so torch.compile / FakeTensor can trace the ops."""
 
-    def _noop(*args, **kwargs):
-        return None
-
     def _gather_fake(kv_cache, block_tables, lengths, max_len):
         shape = (block_tables.shape[0], kv_cache.shape[3], max_len, kv_cache.shape[4])
         return kv_cache.new_empty(shape), kv_cache.new_empty(shape)
 
     for name in ("write_kv", "splice_from_dense", "copy_blocks"):
-        torch.library.register_fake(f"spec_rl::{name}")(_noop)
+        torch.library.register_fake(f"spec_rl::{name}")(lambda *args, **kwargs: None)
     torch.library.register_fake("spec_rl::gather_kv")(_gather_fake)
 
 
@@ -52,7 +49,7 @@ def native_available(device: torch.device | str | None = None) -> bool:
         return False
     if device is None:
         return True
-    key = "CUDA" if torch.device(device).type == "cuda" else "CPU" if torch.device(device).type == "cpu" else None
+    key = {"cuda": "CUDA", "cpu": "CPU"}.get(torch.device(device).type)
     return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key("spec_rl::write_kv", key)
 
 
@@ -79,23 +76,16 @@ def write_kv(kv_cache, key, value, slot_mapping, *, max_slot: int | None = None)
     """Scatter ``key``, ``value`` [T, H, D] into ``kv_cache`` [num_blocks, 2, block_size, H, D] at ``slot_mapping`` [T]
     (block * block_size + offset; negative: skipped). ``max_slot``: the largest slot when the caller knows it, so the
     native op skips its device sync (it never writes out of bounds either way)."""
-    _impl("write_kv", kv_cache.device)(
-        kv_cache, key.contiguous(), value.contiguous(), slot_mapping.contiguous(), max_slot is None
-    )
+    write = _impl("write_kv", kv_cache.device)
+    write(kv_cache, key.contiguous(), value.contiguous(), slot_mapping.contiguous(), max_slot is None)
 
 
 def splice_from_dense(kv_cache, key, value, block_tables, src_starts, dst_starts, lengths) -> None:
     """Copy dense, left-padded K/V [B, H, S, D] (a transformers cache layer) into paged blocks: dense position
     src_starts[b] + j, j < lengths[b], goes to logical position dst_starts[b] + j through ``block_tables[b]``."""
-    _impl("splice_from_dense", kv_cache.device)(
-        kv_cache,
-        key.contiguous(),
-        value.contiguous(),
-        block_tables.int().contiguous(),
-        src_starts.long().contiguous(),
-        dst_starts.long().contiguous(),
-        lengths.long().contiguous(),
-    )
+    splice = _impl("splice_from_dense", kv_cache.device)
+    starts_and_lengths = [t.long().contiguous() for t in (src_starts, dst_starts, lengths)]
+    splice(kv_cache, key.contiguous(), value.contiguous(), block_tables.int().contiguous(), *starts_and_lengths)
 
 
 def copy_blocks(kv_cache, block_mapping) -> None:
@@ -109,8 +99,5 @@ def gather_kv(kv_cache, block_tables, lengths, max_len: int | None = None) -> tu
     and ``lengths`` [B] (tokens); ``max_len`` defaults to max(lengths)."""
     if max_len is None:
         max_len = int(lengths.max()) if lengths.numel() else 0
-    return tuple(
-        _impl("gather_kv", kv_cache.device)(
-            kv_cache, block_tables.int().contiguous(), lengths.long().contiguous(), int(max_len)
-        )
-    )
+    gather = _impl("gather_kv", kv_cache.device)
+    return tuple(gather(kv_cache, block_tables.int().contiguous(), lengths.long().contiguous(), int(max_len)))

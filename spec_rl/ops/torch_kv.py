@@ -34,8 +34,6 @@ def splice_from_dense(
     block_size = kv_cache.shape[2]
     for b in range(key.shape[0]):
         n = int(lengths[b])
-        if n == 0:
-            continue
         src = torch.arange(int(src_starts[b]), int(src_starts[b]) + n, device=key.device)
         pos = torch.arange(int(dst_starts[b]), int(dst_starts[b]) + n, device=key.device)
         blocks = block_tables[b].long()[pos // block_size]
@@ -49,8 +47,7 @@ def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
     before any destination is written, so a block may be both (in different rows)."""
     if block_mapping.numel() == 0:
         return
-    src = block_mapping[:, 0].long()
-    dst = block_mapping[:, 1].long()
+    src, dst = block_mapping.long().unbind(1)
     kv_cache[dst] = kv_cache[src].clone()
 
 
@@ -64,8 +61,6 @@ def gather_kv(
     value = kv_cache.new_zeros((bsz, heads, max_len, dim))
     for b in range(bsz):
         n = int(lengths[b])
-        if n == 0:
-            continue
         pos = torch.arange(n, device=kv_cache.device)
         blocks = block_tables[b].long()[pos // block_size]
         offsets = pos % block_size

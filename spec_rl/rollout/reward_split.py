@@ -14,13 +14,10 @@ ORIGINS = ("reused_whole", "partly_reused", "fresh")
 
 def response_origins(result) -> list[str]:
     """The origin of each response of a :class:`~spec_rl.rollout.types.RolloutResult`."""
-    out = []
-    for found, n, resp in zip(result.draft_found, result.verified_prefix_len, result.response_ids):
-        if not found or n == 0:
-            out.append("fresh")
-        else:
-            out.append("reused_whole" if n == len(resp) else "partly_reused")
-    return out
+    return [
+        "fresh" if not found or n == 0 else "reused_whole" if n == len(resp) else "partly_reused"
+        for found, n, resp in zip(result.draft_found, result.verified_prefix_len, result.response_ids)
+    ]
 
 
 def origin_sums(origins: Sequence[str], rewards: Sequence[float]) -> dict[str, float | int]:

@@ -13,7 +13,7 @@ import torch
 from ..acceptance.dispatch import BACKENDS
 from ..acceptance.mode import RolloutMode
 from ..acceptance.prefixes import DraftRows, Prefixes, verified_prefixes
-from ..backends.base import Backend, BackendStats, Continuation, Cut, Job, Scored, token_ids
+from ..backends.base import Backend, BackendStats, Cut, Job, Scored, token_ids
 from ..backends.contract import (
     BackendContractError,
     backend_name,
@@ -72,22 +72,18 @@ class _Batch:
 
     def __post_init__(self) -> None:
         bsz = len(self.prompts)
-        self.drafts = [None] * bsz
-        self.responses = [[] for _ in range(bsz)]
-        self.logprobs = [[] for _ in range(bsz)]
-        self.finish = [None] * bsz
-        self.prefix_len = [0] * bsz
-        self.kv_len = [0] * bsz
-        self.sources = [0] * bsz
+        self.drafts, self.finish = [None] * bsz, [None] * bsz
+        self.responses, self.logprobs = [[] for _ in range(bsz)], [[] for _ in range(bsz)]
+        self.prefix_len, self.kv_len, self.sources = [0] * bsz, [0] * bsz, [0] * bsz
 
 
 class ReuseGate:
     """Whether scoring this call's drafts will pay, from what the last scored call measured: reuse pays when the
     accepted tokens' generation time (``accepted x`` seconds per generated token) exceeds the scoring time, or at
-    least :attr:`MIN_SHARE` of the draft tokens were accepted. Used by
-    the exact rule only, whose output does not depend on the drafts (keyed samples: the same tokens with or
-    without them), so skipping is purely a saving. After a call that did not pay, drafts are scored again every
-    :attr:`RETRY_EVERY` calls, to notice when the policy makes them pay again."""
+    least :attr:`MIN_SHARE` of the draft tokens were accepted. Used by the exact rule only, whose output does not
+    depend on the drafts (keyed samples: the same tokens with or without them), so skipping is purely a saving. After
+    a call that did not pay, drafts are scored again every :attr:`RETRY_EVERY` calls, to notice when the policy makes
+    them pay again."""
 
     RETRY_EVERY = 4
     #: Drafts accepted at least this share of their tokens are always scored (a timing is noisy; a share is not).
@@ -212,15 +208,13 @@ class SpeculativeRollout:
         if self.mode.reuses_drafts and self.backend.owner is not None:  # DraftOwnerError: another model's drafts
             store.claim(self.backend.owner, f"the cache given to the rollout ({type(store).__name__})")
         prompts = request_prompts(requests, self.vocab_size, backend_name(self.backend))
-        budgets = []
-        for i, p in enumerate(prompts):
-            b = self.budget(len(p))
+        budgets = [self.budget(len(p)) for p in prompts]
+        for i, (p, b) in enumerate(zip(prompts, budgets)):
             if b < 1:
                 raise ValueError(
                     f"requests[{i}]: prompt has {len(p)} tokens, max_model_len={self.max_model_len} leaves no room "
                     "for a response; shorten the prompt or raise max_model_len"
                 )
-            budgets.append(b)
         keys = [CacheKey.make(p, r.slot, r.dataset_id) for p, r in zip(prompts, requests)]
         check_unique_samples(keys)
         stats = RolloutStats(num_samples=len(prompts))
@@ -238,15 +232,21 @@ class SpeculativeRollout:
         check_draft_ids(batch.drafts, batch.drafted, batch.vocab_size, backend_name(self.backend))
 
     def _score_and_verify(self, batch: _Batch) -> Scored:
-        """Score the valid part of each draft, verify it and take the token at n."""
+        """Score the valid part of each draft, verify it under the rule (exact: keyed samples walk down the group's
+        draft trie) and take the token at n."""
         views = draft_views(
             [batch.drafts[i].token_ids for i in batch.drafted], [batch.budgets[i] for i in batch.drafted], self.eos_ids
         )
         draft_ids = [batch.drafts[i].token_ids[: v.length].tolist() for i, v in zip(batch.drafted, views)]
         prompts = [batch.prompts[i] for i in batch.drafted]
+        old = [batch.drafts[i].logprobs for i in batch.drafted]
+        uids = [batch.keys[i].uid for i in batch.drafted]
+        rows = DraftRows(
+            prompts, draft_ids, old, uids, batch.seed, batch.sample_seed, self.settings, self.verify_backend
+        )
         stored = None
         if self.mode.rule.keyed_walk:  # walks read only part of the trie: score where they may go
-            stored = [batch.drafts[i].logprobs[: len(d)].tolist() for i, d in zip(batch.drafted, draft_ids)]
+            stored = [lp[: len(d)].tolist() for lp, d in zip(old, draft_ids)]
         scored = self.backend.score(prompts, draft_ids, stored)
         try:
             check_scored(scored, len(draft_ids), max(len(d) for d in draft_ids), self._source("score"))
@@ -254,7 +254,8 @@ class SpeculativeRollout:
             if scored.progressive is None:  # progressive scores fill same_as as the walk goes
                 check_shared_outputs(scores.same_as, prompts, draft_ids, self._source("score"))
             batch.vocab_size = batch.vocab_size or scores_vocab_size(scores)
-            walk = self._walk(batch, prompts, draft_ids, scores, scored.progressive)
+            walk = verified_prefixes(self.mode.rule, rows, scores, scored.progressive)
+            batch.stats.log_lenience, batch.stats.reused_drift = self.mode.log_lenience, walk.drift
             batch.stats.draft_tokens = sum(len(d) for d in draft_ids)
             batch.stats.accepted_tokens = sum(walk.n)
             for row, i in enumerate(batch.drafted):
@@ -268,22 +269,6 @@ class SpeculativeRollout:
 
     def _source(self, method: str) -> str:
         return f"{backend_name(self.backend)}.{method}"
-
-    def _walk(self, batch: _Batch, prompts, draft_ids: list[list[int]], scores, lazy) -> Prefixes:
-        """The rule's verified prefixes and tokens at n (exact: keyed samples walk down the group's draft trie)."""
-        rows = DraftRows(
-            prompts,
-            draft_ids,
-            [batch.drafts[i].logprobs for i in batch.drafted],
-            self._uids(batch, batch.drafted),
-            batch.seed,
-            batch.sample_seed,
-            self.settings,
-            self.verify_backend,
-        )
-        out = verified_prefixes(self.mode.rule, rows, scores, lazy)
-        batch.stats.log_lenience, batch.stats.reused_drift = self.mode.log_lenience, out.drift
-        return out
 
     def _accept_prefix(self, batch: _Batch, i: int, walk: Prefixes, row: int, end_reason: str | None) -> None:
         """Keep the verified prefix and token at n; a draft accepted whole that is only a prefix today is continued."""
@@ -309,8 +294,8 @@ class SpeculativeRollout:
 
     def _continue(self, batch: _Batch, scored: Scored | None) -> None:
         """Decode the unfinished requests: drafted ones after their verified prefix, the others from the prompt."""
-        drafted = {i: row for row, i in enumerate(batch.drafted)}
-        order = [i for i in list(batch.drafted) + [i for i in range(len(batch.prompts)) if i not in drafted]]
+        drafted = set(batch.drafted)
+        order = batch.drafted + [i for i in range(len(batch.prompts)) if i not in drafted]
         order = [i for i in order if batch.finish[i] is None]
         jobs = [
             Job(
@@ -322,7 +307,7 @@ class SpeculativeRollout:
             )
             for i in order
         ]
-        seed, method = batch.sample_seed, "generate" if scored is None else "continue_from"
+        seed, source = batch.sample_seed, self._source("generate" if scored is None else "continue_from")
         if scored is None:
             conts = self.backend.generate(jobs, self.settings, seed) if jobs else []
         else:
@@ -332,26 +317,14 @@ class SpeculativeRollout:
                 self.backend.release(scored)
                 raise
         check_continuations(
-            conts,
-            [j.budget for j in jobs],
-            source=self._source(method),
-            vocab_size=batch.vocab_size,
-            eos_ids=self.eos_ids,
+            conts, [j.budget for j in jobs], source=source, vocab_size=batch.vocab_size, eos_ids=self.eos_ids
         )
         for i, c in zip(order, conts):
-            self._append(batch, i, c)
+            batch.responses[i] = batch.responses[i] + list(c.token_ids)
+            batch.logprobs[i] = batch.logprobs[i] + list(c.logprobs)
+            batch.finish[i] = c.finish_reason
+            batch.stats.tokens_generated += len(c.token_ids)
         _sync(self.backend.device)
-
-    @staticmethod
-    def _append(batch: _Batch, i: int, c: Continuation) -> None:
-        batch.responses[i] = batch.responses[i] + list(c.token_ids)
-        batch.logprobs[i] = batch.logprobs[i] + list(c.logprobs)
-        batch.finish[i] = c.finish_reason
-        batch.stats.tokens_generated += len(c.token_ids)
-
-    @staticmethod
-    def _uids(batch: _Batch, requests: Sequence[int]) -> list[int]:
-        return [batch.keys[i].uid for i in requests]
 
     def _proposer(self, batch: _Batch, i: int):
         """Request ``i``'s tail-speculation proposer over its prompt's history (None without tail speculation)."""
@@ -368,16 +341,12 @@ class SpeculativeRollout:
         batch.stats.vanilla_tokens = sum(len(r) for r in batch.responses)
 
     def _count_backend(self, batch: _Batch, before: BackendStats) -> None:
-        now = self.backend.stats
-        for ours, theirs in (
-            ("reprefill_tokens", "reprefill_tokens"),
-            ("decode_steps", "decode_steps"),
-            ("tail_proposed", "proposed_tokens"),
-            ("tail_accepted", "accepted_tokens"),
-            ("decode_rows", "decode_rows"),
-            ("decode_positions", "decode_positions"),
-        ):
-            setattr(batch.stats, ours, getattr(now, theirs) - getattr(before, theirs))
-        s = batch.stats
-        generated = [len(r) - p for r, p in zip(batch.responses, batch.prefix_len)]
-        s.longest_continuation = max(generated, default=0)
+        """The backend's counters over this call, and the most tokens one request generated."""
+        now, s = self.backend.stats, batch.stats
+        s.reprefill_tokens = now.reprefill_tokens - before.reprefill_tokens
+        s.decode_steps = now.decode_steps - before.decode_steps
+        s.tail_proposed = now.proposed_tokens - before.proposed_tokens
+        s.tail_accepted = now.accepted_tokens - before.accepted_tokens
+        s.decode_rows = now.decode_rows - before.decode_rows
+        s.decode_positions = now.decode_positions - before.decode_positions
+        s.longest_continuation = max((len(r) - p for r, p in zip(batch.responses, batch.prefix_len)), default=0)

@@ -106,14 +106,8 @@ class RolloutStats:
         return self.scoring_seconds + self.generation_seconds + self.assembly_seconds
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d.update(
-            full_reuse_ratio=self.full_reuse_ratio,
-            mean_verified_prefix=self.mean_verified_prefix,
-            rollout_seconds=self.rollout_seconds,
-            reused_tokens=self.accepted_tokens,
-        )
-        return d
+        derived = ("full_reuse_ratio", "mean_verified_prefix", "rollout_seconds")
+        return {**asdict(self), **{k: getattr(self, k) for k in derived}, "reused_tokens": self.accepted_tokens}
 
 
 @dataclass

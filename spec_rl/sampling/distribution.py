@@ -1,8 +1,7 @@
 """The sampling distribution and keyed sampling from it. Drafts must be re-scored under exactly the processing that
 sampled them (docs/design.md "The rule", step 1), so backends and the verifier share :func:`sampling_log_softmax`:
 divide by the temperature, keep the top-k logits (ties kept), then the fewest most likely tokens whose mass reaches
-top_p (the crossing token kept), as transformers and vLLM do; tokens outside the support get log-prob -inf.
-"""
+top_p (the crossing token kept), as transformers and vLLM do; tokens outside the support get log-prob -inf."""
 
 from __future__ import annotations
 
@@ -16,12 +15,10 @@ from .philox import STREAM_SAMPLE, philox_keys
 
 @dataclass(frozen=True)
 class SamplingSettings:
-    """How responses are sampled; drafts are reused only under the same distribution.
-
-    ``temperature`` > 0 (greedy decoding has no usable log-probabilities); ``top_p`` in (0, 1], 1 disables it;
-    ``top_k`` >= 0, 0 disables it; ``max_tokens`` >= 1, the response budget in tokens before the model-length cap.
-    TypeError or ValueError for a field of the wrong type or out of range (bools and strings are not numbers).
-    """
+    """How responses are sampled; drafts are reused only under the same distribution. ``temperature`` > 0 (greedy
+    decoding has no usable log-probabilities); ``top_p`` in (0, 1], 1 disables it; ``top_k`` >= 0, 0 disables it;
+    ``max_tokens`` >= 1, the response budget in tokens before the model-length cap. TypeError or ValueError for a field
+    of the wrong type or out of range (bools and strings are not numbers)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -31,29 +28,20 @@ class SamplingSettings:
     def __post_init__(self) -> None:
         # Stored as plain Python numbers (numpy scalars included), so equal settings compare, hash and
         # serialise equal; bools and strings are refused rather than read as numbers.
-        temperature = check_real(
-            "temperature",
-            self.temperature,
-            low=0.0,
-            low_open=True,
-            hint=" (greedy decoding has no usable log-probabilities; use e.g. temperature=0.1)",
-        )
-        top_p = check_real(
-            "top_p", self.top_p, low=0.0, low_open=True, high=1.0, hint=" (use 1.0 to disable nucleus sampling)"
-        )
-        top_k = check_int("top_k", self.top_k, low=0, hint=" (use 0 to disable top-k)")
-        max_tokens = check_int("max_tokens", self.max_tokens, low=1, hint=" (the response budget in tokens)")
-        for name, value in (
-            ("temperature", temperature),
-            ("top_p", top_p),
-            ("top_k", top_k),
-            ("max_tokens", max_tokens),
-        ):
+        greedy = " (greedy decoding has no usable log-probabilities; use e.g. temperature=0.1)"
+        nucleus = " (use 1.0 to disable nucleus sampling)"
+        checked = {
+            "temperature": check_real("temperature", self.temperature, low=0.0, low_open=True, hint=greedy),
+            "top_p": check_real("top_p", self.top_p, low=0.0, low_open=True, high=1.0, hint=nucleus),
+            "top_k": check_int("top_k", self.top_k, low=0, hint=" (use 0 to disable top-k)"),
+            "max_tokens": check_int("max_tokens", self.max_tokens, low=1, hint=" (the response budget in tokens)"),
+        }
+        for name, value in checked.items():
             object.__setattr__(self, name, value)
 
     def same_distribution(self, other: SamplingSettings) -> bool:
         """True when temperature, top_p and top_k are equal: ``max_tokens`` changes where a response is cut, not
-        any token's log-prob (:func:`spec_rl.drafts.cache.draft_fits`)."""
+        any token's log-prob (:meth:`spec_rl.drafts.cache.DraftStore.lookup`)."""
         return (self.temperature, self.top_p, self.top_k) == (other.temperature, other.top_p, other.top_k)
 
     @classmethod
@@ -97,9 +85,8 @@ def _raise_if_no_distribution(total: torch.Tensor, labels=None) -> None:
     if not bool(bad.any()):
         return
     rows = torch.nonzero(bad).flatten().tolist()
-    named = ", ".join(f"row {r}" + (f" ({labels(r)})" if labels else "") for r in rows[:8]) + (
-        ", ..." if len(rows) > 8 else ""
-    )
+    named = ", ".join(f"row {r}" + (f" ({labels(r)})" if labels else "") for r in rows[:8])
+    named += ", ..." if len(rows) > 8 else ""
     raise ValueError(
         f"logits {named} {'has' if len(rows) == 1 else 'have'} no sampling distribution: NaN or +inf logits, or "
         "every token has probability 0 after temperature/top-k/top-p. The policy forward produced invalid "
@@ -115,13 +102,10 @@ def sampling_log_softmax(
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Log-probs [..., V] in ``dtype`` of the sampling distribution of ``logits`` [..., V]; -inf outside the support.
-
     temperature > 0; top_k: 0 disables, else the k largest are kept (ties too); top_p: 1 disables nucleus filtering;
-    ``dtype``: computation and output dtype (float64 for references).
-    """
+    ``dtype``: computation and output dtype (float64 for references)."""
     x = logits.to(dtype) / float(temperature)
-    vocab = x.shape[-1]
-    if top_k and top_k < vocab:
+    if top_k and top_k < x.shape[-1]:
         kth = torch.topk(x, int(top_k), dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
     if top_p < 1.0:
@@ -153,10 +137,8 @@ def sample_tokens(
     logits: torch.Tensor, settings: SamplingSettings, generator: torch.Generator | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of ``logits`` [B, V] with its sampling log-prob: (token_ids [B] int64, logprobs [B] float32).
-
-    ``generator``: optional, on ``logits``' device. TypeError when ``settings`` is not a SamplingSettings;
-    ValueError for a row without a distribution (NaN or +inf logits, or no token left).
-    """
+    ``generator``: optional, on ``logits``' device. TypeError when ``settings`` is not a SamplingSettings; ValueError
+    for a row without a distribution (NaN or +inf logits, or no token left)."""
     check_settings(settings)
     logp = sampling_log_softmax(logits, settings.temperature, settings.top_k, settings.top_p)
     probs = logp.exp()
@@ -175,12 +157,11 @@ def keyed_sample(
     exclude: torch.Tensor | None = None,
     index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row by a keyed exponential race (Gumbel-max; docs/design.md "Randomness").
-
-    Row r returns argmax over tokens of ``log p(token) + G(token)``, with Gumbel noise G = -log(-log u) whose
-    uniforms are keyed by (seed, uids[r], positions[r], token): an exact sample of the sampling distribution, a pure
-    function of the key and the logits (the same alone or in any batch, one token per decode step or several), and
-    robust to rounding: it changes only where two tokens' scores nearly tie.
+    """One token per row by a keyed exponential race (Gumbel-max; docs/design.md "Randomness"): row r returns argmax
+    over tokens of ``log p(token) + G(token)``, with Gumbel noise G = -log(-log u) whose uniforms are keyed by (seed,
+    uids[r], positions[r], token): an exact sample of the sampling distribution, a pure function of the key and the
+    logits (the same alone or in any batch, one token per decode step or several), and robust to rounding: it changes
+    only where two tokens' scores nearly tie.
 
     ``logits``: [N, V] float, or [U, V] distinct rows with ``index`` [N] int64 (row r samples ``logits[index[r]]``);
     ``uids``, ``positions``: [N] int64 sequence ids and absolute positions; ``exclude``: [N] int64 token removed from

@@ -1,8 +1,7 @@
-"""Tree-packed scoring (docs/design.md "Scoring the group once"): a group's prompt once, then the trie of its drafts
-in preorder, in one row whose 4-D mask lets each token see exactly its ancestors (the subtree of node j is
+"""Tree-packed scoring (docs/design.md "Scoring the group once"): a group's prompt once, then the trie of its drafts in
+preorder, in one row whose 4-D mask lets each token see exactly its ancestors (the subtree of node j is
 ``[j, j + size[j])``) at positions equal to its depth. Draft token i is scored at the node of token i - 1, token 0 at
-the last prompt token.
-"""
+the last prompt token."""
 
 from __future__ import annotations
 
@@ -87,11 +86,9 @@ def _pack_group(prompt: Sequence[int], drafts: Sequence[Sequence[int]], members:
                 reach = later_lcp
             if reach <= lcp:
                 break
-    group = PackedGroup(tokens, depth, [e - i for i, e in enumerate(end)], members=members, prompt_len=plen)
-    for pos in node_pos:
-        group.node_pos.append(pos)
-        group.score_pos.append(([plen - 1] + pos[:-1]) if pos else [])
-    return group
+    sizes = [e - i for i, e in enumerate(end)]
+    score_pos = [([plen - 1] + pos[:-1]) if pos else [] for pos in node_pos]
+    return PackedGroup(tokens, depth, sizes, members=members, score_pos=score_pos, node_pos=node_pos, prompt_len=plen)
 
 
 def pack_groups(prompts: Sequence[Sequence[int]], drafts: Sequence[Sequence[int]]) -> list[PackedGroup]:
@@ -105,8 +102,7 @@ def tree_inputs(
 ):
     """input_ids [B, T], position_ids [B, T] and a 4-D mask [B, 1, T, T] for packed rows: bool (True = attend) for
     SDPA, additive (0 / dtype min) given ``additive_dtype`` (eager). Padding attends to itself, so no row is empty."""
-    width = max(len(g.tokens) for g in groups)
-    bsz = len(groups)
+    bsz, width = len(groups), max(len(g.tokens) for g in groups)
     ids = torch.full((bsz, width), int(pad_id), dtype=torch.long)
     pos = torch.zeros((bsz, width), dtype=torch.long)
     start = torch.arange(width).unsqueeze(0).repeat(bsz, 1)  # pads: subtree = themselves
@@ -119,12 +115,10 @@ def tree_inputs(
     i = torch.arange(width).view(1, width, 1)
     j = torch.arange(width).view(1, 1, width)
     # query i sees key j iff j is an ancestor of i (or i itself): j <= i < j + size[j]
-    mask = (j <= i) & (i < end.unsqueeze(1))
-    mask = mask.unsqueeze(1).to(device)
+    mask = ((j <= i) & (i < end.unsqueeze(1))).unsqueeze(1).to(device)
     if additive_dtype is not None:
-        mask = torch.zeros(mask.shape, dtype=additive_dtype, device=device).masked_fill(
-            ~mask, torch.finfo(additive_dtype).min
-        )
+        blocked = torch.finfo(additive_dtype).min
+        mask = torch.zeros(mask.shape, dtype=additive_dtype, device=device).masked_fill(~mask, blocked)
     return ids.to(device), pos.to(device), mask
 
 
@@ -148,9 +142,8 @@ def gather_scores(
     dst_col = torch.arange(len(cols)) - torch.repeat_interleave(starts, lens)
     src = torch.repeat_interleave(int64_tensor(row_of), lens) * states.shape[1] + int64_tensor(cols)
     dst = torch.repeat_interleave(int64_tensor(member_of), lens) * out.shape[1] + dst_col
-    out.view(-1, width).index_copy_(
-        0, dst.to(dev), states.reshape(-1, width).index_select(0, src.to(dev)).to(out.dtype)
-    )
+    picked = states.reshape(-1, width).index_select(0, src.to(dev)).to(out.dtype)
+    out.view(-1, width).index_copy_(0, dst.to(dev), picked)
     key_index = torch.unique(src, return_inverse=True)[1]
     first = torch.full((int(key_index.max()) + 1,), out.shape[0] * out.shape[1], dtype=torch.long)
     first = first.scatter_reduce(0, key_index, dst, "amin")  # per distinct output: its first entry
@@ -160,11 +153,8 @@ def gather_scores(
 def supports_tree_attention(model) -> bool:
     """True when the model's attention takes our custom 4-D masks (SDPA or eager, no sliding window)."""
     cfg = getattr(model, "config", None)
-    if cfg is None:
-        return False
-    if model_may_slide(model):
-        return False
-    return getattr(cfg, "_attn_implementation", None) in TREE_ATTENTION_IMPLEMENTATIONS
+    implementation = getattr(cfg, "_attn_implementation", None)
+    return cfg is not None and not model_may_slide(model) and implementation in TREE_ATTENTION_IMPLEMENTATIONS
 
 
 def chunk_groups(groups: Sequence[PackedGroup], max_tokens: int) -> list[list[PackedGroup]]:

@@ -69,10 +69,7 @@ def _as_u64_words(value: int | torch.Tensor, device: torch.device) -> tuple[torc
         hi = (v >> 32) & _MASK32  # arithmetic shift then mask == two's complement reinterpretation
         return lo, hi
     v = int(value) % (1 << 64)
-    return (
-        torch.tensor(v & _MASK32, dtype=torch.int64, device=device),
-        torch.tensor(v >> 32, dtype=torch.int64, device=device),
-    )
+    return tuple(torch.tensor(w, dtype=torch.int64, device=device) for w in (v & _MASK32, v >> 32))
 
 
 def bits_to_uniform(x0: torch.Tensor) -> torch.Tensor:
@@ -101,12 +98,9 @@ def philox_keys(seed: int, uids: torch.Tensor, token_index: torch.Tensor, stream
 def philox_uniform(
     seed: int, uids: torch.Tensor, token_index: torch.Tensor, stream: int = STREAM_ACCEPT
 ) -> torch.Tensor:
-    """Keyed float32 uniforms u(seed, uid, token_index, stream) in (0, 1], on ``uids``' device.
-
-    seed: Python int, taken modulo 2**64; uids: int64 per-sample ids, e.g. [B, 1]; token_index: int64 0-based token
-    positions broadcastable against them, e.g. [1, R]. The result has their broadcast shape. TypeError for a
-    non-integer ``uids`` tensor.
-    """
+    """Keyed float32 uniforms u(seed, uid, token_index, stream) in (0, 1], on ``uids``' device. seed: Python int, taken
+    modulo 2**64; uids: int64 per-sample ids, e.g. [B, 1]; token_index: int64 0-based token positions broadcastable
+    against them, e.g. [1, R]. The result has their broadcast shape (internal: callers pass integer tensors)."""
     x0, _, _, _ = _words(seed, uids, token_index, stream)
     return bits_to_uniform(x0)
 

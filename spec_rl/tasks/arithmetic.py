@@ -50,11 +50,6 @@ _OBJECTS = [
 ]
 _CONTAINER_PLURAL = {"box": "boxes"}
 
-
-def _plural(container: str) -> str:
-    return _CONTAINER_PLURAL.get(container, container + "s")
-
-
 # Connectives opening the event sentences, by number of events. The solution repeats them, so the model finds its
 # event by matching the connective (an induction pattern) instead of counting sentences.
 _CONNECTIVES = {
@@ -89,27 +84,18 @@ def _share_divisors(x: int, w: int) -> list[int]:
 def _feasible_ops(x: int, w: int, max_value: int) -> list[str]:
     """The events possible from true count ``x`` and believed count ``w`` (valid for both)."""
     lo, hi = min(x, w), max(x, w)
-    options = []
-    if hi + 1 <= max_value:
-        options.append("add")
-    if hi + 4 <= max_value:
-        options.append("group")
-    if lo >= 2:
-        options.append("sub")
-    if 2 * hi <= max_value:
-        options.append("scale")
-    if _share_divisors(x, w):
-        options.append("share")
-    return options
+    possible = {
+        "add": hi + 1 <= max_value,
+        "group": hi + 4 <= max_value,
+        "sub": lo >= 2,
+        "scale": 2 * hi <= max_value,
+        "share": bool(_share_divisors(x, w)),
+    }
+    return [op for op, ok in possible.items() if ok]
 
 
 def _one_problem(
-    rng: random.Random,
-    steps: int,
-    max_value: int,
-    max_operand: int,
-    slip_prob: float = 0.0,
-    misconception_prob: float = 0.0,
+    rng: random.Random, steps: int, max_value: int, max_operand: int, slip_prob: float, misconception_prob: float
 ):
     """(question, solution, answer) of one problem, or None at a dead end. ``x`` is the true count (question and
     answer), ``w`` the count the worked solution believes (differs after a slip or the misconception); every event is
@@ -117,8 +103,7 @@ def _one_problem(
 
     def slip(v: int) -> int:
         if slip_prob and rng.random() < slip_prob:
-            choices = [v + d for d in _SLIPS if 1 <= v + d <= max_value]
-            return rng.choice(choices)
+            return rng.choice([v + d for d in _SLIPS if 1 <= v + d <= max_value])
         return v
 
     name, he, his = rng.choice(_NAMES)
@@ -126,8 +111,7 @@ def _one_problem(
     x = rng.randrange(2, min(max_operand, max_value) + 1)
     w = x
     opening = f"{name} has {x} {obj}."
-    q_parts = [opening]
-    s_lines = [opening]
+    q_parts, s_lines = [opening], [opening]
     for conn in _CONNECTIVES[steps]:
         lo, hi = min(x, w), max(x, w)
         options = _feasible_ops(x, w, max_value)
@@ -152,7 +136,8 @@ def _one_problem(
             else:
                 sign, p = "*", slip(k * m)
             x, wy = x + k * m, slip(w + p)
-            event = f"{he} buys {k} {_plural(container)} with {m} {obj} in each {container}"
+            containers = _CONTAINER_PLURAL.get(container, container + "s")
+            event = f"{he} buys {k} {containers} with {m} {obj} in each {container}"
             calc = f"{k} {sign} {m} = {p} more, and {w} + {p} = {wy}"
         elif op == "scale":
             f = rng.choice([f for f in (2, 3) if f * hi <= max_value])
@@ -187,17 +172,14 @@ def generate_problems(
     misconception_prob: float = 0.0,
 ) -> list[Example]:
     """``n`` arithmetic word problems with worked GSM8K-style solutions; the same arguments give the same problems.
-
-    Args:
-        min_steps, max_steps: events per problem, 1 <= min <= max <= :data:`MAX_STEPS`.
-        max_value: every count stays in 1..max_value (>= 10); max_operand: largest number added, subtracted or
-            started from (>= 2). unique: skip repeated questions; exclude: questions to skip (another split's).
-        slip_prob: in [0, 1), chance that each written result is off by 1 or 2; later lines continue from it, so the
-            solution ends wrong while ``answer`` stays true.
-        misconception_prob: in [0, 1), chance that "k boxes with m in each" is worked as k + m (a systematic error).
-    Returns :class:`~spec_rl.tasks.data.Example` with ``source="arith"`` and ``uid = f"arith:{seed}:{i}"``.
-    Raises ValueError for a bad argument (named) or when the options cannot produce ``n`` distinct problems.
-    """
+    ``min_steps``..``max_steps`` events per problem (1 <= min <= max <= :data:`MAX_STEPS`); every count stays in
+    1..``max_value`` (>= 10); ``max_operand`` (>= 2) is the largest number added, subtracted or started from.
+    ``unique`` skips repeated questions, ``exclude`` the questions of another split. ``slip_prob`` in [0, 1): chance
+    that each written result is off by 1 or 2 (later lines continue from it, so the solution ends wrong while
+    ``answer`` stays true); ``misconception_prob`` in [0, 1): chance that "k boxes with m in each" is worked as k + m
+    (a systematic error). Returns :class:`~spec_rl.tasks.data.Example` with ``source="arith"`` and
+    ``uid = f"arith:{seed}:{i}"``. TypeError or ValueError for a bad argument (named); ValueError when the options
+    cannot produce ``n`` distinct problems."""
     check_int("n", n, low=0)
     check_int("seed", seed)
     check_int("min_steps", min_steps, low=1)
@@ -222,20 +204,11 @@ def generate_problems(
         if drawn is None:
             continue
         question, solution, answer = drawn
-        if unique or exclude:
-            if question in seen:
-                continue
-            seen.add(question)
-        out.append(
-            Example(
-                prompt=format_prompt(question),
-                answer=answer,
-                uid=f"arith:{seed}:{len(out)}",
-                source="arith",
-                solution=solution,
-                question=question,
-            )
-        )
+        if (unique or exclude) and question in seen:
+            continue
+        seen.add(question)
+        uid = f"arith:{seed}:{len(out)}"
+        out.append(Example(format_prompt(question), answer, uid, "arith", solution, question))
     return out
 
 

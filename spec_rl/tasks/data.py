@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..util.validation import check_choice
 from .rewards import extract_boxed
 
 __all__ = [
@@ -35,15 +36,11 @@ PROMPT_TEMPLATE = "Question: {question}\nAnswer:"
 
 @dataclass
 class Example:
-    """One prompt with its gold answer.
-
-    Attributes:
-        prompt: the text the policy sees (e.g. ``format_prompt(question)``).
-        answer: gold final answer as text, e.g. ``"42"`` or ``"\\frac{1}{2}"``.
-        uid: stable id such as ``"gsm8k_test:17"``; keys the rollout cache, so it must not change between runs.
-        source: ``"gsm8k"``, ``"math"`` or ``"arith"``; question: the raw question text, or None.
-        solution: worked solution (the SFT target) or None; GSM8K-format ones end with ``#### <answer>``.
-    """
+    """One prompt with its gold answer: ``prompt``, the text the policy sees (e.g. ``format_prompt(question)``);
+    ``answer``, the gold final answer as text (e.g. ``"42"`` or ``"\\frac{1}{2}"``); ``uid``, a stable id such as
+    ``"gsm8k_test:17"`` that keys the rollout cache, so it must not change between runs; ``source``, ``"gsm8k"``,
+    ``"math"`` or ``"arith"``; ``solution``, the worked solution (the SFT target) or None, GSM8K-format ones ending
+    with ``#### <answer>``; ``question``, the raw question text, or None."""
 
     prompt: str
     answer: str
@@ -73,20 +70,17 @@ CHAT_TEMPLATE_CHOICES = ("auto", "on", "off")
 
 @dataclass(frozen=True)
 class PromptFormat:
-    """How an example becomes the prompt token ids the policy sees.
-
-    ``chat_template``: "on" wraps the question in the tokenizer's chat template (:data:`CHAT_USER_TEMPLATE` as the
-    user message, ``system_prompt`` first when given, the assistant turn opened); "off" tokenizes the example's plain
-    prompt (:data:`PROMPT_TEMPLATE`); "auto" is "on" when the tokenizer has a chat template. Raises ValueError for
-    another choice, or "on" with a tokenizer that has no chat template (from :meth:`encode`).
-    """
+    """How an example becomes the prompt token ids the policy sees. ``chat_template``: "on" wraps the question in the
+    tokenizer's chat template (:data:`CHAT_USER_TEMPLATE` as the user message, ``system_prompt`` first when given, the
+    assistant turn opened); "off" tokenizes the example's plain prompt (:data:`PROMPT_TEMPLATE`); "auto" is "on" when
+    the tokenizer has a chat template. Raises ValueError for another choice, or "on" with a tokenizer that has no chat
+    template (from :meth:`encode`)."""
 
     chat_template: str = "auto"
     system_prompt: str | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.chat_template, str) or self.chat_template not in CHAT_TEMPLATE_CHOICES:
-            raise ValueError(f"chat_template must be one of {CHAT_TEMPLATE_CHOICES}, got {self.chat_template!r}")
+        check_choice("chat_template", self.chat_template, CHAT_TEMPLATE_CHOICES)
         if self.system_prompt is not None and not isinstance(self.system_prompt, str):
             raise TypeError(f"system_prompt must be a str or None, got {type(self.system_prompt).__name__}")
 
@@ -105,9 +99,8 @@ class PromptFormat:
             question = e.question if e.question is not None else e.prompt
             user = CHAT_USER_TEMPLATE.format(question=question, form=_ANSWER_FORMS.get(e.source, "#### <answer>"))
             system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-            ids = tokenizer.apply_chat_template(
-                [*system, {"role": "user", "content": user}], add_generation_prompt=True, tokenize=True
-            )
+            messages = [*system, {"role": "user", "content": user}]
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
         return out
 
@@ -116,14 +109,6 @@ class PromptFormat:
 
 
 _COMMA_IN_NUMBER = re.compile(r"(?<=\d),(?=\d)")
-
-
-def _gsm8k_gold(answer_field: str) -> str | None:
-    """Gold answer of a GSM8K ``answer`` field: text after the last ``####``, commas removed."""
-    if "####" not in answer_field:
-        return None
-    gold = _COMMA_IN_NUMBER.sub("", answer_field.rsplit("####", 1)[1].strip())
-    return gold or None
 
 
 def _detect_format(record: Mapping[str, Any]) -> str | None:
@@ -147,60 +132,40 @@ def _text_field(record: Mapping[str, Any], name: str, fmt: str, where: str) -> s
 
 
 def _gsm8k_fields(record: Mapping[str, Any], where: str) -> tuple[str, str, str | None, str]:
-    """(question, gold answer, solution, uid key field) of a GSM8K record."""
+    """(question, gold answer, solution, uid key field) of a GSM8K record; the gold answer is the text after the last
+    ``####`` of the ``answer`` field, thousands commas removed."""
     question = _text_field(record, "question", "gsm8k", where)
     solution = _text_field(record, "answer", "gsm8k", where)
-    gold = _gsm8k_gold(solution)
-    if gold is None:
+    gold = _COMMA_IN_NUMBER.sub("", solution.rsplit("####", 1)[1].strip()) if "####" in solution else ""
+    if not gold:
         raise ValueError(f"{where}: GSM8K 'answer' must end with a line '#### <answer>', got {solution[-80:]!r}")
     return question, gold, solution, "idx"
 
 
-def _math_answer(record: Mapping[str, Any], solution: str | None, where: str) -> str:
-    """The ``answer`` field (numbers accepted, whitespace stripped), else the solution's last ``\\boxed{...}``."""
-    if "answer" in record and record["answer"] is not None:
-        answer = record["answer"]
-        if isinstance(answer, (int, float)) and not isinstance(answer, bool):
-            answer = str(answer)
-        if not isinstance(answer, str) or not answer.strip():
-            raise ValueError(f"{where}: field 'answer' must be a non-empty string, got {answer!r}")
-        return answer.strip()
-    answer = extract_boxed(solution or "")
-    if not answer:
-        raise ValueError(f"{where}: MATH record has no 'answer' and its 'solution' has no \\boxed{{...}} answer")
-    return answer
-
-
 def _math_fields(record: Mapping[str, Any], where: str) -> tuple[str, str, str | None, str]:
-    """(question, gold answer, solution or None, uid key field) of a MATH record."""
+    """(question, gold answer, solution or None, uid key field) of a MATH record. The gold answer is the ``answer``
+    field (numbers accepted, whitespace stripped), else the solution's last ``\\boxed{...}``."""
     question = _text_field(record, "problem", "math", where)
     solution = record.get("solution")
     if solution is not None and not isinstance(solution, str):
         raise ValueError(f"{where}: field 'solution' must be a string, got {type(solution).__name__}")
-    return question, _math_answer(record, solution, where), solution or None, "unique_id"
+    answer = record.get("answer")
+    if answer is None:
+        answer = extract_boxed(solution or "")
+        if not answer:
+            raise ValueError(f"{where}: MATH record has no 'answer' and its 'solution' has no \\boxed{{...}} answer")
+    elif isinstance(answer, (int, float)) and not isinstance(answer, bool):
+        answer = str(answer)
+    if not isinstance(answer, str) or not answer.strip():
+        raise ValueError(f"{where}: field 'answer' must be a non-empty string, got {answer!r}")
+    return question, answer.strip(), solution or None, "unique_id"
 
 
 _FIELD_READERS = {"gsm8k": _gsm8k_fields, "math": _math_fields}
 
 
-def _record_to_example(
-    record: Mapping[str, Any], fmt: str, index: int, uid_prefix: str, prompt_fn: Callable[[str], str], where: str
-) -> Example:
-
-    question, answer, solution, key_field = _FIELD_READERS[fmt](record, where)
-    return Example(
-        prompt=prompt_fn(question),
-        answer=answer,
-        uid=f"{uid_prefix}:{record.get(key_field, index)}",
-        source=fmt,
-        solution=solution,
-        question=question,
-    )
-
-
 def _check_fmt_limit(fmt: str, limit: int | None) -> None:
-    if fmt not in FORMATS:
-        raise ValueError(f"fmt must be one of {FORMATS}, got {fmt!r}")
+    check_choice("fmt", fmt, FORMATS)
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise ValueError(f"limit must be a positive int or None (no limit), got {limit!r}")
 
@@ -214,13 +179,10 @@ def records_to_examples(
     where: str = "record",
 ) -> list[Example]:
     """Convert GSM8K- or MATH-format records (dicts, e.g. JSON lines or ``datasets`` rows) to examples, in order.
-
-    ``fmt``: ``"gsm8k"``, ``"math"`` or ``"auto"`` (from the first record's fields); ``limit``: at most this many
-    (None: all). uid = ``f"{uid_prefix}:{key}"``, key the ``idx`` (GSM8K) / ``unique_id`` (MATH) field, else the
-    record's 0-based index. ``where`` names records in errors (``"<where> #<n>"``, 1-based). Raises ValueError for
-    an unknown ``fmt``, a bad ``limit``, an undetectable format, a missing field, or no records.
-    """
-    _check_fmt_limit(fmt, limit)
+    ``fmt``: ``"gsm8k"``, ``"math"`` or ``"auto"`` (from the first record's fields); ``limit``: at most this many (None:
+    all). uid = ``f"{uid_prefix}:{key}"``, key the ``idx`` (GSM8K) / ``unique_id`` (MATH) field, else the record's
+    0-based index. ``where`` names records in errors (``"<where> #<n>"``, 1-based). Raises ValueError for an unknown
+    ``fmt``, a bad ``limit``, an undetectable format, a missing field, or no records."""
     located = ((f"{where} #{i + 1}", rec) for i, rec in enumerate(records))
     return _convert(located, fmt, limit, uid_prefix, prompt_fn, empty_msg=f"no records found in {where}")
 
@@ -234,6 +196,7 @@ def _convert(
     empty_msg: str,
 ) -> list[Example]:
     """(location, record) pairs -> examples, detecting the format from the first record."""
+    _check_fmt_limit(fmt, limit)
     out: list[Example] = []
     detected = None if fmt == "auto" else fmt
     for index, (loc, rec) in enumerate(located):
@@ -246,7 +209,9 @@ def _convert(
                     f"{loc}: cannot detect the format from fields {sorted(rec)}; expected GSM8K "
                     f"(question, answer) or MATH (problem, answer[, solution]); pass fmt='gsm8k' or fmt='math'"
                 )
-        out.append(_record_to_example(rec, detected, index, uid_prefix, prompt_fn, loc))
+        question, answer, solution, key_field = _FIELD_READERS[detected](rec, loc)
+        uid = f"{uid_prefix}:{rec.get(key_field, index)}"
+        out.append(Example(prompt_fn(question), answer, uid, detected, solution, question))
         if limit is not None and len(out) >= limit:
             break
     if not out:
@@ -268,7 +233,6 @@ def load_jsonl(
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"path {str(p)!r} does not exist or is not a file; pass a GSM8K- or MATH-format .jsonl")
-    _check_fmt_limit(fmt, limit)
     prefix = uid_prefix if uid_prefix is not None else p.stem
 
     def located() -> Iterable[tuple[str, Any]]:
@@ -282,14 +246,8 @@ def load_jsonl(
                     raise ValueError(f"{p}: line {lineno} is not valid JSON ({e.msg} at column {e.colno})") from None
                 yield f"{p}: line {lineno}", rec
 
-    return _convert(
-        located(),
-        fmt,
-        limit,
-        prefix,
-        prompt_fn,
-        empty_msg=f"{p} is empty (no JSON records); pass a non-empty GSM8K- or MATH-format .jsonl",
-    )
+    empty_msg = f"{p} is empty (no JSON records); pass a non-empty GSM8K- or MATH-format .jsonl"
+    return _convert(located(), fmt, limit, prefix, prompt_fn, empty_msg=empty_msg)
 
 
 def load_hf_dataset(
@@ -303,27 +261,22 @@ def load_hf_dataset(
     **kwargs: Any,
 ) -> list[Example]:
     """Load GSM8K- or MATH-format examples with ``datasets``: ``load_hf_dataset("openai/gsm8k", "test", name="main")``.
-
     ``path``: a name for ``datasets.load_dataset(path, split=split, **kwargs)``, or a loaded ``datasets.Dataset``.
     ``uid_prefix`` defaults to ``f"{path}:{split}"`` (``"dataset"`` for a Dataset); the rest and the errors as in
     :func:`records_to_examples`, plus ImportError without ``datasets`` and ValueError for a DatasetDict (pass
-    ``split``).
-    """
+    ``split``)."""
     _check_fmt_limit(fmt, limit)
     try:
-        import datasets  # noqa: F401
+        import datasets
     except ImportError as e:
         raise ImportError(
             "load_hf_dataset needs the 'datasets' library: pip install spec-rl[datasets] "
             "(or pip install datasets); or use load_jsonl on a local .jsonl file"
         ) from e
 
-    if isinstance(path, str):
-        ds = datasets.load_dataset(path, split=split, **kwargs)
-        prefix = uid_prefix if uid_prefix is not None else f"{path}:{split}"
-    else:
-        ds = path
-        prefix = uid_prefix if uid_prefix is not None else "dataset"
+    named = isinstance(path, str)
+    ds = datasets.load_dataset(path, split=split, **kwargs) if named else path
+    prefix = uid_prefix if uid_prefix is not None else (f"{path}:{split}" if named else "dataset")
     if isinstance(ds, (datasets.DatasetDict, datasets.IterableDatasetDict)):
         raise ValueError(f"path resolved to a DatasetDict with splits {list(ds)}; pass split=<one of them>")
     return records_to_examples(

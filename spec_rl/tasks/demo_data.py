@@ -1,7 +1,6 @@
-"""The demo's problem sets: fixed RL train and held-out sets, and the SFT target format.
-
-All come from :func:`~spec_rl.tasks.arithmetic.generate_problems` with :data:`DEMO_TASK_OPTIONS` and fixed seeds, so the
-same prompts recur every epoch, which is what lets drafts be reused."""
+"""The demo's problem sets: fixed RL train and held-out sets, and the SFT target format. All come from
+:func:`~spec_rl.tasks.arithmetic.generate_problems` with :data:`DEMO_TASK_OPTIONS` and fixed seeds, so the same prompts
+recur every epoch, which is what lets drafts be reused."""
 
 from __future__ import annotations
 

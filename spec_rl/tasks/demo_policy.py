@@ -16,9 +16,8 @@ from pathlib import Path
 import torch
 
 from .arithmetic import TASK_VERSION, generate_problems
-from .demo_config import RECIPE_VERSION, DemoConfig
 from .demo_data import DEMO_MAX_NEW_TOKENS, DEMO_TASK_OPTIONS, demo_eval_set, demo_response, demo_train_set
-from .demo_sft import make_demo_model
+from .demo_sft import RECIPE_VERSION, DemoConfig, make_demo_model
 from .demo_sft import run_sft as _sft  # module-level name, so tests can replace the SFT step
 from .demo_tokenizer import EOS_TOKEN, PAD_TOKEN, build_demo_tokenizer
 from .evaluation import evaluate_policy
@@ -98,9 +97,7 @@ def _train_into(out: Path, cfg: DemoConfig, progress: bool) -> None:
     """Build tokenizer and model, run the SFT and save the checkpoint into ``out``."""
     import transformers
 
-    train = demo_train_set()
-    evals = demo_eval_set()
-    held_out = {e.question for e in train} | {e.question for e in evals}
+    held_out = {e.question for e in demo_train_set() + demo_eval_set()}
     corpus = generate_problems(cfg.tokenizer_corpus, seed=cfg.sft_seed + 1, **DEMO_TASK_OPTIONS)
     texts = [e.prompt + demo_response(e) for e in corpus]
     tokenizer = build_demo_tokenizer(texts, cfg.vocab_size, cfg.max_position_embeddings)

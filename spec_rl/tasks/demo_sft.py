@@ -1,4 +1,5 @@
-"""The demo model (a small Qwen2-architecture causal LM) and its supervised warm start on worked solutions.
+"""The demo model (a small Qwen2-architecture causal LM), its supervised warm start on worked solutions, and
+:class:`DemoConfig`, everything that determines the checkpoint.
 
 The SFT solutions carry arithmetic slips and a systematic "k + m" error, so the warm-started policy samples mistakes
 that RL on the verifiable reward can remove (docs/design.md "The demo recipe"). Everything is deterministic given the
@@ -6,19 +7,91 @@ config, which the checkpoint cache relies on."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import math
 import random
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from .arithmetic import TASK_VERSION
 from .data import Example
-from .demo_config import DemoConfig
-from .demo_data import DEMO_MAX_NEW_TOKENS, demo_response
+from .demo_data import _EVAL_N, _TRAIN_N, DEMO_MAX_NEW_TOKENS, DEMO_TASK_OPTIONS, EVAL_SEED, TRAIN_SEED, demo_response
 
-__all__ = ["make_demo_model", "run_sft"]
+__all__ = ["DemoConfig", "RECIPE_VERSION", "make_demo_model", "run_sft"]
+
+#: Bumped whenever the recipe (tokenizer, model, SFT) changes in a way the config hash would not see.
+RECIPE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """Everything that determines the demo checkpoint; :meth:`cache_key` names its cache folder. Model (Qwen2):
+    ``num_heads``/``num_kv_heads`` (grouped-query attention), ``intermediate_size`` (MLP width),
+    ``max_position_embeddings`` (tokens). Tokenizer: ``vocab_size`` (256 bytes + 2 specials + merges), trained on
+    ``tokenizer_corpus`` problems. SFT: ``sft_examples`` problems (seed ``sft_seed``) with slips at ``slip_prob`` per
+    written result and "k boxes with m in each" worked as k + m at ``misconception_prob``; ``sft_steps`` optimizer steps
+    of ``batch_size`` sequences, peak ``lr`` after ``warmup_steps``, cosine decay to ``lr * min_lr_ratio``. ``seed``
+    seeds model init and batch order."""
+
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 4
+    intermediate_size: int = 512
+    max_position_embeddings: int = 384
+    vocab_size: int = 640
+    tokenizer_corpus: int = 2000
+    sft_examples: int = 8192
+    sft_seed: int = 42
+    slip_prob: float = 0.2
+    misconception_prob: float = 0.6
+    sft_steps: int = 700
+    batch_size: int = 32
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    seed: int = 0
+
+    @classmethod
+    def tiny(cls, **overrides: Any) -> DemoConfig:
+        """A seconds-to-build config for tests (an untrained-quality policy)."""
+        base = dict(
+            hidden_size=32,
+            num_layers=1,
+            num_heads=2,
+            num_kv_heads=1,
+            intermediate_size=64,
+            vocab_size=400,
+            tokenizer_corpus=200,
+            sft_examples=64,
+            sft_steps=3,
+            batch_size=8,
+            warmup_steps=1,
+        )
+        return cls(**(base | overrides))
+
+    def cache_key(self) -> str:
+        """12 hex digits of sha256 over the config, the task options and versions."""
+        payload = {
+            "config": dataclasses.asdict(self),
+            "task": dict(DEMO_TASK_OPTIONS),
+            "task_version": TASK_VERSION,
+            "recipe_version": RECIPE_VERSION,
+            "train_seed": TRAIN_SEED,
+            "eval_seed": EVAL_SEED,
+            # The SFT set excludes the train and held-out questions, so their sizes change the policy.
+            "train_n": _TRAIN_N,
+            "eval_n": _EVAL_N,
+        }
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
+
 
 # (prompt ids, response ids + EOS) of one SFT example.
 Pair = tuple[list[int], list[int]]
@@ -35,6 +108,8 @@ def make_demo_model(cfg: DemoConfig, tokenizer):
     and a ``generation_config`` that samples plain softmax at temperature 1 for ``DEMO_MAX_NEW_TOKENS`` tokens."""
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
+    eos = tokenizer.eos_token_id
+    special = dict(bos_token_id=eos, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
     mcfg = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=cfg.hidden_size,
@@ -44,40 +119,28 @@ def make_demo_model(cfg: DemoConfig, tokenizer):
         num_key_value_heads=cfg.num_kv_heads,
         max_position_embeddings=cfg.max_position_embeddings,
         tie_word_embeddings=True,
-        bos_token_id=tokenizer.eos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        **special,
     )
     torch.manual_seed(cfg.seed)
     model = Qwen2ForCausalLM(mcfg)
     model.generation_config = GenerationConfig(
-        bos_token_id=tokenizer.eos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        do_sample=True,
-        temperature=1.0,
-        top_k=0,
-        top_p=1.0,
-        max_new_tokens=DEMO_MAX_NEW_TOKENS,
+        **special, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=DEMO_MAX_NEW_TOKENS
     )
     return model
 
 
 def _encode_sft(tokenizer, examples: Sequence[Example]) -> list[Pair]:
     """(prompt ids, response ids + EOS) per example, tokenized separately as a rollout sees them."""
-    out = []
-    eos = tokenizer.eos_token_id
-    for ex in examples:
-        p = tokenizer(ex.prompt, add_special_tokens=False)["input_ids"]
-        r = tokenizer(demo_response(ex), add_special_tokens=False)["input_ids"] + [eos]
-        out.append((p, r))
-    return out
+
+    def ids(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    return [(ids(ex.prompt), ids(demo_response(ex)) + [tokenizer.eos_token_id]) for ex in examples]
 
 
 def _collate(pairs: Sequence[Pair], pad_id: int):
     """Right-padded batch: input_ids/attention_mask/labels [B, S] int64 (labels ignored off the response)."""
-    S = max(len(p) + len(r) for p, r in pairs)
-    B = len(pairs)
+    B, S = len(pairs), max(len(p) + len(r) for p, r in pairs)
     ids = torch.full((B, S), pad_id, dtype=torch.long)
     mask = torch.zeros((B, S), dtype=torch.long)
     labels = torch.full((B, S), _IGNORE_INDEX, dtype=torch.long)
@@ -116,21 +179,8 @@ def _adamw(params: list[torch.nn.Parameter], cfg: DemoConfig) -> torch.optim.Ada
     """AdamW with weight decay on matrices only (biases and norm scales are not decayed)."""
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr,
-        betas=(0.9, 0.98),
-        eps=1e-8,
-    )
-
-
-def _check_fits(data: Sequence[Pair], cfg: DemoConfig) -> None:
-    longest = max(len(p) + len(r) for p, r in data)
-    if longest > cfg.max_position_embeddings:
-        raise ValueError(
-            f"an SFT sequence has {longest} tokens > max_position_embeddings={cfg.max_position_embeddings}; "
-            "raise DemoConfig.max_position_embeddings"
-        )
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.98), eps=1e-8)
 
 
 def run_sft(model, tokenizer, cfg: DemoConfig, examples: Sequence[Example], progress: bool) -> dict[str, Any]:
@@ -141,7 +191,12 @@ def run_sft(model, tokenizer, cfg: DemoConfig, examples: Sequence[Example], prog
     from tqdm.auto import tqdm
 
     data = _encode_sft(tokenizer, examples)
-    _check_fits(data, cfg)
+    longest = max(len(p) + len(r) for p, r in data)
+    if longest > cfg.max_position_embeddings:
+        raise ValueError(
+            f"an SFT sequence has {longest} tokens > max_position_embeddings={cfg.max_position_embeddings}; "
+            "raise DemoConfig.max_position_embeddings"
+        )
     rng = random.Random(cfg.seed)
     order: list[list[int]] = []
     params = [p for p in model.parameters() if p.requires_grad]
@@ -157,8 +212,7 @@ def run_sft(model, tokenizer, cfg: DemoConfig, examples: Sequence[Example], prog
         ids, mask, labels = _collate([data[i] for i in idx], tokenizer.pad_token_id)
         for g in opt.param_groups:
             g["lr"] = _lr_at(step, cfg)
-        out = model(input_ids=ids, attention_mask=mask, labels=labels)
-        loss = out.loss
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, _MAX_GRAD_NORM)

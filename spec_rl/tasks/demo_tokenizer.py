@@ -1,7 +1,5 @@
-"""The demo tokenizer: byte-level BPE with every digit its own token.
-
-Digit-by-digit numbers make arithmetic learnable by a tiny model; byte-level decoding gives back the exact text, so
-rewards computed on decoded responses are exact."""
+"""The demo tokenizer: byte-level BPE with every digit its own token. Digit-by-digit numbers make arithmetic learnable
+by a tiny model; byte-level decoding gives back the exact text, so rewards computed on decoded responses are exact."""
 
 from __future__ import annotations
 
@@ -22,12 +20,8 @@ def build_demo_tokenizer(texts: Sequence[str], vocab_size: int = 640, model_max_
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-            pre_tokenizers.Digits(individual_digits=True),
-        ]
-    )
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([byte_level, pre_tokenizers.Digits(individual_digits=True)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,

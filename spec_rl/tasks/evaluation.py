@@ -24,6 +24,7 @@ __all__ = ["evaluate_heldout", "evaluate_policy", "heldout_split"]
 
 def _backend(model, tokenizer, batch_size: int) -> TransformersBackend:
     """A backend over ``model`` with the model's full EOS set; pad falls back to EOS as in the trainer."""
+    check_int("batch_size", batch_size, low=1)
     eos_ids = eos_token_ids(model, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if not eos_ids or pad is None:
@@ -38,8 +39,7 @@ def _generate(model, backend, calls) -> list[list[Continuation]]:
     try:
         return [backend.generate(fresh_jobs(c, b), settings, seed) for c, b, settings, seed in calls]
     finally:
-        if was_training:
-            model.train()
+        model.train(was_training)
 
 
 def _rewards(tokenizer, outs: Sequence[Continuation], golds: Sequence[str], reward_fn: RewardFn) -> list[float]:
@@ -62,17 +62,15 @@ def evaluate_policy(
     reward_fn: RewardFn = math_reward,
 ) -> dict[str, float]:
     """Sample one response per example (keyed by ``seed``) and score it with ``reward_fn``. Prompts are encoded without
-    special tokens; a response ends at any EOS id of the model or after ``max_new_tokens`` (EOS included). ``top_k=0`` /
-    ``top_p=1`` disable those filters. The model's training mode is restored afterwards. Returns {"mean_reward",
-    "mean_response_tokens" (EOS included), "truncated_fraction" (no EOS within the budget), "num_examples"}. Raises
-    ValueError for empty ``examples``, ``max_new_tokens`` or ``batch_size`` < 1, bad sampling settings, or no pad/EOS
-    id."""
+    special tokens; a response ends at any EOS id of the model or after ``max_new_tokens`` (EOS included). The model's
+    training mode is restored afterwards. Returns {"mean_reward", "mean_response_tokens" (EOS included),
+    "truncated_fraction" (no EOS within the budget), "num_examples"}. Raises ValueError for empty ``examples``,
+    ``max_new_tokens`` or ``batch_size`` < 1, bad sampling settings, or no pad/EOS id."""
     if not examples:
         raise ValueError("examples is empty; pass at least one Example")
     check_int("max_new_tokens", max_new_tokens, low=1)
-    check_int("batch_size", batch_size, low=1)
-    settings = SamplingSettings(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=int(max_new_tokens))
     backend = _backend(model, tokenizer, batch_size)
+    settings = SamplingSettings(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=int(max_new_tokens))
     contexts = [tokenizer(e.prompt, add_special_tokens=False)["input_ids"] for e in examples]
     (outs,) = _generate(model, backend, [(contexts, [settings.max_tokens] * len(contexts), settings, seed)])
     rewards = _rewards(tokenizer, outs, [e.answer for e in examples], reward_fn)
@@ -85,9 +83,7 @@ def evaluate_policy(
     }
 
 
-def _heldout_budgets(
-    prompts: Sequence[Sequence[int]], settings: SamplingSettings, max_model_len: int | None
-) -> list[int]:
+def _heldout_budgets(prompts: list[list[int]], settings: SamplingSettings, max_model_len: int | None) -> list[int]:
     """Per prompt: ``min(max_tokens, max_model_len - prompt_len)`` (the rollout's budget), at least 1 token."""
     if max_model_len is None:
         return [settings.max_tokens] * len(prompts)
@@ -128,23 +124,17 @@ def evaluate_heldout(
     if not examples:
         raise ValueError("examples is empty; pass at least one held-out Example")
     check_int("samples_per_prompt", samples_per_prompt, low=1)
-    check_int("batch_size", batch_size, low=1)
     backend = _backend(model, tokenizer, batch_size)
     prompts = (prompt_format or PromptFormat("off")).encode(tokenizer, examples)
     budgets = _heldout_budgets(prompts, settings, max_model_len)
     greedy = SamplingSettings(top_k=1, max_tokens=settings.max_tokens)
     repeat = range(samples_per_prompt)
-    sampled, argmax = _generate(
-        model,
-        backend,
-        [
-            ([p for p in prompts for _ in repeat], [b for b in budgets for _ in repeat], settings, seed),
-            (prompts, budgets, greedy, seed),
-        ],
-    )
+    rows = [p for p in prompts for _ in repeat]
+    row_budgets = [b for b in budgets for _ in repeat]
+    sampled, argmax = _generate(model, backend, [(rows, row_budgets, settings, seed), (prompts, budgets, greedy, seed)])
     rewards = _rewards(tokenizer, sampled, [e.answer for e in examples for _ in repeat], reward_fn)
     if samples_out is not None:
-        samples_out.extend((p, list(o.token_ids)) for p, o in zip([p for p in prompts for _ in repeat], sampled))
+        samples_out.extend((p, list(o.token_ids)) for p, o in zip(rows, sampled))
     greedy_rewards = _rewards(tokenizer, argmax, [e.answer for e in examples], reward_fn)
     return {
         "heldout_reward": sum(rewards) / len(rewards),

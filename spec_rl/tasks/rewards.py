@@ -33,7 +33,7 @@ MAX_ANSWER_CHARS = 1000
 # Seconds per math-verify parse or comparison; its timeouts use signal.alarm, so the main thread only.
 _MV_TIMEOUT_S = 5
 
-_BOXED_OPENERS = ("\\boxed{", "\\fbox{")
+_BOX_OPENER = re.compile(r"\\(?:boxed|fbox)\{")
 _NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)")
 _COMMA_IN_NUMBER = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 # "18 apples", "5 dollars": a number followed by plain words (units), predictions only.
@@ -45,9 +45,8 @@ def extract_boxed(text: str) -> str | None:
     unclosed box (a truncated generation) is skipped in favour of the previous complete one."""
     if not isinstance(text, str):
         return None
-    starts = sorted((i for opener in _BOXED_OPENERS for i in _find_all(text, opener)), reverse=True)
-    for start in starts:
-        open_idx = text.index("{", start)
+    for opener in reversed(list(_BOX_OPENER.finditer(text))):
+        open_idx = opener.end() - 1
         depth = 0
         for j in range(open_idx, len(text)):
             c = text[j]
@@ -58,13 +57,6 @@ def extract_boxed(text: str) -> str | None:
                 if depth == 0:
                     return text[open_idx + 1 : j].strip()
     return None
-
-
-def _find_all(text: str, sub: str):
-    i = text.find(sub)
-    while i != -1:
-        yield i
-        i = text.find(sub, i + 1)
 
 
 def extract_final_answer(text: str) -> str | None:
@@ -83,10 +75,8 @@ def extract_final_answer(text: str) -> str | None:
 def _plain_number(s: str, allow_units: bool = False) -> Fraction | None:
     """Exact value of a plain decimal answer like ``"1,234"`` or ``"$18."`` (with ``allow_units``
     also ``"18 apples"``); else None."""
-    t = s.strip().replace("\\$", "").replace("$", "").replace("\\!", "").strip()
-    t = _COMMA_IN_NUMBER.sub("", t)
-    if t.endswith("."):
-        t = t[:-1].rstrip()
+    t = _COMMA_IN_NUMBER.sub("", s.strip().replace("\\$", "").replace("$", "").replace("\\!", "").strip())
+    t = t.removesuffix(".").rstrip()
     m = _LEADING_NUMBER_WITH_UNITS.fullmatch(t) if allow_units else None
     if m:
         t = m.group(1)
@@ -103,7 +93,6 @@ class MathVerifyUnavailable(ImportError):
 
 
 def _require_math_verify() -> None:
-
     try:
         import math_verify  # noqa: F401
     except ImportError as exc:
@@ -111,10 +100,6 @@ def _require_math_verify() -> None:
             f"math_reward needs math-verify to compare non-numeric answers, and it cannot be imported ({exc}); "
             "install it: pip install 'math-verify>=0.7' (offline: the wheels from `make gpu-wheels`)"
         ) from exc
-
-
-def _in_main_thread() -> bool:
-    return threading.current_thread() is threading.main_thread()
 
 
 @functools.lru_cache(maxsize=1)
@@ -133,16 +118,14 @@ def _mv_parse(text: str, timeout: int | None):
     from math_verify import parse
 
     key = _mv_timeout_kwargs()[0]
-    kwargs = {key: timeout} if key else {}
-    return parse("\\boxed{" + text + "}", **kwargs)
+    return parse("\\boxed{" + text + "}", **({key: timeout} if key else {}))
 
 
 def _mv_verify(gold, pred, timeout: int | None) -> bool:
     from math_verify import verify
 
     key = _mv_timeout_kwargs()[1]
-    kwargs = {key: timeout} if key else {}
-    return bool(verify(gold, pred, **kwargs))
+    return bool(verify(gold, pred, **({key: timeout} if key else {})))
 
 
 @functools.lru_cache(maxsize=8192)
@@ -150,41 +133,26 @@ def _parsed_gold(gold: str, timeout: int | None):
     return _mv_parse(gold, timeout)
 
 
-class _DropTimeoutWarning(logging.Filter):
-    """math-verify warns once when its timeout is disabled; we disable it on purpose off the main thread."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Timeout is disabled" not in record.getMessage()
-
-
-_filter_installed = False
-
-
+@functools.cache  # install once
 def _install_log_filter() -> None:
-    global _filter_installed
-    if not _filter_installed:
-        for name in ("math_verify.parser", "math_verify.grader"):
-            logging.getLogger(name).addFilter(_DropTimeoutWarning())
-        _filter_installed = True
+    """Drop math-verify's warning that its timeout is disabled: we disable it on purpose off the main thread."""
+    for name in ("math_verify.parser", "math_verify.grader"):
+        logging.getLogger(name).addFilter(lambda record: "Timeout is disabled" not in record.getMessage())
 
 
 def math_reward(completion: str, gold: str) -> float:
-    """1.0 if the completion's final answer (:func:`extract_final_answer`) equals ``gold``, else 0.0.
-
-    Two plain decimal numbers (after ``$``, thousands commas, a trailing period and, in the prediction, trailing unit
-    words) are compared exactly as rationals, anything else by ``math_verify.verify(parse(gold), parse(answer))``.
-    Junk, no answer, an answer over :data:`MAX_ANSWER_CHARS` characters or an error inside math-verify give 0.0.
-    Thread-safe: math-verify's signal-based timeouts are used in the main thread only. Raises TypeError when
-    ``gold`` is not a str, ValueError when it is empty, MathVerifyUnavailable when math-verify is needed but missing.
-    """
+    """1.0 if the completion's final answer (:func:`extract_final_answer`) equals ``gold``, else 0.0. Two plain decimal
+    numbers (after ``$``, thousands commas, a trailing period and, in the prediction, trailing unit words) are compared
+    exactly as rationals, anything else by ``math_verify.verify(parse(gold), parse(answer))``. Junk, no answer, an
+    answer over :data:`MAX_ANSWER_CHARS` characters or an error inside math-verify give 0.0. Thread-safe: math-verify's
+    signal-based timeouts are used in the main thread only. Raises TypeError when ``gold`` is not a str, ValueError when
+    it is empty, MathVerifyUnavailable when math-verify is needed but missing."""
     if not isinstance(gold, str):
         raise TypeError(f"gold must be a str (Example.answer), got {type(gold).__name__}")
     if not gold.strip():
         raise ValueError("gold is empty; pass the gold final answer (Example.answer)")
-    if not isinstance(completion, str):
-        return 0.0
-    pred = extract_final_answer(completion)
-    if pred is None or not pred or len(pred) > MAX_ANSWER_CHARS:
+    pred = extract_final_answer(completion)  # None for a non-str completion
+    if not pred or len(pred) > MAX_ANSWER_CHARS:
         return 0.0
 
     gold_num = _plain_number(gold)
@@ -194,16 +162,12 @@ def math_reward(completion: str, gold: str) -> float:
 
     _require_math_verify()  # outside the try: a missing library is not "not verified"
     try:
-        timeout = _MV_TIMEOUT_S if _in_main_thread() else None
+        timeout = _MV_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
         if timeout is None:
             _install_log_filter()
         gold_parsed = _parsed_gold(gold.strip(), timeout)
-        if not gold_parsed:
-            return 0.0
-        pred_parsed = _mv_parse(pred, timeout)
-        if not pred_parsed:
-            return 0.0
-        return 1.0 if _mv_verify(gold_parsed, pred_parsed, timeout) else 0.0
+        pred_parsed = _mv_parse(pred, timeout) if gold_parsed else None
+        return 1.0 if pred_parsed and _mv_verify(gold_parsed, pred_parsed, timeout) else 0.0
     except Exception:  # noqa: BLE001 - any failure inside math-verify/sympy means "not verified"
         return 0.0
 
@@ -234,13 +198,12 @@ def get_reward_fn(name_or_callable: str | RewardFn) -> RewardFn:
     if callable(name_or_callable):
         return name_or_callable
     if isinstance(name_or_callable, str):
-        try:
+        if name_or_callable in REWARD_FUNCTIONS:
             return REWARD_FUNCTIONS[name_or_callable]
-        except KeyError:
-            raise ValueError(
-                f"unknown reward {name_or_callable!r}; known rewards: {sorted(REWARD_FUNCTIONS)} "
-                f"(or pass a callable fn(completion, gold) -> float)"
-            ) from None
+        raise ValueError(
+            f"unknown reward {name_or_callable!r}; known rewards: {sorted(REWARD_FUNCTIONS)} "
+            f"(or pass a callable fn(completion, gold) -> float)"
+        )
     raise TypeError(
         f"reward must be a name in {sorted(REWARD_FUNCTIONS)} or a callable, got {type(name_or_callable).__name__}"
     )

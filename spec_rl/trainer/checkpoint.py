@@ -49,6 +49,14 @@ def _versions(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def _remove_versions(run_dir: Path, keep: Path | None) -> list[Path]:
+    """Delete every version of ``run_dir`` but ``keep``; returns them."""
+    removed = [path for _, path in _versions(run_dir) if path != keep]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
+
+
 def _verified(path: Path) -> Checkpoint | None:
     """The checkpoint in ``path`` if its marker parses and every file it lists has the listed size."""
     try:
@@ -63,21 +71,15 @@ def _verified(path: Path) -> Checkpoint | None:
     return Checkpoint(path, state)
 
 
-def _pointed(run_dir: Path) -> Path | None:
-    """The folder ``LATEST`` names, or None when the pointer is missing or damaged."""
-    try:
-        name = (run_dir / POINTER).read_text().strip()
-    except (OSError, UnicodeDecodeError):
-        return None
-    return run_dir / name if _VERSION.fullmatch(name) else None
-
-
 def latest_checkpoint(run_dir: str | os.PathLike, log: Callable[[str], None] | None = None) -> Checkpoint | None:
     """The committed checkpoint of a trainer's ``run_dir`` (``out/<label>``): the one ``LATEST`` names, else the
     newest complete one (told to ``log``); None when no version is complete."""
     run_dir = Path(run_dir)
-    pointed = _pointed(run_dir)
-    if pointed is not None and (ckpt := _verified(pointed)) is not None:
+    try:
+        pointed = (run_dir / POINTER).read_text().strip()
+    except (OSError, UnicodeDecodeError):  # missing or damaged
+        pointed = ""
+    if _VERSION.fullmatch(pointed) and (ckpt := _verified(run_dir / pointed)) is not None:
         return ckpt
     for _, path in reversed(_versions(run_dir)):
         if (ckpt := _verified(path)) is not None:
@@ -91,12 +93,7 @@ def remove_stale(run_dir: str | os.PathLike, keep: Checkpoint | None) -> list[Pa
     """At resume, delete temporary files and every version but ``keep`` (partial, uncommitted or superseded);
     returns what was removed."""
     run_dir = Path(run_dir)
-    removed = remove_leftovers(run_dir)
-    for _, path in _versions(run_dir):
-        if keep is None or path != keep.path:
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-    return removed
+    return remove_leftovers(run_dir) + _remove_versions(run_dir, None if keep is None else keep.path)
 
 
 def commit_checkpoint(run_dir: str | os.PathLike, state: dict, write_files: Callable[[Path], None]) -> Checkpoint:
@@ -118,7 +115,5 @@ def commit_checkpoint(run_dir: str | os.PathLike, state: dict, write_files: Call
     marker = {"epoch": int(state["epoch"]), "step": int(state["step"]), "files": files}
     atomic_write_text(folder / MARKER, json.dumps(marker))
     atomic_write_text(run_dir / POINTER, folder.name + "\n")
-    for _, path in _versions(run_dir):
-        if path != folder:
-            shutil.rmtree(path, ignore_errors=True)
+    _remove_versions(run_dir, keep=folder)
     return Checkpoint(folder, state)

@@ -45,6 +45,8 @@ def resolve_device(name: str) -> torch.device:
 
 #: GRPO's usual learning rate on a pretrained model (the paper's recipe, Sec. 4).
 LR = 1e-6
+#: GRPOConfig fields that count something, each >= 1.
+_COUNTS = ("epochs", "prompts_per_step", "ppo_mini_batches", "micro_batch_size", "eval_samples", "eval_every")
 
 
 @dataclass
@@ -85,14 +87,7 @@ class GRPOConfig:
         if not isinstance(self.prompt_format, PromptFormat):
             raise TypeError(f"prompt_format must be a PromptFormat, got {type(self.prompt_format).__name__}")
         check_choice("generation_backend", self.generation_backend, ("auto", *BACKENDS))
-        for name in (
-            "epochs",
-            "prompts_per_step",
-            "ppo_mini_batches",
-            "micro_batch_size",
-            "eval_samples",
-            "eval_every",
-        ):
+        for name in _COUNTS:
             check_int(name, getattr(self, name), low=1)
         check_int("group_size", self.group_size, low=2, hint=" (GRPO compares the G samples of a prompt)")
         check_int("seed", self.seed, low=-(2**63), high=2**64 - 1)
@@ -129,13 +124,8 @@ class GRPOConfig:
         return int(limit)
 
     def to_dict(self) -> dict:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return {
-            **d,
-            "mode": self.mode.to_dict(),
-            "sampling": self.sampling.to_dict(),
-            "prompt_format": self.prompt_format.to_dict(),
-        }
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {k: v.to_dict() if k in ("mode", "sampling", "prompt_format") else v for k, v in values.items()}
 
 
 @dataclass(frozen=True)

@@ -43,10 +43,8 @@ def policy_drift(
         chunk = rows[start : start + per_chunk]
         ps, rs = [prompts[i] for i in chunk], [responses[i] for i in chunk]
         logp = _log_probs(model, ps, rs, pad_id, temperature)
-        width = logp.shape[1]
-        mask = torch.arange(width, device=logp.device).unsqueeze(0) < torch.tensor(
-            [len(r) for r in rs], device=logp.device
-        ).unsqueeze(1)
+        lengths = torch.tensor([len(r) for r in rs], device=logp.device)
+        mask = torch.arange(logp.shape[1], device=logp.device) < lengths.unsqueeze(1)  # [rows, positions]
         p = logp.exp()
         entropy += float((-(p * logp).sum(-1))[mask].sum())
         if reference is not None:

@@ -20,15 +20,7 @@ from ..drafts.owner import policy_owner
 from ..rollout.reward_split import origin_sums, response_origins
 from ..rollout.speculative import RolloutRequest, RolloutResult, SpeculativeRollout
 from ..util.atomic import atomic_write_text
-from .checkpoint import (
-    CACHE_FILE,
-    HISTORY_FILE,
-    OPTIMIZER_FILE,
-    Checkpoint,
-    commit_checkpoint,
-    latest_checkpoint,
-    remove_stale,
-)
+from .checkpoint import CACHE_FILE, HISTORY_FILE, OPTIMIZER_FILE, commit_checkpoint, latest_checkpoint, remove_stale
 from .config import GRPOConfig, resolve_device
 from .heldout import START, HeldoutEvaluator
 from .loss import clipped_policy_loss, group_advantages, response_mask
@@ -90,12 +82,10 @@ class GRPOTrainer:
             )
         max_model_len = config.context_limit(getattr(model.config, "max_position_embeddings", None))
         self.settings = config.sampling
-        self.prompt_ids = config.prompt_format.encode(tokenizer, self.examples)
-        self._check_prompt_lengths(self.examples, self.prompt_ids, max_model_len, "prompt")
+        self.prompt_ids = self._encode(self.examples, max_model_len, "prompt")
         self.heldout = None
         if eval_examples is not None:
-            eval_ids = config.prompt_format.encode(tokenizer, eval_examples)
-            self._check_prompt_lengths(eval_examples, eval_ids, max_model_len, "held-out prompt")
+            self._encode(eval_examples, max_model_len, "held-out prompt")
             self.heldout = HeldoutEvaluator(
                 eval_examples,
                 tokenizer,
@@ -120,17 +110,14 @@ class GRPOTrainer:
         self.records: list[dict] = []
         self.metrics_path = self.out_dir / METRICS_FILE
 
-    def _make_rollout(self, model, config: GRPOConfig, max_model_len: int) -> SpeculativeRollout:
-        backend = self._make_backend(model, config, max_model_len)
+    def _make_rollout(self, model, cfg: GRPOConfig, max_model_len: int) -> SpeculativeRollout:
+        """Rollouts on the backend ``cfg.generation_backend`` names (:data:`spec_rl.backends.BACKENDS`; "auto": vLLM on
+        CUDA when installed, else transformers)."""
+        eos = sorted(self.eos_ids)
+        policy = Policy(model, self.tokenizer, eos, self.pad_id, max_model_len, self.out_dir / "vllm-weights")
+        backend = build_backend(cfg.generation_backend, policy)
         return SpeculativeRollout(
-            backend,
-            self.cache,
-            self.settings,
-            sorted(self.eos_ids),
-            max_model_len,
-            mode=config.mode,
-            seed=config.seed,
-            history=self.history,
+            backend, self.cache, self.settings, eos, max_model_len, mode=cfg.mode, seed=cfg.seed, history=self.history
         )
 
     def _set_initial_policy(self, model, ref_model) -> None:
@@ -143,23 +130,16 @@ class GRPOTrainer:
         if self.heldout is not None:
             self.heldout.reference, self.heldout.pad_id = initial, self.pad_id
 
-    @staticmethod
-    def _check_prompt_lengths(examples: Sequence, prompt_ids: list[list[int]], max_model_len: int, what: str) -> None:
+    def _encode(self, examples: Sequence, max_model_len: int, what: str) -> list[list[int]]:
+        """The prompt ids of ``examples``; ValueError for one that leaves no room for a response token."""
+        prompt_ids = self.config.prompt_format.encode(self.tokenizer, examples)
         for e, ids in zip(examples, prompt_ids):
             if len(ids) >= max_model_len:
                 raise ValueError(
-                    f"{what} {getattr(e, 'uid', '?')!r} has {len(ids)} tokens, "
-                    f"not less than max_model_len={max_model_len}; "
-                    "filter long prompts or raise max_model_len"
+                    f"{what} {getattr(e, 'uid', '?')!r} has {len(ids)} tokens, not less than max_model_len="
+                    f"{max_model_len}; filter long prompts or raise max_model_len"
                 )
-
-    def _make_backend(self, model, config: GRPOConfig, max_model_len: int):
-        """The backend ``config.generation_backend`` names (:data:`spec_rl.backends.BACKENDS`; "auto": vLLM on CUDA
-        when installed, else transformers)."""
-        policy = Policy(
-            model, self.tokenizer, sorted(self.eos_ids), self.pad_id, max_model_len, self.out_dir / "vllm-weights"
-        )
-        return build_backend(config.generation_backend, policy)
+        return prompt_ids
 
     def resume(self) -> bool:
         """Restore optimizer, counters, records, rollout cache and history from the committed checkpoint. The caller
@@ -169,22 +149,19 @@ class GRPOTrainer:
         ckpt = latest_checkpoint(self.out_dir, log=self.log)
         remove_stale(self.out_dir, keep=ckpt)
         if ckpt is not None:
-            self._restore(ckpt)
+            self.step, self.start_epoch = ckpt.step, ckpt.epoch
+            self.records = list(ckpt.state.get("records", []))
+            opt_path, cache_path, history_path = (ckpt.path / f for f in (OPTIMIZER_FILE, CACHE_FILE, HISTORY_FILE))
+            if opt_path.is_file():
+                self.optimizer.load_state_dict(torch.load(opt_path, map_location=self.device, weights_only=True))
+            if cache_path.is_file():
+                stored = RolloutCache.load(cache_path)
+                stored.claim(self.cache.owner, f"rollout cache {cache_path}")
+                self.cache.update(stored)
+            if self.history is not None and history_path.is_file():
+                self.history.update(HistoryIndex.load(history_path))
         self._trim_metrics()
         return ckpt is not None
-
-    def _restore(self, ckpt: Checkpoint) -> None:
-        self.step, self.start_epoch = ckpt.step, ckpt.epoch
-        self.records = list(ckpt.state.get("records", []))
-        opt_path = ckpt.path / OPTIMIZER_FILE
-        if opt_path.is_file():
-            self.optimizer.load_state_dict(torch.load(opt_path, map_location=self.device, weights_only=True))
-        if (ckpt.path / CACHE_FILE).is_file():
-            stored = RolloutCache.load(ckpt.path / CACHE_FILE)
-            stored.claim(self.cache.owner, f"rollout cache {ckpt.path / CACHE_FILE}")
-            self.cache.update(stored)
-        if self.history is not None and (ckpt.path / HISTORY_FILE).is_file():
-            self.history.update(HistoryIndex.load(ckpt.path / HISTORY_FILE))
 
     def _trim_metrics(self) -> None:
         """Drop metrics lines of steps >= ``self.step`` (and torn lines), so redone steps are not listed twice."""
@@ -199,7 +176,7 @@ class GRPOTrainer:
                 continue  # a line cut short by the kill
         atomic_write_text(self.metrics_path, "".join(kept))
 
-    def _save(self, epoch: int) -> Checkpoint:
+    def _save(self, epoch: int) -> None:
         """Commit model, optimizer, cache, history and trainer state as one checkpoint version."""
 
         def write_files(folder) -> None:
@@ -211,7 +188,7 @@ class GRPOTrainer:
                 self.history.save(folder / HISTORY_FILE)
 
         state = {"epoch": epoch + 1, "step": self.step, "config": self.config.to_dict(), "records": self.records}
-        return commit_checkpoint(self.out_dir, state, write_files)
+        commit_checkpoint(self.out_dir, state, write_files)
 
     def _update(self, result: RolloutResult, advantages: torch.Tensor) -> dict[str, float]:
         cfg = self.config
@@ -244,16 +221,9 @@ class GRPOTrainer:
                 if self.ref_model is not None:
                     with torch.no_grad():
                         ref = response_logprobs(self.ref_model, prompts, resps, self.pad_id, self.settings)
+                adv = advantages[idx].to(self.device)
                 loss, m = clipped_policy_loss(
-                    lp,
-                    old,
-                    advantages[idx].to(self.device),
-                    mask,
-                    cfg.clip_low,
-                    cfg.clip_high,
-                    ref_logprobs=ref,
-                    kl_coef=cfg.kl_coef,
-                    num_tokens=num_tokens,
+                    lp, old, adv, mask, cfg.clip_low, cfg.clip_high, ref, cfg.kl_coef, num_tokens
                 )
                 loss.backward()
                 total += float(loss.detach())
@@ -308,16 +278,14 @@ class GRPOTrainer:
         self.step += 1
         return record
 
-    def _warm_start_evaluation(self) -> dict | None:
+    def _warm_start_evaluation(self) -> None:
         """The epoch-0 evaluation when this call trains epoch 1 (computed unless given), logged as an epoch-0 row."""
-        if self.heldout is None or self.start_epoch > 0:
-            return None
-        if self.initial_heldout is None:
-            self.initial_heldout = self.heldout.evaluate(self.model, 0)
-        self.log(format_row(self.label, {"epoch": 0, **self.initial_heldout}))
-        return self.initial_heldout
+        if self.heldout is not None and self.start_epoch == 0:
+            if self.initial_heldout is None:
+                self.initial_heldout = self.heldout.evaluate(self.model, 0)
+            self.log(format_row(self.label, {"epoch": 0, **self.initial_heldout}))
 
-    def _epoch_end(self, epoch: int, steps: list[dict], start: dict | None) -> dict:
+    def _epoch_end(self, epoch: int, steps: list[dict]) -> dict:
         """The record of finished (0-based) ``epoch``, with the held-out evaluation after it."""
         cfg = self.config
         record = epoch_record(epoch + 1, steps, self.label, cfg.mode)
@@ -326,27 +294,20 @@ class GRPOTrainer:
         if self.heldout is not None:
             if (epoch + 1) % cfg.eval_every == 0 or epoch + 1 == cfg.epochs:
                 record.update(self.heldout.evaluate(self.model, epoch + 1))
-            if start is not None and epoch == 0:
-                record.update({START + k: v for k, v in start.items()})
+            if epoch == 0:  # epoch 1 carries the warm-start evaluation (:meth:`_warm_start_evaluation`)
+                record.update({START + k: v for k, v in self.initial_heldout.items()})
         return record
 
     def train(self, on_epoch: Callable[[dict], None] | None = None) -> list[dict]:
         """Train epochs ``start_epoch + 1 .. config.epochs``; returns ``records`` (restored ones included). Every epoch
         ends with its evaluation (held-out examples), a committed checkpoint (``config.save_checkpoint``), then
         ``on_epoch(record)``."""
-        cfg = self.config
-        steps_per_epoch = -(-len(self.examples) // cfg.prompts_per_step)
-        bar = None
-        if self.progress:
-            from tqdm.auto import tqdm
+        from tqdm.auto import tqdm
 
-            bar = tqdm(
-                total=(cfg.epochs - self.start_epoch) * steps_per_epoch,
-                desc=f"GRPO [{self.label}]",
-                unit="step",
-                leave=False,
-            )
-        start = self._warm_start_evaluation()
+        cfg = self.config
+        total = (cfg.epochs - self.start_epoch) * -(-len(self.examples) // cfg.prompts_per_step)
+        bar = tqdm(total=total, desc=f"GRPO [{self.label}]", unit="step", leave=False, disable=not self.progress)
+        self._warm_start_evaluation()
         for epoch in range(self.start_epoch, cfg.epochs):
             # The cache is keyed by prompt ids, so the order may change every epoch.
             order = list(range(len(self.examples)))
@@ -355,15 +316,13 @@ class GRPOTrainer:
             for s in range(0, len(order), cfg.prompts_per_step):
                 rec = self.train_step(order[s : s + cfg.prompts_per_step], epoch)
                 steps.append(rec)
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(epoch=epoch + 1, reward=f"{rec['mean_reward']:.3f}", gen=rec["tokens_generated"])
-            record = self._epoch_end(epoch, steps, start)
+                bar.update(1)
+                bar.set_postfix(epoch=epoch + 1, reward=f"{rec['mean_reward']:.3f}", gen=rec["tokens_generated"])
+            record = self._epoch_end(epoch, steps)
             self.records.append(record)
             if cfg.save_checkpoint:
                 self._save(epoch)
             if on_epoch is not None:
                 on_epoch(record)
-        if bar is not None:
-            bar.close()
+        bar.close()
         return list(self.records)

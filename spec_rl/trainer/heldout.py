@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from ..sampling.distribution import SamplingSettings
 from ..sampling.philox import mix_seed
@@ -40,36 +42,28 @@ def heldout_seed(run_seed: int, epoch: int) -> int:
     return mix_seed(int(run_seed) ^ HELDOUT_SEED_SALT, epoch)
 
 
+@dataclass(eq=False)
 class HeldoutEvaluator:
     """Evaluates a policy on fixed held-out examples with one keyed seed per epoch; ValueError without examples.
     ``settings``, ``reward_fn``: the training ones; ``max_model_len``: context limit (the budget is the rollout's)."""
 
-    def __init__(
-        self,
-        examples: Sequence,
-        tokenizer,
-        settings: SamplingSettings,
-        samples_per_prompt: int,
-        reward_fn: Callable[[str, str], float],
-        run_seed: int,
-        max_model_len: int | None = None,
-        batch_size: int = EVAL_BATCH_SIZE,
-        prompt_format: PromptFormat | None = None,
-    ):
-        if len(examples) == 0:
+    examples: Sequence
+    tokenizer: Any
+    settings: SamplingSettings
+    samples_per_prompt: int
+    reward_fn: Callable[[str, str], float]
+    run_seed: int
+    max_model_len: int | None = None
+    batch_size: int = EVAL_BATCH_SIZE
+    prompt_format: PromptFormat | None = None
+    #: the initial policy and pad id of the diagnostics, set by the trainer
+    reference: Any = None
+    pad_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.examples) == 0:
             raise ValueError("no held-out examples; pass at least one, or none to turn held-out evaluation off")
-        self.examples = list(examples)
-        self.tokenizer = tokenizer
-        self.settings = settings
-        self.samples_per_prompt = samples_per_prompt
-        self.reward_fn = reward_fn
-        self.run_seed = run_seed
-        self.max_model_len = max_model_len
-        self.batch_size = batch_size
-        self.prompt_format = prompt_format
-        #: the initial policy and pad id of the diagnostics, set by the trainer
-        self.reference = None
-        self.pad_id: int | None = None
+        self.examples = list(self.examples)
 
     def evaluate(self, model, epoch: int) -> dict:
         """The fields of :data:`FIELDS` for ``model`` as it is after ``epoch`` (0: before training)."""
@@ -91,9 +85,8 @@ class HeldoutEvaluator:
         )
         if self.pad_id is not None:
             prompts, responses = [p for p, _ in samples], [r for _, r in samples]
-            result.update(
-                policy_drift(model, self.reference, prompts, responses, self.pad_id, self.settings.temperature)
-            )
+            drift = policy_drift(model, self.reference, prompts, responses, self.pad_id, self.settings.temperature)
+            result.update(drift)
         return {**result, "heldout_seed": seed, "heldout_seconds": time.perf_counter() - t0}
 
 

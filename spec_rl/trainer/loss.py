@@ -30,11 +30,7 @@ def response_mask(response_ids: Sequence[Sequence[int]], eos_ids: set[int], widt
     width = width if width is not None else max([len(r) for r in response_ids] + [1])
     mask = torch.zeros((len(response_ids), width), dtype=torch.bool)
     for b, resp in enumerate(response_ids):
-        end = len(resp)
-        for i, tok in enumerate(resp):
-            if tok in eos_ids:
-                end = i + 1
-                break
+        end = next((i + 1 for i, tok in enumerate(resp) if tok in eos_ids), len(resp))
         mask[b, : min(end, width)] = True
     return mask
 

@@ -13,33 +13,18 @@ from ..rollout.reward_split import ORIGINS, origin_means
 #: One JSON line per training step, in each mode's folder of a run directory.
 METRICS_FILE = "metrics.jsonl"
 
-# Step fields summed into an epoch record.
+# Step fields summed into an epoch record: the rollout's counters and timings, then the trainer's.
 SUMMED = (
-    "num_samples",
-    "drafts_found",
-    "draft_tokens",
-    "accepted_tokens",
-    "full_reuse_count",
-    "tokens_generated",
-    "vanilla_tokens",
-    "scoring_seconds",
-    "generation_seconds",
-    "assembly_seconds",
-    "decode_steps",
-    "tail_proposed",
-    "tail_accepted",
-    "decode_rows",
-    "decode_positions",
-    "reward_sum",
-    "truncated",
-    "train_seconds",
-    "groups",
-    "flat_groups",
+    *("num_samples", "drafts_found", "draft_tokens", "accepted_tokens", "full_reuse_count", "tokens_generated"),
+    *("vanilla_tokens", "decode_steps", "tail_proposed", "tail_accepted", "decode_rows", "decode_positions"),
+    *("scoring_seconds", "generation_seconds", "assembly_seconds"),
+    *("reward_sum", "truncated", "train_seconds", "groups", "flat_groups"),
     *(f"{kind}_{origin}" for origin in ORIGINS for kind in ("reward_sum", "count")),
 )
 
 
-def _mean(values: list) -> float | None:
+def mean_or_none(values: list) -> float | None:
+    """The mean of the values that are not None; None if there is none."""
     values = [v for v in values if v is not None]
     return sum(values) / len(values) if values else None
 
@@ -77,7 +62,7 @@ def epoch_record(epoch: int, steps: list[dict], label: str, mode: RolloutMode) -
         "mean_step_width": tot["decode_positions"] / tot["decode_rows"] if tot["decode_rows"] else None,
         # how far the policy moved on the tokens it reused (mean |lp_new - lp_old|, nats); None where the rule does
         # not measure it (the exact walk)
-        "reused_drift": _mean([s.get("reused_drift") for s in steps if s.get("drafts_found")]),
+        "reused_drift": mean_or_none([s.get("reused_drift") for s in steps if s.get("drafts_found")]),
         "train_seconds": tot["train_seconds"],
         "groups": tot["groups"],
         "flat_groups": tot["flat_groups"],

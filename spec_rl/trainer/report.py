@@ -12,6 +12,7 @@ from ..acceptance.mode import RolloutMode
 from ..rollout.reward_split import ORIGINS
 from ..util.atomic import atomic_write_text
 from .heldout import heldout_curve, start_point
+from .records import mean_or_none
 from .report_plot import plot
 
 # Columns printed per epoch (key, header, format).
@@ -32,16 +33,37 @@ EPOCH_COLUMNS = (
     ("scoring_seconds", "scoring s", "{:.1f}"),
     ("heldout_seconds", "eval s", "{:.1f}"),
 )
+#: The cost ratios to vanilla (``<key>_ratio``), per epoch and summed.
+_RATIOS = ("generated_tokens", "decode_steps", "rollout_seconds")
 #: Summed over epochs for the run-level ratios.
-_TOTALS = (
-    "generated_tokens",
-    "decode_steps",
-    "rollout_seconds",
-    "scoring_seconds",
-    "generation_seconds",
-    "other_seconds",
-    "reused_tokens",
-    "draft_tokens",
+_TOTALS = (*_RATIOS, "scoring_seconds", "generation_seconds", "other_seconds", "reused_tokens", "draft_tokens")
+#: Columns of the comparison tables (key, header, format); n/a where there is no value.
+_RATIO_COLUMNS = (
+    ("generated_tokens_ratio", "tokens ratio", ".3f"),
+    ("decode_steps_ratio", "decode steps ratio", ".3f"),
+    ("rollout_seconds_ratio", "rollout time ratio", ".3f"),
+)
+_TOTAL_COLUMNS = (
+    *_RATIO_COLUMNS,
+    ("scoring_seconds", "scoring s", ".2f"),
+    ("generation_seconds", "decode s", ".2f"),
+    ("other_seconds", "other s", ".2f"),
+    ("scoring_share", "scoring / vanilla rollout", ".1%"),
+    ("accepted_share", "accepted share of draft tokens", ".1%"),
+    ("reused_drift", "drift of reused tokens (nats)", ".3g"),
+    ("final_heldout_reward_minus_vanilla", "final held-out reward - vanilla", "+.3f"),
+    ("final_greedy_accuracy_minus_vanilla", "final greedy accuracy - vanilla", "+.3f"),
+)
+_EPOCH_VERSUS = (
+    *_RATIO_COLUMNS,
+    ("heldout_reward_minus_vanilla", "held-out reward - vanilla", "+.3f"),
+    ("greedy_accuracy_minus_vanilla", "greedy accuracy - vanilla", "+.3f"),
+)
+#: The quality gaps to vanilla: (name, record key); the rollout reward's gap is biased under reuse.
+_GAPS = (
+    ("reward_minus_vanilla", "mean_reward"),
+    ("heldout_reward_minus_vanilla", "heldout_reward"),
+    ("greedy_accuracy_minus_vanilla", "heldout_greedy_accuracy"),
 )
 
 
@@ -62,18 +84,20 @@ def header_row() -> str:
     return " | ".join([f"{'mode':>8}"] + [h.rjust(max(len(h), 8)) for _, h, _ in EPOCH_COLUMNS])
 
 
-def _with_start(records: list[dict]) -> list[dict]:
-
-    start = start_point(records)
-    return records if start is None else [start, *records]
+def _table(head: list[str], rows) -> list[str]:
+    """A markdown table: the header, its separator and one line per row of cells."""
+    lines = ["| " + " | ".join(cells) + " |" for cells in [head, *rows]]
+    return [lines[0], "|" + "---|" * len(head), *lines[1:]]
 
 
 def markdown_table(summary: dict[str, list[dict]]) -> str:
-    lines = ["| mode | " + " | ".join(h for _, h, _ in EPOCH_COLUMNS) + " |", "|" + "---|" * (len(EPOCH_COLUMNS) + 1)]
-    for mode, records in summary.items():
-        for rec in _with_start(records):
-            lines.append("| " + mode + " | " + " | ".join(_cell(rec, k, fmt) for k, _, fmt in EPOCH_COLUMNS) + " |")
-    return "\n".join(lines)
+    """The per-epoch table of report.md, each run's warm-start evaluation as its epoch-0 row."""
+    rows = [
+        [mode] + [_cell(rec, k, fmt) for k, _, fmt in EPOCH_COLUMNS]
+        for mode, records in summary.items()
+        for rec in filter(None, [start_point(records), *records])
+    ]
+    return "\n".join(_table(["mode"] + [h for _, h, _ in EPOCH_COLUMNS], rows))
 
 
 def _ratio(a: float, b: float) -> float | None:
@@ -84,58 +108,43 @@ def _minus(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else a - b
 
 
+def _versus(rec: dict, v: dict, prefix: str = "") -> dict:
+    """The gaps of :data:`_GAPS` between ``rec`` and vanilla's ``v`` (None where either lacks the number)."""
+    return {prefix + name: _minus(rec.get(key), v.get(key)) for name, key in _GAPS}
+
+
+def _ratios(rec: dict, base: dict) -> dict:
+    """``<key>_ratio`` for each cost of :data:`_RATIOS`: ``rec``'s over vanilla's ``base`` (None where it is 0)."""
+    return {f"{k}_ratio": _ratio(rec.get(k, 0), base.get(k, 0)) for k in _RATIOS}
+
+
 def comparison(summary: dict[str, list[dict]]) -> list[dict]:
     """Per epoch, each run against plain vanilla: token, decode-step and rollout-time ratios and held-out gaps (None
     without evaluation); ``reward_minus_vanilla``, the rollout reward's gap, is biased under reuse."""
-    if "vanilla" not in summary:
-        return []
-    base = {r["epoch"]: r for r in summary["vanilla"]}
-    rows = []
-    for mode, records in summary.items():
-        for rec in records if mode != "vanilla" else []:
-            v = base.get(rec["epoch"])
-            if v is not None:
-                rows.append(
-                    {
-                        "mode": mode,
-                        "epoch": rec["epoch"],
-                        "generated_tokens_ratio": _ratio(rec["generated_tokens"], v["generated_tokens"]),
-                        "decode_steps_ratio": _ratio(rec.get("decode_steps", 0), v.get("decode_steps", 0)),
-                        "rollout_seconds_ratio": _ratio(rec["rollout_seconds"], v["rollout_seconds"]),
-                        "reward_minus_vanilla": rec["mean_reward"] - v["mean_reward"],
-                        "no_signal": bool(rec.get("no_signal")),
-                        "heldout_reward_minus_vanilla": _minus(rec.get("heldout_reward"), v.get("heldout_reward")),
-                        "greedy_accuracy_minus_vanilla": _minus(
-                            rec.get("heldout_greedy_accuracy"), v.get("heldout_greedy_accuracy")
-                        ),
-                    }
-                )
-    return rows
+    base = {r["epoch"]: r for r in summary.get("vanilla", [])}
+    return [
+        {
+            "mode": mode,
+            "epoch": rec["epoch"],
+            "no_signal": bool(rec.get("no_signal")),
+            **_ratios(rec, v),
+            **_versus(rec, v),
+        }
+        for mode, records in summary.items()
+        if mode != "vanilla"
+        for rec in records
+        if (v := base.get(rec["epoch"])) is not None
+    ]
 
 
 def _final_quality(records: list[dict], vanilla: dict[int, dict]) -> dict:
-    """Rollout and held-out numbers of the last epoch this run shares with vanilla, and their gaps."""
-    shared = [r for r in records if r["epoch"] in vanilla]
-    if not shared:
-        return {
-            "final_epoch": None,
-            "final_reward_minus_vanilla": None,
-            "final_heldout_reward": None,
-            "final_heldout_greedy_accuracy": None,
-            "final_heldout_reward_minus_vanilla": None,
-            "final_greedy_accuracy_minus_vanilla": None,
-        }
-    last = shared[-1]
-    v = vanilla[last["epoch"]]
+    """Rollout and held-out numbers of the last epoch this run shares with vanilla, and their gaps (None: none)."""
+    last = ([r for r in records if r["epoch"] in vanilla] or [{}])[-1]
     return {
-        "final_epoch": last["epoch"],
-        "final_reward_minus_vanilla": last["mean_reward"] - v["mean_reward"],
+        "final_epoch": last.get("epoch"),
         "final_heldout_reward": last.get("heldout_reward"),
         "final_heldout_greedy_accuracy": last.get("heldout_greedy_accuracy"),
-        "final_heldout_reward_minus_vanilla": _minus(last.get("heldout_reward"), v.get("heldout_reward")),
-        "final_greedy_accuracy_minus_vanilla": _minus(
-            last.get("heldout_greedy_accuracy"), v.get("heldout_greedy_accuracy")
-        ),
+        **_versus(last, vanilla.get(last.get("epoch"), {}), "final_"),
     }
 
 
@@ -158,25 +167,18 @@ def run_ratios(summary: dict[str, list[dict]], from_epoch: int = 2) -> list[dict
             {
                 "mode": mode,
                 **t,
-                **{
-                    f"{k}_ratio": _ratio(t[k], base[k]) for k in ("generated_tokens", "decode_steps", "rollout_seconds")
-                },
+                **_ratios(t, base),
                 "scoring_share": _ratio(t["scoring_seconds"], base["rollout_seconds"]),
                 # the policy-change context of the ratios: the share of draft tokens accepted, and how far the policy
                 # had moved on the tokens it reused (mean |lp_new - lp_old|, nats)
                 "accepted_share": _ratio(t["reused_tokens"], t["draft_tokens"]),
-                "reused_drift": _mean_of(records, "reused_drift", epochs),
+                "reused_drift": mean_or_none([r.get("reused_drift") for r in records if r["epoch"] in epochs]),
                 "no_signal_epochs": [r["epoch"] for r in records if r.get("no_signal")],
                 **_final_quality(records, vanilla),
                 "epochs": sorted(epochs),
             }
         )
     return out
-
-
-def _mean_of(records: list[dict], key: str, epochs) -> float | None:
-    values = [r[key] for r in records if r["epoch"] in epochs and r.get(key) is not None]
-    return sum(values) / len(values) if values else None
 
 
 def _fmt(x: float | None, spec: str) -> str:
@@ -209,37 +211,35 @@ def _final_heldout_text(r: dict) -> str:
 
 def closing_lines(summary: dict[str, list[dict]], from_epoch: int = 2) -> list[str]:
     """Console summary: vanilla's held-out progress, then each run against vanilla (held-out numbers, rollout cost)."""
-    if "vanilla" not in summary:
-        return no_signal_lines(summary) + [
-            line for mode, recs in summary.items() if (line := heldout_progress(mode, recs)) is not None
-        ]
-    lines = [line] if (line := heldout_progress("vanilla", summary["vanilla"])) is not None else []
+    shown = {"vanilla": summary["vanilla"]} if "vanilla" in summary else summary  # without vanilla: no ratios
+    lines = [line for mode, recs in shown.items() if (line := heldout_progress(mode, recs)) is not None]
     for r in run_ratios(summary, from_epoch):
         if r["mode"] == "vanilla":
             continue
+        flat = _flat_epochs(r)
         if not r["epochs"]:  # e.g. a one-epoch run: no drafts yet, nothing to compare
-            lines.append(
-                f"{r['mode']}/vanilla: no epoch >= {from_epoch} to compare (the first epoch has no drafts); "
-                + _final_heldout_text(r)
-            )
-            continue
-        flat = [e for e in r["epochs"] if e in r["no_signal_epochs"]]
-        if len(flat) == len(r["epochs"]):  # an unchanged policy reuses everything: no speed-up to report
-            lines.append(
+            cost = f"{r['mode']}/vanilla: no epoch >= {from_epoch} to compare (the first epoch has no drafts)"
+        elif len(flat) == len(r["epochs"]):  # an unchanged policy reuses everything: no speed-up to report
+            cost = (
                 f"{r['mode']}/vanilla, epochs {from_epoch}+: ratios withheld: no learning signal in epoch(s) "
                 f"{', '.join(map(str, flat))}, so the policy did not change and its drafts were reused under the "
-                "policy that made them; " + _final_heldout_text(r)
+                "policy that made them"
             )
-            continue
-        lines.append(
-            f"{r['mode']}/vanilla, epochs {from_epoch}+{_no_signal_mark(flat)}: "
-            f"generated tokens {_fmt(r['generated_tokens_ratio'], '.2f')}x, "
-            f"decode steps {_fmt(r['decode_steps_ratio'], '.2f')}x, "
-            f"rollout time {_fmt(r['rollout_seconds_ratio'], '.2f')}x "
-            f"(scoring {_fmt(r['scoring_share'], '.0%')} of vanilla's rollout) {_context_text(r)}; "
-            + _final_heldout_text(r)
-        )
+        else:
+            cost = (
+                f"{r['mode']}/vanilla, epochs {from_epoch}+{_no_signal_mark(flat)}: "
+                f"generated tokens {_fmt(r['generated_tokens_ratio'], '.2f')}x, "
+                f"decode steps {_fmt(r['decode_steps_ratio'], '.2f')}x, "
+                f"rollout time {_fmt(r['rollout_seconds_ratio'], '.2f')}x "
+                f"(scoring {_fmt(r['scoring_share'], '.0%')} of vanilla's rollout) {_context_text(r)}"
+            )
+        lines.append(f"{cost}; {_final_heldout_text(r)}")
     return no_signal_lines(summary) + lines
+
+
+def _flat_epochs(r: dict) -> list[int]:
+    """The compared epochs of a :func:`run_ratios` row that had no learning signal."""
+    return [e for e in r["epochs"] if e in r["no_signal_epochs"]]
 
 
 def _no_signal_mark(epochs: list[int]) -> str:
@@ -262,31 +262,30 @@ def _context_text(r: dict) -> str:
 def no_signal_lines(summary: dict[str, list[dict]]) -> list[str]:
     """A warning per run with epochs whose groups all had equal rewards (no learning signal; the policy did not
     change, so reuse ratios there describe an unchanged policy)."""
-    lines = []
-    for mode, records in summary.items():
-        flat = [r["epoch"] for r in records if r.get("no_signal")]
-        if flat:
-            lines.append(
-                f"WARNING: {mode}: no learning signal in epoch(s) {', '.join(map(str, flat))} of {len(records)}: "
-                "every group's rewards were equal, every advantage 0, and the policy did not change; "
-                "ratios over such epochs measure reuse under an unchanged policy"
-            )
-    return lines
-
-
-def _num(x, spec: str) -> str:
-    return format(x, spec) if isinstance(x, (int, float)) else str(x)
-
-
-def _describe(rec: dict) -> str:
-    """How a run rolled out, from its first epoch record: reuse rule and tail speculation."""
-    return RolloutMode.from_dict(rec).describe()
+    return [
+        f"WARNING: {mode}: no learning signal in epoch(s) {', '.join(map(str, flat))} of {len(records)}: "
+        "every group's rewards were equal, every advantage 0, and the policy did not change; "
+        "ratios over such epochs measure reuse under an unchanged policy"
+        for mode, records in summary.items()
+        if (flat := [r["epoch"] for r in records if r.get("no_signal")])
+    ]
 
 
 def _origin_markdown(summary: dict[str, list[dict]]) -> list[str]:
     """The rollout reward of each epoch split by response origin, beside the held-out reward."""
-    heads = " | ".join(f"{o.replace('_', ' ')} (n)" for o in ORIGINS)
-    lines = [
+    heads = [f"{o.replace('_', ' ')} (n)" for o in ORIGINS]
+    rows = [
+        [
+            mode,
+            str(rec["epoch"]),
+            f"{rec['mean_reward']:.3f}",
+            *(f"{_fmt(rec.get(f'reward_{o}'), '.3f')} ({rec.get(f'count_{o}', 0)})" for o in ORIGINS),
+            _fmt(rec.get("heldout_reward"), ".3f"),
+        ]
+        for mode, records in summary.items()
+        for rec in records
+    ]
+    return [
         "## Rollout reward by response origin",
         "",
         "With lenient acceptance the rollout reward is biased upward: a draft survives the test when the policy "
@@ -294,62 +293,31 @@ def _origin_markdown(summary: dict[str, list[dict]]) -> list[str]:
         "that were already correct. With exact acceptance every response is a fresh sample of the policy, so the "
         "total is unbiased although the origins differ in reward. Compare runs on the held-out reward.",
         "",
-        f"| run | epoch | rollout reward | {heads} | held-out reward |",
-        "|---|---|---|" + "---|" * len(ORIGINS) + "---|",
+        *_table(["run", "epoch", "rollout reward", *heads, "held-out reward"], rows),
+        "",
     ]
-    for mode, records in summary.items():
-        for rec in records:
-            cells = [f"{_fmt(rec.get(f'reward_{o}'), '.3f')} ({rec.get(f'count_{o}', 0)})" for o in ORIGINS]
-            lines.append(
-                f"| {mode} | {rec['epoch']} | {rec['mean_reward']:.3f} | "
-                + " | ".join(cells)
-                + f" | {_fmt(rec.get('heldout_reward'), '.3f')} |"
-            )
-    return lines + [""]
+
+
+def _cells(row: dict, columns) -> list[str]:
+    return [_fmt(row[key], spec) for key, _, spec in columns]
 
 
 def _comparison_markdown(summary: dict[str, list[dict]]) -> list[str]:
+    """Each run against vanilla: the costs and final gaps over epochs 2+ summed, then the ratios and gaps per epoch."""
     lines = []
     totals = run_ratios(summary)
     if totals:
-        lines += [
-            "## Relative to plain vanilla, epochs 2+ summed",
-            "",
-            "| run | tokens ratio | decode steps ratio | rollout time ratio | scoring s | decode s | other s | "
-            "scoring / vanilla rollout | accepted share of draft tokens | drift of reused tokens (nats) | "
-            "final held-out reward - vanilla | final greedy accuracy - vanilla |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        rows = [[r["mode"] + _no_signal_mark(_flat_epochs(r)), *_cells(r, _TOTAL_COLUMNS)] for r in totals]
+        table = _table(["run", *(h for _, h, _ in _TOTAL_COLUMNS)], rows)
+        lines += ["## Relative to plain vanilla, epochs 2+ summed", "", *table, ""]
+    per_epoch = comparison(summary)
+    if per_epoch:
+        rows = [
+            [c["mode"], f"{c['epoch']}{' (no learning signal)' if c['no_signal'] else ''}", *_cells(c, _EPOCH_VERSUS)]
+            for c in per_epoch
         ]
-        for r in totals:
-            flat = [e for e in r["epochs"] if e in r["no_signal_epochs"]]
-            lines.append(
-                f"| {r['mode']}{_no_signal_mark(flat)} | {_fmt(r['generated_tokens_ratio'], '.3f')} | "
-                f"{_fmt(r['decode_steps_ratio'], '.3f')} | {_fmt(r['rollout_seconds_ratio'], '.3f')} | "
-                f"{r['scoring_seconds']:.2f} | {r['generation_seconds']:.2f} | "
-                f"{r['other_seconds']:.2f} | {_fmt(r['scoring_share'], '.1%')} | "
-                f"{_fmt(r['accepted_share'], '.1%')} | {_fmt(r['reused_drift'], '.3g')} | "
-                f"{_fmt(r['final_heldout_reward_minus_vanilla'], '+.3f')} | "
-                f"{_fmt(r['final_greedy_accuracy_minus_vanilla'], '+.3f')} |"
-            )
-        lines.append("")
-    comp = comparison(summary)
-    if comp:
-        lines += [
-            "## Per epoch, relative to plain vanilla",
-            "",
-            "| run | epoch | tokens ratio | decode steps ratio | rollout time ratio | held-out reward - vanilla | "
-            "greedy accuracy - vanilla |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for c in comp:
-            lines.append(
-                f"| {c['mode']} | {c['epoch']}{' (no learning signal)' if c['no_signal'] else ''} | "
-                f"{_fmt(c['generated_tokens_ratio'], '.3f')} | "
-                f"{_fmt(c['decode_steps_ratio'], '.3f')} | "
-                f"{_fmt(c['rollout_seconds_ratio'], '.3f')} | {_fmt(c['heldout_reward_minus_vanilla'], '+.3f')} | "
-                f"{_fmt(c['greedy_accuracy_minus_vanilla'], '+.3f')} |"
-            )
-        lines.append("")
+        table = _table(["run", "epoch", *(h for _, h, _ in _EPOCH_VERSUS)], rows)
+        lines += ["## Per epoch, relative to plain vanilla", "", *table, ""]
     return lines
 
 
@@ -382,14 +350,12 @@ def _heldout_note(info: dict, summary: dict | None = None) -> list[str]:
     last_only = [m for m, c in (info.get("runs") or {}).items() if epochs and c.get("eval_every", 1) >= epochs > every]
     produce, are = ("produce", "are") if len(last_only) > 1 else ("produces", "is")
     after = sorted({_evaluated_after((summary or {}).get(m, []), epochs) for m in last_only})
-    lossless = (
-        (
+    lossless = ""
+    if last_only:
+        lossless = (
             f" {' and '.join(last_only)} {produce} vanilla's responses token for token and, beside vanilla, {are} "
             f"evaluated at the warm start and after {' / '.join(after)} only."
         )
-        if last_only
-        else ""
-    )
     return [
         f"Held-out evaluation: {prompts} prompts not trained on, {samples} fresh sample(s) each with the training "
         f"sampling settings (`held-out`) and one greedy response (`greedy`), before training (epoch 0) and after "
@@ -422,7 +388,7 @@ def write_report(
         "# spec-rl run report",
         "",
         f"Model: `{info.get('model')}`; device: {info.get('device')}; runs: "
-        + ", ".join(f"{m} ({_describe(r[0]) if r else '?'})" for m, r in summary.items())
+        + ", ".join(f"{m} ({RolloutMode.from_dict(r[0]).describe() if r else '?'})" for m, r in summary.items())
         + ".",
         "",
         "Versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()) + ".",

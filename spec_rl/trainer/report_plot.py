@@ -17,32 +17,21 @@ _STEP_PANELS = (
 )
 
 
-def _heldout_panel(ax, summary: dict[str, list[dict]]) -> bool:
-    """Held-out reward (solid) and greedy accuracy (dashed) per epoch, from 0 (the warm start); False if none."""
-    drawn = False
+def _heldout_panel(ax, summary: dict[str, list[dict]]) -> None:
+    """Held-out reward (solid) and greedy accuracy (dashed) per epoch, from 0 (the warm start)."""
     for mode, records in summary.items():
         curve = heldout_curve(records)
         if not curve:
             continue
-        drawn = True
         x = [p["epoch"] for p in curve]
         (line,) = ax.plot(x, [p["heldout_reward"] for p in curve], marker="o", ms=4, label=f"{mode} sampled")
-        ax.plot(
-            x,
-            [p["heldout_greedy_accuracy"] for p in curve],
-            ls="--",
-            marker="x",
-            ms=4,
-            color=line.get_color(),
-            label=f"{mode} greedy",
-        )
-    if drawn:
-        ax.set_title("held-out reward per epoch (0 = warm start)")
-        ax.set_xlabel("epoch")
-        ax.xaxis.get_major_locator().set_params(integer=True)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    return drawn
+        greedy = [p["heldout_greedy_accuracy"] for p in curve]
+        ax.plot(x, greedy, ls="--", marker="x", ms=4, color=line.get_color(), label=f"{mode} greedy")
+    ax.set_title("held-out reward per epoch (0 = warm start)")
+    ax.set_xlabel("epoch")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
 
 
 def plot(run_dir: Path, summary: dict[str, list[dict]]) -> Path | None:

@@ -10,6 +10,7 @@ import hashlib
 import json
 import time
 from collections.abc import Collection, Sequence
+from dataclasses import fields
 from pathlib import Path
 
 from ..acceptance.mode import RolloutMode
@@ -19,22 +20,11 @@ from .rundir import INFO_FILE, RunDirError
 #: GRPOConfig fields that change what a response can be; each run's mode is compared too, without ``tail``
 #: (tail speculation changes decode steps, never a token).
 RESPONSE_FIELDS = ("sampling", "prompt_format", "max_model_len", "seed")
-#: GRPOConfig fields that change how the policy is trained or measured. Not compared: epochs (a resume may extend a
-#: run), micro_batch_size (memory only), device and backend (keyed sampling).
-TRAINING_FIELDS = (
-    "group_size",
-    "prompts_per_step",
-    "ppo_mini_batches",
-    "lr",
-    "weight_decay",
-    "max_grad_norm",
-    "clip_low",
-    "clip_high",
-    "kl_coef",
-    "scale_adv_by_std",
-    "eval_samples",
-    "eval_every",
-)
+#: GRPOConfig fields a resume may change: epochs (a resume may extend a run), micro_batch_size (memory only), device and
+#: backend (keyed sampling), save_checkpoint; ``mode`` is compared per run.
+NOT_COMPARED = ("mode", "epochs", "micro_batch_size", "save_checkpoint", "device", "generation_backend")
+#: GRPOConfig fields that change how the policy is trained or measured: every other field.
+TRAINING_FIELDS = tuple(f.name for f in fields(GRPOConfig) if f.name not in RESPONSE_FIELDS + NOT_COMPARED)
 
 
 class ConfigChangeError(RunDirError):

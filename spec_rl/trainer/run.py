@@ -35,9 +35,8 @@ def load_policy(path: str | Path, device: torch.device | str = "cpu"):
             f"{path} is not a transformers checkpoint directory (no config.json); pass --model a local model folder"
         )
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32 if torch.device(device).type == "cpu" else "auto"
-    )
+    dtype = torch.float32 if torch.device(device).type == "cpu" else "auto"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return model.to(device).eval(), tokenizer
@@ -65,6 +64,7 @@ def check_policy(path: str | Path, config: GRPOConfig) -> None:
 def count_parameters(path: str | Path) -> int | None:
     """Parameters of the checkpoint at ``path`` from its safetensors headers (no weight read); None without any."""
     import json
+    import math
     import struct
 
     files = sorted(Path(path).glob("*.safetensors"))
@@ -72,12 +72,7 @@ def count_parameters(path: str | Path) -> int | None:
     for file in files:
         with open(file, "rb") as f:
             header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
-        for name, entry in header.items():
-            if name != "__metadata__":
-                n = 1
-                for dim in entry["shape"]:
-                    n *= int(dim)
-                total += n
+        total += sum(math.prod(int(d) for d in entry["shape"]) for k, entry in header.items() if k != "__metadata__")
     return total if files else None
 
 
@@ -122,19 +117,6 @@ def package_versions() -> dict[str, str]:
     return out
 
 
-def _run_info(model_path, device, configs: dict[str, GRPOConfig], train_prompts: int, eval_prompts: int) -> dict:
-    return {
-        "model": str(model_path),
-        "device": str(device),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "versions": package_versions(),
-        "runs": {label: c.to_dict() for label, c in configs.items()},
-        "train_prompts": train_prompts,
-        # held-out evaluation: prompts x eval_samples fresh samples + greedy, at epochs 0..E (0: off)
-        "eval_prompts": eval_prompts,
-    }
-
-
 def run_modes(
     model_path: str | Path,
     train_examples: Sequence,
@@ -163,9 +145,9 @@ def run_modes(
     for folder in [out_dir, *(p for p in out_dir.iterdir() if p.is_dir())]:
         remove_leftovers(folder)  # temporary files of a killed writer; checkpoint versions: trainer.resume
     summary = read_summary(out_dir) if resume else {}
-    num_eval = len(eval_examples) if eval_examples is not None else 0
     fingerprint = run_fingerprint(config, modes, model_path, policy_eos_ids(model_path), train_examples, eval_examples)
-    changes = (stored_info(out_dir) or {}).get("config_changes", []) if resume else []
+    stored = (stored_info(out_dir) or {}) if resume else {}  # run_info.json of the run resumed
+    changes = stored.get("config_changes", [])
     if resume:  # compared first: a finished run resumed under other settings is refused too
         new_changes = check_resume(out_dir, fingerprint, allow_config_change)
         if all(plan[m] is not None and len(summary.get(m, [])) >= configs[m].epochs for m in configs):
@@ -178,29 +160,32 @@ def run_modes(
             log(f"--allow-config-change: {c['field']} {c['old']!r} -> {c['new']!r} (recorded in run_info.json)")
         changes = changes + new_changes
         # the runs not resumed now keep their stored modes, so a later resume of them is still compared
-        stored = (stored_info(out_dir) or {}).get("fingerprint") or {}
-        fingerprint = {**{k: v for k, v in stored.items() if k.startswith("mode:")}, **fingerprint}
-        trained = stored.get("model")
+        old = stored.get("fingerprint") or {}
+        fingerprint = {**{k: v for k, v in old.items() if k.startswith("mode:")}, **fingerprint}
+        trained = old.get("model")
         if trained and trained != str(model_path) and Path(trained).is_dir():  # the record says what trained
             log(f"--resume: the runs continue from their checkpoints, trained from {trained}; --model is not used")
             model_path = trained
-            fingerprint.update(model=trained, eos_ids=stored.get("eos_ids", fingerprint["eos_ids"]))
+            fingerprint.update(model=trained, eos_ids=old.get("eos_ids", fingerprint["eos_ids"]))
 
     def info() -> dict:
-        ran = {label: configs[label] for label in summary if label in configs}
-        stored = (stored_info(out_dir) or {}).get("runs", {}) if resume else {}
-        runs = {**stored, **{label: c.to_dict() for label, c in ran.items()}}
+        ran = {label: configs[label].to_dict() for label in summary if label in configs}
         return {
-            **_run_info(model_path, device, ran, len(train_examples), num_eval),
-            "runs": runs,
+            "model": str(model_path),
+            "device": str(device),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "versions": package_versions(),
+            "runs": {**stored.get("runs", {}), **ran},
+            "train_prompts": len(train_examples),
+            # held-out evaluation: prompts x eval_samples fresh samples + greedy, at epochs 0..E (0: off)
+            "eval_prompts": len(eval_examples) if eval_examples is not None else 0,
             "fingerprint": fingerprint,
             "config_changes": changes,
         }
 
     initial = None  # the warm-start evaluation, shared by the runs
     log(header_row())
-    for mode in configs:
-        cfg = configs[mode]
+    for mode, cfg in configs.items():
         mode_dir = out_dir / mode
         ckpt = plan[mode]
         torch.manual_seed(cfg.seed)

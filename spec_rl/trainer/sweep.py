@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..acceptance.mode import RolloutMode
-from ..cli_types import positive_int
 from ..util.atomic import atomic_write_text, remove_leftovers
 from ..util.validation import check_choice, check_int
+from .rundir import RunDirError, read_summary
 
 #: The paper's held-out accuracy AVG, generated tokens (millions) and rollout speed-up
 #: (arXiv 2509.23232, Qwen3-1.7B GRPO; Table 3 lenience, Table 2 random reuse, Table 1 vanilla).
@@ -46,12 +46,8 @@ class Setting:
     mode: RolloutMode
 
 
-def _setting(name: str) -> Setting:
-    return Setting(name, RolloutMode.parse(name))
-
-
 SETTINGS = tuple(
-    _setting(name)
+    Setting(name, RolloutMode.parse(name))
     for name in (
         "vanilla",
         "random",
@@ -83,6 +79,11 @@ def _run_totals(records: list[dict]) -> dict:
     }
 
 
+#: The totals averaged over seeds: the costs (also as ratios to vanilla's) and the final quality (also as gaps).
+_COSTS = ("generated_tokens", "rollout_seconds", "decode_steps")
+_QUALITY = ("heldout_reward", "heldout_greedy_accuracy")
+
+
 def _mean_std(values: list[float]) -> tuple[float, float]:
     values = [v for v in values if v is not None]
     if not values:
@@ -100,26 +101,19 @@ def _paired_se(runs: list[dict], vanilla: list[dict], key: str = "heldout_reward
 
 def aggregate(results: dict[str, list[dict]]) -> list[dict]:
     """Per setting: mean/std over seeds of every total, and ratios to vanilla's means."""
-    rows = []
-    base = {
-        k: _mean_std([r[k] for r in results.get("vanilla", [])])[0]
-        for k in ("generated_tokens", "rollout_seconds", "decode_steps")
-    }
     vanilla = results.get("vanilla", [])
-    base_reward, base_greedy = (
-        _mean_std([r[k] for r in vanilla])[0] for k in ("heldout_reward", "heldout_greedy_accuracy")
-    )
+    base = {k: _mean_std([r[k] for r in vanilla])[0] for k in _COSTS + _QUALITY}
+    rows = []
     for name, runs in results.items():
         row = {"setting": name, "seeds": len(runs)}
-        for key in ("generated_tokens", "rollout_seconds", "decode_steps", "heldout_reward", "heldout_greedy_accuracy"):
+        for key in _COSTS + _QUALITY:
             row[key], row[f"{key}_std"] = _mean_std([r[key] for r in runs])
-        for key in ("generated_tokens", "rollout_seconds", "decode_steps"):
+        for key in _COSTS:
             row[f"{key}_ratio"] = row[key] / base[key] if base.get(key) else float("nan")
         row["speedup"] = 1.0 / row["rollout_seconds_ratio"] if row["rollout_seconds_ratio"] else float("nan")
-        row["heldout_minus_vanilla"] = row["heldout_reward"] - base_reward
-        row["heldout_paired_se"] = _paired_se(runs, vanilla)
-        row["greedy_minus_vanilla"] = row["heldout_greedy_accuracy"] - base_greedy
-        row["greedy_paired_se"] = _paired_se(runs, vanilla, "heldout_greedy_accuracy")
+        for short, key in zip(("heldout", "greedy"), _QUALITY):
+            row[f"{short}_minus_vanilla"] = row[key] - base[key]
+            row[f"{short}_paired_se"] = _paired_se(runs, vanilla, key)
         rows.append(row)
     return rows
 
@@ -131,16 +125,13 @@ def _num(x: float) -> str:
 
 def markdown(rows: list[dict], info: dict) -> str:
     """The sweep table in the layout of the paper's Tables 2-3, the paper's numbers beside ours."""
-    head = (
-        "| setting | gen tokens (epochs 2+) | tokens vs vanilla | rollout s | speed-up | decode steps vs vanilla | "
-        "held-out reward (mean ± std) | vs vanilla (paired ± s.e.) | greedy acc. (vs vanilla, paired ± s.e.) | "
-        "paper tokens (M) | paper speed-up | paper AVG |"
-    )
     lines = [
         f"Sweep: preset {info['preset']}, seeds {info['seeds']}, commit {info.get('commit')}, {info.get('date')}, "
         f"device {info.get('device')}.",
         "",
-        head,
+        "| setting | gen tokens (epochs 2+) | tokens vs vanilla | rollout s | speed-up | decode steps vs vanilla | "
+        "held-out reward (mean ± std) | vs vanilla (paired ± s.e.) | greedy acc. (vs vanilla, paired ± s.e.) | "
+        "paper tokens (M) | paper speed-up | paper AVG |",
         "|" + "---|" * 12,
     ]
     for r in rows:
@@ -164,33 +155,23 @@ def plot(rows: list[dict], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [r["setting"] for r in rows]
     x = range(len(rows))
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5))
-    a.bar(
-        [i - 0.2 for i in x],
-        [r["generated_tokens_ratio"] for r in rows],
-        width=0.4,
-        label="generated tokens vs vanilla",
-    )
-    a.bar([i + 0.2 for i in x], [r["rollout_seconds_ratio"] for r in rows], width=0.4, label="rollout time vs vanilla")
-    a.set_xticks(list(x), names, rotation=40, ha="right")
-    a.set_title("cost relative to vanilla (epochs 2+)")
-    a.legend()
-    a.grid(alpha=0.3, axis="y")
+    for shift, key, label in ((-0.2, "generated_tokens", "generated tokens"), (0.2, "rollout_seconds", "rollout time")):
+        a.bar([i + shift for i in x], [r[f"{key}_ratio"] for r in rows], width=0.4, label=f"{label} vs vanilla")
     for shift, key, label in ((-0.1, "heldout", "held-out reward"), (0.1, "greedy", "greedy accuracy")):
-        b.errorbar(
-            [i + shift for i in x],
-            [r[f"{key}_minus_vanilla"] for r in rows],
-            yerr=[r[f"{key}_paired_se"] for r in rows],
-            fmt="o",
-            capsize=4,
-            label=label,
-        )
+        gaps, errors = [r[f"{key}_minus_vanilla"] for r in rows], [r[f"{key}_paired_se"] for r in rows]
+        b.errorbar([i + shift for i in x], gaps, yerr=errors, fmt="o", capsize=4, label=label)
     b.axhline(0.0, color="gray", ls="--", lw=1)
-    b.set_xticks(list(x), names, rotation=40, ha="right")
-    b.set_title("after the last epoch, minus vanilla (paired mean ± s.e. over seeds)")
-    b.legend()
+    titles = (
+        "cost relative to vanilla (epochs 2+)",
+        "after the last epoch, minus vanilla (paired mean ± s.e. over seeds)",
+    )
+    for ax, title in zip((a, b), titles):
+        ax.set_xticks(list(x), [r["setting"] for r in rows], rotation=40, ha="right")
+        ax.set_title(title)
+        ax.legend()
+    a.grid(alpha=0.3, axis="y")
     b.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -212,18 +193,19 @@ def run_sweep(
 ) -> list[dict]:
     """Train every (setting, seed) not finished yet, then write sweep.json, sweep.md and sweep.png. Raises ValueError
     for an unknown preset or ``seeds`` < 1."""
+    from tqdm.auto import tqdm
+
     from .run import run_modes
 
     check_choice("preset", preset, tuple(PRESETS))
     check_int("seeds", seeds, low=1)
     out_dir = Path(out_dir)
     todo = [(s, k) for s in settings for k in range(int(seeds))]
-    bar = _progress(len(todo), progress)
+    bar = tqdm(total=len(todo), desc="sweep runs", unit="run", disable=not progress)
     results: dict[str, list[dict]] = {s.name: [] for s in settings}
     for setting, k in todo:
         run_dir = out_dir / setting.name / f"seed{k}"
-        summary = run_dir / "summary.json"
-        if summary.is_file() and _finished(summary, setting.name, base_config.epochs):
+        if _finished(run_dir, setting.name, base_config.epochs):
             remove_leftovers(run_dir)  # a writer killed after the summary was committed
             bar.write(f"{setting.name} seed {k}: finished earlier, skipped")
         else:
@@ -240,8 +222,7 @@ def run_sweep(
                     resume=run_dir.is_dir() and any(run_dir.iterdir()),
                     progress=False,
                 )
-        data = json.loads(summary.read_text())["runs"]
-        results[setting.name].append(_run_totals(data[setting.name]))
+        results[setting.name].append(_run_totals(read_summary(run_dir)[setting.name]))
         bar.update(1)
     bar.close()
     rows = aggregate(results)
@@ -254,32 +235,24 @@ def run_sweep(
     return rows
 
 
-def _finished(summary: Path, mode: str, epochs: int) -> bool:
+def _finished(run_dir: Path, mode: str, epochs: int) -> bool:
+    """Whether ``run_dir`` holds ``epochs`` epoch records of ``mode`` (a damaged summary: no)."""
     try:
-        records = json.loads(summary.read_text())["runs"].get(mode, [])
-    except (OSError, ValueError, KeyError, AttributeError):
+        return len(read_summary(run_dir).get(mode, [])) >= epochs
+    except RunDirError:
         return False
-    return len(records) >= epochs
-
-
-def _progress(total: int, enabled: bool):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc="sweep runs", unit="run", disable=not enabled)
 
 
 def _commit() -> str:
     """The checkout's git commit (with -dirty for uncommitted changes), or "unknown" outside a checkout."""
     import subprocess
 
-    here = Path(__file__).resolve().parent
+    def git(*args: str, check: bool = True) -> str:
+        here = Path(__file__).resolve().parent
+        return subprocess.run(["git", *args], cwd=here, capture_output=True, text=True, check=check).stdout.strip()
+
     try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain"], cwd=here, capture_output=True, text=True
-        ).stdout.strip()
+        sha, dirty = git("rev-parse", "HEAD"), git("status", "--porcelain", check=False)
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return sha[:12] + ("-dirty" if dirty else "")
@@ -301,28 +274,6 @@ def _info(preset: str, seeds: int, config) -> dict:
         "versions": package_versions(),
         "config": config.to_dict(),
     }
-
-
-def add_parser(sub) -> None:
-    """Register ``spec-rl sweep`` on the CLI's subparsers."""
-    s = sub.add_parser(
-        "sweep",
-        help="the paper's lenience / random-reuse ablations (Tables 2-3) over several seeds on the demo task",
-        description=__doc__.split("\n\n")[0],
-    )
-    s.add_argument(
-        "--preset",
-        choices=list(PRESETS),
-        default="full",
-        help="small: 256 prompts, 4 epochs (about 4 minutes per seed for vanilla, l=1, e^0.2, e^0.5 and exact "
-        "on 2 CPU cores); full: the demo's 5 epochs (default); both evaluate the demo's 640 held-out prompts x 1 "
-        "sample + greedy at the warm start and after the last epoch",
-    )
-    s.add_argument("--seeds", type=positive_int, default=3, help="training seeds per setting (default 3)")
-    s.add_argument("--settings", help="comma-separated subset of: " + ", ".join(x.name for x in SETTINGS))
-    s.add_argument("--out", default="runs/sweep", help="sweep directory (a finished run is skipped: rerun to continue)")
-    s.add_argument("--cache-dir", help="where the demo policy is cached (default $SPEC_RL_CACHE or ~/.cache/spec-rl)")
-    s.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def chosen_settings(spec: str | None) -> tuple[Setting, ...]:
@@ -348,28 +299,14 @@ def cmd_sweep(args) -> int:
     from .config import demo_config
 
     settings = chosen_settings(args.settings)
-    if args.no_progress:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()  # "Loading weights" / "Writing model shards" bars
     prompts, epochs, eval_prompts, eval_samples = PRESETS[args.preset]
     model_path = build_demo_policy(cache_dir=args.cache_dir, progress=not args.no_progress)
     base = demo_config(epochs=epochs, eval_samples=eval_samples, eval_every=epochs)
+    out = Path(args.out)
+    train, evals = demo_train_set()[:prompts], demo_eval_set()[:eval_prompts]
     run_sweep(
-        model_path,
-        demo_train_set()[:prompts],
-        demo_eval_set()[:eval_prompts],
-        arithmetic_reward,
-        base,
-        args.out,
-        args.preset,
-        args.seeds,
-        settings,
-        progress=not args.no_progress,
+        model_path, train, evals, arithmetic_reward, base, out, args.preset, args.seeds, settings, not args.no_progress
     )
-    print((Path(args.out) / "sweep.md").read_text())
-    print(
-        f"table: {Path(args.out) / 'sweep.md'}, plot: {Path(args.out) / 'sweep.png'}, "
-        f"data: {Path(args.out) / 'sweep.json'}"
-    )
+    print((out / "sweep.md").read_text())
+    print(f"table: {out / 'sweep.md'}, plot: {out / 'sweep.png'}, data: {out / 'sweep.json'}")
     return 0

@@ -1,9 +1,9 @@
-"""Atomic file writes: a reader (or a restarted run) sees the old file or the new one, never a torn one. Content goes
-to a temporary ``.<name>.<random>.tmp`` in the target's folder, then :func:`os.replace` renames it over the target.
-"""
+"""Atomic file writes: a reader (or a restarted run) sees the old file or the new one, never a torn one. Content goes to
+a temporary ``.<name>.<random>.tmp`` in the target's folder, then :func:`os.replace` renames it over the target."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from collections.abc import Callable
@@ -16,16 +16,12 @@ TMP_SUFFIX = ".tmp"
 
 def fsync_dir(folder: str | os.PathLike) -> None:
     """Make a rename inside ``folder`` durable (best effort: some filesystems refuse)."""
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def fsync_file(path: str | os.PathLike) -> None:
@@ -63,8 +59,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None], fsync: b
             fsync_file(tmp)
         os.replace(tmp, path)
     except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        Path(tmp).unlink(missing_ok=True)
         raise
     if fsync:
         fsync_dir(path.parent)
@@ -73,12 +68,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None], fsync: b
 
 def atomic_write_text(path: str | os.PathLike, text: str, fsync: bool = True) -> Path:
     """Write ``text`` (UTF-8) to ``path`` atomically (see :func:`atomic_write`)."""
-
-    def write(tmp: str) -> None:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-
-    return atomic_write(path, write, fsync)
+    return atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"), fsync)
 
 
 def atomic_save_safetensors(

@@ -15,10 +15,9 @@ def model_sliding_window(model) -> int | None:
     window = getattr(cfg, "sliding_window", None)
     if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
         return None
-    layer_types = getattr(cfg, "layer_types", None) or []
-    if layer_types:
-        return window if "sliding_attention" in layer_types else None
-    return window if getattr(cfg, "use_sliding_window", True) else None
+    layer_types = getattr(cfg, "layer_types", None)
+    slides = "sliding_attention" in layer_types if layer_types else getattr(cfg, "use_sliding_window", True)
+    return window if slides else None
 
 
 def model_may_slide(model) -> bool:

@@ -1,7 +1,6 @@
 """Argument checks of the public API, one helper per kind of value: a wrong type is a TypeError, a wrong value a
-ValueError, each naming the argument, what it takes and what it got. Nothing is coerced silently (no float ids, no
-bool numbers).
-"""
+ValueError, each naming the argument, what it takes and what it got. Nothing is coerced silently (no float ids, no bool
+numbers)."""
 
 from __future__ import annotations
 
@@ -21,10 +20,6 @@ LOGPROB_SLACK = 1e-4
 def _got(value) -> str:
     """``type value`` for the error messages (``NoneType`` alone for None)."""
     return "NoneType" if value is None else f"{type(value).__name__} {value!r}"
-
-
-def _bound(high: int) -> str:
-    return _BOUND_TEXT.get(high, str(high))
 
 
 def check_int(name: str, value, *, low: int | None = None, high: int | None = None, hint: str = "") -> int:
@@ -51,20 +46,16 @@ def check_real(
     finite: bool = True,
     hint: str = "",
 ) -> float:
-    """``value`` as a Python float; TypeError unless it is a real number (numpy scalars included, bool not),
-    ValueError when NaN, infinite (unless ``finite`` is False) or outside the range ([low, high]; ``*_open``
-    excludes that end)."""
+    """``value`` as a Python float; TypeError unless it is a real number (numpy scalars included, bool not), ValueError
+    when NaN, infinite (unless ``finite`` is False) or outside the range ([low, high]; ``*_open`` excludes that end)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {_got(value)}{hint}")
     value = float(value)
     below = low is not None and (value <= low if low_open else value < low)
     above = high is not None and (value >= high if high_open else value > high)
     if math.isnan(value) or (finite and math.isinf(value)) or below or above:
-        span = []
-        if low is not None:
-            span.append(f"{'>' if low_open else '>='} {low:g}")
-        if high is not None:
-            span.append(f"{'<' if high_open else '<='} {high:g}")
+        span = [f"{'>' if low_open else '>='} {low:g}"] if low is not None else []
+        span += [f"{'<' if high_open else '<='} {high:g}"] if high is not None else []
         kind = "a finite number" if finite else "a number (inf allowed)"
         raise ValueError(f"{name} must be {kind}{' ' + ' and '.join(span) if span else ''}, got {value!r}{hint}")
     return value
@@ -81,10 +72,9 @@ def _as_tensor(name: str, values, kind: str, high: int) -> torch.Tensor:
     """``values`` as a tensor without changing its dtype; TypeError/ValueError naming ``name`` otherwise."""
     if isinstance(values, torch.Tensor):
         return values
+    expected = f"{name} must be a sequence of {kind}s or a 1-D {_TENSOR_KIND[kind]} tensor"
     if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
-        raise TypeError(
-            f"{name} must be a sequence of {kind}s or a 1-D {_TENSOR_KIND[kind]} tensor, got {type(values).__name__}"
-        )
+        raise TypeError(f"{expected}, got {type(values).__name__}")
     if len(values) == 0:
         return torch.zeros(0, dtype=torch.int64 if kind == "int" else torch.float32)
     try:
@@ -92,10 +82,10 @@ def _as_tensor(name: str, values, kind: str, high: int) -> torch.Tensor:
     except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
         big = [v for v in values if isinstance(v, numbers.Integral) and not -(2**63) <= int(v) <= INT64_MAX]
         if kind == "int" and big:
-            raise ValueError(f"{name} must be token ids in [0, {_bound(high)}], got {big[0]}") from exc
+            raise ValueError(f"{name} must be token ids in [0, {_BOUND_TEXT.get(high, high)}], got {big[0]}") from exc
         odd = [v for v in values if not isinstance(v, numbers.Number)][:1]
         got = f"got {_got(odd[0])}" if odd else str(exc)
-        raise TypeError(f"{name} must be a sequence of {kind}s or a 1-D {_TENSOR_KIND[kind]} tensor, {got}") from exc
+        raise TypeError(f"{expected}, {got}") from exc
 
 
 def _check_1d(name: str, t: torch.Tensor) -> None:
@@ -125,7 +115,9 @@ def as_id_vector(name: str, values, *, high: int = INT32_MAX) -> torch.Tensor:
     if t.numel():
         lo, hi = torch.stack([t.min(), t.max()]).tolist()
         if lo < 0 or hi > high:
-            raise ValueError(f"{name} must be token ids in [0, {_bound(high)}], got {lo if lo < 0 else hi}")
+            raise ValueError(
+                f"{name} must be token ids in [0, {_BOUND_TEXT.get(high, high)}], got {lo if lo < 0 else hi}"
+            )
     return t
 
 
@@ -140,10 +132,8 @@ def as_float_vector(name: str, values) -> torch.Tensor:
 
 def logprob_problem(lps: torch.Tensor) -> str | None:
     """Why ``lps`` are not log-probabilities (NaN, or above 0 by more than float rounding), or None."""
-    if lps.numel() and bool((torch.isnan(lps) | (lps > LOGPROB_SLACK)).any()):
-        bad = lps[torch.isnan(lps) | (lps > LOGPROB_SLACK)][0].item()
-        return f"must be log-probabilities (<= 0, not NaN), got {bad}"
-    return None
+    bad = torch.isnan(lps) | (lps > LOGPROB_SLACK)
+    return f"must be log-probabilities (<= 0, not NaN), got {lps[bad][0].item()}" if bool(bad.any()) else None
 
 
 def format_positions(positions: list[tuple[int, ...]], total: int, limit: int = 8) -> str:

@@ -8,6 +8,7 @@ from backend_jobs import generate
 from tiny_models import full_forward_logprobs, tiny_model
 
 from spec_rl.backends.hf_decode import DecodeRow, KVRows, SpeculativeDecoder, TailGate, prefill
+from spec_rl.backends.kv_buffer import in_place_cache
 from spec_rl.drafts.history import SuffixAutomaton, SuffixProposer
 from spec_rl.sampling.distribution import SamplingSettings
 
@@ -28,7 +29,7 @@ def _decode(model, settings, budgets, max_k=0, automata=None, seed=7, proposer=S
         row.finish = "eos" if t == 1 else ("length" if b == 1 else None)
         rows.append(row)
     dec.run(kv, rows)
-    return rows, dec.counters
+    return rows, dec.stats
 
 
 def _noisy_copy(tokens, rng, vocab):
@@ -59,8 +60,8 @@ def test_speculation_gives_the_same_tokens_and_logprobs(temperature):
         ref = full_forward_logprobs(model, p, b.tokens, temperature=temperature)  # K/V after rollbacks are right
         assert torch.allclose(torch.tensor(b.logprobs, dtype=torch.float64), ref, atol=1e-4)
         assert len(b.tokens) <= budgets[b.out]
-    assert c1.accepted > 0 and c1.proposed > c1.accepted  # both accept and reject paths ran
-    assert c1.steps < c0.steps
+    assert c1.accepted_tokens > 0 and c1.proposed_tokens > c1.accepted_tokens  # both accept and reject paths ran
+    assert c1.decode_steps < c0.decode_steps
 
 
 class _RecordingProposer(SuffixProposer):
@@ -90,8 +91,8 @@ def test_every_step_feeds_each_row_its_whole_proposal():
     assert calls and all(fill == 4 and 1 <= limit <= 4 for limit, fill, _ in calls)
     assert sum(limit < 4 for limit, _, _ in calls) <= len(PROMPTS) * 3
     # ... and everything it proposes is fed (verified), none of it cut
-    assert c.proposed == sum(n for _, _, n in calls) > 0
-    assert c.accepted > 0 and c.steps < c0.steps
+    assert c.proposed_tokens == sum(n for _, _, n in calls) > 0
+    assert c.accepted_tokens > 0 and c.decode_steps < c0.decode_steps
 
 
 def test_prefill_computes_a_repeated_context_once_with_each_rows_values():
@@ -122,9 +123,7 @@ def _layers(kv):
 
 def test_compact_keeps_each_rows_real_positions():
     k = torch.arange(2 * 1 * 5 * 2, dtype=torch.float32).view(2, 1, 5, 2)
-    from spec_rl.backends.hf_decode import _dynamic_cache
-
-    kv = KVRows(_dynamic_cache([(k, k + 100)]), torch.tensor([[0, 1, 0, 1, 1], [1, 1, 0, 0, 1]]))
+    kv = KVRows(in_place_cache([(k, k + 100)]), torch.tensor([[0, 1, 0, 1, 1], [1, 1, 0, 0, 1]]))
     kv.compact()
     assert kv.mask.tolist() == [[1, 1, 1], [1, 1, 1]]
     assert kv.cache.layers[0].keys[0, 0, :, 0].tolist() == [2.0, 6.0, 8.0]
@@ -132,11 +131,9 @@ def test_compact_keeps_each_rows_real_positions():
 
 
 def test_trim_front_drops_only_columns_every_row_pads():
-    from spec_rl.backends.hf_decode import _dynamic_cache
-
     k = torch.arange(2 * 1 * 12 * 2, dtype=torch.float32).view(2, 1, 12, 2)
     mask = torch.tensor([[0] * 9 + [1, 1, 1], [0] * 10 + [1, 1]])
-    kv = KVRows(_dynamic_cache([(k, k + 100)]), mask.clone())
+    kv = KVRows(in_place_cache([(k, k + 100)]), mask.clone())
     kv.trim_front(min_columns=10)
     assert kv.width == 12  # 9 leading columns: fewer than asked, kept
     kv.trim_front()
@@ -273,6 +270,6 @@ def test_a_closed_tail_gate_keeps_the_tokens_and_feeds_no_proposal():
     closed, c_closed = _decode(model, settings, budgets, max_k=4, automata=automata, gate=gate)
     for a, b, c in zip(plain, opened, closed):
         assert a.tokens == b.tokens == c.tokens and a.logprobs == pytest.approx(c.logprobs, abs=1e-5)
-    assert c_open.accepted > 0 and c_open.steps < c_closed.steps
-    assert c_closed.proposed == 0 and c_closed.positions == c_closed.rows  # width 1 at every step
+    assert c_open.accepted_tokens > 0 and c_open.decode_steps < c_closed.decode_steps
+    assert c_closed.proposed_tokens == 0 and c_closed.decode_positions == c_closed.decode_rows  # width 1 at every step
     assert gate.q > 0.5  # the held-back proposals were checked against the samples: they would have held

@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 from backend_jobs import continue_rows, generate
+from block_checks import check_invariants
 from engine_models import FAMILIES, greedy_reference, tiny_family_model
 from tiny_models import full_forward_logprobs
 
@@ -96,7 +97,7 @@ def test_out_of_blocks_schedules_the_rest_and_gives_the_same_tokens():
     with pytest.raises(OutOfBlocks, match="num_blocks"):
         generate(small, [list(range(3, 30))], [40], settings, seed=0)  # 66 tokens can never fit in 40 slots
     assert small.blocks.num_free == 10
-    small.blocks.check_invariants()
+    check_invariants(small.blocks)
 
 
 def test_score_drafts_matches_policy_scorer():

@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 from backend_jobs import continue_rows, generate
+from block_checks import check_invariants
 from engine_models import tiny_family_model
 from tiny_models import full_forward_logprobs, tiny_model
 
@@ -61,10 +62,10 @@ def _checked_decode(engine, context_lens):
 
     def step(seqs, sampler):
         decode(seqs, sampler)
-        engine.blocks.check_invariants()
+        check_invariants(engine.blocks)
         for s in seqs:
             if not s.finished:
-                assert engine.blocks.length(s.seq_id) == context_lens[s.result_index] + len(s.token_ids) - 1
+                assert engine.blocks.length(s.seq_id) == context_lens[s.result_index] + len(s.tokens) - 1
 
     runner.decode = step
 
@@ -97,7 +98,7 @@ def test_speculation_gives_the_same_tokens_logprobs_and_kv(temperature):
     assert st.accepted_tokens > 0 and st.proposed_tokens > st.accepted_tokens  # both accept and reject paths ran
     assert st.decode_steps < plain_steps
     assert engine.blocks.num_free == engine.blocks.num_blocks
-    engine.blocks.check_invariants()
+    check_invariants(engine.blocks)
 
 
 def test_greedy_with_and_without_speculation_and_a_zero_width():
@@ -127,7 +128,7 @@ def test_tiny_cache_waits_and_speculates_without_leaking_blocks():
     _assert_same(ref, got)
     assert small.stats.accepted_tokens > 0 and small.stats.proposed_tokens > small.stats.accepted_tokens
     assert small.blocks.num_free == 10
-    small.blocks.check_invariants()
+    check_invariants(small.blocks)
 
 
 DRAFTS = [[4, 5, 6, 7, 8, 9, 10], [7, 8, 9, 10, 11, 12, 13, 14, 15], [8, 9, 10, 2, 12]]
@@ -164,7 +165,7 @@ def test_continue_from_with_speculation_equals_without(num_blocks):
     assert engine.stats.accepted_tokens > 0 and engine.stats.proposed_tokens > engine.stats.accepted_tokens
     assert (engine.stats.reprefill_tokens > 0) == (num_blocks == 13)
     assert engine.blocks.num_free == num_blocks
-    engine.blocks.check_invariants()
+    check_invariants(engine.blocks)
 
 
 def test_a_row_alone_equals_the_same_row_in_a_batch():

@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 from backend_jobs import continue_rows, generate
+from block_checks import check_invariants
 from engine_models import greedy_reference, tiny_family_model
 from tiny_models import full_forward_logprobs
 
@@ -86,7 +87,7 @@ def test_scoring_eviction_falls_back_to_prefill_and_still_matches():
         assert out.token_ids == greedy_reference(model, p + d[:n] + [t], 30, eos_ids={1})
     assert engine.stats.reprefill_tokens > 0  # honest accounting of the fallback
     assert engine.blocks.num_free == 13
-    engine.blocks.check_invariants()
+    check_invariants(engine.blocks)
 
 
 def _perturb(model, seed):
@@ -190,7 +191,7 @@ def test_rows_continuing_other_rows_drafts_equal_a_fresh_prefill(num_blocks, bud
     if num_blocks == 128:  # nothing but the scoring pass and the extra context was prefilled
         assert st.prefill_tokens == st.scoring_tokens + 3
     assert engine.blocks.num_free == num_blocks
-    engine.blocks.check_invariants()
+    check_invariants(engine.blocks)
 
 
 def test_scoring_eviction_of_a_source_is_prefilled_again():
@@ -206,7 +207,7 @@ def test_scoring_eviction_of_a_source_is_prefilled_again():
     # rows 0, 1 and 4 (source 0) are prefilled again; row 2 forks the resident row 3
     assert engine.stats.reprefill_tokens == sum(len(GROUP) + SRC_ACCEPT[i] + 1 for i in (0, 1, 4))
     assert engine.blocks.num_free == 14
-    engine.blocks.check_invariants()
+    check_invariants(engine.blocks)
 
 
 @pytest.mark.parametrize(
@@ -222,4 +223,4 @@ def test_bad_cuts_are_rejected_and_free_every_block(cut, match):
     with pytest.raises(ValueError, match=match):
         engine.continue_from(scored, [Job(20, cut=cut)], GREEDY, 0)
     assert engine.blocks.num_free == 64
-    engine.blocks.check_invariants()
+    check_invariants(engine.blocks)

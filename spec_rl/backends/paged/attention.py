@@ -5,6 +5,7 @@ sequence) or gather + SDPA."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -77,16 +78,11 @@ def paged_attention_forward(
     return out.unsqueeze(0), None
 
 
-_registered = False
-
-
+@functools.cache  # once
 def register() -> None:
-    global _registered
-    if not _registered:
-        from transformers import AttentionInterface
+    from transformers import AttentionInterface
 
-        AttentionInterface.register(ATTN_NAME, paged_attention_forward)
-        _registered = True
+    AttentionInterface.register(ATTN_NAME, paged_attention_forward)
 
 
 @contextlib.contextmanager
@@ -112,8 +108,7 @@ def build_batch(
     device: torch.device,
     decode_kernel=None,
 ) -> PagedBatch:
-    """The :class:`PagedBatch` of one packed forward; ValueError when a block table does not cover its tokens."""
-    bsz = len(q_lens)
+    """The :class:`PagedBatch` of one packed forward; every block table covers its tokens (asserted)."""
     kv_lens = [s + q for s, q in zip(starts, q_lens)]
     capacity = kv_caches[0].shape[0] if kv_caches else 0
     block_size = kv_caches[0].shape[2] if kv_caches else 1
@@ -121,9 +116,7 @@ def build_batch(
         assert len(t) * block_size >= n and all(0 <= x < capacity for x in t[: -(-n // block_size)]), (b, t, n)
     max_kv, max_q = max(kv_lens), max(q_lens)
     width = max(len(t) for t in block_tables)
-    tables = torch.zeros((bsz, width), dtype=torch.int32)
-    for b, t in enumerate(block_tables):
-        tables[b, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    tables = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
     q_lens_t = torch.tensor(q_lens, dtype=torch.long)
     starts_t = torch.tensor(starts, dtype=torch.long)
     kv_t = torch.tensor(kv_lens, dtype=torch.long)

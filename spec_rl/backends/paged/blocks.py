@@ -1,5 +1,6 @@
 """Block manager of the paged KV cache: refcounted blocks and block tables (docs/design.md "Paged KV cache"). Appending
-into a shared, partly filled block copies it first; every operation checks its input before changing any state."""
+into a shared, partly filled block copies it first; an operation that fails (an unknown sequence is a KeyError) changes
+no state."""
 
 from __future__ import annotations
 
@@ -36,26 +37,14 @@ class BlockManager:
     def num_free(self) -> int:
         return len(self._free)
 
-    def refcount(self, block: int) -> int:
-        """References to ``block`` (0: free); IndexError outside [0, num_blocks)."""
-        block = check_int("block", block)
-        if not 0 <= block < self.num_blocks:
-            raise IndexError(f"block {block} is outside [0, {self.num_blocks})")
-        return self._ref[block]
-
     def has(self, seq: Hashable) -> bool:
         return seq in self._tables
 
-    def sequences(self) -> list[Hashable]:
-        return list(self._tables)
-
     def length(self, seq: Hashable) -> int:
-        self._require(seq)
         return self._lens[seq]
 
     def block_table(self, seq: Hashable) -> list[int]:
         """A copy of the sequence's block table."""
-        self._require(seq)
         return list(self._tables[seq])
 
     def blocks_for(self, num_tokens: int) -> int:
@@ -63,28 +52,21 @@ class BlockManager:
 
     def slots(self, seq: Hashable, start: int, end: int) -> list[int]:
         """Slot ids of positions [start, end) of ``seq``."""
-        self._require(seq)
-        if not (0 <= start <= end <= self._lens[seq]):
-            raise ValueError(f"positions [{start}, {end}) are outside sequence {seq!r} of length {self._lens[seq]}")
+        assert 0 <= start <= end <= self._lens[seq], (seq, start, end, self._lens[seq])
         table, bs = self._tables[seq], self.block_size
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
     def append_cost(self, seq: Hashable, num_tokens: int) -> int:
         """Free blocks :meth:`append_slots` would take (new blocks + copy-on-write)."""
-        self._require(seq)
         length, table = self._lens[seq], self._tables[seq]
         new = self.blocks_for(length + num_tokens) - len(table)
         cow = 1 if num_tokens > 0 and length % self.block_size and self._ref[table[-1]] > 1 else 0
         return new + cow
 
-    def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= len(self._free)
-
     def allocate(self, seq: Hashable, num_tokens: int) -> list[int]:
         """Create ``seq`` with ``num_tokens`` slots in fresh blocks; returns their slot ids."""
         num_tokens = check_int("num_tokens", num_tokens, low=0)
-        if seq in self._tables:
-            raise ValueError(f"sequence {seq!r} already exists; free it first")
+        assert seq not in self._tables, f"sequence {seq!r} already exists"
         need = self.blocks_for(num_tokens)
         if need > len(self._free):
             raise OutOfBlocks(need, len(self._free), f"allocate {num_tokens} tokens for {seq!r}")
@@ -94,13 +76,9 @@ class BlockManager:
 
     def fork(self, parent: Hashable, child: Hashable, length: int | None = None) -> None:
         """Create ``child`` sharing ``parent``'s blocks for its first ``length`` tokens (default: all)."""
-        self._require(parent)
-        if child in self._tables:
-            raise ValueError(f"sequence {child!r} already exists; free it first")
+        assert child not in self._tables, f"sequence {child!r} already exists"
         plen = self._lens[parent]
-        length = plen if length is None else check_int("length", length)
-        if not 0 <= length <= plen:
-            raise ValueError(f"fork length must be in [0, {plen}] (the parent's length), got {length}")
+        length = plen if length is None else check_int("length", length, low=0, high=plen)
         shared = self._tables[parent][: self.blocks_for(length)]
         for b in shared:
             self._ref[b] += 1
@@ -128,10 +106,7 @@ class BlockManager:
 
     def truncate(self, seq: Hashable, new_len: int) -> None:
         """Shrink ``seq`` to ``new_len`` tokens (a shared partial block is copied on the next append)."""
-        self._require(seq)
-        new_len = check_int("new_len", new_len)
-        if not 0 <= new_len <= self._lens[seq]:
-            raise ValueError(f"new_len must be in [0, {self._lens[seq]}] (the current length), got {new_len}")
+        new_len = check_int("new_len", new_len, low=0, high=self._lens[seq])
         table = self._tables[seq]
         keep = self.blocks_for(new_len)
         for b in table[keep:]:
@@ -140,27 +115,9 @@ class BlockManager:
         self._lens[seq] = int(new_len)
 
     def free(self, seq: Hashable) -> None:
-        self._require(seq)
         for b in self._tables.pop(seq):
             self._release(b)
         del self._lens[seq]
-
-    def check_invariants(self) -> None:
-        """AssertionError if refcounts, tables and the free list disagree (for tests)."""
-        counts = [0] * self.num_blocks
-        for seq, table in self._tables.items():
-            assert len(table) == self.blocks_for(self._lens[seq]), f"{seq!r}: table size does not match length"
-            assert len(set(table)) == len(table), f"{seq!r}: block listed twice"
-            for b in table:
-                counts[b] += 1
-        assert counts == self._ref, "refcounts differ from the number of tables holding each block"
-        free = list(self._free)
-        assert len(set(free)) == len(free), "free list has duplicates"
-        assert set(free) == {b for b in range(self.num_blocks) if counts[b] == 0}, "free list != blocks with refcount 0"
-
-    def _require(self, seq: Hashable) -> None:
-        if seq not in self._tables:
-            raise KeyError(f"unknown sequence {seq!r}")
 
     def _take(self) -> int:
         b = self._free.popleft()

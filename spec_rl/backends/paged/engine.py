@@ -67,10 +67,7 @@ class PagedEngine(Backend):
         """See :meth:`Backend.generate`; a job's proposer hears every token sampled. TypeError or ValueError for bad
         input, OutOfBlocks when one row cannot fit an empty cache."""
         check_settings(settings)
-        jobs = self.checked_jobs(jobs)
-        results: list[Continuation | None] = [None] * len(jobs)
-        groups = group_by_context(jobs, range(len(jobs)), results)
-        return self._run(groups, [], results, KeyedSampler(settings, seed, jobs, self.eos_ids))
+        return self._run(self.checked_jobs(jobs), [], [], settings, seed)
 
     @torch.no_grad()
     def score(self, prompts, drafts, logprobs=None) -> Scored:
@@ -82,8 +79,8 @@ class PagedEngine(Backend):
         dtype = self.runner.layout.dtype if self.head.uses_hidden_states else torch.float32
         max_r = max([len(d) for d in drafts] + [1])
         out = torch.zeros((len(prompts), max_r, self.head.width), dtype=dtype, device=self.device)
-        scored = Scored(self.head.draft_scores(out), prompts, drafts, state=ScoredSequences([None] * len(prompts)))
-        scored.state.epoch = self.epoch
+        state = ScoredSequences([None] * len(prompts), self.epoch)
+        scored = Scored(self.head.draft_scores(out), prompts, drafts, state=state)
         lengths = [len(p) + len(d) for p, d in zip(prompts, drafts)]
         try:
             for rows in self.scheduler.scoring_waves(lengths, scored.state.seq_ids):
@@ -116,40 +113,35 @@ class PagedEngine(Backend):
                 raise ValueError("scored is stale: call continue_from once, right after the score that made it")
             check_settings(settings)
             jobs = self.checked_jobs(jobs, scored)
-            results: list[Continuation | None] = [None] * len(jobs)
-            fresh = [i for i, j in enumerate(jobs) if j.context is not None]
-            groups = group_by_context(jobs, fresh, results)
-            resumed, reprefill = self.scheduler.resume_scored_rows(scored, jobs, results, self.runner.fork_sequence)
+            resumed, reprefill = self.scheduler.resume_scored_rows(scored, jobs, self.runner.fork_sequence)
         finally:
             self.release(scored)  # frees the rows not resumed
-        return self._run(reprefill + groups, resumed, results, KeyedSampler(settings, seed, jobs, self.eos_ids))
+        return self._run(jobs, resumed, reprefill, settings, seed)
 
     @torch.no_grad()
-    def _run(self, groups, resumed, results: list[Continuation | None], sampler: KeyedSampler):
-        """Schedule, prefill and decode until every sequence finished; on an error frees every sequence of the call."""
-        self.epoch += 1
-        sched, runner = self.scheduler, self.runner
-        sched.add(groups, resumed)
-        bar = None
-        try:
-            self.runner.allocate_cache()
-            if self.progress:
-                from tqdm.auto import tqdm
+    def _run(self, jobs, resumed, reprefill, settings, seed) -> list[Continuation]:
+        """Prefill the re-prefills and the fresh jobs' contexts, then decode until every sequence finished; on an error
+        frees every sequence of the call."""
+        from tqdm.auto import tqdm
 
-                bar = tqdm(desc="decode", leave=False, unit="tok")
-            while sched.has_work:
-                for wave in sched.prefill_waves(sched.schedule()):
-                    sched.running.extend(runner.prefill(wave, sampler))
-                step = [s for s in sched.running if not s.finished]
-                if step:
-                    runner.decode(step, sampler)
-                    if bar is not None:
+        self.epoch += 1
+        results = [Continuation([], [], "length") if j.budget == 0 else None for j in jobs]
+        sampler = KeyedSampler(settings, seed, jobs, self.eos_ids)
+        sched, runner = self.scheduler, self.runner
+        sched.waiting.extend(reprefill + group_by_context(jobs))
+        sched.resumed.extend(resumed)
+        try:
+            runner.allocate_cache()
+            with tqdm(desc="decode", leave=False, unit="tok", disable=not self.progress) as bar:
+                while sched.waiting or sched.resumed or sched.running:
+                    for wave in sched.prefill_waves(sched.schedule()):
+                        sched.running.extend(runner.prefill(wave, sampler))
+                    step = [s for s in sched.running if not s.finished]
+                    if step:
+                        runner.decode(step, sampler)
                         bar.update(len(step))
-                sched.retire(results)
+                    sched.retire(results)
         except BaseException:
             sched.abort()
             raise
-        finally:
-            if bar is not None:
-                bar.close()
         return results

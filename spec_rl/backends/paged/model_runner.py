@@ -15,7 +15,7 @@ from ...util.validation import check_int
 from ..base import BackendStats
 from ..scoring import ScoringHead
 from .attention import build_batch, paged_attention_active
-from .blocks import BlockManager, OutOfBlocks
+from .blocks import BlockManager
 from .sampler import KeyedSampler
 from .sequence import PrefillGroup, SequenceState
 
@@ -136,10 +136,9 @@ class ModelRunner:
 
     def forward(self, items, want, hidden: bool, relative: bool = False) -> list[torch.Tensor]:
         """One packed forward of ``items`` (seq_id, new ids, start = tokens held): per item, outputs [len(w), d|V] at
-        ``want`` positions (absolute, or ``relative`` to the first new token); OutOfBlocks if short."""
+        ``want`` positions (absolute, or ``relative`` to the first new token). The scheduler reserved the blocks."""
         cost = sum(self.blocks.append_cost(seq_id, len(toks)) for seq_id, toks, _ in items)
-        if cost > self.blocks.num_free:
-            raise OutOfBlocks(cost, self.blocks.num_free, "forward")
+        assert cost <= self.blocks.num_free, (cost, self.blocks.num_free)
         slots, cow, tables, starts, q_lens, ids, pos, keep = [], [], [], [], [], [], [], []
         offset = 0
         for (seq_id, toks, start), w in zip(items, want):
@@ -181,47 +180,43 @@ class ModelRunner:
             self.stats.cow_copies += len(pairs)
 
     def prefill(self, groups: list[PrefillGroup], sampler: KeyedSampler) -> list[SequenceState]:
-        """One forward over the groups' contexts; forks the members and samples each first token with its own uid."""
-        made: list[int] = []
+        """One forward over the groups' contexts; forks the members and samples each first token with its own uid. On
+        an error frees every sequence it made."""
+        roots = [self.new_sequence() for _ in groups]
+        made = list(roots)
         try:
-            return self._prefill(groups, sampler, made)
+            items = [(root, g.context, 0) for root, g in zip(roots, groups)]
+            logits = self.forward(items, [[len(g.context) - 1] for g in groups], hidden=False)
+            self.stats.prefill_tokens += sum(len(g.context) for g in groups)
+            self.stats.reprefill_tokens += sum(len(g.context) for g in groups if g.reprefill)
+            self.stats.decode_steps += 1
+            rows, seqs, positions = [], [], []
+            for k, (g, root) in enumerate(zip(groups, roots)):
+                for m, member in enumerate(g.members):
+                    seq_id = root
+                    if m > 0:
+                        seq_id = self.fork_sequence(root)
+                        made.append(seq_id)
+                        self.stats.shared_prefill_tokens += len(g.context)
+                    seqs.append(SequenceState(seq_id, member.result_index, budget=member.budget))
+                    rows.append(k)
+                    positions.append(len(g.context))
+            ids, lps = sampler.sample(seqs, torch.cat(logits, 0)[torch.tensor(rows, device=self.device)], positions)
+            for seq, token, lp in zip(seqs, ids, lps):
+                sampler.record(seq, [], [token], [lp])
+            return seqs
         except BaseException:
             for seq_id in made:
                 if self.blocks.has(seq_id):
                     self.blocks.free(seq_id)
             raise
 
-    def _prefill(self, groups: list[PrefillGroup], sampler: KeyedSampler, made: list[int]) -> list[SequenceState]:
-        for _ in groups:
-            made.append(self.new_sequence())
-        roots = list(made)
-        items = [(root, g.context, 0) for root, g in zip(roots, groups)]
-        logits = self.forward(items, [[len(g.context) - 1] for g in groups], hidden=False)
-        self.stats.prefill_tokens += sum(len(g.context) for g in groups)
-        self.stats.reprefill_tokens += sum(len(g.context) for g in groups if g.reprefill)
-        self.stats.decode_steps += 1
-        rows, seqs, positions = [], [], []
-        for k, (g, root) in enumerate(zip(groups, roots)):
-            for m, member in enumerate(g.members):
-                seq_id = root
-                if m > 0:
-                    seq_id = self.fork_sequence(root)
-                    made.append(seq_id)
-                    self.stats.shared_prefill_tokens += len(g.context)
-                seqs.append(SequenceState(seq_id, member.result_index, member.budget))
-                rows.append(k)
-                positions.append(len(g.context))
-        ids, lps = sampler.sample(seqs, torch.cat(logits, 0)[torch.tensor(rows, device=self.device)], positions)
-        for seq, token, lp in zip(seqs, ids, lps):
-            sampler.record(seq, [], [token], [lp])
-        return seqs
-
     def decode(self, seqs: list[SequenceState], sampler: KeyedSampler) -> None:
         """One decode step: feed [pending] + proposal, keep what :meth:`KeyedSampler.record` accepts, free the rejected
         slots. Only steps without proposals use the CUDA decode kernel."""
         starts = [self.blocks.length(s.seq_id) for s in seqs]
-        props = sampler.proposals(seqs)
-        items = [(s.seq_id, [s.pending_token] + p, start) for s, p, start in zip(seqs, props, starts)]
+        props = [sampler.proposal(s) for s in seqs]
+        items = [(s.seq_id, [s.last] + p, start) for s, p, start in zip(seqs, props, starts)]
         logits = self.forward(items, [range(1 + len(p)) for p in props], hidden=False, relative=True)
         self.stats.decode_tokens += sum(1 + len(p) for p in props)
         self.stats.decode_positions += sum(1 + len(p) for p in props)  # packed: no padding

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ...drafts.history import matched_prefix
 from ...sampling.distribution import SamplingSettings, keyed_sample
 from .sequence import SequenceState
 
@@ -26,12 +27,7 @@ class KeyedSampler:
         """At most ``min(max_k, budget - 1)`` tokens, so a step stays within its reserved budget."""
         proposer = self.proposers[seq.result_index]
         limit = 0 if proposer is None else min(proposer.max_k, seq.budget - 1)
-        if limit <= 0:
-            return []
-        return [int(t) for t in proposer.propose(limit, fill=limit)][:limit]
-
-    def proposals(self, seqs: Sequence[SequenceState]) -> list[list[int]]:
-        return [self.proposal(s) for s in seqs]
+        return [int(t) for t in proposer.propose(limit, fill=limit)][:limit] if limit > 0 else []
 
     def sample(
         self, seqs: Sequence[SequenceState], logits: torch.Tensor, positions: Sequence[int]
@@ -47,16 +43,9 @@ class KeyedSampler:
         self, seq: SequenceState, proposal: Sequence[int], samples: Sequence[int], logprobs: Sequence[float]
     ) -> tuple[int, int]:
         """Append the accepted proposals and the sample after them (to EOS or budget); returns (accepted, kept)."""
-        accepted = 0
-        while accepted < len(proposal) and samples[accepted] == proposal[accepted]:
-            accepted += 1
-        kept = 0
-        for token, lp in zip(samples[: accepted + 1], logprobs[: accepted + 1]):
-            seq.append(int(token), float(lp), self.eos_ids)
-            kept += 1
-            if seq.finished:
-                break
+        accepted = matched_prefix(proposal, samples)
+        kept = seq.emit(samples[: accepted + 1], logprobs[: accepted + 1], self.eos_ids)
         proposer = self.proposers[seq.result_index]
         if proposer is not None:
-            proposer.update(list(proposal), [int(t) for t in samples[:kept]])
+            proposer.update(list(proposal), seq.tokens[-kept:])
         return accepted, kept

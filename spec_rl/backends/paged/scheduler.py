@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from ..base import Continuation
 from .blocks import BlockManager, OutOfBlocks
-from .sequence import GroupMember, PrefillGroup, SequenceState, empty_continuation
+from .sequence import GroupMember, PrefillGroup, SequenceState
 
 
 def packed_wave_end(lengths: Sequence[int], start: int, max_tokens: int) -> int:
@@ -43,14 +43,6 @@ class Scheduler:
         for member in group.members:
             need += self.blocks.blocks_for(plen + member.budget - 1) - self.blocks.blocks_for(plen) + cow
         return need
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.resumed or self.running)
-
-    def add(self, groups: Sequence[PrefillGroup], resumed: Sequence[SequenceState]) -> None:
-        self.waiting.extend(groups)
-        self.resumed.extend(resumed)
 
     def schedule(self) -> list[PrefillGroup]:
         """Admit what fits; returns the groups to prefill. OutOfBlocks when one sequence cannot fit an idle cache."""
@@ -103,14 +95,11 @@ class Scheduler:
             start = end
 
     def retire(self, results: list[Continuation | None]) -> None:
-        still = []
         for seq in self.running:
             if seq.finished:
                 self.blocks.free(seq.seq_id)
                 results[seq.result_index] = seq.continuation()
-            else:
-                still.append(seq)
-        self.running = still
+        self.running = [seq for seq in self.running if not seq.finished]
 
     def abort(self) -> None:
         """Free every sequence held and forget all waiting work."""
@@ -142,17 +131,13 @@ class Scheduler:
             start = end
 
     def resume_scored_rows(
-        self, scored, jobs, results: list[Continuation | None], fork: Callable[[int, int], int]
+        self, scored, jobs, fork: Callable[[int, int], int]
     ) -> tuple[list[SequenceState], list[PrefillGroup]]:
-        """(sequences to resume, re-prefill groups) of the jobs with a cut: the first job on a row takes the row's
-        sequence cut to [prompt, draft[:n]], the others fork it (forks before any cut); an evicted row becomes a
-        re-prefill."""
+        """(sequences to resume, re-prefill groups) of the jobs with a cut and a budget: the first job on a row takes
+        the row's sequence cut to [prompt, draft[:n]], the others fork it (forks before any cut); an evicted row
+        becomes a re-prefill."""
         seq_ids = scored.state.seq_ids
-        live = [i for i, j in enumerate(jobs) if j.cut is not None]
-        for i in live:
-            if jobs[i].budget == 0:
-                results[i] = empty_continuation()
-        live = [i for i in live if jobs[i].budget > 0]
+        live = [i for i, j in enumerate(jobs) if j.cut is not None and j.budget > 0]
         lens = {i: len(scored.prompts[jobs[i].cut.row]) + int(jobs[i].cut.n) for i in live}
         owner: dict[int, int] = {}  # row -> the job that takes its sequence
         for i in live:
@@ -173,7 +158,7 @@ class Scheduler:
             prefix = scored.prompts[cut.row] + scored.drafts[cut.row][: int(cut.n)]
             token, budget = int(cut.token), int(jobs[i].budget)
             if i in held:
-                resumed.append(SequenceState(held[i], i, budget, pending_token=token, context=prefix))
+                resumed.append(SequenceState(held[i], i, budget=budget, last=token, context=prefix))
             else:  # evicted while scoring: prefill prompt + prefix + token again
                 key = tuple(prefix + [token])
                 group = reprefill.setdefault(key, PrefillGroup(list(key), [], reprefill=True))

@@ -4,10 +4,10 @@ score and continue_from."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
-from ..base import Continuation
+from ..base import Decoding
 
 
 class GroupMember(NamedTuple):
@@ -28,40 +28,17 @@ class PrefillGroup:
 
 
 @dataclass
-class SequenceState:
-    """A sequence holding blocks; the next step writes ``pending_token``'s K/V; ``context`` allows a re-prefill."""
+class SequenceState(Decoding):
+    """A sequence holding blocks; the next step writes ``last``'s K/V; ``context`` allows a re-prefill."""
 
     seq_id: int
     result_index: int
-    budget: int
-    pending_token: int | None = None
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    finish_reason: str | None = None
     context: list[int] | None = None
 
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    def append(self, token: int, logprob: float, eos_ids: set[int]) -> None:
-        """Record one sampled token; finish on an EOS id or when the budget runs out."""
-        self.token_ids.append(token)
-        self.logprobs.append(logprob)
-        self.budget -= 1
-        self.pending_token = token
-        if token in eos_ids:
-            self.finish_reason = "eos"
-        elif self.budget <= 0:
-            self.finish_reason = "length"
-
-    def continuation(self) -> Continuation:
-        return Continuation(self.token_ids, self.logprobs, self.finish_reason)
-
     def as_reprefill(self) -> PrefillGroup:
-        """The group that prefills this evicted sequence again (context plus pending token)."""
+        """The group that prefills this evicted sequence again (context plus its last token)."""
         member = GroupMember(self.result_index, self.budget)
-        return PrefillGroup(self.context + [self.pending_token], [member], reprefill=True)
+        return PrefillGroup(self.context + [self.last], [member], reprefill=True)
 
 
 @dataclass
@@ -73,21 +50,11 @@ class ScoredSequences:
     epoch: int = 0
 
 
-def empty_continuation() -> Continuation:
-    return Continuation([], [], "length")
-
-
-def group_by_context(jobs: Sequence, indices, results: list[Continuation | None]) -> list[PrefillGroup]:
-    """The fresh ``jobs[i]`` (i in ``indices``) grouped by identical context in first-seen order; zero budgets are
-    answered at once."""
+def group_by_context(jobs: Sequence) -> list[PrefillGroup]:
+    """The fresh jobs with a budget, grouped by identical context in first-seen order."""
     groups: dict[tuple[int, ...], PrefillGroup] = {}
-    for i in indices:
-        job = jobs[i]
-        if job.budget == 0:
-            results[i] = empty_continuation()
-            continue
-        key = tuple(job.context)
-        if key not in groups:
-            groups[key] = PrefillGroup(list(key), [])
-        groups[key].members.append(GroupMember(i, int(job.budget)))
+    for i, job in enumerate(jobs):
+        if job.context is not None and job.budget > 0:
+            key = tuple(job.context)
+            groups.setdefault(key, PrefillGroup(list(key), [])).members.append(GroupMember(i, int(job.budget)))
     return list(groups.values())
