@@ -113,12 +113,6 @@ def test_bench_triton_fused_lm_head(benchmark, inputs):
     )
 
 
-def test_bench_triton_philox(benchmark, inputs):
-    K = _kernels()
-    idx = torch.arange(inputs["ids"].shape[1], device=DEV).unsqueeze(0)
-    benchmark(synced(K.philox_uniform_triton, DEV), SEED, inputs["uids"].unsqueeze(1), idx)
-
-
 REAL_VOCAB = (8, 48, 49152, 576)
 
 

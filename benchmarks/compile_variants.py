@@ -157,25 +157,6 @@ def lm_head_variants(sweep: bool) -> list[Variant]:
     return out
 
 
-def philox_variants() -> list[Variant]:
-    from spec_rl.kernels.philox import _philox_uniform_kernel, _philox_words_kernel
-
-    sig = {
-        "out_ptr": "*fp32",
-        "uids_ptr": "*i64",
-        "tokens_ptr": "*i32",
-        "n": "i32",
-        "k0_w": "i32",
-        "k1_w": "i32",
-        "stream_w": "i32",
-    }
-    words = {"out_ptr": "*i64", "in_ptr": "*i64", "n": "i32"}
-    return [
-        Variant("philox_uniform", _philox_uniform_kernel, sig, {"BLOCK": 256}, [], 4, 1),
-        Variant("philox_words", _philox_words_kernel, words, {"BLOCK": 64}, [], 4, 1),
-    ]
-
-
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
@@ -265,7 +246,7 @@ def paged_attention_variants(sweep: bool) -> list[Variant]:
 
 def all_variants(sweep: bool) -> list[Variant]:
     """Every variant, in the order compile_check.py reports them."""
-    return from_logits_variants(sweep) + lm_head_variants(sweep) + philox_variants() + paged_attention_variants(sweep)
+    return from_logits_variants(sweep) + lm_head_variants(sweep) + paged_attention_variants(sweep)
 
 
 def default_variants() -> list[Variant]:
@@ -299,6 +280,6 @@ def default_variants() -> list[Variant]:
             )
         if kind == "paged_decode":
             return first == "*bf16" and (c["G"], c["D"], c["BLOCK_N"]) == (2, 128, pa.block_n)
-        return kind in ("lm_head_merge", "philox_uniform", "philox_words", "paged_decode_merge")
+        return kind in ("lm_head_merge", "paged_decode_merge")
 
     return [v for v in all_variants(False) if keep(v)]

@@ -1,6 +1,6 @@
 """Triton kernels of SPEC-RL, installed as ``spec_rl.kernels``: one op per file with its launcher beside it (fused
-verification from logits or hidden states, paged decode attention, Philox). The public entry points are spec_rl's
-verify functions; these are the layer under them (docs/design.md "Module map").
+verification from logits or hidden states, paged decode attention; the device Philox they share). The public entry
+points are spec_rl's verify functions; these are the layer under them (docs/design.md "Module map").
 
 Without Triton, :func:`is_available` is False and nothing else is exported. Without CUDA the kernels need
 ``TRITON_INTERPRET=1`` set before the first import."""
@@ -22,7 +22,6 @@ if __name__ == "spec_rl.kernels":
         from .from_logits import verify_logits  # noqa: F401
         from .lm_head import verify_hidden, verify_hidden_padded  # noqa: F401
         from .paged_attention import paged_decode_attention  # noqa: F401
-        from .philox import philox4x32_triton, philox_uniform_triton  # noqa: F401
 else:
     # A top-level `kernels` (repo root on sys.path) imports nothing; version "0" fails the Hub `kernels` checks.
     __version__ = "0"

@@ -1,7 +1,6 @@
 """Command line: ``spec-rl train`` and ``spec-rl sweep`` (docs/api.md "Command line").
 
-With no arguments ``spec-rl train`` runs the embedded demo offline: vanilla GRPO and SPEC-RL on identical seeds.
-"""
+With no arguments ``spec-rl train`` runs the embedded demo offline: vanilla GRPO and SPEC-RL on identical seeds."""
 
 from __future__ import annotations
 
@@ -36,9 +35,9 @@ _FLAGS = {
 }
 #: Names whose errors are about a flag: fields of the config, its sampling settings and a run's mode.
 _FIELDS = {f.name for cls in (GRPOConfig, SamplingSettings, RolloutMode, PromptFormat) for f in dataclasses.fields(cls)}
-_FIELDS |= {"lenience", "rejection_draw"}
-#: The flags that set a field of the selected runs' RolloutMode (or its rule), where the mode has it.
-_MODE_FLAGS = {"lenience": "--lenience", "rejection_draw": "--rejection-draw", "tail": "--no-tail"}
+#: The fields of the selected runs' RolloutMode (or its rule) that a flag sets, where the mode has them.
+_MODE_FIELDS = ("lenience", "rejection_draw", "tail")
+_FIELDS |= set(_MODE_FIELDS)
 
 
 class UsageError(SystemExit):
@@ -309,13 +308,13 @@ def _modes(args: argparse.Namespace, demo: bool) -> dict:
         names = mode_names(m.strip() for m in (args.modes or ",".join(recipe.runs)).split(",") if m.strip())
     except ValueError as err:
         raise UsageError(f"--{err}") from None
-    given = {k: getattr(args, k) for k in _MODE_FLAGS if getattr(args, k) is not None}
-    for field, flag in _MODE_FLAGS.items():
-        if field in given and not any(field in MODES[m].settable() for m in names):
+    given = {k: getattr(args, k) for k in _MODE_FIELDS if getattr(args, k) is not None}
+    for field in given:
+        if not any(field in MODES[m].settable() for m in names):
             takers = [m for m in MODES if field in MODES[m].settable()]
             raise UsageError(
-                f"{flag} applies to the runs {', '.join(takers)}; the selected runs ({', '.join(names)}) "
-                f"have no such setting: drop {flag}, or add such a run to --modes"
+                f"{_flag(field)} applies to the runs {', '.join(takers)}; the selected runs ({', '.join(names)}) "
+                f"have no such setting: drop {_flag(field)}, or add such a run to --modes"
             )
     spec = recipe.spec
     lenience = given.get("lenience", LENIENCE_DEFAULTS["dapo"] if args.clip_higher and not demo else spec.lenience)

@@ -61,3 +61,23 @@ def full_forward_logprobs(model, prompt, response, temperature=1.0):
         logits = model(input_ids=ids).logits[0].double()
     rows = logits[len(prompt) - 1 : len(prompt) - 1 + len(response)] / temperature
     return torch.log_softmax(rows, -1).gather(-1, torch.tensor(response).unsqueeze(-1)).squeeze(-1)
+
+
+def tiny_demo_config(**overrides):
+    """A seconds-to-build demo policy config (an untrained-quality policy)."""
+    from spec_rl.tasks.demo_sft import DemoConfig
+
+    base = dict(
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=64,
+        vocab_size=400,
+        tokenizer_corpus=200,
+        sft_examples=64,
+        sft_steps=3,
+        batch_size=8,
+        warmup_steps=1,
+    )
+    return DemoConfig(**(base | overrides))

@@ -17,8 +17,6 @@ from .mode import RolloutMode
 from .reference import lengths_mask
 from .rules import Rule
 
-__all__ = ["DraftRows", "Prefixes", "accepted_drift", "verified_prefixes"]
-
 
 @dataclass
 class DraftRows:

@@ -206,7 +206,8 @@ class Backend:
         hold, past its draft, or with a bad token."""
         owner, vocab, out = type(self).__name__, self.vocab_size, []
         if scored is not None and (not isinstance(scored, Scored) or scored.used):
-            raise ValueError(f"scored must come from this backend's score and be continued once, got {scored!r:.80}")
+            got = "one already continued or released" if isinstance(scored, Scored) else type(scored).__name__
+            raise ValueError(f"scored must come from this backend's score and be continued once, got {got}")
         for i, job in enumerate(jobs):
             name = f"jobs[{i}]"
             if not isinstance(job, Job):

@@ -8,8 +8,6 @@ from collections.abc import Sequence
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-__all__ = ["InPlaceLayer", "buffer_columns", "in_place_cache", "left_padded_cache"]
-
 #: Spare columns a buffer gets at least when it is (re)allocated.
 MIN_SPARE = 64
 

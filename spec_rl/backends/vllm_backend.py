@@ -17,8 +17,6 @@ from .base import BackendStats, Continuation, eos_and_pad
 from .reprefill import ReprefillBackend
 from .scoring import PolicyScorer
 
-__all__ = ["VLLMBackend"]
-
 
 class VLLMBackend(ReprefillBackend):
     """Continuations on an offline vLLM engine built from ``model``'s weights in ``workdir``; scoring on ``model``.

@@ -23,8 +23,7 @@ from .owner import merged_owner
 from .stored_files import open_stored
 
 FINISH_REASONS = ("eos", "length")
-_FORMAT = "spec-rl-rollout-cache"
-_FORMAT_VERSION = "1"
+_FORMAT = {"format": "spec-rl-rollout-cache", "format_version": "1"}
 _KEY_BYTES = 16
 _FIX = "delete the file or restore a backup (without a cache the next epoch generates every response afresh)"
 
@@ -225,8 +224,7 @@ class RolloutCache(DraftStore):
             "settings_index": torch.tensor([settings_list.index(d.settings) for d in drafts], dtype=torch.int32),
         }
         metadata = {
-            "format": _FORMAT,
-            "format_version": _FORMAT_VERSION,
+            **_FORMAT,
             "settings": json.dumps([s.to_dict() for s in settings_list]),
             **({"owner": self.owner} if self.owner is not None else {}),
         }
@@ -238,7 +236,7 @@ class RolloutCache(DraftStore):
         when given, else in the int32 range. FileNotFoundError: no file; ValueError: not a spec-rl rollout cache, or
         damaged (one error naming the file and the problem); TypeError: a non-integer ``vocab_size``. The cache's
         ``owner`` is the policy recorded with it (check it with :meth:`claim`)."""
-        check = open_stored(path, "rollout cache", _FORMAT, _FORMAT_VERSION, _FIX, vocab_size)
+        check = open_stored(path, "rollout cache", _FORMAT, _FIX, vocab_size)
         stored_settings = check.json_field("settings", list, "a JSON list of sampling settings")
         settings_list = [check.settings(d, f"settings[{i}]") for i, d in enumerate(stored_settings)]
         keys = check.tensor("keys", torch.uint8, (None, _KEY_BYTES))

@@ -18,10 +18,8 @@ from .cache import CacheKey, Draft, DraftStore, make_draft
 from .owner import merged_owner
 from .stored_files import FileCheck
 
-_FORMAT = "spec-rl-draft"
-_FORMAT_VERSION = "1"
 _MARKER = "SPEC_RL_DRAFT_STORE"
-_STORE_FORMAT = {"format": _FORMAT, "format_version": _FORMAT_VERSION}
+_FORMAT = {"format": "spec-rl-draft", "format_version": "1"}
 
 
 class DirectoryDraftStore(DraftStore):
@@ -48,22 +46,19 @@ class DirectoryDraftStore(DraftStore):
                 )
             # Several workers may race to create the marker: any one of them is fine.
             with contextlib.suppress(FileExistsError), open(marker, "x") as f:
-                f.write(json.dumps(_STORE_FORMAT) + "\n")
-
-    def _marker(self) -> dict:
-        try:
-            return json.loads((self.root / _MARKER).read_text() or "{}")
-        except (OSError, ValueError):  # being created by another worker: no owner yet
-            return {}
+                f.write(json.dumps(_FORMAT) + "\n")
 
     def claim(self, owner: str, where: str | None = None) -> None:
         """Bind the directory to the policy ``owner`` (recorded in its marker file, for every worker);
         DraftOwnerError (a ValueError) when it holds another policy's drafts."""
-        marker = self._marker()
+        try:
+            marker = json.loads((self.root / _MARKER).read_text() or "{}")
+        except (OSError, ValueError):  # being created by another worker: no owner yet
+            marker = {}
         merged_owner(marker.get("owner"), owner, where or f"draft directory {self.root}")
         super().claim(owner, where)
         if marker.get("owner") is None:
-            marker = {**_STORE_FORMAT, **marker, "owner": owner}
+            marker = {**_FORMAT, **marker, "owner": owner}
             atomic_write_text(self.root / _MARKER, json.dumps(marker) + "\n")
 
     def path_for(self, key: CacheKey) -> Path:
@@ -91,8 +86,7 @@ class DirectoryDraftStore(DraftStore):
         except Exception as exc:  # a damaged file (not a torn write: writes are atomic) is a miss, not a crash
             warnings.warn(f"draft store: cannot read {path} ({exc}); treating it as a miss", stacklevel=3)
             return None
-        expected = (_FORMAT, _FORMAT_VERSION, key.digest.hex())
-        if (meta.get("format"), meta.get("format_version"), meta.get("key")) != expected:
+        if {k: meta.get(k) for k in ("format", "format_version", "key")} != {**_FORMAT, "key": key.digest.hex()}:
             warnings.warn(f"draft store: {path} is not a draft of this key/format; treating it as a miss", stacklevel=3)
             return None
         check = FileCheck(path, meta, tensors, "treating it as a miss")
@@ -110,7 +104,7 @@ class DirectoryDraftStore(DraftStore):
     def _write(self, key: CacheKey, draft: Draft) -> None:
         path = self.path_for(key)
         metadata = {
-            **_STORE_FORMAT,
+            **_FORMAT,
             "key": key.digest.hex(),
             "finish_reason": draft.finish_reason,
             "version": str(draft.version),

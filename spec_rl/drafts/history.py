@@ -22,18 +22,8 @@ from .stored_files import open_stored
 
 #: Separates responses in an automaton's text; never a token id.
 SEPARATOR = -1
-_FORMAT = "spec-rl-history"
-_FORMAT_VERSION = "1"
+_FORMAT = {"format": "spec-rl-history", "format_version": "1"}
 _FIX = "delete the file or restore a backup (without it speculation restarts from an empty history)"
-
-
-def in_vocab_prefix(tokens: list[int], vocab_size: int | None) -> list[int]:
-    """``tokens`` up to the first id outside [0, vocab_size) (all of them when vocab_size is None)."""
-    if vocab_size is not None:
-        for i, t in enumerate(tokens):
-            if not 0 <= t < vocab_size:
-                return tokens[:i]
-    return tokens
 
 
 def matched_prefix(proposal: Sequence[int], emitted: Sequence[int]) -> int:
@@ -150,14 +140,15 @@ class SuffixProposer:
         k = min(max(self.k, int(fill)), int(limit))
         if k <= 0:
             return []
+        automaton = self.automaton
         if self.at_start:
-            starts = self.automaton.starts
-            out = self.automaton.read(starts[-1], k) if starts else []
+            out = automaton.read(automaton.starts[-1], k) if automaton.starts else []
         elif self.matched < self.min_match:
             return []
         else:
-            out = self.automaton.continuation(self.state, k)
-        return in_vocab_prefix(out, self.vocab_size)
+            out = automaton.continuation(self.state, k)
+        vocab = self.vocab_size
+        return out if vocab is None else list(itertools.takewhile(lambda t: 0 <= t < vocab, out))
 
     def update(self, proposal: Sequence[int], emitted: Sequence[int]) -> None:
         """Feed the tokens emitted this step; ``proposal`` is what :meth:`propose` returned for it."""
@@ -246,9 +237,8 @@ class HistoryIndex:
         counts = torch.tensor([len(self._responses[k]) for k in keys], dtype=torch.int64)
         lengths = torch.tensor([len(r) for r in flat], dtype=torch.int64)
         tokens = torch.tensor([t for r in flat for t in r], dtype=torch.int64)
-        tensors = {"counts": counts, "lengths": lengths, "tokens": tokens}
-        meta = {"format": _FORMAT, "format_version": _FORMAT_VERSION, "keys": json.dumps([k.hex() for k in keys])}
-        return atomic_save_safetensors(path, tensors, meta)
+        meta = {**_FORMAT, "keys": json.dumps([k.hex() for k in keys])}
+        return atomic_save_safetensors(path, {"counts": counts, "lengths": lengths, "tokens": tokens}, meta)
 
     @classmethod
     def load(cls, path: str | os.PathLike, vocab_size: int | None = None, **bounds) -> HistoryIndex:
@@ -256,7 +246,7 @@ class HistoryIndex:
         must lie in [0, ``vocab_size``) when given, else in the int32 range. FileNotFoundError: no file; ValueError:
         not a spec-rl history file, or damaged (one error naming the file and the problem)."""
         index = cls(**bounds)
-        check = open_stored(path, "history index", _FORMAT, _FORMAT_VERSION, _FIX, vocab_size)
+        check = open_stored(path, "history index", _FORMAT, _FIX, vocab_size)
         what = "a JSON list of hex strings (one per prompt)"
         hex_keys = check.json_field("keys", list, what)
         bad = [k for k in hex_keys if not isinstance(k, str) or len(k) % 2 or not set(k) <= set(string.hexdigits)]
@@ -272,9 +262,7 @@ class HistoryIndex:
         if int(counts.sum()) != lengths.numel() or int(lengths.sum()) != tokens.numel():
             raise check.fail("response counts and lengths do not match the stored tokens (damaged file)")
         check.token_ids("tokens", tokens)
-        flat = tokens.tolist()
-        offsets = [0, *itertools.accumulate(lengths.tolist())]
         owners = [key for key, count in zip(keys, counts.tolist()) for _ in range(count)]
-        for key, start, end in zip(owners, offsets, offsets[1:]):
-            index.add(key, flat[start:end])
+        for key, response in zip(owners, tokens.split(lengths.tolist())):
+            index.add(key, response)
         return index

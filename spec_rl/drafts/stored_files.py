@@ -23,11 +23,11 @@ class DamagedFileError(ValueError):
 
 
 def open_stored(
-    path: str | os.PathLike, what: str, fmt: str, version: str, fix: str, vocab_size: int | None = None
+    path: str | os.PathLike, what: str, fmt: dict[str, str], fix: str, vocab_size: int | None = None
 ) -> FileCheck:
     """The checks of the safetensors file ``path`` (read on the CPU), a ``what`` (e.g. "rollout cache") whose metadata
-    says format ``fmt`` at ``version``. FileNotFoundError: no file; TypeError: a non-integer ``vocab_size``;
-    ValueError: ``vocab_size`` < 1, an unreadable file or another format."""
+    holds ``fmt`` (its "format" and "format_version"). FileNotFoundError: no file; TypeError: a non-integer
+    ``vocab_size``; ValueError: ``vocab_size`` < 1, an unreadable file or another format."""
     from safetensors import safe_open
 
     if vocab_size is not None:
@@ -41,8 +41,9 @@ def open_stored(
             tensors = {k: f.get_tensor(k) for k in f.keys()}
     except Exception as exc:  # safetensors raises its own error types
         raise ValueError(f"{path} is not a readable safetensors file ({what}): {exc}") from exc
-    if meta.get("format") != fmt:
+    if meta.get("format") != fmt["format"]:
         raise ValueError(f"{path} is not a spec-rl {what} (format={meta.get('format')!r})")
+    version = fmt["format_version"]
     if meta.get("format_version") != version:
         raise ValueError(f"{path} has {what} format version {meta.get('format_version')!r}; expected {version}")
     return FileCheck(path, meta, tensors, fix, vocab_size)

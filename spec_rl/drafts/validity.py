@@ -9,8 +9,6 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DraftView", "draft_view", "draft_views"]
-
 
 @dataclass(frozen=True)
 class DraftView:

@@ -2,8 +2,7 @@
 
 A server cannot exclude the rejected draft token y_n, so the continuation is resent under the next seed while it
 begins with y_n; the first that does not is a residual token plus a fresh continuation of pi_t (cost and attempt
-bound: docs/integrations.md).
-"""
+bound: docs/integrations.md)."""
 
 from __future__ import annotations
 
@@ -12,8 +11,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ..sampling.philox import mix_seed
-
-__all__ = ["MAX_RESIDUAL_ATTEMPTS", "draw_continuation", "residual_seeds"]
 
 #: Continuation attempts at one rejection before :func:`draw_continuation` gives up.
 MAX_RESIDUAL_ATTEMPTS = 16
@@ -24,8 +21,7 @@ _SEED_MASK = (1 << 63) - 1  # servers take a signed 64-bit seed
 
 def residual_seeds(step_seed: int, uid: int, attempts: int = MAX_RESIDUAL_ATTEMPTS) -> list[int]:
     """Server seeds (in [0, 2**63)) of one sample's continuation attempts: a pure function of (step seed, uid,
-    attempt), salted apart from the acceptance uniforms, so a rollout replays.
-    """
+    attempt), salted apart from the acceptance uniforms, so a rollout replays."""
     key = mix_seed(int(step_seed) ^ _SEED_SALT_RESIDUAL, int(uid))
     return [mix_seed(key, a) & _SEED_MASK for a in range(int(attempts))]
 
@@ -39,11 +35,8 @@ async def draw_continuation(
     returns ``(nothing, 0)``). ``send(seed)`` (seed None: the server's own randomness) returns a tuple whose first
     element is the list of new token ids. Returns (what the accepted ``send`` returned, attempts discarded before it).
     With ``request.keep_last`` (lenient without-draft draw) the last attempt is kept when all began with y_n
-    (RuntimeWarning) and ``request.kept_excluded`` is set: pass it to ``assemble(kept_excluded=...)``.
-
-    Raises:
-        RuntimeError: every attempt began with y_n and ``keep_last`` is off (exact acceptance).
-    """
+    (RuntimeWarning) and ``request.kept_excluded`` is set: pass it to ``assemble(kept_excluded=...)``. Raises
+    RuntimeError when every attempt began with y_n and ``keep_last`` is off (exact acceptance)."""
     if request is None:
         return nothing, 0
     excluded = request.excluded

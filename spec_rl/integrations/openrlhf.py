@@ -1,8 +1,7 @@
 """OpenRLHF agent executor with speculative rollouts (SPEC-RL, arXiv 2509.23232; docs/integrations.md "OpenRLHF").
 
 OpenRLHF passes ``execute`` no sample index, step or dataset id: the slot is the call count per prompt mod n (it
-starts a prompt's n calls in order), the seed step the draft's version + 1, and drafts are keyed by prompt and slot.
-"""
+starts a prompt's n calls in order), the seed step the draft's version + 1, and drafts are keyed by prompt and slot."""
 
 from __future__ import annotations
 
@@ -29,8 +28,7 @@ def request_params(sampling_params: Any, response_tokens_before: int, **changes:
 
     Two fields need more than a copy: ``skip_reading_prefix_cache`` is set as the constructor sets it for
     ``prompt_logprobs`` (cached prompt positions would come back as garbage rows), and ``min_tokens``, which vLLM
-    counts from the start of each request, becomes ``max(0, min_tokens - response_tokens_before)``.
-    """
+    counts from the start of each request, becomes ``max(0, min_tokens - response_tokens_before)``."""
     sp = deepcopy(sampling_params)
     for name, value in changes.items():
         setattr(sp, name, value)
@@ -60,10 +58,8 @@ class SpecRLAgentExecutor(AgentExecutorBase):
         prompt_logprobs_mode: "raw" (vLLM: temperature 1, no top-k/top-p) or "processed".
         eos_token_ids: EOS ids (default: the tokenizer's eos_token_id).
 
-    Raises:
-        ValueError: n_samples_per_prompt < 1 or a name that names no mode; at ``execute``, settings whose
-            log-probs cannot be scored (:func:`~spec_rl.integrations.requests.check_server_settings`) or images.
-    """
+    Raises ValueError for n_samples_per_prompt < 1 or a name that names no mode; at ``execute``, for settings whose
+    log-probs cannot be scored (:func:`~spec_rl.integrations.requests.check_server_settings`) or images."""
 
     def __init__(
         self,
@@ -194,6 +190,3 @@ class SpecRLAgentExecutor(AgentExecutorBase):
                 r = await r
             output["reward"] = output["scores"] = float(r)
         return output
-
-
-__all__ = ["SpecRLAgentExecutor", "request_params"]

@@ -6,8 +6,6 @@ from dataclasses import dataclass, field
 
 from ..drafts.cache import CacheKey, Draft
 
-__all__ = ["Assembled", "ContinuationRequest", "SamplePlan", "Verified"]
-
 
 @dataclass
 class SamplePlan:
@@ -49,8 +47,7 @@ class ContinuationRequest:
 
     After a rejection with exact acceptance or the without-draft draw, ``excluded`` is y_n and ``seeds`` holds one
     server seed per attempt: send it through :func:`~spec_rl.integrations.exact.draw_continuation`. ``keep_last``
-    (lenient only) lets that keep the last attempt when all began with y_n, setting ``kept_excluded``.
-    """
+    (lenient only) lets that keep the last attempt when all began with y_n, setting ``kept_excluded``."""
 
     context_ids: list[int]
     max_tokens: int

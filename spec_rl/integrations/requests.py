@@ -2,8 +2,7 @@
 
 A sample takes a scoring request (prompt + draft with ``prompt_logprobs``) and, unless the draft is reused whole, a
 continuation after the verified prefix on the same server, whose prefix cache then holds prompt + y_<n (SPEC-RL
-Alg. 1). A server returns no samples at prompt positions, so the token at the rejection comes from the continuation.
-"""
+Alg. 1). A server returns no samples at prompt positions, so the token at the rejection comes from the continuation."""
 
 from __future__ import annotations
 
@@ -22,16 +21,6 @@ from ..util.validation import check_int
 from .exact import MAX_RESIDUAL_ATTEMPTS, draw_continuation, residual_seeds
 from .request_types import Assembled, ContinuationRequest, SamplePlan, Verified
 
-__all__ = [
-    "PROMPT_LOGPROBS_MODES",
-    "Assembled",
-    "ContinuationRequest",
-    "SamplePlan",
-    "SpecRequestBuilder",
-    "Verified",
-    "check_server_settings",
-]
-
 PROMPT_LOGPROBS_MODES = ("raw", "processed")
 
 
@@ -42,17 +31,13 @@ def check_server_settings(
     logprobs_mode: str | None = None,
 ) -> None:
     """Refuse a sampling configuration whose log-probs the server cannot score faithfully (docs/integrations.md
-    "Log-prob modes").
+    "Log-prob modes"): ValueError naming the setting and the fix.
 
     ``prompt_logprobs_mode``: "raw" (vLLM: its ``prompt_logprobs`` come from the raw logits, which cannot be rescaled
     to temperature or top-k/top-p without the whole logit vector, so only temperature 1 without them passes) or
     "processed" (for a server known to apply them). ``repetition_penalty`` must be 1: the scoring prefill does not
     apply it. ``logprobs_mode``: the server's mode for sampled-token log-probs (vLLM's), None if unknown; logits
-    modes fail.
-
-    Raises:
-        ValueError: naming the setting and the fix.
-    """
+    modes fail."""
     if prompt_logprobs_mode not in PROMPT_LOGPROBS_MODES:
         raise ValueError(f"prompt_logprobs_mode must be one of {PROMPT_LOGPROBS_MODES}, got {prompt_logprobs_mode!r}")
     if prompt_logprobs_mode == "raw" and not (settings.temperature == 1.0 and settings.is_plain):
@@ -92,10 +77,8 @@ class SpecRequestBuilder:
         seed_param: the server's per-request seed parameter: "seed" (vLLM) or "sampling_seed" (SGLang).
         max_resample_attempts: continuation attempts at one rejection (exact acceptance, without-draft draw).
 
-    Raises:
-        ValueError: unusable settings, max_resample_attempts < 1, max_model_len < 2, empty eos_ids, a mode name that
-            names no mode.
-    """
+    Raises ValueError for unusable settings, max_resample_attempts < 1, max_model_len < 2, empty eos_ids or a mode
+    name that names no mode."""
 
     def __init__(
         self,
@@ -128,8 +111,7 @@ class SpecRequestBuilder:
 
     def plan(self, prompt_ids: Sequence[int], slot: int, dataset_id: str | None = None) -> SamplePlan:
         """Look up the draft of one sample (none when the mode reuses none); ValueError for an empty prompt or one that
-        leaves no room for a response.
-        """
+        leaves no room for a response."""
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("prompt_ids is empty")
@@ -167,8 +149,7 @@ class SpecRequestBuilder:
 
         ``rows[j]`` scores the token at position ``first_row_position + j`` (a float or a one-element list; verl drops
         position 0, which has no context); ``row_ids``, if given, are checked against the draft. Raises ValueError for
-        too few rows or other tokens than the draft.
-        """
+        too few rows or other tokens than the draft."""
         p, r = len(plan.prompt_ids), len(plan.draft_ids)
         start = p - first_row_position
         if start < 0 or len(rows) < start + r:
@@ -204,8 +185,7 @@ class SpecRequestBuilder:
         log-probs) the scoring request generated; when every token is accepted but the draft is not a whole response,
         that token is a sample of pi_t at the next position and is kept as the first new token (no extra request).
         Raises ValueError for a missing or mismatched ``new_logprobs`` and the errors of
-        :func:`spec_rl.acceptance.dispatch.verify_logprobs` (NaN, positive log-probs).
-        """
+        :func:`spec_rl.acceptance.dispatch.verify_logprobs` (NaN, positive log-probs)."""
         # The step that seeds the uniforms: the server's weight version if known, else the draft's version + 1 (0
         # without a draft), so a prompt's uniforms change every time it comes back.
         draft_step = plan.draft.version + 1 if plan.draft is not None else 0
@@ -236,8 +216,7 @@ class SpecRequestBuilder:
 
     def continuation(self, plan: SamplePlan, verified: Verified) -> ContinuationRequest | None:
         """The request after the verified prefix, or None when nothing is left; after a rejection that excludes y_n
-        it carries y_n and one server seed per attempt (:func:`~spec_rl.integrations.exact.residual_seeds`).
-        """
+        it carries y_n and one server seed per attempt (:func:`~spec_rl.integrations.exact.residual_seeds`)."""
         remaining = plan.budget - len(verified.prefix_ids)
         sampled_eos = verified.sampled and verified.prefix_ids[-1] in self.eos_ids
         if verified.full_reuse or sampled_eos or remaining < 1:
@@ -273,14 +252,11 @@ class SpecRequestBuilder:
 
         ``step`` is the weight version the continuation reported (used without a draft); ``resamples`` and
         ``kept_excluded`` come from :func:`~spec_rl.integrations.exact.draw_continuation` and enter the metrics.
-
-        Raises:
-            ValueError: missing or mismatched log-probs, more tokens than the budget, a continuation that begins with
-                the rejected token without ``kept_excluded``, or a ``kept_excluded`` draw_continuation cannot have set.
-        """
+        Raises ValueError for missing or mismatched log-probs, more tokens than the budget, a continuation that
+        begins with the rejected token without ``kept_excluded``, or a ``kept_excluded`` draw_continuation cannot
+        have set."""
         new_ids = [int(t) for t in new_ids]
         begins_rejected = verified.rejected is not None and new_ids[:1] == [verified.rejected]
-        # kept_excluded only where draw_continuation can have set it
         if kept_excluded and self.rule.lossless:
             raise ValueError(
                 f"kept_excluded is only for the lenient without-draft draw; {self.rule.name} acceptance never keeps y_n"
@@ -304,12 +280,9 @@ class SpecRequestBuilder:
         lps = verified.prefix_logprobs + new_lps
         if len(response) > plan.budget:
             raise ValueError(f"response has {len(response)} tokens, more than the budget {plan.budget}")
+        finish = "eos" if response and response[-1] in self.eos_ids else "length"
         if verified.full_reuse:
             finish = plan.draft_end
-        elif response and response[-1] in self.eos_ids:
-            finish = "eos"
-        else:
-            finish = "length"
         version = verified.step if (step is None or plan.draft_ids) else int(step)
         if store:
             self.store.store(plan.key, response, lps, finish, version, self.settings)
@@ -335,8 +308,7 @@ class SpecRequestBuilder:
         ``score(plan)``, awaited only with a draft, returns (lp_new of the draft, the server's weight step or None,
         the scoring request's (token ids, log-probs)); ``send(request, seed=...)`` returns (new token ids, their
         log-probs or None, weight step or None, ...). Returns the sample and what the kept ``send`` returned (None:
-        nothing sent). Raises what those steps raise.
-        """
+        nothing sent). Raises what those steps raise."""
         new_lps = step = sample = None
         if plan.scoring_ids is not None:
             new_lps, step, sample = await score(plan)

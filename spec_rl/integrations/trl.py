@@ -2,8 +2,7 @@
 
 TRL hands ``rollout_func`` this process's prompts only, each repeated ``num_generations`` times in a row, and passes
 returned keys other than ``prompt_ids``, ``completion_ids`` and ``logprobs`` to the reward functions
-(docs/integrations.md "TRL").
-"""
+(docs/integrations.md "TRL")."""
 
 from __future__ import annotations
 
@@ -60,13 +59,9 @@ class SpecRLRollout:
         max_model_len: context limit in tokens (default the model's ``max_position_embeddings``).
         check_logprobs: check at :meth:`attach` that TRL's log-probs are ``log_softmax(logits / T)``.
 
-    Attributes:
-        last_result, last_requests, history: the latest call's RolloutResult and requests; one dict per call.
-
-    Raises:
-        ValueError: a mode name that names no mode, a bad max_model_len, both dataset-id options.
-        TypeError: a dataset_id_column that is not a str, a dataset_id_fn that is not callable.
-    """
+    After a call, ``last_result`` and ``last_requests`` hold its RolloutResult and requests; ``history`` holds one dict
+    per call. Raises ValueError for a mode name that names no mode, a bad max_model_len or both dataset-id options,
+    TypeError for a dataset_id_column that is not a str or a dataset_id_fn that is not callable."""
 
     def __init__(
         self,
@@ -120,8 +115,7 @@ class SpecRLRollout:
     def attach(self, trainer) -> SpecRLRollout:
         """Bind to ``trainer`` (built with ``rollout_func=self``) before ``trainer.train()``: check it, hook the
         dataset-id column, save with checkpoints. Without it the checks run at the first rollout; the rest is missing.
-        Raises UnsupportedTrainerConfig: another ``rollout_func``, or a failed check (trl_checks).
-        """
+        Raises UnsupportedTrainerConfig: another ``rollout_func``, or a failed check (trl_checks)."""
         if getattr(trainer, "rollout_func", None) is not self:
             raise UnsupportedTrainerConfig(
                 "trainer.rollout_func is not this SpecRLRollout; build the trainer with "
@@ -173,8 +167,7 @@ class SpecRLRollout:
         self, prompts: list, trainer, prompt_ids: Sequence[Sequence[int]] | None = None
     ) -> list[RolloutRequest]:
         """The RolloutRequest of each prompt of one call; RuntimeError for a group with different prompts or for
-        ``dataset_id_column`` without :meth:`attach`, UnsupportedTrainerConfig for multimodal prompts.
-        """
+        ``dataset_id_column`` without :meth:`attach`, UnsupportedTrainerConfig for multimodal prompts."""
         if prompt_ids is None:
             prompt_ids = tokenize_prompts(prompts, trainer)
         group = group_size(trainer)
@@ -183,8 +176,7 @@ class SpecRLRollout:
 
     def _run_rollout(self, requests, trainer, training: bool, step: int) -> RolloutResult:
         """One rollout on the unwrapped model in eval mode, under the trainer's autocast; the rollouts are rebuilt for
-        another model, history index or settings.
-        """
+        another model, history index or settings."""
         salt = self._seeds.salt(training, step, trainer.accelerator.process_index)
         with unwrapped_model(trainer) as model, torch.no_grad():
             was_training = model.training
@@ -206,8 +198,7 @@ class SpecRLRollout:
 
         Returns ``{"prompt_ids": [[int]], "completion_ids": [[int]], "logprobs": [[float]]}``; ``logprobs[i][t]`` is the
         sampling log-prob (nats) of completion token t under the current model (``log_softmax(logits / T)``, restricted
-        to top-k/top-p when set). RuntimeError: ``dataset_id_column`` is set but :meth:`attach` was not called.
-        """
+        to top-k/top-p when set). RuntimeError: ``dataset_id_column`` is set but :meth:`attach` was not called."""
         if self.trainer is not trainer:
             self._validate(trainer)
         if not prompts:
@@ -221,15 +212,8 @@ class SpecRLRollout:
         self.last_requests = requests
         stats = result.stats.to_dict()
         mode = (self._rollouts.train if training else self._rollouts.eval).mode
-        self.history.append(
-            {
-                "call": "train" if training else "eval",
-                "step": step,
-                **mode.to_dict(),
-                "wall_seconds": time.perf_counter() - t0,
-                **stats,
-            }
-        )
+        call = {"call": "train" if training else "eval", "step": step, **mode.to_dict()}
+        self.history.append({**call, "wall_seconds": time.perf_counter() - t0, **stats})
         if self.log_metrics and training and hasattr(trainer, "_log_metric"):
             log_rollout_metrics(trainer, stats)
         return {

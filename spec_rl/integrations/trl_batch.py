@@ -12,20 +12,10 @@ from ..backends.base import eos_token_ids
 from ..rollout.speculative import RolloutRequest
 from .trl_checks import UnsupportedTrainerConfig
 
-__all__ = [
-    "batch_requests",
-    "generation_tokens",
-    "group_size",
-    "hook_dataset_ids",
-    "tokenize_prompts",
-    "unwrapped_model",
-]
-
 
 def tokenize_prompts(prompts: list, trainer) -> list[list[int]]:
     """Token ids of each prompt (string or chat message list), as TRL tokenises them for generation;
-    UnsupportedTrainerConfig for multimodal prompts.
-    """
+    UnsupportedTrainerConfig for multimodal prompts."""
     tokenize = getattr(trainer, "_tokenize_prompts", None)
     if tokenize is not None:
         prompt_ids, images, multimodal = tokenize(prompts)
@@ -52,8 +42,7 @@ def batch_requests(
 
     ``prompt_ids`` holds this process's prompts, each repeated ``group`` times in a row (TRL's RepeatSampler);
     ``offset`` is the index of its first sample in the global batch (``process_index * len(prompt_ids)``).
-    Raises RuntimeError when one group has different prompts or dataset ids (slots would be wrong).
-    """
+    Raises RuntimeError when one group has different prompts or dataset ids (slots would be wrong)."""
     requests = []
     first_of_group: dict[int, int] = {}
     for i, (p, did) in enumerate(zip(prompt_ids, dataset_ids)):
@@ -88,8 +77,7 @@ def unwrapped_model(trainer):
 
 def generation_tokens(model, trainer) -> tuple[set[int], int]:
     """The full EOS set (TRL's list, the model's generation config, the tokenizer) and the pad id;
-    UnsupportedTrainerConfig when neither model nor tokenizer declares an EOS id.
-    """
+    UnsupportedTrainerConfig when neither model nor tokenizer declares an EOS id."""
     tok = getattr(trainer, "_tokenizer", None) or trainer.processing_class
     eos = eos_token_ids(model, tok) | {int(x) for x in (getattr(trainer, "eos_token_ids", None) or [])}
     if not eos:
@@ -105,8 +93,7 @@ def hook_dataset_ids(trainer, column: str, set_ids: Callable[[list[str] | None],
     order) before the call, for the rollout_func inside, and None after it.
 
     Raises UnsupportedTrainerConfig when TRL has no ``_generate_and_score_completions``, and at a call KeyError
-    for rows without ``column``.
-    """
+    for rows without ``column``."""
     original = getattr(trainer, "_generate_and_score_completions", None)
     if original is None:
         raise UnsupportedTrainerConfig(

@@ -8,8 +8,6 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-__all__ = ["CACHE_FILENAME", "HISTORY_FILENAME", "RolloutCacheCallback", "history_path", "ranked_path"]
-
 #: File name of the rollout cache inside a TRL checkpoint folder; rank k > 0 adds ``.rank<k>`` before the suffix.
 CACHE_FILENAME = "spec_rl_rollout_cache.safetensors"
 #: File name of the history index inside a TRL checkpoint folder (ranked the same way).
@@ -28,11 +26,6 @@ def history_path(cache_path: str | os.PathLike) -> Path:
     return path.with_name(f"{path.stem}.history{path.suffix}")
 
 
-def _checkpoint_files(folder: Path, process_index: int) -> tuple[Path, Path]:
-    """The rollout cache and history index files of process ``process_index`` in a checkpoint folder."""
-    return ranked_path(folder / CACHE_FILENAME, process_index), ranked_path(folder / HISTORY_FILENAME, process_index)
-
-
 class RolloutCacheCallback(TrainerCallback):
     """Saves the adapter's cache and history index with each checkpoint (atomically); reloads them on resume."""
 
@@ -49,7 +42,8 @@ class RolloutCacheCallback(TrainerCallback):
             if isinstance(resume, str) and os.path.isdir(resume)
             else Path(args.output_dir) / f"checkpoint-{state.global_step}"
         )
-        cache_file, history_file = _checkpoint_files(folder, spec.process_index)
+        cache_file = ranked_path(folder / CACHE_FILENAME, spec.process_index)
+        history_file = ranked_path(folder / HISTORY_FILENAME, spec.process_index)
         if len(spec.cache) == 0:
             if cache_file.is_file():
                 spec.load_cache(cache_file)
@@ -66,18 +60,16 @@ class RolloutCacheCallback(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         if folder.is_dir():
-            self._save(*_checkpoint_files(folder, self.spec.process_index))
-        self._save_at_cache_path()
+            self._save(folder / CACHE_FILENAME, folder / HISTORY_FILENAME)
+        self.on_train_end(args, state, control)  # the copy at cache_path too
 
     def on_train_end(self, args, state, control, **kwargs):
-        self._save_at_cache_path()
-
-    def _save_at_cache_path(self) -> None:
-        path, rank = self.spec.cache_path, self.spec.process_index
-        if path is not None:
-            self._save(ranked_path(path, rank), ranked_path(history_path(path), rank))
+        if self.spec.cache_path is not None:
+            self._save(self.spec.cache_path, history_path(self.spec.cache_path))
 
     def _save(self, cache_file: Path, history_file: Path) -> None:
-        self.spec.cache.save(cache_file)
+        """Save the cache and history index to these files, ranked for this process (:func:`ranked_path`)."""
+        rank = self.spec.process_index
+        self.spec.cache.save(ranked_path(cache_file, rank))
         if self.spec.history_index is not None:
-            self.spec.history_index.save(history_file)
+            self.spec.history_index.save(ranked_path(history_file, rank))

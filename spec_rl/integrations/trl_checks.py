@@ -1,7 +1,6 @@
 """Start-up checks of a TRL ``GRPOTrainer`` for speculative rollouts (docs/integrations.md "Refused at start").
 
-Each raises :class:`UnsupportedTrainerConfig` naming the setting and the fix, before anything is generated.
-"""
+Each raises :class:`UnsupportedTrainerConfig` naming the setting and the fix, before anything is generated."""
 
 from __future__ import annotations
 
@@ -12,15 +11,6 @@ import torch
 
 from ..drafts.cache import DraftStore
 from ..sampling.distribution import SamplingSettings, token_logprobs
-
-__all__ = [
-    "UnsupportedTrainerConfig",
-    "check_cache_settings",
-    "check_trainer_args",
-    "check_trainer_features",
-    "check_trainer_logprobs",
-    "sampling_settings_from_args",
-]
 
 #: Length of the random probe sequence, and how many of its last tokens are scored.
 _PROBE_TOKENS, _PROBE_SCORED = 12, 8
@@ -35,8 +25,7 @@ class UnsupportedTrainerConfig(ValueError):
 
 def sampling_settings_from_args(args) -> SamplingSettings:
     """The sampling distribution of a ``trl.GRPOConfig`` (top_k None read as 0); UnsupportedTrainerConfig when
-    ``max_completion_length`` is None.
-    """
+    ``max_completion_length`` is None."""
     top_k = getattr(args, "top_k", 0)
     top_p = getattr(args, "top_p", 1.0)
     max_len = getattr(args, "max_completion_length", None)
@@ -94,11 +83,9 @@ def _check_vllm(args) -> None:
 def check_trainer_args(args) -> SamplingSettings:
     """Validate a ``trl.GRPOConfig`` for speculative rollouts; return its sampling settings.
 
-    Raises:
-        UnsupportedTrainerConfig: vLLM server mode, a missing vLLM, or colocate mode with sleep mode, structured
-            outputs or tensor parallelism; a repetition penalty, ``min_p``, ``generation_kwargs``, no
-            ``max_completion_length``, temperature <= 0.
-    """
+    Raises UnsupportedTrainerConfig for vLLM server mode, a missing vLLM, or colocate mode with sleep mode,
+    structured outputs or tensor parallelism; a repetition penalty, ``min_p``, ``generation_kwargs``, no
+    ``max_completion_length``, temperature <= 0."""
     _check_vllm(args)
     rp = getattr(args, "repetition_penalty", 1.0)
     if rp is not None and float(rp) != 1.0:
@@ -128,8 +115,7 @@ def check_trainer_args(args) -> SamplingSettings:
 
 def check_trainer_features(trainer, dataset_id_column: str | None = None) -> None:
     """Refuse (UnsupportedTrainerConfig) tools, environments, FSDP, and a dataset-id column that
-    ``remove_unused_columns`` drops.
-    """
+    ``remove_unused_columns`` drops."""
     if getattr(trainer, "tools", None) or getattr(trainer, "environment_factories", None):
         raise UnsupportedTrainerConfig(
             "tools / environment_factory: TRL appends tool output to the completion after rollout_func returns, "
@@ -149,8 +135,7 @@ def check_trainer_features(trainer, dataset_id_column: str | None = None) -> Non
 
 def check_cache_settings(cache: DraftStore, settings: SamplingSettings) -> None:
     """Refuse (UnsupportedTrainerConfig) a cache whose drafts were sampled from another distribution than
-    ``settings``: a lookup would miss anyway, and an error at start beats a run that silently reuses nothing.
-    """
+    ``settings``: a lookup would miss anyway, and an error at start beats a run that silently reuses nothing."""
     found = {d.settings for d in cache.drafts()}
     # Another budget is fine: drafts are cut to today's budget and EOS set, or continued (spec_rl.drafts.validity).
     other = [s for s in found if not s.same_distribution(settings)]
@@ -166,8 +151,7 @@ def check_trainer_logprobs(trainer, settings: SamplingSettings) -> None:
     """Check TRL's per-token log-probs against ``log_softmax(logits / T)`` of the unwrapped model on a random probe.
 
     TRL scores in the model's current mode, so dropout left on in training shows. Raises UnsupportedTrainerConfig
-    above 1e-3 nats (5e-2 with bf16/fp16), or when TRL lacks ``_get_per_token_logps_and_entropies``.
-    """
+    above 1e-3 nats (5e-2 with bf16/fp16), or when TRL lacks ``_get_per_token_logps_and_entropies``."""
     fn = getattr(trainer, "_get_per_token_logps_and_entropies", None)
     if fn is None:
         raise UnsupportedTrainerConfig(

@@ -1,6 +1,5 @@
 """The ``spec_rl/*`` metrics :class:`~spec_rl.integrations.trl.SpecRLRollout` logs to TRL's metric log: reuse
-statistics per training rollout, and the reward split by response origin, since TRL's ``reward`` mixes the origins.
-"""
+statistics per training rollout, and the reward split by response origin, since TRL's ``reward`` mixes the origins."""
 
 from __future__ import annotations
 
@@ -9,17 +8,10 @@ import torch
 from ..rollout.reward_split import ORIGINS, origin_sums, response_origins
 from .trl_checks import UnsupportedTrainerConfig
 
-__all__ = ["ROLLOUT_METRICS", "hook_reward_split", "log_rollout_metrics", "weighted_rewards"]
-
 #: The RolloutStats keys logged per training call as ``spec_rl/<key>``.
 ROLLOUT_METRICS = (
-    "full_reuse_ratio",
-    "mean_verified_prefix",
-    "reused_tokens",
-    "tokens_generated",
-    "rollout_seconds",
-    "decode_steps",
-    "tail_accepted",
+    *("full_reuse_ratio", "mean_verified_prefix", "reused_tokens", "tokens_generated", "rollout_seconds"),
+    *("decode_steps", "tail_accepted"),
 )
 
 
@@ -32,8 +24,7 @@ def log_rollout_metrics(trainer, stats: dict) -> None:
 
 def weighted_rewards(trainer, rewards_per_func: torch.Tensor) -> list[float]:
     """TRL's logged reward per row of ``rewards_per_func`` ([B, F], one column per reward function): the
-    ``reward_weights``-weighted nansum, NaN where every function gave NaN.
-    """
+    ``reward_weights``-weighted nansum, NaN where every function gave NaN."""
     weights = trainer.reward_weights.to(rewards_per_func.device).unsqueeze(0)
     rewards = (rewards_per_func * weights).nansum(dim=1)
     rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan
@@ -45,10 +36,7 @@ def hook_reward_split(trainer, spec) -> None:
 
     Per training batch and origin of ``spec.last_result`` (:mod:`spec_rl.rollout.reward_split`): each response's
     reward, one value each so TRL's mean over processes weighs them by count, and this process's count.
-
-    Raises:
-        UnsupportedTrainerConfig: this TRL has no ``_calculate_rewards``.
-    """
+    Raises UnsupportedTrainerConfig when this TRL has no ``_calculate_rewards``."""
     original = getattr(trainer, "_calculate_rewards", None)
     if original is None:
         raise UnsupportedTrainerConfig(

@@ -1,8 +1,7 @@
 """The speculative rollouts behind :class:`~spec_rl.integrations.trl.SpecRLRollout`.
 
 Evaluation samples without drafts into a throw-away cache and only reads the history (:class:`ReadOnlyHistory`):
-history drafts are verified with "sample == proposal", so they save decode steps without changing a token.
-"""
+history drafts are verified with "sample == proposal", so they save decode steps without changing a token."""
 
 from __future__ import annotations
 
@@ -18,8 +17,6 @@ from ..sampling.distribution import SamplingSettings
 from ..sampling.philox import mix_seed
 from .trl_batch import generation_tokens
 from .trl_checks import UnsupportedTrainerConfig
-
-__all__ = ["CallSeeds", "ReadOnlyHistory", "RolloutOptions", "TrainerRollouts", "trainer_backend"]
 
 
 class ReadOnlyHistory:
@@ -51,11 +48,8 @@ class RolloutOptions:
 
 
 class TrainerRollouts:
-    """The training and evaluation rollouts of one model over one backend (:func:`trainer_backend`).
-
-    Raises:
-        UnsupportedTrainerConfig: no ``max_model_len`` and none in the model config.
-    """
+    """The training and evaluation rollouts of one model over one backend (:func:`trainer_backend`); raises
+    UnsupportedTrainerConfig without ``max_model_len`` and none in the model config."""
 
     def __init__(
         self,
@@ -95,11 +89,7 @@ class TrainerRollouts:
 
 def trainer_backend(model, trainer, eos_ids, pad_id: int):
     """The trainer's colocated vLLM engine when it has one (drafts still scored by its model, no tail speculation),
-    else a TransformersBackend on its model.
-
-    Raises:
-        UnsupportedTrainerConfig: colocate mode but the trainer has no vLLM engine.
-    """
+    else a TransformersBackend on its model. Raises UnsupportedTrainerConfig in colocate mode without a vLLM engine."""
     args = trainer.args
     if getattr(args, "use_vllm", False) and getattr(args, "vllm_mode", "colocate") == "colocate":
         from ..backends.vllm_backend import VLLMBackend
@@ -116,8 +106,7 @@ def trainer_backend(model, trainer, eos_ids, pad_id: int):
 
 class CallSeeds:
     """Seed salt of each ``rollout_func`` call: the process index and the call's count within its step (several
-    generation batches may share one), or on a negative axis the evaluation call's count.
-    """
+    generation batches may share one), or on a negative axis the evaluation call's count."""
 
     def __init__(self) -> None:
         self._last_step: int | None = None

@@ -2,8 +2,7 @@
 
 Both requests of a sample (:mod:`spec_rl.integrations.requests`) share one request id, so verl's sticky routing sends
 them to one server. Drafts live in a directory every agent-loop worker reaches; validation and greedy rows are
-generated plainly and never touch it.
-"""
+generated plainly and never touch it."""
 
 from __future__ import annotations
 
@@ -67,8 +66,7 @@ def settings_from_rollout_config(rollout_config: Any) -> SamplingSettings:
 def slot_of(row: dict, n: int) -> int:
     """The sample's index within its group: ``spec_rl_slot`` if set, else ``priority`` mod n (verl sets ``priority`` to
     the row's position in the whole batch, and the trainer repeats each prompt n times in a row); ValueError if
-    the row has neither.
-    """
+    the row has neither."""
     if "spec_rl_slot" in row:
         return int(row["spec_rl_slot"])
     if "priority" not in row:
@@ -97,12 +95,9 @@ class SpecRLAgentLoop(AgentLoopBase):
         eos_token_ids: EOS ids (default: the tokenizer's eos_token_id).
 
     The seed step is the server's ``global_steps``, else the draft's version + 1. On SGLang (rollout ``name``
-    "sglang") the per-attempt seed is sent as ``sampling_seed``.
-
-    Raises:
-        ValueError: no cache directory, settings whose log-probs cannot be compared
-            (:func:`~spec_rl.integrations.requests.check_server_settings`), a name that names no mode.
-    """
+    "sglang") the per-attempt seed is sent as ``sampling_seed``. Raises ValueError for no cache directory, settings
+    whose log-probs cannot be compared (:func:`~spec_rl.integrations.requests.check_server_settings`) or a name that
+    names no mode."""
 
     def __init__(
         self,

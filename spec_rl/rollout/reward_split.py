@@ -7,8 +7,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-__all__ = ["ORIGINS", "origin_means", "origin_sums", "response_origins"]
-
 ORIGINS = ("reused_whole", "partly_reused", "fresh")
 
 

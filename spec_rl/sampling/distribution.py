@@ -133,21 +133,6 @@ def token_logprobs(
 
 
 @torch.no_grad()  # sampling is never differentiated: no graph over [N, V]
-def sample_tokens(
-    logits: torch.Tensor, settings: SamplingSettings, generator: torch.Generator | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row of ``logits`` [B, V] with its sampling log-prob: (token_ids [B] int64, logprobs [B] float32).
-    ``generator``: optional, on ``logits``' device. TypeError when ``settings`` is not a SamplingSettings; ValueError
-    for a row without a distribution (NaN or +inf logits, or no token left)."""
-    check_settings(settings)
-    logp = sampling_log_softmax(logits, settings.temperature, settings.top_k, settings.top_p)
-    probs = logp.exp()
-    _raise_if_no_distribution(probs.sum(-1))  # instead of multinomial's "invalid distribution" error
-    ids = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    return ids, logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
-
-
-@torch.no_grad()  # sampling is never differentiated: no graph over [N, V]
 def keyed_sample(
     logits: torch.Tensor,
     settings: SamplingSettings,
@@ -170,27 +155,38 @@ def keyed_sample(
 
     Returns (token_ids [N] int64, logprobs [N] float32), log-probs under the full sampling distribution. TypeError:
     ``settings`` not a SamplingSettings, a non-integer seed or index tensor. ValueError: a row without a distribution
-    (named by uid and position), wrong shapes or lengths, ids outside [0, V) or [0, U), both index and exclude.
-    """
+    (named by uid and position), wrong shapes or lengths, ids outside [0, V) or [0, U), both index and exclude."""
     check_settings(settings)
     seed = check_int("seed", seed, hint=" (a 64-bit seed, taken modulo 2**64)")
     if index is not None and exclude is not None:
         raise ValueError("keyed_sample takes index or exclude, not both (index logits[index] first)")
-    uids, positions, exclude, index = _checked_rows(logits, uids, positions, exclude, index)
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+        got = list(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise ValueError(f"logits must be a [N, V] tensor, got {got}")
+    if index is not None:
+        index = _index_vector("index", index, None, high=logits.shape[0])
+    n = logits.shape[0] if index is None else index.shape[0]  # U = N without index
+    if exclude is not None:
+        exclude = _index_vector("exclude", exclude, n, high=logits.shape[1])
+    uids, positions = _index_vector("uids", uids, n), _index_vector("positions", positions, n)
     logp = sampling_log_softmax(logits, settings.temperature, settings.top_k, settings.top_p)
     total = logp.exp().sum(-1)
     _raise_if_no_distribution(
         total if index is None else total[index], lambda r: f"uid {int(uids[r])}, position {int(positions[r])}"
     )
     keys = philox_keys(seed, uids, positions, STREAM_SAMPLE).tolist()
-    n, vocab = len(keys), logp.shape[-1]
+    vocab = logp.shape[-1]
     ids = torch.empty(n, dtype=torch.int64, device=logp.device)
     step = max(1, _NOISE_ELEMENTS // max(vocab, 1))
     gen = torch.Generator(device=logp.device)
     for start in range(0, n, step):
         rows = slice(start, start + step)
         lp = logp[rows] if index is None else logp[index[rows]]
-        score = lp + _gumbel(keys[rows], vocab, gen, lp.device)
+        u = torch.empty((lp.shape[0], vocab), dtype=torch.float32, device=lp.device)
+        for row, key in zip(u, keys[rows]):  # each row's uniforms from the generator seeded with its key
+            gen.manual_seed(key)
+            row.uniform_(generator=gen)
+        score = lp + u.log_().neg_().log_().neg_()  # Gumbel noise -log(-log u); u = 0 gives -inf: that token never wins
         if exclude is not None:
             ex = exclude[rows].unsqueeze(-1)
             others = lp.scatter(-1, ex, float("-inf")).amax(-1) > float("-inf")  # mass left besides the excluded
@@ -202,15 +198,6 @@ def keyed_sample(
 
 #: Noise values formed at once (rows x vocabulary): bounds the extra memory of a large batch at a large vocabulary.
 _NOISE_ELEMENTS = 1 << 22
-
-
-def _gumbel(keys: list[int], vocab: int, gen: torch.Generator, device: torch.device) -> torch.Tensor:
-    """Gumbel noise [len(keys), V] float32, row r drawn by the generator of ``device`` seeded with ``keys[r]``."""
-    u = torch.empty((len(keys), vocab), dtype=torch.float32, device=device)
-    for row, key in zip(u, keys):
-        gen.manual_seed(key)
-        row.uniform_(generator=gen)
-    return u.log_().neg_().log_().neg_()  # -log(-log u); u = 0 gives -inf: that token never wins
 
 
 def _index_vector(name: str, t, n: int | None, high: int | None = None) -> torch.Tensor:
@@ -226,16 +213,3 @@ def _index_vector(name: str, t, n: int | None, high: int | None = None) -> torch
     if high is not None and t.numel() and (int(t.min()) < 0 or int(t.max()) >= high):
         raise ValueError(f"{name} holds values outside [0, {high}): min {int(t.min())}, max {int(t.max())}")
     return t.long()
-
-
-def _checked_rows(logits, uids, positions, exclude, index):
-    """keyed_sample's per-sample arguments, checked against the logits [U, V] (U = N without ``index``)."""
-    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
-        got = list(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
-        raise ValueError(f"logits must be a [N, V] tensor, got {got}")
-    if index is not None:
-        index = _index_vector("index", index, None, high=logits.shape[0])
-    n = logits.shape[0] if index is None else index.shape[0]
-    if exclude is not None:
-        exclude = _index_vector("exclude", exclude, n, high=logits.shape[1])
-    return _index_vector("uids", uids, n), _index_vector("positions", positions, n), exclude, index

@@ -65,9 +65,7 @@ def _as_u64_words(value: int | torch.Tensor, device: torch.device) -> tuple[torc
     if isinstance(value, torch.Tensor):
         assert value.dtype in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8), value.dtype
         v = value.to(device=device, dtype=torch.int64)
-        lo = v & _MASK32
-        hi = (v >> 32) & _MASK32  # arithmetic shift then mask == two's complement reinterpretation
-        return lo, hi
+        return v & _MASK32, (v >> 32) & _MASK32  # arithmetic shift then mask: two's complement reinterpretation
     v = int(value) % (1 << 64)
     return tuple(torch.tensor(w, dtype=torch.int64, device=device) for w in (v & _MASK32, v >> 32))
 

@@ -13,8 +13,6 @@ import re
 from ..util.validation import check_int, check_real
 from .data import Example, format_prompt
 
-__all__ = ["arithmetic_reward", "check_solution", "generate_problems", "TASK_VERSION"]
-
 #: Bumped whenever the generator's output changes (part of the demo cache key).
 TASK_VERSION = 1
 
@@ -62,7 +60,6 @@ _CONNECTIVES = {
 }
 MAX_STEPS = max(_CONNECTIVES)
 
-
 _SLIPS = (-2, -1, 1, 2)
 
 # Wordings of "count goes up/down by b"; {friend} is drawn for every event, used or not.
@@ -97,9 +94,8 @@ def _feasible_ops(x: int, w: int, max_value: int) -> list[str]:
 def _one_problem(
     rng: random.Random, steps: int, max_value: int, max_operand: int, slip_prob: float, misconception_prob: float
 ):
-    """(question, solution, answer) of one problem, or None at a dead end. ``x`` is the true count (question and
-    answer), ``w`` the count the worked solution believes (differs after a slip or the misconception); every event is
-    valid for both."""
+    """(question, solution, answer), or None at a dead end. ``x`` is the true count, ``w`` the one the worked solution
+    believes (after a slip or the misconception); every event is valid for both."""
 
     def slip(v: int) -> int:
         if slip_prob and rng.random() < slip_prob:

@@ -16,17 +16,6 @@ from typing import Any
 from ..util.validation import check_choice
 from .rewards import extract_boxed
 
-__all__ = [
-    "Example",
-    "FORMATS",
-    "PROMPT_TEMPLATE",
-    "PromptFormat",
-    "format_prompt",
-    "load_jsonl",
-    "load_hf_dataset",
-    "records_to_examples",
-]
-
 #: Record formats accepted by the loaders ("auto" detects one of the others).
 FORMATS = ("auto", "gsm8k", "math")
 
@@ -111,14 +100,6 @@ class PromptFormat:
 _COMMA_IN_NUMBER = re.compile(r"(?<=\d),(?=\d)")
 
 
-def _detect_format(record: Mapping[str, Any]) -> str | None:
-    if "question" in record and "answer" in record:
-        return "gsm8k"
-    if "problem" in record and ("answer" in record or "solution" in record):
-        return "math"
-    return None
-
-
 def _text_field(record: Mapping[str, Any], name: str, fmt: str, where: str) -> str:
     """``record[name]`` as a non-empty string, or a ValueError naming the location and the field."""
     if name not in record:
@@ -132,8 +113,7 @@ def _text_field(record: Mapping[str, Any], name: str, fmt: str, where: str) -> s
 
 
 def _gsm8k_fields(record: Mapping[str, Any], where: str) -> tuple[str, str, str | None, str]:
-    """(question, gold answer, solution, uid key field) of a GSM8K record; the gold answer is the text after the last
-    ``####`` of the ``answer`` field, thousands commas removed."""
+    """(question, gold answer, solution, uid key field) of a GSM8K record (gold as the module docstring says)."""
     question = _text_field(record, "question", "gsm8k", where)
     solution = _text_field(record, "answer", "gsm8k", where)
     gold = _COMMA_IN_NUMBER.sub("", solution.rsplit("####", 1)[1].strip()) if "####" in solution else ""
@@ -159,9 +139,6 @@ def _math_fields(record: Mapping[str, Any], where: str) -> tuple[str, str, str |
     if not isinstance(answer, str) or not answer.strip():
         raise ValueError(f"{where}: field 'answer' must be a non-empty string, got {answer!r}")
     return question, answer.strip(), solution or None, "unique_id"
-
-
-_FIELD_READERS = {"gsm8k": _gsm8k_fields, "math": _math_fields}
 
 
 def _check_fmt_limit(fmt: str, limit: int | None) -> None:
@@ -203,13 +180,16 @@ def _convert(
         if not isinstance(rec, Mapping):
             raise ValueError(f"{loc}: expected a JSON object (dict), got {type(rec).__name__}")
         if detected is None:
-            detected = _detect_format(rec)
-            if detected is None:
+            if "question" in rec and "answer" in rec:
+                detected = "gsm8k"
+            elif "problem" in rec and ("answer" in rec or "solution" in rec):
+                detected = "math"
+            else:
                 raise ValueError(
                     f"{loc}: cannot detect the format from fields {sorted(rec)}; expected GSM8K "
                     f"(question, answer) or MATH (problem, answer[, solution]); pass fmt='gsm8k' or fmt='math'"
                 )
-        question, answer, solution, key_field = _FIELD_READERS[detected](rec, loc)
+        question, answer, solution, key_field = (_gsm8k_fields if detected == "gsm8k" else _math_fields)(rec, loc)
         uid = f"{uid_prefix}:{rec.get(key_field, index)}"
         out.append(Example(prompt_fn(question), answer, uid, detected, solution, question))
         if limit is not None and len(out) >= limit:

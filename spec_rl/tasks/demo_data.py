@@ -10,16 +10,6 @@ from types import MappingProxyType
 from .arithmetic import generate_problems
 from .data import Example
 
-__all__ = [
-    "DEMO_MAX_NEW_TOKENS",
-    "DEMO_TASK_OPTIONS",
-    "EVAL_SEED",
-    "TRAIN_SEED",
-    "demo_eval_set",
-    "demo_response",
-    "demo_train_set",
-]
-
 #: Options of :func:`~spec_rl.tasks.arithmetic.generate_problems` used for all demo data (read-only).
 DEMO_TASK_OPTIONS: Mapping[str, int] = MappingProxyType(
     {"min_steps": 2, "max_steps": 3, "max_value": 20, "max_operand": 9}

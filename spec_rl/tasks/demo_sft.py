@@ -23,8 +23,6 @@ from .arithmetic import TASK_VERSION
 from .data import Example
 from .demo_data import _EVAL_N, _TRAIN_N, DEMO_MAX_NEW_TOKENS, DEMO_TASK_OPTIONS, EVAL_SEED, TRAIN_SEED, demo_response
 
-__all__ = ["DemoConfig", "RECIPE_VERSION", "make_demo_model", "run_sft"]
-
 #: Bumped whenever the recipe (tokenizer, model, SFT) changes in a way the config hash would not see.
 RECIPE_VERSION = 1
 
@@ -58,24 +56,6 @@ class DemoConfig:
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.01
     seed: int = 0
-
-    @classmethod
-    def tiny(cls, **overrides: Any) -> DemoConfig:
-        """A seconds-to-build config for tests (an untrained-quality policy)."""
-        base = dict(
-            hidden_size=32,
-            num_layers=1,
-            num_heads=2,
-            num_kv_heads=1,
-            intermediate_size=64,
-            vocab_size=400,
-            tokenizer_corpus=200,
-            sft_examples=64,
-            sft_steps=3,
-            batch_size=8,
-            warmup_steps=1,
-        )
-        return cls(**(base | overrides))
 
     def cache_key(self) -> str:
         """12 hex digits of sha256 over the config, the task options and versions."""
@@ -129,15 +109,6 @@ def make_demo_model(cfg: DemoConfig, tokenizer):
     return model
 
 
-def _encode_sft(tokenizer, examples: Sequence[Example]) -> list[Pair]:
-    """(prompt ids, response ids + EOS) per example, tokenized separately as a rollout sees them."""
-
-    def ids(text: str) -> list[int]:
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-
-    return [(ids(ex.prompt), ids(demo_response(ex)) + [tokenizer.eos_token_id]) for ex in examples]
-
-
 def _collate(pairs: Sequence[Pair], pad_id: int):
     """Right-padded batch: input_ids/attention_mask/labels [B, S] int64 (labels ignored off the response)."""
     B, S = len(pairs), max(len(p) + len(r) for p, r in pairs)
@@ -175,14 +146,6 @@ def _lr_at(step: int, cfg: DemoConfig) -> float:
     return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-def _adamw(params: list[torch.nn.Parameter], cfg: DemoConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (biases and norm scales are not decayed)."""
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.98), eps=1e-8)
-
-
 def run_sft(model, tokenizer, cfg: DemoConfig, examples: Sequence[Example], progress: bool) -> dict[str, Any]:
     """Warm-start ``model`` in place (left in eval mode) on the worked solutions of ``examples``. Input: prompt, then
     ``" " + solution + EOS``; cross-entropy on response tokens only, AdamW with linear warm-up and cosine decay,
@@ -190,7 +153,11 @@ def run_sft(model, tokenizer, cfg: DemoConfig, examples: Sequence[Example], prog
     Raises ValueError when a sequence exceeds ``cfg.max_position_embeddings`` or an example has no solution."""
     from tqdm.auto import tqdm
 
-    data = _encode_sft(tokenizer, examples)
+    def ids(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    # Prompt and response are tokenized separately, as a rollout sees them.
+    data = [(ids(ex.prompt), ids(demo_response(ex)) + [tokenizer.eos_token_id]) for ex in examples]
     longest = max(len(p) + len(r) for p, r in data)
     if longest > cfg.max_position_embeddings:
         raise ValueError(
@@ -200,7 +167,10 @@ def run_sft(model, tokenizer, cfg: DemoConfig, examples: Sequence[Example], prog
     rng = random.Random(cfg.seed)
     order: list[list[int]] = []
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = _adamw(params, cfg)
+    decay = [p for p in params if p.dim() >= 2]  # weight decay on matrices only, not on biases and norm scales
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.98), eps=1e-8)
     model.train()
     losses: list[float] = []
     t0 = time.perf_counter()

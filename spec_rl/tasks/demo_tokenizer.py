@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["EOS_TOKEN", "PAD_TOKEN", "build_demo_tokenizer"]
-
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 

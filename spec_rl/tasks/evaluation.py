@@ -19,8 +19,6 @@ from .data import Example, PromptFormat
 from .demo_data import DEMO_MAX_NEW_TOKENS
 from .rewards import RewardFn, math_reward
 
-__all__ = ["evaluate_heldout", "evaluate_policy", "heldout_split"]
-
 
 def _backend(model, tokenizer, batch_size: int) -> TransformersBackend:
     """A backend over ``model`` with the model's full EOS set; pad falls back to EOS as in the trainer."""
@@ -83,20 +81,6 @@ def evaluate_policy(
     }
 
 
-def _heldout_budgets(prompts: list[list[int]], settings: SamplingSettings, max_model_len: int | None) -> list[int]:
-    """Per prompt: ``min(max_tokens, max_model_len - prompt_len)`` (the rollout's budget), at least 1 token."""
-    if max_model_len is None:
-        return [settings.max_tokens] * len(prompts)
-    budgets = [settings.budget(len(p), max_model_len) for p in prompts]
-    for i, b in enumerate(budgets):
-        if b < 1:
-            raise ValueError(
-                f"held-out prompt {i} has {len(prompts[i])} tokens, max_model_len={max_model_len} leaves no room for a "
-                "response; filter long prompts or raise max_model_len"
-            )
-    return budgets
-
-
 @torch.no_grad()
 def evaluate_heldout(
     model,
@@ -126,7 +110,15 @@ def evaluate_heldout(
     check_int("samples_per_prompt", samples_per_prompt, low=1)
     backend = _backend(model, tokenizer, batch_size)
     prompts = (prompt_format or PromptFormat("off")).encode(tokenizer, examples)
-    budgets = _heldout_budgets(prompts, settings, max_model_len)
+    budgets = [
+        settings.max_tokens if max_model_len is None else settings.budget(len(p), max_model_len) for p in prompts
+    ]
+    for i, b in enumerate(budgets):
+        if b < 1:
+            raise ValueError(
+                f"held-out prompt {i} has {len(prompts[i])} tokens, max_model_len={max_model_len} leaves no room for a "
+                "response; filter long prompts or raise max_model_len"
+            )
     greedy = SamplingSettings(top_k=1, max_tokens=settings.max_tokens)
     repeat = range(samples_per_prompt)
     rows = [p for p in prompts for _ in repeat]

@@ -13,18 +13,6 @@ import threading
 from collections.abc import Callable
 from fractions import Fraction
 
-__all__ = [
-    "MathVerifyUnavailable",
-    "RewardFn",
-    "REWARD_FUNCTIONS",
-    "extract_boxed",
-    "extract_final_answer",
-    "format_reward",
-    "get_reward_fn",
-    "math_format_reward",
-    "math_reward",
-]
-
 RewardFn = Callable[[str, str], float]
 
 #: Longer extracted answers (characters) score 0 without math-verify: bounds sympy work on junk.
@@ -48,8 +36,7 @@ def extract_boxed(text: str) -> str | None:
     for opener in reversed(list(_BOX_OPENER.finditer(text))):
         open_idx = opener.end() - 1
         depth = 0
-        for j in range(open_idx, len(text)):
-            c = text[j]
+        for j, c in enumerate(text[open_idx:], start=open_idx):
             if c == "{":
                 depth += 1
             elif c == "}":
@@ -64,17 +51,12 @@ def extract_final_answer(text: str) -> str | None:
     else the last complete ``\\boxed{...}`` (MATH), else None."""
     if not isinstance(text, str):
         return None
-    idx = text.rfind("####")
-    if idx != -1:
-        answer = text[idx + 4 :].split("\n", 1)[0].strip()
-        if answer:
-            return answer
-    return extract_boxed(text)
+    answer = text.rpartition("####")[2].split("\n", 1)[0].strip() if "####" in text else ""
+    return answer or extract_boxed(text)
 
 
 def _plain_number(s: str, allow_units: bool = False) -> Fraction | None:
-    """Exact value of a plain decimal answer like ``"1,234"`` or ``"$18."`` (with ``allow_units``
-    also ``"18 apples"``); else None."""
+    """Exact value of a plain decimal answer (``"1,234"``, ``"$18."``; ``allow_units``: ``"18 apples"``), else None."""
     t = _COMMA_IN_NUMBER.sub("", s.strip().replace("\\$", "").replace("$", "").replace("\\!", "").strip())
     t = t.removesuffix(".").rstrip()
     m = _LEADING_NUMBER_WITH_UNITS.fullmatch(t) if allow_units else None
@@ -102,35 +84,22 @@ def _require_math_verify() -> None:
         ) from exc
 
 
-@functools.lru_cache(maxsize=1)
-def _mv_timeout_kwargs() -> tuple[str | None, str | None]:
-    """Names of math-verify's timeout keywords for parse() and verify() (None where this version lacks one)."""
+@functools.lru_cache(maxsize=2)
+def _math_verify(timeout: int | None):
+    """math-verify's (parse, verify), given ``timeout`` seconds where this version takes a timeout keyword."""
     import inspect
 
     from math_verify import parse, verify
 
-    p = "parsing_timeout" if "parsing_timeout" in inspect.signature(parse).parameters else None
-    v = "timeout_seconds" if "timeout_seconds" in inspect.signature(verify).parameters else None
-    return p, v
+    def timed(fn, key: str):
+        return functools.partial(fn, **{key: timeout}) if key in inspect.signature(fn).parameters else fn
 
-
-def _mv_parse(text: str, timeout: int | None):
-    from math_verify import parse
-
-    key = _mv_timeout_kwargs()[0]
-    return parse("\\boxed{" + text + "}", **({key: timeout} if key else {}))
-
-
-def _mv_verify(gold, pred, timeout: int | None) -> bool:
-    from math_verify import verify
-
-    key = _mv_timeout_kwargs()[1]
-    return bool(verify(gold, pred, **({key: timeout} if key else {})))
+    return timed(parse, "parsing_timeout"), timed(verify, "timeout_seconds")
 
 
 @functools.lru_cache(maxsize=8192)
 def _parsed_gold(gold: str, timeout: int | None):
-    return _mv_parse(gold, timeout)
+    return _math_verify(timeout)[0]("\\boxed{" + gold + "}")
 
 
 @functools.cache  # install once
@@ -165,9 +134,10 @@ def math_reward(completion: str, gold: str) -> float:
         timeout = _MV_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
         if timeout is None:
             _install_log_filter()
+        parse, verify = _math_verify(timeout)
         gold_parsed = _parsed_gold(gold.strip(), timeout)
-        pred_parsed = _mv_parse(pred, timeout) if gold_parsed else None
-        return 1.0 if pred_parsed and _mv_verify(gold_parsed, pred_parsed, timeout) else 0.0
+        pred_parsed = parse("\\boxed{" + pred + "}") if gold_parsed else None
+        return 1.0 if pred_parsed and verify(gold_parsed, pred_parsed) else 0.0
     except Exception:  # noqa: BLE001 - any failure inside math-verify/sympy means "not verified"
         return 0.0
 

@@ -11,8 +11,6 @@ import torch
 
 from ..backends.scoring import response_states
 
-__all__ = ["DIAGNOSTIC_FIELDS", "policy_drift"]
-
 #: Fields :func:`policy_drift` adds to a held-out evaluation (nats per response token).
 DIAGNOSTIC_FIELDS = ("heldout_entropy", "heldout_kl_to_init")
 #: Logits per forward chunk (rows x positions x vocabulary): bounds memory on large vocabularies.

@@ -42,8 +42,7 @@ class GRPOTrainer:
     a training prompt; None: off) are evaluated at epoch 0 and after epochs. ``ref_model``: the frozen initial policy
     (default: a copy of ``model``), needed when ``model`` comes from a checkpoint. Set ``initial_heldout`` before
     :meth:`train` when the warm-start evaluation is known for the same weights, seed and held-out set.
-    Raises ValueError for no examples, no pad/EOS token, a prompt too long, or ``max_model_len`` above the model's.
-    """
+    Raises ValueError for no examples, no pad/EOS token, a prompt too long, or ``max_model_len`` above the model's."""
 
     def __init__(
         self,
@@ -111,8 +110,7 @@ class GRPOTrainer:
         self.metrics_path = self.out_dir / METRICS_FILE
 
     def _make_rollout(self, model, cfg: GRPOConfig, max_model_len: int) -> SpeculativeRollout:
-        """Rollouts on the backend ``cfg.generation_backend`` names (:data:`spec_rl.backends.BACKENDS`; "auto": vLLM on
-        CUDA when installed, else transformers)."""
+        """Rollouts on backend ``cfg.generation_backend`` ("auto": vLLM on CUDA if installed, else transformers)."""
         eos = sorted(self.eos_ids)
         policy = Policy(model, self.tokenizer, eos, self.pad_id, max_model_len, self.out_dir / "vllm-weights")
         backend = build_backend(cfg.generation_backend, policy)
@@ -278,13 +276,6 @@ class GRPOTrainer:
         self.step += 1
         return record
 
-    def _warm_start_evaluation(self) -> None:
-        """The epoch-0 evaluation when this call trains epoch 1 (computed unless given), logged as an epoch-0 row."""
-        if self.heldout is not None and self.start_epoch == 0:
-            if self.initial_heldout is None:
-                self.initial_heldout = self.heldout.evaluate(self.model, 0)
-            self.log(format_row(self.label, {"epoch": 0, **self.initial_heldout}))
-
     def _epoch_end(self, epoch: int, steps: list[dict]) -> dict:
         """The record of finished (0-based) ``epoch``, with the held-out evaluation after it."""
         cfg = self.config
@@ -294,7 +285,7 @@ class GRPOTrainer:
         if self.heldout is not None:
             if (epoch + 1) % cfg.eval_every == 0 or epoch + 1 == cfg.epochs:
                 record.update(self.heldout.evaluate(self.model, epoch + 1))
-            if epoch == 0:  # epoch 1 carries the warm-start evaluation (:meth:`_warm_start_evaluation`)
+            if epoch == 0:  # epoch 1 carries the warm-start evaluation (:meth:`train`)
                 record.update({START + k: v for k, v in self.initial_heldout.items()})
         return record
 
@@ -307,7 +298,10 @@ class GRPOTrainer:
         cfg = self.config
         total = (cfg.epochs - self.start_epoch) * -(-len(self.examples) // cfg.prompts_per_step)
         bar = tqdm(total=total, desc=f"GRPO [{self.label}]", unit="step", leave=False, disable=not self.progress)
-        self._warm_start_evaluation()
+        if self.heldout is not None and self.start_epoch == 0:  # the warm start (unless given), shown as epoch 0
+            if self.initial_heldout is None:
+                self.initial_heldout = self.heldout.evaluate(self.model, 0)
+            self.log(format_row(self.label, {"epoch": 0, **self.initial_heldout}))
         for epoch in range(self.start_epoch, cfg.epochs):
             # The cache is keyed by prompt ids, so the order may change every epoch.
             order = list(range(len(self.examples)))

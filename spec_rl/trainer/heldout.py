@@ -17,8 +17,6 @@ from ..tasks.data import PromptFormat
 from ..tasks.evaluation import evaluate_heldout
 from .diagnostics import DIAGNOSTIC_FIELDS, policy_drift
 
-__all__ = ["EVAL_BATCH_SIZE", "FIELDS", "START", "HeldoutEvaluator", "heldout_curve", "heldout_seed", "start_point"]
-
 #: Salt of the held-out seeds: keeps their uniforms apart from the rollouts' (which use the run seed).
 HELDOUT_SEED_SALT = 0x4E1D_0E7A
 #: Sequences per decode batch (the rollout's batch of 64 prompts x 4 samples).

@@ -54,8 +54,7 @@ def clipped_policy_loss(
         clip_low, clip_high: the ratio is clipped to [1 - clip_low, 1 + clip_high].
         num_tokens: divisor of the mean (default mask.sum()); the mini-batch total when accumulating micro-batches.
     Returns (scalar loss, metrics), a zero loss on the graph for an all-masked batch; ValueError for kl_coef > 0
-    without ``ref_logprobs``.
-    """
+    without ``ref_logprobs``."""
     m = mask.to(logprobs.dtype)
     denom = float(num_tokens) if num_tokens is not None else float(m.sum())
     if denom == 0 or logprobs.numel() == 0:

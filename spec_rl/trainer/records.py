@@ -21,6 +21,11 @@ SUMMED = (
     *("reward_sum", "truncated", "train_seconds", "groups", "flat_groups"),
     *(f"{kind}_{origin}" for origin in ORIGINS for kind in ("reward_sum", "count")),
 )
+# Step sums an epoch record keeps under their own name.
+_KEPT = (
+    *("vanilla_tokens", "draft_tokens", "drafts_found", "scoring_seconds", "generation_seconds", "decode_steps"),
+    *("tail_proposed", "tail_accepted", "decode_positions", "train_seconds", "groups", "flat_groups"),
+)
 
 
 def mean_or_none(values: list) -> float | None:
@@ -43,29 +48,18 @@ def epoch_record(epoch: int, steps: list[dict], label: str, mode: RolloutMode) -
         **origin_means(tot),
         "generated_tokens": tot["tokens_generated"],
         "reused_tokens": tot["accepted_tokens"],
-        "vanilla_tokens": tot["vanilla_tokens"],
-        "draft_tokens": tot["draft_tokens"],
-        "drafts_found": tot["drafts_found"],
+        **{k: tot[k] for k in _KEPT},
         "full_reuse_ratio": tot["full_reuse_count"] / n,
         "mean_verified_prefix": tot["accepted_tokens"] / tot["drafts_found"] if tot["drafts_found"] else 0.0,
         "mean_response_len": tot["vanilla_tokens"] / n,
         "truncated_frac": tot["truncated"] / n,
         "rollout_seconds": tot["scoring_seconds"] + tot["generation_seconds"] + tot["assembly_seconds"],
-        "scoring_seconds": tot["scoring_seconds"],
-        "generation_seconds": tot["generation_seconds"],
         "other_seconds": tot["assembly_seconds"],
-        "decode_steps": tot["decode_steps"],
         "longest_continuation": max((s.get("longest_continuation", 0) for s in steps), default=0),
-        "tail_proposed": tot["tail_proposed"],
-        "tail_accepted": tot["tail_accepted"],
-        "decode_positions": tot["decode_positions"],
         "mean_step_width": tot["decode_positions"] / tot["decode_rows"] if tot["decode_rows"] else None,
         # how far the policy moved on the tokens it reused (mean |lp_new - lp_old|, nats); None where the rule does
         # not measure it (the exact walk)
         "reused_drift": mean_or_none([s.get("reused_drift") for s in steps if s.get("drafts_found")]),
-        "train_seconds": tot["train_seconds"],
-        "groups": tot["groups"],
-        "flat_groups": tot["flat_groups"],
         # every group's rewards equal: every advantage is 0 and the policy did not change this epoch
         "no_signal": tot["groups"] > 0 and tot["flat_groups"] == tot["groups"],
     }

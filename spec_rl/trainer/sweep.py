@@ -46,16 +46,10 @@ class Setting:
     mode: RolloutMode
 
 
+#: The rows, vanilla first; "-excl": the token at a rejection is drawn without the rejected draft token.
 SETTINGS = tuple(
     Setting(name, RolloutMode.parse(name))
-    for name in (
-        "vanilla",
-        "random",
-        *(f"l={lenience}" for lenience in _GRID),
-        "exact",
-        # "-excl": the token at a rejection is drawn without the rejected draft token
-        *(f"l={lenience}-excl" for lenience in _GRID[:3]),
-    )
+    for name in ("vanilla", "random", *(f"l={x}" for x in _GRID), "exact", *(f"l={x}-excl" for x in _GRID[:3]))
 )
 
 #: name: (train prompts, epochs, held-out prompts, fresh samples per held-out prompt); evaluated at the warm start

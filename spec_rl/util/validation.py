@@ -12,7 +12,6 @@ import torch
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
 _BOUND_TEXT = {INT32_MAX: "2**31 - 1", INT64_MAX: "2**63 - 1"}
-_TENSOR_KIND = {"int": "integer", "float": "float"}
 #: Stored log-probs may exceed 0 by this much (float rounding of a log-softmax near 0).
 LOGPROB_SLACK = 1e-4
 
@@ -72,7 +71,7 @@ def _as_tensor(name: str, values, kind: str, high: int) -> torch.Tensor:
     """``values`` as a tensor without changing its dtype; TypeError/ValueError naming ``name`` otherwise."""
     if isinstance(values, torch.Tensor):
         return values
-    expected = f"{name} must be a sequence of {kind}s or a 1-D {_TENSOR_KIND[kind]} tensor"
+    expected = f"{name} must be a sequence of {kind}s or a 1-D {'integer' if kind == 'int' else kind} tensor"
     if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
         raise TypeError(f"{expected}, got {type(values).__name__}")
     if len(values) == 0:
@@ -95,21 +94,15 @@ def _check_1d(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} is on the meta device (it holds no data); pass a tensor with values")
 
 
-def _not_an_int(values, t: torch.Tensor) -> str:
-    """The offending element of a list (``float 1.7``), or the dtype of an array/tensor."""
-    if isinstance(values, (list, tuple)):
-        for v in values:
-            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-                return _got(v)
-    return str(t.dtype)
-
-
 def as_id_vector(name: str, values, *, high: int = INT32_MAX) -> torch.Tensor:
     """Token ids (list/tuple of ints, numpy integer array or integer tensor) as a 1-D int64 tensor on the same device.
     TypeError: not integers (floats, even 2.0, are never rounded); ValueError: not 1-D, or outside [0, high]."""
     t = _as_tensor(name, values, "int", high)
     if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
-        raise TypeError(f"{name} must hold integers, got {_not_an_int(values, t)}; ids are never rounded")
+        # name the offending element of a list (``float 1.7``), else the dtype of the array or tensor
+        listed = values if isinstance(values, (list, tuple)) else ()
+        odd = [v for v in listed if isinstance(v, bool) or not isinstance(v, numbers.Integral)][:1]
+        raise TypeError(f"{name} must hold integers, got {_got(odd[0]) if odd else t.dtype}; ids are never rounded")
     _check_1d(name, t)
     t = t.to(torch.int64)
     if t.numel():

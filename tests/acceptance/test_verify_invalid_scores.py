@@ -10,7 +10,7 @@ import torch
 from spec_rl.acceptance.dispatch import VerifyOptions, verify_hidden, verify_logits
 from spec_rl.acceptance.rules import Lenient
 from spec_rl.acceptance.scores import DraftScores
-from spec_rl.sampling.distribution import SamplingSettings, keyed_sample, sample_tokens
+from spec_rl.sampling.distribution import SamplingSettings, keyed_sample
 
 kernels = pytest.importorskip("spec_rl.kernels")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -218,5 +218,3 @@ def test_sampling_a_row_without_distribution_is_a_clear_error(bad):
         keyed_sample(logits, SamplingSettings(), 0, uids, pos)
     with pytest.raises(ValueError, match=expected):
         keyed_sample(logits, SamplingSettings(), 0, uids, pos, exclude=torch.tensor([0, 5, 0]))
-    with pytest.raises(ValueError, match=r"logits row 1 has no sampling distribution"):
-        sample_tokens(logits, SamplingSettings())

@@ -27,6 +27,7 @@ require("ray", "verl.experimental.agent_loop.agent_loop")
 import ray  # noqa: E402
 import torch  # noqa: E402
 from repo_paths import TESTS  # noqa: E402
+from tiny_models import tiny_demo_config  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 from verl.protocol import DataProto  # noqa: E402
 
@@ -34,7 +35,7 @@ from spec_rl.drafts.cache import CacheKey  # noqa: E402
 from spec_rl.drafts.directory import DirectoryDraftStore  # noqa: E402
 from spec_rl.integrations.verl import settings_from_rollout_config  # noqa: E402
 from spec_rl.integrations.verl_metrics import SpecRLAgentLoopManager  # noqa: E402
-from spec_rl.tasks import DemoConfig, build_demo_policy  # noqa: E402
+from spec_rl.tasks import build_demo_policy  # noqa: E402
 
 PROMPT_LEN, RESPONSE_LEN, N, WORKERS = 32, 8, 2, 2
 PROMPTS = [
@@ -78,7 +79,7 @@ def cluster(tmp_path_factory):
     root = tmp_path_factory.mktemp("verl-workers")
     model_dir, drafts = root / "policy", root / "drafts"
     # a seconds-to-build demo policy (BPE tokenizer: verl's Qwen2 token builder needs a real newline token)
-    tok = AutoTokenizer.from_pretrained(build_demo_policy(root / "cache", progress=False, config=DemoConfig.tiny()))
+    tok = AutoTokenizer.from_pretrained(build_demo_policy(root / "cache", progress=False, config=tiny_demo_config()))
     tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     tok.save_pretrained(model_dir)
     AutoModelForCausalLM.from_pretrained(tok.name_or_path).save_pretrained(model_dir)

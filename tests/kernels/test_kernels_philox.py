@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _kernel_helpers import DEVICE, K, triton  # first: skips this module when triton is missing
+from _kernel_helpers import (  # first: skips this module when triton is missing
+    DEVICE,
+    philox4x32_triton,
+    philox_uniform_triton,
+    triton,
+)
 
 from spec_rl.sampling.philox import STREAM_ACCEPT, STREAM_RANDOM_REUSE, philox4x32, philox_uniform
 
@@ -29,7 +34,7 @@ def test_known_answer_vectors_kernel_and_reference():
     counter = torch.tensor([c for c, _, _ in KAT], dtype=torch.int64)
     key = torch.tensor([k for _, k, _ in KAT], dtype=torch.int64)
     expected = torch.tensor([x for _, _, x in KAT], dtype=torch.int64)
-    got = K.philox4x32_triton(counter.to(DEVICE), key.to(DEVICE)).cpu()
+    got = philox4x32_triton(counter.to(DEVICE), key.to(DEVICE)).cpu()
     assert torch.equal(got, expected)
     ref = torch.stack(philox4x32(tuple(counter.T), tuple(key.T)), dim=1)
     assert torch.equal(ref, expected)
@@ -46,7 +51,7 @@ def test_uniforms_bit_identical_to_reference(seed):
     tokens[:4] = torch.tensor([0, 1, 2**31 - 1, 4095])
     for stream in (STREAM_ACCEPT, STREAM_RANDOM_REUSE):
         ref = philox_uniform(seed, uids, tokens, stream=stream)
-        got = K.philox_uniform_triton(seed, uids.to(DEVICE), tokens.to(DEVICE), stream=stream).cpu()
+        got = philox_uniform_triton(seed, uids.to(DEVICE), tokens.to(DEVICE), stream=stream).cpu()
         assert got.dtype == torch.float32
         assert torch.equal(got, ref)
         assert bool(((got > 0) & (got <= 1)).all())
@@ -56,7 +61,7 @@ def test_uniforms_broadcast_like_reference():
     uids = torch.tensor([[3], [-7], [2**62]])
     idx = torch.arange(300).unsqueeze(0)
     ref = philox_uniform(2**63 + 99, uids, idx)
-    got = K.philox_uniform_triton(2**63 + 99, uids.to(DEVICE), idx.to(DEVICE)).cpu()
+    got = philox_uniform_triton(2**63 + 99, uids.to(DEVICE), idx.to(DEVICE)).cpu()
     assert got.shape == (3, 300)
     assert torch.equal(got, ref)
 
@@ -82,7 +87,5 @@ def test_matches_triton_randint_on_its_counter():
     _tl_randint_kernel[(1,)](out, seed, n, BLOCK=64)
     x0 = out.cpu() & 0xFFFFFFFF  # int32 -> uint32 bits
     u_from_randint = ((x0 >> 8) + 1).float() * 2.0**-24
-    ours = K.philox_uniform_triton(
-        seed, torch.zeros(n, dtype=torch.int64, device=DEVICE), torch.arange(n, device=DEVICE)
-    )
+    ours = philox_uniform_triton(seed, torch.zeros(n, dtype=torch.int64, device=DEVICE), torch.arange(n, device=DEVICE))
     assert torch.equal(ours.cpu(), u_from_randint)

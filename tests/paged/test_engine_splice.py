@@ -36,9 +36,10 @@ def _first_tokens(scores, settings, gen=None):
     logits = scores.logits_at(rows, torch.tensor(ACCEPT))
     if settings.top_k == 1:
         return logits.argmax(-1).tolist()
-    from spec_rl.sampling.distribution import sample_tokens
+    from spec_rl.sampling.distribution import sampling_log_softmax
 
-    return sample_tokens(logits, settings, gen)[0].tolist()
+    logp = sampling_log_softmax(logits, settings.temperature, settings.top_k, settings.top_p)
+    return torch.multinomial(logp.exp(), 1, generator=gen).squeeze(-1).tolist()
 
 
 def test_greedy_continuation_from_spliced_prefix_equals_fresh_prefill():

@@ -6,6 +6,7 @@ import json
 import re
 
 import pytest
+from tiny_models import tiny_demo_config
 
 from spec_rl.tasks import check_solution, generate_problems
 from spec_rl.tasks import demo_policy as dp
@@ -197,7 +198,7 @@ def test_tokenizer_round_trip_and_digits(tokenizer):
 @pytest.fixture(scope="module")
 def tiny_ckpt(tmp_path_factory):
     root = tmp_path_factory.mktemp("cache")
-    path = dp.build_demo_policy(root, progress=False, config=dp.DemoConfig.tiny())
+    path = dp.build_demo_policy(root, progress=False, config=tiny_demo_config())
     return root, path
 
 
@@ -205,7 +206,7 @@ def test_checkpoint_loads(tiny_ckpt):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     root, path = tiny_ckpt
-    assert path.parent == root and path.name == f"demo-policy-{dp.DemoConfig.tiny().cache_key()}"
+    assert path.parent == root and path.name == f"demo-policy-{tiny_demo_config().cache_key()}"
     assert (path / "model.safetensors").is_file()
     model = AutoModelForCausalLM.from_pretrained(path)
     tok = AutoTokenizer.from_pretrained(path)
@@ -268,7 +269,7 @@ def test_cached_build_does_not_retrain(tiny_ckpt, monkeypatch):
         raise AssertionError("retrained although a cached checkpoint exists")
 
     monkeypatch.setattr(dp, "_sft", boom)
-    assert dp.build_demo_policy(root, progress=False, config=dp.DemoConfig.tiny()) == path
+    assert dp.build_demo_policy(root, progress=False, config=tiny_demo_config()) == path
     assert (path / "model.safetensors").stat().st_mtime_ns == mtime
 
 
@@ -278,13 +279,13 @@ def test_failed_build_leaves_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(dp, "_sft", crash)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        dp.build_demo_policy(tmp_path, progress=False, config=dp.DemoConfig.tiny())
+        dp.build_demo_policy(tmp_path, progress=False, config=tiny_demo_config())
     assert list(tmp_path.iterdir()) == []
 
 
 def test_force_rebuild_and_env_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("SPEC_RL_CACHE", str(tmp_path / "env-cache"))
-    cfg = dp.DemoConfig.tiny(sft_steps=1)
+    cfg = tiny_demo_config(sft_steps=1)
     path = dp.build_demo_policy(progress=False, config=cfg)
     assert path.parent == tmp_path / "env-cache"
     calls = []
