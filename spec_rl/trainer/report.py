@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..acceptance.mode import RolloutMode
+from ..acceptance.mode import VANILLA, RolloutMode
 from ..rollout.reward_split import ORIGINS
 from ..util.atomic import atomic_write_text
 from .heldout import heldout_curve, start_point
@@ -121,7 +121,7 @@ def _ratios(rec: dict, base: dict) -> dict:
 def comparison(summary: dict[str, list[dict]]) -> list[dict]:
     """Per epoch, each run against plain vanilla: token, decode-step and rollout-time ratios and held-out gaps (None
     without evaluation); ``reward_minus_vanilla``, the rollout reward's gap, is biased under reuse."""
-    base = {r["epoch"]: r for r in summary.get("vanilla", [])}
+    base = {r["epoch"]: r for r in summary.get(VANILLA, [])}
     return [
         {
             "mode": mode,
@@ -131,7 +131,7 @@ def comparison(summary: dict[str, list[dict]]) -> list[dict]:
             **_versus(rec, v),
         }
         for mode, records in summary.items()
-        if mode != "vanilla"
+        if mode != VANILLA
         for rec in records
         if (v := base.get(rec["epoch"])) is not None
     ]
@@ -151,15 +151,15 @@ def _final_quality(records: list[dict], vanilla: dict[int, dict]) -> dict:
 def run_ratios(summary: dict[str, list[dict]], from_epoch: int = 2) -> list[dict]:
     """Each run (vanilla included) against vanilla over epochs >= ``from_epoch`` summed (epoch 1 has no drafts):
     totals, ``*_ratio``, ``scoring_share`` and the held-out gaps at ``final_epoch``; [] without vanilla."""
-    if "vanilla" not in summary:
+    if VANILLA not in summary:
         return []
-    epochs = {r["epoch"] for r in summary["vanilla"] if r["epoch"] >= from_epoch}
+    epochs = {r["epoch"] for r in summary[VANILLA] if r["epoch"] >= from_epoch}
 
     def total(records: list[dict]) -> dict:
         return {k: sum(r.get(k, 0) for r in records if r["epoch"] in epochs) for k in _TOTALS}
 
-    base = total(summary["vanilla"])
-    vanilla = {r["epoch"]: r for r in summary["vanilla"]}
+    base = total(summary[VANILLA])
+    vanilla = {r["epoch"]: r for r in summary[VANILLA]}
     out = []
     for mode, records in summary.items():
         t = total(records)
@@ -211,10 +211,10 @@ def _final_heldout_text(r: dict) -> str:
 
 def closing_lines(summary: dict[str, list[dict]], from_epoch: int = 2) -> list[str]:
     """Console summary: vanilla's held-out progress, then each run against vanilla (held-out numbers, rollout cost)."""
-    shown = {"vanilla": summary["vanilla"]} if "vanilla" in summary else summary  # without vanilla: no ratios
+    shown = {VANILLA: summary[VANILLA]} if VANILLA in summary else summary  # without vanilla: no ratios
     lines = [line for mode, recs in shown.items() if (line := heldout_progress(mode, recs)) is not None]
     for r in run_ratios(summary, from_epoch):
-        if r["mode"] == "vanilla":
+        if r["mode"] == VANILLA:
             continue
         flat = _flat_epochs(r)
         if not r["epochs"]:  # e.g. a one-epoch run: no drafts yet, nothing to compare

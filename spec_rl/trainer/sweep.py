@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..acceptance.mode import RolloutMode
+from ..acceptance.mode import VANILLA, RolloutMode
 from ..util.atomic import atomic_write_text, remove_leftovers
 from ..util.validation import check_choice, check_int
 from .rundir import RunDirError, read_summary
@@ -95,7 +95,7 @@ def _paired_se(runs: list[dict], vanilla: list[dict], key: str = "heldout_reward
 
 def aggregate(results: dict[str, list[dict]]) -> list[dict]:
     """Per setting: mean/std over seeds of every total, and ratios to vanilla's means."""
-    vanilla = results.get("vanilla", [])
+    vanilla = results.get(VANILLA, [])
     base = {k: _mean_std([r[k] for r in vanilla])[0] for k in _COSTS + _QUALITY}
     rows = []
     for name, runs in results.items():
@@ -282,7 +282,7 @@ def chosen_settings(spec: str | None) -> tuple[Setting, ...]:
         what = f"unknown name(s) {', '.join(bad)}" if bad else "no setting named"
         raise ValueError(f"--settings: {what} in {spec!r}; choose from {', '.join(known)}")
     settings = tuple(known[n] for n in names)
-    return settings if "vanilla" in names else (known["vanilla"],) + settings  # every ratio is to vanilla
+    return settings if VANILLA in names else (known[VANILLA],) + settings  # every ratio is to vanilla
 
 
 def cmd_sweep(args) -> int:
