@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 
-__version__ = "0.4.0"
+__version__ = "0.5.0"
 
 # Each public name, by the module that defines it.
 _MODULES = {
@@ -30,6 +30,7 @@ _MODULES = {
     "spec_rl.backends.paged": ("PagedEngine",),
     "spec_rl.rollout.types": ("RolloutRequest", "RolloutResult"),
     "spec_rl.rollout.speculative": ("SpeculativeRollout",),
+    "spec_rl.rollout.old_policy": ("PolicyVersions",),
     "spec_rl.trainer.config": ("GRPOConfig",),
     "spec_rl.trainer.grpo": ("GRPOTrainer",),
     "spec_rl.trainer.run": ("run_modes", "load_policy"),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import re
 import sys
 import time
 from pathlib import Path
@@ -36,7 +37,7 @@ _FLAGS = {
 #: Names whose errors are about a flag: fields of the config, its sampling settings and a run's mode.
 _FIELDS = {f.name for cls in (GRPOConfig, SamplingSettings, RolloutMode, PromptFormat) for f in dataclasses.fields(cls)}
 #: The fields of the selected runs' RolloutMode (or its rule) that a flag sets, where the mode has them.
-_MODE_FIELDS = ("lenience", "rejection_draw", "tail")
+_MODE_FIELDS = ("lenience", "rejection_draw", "tail", "max_draft_age")
 _FIELDS |= set(_MODE_FIELDS)
 
 
@@ -77,7 +78,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="GRPO training with speculative rollouts (no arguments: the offline demo, vanilla vs SPEC-RL)",
         formatter_class=_DefaultsHelp,
     )
+    _add_recipe_flags(t)
+    _add_mode_flags(t)
+    _add_run_flags(t)
     _add_sweep_parser(sub)
+    return p
+
+
+def _add_recipe_flags(t: argparse.ArgumentParser) -> None:
+    """The model, data, evaluation, reward and GRPO settings: what ``train`` and ``sweep`` both take."""
     t.add_argument("--model", help="local transformers checkpoint directory (default: the embedded demo policy)")
     t.add_argument(
         "--data",
@@ -118,7 +127,6 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="no held-out evaluation (saves its time; runs are then not compared on quality)",
     )
-    t.add_argument("--out", help="run directory (default: runs/<timestamp>)")
     t.add_argument(
         "--reward",
         choices=("arithmetic", *REWARD_FUNCTIONS),  # read when the parser is built: registered rewards count
@@ -133,7 +141,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="wrap prompts in the tokenizer's chat template (auto: when it has one; docs/api.md 'Prompt format')",
     )
     t.add_argument("--system-prompt", help="system message of the chat template (default: none, the template's own)")
-    _add_mode_flags(t)
     t.add_argument("--epochs", type=int)
     t.add_argument("--group-size", type=int, help="samples per prompt (G)")
     t.add_argument("--prompts-per-step", type=int)
@@ -150,8 +157,18 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--clip-higher", action="store_true", help="DAPO clip-higher: clip_high = 0.28")
     t.add_argument("--kl-coef", type=float, default=0.0, help="k3 KL to the frozen initial policy")
     t.add_argument("--seed", type=int, default=0)
-    _add_run_flags(t)
-    return p
+    t.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    t.add_argument(
+        "--backend",
+        default="auto",
+        choices=("auto", *BACKENDS),
+        help="generation backend: the transformers decode loop, vLLM (needs vllm installed; scoring stays on the "
+        "trained model), or the paged KV engine (opt-in: no re-prefill of verified prefixes); auto = vLLM on CUDA "
+        "when installed, else transformers",
+    )
+    t.add_argument("--cache-dir", help="where the demo policy is cached (default $SPEC_RL_CACHE or ~/.cache/spec-rl)")
+    t.add_argument("--no-checkpoint", action="store_true", help="do not save checkpoints/cache after each epoch")
+    t.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
 def _add_mode_flags(t: argparse.ArgumentParser) -> None:
@@ -170,8 +187,15 @@ def _add_mode_flags(t: argparse.ArgumentParser) -> None:
     t.add_argument(
         "--rejection-draw",
         choices=REJECTION_DRAWS,
-        help="the token at a lenient rejection: policy (the paper) or without-draft (the rejected draft token "
-        "removed); default: without-draft on the demo, policy with --model",
+        help="the token at a lenient rejection: policy (the paper), without-draft (the rejected draft token "
+        "removed) or residual (max(0, p - q) with q the draft's own policy; l = 1 only: exact speculative sampling); "
+        "default: without-draft on the demo, policy with --model",
+    )
+    t.add_argument(
+        "--max-draft-age",
+        type=positive_int,
+        help="a slot whose response came from its draft this many epochs in a row samples fresh the next epoch "
+        "(default: no bound)",
     )
     t.add_argument(
         "--no-tail",
@@ -188,17 +212,8 @@ def _add_mode_flags(t: argparse.ArgumentParser) -> None:
 
 
 def _add_run_flags(t: argparse.ArgumentParser) -> None:
-    """Where and how the run executes: device, backend, run directory, resume, checkpoints, progress."""
-    t.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
-    t.add_argument(
-        "--backend",
-        default="auto",
-        choices=("auto", *BACKENDS),
-        help="generation backend: the transformers decode loop, vLLM (needs vllm installed; scoring stays on the "
-        "trained model), or the paged KV engine (opt-in: no re-prefill of verified prefixes); auto = vLLM on CUDA "
-        "when installed, else transformers",
-    )
-    t.add_argument("--cache-dir", help="where the demo policy is cached (default $SPEC_RL_CACHE or ~/.cache/spec-rl)")
+    """The run directory and resuming it."""
+    t.add_argument("--out", help="run directory (default: runs/<timestamp>)")
     t.add_argument(
         "--resume", action="store_true", help="continue the run in --out from its last checkpoint and rollout cache"
     )
@@ -209,30 +224,32 @@ def _add_run_flags(t: argparse.ArgumentParser) -> None:
         "rejection draw, lenience or seed changed (recorded in run_info.json; stored drafts are cut or continued "
         "to fit)",
     )
-    t.add_argument("--no-checkpoint", action="store_true", help="do not save checkpoints/cache after each epoch")
-    t.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
 def _add_sweep_parser(sub) -> None:
     """Register ``spec-rl sweep`` on the CLI's subparsers."""
     s = sub.add_parser(
         "sweep",
-        help="the paper's lenience / random-reuse ablations (Tables 2-3) over several seeds on the demo task",
+        help="the speed/learning trade-off per run mode over paired seeds, on the demo task or --model",
         description=sweep.__doc__.split("\n\n")[0],
+        formatter_class=_DefaultsHelp,
     )
+    s.add_argument(
+        "--settings",
+        help="comma-separated run modes (any --modes name, l=<lenience>[-excl|-res], with -age<N> for a draft age "
+        f"bound); default on the demo: {','.join(sweep.DEMO_SETTINGS)}; with --model: {','.join(sweep.MODEL_SETTINGS)}",
+    )
+    s.add_argument("--seeds", type=positive_int, default=3, help="training seeds per setting (default 3)")
     s.add_argument(
         "--preset",
         choices=list(sweep.PRESETS),
         default="full",
-        help="small: 256 prompts, 4 epochs (about 4 minutes per seed for vanilla, l=1, e^0.2, e^0.5 and exact "
-        "on 2 CPU cores); full: the demo's 5 epochs (default); both evaluate the demo's 640 held-out prompts x 1 "
-        "sample + greedy at the warm start and after the last epoch",
+        help="the demo task's size (without --model): small: 256 prompts, 4 epochs (about a minute a run on 2 CPU "
+        "cores); full: the demo's 5 epochs (default); both evaluate 640 held-out prompts x 1 sample + greedy at the "
+        "warm start and after the last epoch",
     )
-    s.add_argument("--seeds", type=positive_int, default=3, help="training seeds per setting (default 3)")
-    s.add_argument("--settings", help="comma-separated subset of: " + ", ".join(x.name for x in sweep.SETTINGS))
     s.add_argument("--out", default="runs/sweep", help="sweep directory (a finished run is skipped: rerun to continue)")
-    s.add_argument("--cache-dir", help="where the demo policy is cached (default $SPEC_RL_CACHE or ~/.cache/spec-rl)")
-    s.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_recipe_flags(s)
 
 
 def _load_examples(args: argparse.Namespace, demo: bool):
@@ -309,8 +326,9 @@ def _modes(args: argparse.Namespace, demo: bool) -> dict:
     except ValueError as err:
         raise UsageError(f"--{err}") from None
     given = {k: getattr(args, k) for k in _MODE_FIELDS if getattr(args, k) is not None}
+    parsed = {m: RolloutMode.parse(m) for m in names}
     for field in given:
-        if not any(field in MODES[m].settable() for m in names):
+        if not any(field in mode.settable() for mode in parsed.values()):
             takers = [m for m in MODES if field in MODES[m].settable()]
             raise UsageError(
                 f"{_flag(field)} applies to the runs {', '.join(takers)}; the selected runs ({', '.join(names)}) "
@@ -320,7 +338,10 @@ def _modes(args: argparse.Namespace, demo: bool) -> dict:
     lenience = given.get("lenience", LENIENCE_DEFAULTS["dapo"] if args.clip_higher and not demo else spec.lenience)
     # The demo's without-draft draw needs l >= 1; another l gets the paper's draw.
     draw = spec.rejection_draw if lenience >= 1 else "policy"
-    modes = {m: MODES[m].with_overrides(**{"lenience": lenience, "rejection_draw": draw, **given}) for m in names}
+    # the recipe's lenience and draw set the named modes; a run named l=... has its own
+    defaults = {"lenience": lenience, "rejection_draw": draw}
+    named = {m: re.sub(r"-age\d+$", "", m) in MODES for m in names}
+    modes = {m: mode.with_overrides(**{**(defaults if named[m] else {}), **given}) for m, mode in parsed.items()}
     if args.spec_tokens is not None:
         if not any(mode.tail for mode in modes.values()):
             raise UsageError(
@@ -422,6 +443,43 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sweep(args: argparse.Namespace) -> int:
+    """``spec-rl sweep``: every setting x seed of one recipe (the demo task's preset, or --model's flags)."""
+    from .tasks.arithmetic import arithmetic_reward
+    from .tasks.rewards import get_reward_fn
+    from .trainer.run import check_policy
+
+    demo = args.model is None
+    if args.no_eval:
+        raise UsageError("spec-rl sweep compares held-out rewards; drop --no-eval")
+    settings = sweep.chosen_settings(args.settings, sweep.DEMO_SETTINGS if demo else sweep.MODEL_SETTINGS)
+    if demo:  # the preset sizes what no flag sets
+        prompts, epochs, eval_prompts, eval_samples = sweep.PRESETS[args.preset]
+        args.limit, args.eval_limit = args.limit or prompts, args.eval_limit or eval_prompts
+        args.epochs, args.eval_samples = args.epochs or epochs, args.eval_samples or eval_samples
+        args.eval_every = args.eval_every or args.epochs
+    config = _config(args, demo)
+    reward = args.reward or ("arithmetic" if demo else "math")
+    reward_fn = arithmetic_reward if reward == "arithmetic" else get_reward_fn(reward)
+    examples, evals = _heldout_examples(args, demo, _load_examples(args, demo))
+    if not evals:
+        raise UsageError("spec-rl sweep compares held-out rewards: pass --eval-data FILE or --eval-fraction F")
+    if not demo:
+        check_policy(_model_path(args, demo), config)
+    model_path = _model_path(args, demo)
+    task = f"the demo task, preset {args.preset}" if demo else f"{model_path.name} on {args.data or args.hf_dataset}"
+    task += (
+        f" ({len(examples)} prompts x G={config.group_size}, {config.epochs} epochs, lr {config.lr:g}, T "
+        f"{config.sampling.temperature:g}; held-out {len(evals)} prompts x {config.eval_samples} + greedy)"
+    )
+    out = Path(args.out)
+    job = sweep.Sweep(model_path, examples, evals, reward_fn, config, settings, args.seeds, out, {"task": task})
+    sweep.run_sweep(job, progress=not args.no_progress)
+    print((out / "report.md").read_text())
+    print(f"report: {out / 'report.md'}, plot: {out / 'sweep.png'}, data: {out / 'sweep.json'}")
+    return 0
+
+
 def _lenient_note(modes: dict) -> str:
     """The rules of the header line, where a run's rule has settings (the lenient rule's l and draw)."""
     rules = dict.fromkeys(m.rule.describe() for m in modes.values() if m.rule is not None and m.rule.settable())
@@ -455,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
 
             hf_logging.disable_progress_bar()  # "Loading weights" / "Writing model shards" bars
         try:
-            return sweep.cmd_sweep(args) if args.command == "sweep" else cmd_train(args)
+            return cmd_sweep(args) if args.command == "sweep" else cmd_train(args)
         except (ValueError, TypeError, FileNotFoundError) as err:
             if args.debug:
                 raise

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 
 from ..util.validation import check_int
@@ -18,11 +19,14 @@ TAIL_WIDTH = 8
 class RolloutMode:
     """``rule``: the acceptance rule of last epoch's drafts (:mod:`spec_rl.acceptance.rules`), None: every response is
     generated. ``tail``: most history-drafted tokens verified per decode step, 0: off (tail speculation changes decode
-    steps, never a token). TypeError for a rule that is not a Rule or a tail that is not an int; ValueError for a
-    negative tail."""
+    steps, never a token). ``max_draft_age``: a slot whose response came from its draft (a verified prefix of at least
+    one token) this many epochs in a row samples fresh the next epoch (None: no bound; docs/design.md "Draft age").
+    TypeError for a rule that is not a Rule or a tail or age that is not an int; ValueError for a negative tail or an
+    age < 1."""
 
     rule: Rule | None = field(default_factory=Lenient)
     tail: int = TAIL_WIDTH
+    max_draft_age: int | None = None
 
     def __post_init__(self) -> None:
         if self.rule is not None and not isinstance(self.rule, Rule):
@@ -31,6 +35,8 @@ class RolloutMode:
                 f"None, got {type(self.rule).__name__}; a mode by name: RolloutMode.parse({self.rule!r})"
             )
         check_int("tail", self.tail, low=0, hint=" (most history-drafted tokens per decode step; 0: off)")
+        if self.max_draft_age is not None:
+            check_int("max_draft_age", self.max_draft_age, low=1, hint=" (epochs a draft is carried; None: no bound)")
 
     @property
     def reuses_drafts(self) -> bool:
@@ -41,52 +47,67 @@ class RolloutMode:
         """Responses are fresh samples of the current policy (vanilla's, token for token, under the same keys)."""
         return self.rule is None or self.rule.lossless
 
+    def draft_expired(self, age: int) -> bool:
+        """Whether a draft carried ``age`` epochs in a row is past :attr:`max_draft_age` (its slot samples fresh)."""
+        return self.max_draft_age is not None and age >= self.max_draft_age
+
     @property
     def log_lenience(self) -> float:
         return 0.0 if self.rule is None else self.rule.log_lenience
 
     def settable(self) -> tuple[str, ...]:
         """The fields a user may set on this mode: its rule's, and ``tail`` when it reuses drafts."""
-        return () if self.rule is None else (*self.rule.settable(), "tail")
+        return () if self.rule is None else (*self.rule.settable(), "tail", "max_draft_age")
 
     def with_overrides(self, **overrides) -> RolloutMode:
         """This mode with each of ``overrides`` it has (:meth:`settable`) set; the others are ignored."""
         ours = {k: v for k, v in overrides.items() if k in self.settable()}
-        tail = ours.pop("tail", self.tail)
+        tail, age = ours.pop("tail", self.tail), ours.pop("max_draft_age", self.max_draft_age)
         rule = dataclasses.replace(self.rule, **ours) if ours else self.rule
-        return RolloutMode(rule, tail)
+        return RolloutMode(rule, tail, age)
 
     def to_dict(self) -> dict:
         rule = self.rule.to_dict() if self.rule is not None else {"acceptance": None}
-        return {**rule, "tail": self.tail, "log_lenience": self.log_lenience}
+        return {**rule, "tail": self.tail, "max_draft_age": self.max_draft_age, "log_lenience": self.log_lenience}
 
     @classmethod
     def from_dict(cls, data: dict) -> RolloutMode:
         tail = data.get("tail", TAIL_WIDTH)
-        return cls(rule_from_dict(data), TAIL_WIDTH if tail is True else int(tail))
+        return cls(rule_from_dict(data), TAIL_WIDTH if tail is True else int(tail), data.get("max_draft_age"))
 
     def describe(self) -> str:
-        """The mode in a report line: its rule and tail speculation."""
+        """The mode in a report line: its rule, tail speculation and draft age bound."""
         rule = "no draft reuse" if self.rule is None else self.rule.describe()
-        return f"{rule}, tail speculation {'on' if self.tail else 'off'}"
+        age = f", drafts carried at most {self.max_draft_age} epoch(s)" if self.max_draft_age else ""
+        return f"{rule}, tail speculation {'on' if self.tail else 'off'}{age}"
 
     @classmethod
     def parse(cls, text) -> RolloutMode:
         """A mode by name: one of :data:`MODES`, or ``l=<lenience>`` (lenient, e.g. ``l=1``, ``l=e^0.5``, ``l=inf``)
-        with ``-excl`` for the without-draft draw; a RolloutMode is returned as it is. ValueError naming the choices."""
+        with ``-excl`` for the without-draft draw or ``-res`` for the residual draw, then optionally ``-age<N>`` for
+        ``max_draft_age`` N (e.g. ``l=1-res``, ``spec-age2``); a RolloutMode is returned as it is. ValueError naming
+        the choices."""
         if isinstance(text, RolloutMode):
             return text
         if isinstance(text, Rule):
             return cls(text)
-        if isinstance(text, str) and text in MODES:
-            return MODES[text]
-        if isinstance(text, str) and text.startswith("l="):
-            value, excl = (text[2:-5], True) if text.endswith("-excl") else (text[2:], False)
+        name = re.fullmatch(r"(.+?)(?:-age(\d+))?", text) if isinstance(text, str) else None
+        mode = None
+        if name is not None and name[1] in MODES:
+            mode = MODES[name[1]]
+        elif name is not None and name[1].startswith("l="):
+            value, draw = re.fullmatch(r"(.*?)(?:-(excl|res))?", name[1][2:]).groups()
             lenience = parse_lenience(value)
+            draws = {None: "policy", "excl": "without-draft", "res": "residual"}
             if lenience is not None:
-                return cls(Lenient(lenience, "without-draft" if excl else "policy"))
+                mode = cls(Lenient(lenience, draws[draw]))
+        if mode is not None and name[2] is None:
+            return mode
+        if mode is not None and mode.reuses_drafts:
+            return dataclasses.replace(mode, max_draft_age=int(name[2]))
         raise ValueError(
-            f"mode must be one of {', '.join(MODES)} or l=<lenience>[-excl] (e.g. l=1, l=e^0.5-excl), got {text!r}"
+            f"mode must be one of {', '.join(MODES)} or l=<lenience>[-excl|-res], each reusing drafts with an optional "
+            f"-age<N> (e.g. l=1-res, l=e^0.5-excl, spec-age2), got {text!r}"
         )
 
 
@@ -111,11 +132,19 @@ MODES = {
 
 
 def mode_names(names) -> list[str]:
-    """``names`` (of :data:`MODES`) as a list of runs; ValueError for an unknown name, a name twice or none."""
+    """``names`` (each a name :meth:`RolloutMode.parse` reads) as a list of runs; ValueError for an unknown name, a
+    name twice or none."""
     names = list(names)
-    unknown = [m for m in names if m not in MODES]
+    unknown = []
+    for m in names:
+        try:
+            RolloutMode.parse(m)
+        except ValueError as err:
+            if not str(err).startswith("mode must be"):  # a mode by name, with a bad value: say which
+                raise ValueError(f"modes: {m}: {err}") from None
+            unknown.append(m)
     problem = (
-        f"takes {', '.join(MODES)}; got {unknown}"
+        f"takes {', '.join(MODES)} or l=<lenience>[-excl|-res], with -age<N> for a draft age bound; got {unknown}"
         if unknown
         else "is empty: name at least one run (e.g. vanilla,spec)"
         if not names

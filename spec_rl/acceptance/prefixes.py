@@ -21,7 +21,9 @@ from .rules import Rule
 @dataclass
 class DraftRows:
     """The drafted rows of one rollout step: per row its prompt, its (budget-cut) draft ids and stored log-probs, its
-    sample uid; ``seed`` keys the acceptance uniforms, ``sample_seed`` the sampled tokens."""
+    sample uid; ``seed`` keys the acceptance uniforms, ``sample_seed`` the sampled tokens; ``versions``: each draft's
+    policy version and ``old_policy`` its logits (:class:`~spec_rl.rollout.old_policy.PolicyVersions`), read by a rule
+    that draws from the residual."""
 
     prompts: list[list[int]]
     drafts: list[list[int]]
@@ -31,6 +33,8 @@ class DraftRows:
     sample_seed: int
     settings: SamplingSettings
     verify_backend: str = "auto"
+    versions: list[int] | None = None
+    old_policy: object = None
 
 
 def verified_prefixes(rule: Rule, rows: DraftRows, scores, progressive=None) -> Prefixes:
@@ -66,8 +70,18 @@ def verified_prefixes(rule: Rule, rows: DraftRows, scores, progressive=None) -> 
         rows_t, n_t = torch.tensor(todo, device=device), torch.tensor([n[r] for r in todo], device=device)
         positions = torch.tensor([len(rows.prompts[r]) + n[r] for r in todo], device=device)
         exclude = ids[rows_t, n_t] if rule.excludes_rejected else None
+        old = None
+        if rule.needs_old_policy:  # q at n, from the weights of the step that produced the draft
+            contexts = [rows.prompts[r] + rows.drafts[r][: n[r]] for r in todo]
+            old = rows.old_policy.next_token_logits([rows.versions[r] for r in todo], contexts).to(device)
         tok, lp = keyed_sample(
-            scores.logits_at(rows_t, n_t), rows.settings, rows.sample_seed, uids[rows_t], positions, exclude=exclude
+            scores.logits_at(rows_t, n_t),
+            rows.settings,
+            rows.sample_seed,
+            uids[rows_t],
+            positions,
+            exclude=exclude,
+            residual_of=old,
         )
         for r, t, v in zip(todo, tok.tolist(), lp.tolist()):
             out.next_token[r], out.next_logprob[r] = t, v

@@ -64,13 +64,15 @@ class CacheKey:
 class Draft:
     """One cached response: ``token_ids`` [R] int32 (EOS included when it ended with one), ``logprobs`` [R] float32
     under the policy of ``version`` (the training step that last validated the tokens), ``finish_reason`` ("eos" or
-    "length") and the ``settings`` it was sampled with."""
+    "length"), the ``settings`` it was sampled with and its ``age``: the epochs in a row its slot's response came from
+    the slot's draft (:func:`next_age`)."""
 
     token_ids: torch.Tensor
     logprobs: torch.Tensor
     finish_reason: str
     version: int
     settings: SamplingSettings
+    age: int = 0
 
     def __len__(self) -> int:
         return int(self.token_ids.numel())
@@ -82,6 +84,7 @@ def make_draft(
     finish_reason: str,
     version: int,
     settings: SamplingSettings,
+    age: int = 0,
 ) -> Draft:
     """Validate a response and its log-probs and pack them as a :class:`Draft` (CPU copies). TypeError: non-integer ids
     (never rounded) or version, non-numeric log-probs, settings not a SamplingSettings. ValueError: not 1-D, length
@@ -96,7 +99,13 @@ def make_draft(
         raise ValueError(f"logprobs {problem}")
     version = check_int("version", version, low=0, hint=" (the training step of the policy that validated the draft)")
     check_settings(settings)
-    return Draft(ids.to(torch.int32).cpu().clone(), lps.cpu().clone(), finish_reason, version, settings)
+    age = check_int("age", age, low=0)
+    return Draft(ids.to(torch.int32).cpu().clone(), lps.cpu().clone(), finish_reason, version, settings, age)
+
+
+def next_age(draft: Draft | None, verified_prefix_len: int) -> int:
+    """The age of a response: its draft's + 1 when it kept a verified prefix of the draft, else 0 (a fresh sample)."""
+    return draft.age + 1 if draft is not None and verified_prefix_len > 0 else 0
 
 
 def check_key(key) -> CacheKey:
@@ -167,9 +176,10 @@ class DraftStore(abc.ABC):
         finish_reason: str,
         version: int,
         settings: SamplingSettings,
+        age: int = 0,
     ) -> None:
         """Insert or replace the draft of ``key``, validated as :func:`make_draft` does (TypeError: not a CacheKey)."""
-        self._write(check_key(key), make_draft(token_ids, logprobs, finish_reason, version, settings))
+        self._write(check_key(key), make_draft(token_ids, logprobs, finish_reason, version, settings, age))
 
 
 class RolloutCache(DraftStore):
@@ -220,6 +230,7 @@ class RolloutCache(DraftStore):
             "token_ids": torch.cat([d.token_ids for d in drafts]) if drafts else torch.zeros(0, dtype=torch.int32),
             "logprobs": torch.cat([d.logprobs for d in drafts]) if drafts else torch.zeros(0, dtype=torch.float32),
             "versions": torch.tensor([d.version for d in drafts], dtype=torch.int64),
+            "ages": torch.tensor([d.age for d in drafts], dtype=torch.int64),
             "finish": torch.tensor([FINISH_REASONS.index(d.finish_reason) for d in drafts], dtype=torch.uint8),
             "settings_index": torch.tensor([settings_list.index(d.settings) for d in drafts], dtype=torch.int32),
         }
@@ -245,6 +256,9 @@ class RolloutCache(DraftStore):
         ids = check.tensor("token_ids", torch.int32, (None,))
         lps = check.tensor("logprobs", torch.float32, (ids.numel(),))
         versions = check.tensor("versions", torch.int64, (n,))
+        # caches written before 0.5 have no ages: their drafts count as fresh samples
+        fresh = torch.zeros(n, dtype=torch.int64)
+        age_t = check.tensor("ages", torch.int64, (n,)) if "ages" in check.tensors else fresh
         finish = check.tensor("finish", torch.uint8, (n,))
         settings_index = check.tensor("settings_index", torch.int32, (n,))
         check.offsets("offsets", offsets, ids.numel())
@@ -253,15 +267,17 @@ class RolloutCache(DraftStore):
         check.in_range("finish", finish, len(FINISH_REASONS))
         check.in_range("settings_index", settings_index, len(settings_list))
         check.non_negative("versions", versions)
+        check.non_negative("ages", age_t)
+        ages = age_t.tolist()
         digests = [bytes(k) for k in keys.tolist()]
         check.unique("keys", digests)
         lengths = offsets.diff().tolist()
         token_rows, logprob_rows = ids.split(lengths), lps.split(lengths)
-        rows = zip(digests, token_rows, logprob_rows, finish.tolist(), versions.tolist(), settings_index.tolist())
+        rows = zip(digests, token_rows, logprob_rows, finish.tolist(), versions.tolist(), settings_index.tolist(), ages)
         cache = cls()
         cache.owner = check.meta.get("owner")
         cache._entries = {
-            digest: Draft(t.clone(), lp.clone(), FINISH_REASONS[f], v, settings_list[s])
-            for digest, t, lp, f, v, s in rows
+            digest: Draft(t.clone(), lp.clone(), FINISH_REASONS[f], v, settings_list[s], a)
+            for digest, t, lp, f, v, s, a in rows
         }
         return cache

@@ -95,7 +95,8 @@ class DirectoryDraftStore(DraftStore):
             lps = check.tensor("logprobs", torch.float32, (ids.numel(),))
             stored = check.json_field("settings", dict, "a JSON object of sampling settings")
             settings = check.settings(stored, "settings")
-            return make_draft(ids, lps, meta.get("finish_reason"), check.count_field("version"), settings)
+            age = check.count_field("age") if "age" in meta else 0  # files written before 0.5 have no age
+            return make_draft(ids, lps, meta.get("finish_reason"), check.count_field("version"), settings, age)
         except (TypeError, ValueError) as exc:
             problem = getattr(exc, "problem", exc)  # a DamagedFileError's text without the path again
             warnings.warn(f"draft store: {path} is damaged ({problem}); treating it as a miss", stacklevel=3)
@@ -108,6 +109,7 @@ class DirectoryDraftStore(DraftStore):
             "key": key.digest.hex(),
             "finish_reason": draft.finish_reason,
             "version": str(draft.version),
+            "age": str(draft.age),
             "settings": json.dumps(draft.settings.to_dict(), sort_keys=True),
         }
         tensors = {"token_ids": draft.token_ids, "logprobs": draft.logprobs}

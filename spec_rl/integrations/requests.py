@@ -13,7 +13,7 @@ import torch
 
 from ..acceptance.dispatch import VerifyOptions, verify_logprobs
 from ..acceptance.mode import RolloutMode
-from ..drafts.cache import CacheKey, DraftStore
+from ..drafts.cache import CacheKey, DraftStore, next_age
 from ..drafts.validity import draft_view
 from ..sampling.distribution import SamplingSettings
 from ..sampling.philox import mix_seed
@@ -60,9 +60,22 @@ def check_server_settings(
         )
 
 
+def adapter_mode(mode: RolloutMode | str) -> RolloutMode:
+    """``mode`` (or the mode it names) as an adapter runs it. ValueError for a bad name or a rule that needs the old
+    policy's weights (the residual draw: spec-rl's own trainer keeps them, the adapters do not)."""
+    mode = RolloutMode.parse(mode)
+    if mode.rule is not None and mode.rule.needs_old_policy:
+        raise ValueError(
+            f"mode {mode.rule.describe()} needs the weights of the policy that sampled each draft, which the "
+            "trainer adapters do not keep; use it with spec-rl's own trainer (spec-rl train, GRPOTrainer), or "
+            "choose the policy or without-draft draw (e.g. mode='l=1-excl')"
+        )
+    return mode
+
+
 def server_mode(mode: RolloutMode | str) -> RolloutMode:
-    """``mode`` (or the mode it names) as a server runs it: without tail speculation. ValueError for a bad name."""
-    return dataclasses.replace(RolloutMode.parse(mode), tail=0)
+    """:func:`adapter_mode` as a server runs it: without tail speculation."""
+    return dataclasses.replace(adapter_mode(mode), tail=0)
 
 
 class SpecRequestBuilder:
@@ -126,7 +139,7 @@ class SpecRequestBuilder:
         if not self.mode.reuses_drafts:
             return plan
         draft = self.store.lookup(key, self.settings)
-        if draft is None or len(draft) == 0:
+        if draft is None or len(draft) == 0 or self.mode.draft_expired(draft.age):
             return plan
         # Servers need max_tokens >= 1, so the scoring request needs one free position after the draft; a draft
         # cut for that room is a prefix, whatever it was.
@@ -285,7 +298,7 @@ class SpecRequestBuilder:
             finish = plan.draft_end
         version = verified.step if (step is None or plan.draft_ids) else int(step)
         if store:
-            self.store.store(plan.key, response, lps, finish, version, self.settings)
+            self.store.store(plan.key, response, lps, finish, version, self.settings, next_age(plan.draft, verified.n))
         metrics = {
             "draft_found": plan.draft is not None,
             "draft_len": len(plan.draft_ids),

@@ -20,6 +20,7 @@ from ..drafts.history import HistoryIndex
 from ..rollout.speculative import RolloutRequest, RolloutResult
 from ..sampling.distribution import SamplingSettings
 from ..util.validation import check_int
+from .requests import adapter_mode
 from .trl_batch import batch_requests, group_size, hook_dataset_ids, tokenize_prompts, trainer_owner, unwrapped_model
 from .trl_checkpoint import CACHE_FILENAME, HISTORY_FILENAME, RolloutCacheCallback, history_path
 from .trl_checks import (
@@ -84,7 +85,7 @@ class SpecRLRollout:
             raise TypeError("dataset_id_fn must be a callable prompt -> str")
         if max_model_len is not None:
             check_int("max_model_len", max_model_len, low=2)
-        self.mode = RolloutMode.parse(mode)
+        self.mode = adapter_mode(mode)
         self.seed = seed
         self.cache_path = Path(cache_path) if cache_path is not None else None
         if cache is None and self.cache_path is not None and self.cache_path.is_file():

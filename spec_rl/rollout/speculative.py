@@ -24,7 +24,7 @@ from ..backends.contract import (
     check_shared_outputs,
     scores_vocab_size,
 )
-from ..drafts.cache import CacheKey, Draft, DraftStore
+from ..drafts.cache import CacheKey, Draft, DraftStore, next_age
 from ..drafts.history import HistoryIndex
 from ..drafts.validity import draft_views
 from ..sampling.distribution import SamplingSettings, check_settings
@@ -115,9 +115,12 @@ class SpeculativeRollout:
     """Speculative rollouts over a generation backend (docs/api.md "Rollout").
 
     ``mode`` defaults to SPEC-RL's lenient rule at e^0.5 with tail speculation; each step's seed is ``mix_seed(seed,
-    step)``; ``history`` (default: a new index when ``mode.tail``) is what tail speculation drafts from. TypeError for
-    arguments of the wrong kind; ValueError for no EOS id or one outside the vocabulary, ``max_model_len`` < 2 or past
-    the model's positions, or a history without tail speculation.
+    step)``; ``history`` (default: a new index when ``mode.tail``) is what tail speculation drafts from;
+    ``old_policies`` (:class:`~spec_rl.rollout.old_policy.PolicyVersions`) holds the weights of the steps whose
+    responses are drafts, which a mode drawing from the residual needs (a draft whose step is not kept is not reused).
+    TypeError for arguments of the wrong kind; ValueError for no EOS id or one outside the vocabulary,
+    ``max_model_len`` < 2 or past the model's positions, a history without tail speculation, or a residual-draw mode
+    without ``old_policies``.
     """
 
     def __init__(
@@ -131,6 +134,7 @@ class SpeculativeRollout:
         seed: int = 0,
         history: HistoryIndex | None = None,
         verify_backend: str = "auto",
+        old_policies=None,
     ):
         check_backend(backend)
         check_settings(settings)
@@ -139,6 +143,11 @@ class SpeculativeRollout:
             raise ValueError("eos_ids must list at least one end-of-sequence id")
         if history is not None and not mode.tail:
             raise ValueError("history is what tail speculation drafts from, and this mode has tail=0; drop it")
+        if mode.rule is not None and mode.rule.needs_old_policy and old_policies is None:
+            raise ValueError(
+                f"mode {mode.rule.describe()} draws from the residual max(0, p - q) and needs q: pass "
+                "old_policies=PolicyVersions(model, pad_id) and keep each step's weights before its update"
+            )
         vocab = backend.vocab_size
         self.eos_ids = set(token_ids("eos_ids", list(eos_ids), vocab, backend_name(backend)))
         self.max_model_len = check_model_len(max_model_len, backend)
@@ -150,6 +159,7 @@ class SpeculativeRollout:
         self.verify_backend = check_choice("verify_backend", verify_backend, BACKENDS)
         self.history = (HistoryIndex() if history is None else history) if mode.tail else None
         self.reuse_gate = ReuseGate() if mode.rule is not None and mode.rule.keyed_walk else None
+        self.old_policies = old_policies if mode.rule is not None and mode.rule.needs_old_policy else None
 
     @property
     def vocab_size(self) -> int | None:
@@ -224,9 +234,16 @@ class SpeculativeRollout:
         return batch
 
     def _lookup(self, batch: _Batch) -> None:
-        """Drafts from the store (none when the mode reuses none); an empty draft counts as none."""
+        """Drafts from the store (none when the mode reuses none); an empty draft counts as none, and a draft past the
+        mode's age bound or (residual draw) of a step whose weights are not kept is dropped: its slot samples fresh."""
         if self.mode.reuses_drafts:
             batch.drafts = [batch.store.lookup(k, self.settings) for k in batch.keys]
+        for i, d in enumerate(batch.drafts):
+            if d is not None and (
+                self.mode.draft_expired(d.age) or (self.old_policies is not None and d.version not in self.old_policies)
+            ):
+                batch.drafts[i] = None
+                batch.stats.drafts_dropped += 1
         batch.drafted = [i for i, d in enumerate(batch.drafts) if d is not None and len(d) > 0]
         batch.stats.drafts_found = len(batch.drafted)
         check_draft_ids(batch.drafts, batch.drafted, batch.vocab_size, backend_name(self.backend))
@@ -241,8 +258,18 @@ class SpeculativeRollout:
         prompts = [batch.prompts[i] for i in batch.drafted]
         old = [batch.drafts[i].logprobs for i in batch.drafted]
         uids = [batch.keys[i].uid for i in batch.drafted]
+        versions = [batch.drafts[i].version for i in batch.drafted]
         rows = DraftRows(
-            prompts, draft_ids, old, uids, batch.seed, batch.sample_seed, self.settings, self.verify_backend
+            prompts,
+            draft_ids,
+            old,
+            uids,
+            batch.seed,
+            batch.sample_seed,
+            self.settings,
+            self.verify_backend,
+            versions,
+            self.old_policies,
         )
         stored = None
         if self.mode.rule.keyed_walk:  # walks read only part of the trie: score where they may go
@@ -335,7 +362,10 @@ class SpeculativeRollout:
     def _store(self, batch: _Batch) -> None:
         """Every response becomes next epoch's draft of its request and enters the prompt's history."""
         for i, key in enumerate(batch.keys):
-            batch.store.store(key, batch.responses[i], batch.logprobs[i], batch.finish[i], batch.step, self.settings)
+            age = next_age(batch.drafts[i], batch.prefix_len[i])
+            batch.store.store(
+                key, batch.responses[i], batch.logprobs[i], batch.finish[i], batch.step, self.settings, age
+            )
             if self.history is not None:
                 self.history.add(batch.group_keys[i], batch.responses[i])
         batch.stats.vanilla_tokens = sum(len(r) for r in batch.responses)

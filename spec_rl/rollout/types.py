@@ -73,6 +73,7 @@ class RolloutStats:
 
     num_samples: int = 0
     drafts_found: int = 0
+    drafts_dropped: int = 0  # past max_draft_age, or (residual draw) of a step whose weights are not kept
     draft_tokens: int = 0
     accepted_tokens: int = 0
     full_reuse_count: int = 0

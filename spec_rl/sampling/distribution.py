@@ -132,6 +132,16 @@ def token_logprobs(
     return logp.gather(-1, token_ids.long().unsqueeze(-1)).squeeze(-1)
 
 
+def residual_logprobs(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
+    """Log-probs [..., V] of the residual max(0, p - q) renormalised, the token at a rejection of speculative sampling
+    (with acceptance min(1, p/q) every position is then distributed as p); p itself where p <= q everywhere (a
+    rejection there has probability 0). ``logp``, ``logq``: [..., V] log-probs, any float dtype (float64 in the
+    references)."""
+    diff = (logp.exp() - logq.exp()).clamp_min(0)
+    has = diff.sum(-1, keepdim=True) > 0
+    return torch.where(has, torch.log(diff / diff.sum(-1, keepdim=True).clamp_min(torch.finfo(diff.dtype).tiny)), logp)
+
+
 @torch.no_grad()  # sampling is never differentiated: no graph over [N, V]
 def keyed_sample(
     logits: torch.Tensor,
@@ -141,6 +151,7 @@ def keyed_sample(
     positions: torch.Tensor,
     exclude: torch.Tensor | None = None,
     index: torch.Tensor | None = None,
+    residual_of: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row by a keyed exponential race (Gumbel-max; docs/design.md "Randomness"): row r returns argmax
     over tokens of ``log p(token) + G(token)``, with Gumbel noise G = -log(-log u) whose uniforms are keyed by (seed,
@@ -151,15 +162,17 @@ def keyed_sample(
     ``logits``: [N, V] float, or [U, V] distinct rows with ``index`` [N] int64 (row r samples ``logits[index[r]]``);
     ``uids``, ``positions``: [N] int64 sequence ids and absolute positions; ``exclude``: [N] int64 token removed from
     row r's distribution (renormalised: exact sampling's residual for a point-mass draft; a row whose whole mass is
-    on it samples the full distribution), not with ``index``.
+    on it samples the full distribution), not with ``index``; ``residual_of``: [N, V] logits of a draft's policy q
+    (sampled with the same settings): row r samples the residual max(0, p - q) renormalised
+    (:func:`residual_logprobs`), not with ``index`` or ``exclude``.
 
     Returns (token_ids [N] int64, logprobs [N] float32), log-probs under the full sampling distribution. TypeError:
     ``settings`` not a SamplingSettings, a non-integer seed or index tensor. ValueError: a row without a distribution
     (named by uid and position), wrong shapes or lengths, ids outside [0, V) or [0, U), both index and exclude."""
     check_settings(settings)
     seed = check_int("seed", seed, hint=" (a 64-bit seed, taken modulo 2**64)")
-    if index is not None and exclude is not None:
-        raise ValueError("keyed_sample takes index or exclude, not both (index logits[index] first)")
+    if sum(x is not None for x in (index, exclude, residual_of)) > 1:
+        raise ValueError("keyed_sample takes one of index, exclude and residual_of (index logits[index] first)")
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
         got = list(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
         raise ValueError(f"logits must be a [N, V] tensor, got {got}")
@@ -170,6 +183,8 @@ def keyed_sample(
         exclude = _index_vector("exclude", exclude, n, high=logits.shape[1])
     uids, positions = _index_vector("uids", uids, n), _index_vector("positions", positions, n)
     logp = sampling_log_softmax(logits, settings.temperature, settings.top_k, settings.top_p)
+    if residual_of is not None and residual_of.shape != logits.shape:
+        raise ValueError(f"residual_of must have the logits' shape {list(logits.shape)}, got {list(residual_of.shape)}")
     total = logp.exp().sum(-1)
     _raise_if_no_distribution(
         total if index is None else total[index], lambda r: f"uid {int(uids[r])}, position {int(positions[r])}"
@@ -182,11 +197,15 @@ def keyed_sample(
     for start in range(0, n, step):
         rows = slice(start, start + step)
         lp = logp[rows] if index is None else logp[index[rows]]
+        race = lp
+        if residual_of is not None:
+            q = residual_of[rows].to(lp.device)
+            race = residual_logprobs(lp, sampling_log_softmax(q, settings.temperature, settings.top_k, settings.top_p))
         u = torch.empty((lp.shape[0], vocab), dtype=torch.float32, device=lp.device)
         for row, key in zip(u, keys[rows]):  # each row's uniforms from the generator seeded with its key
             gen.manual_seed(key)
             row.uniform_(generator=gen)
-        score = lp + u.log_().neg_().log_().neg_()  # Gumbel noise -log(-log u); u = 0 gives -inf: that token never wins
+        score = race + u.log_().neg_().log_().neg_()  # Gumbel noise -log(-log u); u = 0: -inf, that token never wins
         if exclude is not None:
             ex = exclude[rows].unsqueeze(-1)
             others = lp.scatter(-1, ex, float("-inf")).amax(-1) > float("-inf")  # mass left besides the excluded

@@ -102,7 +102,8 @@ def evaluate_heldout(
     ``max_model_len`` is given. Prompts are encoded as the trainer encodes them (``prompt_format``, default the plain
     prompt). ``samples_out`` receives one (prompt ids, response ids) pair per sample. Compare modes on this, not on
     the rollout reward, which reuse biases towards drafts that were already correct. Returns {"heldout_reward",
-    "heldout_greedy_accuracy", "heldout_response_tokens" (EOS included), "heldout_prompts"}. Raises ValueError for
+    "heldout_greedy_accuracy", "heldout_response_tokens" (EOS included), "heldout_prompts", "heldout_prompt_rewards" and
+    "heldout_greedy_rewards" (per prompt)}. Raises ValueError for
     empty ``examples``, ``samples_per_prompt`` or ``batch_size`` < 1, no pad/EOS id, or a prompt that leaves no room
     for a response."""
     if not examples:
@@ -133,6 +134,12 @@ def evaluate_heldout(
         "heldout_greedy_accuracy": sum(greedy_rewards) / len(greedy_rewards),
         "heldout_response_tokens": sum(len(o.token_ids) for o in sampled) / len(sampled),
         "heldout_prompts": len(examples),
+        # per prompt, for intervals over problems (paired across runs: the same prompts and keys)
+        "heldout_prompt_rewards": [
+            round(sum(rewards[i : i + samples_per_prompt]) / samples_per_prompt, 6)
+            for i in range(0, len(rewards), samples_per_prompt)
+        ],
+        "heldout_greedy_rewards": greedy_rewards,
     }
 
 

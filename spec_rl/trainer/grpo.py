@@ -17,6 +17,7 @@ from ..backends.scoring import response_logprobs
 from ..drafts.cache import RolloutCache
 from ..drafts.history import HistoryIndex
 from ..drafts.owner import policy_owner
+from ..rollout.old_policy import PolicyVersions
 from ..rollout.reward_split import origin_sums, response_origins
 from ..rollout.speculative import RolloutRequest, RolloutResult, SpeculativeRollout
 from ..util.atomic import atomic_write_text
@@ -100,6 +101,10 @@ class GRPOTrainer:
         self.cache = RolloutCache()
         self.cache.claim(policy_owner(tokenizer, model.config))
         self.history = HistoryIndex() if config.mode.tail else None
+        # the residual draw reads the weights of the steps whose responses are drafts (a resumed run has none yet:
+        # its first epoch samples fresh)
+        rule = config.mode.rule
+        self.old_policies = PolicyVersions(model, self.pad_id) if rule is not None and rule.needs_old_policy else None
         self.rollout = self._make_rollout(model, config, max_model_len)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         self._set_initial_policy(model, ref_model)
@@ -115,7 +120,15 @@ class GRPOTrainer:
         policy = Policy(model, self.tokenizer, eos, self.pad_id, max_model_len, self.out_dir / "vllm-weights")
         backend = build_backend(cfg.generation_backend, policy)
         return SpeculativeRollout(
-            backend, self.cache, self.settings, eos, max_model_len, mode=cfg.mode, seed=cfg.seed, history=self.history
+            backend,
+            self.cache,
+            self.settings,
+            eos,
+            max_model_len,
+            mode=cfg.mode,
+            seed=cfg.seed,
+            history=self.history,
+            old_policies=self.old_policies,
         )
 
     def _set_initial_policy(self, model, ref_model) -> None:
@@ -245,6 +258,9 @@ class GRPOTrainer:
         ]
         self.model.eval()
         result = self.rollout.run(requests, self.step)
+        if self.old_policies is not None:  # this step's responses are drafts under the weights used now
+            self.old_policies.keep(self.step)
+            self.old_policies.retain({d.version for d in self.cache.drafts()})
         texts = self.tokenizer.batch_decode(result.response_ids, skip_special_tokens=True)
         golds = [self.examples[i].answer for i in batch_indices for _ in range(cfg.group_size)]
         rewards = torch.tensor([float(self.reward_fn(t, g)) for t, g in zip(texts, golds)])

@@ -28,6 +28,8 @@ FIELDS = (
     "heldout_response_tokens",  # mean sampled response length (tokens, EOS included)
     *DIAGNOSTIC_FIELDS,  # entropy and KL to the warm start (nats per token)
     "heldout_prompts",
+    "heldout_prompt_rewards",  # per held-out prompt: mean reward of its fresh samples
+    "heldout_greedy_rewards",  # per held-out prompt: reward of its greedy response
     "heldout_seed",
     "heldout_seconds",  # wall time of the evaluation
 )

@@ -16,14 +16,16 @@ METRICS_FILE = "metrics.jsonl"
 # Step fields summed into an epoch record: the rollout's counters and timings, then the trainer's.
 SUMMED = (
     *("num_samples", "drafts_found", "draft_tokens", "accepted_tokens", "full_reuse_count", "tokens_generated"),
-    *("vanilla_tokens", "decode_steps", "tail_proposed", "tail_accepted", "decode_rows", "decode_positions"),
+    *("drafts_dropped", "vanilla_tokens", "decode_steps", "tail_proposed", "tail_accepted", "decode_rows"),
+    *("decode_positions",),
     *("scoring_seconds", "generation_seconds", "assembly_seconds"),
     *("reward_sum", "truncated", "train_seconds", "groups", "flat_groups"),
     *(f"{kind}_{origin}" for origin in ORIGINS for kind in ("reward_sum", "count")),
 )
 # Step sums an epoch record keeps under their own name.
 _KEPT = (
-    *("vanilla_tokens", "draft_tokens", "drafts_found", "scoring_seconds", "generation_seconds", "decode_steps"),
+    *("vanilla_tokens", "draft_tokens", "drafts_found", "drafts_dropped", "scoring_seconds", "generation_seconds"),
+    *("decode_steps",),
     *("tail_proposed", "tail_accepted", "decode_positions", "train_seconds", "groups", "flat_groups"),
 )
 

@@ -68,6 +68,8 @@ def read_summary(out_dir: str | os.PathLike) -> dict[str, list[dict]]:
 def plan_run(out_dir: str | os.PathLike, modes: Sequence[str], resume: bool) -> dict[str, Checkpoint | None]:
     """Check that ``out_dir`` can take this run; the checkpoint each label resumes from (None: epoch 1). RunDirError:
     it holds a run (no ``resume``), none (``resume``), a label with epochs but no checkpoint, or is not writable."""
+    if resume and not Path(out_dir).is_dir():  # nothing to resume: create nothing
+        raise RunDirError(f"--resume: {out_dir} does not exist; drop --resume to start a new run there")
     out_dir = check_writable_dir(out_dir)
     found = run_contents(out_dir)
     if not resume:

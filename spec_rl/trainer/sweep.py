@@ -1,7 +1,8 @@
-"""``spec-rl sweep``: the paper's lenience and random-reuse ablations (Tables 2-3) on the embedded task.
+"""``spec-rl sweep``: the speed/learning trade-off per run mode, on the demo task or any model (docs/api.md "Sweep").
 
-Every setting trains over several seeds from the demo policy; non-vanilla settings decode with tail speculation (it
-changes no token). A finished ``<out>/<setting>/seed<k>/`` run is skipped, so a rerun continues the sweep."""
+Every setting (a run mode by name: vanilla, exact, l=1-res, spec-age2, ...) trains the same recipe from the same start
+over the same seeds, so setting and vanilla pair seed by seed and held-out problem by problem. A finished
+``<out>/<setting>/seed<k>/`` run is skipped and an unfinished one resumes from its checkpoint: rerun to continue."""
 
 from __future__ import annotations
 
@@ -12,14 +13,15 @@ import json
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from ..acceptance.mode import VANILLA, RolloutMode
 from ..util.atomic import atomic_write_text, remove_leftovers
-from ..util.validation import check_choice, check_int
-from .rundir import RunDirError, read_summary
+from .rundir import RunDirError, read_summary, run_contents
 
 #: The paper's held-out accuracy AVG, generated tokens (millions) and rollout speed-up
 #: (arXiv 2509.23232, Qwen3-1.7B GRPO; Table 3 lenience, Table 2 random reuse, Table 1 vanilla).
@@ -34,8 +36,16 @@ PAPER = {
     "l=inf": {"avg": 40.1, "tokens_m": 40, "speedup": 14.86},
 }
 
-
 _GRID = ("1", "e^0.2", "e^0.5", "e^1", "e^2", "inf")
+#: The demo's default settings: the paper's ablations (Tables 2-3), exact and the without-draft draw.
+DEMO_SETTINGS = ("vanilla", "random", *(f"l={x}" for x in _GRID), "exact", *(f"l={x}-excl" for x in _GRID[:3]))
+#: A user's model's default settings: the lossless rules, the paper's lenience, and one draft age bound.
+MODEL_SETTINGS = ("vanilla", "exact", "l=1-res", "spec", "spec-age2")
+
+#: name: (train prompts, epochs, held-out prompts, fresh samples per held-out prompt) of the demo task.
+PRESETS = {"small": (256, 4, 640, 1), "full": (256, 5, 640, 1)}
+#: Bootstrap resamples of the paired intervals, and their fixed seed (the same table from the same runs).
+_RESAMPLES, _BOOT_SEED = 2000, 0
 
 
 @dataclass(frozen=True)
@@ -46,186 +56,220 @@ class Setting:
     mode: RolloutMode
 
 
-#: The rows, vanilla first; "-excl": the token at a rejection is drawn without the rejected draft token.
-SETTINGS = tuple(
-    Setting(name, RolloutMode.parse(name))
-    for name in ("vanilla", "random", *(f"l={x}" for x in _GRID), "exact", *(f"l={x}-excl" for x in _GRID[:3]))
-)
+@dataclass
+class Sweep:
+    """What a sweep trains: the policy at ``model_path``, the examples, the reward, the base config (each seed k runs
+    ``config.seed + k``), the settings, ``seeds`` per setting, the output folder, and ``info`` recorded with it."""
 
-#: name: (train prompts, epochs, held-out prompts, fresh samples per held-out prompt); evaluated at the warm start
-#: and after the last epoch only: the sweep compares final numbers.
-PRESETS = {"small": (256, 4, 640, 1), "full": (256, 5, 640, 1)}
+    model_path: str | Path
+    train_examples: Sequence
+    eval_examples: Sequence
+    reward_fn: Callable[[str, str], float]
+    config: object
+    settings: tuple[Setting, ...]
+    seeds: int
+    out_dir: str | Path
+    info: dict = dataclasses.field(default_factory=dict)
 
 
-def _run_totals(records: list[dict]) -> dict:
-    """One run's numbers: epochs >= 2 summed for the cost, the last epoch for quality."""
+def chosen_settings(spec: str | None, default: Sequence[str] = DEMO_SETTINGS) -> tuple[Setting, ...]:
+    """The settings named in ``--settings`` (comma-separated run modes; None: ``default``), vanilla first. ValueError
+    for a name that names no mode, a name twice, or no name."""
+    names = list(default) if spec is None else [x.strip() for x in spec.split(",") if x.strip()]
+    if not names:
+        raise ValueError(f"--settings: no setting named in {spec!r}; e.g. vanilla,exact,l=1-res,spec")
+    if len(set(names)) != len(names):
+        raise ValueError(f"--settings names a setting twice: {spec!r} (each setting has one folder)")
+    settings = []
+    for name in names:
+        try:
+            settings.append(Setting(name, RolloutMode.parse(name)))
+        except ValueError as err:
+            raise ValueError(f"--settings: {name!r} names no run mode: {err}") from None
+    if VANILLA not in names:  # every ratio and gap is to vanilla
+        settings.insert(0, Setting(VANILLA, RolloutMode.parse(VANILLA)))
+    return tuple(settings)
+
+
+def run_totals(records: list[dict]) -> dict:
+    """One run's numbers: per-epoch costs, epochs >= 2 summed, the last evaluation for quality."""
     later = [r for r in records if r["epoch"] >= 2]
-    last = records[-1]
+    last = [r for r in records if "heldout_reward" in r][-1]
+    spent, curve = 0, []
+    if "start_heldout_reward" in records[0]:
+        curve.append((0, records[0]["start_heldout_reward"]))
+    for r in records:
+        spent += r["generated_tokens"]
+        if "heldout_reward" in r:
+            curve.append((spent, r["heldout_reward"]))
+    later_draft = sum(r.get("draft_tokens", 0) for r in later)
+    drift = [r["reused_drift"] for r in later if r.get("reused_drift") is not None]
     return {
+        "epoch_generated_tokens": [r["generated_tokens"] for r in records],
+        "epoch_decode_steps": [r.get("decode_steps", 0) for r in records],
         "generated_tokens": sum(r["generated_tokens"] for r in later),
-        "rollout_seconds": sum(r["rollout_seconds"] for r in later),
         "decode_steps": sum(r.get("decode_steps", 0) for r in later),
-        "heldout_reward": last.get("heldout_reward"),
-        "heldout_greedy_accuracy": last.get("heldout_greedy_accuracy"),
-        "heldout_reward_start": records[0].get("start_heldout_reward"),
-        "final_rollout_reward": last["mean_reward"],
-        "log_lenience": [r.get("log_lenience") for r in records],
+        "rollout_seconds": sum(r["rollout_seconds"] for r in later),
+        "accepted_share": sum(r.get("reused_tokens", 0) for r in later) / later_draft if later_draft else 0.0,
+        "drift": statistics.fmean(drift) if drift else None,
+        "wall_seconds": sum(r["rollout_seconds"] + r["train_seconds"] + r.get("heldout_seconds", 0) for r in records),
+        "heldout_reward": last["heldout_reward"],
+        "heldout_greedy_accuracy": last["heldout_greedy_accuracy"],
+        "prompt_rewards": last.get("heldout_prompt_rewards"),
+        "greedy_rewards": last.get("heldout_greedy_rewards"),
+        "curve": curve,
     }
 
 
-#: The totals averaged over seeds: the costs (also as ratios to vanilla's) and the final quality (also as gaps).
-_COSTS = ("generated_tokens", "rollout_seconds", "decode_steps")
-_QUALITY = ("heldout_reward", "heldout_greedy_accuracy")
-
-
-def _mean_std(values: list[float]) -> tuple[float, float]:
-    values = [v for v in values if v is not None]
-    if not values:
-        return float("nan"), float("nan")
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
-
-
-def _paired_se(runs: list[dict], vanilla: list[dict], key: str = "heldout_reward") -> float:
-    """Standard error of the mean gap to vanilla in ``key``, seed k against vanilla's seed k; nan with < 2 pairs."""
-    gaps = [r[key] - v[key] for r, v in zip(runs, vanilla) if r.get(key) is not None and v.get(key) is not None]
-    if len(gaps) < 2:
-        return float("nan")
-    return statistics.stdev(gaps) / math.sqrt(len(gaps))
+def paired_interval(runs: list[dict], vanilla: list[dict], key: str) -> tuple[float, float, float]:
+    """(mean, low, high): the paired difference to vanilla of per-problem ``key`` (seed k against vanilla's seed k,
+    problem by problem) and its 95% bootstrap interval over seeds and problems; nan without per-problem values."""
+    pairs = [(r[key], v[key]) for r, v in zip(runs, vanilla) if r.get(key) and v.get(key)]
+    if not pairs:
+        return math.nan, math.nan, math.nan
+    diff = torch.tensor([a for a, _ in pairs], dtype=torch.float64) - torch.tensor([b for _, b in pairs])
+    seeds, problems = diff.shape
+    gen = torch.Generator().manual_seed(_BOOT_SEED)
+    rows = torch.randint(seeds, (_RESAMPLES, seeds, 1), generator=gen)
+    cols = torch.randint(problems, (_RESAMPLES, 1, problems), generator=gen)
+    means = torch.stack([diff[r, c].mean() for r, c in zip(rows, cols)])
+    low, high = torch.quantile(means, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return float(diff.mean()), low, high
 
 
 def aggregate(results: dict[str, list[dict]]) -> list[dict]:
-    """Per setting: mean/std over seeds of every total, and ratios to vanilla's means."""
-    vanilla = results.get(VANILLA, [])
-    base = {k: _mean_std([r[k] for r in vanilla])[0] for k in _COSTS + _QUALITY}
+    """Per setting: means over seeds, costs as ratios to vanilla's, held-out gaps with paired 95% intervals."""
+    vanilla = results[VANILLA]
+
+    def mean(runs, key):
+        values = [r[key] for r in runs if r.get(key) is not None]
+        return statistics.fmean(values) if values else math.nan
+
     rows = []
     for name, runs in results.items():
         row = {"setting": name, "seeds": len(runs)}
-        for key in _COSTS + _QUALITY:
-            row[key], row[f"{key}_std"] = _mean_std([r[key] for r in runs])
-        for key in _COSTS:
-            row[f"{key}_ratio"] = row[key] / base[key] if base.get(key) else float("nan")
-        row["speedup"] = 1.0 / row["rollout_seconds_ratio"] if row["rollout_seconds_ratio"] else float("nan")
-        for short, key in zip(("heldout", "greedy"), _QUALITY):
-            row[f"{short}_minus_vanilla"] = row[key] - base[key]
-            row[f"{short}_paired_se"] = _paired_se(runs, vanilla, key)
+        keys = ("generated_tokens", "decode_steps", "rollout_seconds", "accepted_share", "drift", "wall_seconds")
+        for key in (*keys, "heldout_reward", "heldout_greedy_accuracy"):
+            row[key] = mean(runs, key)
+        for key in ("generated_tokens", "decode_steps", "rollout_seconds"):
+            base = mean(vanilla, key)
+            row[f"{key}_ratio"] = row[key] / base if base else math.nan
+        for key in ("epoch_generated_tokens", "epoch_decode_steps"):
+            row[key] = [statistics.fmean(x) for x in zip(*(r[key] for r in runs))]
+        for short, key in (("heldout", "prompt_rewards"), ("greedy", "greedy_rewards")):
+            row[f"{short}_gap"], row[f"{short}_low"], row[f"{short}_high"] = paired_interval(runs, vanilla, key)
         rows.append(row)
     return rows
 
 
-def _num(x: float) -> str:
-    """Three decimals, or "-" where there is no value (a standard error over fewer than 2 seeds)."""
-    return "-" if x is None or math.isnan(x) else f"{x:.3f}"
+def _num(x, fmt: str = ".3f") -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+def _gap(row: dict, short: str) -> str:
+    gap, low, high = (_num(row[f"{short}_{k}"], "+.3f") for k in ("gap", "low", "high"))
+    return f"{gap} [{low}, {high}]"
 
 
 def markdown(rows: list[dict], info: dict) -> str:
-    """The sweep table in the layout of the paper's Tables 2-3, the paper's numbers beside ours."""
+    """The sweep's report: the trade-off table (the paper's numbers beside the settings it ran) and per-epoch costs."""
     lines = [
-        f"Sweep: preset {info['preset']}, seeds {info['seeds']}, commit {info.get('commit')}, {info.get('date')}, "
-        f"device {info.get('device')}.",
+        f"Sweep: {info.get('task', '?')}, {info.get('seeds')} seed(s), commit {info.get('commit')}, "
+        f"{info.get('date')}, device {info.get('device')}. Costs over epochs 2+; held-out after the last epoch; gaps "
+        "are paired with vanilla (same seeds, same problems) with 95% bootstrap intervals over seeds and problems.",
         "",
-        "| setting | gen tokens (epochs 2+) | tokens vs vanilla | rollout s | speed-up | decode steps vs vanilla | "
-        "held-out reward (mean ± std) | vs vanilla (paired ± s.e.) | greedy acc. (vs vanilla, paired ± s.e.) | "
-        "paper tokens (M) | paper speed-up | paper AVG |",
-        "|" + "---|" * 12,
+        "| setting | gen tokens | vs vanilla | decode steps vs vanilla | accepted share | drift (nats) | held-out "
+        "reward | vs vanilla [95%] | greedy acc. | vs vanilla [95%] | wall s | paper speed-up | paper AVG |",
+        "|" + "---|" * 13,
     ]
     for r in rows:
         p = PAPER.get(r["setting"], {})
         lines.append(
             f"| {r['setting']} | {r['generated_tokens']:.0f} | {r['generated_tokens_ratio']:.3f} | "
-            f"{r['rollout_seconds']:.1f} | {r['speedup']:.2f}x | {r['decode_steps_ratio']:.3f} | "
-            f"{r['heldout_reward']:.3f} ± {r['heldout_reward_std']:.3f} | "
-            f"{r['heldout_minus_vanilla']:+.3f} ± {_num(r['heldout_paired_se'])} | {r['heldout_greedy_accuracy']:.3f} "
-            f"({r['greedy_minus_vanilla']:+.3f} ± {_num(r['greedy_paired_se'])}) | {p.get('tokens_m') or '-'} | "
-            f"{(str(p['speedup']) + 'x') if p.get('speedup') else '-'} | {p.get('avg', '-')} |"
+            f"{r['decode_steps_ratio']:.3f} | {_num(r['accepted_share'])} | {_num(r['drift'])} | "
+            f"{r['heldout_reward']:.3f} | {_gap(r, 'heldout')} | {r['heldout_greedy_accuracy']:.3f} | "
+            f"{_gap(r, 'greedy')} | {r['wall_seconds']:.0f} | {(str(p['speedup']) + 'x') if p.get('speedup') else '-'} "
+            f"| {p.get('avg', '-')} |"
         )
+    epochs = len(rows[0]["epoch_generated_tokens"])
+    lines += [
+        "",
+        "Generated tokens / decode steps per epoch (mean over seeds):",
+        "",
+        "| setting | " + " | ".join(f"epoch {e + 1}" for e in range(epochs)) + " |",
+        "|" + "---|" * (epochs + 1),
+    ]
+    for r in rows:
+        cells = [f"{t:.0f} / {s:.0f}" for t, s in zip(r["epoch_generated_tokens"], r["epoch_decode_steps"])]
+        lines.append(f"| {r['setting']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[dict], path: Path) -> Path:
-    """Cost ratios to vanilla (left) and held-out reward and greedy accuracy minus vanilla's, paired over seeds
-    with standard errors (right), per setting."""
+def plot(results: dict[str, list[dict]], path: Path) -> Path:
+    """Held-out reward against cumulative generated tokens, one curve per setting (means over seeds)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    x = range(len(rows))
-    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.5))
-    for shift, key, label in ((-0.2, "generated_tokens", "generated tokens"), (0.2, "rollout_seconds", "rollout time")):
-        a.bar([i + shift for i in x], [r[f"{key}_ratio"] for r in rows], width=0.4, label=f"{label} vs vanilla")
-    for shift, key, label in ((-0.1, "heldout", "held-out reward"), (0.1, "greedy", "greedy accuracy")):
-        gaps, errors = [r[f"{key}_minus_vanilla"] for r in rows], [r[f"{key}_paired_se"] for r in rows]
-        b.errorbar([i + shift for i in x], gaps, yerr=errors, fmt="o", capsize=4, label=label)
-    b.axhline(0.0, color="gray", ls="--", lw=1)
-    titles = (
-        "cost relative to vanilla (epochs 2+)",
-        "after the last epoch, minus vanilla (paired mean ± s.e. over seeds)",
-    )
-    for ax, title in zip((a, b), titles):
-        ax.set_xticks(list(x), [r["setting"] for r in rows], rotation=40, ha="right")
-        ax.set_title(title)
-        ax.legend()
-    a.grid(alpha=0.3, axis="y")
-    b.grid(alpha=0.3)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, runs in results.items():
+        points = list(zip(*(r["curve"] for r in runs)))  # per evaluation, one (tokens, reward) per seed
+        xs = [statistics.fmean(t for t, _ in p) for p in points]
+        ys = [statistics.fmean(v for _, v in p) for p in points]
+        ax.plot(xs, ys, marker="o", label=name)
+    ax.set_xlabel("cumulative generated tokens")
+    ax.set_ylabel("held-out reward")
+    ax.set_title("held-out reward against generation spent (mean over seeds)")
+    ax.grid(alpha=0.3)
+    ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
 
-def run_sweep(
-    model_path: str | Path,
-    train_examples,
-    eval_examples,
-    reward_fn: Callable[[str, str], float],
-    base_config,
-    out_dir: str | Path,
-    preset: str,
-    seeds: int,
-    settings=SETTINGS,
-    progress: bool = True,
-) -> list[dict]:
-    """Train every (setting, seed) not finished yet, then write sweep.json, sweep.md and sweep.png. Raises ValueError
-    for an unknown preset or ``seeds`` < 1."""
+def run_sweep(sweep: Sweep, progress: bool = True) -> list[dict]:
+    """Train every (setting, seed) not finished yet, then write sweep.json, report.md and sweep.png into the output
+    folder; returns the table's rows. A killed sweep rerun continues: finished runs are read, an unfinished run
+    resumes from its last checkpoint."""
     from tqdm.auto import tqdm
 
     from .run import run_modes
 
-    check_choice("preset", preset, tuple(PRESETS))
-    check_int("seeds", seeds, low=1)
-    out_dir = Path(out_dir)
-    todo = [(s, k) for s in settings for k in range(int(seeds))]
+    out = Path(sweep.out_dir)
+    epochs = sweep.config.epochs
+    todo = [(s, k) for k in range(sweep.seeds) for s in sweep.settings]  # seed-major: pairs finish together
     bar = tqdm(total=len(todo), desc="sweep runs", unit="run", disable=not progress)
-    results: dict[str, list[dict]] = {s.name: [] for s in settings}
+    results: dict[str, list[dict]] = {s.name: [None] * sweep.seeds for s in sweep.settings}
     for setting, k in todo:
-        run_dir = out_dir / setting.name / f"seed{k}"
-        if _finished(run_dir, setting.name, base_config.epochs):
+        run_dir = out / setting.name / f"seed{k}"
+        bar.set_postfix_str(f"{setting.name} seed {k}")
+        if _finished(run_dir, setting.name, epochs):
             remove_leftovers(run_dir)  # a writer killed after the summary was committed
-            bar.write(f"{setting.name} seed {k}: finished earlier, skipped")
         else:
-            cfg = dataclasses.replace(base_config, seed=base_config.seed + k)
+            cfg = dataclasses.replace(sweep.config, seed=sweep.config.seed + k)
             with contextlib.redirect_stdout(io.StringIO()):  # the per-epoch rows of each run
                 run_modes(
-                    model_path,
-                    train_examples,
-                    reward_fn,
+                    sweep.model_path,
+                    sweep.train_examples,
+                    sweep.reward_fn,
                     cfg,
                     {setting.name: setting.mode},
                     run_dir,
-                    eval_examples,
-                    resume=run_dir.is_dir() and any(run_dir.iterdir()),
+                    sweep.eval_examples,
+                    resume=bool(run_contents(run_dir)),
                     progress=False,
                 )
-        results[setting.name].append(_run_totals(read_summary(run_dir)[setting.name]))
+        results[setting.name][k] = run_totals(read_summary(run_dir)[setting.name])
         bar.update(1)
     bar.close()
     rows = aggregate(results)
-    info = _info(preset, seeds, base_config)
-    atomic_write_text(
-        out_dir / "sweep.json", json.dumps({"info": info, "rows": rows, "runs": results}, indent=2, default=str)
-    )
-    atomic_write_text(out_dir / "sweep.md", markdown(rows, info))
-    plot(rows, out_dir / "sweep.png")
+    info = {**_info(sweep.config), **sweep.info, "seeds": sweep.seeds}
+    payload = {"info": info, "rows": rows, "runs": results}
+    atomic_write_text(out / "sweep.json", json.dumps(payload, indent=2, default=str))
+    atomic_write_text(out / "report.md", markdown(rows, info))
+    plot(results, out / "sweep.png")
     return rows
 
 
@@ -252,55 +296,15 @@ def _commit() -> str:
     return sha[:12] + ("-dirty" if dirty else "")
 
 
-def _info(preset: str, seeds: int, config) -> dict:
+def _info(config) -> dict:
     import platform
-
-    import torch
 
     from .run import package_versions
 
     return {
-        "preset": preset,
-        "seeds": seeds,
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "commit": _commit(),
         "device": f"{config.device} ({platform.machine()}, {torch.get_num_threads()} threads)",
         "versions": package_versions(),
         "config": config.to_dict(),
     }
-
-
-def chosen_settings(spec: str | None) -> tuple[Setting, ...]:
-    """The settings named in ``--settings`` (comma-separated; None: all of :data:`SETTINGS`), vanilla first. Raises
-    ValueError for an unknown name (listing the valid ones) or no name at all."""
-    if spec is None:
-        return SETTINGS
-    names = [x.strip() for x in spec.split(",") if x.strip()]
-    known = {x.name: x for x in SETTINGS}
-    bad = [n for n in names if n not in known]
-    if bad or not names:
-        what = f"unknown name(s) {', '.join(bad)}" if bad else "no setting named"
-        raise ValueError(f"--settings: {what} in {spec!r}; choose from {', '.join(known)}")
-    settings = tuple(known[n] for n in names)
-    return settings if VANILLA in names else (known[VANILLA],) + settings  # every ratio is to vanilla
-
-
-def cmd_sweep(args) -> int:
-    """Run the sweep from the parsed ``spec-rl sweep`` arguments; prints the table."""
-    from ..tasks.arithmetic import arithmetic_reward
-    from ..tasks.demo_data import demo_eval_set, demo_train_set
-    from ..tasks.demo_policy import build_demo_policy
-    from .config import demo_config
-
-    settings = chosen_settings(args.settings)
-    prompts, epochs, eval_prompts, eval_samples = PRESETS[args.preset]
-    model_path = build_demo_policy(cache_dir=args.cache_dir, progress=not args.no_progress)
-    base = demo_config(epochs=epochs, eval_samples=eval_samples, eval_every=epochs)
-    out = Path(args.out)
-    train, evals = demo_train_set()[:prompts], demo_eval_set()[:eval_prompts]
-    run_sweep(
-        model_path, train, evals, arithmetic_reward, base, out, args.preset, args.seeds, settings, not args.no_progress
-    )
-    print((out / "sweep.md").read_text())
-    print(f"table: {out / 'sweep.md'}, plot: {out / 'sweep.png'}, data: {out / 'sweep.json'}")
-    return 0

@@ -31,7 +31,7 @@ from spec_rl.sampling.distribution import SamplingSettings
 
 
 def test_the_named_modes():
-    assert REJECTION_DRAWS == ("policy", "without-draft") and set(RULES) >= {"lenient", "exact", "random"}
+    assert REJECTION_DRAWS == ("policy", "without-draft", "residual") and set(RULES) >= {"lenient", "exact", "random"}
     assert MODES["vanilla"] == RolloutMode(None, tail=0) and not MODES["vanilla"].reuses_drafts
     assert MODES["histspec"] == RolloutMode(None, tail=TAIL_WIDTH) and not MODES["histspec"].reuses_drafts
     assert MODES["spec"] == RolloutMode(Lenient(math.exp(0.5), "policy"), tail=8)
@@ -52,6 +52,11 @@ def test_the_named_modes():
         ("l=inf", RolloutMode(Lenient(math.inf))),
         ("l=0", RolloutMode(Lenient(0.0))),
         ("l=1-excl", RolloutMode(Lenient(1.0, "without-draft"))),
+        ("l=1-res", RolloutMode(Lenient(1.0, "residual"))),
+        ("l=e^-0.5", RolloutMode(Lenient(math.exp(-0.5)))),
+        ("spec-age2", RolloutMode(Lenient(), max_draft_age=2)),
+        ("l=e^0.5-excl-age1", RolloutMode(Lenient(rejection_draw="without-draft"), max_draft_age=1)),
+        ("exact-age3", RolloutMode(Exact(), max_draft_age=3)),
         (MODES["random"], MODES["random"]),
         (Exact(), MODES["exact"]),
     ],
@@ -60,15 +65,35 @@ def test_modes_parse_from_names(text, mode):
     assert RolloutMode.parse(text) == mode
 
 
-@pytest.mark.parametrize("text", ["random-ref", "l=", "l=nan", "l=-1", "l=abc", "", None, 3, "l=0.5-excl"])
+@pytest.mark.parametrize(
+    "text",
+    ["random-ref", "l=", "l=nan", "l=-1", "l=abc", "", None, 3, "l=0.5-excl", "l=2-res", "vanilla-age2", "spec-age0"],
+)
 def test_names_that_name_no_mode_are_refused(text):
     with pytest.raises(ValueError) as info:
         RolloutMode.parse(text)
     message = str(info.value)
     if text == "l=0.5-excl":
         assert "needs lenience >= 1, got 0.5" in message
+    elif text == "l=2-res":
+        assert "rejection_draw 'residual' needs lenience 1, got 2" in message
+    elif text == "spec-age0":
+        assert message.startswith("max_draft_age must be >= 1, got 0")
     else:
-        assert "mode must be one of vanilla, histspec, spec, exact, random or l=<lenience>[-excl]" in message
+        assert "mode must be one of vanilla, histspec, spec, exact, random or l=<lenience>[-excl|-res]" in message
+
+
+def test_the_draft_age_bound_is_part_of_the_mode():
+    mode = RolloutMode.parse("spec-age2")
+    assert not mode.draft_expired(1) and mode.draft_expired(2) and not MODES["spec"].draft_expired(10**6)
+    assert "max_draft_age" in mode.settable() and "max_draft_age" not in MODES["vanilla"].settable()
+    assert MODES["spec"].with_overrides(max_draft_age=3).max_draft_age == 3
+    assert RolloutMode.from_dict(mode.to_dict()) == mode and mode.to_dict()["max_draft_age"] == 2
+    assert "drafts carried at most 2 epoch(s)" in mode.describe()
+    legacy = {k: v for k, v in MODES["spec"].to_dict().items() if k != "max_draft_age"}  # a 0.4.0 record
+    assert RolloutMode.from_dict(legacy) == MODES["spec"]
+    with pytest.raises(TypeError, match="max_draft_age must be an integer"):
+        RolloutMode(max_draft_age=1.5)
 
 
 def test_the_papers_lenience_per_algorithm_is_the_lenient_default():
@@ -89,7 +114,8 @@ def test_the_papers_lenience_per_algorithm_is_the_lenient_default():
         (lambda: Lenient(math.nan), ValueError, "lenience must be a number (inf allowed) >= 0, got nan"),
         (lambda: Lenient("auto"), TypeError, "lenience must be a real number, got str 'auto'"),
         (lambda: Lenient(True), TypeError, "lenience must be a real number, got bool"),
-        (lambda: Lenient(rejection_draw="residual"), ValueError, "rejection_draw must be one of ('policy', 'without"),
+        (lambda: Lenient(rejection_draw="resid"), ValueError, "rejection_draw must be one of ('policy', 'without"),
+        (lambda: Lenient(rejection_draw="residual"), ValueError, "rejection_draw 'residual' needs lenience 1, got 1.6"),
         (lambda: Lenient(0.5, "without-draft"), ValueError, "needs lenience >= 1, got 0.5"),
         (lambda: Exact(2.0), TypeError, "positional argument"),
         (lambda: RolloutMode("exact"), TypeError, "rule must be an acceptance rule"),
@@ -105,8 +131,8 @@ def test_bad_modes_are_refused_naming_the_field(build, error, words):
 
 
 def test_overrides_set_only_the_fields_a_mode_has():
-    assert MODES["spec"].settable() == ("lenience", "rejection_draw", "tail")
-    assert MODES["exact"].settable() == MODES["random"].settable() == ("tail",)
+    assert MODES["spec"].settable() == ("lenience", "rejection_draw", "tail", "max_draft_age")
+    assert MODES["exact"].settable() == MODES["random"].settable() == ("tail", "max_draft_age")
     assert MODES["vanilla"].settable() == MODES["histspec"].settable() == ()
     every = dict(lenience=1.0, rejection_draw="without-draft", tail=0)
     assert MODES["spec"].with_overrides(**every) == RolloutMode(Lenient(1.0, "without-draft"), tail=0)
@@ -123,10 +149,11 @@ def test_to_dict_is_what_records_hold_and_reads_back():
         "lenience": pytest.approx(math.exp(0.5)),
         "rejection_draw": "policy",
         "tail": 8,
+        "max_draft_age": None,
         "log_lenience": pytest.approx(0.5),
     }
-    assert MODES["vanilla"].to_dict() == {"acceptance": None, "tail": 0, "log_lenience": 0.0}
-    assert MODES["exact"].to_dict() == {"acceptance": "exact", "tail": 8, "log_lenience": 0.0}
+    assert MODES["vanilla"].to_dict() == {"acceptance": None, "tail": 0, "max_draft_age": None, "log_lenience": 0.0}
+    assert MODES["exact"].to_dict() == {"acceptance": "exact", "tail": 8, "max_draft_age": None, "log_lenience": 0.0}
     for mode in MODES.values():
         assert RolloutMode.from_dict(mode.to_dict()) == mode
     # a record of 0.3 (tail a bool; every field present) reads back as the same mode

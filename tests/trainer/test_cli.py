@@ -179,8 +179,14 @@ BAD_FLAGS = [
     (["--modes", "vanilla,histspec", "--no-tail"], ["--no-tail applies to", "the selected runs (vanilla, histspec)"]),
     (["--rejection-draw", "policy"], ["--rejection-draw applies to the runs spec; the selected runs (vanilla)"]),
     (["--modes", "vanilla,vanilla"], ["--modes names a run twice: ['vanilla', 'vanilla'] (each run has one folder)"]),
-    (["--modes", "vanilla,random-ref"], ["--modes takes vanilla, histspec, spec, exact, random; got ['random-ref']"]),
-    (["--modes", "auto"], ["--modes takes vanilla, histspec, spec, exact, random; got ['auto']"]),
+    (
+        ["--modes", "vanilla,random-ref"],
+        ["--modes takes vanilla, histspec, spec, exact, random or l=<lenience>[-excl|-res]", "got ['random-ref']"],
+    ),
+    (["--modes", "auto"], ["--modes takes vanilla, histspec, spec, exact, random or l=", "got ['auto']"]),
+    (["--modes", "spec", "--max-draft-age", "0"], ["argument --max-draft-age: must be an integer >= 1, got '0'"]),
+    (["--max-draft-age", "2"], ["--max-draft-age applies to the runs spec, exact, random; the selected runs"]),
+    (["--modes", "l=2-res"], ["rejection_draw 'residual' needs lenience 1, got 2"]),
     (["--modes", ","], ["--modes is empty: name at least one run (e.g. vanilla,spec)"]),
     (
         ["--modes", "spec", "--lenience", "0.5", "--rejection-draw", "without-draft"],
@@ -235,8 +241,13 @@ def test_existing_run_is_refused_without_resume_and_kept(model_dir, data_file, t
 
 
 def test_resume_needs_a_run_and_a_checkpoint(model_dir, data_file, tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
     line = _error_line(capsys, _train_argv(model_dir, data_file, tmp_path / "empty", "--resume"))
     assert "holds no run to resume" in line and "drop --resume" in line
+    missing = tmp_path / "new" / "deeper"
+    line = _error_line(capsys, _train_argv(model_dir, data_file, missing, "--resume"))
+    assert line.endswith(f"--resume: {missing} does not exist; drop --resume to start a new run there")
+    assert not (tmp_path / "new").exists()  # nothing created for a run that is not there
     argv = [a for a in _train_argv(model_dir, data_file, tmp_path, "--resume") if a not in (str(tmp_path), "--out")]
     assert _error_line(capsys, argv).endswith("--resume needs --out DIR, the run directory to continue")
     out = tmp_path / "run"
@@ -474,6 +485,12 @@ def test_a_folder_without_a_tokenizer_or_a_budget_past_the_context_is_refused_be
     line = _error_line(capsys, _train_argv(bare, data_file, out))
     assert f"--model {bare} has no tokenizer (none of tokenizer.json, tokenizer_config.json" in line
     assert "tokenizer.save_pretrained" in line and not out.exists()
+    no_weights = tmp_path / "config-and-tokenizer"
+    shutil.copytree(model_dir, no_weights)
+    for f in no_weights.glob("*.safetensors"):
+        f.unlink()
+    line = _error_line(capsys, _train_argv(no_weights, data_file, out, "--max-response-len", "8"))
+    assert f"--model {no_weights} has no weights (no *.safetensors" in line and not out.exists()
     # the tiny model has 128 positions: a budget of 128 (or past it) leaves no room for a prompt
     line = _error_line(capsys, _train_argv(model_dir, data_file, out, "--max-response-len", "10000"))
     assert line.endswith(
@@ -501,3 +518,25 @@ def test_a_resume_under_another_model_records_the_model_that_trained(model_dir, 
     info = json.loads((out / "run_info.json").read_text())
     assert info["model"] == info["fingerprint"]["model"] == str(model_dir)  # what trained, not the new --model
     assert [(c["field"], c["old"], c["new"]) for c in info["config_changes"]] == [("model", str(model_dir), str(other))]
+
+
+def test_runs_named_by_any_mode_train_with_the_residual_draw_and_a_draft_age(model_dir, data_file, tmp_path):
+    out = tmp_path / "run"
+    argv = _train_argv(model_dir, data_file, out, "--modes", "l=1-res,spec-age1", "--epochs", "3", "--lr", "5e-2")
+    assert main(argv + ["--max-response-len", "6"]) == 0
+    summary = json.loads((out / "summary.json").read_text())["runs"]
+    residual, aged = summary["l=1-res"], summary["spec-age1"]
+    assert residual[0]["rejection_draw"] == "residual" and residual[0]["lenience"] == 1.0
+    assert residual[1]["drafts_found"] == 4 and residual[1]["drafts_dropped"] == 0  # the step's weights were kept
+    assert aged[0]["max_draft_age"] == 1 and aged[0]["lenience"] == pytest.approx(2.718281828**0.5)
+    # age 1: a slot that reused its draft in epoch 2 samples fresh in epoch 3
+    reused = aged[1]["count_reused_whole"] + aged[1]["count_partly_reused"]
+    assert reused > 0 and aged[2]["drafts_dropped"] == reused
+
+
+def test_sweep_needs_a_heldout_set(model_dir, data_file, tmp_path, capsys):
+    argv = ["sweep", "--model", str(model_dir), "--data", str(data_file), "--out", str(tmp_path / "s")]
+    assert "spec-rl sweep compares held-out rewards: pass --eval-data FILE" in _error_line(capsys, argv)
+    assert "drop --no-eval" in _error_line(capsys, [*argv, "--no-eval"])
+    assert "--settings: 'l=x' names no run mode" in _error_line(capsys, [*argv, "--settings", "l=x"])
+    assert not (tmp_path / "s").exists()

@@ -30,6 +30,9 @@ class Rule:
     #: :mod:`spec_rl.acceptance.exact_walk`), not the test's decisions: a response is the same with or without
     #: drafts, so a rollout may skip scoring where it does not pay and score progressively.
     keyed_walk: ClassVar[bool] = False
+    #: The token at a rejection is drawn from the residual max(0, p - q): the rollout needs q, the draft's own policy
+    #: at that position (:class:`spec_rl.rollout.old_policy.PolicyVersions`).
+    needs_old_policy: ClassVar[bool] = False
 
     @property
     def log_lenience(self) -> float:

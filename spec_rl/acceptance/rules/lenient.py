@@ -2,8 +2,11 @@
 ``log u_i <= log l + lp_new_i - lp_old_i``. l = 1 is speculative decoding with the old policy as the proposal; l > 1
 accepts more (the paper's defaults, App. A.1: e^0.5 GRPO, e^0.3 PPO, e^0.15 DAPO); inf keeps every draft, 0 none.
 
-The token at a rejection comes from pi_t ("policy", the paper), or from pi_t without the rejected draft token,
-renormalised ("without-draft"; needs l >= 1: below it the residual keeps the rejected token)."""
+The token at a rejection comes from pi_t ("policy", the paper), from pi_t without the rejected draft token,
+renormalised ("without-draft"; needs l >= 1: below it the residual keeps the rejected token), or from the residual
+max(0, pi_t - q) renormalised, q the draft's own policy at that position ("residual"; l = 1 only: speculative
+sampling, so a response is distributed as pi_t when the draft did not shape pi_t; the rollout keeps q's weights,
+:mod:`spec_rl.rollout.old_policy`)."""
 
 from __future__ import annotations
 
@@ -19,13 +22,14 @@ from .base import Rule
 #: The paper's lenience per RL algorithm (App. A.1); GRPO's is the default.
 LENIENCE_DEFAULTS = {"grpo": math.exp(0.5), "ppo": math.exp(0.3), "dapo": math.exp(0.15)}
 LENIENCE = LENIENCE_DEFAULTS["grpo"]
-REJECTION_DRAWS = ("policy", "without-draft")
+REJECTION_DRAWS = ("policy", "without-draft", "residual")
 
 
 @dataclass(frozen=True)
 class Lenient(Rule):
     """``lenience``: l >= 0 (inf allowed); ``rejection_draw``: one of :data:`REJECTION_DRAWS`. TypeError for a
-    non-number l; ValueError for l < 0 or NaN, an unknown draw, or the without-draft draw with l < 1."""
+    non-number l; ValueError for l < 0 or NaN, an unknown draw, the without-draft draw with l < 1 or the residual draw
+    with l != 1."""
 
     name: ClassVar[str] = "lenient"
     lenience: float = LENIENCE
@@ -35,15 +39,24 @@ class Lenient(Rule):
         hint = " (1 is vanilla speculative decoding, inf reuses every draft, 0 none)"
         object.__setattr__(self, "lenience", check_real("lenience", self.lenience, low=0.0, finite=False, hint=hint))
         check_choice("rejection_draw", self.rejection_draw, REJECTION_DRAWS)
-        if self.rejection_draw != "policy" and self.lenience < 1:
+        if self.rejection_draw == "without-draft" and self.lenience < 1:
             raise ValueError(
-                f"rejection_draw {self.rejection_draw!r} needs lenience >= 1, got {self.lenience:g}: "
+                f"rejection_draw 'without-draft' needs lenience >= 1, got {self.lenience:g}: "
                 "below 1 the residual keeps the rejected token"
+            )
+        if self.rejection_draw == "residual" and self.lenience != 1:
+            raise ValueError(
+                f"rejection_draw 'residual' needs lenience 1, got {self.lenience:g}: the residual max(0, p - q) "
+                "completes speculative sampling's test min(1, p/q) only (use the policy or without-draft draw)"
             )
 
     @property
     def excludes_rejected(self) -> bool:  # type: ignore[override]
         return self.rejection_draw == "without-draft"
+
+    @property
+    def needs_old_policy(self) -> bool:  # type: ignore[override]
+        return self.rejection_draw == "residual"
 
     @property
     def log_lenience(self) -> float:
@@ -59,7 +72,12 @@ class Lenient(Rule):
         return f"lenient acceptance at l = {self.lenience:.4g}, rejection draw {self.rejection_draw}"
 
     def note(self) -> str:
-        if self.excludes_rejected:
+        if self.needs_old_policy:
+            how = (
+                "from the residual max(0, p - q) of the draft's own policy q (exact speculative sampling: a response "
+                "is a sample of the current policy when its draft did not shape that policy)"
+            )
+        elif self.excludes_rejected:
             how = (
                 "from the current policy without the rejected draft token (renormalised): at l = 1 exact speculative "
                 "sampling when a choice has two tokens, not exactly on-policy in general "
