@@ -175,8 +175,9 @@ def _add_mode_flags(t: argparse.ArgumentParser) -> None:
     """Which runs, and the fields of their RolloutMode."""
     t.add_argument(
         "--modes",
-        help=f"comma-separated runs, from {', '.join(MODES)} (demo default: {','.join(PRESETS['demo'].runs)}; "
-        "with --model: spec)",
+        help=f"comma-separated runs, each a mode name: {', '.join(MODES)}, l=<lenience>[-excl|-res], with -age<N> "
+        f"(demo default: {','.join(PRESETS['demo'].runs)}; with --model: {','.join(PRESETS['model'].runs)}, the "
+        "residual draw, which keeps one epoch of weight copies in CPU memory)",
     )
     t.add_argument(
         "--lenience",

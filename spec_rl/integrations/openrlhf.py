@@ -14,7 +14,7 @@ from typing import Any
 
 from openrlhf.utils.agent import AgentExecutorBase
 
-from ..acceptance.mode import RolloutMode
+from ..acceptance.mode import ADAPTER_MODE, RolloutMode
 from ..drafts.directory import DirectoryDraftStore
 from ..drafts.owner import policy_owner
 from ..sampling.distribution import SamplingSettings
@@ -54,7 +54,8 @@ class SpecRLAgentExecutor(AgentExecutorBase):
         n_samples_per_prompt: must equal the run's ``--rollout.n_samples_per_prompt`` (slots depend on it).
         reward_fn: ``(prompt, response_text, label) -> float``, sync or async (OpenRLHF's remote reward model is off
             with ``agent_func_path``).
-        mode: a RolloutMode or its name (``spec``, ``exact``, ``l=1``, ...; tail speculation does not apply).
+        mode: a RolloutMode or its name (default ``exact``, lossless; ``spec``, ``l=1``, ...; tail speculation does not
+            apply).
         prompt_logprobs_mode: "raw" (vLLM: temperature 1, no top-k/top-p) or "processed".
         eos_token_ids: EOS ids (default: the tokenizer's eos_token_id).
 
@@ -66,7 +67,7 @@ class SpecRLAgentExecutor(AgentExecutorBase):
         cache_dir: str,
         n_samples_per_prompt: int,
         reward_fn: Callable | None = None,
-        mode: RolloutMode | str = "spec",
+        mode: RolloutMode | str = ADAPTER_MODE,
         seed: int = 0,
         prompt_logprobs_mode: str = "raw",
         eos_token_ids: list[int] | None = None,

@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import torch
 
 from ..acceptance.dispatch import VerifyOptions, verify_logprobs
-from ..acceptance.mode import RolloutMode
+from ..acceptance.mode import ADAPTER_MODE, RolloutMode
 from ..drafts.cache import CacheKey, DraftStore, next_age
 from ..drafts.validity import draft_view
 from ..sampling.distribution import SamplingSettings
@@ -99,7 +99,7 @@ class SpecRequestBuilder:
         settings: SamplingSettings,
         max_model_len: int,
         eos_ids: Sequence[int],
-        mode: RolloutMode | str = "spec",
+        mode: RolloutMode | str = ADAPTER_MODE,
         seed: int = 0,
         prompt_logprobs_mode: str = "raw",
         repetition_penalty: float = 1.0,

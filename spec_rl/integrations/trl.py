@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..acceptance.mode import RolloutMode
+from ..acceptance.mode import ADAPTER_MODE, RolloutMode
 from ..drafts.cache import RolloutCache
 from ..drafts.history import HistoryIndex
 from ..rollout.speculative import RolloutRequest, RolloutResult
@@ -51,8 +51,9 @@ class SpecRLRollout:
     evaluation batches (``trainer.model.training`` False) use no drafts and store nothing.
 
     Args:
-        mode: a :class:`~spec_rl.acceptance.mode.RolloutMode` or its name (``"spec"``: the paper's lenient rule at
-            e^0.5 with tail speculation; ``"exact"``: lossless; ``"vanilla"``: no reuse, the baseline; ``"l=1"``, ...).
+        mode: a :class:`~spec_rl.acceptance.mode.RolloutMode` or its name (default ``"exact"``: lossless, the
+            measured default; ``"spec"``: the paper's lenient rule at e^0.5 with tail speculation, more reuse, a
+            measured learning cost; ``"vanilla"``: no reuse, the baseline; ``"l=1"``, ...).
         seed: run seed (default ``trainer.args.seed``).
         cache_path: a ``.safetensors`` cache file, loaded if present, written at every checkpoint and at the end.
         dataset_id_column, dataset_id_fn: a stable row id, from a column (read through :meth:`attach`) or as
@@ -66,7 +67,7 @@ class SpecRLRollout:
 
     def __init__(
         self,
-        mode: RolloutMode | str = "spec",
+        mode: RolloutMode | str = ADAPTER_MODE,
         seed: int | None = None,
         cache: RolloutCache | None = None,
         cache_path: str | os.PathLike | None = None,

@@ -15,6 +15,7 @@ from uuid import uuid4
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput, _agent_loop_registry, register
 from verl.utils.profiler import simple_timer
 
+from ..acceptance.mode import ADAPTER_MODE
 from ..drafts.directory import DirectoryDraftStore
 from ..drafts.owner import policy_owner
 from ..sampling.distribution import SamplingSettings
@@ -89,8 +90,8 @@ class SpecRLAgentLoop(AgentLoopBase):
 
     Args:
         cache_dir: draft directory shared by all workers (default: ``$SPEC_RL_DRAFT_DIR``).
-        mode: a RolloutMode or its name (``spec``, ``exact``, ``l=1``, ...; tail speculation does not apply on a
-            server); ``vanilla`` is the baseline: every response generated whole and stored.
+        mode: a RolloutMode or its name (default ``exact``, lossless; ``spec``, ``l=1``, ...; tail speculation does not
+            apply on a server); ``vanilla`` is the baseline: every response generated whole and stored.
         prompt_logprobs_mode: "raw" (vLLM: temperature 1, no top-k/top-p) or "processed".
         eos_token_ids: EOS ids (default: the tokenizer's eos_token_id).
 
@@ -103,7 +104,7 @@ class SpecRLAgentLoop(AgentLoopBase):
         self,
         *args,
         cache_dir: str | None = None,
-        mode: str = "spec",
+        mode: str = ADAPTER_MODE,
         seed: int = 0,
         prompt_logprobs_mode: str = "raw",
         eos_token_ids: list[int] | None = None,

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..acceptance.mode import MODES, RolloutMode
+from ..acceptance.mode import MODES, TRAINER_MODE, RolloutMode
 from ..acceptance.rules import Lenient, Rule
 from ..backends import BACKENDS
 from ..sampling.distribution import SamplingSettings, check_settings
@@ -58,7 +58,7 @@ class GRPOConfig:
     ``eval_every``: evaluate every N-th epoch and the last. A field out of range or of the wrong type raises ValueError
     or TypeError naming it."""
 
-    mode: RolloutMode = MODES["spec"]
+    mode: RolloutMode = RolloutMode.parse(TRAINER_MODE)
     sampling: SamplingSettings = field(default_factory=lambda: SamplingSettings(max_tokens=1024))
     prompt_format: PromptFormat = field(default_factory=PromptFormat)
     epochs: int = 3
@@ -155,7 +155,7 @@ PRESETS = {
         ),
         spec=Lenient(1.0, "without-draft"),
     ),
-    "model": Preset(runs=("spec",), fields={}, spec=MODES["spec"].rule),
+    "model": Preset(runs=(TRAINER_MODE,), fields={}, spec=MODES["spec"].rule),
 }
 
 

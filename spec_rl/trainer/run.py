@@ -58,7 +58,7 @@ def check_policy(path: str | Path, config: GRPOConfig) -> None:
             f"--model {path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); save the policy's tokenizer "
             "beside its weights: tokenizer.save_pretrained(that folder)"
         )
-    if not any(path.glob(pattern) for pattern in ("*.safetensors", "*.bin", "*.safetensors.index.json")):
+    if not any(next(path.glob(pattern), None) for pattern in ("*.safetensors", "*.bin")):
         raise FileNotFoundError(
             f"--model {path} has no weights (no *.safetensors or pytorch_model*.bin); save them beside its config: "
             "model.save_pretrained(that folder)"

@@ -205,22 +205,27 @@ def markdown(rows: list[dict], info: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(results: dict[str, list[dict]], path: Path) -> Path:
-    """Held-out reward against cumulative generated tokens, one curve per setting (means over seeds)."""
+def plot(results: dict[str, list[dict]], rows: list[dict], path: Path) -> Path:
+    """Held-out reward against cumulative generated tokens, one curve per setting (means over seeds); the bar at a
+    curve's end is its paired 95% interval, placed on vanilla's final reward."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, runs in results.items():
+    base = rows[0]["heldout_reward"]  # vanilla's
+    for row, (name, runs) in zip(rows, results.items()):
         points = list(zip(*(r["curve"] for r in runs)))  # per evaluation, one (tokens, reward) per seed
         xs = [statistics.fmean(t for t, _ in p) for p in points]
         ys = [statistics.fmean(v for _, v in p) for p in points]
-        ax.plot(xs, ys, marker="o", label=name)
+        (line,) = ax.plot(xs, ys, marker="o", label=name)
+        if not math.isnan(row["heldout_low"]):
+            bar = [[row["heldout_gap"] - row["heldout_low"]], [row["heldout_high"] - row["heldout_gap"]]]
+            ax.errorbar([xs[-1]], [base + row["heldout_gap"]], yerr=bar, color=line.get_color(), capsize=4)
     ax.set_xlabel("cumulative generated tokens")
     ax.set_ylabel("held-out reward")
-    ax.set_title("held-out reward against generation spent (mean over seeds)")
+    ax.set_title("held-out reward against generation spent (mean over seeds; bars: paired 95%)", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -269,7 +274,7 @@ def run_sweep(sweep: Sweep, progress: bool = True) -> list[dict]:
     payload = {"info": info, "rows": rows, "runs": results}
     atomic_write_text(out / "sweep.json", json.dumps(payload, indent=2, default=str))
     atomic_write_text(out / "report.md", markdown(rows, info))
-    plot(results, out / "sweep.png")
+    plot(results, rows, out / "sweep.png")
     return rows
 
 

@@ -115,7 +115,7 @@ def test_keyed_sample_with_index_equals_sampling_the_indexed_rows():
     empty = torch.zeros(0, dtype=torch.long)
     tok, lp = keyed_sample(logits, SamplingSettings(), 7, empty, empty, index=empty)
     assert tok.shape == (0,) and lp.shape == (0,)
-    with pytest.raises(ValueError, match="index or exclude"):
+    with pytest.raises(ValueError, match="one of index, exclude and residual_of"):
         keyed_sample(
             logits, SamplingSettings(), 7, uids, positions, exclude=torch.zeros(300, dtype=torch.long), index=index
         )

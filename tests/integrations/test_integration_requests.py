@@ -23,6 +23,7 @@ S = SamplingSettings(temperature=1.0, max_tokens=6)
 
 
 def builder(cache=None, max_model_len=10, **kw):
+    kw.setdefault("mode", "spec")  # the paper's rule (the adapters' default is exact)
     return SpecRequestBuilder(cache if cache is not None else RolloutCache(), S, max_model_len, [1], **kw)
 
 

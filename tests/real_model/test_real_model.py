@@ -201,7 +201,7 @@ def test_trl_rollout_func_with_the_chat_template_and_a_foreign_cache(policy, tmp
         )
         return spec.attach(trainer), trainer
 
-    spec, trainer = build(SpecRLRollout(dataset_id_column="id"))
+    spec, trainer = build(SpecRLRollout("spec", dataset_id_column="id"))
     trainer.train()
     calls = [h for h in spec.history if h["call"] == "train"]
     assert len(calls) == 2 and calls[0]["drafts_found"] == 0 and calls[1]["drafts_found"] == 4

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from spec_rl.acceptance.mode import MODES, RolloutMode
+from spec_rl.acceptance.mode import MODES, TRAINER_MODE, RolloutMode
 from spec_rl.acceptance.rules import Lenient
 from spec_rl.cli import UsageError, _config, _lenient_note, _modes, _one_line, build_parser
 from spec_rl.sampling.distribution import SamplingSettings
@@ -17,7 +17,7 @@ def _args(*argv):
     return build_parser().parse_args(["train", *argv])
 
 
-def test_the_demo_runs_l1_without_draft_and_a_users_model_the_papers_rule():
+def test_the_demo_runs_l1_without_draft_and_a_users_model_the_residual_draw():
     demo = _modes(_args(), demo=True)
     assert list(demo) == list(PRESETS["demo"].runs) == ["vanilla", "spec", "exact", "histspec"]
     assert PRESETS["demo"].spec == Lenient(1.0, "without-draft")
@@ -27,12 +27,14 @@ def test_the_demo_runs_l1_without_draft_and_a_users_model_the_papers_rule():
         "exact": MODES["exact"],
         "histspec": MODES["histspec"],
     }
-    assert _modes(_args("--model", "m"), demo=False) == {"spec": MODES["spec"]}
+    assert _modes(_args("--model", "m"), demo=False) == {"l=1-res": RolloutMode(Lenient(1.0, "residual"))}
+    assert GRPOConfig().mode == RolloutMode(Lenient(1.0, "residual")) == RolloutMode.parse(TRAINER_MODE)
     assert MODES["spec"].rule == Lenient(math.exp(0.5), "policy")
     # the user's flags replace the defaults they name, the others stay
     assert _modes(_args("--rejection-draw", "policy"), demo=True)["spec"] == RolloutMode(Lenient(1.0, "policy"))
     assert _modes(_args("--lenience", "2"), demo=True)["spec"] == RolloutMode(Lenient(2.0, "without-draft"))
-    mine = _modes(_args("--model", "m", "--lenience", "e^0.3", "--rejection-draw", "without-draft"), demo=False)
+    flags = ("--lenience", "e^0.3", "--rejection-draw", "without-draft")
+    mine = _modes(_args("--model", "m", "--modes", "spec", *flags), demo=False)
     assert mine["spec"] == RolloutMode(Lenient(math.exp(0.3), "without-draft"))
     assert _modes(_args("--lenience", "inf"), demo=True)["spec"].rule.lenience == math.inf
 
@@ -41,11 +43,11 @@ def test_clip_higher_takes_dapos_lenience_on_a_users_model_only():
     demo = _args("--clip-higher")
     assert _config(demo, demo=True).clip_high == 0.28
     assert _modes(demo, demo=True)["spec"] == RolloutMode(Lenient(1.0, "without-draft"))
-    model = _args("--model", "m", "--clip-higher")
+    model = _args("--model", "m", "--clip-higher", "--modes", "spec")
     assert _config(model, demo=False).clip_high == 0.28
     assert _modes(model, demo=False)["spec"] == RolloutMode(Lenient(math.exp(0.15), "policy"))
     for demo_run in (True, False):
-        args = _args("--model", "m", "--clip-higher", "--lenience", "1.5")
+        args = _args("--model", "m", "--clip-higher", "--lenience", "1.5", "--modes", "spec")
         assert _modes(args, demo=demo_run)["spec"].rule.lenience == 1.5
 
 
@@ -76,8 +78,8 @@ def test_no_tail_turns_tail_speculation_off_in_the_runs_that_have_it():
             ["--modes", "spec,exact,spec"],
             "--modes names a run twice: ['spec', 'exact', 'spec'] (each run has one folder)",
         ),
-        (["--modes", "random-ref"], "--modes takes vanilla, histspec, spec, exact, random; got ['random-ref']"),
-        (["--modes", "auto"], "--modes takes vanilla, histspec, spec, exact, random; got ['auto']"),
+        (["--modes", "random-ref"], "--modes takes vanilla, histspec, spec, exact, random or l=<lenience>"),
+        (["--modes", "auto"], "--modes takes vanilla, histspec, spec, exact, random or l=<lenience>"),
         (["--modes", " , "], "--modes is empty"),
         (["--modes", "vanilla", "--spec-tokens", "4"], "--spec-tokens sets the width of tail speculation, which none"),
         (["--modes", "spec", "--no-tail", "--spec-tokens", "4"], "drop --spec-tokens, or add a run with tail"),
@@ -120,7 +122,7 @@ def test_mode_flags_some_selected_run_has_are_taken(argv, runs):
         ["--lenience", "-1"],
         ["--lenience", "nan"],
         ["--lenience", "auto"],
-        ["--rejection-draw", "residual"],
+        ["--rejection-draw", "resid"],
         ["--spec-tokens", "0"],
         ["--no-spec"],
         ["--reuse", "random"],

@@ -119,9 +119,12 @@ def test_report_has_the_warm_start_row_the_origin_table_and_the_heldout_panel(tm
     assert "after every 2 epochs and after the last," in md
     assert "| spec | 0.200 | 0.200 | 0.400 |" in md and "| -0.050 | +0.030 |" in md
     assert "Lenient acceptance draws" not in md  # no lenient run among the runs: no paragraph about it
-    info["runs"]["spec"] = GRPOConfig().to_dict()
+    info["runs"]["spec"] = GRPOConfig(mode="spec").to_dict()
     md = write_report(tmp_path, SUMMARY, info, plot_png=False)["report"].read_text()
     assert "at a rejection from the current policy (the paper's rule)" in md and "without the rejected" not in md
+    info["runs"]["spec"] = GRPOConfig().to_dict()  # the default: the residual draw
+    md = write_report(tmp_path, SUMMARY, info, plot_png=False)["report"].read_text()
+    assert "at a rejection from the residual max(0, p - q) of the draft's own policy q" in md
     info["runs"]["spec"]["mode"]["rejection_draw"] = "without-draft"
     md = write_report(tmp_path, SUMMARY, info, plot_png=False)["report"].read_text()
     assert "at a rejection from the current policy without the rejected draft token" in md and "paper's rule" not in md

@@ -137,7 +137,7 @@ def test_bad_trainer_input(tmp_path):
         GRPOConfig(mode=MODES["spec"].with_overrides(lenience=-1))
     with pytest.raises(ValueError, match="^group_size"):
         GRPOConfig(group_size=0)
-    with pytest.raises(ValueError, match=r"modes takes vanilla, histspec, spec, exact, random; got \['random-ref'\]"):
+    with pytest.raises(ValueError, match=r"modes takes vanilla, histspec, spec, exact, random or l=.*'random-ref'\]"):
         run_modes(tmp_path / "policy", EXAMPLES, _reward, _config(), ["vanilla", "random-ref"], tmp_path / "run")
     with pytest.raises(ValueError, match=r"modes names a run twice: \['spec', 'spec'\]"):
         run_modes(tmp_path / "policy", EXAMPLES, _reward, _config(), ["spec", "spec"], tmp_path / "run")
@@ -152,7 +152,7 @@ def test_two_epoch_end_to_end_reuses_drafts_and_resumes(tmp_path):
     tiny_model(seed=0).save_pretrained(model_dir)
     tiny_tokenizer().save_pretrained(model_dir)
     cfg = _config(epochs=2, lr=1e-3, save_checkpoint=True)
-    assert cfg.mode == MODES["spec"] and cfg.mode.rule.lenience == pytest.approx(math.exp(0.5))
+    assert MODES["spec"].rule.lenience == pytest.approx(math.exp(0.5))
     out = tmp_path / "run"
     summary = run_modes(model_dir, EXAMPLES, _reward, cfg, ["vanilla", "spec"], out, progress=False)
     spec, vanilla = summary["spec"], summary["vanilla"]
