@@ -54,7 +54,7 @@ class SpecRLAgentExecutor(AgentExecutorBase):
         n_samples_per_prompt: must equal the run's ``--rollout.n_samples_per_prompt`` (slots depend on it).
         reward_fn: ``(prompt, response_text, label) -> float``, sync or async (OpenRLHF's remote reward model is off
             with ``agent_func_path``).
-        mode: a RolloutMode or its name (default ``exact``, lossless; ``spec``, ``l=1``, ...; tail speculation does not
+        mode: a RolloutMode or its name (default ``spec``; ``exact``: lossless; ``l=1``, ...; tail speculation does not
             apply).
         prompt_logprobs_mode: "raw" (vLLM: temperature 1, no top-k/top-p) or "processed".
         eos_token_ids: EOS ids (default: the tokenizer's eos_token_id).

@@ -51,9 +51,9 @@ class SpecRLRollout:
     evaluation batches (``trainer.model.training`` False) use no drafts and store nothing.
 
     Args:
-        mode: a :class:`~spec_rl.acceptance.mode.RolloutMode` or its name (default ``"exact"``: lossless, the
-            measured default; ``"spec"``: the paper's lenient rule at e^0.5 with tail speculation, more reuse, a
-            measured learning cost; ``"vanilla"``: no reuse, the baseline; ``"l=1"``, ...).
+        mode: a :class:`~spec_rl.acceptance.mode.RolloutMode` or its name (default ``"spec"``: the paper's lenient
+            rule at e^0.5 with tail speculation, the most reuse, a measured learning cost; ``"exact"``: lossless;
+            ``"vanilla"``: no reuse, the baseline; ``"l=1"``, ...).
         seed: run seed (default ``trainer.args.seed``).
         cache_path: a ``.safetensors`` cache file, loaded if present, written at every checkpoint and at the end.
         dataset_id_column, dataset_id_fn: a stable row id, from a column (read through :meth:`attach`) or as

@@ -90,7 +90,7 @@ class SpecRLAgentLoop(AgentLoopBase):
 
     Args:
         cache_dir: draft directory shared by all workers (default: ``$SPEC_RL_DRAFT_DIR``).
-        mode: a RolloutMode or its name (default ``exact``, lossless; ``spec``, ``l=1``, ...; tail speculation does not
+        mode: a RolloutMode or its name (default ``spec``; ``exact``: lossless; ``l=1``, ...; tail speculation does not
             apply on a server); ``vanilla`` is the baseline: every response generated whole and stored.
         prompt_logprobs_mode: "raw" (vLLM: temperature 1, no top-k/top-p) or "processed".
         eos_token_ids: EOS ids (default: the tokenizer's eos_token_id).
