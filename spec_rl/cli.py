@@ -7,12 +7,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
-import re
 import sys
 import time
 from pathlib import Path
 
-from .acceptance.mode import MODES, TAIL_WIDTH, RolloutMode, mode_names
+from .acceptance.mode import MODES, TAIL_WIDTH, RolloutMode, is_named_mode, mode_names
 from .acceptance.rules import LENIENCE_DEFAULTS, REJECTION_DRAWS
 from .backends import BACKENDS
 from .cli_types import fraction, lenience, positive_int
@@ -341,8 +340,9 @@ def _modes(args: argparse.Namespace, demo: bool) -> dict:
     draw = spec.rejection_draw if lenience >= 1 else "policy"
     # the recipe's lenience and draw set the named modes; a run named l=... has its own
     defaults = {"lenience": lenience, "rejection_draw": draw}
-    named = {m: re.sub(r"-age\d+$", "", m) in MODES for m in names}
-    modes = {m: mode.with_overrides(**{**(defaults if named[m] else {}), **given}) for m, mode in parsed.items()}
+    modes = {
+        m: mode.with_overrides(**{**(defaults if is_named_mode(m) else {}), **given}) for m, mode in parsed.items()
+    }
     if args.spec_tokens is not None:
         if not any(mode.tail for mode in modes.values()):
             raise UsageError(

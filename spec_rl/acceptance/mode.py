@@ -91,7 +91,7 @@ class RolloutMode:
             return text
         if isinstance(text, Rule):
             return cls(text)
-        name = re.fullmatch(r"(.+?)(?:-age(\d+))?", text) if isinstance(text, str) else None
+        name = _AGED.fullmatch(text) if isinstance(text, str) else None
         mode = None
         if name is not None and name[1] in MODES:
             mode = MODES[name[1]]
@@ -109,6 +109,16 @@ class RolloutMode:
             f"mode must be one of {', '.join(MODES)} or l=<lenience>[-excl|-res], each reusing drafts with an optional "
             f"-age<N> (e.g. l=1-res, l=e^0.5-excl, spec-age2), got {text!r}"
         )
+
+
+#: A mode name and its optional ``-age<N>`` suffix.
+_AGED = re.compile(r"(.+?)(?:-age(\d+))?")
+
+
+def is_named_mode(name: str) -> bool:
+    """Whether ``name`` is one of :data:`MODES`, with or without an ``-age<N>`` suffix (not an ``l=...`` name)."""
+    match = _AGED.fullmatch(name)
+    return match is not None and match[1] in MODES
 
 
 def parse_lenience(text: str) -> float | None:
