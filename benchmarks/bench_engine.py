@@ -6,15 +6,16 @@ One command (stage 5 of ``benchmarks/gpu_check.sh``):
 
 Sections, all measured in one run on one device:
 
-1. **Decode throughput.** ``--batch`` random prompts of ``--prompt-len``
-   tokens, ``--new-tokens`` sampled tokens each (temperature 1, no top-k/p;
+1. **Decode throughput.** For each ``--batch`` size (e.g. ``16,64,128``), that many random prompts of
+   ``--prompt-len`` tokens, ``--new-tokens`` sampled tokens each (temperature 1, no top-k/p;
    EOS suppressed so every row runs the full budget), with
-   :class:`spec_rl.backends.paged.PagedEngine` and with transformers ``generate``
+   :class:`spec_rl.backends.paged.PagedEngine` (its static-shape step in CUDA graphs, the same step eager,
+   the packed step; the graph's tokens must equal the eager step's) and with transformers ``generate``
    (``min_new_tokens`` = ``max_new_tokens``, ``top_k=0``), and with our own
    :class:`spec_rl.backends.transformers_backend.TransformersBackend` decode loop. Reported:
    tokens/s and ms per decode step; target (H200, Qwen3-0.6B shape, batch
-   64, 512 tokens, bf16): engine >= 5x ``generate``'s tokens/s (``generate``
-   measured at 80 ms/step on an H200 on 2026-11-30, see benchmarks/RESULTS.md).
+   64, bf16): the graph step <= 8 ms and >= 10x ``generate``'s tokens/s (``generate``
+   measured at 85 ms/step on an H200, see benchmarks/RESULTS.md).
 2. **Speculative rollout: splice vs re-prefill.** Drafts come from one
    vanilla rollout; the policy is then perturbed (Gaussian noise through the
    LM head, ``--perturb`` nats of logit noise) so drafts are cut at varied rejection indices; the
@@ -61,7 +62,7 @@ from _harness import (  # benchmarks/ on sys.path
 from spec_rl.acceptance.mode import RolloutMode
 from spec_rl.acceptance.rules import Lenient
 from spec_rl.backends import fresh_jobs
-from spec_rl.backends.paged import PagedEngine
+from spec_rl.backends.paged import DecodeConfig, PagedEngine
 from spec_rl.backends.transformers_backend import TransformersBackend
 from spec_rl.drafts.cache import RolloutCache
 from spec_rl.rollout.speculative import RolloutRequest, SpeculativeRollout
@@ -130,11 +131,17 @@ def _suppressed_eos(vocab: int) -> int:
 def _time_generate(name, backend, contexts, new_tokens, settings, device) -> dict:
     """Tokens generated and wall seconds of one ``backend.generate`` over the whole batch."""
     # Warm-up over the full batch with a short budget: allocates the cache and touches its
-    # pages (first-touch page faults cost ~1 s on CPU), compiles kernels.
+    # pages (first-touch page faults cost ~1 s on CPU), compiles kernels, captures the CUDA graphs.
     backend.generate(fresh_jobs(contexts, [min(8, new_tokens)] * len(contexts)), settings, seed=0)
     jobs = fresh_jobs(contexts, [new_tokens] * len(contexts))
+    stats = getattr(backend, "stats", None)
+    graph_steps = stats.graph_steps if stats is not None and hasattr(stats, "graph_steps") else None
     outs, timing = wall_time(lambda: backend.generate(jobs, settings, seed=0), device)
-    return {"name": name, "tokens": sum(len(o.token_ids) for o in outs), "seconds": timing.median}
+    row = {"name": name, "tokens": sum(len(o.token_ids) for o in outs), "seconds": timing.median}
+    if graph_steps is not None:
+        row["graph_steps"] = backend.stats.graph_steps - graph_steps
+    row["_outs"] = [o.token_ids for o in outs]
+    return row
 
 
 def _time_hf_generate(model, prompts, new_tokens, device) -> dict:
@@ -174,6 +181,15 @@ def _row_or_error(name: str, fn, rows: list, rec: RunRecord, show) -> dict:
     return row
 
 
+#: The paged engine's decode steps compared: the static-shape step captured per bucket (CUDA's default), the same
+#: step run eagerly, and the packed step (the CPU's default; steps with proposals always take it).
+ENGINE_STEPS = (
+    ("spec-rl PagedEngine, static step + CUDA graphs", DecodeConfig(static=True)),
+    ("spec-rl PagedEngine, static step, eager", DecodeConfig(static=True, cuda_graphs=False)),
+    ("spec-rl PagedEngine, packed step", DecodeConfig(static=False)),
+)
+
+
 def bench_decode(model, vocab, batch, prompt_len, new_tokens, device, skip_generate, rec: RunRecord) -> list[dict]:
     gen = torch.Generator().manual_seed(1)
     # Prompts avoid the last id, which serves as the (unreachable in practice) EOS of the engine runs.
@@ -181,9 +197,10 @@ def bench_decode(model, vocab, batch, prompt_len, new_tokens, device, skip_gener
     settings = SamplingSettings(temperature=1.0, top_p=1.0, top_k=0, max_tokens=new_tokens)
     eos = [_suppressed_eos(vocab)]
     contexts = prompts.tolist()
-    rows = rec.record["decode"]
+    rows = []
 
     def rate(r):
+        r["batch"] = batch
         r["tokens_per_s"] = r["tokens"] / r["seconds"]
         r["ms_per_step"] = 1000 * r["seconds"] / new_tokens
         return r
@@ -191,10 +208,8 @@ def bench_decode(model, vocab, batch, prompt_len, new_tokens, device, skip_gener
     def show(r):
         return f"  {r['name']:<48} {r['tokens_per_s']:10.1f} tokens/s {r['ms_per_step']:8.2f} ms/step"
 
-    todo = [
-        ("spec-rl PagedEngine.generate", lambda: PagedEngine(model, eos, pad_id=0)),
-        ("spec-rl TransformersBackend (HF KV cache)", lambda: TransformersBackend(model, eos, pad_id=0)),
-    ]
+    todo = [(name, lambda cfg=cfg: PagedEngine(model, eos, pad_id=0, decode=cfg)) for name, cfg in ENGINE_STEPS]
+    todo.append(("spec-rl TransformersBackend (HF KV cache)", lambda: TransformersBackend(model, eos, pad_id=0)))
     for name, make in todo:
 
         def measure(name=name, make=make):
@@ -210,12 +225,19 @@ def bench_decode(model, vocab, batch, prompt_len, new_tokens, device, skip_gener
             show,
         )
     done = [r for r in rows if "error" not in r]
+    outs = {r["name"]: r.pop("_outs") for r in done if "_outs" in r}
+    graph, eager = (outs.get(name) for name, _ in ENGINE_STEPS[:2])
+    if graph is not None and eager is not None:
+        done[0]["tokens_identical_to_eager"] = graph == eager
+        if graph != eager:
+            rec.fail(f"batch {batch}: the CUDA-graph step sampled other tokens than the eager static step")
     base = next((r for r in done if r["name"] == "transformers generate"), done[-1] if done else None)
     engine = next((r for r in done if r["name"].startswith("spec-rl PagedEngine")), None)
     for r in done:
         if engine is not None:
             r["engine_speedup_vs_this"] = engine["tokens_per_s"] / r["tokens_per_s"]
         r["baseline"] = base["name"]
+    rec.record["decode"] += rows
     rec.save()
     return rows
 
@@ -289,7 +311,7 @@ def bench_splice(model, vocab, batch, prompt_len, new_tokens, device, perturb, r
 
 
 DECODE_TABLE = Table(
-    Column("method", 48, "<"),
+    Column("method", 56, "<"),
     Column("tokens/s", 10, fmt="{:.1f}"),
     Column("ms/step", 9, fmt="{:.2f}"),
     Column("engine speedup", 15, fmt="{:.2f}x"),
@@ -305,13 +327,14 @@ SPLICE_TABLE = Table(
 
 def print_table(result: dict) -> None:
     print(f"=== spec-rl paged engine ({result['device']}, preset {result['preset']}, commit {result['commit'][:12]})")
-    print(f"decode: batch {result['batch']}, prompt {result['prompt_len']}, {result['new_tokens']} new tokens")
+    print(f"decode: prompt {result['prompt_len']}, {result['new_tokens']} new tokens; engine = the CUDA-graph step")
     print(DECODE_TABLE.header())
     for r in result["decode"]:
+        name = f"b={r.get('batch', result['batch'])} {r['name']}"
         if "error" in r:
-            print(f"{r['name']:<48} {r['error']}")
+            print(f"{name:<56} {r['error']}")
             continue
-        print(DECODE_TABLE.row(r["name"], r["tokens_per_s"], r["ms_per_step"], r.get("engine_speedup_vs_this")))
+        print(DECODE_TABLE.row(name, r["tokens_per_s"], r["ms_per_step"], r.get("engine_speedup_vs_this")))
     print("speculative rollout, same drafts and seed (policy perturbed):")
     print(SPLICE_TABLE.header())
     for r in result["splice"]:
@@ -329,7 +352,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default=None, choices=sorted(PRESETS), help="default: qwen3-0.6b on CUDA, demo on CPU")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    ap.add_argument("--batch", type=int, default=None)
+    ap.add_argument("--batch", default=None, help="decode batch sizes, comma-separated (default: the preset's)")
     ap.add_argument("--prompt-len", type=int, default=None)
     ap.add_argument("--new-tokens", type=int, default=None)
     ap.add_argument(
@@ -350,10 +373,14 @@ def main(argv=None) -> int:
         print("bench_engine: no CUDA device; the qwen3-0.6b preset needs one (use --preset demo or tiny on CPU)")
         return 0
     batch, prompt_len, new_tokens = PRESETS[preset]
-    batch = args.batch or batch
+    try:
+        batches = [int(b) for b in args.batch.split(",")] if args.batch else [batch]
+    except ValueError:
+        ap.error(f"--batch takes comma-separated integers, got {args.batch!r}")
+    batch = batches[len(batches) // 2]  # the splice section's batch
     prompt_len = args.prompt_len or prompt_len
     new_tokens = args.new_tokens or new_tokens
-    for name, value in (("--batch", batch), ("--prompt-len", prompt_len), ("--new-tokens", new_tokens)):
+    for name, value in (("--batch", min(batches)), ("--prompt-len", prompt_len), ("--new-tokens", new_tokens)):
         if value < 1:
             ap.error(f"{name} must be >= 1")
     model, vocab = build_model(preset, device)
@@ -361,6 +388,7 @@ def main(argv=None) -> int:
         **provenance(device),
         "preset": preset,
         "batch": batch,
+        "decode_batches": batches,
         "prompt_len": prompt_len,
         "new_tokens": new_tokens,
         "perturb": args.perturb,
@@ -368,13 +396,14 @@ def main(argv=None) -> int:
         "splice": [],
     }
     print(
-        f"bench_engine: preset {preset}, batch {batch}, prompt {prompt_len}, {new_tokens} new tokens, "
+        f"bench_engine: preset {preset}, batches {batches}, prompt {prompt_len}, {new_tokens} new tokens, "
         f"device {result['device']}, commit {result['commit'][:12]}",
         flush=True,
     )
     rec = RunRecord(args.json, result)
     with torch.no_grad():
-        bench_decode(model, vocab, batch, prompt_len, new_tokens, device, args.skip_generate, rec)
+        for b in batches:
+            bench_decode(model, vocab, b, prompt_len, new_tokens, device, args.skip_generate, rec)
     if not args.skip_splice:
         try:
             bench_splice(model, vocab, batch, prompt_len, new_tokens, device, args.perturb, rec)

@@ -4,13 +4,14 @@
         [--engines transformers,vllm] [--dtype auto|bf16|fp32] [--json FILE] [--plot FILE]
 
 The same prompts (chat template when the tokenizer has one) are rolled out every epoch by each mode (vanilla,
-spec at l = 1 and e^0.5, exact, histspec) on each engine (the in-process transformers backend; spec-rl's vLLM
-backend when vLLM is installed), each mode with its own drafts. Between epochs the policy takes ``--updates``
-GRPO steps (AdamW on a float32 master copy, forward and backward under bf16 autocast when the rollouts are in
-bf16, the rollout copy refreshed from it, as a trainer does) on the
-transformers vanilla rollout, rewarded by ``--reward``: every mode sees the same sequence of policies. Peer rows
-run in the same epochs with the same prompts and sampling: vLLM's plain generation and vLLM's own n-gram (and
-suffix, when offered) speculation. Engine start times are reported apart.
+spec at l = 1 and e^0.5, exact, histspec) on each engine (the in-process transformers backend; the paged engine,
+which decodes ``--max-batch`` rows at once and admits waiting samples as rows finish (continuous batching);
+spec-rl's vLLM backend when vLLM is installed), each mode with its own drafts. Between epochs the policy takes
+``--updates`` GRPO steps (AdamW on a float32 master copy, forward and backward under bf16 autocast when the
+rollouts are in bf16, the rollout copy refreshed from it, as a trainer does) on the first in-process engine's
+vanilla rollout (timed: a full step is a rollout plus that update), rewarded by ``--reward``: every mode sees the
+same sequence of policies. Peer rows run in the same epochs with the same prompts and sampling: vLLM's plain
+generation and vLLM's own n-gram (and suffix, when offered) speculation. Engine start times are reported apart.
 
 Per row and epoch: generated tokens, decode steps, accepted share of draft tokens, responses reused whole,
 rollout and scoring seconds, and the ratios to vanilla on the same engine; and the mean NLL of the row's samples
@@ -38,6 +39,7 @@ from _harness import Column, Table, default_json_path, provenance, write_json  #
 
 from spec_rl.acceptance.mode import MODES  # noqa: E402
 from spec_rl.backends import eos_token_ids, fresh_jobs  # noqa: E402
+from spec_rl.backends.paged import PagedEngine  # noqa: E402
 from spec_rl.backends.scoring import response_logprobs  # noqa: E402
 from spec_rl.backends.transformers_backend import TransformersBackend  # noqa: E402
 from spec_rl.drafts.cache import RolloutCache  # noqa: E402
@@ -111,6 +113,9 @@ def grpo_update(policy, optimizer, result, rewards, group: int, pad: int, settin
     policy.eval()
 
 
+#: Engines in this process: the first one's vanilla rollout drives the GRPO updates.
+IN_PROCESS = ("transformers", "paged")
+
 #: Rows per forward of the GRPO update.
 MICRO_BATCH = 8
 
@@ -176,6 +181,8 @@ def make_engines(args, rollout_model, tokenizer, eos, pad, max_len, workdir: Pat
         t0 = time.perf_counter()
         if name == "transformers":
             engines[name] = TransformersBackend(rollout_model, set(eos), pad)
+        elif name == "paged":  # continuous batching: more rows than --max-batch wait for freed ones
+            engines[name] = PagedEngine(rollout_model, set(eos), pad, max_batch_size=args.max_batch)
         else:
             from spec_rl.backends.vllm_backend import VLLMBackend
 
@@ -202,8 +209,9 @@ def make_engines(args, rollout_model, tokenizer, eos, pad, max_len, workdir: Pat
     return engines, peers, starts
 
 
-def summarize(rows: list[Row], peers: list[Row]) -> list[dict]:
-    """Per row, epochs 2+ summed: the ratios to vanilla on the same engine (the peers: to vllm vanilla)."""
+def summarize(rows: list[Row], peers: list[Row], update_seconds: float = 0.0) -> list[dict]:
+    """Per row, epochs 2+ summed: the ratios to vanilla on the same engine (the peers: to vllm vanilla); a full
+    step is the rollout plus the mean GRPO update (``update_seconds``), the same for every mode."""
     by = {(r.engine, r.name): r for r in rows}
     out = []
     for r in rows + [p for p in peers if p.records]:
@@ -217,6 +225,12 @@ def summarize(rows: list[Row], peers: list[Row]) -> list[dict]:
         scoring = sum(x["scoring_seconds"] for x in later)
         per_token = ref_tot["rollout_seconds"] / max(ref_tot["generated_tokens"], 1)
         bound = scoring + tot["generated_tokens"] * per_token
+        update = update_seconds * len(later)
+        full = (
+            (tot["rollout_seconds"] + update) / (ref_tot["rollout_seconds"] + update)
+            if ref_tot["rollout_seconds"]
+            else None
+        )
         out.append(
             {
                 "row": r.name,
@@ -228,6 +242,7 @@ def summarize(rows: list[Row], peers: list[Row]) -> list[dict]:
                 "scoring_seconds": scoring,
                 "drift": _mean([x.get("drift") for x in later if x["draft_tokens"] and x.get("drift") is not None]),
                 "over_no_waste_bound": tot["rollout_seconds"] / bound if bound else None,
+                "full_step_seconds_ratio": full,
                 "nll": r.nll,
             }
         )
@@ -284,14 +299,17 @@ def parse_args(argv):
     ap.add_argument("--updates", type=int, default=1, help="GRPO updates between two epochs")
     ap.add_argument("--reward", default="math+format")
     ap.add_argument("--modes", default=",".join(BENCH_MODES), help=f"from {', '.join(BENCH_MODES)}")
-    ap.add_argument("--engines", default=None, help="transformers,vllm (default: both when vLLM is installed)")
+    ap.add_argument(
+        "--engines", default=None, help="transformers,paged,vllm (default: transformers and paged, vllm when installed)"
+    )
+    ap.add_argument("--max-batch", type=int, default=256, help="rows the paged engine decodes at once")
     ap.add_argument("--no-peers", dest="peers", action="store_false", help="no vLLM peer rows")
     ap.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto", help="auto: bf16 where supported")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=default_json_path("real_model_rollout.json") or "runs/real_model_rollout.json")
     ap.add_argument("--plot", default=None, help="PNG path of the plot (default: beside --json)")
     args = ap.parse_args(argv)
-    for name in ("prompts", "group", "max_tokens", "epochs", "updates"):
+    for name in ("prompts", "group", "max_tokens", "epochs", "updates", "max_batch"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -303,13 +321,13 @@ def parse_args(argv):
     if args.engines is None:
         import importlib.util
 
-        args.engines = ["transformers"] + (["vllm"] if importlib.util.find_spec("vllm") else [])
+        args.engines = ["transformers", "paged"] + (["vllm"] if importlib.util.find_spec("vllm") else [])
     else:
         args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-        if not args.engines or any(e not in ("transformers", "vllm") for e in args.engines):
-            ap.error(f"--engines takes transformers and/or vllm, got {args.engines}")
-    if "transformers" not in args.engines:
-        ap.error("--engines must include transformers (its vanilla rollout drives the GRPO updates)")
+        if not args.engines or any(e not in IN_PROCESS + ("vllm",) for e in args.engines):
+            ap.error(f"--engines takes transformers, paged and/or vllm, got {args.engines}")
+    if not any(e in IN_PROCESS for e in args.engines):
+        ap.error("--engines must include transformers or paged (an in-process vanilla rollout drives the updates)")
     return args
 
 
@@ -419,8 +437,9 @@ def main(argv=None) -> int:
             if args.json:  # an epoch's records are kept even if a later epoch fails
                 write_json(args.json, record, announce=None)
             if epoch + 1 < args.epochs:
-                driver = next(r for r in rows if r.engine == "transformers" and r.name == "vanilla")
+                driver = next(r for r in rows if r.engine in IN_PROCESS and r.name == "vanilla")
                 res = results[id(driver)]
+                t0 = time.perf_counter()
                 rewards = [
                     reward_fn(tokenizer.decode(t, skip_special_tokens=True), g) for t, g in zip(res.response_ids, golds)
                 ]
@@ -430,6 +449,9 @@ def main(argv=None) -> int:
                 with torch.no_grad():
                     for dst, src in zip(rollout_model.parameters(), policy.parameters()):
                         dst.copy_(src)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                record.setdefault("update_seconds", []).append(time.perf_counter() - t0)
                 for b in list(engines.values()) + list(peer_backends.values()):
                     b.sync_weights()
                 warm_up(engines, peer_backends, prompts, settings)
@@ -437,7 +459,8 @@ def main(argv=None) -> int:
             r.nll = bootstrap_nll(nll[id(r)]) if nll[id(r)] else None
         record["peer_errors"] = {p.name: p.error for p in peers if p.error}
         record["rows"] = {f"{r.engine}/{r.name}" if r in rows else f"peer/{r.name}": r.records for r in rows + peers}
-        record["summary"] = summarize(rows, peers)
+        updates = record.get("update_seconds", [])
+        record["summary"] = summarize(rows, peers, sum(updates) / len(updates) if updates else 0.0)
         targets = {}
         for engine, backend in engines.items():
             spec_row = next((r for r in rows if r.engine == engine and r.name == "spec l=e^0.5"), None)
@@ -466,7 +489,8 @@ def main(argv=None) -> int:
         acc = "-" if s["accepted_share"] is None else f"{s['accepted_share']:.1%}"
         print(
             f"  {s['engine']:12} {s['row']:13} tokens {s['generated_tokens_ratio']:.3f}x  steps "
-            f"{s['decode_steps_ratio']:.3f}x  time {s['rollout_seconds_ratio']:.3f}x  accepted {acc}  "
+            f"{s['decode_steps_ratio']:.3f}x  time {s['rollout_seconds_ratio']:.3f}x  full step "
+            f"{s['full_step_seconds_ratio']:.3f}x  accepted {acc}  "
             f"NLL {mid:.3f} [{lo:.3f}, {hi:.3f}]"
         )
     print("targets (docs: scoring <= 1.1x prefill, a rejected mode <= 1.02x vanilla, <= 1.05x the no-waste bound)")

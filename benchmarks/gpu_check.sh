@@ -3,7 +3,8 @@
 # own `timeout`, the whole run under a deadline, and after every stage (and every 30 s within one) ONE
 # archive and a summary rewritten under $OUT, so a run cut at any point returns everything finished.
 #
-#   stage                                                    H200 budget  timeout  FULL=1 adds
+#   stage (run in the order 1 2 5 8 3 4 6 7: decode and the   H200 budget  timeout  FULL=1 adds
+#   real model first)
 #   1 install   env, pip install (TORCH_CUDA_ARCH_LIST=9.0,       60 s     300 s
 #               MAX_JOBS=16, wheels from .whl/), spec_rl._C
 #               with its CUDA ops, compiled kernels
@@ -13,20 +14,23 @@
 #   3 suite     verification kernels at RESULTS.md's shapes,       40 s     180 s   --sweep
 #               ours and floors first, Liger/CCE after
 #   4 paged     paged decode attention                             15 s      90 s   --sweep
-#   5 engine    decode vs transformers generate (64 new           55 s     150 s   512 new tokens
-#               tokens), splice vs re-prefill
+#   5 engine    decode at batch 16/64/128 (64 new tokens): the      90 s     180 s   512 new tokens
+#               static step in CUDA graphs vs eager vs the packed
+#               step vs transformers generate; splice vs re-prefill
 #   6 rollout   bench_rollout --preset qwen3-0.6b, 32 x G=4,     100 s     165 s   64 x G=8, 512 tokens
 #               128 tokens: vanilla / histspec / spec / exact;
 #               bench_decode_cache (64 rows, 512 positions)
 #   7 compile   registers / spills from this Triton's ptxas,      10 s     120 s   sweep configs, csrc nvcc
 #               default configs only (15 kernels)
-#   8 model     with --model PATH: bench_real_model on that        100 s     180 s
-#               checkpoint (16 x G=4, 128 tokens, 3 epochs; smoke:
-#               a tiny random Llama with the real tokenizer)
-#   total                                                        500 s
+#   8 model     with --model PATH: bench_real_model on the paged   150 s     240 s
+#               engine, every mode, 3 epochs, GRPO at REAL_LR
+#               (1e-6): 256 x G=8 through 256 rows, then one full
+#               batch (32 x 8); smoke: a tiny random Llama
+#   total                                                        620 s
 #
-# The budgets are stage 1-7 wall times measured on an H200 (benchmarks/RESULTS.md "GPU check"), scaled to the
-# work above where it was cut; the summary prints each stage's wall time beside its budget. DEADLINE_S
+# The budgets of stages 1-4 and 7 are wall times measured on an H200 (benchmarks/RESULTS.md "GPU check"); those of
+# 5, 6 and 8 are estimates for the work above (not yet measured). The summary prints each stage's wall time beside
+# its budget. Their sum is over the deadline: stages 6 and 7, last, are skipped when time runs out. DEADLINE_S
 # (default 540 s, 0 = none) bounds the whole run below the device's 10-minute
 # command limit: a stage gets min(its timeout, time left - 15 s) and is skipped when under 20 s are left.
 # FULL=1 does not fit one command: run it as further calls with STAGES subsets (e.g. STAGES="2", then "3 4 7";
@@ -39,7 +43,7 @@
 #         make gpu-check ARGS="--model PATH"   and stage 8: the real-model rollout benchmark on that checkpoint
 #         make gpu-check-smoke           SMOKE=1: this script on the CPU (Triton interpreter, tiny shapes,
 #                                        the venv's python, no install); CUDA-only parts say "skipped: no CUDA"
-# Env:    PYTHON (default python3), OUT, FULL=1, SMOKE=1, STAGES="3 4" (a subset), DEADLINE_S,
+# Env:    PYTHON (default python3), OUT, FULL=1, SMOKE=1, STAGES="3 4" (a subset), DEADLINE_S, REAL_LR (stage 8),
 #         WORK (the work folder; default a new one under $TMPDIR), SITE (install target, default
 #         /tmp/spec-rl-site), SPEC_RL_COMMIT (recorded when .git is absent), TORCH_CUDA_ARCH_LIST, MAX_JOBS.
 set -u
@@ -48,13 +52,14 @@ cd "$(dirname "$0")/.."
 SELF="$PWD/benchmarks/gpu_check.sh"
 
 GPU_TESTS="tests/kernels/test_kernels_from_logits.py tests/kernels/test_kernels_lm_head.py tests/kernels/test_kernels_paged_attention.py
-    tests/kernels/test_kernels_philox.py tests/kernels/test_kernels_api.py tests/paged/test_ops_kv.py tests/paged/test_engine_paged.py
+    tests/kernels/test_kernels_philox.py tests/kernels/test_kernels_gumbel.py tests/kernels/test_kernels_api.py tests/paged/test_ops_kv.py
+    tests/paged/test_engine_paged.py tests/paged/test_static_decode.py
     tests/acceptance/test_verify_dispatch.py tests/acceptance/test_verify_invalid_scores.py"
 # Tiny shapes of the smoke run (the same scripts and code paths as the GPU run).
 SMOKE_SUITE="--device cpu --n 64 --vocab 512 --d 64 --tokens-per-sample 16 --rep-ms 1"
 SMOKE_PAGED="--device cpu --batch 2 --context 40 --long-batch 1 --long-context 100 --q-heads 4 --kv-heads 2 \
 --head-dim 32 --rep-ms 1"
-SMOKE_ENGINE="--preset tiny --device cpu --batch 3 --new-tokens 6 --prompt-len 5"
+SMOKE_ENGINE="--preset tiny --device cpu --batch 2,3 --new-tokens 6 --prompt-len 5"
 SMOKE_ROLLOUT="--preset tiny --device cpu --perturb 0.5"
 SMOKE_CACHE="--preset tiny --device cpu --rows 3 --context 5 --repeats 2"
 
@@ -118,7 +123,7 @@ stage_4() {  # paged decode attention
 }
 
 stage_5() {  # paged engine
-    local args="--preset qwen3-0.6b --new-tokens 64" ; [ "$SMOKE" = 1 ] && args=$SMOKE_ENGINE
+    local args="--preset qwen3-0.6b --new-tokens 64 --batch 16,64,128" ; [ "$SMOKE" = 1 ] && args=$SMOKE_ENGINE
     [ "$FULL" = 1 ] && args="--preset qwen3-0.6b"
     # shellcheck disable=SC2086
     $PY benchmarks/bench_engine.py $args --json "$WORK/json/engine.json"
@@ -147,17 +152,27 @@ stage_7() {  # compile check: this Triton's ptxas, default configs
     fi
 }
 
-stage_8() {  # the real-model rollout benchmark on the user's checkpoint
-    local model=$MODEL args="--prompts 16 --group 4 --max-tokens 128 --epochs 3"
+stage_8() {  # the real-model rollout benchmark on the user's checkpoint, on the paged engine as RL runs it
+    local model=$MODEL lr=${REAL_LR:-1e-6} json="$WORK/json/real_model_rollout.json"
+    # 256 prompts x G = 8 through 256 rows (continuous batching), then one full batch (32 x 8 rows at once)
+    local runs="continuous:--prompts 256 --group 8|full-batch:--prompts 32 --group 8"
+    local common="--engines paged --max-batch 256 --max-tokens 128 --epochs 3 --lr $lr"
     if [ "$SMOKE" = 1 ] && [ -z "$model" ]; then
         model=$($PY benchmarks/real_model.py --tiny "$WORK/tiny-model") || return 1
-        args="--prompts 1 --group 2 --max-tokens 6 --epochs 2 --engines transformers"
+        runs="continuous:--prompts 2 --group 2|full-batch:--prompts 1 --group 2"
+        common="--engines paged,transformers --max-batch 3 --max-tokens 6 --epochs 2 --lr $lr"
     elif [ -z "$model" ]; then
         note "skipped: no --model PATH given"
         return 0
     fi
-    # shellcheck disable=SC2086
-    $PY benchmarks/bench_real_model.py --model "$model" $args --json "$WORK/json/real_model_rollout.json"
+    local rc=0 run name
+    IFS='|' read -ra RUNS <<< "$runs"
+    for run in "${RUNS[@]}"; do
+        name=${run%%:*}
+        # shellcheck disable=SC2086
+        $PY benchmarks/bench_real_model.py --model "$model" ${run#*:} $common --json "${json%.json}-$name.json" || rc=1
+    done
+    return $rc
 }
 
 if [ "${1:-}" = "__stage" ]; then
@@ -299,12 +314,12 @@ run_stage 1 install 60 300
 # Install or import failed (not exit 3, "installed, something missing"): nothing later can run.
 case "$LAST_RC" in "" | 0 | 3) ;; *) ABORT="install failed" ;; esac
 run_stage 2 tests 120 240
+run_stage 5 engine 90 180
+run_stage 8 model 150 240
 run_stage 3 suite 40 180
 run_stage 4 paged 15 90
-run_stage 5 engine 55 150
 run_stage 6 rollout 100 165
 run_stage 7 compile 10 120
-run_stage 8 model 100 180
 
 kill $REFRESHER 2>/dev/null
 wait $REFRESHER 2>/dev/null

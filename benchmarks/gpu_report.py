@@ -176,23 +176,27 @@ def section_engine(rec: dict) -> list[str]:
         "",
         _status_line(rec),
         "",
-        f"Preset {rec.get('preset')}: batch {rec.get('batch')}, prompt {rec.get('prompt_len')} tokens, "
-        f"{rec.get('new_tokens')} new tokens (temperature 1).",
+        f"Preset {rec.get('preset')}: decode batches {rec.get('decode_batches', [rec.get('batch')])}, prompt "
+        f"{rec.get('prompt_len')} tokens, {rec.get('new_tokens')} new tokens (temperature 1); engine = the first "
+        "PagedEngine row (the static step in CUDA graphs; graph steps 0: it ran eagerly).",
         "",
     ]
     decode = [
         _result(
             r,
             [
-                r["name"],
+                f"b={r.get('batch', rec.get('batch'))} {r['name']}",
                 _cell(r.get("tokens_per_s"), "{:.0f}"),
                 _cell(r.get("ms_per_step"), "{:.2f}"),
                 _cell(r.get("engine_speedup_vs_this"), "{:.2f}x"),
+                _cell(r.get("graph_steps")),
+                _cell(r.get("tokens_identical_to_eager")),
             ],
         )
         for r in rec.get("decode", [])
     ]
-    out += table(["decode", "tokens/s", "ms/step", "engine / this"], decode) + [""]
+    heads = ["decode", "tokens/s", "ms/step", "engine / this", "graph steps", "tokens = eager"]
+    out += table(heads, decode) + [""]
     splice = [
         _result(
             r,
@@ -294,7 +298,8 @@ def section_real_model(rec: dict) -> list[str]:
         "## Real-model rollouts (stage 8, bench_real_model.py)",
         "",
         f"Model {rec.get('model')} ({rec.get('dtype')}), {args.get('prompts')} prompts x G={args.get('group')}, "
-        f"{args.get('max_tokens')} tokens, {args.get('epochs')} epochs, lr {args.get('lr')}; engine starts (s): "
+        f"{args.get('max_tokens')} tokens, {args.get('epochs')} epochs, lr {args.get('lr')}, paged engine rows "
+        f"{args.get('max_batch')}; engine starts (s): "
         + ", ".join(
             f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}"
             for k, v in rec.get("engine_start_seconds", {}).items()
@@ -308,13 +313,15 @@ def section_real_model(rec: dict) -> list[str]:
             _cell(s.get("generated_tokens_ratio"), "{:.3f}"),
             _cell(s.get("decode_steps_ratio"), "{:.3f}"),
             _cell(s.get("rollout_seconds_ratio"), "{:.3f}"),
+            _cell(s.get("full_step_seconds_ratio"), "{:.3f}"),
             _cell(s.get("accepted_share") and 100 * s["accepted_share"], "{:.1f}"),
             _cell(s.get("over_no_waste_bound"), "{:.3f}"),
             _cell((s.get("nll") or [None])[0], "{:.3f}"),
         ]
         for s in rec.get("summary", [])
     ]
-    out += table(["engine", "row", "tokens x", "steps x", "time x", "accepted %", "over bound", "NLL"], rows)
+    heads = ["engine", "row", "tokens x", "steps x", "time x", "full step x", "accepted %", "over bound", "NLL"]
+    out += table(heads, rows)
     targets = rec.get("targets", {})
     return out + ([""] + [f"- {k}: {v:.3f}" for k, v in targets.items()] if targets else [])
 
@@ -361,7 +368,8 @@ SECTIONS = [
     ("rollout.json", section_rollout),
     ("decode_cache.json", section_decode_cache),
     ("compile_check.json", section_compile),
-    ("real_model_rollout.json", section_real_model),
+    ("real_model_rollout-continuous.json", section_real_model),
+    ("real_model_rollout-full-batch.json", section_real_model),
 ]
 
 

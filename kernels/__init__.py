@@ -1,5 +1,6 @@
 """Triton kernels of SPEC-RL, installed as ``spec_rl.kernels``: one op per file with its launcher beside it (fused
-verification from logits or hidden states, paged decode attention; the device Philox they share). The public entry
+verification from logits or hidden states, paged decode attention, keyed Gumbel-max sampling; the device Philox
+they share). The public entry
 points are spec_rl's verify functions; these are the layer under them (docs/design.md "Module map").
 
 Without Triton, :func:`is_available` is False and nothing else is exported. Without CUDA the kernels need
@@ -20,6 +21,7 @@ if __name__ == "spec_rl.kernels":
         from ._common import INTERPRET, DraftRows, is_available  # noqa: F401
         from .configs import LMHeadConfig, LogitsConfig, PagedAttentionConfig  # noqa: F401
         from .from_logits import verify_logits  # noqa: F401
+        from .gumbel_max import gumbel_argmax  # noqa: F401
         from .lm_head import verify_hidden, verify_hidden_padded  # noqa: F401
         from .paged_attention import paged_decode_attention  # noqa: F401
 else:

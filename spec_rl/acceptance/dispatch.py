@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..sampling.distribution import SamplingSettings, check_settings
+from ..util.triton import kernels_for
 from ..util.validation import check_choice, check_int, format_positions
 from .mode import RolloutMode
 from .reference import VerifyResult, lengths_mask, make_result, reference_verify
@@ -74,11 +75,7 @@ def _pick_backend(backend: str, device: torch.device, settings: SamplingSettings
         return backend
     if device.type != "cuda" or not settings.is_plain:
         return "reference"
-    try:
-        from .. import kernels
-    except ImportError:
-        return "reference"
-    return "triton" if kernels.is_available(device) else "reference"
+    return "triton" if kernels_for(device) is not None else "reference"
 
 
 def _check_tensor(name: str, t, shape: tuple | None, kind: str, device: torch.device | None = None) -> None:

@@ -9,8 +9,9 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
+from ..util.triton import kernels_for
 from ..util.validation import check_int, check_real
-from .philox import STREAM_SAMPLE, philox_keys
+from .philox import STREAM_SAMPLE, U24_SCALE, philox4x32, philox_keys
 
 
 @dataclass(frozen=True)
@@ -82,12 +83,15 @@ def check_settings(settings, name: str = "settings") -> SamplingSettings:
 def _raise_if_no_distribution(total: torch.Tensor, labels=None) -> None:
     """ValueError naming the rows whose probability mass ``total`` [N] is NaN or 0; ``labels(r)`` describes row r."""
     bad = ~(total > 0)  # NaN compares False
-    if not bool(bad.any()):
-        return
-    rows = torch.nonzero(bad).flatten().tolist()
-    named = ", ".join(f"row {r}" + (f" ({labels(r)})" if labels else "") for r in rows[:8])
-    named += ", ..." if len(rows) > 8 else ""
-    raise ValueError(
+    if bool(bad.any()):
+        rows = torch.nonzero(bad).flatten().tolist()
+        raise no_distribution_error([f"row {r}" + (f" ({labels(r)})" if labels else "") for r in rows])
+
+
+def no_distribution_error(rows: list[str]) -> ValueError:
+    """The error for sampled rows (described by ``rows``) whose logits give no sampling distribution."""
+    named = ", ".join(rows[:8]) + (", ..." if len(rows) > 8 else "")
+    return ValueError(
         f"logits {named} {'has' if len(rows) == 1 else 'have'} no sampling distribution: NaN or +inf logits, or "
         "every token has probability 0 after temperature/top-k/top-p. The policy forward produced invalid "
         "scores: check it for overflow (fp16/bf16) or fully masked rows"
@@ -189,11 +193,9 @@ def keyed_sample(
     _raise_if_no_distribution(
         total if index is None else total[index], lambda r: f"uid {int(uids[r])}, position {int(positions[r])}"
     )
-    keys = philox_keys(seed, uids, positions, STREAM_SAMPLE).tolist()
-    vocab = logp.shape[-1]
+    keys = philox_keys(seed, uids, positions, STREAM_SAMPLE)
     ids = torch.empty(n, dtype=torch.int64, device=logp.device)
-    step = max(1, _NOISE_ELEMENTS // max(vocab, 1))
-    gen = torch.Generator(device=logp.device)
+    step = max(1, _NOISE_ELEMENTS // max(logp.shape[-1], 1))
     for start in range(0, n, step):
         rows = slice(start, start + step)
         lp = logp[rows] if index is None else logp[index[rows]]
@@ -201,18 +203,46 @@ def keyed_sample(
         if residual_of is not None:
             q = residual_of[rows].to(lp.device)
             race = residual_logprobs(lp, sampling_log_softmax(q, settings.temperature, settings.top_k, settings.top_p))
-        u = torch.empty((lp.shape[0], vocab), dtype=torch.float32, device=lp.device)
-        for row, key in zip(u, keys[rows]):  # each row's uniforms from the generator seeded with its key
-            gen.manual_seed(key)
-            row.uniform_(generator=gen)
-        score = race + u.log_().neg_().log_().neg_()  # Gumbel noise -log(-log u); u = 0: -inf, that token never wins
         if exclude is not None:
             ex = exclude[rows].unsqueeze(-1)
             others = lp.scatter(-1, ex, float("-inf")).amax(-1) > float("-inf")  # mass left besides the excluded
-            score.scatter_(-1, ex, torch.where(others, float("-inf"), score.gather(-1, ex).squeeze(-1)).unsqueeze(-1))
-        ids[rows] = score.argmax(-1)
+            race = race.scatter(
+                -1, ex, torch.where(others, float("-inf"), race.gather(-1, ex).squeeze(-1)).unsqueeze(-1)
+            )
+        ids[rows] = gumbel_race(race, keys[rows])
     rows_of = torch.arange(n, device=logp.device) if index is None else index
     return ids, logp[rows_of, ids]
+
+
+def gumbel_race(race: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Token ids [N] int64: argmax over tokens of ``race`` [N, V] float32 plus Gumbel noise -log(-log u), row r's
+    uniforms keyed by ``keys[r]`` (:func:`~spec_rl.sampling.philox.philox_keys`). On a CPU the device's generator
+    seeded with the key draws the row's V uniforms; on CUDA they are Philox words of counter (token, 0, 0, 0) under
+    the key (:func:`philox_gumbel_argmax`; the Triton kernel when present), drawn on the device with no host sync, so
+    a CUDA graph can hold the step. Inputs are trusted (:func:`keyed_sample` checks them)."""
+    if race.device.type == "cuda":
+        kernels = kernels_for(race.device)
+        if kernels is not None:
+            return kernels.gumbel_argmax(race, keys)
+        return philox_gumbel_argmax(race, keys)
+    gen = torch.Generator(device=race.device)
+    u = torch.empty(race.shape, dtype=torch.float32, device=race.device)
+    for row, key in zip(u, keys.tolist()):  # each row's uniforms from the generator seeded with its key
+        gen.manual_seed(key)
+        row.uniform_(generator=gen)
+    return (race + u.log_().neg_().log_().neg_()).argmax(-1)  # u = 0: -inf, that token never wins
+
+
+def philox_gumbel_argmax(race: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """The CUDA rule of :func:`gumbel_race` in torch (the Triton kernel's reference): u = (x0 >> 8) * 2**-24 in
+    [0, 1), x0 the first Philox4x32-10 word of counter (token, 0, 0, 0) under key (keys[r] low, high word)."""
+    vocab = race.shape[-1]
+    token = torch.arange(vocab, dtype=torch.int64, device=race.device).unsqueeze(0)
+    zero = torch.zeros_like(token)
+    k = keys.to(torch.int64).unsqueeze(1)
+    x0 = philox4x32((token, zero, zero, zero), (k & 0xFFFFFFFF, (k >> 32) & 0xFFFFFFFF))[0]
+    u = (x0 >> 8).to(torch.float32) * U24_SCALE
+    return (race.float() - (-u.log()).log()).argmax(-1)
 
 
 #: Noise values formed at once (rows x vocabulary): bounds the extra memory of a large batch at a large vocabulary.

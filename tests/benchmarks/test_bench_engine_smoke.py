@@ -19,7 +19,7 @@ def test_bench_engine_tiny_preset_writes_its_table(tmp_path, capsys):
             "--device",
             "cpu",
             "--batch",
-            "3",
+            "2,3",
             "--new-tokens",
             "6",
             "--prompt-len",
@@ -32,6 +32,10 @@ def test_bench_engine_tiny_preset_writes_its_table(tmp_path, capsys):
     result = json.loads(out.read_text())
     names = [r["name"] for r in result["decode"]]
     assert names[0].startswith("spec-rl PagedEngine") and "transformers generate" in names
+    assert result["decode_batches"] == [2, 3] and [r["batch"] for r in result["decode"]] == [2] * 5 + [3] * 5
+    graph_rows = [r for r in result["decode"] if r["name"].endswith("CUDA graphs")]
+    # On a CPU the "graph" row runs the static step eagerly, and its tokens are the eager row's.
+    assert [(r["graph_steps"], r["tokens_identical_to_eager"]) for r in graph_rows] == [(0, True), (0, True)]
     splice, reprefill = result["splice"]
     # Same drafts, same seed: both paths verify the same tokens; only the re-prefill path prefills again.
     assert splice["accepted_tokens"] == reprefill["accepted_tokens"]

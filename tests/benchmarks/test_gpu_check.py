@@ -161,14 +161,18 @@ def test_report_renders_gpu_records_as_results_tables(tmp_path):
             "preset": "qwen3-0.6b",
             "batch": 64,
             "status": "failed",
+            "decode_batches": [16, 64],
             "decode": [
                 {
-                    "name": "spec-rl PagedEngine.generate",
+                    "name": "spec-rl PagedEngine, static step + CUDA graphs",
+                    "batch": 64,
                     "tokens_per_s": 9000.0,
                     "ms_per_step": 7.1,
                     "engine_speedup_vs_this": 1.0,
+                    "graph_steps": 63,
+                    "tokens_identical_to_eager": True,
                 },
-                {"name": "transformers generate", "error": "OutOfMemoryError: x"},
+                {"name": "transformers generate", "batch": 64, "error": "OutOfMemoryError: x"},
             ],
             "splice": [],
             "failures": ["transformers generate: OutOfMemoryError: x"],
@@ -180,8 +184,9 @@ def test_report_renders_gpu_records_as_results_tables(tmp_path):
     assert "| ours: from-logits kernel | 1.200 | 4100 | 0.87 | 0.2 | eager 5.00x |" in text
     assert "| 2048 | ours: fused LM-head kernel d=2048 | 15.500 | 660 | 1.04 | 12.0 | liger 1.20x |" in text
     assert "| 4096 | liger d=4096 | skipped: liger-kernel not importable | - | - | - | - |" in text
-    assert "| spec-rl PagedEngine.generate | 9000 | 7.10 | 1.00x |" in text
-    assert "| transformers generate | OutOfMemoryError: x | - | - |" in text
+    assert "decode batches [16, 64]" in text
+    assert "| b=64 spec-rl PagedEngine, static step + CUDA graphs | 9000 | 7.10 | 1.00x | 63 | True |" in text
+    assert "| b=64 transformers generate | OutOfMemoryError: x | - | - | - | - |" in text
     assert "**FAILED**: transformers generate: OutOfMemoryError: x" in text
     assert "### stage 2 tests: TIMEOUT after 240 s" in text and "last line of the log" in text
     assert "not** measurements" not in text  # a GPU run's numbers are measurements
@@ -220,8 +225,11 @@ def test_smoke_stage_8_runs_the_real_model_benchmark_on_a_tiny_llama_with_the_re
     proc, out = smoke(tmp_path, "8", SPEC_RL_CACHE=str(real_model_path.parent))
     summary = (out / "summary.md").read_text()
     assert stage_rows(summary)["model"][2] == "ok", proc.stdout[-3000:]
-    assert "## Real-model rollouts (stage 8, bench_real_model.py)" in summary
-    assert "| transformers | spec l=e^0.5 |" in summary and "scoring / prefill" in summary
+    # two runs: more samples than the paged engine's rows (continuous batching), then one full batch
+    assert summary.count("## Real-model rollouts (stage 8, bench_real_model.py)") == 2
+    assert "2 prompts x G=2" in summary and "1 prompts x G=2" in summary and "paged engine rows 3" in summary
+    assert "| paged | spec l=e^0.5 |" in summary and "| transformers | spec l=e^0.5 |" in summary
+    assert "full step x" in summary and "scoring / prefill" in summary
 
 
 def test_a_model_that_is_not_a_folder_is_refused(tmp_path):

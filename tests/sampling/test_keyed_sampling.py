@@ -6,7 +6,8 @@ import pytest
 import torch
 from _stats import assert_fits
 
-from spec_rl.sampling.distribution import SamplingSettings, keyed_sample, sampling_log_softmax
+from spec_rl.sampling.distribution import SamplingSettings, keyed_sample, philox_gumbel_argmax, sampling_log_softmax
+from spec_rl.sampling.philox import STREAM_SAMPLE, philox_keys
 
 
 @pytest.mark.parametrize(
@@ -78,3 +79,25 @@ def test_rows_are_drawn_in_chunks_without_changing_a_token(monkeypatch):
     monkeypatch.setattr(dist, "_NOISE_ELEMENTS", 600)  # two rows per chunk
     chunked, _ = keyed_sample(logits, SamplingSettings(), 9, uids, pos)
     assert torch.equal(whole, chunked)
+
+
+@pytest.mark.parametrize("settings", [SamplingSettings(), SamplingSettings(temperature=0.7, top_k=5, top_p=0.9)])
+def test_the_device_rule_draws_the_sampling_distribution(settings):
+    # CUDA's rule (Philox noise per token under the row's key, no generator): exact marginals too.
+    n, vocab = 40000, 8
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(5)) * 1.5
+    logp = sampling_log_softmax(logits, settings.temperature, settings.top_k, settings.top_p)
+    keys = philox_keys(9, torch.arange(n), torch.full((n,), 3), STREAM_SAMPLE)
+    ids = philox_gumbel_argmax(logp.expand(n, vocab), keys)
+    assert_fits(torch.bincount(ids, minlength=vocab), logp[0].double().exp())
+
+
+def test_the_device_rule_is_keyed_and_never_draws_outside_the_support():
+    race = torch.randn(64, 50, generator=torch.Generator().manual_seed(6))
+    race[:, ::3] = float("-inf")
+    keys = torch.randint(0, 2**63 - 1, (64,), generator=torch.Generator().manual_seed(7))
+    ids = philox_gumbel_argmax(race, keys)
+    assert torch.equal(ids % 3 != 0, torch.ones(64, dtype=torch.bool))
+    perm = torch.randperm(64, generator=torch.Generator().manual_seed(8))
+    assert torch.equal(philox_gumbel_argmax(race[perm], keys[perm]), ids[perm])
+    assert not torch.equal(philox_gumbel_argmax(race, keys + 1), ids)

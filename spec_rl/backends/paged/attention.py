@@ -19,7 +19,8 @@ ATTN_NAME = "spec_rl_paged"
 
 @dataclass
 class PagedBatch:
-    """Index tensors of one packed forward (``kv_lens`` count this forward's writes; ``mask`` None: none needed)."""
+    """Index tensors of one packed forward (``kv_lens`` count this forward's writes; ``mask`` None: none needed;
+    ``q_valid`` None: every row has one query)."""
 
     kv_caches: list[torch.Tensor]
     slot_mapping: torch.Tensor
@@ -27,7 +28,7 @@ class PagedBatch:
     kv_lens: torch.Tensor
     max_kv: int
     q_index: torch.Tensor
-    q_valid: torch.Tensor
+    q_valid: torch.Tensor | None
     mask: torch.Tensor | None
     decode_kernel: object | None = None
     kv_lens_i32: torch.Tensor | None = None
@@ -74,7 +75,9 @@ def paged_attention_forward(
         scale=scale,
         enable_gqa=qp.shape[1] != keys.shape[1],
     )
-    out = out.transpose(1, 2)[batch.q_valid]  # [T, Hq, D], packed order
+    out = out.transpose(1, 2)  # [B, max_q, Hq, D]
+    # [T, Hq, D], packed order; q_valid None: one query per row (the static decode step: no boolean index, no sync)
+    out = out.reshape(-1, *out.shape[2:]) if batch.q_valid is None else out[batch.q_valid]
     return out.unsqueeze(0), None
 
 

@@ -13,6 +13,7 @@ from .model_runner import CacheLayout, EngineStats, ModelRunner
 from .sampler import KeyedSampler
 from .scheduler import Scheduler
 from .sequence import ScoredSequences, group_by_context
+from .static_decode import DecodeConfig, StaticDecoder
 
 
 class PagedEngine(Backend):
@@ -22,8 +23,10 @@ class PagedEngine(Backend):
 
     ``num_blocks`` defaults to what ``kv_cache_bytes`` holds (1 GiB on CPU, 40% of free CUDA memory);
     ``max_tokens_per_forward`` bounds a prefill or scoring forward (4096 on CPU, 32768 on GPU); ``pad_id`` is unused
-    (packed input). A failed call frees every block it took. TypeError for non-integer sizes; ValueError for
-    ``block_size`` < 1, a cache without a block, no EOS id or a sliding-window model.
+    (packed input); ``decode``: how steps without proposals run (:class:`DecodeConfig`: the static-shape step,
+    CUDA-graph captured, on CUDA; the packed step on a CPU). A failed call frees every block it took. TypeError for
+    non-integer sizes or a ``decode`` not a DecodeConfig; ValueError for ``block_size`` < 1, a cache without a block,
+    no EOS id or a sliding-window model.
     """
 
     def __init__(
@@ -37,6 +40,7 @@ class PagedEngine(Backend):
         max_batch_size: int = 256,
         max_tokens_per_forward: int | None = None,
         progress: bool = False,
+        decode: DecodeConfig | None = None,
     ):
         self.model = model
         self.eos_ids, self.pad_id = eos_and_pad(eos_ids, pad_id)
@@ -54,6 +58,12 @@ class PagedEngine(Backend):
         self.head = ScoringHead(model)
         self.runner = ModelRunner(model, self.head, self.blocks, layout)
         self.scheduler = Scheduler(self.blocks, self.max_batch_size, self.max_tokens_per_forward)
+        decode = DecodeConfig() if decode is None else decode
+        if not isinstance(decode, DecodeConfig):
+            raise TypeError(f"decode must be a DecodeConfig, got {type(decode).__name__}")
+        self.static = (
+            StaticDecoder(self.runner, self.max_batch_size, decode) if decode.uses_static(self.device) else None
+        )
         self.epoch = 0  # bumped by every call: a Scored is valid until the next one
 
     @property
@@ -137,7 +147,9 @@ class PagedEngine(Backend):
                     for wave in sched.prefill_waves(sched.schedule()):
                         sched.running.extend(runner.prefill(wave, sampler))
                     step = [s for s in sched.running if not s.finished]
-                    if step:
+                    if step and self.static is not None and not any(sampler.proposers[s.result_index] for s in step):
+                        bar.update(self.static.decode(step, sampler))
+                    elif step:
                         runner.decode(step, sampler)
                         bar.update(len(step))
                     sched.retire(results)

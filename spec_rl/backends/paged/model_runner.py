@@ -11,6 +11,7 @@ import torch
 from ... import ops
 from ...acceptance.scores import response_positions
 from ...util.model_config import model_may_slide
+from ...util.triton import kernels_for
 from ...util.validation import check_int
 from ..base import BackendStats
 from ..scoring import ScoringHead
@@ -26,13 +27,14 @@ CUDA_FREE_MEMORY_SHARE = 0.4
 @dataclass
 class EngineStats(BackendStats):
     """:class:`~spec_rl.backends.base.BackendStats` plus scoring, decode, shared-prefill tokens, copy-on-write
-    blocks and forwards; ``prefill_tokens`` includes scoring and re-prefills."""
+    blocks, forwards and decode steps run by a CUDA graph; ``prefill_tokens`` includes scoring and re-prefills."""
 
     scoring_tokens: int = 0
     decode_tokens: int = 0
     shared_prefill_tokens: int = 0
     cow_copies: int = 0
     forwards: int = 0
+    graph_steps: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -90,13 +92,8 @@ class CacheLayout:
 
 def find_decode_kernel(device: torch.device):
     """``spec_rl.kernels.paged_decode_attention`` on CUDA when Triton is available, else None."""
-    if device.type != "cuda":
-        return None
-    try:
-        from spec_rl import kernels
-    except Exception:  # pragma: no cover - triton missing
-        return None
-    return getattr(kernels, "paged_decode_attention", None)
+    kernels = kernels_for(device) if device.type == "cuda" else None
+    return None if kernels is None else kernels.paged_decode_attention
 
 
 class ModelRunner:
@@ -116,12 +113,20 @@ class ModelRunner:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    @property
+    def scratch_block(self) -> int:
+        """The cache's last block, outside the block manager: where finished and padding rows of a static decode
+        step write and read."""
+        return self.blocks.num_blocks
+
     def allocate_cache(self) -> None:
         if self.kv_caches is None:
             lay = self.layout
-            shape = (self.blocks.num_blocks, 2, self.blocks.block_size, lay.kv_heads, lay.head_dim)
+            shape = (self.blocks.num_blocks + 1, 2, self.blocks.block_size, lay.kv_heads, lay.head_dim)
             # Unwritten slots are never read: gather_kv and the kernels stop at each sequence's length.
             self.kv_caches = [torch.empty(shape, dtype=lay.dtype, device=self.device) for _ in range(lay.num_layers)]
+            for layer in self.kv_caches:
+                layer[self.scratch_block].zero_()
 
     def new_sequence(self) -> int:
         seq_id = next(self._seq_ids)
