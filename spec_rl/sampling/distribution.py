@@ -193,7 +193,7 @@ def keyed_sample(
     _raise_if_no_distribution(
         total if index is None else total[index], lambda r: f"uid {int(uids[r])}, position {int(positions[r])}"
     )
-    keys = philox_keys(seed, uids, positions, STREAM_SAMPLE)
+    keys = philox_keys(seed, uids, positions, STREAM_SAMPLE).to(logp.device)  # uids may live elsewhere
     ids = torch.empty(n, dtype=torch.int64, device=logp.device)
     step = max(1, _NOISE_ELEMENTS // max(logp.shape[-1], 1))
     for start in range(0, n, step):
