@@ -162,6 +162,13 @@ def test_buckets_and_config_checks():
     assert (DecodeConfig().steps_per_sync(cpu), DecodeConfig().steps_per_sync(cuda)) == (1, 8)
     with pytest.raises(ValueError, match="sync_every"):
         DecodeConfig(sync_every=0)
+    with pytest.raises(ValueError, match="sync_every must be <= 256"):
+        DecodeConfig(sync_every=10**6)  # its [rows, sync_every] token buffers would not fit
+    engine = _engine(tiny_family_model("qwen2"), DecodeConfig(static=True))
+    for seed, error in ((1.5, TypeError), ("7", TypeError), (None, TypeError)):
+        with pytest.raises(error, match="seed must be an integer"):
+            generate(engine, CONTEXTS[:2], BUDGETS[:2], SETTINGS[0], seed=seed)
+    assert engine.blocks.num_free == engine.blocks.num_blocks
     with pytest.raises(TypeError, match="DecodeConfig.static"):
         DecodeConfig(static="yes")
     with pytest.raises(TypeError, match="decode must be a DecodeConfig"):

@@ -9,6 +9,7 @@ import torch
 
 from ...drafts.history import matched_prefix
 from ...sampling.distribution import SamplingSettings, keyed_sample
+from ...util.validation import check_int
 from .sequence import SequenceState
 
 
@@ -18,7 +19,7 @@ class KeyedSampler:
 
     def __init__(self, settings: SamplingSettings, seed: int, jobs: Sequence, eos_ids):
         self.settings = settings
-        self.seed = int(seed)
+        self.seed = check_int("seed", seed, hint=" (a 64-bit seed, taken modulo 2**64)")
         self.uids = [int(j.uid) for j in jobs]
         self.proposers = [j.proposer for j in jobs]
         self.eos_ids = {int(e) for e in eos_ids}

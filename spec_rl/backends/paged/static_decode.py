@@ -21,6 +21,7 @@ from .sampler import KeyedSampler
 from .sequence import SequenceState
 
 NO_TOKEN = -1  # out_ids entry of a step a row did not run (finished or padding)
+MAX_SYNC_EVERY = 256
 
 
 @dataclass(frozen=True)
@@ -28,9 +29,9 @@ class DecodeConfig:
     """How the paged engine runs decode steps without proposals.
 
     ``static``: the static-shape step (None: on CUDA only; True: also on a CPU, eagerly); ``cuda_graphs``: capture it
-    per bucket on CUDA (False: run it eagerly there); ``sync_every``: steps between host reads of finished rows (None:
-    8 on CUDA, 1 on a CPU, where a read costs nothing); a row that finishes inside a chunk idles to its end.
-    TypeError or ValueError for a bad field."""
+    per bucket on CUDA (False: run it eagerly there); ``sync_every``: steps between host reads of finished rows, at
+    most :data:`MAX_SYNC_EVERY` (None: 8 on CUDA, 1 on a CPU, where a read costs nothing); a row that finishes
+    inside a chunk idles to its end. TypeError or ValueError for a bad field."""
 
     static: bool | None = None
     cuda_graphs: bool = True
@@ -42,7 +43,8 @@ class DecodeConfig:
             if not (isinstance(value, bool) or (name == "static" and value is None)):
                 raise TypeError(f"DecodeConfig.{name} must be a bool{' or None' if name == 'static' else ''}")
         if self.sync_every is not None:
-            check_int("sync_every", self.sync_every, low=1)
+            hint = " (a chunk's tokens are held per row: a longer one only idles finished rows)"
+            check_int("sync_every", self.sync_every, low=1, high=MAX_SYNC_EVERY, hint=hint)
 
     def uses_static(self, device: torch.device) -> bool:
         return device.type == "cuda" if self.static is None else self.static
@@ -79,7 +81,6 @@ class StaticDecoder:
     def __init__(self, runner, max_batch_size: int, config: DecodeConfig):
         self.runner = runner
         self.max_batch_size = int(max_batch_size)
-        self.config = config
         self.device = runner.device
         self.graphs = self.device.type == "cuda" and config.cuda_graphs
         self.sync_every = config.steps_per_sync(self.device)
