@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from ..sampling.distribution import SamplingSettings, keyed_sample
+from ..sampling.distribution import SamplingSettings, check_seed, keyed_sample
 from ..util.model_config import model_sliding_window
 from .base import BackendStats, Decoding
 from .decode_attention import decode_attention
@@ -208,7 +208,7 @@ class SpeculativeDecoder:
         self.model = model
         self.gate = gate
         self.settings = settings
-        self.seed = int(seed)
+        self.seed = check_seed(seed)
         self.eos = {int(e) for e in eos_ids}
         self.pad_id = int(pad_id)
         self.on_step = on_step

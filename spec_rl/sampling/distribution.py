@@ -80,6 +80,11 @@ def check_settings(settings, name: str = "settings") -> SamplingSettings:
     return settings
 
 
+def check_seed(seed) -> int:
+    """``seed`` as a Python int; TypeError for anything but an integer (a float or a string is not truncated)."""
+    return check_int("seed", seed, hint=" (a 64-bit seed, taken modulo 2**64)")
+
+
 def _raise_if_no_distribution(total: torch.Tensor, labels=None) -> None:
     """ValueError naming the rows whose probability mass ``total`` [N] is NaN or 0; ``labels(r)`` describes row r."""
     bad = ~(total > 0)  # NaN compares False
@@ -174,7 +179,7 @@ def keyed_sample(
     ``settings`` not a SamplingSettings, a non-integer seed or index tensor. ValueError: a row without a distribution
     (named by uid and position), wrong shapes or lengths, ids outside [0, V) or [0, U), both index and exclude."""
     check_settings(settings)
-    seed = check_int("seed", seed, hint=" (a 64-bit seed, taken modulo 2**64)")
+    seed = check_seed(seed)
     if sum(x is not None for x in (index, exclude, residual_of)) > 1:
         raise ValueError("keyed_sample takes one of index, exclude and residual_of (index logits[index] first)")
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:

@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from spec_rl.backends.paged import PagedEngine
 from spec_rl.backends.paged import static_decode as static_module
 from spec_rl.backends.paged.static_decode import DecodeConfig, bucket_of
+from spec_rl.backends.transformers_backend import TransformersBackend
 from spec_rl.sampling.distribution import SamplingSettings, philox_gumbel_argmax
 
 CONTEXTS = [[3, 4, 5], [6, 7, 8, 9, 10, 11, 12], [3, 4, 5], [13], [14, 15, 16, 17, 18] * 4, [19, 20]]
@@ -75,8 +76,11 @@ def test_static_step_continues_scored_rows_and_a_tight_cache():
 
 
 def test_steps_with_a_proposer_stay_on_the_packed_step():
-    class Echo:  # proposes nothing, hears every token
+    class Echo:  # proposes nothing, hears every token; falsy (an empty history), still a proposer
         max_k = 2
+
+        def __len__(self):
+            return 0
 
         def __init__(self):
             self.heard = 0
@@ -147,7 +151,10 @@ def test_invalid_logits_in_a_static_step_name_the_row():
 
     hook = model.lm_head.register_forward_hook(poison)
     try:
-        with pytest.raises(ValueError, match=r"uid 2, decoding after position 3.*no sampling distribution"):
+        with pytest.raises(
+            ValueError,
+            match=r"logits uid 0 \(positions 4-5\), uid 2 \(positions 4-5\), uid 1 \(positions 8-9\) have no sampling",
+        ):
             generate(engine, CONTEXTS[:3], [5, 5, 5], SETTINGS[0], seed=0)
     finally:
         hook.remove()
@@ -164,10 +171,12 @@ def test_buckets_and_config_checks():
         DecodeConfig(sync_every=0)
     with pytest.raises(ValueError, match="sync_every must be <= 256"):
         DecodeConfig(sync_every=10**6)  # its [rows, sync_every] token buffers would not fit
-    engine = _engine(tiny_family_model("qwen2"), DecodeConfig(static=True))
-    for seed, error in ((1.5, TypeError), ("7", TypeError), (None, TypeError)):
-        with pytest.raises(error, match="seed must be an integer"):
-            generate(engine, CONTEXTS[:2], BUDGETS[:2], SETTINGS[0], seed=seed)
+    model = tiny_family_model("qwen2")
+    engine = _engine(model, DecodeConfig(static=True))
+    for backend in (engine, TransformersBackend(model, eos_ids={1}, pad_id=0)):
+        for seed in (1.5, "7", None):
+            with pytest.raises(TypeError, match="seed must be an integer"):
+                generate(backend, CONTEXTS[:2], BUDGETS[:2], SETTINGS[0], seed=seed)
     assert engine.blocks.num_free == engine.blocks.num_blocks
     with pytest.raises(TypeError, match="DecodeConfig.static"):
         DecodeConfig(static="yes")

@@ -147,7 +147,11 @@ class PagedEngine(Backend):
                     for wave in sched.prefill_waves(sched.schedule()):
                         sched.running.extend(runner.prefill(wave, sampler))
                     step = [s for s in sched.running if not s.finished]
-                    if step and self.static is not None and not any(sampler.proposers[s.result_index] for s in step):
+                    if (
+                        step
+                        and self.static is not None
+                        and all(sampler.proposers[s.result_index] is None for s in step)
+                    ):
                         bar.update(self.static.decode(step, sampler))
                     elif step:
                         runner.decode(step, sampler)

@@ -8,8 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from ...drafts.history import matched_prefix
-from ...sampling.distribution import SamplingSettings, keyed_sample
-from ...util.validation import check_int
+from ...sampling.distribution import SamplingSettings, check_seed, keyed_sample
 from .sequence import SequenceState
 
 
@@ -19,7 +18,7 @@ class KeyedSampler:
 
     def __init__(self, settings: SamplingSettings, seed: int, jobs: Sequence, eos_ids):
         self.settings = settings
-        self.seed = check_int("seed", seed, hint=" (a 64-bit seed, taken modulo 2**64)")
+        self.seed = check_seed(seed)
         self.uids = [int(j.uid) for j in jobs]
         self.proposers = [j.proposer for j in jobs]
         self.eos_ids = {int(e) for e in eos_ids}

@@ -119,7 +119,10 @@ class StaticDecoder:
             fed += len(live)
         if bad is not None:
             raise no_distribution_error(
-                [f"uid {sampler.uids[seqs[r].result_index]}, decoding after position {starts[r]}" for r in bad]
+                [
+                    f"uid {sampler.uids[seqs[r].result_index]} (positions {starts[r] + 1}-{starts[r] + steps})"
+                    for r in bad
+                ]
             )
         stats = runner.stats
         stats.decode_tokens += fed
