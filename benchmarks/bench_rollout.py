@@ -72,7 +72,11 @@ MODE_NAMES = ("vanilla", "histspec", "spec", "exact")
 
 def modes(lenience: float) -> dict[str, RolloutMode]:
     """The measured modes, name -> RolloutMode, with SPEC-RL's lenient rule at ``lenience``."""
-    return {name: MODES[name].with_overrides(lenience=lenience) for name in MODE_NAMES}
+    lenient = {"lenience": lenience}
+    return {
+        name: MODES[name].with_overrides(**lenient) if "lenience" in MODES[name].settable() else MODES[name]
+        for name in MODE_NAMES
+    }
 
 
 def build(preset: str, device: torch.device, n_prompts: int | None = None):

@@ -11,21 +11,22 @@ import sys
 import time
 from pathlib import Path
 
-from .acceptance.mode import MODES, TAIL_WIDTH, RolloutMode, is_named_mode, mode_names
-from .acceptance.rules import LENIENCE_DEFAULTS, REJECTION_DRAWS
+from .acceptance.mode import MODES, TAIL_WIDTH, RolloutMode
 from .backends import BACKENDS
-from .cli_types import fraction, lenience, positive_int
+from .cli_types import fraction, positive_int
 from .sampling.distribution import SamplingSettings
 from .tasks.data import CHAT_TEMPLATE_CHOICES, PromptFormat
 from .tasks.rewards import REWARD_FUNCTIONS
 from .trainer import sweep
-from .trainer.config import PRESETS, GRPOConfig, preset
+from .trainer.config import PRESETS, GRPOConfig, RunSetting, preset, run_settings
+from .trainer.correction import KINDS, THRESHOLD
 from .trainer.resume_check import ConfigChangeError
 
 #: Config fields whose flag is not ``--`` + the field name with dashes.
 _FLAGS = {
     "generation_backend": "--backend",
     "save_checkpoint": "--no-checkpoint",
+    "version_budget_gb": "--version-budget",
     "max_tokens": "--max-response-len",
     "tail": "--no-tail",
     "eos_ids": "the EOS set of --model",
@@ -35,9 +36,12 @@ _FLAGS = {
 }
 #: Names whose errors are about a flag: fields of the config, its sampling settings and a run's mode.
 _FIELDS = {f.name for cls in (GRPOConfig, SamplingSettings, RolloutMode, PromptFormat) for f in dataclasses.fields(cls)}
-#: The fields of the selected runs' RolloutMode (or its rule) that a flag sets, where the mode has them.
-_MODE_FIELDS = ("lenience", "rejection_draw", "tail", "max_draft_age")
-_FIELDS |= set(_MODE_FIELDS)
+#: Settings of a run's rule that its name carries (a flag for them is refused with the name to use).
+_FOLDED = {
+    "lenience": "l=<lenience> (e.g. l=2, l=e^0.3)",
+    "rejection_draw": "l=<lenience>-excl (without-draft) or l=1-res (residual)",
+    "max_draft_age": "<mode>-age<N> (e.g. spec-age2)",
+}
 
 
 class UsageError(SystemExit):
@@ -168,35 +172,43 @@ def _add_recipe_flags(t: argparse.ArgumentParser) -> None:
     t.add_argument("--cache-dir", help="where the demo policy is cached (default $SPEC_RL_CACHE or ~/.cache/spec-rl)")
     t.add_argument("--no-checkpoint", action="store_true", help="do not save checkpoints/cache after each epoch")
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
+    _add_reuse_flags(t)
+
+
+def _add_reuse_flags(t: argparse.ArgumentParser) -> None:
+    """How reused tokens enter the loss, and where the residual draw's weight copies live."""
+    t.add_argument(
+        "--rollout-correction",
+        metavar="KIND[:THRESHOLD]",
+        help=f"importance-weight the policy loss of reused tokens by pi_old / pi_behaviour (docs/design.md 'Rollout "
+        f"correction'): {' or '.join(KINDS)} (truncated or masked IS) with an optional threshold (default "
+        f"{THRESHOLD:g}), or none; a run named <mode>+<kind> in --modes/--settings sets its own (default: none)",
+    )
+    t.add_argument(
+        "--version-budget",
+        dest="version_budget_gb",
+        type=float,
+        metavar="GB",
+        help="the most the residual draw's weight copies (l=<l>-res runs) may take, checked before training "
+        "(default: half of the available memory, or of the free disk with --versions-on-disk)",
+    )
+    t.add_argument(
+        "--versions-on-disk",
+        action="store_true",
+        help="keep the residual draw's weight copies as files under the run directory instead of in memory",
+    )
 
 
 def _add_mode_flags(t: argparse.ArgumentParser) -> None:
-    """Which runs, and the fields of their RolloutMode."""
+    """Which runs, and the width of their tail speculation."""
     t.add_argument(
         "--modes",
         help=f"comma-separated runs, each a mode name: {', '.join(MODES)}, l=<lenience>[-excl|-res], with -age<N> "
-        f"(demo default: {','.join(PRESETS['demo'].runs)}; with --model: {','.join(PRESETS['model'].runs)}, the "
-        "residual draw, which keeps one epoch of weight copies in CPU memory)",
+        f"and +tis/+mis for a rollout correction (demo default: {','.join(PRESETS['demo'].runs)}; with --model: "
+        f"{','.join(PRESETS['model'].runs)})",
     )
-    t.add_argument(
-        "--lenience",
-        type=lenience,
-        help="lenience l > 0 of the lenient runs (spec; default: 1 on the demo, e^0.5 with --model, the paper's "
-        "GRPO setting; e^0.15 with --clip-higher)",
-    )
-    t.add_argument(
-        "--rejection-draw",
-        choices=REJECTION_DRAWS,
-        help="the token at a lenient rejection: policy (the paper), without-draft (the rejected draft token "
-        "removed) or residual (max(0, p - q) with q the draft's own policy; l = 1 only: exact speculative sampling); "
-        "default: without-draft on the demo, policy with --model",
-    )
-    t.add_argument(
-        "--max-draft-age",
-        type=positive_int,
-        help="a slot whose response came from its draft this many epochs in a row samples fresh the next epoch "
-        "(default: no bound)",
-    )
+    for flag in _FOLDED:  # settings that became part of a run's name: refused with the name to use
+        t.add_argument(_flag(flag), dest=flag, help=argparse.SUPPRESS)
     t.add_argument(
         "--no-tail",
         dest="tail",
@@ -318,42 +330,29 @@ def _heldout_examples(args: argparse.Namespace, demo: bool, examples: list) -> t
     return examples, evals
 
 
-def _modes(args: argparse.Namespace, demo: bool) -> dict:
-    """{label: RolloutMode} of the runs ``--modes`` names, mode flags applied; UsageError for a bad run or flag."""
+def _modes(args: argparse.Namespace, demo: bool) -> dict[str, RunSetting]:
+    """{label: RunSetting} of the runs ``--modes`` names (each name one mode everywhere), the tail flags applied;
+    UsageError for a bad run or flag."""
+    for field, name in _FOLDED.items():
+        if getattr(args, field, None) is not None:
+            raise UsageError(f"{_flag(field)} is part of a run's name now: name the run in --modes as {name}")
     recipe = PRESETS["demo" if demo else "model"]
     try:
-        names = mode_names(m.strip() for m in (args.modes or ",".join(recipe.runs)).split(",") if m.strip())
+        runs = run_settings(m.strip() for m in (args.modes or ",".join(recipe.runs)).split(",") if m.strip())
     except ValueError as err:
         raise UsageError(f"--{err}") from None
-    given = {k: getattr(args, k) for k in _MODE_FIELDS if getattr(args, k) is not None}
-    parsed = {m: RolloutMode.parse(m) for m in names}
-    for field in given:
-        if not any(field in mode.settable() for mode in parsed.values()):
-            takers = [m for m in MODES if field in MODES[m].settable()]
+    for flag, width, takes in (("--no-tail", args.tail, "reuses_drafts"), ("--spec-tokens", args.spec_tokens, "tail")):
+        if width is None:
+            continue
+        chosen = [m for m, r in runs.items() if getattr(r.mode, takes)]
+        if not chosen:
             raise UsageError(
-                f"{_flag(field)} applies to the runs {', '.join(takers)}; the selected runs ({', '.join(names)}) "
-                f"have no such setting: drop {_flag(field)}, or add such a run to --modes"
+                f"{flag} sets the width of tail speculation in the runs that have it, and none of the selected runs "
+                f"({', '.join(runs)}) does: drop {flag}, or add a run with tail speculation (histspec, spec, exact, "
+                "coupled, random)"
             )
-    spec = recipe.spec
-    lenience = given.get("lenience", LENIENCE_DEFAULTS["dapo"] if args.clip_higher and not demo else spec.lenience)
-    # The demo's without-draft draw needs l >= 1; another l gets the paper's draw.
-    draw = spec.rejection_draw if lenience >= 1 else "policy"
-    # the recipe's lenience and draw set the named modes; a run named l=... has its own
-    defaults = {"lenience": lenience, "rejection_draw": draw}
-    modes = {
-        m: mode.with_overrides(**{**(defaults if is_named_mode(m) else {}), **given}) for m, mode in parsed.items()
-    }
-    if args.spec_tokens is not None:
-        if not any(mode.tail for mode in modes.values()):
-            raise UsageError(
-                f"--spec-tokens sets the width of tail speculation, which none of the selected runs "
-                f"({', '.join(names)}) uses: drop --spec-tokens, or add a run with tail speculation (histspec, spec, "
-                "exact, random)"
-            )
-        modes = {
-            m: dataclasses.replace(mode, tail=args.spec_tokens) if mode.tail else mode for m, mode in modes.items()
-        }
-    return modes
+        runs.update({m: dataclasses.replace(runs[m], mode=runs[m].mode.with_overrides(tail=width)) for m in chosen})
+    return runs
 
 
 def _config(args: argparse.Namespace, demo: bool) -> GRPOConfig:
@@ -483,7 +482,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 def _lenient_note(modes: dict) -> str:
     """The rules of the header line, where a run's rule has settings (the lenient rule's l and draw)."""
-    rules = dict.fromkeys(m.rule.describe() for m in modes.values() if m.rule is not None and m.rule.settable())
+    rules = dict.fromkeys(
+        r.mode.rule.describe() for r in modes.values() if r.mode.rule is not None and r.mode.rule.settable()
+    )
     return "".join(f" | {r}" for r in rules)
 
 

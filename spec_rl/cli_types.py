@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from .acceptance.mode import parse_lenience
-
 
 def checked(parse, ok, requirement: str):
     """An argparse ``type``: ``parse(text)`` that passes ``ok``, else "must be <requirement>, got <text>"."""
@@ -24,5 +22,3 @@ def checked(parse, ok, requirement: str):
 
 fraction = checked(float, lambda v: 0.0 < v < 1.0, "a number in (0, 1)")
 positive_int = checked(int, lambda v: v >= 1, "an integer >= 1")
-#: ``--lenience``: a number > 0 (inf allowed); e^x may be written ``e^x``.
-lenience = checked(parse_lenience, lambda v: v > 0, "a number > 0 (e.g. 1, 1.65, e^0.5, inf)")

@@ -25,7 +25,13 @@ def tiny_tokenizer():
 
 
 def tiny_model(
-    vocab_size: int = len(WORDS), eos=(1,), seed: int = 0, layers: int = 2, hidden: int = 32, bias_eos: float = 0.0
+    vocab_size: int = len(WORDS),
+    eos=(1,),
+    seed: int = 0,
+    layers: int = 2,
+    hidden: int = 32,
+    bias_eos: float = 0.0,
+    tie_word_embeddings: bool = False,
 ):
     """A Qwen2-architecture model with ~30k parameters; optional LM-head bias pushing EOS ids."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -41,7 +47,7 @@ def tiny_model(
         max_position_embeddings=128,
         eos_token_id=list(eos) if len(eos) > 1 else eos[0],
         pad_token_id=0,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
     )
     model = Qwen2ForCausalLM(cfg).eval()
     if bias_eos:

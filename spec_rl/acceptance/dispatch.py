@@ -40,6 +40,12 @@ class VerifyOptions:
         mode = RolloutMode.parse(self.mode)
         if mode.rule is None:
             raise ValueError(f"mode {self.mode!r} reuses no drafts: there is nothing to verify")
+        if mode.rule.verified_by() != mode.rule or mode.rule.shared_keys:
+            raise ValueError(
+                f"mode {self.mode!r}: {mode.rule.describe()} is made by a rollout (its draw needs the draft's own "
+                "policy, or its keys the rollout's keyed walk), which the verify functions alone cannot honour: run "
+                "it through SpeculativeRollout, or verify with the rule's test alone (e.g. l=1, exact)"
+            )
         object.__setattr__(self, "mode", mode)
         check_choice("backend", self.backend, BACKENDS)
         if not isinstance(self.return_accept_mask, bool):

@@ -21,7 +21,8 @@ class Prefixes:
     """Per drafted row: rejection index ``n``, the ``source`` row whose draft holds the prefix (its K/V can be
     continued), the prefix ``tokens`` with current ``logprobs``, the token at n with its log-prob (``next_token``,
     ``next_logprob``; None where the draft was accepted to its end); ``drift``: mean |lp_new - lp_old| (nats) over
-    the accepted tokens, None where it is not measured (the walk)."""
+    the accepted tokens, None where it is not measured (the walk); ``behaviour``, ``next_behaviour``: the behaviour
+    log-probs of the prefix and of the token at n (None: the current ones, a rule that samples the policy)."""
 
     n: list[int]
     source: list[int]
@@ -30,6 +31,8 @@ class Prefixes:
     next_token: list[int | None]
     next_logprob: list[float | None]
     drift: float | None = None
+    behaviour: list[list[float]] | None = None
+    next_behaviour: list[float | None] | None = None
 
 
 #: Draft positions sampled per walking row in the first pass (doubling afterwards).

@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass, field
 
 from ..util.validation import check_int
-from .rules import LENIENCE, Exact, Lenient, RandomReuse, Rule, rule_from_dict
+from .rules import LENIENCE, Coupled, Exact, Lenient, RandomReuse, Rule, rule_from_dict
 
 #: Most history-drafted tokens verified per decode step under tail speculation (docs/design.md "Tail speculation").
 TAIL_WIDTH = 8
@@ -56,12 +56,21 @@ class RolloutMode:
         return 0.0 if self.rule is None else self.rule.log_lenience
 
     def settable(self) -> tuple[str, ...]:
-        """The fields a user may set on this mode: its rule's, and ``tail`` when it reuses drafts."""
-        return () if self.rule is None else (*self.rule.settable(), "tail", "max_draft_age")
+        """The fields a user may set on this mode: its rule's, ``max_draft_age`` when it reuses drafts, and ``tail``
+        when it reuses drafts or speculates from the history."""
+        if self.rule is None:
+            return ("tail",) if self.tail else ()
+        return (*self.rule.settable(), "tail", "max_draft_age")
 
     def with_overrides(self, **overrides) -> RolloutMode:
-        """This mode with each of ``overrides`` it has (:meth:`settable`) set; the others are ignored."""
-        ours = {k: v for k, v in overrides.items() if k in self.settable()}
+        """This mode with ``overrides`` set; ValueError naming a field it does not have (:meth:`settable`)."""
+        foreign = sorted(set(overrides) - set(self.settable()))
+        if foreign:
+            have = ", ".join(self.settable()) or "none"
+            raise ValueError(
+                f"{', '.join(foreign)}: this mode ({self.describe()}) has no such setting (its settings: {have})"
+            )
+        ours = dict(overrides)
         tail, age = ours.pop("tail", self.tail), ours.pop("max_draft_age", self.max_draft_age)
         rule = dataclasses.replace(self.rule, **ours) if ours else self.rule
         return RolloutMode(rule, tail, age)
@@ -115,12 +124,6 @@ class RolloutMode:
 _AGED = re.compile(r"(.+?)(?:-age(\d+))?")
 
 
-def is_named_mode(name: str) -> bool:
-    """Whether ``name`` is one of :data:`MODES`, with or without an ``-age<N>`` suffix (not an ``l=...`` name)."""
-    match = _AGED.fullmatch(name)
-    return match is not None and match[1] in MODES
-
-
 def parse_lenience(text: str) -> float | None:
     """A lenience written as a number or ``e^x`` (inf allowed); None when it is no number >= 0."""
     try:
@@ -131,40 +134,16 @@ def parse_lenience(text: str) -> float | None:
 
 
 #: The named modes. "vanilla" is the reference of every ratio (no drafts, no tail speculation); "histspec" decodes
-#: with tail speculation only (HistoSpec-style); "spec" is SPEC-RL at the paper's e^0.5.
+#: with tail speculation only (HistoSpec-style); "spec" is SPEC-RL at the paper's e^0.5; "coupled" is the exact walk
+#: under keys shared by every step (a sample of the current policy that keeps what its choices did not change).
 MODES = {
     "vanilla": RolloutMode(None, tail=0),
     "histspec": RolloutMode(None),
     "spec": RolloutMode(Lenient(LENIENCE)),
     "exact": RolloutMode(Exact()),
+    "coupled": RolloutMode(Coupled()),
     "random": RolloutMode(RandomReuse()),
 }
-
-
-def mode_names(names) -> list[str]:
-    """``names`` (each a name :meth:`RolloutMode.parse` reads) as a list of runs; ValueError for an unknown name, a
-    name twice or none."""
-    names = list(names)
-    unknown = []
-    for m in names:
-        try:
-            RolloutMode.parse(m)
-        except ValueError as err:
-            if not str(err).startswith("mode must be"):  # a mode by name, with a bad value: say which
-                raise ValueError(f"modes: {m}: {err}") from None
-            unknown.append(m)
-    problem = (
-        f"takes {', '.join(MODES)} or l=<lenience>[-excl|-res], with -age<N> for a draft age bound; got {unknown}"
-        if unknown
-        else "is empty: name at least one run (e.g. vanilla,spec)"
-        if not names
-        else f"names a run twice: {names} (each run has one folder)"
-        if len(set(names)) != len(names)
-        else None
-    )
-    if problem:
-        raise ValueError(f"modes {problem}")
-    return names
 
 
 #: The run every ratio is to.

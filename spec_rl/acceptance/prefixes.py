@@ -35,6 +35,7 @@ class DraftRows:
     verify_backend: str = "auto"
     versions: list[int] | None = None
     old_policy: object = None
+    behaviour: list[torch.Tensor] | None = None  # the drafts' behaviour log-probs (None: their stored log-probs)
 
 
 def verified_prefixes(rule: Rule, rows: DraftRows, scores, progressive=None) -> Prefixes:
@@ -48,12 +49,11 @@ def verified_prefixes(rule: Rule, rows: DraftRows, scores, progressive=None) -> 
     valid = lengths_mask(lengths, max_r)
     ids = torch.zeros((len(rows.drafts), max_r), dtype=torch.long)
     ids[valid] = int64_tensor([t for d in rows.drafts for t in d])
-    old = torch.zeros((len(rows.drafts), max_r), dtype=torch.float32)
-    if rows.drafts:
-        old[valid] = torch.cat([lp[: len(d)].float() for d, lp in zip(rows.drafts, rows.old_logprobs)])
+    old = _padded(rows.drafts, rows.old_logprobs, valid)
+    behaviour = None if rule.samples_policy else _padded(rows.drafts, rows.behaviour or rows.old_logprobs, valid)
     ids, old, lengths = ids.to(device), old.to(device), lengths.to(device)
     uids = torch.tensor(rows.uids, dtype=torch.long, device=device)
-    options = VerifyOptions(RolloutMode(rule, tail=0), rows.settings, rows.verify_backend)
+    options = VerifyOptions(RolloutMode(rule.verified_by(), tail=0), rows.settings, rows.verify_backend)
     result = verify_scores(ids, old, scores, lengths, seed=rows.seed, uids=uids, options=options)
     n, lp_new = result.accepted_len.tolist(), result.new_logprobs.cpu()
     out = Prefixes(
@@ -65,6 +65,10 @@ def verified_prefixes(rule: Rule, rows: DraftRows, scores, progressive=None) -> 
         [None] * len(n),
         accepted_drift(result.new_logprobs, old, lengths, result.accepted_len),
     )
+    if behaviour is not None:  # the path that kept each token: drafted, then kept by the test
+        kept = rule.kept_behaviour(lp_new, old.cpu(), behaviour, lengths.cpu())
+        out.behaviour = [kept[row, : n[row]].tolist() for row in range(len(n))]
+        out.next_behaviour = [None] * len(n)
     todo = [row for row in range(len(n)) if n[row] < len(rows.drafts[row])]
     if todo:  # the token at n, from the scoring output there (rule step 4)
         rows_t, n_t = torch.tensor(todo, device=device), torch.tensor([n[r] for r in todo], device=device)
@@ -85,6 +89,19 @@ def verified_prefixes(rule: Rule, rows: DraftRows, scores, progressive=None) -> 
         )
         for r, t, v in zip(todo, tok.tolist(), lp.tolist()):
             out.next_token[r], out.next_logprob[r] = t, v
+        if out.next_behaviour is not None:
+            lp_excluded = lp_new[rows_t.cpu(), n_t.cpu()] if exclude is not None else None
+            drawn = rule.drawn_behaviour(lp.cpu(), lp_excluded).tolist()
+            for r, b in zip(todo, drawn):
+                out.next_behaviour[r] = b
+    return out
+
+
+def _padded(drafts: list[list[int]], rows: list[torch.Tensor], valid: torch.Tensor) -> torch.Tensor:
+    """Per-draft float vectors (cut to each draft's length) as one right-padded [B, R] float32 tensor."""
+    out = torch.zeros(valid.shape, dtype=torch.float32)
+    if drafts:
+        out[valid] = torch.cat([v[: len(d)].float() for d, v in zip(drafts, rows)])
     return out
 
 

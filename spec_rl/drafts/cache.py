@@ -64,8 +64,9 @@ class CacheKey:
 class Draft:
     """One cached response: ``token_ids`` [R] int32 (EOS included when it ended with one), ``logprobs`` [R] float32
     under the policy of ``version`` (the training step that last validated the tokens), ``finish_reason`` ("eos" or
-    "length"), the ``settings`` it was sampled with and its ``age``: the epochs in a row its slot's response came from
-    the slot's draft (:func:`next_age`)."""
+    "length"), the ``settings`` it was sampled with, its ``age``: the epochs in a row its slot's response came from
+    the slot's draft (:func:`next_age`), and ``behaviour_logprobs`` [R] float32, the log-probability of the path that
+    produced each token (None: ``logprobs``; docs/design.md "Behaviour log-probs")."""
 
     token_ids: torch.Tensor
     logprobs: torch.Tensor
@@ -73,9 +74,15 @@ class Draft:
     version: int
     settings: SamplingSettings
     age: int = 0
+    behaviour_logprobs: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return int(self.token_ids.numel())
+
+    @property
+    def behaviour(self) -> torch.Tensor:
+        """The behaviour log-probs [R] float32 (``logprobs`` where none were stored)."""
+        return self.logprobs if self.behaviour_logprobs is None else self.behaviour_logprobs
 
 
 def make_draft(
@@ -85,22 +92,36 @@ def make_draft(
     version: int,
     settings: SamplingSettings,
     age: int = 0,
+    behaviour_logprobs: Sequence[float] | torch.Tensor | None = None,
 ) -> Draft:
-    """Validate a response and its log-probs and pack them as a :class:`Draft` (CPU copies). TypeError: non-integer ids
-    (never rounded) or version, non-numeric log-probs, settings not a SamplingSettings. ValueError: not 1-D, length
-    mismatch, unknown finish reason, NaN or positive log-probs, ids outside [0, 2**31), a negative version."""
+    """Validate a response and its log-probs (``behaviour_logprobs``: None, or as many as the tokens) and pack them as
+    a :class:`Draft` (CPU copies). TypeError: non-integer ids (never rounded) or version, non-numeric log-probs,
+    settings not a SamplingSettings. ValueError: not 1-D, length mismatch, unknown finish reason, NaN or positive
+    log-probs, ids outside [0, 2**31), a negative version."""
     ids = as_id_vector("token_ids", token_ids)
-    lps = as_float_vector("logprobs", logprobs)
-    if ids.numel() != lps.numel():
-        raise ValueError(f"token_ids ({ids.numel()}) and logprobs ({lps.numel()}) must have the same length")
+    vectors = {"logprobs": logprobs, "behaviour_logprobs": behaviour_logprobs}
+    lps = {name: as_float_vector(name, v) for name, v in vectors.items() if v is not None}
+    for name, v in lps.items():
+        if ids.numel() != v.numel():
+            raise ValueError(f"token_ids ({ids.numel()}) and {name} ({v.numel()}) must have the same length")
+        problem = logprob_problem(v)
+        if problem:
+            raise ValueError(f"{name} {problem}")
     check_choice("finish_reason", finish_reason, FINISH_REASONS)
-    problem = logprob_problem(lps)
-    if problem:
-        raise ValueError(f"logprobs {problem}")
     version = check_int("version", version, low=0, hint=" (the training step of the policy that validated the draft)")
     check_settings(settings)
     age = check_int("age", age, low=0)
-    return Draft(ids.to(torch.int32).cpu().clone(), lps.cpu().clone(), finish_reason, version, settings, age)
+    behaviour = lps.get("behaviour_logprobs")
+    behaviour = None if behaviour is None else _own(behaviour.cpu().float(), lps["logprobs"].cpu().float())
+    return Draft(
+        ids.to(torch.int32).cpu().clone(),
+        lps["logprobs"].cpu().clone(),
+        finish_reason,
+        version,
+        settings,
+        age,
+        behaviour,
+    )
 
 
 def next_age(draft: Draft | None, verified_prefix_len: int) -> int:
@@ -177,9 +198,11 @@ class DraftStore(abc.ABC):
         version: int,
         settings: SamplingSettings,
         age: int = 0,
+        behaviour_logprobs: Sequence[float] | torch.Tensor | None = None,
     ) -> None:
         """Insert or replace the draft of ``key``, validated as :func:`make_draft` does (TypeError: not a CacheKey)."""
-        self._write(check_key(key), make_draft(token_ids, logprobs, finish_reason, version, settings, age))
+        draft = make_draft(token_ids, logprobs, finish_reason, version, settings, age, behaviour_logprobs)
+        self._write(check_key(key), draft)
 
 
 class RolloutCache(DraftStore):
@@ -229,6 +252,9 @@ class RolloutCache(DraftStore):
             "offsets": torch.tensor([0, *itertools.accumulate(len(d) for d in drafts)], dtype=torch.int64),
             "token_ids": torch.cat([d.token_ids for d in drafts]) if drafts else torch.zeros(0, dtype=torch.int32),
             "logprobs": torch.cat([d.logprobs for d in drafts]) if drafts else torch.zeros(0, dtype=torch.float32),
+            "behaviour_logprobs": torch.cat([d.behaviour for d in drafts])
+            if drafts
+            else torch.zeros(0, dtype=torch.float32),
             "versions": torch.tensor([d.version for d in drafts], dtype=torch.int64),
             "ages": torch.tensor([d.age for d in drafts], dtype=torch.int64),
             "finish": torch.tensor([FINISH_REASONS.index(d.finish_reason) for d in drafts], dtype=torch.uint8),
@@ -255,6 +281,10 @@ class RolloutCache(DraftStore):
         offsets = check.tensor("offsets", torch.int64, (n + 1,))
         ids = check.tensor("token_ids", torch.int32, (None,))
         lps = check.tensor("logprobs", torch.float32, (ids.numel(),))
+        # caches written before 0.6 have no behaviour log-probs: the stored log-probs stand for them
+        behaviour = None
+        if "behaviour_logprobs" in check.tensors:
+            behaviour = check.tensor("behaviour_logprobs", torch.float32, (ids.numel(),))
         versions = check.tensor("versions", torch.int64, (n,))
         # caches written before 0.5 have no ages: their drafts count as fresh samples
         fresh = torch.zeros(n, dtype=torch.int64)
@@ -264,6 +294,8 @@ class RolloutCache(DraftStore):
         check.offsets("offsets", offsets, ids.numel())
         check.token_ids("token_ids", ids)
         check.logprobs("logprobs", lps)
+        if behaviour is not None:
+            check.logprobs("behaviour_logprobs", behaviour)
         check.in_range("finish", finish, len(FINISH_REASONS))
         check.in_range("settings_index", settings_index, len(settings_list))
         check.non_negative("versions", versions)
@@ -273,11 +305,17 @@ class RolloutCache(DraftStore):
         check.unique("keys", digests)
         lengths = offsets.diff().tolist()
         token_rows, logprob_rows = ids.split(lengths), lps.split(lengths)
+        behaviour_rows = behaviour.split(lengths) if behaviour is not None else [None] * n
         rows = zip(digests, token_rows, logprob_rows, finish.tolist(), versions.tolist(), settings_index.tolist(), ages)
         cache = cls()
         cache.owner = check.meta.get("owner")
         cache._entries = {
-            digest: Draft(t.clone(), lp.clone(), FINISH_REASONS[f], v, settings_list[s], a)
-            for digest, t, lp, f, v, s, a in rows
+            digest: Draft(t.clone(), lp.clone(), FINISH_REASONS[f], v, settings_list[s], a, _own(b, lp))
+            for (digest, t, lp, f, v, s, a), b in zip(rows, behaviour_rows)
         }
         return cache
+
+
+def _own(behaviour: torch.Tensor | None, logprobs: torch.Tensor) -> torch.Tensor | None:
+    """A loaded draft's behaviour log-probs: a copy, or None where they equal its log-probs."""
+    return None if behaviour is None or torch.equal(behaviour, logprobs) else behaviour.clone()

@@ -93,10 +93,15 @@ class DirectoryDraftStore(DraftStore):
         try:  # checked as DraftStore.store checks a new draft
             ids = check.tensor("token_ids", torch.int32, (None,))
             lps = check.tensor("logprobs", torch.float32, (ids.numel(),))
+            # files written before 0.6 have no behaviour log-probs: the stored log-probs stand for them
+            behaviour = None
+            if "behaviour_logprobs" in tensors:
+                behaviour = check.tensor("behaviour_logprobs", torch.float32, (ids.numel(),))
             stored = check.json_field("settings", dict, "a JSON object of sampling settings")
             settings = check.settings(stored, "settings")
             age = check.count_field("age") if "age" in meta else 0  # files written before 0.5 have no age
-            return make_draft(ids, lps, meta.get("finish_reason"), check.count_field("version"), settings, age)
+            version = check.count_field("version")
+            return make_draft(ids, lps, meta.get("finish_reason"), version, settings, age, behaviour)
         except (TypeError, ValueError) as exc:
             problem = getattr(exc, "problem", exc)  # a DamagedFileError's text without the path again
             warnings.warn(f"draft store: {path} is damaged ({problem}); treating it as a miss", stacklevel=3)
@@ -113,6 +118,8 @@ class DirectoryDraftStore(DraftStore):
             "settings": json.dumps(draft.settings.to_dict(), sort_keys=True),
         }
         tensors = {"token_ids": draft.token_ids, "logprobs": draft.logprobs}
+        if draft.behaviour_logprobs is not None:
+            tensors["behaviour_logprobs"] = draft.behaviour_logprobs
         atomic_save_safetensors(path, tensors, metadata, fsync=self.fsync)
 
     def clear(self) -> None:

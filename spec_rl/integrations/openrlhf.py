@@ -177,7 +177,7 @@ class SpecRLAgentExecutor(AgentExecutorBase):
             "observation_tokens": prompt_ids + response,
             "action_ranges": [(len(prompt_ids), len(prompt_ids) + len(response))],
             "rollout_log_probs": (
-                [0.0] * len(prompt_ids) + result.logprobs if sampling_params.logprobs is not None else None
+                [0.0] * len(prompt_ids) + result.behaviour_logprobs if sampling_params.logprobs is not None else None
             ),
             "truncated": truncated,
             "reward": None,

@@ -19,6 +19,7 @@ class SamplePlan:
     #: generated token fit max_model_len.
     draft_ids: list[int] = field(default_factory=list)
     old_logprobs: list[float] = field(default_factory=list)
+    behaviour: list[float] = field(default_factory=list)  # the draft's behaviour log-probs (docs/design.md)
     draft_end: str | None = None  # "eos"/"length": draft_ids are a whole response today; None: a prefix
 
     @property
@@ -39,6 +40,7 @@ class Verified:
     sampled: int = 0  # 1 when the scoring request's sampled token was kept
     rejected: int | None = None  # y_n when the token at the rejection must differ from it
     rejected_logprob: float | None = None  # its lp_new
+    prefix_behaviour: list[float] = field(default_factory=list)  # behaviour log-probs of prefix_ids
 
 
 @dataclass
@@ -60,9 +62,10 @@ class ContinuationRequest:
 
 @dataclass
 class Assembled:
-    """The sample's response (tokens, log-probs) and its per-sample metrics."""
+    """The sample's response (tokens, current and behaviour log-probs) and its per-sample metrics."""
 
     response_ids: list[int]
     logprobs: list[float]
     finish_reason: str
     metrics: dict
+    behaviour_logprobs: list[float] = field(default_factory=list)

@@ -74,8 +74,16 @@ def adapter_mode(mode: RolloutMode | str) -> RolloutMode:
 
 
 def server_mode(mode: RolloutMode | str) -> RolloutMode:
-    """:func:`adapter_mode` as a server runs it: without tail speculation."""
-    return dataclasses.replace(adapter_mode(mode), tail=0)
+    """:func:`adapter_mode` as a server runs it: without tail speculation. ValueError for coupled keys: a server
+    samples with its own generator, not spec-rl's keys by position."""
+    mode = adapter_mode(mode)
+    if mode.rule is not None and mode.rule.shared_keys:
+        raise ValueError(
+            f"mode {mode.rule.describe()} decodes under spec-rl's keys by position, and a rollout server samples with "
+            "its own generator; use it with spec-rl's own trainer or the TRL adapter, or choose exact (lossless) or "
+            "a lenient rule here, with the trainer's rollout correction"
+        )
+    return dataclasses.replace(mode, tail=0)
 
 
 class SpecRequestBuilder:
@@ -149,6 +157,7 @@ class SpecRequestBuilder:
         plan.draft_end = view.finish_reason if cut == view.length else None
         plan.draft_ids = [int(t) for t in draft.token_ids[:cut].tolist()]
         plan.old_logprobs = [float(x) for x in draft.logprobs[:cut].tolist()]
+        plan.behaviour = [float(x) for x in draft.behaviour[:cut].tolist()]
         return plan
 
     def scoring_sampling_params(self, base: dict) -> dict:
@@ -217,6 +226,9 @@ class SpecRequestBuilder:
         n = int(res.accepted_len[0])
         full = n == len(plan.draft_ids) and plan.draft_end is not None
         out = Verified(n, plan.draft_ids[:n], [float(x) for x in new[0, :n].tolist()], full, step_used)
+        behaviour = torch.tensor([plan.behaviour or plan.old_logprobs], dtype=torch.float32)
+        kept = self.rule.kept_behaviour(new, old, behaviour, torch.tensor([len(plan.draft_ids)]))
+        out.prefix_behaviour = [float(x) for x in kept[0, :n].tolist()]
         if self.rule.excludes_rejected and n < len(plan.draft_ids):
             out.rejected, out.rejected_logprob = plan.draft_ids[n], float(new[0, n])
         if not full and n == len(plan.draft_ids) and n < plan.budget and scoring_sample is not None:
@@ -224,6 +236,7 @@ class SpecRequestBuilder:
             if ids and lps:
                 out.prefix_ids.append(int(ids[0]))
                 out.prefix_logprobs.append(float(lps[0]))
+                out.prefix_behaviour.append(float(lps[0]))  # a sample of the current policy
                 out.sampled = 1
         return out
 
@@ -291,6 +304,10 @@ class SpecRequestBuilder:
             raise ValueError(f"continuation has {len(new_ids)} tokens but {len(new_lps)} log-probs")
         response = verified.prefix_ids + new_ids
         lps = verified.prefix_logprobs + new_lps
+        behaviour = verified.prefix_behaviour + new_lps
+        if new_lps and verified.rejected is not None and not kept_excluded:  # drawn without the rejected token
+            excluded = torch.tensor([verified.rejected_logprob], dtype=torch.float64)
+            behaviour[len(verified.prefix_ids)] = float(self.rule.drawn_behaviour(torch.tensor([new_lps[0]]), excluded))
         if len(response) > plan.budget:
             raise ValueError(f"response has {len(response)} tokens, more than the budget {plan.budget}")
         finish = "eos" if response and response[-1] in self.eos_ids else "length"
@@ -298,7 +315,8 @@ class SpecRequestBuilder:
             finish = plan.draft_end
         version = verified.step if (step is None or plan.draft_ids) else int(step)
         if store:
-            self.store.store(plan.key, response, lps, finish, version, self.settings, next_age(plan.draft, verified.n))
+            age = next_age(plan.draft, verified.n)
+            self.store.store(plan.key, response, lps, finish, version, self.settings, age, behaviour)
         metrics = {
             "draft_found": plan.draft is not None,
             "draft_len": len(plan.draft_ids),
@@ -310,7 +328,7 @@ class SpecRequestBuilder:
             "resamples": int(resamples),
             "draw_fallbacks": int(bool(kept_excluded)),
         }
-        return Assembled(response, lps, finish, metrics)
+        return Assembled(response, lps, finish, metrics, behaviour)
 
     async def run_sample(
         self, plan: SamplePlan, score: Callable[[SamplePlan], Awaitable[tuple]], send: Callable[..., Awaitable[tuple]]

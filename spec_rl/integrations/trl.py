@@ -199,8 +199,11 @@ class SpecRLRollout:
         """TRL's ``rollout_func``: one completion per prompt (string or chat message list), in order.
 
         Returns ``{"prompt_ids": [[int]], "completion_ids": [[int]], "logprobs": [[float]]}``; ``logprobs[i][t]`` is the
-        sampling log-prob (nats) of completion token t under the current model (``log_softmax(logits / T)``, restricted
-        to top-k/top-p when set). RuntimeError: ``dataset_id_column`` is set but :meth:`attach` was not called."""
+        behaviour log-prob (nats) of completion token t: the sampling log-prob under the current model
+        (``log_softmax(logits / T)``, restricted to top-k/top-p when set) for a generated token, the log-prob of the
+        path that kept it for a reused one (docs/design.md "Behaviour log-probs"); TRL's
+        ``vllm_importance_sampling_correction`` weighs tokens by them. RuntimeError: ``dataset_id_column`` is set but
+        :meth:`attach` was not called."""
         if self.trainer is not trainer:
             self._validate(trainer)
         if not prompts:
@@ -221,7 +224,7 @@ class SpecRLRollout:
         return {
             "prompt_ids": [list(p) for p in result.prompt_ids],
             "completion_ids": [list(r) for r in result.response_ids],
-            "logprobs": [[float(x) for x in lp] for lp in result.logprobs],
+            "logprobs": [[float(x) for x in lp] for lp in result.behaviour_logprobs],
         }
 
     @property

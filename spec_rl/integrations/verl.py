@@ -165,7 +165,9 @@ class SpecRLAgentLoop(AgentLoopBase):
                 plan = self.builder.plan(prompt_ids, slot_of(kwargs, self.n), dataset_id_of(kwargs))
                 score, send = partial(self._score, request_id, base), partial(self._continue, request_id, base)
                 result, _ = await self.builder.run_sample(plan, score, send)
-                response_ids, logprobs = result.response_ids, result.logprobs
+                # the behaviour log-probs: verl's rollout_log_probs, which its Rollout Correction weighs reused
+                # tokens by (docs/integrations.md "Rollout correction")
+                response_ids, logprobs = result.response_ids, result.behaviour_logprobs
                 extra = {f"spec_rl/{k}": v for k, v in result.metrics.items()}
             else:  # validation or greedy: generated plainly
                 out = await self.server_manager.generate(

@@ -59,6 +59,7 @@ class _Batch:
     drafted: list[int] = field(default_factory=list)  # requests with a non-empty draft
     responses: list[list[int]] = field(default_factory=list)
     logprobs: list[list[float]] = field(default_factory=list)
+    behaviour: list[list[float]] = field(default_factory=list)  # log-prob of the path that produced each token
     finish: list[str | None] = field(default_factory=list)
     prefix_len: list[int] = field(default_factory=list)
     kv_len: list[int] = field(default_factory=list)  # draft tokens whose K/V are kept (before the fed token)
@@ -74,6 +75,7 @@ class _Batch:
         bsz = len(self.prompts)
         self.drafts, self.finish = [None] * bsz, [None] * bsz
         self.responses, self.logprobs = [[] for _ in range(bsz)], [[] for _ in range(bsz)]
+        self.behaviour = [[] for _ in range(bsz)]
         self.prefix_len, self.kv_len, self.sources = [0] * bsz, [0] * bsz, [0] * bsz
 
 
@@ -204,6 +206,7 @@ class SpeculativeRollout:
             prompt_ids=batch.prompts,
             response_ids=batch.responses,
             logprobs=batch.logprobs,
+            behaviour_logprobs=batch.behaviour,
             finish_reasons=[f or "length" for f in batch.finish],
             verified_prefix_len=batch.prefix_len,
             draft_found=[i in drafted for i in range(len(batch.prompts))],
@@ -228,7 +231,9 @@ class SpeculativeRollout:
         keys = [CacheKey.make(p, r.slot, r.dataset_id) for p, r in zip(prompts, requests)]
         check_unique_samples(keys)
         stats = RolloutStats(num_samples=len(prompts))
-        batch = _Batch(prompts, budgets, keys, step, mix_seed(seed, step), store, stats, self.vocab_size)
+        # coupled keys: every step samples under step 0's keys, the noise its drafts were drawn with
+        key_step = 0 if self.mode.rule is not None and self.mode.rule.shared_keys else step
+        batch = _Batch(prompts, budgets, keys, step, mix_seed(seed, key_step), store, stats, self.vocab_size)
         if self.history is not None:
             batch.group_keys = [CacheKey.make(p, 0, r.dataset_id).digest for p, r in zip(prompts, requests)]
         return batch
@@ -270,6 +275,7 @@ class SpeculativeRollout:
             self.verify_backend,
             versions,
             self.old_policies,
+            [batch.drafts[i].behaviour for i in batch.drafted],
         )
         stored = None
         if self.mode.rule.keyed_walk:  # walks read only part of the trie: score where they may go
@@ -301,6 +307,7 @@ class SpeculativeRollout:
         """Keep the verified prefix and token at n; a draft accepted whole that is only a prefix today is continued."""
         batch.responses[i] = list(walk.tokens[row])
         batch.logprobs[i] = list(walk.logprobs[row])
+        batch.behaviour[i] = list(walk.logprobs[row] if walk.behaviour is None else walk.behaviour[row])
         batch.prefix_len[i] = batch.kv_len[i] = walk.n[row]
         batch.sources[i] = walk.source[row]
         token = walk.next_token[row]
@@ -313,6 +320,7 @@ class SpeculativeRollout:
             return
         batch.responses[i].append(token)
         batch.logprobs[i].append(walk.next_logprob[row])
+        batch.behaviour[i].append(walk.next_logprob[row] if walk.next_behaviour is None else walk.next_behaviour[row])
         batch.stats.tokens_generated += 1
         if token in self.eos_ids:
             batch.finish[i] = "eos"
@@ -349,6 +357,7 @@ class SpeculativeRollout:
         for i, c in zip(order, conts):
             batch.responses[i] = batch.responses[i] + list(c.token_ids)
             batch.logprobs[i] = batch.logprobs[i] + list(c.logprobs)
+            batch.behaviour[i] = batch.behaviour[i] + list(c.logprobs)
             batch.finish[i] = c.finish_reason
             batch.stats.tokens_generated += len(c.token_ids)
         _sync(self.backend.device)
@@ -363,9 +372,8 @@ class SpeculativeRollout:
         """Every response becomes next epoch's draft of its request and enters the prompt's history."""
         for i, key in enumerate(batch.keys):
             age = next_age(batch.drafts[i], batch.prefix_len[i])
-            batch.store.store(
-                key, batch.responses[i], batch.logprobs[i], batch.finish[i], batch.step, self.settings, age
-            )
+            response, lps, behaviour = batch.responses[i], batch.logprobs[i], batch.behaviour[i]
+            batch.store.store(key, response, lps, batch.finish[i], batch.step, self.settings, age, behaviour)
             if self.history is not None:
                 self.history.add(batch.group_keys[i], batch.responses[i])
         batch.stats.vanilla_tokens = sum(len(r) for r in batch.responses)

@@ -113,7 +113,11 @@ class RolloutStats:
 
 @dataclass
 class RolloutResult:
-    """Responses for B requests in request order, with log-probs under the rollout's policy (the "old" log-probs)."""
+    """Responses for B requests in request order. ``logprobs``: per token, the log-prob under the rollout's policy (the
+    "old" log-probs of the update); ``behaviour_logprobs``: the log-prob of the path that produced the token, the
+    policy that sampled it (docs/design.md "Behaviour log-probs": the current one for a generated token, the draft's
+    times the test's keep probability for a kept one), which a rollout correction weighs against ``logprobs``; the
+    first ``verified_prefix_len`` tokens of a response were reused from its draft (:meth:`reused_mask`)."""
 
     prompt_ids: list[list[int]]
     response_ids: list[list[int]]
@@ -122,20 +126,32 @@ class RolloutResult:
     verified_prefix_len: list[int]
     draft_found: list[bool]
     stats: RolloutStats = field(default_factory=RolloutStats)
+    behaviour_logprobs: list[list[float]] | None = None  # None: the logprobs (nothing was reused off-policy)
+
+    def __post_init__(self) -> None:
+        if self.behaviour_logprobs is None:
+            self.behaviour_logprobs = [list(lp) for lp in self.logprobs]
 
     @property
     def truncated(self) -> list[bool]:
         return [r == "length" for r in self.finish_reasons]
 
+    def reused_mask(self) -> list[list[bool]]:
+        """Per token, whether it was kept from the response's draft (the verified prefix)."""
+        return [[i < n for i in range(len(r))] for r, n in zip(self.response_ids, self.verified_prefix_len)]
+
     def padded(self, pad_id: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-        """Right-padded response_ids [B, R] int64, response_mask [B, R] bool, logprobs [B, R] float32."""
+        """Right-padded response_ids [B, R] int64, response_mask [B, R] bool, logprobs and behaviour_logprobs
+        [B, R] float32 (0 at padding), reused_mask [B, R] bool."""
         bsz = len(self.response_ids)
         width = max([len(r) for r in self.response_ids] + [1])
         ids = torch.full((bsz, width), pad_id, dtype=torch.long)
         mask = torch.zeros((bsz, width), dtype=torch.bool)
-        lps = torch.zeros((bsz, width), dtype=torch.float32)
-        for b, (r, lp) in enumerate(zip(self.response_ids, self.logprobs)):
+        lps = torch.zeros((2, bsz, width), dtype=torch.float32)
+        for b, (r, lp, bh) in enumerate(zip(self.response_ids, self.logprobs, self.behaviour_logprobs)):
             ids[b, : len(r)] = torch.tensor(r, dtype=torch.long)
             mask[b, : len(r)] = True
-            lps[b, : len(r)] = torch.tensor(lp, dtype=torch.float32)
-        return {"response_ids": ids.to(device), "response_mask": mask.to(device), "logprobs": lps.to(device)}
+            lps[:, b, : len(r)] = torch.tensor([lp, bh], dtype=torch.float32)
+        reused = torch.arange(width).unsqueeze(0) < torch.tensor(self.verified_prefix_len).unsqueeze(1)
+        out = {"response_ids": ids, "response_mask": mask, "logprobs": lps[0], "behaviour_logprobs": lps[1]}
+        return {k: v.to(device) for k, v in {**out, "reused_mask": reused & mask}.items()}

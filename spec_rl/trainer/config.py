@@ -7,12 +7,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..acceptance.mode import MODES, TRAINER_MODE, RolloutMode
-from ..acceptance.rules import Lenient, Rule
+from ..acceptance.mode import TRAINER_MODE, RolloutMode
 from ..backends import BACKENDS
 from ..sampling.distribution import SamplingSettings, check_settings
 from ..tasks.data import PromptFormat
 from ..util.validation import check_choice, check_int, check_real
+from .correction import RolloutCorrection
 
 
 def parse_device(name: str) -> torch.device | None:
@@ -55,8 +55,11 @@ class GRPOConfig:
     user's pretrained model, :func:`preset` names other recipes. ``mode``: how rollouts reuse drafts (its ``tail`` is
     the tail-speculation width). ``max_model_len``: prompt + response limit in tokens (None: the model's
     max_position_embeddings). ``seed`` keys data order, sampling, acceptance and the held-out evaluation.
-    ``eval_every``: evaluate every N-th epoch and the last. A field out of range or of the wrong type raises ValueError
-    or TypeError naming it."""
+    ``eval_every``: evaluate every N-th epoch and the last. ``rollout_correction``: importance weights of reused tokens
+    (:mod:`.correction`; a RolloutCorrection, its name such as "tis" or "mis:5", or None: off). The residual draw's
+    weight copies (:mod:`spec_rl.rollout.old_policy`) may take ``version_budget_gb`` GB (None: half of the available
+    memory, or of the free disk with ``versions_on_disk``: safetensors files under the run directory). A field out of
+    range or of the wrong type raises ValueError or TypeError naming it."""
 
     mode: RolloutMode = RolloutMode.parse(TRAINER_MODE)
     sampling: SamplingSettings = field(default_factory=lambda: SamplingSettings(max_tokens=1024))
@@ -80,9 +83,13 @@ class GRPOConfig:
     save_checkpoint: bool = True
     device: str = "auto"
     generation_backend: str = "auto"
+    rollout_correction: RolloutCorrection | None = None
+    version_budget_gb: float | None = None
+    versions_on_disk: bool = False
 
     def __post_init__(self) -> None:
         self.mode = RolloutMode.parse(self.mode)
+        self.rollout_correction = RolloutCorrection.parse(self.rollout_correction)
         check_settings(self.sampling, "sampling")
         if not isinstance(self.prompt_format, PromptFormat):
             raise TypeError(f"prompt_format must be a PromptFormat, got {type(self.prompt_format).__name__}")
@@ -99,7 +106,9 @@ class GRPOConfig:
         check_real("clip_low", self.clip_low, low=0.0, high=1.0, high_open=True)
         check_real("clip_high", self.clip_high, low=0.0)
         check_real("kl_coef", self.kl_coef, low=0.0, hint=" (0 turns the KL term off)")
-        for name in ("scale_adv_by_std", "save_checkpoint"):
+        if self.version_budget_gb is not None:
+            check_real("version_budget_gb", self.version_budget_gb, low=0.0, low_open=True, hint=" (None: automatic)")
+        for name in ("scale_adv_by_std", "save_checkpoint", "versions_on_disk"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
         parse_device(self.device)
@@ -125,24 +134,24 @@ class GRPOConfig:
 
     def to_dict(self) -> dict:
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        values["rollout_correction"] = getattr(self.rollout_correction, "name", None)
         return {k: v.to_dict() if k in ("mode", "sampling", "prompt_format") else v for k, v in values.items()}
 
 
 @dataclass(frozen=True)
 class Preset:
-    """A named recipe: the runs it compares by default and the config fields it changes (``max_tokens``: the response
-    budget); ``spec``: the rule of its "spec" run."""
+    """A named recipe: the runs it compares by default (mode names, each meaning what it means everywhere) and the
+    config fields it changes (``max_tokens``: the response budget)."""
 
     runs: tuple[str, ...]
     fields: dict
-    spec: Rule
 
 
 #: The demo (docs/design.md "The demo recipe"): the embedded toy policy, lr 1e-4, 5 epochs of 256 prompts x G = 4;
-#: its SPEC-RL run is l = 1 with the without-draft draw (the rule that costs this task the least learning).
+#: its lenient run is l = 1 with the without-draft draw (the paper's rule that costs this task the least learning).
 PRESETS = {
     "demo": Preset(
-        runs=("vanilla", "spec", "exact", "histspec"),
+        runs=("vanilla", "l=1-excl", "exact", "histspec"),
         fields=dict(
             epochs=5,
             group_size=4,
@@ -153,9 +162,8 @@ PRESETS = {
             micro_batch_size=128,
             eval_samples=1,
         ),
-        spec=Lenient(1.0, "without-draft"),
     ),
-    "model": Preset(runs=(TRAINER_MODE,), fields={}, spec=MODES["spec"].rule),
+    "model": Preset(runs=(TRAINER_MODE,), fields={}),
 }
 
 
@@ -171,3 +179,45 @@ def preset(name: str, sampling: SamplingSettings | None = None, **overrides) -> 
 def demo_config(**overrides) -> GRPOConfig:
     """The demo's config (:data:`PRESETS` "demo") with ``overrides``."""
     return preset("demo", **overrides)
+
+
+@dataclass(frozen=True)
+class RunSetting:
+    """One run of the trainer: its rollout mode and its rollout correction (None: the config's)."""
+
+    mode: RolloutMode
+    correction: RolloutCorrection | None = None
+
+    @classmethod
+    def parse(cls, name) -> RunSetting:
+        """``<mode>[+<correction>]``: a mode name :meth:`RolloutMode.parse` reads, then optionally ``+tis``, ``+mis``
+        or either with ``:<threshold>`` (e.g. ``spec+tis``, ``l=1+mis:5``); a RunSetting or RolloutMode is taken as
+        it is. ValueError naming the part at fault."""
+        if isinstance(name, RunSetting):
+            return name
+        if not isinstance(name, str):
+            return cls(RolloutMode.parse(name))
+        mode, plus, correction = name.partition("+")
+        setting = cls(RolloutMode.parse(mode), RolloutCorrection.parse(correction) if plus else None)
+        if plus and setting.correction is None:
+            raise ValueError(f"{name!r}: +none names no correction; drop the suffix")
+        if setting.correction is not None and setting.mode.rule is None:
+            raise ValueError(f"{name!r}: {mode} reuses no drafts, so there is nothing to correct; drop +{correction}")
+        return setting
+
+
+def run_settings(names) -> dict[str, RunSetting]:
+    """``names`` (each a name :meth:`RunSetting.parse` reads) as {name: RunSetting}, in order; ValueError for a name
+    that names no run, a name twice or none."""
+    names = list(names)
+    if not names:
+        raise ValueError("modes is empty: name at least one run (e.g. vanilla,spec)")
+    if len(set(names)) != len(names):
+        raise ValueError(f"modes names a run twice: {names} (each run has one folder)")
+    runs = {}
+    for name in names:
+        try:
+            runs[name] = RunSetting.parse(name)
+        except ValueError as err:
+            raise ValueError(f"modes: {name}: {err}") from None
+    return runs

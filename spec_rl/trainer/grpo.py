@@ -17,21 +17,24 @@ from ..backends.scoring import response_logprobs
 from ..drafts.cache import RolloutCache
 from ..drafts.history import HistoryIndex
 from ..drafts.owner import policy_owner
-from ..rollout.old_policy import PolicyVersions
+from ..rollout.old_policy import PolicyVersions, copy_bytes
 from ..rollout.reward_split import origin_sums, response_origins
 from ..rollout.speculative import RolloutRequest, RolloutResult, SpeculativeRollout
 from ..util.atomic import atomic_write_text
 from .checkpoint import CACHE_FILE, HISTORY_FILE, OPTIMIZER_FILE, commit_checkpoint, latest_checkpoint, remove_stale
 from .config import GRPOConfig, resolve_device
+from .correction import weight_sums
 from .heldout import START, HeldoutEvaluator
 from .loss import clipped_policy_loss, group_advantages, response_mask
 from .records import METRICS_FILE, epoch_record, no_signal_warning
 from .report import format_row
+from .versions import check_version_budget, epoch_order
 
-# Seeds of the mini-batch split and the epoch's prompt order: seed * stride + counter; primes, so that the
-# (seed, counter) pairs of nearby runs do not collide.
+# Seed of the mini-batch split: seed * stride + step; a prime, so that the (seed, step) pairs of nearby runs do not
+# collide.
 _MINIBATCH_SEED_STRIDE = 1_000_003
-_EPOCH_SEED_STRIDE = 7919
+#: Where a residual-draw run with ``versions_on_disk`` keeps its weight copies, in its folder.
+VERSIONS_DIR = "versions"
 
 
 class GRPOTrainer:
@@ -102,9 +105,13 @@ class GRPOTrainer:
         self.cache.claim(policy_owner(tokenizer, model.config))
         self.history = HistoryIndex() if config.mode.tail else None
         # the residual draw reads the weights of the steps whose responses are drafts (a resumed run has none yet:
-        # its first epoch samples fresh)
+        # its first epoch samples fresh); their peak is checked before anything trains
+        self.old_policies = None
         rule = config.mode.rule
-        self.old_policies = PolicyVersions(model, self.pad_id) if rule is not None and rule.needs_old_policy else None
+        if rule is not None and rule.needs_old_policy:
+            folder = self.out_dir / VERSIONS_DIR if config.versions_on_disk else None
+            copies = check_version_budget(config, len(self.examples), copy_bytes(model), folder)
+            self.old_policies = PolicyVersions(model, self.pad_id, folder, max_copies=copies)
         self.rollout = self._make_rollout(model, config, max_model_len)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         self._set_initial_policy(model, ref_model)
@@ -205,6 +212,12 @@ class GRPOTrainer:
         cfg = self.config
         self.model.train()
         masks = response_mask(result.response_ids, self.eos_ids)
+        padded = result.padded(self.pad_id)
+        log_ratio = padded["logprobs"] - padded["behaviour_logprobs"]  # 0 on generated tokens
+        weight_record = weight_sums(log_ratio, masks, cfg.rollout_correction)
+        weights = None
+        if cfg.rollout_correction is not None:  # mis: masked tokens leave the loss and its token count
+            weights, masks = cfg.rollout_correction.weights(log_ratio, masks)
         order = list(range(len(result.response_ids)))
         random.Random(cfg.seed * _MINIBATCH_SEED_STRIDE + self.step).shuffle(order)
         minis = [order[i :: cfg.ppo_mini_batches] for i in range(cfg.ppo_mini_batches)]
@@ -225,16 +238,15 @@ class GRPOTrainer:
                 lp = response_logprobs(self.model, prompts, resps, self.pad_id, self.settings)
                 width = lp.shape[1]
                 mask = masks[idx][:, :width].to(self.device)
-                old = torch.zeros_like(lp)
-                for row, i in enumerate(idx):
-                    old[row, : len(result.logprobs[i])] = torch.tensor(result.logprobs[i], device=self.device)
+                old = padded["logprobs"][idx][:, :width].to(self.device)
+                w = weights[idx][:, :width].to(self.device) if weights is not None else None
                 ref = None
                 if self.ref_model is not None:
                     with torch.no_grad():
                         ref = response_logprobs(self.ref_model, prompts, resps, self.pad_id, self.settings)
                 adv = advantages[idx].to(self.device)
                 loss, m = clipped_policy_loss(
-                    lp, old, adv, mask, cfg.clip_low, cfg.clip_high, ref, cfg.kl_coef, num_tokens
+                    lp, old, adv, mask, cfg.clip_low, cfg.clip_high, ref, cfg.kl_coef, num_tokens, w
                 )
                 loss.backward()
                 total += float(loss.detach())
@@ -246,6 +258,7 @@ class GRPOTrainer:
         return {
             "loss": sum(losses) / len(losses) if losses else 0.0,
             "clip_frac": sum(clip_fracs) / len(clip_fracs) if clip_fracs else 0.0,
+            **weight_record,
         }
 
     def train_step(self, batch_indices: Sequence[int], epoch: int) -> dict:
@@ -258,8 +271,9 @@ class GRPOTrainer:
         ]
         self.model.eval()
         result = self.rollout.run(requests, self.step)
-        if self.old_policies is not None:  # this step's responses are drafts under the weights used now
-            self.old_policies.keep(self.step)
+        if self.old_policies is not None:
+            if epoch + 1 < cfg.epochs:  # this step's responses are drafts under the weights used now
+                self.old_policies.keep(self.step)
             self.old_policies.retain({d.version for d in self.cache.drafts()})
         texts = self.tokenizer.batch_decode(result.response_ids, skip_special_tokens=True)
         golds = [self.examples[i].answer for i in batch_indices for _ in range(cfg.group_size)]
@@ -319,9 +333,7 @@ class GRPOTrainer:
                 self.initial_heldout = self.heldout.evaluate(self.model, 0)
             self.log(format_row(self.label, {"epoch": 0, **self.initial_heldout}))
         for epoch in range(self.start_epoch, cfg.epochs):
-            # The cache is keyed by prompt ids, so the order may change every epoch.
-            order = list(range(len(self.examples)))
-            random.Random(cfg.seed * _EPOCH_SEED_STRIDE + epoch).shuffle(order)
+            order = epoch_order(len(self.examples), cfg.seed, epoch)
             steps = []
             for s in range(0, len(order), cfg.prompts_per_step):
                 rec = self.train_step(order[s : s + cfg.prompts_per_step], epoch)

@@ -45,8 +45,11 @@ def clipped_policy_loss(
     ref_logprobs: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     num_tokens: int | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO clipped surrogate, token mean over ``mask``, plus ``kl_coef`` times the k3 KL to ``ref_logprobs``.
+    """PPO clipped surrogate, token mean over ``mask``, plus ``kl_coef`` times the k3 KL to ``ref_logprobs``; with
+    ``is_weights`` [B, R] (a rollout correction's, :mod:`.correction`) each token's surrogate is weighted by its
+    importance weight: the decoupled objective, old_logprobs the proximal policy.
 
     Args:
         logprobs, old_logprobs, ref_logprobs: [B, R] float: current (with grad), rollout, reference policy.
@@ -65,6 +68,8 @@ def clipped_policy_loss(
     surr1 = ratio * adv
     surr2 = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
     per_token = -torch.minimum(surr1, surr2)
+    if is_weights is not None:
+        per_token = per_token * is_weights.to(per_token.dtype)
     kl_value = 0.0
     if kl_coef > 0:
         if ref_logprobs is None:

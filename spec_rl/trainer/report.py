@@ -11,6 +11,7 @@ from pathlib import Path
 from ..acceptance.mode import VANILLA, RolloutMode
 from ..rollout.reward_split import ORIGINS
 from ..util.atomic import atomic_write_text
+from .correction import weight_stats
 from .heldout import heldout_curve, start_point
 from .records import mean_or_none
 from .report_plot import plot
@@ -37,6 +38,8 @@ EPOCH_COLUMNS = (
 _RATIOS = ("generated_tokens", "decode_steps", "rollout_seconds")
 #: Summed over epochs for the run-level ratios.
 _TOTALS = (*_RATIOS, "scoring_seconds", "generation_seconds", "other_seconds", "reused_tokens", "draft_tokens")
+#: Summed over epochs for the importance weights' statistics (:func:`~spec_rl.trainer.correction.weight_stats`).
+_WEIGHT_SUMS = ("is_tokens", "is_sum", "is_sq_sum", "is_corrected")
 #: Columns of the comparison tables (key, header, format); n/a where there is no value.
 _RATIO_COLUMNS = (
     ("generated_tokens_ratio", "tokens ratio", ".3f"),
@@ -51,6 +54,9 @@ _TOTAL_COLUMNS = (
     ("scoring_share", "scoring / vanilla rollout", ".1%"),
     ("accepted_share", "accepted share of draft tokens", ".1%"),
     ("reused_drift", "drift of reused tokens (nats)", ".3g"),
+    ("is_mean", "IS weight mean", ".3f"),
+    ("is_ess", "IS ESS", ".3f"),
+    ("is_corrected_share", "IS weights past threshold", ".2%"),
     ("final_heldout_reward_minus_vanilla", "final held-out reward - vanilla", "+.3f"),
     ("final_greedy_accuracy_minus_vanilla", "final greedy accuracy - vanilla", "+.3f"),
 )
@@ -173,12 +179,20 @@ def run_ratios(summary: dict[str, list[dict]], from_epoch: int = 2) -> list[dict
                 # had moved on the tokens it reused (mean |lp_new - lp_old|, nats)
                 "accepted_share": _ratio(t["reused_tokens"], t["draft_tokens"]),
                 "reused_drift": mean_or_none([r.get("reused_drift") for r in records if r["epoch"] in epochs]),
+                # importance weights pi_old / pi_behaviour of the response tokens (docs/design.md "Rollout correction")
+                **weight_stats(_weight_sums([r for r in records if r["epoch"] in epochs])),
                 "no_signal_epochs": [r["epoch"] for r in records if r.get("no_signal")],
                 **_final_quality(records, vanilla),
                 "epochs": sorted(epochs),
             }
         )
     return out
+
+
+def _weight_sums(records: list[dict]) -> dict:
+    """The importance-weight sums of epoch records added up, with the largest weight."""
+    sums = {k: sum(r.get(k, 0) for r in records) for k in _WEIGHT_SUMS}
+    return {**sums, "is_max": max((r.get("is_max") or 1.0 for r in records), default=1.0)}
 
 
 def _fmt(x: float | None, spec: str) -> str:

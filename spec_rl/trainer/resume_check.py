@@ -13,16 +13,19 @@ from collections.abc import Collection, Sequence
 from dataclasses import fields
 from pathlib import Path
 
-from ..acceptance.mode import RolloutMode
 from .config import GRPOConfig
 from .rundir import INFO_FILE, RunDirError
 
 #: GRPOConfig fields that change what a response can be; each run's mode is compared too, without ``tail``
 #: (tail speculation changes decode steps, never a token).
 RESPONSE_FIELDS = ("sampling", "prompt_format", "max_model_len", "seed")
-#: GRPOConfig fields a resume may change: epochs (a resume may extend a run), micro_batch_size (memory only), device and
-#: backend (keyed sampling), save_checkpoint; ``mode`` is compared per run.
-NOT_COMPARED = ("mode", "epochs", "micro_batch_size", "save_checkpoint", "device", "generation_backend")
+#: GRPOConfig fields a resume may change: epochs (a resume may extend a run), micro_batch_size and the residual draw's
+#: version budget and place (memory only), device and backend (keyed sampling), save_checkpoint; ``mode`` and
+#: ``rollout_correction`` are compared per run.
+NOT_COMPARED = (
+    *("mode", "rollout_correction", "epochs", "micro_batch_size", "save_checkpoint", "device", "generation_backend"),
+    *("version_budget_gb", "versions_on_disk"),
+)
 #: GRPOConfig fields that change how the policy is trained or measured: every other field.
 TRAINING_FIELDS = tuple(f.name for f in fields(GRPOConfig) if f.name not in RESPONSE_FIELDS + NOT_COMPARED)
 
@@ -57,17 +60,20 @@ def data_digest(examples: Sequence, eval_examples: Sequence | None) -> str:
 
 def run_fingerprint(
     config: GRPOConfig,
-    modes: dict[str, RolloutMode],
+    runs: dict[str, GRPOConfig],
     model_path,
     eos_ids: Collection[int],
     examples: Sequence,
     eval_examples,
 ) -> dict:
-    """What the runs' responses and training depend on, compared by :func:`check_resume`."""
+    """What the runs' responses and training depend on (``runs``: each run's config), compared by
+    :func:`check_resume`."""
     cfg = config.to_dict()
     out = {field: cfg[field] for field in RESPONSE_FIELDS + TRAINING_FIELDS}
-    for label, mode in modes.items():
-        out[f"mode:{label}"] = {k: v for k, v in mode.to_dict().items() if k != "tail"}
+    for label, run in runs.items():
+        out[f"mode:{label}"] = {k: v for k, v in run.mode.to_dict().items() if k != "tail"}
+        if run.rollout_correction is not None:
+            out[f"mode:{label}"]["rollout_correction"] = run.rollout_correction.name
     out.update(
         model=str(model_path), eos_ids=sorted(int(e) for e in eos_ids), data=data_digest(examples, eval_examples)
     )

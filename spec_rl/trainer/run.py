@@ -11,15 +11,16 @@ from types import SimpleNamespace
 
 import torch
 
-from ..acceptance.mode import MODES, VANILLA, RolloutMode, mode_names
+from ..acceptance.mode import VANILLA, RolloutMode
 from ..backends.base import eos_token_ids
 from ..util.atomic import remove_leftovers
 from .checkpoint import latest_checkpoint
-from .config import GRPOConfig, resolve_device
-from .grpo import GRPOTrainer
+from .config import GRPOConfig, RunSetting, resolve_device, run_settings
+from .grpo import VERSIONS_DIR, GRPOTrainer
 from .report import format_row, header_row, write_report
 from .resume_check import check_resume, run_fingerprint, stored_info
 from .rundir import plan_run, read_summary
+from .versions import check_version_budget
 
 
 def load_policy(path: str | Path, device: torch.device | str = "cpu"):
@@ -66,8 +67,9 @@ def check_policy(path: str | Path, config: GRPOConfig) -> None:
     config.context_limit(getattr(AutoConfig.from_pretrained(path).get_text_config(), "max_position_embeddings", None))
 
 
-def count_parameters(path: str | Path) -> int | None:
-    """Parameters of the checkpoint at ``path`` from its safetensors headers (no weight read); None without any."""
+def count_parameters(path: str | Path, bytes_on: torch.device | None = None) -> int | None:
+    """Parameters of the checkpoint at ``path`` from its safetensors headers (no weight read); None without any.
+    ``bytes_on``: their bytes instead, as :func:`load_policy` loads them on that device (float32 on a CPU)."""
     import json
     import math
     import struct
@@ -77,8 +79,16 @@ def count_parameters(path: str | Path) -> int | None:
     for file in files:
         with open(file, "rb") as f:
             header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
-        total += sum(math.prod(int(d) for d in entry["shape"]) for k, entry in header.items() if k != "__metadata__")
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            size = 1 if bytes_on is None else 4 if bytes_on.type == "cpu" else _DTYPE_BYTES.get(entry["dtype"], 4)
+            total += math.prod(int(d) for d in entry["shape"]) * size
     return total if files else None
+
+
+#: Bytes per element of the safetensors dtypes a checkpoint's weights are stored in.
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
 def policy_eos_ids(path: str | Path) -> set[int]:
@@ -94,13 +104,19 @@ def policy_eos_ids(path: str | Path) -> set[int]:
     return eos_token_ids(holder, AutoTokenizer.from_pretrained(path))
 
 
-def run_configs(config: GRPOConfig, modes: Mapping[str, RolloutMode]) -> dict[str, GRPOConfig]:
-    """Each run's config: ``config`` with the run's mode; beside vanilla, the lossless runs are evaluated after the
-    last epoch only (their responses, hence their evaluations, are vanilla's)."""
-    configs = {label: dataclasses.replace(config, mode=mode) for label, mode in modes.items()}
-    if VANILLA in modes:
-        for label, mode in modes.items():
-            if label != VANILLA and mode.lossless:
+def run_configs(config: GRPOConfig, runs: Mapping[str, RunSetting | RolloutMode]) -> dict[str, GRPOConfig]:
+    """Each run's config: ``config`` with the run's mode and correction (where it names one); beside vanilla, the
+    lossless runs are evaluated after the last epoch only (their responses, hence their evaluations, are vanilla's)."""
+    runs = {label: RunSetting.parse(run) for label, run in runs.items()}
+    configs = {
+        label: dataclasses.replace(
+            config, mode=run.mode, rollout_correction=run.correction or config.rollout_correction
+        )
+        for label, run in runs.items()
+    }
+    if VANILLA in runs:
+        for label, cfg in configs.items():
+            if label != VANILLA and cfg.mode.lossless:
                 configs[label] = dataclasses.replace(configs[label], eval_every=config.epochs)
     return configs
 
@@ -127,7 +143,7 @@ def run_modes(
     train_examples: Sequence,
     reward_fn: Callable[[str, str], float],
     config: GRPOConfig,
-    modes: Sequence[str] | Mapping[str, RolloutMode],
+    modes: Sequence[str] | Mapping[str, RolloutMode | RunSetting],
     out_dir: str | Path,
     eval_examples: Sequence | None = None,
     resume: bool = False,
@@ -135,22 +151,26 @@ def run_modes(
     progress: bool = True,
 ) -> dict[str, list[dict]]:
     """Train one run per mode from ``model_path`` with identical seeds; rewrite the report after every epoch. ``modes``:
-    names of :data:`~spec_rl.acceptance.mode.MODES`, or {label: RolloutMode}. Returns {label: [epoch record, ...]} (with
+    run names (``<mode>[+<correction>]``, :meth:`~spec_rl.trainer.config.RunSetting.parse`), or {label: RolloutMode
+    or RunSetting}. Returns {label: [epoch record, ...]} (with
     ``resume``: every label of the run directory). Run directory and options: docs/api.md "Trainer". Raises ValueError
     for an unknown mode name, RunDirError when ``out_dir`` cannot take the run, ConfigChangeError for ``resume`` under
     another configuration without ``allow_config_change``."""
     log = print
-    if not isinstance(modes, Mapping):
-        modes = {m: MODES[m] for m in mode_names(modes)}
+    modes = dict(modes) if isinstance(modes, Mapping) else run_settings(modes)
     configs = run_configs(config, modes)  # all checked before any trains
     check_policy(model_path, config)
     out_dir = Path(out_dir)
     device = resolve_device(config.device)
+    for label, cfg in configs.items():  # every run's weight copies fit, before any trains
+        folder = out_dir / label / VERSIONS_DIR if cfg.versions_on_disk else None
+        check_version_budget(cfg, len(train_examples), count_parameters(model_path, device) or 0, folder)
     plan = plan_run(out_dir, list(modes), resume)
     for folder in [out_dir, *(p for p in out_dir.iterdir() if p.is_dir())]:
         remove_leftovers(folder)  # temporary files of a killed writer; checkpoint versions: trainer.resume
     summary = read_summary(out_dir) if resume else {}
-    fingerprint = run_fingerprint(config, modes, model_path, policy_eos_ids(model_path), train_examples, eval_examples)
+    eos = policy_eos_ids(model_path)
+    fingerprint = run_fingerprint(config, configs, model_path, eos, train_examples, eval_examples)
     stored = (stored_info(out_dir) or {}) if resume else {}  # run_info.json of the run resumed
     changes = stored.get("config_changes", [])
     if resume:  # compared first: a finished run resumed under other settings is refused too

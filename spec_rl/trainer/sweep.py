@@ -1,7 +1,7 @@
 """``spec-rl sweep``: the speed/learning trade-off per run mode, on the demo task or any model (docs/api.md "Sweep").
 
-Every setting (a run mode by name: vanilla, exact, l=1-res, spec-age2, ...) trains the same recipe from the same start
-over the same seeds, so setting and vanilla pair seed by seed and held-out problem by problem. A finished
+Every setting (a run by name: vanilla, exact, l=1-res, spec-age2, spec+tis, ...) trains the same recipe from the same
+start over the same seeds, so setting and vanilla pair seed by seed and held-out problem by problem. A finished
 ``<out>/<setting>/seed<k>/`` run is skipped and an unfinished one resumes from its checkpoint: rerun to continue."""
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 
-from ..acceptance.mode import VANILLA, RolloutMode
+from ..acceptance.mode import VANILLA
 from ..util.atomic import atomic_write_text, remove_leftovers
+from .correction import weight_stats
 from .rundir import RunDirError, read_summary, run_contents
 
 #: The paper's held-out accuracy AVG, generated tokens (millions) and rollout speed-up
@@ -48,47 +49,40 @@ PRESETS = {"small": (256, 4, 640, 1), "full": (256, 5, 640, 1)}
 _RESAMPLES, _BOOT_SEED = 2000, 0
 
 
-@dataclass(frozen=True)
-class Setting:
-    """One row of the sweep: its name (also its run's label) and its rollout mode."""
-
-    name: str
-    mode: RolloutMode
-
-
 @dataclass
 class Sweep:
     """What a sweep trains: the policy at ``model_path``, the examples, the reward, the base config (each seed k runs
-    ``config.seed + k``), the settings, ``seeds`` per setting, the output folder, and ``info`` recorded with it."""
+    ``config.seed + k``), the settings ({name: RunSetting}, the name also its run's label), ``seeds`` per setting, the
+    output folder, and ``info`` recorded with it."""
 
     model_path: str | Path
     train_examples: Sequence
     eval_examples: Sequence
     reward_fn: Callable[[str, str], float]
     config: object
-    settings: tuple[Setting, ...]
+    settings: dict
     seeds: int
     out_dir: str | Path
     info: dict = dataclasses.field(default_factory=dict)
 
 
-def chosen_settings(spec: str | None, default: Sequence[str] = DEMO_SETTINGS) -> tuple[Setting, ...]:
-    """The settings named in ``--settings`` (comma-separated run modes; None: ``default``), vanilla first. ValueError
-    for a name that names no mode, a name twice, or no name."""
+def chosen_settings(spec: str | None, default: Sequence[str] = DEMO_SETTINGS) -> dict:
+    """The settings named in ``--settings`` (comma-separated runs, :meth:`RunSetting.parse`; None: ``default``) as
+    {name: RunSetting}, vanilla first. ValueError for a name that names no run, a name twice, or no name."""
+    from .config import RunSetting
+
     names = list(default) if spec is None else [x.strip() for x in spec.split(",") if x.strip()]
     if not names:
         raise ValueError(f"--settings: no setting named in {spec!r}; e.g. vanilla,exact,l=1-res,spec")
     if len(set(names)) != len(names):
         raise ValueError(f"--settings names a setting twice: {spec!r} (each setting has one folder)")
-    settings = []
-    for name in names:
+    settings = {}
+    for name in ([] if VANILLA in names else [VANILLA]) + names:  # every ratio and gap is to vanilla
         try:
-            settings.append(Setting(name, RolloutMode.parse(name)))
+            settings[name] = RunSetting.parse(name)
         except ValueError as err:
-            raise ValueError(f"--settings: {name!r} names no run mode: {err}") from None
-    if VANILLA not in names:  # every ratio and gap is to vanilla
-        settings.insert(0, Setting(VANILLA, RolloutMode.parse(VANILLA)))
-    return tuple(settings)
+            raise ValueError(f"--settings: {name!r} names no run: {err}") from None
+    return settings
 
 
 def run_totals(records: list[dict]) -> dict:
@@ -104,6 +98,12 @@ def run_totals(records: list[dict]) -> dict:
             curve.append((spent, r["heldout_reward"]))
     later_draft = sum(r.get("draft_tokens", 0) for r in later)
     drift = [r["reused_drift"] for r in later if r.get("reused_drift") is not None]
+    weights = weight_stats(
+        {
+            **{k: sum(r.get(k, 0) for r in later) for k in ("is_tokens", "is_sum", "is_sq_sum", "is_corrected")},
+            "is_max": max((r.get("is_max") or 1.0 for r in later), default=1.0),
+        }
+    )
     return {
         "epoch_generated_tokens": [r["generated_tokens"] for r in records],
         "epoch_decode_steps": [r.get("decode_steps", 0) for r in records],
@@ -118,6 +118,10 @@ def run_totals(records: list[dict]) -> dict:
         "prompt_rewards": last.get("heldout_prompt_rewards"),
         "greedy_rewards": last.get("heldout_greedy_rewards"),
         "curve": curve,
+        # every epoch's groups had equal rewards: the policy never changed, its gap to vanilla measures nothing
+        "no_signal": all(r.get("no_signal") for r in records),
+        "is_mean": weights["is_mean"],
+        "is_ess": weights["is_ess"],
     }
 
 
@@ -149,6 +153,7 @@ def aggregate(results: dict[str, list[dict]]) -> list[dict]:
     for name, runs in results.items():
         row = {"setting": name, "seeds": len(runs)}
         keys = ("generated_tokens", "decode_steps", "rollout_seconds", "accepted_share", "drift", "wall_seconds")
+        keys += ("is_mean", "is_ess")
         for key in (*keys, "heldout_reward", "heldout_greedy_accuracy"):
             row[key] = mean(runs, key)
         for key in ("generated_tokens", "decode_steps", "rollout_seconds"):
@@ -158,6 +163,9 @@ def aggregate(results: dict[str, list[dict]]) -> list[dict]:
             row[key] = [statistics.fmean(x) for x in zip(*(r[key] for r in runs))]
         for short, key in (("heldout", "prompt_rewards"), ("greedy", "greedy_rewards")):
             row[f"{short}_gap"], row[f"{short}_low"], row[f"{short}_high"] = paired_interval(runs, vanilla, key)
+        row["no_signal_seeds"] = sum(bool(r.get("no_signal")) for r in runs)
+        # a gap where this setting or vanilla never learnt compares two unchanged policies: it measures nothing
+        row["no_signal"] = row["no_signal_seeds"] == len(runs) or all(r.get("no_signal") for r in vanilla)
         rows.append(row)
     return rows
 
@@ -167,6 +175,8 @@ def _num(x, fmt: str = ".3f") -> str:
 
 
 def _gap(row: dict, short: str) -> str:
+    if row.get("no_signal"):
+        return "no learning signal"
     gap, low, high = (_num(row[f"{short}_{k}"], "+.3f") for k in ("gap", "low", "high"))
     return f"{gap} [{low}, {high}]"
 
@@ -178,15 +188,18 @@ def markdown(rows: list[dict], info: dict) -> str:
         f"{info.get('date')}, device {info.get('device')}. Costs over epochs 2+; held-out after the last epoch; gaps "
         "are paired with vanilla (same seeds, same problems) with 95% bootstrap intervals over seeds and problems.",
         "",
-        "| setting | gen tokens | vs vanilla | decode steps vs vanilla | accepted share | drift (nats) | held-out "
-        "reward | vs vanilla [95%] | greedy acc. | vs vanilla [95%] | wall s | paper speed-up | paper AVG |",
-        "|" + "---|" * 13,
+        *(f"**WARNING: {w}**\n" for w in warnings(rows)),
+        "| setting | gen tokens | vs vanilla | decode steps vs vanilla | accepted share | drift (nats) | IS mean / "
+        "ESS | held-out reward | vs vanilla [95%] | greedy acc. | vs vanilla [95%] | wall s | paper speed-up | paper "
+        "AVG |",
+        "|" + "---|" * 14,
     ]
     for r in rows:
         p = PAPER.get(r["setting"], {})
         lines.append(
             f"| {r['setting']} | {r['generated_tokens']:.0f} | {r['generated_tokens_ratio']:.3f} | "
             f"{r['decode_steps_ratio']:.3f} | {_num(r['accepted_share'])} | {_num(r['drift'])} | "
+            f"{_num(r['is_mean'])} / {_num(r['is_ess'])} | "
             f"{r['heldout_reward']:.3f} | {_gap(r, 'heldout')} | {r['heldout_greedy_accuracy']:.3f} | "
             f"{_gap(r, 'greedy')} | {r['wall_seconds']:.0f} | {(str(p['speedup']) + 'x') if p.get('speedup') else '-'} "
             f"| {p.get('avg', '-')} |"
@@ -203,6 +216,17 @@ def markdown(rows: list[dict], info: dict) -> str:
         cells = [f"{t:.0f} / {s:.0f}" for t, s in zip(r["epoch_generated_tokens"], r["epoch_decode_steps"])]
         lines.append(f"| {r['setting']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def warnings(rows: list[dict]) -> list[str]:
+    """The settings whose runs had no learning signal in some seeds (every group's rewards equal in every epoch)."""
+    return [
+        f"{r['setting']}: {r['no_signal_seeds']} of {r['seeds']} seed(s) had no learning signal (every group's "
+        "rewards equal in every epoch, so the policy never changed)"
+        + ("; its gaps are not shown" if r["no_signal"] else "")
+        for r in rows
+        if r["no_signal_seeds"]
+    ]
 
 
 def plot(results: dict[str, list[dict]], rows: list[dict], path: Path) -> Path:
@@ -244,13 +268,13 @@ def run_sweep(sweep: Sweep, progress: bool = True) -> list[dict]:
 
     out = Path(sweep.out_dir)
     epochs = sweep.config.epochs
-    todo = [(s, k) for k in range(sweep.seeds) for s in sweep.settings]  # seed-major: pairs finish together
+    todo = [(name, k) for k in range(sweep.seeds) for name in sweep.settings]  # seed-major: pairs finish together
     bar = tqdm(total=len(todo), desc="sweep runs", unit="run", disable=not progress)
-    results: dict[str, list[dict]] = {s.name: [None] * sweep.seeds for s in sweep.settings}
-    for setting, k in todo:
-        run_dir = out / setting.name / f"seed{k}"
-        bar.set_postfix_str(f"{setting.name} seed {k}")
-        if _finished(run_dir, setting.name, epochs):
+    results: dict[str, list[dict]] = {name: [None] * sweep.seeds for name in sweep.settings}
+    for name, k in todo:
+        run_dir = out / name / f"seed{k}"
+        bar.set_postfix_str(f"{name} seed {k}")
+        if _finished(run_dir, name, epochs):
             remove_leftovers(run_dir)  # a writer killed after the summary was committed
         else:
             cfg = dataclasses.replace(sweep.config, seed=sweep.config.seed + k)
@@ -260,17 +284,17 @@ def run_sweep(sweep: Sweep, progress: bool = True) -> list[dict]:
                     sweep.train_examples,
                     sweep.reward_fn,
                     cfg,
-                    {setting.name: setting.mode},
+                    {name: sweep.settings[name]},
                     run_dir,
                     sweep.eval_examples,
                     resume=bool(run_contents(run_dir)),
                     progress=False,
                 )
-        results[setting.name][k] = run_totals(read_summary(run_dir)[setting.name])
+        results[name][k] = run_totals(read_summary(run_dir)[name])
         bar.update(1)
     bar.close()
     rows = aggregate(results)
-    info = {**_info(sweep.config), **sweep.info, "seeds": sweep.seeds}
+    info = {**_info(sweep.config), **sweep.info, "seeds": sweep.seeds, "warnings": warnings(rows)}
     payload = {"info": info, "rows": rows, "runs": results}
     atomic_write_text(out / "sweep.json", json.dumps(payload, indent=2, default=str))
     atomic_write_text(out / "report.md", markdown(rows, info))

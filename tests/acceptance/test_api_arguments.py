@@ -78,7 +78,11 @@ def test_verify_refuses_bad_arguments(kwargs, error, words):
 @pytest.mark.parametrize(
     "kwargs, error, words",
     [
-        (dict(mode=None), ValueError, "mode must be one of vanilla, histspec, spec, exact, random or l=<lenience>"),
+        (
+            dict(mode=None),
+            ValueError,
+            "mode must be one of vanilla, histspec, spec, exact, coupled, random or l=<lenience>",
+        ),
         (dict(mode="vanilla"), ValueError, "mode 'vanilla' reuses no drafts: there is nothing to verify"),
         (dict(backend="gpu"), ValueError, "backend must be one of ('auto', 'reference', 'triton'), got 'gpu'"),
         (dict(sampling=None), TypeError, "sampling must be a SamplingSettings, got NoneType"),

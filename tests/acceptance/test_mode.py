@@ -80,7 +80,9 @@ def test_names_that_name_no_mode_are_refused(text):
     elif text == "spec-age0":
         assert message.startswith("max_draft_age must be >= 1, got 0")
     else:
-        assert "mode must be one of vanilla, histspec, spec, exact, random or l=<lenience>[-excl|-res]" in message
+        assert (
+            "mode must be one of vanilla, histspec, spec, exact, coupled, random or l=<lenience>[-excl|-res]" in message
+        )
 
 
 def test_the_draft_age_bound_is_part_of_the_mode():
@@ -133,12 +135,14 @@ def test_bad_modes_are_refused_naming_the_field(build, error, words):
 def test_overrides_set_only_the_fields_a_mode_has():
     assert MODES["spec"].settable() == ("lenience", "rejection_draw", "tail", "max_draft_age")
     assert MODES["exact"].settable() == MODES["random"].settable() == ("tail", "max_draft_age")
-    assert MODES["vanilla"].settable() == MODES["histspec"].settable() == ()
+    assert MODES["vanilla"].settable() == () and MODES["histspec"].settable() == ("tail",)
     every = dict(lenience=1.0, rejection_draw="without-draft", tail=0)
     assert MODES["spec"].with_overrides(**every) == RolloutMode(Lenient(1.0, "without-draft"), tail=0)
-    assert MODES["exact"].with_overrides(**every) == RolloutMode(Exact(), tail=0)
-    assert MODES["vanilla"].with_overrides(**every) == MODES["vanilla"]
-    assert MODES["histspec"].with_overrides(tail=0) == MODES["histspec"]  # histspec is tail speculation itself
+    assert MODES["exact"].with_overrides(tail=0, max_draft_age=2) == RolloutMode(Exact(), tail=0, max_draft_age=2)
+    assert MODES["histspec"].with_overrides(tail=4) == RolloutMode(None, tail=4)  # was ignored before 0.6
+    for mode, field in ((MODES["exact"], "lenience"), (MODES["vanilla"], "tail"), (MODES["histspec"], "max_draft_age")):
+        with pytest.raises(ValueError, match=f"^{field}: this mode .* has no such setting"):
+            mode.with_overrides(**{field: 1})
     with pytest.raises(ValueError, match="needs lenience >= 1"):  # the result is checked like any mode
         MODES["spec"].with_overrides(lenience=0.5, rejection_draw="without-draft")
 

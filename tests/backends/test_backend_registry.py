@@ -49,7 +49,7 @@ def test_the_trainer_builds_a_registered_backend_by_name(monkeypatch, tmp_path):
     )
     trainer = GRPOTrainer(tiny_model(seed=0), tiny_tokenizer(), examples, lambda t, g: 1.0, config, tmp_path)
     assert isinstance(trainer.rollout.backend, FullForwardBackend)
-    first = trainer.train_step(range(2), epoch=1)
-    second = trainer.train_step(range(2), epoch=2)
+    first = trainer.train_step(range(2), epoch=0)
+    second = trainer.train_step(range(2), epoch=1)
     assert first["decode_steps"] > 0 and first["tokens_generated"] > 0  # counted by the backend's own stats
     assert second["drafts_found"] == 4 and second["reused_tokens"] > 0

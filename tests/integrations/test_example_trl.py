@@ -78,7 +78,10 @@ def test_example_runs_the_lossless_rule_and_the_without_draft_draw(tmp_path, cap
     "flags, message",
     [
         (["--mode", "l=0.5-excl"], "needs lenience >= 1"),
-        (["--mode", "exact-l=2"], "mode must be one of vanilla, histspec, spec, exact, random or l=<lenience>"),
+        (
+            ["--mode", "exact-l=2"],
+            "mode must be one of vanilla, histspec, spec, exact, coupled, random or l=<lenience>",
+        ),
         (["--mode", "l=-1"], "mode must be one of"),
     ],
 )

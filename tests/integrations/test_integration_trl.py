@@ -125,7 +125,9 @@ class RecordingRollout(SpecRLRollout):
             trl_lp = trainer._get_per_token_logps_and_entropies(
                 trainer.model, torch.cat([p, c], 1), torch.cat([pm, cm], 1), c.shape[1], batch_size=len(prompts)
             )[0]
-        mine = pad([torch.tensor(x) for x in out["logprobs"]], padding_value=0.0, padding_side="right")
+        # TRL receives the behaviour log-probs; the current ones are the trainer's own
+        assert out["logprobs"] == [[float(x) for x in b] for b in res.behaviour_logprobs]
+        mine = pad([torch.tensor(x) for x in res.logprobs], padding_value=0.0, padding_side="right")
         self.records.append(
             {
                 "training": training,
@@ -207,7 +209,7 @@ def _run_three_epochs(tmp_path, lenience, eval_dataset=None, spec_kw=None, model
             # EOS ends a completion; nothing follows it, and only a full budget ends without it.
             assert tok.eos_token_id not in c[:-1]
             assert c[-1] == tok.eos_token_id or len(c) == MAX_COMPLETION
-        # Returned log-probs are the trainer's own per-token log-probs for the same tokens.
+        # The rollout's current log-probs are the trainer's own per-token log-probs for the same tokens.
         assert r["lp_err"] < 1e-4, r["lp_err"]
         # The verified prefix is the cached draft's prefix, token for token (with exact acceptance a
         # sample may follow the draft of another slot of its group: docs/design.md "Exact acceptance").

@@ -293,7 +293,11 @@ def test_max_model_len_past_the_models_positions_is_refused():
         (dict(seed=None), TypeError, "seed must be an integer, got NoneType"),
         (dict(eos_ids=[1.5]), TypeError, r"eos_ids\[0\] must be an integer token id, got 1.5"),
         (dict(eos_ids=[VOCAB]), ValueError, rf"eos_ids\[0\] = {VOCAB} is outside \[0, {VOCAB}\)"),
-        (dict(mode="fast"), ValueError, r"mode must be one of vanilla, histspec, spec, exact, random or l=<lenience>"),
+        (
+            dict(mode="fast"),
+            ValueError,
+            r"mode must be one of vanilla, histspec, spec, exact, coupled, random or l=<lenience>",
+        ),
         (dict(verify_backend="gpu"), ValueError, r"verify_backend must be one of \('auto', 'reference', 'triton'\)"),
     ],
 )

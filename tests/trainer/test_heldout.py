@@ -57,7 +57,8 @@ def _config(mode="spec", lenience=0.5, **kw):
         save_checkpoint=False,
     )
     base.update(kw)
-    return GRPOConfig(mode=MODES[mode].with_overrides(lenience=lenience), **base)
+    mode = MODES[mode].with_overrides(lenience=lenience) if "lenience" in MODES[mode].settable() else MODES[mode]
+    return GRPOConfig(mode=mode, **base)
 
 
 def _trainer(tmp_path, model=None, **kw):

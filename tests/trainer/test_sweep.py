@@ -19,7 +19,6 @@ from spec_rl.trainer.sweep import (
     DEMO_SETTINGS,
     MODEL_SETTINGS,
     PAPER,
-    Setting,
     Sweep,
     aggregate,
     chosen_settings,
@@ -125,17 +124,18 @@ def test_paired_interval_over_seeds_and_problems():
 
 
 def test_settings_are_run_modes_by_name_with_vanilla_first():
-    assert [x.name for x in chosen_settings("l=1-res,spec-age2")] == ["vanilla", "l=1-res", "spec-age2"]
-    by = {x.name: x.mode for x in chosen_settings(None, MODEL_SETTINGS)}
+    assert list(chosen_settings("l=1-res,spec-age2")) == ["vanilla", "l=1-res", "spec-age2"]
+    by = {name: x.mode for name, x in chosen_settings(None, MODEL_SETTINGS).items()}
     assert by["l=1-res"] == RolloutMode(Lenient(1.0, "residual")) and by["exact"] == MODES["exact"]
     assert by["spec-age2"].max_draft_age == 2 and by["spec-age2"].rule == MODES["spec"].rule
-    assert [x.name for x in chosen_settings(" exact , vanilla")] == ["exact", "vanilla"]
-    demo = {x.name: x.mode for x in chosen_settings(None)}
+    assert list(chosen_settings(" exact , vanilla")) == ["exact", "vanilla"]
+    assert chosen_settings("spec+mis:3")["spec+mis:3"].correction.threshold == 3.0
+    demo = {name: x.mode for name, x in chosen_settings(None).items()}
     assert list(demo) == list(DEMO_SETTINGS) and demo["l=e^0.2-excl"] == RolloutMode(
         Lenient(math.exp(0.2), "without-draft")
     )
-    assert demo["l=inf"] == RolloutMode(Lenient(math.inf)) and Setting("x", MODES["exact"]).mode.lossless
-    with pytest.raises(ValueError, match=r"--settings: 'bogus' names no run mode: mode must be one of vanilla"):
+    assert demo["l=inf"] == RolloutMode(Lenient(math.inf))
+    with pytest.raises(ValueError, match=r"--settings: 'bogus' names no run: mode must be one of vanilla"):
         chosen_settings("l=1-excl,bogus")
     with pytest.raises(ValueError, match="no setting named"):
         chosen_settings(" , ")

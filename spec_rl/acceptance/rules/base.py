@@ -33,6 +33,12 @@ class Rule:
     #: The token at a rejection is drawn from the residual max(0, p - q): the rollout needs q, the draft's own policy
     #: at that position (:class:`spec_rl.rollout.old_policy.PolicyVersions`).
     needs_old_policy: ClassVar[bool] = False
+    #: Every response is distributed as a sample of the current policy (exact, the residual draw, the coupled keys):
+    #: its behaviour log-probs are the current policy's (docs/design.md "Behaviour log-probs").
+    samples_policy: ClassVar[bool] = False
+    #: The sampled tokens' keys do not change from step to step (common random numbers): a slot's response is the
+    #: current policy's keyed sample under the noise its draft was drawn with (:mod:`.coupled`).
+    shared_keys: ClassVar[bool] = False
 
     @property
     def log_lenience(self) -> float:
@@ -52,6 +58,36 @@ class Rule:
         u = philox_uniform(seed, uids.unsqueeze(1), index, stream=STREAM_ACCEPT)
         accept = self.test(lp_new.double(), lp_old.double(), u.double()) & lengths_mask(lengths, lp_new.shape[1])
         return accept, rejection_index(accept, lengths)
+
+    def log_keep(self, lp_new: torch.Tensor, lp_old: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """log P(draft token i is kept | tokens < i were kept) [B, R] float64, from float64 log-probs [B, R] and
+        lengths [B]; read only by rules that do not sample the policy (:meth:`kept_behaviour`). A rule that does not
+        give it reports its kept tokens with their drafted probability alone (0 here)."""
+        return torch.zeros_like(lp_new)
+
+    def kept_behaviour(
+        self, lp_new: torch.Tensor, lp_old: torch.Tensor, behaviour: torch.Tensor, lengths: torch.Tensor
+    ) -> torch.Tensor:
+        """Behaviour log-probs [B, R] float64 of kept draft tokens: the log-probability of the path that produced
+        each one, log P(drafted) + log P(kept), with P(drafted) the draft's own ``behaviour`` log-prob [B, R]; the
+        current ``lp_new`` where the rule samples the policy (docs/design.md "Behaviour log-probs")."""
+        if self.samples_policy:
+            return lp_new.double()
+        return behaviour.double() + self.log_keep(lp_new.double(), lp_old.double(), lengths)
+
+    def drawn_behaviour(self, lp: torch.Tensor, lp_excluded: torch.Tensor | None) -> torch.Tensor:
+        """Behaviour log-probs [N] float64 of tokens drawn at a rejection with current log-prob ``lp`` [N]; a draw
+        without the rejected token (log-prob ``lp_excluded`` [N]) renormalises: lp - log(1 - p(excluded))."""
+        if self.samples_policy or lp_excluded is None:
+            return lp.double()
+        rest = torch.log1p(-lp_excluded.double().exp().clamp(max=1.0))
+        return torch.where(rest > -torch.inf, lp.double() - rest, lp.double())  # all mass on it: drawn from p
+
+    def verified_by(self) -> Rule:
+        """The rule the verify functions run for this one: itself, or for a rule whose draw only a rollout can make
+        (the residual), the rule with its test and another draw (:class:`~spec_rl.acceptance.dispatch.VerifyOptions`
+        refuses such a rule from a user)."""
+        return self
 
     def kernel_switch(self) -> tuple[float, bool] | None:
         """(log l, read lp_old) of the fused kernels' test ``log u <= log l + lp_new - lp_old`` (lp_old taken as 0 when

@@ -23,6 +23,7 @@ class Exact(Rule):
     lossless: ClassVar[bool] = True
     excludes_rejected: ClassVar[bool] = True
     keyed_walk: ClassVar[bool] = True
+    samples_policy: ClassVar[bool] = True
 
     def test(self, lp_new: torch.Tensor, lp_old: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         return torch.log(u.double()) <= lp_new.double()

@@ -10,6 +10,7 @@ sampling, so a response is distributed as pi_t when the draft did not shape pi_t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import ClassVar
@@ -59,8 +60,21 @@ class Lenient(Rule):
         return self.rejection_draw == "residual"
 
     @property
+    def samples_policy(self) -> bool:  # type: ignore[override]
+        return self.needs_old_policy
+
+    @property
     def log_lenience(self) -> float:
         return math.log(self.lenience) if self.lenience > 0 else -math.inf
+
+    def verified_by(self) -> Lenient:
+        return dataclasses.replace(self, rejection_draw="policy") if self.needs_old_policy else self
+
+    def log_keep(self, lp_new, lp_old, lengths) -> torch.Tensor:
+        """log min(1, l p / q): the test keeps y with that probability."""
+        if self.log_lenience == math.inf:
+            return torch.zeros_like(lp_new)
+        return (self.log_lenience + lp_new - lp_old).clamp(max=0.0)
 
     def test(self, lp_new: torch.Tensor, lp_old: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         return lenient_test(lp_new, lp_old, u, self.log_lenience)

@@ -21,6 +21,11 @@ class RandomReuse(Rule):
         n = random_reuse_index(seed, uids, lengths)
         return lengths_mask(n, lp_new.shape[1]), n
 
+    def log_keep(self, lp_new, lp_old, lengths) -> torch.Tensor:
+        """log P(n > i | n > i - 1) = log((R - i) / (R - i + 1)) for n uniform over {0, .., R}."""
+        left = lengths.to(lp_new.device).unsqueeze(1).double() - torch.arange(lp_new.shape[1], device=lp_new.device)
+        return torch.log(left.clamp(min=0) / (left + 1).clamp(min=1))
+
 
 def random_reuse_index(seed: int, uids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """n = min(floor(u * (length + 1)), length) with one u per sample from stream 1."""

@@ -1,0 +1,112 @@
+"""Resident memory of ``spec-rl train`` on a GSM8K-size dataset: does the default recipe fit a machine?
+
+    python benchmarks/train_memory.py --model DIR --data GSM8K.jsonl [--size 7473] [--steps 50] [-- TRAIN FLAGS]
+
+Builds a dataset of ``--size`` distinct GSM8K-format problems by cycling ``--data`` (each repeat's question is
+numbered, so every prompt has its own drafts), runs ``spec-rl train --model DIR --data <it> --no-eval`` with the
+flags after ``--`` (none: the default recipe), samples the resident memory of its process tree every half second,
+and stops it after ``--steps`` training steps. Prints and writes (``--json``, default ``$OUT/train_memory.json``)
+the peak RSS, the RSS after the first and the last step (what grows with the run: drafts, history, weight copies)
+and the seconds per step. Exits 1 when the run fails or ends before ``--steps``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def gsm8k_size(source: Path, size: int, out: Path) -> Path:
+    """``size`` GSM8K-format lines cycled from ``source``; the k-th repeat's questions end with " (k)"."""
+    rows = [json.loads(line) for line in source.read_text().splitlines() if line.strip()]
+    with open(out, "w") as f:
+        for i in range(size):
+            row = dict(rows[i % len(rows)])
+            if i >= len(rows):
+                row["question"] = f"{row['question']} ({i // len(rows)})"
+            f.write(json.dumps(row) + "\n")
+    return out
+
+
+def tree_rss(proc) -> int:
+    """Resident bytes of ``proc`` and its children (0 once it is gone)."""
+    import psutil
+
+    try:
+        procs = [proc, *proc.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.NoSuchProcess:
+            continue
+    return total
+
+
+def measure(argv: list[str], out: Path, steps: int) -> dict:
+    """Run ``spec-rl train`` (``argv``) into ``out`` until ``steps`` steps are logged; its memory and timing."""
+    import psutil
+
+    cmd = [sys.executable, "-m", "spec_rl.cli", "train", *argv, "--out", str(out), "--no-progress"]
+    log = open(out.parent / f"{out.name}.log", "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    watch = psutil.Process(proc.pid)
+    peak, at_step, t0, stamps = 0, {}, time.perf_counter(), []
+    while proc.poll() is None:
+        peak = max(peak, rss := tree_rss(watch))
+        done = sum(len(p.read_text().splitlines()) for p in out.glob("*/metrics.jsonl"))
+        if done and done not in at_step:
+            at_step[done] = rss
+            stamps.append(time.perf_counter())
+            print(f"step {done}: RSS {rss / 1e9:.2f} GB (peak {peak / 1e9:.2f} GB)", flush=True)
+        if done >= steps:
+            proc.kill()
+            break
+        time.sleep(0.5)
+    proc.wait()
+    log.close()
+    done = max(at_step, default=0)
+    per_step = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None
+    return {
+        "command": cmd,
+        "steps": done,
+        "peak_rss_gb": peak / 1e9,
+        "rss_after_first_step_gb": at_step.get(min(at_step, default=0), 0) / 1e9,
+        "rss_after_last_step_gb": at_step.get(done, 0) / 1e9,
+        "seconds_per_step": per_step,
+        "wall_seconds": time.perf_counter() - t0,
+        "exit_code": proc.returncode,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ours, train = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="the policy checkpoint (e.g. benchmarks/real_model.py's)")
+    p.add_argument("--data", required=True, type=Path, help="a GSM8K-format .jsonl to cycle")
+    p.add_argument("--size", type=int, default=7473, help="problems in the dataset (GSM8K's train split: 7473)")
+    p.add_argument("--steps", type=int, default=50, help="training steps to measure")
+    p.add_argument("--json", type=Path, help="where to write the result (default $OUT/train_memory.json)")
+    args = p.parse_args(ours)
+    work = Path(tempfile.mkdtemp(prefix="train-memory-"))
+    data = gsm8k_size(args.data, args.size, work / "data.jsonl")
+    result = measure(["--model", args.model, "--data", str(data), "--no-eval", *train], work / "run", args.steps)
+    result.update(size=args.size, flags=train)
+    print(json.dumps(result, indent=2))
+    path = args.json or Path(os.environ.get("OUT", ".")) / "train_memory.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+    return 0 if result["steps"] >= args.steps else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
