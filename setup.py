@@ -82,4 +82,12 @@ def _extensions():
 
 
 ext_modules, cmdclass = _extensions()
-setup(packages=packages, package_dir=package_dir, ext_modules=ext_modules, cmdclass=cmdclass)
+# The demo's warm-start policy ships with the package (spec_rl/tasks/demo_policy.py, WARM_START).
+package_data = {"spec_rl.tasks": ["demo_warm_start/*"]}
+setup(
+    packages=packages,
+    package_dir=package_dir,
+    package_data=package_data,
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+)

@@ -135,11 +135,19 @@ def _time_generate(name, backend, contexts, new_tokens, settings, device) -> dic
     backend.generate(fresh_jobs(contexts, [min(8, new_tokens)] * len(contexts)), settings, seed=0)
     jobs = fresh_jobs(contexts, [new_tokens] * len(contexts))
     stats = getattr(backend, "stats", None)
-    graph_steps = stats.graph_steps if stats is not None and hasattr(stats, "graph_steps") else None
+    before = stats.copy() if hasattr(stats, "graph_steps") else None
     outs, timing = wall_time(lambda: backend.generate(jobs, settings, seed=0), device)
     row = {"name": name, "tokens": sum(len(o.token_ids) for o in outs), "seconds": timing.median}
-    if graph_steps is not None:
-        row["graph_steps"] = backend.stats.graph_steps - graph_steps
+    if before is not None:  # a capture inside the timed call (a new bucket) is not decode time: taken out
+        captured = backend.stats.capture_seconds - before.capture_seconds
+        row.update(
+            graph_steps=backend.stats.graph_steps - before.graph_steps,
+            graph_fallbacks=backend.stats.graph_fallbacks,
+            capture_seconds_excluded=captured,
+            seconds=timing.median - captured,
+        )
+        if backend.static is not None and backend.static.capture_error:
+            row["capture_error"] = backend.static.capture_error
     row["_outs"] = [o.token_ids for o in outs]
     return row
 
@@ -225,6 +233,10 @@ def bench_decode(model, vocab, batch, prompt_len, new_tokens, device, skip_gener
             show,
         )
     done = [r for r in rows if "error" not in r]
+    graph_row = next((r for r in done if r["name"] == ENGINE_STEPS[0][0]), None)
+    if graph_row is not None and device.type == "cuda" and not graph_row.get("graph_steps"):
+        why = graph_row.get("capture_error", "no capture error recorded")
+        rec.fail(f"batch {batch}: the CUDA-graph row ran no graph steps: its timing is the eager step's ({why})")
     outs = {r["name"]: r.pop("_outs") for r in done if "_outs" in r}
     graph, eager = (outs.get(name) for name, _ in ENGINE_STEPS[:2])
     if graph is not None and eager is not None:
@@ -252,7 +264,7 @@ def _splice_row(name, backend, seed_cache, requests, settings, eos, max_len, dev
     cache = copy.deepcopy(seed_cache)
     rollout = SpeculativeRollout(backend, cache, settings, eos, max_len, mode=SPLICE_MODE, seed=0)
     if isinstance(backend, PagedEngine):
-        backend.reset_stats()
+        backend.runner.stats = type(backend.stats)()  # counters from here on
     res, timing = wall_time(lambda: rollout.run(requests, step=2), device)
     st = res.stats
     row = {

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import math
+import dataclasses
 import sys
 import tempfile
 import time
@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import Column, Table, default_json_path, provenance, write_json  # noqa: E402
 
-from spec_rl.acceptance.mode import MODES  # noqa: E402
+from spec_rl.acceptance.mode import MODES, RolloutMode  # noqa: E402
 from spec_rl.backends import eos_token_ids, fresh_jobs  # noqa: E402
 from spec_rl.backends.paged import PagedEngine  # noqa: E402
 from spec_rl.backends.scoring import response_logprobs  # noqa: E402
@@ -51,13 +51,8 @@ from spec_rl.tasks.demo_data import demo_train_set  # noqa: E402
 from spec_rl.tasks.rewards import get_reward_fn  # noqa: E402
 from spec_rl.trainer import clipped_policy_loss, group_advantages, load_policy  # noqa: E402
 
-BENCH_MODES = {
-    "vanilla": MODES["vanilla"],
-    "spec l=1": MODES["spec"].with_overrides(lenience=1.0),
-    "spec l=e^0.5": MODES["spec"].with_overrides(lenience=math.exp(0.5)),
-    "exact": MODES["exact"],
-    "histspec": MODES["histspec"],
-}
+#: The rows by default: mode names, each meaning what it means everywhere (any name RolloutMode.parse reads runs).
+BENCH_MODES = ("vanilla", "l=1", "spec", "exact", "histspec")
 #: vLLM's own speculation as peers (plain vLLM generation is the vllm engine's vanilla row).
 PEERS = {
     "vllm ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4},
@@ -125,15 +120,18 @@ class Row:
 
     def __init__(self, name: str, engine: str, backend, mode, settings, eos: list[int], max_len: int, seed: int):
         self.name, self.engine, self.backend, self.records, self.error = name, engine, backend, [], None
+        mode = RolloutMode.parse(mode)
         history = HistoryIndex() if mode.tail else None
         self.rollout = SpeculativeRollout(
             backend, RolloutCache(), settings, eos, max_len, mode, seed=seed, history=history
         )
 
     def run(self, requests, epoch: int):
+        before = getattr(self.backend.stats, "capture_seconds", 0.0)
         t0 = time.perf_counter()
         result = self.rollout.run(requests, epoch)
-        seconds = time.perf_counter() - t0
+        captured = getattr(self.backend.stats, "capture_seconds", 0.0) - before  # CUDA-graph captures: not rollout
+        seconds = time.perf_counter() - t0 - captured
         s = result.stats
         self.records.append(
             {
@@ -147,19 +145,21 @@ class Row:
                 "drift": s.reused_drift,
                 "rollout_seconds": seconds,
                 "scoring_seconds": s.scoring_seconds,
+                "capture_seconds_excluded": captured,
+                "graph_steps": getattr(self.backend.stats, "graph_steps", None),
             }
         )
         return result
 
 
-def warm_up(engines: dict, peers: dict, prompts, settings: SamplingSettings) -> None:
-    """One untimed token per prompt and engine, at start and after every weight reload: the first call pays
-    one-time costs, and vLLM's prefix cache (reset by a reload) would otherwise serve the prompts to every mode but
-    the one timed first."""
-    one = SamplingSettings(temperature=settings.temperature, max_tokens=1)
+def warm_up(engines: dict, peers: dict, prompts, settings: SamplingSettings, tokens: int = 1) -> None:
+    """``tokens`` untimed tokens per prompt and engine, at start (enough to decode: kernels compile and the batch's
+    CUDA graphs are captured) and one after every weight reload (vLLM's prefix cache, reset by a reload, would
+    otherwise serve the prompts to every mode but the one timed first)."""
+    warm = SamplingSettings(temperature=settings.temperature, max_tokens=tokens)
     for name, backend in list(engines.items()) + list(peers.items()):
         try:
-            backend.generate(fresh_jobs(prompts, [1] * len(prompts)), one, 0)
+            backend.generate(fresh_jobs(prompts, [tokens] * len(prompts)), warm, 0)
         except Exception:
             if name in engines:
                 raise  # a peer that fails is reported when its row runs
@@ -298,7 +298,8 @@ def parse_args(argv):
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--updates", type=int, default=1, help="GRPO updates between two epochs")
     ap.add_argument("--reward", default="math+format")
-    ap.add_argument("--modes", default=",".join(BENCH_MODES), help=f"from {', '.join(BENCH_MODES)}")
+    ap.add_argument("--modes", default=",".join(BENCH_MODES), help="mode names (vanilla first; default: %(default)s)")
+    ap.add_argument("--no-tail", action="store_true", help="no tail speculation in any row (every decode step static)")
     ap.add_argument(
         "--engines", default=None, help="transformers,paged,vllm (default: transformers and paged, vllm when installed)"
     )
@@ -307,17 +308,22 @@ def parse_args(argv):
     ap.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto", help="auto: bf16 where supported")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=default_json_path("real_model_rollout.json") or "runs/real_model_rollout.json")
-    ap.add_argument("--plot", default=None, help="PNG path of the plot (default: beside --json)")
+    ap.add_argument("--plot", default=None, help="PNG path of the plot (default: none)")
     args = ap.parse_args(argv)
     for name in ("prompts", "group", "max_tokens", "epochs", "updates", "max_batch"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    args.modes = sorted(
-        set(args.modes), key=lambda m: (m != "vanilla", list(BENCH_MODES).index(m) if m in BENCH_MODES else 0)
-    )
-    if "vanilla" not in args.modes or any(m not in BENCH_MODES for m in args.modes):
-        ap.error(f"--modes must include vanilla, each one of: {', '.join(BENCH_MODES)} (got {args.modes})")
+    args.modes = list(dict.fromkeys(m.strip() for m in args.modes.split(",") if m.strip()))
+    args.modes.sort(key=lambda m: m != "vanilla")
+    try:
+        modes = {m: RolloutMode.parse(m) for m in args.modes}
+    except ValueError as err:
+        ap.error(f"--modes: {err}")
+    if "vanilla" not in modes:
+        ap.error(f"--modes must include vanilla (every ratio is to it), got {args.modes}")
+    args.modes = {m: dataclasses.replace(mode, tail=0) if args.no_tail else mode for m, mode in modes.items()}
+    if args.plot:
+        import matplotlib  # noqa: F401  checked before the run, not after it
     if args.engines is None:
         import importlib.util
 
@@ -361,7 +367,9 @@ def main(argv=None) -> int:
         "model": args.model,
         "dtype": str(dtype).replace("torch.", ""),
         "settings": settings.to_dict(),
-        "args": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},
+        "args": {k: v for k, v in vars(args).items() if k not in ("json", "plot", "modes")},
+        "modes": {m: mode.to_dict() for m, mode in args.modes.items()},
+        "timing": "rollout seconds exclude CUDA-graph captures (subtracted) and follow a warm-up that decodes",
     }
     with tempfile.TemporaryDirectory(prefix="bench-real-") as work:
         engines, peer_backends, starts = make_engines(args, rollout_model, tokenizer, eos, pad, max_len, Path(work))
@@ -372,15 +380,15 @@ def main(argv=None) -> int:
             + ", ".join(f"{k} {v:.1f} s" if isinstance(v, float) else f"{k} {v}" for k, v in starts.items())
         )
         rows = [
-            Row(m, e, b, BENCH_MODES[m], settings, eos, max_len, args.seed)
+            Row(m, e, b, mode, settings, eos, max_len, args.seed)
             for e, b in engines.items()
-            for m in args.modes
+            for m, mode in args.modes.items()
         ]
         peers = [
             Row(p, "vllm", b, MODES["vanilla"], settings, eos, max_len, args.seed) for p, b in peer_backends.items()
         ]
         nll = {id(r): [] for r in rows + peers}
-        warm_up(engines, peer_backends, prompts, settings)
+        warm_up(engines, peer_backends, prompts, settings, tokens=min(16, args.max_tokens))
         table = Table(
             Column("epoch", 5),
             Column("engine", 12, "<"),
@@ -463,7 +471,7 @@ def main(argv=None) -> int:
         record["summary"] = summarize(rows, peers, sum(updates) / len(updates) if updates else 0.0)
         targets = {}
         for engine, backend in engines.items():
-            spec_row = next((r for r in rows if r.engine == engine and r.name == "spec l=e^0.5"), None)
+            spec_row = next((r for r in rows if r.engine == engine and r.name == "spec"), None)
             if spec_row is not None and args.epochs > 1:
                 drafted = last[id(spec_row)]
                 scoring = spec_row.records[-1]["scoring_seconds"]
@@ -476,7 +484,7 @@ def main(argv=None) -> int:
             if exact is not None:
                 targets[f"{engine}: exact / vanilla rollout time"] = exact["rollout_seconds_ratio"]
             for s in record["summary"]:
-                if s["engine"] == engine and s["row"] in BENCH_MODES:
+                if s["engine"] == engine and s["row"] in args.modes:
                     targets[f"{engine}: {s['row']} over the no-waste bound"] = s["over_no_waste_bound"]
         record["targets"] = targets
         for b in list(engines.values()) + [b for b in peer_backends.values() if b not in engines.values()]:
@@ -498,7 +506,8 @@ def main(argv=None) -> int:
         print(f"  {k}: {v:.3f}" if isinstance(v, float) else f"  {k}: {v}")
     if args.json:
         write_json(args.json, record)
-        plot(record, args.plot or str(Path(args.json).with_suffix(".png")))
+    if args.plot:
+        plot(record, args.plot)
     return 0
 
 

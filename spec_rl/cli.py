@@ -391,7 +391,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .tasks.rewards import get_reward_fn
     from .trainer.config import resolve_device
     from .trainer.report import closing_lines
-    from .trainer.run import check_policy, count_parameters, package_versions, run_modes
+    from .trainer.resume_check import stored_info
+    from .trainer.run import check_policy, count_parameters, package_versions, run_modes, trained_model
     from .trainer.rundir import plan_run
 
     demo = args.model is None
@@ -417,7 +418,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     plan_run(out, list(modes), args.resume)  # before the demo policy build, which can take minutes
     model_path = model_path or _model_path(args, demo)
     heldout = f"{len(evals)} prompts x {config.eval_samples} sample(s) + greedy" if evals else "off"
-    params = count_parameters(model_path)
+    trained = trained_model(stored_info(out) or {}, model_path) if args.resume else None
+    params = count_parameters(trained or model_path)  # the policy that trains on
     print(
         f"run dir: {out} | policy: {'?' if params is None else f'{params:,}'} parameters | modes: {', '.join(modes)} | "
         f"prompts: {len(examples)} | G={config.group_size} | epochs={config.epochs}{_lenient_note(modes)} | "

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..acceptance.scores import DraftScores
-from ..drafts.owner import model_owner
+from ..drafts.owner import model_owner, policy_owner
 from ..sampling.distribution import SamplingSettings
 from ..util.validation import check_int
 
@@ -142,14 +142,23 @@ class Backend:
                 rows.append(int(weight.shape[0]))
         return min(rows) if rows else None
 
+    #: The policy's tokenizer where the backend knows it (``for_policy`` and the adapters set it; a user may): the
+    #: owner tag then names it, so a store of another tokenizer's drafts is refused too.
+    tokenizer = None
+
     @property
     def owner(self) -> str | None:
-        """The architecture part of the policy's owner tag (spec_rl.drafts.owner), from the model's config; a store
-        of another model's drafts is refused with it. None where unknown."""
+        """The policy's owner tag (spec_rl.drafts.owner): the architecture from the model's config, and the
+        tokenizer's digest where :attr:`tokenizer` is set; a store of another policy's drafts is refused with it.
+        None where unknown."""
         config = getattr(self.model, "config", None)
-        return (
-            model_owner(config.get_text_config() if hasattr(config, "get_text_config") else config) if config else None
-        )
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        if not callable(getattr(self.tokenizer, "get_vocab", None)):  # none set, or a processor without a vocabulary
+            return model_owner(config) if config else None
+        memo = getattr(self, "_owner_memo", None)  # the tokenizer's digest hashes its whole vocabulary: once
+        if memo is None or memo[0] is not self.tokenizer:
+            memo = self._owner_memo = (self.tokenizer, policy_owner(self.tokenizer, config))
+        return memo[1]
 
     @property
     def max_positions(self) -> int | None:
@@ -161,8 +170,10 @@ class Backend:
 
     @classmethod
     def for_policy(cls, policy: Policy) -> Backend:
-        """The backend a trainer builds for ``policy``."""
-        return cls(policy.model, policy.eos_ids, policy.pad_id)
+        """The backend a trainer builds for ``policy`` (knowing its tokenizer)."""
+        backend = cls(policy.model, policy.eos_ids, policy.pad_id)
+        backend.tokenizer = policy.tokenizer
+        return backend
 
     def score(self, prompts: Sequence[Sequence[int]], drafts: Sequence[Sequence[int]], logprobs=None) -> Scored:
         """Score each [prompt, draft] under the current policy; ``logprobs`` (the drafts' stored ones) ask for scores

@@ -40,6 +40,7 @@ class VLLMBackend(ReprefillBackend):
                 "`make test-vllm` builds .venv-vllm with it)"
             ) from e
         self._setup(model, eos_ids, pad_id, owns_engine=True)
+        self.tokenizer = tokenizer
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         tokenizer.save_pretrained(self.workdir)

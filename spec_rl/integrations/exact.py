@@ -10,19 +10,18 @@ import warnings
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ..sampling.philox import mix_seed
+from ..sampling.philox import SEED_SALT_RESIDUAL, mix_seed
 
 #: Continuation attempts at one rejection before :func:`draw_continuation` gives up.
 MAX_RESIDUAL_ATTEMPTS = 16
 
-_SEED_SALT_RESIDUAL = 0x7E51D0A1
 _SEED_MASK = (1 << 63) - 1  # servers take a signed 64-bit seed
 
 
 def residual_seeds(step_seed: int, uid: int, attempts: int = MAX_RESIDUAL_ATTEMPTS) -> list[int]:
     """Server seeds (in [0, 2**63)) of one sample's continuation attempts: a pure function of (step seed, uid,
     attempt), salted apart from the acceptance uniforms, so a rollout replays."""
-    key = mix_seed(int(step_seed) ^ _SEED_SALT_RESIDUAL, int(uid))
+    key = mix_seed(int(step_seed) ^ SEED_SALT_RESIDUAL, int(uid))
     return [mix_seed(key, a) & _SEED_MASK for a in range(int(attempts))]
 
 
@@ -63,6 +62,6 @@ async def draw_continuation(
         return out, len(request.seeds) - 1
     raise RuntimeError(
         f"the server sampled the rejected draft token {excluded} first in all {len(request.seeds)} continuation "
-        f"attempts{where}, so no draw without it was obtained; raise max_resample_attempts, or use "
-        "acceptance='lenient' with the paper's rejection_draw='policy'"
+        f"attempts{where}, so no draw without it was obtained; raise max_resample_attempts, or use a lenient "
+        "mode with the paper's draw (mode: spec, or l=1)"
     )

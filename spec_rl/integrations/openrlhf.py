@@ -19,7 +19,7 @@ from ..drafts.directory import DirectoryDraftStore
 from ..drafts.owner import policy_owner
 from ..sampling.distribution import SamplingSettings
 from .exact import MAX_RESIDUAL_ATTEMPTS
-from .requests import ContinuationRequest, SamplePlan, SpecRequestBuilder, server_mode
+from .requests import ContinuationRequest, Sample, SpecRequestBuilder, server_mode
 
 
 def request_params(sampling_params: Any, response_tokens_before: int, **changes: Any) -> Any:
@@ -118,7 +118,7 @@ class SpecRLAgentExecutor(AgentExecutorBase):
 
     @staticmethod
     async def _score(
-        b: SpecRequestBuilder, sampling_params, llm_engine, plan: SamplePlan
+        b: SpecRequestBuilder, sampling_params, llm_engine, plan: Sample
     ) -> tuple[list[float], None, tuple[list[int], list[float]] | None]:
         """The scoring request -> (lp_new of the draft, no weight step, the token sampled after it)."""
         sp = request_params(sampling_params, len(plan.draft_ids), prompt_logprobs=0, max_tokens=1, logprobs=0)

@@ -13,13 +13,13 @@ import torch
 
 from ..acceptance.dispatch import VerifyOptions, verify_logprobs
 from ..acceptance.mode import ADAPTER_MODE, RolloutMode
-from ..drafts.cache import CacheKey, DraftStore, next_age
-from ..drafts.validity import draft_view
+from ..drafts.cache import DraftStore
+from ..rollout.sample import Sample, look_up
 from ..sampling.distribution import SamplingSettings
 from ..sampling.philox import mix_seed
 from ..util.validation import check_int
 from .exact import MAX_RESIDUAL_ATTEMPTS, draw_continuation, residual_seeds
-from .request_types import Assembled, ContinuationRequest, SamplePlan, Verified
+from .request_types import Assembled, ContinuationRequest, Verified
 
 PROMPT_LOGPROBS_MODES = ("raw", "processed")
 
@@ -130,7 +130,7 @@ class SpecRequestBuilder:
         self.eos_ids = {int(x) for x in eos_ids}
         self.seed = int(seed)
 
-    def plan(self, prompt_ids: Sequence[int], slot: int, dataset_id: str | None = None) -> SamplePlan:
+    def plan(self, prompt_ids: Sequence[int], slot: int, dataset_id: str | None = None) -> Sample:
         """Look up the draft of one sample (none when the mode reuses none); ValueError for an empty prompt or one that
         leaves no room for a response."""
         prompt = [int(t) for t in prompt_ids]
@@ -142,30 +142,19 @@ class SpecRequestBuilder:
                 f"prompt has {len(prompt)} tokens; max_model_len={self.max_model_len} leaves no room for a response: "
                 "shorten the prompt or raise max_model_len"
             )
-        key = CacheKey.make(prompt, slot, dataset_id)
-        plan = SamplePlan(key=key, prompt_ids=prompt, budget=budget)
-        if not self.mode.reuses_drafts:
-            return plan
-        draft = self.store.lookup(key, self.settings)
-        if draft is None or len(draft) == 0 or self.mode.draft_expired(draft.age):
-            return plan
+        sample = Sample.make(prompt, slot, dataset_id, budget)
         # Servers need max_tokens >= 1, so the scoring request needs one free position after the draft; a draft
         # cut for that room is a prefix, whatever it was.
-        view = draft_view(draft.token_ids, budget, self.eos_ids)
-        cut = min(view.length, self.max_model_len - len(prompt) - 1)
-        plan.draft = draft
-        plan.draft_end = view.finish_reason if cut == view.length else None
-        plan.draft_ids = [int(t) for t in draft.token_ids[:cut].tolist()]
-        plan.old_logprobs = [float(x) for x in draft.logprobs[:cut].tolist()]
-        plan.behaviour = [float(x) for x in draft.behaviour[:cut].tolist()]
-        return plan
+        room = self.max_model_len - len(prompt) - 1
+        look_up([sample], self.store, self.settings, self.mode, self.eos_ids, room=lambda _: room)
+        return sample
 
     def scoring_sampling_params(self, base: dict) -> dict:
         """Scoring request's sampling parameters: base + prompt_logprobs=0, max_tokens=1, logprobs."""
         return {**base, "prompt_logprobs": 0, "max_tokens": 1, "logprobs": True}
 
     def draft_logprobs_from_rows(
-        self, plan: SamplePlan, rows: Sequence, row_ids: Sequence | None = None, first_row_position: int = 1
+        self, plan: Sample, rows: Sequence, row_ids: Sequence | None = None, first_row_position: int = 1
     ) -> list[float]:
         """lp_new of the R draft tokens (floats), picked out of a server's per-position prompt log-probs.
 
@@ -196,12 +185,12 @@ class SpecRequestBuilder:
 
     def verify(
         self,
-        plan: SamplePlan,
+        plan: Sample,
         new_logprobs: Sequence[float] | None,
         step: int | None = None,
         scoring_sample: tuple[Sequence[int], Sequence[float] | None] | None = None,
     ) -> Verified:
-        """Run the acceptance test (SPEC-RL Alg. 1) on one sample.
+        """Run the acceptance test (SPEC-RL Alg. 1) on one sample; the verified prefix starts its response.
 
         ``new_logprobs``: R floats, lp_new of the draft tokens (None without a draft). ``scoring_sample``: (token ids,
         log-probs) the scoring request generated; when every token is accepted but the draft is not a whole response,
@@ -213,7 +202,7 @@ class SpecRequestBuilder:
         draft_step = plan.draft.version + 1 if plan.draft is not None else 0
         step_used = int(step) if step is not None else draft_step
         if not plan.draft_ids:
-            return Verified(0, [], [], False, step_used)
+            return Verified(0, False, step_used)
         if new_logprobs is None or len(new_logprobs) != len(plan.draft_ids):
             got = None if new_logprobs is None else len(new_logprobs)
             raise ValueError(f"new_logprobs must hold {len(plan.draft_ids)} values (one per draft token), got {got}")
@@ -224,30 +213,27 @@ class SpecRequestBuilder:
         options = VerifyOptions(self.mode, backend="reference")
         res = verify_logprobs(ids, old, new, seed=mix_seed(self.seed, step_used), uids=uids, options=options)
         n = int(res.accepted_len[0])
-        full = n == len(plan.draft_ids) and plan.draft_end is not None
-        out = Verified(n, plan.draft_ids[:n], [float(x) for x in new[0, :n].tolist()], full, step_used)
-        behaviour = torch.tensor([plan.behaviour or plan.old_logprobs], dtype=torch.float32)
+        behaviour = torch.tensor([plan.draft_behaviour], dtype=torch.float32)
         kept = self.rule.kept_behaviour(new, old, behaviour, torch.tensor([len(plan.draft_ids)]))
-        out.prefix_behaviour = [float(x) for x in kept[0, :n].tolist()]
+        plan.keep(plan.draft_ids[:n], new[0, :n].tolist(), kept[0, :n].tolist(), n)
+        out = Verified(n, n == len(plan.draft_ids) and plan.draft_end is not None, step_used)
         if self.rule.excludes_rejected and n < len(plan.draft_ids):
             out.rejected, out.rejected_logprob = plan.draft_ids[n], float(new[0, n])
-        if not full and n == len(plan.draft_ids) and n < plan.budget and scoring_sample is not None:
+        if not out.full_reuse and n == len(plan.draft_ids) and n < plan.budget and scoring_sample is not None:
             ids, lps = scoring_sample
-            if ids and lps:
-                out.prefix_ids.append(int(ids[0]))
-                out.prefix_logprobs.append(float(lps[0]))
-                out.prefix_behaviour.append(float(lps[0]))  # a sample of the current policy
+            if ids and lps:  # a sample of the current policy
+                plan.extend([int(ids[0])], [float(lps[0])])
                 out.sampled = 1
         return out
 
-    def continuation(self, plan: SamplePlan, verified: Verified) -> ContinuationRequest | None:
+    def continuation(self, plan: Sample, verified: Verified) -> ContinuationRequest | None:
         """The request after the verified prefix, or None when nothing is left; after a rejection that excludes y_n
         it carries y_n and one server seed per attempt (:func:`~spec_rl.integrations.exact.residual_seeds`)."""
-        remaining = plan.budget - len(verified.prefix_ids)
-        sampled_eos = verified.sampled and verified.prefix_ids[-1] in self.eos_ids
+        remaining = plan.budget - len(plan.tokens)
+        sampled_eos = verified.sampled and plan.tokens[-1] in self.eos_ids
         if verified.full_reuse or sampled_eos or remaining < 1:
             return None
-        request = ContinuationRequest(plan.prompt_ids + verified.prefix_ids, remaining)
+        request = ContinuationRequest(plan.prompt_ids + plan.tokens, remaining)
         if verified.rejected is not None:
             request.excluded, request.excluded_logprob = verified.rejected, verified.rejected_logprob
             step_seed = mix_seed(self.seed, verified.step if verified.step is not None else 0)
@@ -265,7 +251,7 @@ class SpecRequestBuilder:
 
     def assemble(
         self,
-        plan: SamplePlan,
+        plan: Sample,
         verified: Verified,
         new_ids: Sequence[int] = (),
         new_logprobs: Sequence[float] | None = (),
@@ -302,36 +288,35 @@ class SpecRequestBuilder:
         new_lps = [float(x) for x in new_logprobs]
         if len(new_lps) != len(new_ids):
             raise ValueError(f"continuation has {len(new_ids)} tokens but {len(new_lps)} log-probs")
-        response = verified.prefix_ids + new_ids
-        lps = verified.prefix_logprobs + new_lps
-        behaviour = verified.prefix_behaviour + new_lps
+        length = len(plan.tokens) + len(new_ids)
+        if length > plan.budget:
+            raise ValueError(f"response has {length} tokens, more than the budget {plan.budget}")
+        behaviour = list(new_lps)
         if new_lps and verified.rejected is not None and not kept_excluded:  # drawn without the rejected token
             excluded = torch.tensor([verified.rejected_logprob], dtype=torch.float64)
-            behaviour[len(verified.prefix_ids)] = float(self.rule.drawn_behaviour(torch.tensor([new_lps[0]]), excluded))
-        if len(response) > plan.budget:
-            raise ValueError(f"response has {len(response)} tokens, more than the budget {plan.budget}")
-        finish = "eos" if response and response[-1] in self.eos_ids else "length"
+            behaviour[0] = float(self.rule.drawn_behaviour(torch.tensor([new_lps[0]]), excluded))
+        plan.extend(new_ids, new_lps, behaviour)
+        plan.finish = "eos" if plan.tokens and plan.tokens[-1] in self.eos_ids else "length"
         if verified.full_reuse:
-            finish = plan.draft_end
+            plan.finish = plan.draft_end
         version = verified.step if (step is None or plan.draft_ids) else int(step)
         if store:
-            age = next_age(plan.draft, verified.n)
-            self.store.store(plan.key, response, lps, finish, version, self.settings, age, behaviour)
+            plan.store(self.store, version, self.settings)
         metrics = {
             "draft_found": plan.draft is not None,
             "draft_len": len(plan.draft_ids),
-            "verified_prefix_len": verified.n,
+            "verified_prefix_len": plan.n,
             "full_reuse": verified.full_reuse,
             "tokens_generated": len(new_ids) + verified.sampled,
-            "response_len": len(response),
+            "response_len": len(plan.tokens),
             "exact_acceptance": self.mode.rule is not None and self.rule.lossless,
             "resamples": int(resamples),
             "draw_fallbacks": int(bool(kept_excluded)),
         }
-        return Assembled(response, lps, finish, metrics, behaviour)
+        return Assembled(plan.tokens, plan.logprobs, plan.finish, metrics, plan.behaviour)
 
     async def run_sample(
-        self, plan: SamplePlan, score: Callable[[SamplePlan], Awaitable[tuple]], send: Callable[..., Awaitable[tuple]]
+        self, plan: Sample, score: Callable[[Sample], Awaitable[tuple]], send: Callable[..., Awaitable[tuple]]
     ) -> tuple[Assembled, tuple | None]:
         """One planned sample's requests: scoring, :meth:`verify`, the continuation (through
         :func:`~spec_rl.integrations.exact.draw_continuation`) and :meth:`assemble` (stored).

@@ -100,8 +100,12 @@ def trainer_backend(model, trainer, eos_ids, pad_id: int):
                 "use_vllm=True with vllm_mode='colocate' but the trainer has no vLLM engine "
                 "(trainer.vllm_generation.llm); is this trl >= 1.0?"
             )
-        return VLLMBackend.on_engine(llm, model, eos_ids, pad_id)
-    return TransformersBackend(model, eos_ids=eos_ids, pad_id=pad_id)
+        backend = VLLMBackend.on_engine(llm, model, eos_ids, pad_id)
+    else:
+        backend = TransformersBackend(model, eos_ids=eos_ids, pad_id=pad_id)
+    # the owner tag then names the tokenizer: drafts of another one are refused
+    backend.tokenizer = getattr(trainer, "_tokenizer", None) or getattr(trainer, "processing_class", None)
+    return backend
 
 
 class CallSeeds:

@@ -20,7 +20,7 @@ from ..drafts.directory import DirectoryDraftStore
 from ..drafts.owner import policy_owner
 from ..sampling.distribution import SamplingSettings
 from .exact import MAX_RESIDUAL_ATTEMPTS
-from .requests import ContinuationRequest, SamplePlan, SpecRequestBuilder
+from .requests import ContinuationRequest, Sample, SpecRequestBuilder
 
 AGENT_NAME = "spec_rl_agent"
 CACHE_DIR_ENV = "SPEC_RL_DRAFT_DIR"
@@ -185,7 +185,7 @@ class SpecRLAgentLoop(AgentLoopBase):
             extra_fields=extra,
         )
 
-    async def _score(self, request_id: str, base: dict, plan: SamplePlan):
+    async def _score(self, request_id: str, base: dict, plan: Sample):
         """The scoring request -> (lp_new of the draft, weight step, the token sampled after it and its log-prob)."""
         scored = await self.server_manager.generate(
             request_id=request_id,

@@ -24,12 +24,12 @@ from ..backends.contract import (
     check_shared_outputs,
     scores_vocab_size,
 )
-from ..drafts.cache import CacheKey, Draft, DraftStore, next_age
+from ..drafts.cache import CacheKey, DraftStore
 from ..drafts.history import HistoryIndex
-from ..drafts.validity import draft_views
 from ..sampling.distribution import SamplingSettings, check_settings
 from ..sampling.philox import SEED_SALT_CONTINUATION, mix_seed
 from ..util.validation import check_choice, check_int
+from .sample import Sample, look_up
 from .types import (
     RolloutRequest,
     RolloutResult,
@@ -45,38 +45,21 @@ __all__ = ["BackendContractError", "RolloutRequest", "RolloutResult", "RolloutSt
 
 @dataclass
 class _Batch:
-    """State of one :meth:`SpeculativeRollout.run` call, indexed by request."""
+    """State of one :meth:`SpeculativeRollout.run` call: one :class:`~.sample.Sample` per request, the requests with
+    a draft (``drafted``, in the order of the scored rows), and what the call shares."""
 
-    prompts: list[list[int]]
-    budgets: list[int]
-    keys: list[CacheKey]
+    samples: list[Sample]
     step: int
     seed: int  # this step's seed (acceptance uniforms)
     store: DraftStore
     stats: RolloutStats
     vocab_size: int | None = None  # the backend's, else the scoring pass's V
-    drafts: list[Draft | None] = field(default_factory=list)
-    drafted: list[int] = field(default_factory=list)  # requests with a non-empty draft
-    responses: list[list[int]] = field(default_factory=list)
-    logprobs: list[list[float]] = field(default_factory=list)
-    behaviour: list[list[float]] = field(default_factory=list)  # log-prob of the path that produced each token
-    finish: list[str | None] = field(default_factory=list)
-    prefix_len: list[int] = field(default_factory=list)
-    kv_len: list[int] = field(default_factory=list)  # draft tokens whose K/V are kept (before the fed token)
-    group_keys: list[bytes] = field(default_factory=list)  # history key: the slot-0 draft key
-    sources: list[int] = field(default_factory=list)  # the scored row whose draft holds the prefix
+    drafted: list[int] = field(default_factory=list)
 
     @property
     def sample_seed(self) -> int:
         """Seed of the sampled tokens: the token at n and the whole continuation."""
         return self.seed ^ SEED_SALT_CONTINUATION
-
-    def __post_init__(self) -> None:
-        bsz = len(self.prompts)
-        self.drafts, self.finish = [None] * bsz, [None] * bsz
-        self.responses, self.logprobs = [[] for _ in range(bsz)], [[] for _ in range(bsz)]
-        self.behaviour = [[] for _ in range(bsz)]
-        self.prefix_len, self.kv_len, self.sources = [0] * bsz, [0] * bsz, [0] * bsz
 
 
 class ReuseGate:
@@ -203,13 +186,13 @@ class SpeculativeRollout:
             self.reuse_gate.record(stats)
         drafted = set(batch.drafted)
         return RolloutResult(
-            prompt_ids=batch.prompts,
-            response_ids=batch.responses,
-            logprobs=batch.logprobs,
-            behaviour_logprobs=batch.behaviour,
-            finish_reasons=[f or "length" for f in batch.finish],
-            verified_prefix_len=batch.prefix_len,
-            draft_found=[i in drafted for i in range(len(batch.prompts))],
+            prompt_ids=[x.prompt_ids for x in batch.samples],
+            response_ids=[x.tokens for x in batch.samples],
+            logprobs=[x.logprobs for x in batch.samples],
+            behaviour_logprobs=[x.behaviour for x in batch.samples],
+            finish_reasons=[x.finish or "length" for x in batch.samples],
+            verified_prefix_len=[x.n for x in batch.samples],
+            draft_found=[i in drafted for i in range(len(batch.samples))],
             stats=stats,
         )
 
@@ -221,65 +204,53 @@ class SpeculativeRollout:
         if self.mode.reuses_drafts and self.backend.owner is not None:  # DraftOwnerError: another model's drafts
             store.claim(self.backend.owner, f"the cache given to the rollout ({type(store).__name__})")
         prompts = request_prompts(requests, self.vocab_size, backend_name(self.backend))
-        budgets = [self.budget(len(p)) for p in prompts]
-        for i, (p, b) in enumerate(zip(prompts, budgets)):
-            if b < 1:
+        samples = [Sample.make(p, r.slot, r.dataset_id, self.budget(len(p))) for p, r in zip(prompts, requests)]
+        for i, x in enumerate(samples):
+            if x.budget < 1:
                 raise ValueError(
-                    f"requests[{i}]: prompt has {len(p)} tokens, max_model_len={self.max_model_len} leaves no room "
-                    "for a response; shorten the prompt or raise max_model_len"
+                    f"requests[{i}]: prompt has {len(x.prompt_ids)} tokens, max_model_len={self.max_model_len} leaves "
+                    "no room for a response; shorten the prompt or raise max_model_len"
                 )
-        keys = [CacheKey.make(p, r.slot, r.dataset_id) for p, r in zip(prompts, requests)]
-        check_unique_samples(keys)
+        check_unique_samples([x.key for x in samples])
+        if self.history is not None:
+            for x, p, r in zip(samples, prompts, requests):
+                x.group_key = CacheKey.make(p, 0, r.dataset_id).digest
         stats = RolloutStats(num_samples=len(prompts))
         # coupled keys: every step samples under step 0's keys, the noise its drafts were drawn with
         key_step = 0 if self.mode.rule is not None and self.mode.rule.shared_keys else step
-        batch = _Batch(prompts, budgets, keys, step, mix_seed(seed, key_step), store, stats, self.vocab_size)
-        if self.history is not None:
-            batch.group_keys = [CacheKey.make(p, 0, r.dataset_id).digest for p, r in zip(prompts, requests)]
-        return batch
+        return _Batch(samples, step, mix_seed(seed, key_step), store, stats, self.vocab_size)
 
     def _lookup(self, batch: _Batch) -> None:
-        """Drafts from the store (none when the mode reuses none); an empty draft counts as none, and a draft past the
-        mode's age bound or (residual draw) of a step whose weights are not kept is dropped: its slot samples fresh."""
-        if self.mode.reuses_drafts:
-            batch.drafts = [batch.store.lookup(k, self.settings) for k in batch.keys]
-        for i, d in enumerate(batch.drafts):
-            if d is not None and (
-                self.mode.draft_expired(d.age) or (self.old_policies is not None and d.version not in self.old_policies)
-            ):
-                batch.drafts[i] = None
-                batch.stats.drafts_dropped += 1
-        batch.drafted = [i for i, d in enumerate(batch.drafts) if d is not None and len(d) > 0]
+        """Drafts from the store, cut to what today's budget and EOS set make a response (:func:`~.sample.look_up`;
+        none when the mode reuses none); a draft past the mode's age bound or (residual draw) of a step whose weights
+        are not kept is dropped: its slot samples fresh."""
+        versions = self.old_policies
+        usable = (lambda d: d.version in versions) if versions is not None else (lambda d: True)
+        look_up(batch.samples, batch.store, self.settings, self.mode, self.eos_ids, usable)
+        batch.stats.drafts_dropped = sum(x.dropped for x in batch.samples)
+        batch.drafted = [i for i, x in enumerate(batch.samples) if x.draft_ids]
         batch.stats.drafts_found = len(batch.drafted)
-        check_draft_ids(batch.drafts, batch.drafted, batch.vocab_size, backend_name(self.backend))
+        check_draft_ids([x.draft for x in batch.samples], batch.drafted, batch.vocab_size, backend_name(self.backend))
 
     def _score_and_verify(self, batch: _Batch) -> Scored:
         """Score the valid part of each draft, verify it under the rule (exact: keyed samples walk down the group's
         draft trie) and take the token at n."""
-        views = draft_views(
-            [batch.drafts[i].token_ids for i in batch.drafted], [batch.budgets[i] for i in batch.drafted], self.eos_ids
-        )
-        draft_ids = [batch.drafts[i].token_ids[: v.length].tolist() for i, v in zip(batch.drafted, views)]
-        prompts = [batch.prompts[i] for i in batch.drafted]
-        old = [batch.drafts[i].logprobs for i in batch.drafted]
-        uids = [batch.keys[i].uid for i in batch.drafted]
-        versions = [batch.drafts[i].version for i in batch.drafted]
+        drafted = [batch.samples[i] for i in batch.drafted]
+        prompts, draft_ids = [x.prompt_ids for x in drafted], [x.draft_ids for x in drafted]
         rows = DraftRows(
             prompts,
             draft_ids,
-            old,
-            uids,
+            [torch.tensor(x.old_logprobs) for x in drafted],
+            [x.key.uid for x in drafted],
             batch.seed,
             batch.sample_seed,
             self.settings,
             self.verify_backend,
-            versions,
+            [x.draft.version for x in drafted],
             self.old_policies,
-            [batch.drafts[i].behaviour for i in batch.drafted],
+            [torch.tensor(x.draft_behaviour) for x in drafted],
         )
-        stored = None
-        if self.mode.rule.keyed_walk:  # walks read only part of the trie: score where they may go
-            stored = [lp[: len(d)].tolist() for lp, d in zip(old, draft_ids)]
+        stored = [x.old_logprobs for x in drafted] if self.mode.rule.keyed_walk else None  # the walk scores lazily
         scored = self.backend.score(prompts, draft_ids, stored)
         try:
             check_scored(scored, len(draft_ids), max(len(d) for d in draft_ids), self._source("score"))
@@ -291,8 +262,8 @@ class SpeculativeRollout:
             batch.stats.log_lenience, batch.stats.reused_drift = self.mode.log_lenience, walk.drift
             batch.stats.draft_tokens = sum(len(d) for d in draft_ids)
             batch.stats.accepted_tokens = sum(walk.n)
-            for row, i in enumerate(batch.drafted):
-                self._accept_prefix(batch, i, walk, row, views[walk.source[row]].finish_reason)
+            for row, x in enumerate(drafted):
+                self._accept_prefix(batch, x, walk, row, drafted[walk.source[row]].draft_end)
             _sync(self.backend.device)
         except BaseException:
             if isinstance(scored, Scored):
@@ -303,45 +274,45 @@ class SpeculativeRollout:
     def _source(self, method: str) -> str:
         return f"{backend_name(self.backend)}.{method}"
 
-    def _accept_prefix(self, batch: _Batch, i: int, walk: Prefixes, row: int, end_reason: str | None) -> None:
+    def _accept_prefix(self, batch: _Batch, x: Sample, walk: Prefixes, row: int, end_reason: str | None) -> None:
         """Keep the verified prefix and token at n; a draft accepted whole that is only a prefix today is continued."""
-        batch.responses[i] = list(walk.tokens[row])
-        batch.logprobs[i] = list(walk.logprobs[row])
-        batch.behaviour[i] = list(walk.logprobs[row] if walk.behaviour is None else walk.behaviour[row])
-        batch.prefix_len[i] = batch.kv_len[i] = walk.n[row]
-        batch.sources[i] = walk.source[row]
+        behaviour = walk.logprobs[row] if walk.behaviour is None else walk.behaviour[row]
+        x.keep(walk.tokens[row], walk.logprobs[row], behaviour, walk.n[row])
+        x.kv_len, x.source = walk.n[row], walk.source[row]
         token = walk.next_token[row]
         if token is None:
             if end_reason is not None:
                 batch.stats.full_reuse_count += 1
-                batch.finish[i] = end_reason
+                x.finish = end_reason
             else:
-                batch.kv_len[i] -= 1  # the continuation feeds the draft's last token itself
+                x.kv_len -= 1  # the continuation feeds the draft's last token itself
             return
-        batch.responses[i].append(token)
-        batch.logprobs[i].append(walk.next_logprob[row])
-        batch.behaviour[i].append(walk.next_logprob[row] if walk.next_behaviour is None else walk.next_behaviour[row])
+        lp = walk.next_logprob[row]
+        x.extend([token], [lp], [lp if walk.next_behaviour is None else walk.next_behaviour[row]])
         batch.stats.tokens_generated += 1
         if token in self.eos_ids:
-            batch.finish[i] = "eos"
-        elif len(batch.responses[i]) >= batch.budgets[i]:
-            batch.finish[i] = "length"
+            x.finish = "eos"
+        elif len(x.tokens) >= x.budget:
+            x.finish = "length"
 
     def _continue(self, batch: _Batch, scored: Scored | None) -> None:
         """Decode the unfinished requests: drafted ones after their verified prefix, the others from the prompt."""
         drafted = set(batch.drafted)
-        order = batch.drafted + [i for i in range(len(batch.prompts)) if i not in drafted]
-        order = [i for i in order if batch.finish[i] is None]
-        jobs = [
-            Job(
-                budget=batch.budgets[i] - len(batch.responses[i]),
-                uid=batch.keys[i].uid,
-                context=None if i in drafted else batch.prompts[i] + batch.responses[i],
-                cut=Cut(batch.sources[i], batch.kv_len[i], batch.responses[i][-1]) if i in drafted else None,
-                proposer=self._proposer(batch, i),
+        order = batch.drafted + [i for i in range(len(batch.samples)) if i not in drafted]
+        order = [i for i in order if batch.samples[i].finish is None]
+        jobs = []
+        for i in order:
+            x = batch.samples[i]
+            resumes = i in drafted
+            jobs.append(
+                Job(
+                    budget=x.budget - len(x.tokens),
+                    uid=x.key.uid,
+                    context=None if resumes else x.prompt_ids + x.tokens,
+                    cut=Cut(x.source, x.kv_len, x.tokens[-1]) if resumes else None,
+                    proposer=self._proposer(x),
+                )
             )
-            for i in order
-        ]
         seed, source = batch.sample_seed, self._source("generate" if scored is None else "continue_from")
         if scored is None:
             conts = self.backend.generate(jobs, self.settings, seed) if jobs else []
@@ -355,28 +326,25 @@ class SpeculativeRollout:
             conts, [j.budget for j in jobs], source=source, vocab_size=batch.vocab_size, eos_ids=self.eos_ids
         )
         for i, c in zip(order, conts):
-            batch.responses[i] = batch.responses[i] + list(c.token_ids)
-            batch.logprobs[i] = batch.logprobs[i] + list(c.logprobs)
-            batch.behaviour[i] = batch.behaviour[i] + list(c.logprobs)
-            batch.finish[i] = c.finish_reason
+            x = batch.samples[i]
+            x.extend(c.token_ids, c.logprobs)
+            x.finish = c.finish_reason
             batch.stats.tokens_generated += len(c.token_ids)
         _sync(self.backend.device)
 
-    def _proposer(self, batch: _Batch, i: int):
-        """Request ``i``'s tail-speculation proposer over its prompt's history (None without tail speculation)."""
+    def _proposer(self, x: Sample):
+        """Sample ``x``'s tail-speculation proposer over its prompt's history (None without tail speculation)."""
         if self.history is None:
             return None
-        return self.history.proposer(batch.group_keys[i], batch.responses[i], self.mode.tail, self.backend.vocab_size)
+        return self.history.proposer(x.group_key, x.tokens, self.mode.tail, self.backend.vocab_size)
 
     def _store(self, batch: _Batch) -> None:
         """Every response becomes next epoch's draft of its request and enters the prompt's history."""
-        for i, key in enumerate(batch.keys):
-            age = next_age(batch.drafts[i], batch.prefix_len[i])
-            response, lps, behaviour = batch.responses[i], batch.logprobs[i], batch.behaviour[i]
-            batch.store.store(key, response, lps, batch.finish[i], batch.step, self.settings, age, behaviour)
+        for x in batch.samples:
+            x.store(batch.store, batch.step, self.settings)
             if self.history is not None:
-                self.history.add(batch.group_keys[i], batch.responses[i])
-        batch.stats.vanilla_tokens = sum(len(r) for r in batch.responses)
+                self.history.add(x.group_key, x.tokens)
+        batch.stats.vanilla_tokens = sum(len(x.tokens) for x in batch.samples)
 
     def _count_backend(self, batch: _Batch, before: BackendStats) -> None:
         """The backend's counters over this call, and the most tokens one request generated."""
@@ -387,4 +355,4 @@ class SpeculativeRollout:
         s.tail_accepted = now.accepted_tokens - before.accepted_tokens
         s.decode_rows = now.decode_rows - before.decode_rows
         s.decode_positions = now.decode_positions - before.decode_positions
-        s.longest_continuation = max((len(r) - p for r, p in zip(batch.responses, batch.prefix_len)), default=0)
+        s.longest_continuation = max((len(x.tokens) - x.n for x in batch.samples), default=0)

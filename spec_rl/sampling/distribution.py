@@ -11,7 +11,7 @@ import torch
 
 from ..util.triton import kernels_for
 from ..util.validation import check_int, check_real
-from .philox import STREAM_SAMPLE, U24_SCALE, philox4x32, philox_keys
+from .philox import STREAM_SAMPLE, U24_SCALE, U_FLOOR, philox4x32, philox_keys
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ def sampling_log_softmax(
         probs = torch.softmax(sorted_x, dim=-1)
         mass_before = torch.cumsum(probs, dim=-1) - probs
         drop_sorted = mass_before >= top_p
-        drop_sorted[..., 0] = False  # always keep the most likely token
+        drop_sorted[..., 0].fill_(False)  # always keep the most likely token (a fill: no tensor made on the host)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
     return torch.log_softmax(x, dim=-1)
@@ -235,19 +235,26 @@ def gumbel_race(race: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     for row, key in zip(u, keys.tolist()):  # each row's uniforms from the generator seeded with its key
         gen.manual_seed(key)
         row.uniform_(generator=gen)
-    return (race + u.log_().neg_().log_().neg_()).argmax(-1)  # u = 0: -inf, that token never wins
+    return (race + gumbel_noise(u)).argmax(-1)
+
+
+def gumbel_noise(u: torch.Tensor) -> torch.Tensor:
+    """Gumbel noise -log(-log u) of uniforms ``u`` in [0, 1) (float32, overwritten), u = 0 read as :data:`U_FLOOR`:
+    finite for every u, so a token of probability 0 never wins (the CUDA kernel applies the same law)."""
+    return u.clamp_(min=U_FLOOR).log_().neg_().log_().neg_()
 
 
 def philox_gumbel_argmax(race: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """The CUDA rule of :func:`gumbel_race` in torch (the Triton kernel's reference): u = (x0 >> 8) * 2**-24 in
-    [0, 1), x0 the first Philox4x32-10 word of counter (token, 0, 0, 0) under key (keys[r] low, high word)."""
+    [0, 1) (0 read as :data:`U_FLOOR`), x0 the first Philox4x32-10 word of counter (token, 0, 0, 0) under key
+    (keys[r] low, high word)."""
     vocab = race.shape[-1]
     token = torch.arange(vocab, dtype=torch.int64, device=race.device).unsqueeze(0)
     zero = torch.zeros_like(token)
     k = keys.to(torch.int64).unsqueeze(1)
     x0 = philox4x32((token, zero, zero, zero), (k & 0xFFFFFFFF, (k >> 32) & 0xFFFFFFFF))[0]
     u = (x0 >> 8).to(torch.float32) * U24_SCALE
-    return (race.float() - (-u.log()).log()).argmax(-1)
+    return (race.float() + gumbel_noise(u)).argmax(-1)
 
 
 #: Noise values formed at once (rows x vocabulary): bounds the extra memory of a large batch at a large vocabulary.

@@ -26,11 +26,18 @@ STREAM_ACCEPT = 0
 STREAM_RANDOM_REUSE = 1
 STREAM_SAMPLE = 2
 
-#: XORed into a step's seed to seed the continuation's sampler, apart from the token at n.
+#: Seed salts, XORed into a seed so that each use draws its own keys, in one place: the sampled tokens of a step
+#: (apart from its acceptance uniforms), the held-out evaluation (apart from training), a server's continuation
+#: attempts after a rejection (apart from the acceptance uniforms).
 SEED_SALT_CONTINUATION = 0x5EED
+SEED_SALT_HELDOUT = 0x4E1D_0E7A
+SEED_SALT_RESIDUAL = 0x7E51D0A1
 
 _MASK32 = 0xFFFFFFFF
 U24_SCALE = 2.0**-24
+#: The smallest uniform behind a Gumbel noise (keyed sampling): u = 0 is read as half a step, so no token's noise
+#: -log(-log u) is -inf and a distribution with one token of all the mass always returns it.
+U_FLOOR = 2.0**-25
 
 
 def _mulhilo32(a: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,7 +74,13 @@ def _as_u64_words(value: int | torch.Tensor, device: torch.device) -> tuple[torc
         v = value.to(device=device, dtype=torch.int64)
         return v & _MASK32, (v >> 32) & _MASK32  # arithmetic shift then mask: two's complement reinterpretation
     v = int(value) % (1 << 64)
-    return tuple(torch.tensor(w, dtype=torch.int64, device=device) for w in (v & _MASK32, v >> 32))
+    return _constant(v & _MASK32, device), _constant(v >> 32, device)
+
+
+def _constant(value: int, device: torch.device) -> torch.Tensor:
+    """A 0-d int64 tensor filled on ``device``: no copy from host memory, so a CUDA graph can capture it (a tensor
+    made from a Python value is copied from the host, which capture refuses)."""
+    return torch.full((), value, dtype=torch.int64, device=device)
 
 
 def bits_to_uniform(x0: torch.Tensor) -> torch.Tensor:
@@ -81,7 +94,7 @@ def _words(seed: int, uids: torch.Tensor, token_index: torch.Tensor, stream: int
     k0, k1 = _as_u64_words(seed, device)
     u_lo, u_hi = _as_u64_words(uids, device)
     idx = token_index.to(device=device, dtype=torch.int64) & _MASK32
-    c3 = torch.tensor(int(stream) & _MASK32, dtype=torch.int64, device=device)
+    c3 = _constant(int(stream) & _MASK32, device)
     shape = torch.broadcast_shapes(u_lo.shape, idx.shape)
     return philox4x32((idx.expand(shape), u_lo.expand(shape), u_hi.expand(shape), c3.expand(shape)), (k0, k1))
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from .arithmetic import TASK_VERSION, check_solution, generate_problems
 
-_DEMO_NAMES = ("DemoConfig", "build_demo_policy", "demo_eval_set", "demo_train_set", "evaluate_policy")
+_DEMO_NAMES = ("DemoConfig", "build_demo_policy", "demo_eval_set", "demo_train_set")
 __all__ = ["TASK_VERSION", "check_solution", "generate_problems", *_DEMO_NAMES]
 
 

@@ -16,7 +16,6 @@ from ..backends.transformers_backend import TransformersBackend
 from ..sampling.distribution import SamplingSettings
 from ..util.validation import check_int
 from .data import Example, PromptFormat
-from .demo_data import DEMO_MAX_NEW_TOKENS
 from .rewards import RewardFn, math_reward
 
 
@@ -43,42 +42,6 @@ def _generate(model, backend, calls) -> list[list[Continuation]]:
 def _rewards(tokenizer, outs: Sequence[Continuation], golds: Sequence[str], reward_fn: RewardFn) -> list[float]:
     """Reward of each response, decoded with special tokens (EOS) skipped."""
     return [float(reward_fn(tokenizer.decode(o.token_ids, skip_special_tokens=True), g)) for o, g in zip(outs, golds)]
-
-
-@torch.no_grad()
-def evaluate_policy(
-    model,
-    tokenizer,
-    examples: Sequence[Example],
-    max_new_tokens: int = DEMO_MAX_NEW_TOKENS,
-    seed: int = 0,
-    *,
-    batch_size: int = 64,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    reward_fn: RewardFn = math_reward,
-) -> dict[str, float]:
-    """Sample one response per example (keyed by ``seed``) and score it with ``reward_fn``. Prompts are encoded without
-    special tokens; a response ends at any EOS id of the model or after ``max_new_tokens`` (EOS included). The model's
-    training mode is restored afterwards. Returns {"mean_reward", "mean_response_tokens" (EOS included),
-    "truncated_fraction" (no EOS within the budget), "num_examples"}. Raises ValueError for empty ``examples``,
-    ``max_new_tokens`` or ``batch_size`` < 1, bad sampling settings, or no pad/EOS id."""
-    if not examples:
-        raise ValueError("examples is empty; pass at least one Example")
-    check_int("max_new_tokens", max_new_tokens, low=1)
-    backend = _backend(model, tokenizer, batch_size)
-    settings = SamplingSettings(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=int(max_new_tokens))
-    contexts = [tokenizer(e.prompt, add_special_tokens=False)["input_ids"] for e in examples]
-    (outs,) = _generate(model, backend, [(contexts, [settings.max_tokens] * len(contexts), settings, seed)])
-    rewards = _rewards(tokenizer, outs, [e.answer for e in examples], reward_fn)
-    n = len(outs)
-    return {
-        "mean_reward": sum(rewards) / n,
-        "mean_response_tokens": sum(len(out.token_ids) for out in outs) / n,
-        "truncated_fraction": sum(out.finish_reason != "eos" for out in outs) / n,
-        "num_examples": n,
-    }
 
 
 @torch.no_grad()

@@ -176,11 +176,6 @@ def preset(name: str, sampling: SamplingSettings | None = None, **overrides) -> 
     return GRPOConfig(sampling=dataclasses.replace(sampling, max_tokens=budget), **fields)
 
 
-def demo_config(**overrides) -> GRPOConfig:
-    """The demo's config (:data:`PRESETS` "demo") with ``overrides``."""
-    return preset("demo", **overrides)
-
-
 @dataclass(frozen=True)
 class RunSetting:
     """One run of the trainer: its rollout mode and its rollout correction (None: the config's)."""

@@ -12,13 +12,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..sampling.distribution import SamplingSettings
-from ..sampling.philox import mix_seed
+from ..sampling.philox import SEED_SALT_HELDOUT, mix_seed
 from ..tasks.data import PromptFormat
 from ..tasks.evaluation import evaluate_heldout
 from .diagnostics import DIAGNOSTIC_FIELDS, policy_drift
 
 #: Salt of the held-out seeds: keeps their uniforms apart from the rollouts' (which use the run seed).
-HELDOUT_SEED_SALT = 0x4E1D_0E7A
 #: Sequences per decode batch (the rollout's batch of 64 prompts x 4 samples).
 EVAL_BATCH_SIZE = 256
 #: Fields one evaluation adds to a record.
@@ -39,7 +38,7 @@ START = "start_"
 
 def heldout_seed(run_seed: int, epoch: int) -> int:
     """Sampling seed of the held-out evaluation after ``epoch`` (0: the warm start); the same in every mode."""
-    return mix_seed(int(run_seed) ^ HELDOUT_SEED_SALT, epoch)
+    return mix_seed(int(run_seed) ^ SEED_SALT_HELDOUT, epoch)
 
 
 @dataclass(eq=False)

@@ -104,6 +104,13 @@ def policy_eos_ids(path: str | Path) -> set[int]:
     return eos_token_ids(holder, AutoTokenizer.from_pretrained(path))
 
 
+def trained_model(stored: dict, model_path) -> str | None:
+    """The model a resumed run was trained from, where its record names another existing folder than
+    ``model_path`` (``stored``: its run_info.json); None otherwise."""
+    trained = (stored.get("fingerprint") or {}).get("model")
+    return trained if trained and trained != str(model_path) and Path(trained).is_dir() else None
+
+
 def run_configs(config: GRPOConfig, runs: Mapping[str, RunSetting | RolloutMode]) -> dict[str, GRPOConfig]:
     """Each run's config: ``config`` with the run's mode and correction (where it names one); beside vanilla, the
     lossless runs are evaluated after the last epoch only (their responses, hence their evaluations, are vanilla's)."""
@@ -169,9 +176,11 @@ def run_modes(
     for folder in [out_dir, *(p for p in out_dir.iterdir() if p.is_dir())]:
         remove_leftovers(folder)  # temporary files of a killed writer; checkpoint versions: trainer.resume
     summary = read_summary(out_dir) if resume else {}
-    eos = policy_eos_ids(model_path)
-    fingerprint = run_fingerprint(config, configs, model_path, eos, train_examples, eval_examples)
     stored = (stored_info(out_dir) or {}) if resume else {}  # run_info.json of the run resumed
+    trained = trained_model(stored, model_path)
+    # the EOS set of the policy that trains on (a resume continues from its checkpoints), compared with the record
+    eos = policy_eos_ids(trained or model_path)
+    fingerprint = run_fingerprint(config, configs, model_path, eos, train_examples, eval_examples)
     changes = stored.get("config_changes", [])
     if resume:  # compared first: a finished run resumed under other settings is refused too
         new_changes = check_resume(out_dir, fingerprint, allow_config_change)
@@ -187,11 +196,10 @@ def run_modes(
         # the runs not resumed now keep their stored modes, so a later resume of them is still compared
         old = stored.get("fingerprint") or {}
         fingerprint = {**{k: v for k, v in old.items() if k.startswith("mode:")}, **fingerprint}
-        trained = old.get("model")
-        if trained and trained != str(model_path) and Path(trained).is_dir():  # the record says what trained
+        if trained:  # the record says what trained
             log(f"--resume: the runs continue from their checkpoints, trained from {trained}; --model is not used")
             model_path = trained
-            fingerprint.update(model=trained, eos_ids=old.get("eos_ids", fingerprint["eos_ids"]))
+            fingerprint.update(model=trained)
 
     def info() -> dict:
         ran = {label: configs[label].to_dict() for label in summary if label in configs}

@@ -79,7 +79,7 @@ def test_plan_budget_rows_and_verify():
         uids=torch.tensor([key.uid]),
         options=VerifyOptions(mode=Lenient(1.0), backend="reference"),
     )
-    assert v.n == int(expect.accepted_len[0]) and v.prefix_ids == [4, 5, 6][: v.n]
+    assert v.n == int(expect.accepted_len[0]) and plan.tokens == [4, 5, 6][: v.n]
     cont = b.continuation(plan, v)
     if v.full_reuse:
         assert cont is None
@@ -97,7 +97,7 @@ def test_cut_draft_keeps_the_scoring_sample_and_assembles():
     plan = b.plan(prompt, 0)
     assert plan.draft_ids == [4, 5, 6, 2] and plan.budget == 5
     v = b.verify(plan, [-1.0, -1.1, -0.9, -1.2], step=4, scoring_sample=([11], [-0.7]))
-    assert v.n == 4 and not v.full_reuse and v.prefix_ids == [4, 5, 6, 2, 11] and v.sampled == 1
+    assert v.n == 4 and not v.full_reuse and plan.tokens == [4, 5, 6, 2, 11] and v.sampled == 1
     assert b.continuation(plan, v) is None  # budget used up by the sampled token
     res = b.assemble(plan, v, [], [])
     assert res.response_ids == [4, 5, 6, 2, 11]
@@ -138,7 +138,7 @@ def test_draft_with_an_eos_inside_is_cut_after_it_and_reused_whole():
     plan = b.plan(prompt, 0)
     assert plan.draft_ids == [4, 1] and plan.old_logprobs == [-1.0, -1.0] and plan.draft_end == "eos"
     v = b.verify(plan, [-0.5, -0.5], step=1, scoring_sample=([6], [-0.1]))
-    assert v.full_reuse and v.prefix_ids == [4, 1] and b.continuation(plan, v) is None
+    assert v.full_reuse and plan.tokens == [4, 1] and b.continuation(plan, v) is None
     res = b.assemble(plan, v)
     assert res.response_ids == [4, 1] and res.finish_reason == "eos"
 
@@ -151,7 +151,7 @@ def test_draft_cut_by_a_smaller_budget_is_continued_not_returned():
     plan = b.plan(prompt, 0)
     assert plan.draft_ids == [4, 5] and plan.draft_end is None  # a prefix only
     v = b.verify(plan, [-0.5, -0.5], step=1, scoring_sample=([6], [-0.1]))
-    assert not v.full_reuse and v.n == 2 and v.prefix_ids == [4, 5, 6]
+    assert not v.full_reuse and v.n == 2 and plan.tokens == [4, 5, 6]
     cont = b.continuation(plan, v)
     assert cont.context_ids == prompt + [4, 5, 6] and cont.max_tokens == 6 - 3
     res = b.assemble(plan, v, [2, 1], [-0.2, -0.3])
@@ -359,6 +359,7 @@ def test_the_without_draft_draw_keeps_the_last_attempt_when_all_begin_with_the_r
     plan_p = paper.plan([0, 1], 0, "ds:p")  # no draft stored: nothing is rejected
     with pytest.raises(ValueError, match=refused):
         paper.assemble(plan_p, paper.verify(plan_p, None), [0], [-0.5], store=False, kept_excluded=True)
+    v = b.verify(plan, [math.log(0.1)] * 2, step=step)  # a sample holds the prefix of its last verification
     assert b.assemble(plan, v, [0, 1], [-0.5, -0.6], store=False, kept_excluded=True).metrics["draw_fallbacks"] == 1
     # exact acceptance never keeps it: the draw would not be lossless
     plain = ContinuationRequest([1, 2], 3, excluded=0, seeds=[11], keep_last=False)
@@ -380,3 +381,47 @@ def test_the_without_draft_draw_is_refused_where_it_means_nothing():
     with pytest.raises(ValueError, match="needs lenience >= 1"):
         builder(mode="l=0.5-excl")
     assert builder(mode="l=2-excl").mode == lenient(2.0, "without-draft")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_servers_samples_carry_behaviour_logprobs_against_float64(seed):
+    """Kept tokens: the draft's behaviour plus the test's keep probability; the sampled token after a draft kept
+    whole and the continuation: their own log-probs; a continuation drawn without the rejected token: renormalised."""
+    gen = torch.Generator().manual_seed(seed)
+    for draw in ("policy", "without-draft"):
+        cache = RolloutCache()
+        lenience = math.exp(0.5)
+        b = builder(cache, max_model_len=12, mode=lenient(lenience, draw), seed=seed)
+        prompt = [7, 8, 9]
+        old = (-torch.rand(5, generator=gen, dtype=torch.float64) * 3).tolist()
+        drafted = (-torch.rand(5, generator=gen, dtype=torch.float64) * 3).tolist()
+        key = CacheKey.make(prompt, 0)
+        cache.store(key, [4, 5, 6, 2, 3], old, "length", 0, S, behaviour_logprobs=drafted)
+        plan = b.plan(prompt, 0)
+        assert plan.draft_behaviour == pytest.approx(drafted[:5], abs=1e-6)
+        new = (torch.tensor(old) - torch.rand(5, generator=gen, dtype=torch.float64) * 2).tolist()
+        v = b.verify(plan, new, step=1)
+        keep = [min(0.0, math.log(lenience) + n - o) for n, o in zip(new, old)]
+        want = [d + k for d, k in zip(drafted, keep)][: v.n]
+        assert plan.behaviour == pytest.approx(want, abs=1e-5)
+        tail_ids, tail_lps = [10, 1][: plan.budget - v.n], [-0.4, -0.2][: plan.budget - v.n]
+        kept_excluded = False
+        res = b.assemble(plan, v, tail_ids, tail_lps, kept_excluded=kept_excluded)
+        assert res.behaviour_logprobs[: v.n] == pytest.approx(want, abs=1e-5)
+        tail = res.behaviour_logprobs[v.n :]
+        if draw == "without-draft" and v.n < 5 and tail_ids:
+            assert tail[0] == pytest.approx(tail_lps[0] - math.log1p(-math.exp(new[v.n])), abs=1e-5)
+            tail = tail[1:]
+            tail_lps = tail_lps[1:]
+        assert tail == pytest.approx(tail_lps[: len(tail)])
+        stored = cache.lookup(key, S)
+        assert stored.behaviour.tolist() == pytest.approx(res.behaviour_logprobs, abs=1e-6)
+
+
+def test_servers_refuse_the_modes_only_spec_rls_own_rollout_makes():
+    for name in ("coupled", "l=1-res"):
+        with pytest.raises(ValueError, match="spec-rl's own trainer"):
+            builder(mode=name)
+    for name in ("coupled", "l=1-res"):
+        with pytest.raises(ValueError, match="made by a rollout"):
+            VerifyOptions(mode=name)

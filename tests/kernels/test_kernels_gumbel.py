@@ -37,3 +37,12 @@ def test_kernel_edge_rows():
     got = K.gumbel_argmax(race.to(DEVICE), keys.to(DEVICE), block=16).cpu()
     assert got.tolist() == [0, 17, 33]  # no support: token 0, as torch.argmax
     assert K.gumbel_argmax(race[:0].to(DEVICE), keys[:0].to(DEVICE)).numel() == 0
+
+
+def test_kernel_returns_the_one_token_of_all_the_mass_where_its_uniform_is_zero():
+    # under key 6786339 token 1's uniform is 0 (tests/sampling/test_keyed_sampling.py checks the word)
+    race = torch.full((1, 4), float("-inf"), device=DEVICE)
+    race[0, 1] = 0.0
+    keys = torch.tensor([6786339], device=DEVICE)
+    assert K.gumbel_argmax(race, keys).tolist() == [1]
+    assert torch.equal(K.gumbel_argmax(race, keys), philox_gumbel_argmax(race, keys))

@@ -15,6 +15,7 @@ from engine_models import FAMILIES, greedy_reference, tiny_family_model
 from tiny_models import full_forward_logprobs
 
 from spec_rl.backends.paged import OutOfBlocks, PagedEngine
+from spec_rl.backends.paged.static_decode import DecodeConfig
 from spec_rl.backends.scoring import PolicyScorer
 from spec_rl.sampling.distribution import SamplingSettings
 
@@ -127,7 +128,7 @@ def test_stats_are_backend_stats_and_count_every_generation_forward():
     handle = engine.score(PROMPTS, [[5, 6]] * len(PROMPTS))
     assert engine.stats.decode_steps == engine.stats.forwards - 1  # the scoring forward is not a decode step
     engine.release(handle)
-    engine.reset_stats()
+    engine.runner.stats = type(engine.stats)()  # counters from here on
     assert engine.stats.to_dict() == dict.fromkeys(engine.stats.to_dict(), 0)
 
 
@@ -197,8 +198,9 @@ def test_decode_through_the_triton_paged_kernel_matches_the_gather_path():
     model = tiny_family_model("qwen3", seed=6).to(device)
     prompts = [[3, 11, 12, 13, 14], [3, 15, 16], [4]]
     settings = SamplingSettings(temperature=0.8, max_tokens=6)
-    plain = PagedEngine(model, eos_ids={1}, pad_id=0, block_size=4, num_blocks=32)
-    triton = PagedEngine(model, eos_ids={1}, pad_id=0, block_size=4, num_blocks=32)
+    packed = DecodeConfig(static=False)  # one kernel call per layer and step (on CUDA the static step is the default)
+    plain = PagedEngine(model, eos_ids={1}, pad_id=0, block_size=4, num_blocks=32, decode=packed)
+    triton = PagedEngine(model, eos_ids={1}, pad_id=0, block_size=4, num_blocks=32, decode=packed)
     calls = []
 
     def counted(*args, **kwargs):

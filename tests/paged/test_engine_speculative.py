@@ -85,7 +85,7 @@ def test_speculation_gives_the_same_tokens_logprobs_and_kv(temperature):
     plain = generate(engine, PROMPTS, BUDGETS, settings, seed=7, uids=UIDS)
     plain_steps = engine.stats.decode_steps
     assert engine.stats.proposed_tokens == 0
-    engine.reset_stats()
+    engine.runner.stats = type(engine.stats)()  # counters from here on
     _checked_decode(engine, [len(p) for p in PROMPTS])
     automata = _automata([o.token_ids for o in plain], model.config.vocab_size)
     spec = generate(engine, PROMPTS, BUDGETS, settings, seed=7, uids=UIDS, proposers=_proposers(automata))

@@ -114,7 +114,7 @@ def test_speculative_rollout_with_engine_equals_transformers_backend():
         first = rollout.run(requests, step=0)
         _perturb(model, 0)  # the policy moves: some drafts are now rejected part-way
         if name == "engine":
-            backend.reset_stats()
+            backend.runner.stats = type(backend.stats)()  # counters from here on
         second = rollout.run(requests, step=1)
         # step 2: a new prompt has no draft, so it is generated alongside the continuations
         third = rollout.run(requests + [RolloutRequest([4, 9, 9], s) for s in range(2)], step=2)

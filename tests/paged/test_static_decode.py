@@ -6,7 +6,6 @@ import torch
 from backend_jobs import continue_rows, generate
 from block_checks import check_invariants
 from engine_models import FAMILIES, tiny_family_model
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from spec_rl.backends.paged import PagedEngine
 from spec_rl.backends.paged import static_decode as static_module
@@ -102,44 +101,59 @@ def test_steps_with_a_proposer_stay_on_the_packed_step():
     assert proposers[0].heard == len(got[0].token_ids)  # the static step would not tell it
 
 
-class _HostSyncs(TorchDispatchMode):
-    """Records the ops that make a CUDA host wait for the device: reading a value, or a shape that depends on one."""
+def test_a_static_step_holds_nothing_a_cuda_graph_cannot(monkeypatch):
+    # The captured function runs CUDA's code path: the Triton paged decode kernel (interpreted here; one device op)
+    # and the torch reference of the Gumbel kernel; nothing in it reads a value, makes a tensor from a Python value
+    # or a scalar tensor, or prints (5b34606's step made its Philox stream constant with torch.tensor: lift_fresh).
+    from capture_guard import HostData
 
-    def __init__(self):
-        super().__init__()
-        self.seen = []
+    from spec_rl.kernels.paged_attention import paged_decode_attention
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.__name__.split(".")[0]
-        flat = [a for x in args for a in (x if isinstance(x, (list, tuple)) else [x])]
-        bool_index = name.startswith("index") and any(
-            isinstance(a, torch.Tensor) and a.dtype == torch.bool for a in flat
-        )
-        if name in {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "equal"} or bool_index:
-            self.seen.append(func.__name__)
-        return func(*args, **(kwargs or {}))
-
-
-def test_a_static_step_never_waits_for_the_device(monkeypatch):
-    # With CUDA's sampling rule (the torch reference of its kernel), a whole step runs without reading a value.
     monkeypatch.setattr(static_module, "gumbel_race", philox_gumbel_argmax)
-    watch, step = _HostSyncs(), static_module.StaticDecoder._step
-    steps = []
+    seen, step, steps = HostData(), static_module.StaticDecoder._step, []
 
     def watched(self, buf, settings):
-        with watch:
+        self.runner.decode_kernel = seen.opaque(paged_decode_attention)
+        with seen:
             step(self, buf, settings)
+        self.runner.decode_kernel = None
         steps.append(1)
 
     monkeypatch.setattr(static_module.StaticDecoder, "_step", watched)
-    model = tiny_family_model("qwen3", seed=10, vocab_size=40)
-    generate(_engine(model, DecodeConfig(static=True, sync_every=4)), CONTEXTS, BUDGETS, SETTINGS[1], seed=1)
-    assert len(steps) > 10 and watch.seen == []
-    with watch:  # the detector itself sees a read and a boolean index
+    for family, settings in zip(FAMILIES, [SETTINGS[0], SETTINGS[1], SETTINGS[1]]):
+        model = tiny_family_model(family, seed=10, vocab_size=40)
+        generate(_engine(model, DecodeConfig(static=True, sync_every=4)), CONTEXTS, BUDGETS, settings, seed=1)
+    assert len(steps) > 30 and seen.ops == []
+    with seen:  # the detector itself sees each kind
         x = torch.ones(3)
         x.sum().item()
         x[x > 0]
-    assert watch.seen == ["_local_scalar_dense.default", "index.Tensor"]
+        torch.tensor([1, 2])
+        torch.where(x > 0, x, 2.0)
+        x.tolist()
+        f"{x}"
+    assert seen.ops[:6] == [  # printing reads more after __format__
+        "_local_scalar_dense.default",
+        "index.Tensor",
+        "lift_fresh.default",
+        "scalar_tensor.default",
+        "tolist",
+        "__format__",
+    ]
+
+
+def test_the_static_step_is_the_only_captured_function():
+    # the detector above runs over every function a CUDA graph captures: keep that list whole
+    import re
+
+    from repo_paths import REPO_ROOT as ROOT
+
+    sites = [
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "spec_rl").rglob("*.py")
+        for _ in re.finditer(r"torch\.cuda\.graph\(", path.read_text())
+    ]
+    assert sites == ["spec_rl/backends/paged/static_decode.py"]
 
 
 def test_invalid_logits_in_a_static_step_name_the_row():

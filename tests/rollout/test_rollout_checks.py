@@ -444,3 +444,22 @@ def test_a_cache_of_another_model_is_refused_before_any_work():
     assert fresh.owner == "qwen2-v33-h32-l2"  # a store without an owner is claimed for this model
     with pytest.raises(DraftOwnerError):
         fresh.claim("llama-v33-h32-l2-tokabc")
+
+
+def test_a_cache_of_another_tokenizer_on_the_same_model_is_refused_where_the_backend_knows_its_tokenizer():
+    from tiny_models import tiny_tokenizer
+
+    from spec_rl.backends.base import Policy
+    from spec_rl.drafts.owner import DraftOwnerError, policy_owner
+
+    model, tokenizer = tiny_model(seed=11), tiny_tokenizer()
+    backend = TransformersBackend.for_policy(Policy(model, tokenizer, [1], 0, 64, None))
+    assert backend.owner == policy_owner(tokenizer, model.config) and "-tok" in backend.owner
+    other = RolloutCache()
+    other.claim(backend.owner.rsplit("-tok", 1)[0] + "-tok0123456789ab")  # the same architecture, another vocabulary
+    other.store(CacheKey.make(PROMPTS[0], 0, "p0"), [4, 5, 6], [-1.0] * 3, "length", 0, SamplingSettings(max_tokens=4))
+    with pytest.raises(DraftOwnerError, match="holds drafts of another policy"):
+        _rollout(backend).run(_requests(), step=1, cache=other)
+    mine = RolloutCache()
+    _rollout(backend).run(_requests(), step=0, cache=mine)
+    assert mine.owner == backend.owner

@@ -101,3 +101,27 @@ def test_the_device_rule_is_keyed_and_never_draws_outside_the_support():
     perm = torch.randperm(64, generator=torch.Generator().manual_seed(8))
     assert torch.equal(philox_gumbel_argmax(race[perm], keys[perm]), ids[perm])
     assert not torch.equal(philox_gumbel_argmax(race, keys + 1), ids)
+
+
+# Keys whose uniform of token 1 is 0: the CPU generator seeded with CPU_KEY draws u = 0 at index 1 of a row of 4,
+# the first Philox word of counter (1, 0, 0, 0) under DEVICE_KEY is 247 (>> 8: 0). Found by search; checked below.
+CPU_KEY, DEVICE_KEY = 18179793, 6786339
+
+
+@pytest.mark.parametrize("rule", ["cpu", "device"])
+def test_a_one_token_distribution_returns_its_token_even_where_the_uniform_is_zero(rule):
+    from spec_rl.sampling.distribution import gumbel_noise, gumbel_race
+    from spec_rl.sampling.philox import philox4x32
+
+    race = torch.full((1, 4), float("-inf"))
+    race[0, 1] = 0.0  # all the mass on token 1
+    if rule == "cpu":
+        u = torch.empty(4).uniform_(generator=torch.Generator().manual_seed(CPU_KEY))
+        assert u[1] == 0.0
+        got = gumbel_race(race, torch.tensor([CPU_KEY]))
+    else:
+        one, zero = torch.ones((), dtype=torch.int64), torch.zeros((), dtype=torch.int64)
+        assert int(philox4x32((one, zero, zero, zero), (torch.tensor(DEVICE_KEY), zero))[0]) >> 8 == 0
+        got = philox_gumbel_argmax(race, torch.tensor([DEVICE_KEY]))
+    assert got.tolist() == [1]  # -log(-log 0) would make every score -inf and argmax return token 0
+    assert torch.isfinite(gumbel_noise(torch.zeros(3))).all()

@@ -223,44 +223,6 @@ def test_checkpoint_loads(tiny_ckpt):
     assert [p.name for p in root.iterdir()] == [path.name]
 
 
-def test_evaluate_policy(tiny_ckpt):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    _, path = tiny_ckpt
-    model = AutoModelForCausalLM.from_pretrained(path)
-    tok = AutoTokenizer.from_pretrained(path)
-    exs = dp.demo_train_set()[:6]
-    r1 = dp.evaluate_policy(model, tok, exs, max_new_tokens=12, seed=1, batch_size=4)
-    r2 = dp.evaluate_policy(model, tok, exs, max_new_tokens=12, seed=1, batch_size=4)
-    assert r1 == r2
-    assert 0.0 <= r1["mean_reward"] <= 1.0
-    assert 1 <= r1["mean_response_tokens"] <= 12
-    assert r1["num_examples"] == 6
-    with pytest.raises(ValueError, match="max_new_tokens"):
-        dp.evaluate_policy(model, tok, exs, max_new_tokens=0)
-    with pytest.raises(ValueError, match="examples"):
-        dp.evaluate_policy(model, tok, [], max_new_tokens=4)
-
-
-def test_evaluate_policy_rng_and_full_eos_set(tiny_ckpt):
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    _, path = tiny_ckpt
-    model = AutoModelForCausalLM.from_pretrained(path)
-    tok = AutoTokenizer.from_pretrained(path)
-    exs = dp.demo_train_set()[:5]
-    torch.manual_seed(7)
-    expected = torch.rand(4)
-    torch.manual_seed(7)
-    dp.evaluate_policy(model, tok, exs, max_new_tokens=6, seed=3, batch_size=2)
-    assert torch.equal(torch.rand(4), expected)  # the caller's RNG stream is untouched
-    # Every id an EOS of the model: each response ends after one token, none truncated.
-    model.generation_config.eos_token_id = list(range(len(tok)))
-    r = dp.evaluate_policy(model, tok, exs, max_new_tokens=6, seed=3)
-    assert r["mean_response_tokens"] == 1 and r["truncated_fraction"] == 0
-
-
 def test_cached_build_does_not_retrain(tiny_ckpt, monkeypatch):
     root, path = tiny_ckpt
     mtime = (path / "model.safetensors").stat().st_mtime_ns
@@ -310,10 +272,32 @@ def test_demo_policy_calibration():
     the train set in [0.15, 0.6] and mean response length >= 48 tokens."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from spec_rl.sampling.distribution import SamplingSettings
+    from spec_rl.tasks.arithmetic import arithmetic_reward
+    from spec_rl.tasks.evaluation import evaluate_heldout
+
     path = dp.build_demo_policy(progress=False)
     model = AutoModelForCausalLM.from_pretrained(path)
     tok = AutoTokenizer.from_pretrained(path)
-    r = dp.evaluate_policy(model, tok, dp.demo_train_set(), max_new_tokens=160, seed=0)
-    assert 0.15 <= r["mean_reward"] <= 0.6, r
-    assert r["mean_response_tokens"] >= 48, r
-    assert r["truncated_fraction"] < 0.05, r
+    settings = SamplingSettings(max_tokens=160)
+    r = evaluate_heldout(model, tok, dp.demo_train_set(), settings, samples_per_prompt=1, reward_fn=arithmetic_reward)
+    assert 0.15 <= r["heldout_reward"] <= 0.6, r
+    assert r["heldout_response_tokens"] >= 48, r
+
+
+def test_the_default_demo_policy_is_the_shipped_warm_start_checked_against_its_sha256(tmp_path, monkeypatch):
+    import shutil
+
+    path = dp.build_demo_policy(tmp_path / "cache", progress=False)
+    assert path.name == f"demo-policy-{dp.DemoConfig().cache_key()}-{dp.WARM_START_SHA256['model.safetensors'][:8]}"
+    for name in dp.WARM_START_SHA256:
+        assert (path / name).read_bytes() == (dp.WARM_START / name).read_bytes()
+    damaged = tmp_path / "damaged"
+    shutil.copytree(dp.WARM_START, damaged)
+    data = bytearray((damaged / "model.safetensors").read_bytes())
+    data[-1] ^= 1
+    (damaged / "model.safetensors").write_bytes(bytes(data))
+    monkeypatch.setattr(dp, "WARM_START", damaged)
+    with pytest.raises(ValueError, match="model.safetensors does not match its sha256"):
+        dp.build_demo_policy(tmp_path / "other", progress=False)
+    assert [p.name for p in (tmp_path / "other").iterdir()] == []  # no half-installed policy left

@@ -499,6 +499,8 @@ def test_a_resume_under_another_model_records_the_model_that_trained(model_dir, 
     assert main(_train_argv(model_dir, data_file, out, "--modes", "spec")) == 0
     other = tmp_path / "other-model"
     shutil.copytree(model_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "eos_token_id": [1, 2]}))  # another EOS set: not used
     argv = _train_argv(other, data_file, out, "--modes", "spec", "--epochs", "2", "--resume")
     assert "(--model: " in _error_line(capsys, argv)  # refused without --allow-config-change
     assert main([*argv, "--allow-config-change"]) == 0

@@ -10,7 +10,7 @@ from spec_rl.acceptance.mode import MODES, TRAINER_MODE, RolloutMode
 from spec_rl.acceptance.rules import Lenient
 from spec_rl.cli import UsageError, _config, _lenient_note, _modes, _one_line, build_parser
 from spec_rl.sampling.distribution import SamplingSettings
-from spec_rl.trainer.config import LR, PRESETS, GRPOConfig, RunSetting, demo_config, preset, run_settings
+from spec_rl.trainer.config import LR, PRESETS, GRPOConfig, RunSetting, preset, run_settings
 from spec_rl.trainer.sweep import DEMO_SETTINGS, MODEL_SETTINGS
 
 
@@ -118,7 +118,7 @@ def test_bad_and_unknown_flags_are_refused_by_the_parser(argv):
 
 def test_the_demo_and_model_defaults_make_configs():
     demo = _config(_args(), demo=True)
-    assert demo == preset("demo") == demo_config()
+    assert demo == preset("demo")
     assert demo.sampling.max_tokens == PRESETS["demo"].fields["max_tokens"] == 160 and demo.sampling.temperature == 1.0
     assert (demo.lr, demo.epochs, demo.group_size) == (1e-4, 5, 4)
     model = _config(_args("--model", "m", "--temperature", "0.7", "--max-response-len", "64"), demo=False)
@@ -128,7 +128,7 @@ def test_the_demo_and_model_defaults_make_configs():
     )  # a user's model: the defaults
     assert model.lr == LR == 1e-6 and model.group_size == 8
     assert _mode_runs(["--spec-tokens", "3"])["l=1-excl"].tail == 3
-    assert demo_config(epochs=2).epochs == 2
+    assert preset("demo", epochs=2).epochs == 2
     assert preset("model", SamplingSettings(top_p=0.9, max_tokens=7)).sampling == SamplingSettings(
         top_p=0.9, max_tokens=1024
     )  # the preset's budget replaces the settings' own

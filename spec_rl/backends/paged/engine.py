@@ -70,9 +70,6 @@ class PagedEngine(Backend):
     def stats(self) -> EngineStats:
         return self.runner.stats
 
-    def reset_stats(self) -> None:
-        self.runner.stats = EngineStats()
-
     def generate(self, jobs, settings: SamplingSettings, seed: int) -> list[Continuation]:
         """See :meth:`Backend.generate`; a job's proposer hears every token sampled. TypeError or ValueError for bad
         input, OutOfBlocks when one row cannot fit an empty cache."""

@@ -27,7 +27,9 @@ CUDA_FREE_MEMORY_SHARE = 0.4
 @dataclass
 class EngineStats(BackendStats):
     """:class:`~spec_rl.backends.base.BackendStats` plus scoring, decode, shared-prefill tokens, copy-on-write
-    blocks, forwards and decode steps run by a CUDA graph; ``prefill_tokens`` includes scoring and re-prefills."""
+    blocks, forwards, decode steps run by a CUDA graph, the seconds spent capturing graphs (their warm-up included:
+    a timing excludes them by subtracting) and the buckets whose capture failed (their steps ran eagerly);
+    ``prefill_tokens`` includes scoring and re-prefills."""
 
     scoring_tokens: int = 0
     decode_tokens: int = 0
@@ -35,6 +37,8 @@ class EngineStats(BackendStats):
     cow_copies: int = 0
     forwards: int = 0
     graph_steps: int = 0
+    capture_seconds: float = 0.0
+    graph_fallbacks: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)

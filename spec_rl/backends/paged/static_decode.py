@@ -8,6 +8,7 @@ host before every step and hears every token after it, so a step cannot run with
 
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -86,6 +87,7 @@ class StaticDecoder:
         self.sync_every = config.steps_per_sync(self.device)
         self._buffers: dict[tuple, _Buffers] = {}
         self._pool = None
+        self.capture_error: str | None = None  # why a capture failed (its bucket runs eagerly)
 
     def decode(self, seqs: list[SequenceState], sampler: KeyedSampler) -> int:
         """Up to ``sync_every`` decode steps of ``seqs`` (none with a proposer); returns the tokens sampled."""
@@ -164,7 +166,7 @@ class StaticDecoder:
         bs = runner.blocks.block_size
         live = ~buf.done
         block = buf.tables.gather(1, (buf.pos // bs).clamp(max=width - 1).unsqueeze(1)).squeeze(1).long()
-        slots = torch.where(live, block * bs + buf.pos % bs, runner.scratch_block * bs)
+        slots = (block * bs + buf.pos % bs).masked_fill(~live, runner.scratch_block * bs)  # no host scalar tensor
         kv_lens = buf.pos + live.long()  # a finished row attends to what it holds and writes only the scratch block
         span = width * bs
         kernel = runner.decode_kernel
@@ -194,7 +196,7 @@ class StaticDecoder:
         lps = logp.gather(1, ids.unsqueeze(1)).squeeze(1)
         buf.bad |= live & ~(logp.exp().sum(-1) > 0)
         column = buf.step.view(1, 1).expand(rows, 1)
-        buf.out_ids.scatter_(1, column, torch.where(live, ids, NO_TOKEN).unsqueeze(1))
+        buf.out_ids.scatter_(1, column, ids.masked_fill(~live, NO_TOKEN).unsqueeze(1))
         buf.out_lps.scatter_(1, column, lps.unsqueeze(1))
         remaining = buf.remaining - live.long()
         ended = (ids.unsqueeze(1) == buf.eos.unsqueeze(0)).any(1) | (remaining <= 0)
@@ -217,7 +219,7 @@ class StaticDecoder:
     def _capture(self, buf: _Buffers, settings) -> None:
         """Warm the bucket's step up on a side stream, then capture it; a step that cannot be captured runs eagerly
         (warned once)."""
-        rows, _ = buf.tables.shape
+        t0 = time.perf_counter()
         try:
             self._idle(buf)
             stream = torch.cuda.Stream(self.device)
@@ -234,12 +236,17 @@ class StaticDecoder:
             buf.graph = graph
         except Exception as exc:  # noqa: BLE001  the eager step is always correct
             self.graphs = False
+            self.runner.stats.graph_fallbacks += 1
+            self.capture_error = f"{type(exc).__name__}: {exc}"
             warnings.warn(
                 f"the paged engine's decode step could not be captured in a CUDA graph ({type(exc).__name__}: "
                 f"{exc}); it runs eagerly (DecodeConfig(cuda_graphs=False) silences this)",
                 RuntimeWarning,
                 stacklevel=2,
             )
+        finally:
+            torch.cuda.synchronize(self.device)
+            self.runner.stats.capture_seconds += time.perf_counter() - t0
 
     def _idle(self, buf: _Buffers) -> None:
         """Every row a finished padding row (warm-up and capture write only the scratch block)."""
