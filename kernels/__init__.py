@@ -18,7 +18,7 @@ if __name__ == "spec_rl.kernels":
             return False
 
     else:
-        from ._common import INTERPRET, DraftRows, is_available  # noqa: F401
+        from ._common import INTERPRET, DraftRows, InvalidScores, is_available  # noqa: F401
         from .configs import LMHeadConfig, LogitsConfig, PagedAttentionConfig  # noqa: F401
         from .from_logits import verify_logits  # noqa: F401
         from .gumbel_max import gumbel_argmax  # noqa: F401

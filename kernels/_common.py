@@ -13,8 +13,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..util.validation import invalid_scores_message
-
 
 @triton.jit
 def _interpreter_probe():
@@ -64,16 +62,24 @@ def unit_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def kernel_results(rows: DraftRows, lp, acc, n, flag, source: str):
+class InvalidScores(ValueError):
+    """Scored positions without a valid distribution (NaN, +inf, or every logit -inf): ``positions``, the first
+    (sample, token) pairs, of ``total``. spec_rl's verify functions word it as the reference does."""
+
+    def __init__(self, positions: list[list[int]], total: int):
+        super().__init__(f"{total} scored position(s) without a valid distribution, first (sample, token): {positions}")
+        self.positions, self.total = positions, total
+
+
+def kernel_results(rows: DraftRows, lp, acc, n, flag):
     """(new log-probs f32, accept bool, rejection index int64) of a launch over ``rows``. If the kernel set its flag,
-    ValueError naming the NaN positions of ``lp`` ([B, R], or tagged [N]) as (sample, token), worded as the
-    reference's (one sync)."""
+    InvalidScores naming the NaN positions of ``lp`` ([B, R], or tagged [N]) as (sample, token) (one sync)."""
     if int(flag.item()):
         where = torch.nonzero(torch.isnan(lp))
         first = where[:8]
         if lp.dim() == 1:  # tagged rows
             first = torch.stack([rows.row_sample[first[:, 0]], rows.row_token[first[:, 0]]], 1)
-        raise ValueError(invalid_scores_message(source, first.tolist(), where.shape[0]))
+        raise InvalidScores(first.tolist(), where.shape[0])
     acc = torch.zeros_like(acc, dtype=torch.bool) if rows.mode == MODE_SCORE_ONLY.value else acc.bool()
     return lp, acc, n.to(torch.int64)
 

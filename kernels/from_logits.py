@@ -166,4 +166,4 @@ def verify_logits(logits: torch.Tensor, rows: DraftRows, config: LogitsConfig | 
         raise NotImplementedError(f"Triton kernels take bf16/fp16/fp32 logits, got {logits.dtype}; use the reference")
     logits = unit_stride(logits)
     lp, acc, n, flag = launch_from_logits(logits, rows, config)
-    return kernel_results(rows, lp.view(logits.shape[:-1]), acc.view(logits.shape[:-1]), n, flag, "logits")
+    return kernel_results(rows, lp.view(logits.shape[:-1]), acc.view(logits.shape[:-1]), n, flag)

@@ -9,16 +9,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..sampling import philox as reference
-
-# The reference's constants (spec_rl/sampling/philox.py), as Triton compile-time values.
-PHILOX_M0 = tl.constexpr(reference.PHILOX_M0)
-PHILOX_M1 = tl.constexpr(reference.PHILOX_M1)
-PHILOX_W0 = tl.constexpr(reference.PHILOX_W0)
-PHILOX_W1 = tl.constexpr(reference.PHILOX_W1)
-U24_SCALE = tl.constexpr(reference.U24_SCALE)  # 2**-24, exact in float32: u in [2**-24, 1]
-U_FLOOR = tl.constexpr(reference.U_FLOOR)  # 2**-25: the Gumbel uniform u = 0 is read as this
-STREAM_ACCEPT = tl.constexpr(reference.STREAM_ACCEPT)
+# The constants of spec_rl/sampling/philox.py (the kernels import nothing of spec_rl; tests check they agree), as
+# Triton compile-time values.
+PHILOX_M0 = tl.constexpr(0xD2511F53)
+PHILOX_M1 = tl.constexpr(0xCD9E8D57)
+PHILOX_W0 = tl.constexpr(0x9E3779B9)
+PHILOX_W1 = tl.constexpr(0xBB67AE85)
+U24_SCALE = tl.constexpr(2.0**-24)  # exact in float32: u in [2**-24, 1]
+U_FLOOR = tl.constexpr(2.0**-25)  # the Gumbel uniform u = 0 is read as this
+STREAM_ACCEPT = tl.constexpr(0)
 
 
 @triton.jit

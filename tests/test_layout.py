@@ -228,3 +228,16 @@ def test_repository_kernels_folder_is_not_mistaken_for_the_hub_kernels_package()
     code = "import kernels, sys; print(kernels.__version__, len(kernels.__all__), 'triton' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["0", "0", "False"]
+
+
+def test_the_kernels_stand_alone():
+    # kernels/ (spec_rl.kernels) is the layer under everything: it imports nothing of spec_rl, and spec_rl imports it
+    # only lazily where Triton runs (spec_rl/util/triton.py, the verify dispatch), so nothing cycles between them.
+    upward = []
+    for path in sorted((ROOT / "kernels").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.level > 1 or (node.module or "").startswith("spec_rl")):
+                upward.append(f"{path.name}: from {'.' * node.level}{node.module or ''}")
+            elif isinstance(node, ast.Import) and any(a.name.startswith("spec_rl") for a in node.names):
+                upward.append(f"{path.name}: import {', '.join(a.name for a in node.names)}")
+    assert upward == []

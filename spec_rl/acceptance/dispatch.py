@@ -11,9 +11,9 @@ import torch
 
 from ..sampling.distribution import SamplingSettings, check_settings
 from ..util.triton import kernels_for
-from ..util.validation import check_choice, check_int, format_positions
+from ..util.validation import check_choice, check_int, format_positions, invalid_scores_message
 from .mode import RolloutMode
-from .reference import VerifyResult, lengths_mask, make_result, reference_verify
+from .reference import SCORE_NAMES, VerifyResult, lengths_mask, make_result, reference_verify
 from .rules import Rule
 from .scores import DraftScores
 
@@ -196,11 +196,14 @@ def _verify_triton(c: _Checked, seed: int, options: VerifyOptions) -> VerifyResu
     log_l = switch[0] if switch is not None else 0.0
     settings = dict(seed=seed, log_lenience=log_l, temperature=options.sampling.temperature, score_only=switch is None)
     s, drafts = c.scores, (c.draft_ids, c.old_logprobs, c.lengths, c.uids)
-    if s.logits is not None:
-        lp_new, accept, n = kernels.verify_logits(s.logits, kernels.DraftRows.padded(*drafts, **settings))
-    else:
-        head = (s.hidden_states, s.lm_head_weight, s.lm_head_bias)
-        lp_new, accept, n = kernels.verify_hidden_padded(*head, *drafts, **settings)
+    try:
+        if s.logits is not None:
+            lp_new, accept, n = kernels.verify_logits(s.logits, kernels.DraftRows.padded(*drafts, **settings))
+        else:
+            head = (s.hidden_states, s.lm_head_weight, s.lm_head_bias)
+            lp_new, accept, n = kernels.verify_hidden_padded(*head, *drafts, **settings)
+    except kernels.InvalidScores as bad:  # worded as the reference's
+        raise ValueError(invalid_scores_message(SCORE_NAMES[s.source], bad.positions, bad.total)) from None
     if switch is None:  # the kernels scored; the rule decides in torch
         accept, n = options.rule.decide(lp_new, c.old_logprobs, c.lengths, seed, c.uids)
     return make_result(lp_new, n, accept, c.lengths, options.return_accept_mask)

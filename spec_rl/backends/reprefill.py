@@ -21,12 +21,16 @@ class ReprefillBackend(Backend):
 
     def score(self, prompts, drafts, logprobs=None) -> Scored:
         prompts, drafts = self.checked_rows(prompts, drafts)
-        keep = self.splice and self.scorer.tree
+        keep = self.splice and self.scorer.tree and self.keeps_kv(prompts, drafts)
         if logprobs is not None and self.scorer.tree:
             lazy = ProgressiveTreeScores(self.scorer, prompts, drafts, logprobs)
             return Scored(lazy.scores, prompts, drafts, state=lazy if keep else None, progressive=lazy)
         scores, kv = self.scorer.score_with_kv(prompts, drafts, keep_kv=keep)
         return Scored(scores, prompts, drafts, state=kv)
+
+    def keeps_kv(self, prompts, drafts) -> bool:
+        """Whether a splicing backend keeps this scoring pass's K/V (memory permitting); True here."""
+        return True
 
     def continue_from(self, scored: Scored, jobs, settings, seed) -> list[Continuation]:
         try:

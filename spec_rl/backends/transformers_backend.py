@@ -8,10 +8,12 @@ from collections.abc import Sequence
 import torch
 
 from ..sampling.distribution import SamplingSettings
+from ..util.memory import memory_budget
 from ..util.validation import check_int
 from .base import BackendStats, Continuation, Scored, eos_and_pad
 from .hf_decode import DecodeRow, KVRows, SpeculativeDecoder, TailGate, prefill
 from .kv_buffer import left_padded_cache
+from .paged.model_runner import CacheLayout
 from .reprefill import ReprefillBackend
 from .scoring import PolicyScorer
 
@@ -19,8 +21,12 @@ from .scoring import PolicyScorer
 class TransformersBackend(ReprefillBackend):
     """Batched generation with a transformers causal LM (docs/api.md "Backends"); ``adaptive_tail``: feed history
     proposals only while they pay, by measured step times (:class:`~spec_rl.backends.hf_decode.TailGate`; False: every
-    step); ``splice``: keep the scoring K/V for the continuation. A sliding window is honoured in token positions (left
-    padding and rolled-back columns included). ValueError for no EOS id or ``max_batch_size`` < 1."""
+    step); ``splice``: keep the scoring K/V for the continuation. ``kv_cache_bytes``: the most the K/V of a decode batch
+    or of a kept scoring pass may take (default: a quarter of the memory available when built, 40% of free CUDA
+    memory): a decode batch holds at most the rows whose K/V at their longest fit it, and a scoring pass whose K/V
+    would not fit is continued by a prefill instead. A sliding window is honoured in token positions (left padding
+    and rolled-back columns included). ValueError for no EOS id, ``max_batch_size`` < 1 or a ``kv_cache_bytes`` that
+    holds no row."""
 
     def __init__(
         self,
@@ -32,10 +38,13 @@ class TransformersBackend(ReprefillBackend):
         max_tokens_per_forward: int | None = None,
         splice: bool = True,
         adaptive_tail: bool = True,
+        kv_cache_bytes: int | None = None,
     ):
         self.model = model
         self.eos_ids, self.pad_id = eos_and_pad(eos_ids, pad_id)
         self.max_batch_size = check_int("max_batch_size", max_batch_size, low=1)
+        self.kv_cache_bytes = memory_budget(self.device, kv_cache_bytes)
+        self.kv_token_bytes = CacheLayout.from_model(model).bytes_per_block(1)  # K and V of one position, all layers
         self.progress = progress
         self.splice = bool(splice)
         self.tail_gate = TailGate() if adaptive_tail else None  # kept across calls: the hardware does not change
@@ -81,8 +90,13 @@ class TransformersBackend(ReprefillBackend):
         fresh = [i for i, j in enumerate(jobs) if j.context is not None and j.budget > 0]
         if spliced is None:
             fresh.sort(key=lambda i: len(jobs[i].context))
-        for start in range(0, len(rows) + len(fresh), self.max_batch_size):
-            end = start + self.max_batch_size
+        # rows per batch: each row's K/V at its longest (context + budget) within kv_cache_bytes
+        longest = max(
+            [r.position + r.budget for r in rows] + [len(jobs[i].context) + jobs[i].budget for i in fresh] + [1]
+        )
+        per_batch = min(self.max_batch_size, max(1, self.kv_cache_bytes // (self.kv_token_bytes * longest)))
+        for start in range(0, len(rows) + len(fresh), per_batch):
+            end = start + per_batch
             part, ex = rows[start:end], fresh[max(0, start - len(rows)) : max(0, end - len(rows))]
             kv = KVRows(*left_padded_cache(contexts[start:end])) if part else None
             if ex:
@@ -122,3 +136,9 @@ class TransformersBackend(ReprefillBackend):
             dec.run(kv, rows)
         for r in rows:
             results[r.out] = r.continuation()
+
+    def keeps_kv(self, prompts, drafts) -> bool:
+        """Whether the scoring pass's K/V (every prompt and draft token, an upper bound on the packed trie's) fit
+        ``kv_cache_bytes``: kept for the continuation, else the continuation prefills again."""
+        tokens = sum(len(p) + len(d) for p, d in zip(prompts, drafts))
+        return tokens * self.kv_token_bytes <= self.kv_cache_bytes

@@ -7,7 +7,10 @@ import random
 import shutil
 from pathlib import Path
 
+import torch
+
 from ..rollout.old_policy import peak_copies
+from ..util import memory
 
 # Seed of an epoch's prompt order: seed * stride + epoch; a prime, so that the (seed, epoch) pairs of nearby runs do
 # not collide.
@@ -27,13 +30,11 @@ def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
 
 def available_bytes(folder: Path | None) -> int:
     """Free disk under ``folder`` (its nearest existing parent), or the memory available to a new allocation."""
-    if folder is not None:
-        while not folder.exists():
-            folder = folder.parent
-        return shutil.disk_usage(folder).free
-    import psutil
-
-    return int(psutil.virtual_memory().available)
+    if folder is None:
+        return memory.available_bytes(torch.device("cpu"))
+    while not folder.exists():
+        folder = folder.parent
+    return shutil.disk_usage(folder).free
 
 
 def check_version_budget(config, n_prompts: int, copy_bytes: int, folder: Path | None, start_epoch: int = 0) -> int:

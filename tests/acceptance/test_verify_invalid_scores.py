@@ -137,12 +137,14 @@ def test_tagged_kernel_rows_are_named_by_sample_and_token():
         1.0,
         0,
     )
-    with pytest.raises(ValueError, match=re.escape("(sample, token): (1, 2)")):
+    with pytest.raises(kernels.InvalidScores, match=re.escape("first (sample, token): [[1, 2]]")) as bad:
         kernels.verify_logits(logits, rows)
+    assert bad.value.positions == [[1, 2]] and bad.value.total == 1
     h = hidden.reshape(B * R, D).clone().to(DEVICE)
     h[6] = float("-inf")
-    with pytest.raises(ValueError, match=re.escape("(sample, token): (1, 2)")):
+    with pytest.raises(kernels.InvalidScores) as bad:
         kernels.verify_hidden(h, weight.abs().to(DEVICE) + 0.1, None, rows)
+    assert bad.value.positions == [[1, 2]]
 
 
 # ------------------------------------------------------------------ no autograd graph (V80)

@@ -89,3 +89,12 @@ def test_matches_triton_randint_on_its_counter():
     u_from_randint = ((x0 >> 8) + 1).float() * 2.0**-24
     ours = philox_uniform_triton(seed, torch.zeros(n, dtype=torch.int64, device=DEVICE), torch.arange(n, device=DEVICE))
     assert torch.equal(ours.cpu(), u_from_randint)
+
+
+def test_the_kernels_constants_are_the_references():
+    # kernels/ imports nothing of spec_rl: it keeps its own copy of the generator's constants
+    import spec_rl.kernels.philox as device
+    import spec_rl.sampling.philox as reference
+
+    for name in ("PHILOX_M0", "PHILOX_M1", "PHILOX_W0", "PHILOX_W1", "U24_SCALE", "U_FLOOR", "STREAM_ACCEPT"):
+        assert getattr(device, name).value == getattr(reference, name), name

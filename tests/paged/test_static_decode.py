@@ -54,10 +54,11 @@ def test_static_step_gives_the_packed_steps_tokens(family, settings):
             assert engine.stats.decode_steps == packed.stats.decode_steps
 
 
-def test_static_step_continues_scored_rows_and_a_tight_cache():
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("settings", SETTINGS)
+def test_static_step_continues_scored_rows_and_a_tight_cache(family, settings):
     # continue_from resumes cut rows (forks of one scored row, a cut inside a block); 20 blocks: waits for blocks.
-    model = tiny_family_model("qwen3", seed=8, vocab_size=40)
-    settings = SamplingSettings(temperature=0.9, max_tokens=30)
+    model = tiny_family_model(family, seed=8, vocab_size=40)
     prompts, drafts = [[3, 4, 5, 6, 7], [8, 9]], [[10, 11, 12, 13, 14, 15], [16, 17, 18]]
 
     def run(engine):
@@ -208,3 +209,41 @@ def test_cuda_graph_steps_give_the_eager_steps_tokens():
     assert engine.stats.graph_steps > 0
     packed = generate(_engine(model, DecodeConfig(static=False)), CONTEXTS, BUDGETS, settings, 4)
     _assert_same(packed, want)  # CUDA's packed step samples by the same device rule
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("settings", SETTINGS)
+def test_a_reusing_rollout_continues_on_the_static_step_with_the_packed_steps_tokens(family, settings, monkeypatch):
+    # A reusing mode without tail speculation and vanilla decode on the same (static) path: they differ by reuse only.
+    from spec_rl.acceptance.mode import RolloutMode
+    from spec_rl.acceptance.rules import Lenient
+    from spec_rl.drafts.cache import RolloutCache
+    from spec_rl.rollout.speculative import RolloutRequest, SpeculativeRollout
+
+    model = tiny_family_model(family, seed=12, vocab_size=40)
+    requests = [RolloutRequest(c, s, dataset_id=f"p{i}") for i, c in enumerate(CONTEXTS[:4]) for s in range(2)]
+    static_calls = []
+    decode = static_module.StaticDecoder.decode
+    monkeypatch.setattr(
+        static_module.StaticDecoder, "decode", lambda self, *a: static_calls.append(1) or decode(self, *a)
+    )
+
+    def epochs(config):
+        engine = _engine(model, config, max_batch_size=8)
+        ro = SpeculativeRollout(engine, RolloutCache(), settings, [1], 64, mode=RolloutMode(Lenient(1.0), tail=0))
+        first = ro.run(requests, step=0)
+        nudge = torch.randn(model.lm_head.weight.shape, generator=torch.Generator().manual_seed(0)) * 0.03
+        with torch.no_grad():
+            model.lm_head.weight.add_(nudge)
+        second = ro.run(requests, step=1)
+        with torch.no_grad():
+            model.lm_head.weight.sub_(nudge)
+        return first, second
+
+    want = epochs(DecodeConfig(static=False))
+    assert not static_calls
+    got = epochs(DecodeConfig(static=True, sync_every=3))
+    assert static_calls  # the continuations after the verified prefixes decoded on the static step
+    for a, b in zip(got, want):
+        assert a.response_ids == b.response_ids and a.verified_prefix_len == b.verified_prefix_len
+    assert 0 < got[1].stats.accepted_tokens < got[1].stats.draft_tokens

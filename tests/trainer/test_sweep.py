@@ -181,3 +181,16 @@ def test_a_sweep_killed_mid_run_resumes_and_loses_no_finished_run(tmp_path):
         return [{k: v for k, v in r.items() if k not in drop} for r in rows]
 
     assert numbers(tmp_path / "killed") == numbers(tmp_path / "plain")
+
+
+def test_a_sweep_without_learning_signal_says_so_instead_of_a_gap():
+    flat = [dict(_run(100, 50, 0.5, [0.5, 0.5]), no_signal=True) for _ in range(2)]
+    some = [dict(_run(20, 10, 0.5, [0.5, 0.5]), no_signal=seed == 0) for seed in range(2)]
+    rows = aggregate({"vanilla": flat, "spec": some})
+    assert all(r["no_signal"] for r in rows)  # vanilla never learnt: no gap measures anything
+    assert rows[1]["no_signal_seeds"] == 1
+    md = markdown(rows, {"task": "toy", "seeds": 2})
+    assert "+0.000 [" not in md and md.count("no learning signal") >= 4
+    assert "vanilla: 2 of 2 seed(s) had no learning signal" in md and "its gaps are not shown" in md
+    learnt = aggregate({"vanilla": [_run(100, 50, 0.5, [0.5, 0.4])] * 2, "spec": some})
+    assert not learnt[1]["no_signal"] and "1 of 2 seed(s)" in markdown(learnt, {})

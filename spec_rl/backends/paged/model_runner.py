@@ -10,18 +10,15 @@ import torch
 
 from ... import ops
 from ...acceptance.scores import response_positions
+from ...util.memory import memory_budget
 from ...util.model_config import model_may_slide
 from ...util.triton import kernels_for
-from ...util.validation import check_int
 from ..base import BackendStats
 from ..scoring import ScoringHead
 from .attention import build_batch, paged_attention_active
 from .blocks import BlockManager
 from .sampler import KeyedSampler
 from .sequence import PrefillGroup, SequenceState
-
-DEFAULT_CPU_KV_BYTES = 1 << 30
-CUDA_FREE_MEMORY_SHARE = 0.4
 
 
 @dataclass
@@ -78,20 +75,16 @@ class CacheLayout:
 
     def num_blocks_for(self, block_size: int, device: torch.device, kv_cache_bytes: int | None = None) -> int:
         """Blocks that fit ``kv_cache_bytes`` (default 1 GiB on CPU, 40% of free CUDA memory); ValueError below one."""
-        cuda_share = kv_cache_bytes is None and device.type == "cuda"
-        if cuda_share:
-            kv_cache_bytes = int(CUDA_FREE_MEMORY_SHARE * torch.cuda.mem_get_info(device)[0])
-        elif kv_cache_bytes is None:
-            kv_cache_bytes = DEFAULT_CPU_KV_BYTES
-        kv_cache_bytes = check_int("kv_cache_bytes", kv_cache_bytes, low=1)
+        if kv_cache_bytes is None and device.type != "cuda":  # the engine's CPU default: 1 GiB
+            kv_cache_bytes = 1 << 30
+        budget = memory_budget(device, kv_cache_bytes)
         per_block = self.bytes_per_block(block_size)
-        if kv_cache_bytes < per_block:
-            what = f"{CUDA_FREE_MEMORY_SHARE:.0%} of free CUDA memory" if cuda_share else "kv_cache_bytes"
+        if budget < per_block:
             raise ValueError(
-                f"{what}={kv_cache_bytes} holds no KV block ({per_block} bytes at block_size={block_size}); "
+                f"kv_cache_bytes={budget} holds no KV block ({per_block} bytes at block_size={block_size}); "
                 "raise kv_cache_bytes or pass num_blocks"
             )
-        return kv_cache_bytes // per_block
+        return budget // per_block
 
 
 def find_decode_kernel(device: torch.device):

@@ -1,0 +1,29 @@
+"""How much memory a cache or a batch may take: one rule for every bound (K/V caches, update micro-batches)."""
+
+from __future__ import annotations
+
+import torch
+
+from .validation import check_int
+
+#: The share of free CUDA memory, and of the memory available on a CPU, that one bound may take by default.
+CUDA_FREE_MEMORY_SHARE = 0.4
+CPU_AVAILABLE_MEMORY_SHARE = 0.25
+
+
+def available_bytes(device: torch.device) -> int:
+    """Free CUDA memory of ``device``, or the memory available to a new allocation on a CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def memory_budget(device: torch.device, nbytes: int | None = None, name: str = "kv_cache_bytes") -> int:
+    """``nbytes`` (an integer >= 1, checked as ``name``), or by default 40% of the free CUDA memory, a quarter of the
+    memory available on a CPU. TypeError or ValueError for a bad value."""
+    if nbytes is not None:
+        return check_int(name, nbytes, low=1)
+    share = CUDA_FREE_MEMORY_SHARE if device.type == "cuda" else CPU_AVAILABLE_MEMORY_SHARE
+    return int(share * available_bytes(device))

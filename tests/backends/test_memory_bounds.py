@@ -1,0 +1,66 @@
+"""What grows with a batch has a bound checked before memory runs out: the transformers backend's K/V (decode batches
+and a kept scoring pass) and the trainer's update micro-batches; within the bound the tokens are the same."""
+
+import torch
+from tiny_models import tiny_model
+
+from spec_rl.acceptance.mode import RolloutMode
+from spec_rl.acceptance.rules import Lenient
+from spec_rl.backends.base import fresh_jobs
+from spec_rl.backends.transformers_backend import TransformersBackend
+from spec_rl.drafts.cache import RolloutCache
+from spec_rl.rollout.speculative import RolloutRequest, SpeculativeRollout
+from spec_rl.sampling.distribution import SamplingSettings
+from spec_rl.trainer.grpo import micro_batches, update_token_budget
+
+CONTEXTS = [[3, 4, 5], [6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16], [3, 9]]
+
+
+def test_a_kv_budget_cuts_decode_batches_and_changes_no_token():
+    model = tiny_model(seed=2)
+    settings = SamplingSettings(max_tokens=12)
+    free = TransformersBackend(model, {1}, pad_id=0)
+    per_row = free.kv_token_bytes * (max(len(c) for c in CONTEXTS) + 12)
+    tight = TransformersBackend(model, {1}, pad_id=0, kv_cache_bytes=2 * per_row)  # two rows a batch
+    want = free.generate(fresh_jobs(CONTEXTS, [12] * len(CONTEXTS)), settings, seed=3)
+    got = tight.generate(fresh_jobs(CONTEXTS, [12] * len(CONTEXTS)), settings, seed=3)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert tight.stats.decode_steps > free.stats.decode_steps  # three batches one after another
+
+
+def test_a_scoring_pass_whose_kv_does_not_fit_is_continued_by_a_prefill():
+    model = tiny_model(seed=3)
+    requests = [RolloutRequest(c, s) for c in CONTEXTS for s in range(2)]
+
+    def rollout(kv_cache_bytes):
+        backend = TransformersBackend(model, {1}, pad_id=0, kv_cache_bytes=kv_cache_bytes)
+        ro = SpeculativeRollout(
+            backend, RolloutCache(), SamplingSettings(max_tokens=10), [1], 64, mode=RolloutMode(Lenient(1.0), tail=0)
+        )
+        ro.run(requests, step=0)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.03)
+        out = ro.run(requests, step=1)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.sub_(0.03)
+        return out, backend
+
+    kept, roomy = rollout(None)
+    again, tight = rollout(tight_bytes := roomy.kv_token_bytes * 20)
+    assert not tight.keeps_kv([c for c in CONTEXTS], [[5] * 10] * len(CONTEXTS)) and tight_bytes > 0
+    assert again.response_ids == kept.response_ids
+    assert kept.stats.reprefill_tokens == 0 < again.stats.reprefill_tokens
+
+
+def test_micro_batches_hold_at_most_the_rows_and_tokens_given():
+    rows, lengths = list(range(7)), [10, 40, 5, 5, 30, 100, 1]
+    cut = micro_batches(rows, lengths, max_rows=3, max_tokens=80)
+    assert [r for batch in cut for r in batch] == rows
+    for batch in cut:
+        assert 1 <= len(batch) <= 3
+        assert len(batch) == 1 or len(batch) * max(lengths[r] for r in batch) <= 80
+    assert cut == [[0, 1], [2, 3], [4], [5], [6]]  # 2 x 40, then 3 x 30 would pass 80
+    assert micro_batches(rows, lengths, max_rows=8, max_tokens=10**9) == [rows]
+    assert update_token_budget(tiny_model(), torch.device("cpu")) > 1000
