@@ -84,10 +84,4 @@ def _extensions():
 ext_modules, cmdclass = _extensions()
 # The demo's warm-start policy ships with the package (spec_rl/tasks/demo_policy.py, WARM_START).
 package_data = {"spec_rl.tasks": ["demo_warm_start/*"]}
-setup(
-    packages=packages,
-    package_dir=package_dir,
-    package_data=package_data,
-    ext_modules=ext_modules,
-    cmdclass=cmdclass,
-)
+setup(packages=packages, package_dir=package_dir, package_data=package_data, ext_modules=ext_modules, cmdclass=cmdclass)

@@ -206,9 +206,10 @@ def test_changed_policy_budgets_and_assembly(setup):
         )
         assert n == int(expect.accepted_len[0]), slot
         assert b.response_ids[:n] == draft[:n]
-        torch.testing.assert_close(
-            torch.tensor(b.response_logprobs[:n], dtype=torch.float64), lp_new[:n], atol=1e-5, rtol=0
-        )
+        # a kept token's rollout log-prob is its behaviour log-prob: drafted (epoch 1's sample) and kept by the test
+        old = torch.tensor(a.response_logprobs[:n], dtype=torch.float64)
+        kept = old + (math.log(0.3) + lp_new[:n] - old).clamp(max=0.0)
+        torch.testing.assert_close(torch.tensor(b.response_logprobs[:n], dtype=torch.float64), kept, atol=1e-5, rtol=0)
         if n == len(draft):
             assert b.response_ids == draft
             continue
