@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 
-__version__ = "0.5.0"
+__version__ = "0.6.0"
 
 # Each public name, by the module that defines it.
 _MODULES = {
