@@ -67,7 +67,10 @@ class InvalidScores(ValueError):
     (sample, token) pairs, of ``total``. spec_rl's verify functions word it as the reference does."""
 
     def __init__(self, positions: list[list[int]], total: int):
-        super().__init__(f"{total} scored position(s) without a valid distribution, first (sample, token): {positions}")
+        super().__init__(
+            f"{total} scored position(s) without a valid distribution (a NaN or +inf logit, or all -inf), "
+            f"first (sample, token): {positions}"
+        )
         self.positions, self.total = positions, total
 
 

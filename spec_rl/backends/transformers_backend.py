@@ -44,7 +44,7 @@ class TransformersBackend(ReprefillBackend):
         self.eos_ids, self.pad_id = eos_and_pad(eos_ids, pad_id)
         self.max_batch_size = check_int("max_batch_size", max_batch_size, low=1)
         self.kv_cache_bytes = memory_budget(self.device, kv_cache_bytes)
-        self.kv_token_bytes = CacheLayout.from_model(model).bytes_per_block(1)  # K and V of one position, all layers
+        self.kv_token_bytes = CacheLayout.of(model).bytes_per_block(1)  # K and V of one position, all layers
         self.progress = progress
         self.splice = bool(splice)
         self.tail_gate = TailGate() if adaptive_tail else None  # kept across calls: the hardware does not change

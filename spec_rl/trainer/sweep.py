@@ -41,7 +41,7 @@ _GRID = ("1", "e^0.2", "e^0.5", "e^1", "e^2", "inf")
 #: The demo's default settings: the paper's ablations (Tables 2-3), exact and the without-draft draw.
 DEMO_SETTINGS = ("vanilla", "random", *(f"l={x}" for x in _GRID), "exact", *(f"l={x}-excl" for x in _GRID[:3]))
 #: A user's model's default settings: the lossless rules, the paper's lenience, and one draft age bound.
-MODEL_SETTINGS = ("vanilla", "exact", "l=1-res", "spec", "spec-age2")
+MODEL_SETTINGS = ("vanilla", "coupled", "exact", "l=1-res", "spec", "spec+tis")
 
 #: name: (train prompts, epochs, held-out prompts, fresh samples per held-out prompt) of the demo task.
 PRESETS = {"small": (256, 4, 640, 1), "full": (256, 5, 640, 1)}

@@ -228,7 +228,7 @@ def test_smoke_stage_8_runs_the_real_model_benchmark_on_a_tiny_llama_with_the_re
     # two runs: more samples than the paged engine's rows (continuous batching), then one full batch
     assert summary.count("## Real-model rollouts (stage 8, bench_real_model.py)") == 2
     assert "2 prompts x G=2" in summary and "1 prompts x G=2" in summary and "paged engine rows 3" in summary
-    assert "| paged | spec l=e^0.5 |" in summary and "| transformers | spec l=e^0.5 |" in summary
+    assert "| paged | spec |" in summary and "| transformers | spec |" in summary
     assert "full step x" in summary and "scoring / prefill" in summary
 
 

@@ -122,7 +122,7 @@ def test_report_has_the_warm_start_row_the_origin_table_and_the_heldout_panel(tm
     info["runs"]["spec"] = GRPOConfig(mode="spec").to_dict()
     md = write_report(tmp_path, SUMMARY, info, plot_png=False)["report"].read_text()
     assert "at a rejection from the current policy (the paper's rule)" in md and "without the rejected" not in md
-    info["runs"]["spec"] = GRPOConfig().to_dict()  # the default: the residual draw
+    info["runs"]["spec"] = GRPOConfig(mode="l=1-res").to_dict()
     md = write_report(tmp_path, SUMMARY, info, plot_png=False)["report"].read_text()
     assert "at a rejection from the residual max(0, p - q) of the draft's own policy q" in md
     info["runs"]["spec"]["mode"]["rejection_draw"] = "without-draft"

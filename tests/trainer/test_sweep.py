@@ -125,9 +125,12 @@ def test_paired_interval_over_seeds_and_problems():
 
 def test_settings_are_run_modes_by_name_with_vanilla_first():
     assert list(chosen_settings("l=1-res,spec-age2")) == ["vanilla", "l=1-res", "spec-age2"]
+    age = chosen_settings("spec-age2")["spec-age2"].mode
+    assert age.max_draft_age == 2 and age.rule == MODES["spec"].rule
     by = {name: x.mode for name, x in chosen_settings(None, MODEL_SETTINGS).items()}
     assert by["l=1-res"] == RolloutMode(Lenient(1.0, "residual")) and by["exact"] == MODES["exact"]
-    assert by["spec-age2"].max_draft_age == 2 and by["spec-age2"].rule == MODES["spec"].rule
+    assert by["coupled"] == MODES["coupled"] and by["spec+tis"] == MODES["spec"]
+    assert chosen_settings(None, MODEL_SETTINGS)["spec+tis"].correction.kind == "tis"
     assert list(chosen_settings(" exact , vanilla")) == ["exact", "vanilla"]
     assert chosen_settings("spec+mis:3")["spec+mis:3"].correction.threshold == 3.0
     demo = {name: x.mode for name, x in chosen_settings(None).items()}

@@ -51,6 +51,18 @@ class CacheLayout:
     dtype: torch.dtype
 
     @classmethod
+    def of(cls, model) -> CacheLayout:
+        """The K/V shape of any transformers decoder, in its own dtype (no check: a size, not a paged cache)."""
+        cfg = model.config
+        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        return cls(
+            num_layers=int(text.num_hidden_layers),
+            kv_heads=int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads),
+            head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads),
+            dtype=next(model.parameters()).dtype,
+        )
+
+    @classmethod
     def from_model(cls, model) -> CacheLayout:
         """The layout of a transformers model; ValueError for sliding-window layers or a dtype not fp32/fp16/bf16."""
         cfg = model.config
@@ -60,15 +72,10 @@ class CacheLayout:
                 "PagedEngine does not support sliding-window attention or logit soft-capping; use --backend "
                 "transformers (TransformersBackend honours the window) or VLLMBackend"
             )
-        dtype = next(model.parameters()).dtype
-        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            raise ValueError(f"model dtype {dtype} is not supported by the paged cache (fp32/fp16/bf16)")
-        return cls(
-            num_layers=int(text.num_hidden_layers),
-            kv_heads=int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads),
-            head_dim=int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads),
-            dtype=dtype,
-        )
+        layout = cls.of(model)
+        if layout.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(f"model dtype {layout.dtype} is not supported by the paged cache (fp32/fp16/bf16)")
+        return layout
 
     def bytes_per_block(self, block_size: int) -> int:
         return self.num_layers * 2 * int(block_size) * self.kv_heads * self.head_dim * self.dtype.itemsize
