@@ -392,7 +392,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .trainer.config import resolve_device
     from .trainer.report import closing_lines
     from .trainer.resume_check import stored_info
-    from .trainer.run import check_policy, count_parameters, package_versions, run_modes, trained_model
+    from .trainer.run import (
+        check_copies_fit,
+        check_policy,
+        count_parameters,
+        package_versions,
+        run_modes,
+        trained_model,
+    )
     from .trainer.rundir import plan_run
 
     demo = args.model is None
@@ -415,6 +422,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     examples, evals = _heldout_examples(args, demo, _load_examples(args, demo))
     if model_path is not None:
         check_policy(model_path, config)  # before anything is written
+        check_copies_fit(config, modes, len(examples), model_path, out)
     plan_run(out, list(modes), args.resume)  # before the demo policy build, which can take minutes
     model_path = model_path or _model_path(args, demo)
     heldout = f"{len(evals)} prompts x {config.eval_samples} sample(s) + greedy" if evals else "off"

@@ -145,6 +145,14 @@ def package_versions() -> dict[str, str]:
     return out
 
 
+def check_copies_fit(config: GRPOConfig, modes, n_prompts: int, model_path, out_dir: Path) -> None:
+    """Every run's weight copies (the residual draw's) fit their budget; ValueError naming the alternatives if not."""
+    device = resolve_device(config.device)
+    for label, cfg in run_configs(config, modes).items():
+        folder = out_dir / label / VERSIONS_DIR if cfg.versions_on_disk else None
+        check_version_budget(cfg, n_prompts, count_parameters(model_path, device) or 0, folder)
+
+
 def run_modes(
     model_path: str | Path,
     train_examples: Sequence,
@@ -169,9 +177,7 @@ def run_modes(
     check_policy(model_path, config)
     out_dir = Path(out_dir)
     device = resolve_device(config.device)
-    for label, cfg in configs.items():  # every run's weight copies fit, before any trains
-        folder = out_dir / label / VERSIONS_DIR if cfg.versions_on_disk else None
-        check_version_budget(cfg, len(train_examples), count_parameters(model_path, device) or 0, folder)
+    check_copies_fit(config, modes, len(train_examples), model_path, out_dir)
     plan = plan_run(out_dir, list(modes), resume)
     for folder in [out_dir, *(p for p in out_dir.iterdir() if p.is_dir())]:
         remove_leftovers(folder)  # temporary files of a killed writer; checkpoint versions: trainer.resume

@@ -530,3 +530,24 @@ def test_sweep_needs_a_heldout_set(model_dir, data_file, tmp_path, capsys):
     assert "drop --no-eval" in _error_line(capsys, [*argv, "--no-eval"])
     assert "--settings: 'l=x' names no run: mode must be one of" in _error_line(capsys, [*argv, "--settings", "l=x"])
     assert not (tmp_path / "s").exists()
+
+
+def test_a_run_whose_weight_copies_do_not_fit_is_refused_before_the_run_folder_exists(model_dir, data_file, tmp_path):
+    out = tmp_path / "run"
+    argv = ["train", "--model", str(model_dir), "--data", str(data_file), "--modes", "vanilla,l=1-res"]
+    with pytest.raises(SystemExit, match="--versions-on-disk"):
+        main(
+            [
+                *argv,
+                "--epochs",
+                "2",
+                "--max-response-len",
+                "8",
+                "--version-budget",
+                "1e-9",
+                "--out",
+                str(out),
+                "--no-eval",
+            ]
+        )
+    assert not out.exists()
