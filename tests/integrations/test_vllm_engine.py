@@ -80,12 +80,19 @@ def run_epoch(env, executor, sp, prompts=PROMPTS):
     return [o for group in env["loop"].run_until_complete(go()) for o in group], actor
 
 
-def check_logprobs(env, outputs, atol=1e-4):
-    for o in outputs:
+def check_logprobs(env, outputs, atol=1e-4, drafts=None):
+    """Behaviour log-probs (rollout_log_probs): the current policy's on generated tokens; on the n tokens kept at
+    l = 1 from ``drafts`` sampled fresh, the draft's log-prob plus min(0, lp_new - lp_draft)."""
+    for k, o in enumerate(outputs):
         ((start, end),) = o["action_ranges"]
         ids = o["observation_tokens"]
         ref = full_forward_logprobs(env["model"].double(), ids[:start], ids[start:end])
         env["model"].float()
+        if drafts is not None:
+            n = int(o["extra_logs"]["spec_rl/verified_prefix_len"])
+            ((s0, _),) = drafts[k]["action_ranges"]
+            old = torch.tensor(drafts[k]["rollout_log_probs"][s0 : s0 + n], dtype=torch.float64)
+            ref[:n] = torch.minimum(ref[:n], old)
         got = torch.tensor(o["rollout_log_probs"][start:end], dtype=torch.float64)
         torch.testing.assert_close(got, ref, atol=atol, rtol=0)
 
@@ -128,7 +135,7 @@ def test_new_weights_partial_reuse_and_budgets(engine):
     reload(engine, seed=5)
     try:
         ep2, actor = run_epoch(engine, ex, sp, prompts)
-        check_logprobs(engine, ep2)  # pi_new's log-probs on reused and new tokens alike
+        check_logprobs(engine, ep2, drafts=ep1)  # the behaviour: pi_new's, or the path that kept the token
         partial = 0
         for a, b in zip(ep1, ep2):
             ((s1, e1),) = a["action_ranges"]

@@ -145,10 +145,14 @@ def test_colocate_mode_continues_on_trls_engine(tmp_path, monkeypatch):
     assert reused[0] == 0 and reused[1] > 0 and reused[2] > 0
     partial = 0
     for res, ref, got in spec.calls:
-        for lp, want, n, resp in zip(got, ref, res.verified_prefix_len, res.response_ids):
+        rows = zip(got, ref, res.verified_prefix_len, res.response_ids, res.logprobs, res.behaviour_logprobs)
+        for lp, want, n, resp, current, behaviour in rows:
             assert 1 <= len(resp) <= MAX_COMPLETION
             # reused tokens (scored by the trainer's model) and vLLM's tokens (after the sync) alike
-            torch.testing.assert_close(torch.tensor(lp, dtype=torch.float64), want, atol=1e-4, rtol=0)
+            torch.testing.assert_close(torch.tensor(current, dtype=torch.float64), want, atol=1e-4, rtol=0)
+            # TRL gets the behaviour log-probs: the current policy's on the tokens generated now
+            assert lp == list(behaviour)
+            torch.testing.assert_close(torch.tensor(lp[n:], dtype=torch.float64), want[n:], atol=1e-4, rtol=0)
             partial += int(0 < n < len(resp))
     assert partial >= 1  # weights moved between epochs: some drafts were cut and continued on vLLM
     for call in sent:  # one request per sample: its own seed and budget, the trainer's temperature

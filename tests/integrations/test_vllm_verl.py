@@ -175,11 +175,16 @@ def run_epoch(env, server, **loop_kwargs):
     return env["engine"]["loop"].run_until_complete(go())
 
 
-def check_logprobs(env, outputs):
+def check_logprobs(env, outputs, drafts=None):
+    """Behaviour log-probs (verl's response_logprobs): the current policy's on generated tokens; on the n tokens
+    kept at l = 1 from ``drafts`` sampled fresh, the draft's log-prob plus min(0, lp_new - lp_draft)."""
     model = env["engine"]["model"].double()
     try:
-        for o in outputs:
+        for k, o in enumerate(outputs):
             ref = full_forward_logprobs(model, o.prompt_ids, o.response_ids)
+            if drafts is not None:
+                n = o.extra_fields["spec_rl/verified_prefix_len"]
+                ref[:n] = torch.minimum(ref[:n], torch.tensor(drafts[k].response_logprobs[:n], dtype=torch.float64))
             torch.testing.assert_close(torch.tensor(o.response_logprobs, dtype=torch.float64), ref, atol=1e-4, rtol=0)
     finally:
         model.float()
@@ -205,7 +210,7 @@ def test_new_weights_partial_reuse_is_the_rule_on_float64_logprobs(env):
     reload(env["engine"], seed=5)
     server = VerlVLLMServer(env["engine"], 2)
     ep2 = run_epoch(env, server, mode="l=1.0")
-    check_logprobs(env, ep2)  # the new policy's log-probs on reused and new tokens alike
+    check_logprobs(env, ep2, drafts=ep1)  # the behaviour: the new policy's, or the path that kept the token
     model, partial = env["engine"]["model"].double(), 0
     for i, (a, b) in enumerate(zip(ep1, ep2)):
         p, draft, n = a.prompt_ids, a.response_ids, b.extra_fields["spec_rl/verified_prefix_len"]
