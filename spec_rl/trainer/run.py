@@ -147,10 +147,10 @@ def package_versions() -> dict[str, str]:
 
 def check_copies_fit(config: GRPOConfig, modes, n_prompts: int, model_path, out_dir: Path) -> None:
     """Every run's weight copies (the residual draw's) fit their budget; ValueError naming the alternatives if not."""
-    device = resolve_device(config.device)
+    copy_bytes = count_parameters(model_path, resolve_device(config.device)) or 0  # headers only, read once
     for label, cfg in run_configs(config, modes).items():
         folder = out_dir / label / VERSIONS_DIR if cfg.versions_on_disk else None
-        check_version_budget(cfg, n_prompts, count_parameters(model_path, device) or 0, folder)
+        check_version_budget(cfg, n_prompts, copy_bytes, folder)
 
 
 def run_modes(
