@@ -164,13 +164,16 @@ def run_modes(
     resume: bool = False,
     allow_config_change: bool = False,
     progress: bool = True,
+    warm_start_eval: dict | None = None,
 ) -> dict[str, list[dict]]:
     """Train one run per mode from ``model_path`` with identical seeds; rewrite the report after every epoch. ``modes``:
     run names (``<mode>[+<correction>]``, :meth:`~spec_rl.trainer.config.RunSetting.parse`), or {label: RolloutMode
     or RunSetting}. Returns {label: [epoch record, ...]} (with
     ``resume``: every label of the run directory). Run directory and options: docs/api.md "Trainer". Raises ValueError
     for an unknown mode name, RunDirError when ``out_dir`` cannot take the run, ConfigChangeError for ``resume`` under
-    another configuration without ``allow_config_change``."""
+    another configuration without ``allow_config_change``. ``warm_start_eval``: the held-out evaluation of epoch 0
+    (:func:`~spec_rl.trainer.heldout.start_point`) when a run of the same model, held-out examples and seed already
+    made it (a sweep's other settings); it depends on nothing else, so it is reused instead of repeated."""
     log = print
     modes = dict(modes) if isinstance(modes, Mapping) else run_settings(modes)
     configs = run_configs(config, modes)  # all checked before any trains
@@ -222,7 +225,7 @@ def run_modes(
             "config_changes": changes,
         }
 
-    initial = None  # the warm-start evaluation, shared by the runs
+    initial = warm_start_eval  # the warm-start evaluation, shared by the runs
     log(header_row())
     for mode, cfg in configs.items():
         mode_dir = out_dir / mode

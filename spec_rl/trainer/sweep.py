@@ -22,6 +22,7 @@ import torch
 from ..acceptance.mode import VANILLA
 from ..util.atomic import atomic_write_text, remove_leftovers
 from .correction import weight_stats
+from .heldout import start_point
 from .rundir import RunDirError, read_summary, run_contents
 
 #: The paper's held-out accuracy AVG, generated tokens (millions) and rollout speed-up
@@ -271,6 +272,7 @@ def run_sweep(sweep: Sweep, progress: bool = True) -> list[dict]:
     todo = [(name, k) for k in range(sweep.seeds) for name in sweep.settings]  # seed-major: pairs finish together
     bar = tqdm(total=len(todo), desc="sweep runs", unit="run", disable=not progress)
     results: dict[str, list[dict]] = {name: [None] * sweep.seeds for name in sweep.settings}
+    warm_start: dict[int, dict] = {}  # per seed: the epoch-0 evaluation, the same for every setting
     for name, k in todo:
         run_dir = out / name / f"seed{k}"
         bar.set_postfix_str(f"{name} seed {k}")
@@ -289,8 +291,13 @@ def run_sweep(sweep: Sweep, progress: bool = True) -> list[dict]:
                     sweep.eval_examples,
                     resume=bool(run_contents(run_dir)),
                     progress=False,
+                    warm_start_eval=warm_start.get(k),
                 )
-        results[name][k] = run_totals(read_summary(run_dir)[name])
+        records = read_summary(run_dir)[name]
+        start = start_point(records)
+        if start is not None:
+            warm_start.setdefault(k, {f: v for f, v in start.items() if f != "epoch"})
+        results[name][k] = run_totals(records)
         bar.update(1)
     bar.close()
     rows = aggregate(results)

@@ -15,6 +15,7 @@ from spec_rl.acceptance.rules import Lenient
 from spec_rl.sampling.distribution import SamplingSettings
 from spec_rl.tasks.data import Example
 from spec_rl.trainer.config import GRPOConfig
+from spec_rl.trainer.heldout import HeldoutEvaluator
 from spec_rl.trainer.sweep import (
     DEMO_SETTINGS,
     MODEL_SETTINGS,
@@ -44,7 +45,15 @@ def _parity(text: str, gold: str) -> float:
     return float(len(text) % 2)
 
 
-def test_sweep_runs_every_setting_and_seed_and_resumes(model_dir, tmp_path):
+def test_sweep_runs_every_setting_and_seed_and_resumes(model_dir, tmp_path, monkeypatch):
+    evaluated = []  # (seed, epoch) of every held-out evaluation made
+    real = HeldoutEvaluator.evaluate
+
+    def counted(self, model, epoch):
+        evaluated.append((self.run_seed, epoch))
+        return real(self, model, epoch)
+
+    monkeypatch.setattr(HeldoutEvaluator, "evaluate", counted)
     base = GRPOConfig(
         epochs=2,
         group_size=2,
@@ -74,6 +83,17 @@ def test_sweep_runs_every_setting_and_seed_and_resumes(model_dir, tmp_path):
             assert list(runs) == [name]  # each run's label is its setting's name
             assert runs[name][0]["acceptance"] == {"vanilla": None, "l=inf": "lenient", "exact": "exact"}[name]
             assert len(runs[name][-1]["heldout_prompt_rewards"]) == 3
+    for seed in range(2):  # the warm start is evaluated by the seed's first run and reused by the others
+        starts = [
+            json.loads((out / name / f"seed{seed}" / "summary.json").read_text())["runs"][name][0]
+            for name in ("vanilla", "l=inf", "exact")
+        ]
+        keys = [k for k in starts[0] if k.startswith("start_heldout")]
+        assert "start_heldout_prompt_rewards" in keys and all(
+            {k: s[k] for k in keys} == {k: starts[0][k] for k in keys} for s in starts
+        )
+        assert "start_epoch" not in starts[1]
+    assert sorted(e for e in evaluated if e[1] == 0) == [(base.seed, 0), (base.seed + 1, 0)]
     data = json.loads((out / "sweep.json").read_text())
     assert data["info"]["seeds"] == 2 and data["info"]["task"] == "parity"
     assert set(data["runs"]) == {"vanilla", "l=inf", "exact"}
