@@ -48,13 +48,18 @@ REAL_RUN := --data demo --limit 32 --eval-limit 32 --reward math+format --epochs
 run-real: install
 	model="$$($(PY) benchmarks/real_model.py)" && $(VENV)/bin/spec-rl train --model "$$model" $(REAL_RUN) $(ARGS)
 
+# Two test workers of one torch thread each: most tests are small and bound by Python, so both cores stay busy (two
+# workers of two threads each would oversubscribe them).
+TEST_WORKERS ?= 2
+
 # The core suite (no end-to-end training, no real engine or model): the inner loop of development. The long variants and
 # the real demo policy's calibration (marker long) run only when asked for: `$(VENV)/bin/pytest -m long`.
 test-fast: install
-	$(VENV)/bin/pytest -q -m "not slow and not engines and not long and not real_model" $(ARGS)
+	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist worksteal \
+		-m "not slow and not engines and not long and not real_model" $(ARGS)
 
 test-main: install
-	$(VENV)/bin/pytest -q -m "not engines and not long" $(ARGS)
+	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not engines and not long" $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -75,6 +75,8 @@ def build(out: Path | None = None, source: Path | None = None) -> Path:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / _DONE).write_text(f"{WHEEL}\n")
+        if (out / _DONE).is_file():  # another process (a test worker) finished it meanwhile: keep the one in use
+            return out
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

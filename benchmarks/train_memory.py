@@ -1,13 +1,16 @@
 """Resident memory of ``spec-rl train`` on a GSM8K-size dataset: does the default recipe fit a machine?
 
     python benchmarks/train_memory.py --model DIR --data GSM8K.jsonl [--size 7473] [--steps 50] [-- TRAIN FLAGS]
+    python benchmarks/train_memory.py --model DIR --data GSM8K.jsonl --history EPOCHS
 
 Builds a dataset of ``--size`` distinct GSM8K-format problems by cycling ``--data`` (each repeat's question is
 numbered, so every prompt has its own drafts), runs ``spec-rl train --model DIR --data <it> --no-eval`` with the
 flags after ``--`` (none: the default recipe), samples the resident memory of its process tree every half second,
 and stops it after ``--steps`` training steps. Prints and writes (``--json``, default ``$OUT/train_memory.json``)
 the peak RSS, the RSS after the first and the last step (what grows with the run: drafts, history, weight copies)
-and the seconds per step. Exits 1 when the run fails or ends before ``--steps``.
+and the seconds per step. Exits 1 when the run fails or ends before ``--steps``. ``--history EPOCHS`` measures only
+tail speculation's history index over ``--size`` prompts x 8 responses of 468 tokens (the default recipe's mean on
+GSM8K), synthetic ids, for EPOCHS epochs, automata bounded by ``--automaton-tokens`` (in-process; no model runs).
 """
 
 from __future__ import annotations
@@ -87,6 +90,42 @@ def measure(argv: list[str], out: Path, steps: int) -> dict:
     }
 
 
+def history_growth(size: int, epochs: int, max_automaton_tokens: int, group: int = 8, length: int = 468) -> dict:
+    """Resident memory of the tail speculation's HistoryIndex as the trainer uses it on ``size`` prompts: each epoch
+    every prompt is drafted from (its automaton built from epoch 2 on) and gains ``group`` responses of ``length``
+    tokens (synthetic ids, 70% equal to the slot's previous response, as reused drafts are)."""
+    import psutil
+    import torch
+
+    from spec_rl.drafts.history import HistoryIndex
+
+    rss = psutil.Process().memory_info
+    gen = torch.Generator().manual_seed(0)
+    index, base = HistoryIndex(max_automaton_tokens=max_automaton_tokens), rss().rss
+    previous = torch.randint(0, 49152, (size, group, length), generator=gen, dtype=torch.int32)
+    out = {"prompts": size, "group": group, "length": length, "max_automaton_tokens": max_automaton_tokens}
+    out.update(rss_gb_after_epoch=[], automaton_tokens=[])
+    peak = 0
+    for epoch in range(epochs):
+        for i in range(size):
+            key = i.to_bytes(4, "little")
+            if epoch:
+                index.proposer(key)
+            fresh = torch.randint(0, 49152, (group, length), generator=gen, dtype=torch.int32)
+            keep = torch.rand(group, length, generator=gen) < 0.7
+            previous[i] = torch.where(keep, previous[i], fresh)
+            for r in previous[i]:
+                index.add(key, r)
+            if i % 500 == 0:
+                peak = max(peak, rss().rss)
+        peak = max(peak, rss().rss)
+        out["rss_gb_after_epoch"].append((rss().rss - base) / 1e9)
+        out["automaton_tokens"].append(index.automaton_tokens())
+        print(f"epoch {epoch + 1}: +{out['rss_gb_after_epoch'][-1]:.2f} GB", flush=True)
+    out.update(indexed_tokens=index.num_tokens(), peak_extra_rss_gb=(peak - base) / 1e9)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ours, train = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
@@ -96,7 +135,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", type=int, default=7473, help="problems in the dataset (GSM8K's train split: 7473)")
     p.add_argument("--steps", type=int, default=50, help="training steps to measure")
     p.add_argument("--json", type=Path, help="where to write the result (default $OUT/train_memory.json)")
+    p.add_argument("--history", type=int, metavar="EPOCHS", help="measure only the history index over EPOCHS epochs")
+    p.add_argument("--automaton-tokens", type=int, default=2**19, help="with --history: the index's automaton bound")
     args = p.parse_args(ours)
+    if args.history:
+        result = history_growth(args.size, args.history, args.automaton_tokens)
+        print(json.dumps(result, indent=2))
+        return 0
     work = Path(tempfile.mkdtemp(prefix="train-memory-"))
     data = gsm8k_size(args.data, args.size, work / "data.jsonl")
     result = measure(["--model", args.model, "--data", str(data), "--no-eval", *train], work / "run", args.steps)

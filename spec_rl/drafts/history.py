@@ -9,6 +9,7 @@ import itertools
 import json
 import os
 import string
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -168,15 +169,26 @@ class HistoryIndex:
     """Per-prompt suffix automata over earlier responses, bounded in memory (ValueError: a bound below 1). Prompts are
     identified by any hashable key (the rollout uses the draft key of slot 0, shared by a group). A prompt is trimmed to
     its newest ``max_responses`` responses and ``max_tokens`` tokens once it holds twice either (its automaton is then
-    rebuilt); past ``max_prompts`` prompts the least recently used goes. At most about ``2 * max_prompts * max_tokens``
-    tokens are indexed, with up to two automaton states per token."""
+    rebuilt); past ``max_prompts`` prompts the least recently used goes. Responses are kept as int32 arrays (at most
+    about ``2 * max_prompts * max_tokens`` tokens, 4 bytes each); an automaton (about 0.5 KB a token: Python states)
+    is built when its prompt is drafted from, and the least recently used are dropped past ``max_automaton_tokens``
+    tokens in all (a proposer keeps the one it reads). Without that bound a GSM8K-size run would build every prompt's
+    automaton in epoch 2: about 14 GB per epoch of responses at SmolLM2's default recipe."""
 
-    def __init__(self, max_responses: int = 16, max_tokens: int = 8192, max_prompts: int = 16384):
+    def __init__(
+        self,
+        max_responses: int = 16,
+        max_tokens: int = 8192,
+        max_prompts: int = 16384,
+        max_automaton_tokens: int = 2**19,
+    ):
         self.max_responses = check_int("max_responses", max_responses, low=1)
         self.max_tokens = check_int("max_tokens", max_tokens, low=1)
         self.max_prompts = check_int("max_prompts", max_prompts, low=1)
-        self._responses: OrderedDict[bytes, list[list[int]]] = OrderedDict()
-        self._automata: dict[bytes, SuffixAutomaton] = {}
+        self.max_automaton_tokens = check_int("max_automaton_tokens", max_automaton_tokens, low=1)
+        self._responses: OrderedDict[bytes, list[array]] = OrderedDict()
+        self._automata: OrderedDict[bytes, SuffixAutomaton] = OrderedDict()
+        self._automaton_tokens = 0  # len(text) summed over _automata
 
     def __len__(self) -> int:
         return len(self._responses)
@@ -193,7 +205,7 @@ class HistoryIndex:
     def add(self, key: bytes, response: Sequence[int]) -> None:
         """Index one more response of prompt ``key`` (evicting past the bounds); one it already holds is skipped.
         TypeError: non-integer ids; ValueError: not 1-D or outside [0, 2**31) (a negative id reads as a separator)."""
-        tokens = as_id_vector("response", response).tolist()
+        tokens = array("i", as_id_vector("response", response).tolist())
         rs = self._responses.setdefault(key, [])
         self._responses.move_to_end(key)
         if tokens in rs:
@@ -203,12 +215,16 @@ class HistoryIndex:
         if len(rs) > 2 * self.max_responses or sum(len(r) for r in rs) > 2 * self.max_tokens:
             while len(rs) > 1 and (len(rs) > self.max_responses or sum(len(r) for r in rs) > self.max_tokens):
                 rs.pop(0)
-            self._automata.pop(key, None)  # rebuilt from what is left on next use
+            self._drop_automaton(key)  # rebuilt from what is left on next use
         elif key in self._automata:
-            self._automata[key].add_response(tokens)
+            automaton = self._automata[key]
+            before = len(automaton)
+            automaton.add_response(tokens)
+            self._automaton_tokens += len(automaton) - before
+            self._evict_automata(keep=key)
         while len(self._responses) > self.max_prompts:
             old, _ = self._responses.popitem(last=False)
-            self._automata.pop(old, None)
+            self._drop_automaton(old)
 
     def automaton(self, key: bytes) -> SuffixAutomaton | None:
         """The automaton of prompt ``key`` (built on first use), or None when it has no history."""
@@ -221,7 +237,28 @@ class HistoryIndex:
             for r in rs:
                 automaton.add_response(r)
             self._automata[key] = automaton
+            self._automaton_tokens += len(automaton)
+        self._automata.move_to_end(key)
+        self._evict_automata(keep=key)
         return automaton
+
+    def automaton_tokens(self) -> int:
+        """Tokens held by the built automata (at most ``max_automaton_tokens`` beyond the newest one)."""
+        return self._automaton_tokens
+
+    def _drop_automaton(self, key: bytes) -> None:
+        automaton = self._automata.pop(key, None)
+        if automaton is not None:
+            self._automaton_tokens -= len(automaton)
+
+    def _evict_automata(self, keep: bytes) -> None:
+        """Drop the least recently used automata past the bound, never ``keep`` (the one in use)."""
+        while self._automaton_tokens > self.max_automaton_tokens and len(self._automata) > 1:
+            oldest = next(iter(self._automata))
+            if oldest == keep:
+                self._automata.move_to_end(keep)
+                continue
+            self._drop_automaton(oldest)
 
     def proposer(
         self, key: bytes, prefix: Sequence[int] = (), max_k: int = TAIL_WIDTH, vocab_size: int | None = None

@@ -135,3 +135,37 @@ def test_history_bounds_are_checked_by_name(bounds, error, words):
     with pytest.raises(error) as info:
         HistoryIndex(**bounds)
     assert words in str(info.value)
+
+
+def test_built_automata_stay_within_their_token_bound_and_rebuild_the_same():
+    idx = HistoryIndex(max_automaton_tokens=10)
+    responses = {bytes([k]): [[10 * k + i for i in range(4)], [10 * k + i for i in range(3, 7)]] for k in range(1, 4)}
+    for key, rs in responses.items():
+        for r in rs:
+            idx.add(key, r)
+    texts = {key: list(idx.automaton(key).text) for key in responses}  # 9 tokens each: one fits the bound at a time
+    assert idx.automaton_tokens() == 9 and len(idx._automata) == 1
+    held = idx.automaton(b"\x01")
+    proposer = idx.proposer(b"\x02", prefix=[20, 21])  # evicts b"\x01"'s automaton; the proposer keeps its own
+    assert list(idx._automata) == [b"\x02"] and held.text == texts[b"\x01"]
+    assert proposer.propose(2) == [22, 23]
+    idx.add(b"\x02", [25, 26, 27])  # grows the built automaton, counted
+    assert idx.automaton_tokens() == 13 and idx.automaton(b"\x01").text == texts[b"\x01"]
+    assert idx.automaton_tokens() == 9  # b"\x02"'s dropped to make room
+    assert idx.num_tokens() == 27  # responses are all kept: only automata are dropped
+    with pytest.raises(ValueError, match="max_automaton_tokens"):
+        HistoryIndex(max_automaton_tokens=0)
+
+
+def test_responses_are_stored_compactly():
+    import tracemalloc
+
+    idx = HistoryIndex()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for k in range(20):
+        for r in range(4):
+            idx.add(bytes([k]), [(k * 1000 + r * 100 + i) % 49152 + 300 for i in range(500)])
+    used = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert idx.num_tokens() == 40_000 and used / 40_000 < 8  # int32 arrays: 4 bytes a token plus small headers
