@@ -238,7 +238,8 @@ def run_modes(
         trainer = GRPOTrainer(
             model, tokenizer, train_examples, reward_fn, cfg, mode_dir, progress, mode, eval_examples, ref
         )
-        trainer.initial_heldout = initial
+        if initial is not None:  # another run's evaluation: its time stays with the run that spent it
+            trainer.initial_heldout = {k: v for k, v in initial.items() if k != "heldout_seconds"}
         if resume:
             if not trainer.resume():
                 log(f"[{mode}] no checkpoint in {mode_dir}; starting at epoch 1")

@@ -380,6 +380,8 @@ def test_eval_fraction_and_eval_data_evaluate_every_epoch(model_dir, data_file, 
     for mode in ("vanilla", "spec"):
         assert all("heldout_reward" in r and "heldout_greedy_accuracy" in r for r in summary[mode])
         assert "start_heldout_reward" in summary[mode][0]
+    # spec reuses vanilla's warm-start evaluation; the time stays with the run that spent it
+    assert "start_heldout_seconds" in summary["vanilla"][0] and "start_heldout_seconds" not in summary["spec"][0]
     printed = capsys.readouterr().out
     assert "held-out: 1 prompts x 2 sample(s) + greedy" in printed
     assert "vanilla: held-out reward" in printed and "final held-out reward" in printed

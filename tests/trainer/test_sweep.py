@@ -88,11 +88,12 @@ def test_sweep_runs_every_setting_and_seed_and_resumes(model_dir, tmp_path, monk
             json.loads((out / name / f"seed{seed}" / "summary.json").read_text())["runs"][name][0]
             for name in ("vanilla", "l=inf", "exact")
         ]
-        keys = [k for k in starts[0] if k.startswith("start_heldout")]
+        keys = [k for k in starts[0] if k.startswith("start_heldout") and k != "start_heldout_seconds"]
         assert "start_heldout_prompt_rewards" in keys and all(
             {k: s[k] for k in keys} == {k: starts[0][k] for k in keys} for s in starts
         )
         assert "start_epoch" not in starts[1]
+        assert "start_heldout_seconds" in starts[0] and "start_heldout_seconds" not in starts[1]
     assert sorted(e for e in evaluated if e[1] == 0) == [(base.seed, 0), (base.seed + 1, 0)]
     data = json.loads((out / "sweep.json").read_text())
     assert data["info"]["seeds"] == 2 and data["info"]["task"] == "parity"
