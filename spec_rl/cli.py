@@ -156,8 +156,8 @@ def _add_recipe_flags(t: argparse.ArgumentParser) -> None:
     t.add_argument("--top-p", type=float, default=1.0)
     t.add_argument("--top-k", type=int, default=0, help="0 disables top-k (no hidden default)")
     t.add_argument("--clip-low", type=float, default=0.2)
-    t.add_argument("--clip-high", type=float, default=0.2)
-    t.add_argument("--clip-higher", action="store_true", help="DAPO clip-higher: clip_high = 0.28")
+    t.add_argument("--clip-high", type=float, help="upper PPO clip range (default 0.2)")
+    t.add_argument("--clip-higher", action="store_true", help="DAPO clip-higher: --clip-high 0.28")
     t.add_argument("--kl-coef", type=float, default=0.0, help="k3 KL to the frozen initial policy")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
@@ -255,7 +255,6 @@ def _add_sweep_parser(sub) -> None:
     s.add_argument(
         "--preset",
         choices=list(sweep.PRESETS),
-        default="full",
         help="the demo task's size (without --model): small: 256 prompts, 4 epochs (about a minute a run on 2 CPU "
         "cores); full: the demo's 5 epochs (default); both evaluate 640 held-out prompts x 1 sample + greedy at the "
         "warm start and after the last epoch",
@@ -341,6 +340,8 @@ def _modes(args: argparse.Namespace, demo: bool) -> dict[str, RunSetting]:
         runs = run_settings(m.strip() for m in (args.modes or ",".join(recipe.runs)).split(",") if m.strip())
     except ValueError as err:
         raise UsageError(f"--{err}") from None
+    if args.tail is not None and args.spec_tokens is not None:
+        raise UsageError("--no-tail turns tail speculation off and --spec-tokens sets its width: pass one of them")
     for flag, width, takes in (("--no-tail", args.tail, "reuses_drafts"), ("--spec-tokens", args.spec_tokens, "tail")):
         if width is None:
             continue
@@ -357,6 +358,14 @@ def _modes(args: argparse.Namespace, demo: bool) -> dict[str, RunSetting]:
 
 def _config(args: argparse.Namespace, demo: bool) -> GRPOConfig:
     """GRPOConfig from the flags over the demo's or a user's model's preset (a flag named as a field sets it)."""
+    if args.clip_higher and args.clip_high is not None:
+        raise UsageError("--clip-higher sets --clip-high to 0.28 (DAPO): pass one of them")
+    if args.cache_dir and not demo:
+        raise UsageError("--cache-dir is where the demo policy is cached; --model needs none: drop it")
+    if args.cache_dir and Path(args.cache_dir).exists() and not Path(args.cache_dir).is_dir():
+        raise UsageError(f"--cache-dir {args.cache_dir}: not a folder; pass a folder (made if missing)")
+    if args.system_prompt is not None and args.chat_template == "off":
+        raise UsageError("--system-prompt is a message of the chat template, which --chat-template off turns off")
     fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(GRPOConfig) if hasattr(args, f.name)}
     fields.update(
         max_tokens=args.max_response_len,
@@ -463,7 +472,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if args.no_eval:
         raise UsageError("spec-rl sweep compares held-out rewards; drop --no-eval")
     settings = sweep.chosen_settings(args.settings, sweep.DEMO_SETTINGS if demo else sweep.MODEL_SETTINGS)
+    if not demo and args.preset:
+        raise UsageError("--preset sizes the demo task; with --model the flags size the sweep: drop --preset")
     if demo:  # the preset sizes what no flag sets
+        args.preset = args.preset or "full"
         prompts, epochs, eval_prompts, eval_samples = sweep.PRESETS[args.preset]
         args.limit, args.eval_limit = args.limit or prompts, args.eval_limit or eval_prompts
         args.epochs, args.eval_samples = args.epochs or epochs, args.eval_samples or eval_samples

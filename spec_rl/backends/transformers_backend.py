@@ -40,6 +40,8 @@ class TransformersBackend(ReprefillBackend):
         adaptive_tail: bool = True,
         kv_cache_bytes: int | None = None,
     ):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a transformers causal LM (a torch.nn.Module), got {type(model).__name__}")
         self.model = model
         self.eos_ids, self.pad_id = eos_and_pad(eos_ids, pad_id)
         self.max_batch_size = check_int("max_batch_size", max_batch_size, low=1)

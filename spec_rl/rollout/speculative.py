@@ -198,7 +198,7 @@ class SpeculativeRollout:
 
     def _plan(self, requests, step, seed, cache) -> _Batch:
         """Validate the requests; budgets, cache keys and this step's seed."""
-        step = check_int("step", step)
+        step = check_int("step", step, low=0, hint=" (the training step: the version stored with the drafts)")
         seed = self.seed if seed is None else check_int("seed", seed)
         store = self.cache if cache is None else check_store("cache", cache)
         if self.mode.reuses_drafts and self.backend.owner is not None:  # DraftOwnerError: another model's drafts

@@ -104,7 +104,8 @@ def _text_field(record: Mapping[str, Any], name: str, fmt: str, where: str) -> s
     """``record[name]`` as a non-empty string, or a ValueError naming the location and the field."""
     if name not in record:
         raise ValueError(
-            f"{where}: {fmt} record lacks the field {name!r} (has {sorted(record)}); fix the data or pass the right fmt"
+            f"{where}: {fmt} record lacks the field {name!r} (has {sorted(record)}); fix the data or pass the right "
+            "fmt (--data-format)"
         )
     value = record[name]
     if not isinstance(value, str) or not value.strip():
@@ -187,7 +188,8 @@ def _convert(
             else:
                 raise ValueError(
                     f"{loc}: cannot detect the format from fields {sorted(rec)}; expected GSM8K "
-                    f"(question, answer) or MATH (problem, answer[, solution]); pass fmt='gsm8k' or fmt='math'"
+                    f"(question, answer) or MATH (problem, answer[, solution]); pass fmt='gsm8k' or fmt='math' "
+                    "(--data-format)"
                 )
         question, answer, solution, key_field = (_gsm8k_fields if detected == "gsm8k" else _math_fields)(rec, loc)
         uid = f"{uid_prefix}:{rec.get(key_field, index)}"
@@ -223,7 +225,10 @@ def load_jsonl(
                 try:
                     rec = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{p}: line {lineno} is not valid JSON ({e.msg} at column {e.colno})") from None
+                    raise ValueError(
+                        f"{p}: line {lineno} is not valid JSON ({e.msg} at column {e.colno}); "
+                        "write one JSON object a line"
+                    ) from None
                 yield f"{p}: line {lineno}", rec
 
     empty_msg = f"{p} is empty (no JSON records); pass a non-empty GSM8K- or MATH-format .jsonl"

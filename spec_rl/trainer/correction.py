@@ -56,10 +56,11 @@ class RolloutCorrection:
                 f"rollout_correction must be none, {', '.join(KINDS)} or <kind>:<threshold> (e.g. tis:2), got {text!r}"
             )
         try:
-            threshold = float(match[2]) if match[2] is not None else THRESHOLD
+            return cls(match[1], float(match[2]) if match[2] is not None else THRESHOLD)
         except ValueError:
-            raise ValueError(f"rollout_correction {text!r}: the threshold must be a number > 1") from None
-        return cls(match[1], threshold)
+            raise ValueError(
+                f"rollout_correction {text!r}: the threshold must be a finite number > 1 (e.g. {match[1]}:2)"
+            ) from None
 
     def weights(self, log_ratio: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [B, R] float32, kept [B, R] bool) from log w = log pi_old - log pi_behaviour [B, R] and the

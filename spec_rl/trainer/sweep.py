@@ -303,10 +303,21 @@ def run_sweep(sweep: Sweep, progress: bool = True) -> list[dict]:
     rows = aggregate(results)
     info = {**_info(sweep.config), **sweep.info, "seeds": sweep.seeds, "warnings": warnings(rows)}
     payload = {"info": info, "rows": rows, "runs": results}
-    atomic_write_text(out / "sweep.json", json.dumps(payload, indent=2, default=str))
+    atomic_write_text(out / "sweep.json", json.dumps(_null_nan(payload), indent=2, default=str, allow_nan=False))
     atomic_write_text(out / "report.md", markdown(rows, info))
     plot(results, rows, out / "sweep.png")
     return rows
+
+
+def _null_nan(value):
+    """``value`` with every NaN (not measured) or infinity as None: strict JSON, which has neither."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _null_nan(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_null_nan(v) for v in value]
+    return value
 
 
 def _finished(run_dir: Path, mode: str, epochs: int) -> bool:

@@ -318,6 +318,10 @@ def test_bad_run_arguments_name_themselves():
     rollout = _rollout(TransformersBackend(tiny_model(seed=9), {1}, pad_id=0))
     with pytest.raises(TypeError, match="step must be an integer, got float 1.5"):
         rollout.run(_requests(), step=1.5)
+    with pytest.raises(ValueError, match=r"step must be >= 0, got -1 \(the training step"):
+        rollout.run(_requests(), step=-1)
+    with pytest.raises(TypeError, match="model must be a transformers causal LM .* got NoneType"):
+        TransformersBackend(None, {1}, pad_id=0)
     with pytest.raises(TypeError, match="seed must be an integer, got float 2.5"):
         rollout.run(_requests(), step=1, seed=2.5)
     with pytest.raises(TypeError, match=r"requests\[0\] must be a RolloutRequest, got list"):

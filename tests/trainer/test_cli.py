@@ -178,8 +178,14 @@ BAD_FLAGS = [
     (["--modes", "l=2-res"], ["rejection_draw 'residual' needs lenience 1, got 2"]),
     (["--modes", ","], ["--modes is empty: name at least one run (e.g. vanilla,spec)"]),
     (["--modes", "l=0.5-excl"], ["rejection_draw 'without-draft' needs lenience >= 1, got 0.5"]),
-    (["--modes", "spec+tis:1"], ["--modes: spec+tis:1: threshold must be a finite number > 1, got 1.0"]),
+    (["--modes", "spec+tis:1"], ["--modes: spec+tis:1: rollout_correction 'tis:1': the threshold must be a finite"]),
     (["--modes", "spec", "--rollout-correction", "clip"], ["--rollout-correction must be none, tis, mis"]),
+    (["--modes", "spec", "--rollout-correction", "tis:-2"], ["--rollout-correction 'tis:-2': the threshold must be"]),
+    # flags that contradict each other are refused, not one of them dropped
+    (["--clip-higher", "--clip-high", "0.5"], ["--clip-higher sets --clip-high to 0.28 (DAPO): pass one of them"]),
+    (["--system-prompt", "x", "--chat-template", "off"], ["--system-prompt is a message of the chat template"]),
+    (["--modes", "spec", "--no-tail", "--spec-tokens", "3"], ["--no-tail turns tail speculation off and --spec-"]),
+    (["--cache-dir", "somewhere"], ["--cache-dir is where the demo policy is cached; --model needs none"]),
 ]
 
 
@@ -526,11 +532,18 @@ def test_runs_named_by_any_mode_train_with_the_residual_draw_and_a_draft_age(mod
     assert reused > 0 and aged[2]["drafts_dropped"] == reused
 
 
+def test_a_demo_cache_dir_that_is_a_file_is_refused(data_file, tmp_path, capsys):
+    argv = ["train", "--cache-dir", str(data_file), "--epochs", "1", "--out", str(tmp_path / "run")]
+    assert f"--cache-dir {data_file}: not a folder" in _error_line(capsys, argv)
+    assert not (tmp_path / "run").exists()
+
+
 def test_sweep_needs_a_heldout_set(model_dir, data_file, tmp_path, capsys):
     argv = ["sweep", "--model", str(model_dir), "--data", str(data_file), "--out", str(tmp_path / "s")]
     assert "spec-rl sweep compares held-out rewards: pass --eval-data FILE" in _error_line(capsys, argv)
     assert "drop --no-eval" in _error_line(capsys, [*argv, "--no-eval"])
     assert "--settings: 'l=x' names no run: mode must be one of" in _error_line(capsys, [*argv, "--settings", "l=x"])
+    assert "--preset sizes the demo task" in _error_line(capsys, [*argv, "--preset", "small"])
     assert not (tmp_path / "s").exists()
 
 

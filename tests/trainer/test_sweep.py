@@ -95,7 +95,8 @@ def test_sweep_runs_every_setting_and_seed_and_resumes(model_dir, tmp_path, monk
         assert "start_epoch" not in starts[1]
         assert "start_heldout_seconds" in starts[0] and "start_heldout_seconds" not in starts[1]
     assert sorted(e for e in evaluated if e[1] == 0) == [(base.seed, 0), (base.seed + 1, 0)]
-    data = json.loads((out / "sweep.json").read_text())
+    data = json.loads((out / "sweep.json").read_text(), parse_constant=pytest.fail)  # strict JSON: no NaN
+    assert data["rows"][0]["drift"] is None  # vanilla reuses nothing: not measured
     assert data["info"]["seeds"] == 2 and data["info"]["task"] == "parity"
     assert set(data["runs"]) == {"vanilla", "l=inf", "exact"}
     assert data["runs"]["l=inf"][1]["curve"][0][0] == 0  # held-out reward against tokens spent, from the start
