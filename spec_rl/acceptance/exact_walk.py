@@ -37,6 +37,9 @@ class Prefixes:
 
 #: Draft positions sampled per walking row in the first pass (doubling afterwards).
 _FIRST_WINDOW = 16
+#: The most float32 logits (bytes) one sampling call builds: a late pass covers rows x window positions (256 x 512
+#: of a 49k vocabulary would be 26 GB, and the sampling noise as much again); keyed samples do not depend on the cut.
+LOGITS_BYTES = 1 << 28
 
 
 def walk_tries(
@@ -108,11 +111,17 @@ def _sample_segments(segs, scores, settings, seed, uid_t, prompt_lens, device) -
     counts = b_t - a_t
     offsets = torch.cumsum(counts, 0) - counts
     depth = torch.arange(int(counts.sum())) - torch.repeat_interleave(offsets - a_t, counts)
-    row_of = torch.repeat_interleave(rows_t, counts)
-    logits, index = scores.distinct_logits_at(torch.repeat_interleave(follow_t, counts).to(device), depth.to(device))
-    pos = (prompt_lens[row_of] + depth).to(device)
-    toks, lps = keyed_sample(logits, settings, seed, uid_t[row_of].to(device), pos, index=index)
-    return toks.tolist(), lps.tolist()
+    row_of, follow_of = torch.repeat_interleave(rows_t, counts), torch.repeat_interleave(follow_t, counts)
+    vocab = scores.lm_head_weight.shape[0] if scores.logits is None else scores.logits.shape[-1]
+    step = max(1, LOGITS_BYTES // (4 * vocab))
+    toks, lps = [], []
+    for part in torch.arange(depth.numel()).split(step):
+        logits, index = scores.distinct_logits_at(follow_of[part].to(device), depth[part].to(device))
+        pos = (prompt_lens[row_of[part]] + depth[part]).to(device)
+        t, lp = keyed_sample(logits, settings, seed, uid_t[row_of[part]].to(device), pos, index=index)
+        toks += t.tolist()
+        lps += lp.tolist()
+    return toks, lps
 
 
 def _advance(

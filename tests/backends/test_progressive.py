@@ -103,6 +103,30 @@ def test_extend_scores_the_next_window_and_released_scores_are_refused():
             huge.extend([])  # doubling stays bounded
 
 
+def test_the_walk_samples_in_bounded_pieces_with_the_same_decisions(monkeypatch):
+    """A late pass samples rows x window positions; the logits of one sampling call stay within LOGITS_BYTES and the
+    keyed samples do not depend on where the positions are cut."""
+    import spec_rl.acceptance.exact_walk as walk
+
+    model = _peaked_model(6)
+    prompts, drafts, _ = _groups(model, 6, n_groups=4, group=4, length=24)
+    settings, uids = SamplingSettings(temperature=1.0, max_tokens=32), list(range(len(drafts)))
+    monkeypatch.setattr(walk, "_FIRST_WINDOW", 2)  # several doubling passes
+    with torch.no_grad():
+        scores = PolicyScorer(model, pad_id=0).score(prompts, drafts)
+        want = walk_tries(prompts, drafts, scores, settings, 5, uids)
+        vocab, calls = scores.lm_head_weight.shape[0], []
+        inner = walk.keyed_sample
+        monkeypatch.setattr(walk, "LOGITS_BYTES", 3 * 4 * vocab)  # three positions a call
+        monkeypatch.setattr(
+            walk, "keyed_sample", lambda logits, *a, **k: calls.append(len(logits)) or inner(logits, *a, **k)
+        )
+        got = walk_tries(prompts, drafts, scores, settings, 5, uids)
+    assert (got.n, got.source, got.tokens, got.next_token) == (want.n, want.source, want.tokens, want.next_token)
+    assert got.logprobs == want.logprobs and max(want.n) > 2 + 4  # past the first two passes
+    assert max(calls) <= 3 and sum(calls) > 3 * 8
+
+
 def test_positive_stored_logprobs_do_not_lift_a_node_above_its_parent():
     """A custom store may hold log-probs > 0: the first pass clamps them, so a kept node keeps its ancestors
     and the walk takes the one forward's decisions (an unclamped +10 below a -5 kept a child without its parent)."""
