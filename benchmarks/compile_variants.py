@@ -26,30 +26,6 @@ class Variant(NamedTuple):
     num_stages: int
 
 
-# Arguments every verification epilogue takes (from-logits kernel, LM-head merge):
-# the old log-probs, the outputs, the NaN flag and the packed row map ...
-EPILOGUE_PTRS = {
-    "old_ptr": "*fp32",
-    "lp_out_ptr": "*fp32",
-    "acc_out_ptr": "*i8",
-    "n_ptr": "*i32",
-    "flag_ptr": "*i32",
-    "row_sample_ptr": "*i32",
-    "row_token_ptr": "*i32",
-}
-# ... and the rule's scalars: the Philox key words, log-lenience and temperature as the int32 halves of
-# their float64 bits, and the exp2 scale of the softmax.
-RULE_SCALARS = {
-    "k0_w": "i32",
-    "k1_w": "i32",
-    "log_l_lo": "i32",
-    "log_l_hi": "i32",
-    "temp_lo": "i32",
-    "temp_hi": "i32",
-    "c_exp2": "fp32",
-}
-
-
 def _pointers(signature: dict, *more: str) -> list[str]:
     """Every pointer argument (the launchers pass 16-byte aligned tensors) plus ``more``."""
     return [k for k, v in signature.items() if v.startswith("*")] + list(more)
@@ -69,32 +45,31 @@ def from_logits_variants(sweep: bool) -> list[Variant]:
         sig = {
             "logits_ptr": f"*{dtype}",
             "ids_ptr": "*i64",
-            **EPILOGUE_PTRS,
-            "lengths_ptr": "*i64",
-            "uids_ptr": "*i64",
+            "part_m_ptr": "*fp32",
+            "part_s_ptr": "*fp32",
+            "tgt_ptr": "*fp32",
+            "row_sample_ptr": "*i32",
+            "params_ptr": "*i32",
             "n_rows": "i32",
             "V": "i32",
             "T": "i32",
             "stride_b": "i32",
             "stride_t": "i32",
-            **RULE_SCALARS,
         }
         div = _pointers(sig, "V", "T", "stride_b", "stride_t")
         for cfg in cfgs:
             for packed in (True, False):
-                for mode in (0, 3):
-                    const = dict(PACKED=packed, MODE=mode, BLOCK_R=cfg.block_r, BLOCK_V=cfg.block_v, USE_LIBDEVICE=True)
-                    name = (
-                        f"from_logits {dtype} packed={packed} mode={mode} BLOCK_R={cfg.block_r} BLOCK_V={cfg.block_v} "
-                        f"warps={cfg.num_warps}"
-                    )
-                    out.append(Variant(name, verify_from_logits_kernel, sig, const, div, cfg.num_warps, 1))
+                const = dict(PACKED=packed, BLOCK_R=cfg.block_r, BLOCK_V=cfg.block_v)
+                name = (
+                    f"from_logits {dtype} packed={packed} BLOCK_R={cfg.block_r} BLOCK_V={cfg.block_v} w{cfg.num_warps}"
+                )
+                out.append(Variant(name, verify_from_logits_kernel, sig, const, div, cfg.num_warps, 1))
     return out
 
 
 def lm_head_variants(sweep: bool) -> list[Variant]:
     from spec_rl.kernels import configs
-    from spec_rl.kernels.lm_head import lm_head_merge_kernel, lm_head_partial_kernel
+    from spec_rl.kernels.lm_head import lm_head_partial_kernel
 
     bf16_cfgs = kernel_sweeps.LM_HEAD_SWEEP if sweep else kernel_sweeps.LM_HEAD_SWEEP[:1]
     todo = [("bf16", cfg, False, False, True) for cfg in bf16_cfgs]
@@ -120,7 +95,7 @@ def lm_head_variants(sweep: bool) -> list[Variant]:
             "n_vtiles": "i32",
             "tiles_per_split": "i32",
             "num_splits": "i32",
-            "c_exp2": "fp32",
+            "params_ptr": "*i32",
         }
         for row_map in (False, True):
             const = dict(
@@ -141,20 +116,26 @@ def lm_head_variants(sweep: bool) -> list[Variant]:
             )
             div = _pointers(sig, "V", "D", "stride_h", "stride_w")
             out.append(Variant(name, lm_head_partial_kernel, sig, const, div, cfg.num_warps, cfg.num_stages))
+    return out
+
+
+def epilogue_variants() -> list[Variant]:
+    from spec_rl.kernels.epilogue import EPILOGUE_BLOCK, epilogue_kernel
+
     sig = {
-        "part_m_ptr": "*fp32",
-        "part_s_ptr": "*fp32",
-        "tgt_ptr": "*fp32",
-        **EPILOGUE_PTRS,
+        **dict.fromkeys(("part_m_ptr", "part_s_ptr", "tgt_ptr", "old_ptr", "lp_out_ptr"), "*fp32"),
+        "acc_out_ptr": "*i8",
+        **dict.fromkeys(("n_ptr", "flag_ptr", "row_sample_ptr", "row_token_ptr"), "*i32"),
         "uids_ptr": "*i64",
+        "params_ptr": "*i32",
         "N": "i32",
         "num_splits": "i32",
-        **RULE_SCALARS,
     }
-    for mode in (0, 1, 2, 3):
-        const = {"MODE": mode, "BLOCK": 256, "USE_LIBDEVICE": True}
-        out.append(Variant(f"lm_head_merge mode={mode}", lm_head_merge_kernel, sig, const, _pointers(sig, "N"), 4, 1))
-    return out
+    const = {"BLOCK": EPILOGUE_BLOCK, "USE_LIBDEVICE": True}
+    return [
+        Variant(f"epilogue mode={mode}", epilogue_kernel, sig, {"MODE": mode, **const}, _pointers(sig, "N"), 4, 1)
+        for mode in (0, 1, 2, 3)
+    ]
 
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -246,16 +227,16 @@ def paged_attention_variants(sweep: bool) -> list[Variant]:
 
 def all_variants(sweep: bool) -> list[Variant]:
     """Every variant, in the order compile_check.py reports them."""
-    return from_logits_variants(sweep) + lm_head_variants(sweep) + paged_attention_variants(sweep)
+    return from_logits_variants(sweep) + lm_head_variants(sweep) + epilogue_variants() + paged_attention_variants(sweep)
 
 
 def default_variants() -> list[Variant]:
     """Only the configs the package picks on an H100/H200 at the Qwen3 shapes (bf16, V = 151936, G = 2, D = 128).
 
-    From-logits: ``default_logits_config`` (packed and padded, both rule modes); fused LM head: the
-    sm_90 default of ``default_lm_head_config`` (``LM_HEAD_SWEEP[0]``) with and without a row map, and
-    every merge mode; both Philox kernels; paged decode: ``default_paged_attention_config``, split and
-    not, and its merge. 15 variants (the GPU check's compile stage).
+    From-logits: ``default_logits_config``, packed and padded; fused LM head: the sm_90 default of
+    ``default_lm_head_config`` (``LM_HEAD_SWEEP[0]``) with and without a row map; the epilogue in every
+    rule mode; paged decode: ``default_paged_attention_config``, split and not, and its merge. 11 variants
+    (the GPU check's compile stage).
     """
     from spec_rl.kernels import configs
 
@@ -280,6 +261,6 @@ def default_variants() -> list[Variant]:
             )
         if kind == "paged_decode":
             return first == "*bf16" and (c["G"], c["D"], c["BLOCK_N"]) == (2, 128, pa.block_n)
-        return kind in ("lm_head_merge", "paged_decode_merge")
+        return kind in ("epilogue", "paged_decode_merge")
 
     return [v for v in all_variants(False) if keep(v)]

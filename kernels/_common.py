@@ -1,7 +1,7 @@
 """Constants and host helpers shared by the kernel modules.
 
-Python scalars travel as int32 words (float64 as bit pairs), so their Triton type never depends on the value and
-one compiled kernel serves every seed, lenience and temperature."""
+A launch's rule (seed, lenience, temperature) travels as one int32 tensor of words (float64 as bit pairs), so no
+kernel is specialised on a value and one compiled kernel serves every seed, lenience and temperature."""
 
 from __future__ import annotations
 
@@ -92,15 +92,15 @@ class DraftRows:
     """Draft tokens of one verification launch (one per scored row) and the test's settings.
 
     ids, old: [n_rows] draft ids and stored log-probs (padded: [B * R] row-major); lengths, uids: [B] int64;
-    row_sample, row_token: [n_rows] int32 sample (-1: padding) and token index, None when padded (row r is token
-    r % R of sample r // R); seed: 64-bit; log_lenience: log(l); temperature: T > 0; mode: the epilogue MODE."""
+    row_sample, row_token: [n_rows] int32 sample (-1: padding) and token index; seed: 64-bit; log_lenience: log(l);
+    temperature: T > 0; mode: the epilogue MODE."""
 
     ids: torch.Tensor
     old: torch.Tensor
     lengths: torch.Tensor
     uids: torch.Tensor
-    row_sample: torch.Tensor | None
-    row_token: torch.Tensor | None
+    row_sample: torch.Tensor
+    row_token: torch.Tensor
     seed: int
     log_lenience: float
     temperature: float
@@ -108,20 +108,24 @@ class DraftRows:
 
     @classmethod
     def padded(cls, draft_ids, old_logprobs, lengths, uids, *, seed, log_lenience, temperature, score_only=False):
-        """Rows of right-padded drafts [B, R] (row r is token r % R of sample r // R)."""
+        """Rows of right-padded drafts [B, R]: row r is token r % R of sample r // R (sample -1 past its length)."""
         ids, old = draft_ids.reshape(-1).contiguous(), old_logprobs.reshape(-1).contiguous()
         infinite = {math.inf: MODE_ACCEPT_ALL, -math.inf: MODE_REJECT_ALL}
         mode = (MODE_SCORE_ONLY if score_only else infinite.get(log_lenience, MODE_FINITE)).value
         lengths, uids = lengths.to(torch.int64).contiguous(), uids.to(torch.int64).contiguous()
-        return cls(ids, old, lengths, uids, None, None, seed, log_lenience, temperature, mode)
+        token = torch.arange(draft_ids.shape[1], device=lengths.device).expand(draft_ids.shape)
+        sample = torch.arange(draft_ids.shape[0], device=lengths.device)[:, None].expand(draft_ids.shape)
+        sample = torch.where(token < lengths[:, None], sample, -1)
+        row_sample, row_token = (x.reshape(-1).to(torch.int32).contiguous() for x in (sample, token))
+        return cls(ids, old, lengths, uids, row_sample, row_token, seed, log_lenience, temperature, mode)
 
-    def scalars(self) -> tuple:
-        """Kernel scalars (k0, k1, log_l lo/hi, T lo/hi, c = log2(e) / T); an infinite log l is passed as 0."""
-        k0, k1 = seed_words(self.seed)
+    def params(self, device: torch.device) -> torch.Tensor:
+        """The rule as int32 words [k0, k1, log_l lo, hi, T lo, hi, c] on ``device``: the Philox key, float64 log l
+        (an infinite one as 0: MODE decides) and T as bit pairs, c = log2(e) / T as float32 bits (the exp2 scale)."""
         ll = self.log_lenience if math.isfinite(self.log_lenience) else 0.0
-        l_lo, l_hi = f64_words(ll)
-        t_lo, t_hi = f64_words(float(self.temperature))
-        return k0, k1, l_lo, l_hi, t_lo, t_hi, LOG2E / float(self.temperature)
+        (c_bits,) = struct.unpack("<i", struct.pack("<f", LOG2E / float(self.temperature)))
+        words = (*seed_words(self.seed), *f64_words(ll), *f64_words(float(self.temperature)), c_bits)
+        return torch.tensor(words, dtype=torch.int32, device=device)
 
     def buffers(self, n_rows: int, device: torch.device):
         """(log-probs [n_rows] f32, accept [n_rows] int8, rejection index [B] int32 = lengths, flag [1] int32)."""

@@ -1,7 +1,8 @@
 """From-logits verification: one streaming read of packed [N, V] or padded [B, T, V] logits, never copied.
 
 Per-lane online log-sum-exp: each lane keeps its own (max, sum) with one exp2 per element and lanes merge once
-per row, so the load loop has no cross-warp reduction; the next tile is prefetched. Padding rows are not read."""
+per row, so the load loop has no cross-warp reduction; the next tile is prefetched. Padding rows are not read.
+Each row's (max, sum, draft logit) goes to :mod:`.epilogue` as one vocabulary split."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import triton.language as tl
 
 from ._common import FLOAT_DTYPES, INTERPRET, NEG_FLT_MAX, DraftRows, kernel_results, unit_stride
 from .configs import LogitsConfig, default_logits_config
-from .epilogue import finish_rows
+from .epilogue import exp2_scale_tl, launch_epilogue
 
 
 @triton.jit
@@ -24,50 +25,33 @@ def _lane_update(m, s, x, c):
     return m, s
 
 
-@triton.jit(do_not_specialize=["k0_w", "k1_w", "log_l_lo", "log_l_hi", "temp_lo", "temp_hi", "c_exp2"])
+@triton.jit
 def verify_from_logits_kernel(
     logits_ptr,
     ids_ptr,
-    old_ptr,
-    lp_out_ptr,
-    acc_out_ptr,
-    n_ptr,
-    flag_ptr,
+    part_m_ptr,
+    part_s_ptr,
+    tgt_ptr,
     row_sample_ptr,
-    row_token_ptr,
-    lengths_ptr,
-    uids_ptr,
+    params_ptr,
     n_rows,
     V,
     T,
     stride_b,
     stride_t,
-    k0_w,
-    k1_w,
-    log_l_lo,
-    log_l_hi,
-    temp_lo,
-    temp_hi,
-    c_exp2,
     PACKED: tl.constexpr,
-    MODE: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_V: tl.constexpr,
-    USE_LIBDEVICE: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_range = rows < n_rows
+    valid = in_range & (tl.load(row_sample_ptr + rows, mask=in_range, other=-1) >= 0)
     if PACKED:
-        sample = tl.load(row_sample_ptr + rows, mask=in_range, other=-1).to(tl.int32)
-        token = tl.load(row_token_ptr + rows, mask=in_range, other=0).to(tl.int32)
-        valid = in_range & (sample >= 0)
         row_off = rows.to(tl.int64) * stride_t
     else:
         sample = rows // T
-        token = rows - sample * T
-        length = tl.load(lengths_ptr + sample, mask=in_range, other=0).to(tl.int32)
-        valid = in_range & (token < length)
-        row_off = sample.to(tl.int64) * stride_b + token.to(tl.int64) * stride_t
+        row_off = sample.to(tl.int64) * stride_b + (rows - sample * T).to(tl.int64) * stride_t
+    c_exp2 = exp2_scale_tl(params_ptr)
     # No tl.where(valid, row_off, 0): it would hide the 16-byte divisibility and unvectorise the (masked) loads.
     ptrs = logits_ptr + row_off[:, None] + tl.arange(0, BLOCK_V)[None, :]
     row_mask = valid[:, None]
@@ -89,37 +73,14 @@ def verify_from_logits_kernel(
     )
     m, s = _lane_update(m, s, x.to(tl.float32), c_exp2)
     m_row = tl.max(m, axis=1)
-    s_row = tl.sum(s * tl.exp2((m - m_row[:, None]) * c_exp2), axis=1)
+    tl.store(part_m_ptr + rows, m_row, mask=in_range)
+    tl.store(part_s_ptr + rows, tl.sum(s * tl.exp2((m - m_row[:, None]) * c_exp2), axis=1), mask=in_range)
     tid = tl.load(ids_ptr + rows, mask=valid, other=0).to(tl.int64)
-    tgt = tl.load(logits_ptr + row_off + tid, mask=valid, other=0.0).to(tl.float32)
-    finish_rows(
-        rows,
-        in_range,
-        valid,
-        sample,
-        token,
-        m_row,
-        s_row,
-        tgt,
-        lp_out_ptr,
-        acc_out_ptr,
-        n_ptr,
-        flag_ptr,
-        old_ptr,
-        uids_ptr,
-        k0_w,
-        k1_w,
-        log_l_lo,
-        log_l_hi,
-        temp_lo,
-        temp_hi,
-        MODE,
-        USE_LIBDEVICE,
-    )
+    tl.store(tgt_ptr + rows, tl.load(logits_ptr + row_off + tid, mask=valid, other=0.0).to(tl.float32), mask=in_range)
 
 
 def launch_from_logits(logits: torch.Tensor, rows: DraftRows, config: LogitsConfig | None = None):
-    """Run the kernel on packed [N, V] (tagged ``rows``) or padded [B, R, V] logits -> :meth:`DraftRows.buffers`."""
+    """Run the kernel on packed [N, V] or padded [B, R, V] logits, then the epilogue -> :meth:`DraftRows.buffers`."""
     vocab = logits.shape[-1]
     packed = logits.dim() == 2
     if packed:
@@ -127,35 +88,28 @@ def launch_from_logits(logits: torch.Tensor, rows: DraftRows, config: LogitsConf
     else:
         n_rows, T, stride_b, stride_t = logits.shape[0] * logits.shape[1], logits.shape[1], *logits.stride()[:2]
     cfg = config or default_logits_config(vocab, logits.dtype, INTERPRET)
-    lp, acc, n, flag = rows.buffers(n_rows, logits.device)
-    if n_rows == 0:
-        return lp, acc, n, flag
-    verify_from_logits_kernel[(triton.cdiv(n_rows, cfg.block_r),)](
-        logits,
-        rows.ids,
-        rows.old,
-        lp,
-        acc,
-        n,
-        flag,
-        rows.row_sample if packed else n,
-        rows.row_token if packed else n,  # unused pointer slots: any tensor
-        rows.lengths,
-        rows.uids,
-        n_rows,
-        vocab,
-        T,
-        stride_b,
-        stride_t,
-        *rows.scalars(),  # k0, k1, log_l lo/hi, temperature lo/hi, c
-        PACKED=packed,
-        MODE=rows.mode,
-        BLOCK_R=cfg.block_r,
-        BLOCK_V=cfg.block_v,
-        USE_LIBDEVICE=not INTERPRET,
-        num_warps=cfg.num_warps,
-    )
-    return lp, acc, n, flag
+    params = rows.params(logits.device)
+    part_m, part_s, tgt = torch.empty(3, n_rows, dtype=torch.float32, device=logits.device)
+    if n_rows:
+        verify_from_logits_kernel[(triton.cdiv(n_rows, cfg.block_r),)](
+            logits,
+            rows.ids,
+            part_m,
+            part_s,
+            tgt,
+            rows.row_sample,
+            params,
+            n_rows,
+            vocab,
+            T,
+            stride_b,
+            stride_t,
+            PACKED=packed,
+            BLOCK_R=cfg.block_r,
+            BLOCK_V=cfg.block_v,
+            num_warps=cfg.num_warps,
+        )
+    return launch_epilogue(rows, params, part_m, part_s, tgt, 1)
 
 
 def verify_logits(logits: torch.Tensor, rows: DraftRows, config: LogitsConfig | None = None):

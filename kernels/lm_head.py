@@ -1,7 +1,7 @@
 """Fused LM-head verification: logits = h @ W^T (+ b) are never materialised.
 
 ``lm_head_partial_kernel`` folds tensor-core logit tiles into per-row online (max, sum) (Milakov & Gimelshein
-2018), one partial per vocabulary split; ``lm_head_merge_kernel`` merges splits in fixed order, then the epilogue.
+2018), one partial per vocabulary split, that :mod:`.epilogue` merges in fixed order and finishes.
 No float atomics and a split count set by V alone: bit-reproducible, batch-independent (docs/design.md)."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import triton.language as tl
 
 from ._common import FLOAT_DTYPES, INTERPRET, NEG_FLT_MAX, DraftRows, kernel_results, unit_stride
 from .configs import LMHeadConfig, default_lm_head_config
-from .epilogue import finish_rows
+from .epilogue import exp2_scale_tl, launch_epilogue
 
 
-@triton.jit(do_not_specialize=["c_exp2"])
+@triton.jit
 def lm_head_partial_kernel(
     h_ptr,
     w_ptr,
@@ -35,7 +35,7 @@ def lm_head_partial_kernel(
     n_vtiles,
     tiles_per_split,
     num_splits,
-    c_exp2,
+    params_ptr,
     HAS_BIAS: tl.constexpr,
     HAS_ROW_MAP: tl.constexpr,
     ROW_ALIGN: tl.constexpr,
@@ -58,6 +58,7 @@ def lm_head_partial_kernel(
     else:
         roff = rows_ld.to(tl.int64) * stride_h
     tid = tl.load(ids_ptr + rows_ld).to(tl.int32)
+    c_exp2 = exp2_scale_tl(params_ptr)
     rk = tl.arange(0, BLOCK_K)
     a_base = h_ptr + roff[:, None] + rk[None, :]
     m = tl.full([BLOCK_M], NEG_FLT_MAX, tl.float32)
@@ -101,72 +102,6 @@ def lm_head_partial_kernel(
     tl.store(tgt_ptr + rows, tg, mask=mine)
 
 
-@triton.jit(do_not_specialize=["k0_w", "k1_w", "log_l_lo", "log_l_hi", "temp_lo", "temp_hi", "c_exp2"])
-def lm_head_merge_kernel(
-    part_m_ptr,
-    part_s_ptr,
-    tgt_ptr,
-    old_ptr,
-    lp_out_ptr,
-    acc_out_ptr,
-    n_ptr,
-    flag_ptr,
-    row_sample_ptr,
-    row_token_ptr,
-    uids_ptr,
-    N,
-    num_splits,
-    k0_w,
-    k1_w,
-    log_l_lo,
-    log_l_hi,
-    temp_lo,
-    temp_hi,
-    c_exp2,
-    MODE: tl.constexpr,
-    BLOCK: tl.constexpr,
-    USE_LIBDEVICE: tl.constexpr,
-):
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    in_range = rows < N
-    sample = tl.load(row_sample_ptr + rows, mask=in_range, other=-1).to(tl.int32)
-    token = tl.load(row_token_ptr + rows, mask=in_range, other=0).to(tl.int32)
-    valid = in_range & (sample >= 0)
-    m = tl.full([BLOCK], NEG_FLT_MAX, tl.float32)
-    for sp in range(num_splits):
-        m = tl.maximum(m, tl.load(part_m_ptr + sp * N + rows, mask=in_range, other=NEG_FLT_MAX))
-    s = tl.zeros([BLOCK], tl.float32)
-    for sp in range(num_splits):
-        m_k = tl.load(part_m_ptr + sp * N + rows, mask=in_range, other=NEG_FLT_MAX)
-        s_k = tl.load(part_s_ptr + sp * N + rows, mask=in_range, other=0.0)
-        s += s_k * tl.exp2((m_k - m) * c_exp2)
-    tgt = tl.load(tgt_ptr + rows, mask=in_range, other=0.0)
-    finish_rows(
-        rows,
-        in_range,
-        valid,
-        sample,
-        token,
-        m,
-        s,
-        tgt,
-        lp_out_ptr,
-        acc_out_ptr,
-        n_ptr,
-        flag_ptr,
-        old_ptr,
-        uids_ptr,
-        k0_w,
-        k1_w,
-        log_l_lo,
-        log_l_hi,
-        temp_lo,
-        temp_hi,
-        MODE,
-        USE_LIBDEVICE,
-    )
-
-
 def offsets_alignment(elem_size: int, *strides: int) -> int:
     """Largest power of two p <= 16 bytes / elem_size dividing every stride (a tl.multiple_of hint)."""
     p = max(1, 16 // elem_size)
@@ -185,8 +120,9 @@ def launch_lm_head(
     row_align: int = 1,
     config: LMHeadConfig | None = None,
 ):
-    """Run both kernels over the N tagged ``rows`` -> :meth:`DraftRows.buffers`. hidden: [N, d], or any tensor
-    addressed by ``row_offsets`` [N] int64, unit stride over d; ``row_align`` divides every row offset."""
+    """Run the partial kernel and the epilogue over the N tagged ``rows`` -> :meth:`DraftRows.buffers`. hidden:
+    [N, d], or any tensor addressed by ``row_offsets`` [N] int64, unit stride over d; ``row_align`` divides every
+    row offset."""
     device = hidden.device
     vocab, d = weight.shape
     n_rows = rows.ids.shape[0]
@@ -194,14 +130,12 @@ def launch_lm_head(
     cfg = config or default_lm_head_config(d, vocab, hidden.dtype if tensor_core else torch.float32, INTERPRET)
     # The interpreter's bf16 tl.dot multiplies raw bits as integers; fp32 operands match the tensor cores.
     dot_fp32 = not tensor_core or (INTERPRET and hidden.dtype == torch.bfloat16)
-    lp, acc, n, flag = rows.buffers(n_rows, device)
-    if n_rows == 0:
-        return lp, acc, n, flag
     n_vtiles, per_split, n_splits = cfg.splits(vocab)
-    part_m = torch.empty(n_splits, n_rows, dtype=torch.float32, device=device)
-    part_s = torch.empty(n_splits, n_rows, dtype=torch.float32, device=device)
+    part_m, part_s = torch.empty(2, n_splits, n_rows, dtype=torch.float32, device=device)
     tgt = torch.empty(n_rows, dtype=torch.float32, device=device)
-    scalars = rows.scalars()  # k0, k1, log_l lo/hi, temperature lo/hi, c
+    params = rows.params(device)
+    if n_rows == 0:
+        return launch_epilogue(rows, params, part_m, part_s, tgt, n_splits)
     lm_head_partial_kernel[(triton.cdiv(n_rows, cfg.block_m) * n_splits,)](
         hidden,
         weight,
@@ -219,7 +153,7 @@ def launch_lm_head(
         n_vtiles,
         per_split,
         n_splits,
-        scalars[-1],
+        params,
         HAS_BIAS=bias is not None,
         HAS_ROW_MAP=row_offsets is not None,
         ROW_ALIGN=row_align,
@@ -232,27 +166,7 @@ def launch_lm_head(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    lm_head_merge_kernel[(triton.cdiv(n_rows, cfg.merge_block),)](
-        part_m,
-        part_s,
-        tgt,
-        rows.old,
-        lp,
-        acc,
-        n,
-        flag,
-        rows.row_sample,
-        rows.row_token,
-        rows.uids,
-        n_rows,
-        n_splits,
-        *scalars,
-        MODE=rows.mode,
-        BLOCK=cfg.merge_block,
-        USE_LIBDEVICE=not INTERPRET,
-        num_warps=4,
-    )
-    return lp, acc, n, flag
+    return launch_epilogue(rows, params, part_m, part_s, tgt, n_splits)
 
 
 def verify_hidden(hidden, weight, bias, rows: DraftRows, *, row_offsets=None, row_align: int = 1, config=None):

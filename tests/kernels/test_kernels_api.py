@@ -62,6 +62,28 @@ def test_packed_rows_equal_padded_rows(source):
     assert torch.equal(packed[2].cpu(), padded[2].cpu())
 
 
+@pytest.mark.parametrize("seed, log_lenience, temperature", [(2**64 - 1, 0.5, 0.7), (12345, -math.inf, 1.3)])
+def test_rule_params_carry_the_rule_bit_exactly(seed, log_lenience, temperature):
+    lengths = torch.tensor([2, 0, 3])
+    rows = K.DraftRows.padded(
+        torch.zeros(3, 3, dtype=torch.int64),
+        torch.zeros(3, 3),
+        lengths,
+        torch.arange(3),
+        seed=seed,
+        log_lenience=log_lenience,
+        temperature=temperature,
+    )
+    assert rows.row_sample.tolist() == [0, 0, -1, -1, -1, -1, 2, 2, 2]
+    assert rows.row_token.tolist() == [0, 1, 2] * 3
+    w = [x & 0xFFFFFFFF for x in rows.params("cpu").tolist()]
+    assert w[0] | (w[1] << 32) == seed % 2**64
+    f64 = [torch.tensor([lo | (hi << 32)], dtype=torch.int64).view(torch.float64).item() for lo, hi in (w[2:4], w[4:6])]
+    assert f64 == [log_lenience if math.isfinite(log_lenience) else 0.0, temperature]
+    c = torch.tensor([w[6]], dtype=torch.int64).to(torch.int32).view(torch.float32).item()
+    assert c == torch.tensor(math.log2(math.e) / temperature, dtype=torch.float32).item()
+
+
 def test_padding_rows_are_skipped():
     c = _padded_case(2)
     ids, old, lengths, uids = _on(c, "ids", "old", "lengths", "uids")
