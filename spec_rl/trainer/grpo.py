@@ -353,14 +353,16 @@ class GRPOTrainer:
 
 
 def update_token_budget(model, device: torch.device) -> int:
-    """Tokens (rows x padded length) one micro-batch of the update may hold: its activations, estimated at
-    ``dtype bytes x (3 V + 28 L H)`` per token (the logits, their log-softmax and gradient; about 28 hidden-size tensors
-    kept per layer: 2.5 MB a token for SmolLM2-135M in float32, measured 2.9 GB for a 1,174-token row), within 40% of
-    the free CUDA memory or a quarter of the memory available on a CPU."""
+    """Tokens (rows x padded length) one micro-batch of the update may hold, so that the whole update (gradients and
+    AdamW's two moments: 3 x the trained parameters' bytes, plus one micro-batch's activations) stays within 40% of
+    the free CUDA memory or a quarter of the memory available on a CPU. Activations are estimated at
+    ``dtype bytes x (3 V + 28 L H)`` per token (the logits, their log-softmax and gradient; about 28 hidden-size
+    tensors kept per layer: 2.5 MB a token for SmolLM2-135M in float32, measured 2.9 GB for a 1,174-token row)."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     vocab, layers, hidden = (int(getattr(config, k)) for k in ("vocab_size", "num_hidden_layers", "hidden_size"))
     per_token = next(model.parameters()).element_size() * (3 * vocab + 28 * layers * hidden)
-    return max(1, memory_budget(device) // per_token)
+    state = 3 * sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return max(1, (memory_budget(device) - state) // per_token)
 
 
 def micro_batches(rows: list[int], lengths: list[int], max_rows: int, max_tokens: int) -> list[list[int]]:

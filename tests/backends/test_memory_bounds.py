@@ -64,3 +64,14 @@ def test_micro_batches_hold_at_most_the_rows_and_tokens_given():
     assert cut == [[0, 1], [2, 3], [4], [5], [6]]  # 2 x 40, then 3 x 30 would pass 80
     assert micro_batches(rows, lengths, max_rows=8, max_tokens=10**9) == [rows]
     assert update_token_budget(tiny_model(), torch.device("cpu")) > 1000
+
+
+def test_the_update_budget_leaves_room_for_gradients_and_optimizer_moments(monkeypatch):
+    model = tiny_model()
+    c = model.config
+    per_token = 4 * (3 * c.vocab_size + 28 * c.num_hidden_layers * c.hidden_size)
+    state = 3 * 4 * sum(p.numel() for p in model.parameters())
+    monkeypatch.setattr("spec_rl.trainer.grpo.memory_budget", lambda device: state + 10 * per_token + 5)
+    assert update_token_budget(model, torch.device("cpu")) == 10
+    monkeypatch.setattr("spec_rl.trainer.grpo.memory_budget", lambda device: state // 2)
+    assert update_token_budget(model, torch.device("cpu")) == 1  # one row at a time, never 0 or negative
