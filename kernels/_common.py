@@ -123,7 +123,7 @@ class DraftRows:
         """The rule as int32 words [k0, k1, log_l lo, hi, T lo, hi, c] on ``device``: the Philox key, float64 log l
         (an infinite one as 0: MODE decides) and T as bit pairs, c = log2(e) / T as float32 bits (the exp2 scale)."""
         ll = self.log_lenience if math.isfinite(self.log_lenience) else 0.0
-        (c_bits,) = struct.unpack("<i", struct.pack("<f", LOG2E / float(self.temperature)))
+        c_bits = torch.tensor(LOG2E / float(self.temperature), dtype=torch.float32).view(torch.int32).item()
         words = (*seed_words(self.seed), *f64_words(ll), *f64_words(float(self.temperature)), c_bits)
         return torch.tensor(words, dtype=torch.int32, device=device)
 
