@@ -278,7 +278,10 @@ def _load_examples(args: argparse.Namespace, demo: bool):
     elif args.data:
         examples = load_jsonl(args.data, fmt=args.data_format, limit=args.limit)
     elif args.hf_dataset:
-        examples = load_hf_dataset(args.hf_dataset, split=args.hf_split, fmt=args.data_format, limit=args.limit)
+        try:
+            examples = load_hf_dataset(args.hf_dataset, split=args.hf_split, fmt=args.data_format, limit=args.limit)
+        except FileNotFoundError as err:  # datasets' "Couldn't find ..." (the hub is not reached offline)
+            raise UsageError(f"--hf-dataset {args.hf_dataset}: {err} Pass a dataset folder or --data FILE") from None
     else:
         raise UsageError("--model needs training prompts: pass --data FILE.jsonl or --hf-dataset NAME")
     if not examples:
@@ -380,10 +383,14 @@ def _config(args: argparse.Namespace, demo: bool) -> GRPOConfig:
 
 def _model_path(args: argparse.Namespace, demo: bool) -> Path:
     if demo:
-        from .tasks.demo_policy import build_demo_policy
+        from .tasks.demo_policy import build_demo_policy, default_cache_dir
 
         t0 = time.perf_counter()
-        path = build_demo_policy(cache_dir=args.cache_dir, progress=not args.no_progress)
+        try:
+            path = build_demo_policy(cache_dir=args.cache_dir, progress=not args.no_progress)
+        except OSError as err:
+            where = args.cache_dir or default_cache_dir()
+            raise UsageError(f"--cache-dir {where}: {err.strerror or err}; pass a folder you can write") from None
         print(f"demo policy: {path} ({time.perf_counter() - t0:.1f} s)")
         return path
     path = Path(args.model)
@@ -477,9 +484,10 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if demo:  # the preset sizes what no flag sets
         args.preset = args.preset or "full"
         prompts, epochs, eval_prompts, eval_samples = sweep.PRESETS[args.preset]
-        args.limit, args.eval_limit = args.limit or prompts, args.eval_limit or eval_prompts
-        args.epochs, args.eval_samples = args.epochs or epochs, args.eval_samples or eval_samples
-        args.eval_every = args.eval_every or args.epochs
+        for flag, value in (("limit", prompts), ("eval_limit", eval_prompts), ("epochs", epochs)):
+            setattr(args, flag, value if getattr(args, flag) is None else getattr(args, flag))
+        args.eval_samples = eval_samples if args.eval_samples is None else args.eval_samples
+        args.eval_every = args.epochs if args.eval_every is None else args.eval_every
     config = _config(args, demo)
     reward = args.reward or ("arithmetic" if demo else "math")
     reward_fn = arithmetic_reward if reward == "arithmetic" else get_reward_fn(reward)

@@ -114,9 +114,11 @@ class RolloutMode:
             return mode
         if mode is not None and mode.reuses_drafts:
             return dataclasses.replace(mode, max_draft_age=int(name[2]))
+        plus = isinstance(text, str) and "+" in text
+        hint = "; a +tis / +mis suffix is a run's rollout correction: set rollout_correction instead" if plus else ""
         raise ValueError(
             f"mode must be one of {', '.join(MODES)} or l=<lenience>[-excl|-res], each reusing drafts with an optional "
-            f"-age<N> (e.g. l=1-res, l=e^0.5-excl, spec-age2), got {text!r}"
+            f"-age<N> (e.g. l=1-res, l=e^0.5-excl, spec-age2), got {text!r}" + hint
         )
 
 
@@ -126,10 +128,14 @@ _AGED = re.compile(r"(.+?)(?:-age(\d+))?")
 
 def parse_lenience(text: str) -> float | None:
     """A lenience written as a number or ``e^x`` (inf allowed); None when it is no number >= 0."""
+    if "_" in text:  # float() reads "1_0" as 10
+        return None
     try:
         value = math.exp(float(text[2:])) if text.startswith("e^") else float(text)
     except ValueError:
         return None
+    except OverflowError:  # e^1000: as "1e400" reads, an infinite lenience
+        value = math.inf
     return value if value >= 0 else None
 
 

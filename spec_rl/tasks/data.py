@@ -218,8 +218,15 @@ def load_jsonl(
     prefix = uid_prefix if uid_prefix is not None else p.stem
 
     def located() -> Iterable[tuple[str, Any]]:
-        with p.open("r", encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
+        with p.open("rb") as f:
+            for lineno, raw in enumerate(f, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ValueError(
+                        f"{p}: line {lineno} is not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                        "write the file as UTF-8 JSON lines"
+                    ) from None
                 if not line.strip():
                     continue
                 try:

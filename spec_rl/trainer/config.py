@@ -100,7 +100,7 @@ class GRPOConfig:
         check_int("seed", self.seed, low=-(2**63), high=2**64 - 1)
         if self.max_model_len is not None:
             check_int("max_model_len", self.max_model_len, low=2, hint=" (None: the model's max_position_embeddings)")
-        check_real("lr", self.lr, low=0.0, low_open=True)
+        check_real("lr", self.lr, low=0.0, low_open=True, high=1.0, hint=" (AdamW moves a weight by about lr a step)")
         check_real("weight_decay", self.weight_decay, low=0.0)
         check_real("max_grad_norm", self.max_grad_norm, low=0.0, low_open=True, finite=False)
         check_real("clip_low", self.clip_low, low=0.0, high=1.0, high_open=True)

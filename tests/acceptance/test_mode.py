@@ -50,6 +50,7 @@ def test_the_named_modes():
         ("l=1", RolloutMode(Lenient(1.0))),
         ("l=e^0.5", MODES["spec"]),
         ("l=inf", RolloutMode(Lenient(math.inf))),
+        ("l=e^1000", RolloutMode(Lenient(math.inf))),  # past float range, as "l=1e400" reads
         ("l=0", RolloutMode(Lenient(0.0))),
         ("l=1-excl", RolloutMode(Lenient(1.0, "without-draft"))),
         ("l=1-res", RolloutMode(Lenient(1.0, "residual"))),
@@ -67,7 +68,8 @@ def test_modes_parse_from_names(text, mode):
 
 @pytest.mark.parametrize(
     "text",
-    ["random-ref", "l=", "l=nan", "l=-1", "l=abc", "", None, 3, "l=0.5-excl", "l=2-res", "vanilla-age2", "spec-age0"],
+    ["random-ref", "l=", "l=nan", "l=-1", "l=abc", "", None, 3, "l=0.5-excl", "l=2-res", "vanilla-age2", "spec-age0"]
+    + ["l=1_0", "spec+tis"],
 )
 def test_names_that_name_no_mode_are_refused(text):
     with pytest.raises(ValueError) as info:
@@ -79,6 +81,8 @@ def test_names_that_name_no_mode_are_refused(text):
         assert "rejection_draw 'residual' needs lenience 1, got 2" in message
     elif text == "spec-age0":
         assert message.startswith("max_draft_age must be >= 1, got 0")
+    elif text == "spec+tis":
+        assert message.endswith("a +tis / +mis suffix is a run's rollout correction: set rollout_correction instead")
     else:
         assert (
             "mode must be one of vanilla, histspec, spec, exact, coupled, random or l=<lenience>[-excl|-res]" in message

@@ -110,6 +110,9 @@ def test_malformed_line_number(tmp_path):
     p.write_text(good + "\n[1, 2]\n")
     with pytest.raises(ValueError, match="line 2.*JSON object"):
         load_jsonl(p)
+    p.write_bytes(good.encode() + b"\n\xff\xfe{}\n")  # UTF-16 bytes, say
+    with pytest.raises(ValueError, match=r"bad.jsonl: line 2 is not UTF-8 text \(byte 0xff at column 1\)"):
+        load_jsonl(p)
 
 
 def test_gsm8k_without_hashes(tmp_path):

@@ -145,6 +145,8 @@ BAD_FLAGS = [
     (["--kl-coef", "inf"], ["--kl-coef must be a finite number >= 0", "got inf"]),
     (["--lr", "nan"], ["--lr must be a finite number > 0", "got nan"]),
     (["--lr", "0"], ["--lr must be a finite number > 0"]),
+    (["--lr", "1e300"], ["--lr must be a finite number > 0 and <= 1", "AdamW moves a weight by about lr a step"]),
+    (["--modes", "l=1_0"], ["--modes: l=1_0: mode must be one of"]),
     (["--temperature", "nan"], ["--temperature must be a finite number > 0", "greedy decoding"]),
     (["--temperature", "0"], ["--temperature must be a finite number > 0", "got 0.0"]),
     (["--top-p", "1.5"], ["--top-p must be a finite number > 0 and <= 1", "got 1.5", "1.0 to disable"]),
@@ -536,6 +538,21 @@ def test_a_demo_cache_dir_that_is_a_file_is_refused(data_file, tmp_path, capsys)
     argv = ["train", "--cache-dir", str(data_file), "--epochs", "1", "--out", str(tmp_path / "run")]
     assert f"--cache-dir {data_file}: not a folder" in _error_line(capsys, argv)
     assert not (tmp_path / "run").exists()
+
+
+def test_sweep_refuses_zero_counts_instead_of_taking_the_preset(tmp_path, capsys):
+    for flag, expected in [("--epochs", "--epochs must be >= 1"), ("--eval-samples", "--eval-samples must be >= 1")]:
+        argv = ["sweep", flag, "0", "--out", str(tmp_path / "s")]
+        assert expected in _error_line(capsys, argv)
+    assert not (tmp_path / "s").exists()
+
+
+def test_unreadable_sources_are_named_by_their_flag(model_dir, data_file, tmp_path, capsys):
+    argv = ["train", "--model", str(model_dir), "--hf-dataset", str(tmp_path / "none"), "--out", str(tmp_path / "r")]
+    assert f"--hf-dataset {tmp_path / 'none'}: " in _error_line(capsys, argv)
+    cache = data_file / "cache"  # below a file: the folder cannot be made
+    line = _error_line(capsys, ["train", "--cache-dir", str(cache), "--epochs", "1", "--out", str(tmp_path / "d")])
+    assert f"--cache-dir {cache}: Not a directory; pass a folder you can write" in line
 
 
 def test_sweep_needs_a_heldout_set(model_dir, data_file, tmp_path, capsys):
