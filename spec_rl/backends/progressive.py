@@ -145,10 +145,14 @@ class ProgressiveTreeScores:
 
     @torch.inference_mode()
     def _score_nodes(self, per_chunk: list[list[torch.Tensor]]) -> None:
-        """Forward the given nodes of every chunk (tree indices per row), then update ``scored_len``."""
+        """Forward the given nodes of every chunk (tree indices per row), then update ``scored_len``. A chunk's forward
+        holds at most ``max_tokens_per_forward`` query rows x columns (a late window would otherwise build attention
+        of rows x its whole subtrees at once): each row's nodes go in consecutive pieces, ancestors first (preorder)."""
         for chunk, nodes in zip(self.chunks, per_chunk):
+            width = max(1, self.scorer.max_tokens_per_forward // len(nodes))
+            for start in range(0, max(len(x) for x in nodes), width):
+                self._forward(chunk, [x[start : start + width] for x in nodes])
             if any(len(x) for x in nodes):
-                self._forward(chunk, nodes)
                 for d, n in zip(chunk.drafts, chunk.scored_lengths()):
                     self.scored_len[d] = n
 

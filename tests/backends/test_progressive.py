@@ -127,6 +127,26 @@ def test_the_walk_samples_in_bounded_pieces_with_the_same_decisions(monkeypatch)
     assert max(calls) <= 3 and sum(calls) > 3 * 8
 
 
+def test_every_forward_holds_at_most_max_tokens_per_forward_queries(monkeypatch):
+    """A late window covers whole subtrees; it is scored in pieces (ancestors first) with the same decisions."""
+    model = _peaked_model(7)
+    prompts, drafts, logprobs = _groups(model, 7, n_groups=3, group=4, length=24)
+    settings, uids = SamplingSettings(temperature=1.0, max_tokens=32), list(range(len(drafts)))
+    scorer = PolicyScorer(model, pad_id=0, max_tokens_per_forward=16)
+    sizes, inner = [], ProgressiveTreeScores._forward
+    monkeypatch.setattr(
+        ProgressiveTreeScores,
+        "_forward",
+        lambda self, chunk, nodes: sizes.append(len(nodes) * max(len(x) for x in nodes)) or inner(self, chunk, nodes),
+    )
+    with torch.no_grad():
+        want = walk_tries(prompts, drafts, scorer.score(prompts, drafts), settings, 5, uids)
+        lazy = ProgressiveTreeScores(scorer, prompts, drafts, logprobs, first_window=2)
+        got = walk_tries(prompts, drafts, lazy.scores, settings, 5, uids, progressive=lazy)
+    assert (got.n, got.source, got.tokens, got.next_token) == (want.n, want.source, want.tokens, want.next_token)
+    assert max(want.n) > 8 and len(sizes) > 6 and max(sizes) <= 16, (want.n, sizes)
+
+
 def test_positive_stored_logprobs_do_not_lift_a_node_above_its_parent():
     """A custom store may hold log-probs > 0: the first pass clamps them, so a kept node keeps its ancestors
     and the walk takes the one forward's decisions (an unclamped +10 below a -5 kept a child without its parent)."""
