@@ -385,12 +385,13 @@ def _model_path(args: argparse.Namespace, demo: bool) -> Path:
     if demo:
         from .tasks.demo_policy import build_demo_policy, default_cache_dir
 
-        t0 = time.perf_counter()
+        where = Path(args.cache_dir).expanduser() if args.cache_dir else default_cache_dir()
         try:
-            path = build_demo_policy(cache_dir=args.cache_dir, progress=not args.no_progress)
+            where.mkdir(parents=True, exist_ok=True)
         except OSError as err:
-            where = args.cache_dir or default_cache_dir()
             raise UsageError(f"--cache-dir {where}: {err.strerror or err}; pass a folder you can write") from None
+        t0 = time.perf_counter()
+        path = build_demo_policy(cache_dir=where, progress=not args.no_progress)
         print(f"demo policy: {path} ({time.perf_counter() - t0:.1f} s)")
         return path
     path = Path(args.model)
@@ -484,10 +485,12 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     if demo:  # the preset sizes what no flag sets
         args.preset = args.preset or "full"
         prompts, epochs, eval_prompts, eval_samples = sweep.PRESETS[args.preset]
-        for flag, value in (("limit", prompts), ("eval_limit", eval_prompts), ("epochs", epochs)):
-            setattr(args, flag, value if getattr(args, flag) is None else getattr(args, flag))
-        args.eval_samples = eval_samples if args.eval_samples is None else args.eval_samples
-        args.eval_every = args.epochs if args.eval_every is None else args.eval_every
+        sizes = dict(limit=prompts, eval_limit=eval_prompts, epochs=epochs, eval_samples=eval_samples)
+        for flag, value in sizes.items():  # a 0 given is refused by the config, not replaced
+            if getattr(args, flag) is None:
+                setattr(args, flag, value)
+        if args.eval_every is None:
+            args.eval_every = args.epochs
     config = _config(args, demo)
     reward = args.reward or ("arithmetic" if demo else "math")
     reward_fn = arithmetic_reward if reward == "arithmetic" else get_reward_fn(reward)
