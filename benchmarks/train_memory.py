@@ -147,9 +147,11 @@ def main(argv: list[str] | None = None) -> int:
         result = history_growth(args.size, args.history, args.automaton_tokens)
         print(json.dumps(result, indent=2))
         return 0
-    work = Path(tempfile.mkdtemp(prefix="train-memory-"))
-    data = gsm8k_size(args.data, args.size, work / "data.jsonl")
-    result = measure(["--model", args.model, "--data", str(data), "--no-eval", *train], work / "run", args.steps)
+    # The run's checkpoints take GBs: they go with the measurement.
+    with tempfile.TemporaryDirectory(prefix="train-memory-") as tmp:
+        work = Path(tmp)
+        data = gsm8k_size(args.data, args.size, work / "data.jsonl")
+        result = measure(["--model", args.model, "--data", str(data), "--no-eval", *train], work / "run", args.steps)
     result.update(size=args.size, flags=train)
     print(json.dumps(result, indent=2))
     path = args.json or Path(os.environ.get("OUT", ".")) / "train_memory.json"
