@@ -56,8 +56,8 @@ def walk_tries(
 
     ``prompts``, ``drafts``: per row, prompt ids and (budget-cut) draft ids; ``scores``: their DraftScores;
     ``seed``: the continuation's seed (prefix and rest share keys); ``uids``: per-row sample ids. ``progressive``: a
-    ``ProgressiveTreeScores`` over ``scores``: rows sample only scored tokens (``scored_len``), and the walk asks it
-    to ``extend`` when all of them wait; RuntimeError when it does not.
+    ``ProgressiveTreeScores`` over ``scores``: the rows of one chunk of it walk at a time (``open``, ``close``), they
+    sample only scored tokens (``scored_len``), and the walk asks it to ``extend`` when all of them wait.
     """
     bsz = len(drafts)
     lengths = [len(d) for d in drafts]
@@ -75,25 +75,32 @@ def walk_tries(
     device = scores.lm_head_weight.device if scores.logits is None else scores.logits.device
     prompt_lens = int64_tensor([len(p) for p in prompts])
     uid_t = int64_tensor([int(u) for u in uids])
-    window = _FIRST_WINDOW
     scored = lengths if progressive is None else progressive.scored_len  # per draft: its leading tokens scored
-    while walking:
-        ready = [r for r in walking if out.n[r] < scored[follow[r]]]
-        if not ready:  # every walking row used up the scored part of its draft: score further
-            progressive.extend([(follow[r], out.n[r]) for r in walking])
-            assert any(out.n[r] < scored[follow[r]] for r in walking), "progressive scores did not extend"
-            continue
-        # (row, draft, from depth, to depth)
-        segs = [(r, follow[r], out.n[r], min(scored[follow[r]], out.n[r] + window)) for r in ready]
-        window *= 2
-        toks, lps = _sample_segments(segs, scores, settings, seed, uid_t, prompt_lens, device)
-        at, still = 0, [r for r in walking if out.n[r] >= scored[follow[r]]]
-        for r, f, a, b in segs:
-            sampled, logps = toks[at : at + b - a], lps[at : at + b - a]
-            at += b - a
-            if _advance(out, group_of[r], r, f, a, drafts, sampled, logps, follow, lengths):
-                still.append(r)
-        walking = still
+    # progressive scores: one chunk of groups at a time (groups never interact), its K/V dropped when it is done
+    blocks = [(None, walking)] if progressive is None else progressive.by_chunk(walking)
+    for chunk, walking in blocks:
+        if chunk is not None:
+            progressive.open(chunk)
+        window = _FIRST_WINDOW
+        while walking:
+            ready = [r for r in walking if out.n[r] < scored[follow[r]]]
+            if not ready:  # every walking row used up the scored part of its draft: score further
+                progressive.extend([(follow[r], out.n[r]) for r in walking])
+                assert any(out.n[r] < scored[follow[r]] for r in walking), "progressive scores did not extend"
+                continue
+            # (row, draft, from depth, to depth)
+            segs = [(r, follow[r], out.n[r], min(scored[follow[r]], out.n[r] + window)) for r in ready]
+            window *= 2
+            toks, lps = _sample_segments(segs, scores, settings, seed, uid_t, prompt_lens, device)
+            at, still = 0, [r for r in walking if out.n[r] >= scored[follow[r]]]
+            for r, f, a, b in segs:
+                sampled, logps = toks[at : at + b - a], lps[at : at + b - a]
+                at += b - a
+                if _advance(out, group_of[r], r, f, a, drafts, sampled, logps, follow, lengths):
+                    still.append(r)
+            walking = still
+        if chunk is not None:
+            progressive.close(chunk)
     return out
 
 

@@ -1,6 +1,8 @@
 """Scoring a group's draft trie only where exact walks may read it (docs/design.md "Exact acceptance"): first the nodes
 reached with estimated probability >= :data:`MIN_REACH`, then below waiting walks on demand. Ancestors are scored first
-and their K/V kept, so every score equals the one-forward score up to summation order."""
+and their K/V kept, so every score equals the one-forward score up to summation order. Walks go one chunk of groups at
+a time, and a chunk's K/V, bounded by the scorer's ``max_kv_tokens``, go when its walks end unless a continuation
+splices them."""
 
 from __future__ import annotations
 
@@ -21,10 +23,14 @@ MIN_REACH = 0.05
 
 
 class _Chunk:
-    """One forward batch of groups (one per row), the K/V of its scored nodes, an ``entry_*`` per (draft, token)."""
+    """One forward batch of groups (one per row), the K/V of its scored nodes, an ``entry_*`` per (draft, token);
+    ``first``: the first pass's nodes per row until it is scored; ``window``: what its next extend scores."""
 
-    def __init__(self, groups: list[PackedGroup]):
+    def __init__(self, groups: list[PackedGroup], first: list[torch.Tensor], window: int):
         self.groups = groups
+        self.first: list[torch.Tensor] | None = first
+        self.window = window
+        self.dropped = False  # its K/V were dropped after its walks (nothing continues from them)
         self.cache = None  # the transformers cache of every scored node, in scoring order
         self.key_node = torch.zeros((len(groups), 0), dtype=torch.long)  # tree index of each cache column (-1: padding)
         self.key_size = torch.zeros((len(groups), 0), dtype=torch.long)  # its subtree size (0: padding)
@@ -58,9 +64,12 @@ class _Chunk:
 class ProgressiveTreeScores:
     """Scores of B drafts, computed where walks may need them (valid for token i < ``scored_len[b]`` of draft b).
 
-    ``draft_logprobs`` (stored, per draft) pick the first pass (None: the first ``first_window`` tokens);
-    ``first_window`` (>= 1) is what the first :meth:`extend` scores below a stop, doubling per call; ``min_reach`` 0
-    scores the whole trie.
+    The groups are cut into chunks (one forward batch each, whose whole tries hold at most the scorer's
+    ``max_kv_tokens``, one group at least); a walk :meth:`open` s a chunk (scoring its first pass), :meth:`extend` s
+    it and :meth:`close` s it. ``draft_logprobs`` (stored, per draft) pick the first pass (None: the first
+    ``first_window`` tokens); ``first_window`` (>= 1) is what the first :meth:`extend` of a chunk scores below a stop,
+    doubling per call; ``min_reach`` 0 scores the whole trie; ``keep_kv`` False drops a chunk's K/V when it is closed
+    (no :meth:`context` for it afterwards).
     """
 
     def __init__(
@@ -71,6 +80,7 @@ class ProgressiveTreeScores:
         draft_logprobs: Sequence[Sequence[float]] | None = None,
         first_window: int = FIRST_WINDOW,
         min_reach: float = MIN_REACH,
+        keep_kv: bool = True,
     ):
         if draft_logprobs is not None:  # as float64, cut to the drafts
             draft_logprobs = [
@@ -88,32 +98,56 @@ class ProgressiveTreeScores:
         self.scored_len = [0] * len(drafts)
         self.scored_nodes = 0
         self.released = False
-        self._window = min(int(first_window), self.max_r)  # a wider window scores nothing more
+        self.keep_kv = bool(keep_kv)
+        window = min(int(first_window), self.max_r)  # a wider window scores nothing more
         groups = pack_groups(prompts, drafts)
-        first = [_first_pass(g, draft_logprobs, float(min_reach), self._window) for g in groups]
-        order = chunk_rows([len(x) for x in first], scorer.max_tokens_per_forward)
-        self.chunks = [_Chunk([groups[i] for i in rows]) for rows in order]
+        first = [_first_pass(g, draft_logprobs, float(min_reach), window) for g in groups]
+        order = _cap_chunks(
+            chunk_rows([len(x) for x in first], scorer.max_tokens_per_forward),
+            [len(g.tokens) for g in groups],
+            scorer.max_kv_tokens,
+        )
+        self.chunks = [_Chunk([groups[i] for i in rows], [first[i] for i in rows], window) for rows in order]
         self.where: dict[int, tuple[int, int, int]] = {}  # draft -> (chunk, row, member)
         for c, chunk in enumerate(self.chunks):
             for row, g in enumerate(chunk.groups):
                 for m, d in enumerate(g.members):
                     self.where[d] = (c, row, m)
-        self._score_nodes([[first[i] for i in rows] for rows in order])
+
+    def by_chunk(self, drafts: Sequence[int]) -> list[tuple[int, list[int]]]:
+        """``drafts`` as (chunk, its drafts in the given order), in chunk order: walks go one chunk at a time."""
+        per: dict[int, list[int]] = {}
+        for d in drafts:
+            per.setdefault(self.where[d][0], []).append(d)
+        return sorted(per.items())
+
+    def open(self, chunk: int) -> None:
+        """Score the first pass of ``chunk`` (once)."""
+        self._check_live(chunk)
+        c = self.chunks[chunk]
+        if c.first is not None:
+            nodes, c.first = c.first, None
+            self._score_nodes(c, nodes)
+
+    def close(self, chunk: int) -> None:
+        """The walks of ``chunk`` ended: drop its K/V unless they are kept for a continuation."""
+        if not self.keep_kv:
+            c = self.chunks[chunk]
+            c.cache, c.dropped = None, True
 
     def extend(self, stops: Sequence[tuple[int, int]]) -> None:
-        """Score below each stop (draft, n = ``scored_len[draft]``, inside the draft)."""
-        self._check_live()
-        roots: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        """Score below each stop (draft, n = ``scored_len[draft]``, inside the draft, its chunk open)."""
+        roots: dict[int, dict[int, list[tuple[int, int]]]] = {}  # chunk -> row -> (root node, n)
         for d, n in stops:
             assert n == self.scored_len[d] and 0 < n < self.lengths[d], (d, n, self.scored_len[d])
             c, row, m = self.where[d]
-            roots.setdefault((c, row), []).append((self.chunks[c].groups[row].node_pos[m][n - 1], n))
-        per_chunk = [
-            [_subtree_nodes(chunk, row, roots.get((c, row), ()), self._window) for row in range(len(chunk.groups))]
-            for c, chunk in enumerate(self.chunks)
-        ]
-        self._window = min(2 * self._window, self.max_r)
-        self._score_nodes(per_chunk)
+            roots.setdefault(c, {}).setdefault(row, []).append((self.chunks[c].groups[row].node_pos[m][n - 1], n))
+        for c, rows in roots.items():
+            self._check_live(c)
+            chunk = self.chunks[c]
+            nodes = [_subtree_nodes(chunk, row, rows.get(row, ()), chunk.window) for row in range(len(chunk.groups))]
+            chunk.window = min(2 * chunk.window, self.max_r)
+            self._score_nodes(chunk, nodes)
 
     def prompt_len(self, draft: int) -> int:
         c, row, _ = self.where[draft]
@@ -121,8 +155,8 @@ class ProgressiveTreeScores:
 
     def context(self, draft: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (keys [H, P + n, D], values) of [prompt, the draft's first n tokens] (all of them scored)."""
-        self._check_live()
         c, row, m = self.where[draft]
+        self.open(c)  # a continuation without a walk reads the first pass
         chunk = self.chunks[c]
         cols = chunk.column[row, int64_tensor(chunk.groups[row].path(m, n))]
         assert bool((cols >= 0).all()), f"context of draft {draft} up to {n} tokens holds unscored nodes"
@@ -136,25 +170,28 @@ class ProgressiveTreeScores:
         for chunk in self.chunks:
             chunk.cache = None
 
-    def _check_live(self) -> None:
+    def _check_live(self, chunk: int) -> None:
         if self.released:
             raise RuntimeError(
                 "these scores' keys and values were released (continued, released, or a scoring forward failed): "
                 "score the drafts again"
             )
+        if self.chunks[chunk].dropped:
+            raise RuntimeError(
+                f"chunk {chunk}'s keys and values were dropped when its walks ended (keep_kv=False): score again"
+            )
 
     @torch.inference_mode()
-    def _score_nodes(self, per_chunk: list[list[torch.Tensor]]) -> None:
-        """Forward the given nodes of every chunk (tree indices per row), then update ``scored_len``. A chunk's forward
-        holds at most ``max_tokens_per_forward`` query rows x columns (a late window would otherwise build attention
-        of rows x its whole subtrees at once): each row's nodes go in consecutive pieces, ancestors first (preorder)."""
-        for chunk, nodes in zip(self.chunks, per_chunk):
-            width = max(1, self.scorer.max_tokens_per_forward // len(nodes))
-            for start in range(0, max(len(x) for x in nodes), width):
-                self._forward(chunk, [x[start : start + width] for x in nodes])
-            if any(len(x) for x in nodes):
-                for d, n in zip(chunk.drafts, chunk.scored_lengths()):
-                    self.scored_len[d] = n
+    def _score_nodes(self, chunk: _Chunk, nodes: list[torch.Tensor]) -> None:
+        """Forward the given nodes of ``chunk`` (tree indices per row), then update ``scored_len``. A forward holds at
+        most ``max_tokens_per_forward`` query rows x columns (a late window would otherwise build attention of rows x
+        its whole subtrees at once): each row's nodes go in consecutive pieces, ancestors first (preorder)."""
+        width = max(1, self.scorer.max_tokens_per_forward // len(nodes))
+        for start in range(0, max(len(x) for x in nodes), width):
+            self._forward(chunk, [x[start : start + width] for x in nodes])
+        if any(len(x) for x in nodes):
+            for d, n in zip(chunk.drafts, chunk.scored_lengths()):
+                self.scored_len[d] = n
 
     def _forward(self, chunk: _Chunk, nodes: list[torch.Tensor]) -> None:
         scorer = self.scorer
@@ -211,6 +248,23 @@ class ProgressiveTreeScores:
         distinct, inverse = torch.unique(src_t, return_inverse=True)
         first = torch.full((len(distinct),), flat.shape[0], dtype=torch.long).scatter_reduce(0, inverse, dst_t, "amin")
         self._same.view(-1)[dst_t.to(self._same.device)] = first[inverse].to(self._same.device)
+
+
+def _cap_chunks(chunks: list[list[int]], tokens: Sequence[int], max_tokens: int | None) -> list[list[int]]:
+    """``chunks`` of groups cut further so the tries of one chunk hold at most ``max_tokens`` nodes (the K/V its walks
+    may score; one group at least)."""
+    if max_tokens is None:
+        return chunks
+    out: list[list[int]] = []
+    for rows in chunks:
+        total = max_tokens + 1  # a new chunk starts
+        for i in rows:
+            if total + tokens[i] > max_tokens:
+                out.append([])
+                total = 0
+            out[-1].append(i)
+            total += tokens[i]
+    return out
 
 
 def _first_pass(g: PackedGroup, logprobs, min_reach: float, window: int) -> torch.Tensor:

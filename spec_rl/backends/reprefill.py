@@ -23,7 +23,7 @@ class ReprefillBackend(Backend):
         prompts, drafts = self.checked_rows(prompts, drafts)
         keep = self.splice and self.scorer.tree and self.keeps_kv(prompts, drafts)
         if logprobs is not None and self.scorer.tree:
-            lazy = ProgressiveTreeScores(self.scorer, prompts, drafts, logprobs)
+            lazy = ProgressiveTreeScores(self.scorer, prompts, drafts, logprobs, keep_kv=keep)
             return Scored(lazy.scores, prompts, drafts, state=lazy if keep else None, progressive=lazy)
         scores, kv = self.scorer.score_with_kv(prompts, drafts, keep_kv=keep)
         return Scored(scores, prompts, drafts, state=kv)

@@ -7,10 +7,12 @@ from backend_jobs import continue_rows, generate
 from tiny_models import tiny_model
 
 from spec_rl.acceptance.exact_walk import walk_tries
+from spec_rl.backends.paged.model_runner import CacheLayout
 from spec_rl.backends.progressive import ProgressiveTreeScores
 from spec_rl.backends.scoring import PolicyScorer
 from spec_rl.backends.transformers_backend import TransformersBackend
 from spec_rl.sampling.distribution import SamplingSettings
+from spec_rl.sampling.groups import pack_groups
 
 
 def _groups(model, seed: int, n_groups: int, group: int, length: int):
@@ -89,18 +91,21 @@ def test_extend_scores_the_next_window_and_released_scores_are_refused():
     prompts, drafts = [[3, 4]] * 2, [[5, 6, 7, 8, 9], [5, 6, 7]]
     with torch.no_grad():
         lazy = ProgressiveTreeScores(PolicyScorer(model, pad_id=0), prompts, drafts, first_window=2)
+        assert lazy.scored_len == [0, 0] and lazy.scored_nodes == 0  # nothing before a walk opens the chunk
+        lazy.open(0)
         assert lazy.scored_len == [2, 2]
         lazy.extend([(0, 2)])
         assert lazy.scored_len == [4, 3]  # the next window below the stop (the shorter draft shares the nodes)
+        lazy.extend([(0, 4)])
+        assert lazy.scored_len == [5, 3] and lazy.chunks[0].window == 5  # doubling stops at the longest draft
         lazy.release()
-        for call in (lambda: lazy.extend([(0, 4)]), lambda: lazy.context(0, 1)):
+        for call in (lambda: lazy.open(0), lambda: lazy.context(0, 1)):
             with pytest.raises(RuntimeError, match="released"):
                 call()
     with torch.no_grad():  # a window past the longest draft scores what the longest draft needs, no more
         huge = ProgressiveTreeScores(PolicyScorer(model, pad_id=0), prompts, drafts, first_window=2**64)
-        assert huge.scored_len == [5, 3]
-        for _ in range(70):
-            huge.extend([])  # doubling stays bounded
+        huge.open(0)
+        assert huge.scored_len == [5, 3] and huge.chunks[0].window == 5
 
 
 def test_the_walk_samples_in_bounded_pieces_with_the_same_decisions(monkeypatch):
@@ -147,6 +152,36 @@ def test_every_forward_holds_at_most_max_tokens_per_forward_queries(monkeypatch)
     assert max(want.n) > 8 and len(sizes) > 6 and max(sizes) <= 16, (want.n, sizes)
 
 
+def test_walks_hold_the_keys_and_values_of_one_bounded_chunk_at_a_time(monkeypatch):
+    """Without a splicing continuation, a chunk's K/V go when its walks end: the walk holds one chunk's K/V at a
+    time, a chunk's tries hold at most ``max_kv_tokens`` nodes (or one group), and the decisions do not change."""
+    model = _peaked_model(8)
+    prompts, drafts, logprobs = _groups(model, 8, n_groups=6, group=4, length=24)
+    settings, uids = SamplingSettings(temperature=1.0, max_tokens=32), list(range(len(drafts)))
+    token_bytes = CacheLayout.of(model).bytes_per_block(1)
+    tries = sorted(len(g.tokens) for g in pack_groups(prompts, drafts))
+    bound = tries[-1] + tries[0]  # at least one chunk holds two groups, none all of them
+    scorer = PolicyScorer(model, pad_id=0, kv_cache_bytes=bound * token_bytes)
+    assert scorer.max_kv_tokens == bound
+    live, inner = [], ProgressiveTreeScores._forward
+
+    def counted(self, chunk, nodes):
+        inner(self, chunk, nodes)
+        live.append(sum(c.cache is not None for c in self.chunks))
+
+    monkeypatch.setattr(ProgressiveTreeScores, "_forward", counted)
+    with torch.no_grad():
+        want = walk_tries(prompts, drafts, scorer.score(prompts, drafts), settings, 5, uids)
+        lazy = ProgressiveTreeScores(scorer, prompts, drafts, logprobs, first_window=2, keep_kv=False)
+        got = walk_tries(prompts, drafts, lazy.scores, settings, 5, uids, progressive=lazy)
+    assert (got.n, got.source, got.tokens, got.next_token) == (want.n, want.source, want.tokens, want.next_token)
+    sizes = [sum(len(g.tokens) for g in c.groups) for c in lazy.chunks]
+    assert 1 < len(sizes) < 6 and all(n <= bound for n in sizes), sizes
+    assert max(live) == 1 and all(c.cache is None and c.dropped for c in lazy.chunks), live
+    with pytest.raises(RuntimeError, match="dropped"):
+        lazy.context(0, 1)
+
+
 def test_positive_stored_logprobs_do_not_lift_a_node_above_its_parent():
     """A custom store may hold log-probs > 0: the first pass clamps them, so a kept node keeps its ancestors
     and the walk takes the one forward's decisions (an unclamped +10 below a -5 kept a child without its parent)."""
@@ -158,6 +193,8 @@ def test_positive_stored_logprobs_do_not_lift_a_node_above_its_parent():
     with torch.no_grad():
         want = walk_tries(prompts, drafts, scorer.score(prompts, drafts), settings, 5, uids)
         lazy = ProgressiveTreeScores(scorer, prompts, drafts, logprobs, first_window=2)
+        for chunk in range(len(lazy.chunks)):
+            lazy.open(chunk)
         # the prompt scores each first token; reach e^-5 x 4 < 0.05 after it, so nothing below it is scored
         assert lazy.scored_len == [1] * len(drafts)
         got = walk_tries(prompts, drafts, lazy.scores, settings, 5, uids, progressive=lazy)
@@ -170,6 +207,7 @@ def test_a_failed_forward_releases_the_scores_and_the_backend_releases_them_too(
     scorer = PolicyScorer(model, pad_id=0)
     with torch.no_grad():
         lazy = ProgressiveTreeScores(scorer, prompts, drafts, first_window=2)
+        lazy.open(0)
         target = scorer.head.decoder if scorer.head.uses_hidden_states else model  # the module each forward calls
         with monkeypatch.context() as patch:
             patch.setattr(target, "forward", lambda **_: (_ for _ in ()).throw(MemoryError("out of memory")))
@@ -221,8 +259,9 @@ def test_exact_rollout_with_progressive_scores_is_fresh_decoding(monkeypatch, mi
     from spec_rl.drafts.cache import RolloutCache
     from spec_rl.rollout.speculative import RolloutRequest, SpeculativeRollout
 
-    # the backend builds ProgressiveTreeScores with the defaults of (draft_logprobs, first_window, min_reach)
-    monkeypatch.setattr(progressive.ProgressiveTreeScores.__init__, "__defaults__", (None, 4, min_reach))
+    # the backend builds ProgressiveTreeScores with the defaults of (draft_logprobs, first_window, min_reach); it
+    # passes keep_kv itself
+    monkeypatch.setattr(progressive.ProgressiveTreeScores.__init__, "__defaults__", (None, 4, min_reach, True))
     model = _peaked_model(7)
     settings = SamplingSettings(temperature=1.0, max_tokens=20)
     requests = [RolloutRequest([3 + i, 4, 5], s, dataset_id=f"q{i}") for i in range(4) for s in range(3)]
