@@ -10,7 +10,6 @@ import torch
 from ..acceptance.scores import DraftScores, response_positions
 from ..sampling.distribution import SamplingSettings, token_logprobs
 from ..sampling.groups import TreeKV, chunk_groups, gather_scores, pack_groups, supports_tree_attention, tree_inputs
-from ..util.memory import memory_budget
 from ..util.validation import check_int
 from .hf_decode import padded_ids, returned_cache
 
@@ -110,8 +109,8 @@ def response_logprobs(
 class PolicyScorer:
     """The scoring forward: a group's prompt and draft trie in one row where the attention takes 4-D masks
     (docs/design.md "Scoring the group once"), else a padded row per draft; ``max_tokens_per_forward`` bounds rows x
-    length (2048 CPU, 65536 GPU); ``kv_cache_bytes`` bounds the K/V that progressive scoring holds for one chunk of
-    groups (``max_kv_tokens``; default :func:`~spec_rl.util.memory.memory_budget`)."""
+    length (2048 CPU, 65536 GPU); ``max_kv_tokens`` bounds the tokens whose K/V progressive scoring holds for one
+    chunk of groups (None: a forward batch's groups, whatever their tries)."""
 
     def __init__(
         self,
@@ -119,7 +118,7 @@ class PolicyScorer:
         pad_id: int,
         max_tokens_per_forward: int | None = None,
         tree: bool | None = None,
-        kv_cache_bytes: int | None = None,
+        max_kv_tokens: int | None = None,
     ):
         self.model = model
         self.pad_id = int(pad_id)
@@ -128,10 +127,7 @@ class PolicyScorer:
             max_tokens_per_forward = 65536 if self.device.type == "cuda" else 2048
         self.max_tokens_per_forward = check_int("max_tokens_per_forward", max_tokens_per_forward, low=1)
         self.tree = supports_tree_attention(model) if tree is None else bool(tree)
-        from .paged.model_runner import CacheLayout  # here: the paged engine imports this module
-
-        token_bytes = CacheLayout.of(model).bytes_per_block(1)  # K and V of one position, all layers
-        self.max_kv_tokens = memory_budget(self.device, kv_cache_bytes) // token_bytes
+        self.max_kv_tokens = None if max_kv_tokens is None else check_int("max_kv_tokens", max_kv_tokens, low=1)
 
     @property
     def device(self) -> torch.device:

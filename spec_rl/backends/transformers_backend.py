@@ -50,7 +50,8 @@ class TransformersBackend(ReprefillBackend):
         self.progress = progress
         self.splice = bool(splice)
         self.tail_gate = TailGate() if adaptive_tail else None  # kept across calls: the hardware does not change
-        self.scorer = PolicyScorer(model, self.pad_id, max_tokens_per_forward, kv_cache_bytes=self.kv_cache_bytes)
+        kv_tokens = max(1, self.kv_cache_bytes // self.kv_token_bytes)
+        self.scorer = PolicyScorer(model, self.pad_id, max_tokens_per_forward, max_kv_tokens=kv_tokens)
         self.stats = BackendStats()
 
     @torch.no_grad()

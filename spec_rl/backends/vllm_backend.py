@@ -13,7 +13,9 @@ import torch
 
 from ..sampling.distribution import SamplingSettings
 from ..sampling.philox import mix_seed
+from ..util.memory import memory_budget
 from .base import BackendStats, Continuation, eos_and_pad
+from .paged.model_runner import CacheLayout
 from .reprefill import ReprefillBackend
 from .scoring import PolicyScorer
 
@@ -73,7 +75,10 @@ class VLLMBackend(ReprefillBackend):
 
         self.model, self.owns_engine = model, owns_engine
         self.eos_ids, self.pad_id = eos_and_pad(eos_ids, pad_id)
-        self.scorer = PolicyScorer(model, self.pad_id)
+        kv_bytes = memory_budget(next(model.parameters()).device)  # the progressive scoring's K/V of one chunk
+        self.scorer = PolicyScorer(
+            model, self.pad_id, max_kv_tokens=max(1, kv_bytes // CacheLayout.of(model).bytes_per_block(1))
+        )
         self.stats = BackendStats()
         self._sampling_params, self._tokens_prompt = vllm.SamplingParams, vllm.inputs.TokensPrompt
 

@@ -161,7 +161,7 @@ def test_walks_hold_the_keys_and_values_of_one_bounded_chunk_at_a_time(monkeypat
     token_bytes = CacheLayout.of(model).bytes_per_block(1)
     tries = sorted(len(g.tokens) for g in pack_groups(prompts, drafts))
     bound = tries[-1] + tries[0]  # at least one chunk holds two groups, none all of them
-    scorer = PolicyScorer(model, pad_id=0, kv_cache_bytes=bound * token_bytes)
+    scorer = TransformersBackend(model, {1}, 0, kv_cache_bytes=bound * token_bytes).scorer
     assert scorer.max_kv_tokens == bound
     live, inner = [], ProgressiveTreeScores._forward
 
