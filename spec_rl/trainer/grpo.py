@@ -355,7 +355,7 @@ class GRPOTrainer:
 def update_token_budget(model, device: torch.device) -> int:
     """Tokens (rows x padded length) one micro-batch of the update may hold, so that the whole update (gradients and
     AdamW's two moments: 3 x the trained parameters' bytes, plus one micro-batch's activations) stays within 40% of
-    the free CUDA memory or a quarter of the memory available on a CPU. Activations are estimated at
+    the free CUDA memory or an eighth of the memory available on a CPU. Activations are estimated at
     ``dtype bytes x (3 V + 28 L H)`` per token (the logits, their log-softmax and gradient; about 28 hidden-size
     tensors kept per layer: 2.5 MB a token for SmolLM2-135M in float32, measured 2.9 GB for a 1,174-token row)."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config

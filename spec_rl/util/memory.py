@@ -6,9 +6,11 @@ import torch
 
 from .validation import check_int
 
-#: The share of free CUDA memory, and of the memory available on a CPU, that one bound may take by default.
+#: The share of free CUDA memory, and of the memory available on a CPU, that one bound may take by default. On a CPU
+#: the same memory also holds the weights, AdamW's moments and the allocator's free lists: with a quarter, the decode
+#: batches of epoch 2 took SmolLM2-135M's trainer past 8 GB on a 24 GB machine (benchmarks/RESULTS.md).
 CUDA_FREE_MEMORY_SHARE = 0.4
-CPU_AVAILABLE_MEMORY_SHARE = 0.25
+CPU_AVAILABLE_MEMORY_SHARE = 0.125
 
 
 def available_bytes(device: torch.device) -> int:
@@ -21,7 +23,7 @@ def available_bytes(device: torch.device) -> int:
 
 
 def memory_budget(device: torch.device, nbytes: int | None = None, name: str = "kv_cache_bytes") -> int:
-    """``nbytes`` (an integer >= 1, checked as ``name``), or by default 40% of the free CUDA memory, a quarter of the
+    """``nbytes`` (an integer >= 1, checked as ``name``), or by default 40% of the free CUDA memory, an eighth of the
     memory available on a CPU. TypeError or ValueError for a bad value."""
     if nbytes is not None:
         return check_int(name, nbytes, low=1)
