@@ -2,7 +2,8 @@
 reached with estimated probability >= :data:`MIN_REACH`, then below waiting walks on demand. Ancestors are scored first
 and their K/V kept, so every score equals the one-forward score up to summation order. Walks go one chunk of groups at
 a time, and a chunk's K/V, bounded by the scorer's ``max_kv_tokens``, go when its walks end unless a continuation
-splices them."""
+splices them. A chunk's cache is padded (every forward adds the widest row's columns to every row), so the bound is
+rows x the nodes of its tries."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from ..acceptance.scores import DraftScores
 from ..sampling.groups import PackedGroup, int64_tensor, pack_groups
+from ..util.validation import check_int
 from .hf_decode import cache_argument, model_mask, returned_cache
 from .scoring import chunk_rows
 
@@ -64,12 +66,12 @@ class _Chunk:
 class ProgressiveTreeScores:
     """Scores of B drafts, computed where walks may need them (valid for token i < ``scored_len[b]`` of draft b).
 
-    The groups are cut into chunks (one forward batch each, whose whole tries hold at most the scorer's
-    ``max_kv_tokens``, one group at least); a walk :meth:`open` s a chunk (scoring its first pass), :meth:`extend` s
-    it and :meth:`close` s it. ``draft_logprobs`` (stored, per draft) pick the first pass (None: the first
-    ``first_window`` tokens); ``first_window`` (>= 1) is what the first :meth:`extend` of a chunk scores below a stop,
-    doubling per call; ``min_reach`` 0 scores the whole trie; ``keep_kv`` False drops a chunk's K/V when it is closed
-    (no :meth:`context` for it afterwards).
+    The groups are cut into chunks (one forward batch each, whose padded K/V, rows x the nodes of their tries, hold
+    at most the scorer's ``max_kv_tokens`` positions, one group at least); a walk opens a chunk (:meth:`open`: its
+    first pass), extends it (:meth:`extend`) and closes it (:meth:`close`). ``draft_logprobs`` (stored, per draft)
+    pick the first pass (None: the first ``first_window`` tokens); ``first_window`` (>= 1) is what the first
+    :meth:`extend` of a chunk scores below a stop, doubling per call; ``min_reach`` (in [0, 1]) 0 scores the whole
+    trie; ``keep_kv`` False drops a chunk's K/V when it is closed (no :meth:`context` for it afterwards).
     """
 
     def __init__(
@@ -99,7 +101,10 @@ class ProgressiveTreeScores:
         self.scored_nodes = 0
         self.released = False
         self.keep_kv = bool(keep_kv)
-        window = min(int(first_window), self.max_r)  # a wider window scores nothing more
+        first_window = check_int("first_window", first_window, low=1)
+        if not 0.0 <= float(min_reach) <= 1.0:
+            raise ValueError(f"min_reach must be in [0, 1] (a probability), got {min_reach}")
+        window = min(first_window, self.max_r)  # a wider window scores nothing more
         groups = pack_groups(prompts, drafts)
         first = [_first_pass(g, draft_logprobs, float(min_reach), window) for g in groups]
         order = _cap_chunks(
@@ -113,6 +118,11 @@ class ProgressiveTreeScores:
             for row, g in enumerate(chunk.groups):
                 for m, d in enumerate(g.members):
                     self.where[d] = (c, row, m)
+
+    def kv_positions(self) -> int:
+        """The most K/V token positions these scores hold at once when every chunk is kept: rows x the nodes of its
+        tries, summed over the chunks (a continuation that splices them keeps them all)."""
+        return sum(len(c.groups) * sum(len(g.tokens) for g in c.groups) for c in self.chunks)
 
     def by_chunk(self, drafts: Sequence[int]) -> list[tuple[int, list[int]]]:
         """``drafts`` as (chunk, its drafts in the given order), in chunk order: walks go one chunk at a time."""
@@ -251,19 +261,21 @@ class ProgressiveTreeScores:
 
 
 def _cap_chunks(chunks: list[list[int]], tokens: Sequence[int], max_tokens: int | None) -> list[list[int]]:
-    """``chunks`` of groups cut further so the tries of one chunk hold at most ``max_tokens`` nodes (the K/V its walks
-    may score; one group at least)."""
+    """``chunks`` of groups cut further so that rows x the nodes of their tries (what a chunk's padded K/V may reach:
+    every forward pads every row to its widest) stay within ``max_tokens`` (one group at least)."""
     if max_tokens is None:
         return chunks
     out: list[list[int]] = []
     for rows in chunks:
-        total = max_tokens + 1  # a new chunk starts
+        current: list[int] = []
+        nodes = 0
         for i in rows:
-            if total + tokens[i] > max_tokens:
-                out.append([])
-                total = 0
-            out[-1].append(i)
-            total += tokens[i]
+            if current and (len(current) + 1) * (nodes + tokens[i]) > max_tokens:
+                out.append(current)
+                current, nodes = [], 0
+            current.append(i)
+            nodes += tokens[i]
+        out.append(current)
     return out
 
 

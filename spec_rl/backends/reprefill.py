@@ -21,15 +21,18 @@ class ReprefillBackend(Backend):
 
     def score(self, prompts, drafts, logprobs=None) -> Scored:
         prompts, drafts = self.checked_rows(prompts, drafts)
-        keep = self.splice and self.scorer.tree and self.keeps_kv(prompts, drafts)
+        splices = self.splice and self.scorer.tree
         if logprobs is not None and self.scorer.tree:
-            lazy = ProgressiveTreeScores(self.scorer, prompts, drafts, logprobs, keep_kv=keep)
-            return Scored(lazy.scores, prompts, drafts, state=lazy if keep else None, progressive=lazy)
+            lazy = ProgressiveTreeScores(self.scorer, prompts, drafts, logprobs)
+            lazy.keep_kv = splices and self.keeps_kv(lazy.kv_positions())
+            return Scored(lazy.scores, prompts, drafts, state=lazy if lazy.keep_kv else None, progressive=lazy)
+        keep = splices and self.keeps_kv(self.scorer.kv_positions(prompts, drafts))
         scores, kv = self.scorer.score_with_kv(prompts, drafts, keep_kv=keep)
         return Scored(scores, prompts, drafts, state=kv)
 
-    def keeps_kv(self, prompts, drafts) -> bool:
-        """Whether a splicing backend keeps this scoring pass's K/V (memory permitting); True here."""
+    def keeps_kv(self, positions: int) -> bool:
+        """Whether a splicing backend keeps a scoring pass's K/V of ``positions`` token positions (padding included,
+        memory permitting); True here."""
         return True
 
     def continue_from(self, scored: Scored, jobs, settings, seed) -> list[Continuation]:

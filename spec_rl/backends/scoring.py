@@ -133,6 +133,13 @@ class PolicyScorer:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    def kv_positions(self, prompts, drafts) -> int:
+        """Token positions of the K/V that :meth:`score_with_kv` keeps (tree layout: rows x longest per chunk)."""
+        return sum(len(c) * max(len(g.tokens) for g in c) for c in self._chunks(prompts, drafts))
+
+    def _chunks(self, prompts, drafts) -> list:
+        return chunk_groups(pack_groups(prompts, drafts), self.max_tokens_per_forward)
+
     def score(self, prompts: Sequence[Sequence[int]], drafts: Sequence[Sequence[int]]) -> DraftScores:
         """:class:`DraftScores` [B, R] (R = max draft length, >= 1); ValueError when the counts differ."""
         return self.score_with_kv(prompts, drafts, keep_kv=False)[0]
@@ -159,7 +166,7 @@ class PolicyScorer:
         impl = getattr(self.model.config, "_attn_implementation", "sdpa")
         additive = self.head.lm_head.weight.dtype if impl == "eager" else None
         kv = TreeKV() if keep_kv else None
-        for groups in chunk_groups(pack_groups(prompts, drafts), self.max_tokens_per_forward):
+        for groups in self._chunks(prompts, drafts):
             ids, pos, mask = tree_inputs(groups, self.pad_id, self.device, additive)
             if keep_kv:
                 hidden = self.head.uses_hidden_states

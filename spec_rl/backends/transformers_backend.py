@@ -47,10 +47,15 @@ class TransformersBackend(ReprefillBackend):
         self.max_batch_size = check_int("max_batch_size", max_batch_size, low=1)
         self.kv_cache_bytes = memory_budget(self.device, kv_cache_bytes)
         self.kv_token_bytes = CacheLayout.of(model).bytes_per_block(1)  # K and V of one position, all layers
+        if self.kv_cache_bytes < self.kv_token_bytes:
+            raise ValueError(
+                f"kv_cache_bytes={self.kv_cache_bytes} holds no token's K/V ({self.kv_token_bytes} bytes a position "
+                "for this model); raise kv_cache_bytes or leave it unset"
+            )
         self.progress = progress
         self.splice = bool(splice)
         self.tail_gate = TailGate() if adaptive_tail else None  # kept across calls: the hardware does not change
-        kv_tokens = max(1, self.kv_cache_bytes // self.kv_token_bytes)
+        kv_tokens = self.kv_cache_bytes // self.kv_token_bytes
         self.scorer = PolicyScorer(model, self.pad_id, max_tokens_per_forward, max_kv_tokens=kv_tokens)
         self.stats = BackendStats()
 
@@ -140,8 +145,7 @@ class TransformersBackend(ReprefillBackend):
         for r in rows:
             results[r.out] = r.continuation()
 
-    def keeps_kv(self, prompts, drafts) -> bool:
-        """Whether the scoring pass's K/V (every prompt and draft token, an upper bound on the packed trie's) fit
-        ``kv_cache_bytes``: kept for the continuation, else the continuation prefills again."""
-        tokens = sum(len(p) + len(d) for p, d in zip(prompts, drafts))
-        return tokens * self.kv_token_bytes <= self.kv_cache_bytes
+    def keeps_kv(self, positions: int) -> bool:
+        """Whether a scoring pass's K/V of ``positions`` token positions (padding included) fit ``kv_cache_bytes``:
+        kept for the continuation, else the continuation prefills again."""
+        return positions * self.kv_token_bytes <= self.kv_cache_bytes

@@ -49,7 +49,7 @@ def test_a_scoring_pass_whose_kv_does_not_fit_is_continued_by_a_prefill():
 
     kept, roomy = rollout(None)
     again, tight = rollout(tight_bytes := roomy.kv_token_bytes * 20)
-    assert not tight.keeps_kv([c for c in CONTEXTS], [[5] * 10] * len(CONTEXTS)) and tight_bytes > 0
+    assert not tight.keeps_kv(tight.scorer.kv_positions(CONTEXTS, [[5] * 10] * len(CONTEXTS))) and tight_bytes > 0
     assert again.response_ids == kept.response_ids
     assert kept.stats.reprefill_tokens == 0 < again.stats.reprefill_tokens
 

@@ -160,14 +160,16 @@ def test_walks_hold_the_keys_and_values_of_one_bounded_chunk_at_a_time(monkeypat
     settings, uids = SamplingSettings(temperature=1.0, max_tokens=32), list(range(len(drafts)))
     token_bytes = CacheLayout.of(model).bytes_per_block(1)
     tries = sorted(len(g.tokens) for g in pack_groups(prompts, drafts))
-    bound = tries[-1] + tries[0]  # at least one chunk holds two groups, none all of them
+    bound = 2 * (tries[-1] + tries[-2])  # any two groups share a chunk, no three
     scorer = TransformersBackend(model, {1}, 0, kv_cache_bytes=bound * token_bytes).scorer
     assert scorer.max_kv_tokens == bound
-    live, inner = [], ProgressiveTreeScores._forward
+    live, held, inner = [], [], ProgressiveTreeScores._forward
 
     def counted(self, chunk, nodes):
         inner(self, chunk, nodes)
         live.append(sum(c.cache is not None for c in self.chunks))
+        keys = chunk.cache.layers[0].keys  # [rows, heads, columns, dim]: padded to the widest row
+        held.append((keys.shape[0] * keys.shape[2], sum(len(g.tokens) for g in chunk.groups)))
 
     monkeypatch.setattr(ProgressiveTreeScores, "_forward", counted)
     with torch.no_grad():
@@ -175,11 +177,46 @@ def test_walks_hold_the_keys_and_values_of_one_bounded_chunk_at_a_time(monkeypat
         lazy = ProgressiveTreeScores(scorer, prompts, drafts, logprobs, first_window=2, keep_kv=False)
         got = walk_tries(prompts, drafts, lazy.scores, settings, 5, uids, progressive=lazy)
     assert (got.n, got.source, got.tokens, got.next_token) == (want.n, want.source, want.tokens, want.next_token)
-    sizes = [sum(len(g.tokens) for g in c.groups) for c in lazy.chunks]
-    assert 1 < len(sizes) < 6 and all(n <= bound for n in sizes), sizes
+    sizes = [(len(c.groups), sum(len(g.tokens) for g in c.groups)) for c in lazy.chunks]
+    assert 1 < len(sizes) < 6 and all(rows * n <= bound or rows == 1 for rows, n in sizes), sizes
     assert max(live) == 1 and all(c.cache is None and c.dropped for c in lazy.chunks), live
+    assert all(positions <= max(bound, nodes) for positions, nodes in held), (held, bound)  # padding included
     with pytest.raises(RuntimeError, match="dropped"):
         lazy.context(0, 1)
+
+
+def test_kept_scoring_kv_fit_kv_cache_bytes_padding_included():
+    """A splicing backend keeps the scoring K/V only when their padded size fits ``kv_cache_bytes``: one deep walk
+    pads every row of its chunk, which a count of prompt and draft tokens would miss."""
+    model = _peaked_model(9)
+    prompts, drafts, logprobs = _groups(model, 9, n_groups=4, group=3, length=20)
+    settings, uids = SamplingSettings(temperature=1.0, max_tokens=32), list(range(len(drafts)))
+    token_bytes = CacheLayout.of(model).bytes_per_block(1)
+    tokens = sum(len(p) + len(d) for p, d in zip(prompts, drafts))
+    for budget in (tokens, 10 * tokens):
+        backend = TransformersBackend(model, {1}, 0, kv_cache_bytes=budget * token_bytes)
+        with torch.no_grad():
+            scored = backend.score(prompts, drafts, logprobs)
+            lazy = scored.progressive
+            walk_tries(prompts, drafts, lazy.scores, settings, 5, uids, progressive=lazy)
+        held = sum(2 * layer.keys.numel() for c in lazy.chunks if c.cache is not None for layer in c.cache.layers)
+        assert held * model.dtype.itemsize <= backend.kv_cache_bytes
+        assert (scored.state is lazy) == (budget > tokens) and (held > 0) == (budget > tokens), (budget, held)
+        backend.release(scored)
+
+
+def test_bad_progressive_settings_are_refused():
+    model = _peaked_model(0)
+    scorer = PolicyScorer(model, pad_id=0)
+    for kwargs, match in (
+        ({"first_window": 0}, "first_window must be >= 1"),
+        ({"min_reach": 2.0}, "min_reach must be in"),
+        ({"min_reach": float("nan")}, "min_reach must be in"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            ProgressiveTreeScores(scorer, [[3]], [[5, 6]], **kwargs)
+    with pytest.raises(ValueError, match="kv_cache_bytes=1 holds no token's K/V"):
+        TransformersBackend(model, {1}, 0, kv_cache_bytes=1)
 
 
 def test_positive_stored_logprobs_do_not_lift_a_node_above_its_parent():
