@@ -16,7 +16,7 @@ from ..sampling.distribution import SamplingSettings, check_seed, keyed_sample
 from ..util.model_config import model_sliding_window
 from .base import BackendStats, Decoding
 from .decode_attention import decode_attention
-from .kv_buffer import InPlaceLayer, in_place_cache
+from .kv_buffer import InPlaceLayer, cache_of, in_place_cache
 
 
 def cache_argument(model) -> str:
@@ -88,10 +88,12 @@ def _layers_of(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 @dataclass
 class KVRows:
-    """A left-padded batch in a ``DynamicCache`` and its mask [B, W] int64 (1: a real token of the row)."""
+    """A left-padded batch in a ``DynamicCache`` and its mask [B, W] int64 (1: a real token of the row); its buffers
+    hold at most ``max_columns`` columns (None: no limit), compacted when a step would pass them."""
 
     cache: object
     mask: torch.Tensor
+    max_columns: int | None = None
 
     @property
     def width(self) -> int:
@@ -115,27 +117,33 @@ class KVRows:
         self.mask = self.mask[:, lead:]
 
     def compact(self) -> None:
-        """Move each row's real positions into a tight left-padded cache (removes rollback holes)."""
+        """Move each row's real positions into a tight left-padded cache (removes rollback holes), one layer at a
+        time: the old and new caches never coexist whole."""
         counts = self.mask.sum(1)
         new_w, b = int(counts.max()), self.mask.shape[0]
         order = torch.argsort(self.mask, dim=1, stable=True)[:, -new_w:] if new_w else self.mask[:, :0]
-        layers = []
-        for k, v in _layers_of(self.cache):
+        layers = self.cache.layers
+        for i in range(len(layers)):
+            k, v = layers[i].keys, layers[i].values
             gi = order.view(b, 1, new_w, 1).expand(b, k.shape[1], new_w, k.shape[3])
-            layers.append((k.gather(2, gi), v.gather(2, gi)))
-        self.cache = in_place_cache(layers)
+            layers[i] = InPlaceLayer(k.gather(2, gi), v.gather(2, gi), self.max_columns)
+            del k, v  # the old layer's buffers go now
         self.mask = (torch.arange(new_w, device=self.mask.device).unsqueeze(0) >= (new_w - counts).unsqueeze(1)).long()
 
     def concat(self, other: KVRows) -> KVRows:
-        """Rows of ``self``, then of ``other``, in one batch."""
+        """Rows of ``self``, then of ``other``, in one batch of at most ``self.max_columns`` columns; both are
+        consumed (emptied one layer at a time)."""
         width, pad = max(self.width, other.width), torch.nn.functional.pad
         pad_a, pad_b = (0, 0, width - self.width, 0), (0, 0, width - other.width, 0)  # columns, on the left
-        layers = [
-            (torch.cat([pad(ka, pad_a), pad(kb, pad_b)]), torch.cat([pad(va, pad_a), pad(vb, pad_b)]))
-            for (ka, va), (kb, vb) in zip(_layers_of(self.cache), _layers_of(other.cache))
-        ]
+        layers, mine, theirs = [], self.cache.layers, other.cache.layers
+        while mine:
+            a, b = mine.pop(0), theirs.pop(0)
+            keys = torch.cat([pad(a.keys, pad_a), pad(b.keys, pad_b)])
+            values = torch.cat([pad(a.values, pad_a), pad(b.values, pad_b)])
+            del a, b
+            layers.append(InPlaceLayer(keys, values, self.max_columns))
         mask = torch.cat([pad(self.mask, pad_a[2:]), pad(other.mask, pad_b[2:])])
-        return KVRows(in_place_cache(layers), mask)
+        return KVRows(cache_of(layers), mask, self.max_columns)
 
 
 @dataclass
@@ -257,8 +265,8 @@ class SpeculativeDecoder:
         width = 1 + int(lens.max())
         pad = [self.pad_id] * width
         ids = torch.tensor([[r.last, *p, *pad[len(p) + 1 :]] for r, p in zip(rows, props)], dtype=torch.long)
+        # A finished row feeds a query its context still answers, but no column of its own: it stops growing.
         fed = (torch.arange(width).unsqueeze(0) <= lens.unsqueeze(1)) & torch.tensor(active).unsqueeze(1)
-        fed[:, 0] = True  # finished rows keep one valid query so attention never sees an empty row
         return props, held, lens, ids, fed
 
     def _step(self, kv: KVRows, rows: list[DecodeRow]) -> None:
@@ -268,6 +276,8 @@ class SpeculativeDecoder:
         props, held, lens, ids, fed = self._inputs(rows, active)
         width = ids.shape[1]
         positions = torch.tensor([r.position for r in rows], dtype=torch.long).unsqueeze(1) + torch.arange(width)
+        if kv.max_columns is not None and kv.width + width > kv.max_columns:
+            kv.compact()  # rolled-back columns make room: a row's tokens and this step fit its context + budget
         kv.mask = torch.cat([kv.mask, fed.to(dev, torch.long)], dim=1)
         with decode_attention(self.model):
             out = self.model(
@@ -317,8 +327,11 @@ class SpeculativeDecoder:
             self.on_step(sum(active))
 
 
-def prefill(model, contexts: Sequence[Sequence[int]], pad_id: int) -> tuple[KVRows, torch.Tensor]:
-    """One forward over left-padded contexts: (:class:`KVRows`, last logits [B, V]); identical contexts run once."""
+def prefill(
+    model, contexts: Sequence[Sequence[int]], pad_id: int, max_columns: int | None = None
+) -> tuple[KVRows, torch.Tensor]:
+    """One forward over left-padded contexts: (:class:`KVRows` of at most ``max_columns`` columns, last logits [B, V]);
+    identical contexts run once."""
     device = next(model.parameters()).device
     index: dict[tuple[int, ...], int] = {}
     row_of = [index.setdefault(tuple(int(t) for t in c), len(index)) for c in contexts]
@@ -339,7 +352,8 @@ def prefill(model, contexts: Sequence[Sequence[int]], pad_id: int) -> tuple[KVRo
     cache = returned_cache(model, out)
     logits = out.logits[:, -1, :]
     if len(distinct) == len(contexts):
-        return KVRows(in_place_cache(_layers_of(cache)), mask), logits
+        return KVRows(in_place_cache(_layers_of(cache), max_columns), mask, max_columns), logits
     rows = torch.tensor(row_of, dtype=torch.long, device=device)
     layers = [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in _layers_of(cache)]
-    return KVRows(in_place_cache(layers), mask.index_select(0, rows)), logits.index_select(0, rows)
+    kv = KVRows(in_place_cache(layers, max_columns), mask.index_select(0, rows), max_columns)
+    return kv, logits.index_select(0, rows)

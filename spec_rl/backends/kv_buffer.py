@@ -12,24 +12,29 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 MIN_SPARE = 64
 
 
-def buffer_columns(n: int, extra: int = 0) -> int:
-    """Columns for ``n`` columns now and ``extra`` soon, plus spare."""
-    return n + max(extra, n // 2, MIN_SPARE)
+def buffer_columns(n: int, extra: int = 0, limit: int | None = None) -> int:
+    """Columns for ``n`` columns now and ``extra`` soon, plus spare; at most ``limit`` unless ``n + extra`` need it."""
+    size = n + max(extra, n // 2, MIN_SPARE)
+    return size if limit is None else max(min(size, limit), n + extra)
 
 
 class InPlaceLayer(DynamicLayer):
     """A ``DynamicLayer`` whose ``keys``/``values`` [B, H, n, D] are views of longer buffers; after ``crop`` the next
-    update overwrites the cropped columns of views returned before."""
+    update overwrites the cropped columns of views returned before. A buffer grows to at most ``max_columns`` columns
+    (None: no limit) unless an update needs more."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+    max_columns: int | None = None
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, max_columns: int | None = None):
         super().__init__()
         self.device = keys.device
         self.is_initialized = True
+        self.max_columns = max_columns
         self._adopt(keys, values, extra=0)
 
     def _adopt(self, keys: torch.Tensor, values: torch.Tensor, extra: int) -> None:
         b, h, n, d = keys.shape
-        size = buffer_columns(n, extra)
+        size = buffer_columns(n, extra, self.max_columns)
         self._key_buffer = keys.new_empty((b, h, size, d))
         self._value_buffer = values.new_empty((b, values.shape[1], size, values.shape[3]))
         self._key_buffer[:, :, :n].copy_(keys)
@@ -91,8 +96,11 @@ class InPlaceLayer(DynamicLayer):
         self._fill(kept)
 
 
-def left_padded_cache(rows: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]]) -> tuple[DynamicCache, torch.Tensor]:
-    """(cache of right-aligned rows, mask [B, W] int64); ``rows[b][layer]`` = (keys, values) [H, L_b, D]."""
+def left_padded_cache(
+    rows: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]], max_columns: int | None = None
+) -> tuple[DynamicCache, torch.Tensor]:
+    """(cache of right-aligned rows, mask [B, W] int64); ``rows[b][layer]`` = (keys, values) [H, L_b, D]; buffers of
+    at most ``max_columns`` columns."""
     lengths = [int(r[0][0].shape[1]) for r in rows]
     width, b = max(lengths), len(rows)
     device = rows[0][0][0].device
@@ -103,22 +111,25 @@ def left_padded_cache(rows: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]
         buffers = []
         for part in (0, 1):  # keys, values
             first = rows[0][layer][part]
-            buf = first.new_empty((b, first.shape[0], buffer_columns(width), first.shape[2]))
+            buf = first.new_empty((b, first.shape[0], buffer_columns(width, limit=max_columns), first.shape[2]))
             for i, row in enumerate(rows):
                 start = width - lengths[i]
                 buf[i, :, :start].zero_()  # padding must be finite: a masked key still multiplies its value by 0
                 buf[i, :, start:width].copy_(row[layer][part])
             buffers.append(buf)
         layers.append(InPlaceLayer.owning(buffers[0], buffers[1], width))
-    return _cache_of(layers), mask
+        layers[-1].max_columns = max_columns
+    return cache_of(layers), mask
 
 
-def in_place_cache(layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
-    """A ``DynamicCache`` of :class:`InPlaceLayer` s holding per-layer (keys, values) [B, H, n, D] (copied)."""
-    return _cache_of([InPlaceLayer(k, v) for k, v in layers])
+def in_place_cache(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], max_columns: int | None = None) -> DynamicCache:
+    """A ``DynamicCache`` of :class:`InPlaceLayer` s holding per-layer (keys, values) [B, H, n, D] (copied), buffers
+    of at most ``max_columns`` columns."""
+    return cache_of([InPlaceLayer(k, v, max_columns) for k, v in layers])
 
 
-def _cache_of(layers: list[InPlaceLayer]) -> DynamicCache:
+def cache_of(layers: list[InPlaceLayer]) -> DynamicCache:
+    """A ``DynamicCache`` of these layers (no copy)."""
     cache = DynamicCache()
     cache.layers[:] = layers
     return cache

@@ -71,7 +71,8 @@ class ProgressiveTreeScores:
     first pass), extends it (:meth:`extend`) and closes it (:meth:`close`). ``draft_logprobs`` (stored, per draft)
     pick the first pass (None: the first ``first_window`` tokens); ``first_window`` (>= 1) is what the first
     :meth:`extend` of a chunk scores below a stop, doubling per call; ``min_reach`` (in [0, 1]) 0 scores the whole
-    trie; ``keep_kv`` False drops a chunk's K/V when it is closed (no :meth:`context` for it afterwards).
+    trie; ``keep_kv`` False (or a predicate of :meth:`kv_positions` that says so) drops a chunk's K/V when it is
+    closed (no :meth:`context` for it afterwards).
     """
 
     def __init__(
@@ -82,7 +83,7 @@ class ProgressiveTreeScores:
         draft_logprobs: Sequence[Sequence[float]] | None = None,
         first_window: int = FIRST_WINDOW,
         min_reach: float = MIN_REACH,
-        keep_kv: bool = True,
+        keep_kv=True,
     ):
         if draft_logprobs is not None:  # as float64, cut to the drafts
             draft_logprobs = [
@@ -100,7 +101,6 @@ class ProgressiveTreeScores:
         self.scored_len = [0] * len(drafts)
         self.scored_nodes = 0
         self.released = False
-        self.keep_kv = bool(keep_kv)
         first_window = check_int("first_window", first_window, low=1)
         if not 0.0 <= float(min_reach) <= 1.0:
             raise ValueError(f"min_reach must be in [0, 1] (a probability), got {min_reach}")
@@ -118,6 +118,7 @@ class ProgressiveTreeScores:
             for row, g in enumerate(chunk.groups):
                 for m, d in enumerate(g.members):
                     self.where[d] = (c, row, m)
+        self.keep_kv = bool(keep_kv(self.kv_positions()) if callable(keep_kv) else keep_kv)
 
     def kv_positions(self) -> int:
         """The most K/V token positions these scores hold at once when every chunk is kept: rows x the nodes of its

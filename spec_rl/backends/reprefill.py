@@ -22,11 +22,10 @@ class ReprefillBackend(Backend):
     def score(self, prompts, drafts, logprobs=None) -> Scored:
         prompts, drafts = self.checked_rows(prompts, drafts)
         splices = self.splice and self.scorer.tree
+        keep = self.keeps_kv if splices else False
         if logprobs is not None and self.scorer.tree:
-            lazy = ProgressiveTreeScores(self.scorer, prompts, drafts, logprobs)
-            lazy.keep_kv = splices and self.keeps_kv(lazy.kv_positions())
+            lazy = ProgressiveTreeScores(self.scorer, prompts, drafts, logprobs, keep_kv=keep)
             return Scored(lazy.scores, prompts, drafts, state=lazy if lazy.keep_kv else None, progressive=lazy)
-        keep = splices and self.keeps_kv(self.scorer.kv_positions(prompts, drafts))
         scores, kv = self.scorer.score_with_kv(prompts, drafts, keep_kv=keep)
         return Scored(scores, prompts, drafts, state=kv)
 

@@ -135,7 +135,7 @@ class PolicyScorer:
 
     def kv_positions(self, prompts, drafts) -> int:
         """Token positions of the K/V that :meth:`score_with_kv` keeps (tree layout: rows x longest per chunk)."""
-        return sum(len(c) * max(len(g.tokens) for g in c) for c in self._chunks(prompts, drafts))
+        return _padded_positions(self._chunks(prompts, drafts))
 
     def _chunks(self, prompts, drafts) -> list:
         return chunk_groups(pack_groups(prompts, drafts), self.max_tokens_per_forward)
@@ -145,8 +145,9 @@ class PolicyScorer:
         return self.score_with_kv(prompts, drafts, keep_kv=False)[0]
 
     @torch.inference_mode()
-    def score_with_kv(self, prompts, drafts, keep_kv: bool = True) -> tuple[DraftScores, TreeKV | None]:
-        """:meth:`score` and the kept K/V (tree layout); results are inference tensors (``.clone()`` for autograd)."""
+    def score_with_kv(self, prompts, drafts, keep_kv=True) -> tuple[DraftScores, TreeKV | None]:
+        """:meth:`score` and the kept K/V (tree layout; ``keep_kv``: a bool, or a predicate of :meth:`kv_positions`);
+        results are inference tensors (``.clone()`` for autograd)."""
         assert len(prompts) == len(drafts)
         max_r = max([len(d) for d in drafts] + [1])
         dtype = self.head.lm_head.weight.dtype
@@ -162,11 +163,14 @@ class PolicyScorer:
             out[torch.tensor(chunk, device=values.device), : values.shape[1]] = values.to(out.dtype)
         return self.head.draft_scores(out), None
 
-    def _score_tree(self, prompts, drafts, out: torch.Tensor, same_as: torch.Tensor, keep_kv: bool) -> TreeKV | None:
+    def _score_tree(self, prompts, drafts, out: torch.Tensor, same_as: torch.Tensor, keep_kv) -> TreeKV | None:
         impl = getattr(self.model.config, "_attn_implementation", "sdpa")
         additive = self.head.lm_head.weight.dtype if impl == "eager" else None
+        chunks = self._chunks(prompts, drafts)  # packed once: the keeping decision reads the same chunks
+        if callable(keep_kv):
+            keep_kv = bool(keep_kv(_padded_positions(chunks)))
         kv = TreeKV() if keep_kv else None
-        for groups in self._chunks(prompts, drafts):
+        for groups in chunks:
             ids, pos, mask = tree_inputs(groups, self.pad_id, self.device, additive)
             if keep_kv:
                 hidden = self.head.uses_hidden_states
@@ -179,3 +183,8 @@ class PolicyScorer:
                 states = self.head.states(input_ids=ids, position_ids=pos, attention_mask=mask)
             gather_scores(states, groups, out, same_as)
         return kv
+
+
+def _padded_positions(chunks) -> int:
+    """K/V token positions of packed chunks, each padded to its longest row."""
+    return sum(len(c) * max(len(g.tokens) for g in c) for c in chunks)

@@ -23,8 +23,9 @@ class TransformersBackend(ReprefillBackend):
     proposals only while they pay, by measured step times (:class:`~spec_rl.backends.hf_decode.TailGate`; False: every
     step); ``splice``: keep the scoring K/V for the continuation. ``kv_cache_bytes``: the most the K/V of a decode batch
     or of a kept scoring pass may take (default: an eighth of the memory available when built, 40% of free CUDA
-    memory): a decode batch holds at most the rows whose K/V at their longest fit it, and a scoring pass whose K/V
-    would not fit is continued by a prefill instead. A sliding window is honoured in token positions (left padding
+    memory): a decode batch holds at most the rows whose K/V at their longest fit it, its buffers (padding, spare and
+    rolled-back columns included) within it, and a scoring pass whose K/V would not fit is continued by a prefill
+    instead. A sliding window is honoured in token positions (left padding
     and rolled-back columns included). ValueError for no EOS id, ``max_batch_size`` < 1 or a ``kv_cache_bytes`` that
     holds no row."""
 
@@ -79,10 +80,14 @@ class TransformersBackend(ReprefillBackend):
         return self._decode_jobs(jobs, settings, seed, spliced)
 
     def _decode_jobs(self, jobs, settings, seed, spliced: dict | None = None) -> list[Continuation]:
-        """Decode ``jobs`` in batches of :attr:`max_batch_size`: the cut ones on their gathered K/V (``spliced``: job ->
-        (prompt length, per-layer K/V)), then the fresh ones after one prefill of their distinct contexts (sorted by
-        length when alone: less left padding per batch)."""
+        """Decode ``jobs`` in batches whose K/V fit :attr:`kv_cache_bytes` (each row at its longest, context + budget;
+        at most :attr:`max_batch_size` rows): the cut ones on their gathered K/V (``spliced``: job -> (prompt length,
+        per-layer K/V), emptied: each batch's contexts are freed once copied), then the fresh ones after one prefill
+        of their distinct contexts (sorted by length when alone: less left padding per batch)."""
         results = [Continuation([], [], "length") if j.budget == 0 else None for j in jobs]
+        cut = list((spliced or {}).items())
+        if spliced:
+            spliced.clear()
         rows = [
             DecodeRow(
                 budget=int(jobs[i].budget),
@@ -92,31 +97,38 @@ class TransformersBackend(ReprefillBackend):
                 position=plen + int(jobs[i].cut.n),
                 proposer=jobs[i].proposer,
             )
-            for i, (plen, _) in (spliced or {}).items()
+            for i, (plen, _) in cut
         ]
-        contexts = [kv for _, kv in (spliced or {}).values()]
+        contexts = [kv for _, (_, kv) in cut]
+        del cut
         fresh = [i for i, j in enumerate(jobs) if j.context is not None and j.budget > 0]
         if spliced is None:
             fresh.sort(key=lambda i: len(jobs[i].context))
-        # rows per batch: each row's K/V at its longest (context + budget) within kv_cache_bytes
         longest = max(
             [r.position + r.budget for r in rows] + [len(jobs[i].context) + jobs[i].budget for i in fresh] + [1]
         )
-        per_batch = min(self.max_batch_size, max(1, self.kv_cache_bytes // (self.kv_token_bytes * longest)))
+        kv_tokens = self.kv_cache_bytes // self.kv_token_bytes
+        per_batch = min(self.max_batch_size, max(1, kv_tokens // longest))
         for start in range(0, len(rows) + len(fresh), per_batch):
             end = start + per_batch
             part, ex = rows[start:end], fresh[max(0, start - len(rows)) : max(0, end - len(rows))]
-            kv = KVRows(*left_padded_cache(contexts[start:end])) if part else None
+            columns = max(longest, kv_tokens // (len(part) + len(ex)))  # the batch's buffers within the bound
+            kv = None
+            if part:
+                kv = KVRows(*left_padded_cache(contexts[start:end], columns), columns)
+                contexts[start:end] = [None] * len(part)
             if ex:
-                kv_e, rows_e = self._prefill_rows([jobs[i] for i in ex], ex, settings, seed)
+                kv_e, rows_e = self._prefill_rows([jobs[i] for i in ex], ex, settings, seed, columns)
                 kv, part = (kv_e, rows_e) if kv is None else (kv.concat(kv_e), part + rows_e)
+                del kv_e
             self._decode(kv, part, settings, seed, results)
+            del kv  # one batch's cache at a time
         return results  # type: ignore[return-value]
 
-    def _prefill_rows(self, jobs, outs, settings, seed) -> tuple[KVRows, list[DecodeRow]]:
+    def _prefill_rows(self, jobs, outs, settings, seed, max_columns=None) -> tuple[KVRows, list[DecodeRow]]:
         """Prefill the jobs' contexts and sample each first token (keyed at position len(context))."""
         contexts = [list(j.context) for j in jobs]
-        kv, logits = prefill(self.model, contexts, self.pad_id)
+        kv, logits = prefill(self.model, contexts, self.pad_id, max_columns)
         self.stats.prefill_tokens += sum(len(c) for c in contexts)
         self.stats.decode_steps += 1
         dec = self._decoder(settings, seed)

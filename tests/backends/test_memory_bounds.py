@@ -6,7 +6,8 @@ from tiny_models import tiny_model
 
 from spec_rl.acceptance.mode import RolloutMode
 from spec_rl.acceptance.rules import Lenient
-from spec_rl.backends.base import fresh_jobs
+from spec_rl.backends.base import Job, fresh_jobs
+from spec_rl.backends.hf_decode import SpeculativeDecoder
 from spec_rl.backends.transformers_backend import TransformersBackend
 from spec_rl.drafts.cache import RolloutCache
 from spec_rl.rollout.speculative import RolloutRequest, SpeculativeRollout
@@ -26,6 +27,48 @@ def test_a_kv_budget_cuts_decode_batches_and_changes_no_token():
     got = tight.generate(fresh_jobs(CONTEXTS, [12] * len(CONTEXTS)), settings, seed=3)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert tight.stats.decode_steps > free.stats.decode_steps  # three batches one after another
+
+
+class _WrongGuesses:
+    """Proposes every token it may, all one id the sampler rarely draws: a step leaves rolled-back columns."""
+
+    max_k = 4
+
+    def propose(self, limit, fill=0):
+        return [2] * limit
+
+    def update(self, proposed, kept):
+        pass
+
+
+def test_a_decode_batch_buffers_stay_within_kv_cache_bytes(monkeypatch):
+    """Left padding, rolled-back columns, spare columns and finished rows riding along all count: the buffers of
+    every decode batch fit kv_cache_bytes after every step, and the tokens are those of an unbounded backend."""
+    model = tiny_model(seed=2, bias_eos=-1.5)
+    contexts, budget = [[3 + n % 5] * n for n in (2, 9, 4, 14, 3, 6, 11, 5, 1)], 24
+    settings = SamplingSettings(max_tokens=budget)
+
+    def jobs():
+        return [Job(budget, i, c, proposer=_WrongGuesses()) for i, c in enumerate(contexts)]
+
+    free = TransformersBackend(model, {1}, pad_id=0, adaptive_tail=False)
+    want = free.generate(jobs(), settings, seed=4)
+    bound = free.kv_token_bytes * (max(map(len, contexts)) + budget) * 3  # three rows a batch
+    held = []
+    real_step = SpeculativeDecoder._step
+
+    def step(self, kv, rows):
+        real_step(self, kv, rows)
+        layers = kv.cache.layers
+        held.append(sum(b.numel() * b.element_size() for ly in layers for b in (ly._key_buffer, ly._value_buffer)))
+
+    monkeypatch.setattr(SpeculativeDecoder, "_step", step)
+    tight = TransformersBackend(model, {1}, pad_id=0, adaptive_tail=False, kv_cache_bytes=bound)
+    got = tight.generate(jobs(), settings, seed=4)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert {len(o.token_ids) for o in want} != {budget}  # some rows finished early and rode along
+    assert tight.stats.proposed_tokens > tight.stats.accepted_tokens  # columns were rolled back
+    assert held and max(held) <= bound
 
 
 def test_a_scoring_pass_whose_kv_does_not_fit_is_continued_by_a_prefill():
