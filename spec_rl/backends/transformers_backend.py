@@ -22,7 +22,7 @@ class TransformersBackend(ReprefillBackend):
     """Batched generation with a transformers causal LM (docs/api.md "Backends"); ``adaptive_tail``: feed history
     proposals only while they pay, by measured step times (:class:`~spec_rl.backends.hf_decode.TailGate`; False: every
     step); ``splice``: keep the scoring K/V for the continuation. ``kv_cache_bytes``: the most the K/V of a decode batch
-    or of a kept scoring pass may take (default: an eighth of the memory available when built, 40% of free CUDA
+    or of a kept scoring pass may take (default: a sixteenth of the memory available when built, 40% of free CUDA
     memory): a decode batch holds at most the rows whose K/V at their longest fit it, its buffers (padding, spare and
     rolled-back columns included) within it, and a scoring pass whose K/V would not fit is continued by a prefill
     instead. A sliding window is honoured in token positions (left padding

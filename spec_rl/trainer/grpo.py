@@ -21,7 +21,7 @@ from ..rollout.old_policy import PolicyVersions, copy_bytes
 from ..rollout.reward_split import origin_sums, response_origins
 from ..rollout.speculative import RolloutRequest, RolloutResult, SpeculativeRollout
 from ..util.atomic import atomic_write_text
-from ..util.memory import memory_budget
+from ..util.memory import CPU_AVAILABLE_MEMORY_SHARE, memory_budget
 from .checkpoint import CACHE_FILE, HISTORY_FILE, OPTIMIZER_FILE, commit_checkpoint, latest_checkpoint, remove_stale
 from .config import GRPOConfig, resolve_device
 from .correction import weight_sums
@@ -362,7 +362,7 @@ def update_token_budget(model, device: torch.device) -> int:
     vocab, layers, hidden = (int(getattr(config, k)) for k in ("vocab_size", "num_hidden_layers", "hidden_size"))
     per_token = next(model.parameters()).element_size() * (3 * vocab + 28 * layers * hidden)
     state = 3 * sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    return max(1, (memory_budget(device) - state) // per_token)
+    return max(1, (memory_budget(device, cpu_share=CPU_AVAILABLE_MEMORY_SHARE) - state) // per_token)
 
 
 def micro_batches(rows: list[int], lengths: list[int], max_rows: int, max_tokens: int) -> list[list[int]]:

@@ -114,7 +114,19 @@ def test_the_update_budget_leaves_room_for_gradients_and_optimizer_moments(monke
     c = model.config
     per_token = 4 * (3 * c.vocab_size + 28 * c.num_hidden_layers * c.hidden_size)
     state = 3 * 4 * sum(p.numel() for p in model.parameters())
-    monkeypatch.setattr("spec_rl.trainer.grpo.memory_budget", lambda device: state + 10 * per_token + 5)
+    monkeypatch.setattr("spec_rl.trainer.grpo.memory_budget", lambda device, **_: state + 10 * per_token + 5)
     assert update_token_budget(model, torch.device("cpu")) == 10
-    monkeypatch.setattr("spec_rl.trainer.grpo.memory_budget", lambda device: state // 2)
+    monkeypatch.setattr("spec_rl.trainer.grpo.memory_budget", lambda device, **_: state // 2)
     assert update_token_budget(model, torch.device("cpu")) == 1  # one row at a time, never 0 or negative
+
+
+def test_a_cpu_kv_cache_takes_a_sixteenth_of_available_memory_and_the_update_an_eighth(monkeypatch):
+    from spec_rl.util.memory import memory_budget
+
+    monkeypatch.setattr("spec_rl.util.memory.available_bytes", lambda device: 16 << 30)
+    cpu, model = torch.device("cpu"), tiny_model()
+    assert memory_budget(cpu) == 1 << 30 == TransformersBackend(model, {1}, pad_id=0).kv_cache_bytes
+    c = model.config
+    per_token = 4 * (3 * c.vocab_size + 28 * c.num_hidden_layers * c.hidden_size)
+    state = 3 * 4 * sum(p.numel() for p in model.parameters())
+    assert update_token_budget(model, cpu) == ((2 << 30) - state) // per_token
