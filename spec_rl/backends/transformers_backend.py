@@ -80,10 +80,11 @@ class TransformersBackend(ReprefillBackend):
         return self._decode_jobs(jobs, settings, seed, spliced)
 
     def _decode_jobs(self, jobs, settings, seed, spliced: dict | None = None) -> list[Continuation]:
-        """Decode ``jobs`` in batches whose K/V fit :attr:`kv_cache_bytes` (each row at its longest, context + budget;
-        at most :attr:`max_batch_size` rows): the cut ones on their gathered K/V (``spliced``: job -> (prompt length,
-        per-layer K/V), emptied: each batch's contexts are freed once copied), then the fresh ones after one prefill
-        of their distinct contexts (sorted by length when alone: less left padding per batch)."""
+        """Decode ``jobs`` in batches whose K/V fit :attr:`kv_cache_bytes` (each row at its longest: context, budget
+        and a step's proposal width; at most :attr:`max_batch_size` rows): the cut ones on their gathered K/V
+        (``spliced``: job -> (prompt length, per-layer K/V), emptied: each batch's contexts are freed once copied),
+        then the fresh ones after one prefill of their distinct contexts (sorted by length when alone: less left
+        padding per batch)."""
         results = [Continuation([], [], "length") if j.budget == 0 else None for j in jobs]
         cut = list((spliced or {}).items())
         if spliced:
@@ -104,7 +105,9 @@ class TransformersBackend(ReprefillBackend):
         fresh = [i for i, j in enumerate(jobs) if j.context is not None and j.budget > 0]
         if spliced is None:
             fresh.sort(key=lambda i: len(jobs[i].context))
-        longest = max(
+        # a step feeds every row the batch's widest proposal: up to max_k columns past a row's own budget
+        reach = max((int(j.proposer.max_k) for j in jobs if j.proposer is not None), default=0)
+        longest = reach + max(
             [r.position + r.budget for r in rows] + [len(jobs[i].context) + jobs[i].budget for i in fresh] + [1]
         )
         kv_tokens = self.kv_cache_bytes // self.kv_token_bytes
