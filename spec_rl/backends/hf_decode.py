@@ -16,7 +16,7 @@ from ..sampling.distribution import SamplingSettings, check_seed, keyed_sample
 from ..util.model_config import model_sliding_window
 from .base import BackendStats, Decoding
 from .decode_attention import decode_attention
-from .kv_buffer import InPlaceLayer, cache_of, in_place_cache
+from .kv_buffer import InPlaceLayer, cache_of
 
 
 def cache_argument(model) -> str:
@@ -349,11 +349,18 @@ def prefill(
             logits_to_keep=1,
             **own,
         )
-    cache = returned_cache(model, out)
-    logits = out.logits[:, -1, :]
-    if len(distinct) == len(contexts):
-        return KVRows(in_place_cache(_layers_of(cache), max_columns), mask, max_columns), logits
-    rows = torch.tensor(row_of, dtype=torch.long, device=device)
-    layers = [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in _layers_of(cache)]
-    kv = KVRows(in_place_cache(layers, max_columns), mask.index_select(0, rows), max_columns)
-    return kv, logits.index_select(0, rows)
+    cache, logits = returned_cache(model, out), out.logits[:, -1, :]
+    del out
+    rows = None if len(distinct) == len(contexts) else torch.tensor(row_of, dtype=torch.long, device=device)
+    built = []
+    while cache.layers:  # one layer at a time: the forward's cache and the buffers never coexist whole
+        layer = cache.layers.pop(0)
+        keys, values = layer.keys, layer.values
+        del layer
+        if rows is not None:
+            keys, values = keys.index_select(0, rows), values.index_select(0, rows)
+        built.append(InPlaceLayer(keys, values, max_columns))
+        del keys, values
+    if rows is not None:
+        mask, logits = mask.index_select(0, rows), logits.index_select(0, rows)
+    return KVRows(cache_of(built), mask, max_columns), logits
