@@ -16,7 +16,7 @@ from ..sampling.distribution import SamplingSettings, check_seed, keyed_sample
 from ..util.model_config import model_sliding_window
 from .base import BackendStats, Decoding
 from .decode_attention import decode_attention
-from .kv_buffer import InPlaceLayer, cache_of
+from .kv_buffer import InPlaceLayer, drain, in_place_cache
 
 
 def cache_argument(model) -> str:
@@ -122,12 +122,12 @@ class KVRows:
         counts = self.mask.sum(1)
         new_w, b = int(counts.max()), self.mask.shape[0]
         order = torch.argsort(self.mask, dim=1, stable=True)[:, -new_w:] if new_w else self.mask[:, :0]
-        layers = self.cache.layers
-        for i in range(len(layers)):
-            k, v = layers[i].keys, layers[i].values
+
+        def gathered(k, v):
             gi = order.view(b, 1, new_w, 1).expand(b, k.shape[1], new_w, k.shape[3])
-            layers[i] = InPlaceLayer(k.gather(2, gi), v.gather(2, gi), self.max_columns)
-            del k, v  # the old layer's buffers go now
+            return k.gather(2, gi), v.gather(2, gi)
+
+        self.cache = in_place_cache((gathered(k, v) for k, v in drain(self.cache)), self.max_columns)
         self.mask = (torch.arange(new_w, device=self.mask.device).unsqueeze(0) >= (new_w - counts).unsqueeze(1)).long()
 
     def concat(self, other: KVRows) -> KVRows:
@@ -135,15 +135,12 @@ class KVRows:
         consumed (emptied one layer at a time)."""
         width, pad = max(self.width, other.width), torch.nn.functional.pad
         pad_a, pad_b = (0, 0, width - self.width, 0), (0, 0, width - other.width, 0)  # columns, on the left
-        layers, mine, theirs = [], self.cache.layers, other.cache.layers
-        while mine:
-            a, b = mine.pop(0), theirs.pop(0)
-            keys = torch.cat([pad(a.keys, pad_a), pad(b.keys, pad_b)])
-            values = torch.cat([pad(a.values, pad_a), pad(b.values, pad_b)])
-            del a, b
-            layers.append(InPlaceLayer(keys, values, self.max_columns))
+        layers = (
+            (torch.cat([pad(ka, pad_a), pad(kb, pad_b)]), torch.cat([pad(va, pad_a), pad(vb, pad_b)]))
+            for (ka, va), (kb, vb) in zip(drain(self.cache), drain(other.cache))
+        )
         mask = torch.cat([pad(self.mask, pad_a[2:]), pad(other.mask, pad_b[2:])])
-        return KVRows(cache_of(layers), mask, self.max_columns)
+        return KVRows(in_place_cache(layers, self.max_columns), mask, self.max_columns)
 
 
 @dataclass
@@ -351,16 +348,9 @@ def prefill(
         )
     cache, logits = returned_cache(model, out), out.logits[:, -1, :]
     del out
-    rows = None if len(distinct) == len(contexts) else torch.tensor(row_of, dtype=torch.long, device=device)
-    built = []
-    while cache.layers:  # one layer at a time: the forward's cache and the buffers never coexist whole
-        layer = cache.layers.pop(0)
-        keys, values = layer.keys, layer.values
-        del layer
-        if rows is not None:
-            keys, values = keys.index_select(0, rows), values.index_select(0, rows)
-        built.append(InPlaceLayer(keys, values, max_columns))
-        del keys, values
-    if rows is not None:
-        mask, logits = mask.index_select(0, rows), logits.index_select(0, rows)
-    return KVRows(cache_of(built), mask, max_columns), logits
+    if len(distinct) == len(contexts):
+        return KVRows(in_place_cache(drain(cache), max_columns), mask, max_columns), logits
+    rows = torch.tensor(row_of, dtype=torch.long, device=device)
+    layers = ((k.index_select(0, rows), v.index_select(0, rows)) for k, v in drain(cache))
+    kv = KVRows(in_place_cache(layers, max_columns), mask.index_select(0, rows), max_columns)
+    return kv, logits.index_select(0, rows)

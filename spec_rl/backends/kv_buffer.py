@@ -3,7 +3,7 @@ decode step; :class:`InPlaceLayer` writes into spare columns of a buffer that gr
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
@@ -42,12 +42,14 @@ class InPlaceLayer(DynamicLayer):
         self._fill(n)
 
     @classmethod
-    def owning(cls, key_buffer: torch.Tensor, value_buffer: torch.Tensor, n: int) -> InPlaceLayer:
+    def owning(
+        cls, key_buffer: torch.Tensor, value_buffer: torch.Tensor, n: int, max_columns: int | None = None
+    ) -> InPlaceLayer:
         """A layer on buffers [B, H, size, D] (no copy) whose first ``n`` columns are the cache."""
         assert 0 <= n <= key_buffer.shape[-2] and key_buffer.shape[:2] == value_buffer.shape[:2]
         layer = cls.__new__(cls)
         DynamicLayer.__init__(layer)
-        layer.device, layer.is_initialized = key_buffer.device, True
+        layer.device, layer.is_initialized, layer.max_columns = key_buffer.device, True, max_columns
         layer._key_buffer, layer._value_buffer = key_buffer, value_buffer
         layer._fill(n)
         return layer
@@ -117,19 +119,25 @@ def left_padded_cache(
                 buf[i, :, :start].zero_()  # padding must be finite: a masked key still multiplies its value by 0
                 buf[i, :, start:width].copy_(row[layer][part])
             buffers.append(buf)
-        layers.append(InPlaceLayer.owning(buffers[0], buffers[1], width))
-        layers[-1].max_columns = max_columns
-    return cache_of(layers), mask
+        layers.append(InPlaceLayer.owning(buffers[0], buffers[1], width, max_columns))
+    return _cache_of(layers), mask
 
 
-def in_place_cache(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], max_columns: int | None = None) -> DynamicCache:
+def in_place_cache(layers: Iterable[tuple[torch.Tensor, torch.Tensor]], max_columns: int | None = None) -> DynamicCache:
     """A ``DynamicCache`` of :class:`InPlaceLayer` s holding per-layer (keys, values) [B, H, n, D] (copied), buffers
-    of at most ``max_columns`` columns."""
-    return cache_of([InPlaceLayer(k, v, max_columns) for k, v in layers])
+    of at most ``max_columns`` columns. ``layers`` is read one at a time: fed by :func:`drain`, the source cache and
+    the copy never coexist whole."""
+    return _cache_of([InPlaceLayer(k, v, max_columns) for k, v in layers])
 
 
-def cache_of(layers: list[InPlaceLayer]) -> DynamicCache:
-    """A ``DynamicCache`` of these layers (no copy)."""
+def drain(cache) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer (keys, values) of ``cache``, each layer taken out of it as it is read (``cache`` ends empty)."""
+    while cache.layers:
+        layer = cache.layers.pop(0)
+        yield layer.keys, layer.values
+
+
+def _cache_of(layers: list[InPlaceLayer]) -> DynamicCache:
     cache = DynamicCache()
     cache.layers[:] = layers
     return cache
