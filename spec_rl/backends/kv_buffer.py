@@ -8,6 +8,8 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from ..sampling.groups import RowContext
+
 #: Spare columns a buffer gets at least when it is (re)allocated.
 MIN_SPARE = 64
 
@@ -101,25 +103,24 @@ class InPlaceLayer(DynamicLayer):
 def left_padded_cache(
     rows: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]], max_columns: int | None = None
 ) -> tuple[DynamicCache, torch.Tensor]:
-    """(cache of right-aligned rows, mask [B, W] int64); ``rows[b][layer]`` = (keys, values) [H, L_b, D]; buffers of
-    at most ``max_columns`` columns."""
-    lengths = [int(r[0][0].shape[1]) for r in rows]
+    """(cache of right-aligned rows, mask [B, W] int64); ``rows[b][layer]`` = (keys, values) [H, L_b, D], read once
+    per layer (a :class:`~spec_rl.sampling.groups.RowContext` gathers it then); buffers of at most ``max_columns``
+    columns."""
+    lengths = [r.length if isinstance(r, RowContext) else int(r[0][0].shape[1]) for r in rows]
     width, b = max(lengths), len(rows)
-    device = rows[0][0][0].device
-    pad = torch.tensor([width - n for n in lengths], device=device)
-    mask = (torch.arange(width, device=device).unsqueeze(0) >= pad.unsqueeze(1)).long()
+    first = rows[0][0][0]
+    pad = torch.tensor([width - n for n in lengths], device=first.device)
+    mask = (torch.arange(width, device=first.device).unsqueeze(0) >= pad.unsqueeze(1)).long()
+    shape = (b, first.shape[0], buffer_columns(width, limit=max_columns), first.shape[2])
     layers = []
     for layer in range(len(rows[0])):
-        buffers = []
-        for part in (0, 1):  # keys, values
-            first = rows[0][layer][part]
-            buf = first.new_empty((b, first.shape[0], buffer_columns(width, limit=max_columns), first.shape[2]))
-            for i, row in enumerate(rows):
-                start = width - lengths[i]
+        keys, values = first.new_empty(shape), first.new_empty(shape)
+        for i, row in enumerate(rows):
+            start = width - lengths[i]
+            for buf, part in zip((keys, values), row[layer]):
                 buf[i, :, :start].zero_()  # padding must be finite: a masked key still multiplies its value by 0
-                buf[i, :, start:width].copy_(row[layer][part])
-            buffers.append(buf)
-        layers.append(InPlaceLayer.owning(buffers[0], buffers[1], width, max_columns))
+                buf[i, :, start:width].copy_(part)
+        layers.append(InPlaceLayer.owning(keys, values, width, max_columns))
     return _cache_of(layers), mask
 
 

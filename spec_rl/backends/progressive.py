@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from ..acceptance.scores import DraftScores
-from ..sampling.groups import PackedGroup, int64_tensor, pack_groups
+from ..sampling.groups import PackedGroup, RowContext, int64_tensor, pack_groups
 from ..util.validation import check_int
 from .hf_decode import cache_argument, model_mask, returned_cache
 from .scoring import chunk_rows
@@ -164,16 +164,15 @@ class ProgressiveTreeScores:
         c, row, _ = self.where[draft]
         return self.chunks[c].groups[row].prompt_len
 
-    def context(self, draft: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer (keys [H, P + n, D], values) of [prompt, the draft's first n tokens] (all of them scored)."""
+    def context(self, draft: int, n: int) -> RowContext:
+        """The K/V of [prompt, the draft's first n tokens] (all of them scored), gathered per layer when read."""
         c, row, m = self.where[draft]
         self.open(c)  # a continuation without a walk reads the first pass
         chunk = self.chunks[c]
         cols = chunk.column[row, int64_tensor(chunk.groups[row].path(m, n))]
         assert bool((cols >= 0).all()), f"context of draft {draft} up to {n} tokens holds unscored nodes"
         layers = [(layer.keys, layer.values) for layer in chunk.cache.layers]
-        cols = cols.to(layers[0][0].device)
-        return [(k[row].index_select(1, cols), v[row].index_select(1, cols)) for k, v in layers]
+        return RowContext(layers, row, cols.to(layers[0][0].device))
 
     def release(self) -> None:
         """Drop the kept keys and values."""

@@ -25,7 +25,8 @@ class TransformersBackend(ReprefillBackend):
     or of a kept scoring pass may take (default: a sixteenth of the memory available when built, 40% of free CUDA
     memory): a decode batch holds at most the rows whose K/V at their longest fit it, its buffers (padding, spare and
     rolled-back columns included) within it, and a scoring pass whose K/V would not fit is continued by a prefill
-    instead. A sliding window is honoured in token positions (left padding
+    instead (a kept pass lives until its last cut row's batch is built: a continuation holds at most twice the
+    bound). A sliding window is honoured in token positions (left padding
     and rolled-back columns included). ValueError for no EOS id, ``max_batch_size`` < 1 or a ``kv_cache_bytes`` that
     holds no row."""
 
@@ -82,7 +83,8 @@ class TransformersBackend(ReprefillBackend):
     def _decode_jobs(self, jobs, settings, seed, spliced: dict | None = None) -> list[Continuation]:
         """Decode ``jobs`` in batches whose K/V fit :attr:`kv_cache_bytes` (each row at its longest: context, budget
         and a step's proposal width; at most :attr:`max_batch_size` rows): the cut ones on their gathered K/V
-        (``spliced``: job -> (prompt length, per-layer K/V), emptied: each batch's contexts are freed once copied),
+        (``spliced``: job -> (prompt length, its K/V context), emptied: a batch's contexts are read into its buffers
+        when it starts, then dropped),
         then the fresh ones after one prefill of their distinct contexts (sorted by length when alone: less left
         padding per batch)."""
         results = [Continuation([], [], "length") if j.budget == 0 else None for j in jobs]

@@ -187,9 +187,32 @@ class TreeKV:
         c, row, _ = self.where[draft]
         return self.chunks[c][0][row].prompt_len
 
-    def context(self, draft: int, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per layer (keys [H, P + n, D], values) of [prompt, the draft's first n tokens]."""
+    def context(self, draft: int, n: int) -> RowContext:
+        """The K/V of [prompt, the draft's first n tokens], gathered per layer when read."""
         c, row, m = self.where[draft]
         groups, layers = self.chunks[c]
-        idx = torch.tensor(groups[row].path(m, n), device=layers[0][0].device)
-        return [(k[row].index_select(1, idx), v[row].index_select(1, idx)) for k, v in layers]
+        return RowContext(layers, row, torch.tensor(groups[row].path(m, n), device=layers[0][0].device))
+
+
+class RowContext(Sequence):
+    """One row's K/V context read out of a scoring pass's cache: ``self[layer]`` = (keys, values) [H, len(columns), D],
+    gathered when read. Holding one costs no copy (a continuation holds every cut row's until its decode batch is
+    built: gathering them all at once held each shared prompt once per draft); it keeps the pass's tensors alive
+    while it lives. ``layers``: per-layer (keys, values) [rows, H, T, D]; ``columns``: int64 positions in T."""
+
+    def __init__(self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], row: int, columns: torch.Tensor):
+        self.layers, self.row, self.columns = list(layers), int(row), columns
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def __getitem__(self, layer):
+        if isinstance(layer, slice):
+            return [self[i] for i in range(len(self))[layer]]
+        k, v = self.layers[layer]
+        return k[self.row].index_select(1, self.columns), v[self.row].index_select(1, self.columns)
+
+    @property
+    def length(self) -> int:
+        """Positions in the context (its keys' dim 1)."""
+        return int(self.columns.numel())

@@ -1,12 +1,15 @@
 """What grows with a batch has a bound checked before memory runs out: the transformers backend's K/V (decode batches
 and a kept scoring pass) and the trainer's update micro-batches; within the bound the tokens are the same."""
 
+import gc
+
+import pytest
 import torch
 from tiny_models import tiny_model
 
 from spec_rl.acceptance.mode import RolloutMode
 from spec_rl.acceptance.rules import Lenient
-from spec_rl.backends.base import Job, fresh_jobs
+from spec_rl.backends.base import Cut, Job, fresh_jobs
 from spec_rl.backends.hf_decode import SpeculativeDecoder
 from spec_rl.backends.transformers_backend import TransformersBackend
 from spec_rl.drafts.cache import RolloutCache
@@ -71,6 +74,60 @@ def test_a_decode_batch_buffers_stay_within_kv_cache_bytes(monkeypatch):
     assert {len(o.token_ids) for o in want[:8]} != {budget}  # some rows finished early and rode along
     assert tight.stats.proposed_tokens > tight.stats.accepted_tokens  # columns were rolled back
     assert held and max(held) <= bound
+
+
+def _live_tensor_bytes() -> int:
+    """Bytes of every tensor storage alive in the process (each storage once)."""
+    seen, total = set(), 0
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.Tensor) and obj.device.type == "cpu":
+            storage = obj.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+    return total
+
+
+@pytest.mark.parametrize("progressive", [False, True])
+def test_a_continuation_adds_one_batch_to_the_kept_scoring_kv(monkeypatch, progressive):
+    """Eight drafts share each long prompt: gathered per draft, the contexts hold each prompt eight times (2.6x the
+    bound here). A continuation reads a batch's contexts out of the kept pass when the batch starts, so what it adds
+    to the kept pass while it decodes is one batch's buffers (and per-row column indices), and no token moves."""
+    model = tiny_model(seed=4, bias_eos=-3.0)
+    gen = torch.Generator().manual_seed(5)
+    prompts, drafts = [], []
+    for g in range(3):
+        prompt = torch.randint(3, 30, (40,), generator=gen).tolist()
+        for _ in range(8):
+            prompts.append(prompt)
+            drafts.append([3 + g] + torch.randint(3, 30, (9,), generator=gen).tolist())
+    logprobs = [[-0.1] * len(d) for d in drafts] if progressive else None
+    jobs = [Job(6, i, cut=Cut(i, 4, 7)) for i in range(len(drafts))]
+
+    def continued(kv_cache_bytes):
+        backend = TransformersBackend(model, {1}, pad_id=0, adaptive_tail=False, kv_cache_bytes=kv_cache_bytes)
+        with torch.no_grad():
+            scored = backend.score(prompts, drafts, logprobs)
+            for chunk in range(len(scored.progressive.chunks) if progressive else 0):
+                scored.progressive.open(chunk)  # as the walks do before a continuation
+        assert scored.state is not None  # kept: the continuation splices it
+        kept = _live_tensor_bytes()
+        outs = backend.continue_from(scored, jobs, SamplingSettings(max_tokens=6), seed=3)
+        return [o.token_ids for o in outs], kept, backend
+
+    want, _, roomy = continued(None)
+    bound = roomy.kv_token_bytes * 400  # the kept pass: 3 rows x 112 padded positions; a batch: 8 rows of 50
+    held, real_step = [], SpeculativeDecoder._step
+
+    def step(self, kv, rows):
+        real_step(self, kv, rows)
+        held.append(_live_tensor_bytes())
+
+    monkeypatch.setattr(SpeculativeDecoder, "_step", step)
+    got, kept, tight = continued(bound)
+    assert got == want and tight.stats.decode_steps > 6  # more than one batch
+    assert sum(len(p) + 4 for p in prompts) * roomy.kv_token_bytes > 2.5 * bound  # every context at once
+    assert held and max(held) - kept <= 1.15 * bound, (max(held) - kept) / bound
 
 
 def test_a_scoring_pass_whose_kv_does_not_fit_is_continued_by_a_prefill():
