@@ -9,7 +9,10 @@ flags after ``--`` (none: the default recipe), samples the resident memory of it
 and stops it after ``--steps`` training steps. Prints and writes (``--json``, default ``$OUT/train_memory.json``)
 the peak RSS (the larger of the samples and the kernel's high-water mark of the process: a spike between samples
 counts), the RSS after the first and the last step (what grows with the run: drafts, history, weight copies) and
-the seconds per step. Exits 1 when the run fails or ends before ``--steps``. ``--history EPOCHS`` measures only
+the seconds per step. Exits 1 when the run fails or ends before ``--steps``. ``--stores-of N`` measures epoch 2 of a
+run over N prompts without the N / 32 steps of its epoch 1: it trains epoch 1 (``--epochs 1``), gives the checkpoint
+the drafts and history N prompts leave (:func:`grow_stores`), and measures the resumed run (its automata filled to
+their bound at load) up to ``--steps``. ``--history EPOCHS`` measures only
 tail speculation's history index over ``--size`` prompts x 8 responses of 468 tokens (the default recipe's mean on
 GSM8K), synthetic ids, for EPOCHS epochs, automata bounded by ``--automaton-tokens`` (in-process; no model runs).
 """
@@ -56,19 +59,37 @@ def tree_rss(proc) -> int:
     return total
 
 
+def vm_hwm(pid: int) -> int:
+    """The kernel's high-water mark of resident memory of ``pid`` in bytes (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return 0
+
+
 def measure(argv: list[str], out: Path, steps: int) -> dict:
     """Run ``spec-rl train`` (``argv``) into ``out`` until ``steps`` steps are logged; its memory and timing."""
     import psutil
 
     cmd = [sys.executable, "-m", "spec_rl.cli", "train", *argv, "--out", str(out), "--no-progress"]
-    log = open(out.parent / f"{out.name}.log", "w")
+    if "--resume" in argv:  # this script's own entry: the added prompts' automata are built at load
+        cmd[1:4] = [__file__, "--resume-with-automata"]
+    def steps_done() -> int:
+        return sum(len(p.read_text().splitlines()) for p in out.glob("*/metrics.jsonl"))
+
+    already = steps_done()  # a resumed run's steps before its checkpoint
+    log = open(out.parent / f"{out.name}.log", "a")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     watch = psutil.Process(proc.pid)
     peak, at_step, t0, stamps = 0, {}, time.perf_counter(), []
+    earlier = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # KiB: the largest of the children waited for
+    high_water = 0
     while proc.poll() is None:
         peak = max(peak, rss := tree_rss(watch))
-        done = sum(len(p.read_text().splitlines()) for p in out.glob("*/metrics.jsonl"))
-        if done and done not in at_step:
+        high_water = max(high_water, vm_hwm(proc.pid))
+        done = steps_done()
+        if done > already and done not in at_step:
             at_step[done] = rss
             stamps.append(time.perf_counter())
             print(f"step {done}: RSS {rss / 1e9:.2f} GB (peak {peak / 1e9:.2f} GB)", flush=True)
@@ -78,8 +99,10 @@ def measure(argv: list[str], out: Path, steps: int) -> dict:
         time.sleep(0.5)
     proc.wait()
     log.close()
-    # The kernel's high-water mark of the train process (KiB on Linux): a spike between two samples counts too.
-    high_water = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    # The kernel's high-water mark of the train process: a spike between two samples counts too. After its exit the
+    # children's mark is its own only where it passed every earlier child's.
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    high_water = max(high_water, children * 1024 if children > earlier else 0)
     done = max(at_step, default=0)
     per_step = (stamps[-1] - stamps[0]) / (len(stamps) - 1) if len(stamps) > 1 else None
     return {
@@ -93,6 +116,70 @@ def measure(argv: list[str], out: Path, steps: int) -> dict:
         "wall_seconds": time.perf_counter() - t0,
         "exit_code": proc.returncode,
     }
+
+
+def synthetic_key(prompt: int, slot: int | None = None) -> bytes:
+    """A 16-byte key of an added prompt (its history) or of one of its slots (its draft)."""
+    import hashlib
+
+    return hashlib.blake2b(f"added prompt {prompt} slot {slot}".encode(), digest_size=16).digest()
+
+
+def grow_stores(run: Path, prompts: int, group: int = 8, epochs: int = 2) -> dict:
+    """Add ``prompts`` prompts to the committed checkpoint of ``run`` (a run dir holding one mode): ``group`` drafts
+    each and ``epochs`` x ``group`` history responses, copies of its own drafts (so their lengths are real)."""
+    from spec_rl.drafts.cache import CacheKey, RolloutCache
+    from spec_rl.drafts.history import HistoryIndex
+    from spec_rl.trainer.checkpoint import CACHE_FILE, HISTORY_FILE, MARKER, latest_checkpoint
+
+    (mode,) = [d for d in run.iterdir() if d.is_dir()]
+    ckpt = latest_checkpoint(mode).path
+    cache, history = RolloutCache.load(ckpt / CACHE_FILE), HistoryIndex.load(ckpt / HISTORY_FILE)
+    real = cache.drafts()
+    for p in range(prompts):
+        for slot in range(group):
+            d = real[(group * p + slot) % len(real)]
+            cache.store(
+                CacheKey(synthetic_key(p, slot)),
+                d.token_ids,
+                d.logprobs,
+                d.finish_reason,
+                d.version,
+                d.settings,
+                d.age,
+                d.behaviour_logprobs,
+            )
+        for r in range(epochs * group):
+            history.add(synthetic_key(p), real[(epochs * group * p + r) % len(real)].token_ids.tolist())
+    cache.save(ckpt / CACHE_FILE)
+    history.save(ckpt / HISTORY_FILE)
+    marker = json.loads((ckpt / MARKER).read_text())  # the files' sizes changed
+    marker["files"] = {name: (ckpt / name).stat().st_size for name in marker["files"]}
+    (ckpt / MARKER).write_text(json.dumps(marker))
+    return {
+        "drafts": len(cache),
+        "draft_tokens": sum(len(d) for d in cache.drafts()),
+        "history_tokens": history.num_tokens(),
+    }
+
+
+def resume_with_automata(train: list[str]) -> int:
+    """``spec-rl train *train`` whose history builds the added prompts' automata up to its bound once the checkpoint
+    is loaded: a run over that many prompts builds them as it drafts from them (the least recently used dropped)."""
+    from spec_rl.cli import main as cli
+    from spec_rl.trainer.grpo import GRPOTrainer
+
+    resume = GRPOTrainer.resume
+
+    def filled(self) -> bool:
+        out, built, p = resume(self), 0, 0
+        while self.history is not None and built < self.history.max_automaton_tokens:
+            automaton = self.history.automaton(synthetic_key(p))
+            built, p = built + (len(automaton) if automaton is not None else self.history.max_automaton_tokens), p + 1
+        return out
+
+    GRPOTrainer.resume = filled
+    return cli(["train", *train])
 
 
 def history_growth(size: int, epochs: int, max_automaton_tokens: int, group: int = 8, length: int = 468) -> dict:
@@ -133,6 +220,8 @@ def history_growth(size: int, epochs: int, max_automaton_tokens: int, group: int
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--resume-with-automata"]:
+        return resume_with_automata(argv[1:])
     ours, train = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True, help="the policy checkpoint (e.g. benchmarks/real_model.py's)")
@@ -140,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", type=int, default=7473, help="problems in the dataset (GSM8K's train split: 7473)")
     p.add_argument("--steps", type=int, default=50, help="training steps to measure")
     p.add_argument("--json", type=Path, help="where to write the result (default $OUT/train_memory.json)")
+    p.add_argument("--stores-of", type=int, metavar="N", help="measure epoch 2 holding the stores of N prompts")
     p.add_argument("--history", type=int, metavar="EPOCHS", help="measure only the history index over EPOCHS epochs")
     p.add_argument("--automaton-tokens", type=int, default=2**19, help="with --history: the index's automaton bound")
     args = p.parse_args(ours)
@@ -151,7 +241,15 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="train-memory-") as tmp:
         work = Path(tmp)
         data = gsm8k_size(args.data, args.size, work / "data.jsonl")
-        result = measure(["--model", args.model, "--data", str(data), "--no-eval", *train], work / "run", args.steps)
+        run = ["--model", args.model, "--data", str(data), "--no-eval", *train]
+        grown = None
+        if args.stores_of:
+            epoch1 = measure([*run, "--epochs", "1"], work / "run", 10**9)  # until it exits after its checkpoint
+            grown = grow_stores(work / "run", args.stores_of - args.size)
+            result = measure([*run, "--resume"], work / "run", args.steps)
+            result.update(epoch_1=epoch1, stores=grown, stores_of=args.stores_of)
+        else:
+            result = measure(run, work / "run", args.steps)
     result.update(size=args.size, flags=train)
     print(json.dumps(result, indent=2))
     path = args.json or Path(os.environ.get("OUT", ".")) / "train_memory.json"
