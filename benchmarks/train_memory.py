@@ -75,6 +75,7 @@ def measure(argv: list[str], out: Path, steps: int) -> dict:
     cmd = [sys.executable, "-m", "spec_rl.cli", "train", *argv, "--out", str(out), "--no-progress"]
     if "--resume" in argv:  # this script's own entry: the added prompts' automata are built at load
         cmd[1:4] = [__file__, "--resume-with-automata"]
+
     def steps_done() -> int:
         return sum(len(p.read_text().splitlines()) for p in out.glob("*/metrics.jsonl"))
 
@@ -134,7 +135,8 @@ def grow_stores(run: Path, prompts: int, group: int = 8, epochs: int = 2) -> dic
 
     (mode,) = [d for d in run.iterdir() if d.is_dir()]
     ckpt = latest_checkpoint(mode).path
-    cache, history = RolloutCache.load(ckpt / CACHE_FILE), HistoryIndex.load(ckpt / HISTORY_FILE)
+    cache = RolloutCache.load(ckpt / CACHE_FILE)
+    history = HistoryIndex.load(ckpt / HISTORY_FILE) if (ckpt / HISTORY_FILE).is_file() else None  # tail off
     real = cache.drafts()
     for p in range(prompts):
         for slot in range(group):
@@ -149,17 +151,18 @@ def grow_stores(run: Path, prompts: int, group: int = 8, epochs: int = 2) -> dic
                 d.age,
                 d.behaviour_logprobs,
             )
-        for r in range(epochs * group):
+        for r in range(epochs * group if history is not None else 0):
             history.add(synthetic_key(p), real[(epochs * group * p + r) % len(real)].token_ids.tolist())
     cache.save(ckpt / CACHE_FILE)
-    history.save(ckpt / HISTORY_FILE)
+    if history is not None:
+        history.save(ckpt / HISTORY_FILE)
     marker = json.loads((ckpt / MARKER).read_text())  # the files' sizes changed
     marker["files"] = {name: (ckpt / name).stat().st_size for name in marker["files"]}
     (ckpt / MARKER).write_text(json.dumps(marker))
     return {
         "drafts": len(cache),
         "draft_tokens": sum(len(d) for d in cache.drafts()),
-        "history_tokens": history.num_tokens(),
+        "history_tokens": history.num_tokens() if history is not None else 0,
     }
 
 
@@ -233,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--history", type=int, metavar="EPOCHS", help="measure only the history index over EPOCHS epochs")
     p.add_argument("--automaton-tokens", type=int, default=2**19, help="with --history: the index's automaton bound")
     args = p.parse_args(ours)
+    if args.stores_of is not None and args.stores_of <= args.size:
+        p.error(f"--stores-of {args.stores_of} must exceed --size {args.size}: it adds the prompts a larger run holds")
     if args.history:
         result = history_growth(args.size, args.history, args.automaton_tokens)
         print(json.dumps(result, indent=2))
