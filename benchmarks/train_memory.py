@@ -236,8 +236,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--history", type=int, metavar="EPOCHS", help="measure only the history index over EPOCHS epochs")
     p.add_argument("--automaton-tokens", type=int, default=2**19, help="with --history: the index's automaton bound")
     args = p.parse_args(ours)
+    if args.size < 1 or args.steps < 1:
+        p.error(f"--size ({args.size}) and --steps ({args.steps}) must be >= 1")
     if args.stores_of is not None and args.stores_of <= args.size:
         p.error(f"--stores-of {args.stores_of} must exceed --size {args.size}: it adds the prompts a larger run holds")
+    if args.stores_of is not None and args.history:
+        p.error("--history measures the history index alone: pass --stores-of or --history, not both")
+    if not args.history and not args.data.is_file():
+        p.error(f"--data {args.data} is not a file (a GSM8K-format .jsonl)")
     if args.history:
         result = history_growth(args.size, args.history, args.automaton_tokens)
         print(json.dumps(result, indent=2))
@@ -248,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         data = gsm8k_size(args.data, args.size, work / "data.jsonl")
         run = ["--model", args.model, "--data", str(data), "--no-eval", *train]
         grown = None
-        if args.stores_of:
+        if args.stores_of is not None:
             epoch1 = measure([*run, "--epochs", "1"], work / "run", 10**9)  # until it exits after its checkpoint
             grown = grow_stores(work / "run", args.stores_of - args.size)
             result = measure([*run, "--resume"], work / "run", args.steps)

@@ -108,7 +108,7 @@ def left_padded_cache(
     columns."""
     lengths = [r.length if isinstance(r, RowContext) else int(r[0][0].shape[1]) for r in rows]
     width, b = max(lengths), len(rows)
-    first = rows[0][0][0]
+    first = rows[0].layers[0][0][0] if isinstance(rows[0], RowContext) else rows[0][0][0]  # [H, *, D]: read no row
     pad = torch.tensor([width - n for n in lengths], device=first.device)
     mask = (torch.arange(width, device=first.device).unsqueeze(0) >= pad.unsqueeze(1)).long()
     shape = (b, first.shape[0], buffer_columns(width, limit=max_columns), first.shape[2])

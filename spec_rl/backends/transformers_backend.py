@@ -77,7 +77,8 @@ class TransformersBackend(ReprefillBackend):
             cuts = [i for i, j in enumerate(jobs) if j.cut is not None and j.budget > 0]
             spliced = {i: (kv.prompt_len(jobs[i].cut.row), kv.context(jobs[i].cut.row, jobs[i].cut.n)) for i in cuts}
         finally:
-            self.release(scored)  # gathered, or failed
+            self.release(scored)  # read, or failed
+        del kv  # the contexts hold what they read: the pass goes with the last cut batch's
         return self._decode_jobs(jobs, settings, seed, spliced)
 
     def _decode_jobs(self, jobs, settings, seed, spliced: dict | None = None) -> list[Continuation]:

@@ -103,6 +103,7 @@ def test_a_continuation_adds_one_batch_to_the_kept_scoring_kv(monkeypatch, progr
             drafts.append([3 + g] + torch.randint(3, 30, (9,), generator=gen).tolist())
     logprobs = [[-0.1] * len(d) for d in drafts] if progressive else None
     jobs = [Job(6, i, cut=Cut(i, 4, 7)) for i in range(len(drafts))]
+    jobs += [Job(6, 100 + i, context=[3 + i, 4, 5]) for i in range(8)]  # a batch after the last cut one
 
     def continued(kv_cache_bytes):
         backend = TransformersBackend(model, {1}, pad_id=0, adaptive_tail=False, kv_cache_bytes=kv_cache_bytes)
@@ -111,9 +112,15 @@ def test_a_continuation_adds_one_batch_to_the_kept_scoring_kv(monkeypatch, progr
             for chunk in range(len(scored.progressive.chunks) if progressive else 0):
                 scored.progressive.open(chunk)  # as the walks do before a continuation
         assert scored.state is not None  # kept: the continuation splices it
-        kept = _live_tensor_bytes()
+        kept, kv = _live_tensor_bytes(), scored.state
+        if progressive:
+            pairs = [(layer.keys, layer.values) for c in kv.chunks for layer in c.cache.layers]
+        else:
+            pairs = [pair for _, layers in kv.chunks for pair in layers]
+        passed = sum(t.numel() * t.element_size() for pair in pairs for t in pair)  # the kept pass
+        del kv, pairs
         outs = backend.continue_from(scored, jobs, SamplingSettings(max_tokens=6), seed=3)
-        return [o.token_ids for o in outs], kept, backend
+        return [o.token_ids for o in outs], (kept, passed), backend
 
     want, _, roomy = continued(None)
     bound = roomy.kv_token_bytes * 400  # the kept pass: 3 rows x 112 padded positions; a batch: 8 rows of 50
@@ -124,10 +131,11 @@ def test_a_continuation_adds_one_batch_to_the_kept_scoring_kv(monkeypatch, progr
         held.append(_live_tensor_bytes())
 
     monkeypatch.setattr(SpeculativeDecoder, "_step", step)
-    got, kept, tight = continued(bound)
-    assert got == want and tight.stats.decode_steps > 6  # more than one batch
+    got, (kept, passed), tight = continued(bound)
+    assert got == want and tight.stats.decode_steps > 12  # more than two batches
     assert sum(len(p) + 4 for p in prompts) * roomy.kv_token_bytes > 2.5 * bound  # every context at once
     assert held and max(held) - kept <= 1.15 * bound, (max(held) - kept) / bound
+    assert held[-1] - kept <= 1.15 * bound - passed, (held[-1] - kept + passed) / bound  # the pass went before it
 
 
 def test_a_scoring_pass_whose_kv_does_not_fit_is_continued_by_a_prefill():
