@@ -100,21 +100,18 @@ class InPlaceLayer(DynamicLayer):
         self._fill(kept)
 
 
-def left_padded_cache(
-    rows: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]], max_columns: int | None = None
-) -> tuple[DynamicCache, torch.Tensor]:
-    """(cache of right-aligned rows, mask [B, W] int64); ``rows[b][layer]`` = (keys, values) [H, L_b, D], read once
-    per layer (a :class:`~spec_rl.sampling.groups.RowContext` gathers it then); buffers of at most ``max_columns``
-    columns."""
-    lengths = [r.length if isinstance(r, RowContext) else int(r[0][0].shape[1]) for r in rows]
+def left_padded_cache(rows: Sequence[RowContext], max_columns: int | None = None) -> tuple[DynamicCache, torch.Tensor]:
+    """(cache of right-aligned rows, mask [B, W] int64); each row's layer is gathered once, when its buffers are
+    filled; buffers of at most ``max_columns`` columns."""
+    lengths = [r.length for r in rows]
     width, b = max(lengths), len(rows)
-    first = rows[0].layers[0][0][0] if isinstance(rows[0], RowContext) else rows[0][0][0]  # [H, *, D]: read no row
-    pad = torch.tensor([width - n for n in lengths], device=first.device)
-    mask = (torch.arange(width, device=first.device).unsqueeze(0) >= pad.unsqueeze(1)).long()
-    shape = (b, first.shape[0], buffer_columns(width, limit=max_columns), first.shape[2])
+    like = rows[0].layers[0][0]  # [rows, H, T, D] of a pass: its shape, dtype and device
+    pad = torch.tensor([width - n for n in lengths], device=like.device)
+    mask = (torch.arange(width, device=like.device).unsqueeze(0) >= pad.unsqueeze(1)).long()
+    shape = (b, like.shape[1], buffer_columns(width, limit=max_columns), like.shape[3])
     layers = []
     for layer in range(len(rows[0])):
-        keys, values = first.new_empty(shape), first.new_empty(shape)
+        keys, values = like.new_empty(shape), like.new_empty(shape)
         for i, row in enumerate(rows):
             start = width - lengths[i]
             for buf, part in zip((keys, values), row[layer]):

@@ -206,9 +206,7 @@ class RowContext(Sequence):
     def __len__(self) -> int:
         return len(self.layers)
 
-    def __getitem__(self, layer):
-        if isinstance(layer, slice):
-            return [self[i] for i in range(len(self))[layer]]
+    def __getitem__(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = self.layers[layer]
         return k[self.row].index_select(1, self.columns), v[self.row].index_select(1, self.columns)
 

@@ -7,6 +7,7 @@ from transformers.cache_utils import DynamicLayer
 
 from spec_rl.backends.hf_decode import cache_argument, prefill
 from spec_rl.backends.kv_buffer import MIN_SPARE, InPlaceLayer, buffer_columns, in_place_cache, left_padded_cache
+from spec_rl.sampling.groups import RowContext
 
 
 def _random_kv(gen, rows, width, heads=2, dim=3):
@@ -99,7 +100,7 @@ def test_reset_then_update_and_selecting_rows_of_an_empty_layer_behave_like_dyna
 def test_left_padded_cache_right_aligns_each_row_and_appends_in_place(lengths):
     gen = torch.Generator().manual_seed(sum(lengths) + len(lengths))
     rows = [[_random_kv(gen, 1, n) for _ in range(2)] for n in lengths]  # 2 layers of [1, H, n, D]
-    rows = [[(k[0], v[0]) for k, v in layers] for layers in rows]
+    rows = [RowContext(layers, 0, torch.arange(n)) for layers, n in zip(rows, lengths)]
     cache, mask = left_padded_cache(rows)
     width = max(lengths)
     assert mask.dtype == torch.long and mask.tolist() == [[int(c >= width - n) for c in range(width)] for n in lengths]
