@@ -27,13 +27,10 @@ namespace spec_rl {
 namespace kv_cuda {
 #define WRITE(I) template cudaError_t launch_write_kv<I>(void*, const void*, const void*, const I*, int64_t, \
                                                          int64_t, int64_t, int64_t, int64_t, int, cudaStream_t);
-#define SPLICE(I) template cudaError_t launch_splice<I>(void*, const void*, const void*, const I*, const int64_t*, \
-                                                        const int64_t*, const int64_t*, int64_t, int64_t, int64_t, \
-                                                        int64_t, int64_t, int64_t, int64_t, int, cudaStream_t);
 #define GATHER(I) template cudaError_t launch_gather<I>(void*, void*, const void*, const I*, const int64_t*, int64_t, \
                                                         int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, \
                                                         cudaStream_t);
-WRITE(int32_t) WRITE(int64_t) SPLICE(int32_t) SPLICE(int64_t) GATHER(int32_t) GATHER(int64_t)
+WRITE(int32_t) WRITE(int64_t) GATHER(int32_t) GATHER(int64_t)
 }  // namespace kv_cuda
 }  // namespace spec_rl
 cudaError_t copy_all(void* c, void* s, const int64_t* m) {

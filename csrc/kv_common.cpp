@@ -34,21 +34,6 @@ void check_table_range(const char* op, const at::Tensor& block_tables_cpu, const
   }
 }
 
-// starts/lengths of splice_from_dense: all >= 0 and src_starts + lengths <= seq_len.
-void check_splice_ranges(const char* op, const at::Tensor& src_cpu, const at::Tensor& dst_cpu,
-                         const at::Tensor& len_cpu, int64_t seq_len) {
-  const int64_t* src = src_cpu.data_ptr<int64_t>();
-  const int64_t* dst = dst_cpu.data_ptr<int64_t>();
-  const int64_t* len = len_cpu.data_ptr<int64_t>();
-  for (int64_t b = 0; b < src_cpu.numel(); ++b) {
-    TORCH_CHECK(src[b] >= 0, op, ": src_starts[", b, "] = ", src[b], " must be >= 0");
-    TORCH_CHECK(dst[b] >= 0, op, ": dst_starts[", b, "] = ", dst[b], " must be >= 0");
-    TORCH_CHECK(len[b] >= 0, op, ": lengths[", b, "] = ", len[b], " must be >= 0");
-    TORCH_CHECK(src[b] + len[b] <= seq_len, op, ": src_starts[", b, "] + lengths[", b, "] = ", src[b] + len[b],
-                " exceeds the dense length S = ", seq_len);
-  }
-}
-
 // gather_kv: lengths >= 0 and max(lengths) <= max_len.
 void check_gather_lengths(const char* op, const at::Tensor& len_cpu, int64_t max_len) {
   const int64_t* len = len_cpu.data_ptr<int64_t>();
@@ -144,28 +129,6 @@ void validate_write_kv(const at::Tensor& kv_cache, const at::Tensor& key, const 
               "] with T = len(slot_mapping) = ", slot_mapping.size(0));
 }
 
-void validate_splice(const at::Tensor& kv_cache, const at::Tensor& key, const at::Tensor& value,
-                     const at::Tensor& block_tables, const at::Tensor& src_starts, const at::Tensor& dst_starts,
-                     const at::Tensor& lengths) {
-  const char* op = "spec_rl::splice_from_dense";
-  check_cache(op, kv_cache);
-  check_kv(op, "key", key, kv_cache, 4);
-  check_kv(op, "value", value, kv_cache, 4);
-  const int64_t heads = kv_cache.size(3), dim = kv_cache.size(4);
-  TORCH_CHECK(key.sizes() == value.sizes() && key.size(1) == heads && key.size(3) == dim, op, ": key ",
-              key.sizes(), " and value ", value.sizes(), " must both be [B, ", heads, ", S, ", dim, "]");
-  const int64_t bsz = key.size(0);
-  check_index(op, "block_tables", block_tables, kv_cache, 2);
-  TORCH_CHECK(block_tables.size(0) == bsz, op, ": block_tables has ", block_tables.size(0),
-              " rows, expected one per sequence (", bsz, ")");
-  check_index(op, "src_starts", src_starts, kv_cache, 1);
-  check_index(op, "dst_starts", dst_starts, kv_cache, 1);
-  check_index(op, "lengths", lengths, kv_cache, 1);
-  TORCH_CHECK(src_starts.size(0) == bsz && dst_starts.size(0) == bsz && lengths.size(0) == bsz, op,
-              ": src_starts, dst_starts and lengths must have one entry per sequence (", bsz, "), got ",
-              src_starts.size(0), ", ", dst_starts.size(0), ", ", lengths.size(0));
-}
-
 void validate_copy_blocks(const at::Tensor& kv_cache, const at::Tensor& block_mapping) {
   const char* op = "spec_rl::copy_blocks";
   check_cache(op, kv_cache);
@@ -185,17 +148,6 @@ void validate_gather(const at::Tensor& kv_cache, const at::Tensor& block_tables,
   TORCH_CHECK(max_len >= 0, op, ": max_len must be >= 0, got ", max_len);
 }
 
-SpliceIndices checked_splice_indices(const at::Tensor& kv_cache, const at::Tensor& block_tables,
-                                     const at::Tensor& src_starts, const at::Tensor& dst_starts,
-                                     const at::Tensor& lengths, int64_t seq_len) {
-  const char* op = "spec_rl::splice_from_dense";
-  SpliceIndices idx{at::Tensor(), host_long(src_starts), host_long(dst_starts), host_long(lengths)};
-  check_splice_ranges(op, idx.src, idx.dst, idx.len, seq_len);
-  idx.tables = host_long(block_tables);
-  check_table_range(op, idx.tables, idx.dst, idx.dst.add(idx.len), kv_cache.size(2), kv_cache.size(0));
-  return idx;
-}
-
 GatherIndices checked_gather_indices(const at::Tensor& kv_cache, const at::Tensor& block_tables,
                                      const at::Tensor& lengths, int64_t max_len) {
   const char* op = "spec_rl::gather_kv";
@@ -207,7 +159,6 @@ GatherIndices checked_gather_indices(const at::Tensor& kv_cache, const at::Tenso
 
 void register_kv_ops(torch::Library& m, const KvOpImpls& impls) {
   m.impl("write_kv", impls.write_kv);
-  m.impl("splice_from_dense", impls.splice_from_dense);
   m.impl("copy_blocks", impls.copy_blocks);
   m.impl("gather_kv", impls.gather_kv);
 }

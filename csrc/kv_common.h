@@ -40,15 +40,6 @@ void check_slot_range(const char* op, const at::Tensor& slots_cpu, int64_t capac
 // Returns true when some destination block is also a source (the copy must be staged).
 bool check_block_mapping(const char* op, const at::Tensor& mapping_cpu, int64_t num_blocks);
 
-// splice_from_dense's indices as int64 host tensors, range-checked: starts and lengths
-// >= 0, src_starts + lengths <= seq_len, and the block-table entries of the written
-// positions [dst_starts, dst_starts + lengths) exist and lie in [0, num_blocks).
-struct SpliceIndices {
-  at::Tensor tables, src, dst, len;
-};
-SpliceIndices checked_splice_indices(const at::Tensor& kv_cache, const at::Tensor& block_tables,
-                                     const at::Tensor& src_starts, const at::Tensor& dst_starts,
-                                     const at::Tensor& lengths, int64_t seq_len);
 // gather_kv's indices as int64 host tensors, range-checked: 0 <= lengths <= max_len and
 // the block-table entries of positions [0, lengths) exist and lie in [0, num_blocks).
 struct GatherIndices {
@@ -69,18 +60,13 @@ auto with_index_ptr(const at::Tensor& t, F&& f) {
 // the CPU and CUDA implementations so both reject exactly the same calls.
 void validate_write_kv(const at::Tensor& kv_cache, const at::Tensor& key, const at::Tensor& value,
                        const at::Tensor& slot_mapping);
-void validate_splice(const at::Tensor& kv_cache, const at::Tensor& key, const at::Tensor& value,
-                     const at::Tensor& block_tables, const at::Tensor& src_starts, const at::Tensor& dst_starts,
-                     const at::Tensor& lengths);
 void validate_copy_blocks(const at::Tensor& kv_cache, const at::Tensor& block_mapping);
 void validate_gather(const at::Tensor& kv_cache, const at::Tensor& block_tables, const at::Tensor& lengths,
                      int64_t max_len);
 
-// The four ops of one dispatch key (CPU or CUDA), registered by register_kv_ops.
+// The three ops of one dispatch key (CPU or CUDA), registered by register_kv_ops.
 struct KvOpImpls {
   void (*write_kv)(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, bool);
-  void (*splice_from_dense)(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                            const at::Tensor&, const at::Tensor&);
   void (*copy_blocks)(at::Tensor&, const at::Tensor&);
   std::tuple<at::Tensor, at::Tensor> (*gather_kv)(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t);
 };
@@ -90,9 +76,6 @@ void register_kv_ops(torch::Library& m, const KvOpImpls& impls);
 // ---- CPU ops (kv_ops_cpu.cpp) ----
 void write_kv_cpu(at::Tensor& kv_cache, const at::Tensor& key, const at::Tensor& value, const at::Tensor& slot_mapping,
                   bool check_range);
-void splice_from_dense_cpu(at::Tensor& kv_cache, const at::Tensor& key, const at::Tensor& value,
-                           const at::Tensor& block_tables, const at::Tensor& src_starts,
-                           const at::Tensor& dst_starts, const at::Tensor& lengths);
 void copy_blocks_cpu(at::Tensor& kv_cache, const at::Tensor& block_mapping);
 std::tuple<at::Tensor, at::Tensor> gather_kv_cpu(const at::Tensor& kv_cache, const at::Tensor& block_tables,
                                                  const at::Tensor& lengths, int64_t max_len);

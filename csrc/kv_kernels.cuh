@@ -45,42 +45,6 @@ __global__ void write_kv_kernel(U* __restrict__ cache, const U* __restrict__ key
   }
 }
 
-// splice_from_dense: CTA w handles sequence b = w / tiles and dense positions
-// [tile * (w % tiles), tile * (w % tiles + 1)) intersected with [src, src + len).
-// Dense K/V: [B, H, S, D]. Threads stride over (token, head, unit).
-template <typename U, typename TBL>
-__global__ void splice_kernel(U* __restrict__ cache, const U* __restrict__ key, const U* __restrict__ value,
-                              const TBL* __restrict__ tables, const int64_t* __restrict__ src_starts,
-                              const int64_t* __restrict__ dst_starts, const int64_t* __restrict__ lengths,
-                              int64_t bsz, int64_t heads, int64_t seq, int64_t d_units, int64_t block_size,
-                              int64_t num_blocks, int64_t cols, int64_t tile) {
-  const int64_t tiles = (seq + tile - 1) / tile;
-  const int64_t per_token = heads * d_units;
-  for (int64_t w = blockIdx.x; w < bsz * tiles; w += gridDim.x) {
-    const int64_t b = w / tiles;
-    const int64_t src = src_starts[b], dst = dst_starts[b], n = lengths[b];
-    if (src < 0 || dst < 0 || n <= 0) continue;
-    const int64_t s_begin = (w % tiles) * tile;
-    const int64_t lo = s_begin > src ? s_begin : src;
-    int64_t hi = s_begin + tile < src + n ? s_begin + tile : src + n;
-    hi = hi < seq ? hi : seq;
-    for (int64_t i = threadIdx.x; i < (hi - lo) * per_token; i += blockDim.x) {
-      const int64_t s = lo + i / per_token;
-      const int64_t h = (i % per_token) / d_units;
-      const int64_t u = i % d_units;
-      const int64_t p = dst + (s - src);  // logical position in the sequence
-      const int64_t c = p / block_size;
-      if (c >= cols) continue;
-      const int64_t block = static_cast<int64_t>(tables[b * cols + c]);
-      if (block < 0 || block >= num_blocks) continue;
-      const int64_t out = ((block * 2 * block_size + p % block_size) * heads + h) * d_units + u;
-      const int64_t in = ((b * heads + h) * seq + s) * d_units + u;
-      cache[out] = key[in];
-      cache[out + block_size * per_token] = value[in];
-    }
-  }
-}
-
 // gather_kv: CTA w writes sequence b = w / tiles, positions [tile * (w % tiles), ...)
 // of the dense outputs [B, H, max_len, D]; positions >= lengths[b] get zeros.
 template <typename U, typename TBL>
@@ -185,7 +149,7 @@ cudaError_t launch_write_kv(void* cache, const void* key, const void* value, con
   });
 }
 
-// Launch shape of splice / gather: rows of a head's D elements moved in units U, `tile`
+// Launch shape of gather: rows of a head's D elements moved in units U, `tile`
 // tokens per CTA, bsz sequences of `len` positions.
 struct TokenTiles {
   int64_t d_units;
@@ -202,22 +166,6 @@ inline cudaError_t with_token_tiles(int64_t row_bytes, int elem_bytes, const voi
     const int64_t d_units = row_bytes / static_cast<int64_t>(sizeof(unit));
     const int64_t tile = tile_for(heads * d_units);
     return launch(unit, TokenTiles{d_units, tile, grid_for(bsz * ((len + tile - 1) / tile))});
-  });
-}
-
-template <typename TBL>
-cudaError_t launch_splice(void* cache, const void* key, const void* value, const TBL* tables,
-                          const int64_t* src_starts, const int64_t* dst_starts, const int64_t* lengths, int64_t bsz,
-                          int64_t heads, int64_t seq, int64_t dim, int64_t block_size, int64_t num_blocks,
-                          int64_t cols, int elem_bytes, cudaStream_t stream) {
-  if (bsz == 0 || seq == 0) return cudaSuccess;
-  const void* ptrs[3] = {cache, key, value};
-  return with_token_tiles(dim * elem_bytes, elem_bytes, ptrs, heads, bsz, seq, [&](auto unit, TokenTiles t) {
-    using U = decltype(unit);
-    splice_kernel<U, TBL><<<t.grid, kThreads, 0, stream>>>(
-        static_cast<U*>(cache), static_cast<const U*>(key), static_cast<const U*>(value), tables, src_starts,
-        dst_starts, lengths, bsz, heads, seq, t.d_units, block_size, num_blocks, cols, t.tile);
-    return cudaGetLastError();
   });
 }
 

@@ -1,6 +1,6 @@
 // CPU implementations of the paged KV-cache ops (semantics: spec_rl/ops/torch_kv.py).
 //
-// All four ops only move bytes, so they work on raw rows of element_size()
+// All three ops only move bytes, so they work on raw rows of element_size()
 // bytes and need no per-dtype code: one build serves float32, float16 and
 // bfloat16. Loops run over the slot mapping / the sequence lengths, never over
 // padded tensors, and are split across threads with at::parallel_for.
@@ -52,58 +52,6 @@ void write_kv_cpu(at::Tensor& kv_cache, const at::Tensor& key_in, const at::Tens
       char* dst = cache + (slot / block_size) * block_bytes + (slot % block_size) * row;
       std::memcpy(dst, k + t * row, row);
       std::memcpy(dst + block_size * row, v + t * row, row);
-    }
-  });
-}
-
-void splice_from_dense_cpu(at::Tensor& kv_cache, const at::Tensor& key_in, const at::Tensor& value_in,
-                           const at::Tensor& block_tables_in, const at::Tensor& src_starts,
-                           const at::Tensor& dst_starts, const at::Tensor& lengths) {
-  validate_splice(kv_cache, key_in, value_in, block_tables_in, src_starts, dst_starts, lengths);
-  const int64_t bsz = key_in.size(0), heads = key_in.size(1), seq = key_in.size(2);
-  const int64_t block_size = kv_cache.size(2);
-  const SpliceIndices idx = checked_splice_indices(kv_cache, block_tables_in, src_starts, dst_starts, lengths, seq);
-  const at::Tensor& src = idx.src;
-  const at::Tensor& dst = idx.dst;
-  const at::Tensor& len = idx.len;
-  const at::Tensor& tables = idx.tables;
-
-  // Token t of the flattened batch belongs to sequence b with first[b] <= t < first[b + 1].
-  const int64_t* s0 = src.data_ptr<int64_t>();
-  const int64_t* d0 = dst.data_ptr<int64_t>();
-  const int64_t* n = len.data_ptr<int64_t>();
-  std::vector<int64_t> first(bsz + 1, 0);
-  for (int64_t b = 0; b < bsz; ++b) first[b + 1] = first[b] + n[b];
-  const int64_t total = first[bsz];
-  if (total == 0) return;
-
-  const at::Tensor key = key_in.contiguous();
-  const at::Tensor value = value_in.contiguous();
-  const int64_t head_row = kv_cache.size(4) * kv_cache.element_size();  // one head of one token
-  const int64_t token_row = heads * head_row;
-  const int64_t block_bytes = 2 * block_size * token_row;
-  const int64_t cols = tables.size(1);
-  const int64_t* bt = tables.data_ptr<int64_t>();
-  char* cache = static_cast<char*>(kv_cache.data_ptr());
-  const char* k = static_cast<const char*>(key.data_ptr());
-  const char* v = static_cast<const char*>(value.data_ptr());
-
-  at::parallel_for(0, total, grain_for(2 * token_row), [&](int64_t begin, int64_t end) {
-    int64_t b = std::upper_bound(first.begin(), first.end(), begin) - first.begin() - 1;
-    for (int64_t t = begin; t < end; ++t) {
-      while (t >= first[b + 1]) ++b;  // skips zero-length sequences too
-      const int64_t j = t - first[b];
-      const int64_t s = s0[b] + j;  // dense position (left padding before src_starts[b])
-      const int64_t p = d0[b] + j;  // logical position in the sequence
-      const int64_t block = bt[b * cols + p / block_size];
-      char* dst_k = cache + block * block_bytes + (p % block_size) * token_row;
-      char* dst_v = dst_k + block_size * token_row;
-      for (int64_t h = 0; h < heads; ++h) {
-        // Dense layout [B, H, S, D]: heads of one token are S * D elements apart.
-        const int64_t off = ((b * heads + h) * seq + s) * head_row;
-        std::memcpy(dst_k + h * head_row, k + off, head_row);
-        std::memcpy(dst_v + h * head_row, v + off, head_row);
-      }
     }
   });
 }
@@ -180,7 +128,7 @@ std::tuple<at::Tensor, at::Tensor> gather_kv_cpu(const at::Tensor& kv_cache, con
 }
 
 TORCH_LIBRARY_IMPL(spec_rl, CPU, m) {
-  register_kv_ops(m, {&write_kv_cpu, &splice_from_dense_cpu, &copy_blocks_cpu, &gather_kv_cpu});
+  register_kv_ops(m, {&write_kv_cpu, &copy_blocks_cpu, &gather_kv_cpu});
 }
 
 }  // namespace spec_rl

@@ -1,7 +1,7 @@
 // CUDA implementations of the paged KV-cache ops: argument checks (shared with the
 // CPU ops, kv_common.cpp), then the kernels of kv_kernels.cuh on the current stream.
 //
-// Index ranges (slots, block ids, starts, lengths) are checked on the host, which
+// Index ranges (slots, block ids, lengths) are checked on the host, which
 // copies the index tensors there and synchronises, so a bad call raises
 // RuntimeError before anything is written. While a CUDA graph is being captured
 // no host copy is allowed; then only the in-kernel guards apply (a bad slot or
@@ -51,31 +51,6 @@ void write_kv_cuda(at::Tensor& kv_cache, const at::Tensor& key_in, const at::Ten
                }));
 }
 
-void splice_from_dense_cuda(at::Tensor& kv_cache, const at::Tensor& key_in, const at::Tensor& value_in,
-                            const at::Tensor& block_tables, const at::Tensor& src_starts,
-                            const at::Tensor& dst_starts, const at::Tensor& lengths) {
-  const char* op = "spec_rl::splice_from_dense";
-  validate_splice(kv_cache, key_in, value_in, block_tables, src_starts, dst_starts, lengths);
-  const c10::cuda::CUDAGuard guard(kv_cache.device());
-  const int64_t bsz = key_in.size(0), heads = key_in.size(1), seq = key_in.size(2), dim = key_in.size(3);
-  const int64_t block_size = kv_cache.size(2), num_blocks = kv_cache.size(0);
-  // Range checks on host copies of the indices (one sync); the kernels read the device tensors.
-  if (!capturing()) checked_splice_indices(kv_cache, block_tables, src_starts, dst_starts, lengths, seq);
-  if (bsz == 0) return;
-  const at::Tensor key = key_in.contiguous(), value = value_in.contiguous();
-  const at::Tensor src = src_starts.to(at::kLong).contiguous();
-  const at::Tensor dst = dst_starts.to(at::kLong).contiguous();
-  const at::Tensor len = lengths.to(at::kLong).contiguous();
-  const at::Tensor tables = block_tables.contiguous();
-  check_launch(op, with_index_ptr(tables, [&](const auto* table_ids) {
-                 return kv_cuda::launch_splice(kv_cache.data_ptr(), key.data_ptr(), value.data_ptr(), table_ids,
-                                               src.data_ptr<int64_t>(), dst.data_ptr<int64_t>(),
-                                               len.data_ptr<int64_t>(), bsz, heads, seq, dim, block_size,
-                                               num_blocks, tables.size(1), elem_bytes(kv_cache),
-                                               c10::cuda::getCurrentCUDAStream());
-               }));
-}
-
 void copy_blocks_cuda(at::Tensor& kv_cache, const at::Tensor& block_mapping) {
   const char* op = "spec_rl::copy_blocks";
   validate_copy_blocks(kv_cache, block_mapping);
@@ -118,7 +93,7 @@ std::tuple<at::Tensor, at::Tensor> gather_kv_cuda(const at::Tensor& kv_cache, co
 }
 
 TORCH_LIBRARY_IMPL(spec_rl, CUDA, m) {
-  register_kv_ops(m, {&write_kv_cuda, &splice_from_dense_cuda, &copy_blocks_cuda, &gather_kv_cuda});
+  register_kv_ops(m, {&write_kv_cuda, &copy_blocks_cuda, &gather_kv_cuda});
 }
 
 }  // namespace spec_rl

@@ -15,9 +15,6 @@ TORCH_LIBRARY(spec_rl, m) {
   // on CUDA) for callers that built the slot mapping on the host and checked it there; the
   // kernels still skip any slot outside the cache, so nothing is written out of bounds.
   m.def("write_kv(Tensor(a!) kv_cache, Tensor key, Tensor value, Tensor slot_mapping, bool check_range=True) -> ()");
-  m.def(
-      "splice_from_dense(Tensor(a!) kv_cache, Tensor key, Tensor value, Tensor block_tables, "
-      "Tensor src_starts, Tensor dst_starts, Tensor lengths) -> ()");
   m.def("copy_blocks(Tensor(a!) kv_cache, Tensor block_mapping) -> ()");
   m.def("gather_kv(Tensor kv_cache, Tensor block_tables, Tensor lengths, int max_len) -> (Tensor, Tensor)");
 }
@@ -27,8 +24,7 @@ PyMODINIT_FUNC PyInit__C(void) {
   static struct PyModuleDef module_def = {
       PyModuleDef_HEAD_INIT,
       "_C",
-      "spec-rl native ops; importing registers torch.ops.spec_rl.{write_kv, splice_from_dense, copy_blocks, "
-      "gather_kv}.",
+      "spec-rl native ops; importing registers torch.ops.spec_rl.{write_kv, copy_blocks, gather_kv}.",
       -1,
       nullptr,
   };

@@ -15,7 +15,7 @@ from . import torch_kv
 
 _native = None  # None: not tried yet; False: not available; True: loaded
 _native_error = ""  # why spec_rl._C did not load (shown in the fallback warning)
-_OPS = ("write_kv", "splice_from_dense", "copy_blocks", "gather_kv")
+_OPS = ("write_kv", "copy_blocks", "gather_kv")
 
 
 def _register_fakes() -> None:
@@ -25,7 +25,7 @@ def _register_fakes() -> None:
         shape = (block_tables.shape[0], kv_cache.shape[3], max_len, kv_cache.shape[4])
         return kv_cache.new_empty(shape), kv_cache.new_empty(shape)
 
-    for name in ("write_kv", "splice_from_dense", "copy_blocks"):
+    for name in ("write_kv", "copy_blocks"):
         torch.library.register_fake(f"spec_rl::{name}")(lambda *args, **kwargs: None)
     torch.library.register_fake("spec_rl::gather_kv")(_gather_fake)
 
@@ -78,14 +78,6 @@ def write_kv(kv_cache, key, value, slot_mapping, *, max_slot: int | None = None)
     native op skips its device sync (it never writes out of bounds either way)."""
     write = _impl("write_kv", kv_cache.device)
     write(kv_cache, key.contiguous(), value.contiguous(), slot_mapping.contiguous(), max_slot is None)
-
-
-def splice_from_dense(kv_cache, key, value, block_tables, src_starts, dst_starts, lengths) -> None:
-    """Copy dense, left-padded K/V [B, H, S, D] (a transformers cache layer) into paged blocks: dense position
-    src_starts[b] + j, j < lengths[b], goes to logical position dst_starts[b] + j through ``block_tables[b]``."""
-    splice = _impl("splice_from_dense", kv_cache.device)
-    starts_and_lengths = [t.long().contiguous() for t in (src_starts, dst_starts, lengths)]
-    splice(kv_cache, key.contiguous(), value.contiguous(), block_tables.int().contiguous(), *starts_and_lengths)
 
 
 def copy_blocks(kv_cache, block_mapping) -> None:

@@ -20,28 +20,6 @@ def write_kv(
     kv_cache[blocks, 1, offsets] = value[keep].to(kv_cache.dtype)
 
 
-def splice_from_dense(
-    kv_cache: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    block_tables: torch.Tensor,
-    src_starts: torch.Tensor,
-    dst_starts: torch.Tensor,
-    lengths: torch.Tensor,
-) -> None:
-    """Dense position ``src_starts[b] + j`` of K/V [B, H, S, D] (left-padded) to logical position ``dst_starts[b] + j``
-    through ``block_tables[b]``, j < lengths[b]; ``dst_starts`` skips prompt blocks shared with others."""
-    block_size = kv_cache.shape[2]
-    for b in range(key.shape[0]):
-        n = int(lengths[b])
-        src = torch.arange(int(src_starts[b]), int(src_starts[b]) + n, device=key.device)
-        pos = torch.arange(int(dst_starts[b]), int(dst_starts[b]) + n, device=key.device)
-        blocks = block_tables[b].long()[pos // block_size]
-        offsets = pos % block_size
-        kv_cache[blocks, 0, offsets] = key[b][:, src].transpose(0, 1).to(kv_cache.dtype)
-        kv_cache[blocks, 1, offsets] = value[b][:, src].transpose(0, 1).to(kv_cache.dtype)
-
-
 def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
     """Copy-on-write: kv_cache[dst] = kv_cache[src] per row of ``block_mapping`` [M, 2] (int64); all sources are read
     before any destination is written, so a block may be both (in different rows)."""

@@ -46,6 +46,14 @@ def _written_mask(kv_cache: torch.Tensor) -> torch.Tensor:
     return ~torch.isnan(kv_cache.float()).any(dim=4).any(dim=3).any(dim=1)
 
 
+def _write_positions(kv_cache, key, value, table, start, ref=False) -> None:
+    """K/V [H, n, D] to logical positions start .. start + n - 1 of the sequence with block table ``table``."""
+    block_size = kv_cache.shape[2]
+    pos = torch.arange(start, start + key.shape[1], device=key.device)
+    slots = table.long()[pos // block_size] * block_size + pos % block_size
+    (torch_kv if ref else ops).write_kv(kv_cache, key.transpose(0, 1), value.transpose(0, 1), slots)
+
+
 # --------------------------------------------------------------------------- availability
 
 
@@ -53,7 +61,7 @@ def test_native_ops_are_built():
     # CI has a C++ compiler: a silent fallback to the reference must fail here.
     assert ops.native_available(), f"spec_rl._C did not load: {ops._native_error}"
     assert ops.native_available("cpu")
-    for name in ("write_kv", "splice_from_dense", "copy_blocks", "gather_kv"):
+    for name in ("write_kv", "copy_blocks", "gather_kv"):
         assert hasattr(torch.ops.spec_rl, name)
 
 
@@ -122,67 +130,6 @@ def test_write_kv_all_padding_and_empty(device):
     _assert_same_bits(cache, before)
 
 
-# --------------------------------------------------------------------------- splice_from_dense
-
-
-def _splice_case(gen, block_size, dtype, device):
-    """Left-padded dense K/V for 4 sequences; lengths 0, k*block_size, and ragged; distinct blocks."""
-    heads, dim = 2, 8
-    lengths = [0, 2 * block_size, 3, block_size + 1]
-    dst = [0, 0, block_size, 1]  # sequence 2 skips one shared prompt block; 3 starts mid-block
-    seq = max(lengths) + 2
-    src = [seq - n for n in lengths]  # left padding
-    src[3] = 0  # and one right-padded row
-    cols = max((d + n + block_size - 1) // block_size for d, n in zip(dst, lengths)) + 1
-    num_blocks = 4 * cols + 2
-    perm = torch.randperm(num_blocks, generator=gen)
-    tables = torch.full((4, cols), -1, dtype=torch.int32)  # unused columns hold -1
-    used = 0
-    for b, (d, n) in enumerate(zip(dst, lengths)):
-        need = (d + n + block_size - 1) // block_size
-        tables[b, :need] = perm[used : used + need].int()
-        used += need
-    key = _rand(gen, (4, heads, seq, dim), dtype, device)
-    value = _rand(gen, (4, heads, seq, dim), dtype, device)
-    idx = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
-    return num_blocks, heads, dim, key, value, tables.to(device), idx(src), idx(dst), idx(lengths)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block_size", [1, 16, 32])
-def test_splice_from_dense_matches_reference(device, dtype, block_size):
-    gen = torch.Generator().manual_seed(block_size)
-    num_blocks, heads, dim, key, value, tables, src, dst, lengths = _splice_case(gen, block_size, dtype, device)
-    cache = _poisoned(num_blocks, block_size, heads, dim, dtype, device)
-    expected = cache.clone()
-    ops.splice_from_dense(cache, key, value, tables, src, dst, lengths)
-    torch_kv.splice_from_dense(expected, key, value, tables, src, dst, lengths)
-    _assert_same_bits(cache, expected)
-
-    written = torch.zeros(num_blocks, block_size, dtype=torch.bool)
-    for b in range(key.shape[0]):
-        for j in range(int(lengths[b])):
-            p = int(dst[b]) + j
-            blk, off = int(tables[b, p // block_size]), p % block_size
-            _assert_same_bits(cache[blk, 0, off], key[b, :, int(src[b]) + j])
-            _assert_same_bits(cache[blk, 1, off], value[b, :, int(src[b]) + j])
-            written[blk, off] = True
-    assert torch.equal(_written_mask(cache).cpu(), written)
-    assert int(written.sum()) == int(lengths.sum())
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_splice_int32_indices_direct_native(device):
-    gen = torch.Generator().manual_seed(3)
-    num_blocks, heads, dim, key, value, tables, src, dst, lengths = _splice_case(gen, 16, torch.bfloat16, device)
-    cache = _poisoned(num_blocks, 16, heads, dim, torch.bfloat16, device)
-    expected = cache.clone()
-    torch.ops.spec_rl.splice_from_dense(cache, key, value, tables.long(), src.int(), dst.int(), lengths.int())
-    torch_kv.splice_from_dense(expected, key, value, tables, src, dst, lengths)
-    _assert_same_bits(cache, expected)
-
-
 # --------------------------------------------------------------------------- copy_blocks
 
 
@@ -237,7 +184,7 @@ def test_shared_prompt_blocks_copy_on_write(device, dtype):
     prompt_v = _rand(gen, (1, heads, prompt_len, dim), dtype, device)
     shared = torch.tensor([[0, 1]], dtype=torch.int32, device=device)
     idx = lambda xs: torch.tensor(xs, dtype=torch.long, device=device)  # noqa: E731
-    ops.splice_from_dense(cache, prompt_k, prompt_v, shared, idx([0]), idx([0]), idx([prompt_len]))
+    _write_positions(cache, prompt_k[0], prompt_v[0], shared[0], 0)
     shared_before = cache[:2].clone()
 
     # Copy-on-write of the partial block 1 into each sample's own block (2, 3, 4); fresh blocks after.
@@ -246,8 +193,8 @@ def test_shared_prompt_blocks_copy_on_write(device, dtype):
     seq = max(cont_lens)
     cont_k = _rand(gen, (group, heads, seq, dim), dtype, device)
     cont_v = _rand(gen, (group, heads, seq, dim), dtype, device)
-    src = idx([seq - n for n in cont_lens])  # left-padded continuations
-    ops.splice_from_dense(cache, cont_k, cont_v, tables, src, idx([prompt_len] * group), idx(cont_lens))
+    for g, n in enumerate(cont_lens):  # left-padded continuations
+        _write_positions(cache, cont_k[g, :, seq - n :], cont_v[g, :, seq - n :], tables[g], prompt_len)
 
     _assert_same_bits(cache[:2], shared_before)  # the shared blocks are untouched
     lengths = idx([prompt_len + n for n in cont_lens])
@@ -330,12 +277,13 @@ def test_ops_split_across_threads(device):
         seq = int(lengths.max())
         cols = (seq + block_size - 1) // block_size
         tables = torch.randperm(num_blocks, generator=gen)[: 5 * cols].view(5, cols).int().to(device)
-        src = seq - lengths
-        dense_k = _rand(gen, (5, heads, seq, dim), torch.float32, device)
-        dense_v = _rand(gen, (5, heads, seq, dim), torch.float32, device)
-        zeros = torch.zeros_like(lengths)
-        ops.splice_from_dense(cache, dense_k, dense_v, tables, src, zeros, lengths)
-        torch_kv.splice_from_dense(expected, dense_k, dense_v, tables, src, zeros, lengths)
+        for b, n in enumerate(lengths.tolist()):
+            rows = (
+                _rand(gen, (heads, n, dim), torch.float32, device),
+                _rand(gen, (heads, n, dim), torch.float32, device),
+            )
+            _write_positions(cache, *rows, tables[b], 0)
+            _write_positions(expected, *rows, tables[b], 0, ref=True)
         _assert_same_bits(cache, expected)
 
         k, v = ops.gather_kv(cache, tables, lengths, seq + 3)
@@ -359,10 +307,9 @@ def _valid(device):
     cache = _poisoned(4, 8, 2, 4, torch.float32, device)
     key = torch.zeros(3, 2, 4, device=device)
     slots = torch.tensor([0, 5, -1], device=device)
-    dense = torch.zeros(2, 2, 6, 4, device=device)
     tables = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=device)
     idx = lambda xs: torch.tensor(xs, device=device)  # noqa: E731
-    return cache, key, slots, dense, tables, idx
+    return cache, key, slots, tables, idx
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -382,7 +329,7 @@ def _valid(device):
     ],
 )
 def test_native_write_kv_raises_instead_of_writing_out_of_bounds(device, case, match):
-    cache, key, slots, _, _, _ = _valid(device)
+    cache, key, slots, _, _ = _valid(device)
     args = [cache, key, key.clone(), slots]
     bad = {
         "slot_too_big": (3, torch.tensor([0, 32, 1], device=device)),
@@ -404,46 +351,8 @@ def test_native_write_kv_raises_instead_of_writing_out_of_bounds(device, case, m
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(
-    "case,match",
-    [
-        ("block_id", r"block_tables\[0, 0\] = 4 is out of range \[0, 4\)"),
-        ("negative_block", r"block_tables\[1, 0\] = -1 is out of range"),
-        ("few_columns", "sequence 0 needs 3 blocks but block_tables has 2 columns"),
-        ("past_dense", r"src_starts\[1\] \+ lengths\[1\] = 7 exceeds the dense length S = 6"),
-        ("src_negative", r"src_starts\[0\] = -2 must be >= 0"),
-        ("dst_negative", r"dst_starts\[1\] = -1 must be >= 0"),
-        ("len_negative", r"lengths\[0\] = -1 must be >= 0"),
-        ("table_rows", "block_tables has 1 rows"),
-        ("starts_count", "one entry per sequence"),
-        ("key_heads", r"must both be \[B, 2, S, 4\]"),
-    ],
-)
-def test_native_splice_raises_instead_of_writing_out_of_bounds(device, case, match):
-    cache, _, _, dense, tables, idx = _valid(device)
-    args = [cache, dense, dense.clone(), tables, idx([0, 1]), idx([0, 2]), idx([6, 5])]
-    bad = {
-        "block_id": (3, torch.tensor([[4, 1], [2, 3]], dtype=torch.int32, device=device)),
-        "negative_block": (3, torch.tensor([[0, 1], [-1, 3]], dtype=torch.int32, device=device)),
-        "few_columns": (5, idx([12, 2])),
-        "past_dense": (4, idx([0, 2])),
-        "src_negative": (4, idx([-2, 1])),
-        "dst_negative": (5, idx([0, -1])),
-        "len_negative": (6, idx([-1, 5])),
-        "table_rows": (3, tables[:1]),
-        "starts_count": (6, idx([6])),
-        "key_heads": (1, torch.zeros(2, 1, 6, 4, device=device)),
-    }[case]
-    before = cache.clone()
-    args[bad[0]] = bad[1]
-    with pytest.raises(RuntimeError, match=match):
-        torch.ops.spec_rl.splice_from_dense(*args)
-    _assert_same_bits(cache, before)
-
-
-@pytest.mark.parametrize("device", DEVICES)
 def test_native_copy_blocks_and_gather_raise(device):
-    cache, _, _, _, tables, idx = _valid(device)
+    cache, _, _, tables, idx = _valid(device)
     before = cache.clone()
     for mapping, match in [
         (idx([[0, 4]]), r"block_mapping\[0, 1\] = 4 is out of range \[0, 4\)"),
@@ -477,15 +386,10 @@ def test_native_copy_blocks_and_gather_raise(device):
 def test_opcheck_schemas_and_fake_impls(device):
     """torch.library.opcheck: mutation annotations (Tensor(a!)) and fake implementations are consistent."""
     assert ops.native_available()
-    cache, key, slots, dense, tables, idx = _valid(device)
+    cache, key, slots, tables, idx = _valid(device)
     cache = torch.randn_like(cache)
     checks = ("test_schema", "test_faketensor")
     torch.library.opcheck(torch.ops.spec_rl.write_kv, (cache, key, key.clone(), slots), test_utils=checks)
-    torch.library.opcheck(
-        torch.ops.spec_rl.splice_from_dense,
-        (cache, dense, dense.clone(), tables, idx([0, 1]), idx([0, 2]), idx([6, 5])),
-        test_utils=checks,
-    )
     torch.library.opcheck(torch.ops.spec_rl.copy_blocks, (cache, idx([[0, 1], [1, 2]])), test_utils=checks)
     torch.library.opcheck(torch.ops.spec_rl.gather_kv, (cache, tables, idx([3, 9]), 12), test_utils=checks)
 
