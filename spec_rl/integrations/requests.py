@@ -136,12 +136,7 @@ class SpecRequestBuilder:
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ValueError("prompt_ids is empty")
-        budget = self.settings.budget(len(prompt), self.max_model_len)
-        if budget < 1:
-            raise ValueError(
-                f"prompt has {len(prompt)} tokens; max_model_len={self.max_model_len} leaves no room for a response: "
-                "shorten the prompt or raise max_model_len"
-            )
+        budget = self.settings.budget(len(prompt), self.max_model_len, "prompt_ids")
         sample = Sample.make(prompt, slot, dataset_id, budget)
         # Servers need max_tokens >= 1, so the scoring request needs one free position after the draft; a draft
         # cut for that room is a prefix, whatever it was.

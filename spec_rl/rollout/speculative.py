@@ -151,10 +151,6 @@ class SpeculativeRollout:
         """The backend's ``vocab_size`` (None: unknown until a scoring pass gives V)."""
         return self.backend.vocab_size
 
-    def budget(self, prompt_len: int) -> int:
-        """Response budget before reuse: min(max_tokens, max_model_len - prompt_len)."""
-        return self.settings.budget(prompt_len, self.max_model_len)
-
     def run(
         self, requests: Sequence[RolloutRequest], step: int, *, seed: int | None = None, cache: DraftStore | None = None
     ) -> RolloutResult:
@@ -204,13 +200,10 @@ class SpeculativeRollout:
         if self.mode.reuses_drafts and self.backend.owner is not None:  # DraftOwnerError: another model's drafts
             store.claim(self.backend.owner, f"the cache given to the rollout ({type(store).__name__})")
         prompts = request_prompts(requests, self.vocab_size, backend_name(self.backend))
-        samples = [Sample.make(p, r.slot, r.dataset_id, self.budget(len(p))) for p, r in zip(prompts, requests)]
-        for i, x in enumerate(samples):
-            if x.budget < 1:
-                raise ValueError(
-                    f"requests[{i}]: prompt has {len(x.prompt_ids)} tokens, max_model_len={self.max_model_len} leaves "
-                    "no room for a response; shorten the prompt or raise max_model_len"
-                )
+        samples = [
+            Sample.make(p, r.slot, r.dataset_id, self.settings.budget(len(p), self.max_model_len, f"requests[{i}]"))
+            for i, (p, r) in enumerate(zip(prompts, requests))
+        ]
         check_unique_samples([x.key for x in samples])
         if self.history is not None:
             for x, p, r in zip(samples, prompts, requests):

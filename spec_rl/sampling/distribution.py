@@ -60,9 +60,16 @@ class SamplingSettings:
     def to_dict(self) -> dict:
         return asdict(self)
 
-    def budget(self, prompt_len: int, max_model_len: int) -> int:
-        """Response budget in tokens before reuse: ``min(max_tokens, max_model_len - prompt_len)`` (may be <= 0)."""
-        return min(int(self.max_tokens), int(max_model_len) - int(prompt_len))
+    def budget(self, prompt_len: int, max_model_len: int, where: str = "the prompt") -> int:
+        """Response budget in tokens before reuse: ``min(max_tokens, max_model_len - prompt_len)``; ValueError naming
+        ``where`` (the prompt) when that leaves no room for a response."""
+        budget = min(int(self.max_tokens), int(max_model_len) - int(prompt_len))
+        if budget < 1:
+            raise ValueError(
+                f"{where} has {prompt_len} tokens: max_model_len={max_model_len} leaves no room for a response; "
+                "shorten the prompt or raise max_model_len"
+            )
+        return budget
 
     @property
     def is_plain(self) -> bool:

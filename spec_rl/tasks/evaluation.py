@@ -75,14 +75,9 @@ def evaluate_heldout(
     backend = _backend(model, tokenizer, batch_size)
     prompts = (prompt_format or PromptFormat("off")).encode(tokenizer, examples)
     budgets = [
-        settings.max_tokens if max_model_len is None else settings.budget(len(p), max_model_len) for p in prompts
+        settings.max_tokens if max_model_len is None else settings.budget(len(p), max_model_len, f"held-out prompt {i}")
+        for i, p in enumerate(prompts)
     ]
-    for i, b in enumerate(budgets):
-        if b < 1:
-            raise ValueError(
-                f"held-out prompt {i} has {len(prompts[i])} tokens, max_model_len={max_model_len} leaves no room for a "
-                "response; filter long prompts or raise max_model_len"
-            )
     greedy = SamplingSettings(top_k=1, max_tokens=settings.max_tokens)
     repeat = range(samples_per_prompt)
     rows = [p for p in prompts for _ in repeat]

@@ -149,13 +149,13 @@ def test_truncation_and_budget_with_a_long_prompt():
     model = tiny_model(seed=6)
     long_prompt = list(range(3, 30)) * 4  # 108 tokens
     ro = _rollout(model, max_tokens=50, max_model_len=112, mode=_lenient(1.0))
-    assert ro.budget(len(long_prompt)) == 4
+    assert ro.settings.budget(len(long_prompt), ro.max_model_len) == 4
     res = ro.run([RolloutRequest(long_prompt, s) for s in range(4)], 0)
     for r, f in zip(res.response_ids, res.finish_reasons):
         assert len(r) <= 4
         assert (f == "length") == (len(r) == 4 and r[-1] != 1)
     assert res.truncated == [f == "length" for f in res.finish_reasons]
-    with pytest.raises(ValueError, match="max_model_len"):
+    with pytest.raises(ValueError, match=r"requests\[0\] has 135 tokens: max_model_len=112 leaves no room"):
         ro.run([RolloutRequest(list(range(3, 30)) * 5, 0)], 1)
 
 
