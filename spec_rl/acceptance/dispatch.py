@@ -11,7 +11,7 @@ import torch
 
 from ..sampling.distribution import SamplingSettings, check_settings
 from ..util.triton import kernels_for
-from ..util.validation import check_choice, check_int, format_positions, invalid_scores_message
+from ..util.validation import LOGPROB_SLACK, check_choice, check_int, format_positions, invalid_scores_message
 from .mode import RolloutMode
 from .reference import SCORE_NAMES, VerifyResult, lengths_mask, make_result, reference_verify
 from .rules import Rule
@@ -106,7 +106,7 @@ def _check_tensor(name: str, t, shape: tuple | None, kind: str, device: torch.de
 
 def _check_logprobs(name: str, lp: torch.Tensor, valid: torch.Tensor, hint: str) -> None:
     """ValueError naming the first (sample, token) positions of [B, R] ``lp`` that are NaN or > 0 where ``valid``."""
-    bad = valid & (torch.isnan(lp) | (lp > 1e-4))
+    bad = valid & (torch.isnan(lp) | (lp > LOGPROB_SLACK))
     if bool(bad.any()):
         where = torch.nonzero(bad)
         raise ValueError(

@@ -89,10 +89,17 @@ def weight_sums(log_ratio: torch.Tensor, mask: torch.Tensor, correction: Rollout
     }
 
 
-def weight_stats(sums: dict) -> dict:
-    """Mean, max, share corrected and effective sample size (sum w)^2 / (N sum w^2) in (0, 1] of the weights
-    whose sums :func:`weight_sums` gave (added over steps; ``is_max`` the largest)."""
-    n = sums.get("is_tokens", 0)
+#: The keys of :func:`weight_sums` that add up over steps and epochs (``is_max`` takes the largest).
+WEIGHT_SUMS = ("is_tokens", "is_sum", "is_sq_sum", "is_corrected")
+
+
+def weight_stats(parts) -> dict:
+    """Mean, max, share corrected and effective sample size (sum w)^2 / (N sum w^2) in (0, 1] of the weights whose
+    sums :func:`weight_sums` gave, over ``parts`` (dicts carrying those sums: steps or epoch records)."""
+    parts = list(parts)
+    sums = {k: sum(p.get(k, 0) for p in parts) for k in WEIGHT_SUMS}
+    sums["is_max"] = max((p.get("is_max") or 1.0 for p in parts), default=1.0)
+    n = sums["is_tokens"]
     if not n:
         return {"is_mean": None, "is_max": None, "is_corrected_share": None, "is_ess": None}
     return {

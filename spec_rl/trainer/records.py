@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..acceptance.mode import RolloutMode
 from ..rollout.reward_split import ORIGINS, origin_means
-from .correction import weight_stats
+from .correction import WEIGHT_SUMS, weight_stats
 
 #: One JSON line per training step, in each mode's folder of a run directory.
 METRICS_FILE = "metrics.jsonl"
@@ -21,7 +21,7 @@ SUMMED = (
     *("decode_positions",),
     *("scoring_seconds", "generation_seconds", "assembly_seconds"),
     *("reward_sum", "truncated", "train_seconds", "groups", "flat_groups"),
-    *("is_tokens", "is_sum", "is_sq_sum", "is_corrected"),
+    *WEIGHT_SUMS,
     *(f"{kind}_{origin}" for origin in ORIGINS for kind in ("reward_sum", "count")),
 )
 # Step sums an epoch record keeps under their own name.
@@ -29,7 +29,7 @@ _KEPT = (
     *("vanilla_tokens", "draft_tokens", "drafts_found", "drafts_dropped", "scoring_seconds", "generation_seconds"),
     *("decode_steps",),
     *("tail_proposed", "tail_accepted", "decode_positions", "train_seconds", "groups", "flat_groups"),
-    *("is_tokens", "is_sum", "is_sq_sum", "is_corrected"),
+    *WEIGHT_SUMS,
 )
 
 
@@ -68,7 +68,7 @@ def epoch_record(epoch: int, steps: list[dict], label: str, mode: RolloutMode) -
         # every group's rewards equal: every advantage is 0 and the policy did not change this epoch
         "no_signal": tot["groups"] > 0 and tot["flat_groups"] == tot["groups"],
         # importance weights pi_old / pi_behaviour of the response tokens (docs/design.md "Rollout correction")
-        **weight_stats({**tot, "is_max": max((s.get("is_max", 1.0) for s in steps), default=1.0)}),
+        **weight_stats(steps),
     }
 
 

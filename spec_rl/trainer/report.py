@@ -38,8 +38,6 @@ EPOCH_COLUMNS = (
 _RATIOS = ("generated_tokens", "decode_steps", "rollout_seconds")
 #: Summed over epochs for the run-level ratios.
 _TOTALS = (*_RATIOS, "scoring_seconds", "generation_seconds", "other_seconds", "reused_tokens", "draft_tokens")
-#: Summed over epochs for the importance weights' statistics (:func:`~spec_rl.trainer.correction.weight_stats`).
-_WEIGHT_SUMS = ("is_tokens", "is_sum", "is_sq_sum", "is_corrected")
 #: Columns of the comparison tables (key, header, format); n/a where there is no value.
 _RATIO_COLUMNS = (
     ("generated_tokens_ratio", "tokens ratio", ".3f"),
@@ -180,19 +178,13 @@ def run_ratios(summary: dict[str, list[dict]], from_epoch: int = 2) -> list[dict
                 "accepted_share": _ratio(t["reused_tokens"], t["draft_tokens"]),
                 "reused_drift": mean_or_none([r.get("reused_drift") for r in records if r["epoch"] in epochs]),
                 # importance weights pi_old / pi_behaviour of the response tokens (docs/design.md "Rollout correction")
-                **weight_stats(_weight_sums([r for r in records if r["epoch"] in epochs])),
+                **weight_stats(r for r in records if r["epoch"] in epochs),
                 "no_signal_epochs": [r["epoch"] for r in records if r.get("no_signal")],
                 **_final_quality(records, vanilla),
                 "epochs": sorted(epochs),
             }
         )
     return out
-
-
-def _weight_sums(records: list[dict]) -> dict:
-    """The importance-weight sums of epoch records added up, with the largest weight."""
-    sums = {k: sum(r.get(k, 0) for r in records) for k in _WEIGHT_SUMS}
-    return {**sums, "is_max": max((r.get("is_max") or 1.0 for r in records), default=1.0)}
 
 
 def _fmt(x: float | None, spec: str) -> str:

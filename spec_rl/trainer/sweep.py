@@ -99,12 +99,7 @@ def run_totals(records: list[dict]) -> dict:
             curve.append((spent, r["heldout_reward"]))
     later_draft = sum(r.get("draft_tokens", 0) for r in later)
     drift = [r["reused_drift"] for r in later if r.get("reused_drift") is not None]
-    weights = weight_stats(
-        {
-            **{k: sum(r.get(k, 0) for r in later) for k in ("is_tokens", "is_sum", "is_sq_sum", "is_corrected")},
-            "is_max": max((r.get("is_max") or 1.0 for r in later), default=1.0),
-        }
-    )
+    weights = weight_stats(later)
     return {
         "epoch_generated_tokens": [r["generated_tokens"] for r in records],
         "epoch_decode_steps": [r.get("decode_steps", 0) for r in records],

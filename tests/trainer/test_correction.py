@@ -46,11 +46,11 @@ def test_weights_truncate_or_mask_and_their_statistics():
     assert kept.tolist() == [[True, False, True, False], [True, True, False, True]]
     sums = weight_sums(log_w, mask, RolloutCorrection("tis", 2.0))
     values = torch.tensor([1.0, 3.0, 0.5, 1.0, 1.0, 2.5, 1.0], dtype=torch.float64)
-    stats = weight_stats(sums)
+    stats = weight_stats([sums])
     assert stats["is_mean"] == pytest.approx(float(values.mean()))
     assert stats["is_max"] == pytest.approx(3.0) and stats["is_corrected_share"] == pytest.approx(2 / 7)
     assert stats["is_ess"] == pytest.approx(float(values.sum() ** 2 / (7 * (values**2).sum())))
-    assert weight_stats({})["is_mean"] is None
+    assert weight_stats([])["is_mean"] is None
 
 
 def test_the_loss_weighs_each_tokens_surrogate():
