@@ -42,7 +42,7 @@ def test_bench_engine_tiny_preset_writes_its_table(tmp_path, capsys):
     assert splice["accepted_tokens"] == reprefill["accepted_tokens"]
     assert splice["reprefill_tokens"] == 0
     assert splice["engine_stats"]["prefill_tokens"] == splice["engine_stats"]["scoring_tokens"]
-    assert "=== spec-rl paged engine" in capsys.readouterr().out
+    assert "## Paged engine (stage 5, bench_engine.py)" in capsys.readouterr().out
 
 
 def test_every_benchmark_checks_device_as_the_trainer_does(capsys):
