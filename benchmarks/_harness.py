@@ -42,21 +42,9 @@ CPU_REPEATS = 2
 # ---------------------------------------------------------------- timing
 
 
-def _quantile(sorted_values: list[float], q: float) -> float:
-    """Linear interpolation between order statistics (numpy's default)."""
-    pos = q * (len(sorted_values) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
-
-
 @dataclass(frozen=True)
 class Timing:
-    """Median and spread of repeated runs, all in one unit (ms or s).
-
-    ``low`` / ``high`` are the 20th / 80th percentiles; with one run all three
-    are that run's time.
-    """
+    """Median and spread (20th / 80th percentiles) of repeated runs, all in one unit (ms or s)."""
 
     median: float
     low: float
@@ -65,12 +53,17 @@ class Timing:
 
     @classmethod
     def from_samples(cls, samples: list[float]) -> Timing:
-        ordered = sorted(samples)
-        return cls(statistics.median(ordered), _quantile(ordered, LOW_Q), _quantile(ordered, HIGH_Q), len(ordered))
+        q = statistics.quantiles(samples, n=5, method="inclusive") if len(samples) > 1 else samples * 4
+        return cls(statistics.median(samples), q[0], q[3], len(samples))
 
-    def record(self, key: str) -> dict:
-        """``{key: median, key_p20: low, key_p80: high, "runs": runs}`` for a result row."""
-        return {key: self.median, f"{key}_p20": self.low, f"{key}_p80": self.high, "runs": self.runs}
+    def record(self, key: str, scale: float = 1.0) -> dict:
+        """``{key: median, key_p20: low, key_p80: high, "runs": runs}`` (times ``scale``) for a result row."""
+        return {
+            key: self.median * scale,
+            f"{key}_p20": self.low * scale,
+            f"{key}_p80": self.high * scale,
+            "runs": self.runs,
+        }
 
 
 def device_arg(parser, value: str | None) -> torch.device:
@@ -103,11 +96,8 @@ def synced(fn: Callable, device: torch.device | str) -> Callable:
 
 
 def wall_time(fn: Callable[[], Any], device: torch.device | str, *, warmup: int = 0, repeats: int = 1):
-    """Host wall-clock time of ``fn()``: ``warmup`` untimed calls, then ``repeats`` timed ones.
-
-    Each timed call is bracketed by device synchronizes, so queued kernels are
-    counted. Returns ``(output of the last call, Timing in seconds)``.
-    """
+    """``(output of the last call, Timing in seconds)`` of ``fn()``: ``warmup`` untimed calls, then ``repeats`` timed
+    ones, each between device synchronizes (queued kernels count)."""
     for _ in range(warmup):
         fn()
     samples, out = [], None
@@ -121,11 +111,7 @@ def wall_time(fn: Callable[[], Any], device: torch.device | str, *, warmup: int 
 
 
 def gpu_time(fn: Callable[[], Any], rep_ms: int) -> Timing:
-    """CUDA-event time of ``fn()`` in ms from ``triton.testing.do_bench`` (``rep_ms`` budget, L2 flushed).
-
-    The warm-up budget is a quarter of ``rep_ms`` (at least 10 ms); the median
-    is the one ``do_bench(return_mode="median")`` reports.
-    """
+    """CUDA-event times of ``fn()`` in ms from ``triton.testing.do_bench`` (``rep_ms`` budget, L2 flushed)."""
     import triton
 
     times = triton.testing.do_bench(fn, warmup=max(10, rep_ms // 4), rep=rep_ms, return_mode="all")
@@ -179,17 +165,10 @@ def measure(
     device: torch.device | str = "cuda",
     **extra,
 ) -> dict:
-    """Time one call into a row ``{"name", **extra, "ms", "ms_p20", "ms_p80", "runs"[, "extra_mb"]}``.
-
-    One untimed call first (compilation, first-call costs), then :func:`gpu_time`
-    on CUDA, or :func:`wall_time` (:data:`CPU_REPEATS` runs) on the CPU, where
-    the smoke runs of the GPU scripts time the interpreter (meaningless as a
-    number, but the same code path). ``memory`` adds :func:`peak_extra_mb` on
-    CUDA (``extra_mb`` is None on the CPU). An exception becomes
-    ``row["error"]`` (first line, 300 characters) so one failing row does not
-    end the run. The row is appended to ``rows``; ``progress(row)`` is printed
-    (flushed) when given.
-    """
+    """Time one call into a row ``{"name", **extra, "ms", "ms_p20", "ms_p80", "runs"[, "extra_mb"]}`` appended to
+    ``rows`` (``progress(row)`` printed): one untimed call, then :func:`gpu_time` on CUDA, :func:`wall_time` on the
+    CPU (the smoke runs: the interpreter's times are no measurement); ``memory``: :func:`peak_extra_mb` (None on the
+    CPU). An exception becomes ``row["error"]``, so one failing row does not end the run."""
     rec, on_cuda = {"name": name, **extra}, torch.device(device).type == "cuda"
     try:
         fn()
@@ -197,8 +176,7 @@ def measure(
         if on_cuda:
             rec.update(gpu_time(fn, rep_ms).record("ms"))
         else:
-            _, t = wall_time(fn, device, repeats=CPU_REPEATS)
-            rec.update(Timing(t.median * 1e3, t.low * 1e3, t.high * 1e3, t.runs).record("ms"))
+            rec.update(wall_time(fn, device, repeats=CPU_REPEATS)[1].record("ms", 1e3))
         if memory:
             rec["extra_mb"] = peak_extra_mb(fn) if on_cuda else None
     except Exception as exc:  # noqa: BLE001  (a failing row is reported, not fatal)
@@ -216,37 +194,22 @@ def failed_rows(rows: list[dict]) -> list[str]:
     return [f"{r['name']}: {r['error']}" for r in rows if "error" in r and not r.get("optional")]
 
 
-def compiled_kernels(script: str):
-    """``spec_rl.kernels`` built for the GPU, or None (after saying why) when the interpreter made them.
-
-    ``TRITON_INTERPRET`` is dropped first; it only matters if the package was
-    not imported yet (interpreter timings say nothing about a GPU).
-    """
-    os.environ.pop("TRITON_INTERPRET", None)
-    import spec_rl.kernels as K
-
-    if K.INTERPRET:
-        print(f"{script}: spec_rl.kernels was imported in interpreter mode (TRITON_INTERPRET set); unset it.")
-        return None
-    return K
-
-
 def kernels_for(device: torch.device | str, script: str):
-    """``spec_rl.kernels`` runnable on ``device``, or None after printing why.
-
-    CUDA: the compiled kernels (:func:`compiled_kernels`). CPU: the Triton
-    interpreter, which needs ``TRITON_INTERPRET=1`` in the environment before
-    the package is imported (the smoke runs set it); its timings are not
-    measurements, only the code path is.
-    """
-    if torch.device(device).type == "cuda":
-        return compiled_kernels(script)
+    """``spec_rl.kernels`` runnable on ``device``, or None after printing why: compiled on CUDA (TRITON_INTERPRET
+    dropped: interpreter timings say nothing about a GPU), interpreted on the CPU (the smoke runs set
+    ``TRITON_INTERPRET=1`` before the package is imported)."""
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        os.environ.pop("TRITON_INTERPRET", None)
     try:
         import spec_rl.kernels as K
     except ImportError as exc:
         print(f"{script}: spec_rl.kernels is not importable ({exc})")
         return None
-    if not K.is_available(device):
+    if cuda and K.INTERPRET:
+        print(f"{script}: spec_rl.kernels was imported in interpreter mode (TRITON_INTERPRET set); unset it.")
+        return None
+    if not cuda and not K.is_available(device):
         print(f"{script}: the kernels cannot run on {device}: set TRITON_INTERPRET=1 for a CPU smoke run")
         return None
     return K
@@ -308,10 +271,8 @@ def device_description(device: torch.device | str) -> dict:
 
 
 def provenance(device: torch.device | str | None = None) -> dict:
-    """Where a result comes from: device, torch / triton / Python versions, commit and UTC date.
-
-    ``device`` defaults to CUDA when visible, else the CPU.
-    """
+    """Where a result comes from: device (default CUDA when visible), torch / triton / Python versions, commit and
+    UTC date."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     return {

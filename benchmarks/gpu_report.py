@@ -66,7 +66,7 @@ def rows_table(columns: list[tuple], rows: list[dict], keep: int = 1) -> list[st
 
 def speedups(row: dict) -> str:
     """ "label 1.23x, ..." from a row's ``speedup_vs_<label>`` entries."""
-    return ", ".join(f"{k[len('speedup_vs_') :]} {v:.2f}x" for k, v in row.items() if k.startswith("speedup_vs_"))
+    return ", ".join(f"{k[11:]} {v:.2f}x" for k, v in row.items() if k.startswith("speedup_vs_")) or "-"
 
 
 def section(title: str, record: dict, body: list[str]) -> list[str]:
