@@ -262,35 +262,17 @@ def report(rec: dict) -> list[str]:
     return H.section("Rollout (stage 6, bench_rollout.py)", rec, [head, ""] + H.rows_table(columns, rows))
 
 
-def add_rollout_arguments(ap: argparse.ArgumentParser) -> None:
-    """The arguments of the rollout benchmark: model, backend, drafts, sizes."""
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", choices=list(PRESETS), default="demo")
     ap.add_argument("--backend", choices=["auto", "transformers", "paged"], default="auto")
     ap.add_argument("--device", help="default: cuda if available, else cpu")
     ap.add_argument("--history-epochs", type=int, default=2, help="vanilla rollouts that fill the cache and history")
-    ap.add_argument(
-        "--perturb", type=float, default=0.02, help="relative weight noise applied before the measured step"
-    )
+    ap.add_argument("--perturb", type=float, default=0.02, help="relative weight noise before the measured step")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prompts", type=int, default=None, help="prompts (default: the preset's)")
     ap.add_argument("--group", type=int, default=None, help="samples per prompt G (default: the preset's)")
     ap.add_argument("--max-tokens", type=int, default=None, help="response budget (default: the preset's)")
-
-
-def rollout_device(ap: argparse.ArgumentParser, args, script: str) -> torch.device | None:
-    """Check :func:`add_rollout_arguments`' values (``ap.error`` on a bad one); the device, or None when the
-    preset needs CUDA and there is none (said on stdout: nothing to measure)."""
-    H.positive(ap, args, "history_epochs", "prompts", "group", "max_tokens")
-    device = H.device_arg(ap, args.device)
-    if args.preset == "qwen3-0.6b" and device.type != "cuda":
-        print(f"{script}: the qwen3-0.6b preset needs a CUDA device; nothing was measured")
-        return None
-    return device
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_rollout_arguments(ap)
     ap.add_argument("--lenience", type=float, default=math.exp(0.5), help="l of spec's lenient rule (default e^0.5)")
     ap.add_argument("--json", default=H.default_json_path("rollout.json"))
     args = ap.parse_args(argv)
@@ -298,8 +280,10 @@ def main(argv=None) -> int:
         modes(args.lenience)
     except ValueError as exc:  # its message starts with the field's name, "lenience"
         ap.error(f"--{exc}")
-    device = rollout_device(ap, args, "bench_rollout")
-    if device is None:
+    H.positive(ap, args, "history_epochs", "prompts", "group", "max_tokens")
+    device = H.device_arg(ap, args.device)
+    if args.preset == "qwen3-0.6b" and device.type != "cuda":
+        print("bench_rollout: the qwen3-0.6b preset needs a CUDA device; nothing was measured")
         return 0
     record = {
         "preset": args.preset,

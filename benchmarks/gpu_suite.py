@@ -124,29 +124,25 @@ def _eager_from_logits(logits, ids, temperature=1.0, chunk=EAGER_CHUNK):
     return out
 
 
-def _liger_fn():
+def _competitors(skip: bool) -> dict:
+    """{label: (run(h, w, ids), None) or (None, why it is skipped)}: Liger-Kernel and Cut Cross-Entropy."""
+    if skip:
+        return {label: (None, "skipped (--skip-competitors)") for label in ("liger", "cce")}
+    out = {}
     try:
         from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+
+        loss = LigerFusedLinearCrossEntropyLoss(reduction="none")
+        out["liger"] = (lambda h, w, ids: loss(w, h, ids)), None
     except Exception as exc:
-        return None, f"skipped: liger-kernel not importable ({type(exc).__name__})"
-    loss = LigerFusedLinearCrossEntropyLoss(reduction="none")
-
-    def run(h, w, ids):
-        return loss(w, h, ids)
-
-    return run, None
-
-
-def _cce_fn():
+        out["liger"] = None, f"skipped: liger-kernel not importable ({type(exc).__name__})"
     try:
         from cut_cross_entropy import linear_cross_entropy
+
+        out["cce"] = (lambda h, w, ids: linear_cross_entropy(h, w, ids, reduction="none")), None
     except Exception as exc:
-        return None, f"skipped: cut-cross-entropy not importable ({type(exc).__name__})"
-
-    def run(h, w, ids):
-        return linear_cross_entropy(h, w, ids, reduction="none")
-
-    return run, None
+        out["cce"] = None, f"skipped: cut-cross-entropy not importable ({type(exc).__name__})"
+    return out
 
 
 def _has_ms(*recs) -> bool:
@@ -307,10 +303,7 @@ def run_suite(args, K, dev: torch.device, rec: H.RunRecord) -> None:
         suite.free()
     if H.broken_shape_requested("gpu_suite"):
         section_hidden(suite, args.d[0], broken=True)
-    if args.skip_competitors:
-        competitors = {"liger": (None, "skipped (--skip-competitors)"), "cce": (None, "skipped (--skip-competitors)")}
-    else:
-        competitors = {"liger": _liger_fn(), "cce": _cce_fn()}
+    competitors = _competitors(args.skip_competitors)
     for d in args.d:
         section_competitors(suite, d, competitors)
         suite.free()
