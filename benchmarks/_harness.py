@@ -1,32 +1,12 @@
-"""The one harness every script in benchmarks/ runs on: timing, provenance and output.
+"""The one harness every script in benchmarks/ runs on: timing, provenance, arguments, records and output.
 
-Timing
-    :func:`gpu_time` (CUDA events through ``triton.testing.do_bench``, L2 flushed
-    between runs), :func:`wall_time` (``time.perf_counter`` around a device
-    synchronize, for whole pipelines and for the CPU), :func:`synced` (a callable
-    for pytest-benchmark that waits for the device) and :func:`measure`, which
-    turns one timed call into a result row (a failing call becomes an ``error``
-    row instead of ending the run; on the CPU it times with :func:`wall_time`,
-    for the smoke runs of the GPU scripts).
-Provenance
-    :func:`commit` and :func:`provenance`: commit, date, device, torch / triton /
-    Python versions, recorded in every JSON file (and, via benchmarks/conftest.py,
-    in pytest-benchmark's ``machine_info``).
-Output
-    :class:`Table` / :class:`Column` for the aligned text tables the scripts
-    print, :func:`write_json` for the JSON record (atomic rewrite),
-    :class:`RunRecord` for a record rewritten after every row, with the
-    failures that make a script exit non-zero, :func:`default_json_path`
-    for the ``--json`` default under ``$OUT``.
-Kernels
-    :func:`kernels_for` (compiled for CUDA, interpreted on the CPU for smoke
-    runs); :func:`broken_shape_requested`, the tests' switch for a failing shape (``SPEC_RL_FAULT``).
-Inputs
-    :data:`DTYPES` and :func:`random_lm_head`, shared by the verification benchmarks.
+Timing: :func:`gpu_time` (CUDA events through ``triton.testing.do_bench``, L2 flushed), :func:`wall_time` (host
+clock around device synchronizes), :func:`synced` (for pytest-benchmark) and :func:`measure` (one timed call as a
+result row; a failing call becomes an ``error`` row). Provenance: :func:`provenance` (device, versions, commit,
+date) in every record. Records: :class:`RunRecord`, rewritten after every row with its markdown (``report``, the
+tables of benchmarks/RESULTS.md, rendered by benchmarks/gpu_report.py's helpers, re-exported here) and the
+failures that make a script exit non-zero. Inputs: presets of random models, kernel sweep configs, LM heads.
 
-Example
--------
->>> import torch
 >>> _, t = wall_time(lambda: torch.ones(4).sum(), "cpu", warmup=1, repeats=3)
 >>> t.runs
 3
@@ -50,6 +30,7 @@ from importlib import metadata
 from typing import Any
 
 import torch
+from gpu_report import cell, rows_table, section, speedups, table  # noqa: F401  (re-exported)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Spread of a timing: these quantiles of the per-run times.
@@ -61,21 +42,9 @@ CPU_REPEATS = 2
 # ---------------------------------------------------------------- timing
 
 
-def _quantile(sorted_values: list[float], q: float) -> float:
-    """Linear interpolation between order statistics (numpy's default)."""
-    pos = q * (len(sorted_values) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
-
-
 @dataclass(frozen=True)
 class Timing:
-    """Median and spread of repeated runs, all in one unit (ms or s).
-
-    ``low`` / ``high`` are the 20th / 80th percentiles; with one run all three
-    are that run's time.
-    """
+    """Median and spread (20th / 80th percentiles) of repeated runs, all in one unit (ms or s)."""
 
     median: float
     low: float
@@ -84,12 +53,17 @@ class Timing:
 
     @classmethod
     def from_samples(cls, samples: list[float]) -> Timing:
-        ordered = sorted(samples)
-        return cls(statistics.median(ordered), _quantile(ordered, LOW_Q), _quantile(ordered, HIGH_Q), len(ordered))
+        q = statistics.quantiles(samples, n=5, method="inclusive") if len(samples) > 1 else samples * 4
+        return cls(statistics.median(samples), q[0], q[3], len(samples))
 
-    def record(self, key: str) -> dict:
-        """``{key: median, key_p20: low, key_p80: high, "runs": runs}`` for a result row."""
-        return {key: self.median, f"{key}_p20": self.low, f"{key}_p80": self.high, "runs": self.runs}
+    def record(self, key: str, scale: float = 1.0) -> dict:
+        """``{key: median, key_p20: low, key_p80: high, "runs": runs}`` (times ``scale``) for a result row."""
+        return {
+            key: self.median * scale,
+            f"{key}_p20": self.low * scale,
+            f"{key}_p80": self.high * scale,
+            "runs": self.runs,
+        }
 
 
 def device_arg(parser, value: str | None) -> torch.device:
@@ -122,11 +96,8 @@ def synced(fn: Callable, device: torch.device | str) -> Callable:
 
 
 def wall_time(fn: Callable[[], Any], device: torch.device | str, *, warmup: int = 0, repeats: int = 1):
-    """Host wall-clock time of ``fn()``: ``warmup`` untimed calls, then ``repeats`` timed ones.
-
-    Each timed call is bracketed by device synchronizes, so queued kernels are
-    counted. Returns ``(output of the last call, Timing in seconds)``.
-    """
+    """``(output of the last call, Timing in seconds)`` of ``fn()``: ``warmup`` untimed calls, then ``repeats`` timed
+    ones, each between device synchronizes (queued kernels count)."""
     for _ in range(warmup):
         fn()
     samples, out = [], None
@@ -140,11 +111,7 @@ def wall_time(fn: Callable[[], Any], device: torch.device | str, *, warmup: int 
 
 
 def gpu_time(fn: Callable[[], Any], rep_ms: int) -> Timing:
-    """CUDA-event time of ``fn()`` in ms from ``triton.testing.do_bench`` (``rep_ms`` budget, L2 flushed).
-
-    The warm-up budget is a quarter of ``rep_ms`` (at least 10 ms); the median
-    is the one ``do_bench(return_mode="median")`` reports.
-    """
+    """CUDA-event times of ``fn()`` in ms from ``triton.testing.do_bench`` (``rep_ms`` budget, L2 flushed)."""
     import triton
 
     times = triton.testing.do_bench(fn, warmup=max(10, rep_ms // 4), rep=rep_ms, return_mode="all")
@@ -198,17 +165,10 @@ def measure(
     device: torch.device | str = "cuda",
     **extra,
 ) -> dict:
-    """Time one call into a row ``{"name", **extra, "ms", "ms_p20", "ms_p80", "runs"[, "extra_mb"]}``.
-
-    One untimed call first (compilation, first-call costs), then :func:`gpu_time`
-    on CUDA, or :func:`wall_time` (:data:`CPU_REPEATS` runs) on the CPU, where
-    the smoke runs of the GPU scripts time the interpreter (meaningless as a
-    number, but the same code path). ``memory`` adds :func:`peak_extra_mb` on
-    CUDA (``extra_mb`` is None on the CPU). An exception becomes
-    ``row["error"]`` (first line, 300 characters) so one failing row does not
-    end the run. The row is appended to ``rows``; ``progress(row)`` is printed
-    (flushed) when given.
-    """
+    """Time one call into a row ``{"name", **extra, "ms", "ms_p20", "ms_p80", "runs"[, "extra_mb"]}`` appended to
+    ``rows`` (``progress(row)`` printed): one untimed call, then :func:`gpu_time` on CUDA, :func:`wall_time` on the
+    CPU (the smoke runs: the interpreter's times are no measurement); ``memory``: :func:`peak_extra_mb` (None on the
+    CPU). An exception becomes ``row["error"]``, so one failing row does not end the run."""
     rec, on_cuda = {"name": name, **extra}, torch.device(device).type == "cuda"
     try:
         fn()
@@ -216,8 +176,7 @@ def measure(
         if on_cuda:
             rec.update(gpu_time(fn, rep_ms).record("ms"))
         else:
-            _, t = wall_time(fn, device, repeats=CPU_REPEATS)
-            rec.update(Timing(t.median * 1e3, t.low * 1e3, t.high * 1e3, t.runs).record("ms"))
+            rec.update(wall_time(fn, device, repeats=CPU_REPEATS)[1].record("ms", 1e3))
         if memory:
             rec["extra_mb"] = peak_extra_mb(fn) if on_cuda else None
     except Exception as exc:  # noqa: BLE001  (a failing row is reported, not fatal)
@@ -235,37 +194,22 @@ def failed_rows(rows: list[dict]) -> list[str]:
     return [f"{r['name']}: {r['error']}" for r in rows if "error" in r and not r.get("optional")]
 
 
-def compiled_kernels(script: str):
-    """``spec_rl.kernels`` built for the GPU, or None (after saying why) when the interpreter made them.
-
-    ``TRITON_INTERPRET`` is dropped first; it only matters if the package was
-    not imported yet (interpreter timings say nothing about a GPU).
-    """
-    os.environ.pop("TRITON_INTERPRET", None)
-    import spec_rl.kernels as K
-
-    if K.INTERPRET:
-        print(f"{script}: spec_rl.kernels was imported in interpreter mode (TRITON_INTERPRET set); unset it.")
-        return None
-    return K
-
-
 def kernels_for(device: torch.device | str, script: str):
-    """``spec_rl.kernels`` runnable on ``device``, or None after printing why.
-
-    CUDA: the compiled kernels (:func:`compiled_kernels`). CPU: the Triton
-    interpreter, which needs ``TRITON_INTERPRET=1`` in the environment before
-    the package is imported (the smoke runs set it); its timings are not
-    measurements, only the code path is.
-    """
-    if torch.device(device).type == "cuda":
-        return compiled_kernels(script)
+    """``spec_rl.kernels`` runnable on ``device``, or None after printing why: compiled on CUDA (TRITON_INTERPRET
+    dropped: interpreter timings say nothing about a GPU), interpreted on the CPU (the smoke runs set
+    ``TRITON_INTERPRET=1`` before the package is imported)."""
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        os.environ.pop("TRITON_INTERPRET", None)
     try:
         import spec_rl.kernels as K
     except ImportError as exc:
         print(f"{script}: spec_rl.kernels is not importable ({exc})")
         return None
-    if not K.is_available(device):
+    if cuda and K.INTERPRET:
+        print(f"{script}: spec_rl.kernels was imported in interpreter mode (TRITON_INTERPRET set); unset it.")
+        return None
+    if not cuda and not K.is_available(device):
         print(f"{script}: the kernels cannot run on {device}: set TRITON_INTERPRET=1 for a CPU smoke run")
         return None
     return K
@@ -327,10 +271,8 @@ def device_description(device: torch.device | str) -> dict:
 
 
 def provenance(device: torch.device | str | None = None) -> dict:
-    """Where a result comes from: device, torch / triton / Python versions, commit and UTC date.
-
-    ``device`` defaults to CUDA when visible, else the CPU.
-    """
+    """Where a result comes from: device (default CUDA when visible), torch / triton / Python versions, commit and
+    UTC date."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     return {
@@ -344,66 +286,6 @@ def provenance(device: torch.device | str | None = None) -> dict:
 
 
 # ---------------------------------------------------------------- output
-
-
-@dataclass(frozen=True)
-class Column:
-    """One column of a text table.
-
-    ``width``/``align`` as in a format spec ("<" left, ">" right; width 0: no
-    padding); ``fmt`` formats numbers (strings are printed as they are, None as
-    "-"); ``gap`` is the text between this column and the one before it.
-    """
-
-    header: str
-    width: int = 0
-    align: str = ">"
-    fmt: str = "{}"
-    gap: str = " "
-
-
-class Table:
-    """Aligned text table: ``header()`` and ``row(*cells)`` return one line each.
-
-    Example
-    -------
-    >>> t = Table(Column("method", 8, "<"), Column("ms", 6, fmt="{:.2f}"))
-    >>> t.header(), t.row("ours", 1.5), t.row("theirs", None)
-    ('method       ms', 'ours       1.50', 'theirs        -')
-    """
-
-    def __init__(self, *columns: Column) -> None:
-        self.columns = columns
-
-    def _line(self, cells) -> str:
-        parts = []
-        for i, (col, cell) in enumerate(zip(self.columns, cells)):
-            if cell is None:
-                text = "-"
-            elif isinstance(cell, str):
-                text = cell
-            else:
-                text = col.fmt.format(cell)
-            parts.append(("" if i == 0 else col.gap) + (f"{text:{col.align}{col.width}}" if col.width else text))
-        return "".join(parts)
-
-    def header(self) -> str:
-        return self._line([c.header for c in self.columns])
-
-    def row(self, *cells) -> str:
-        return self._line(cells)
-
-
-def speedup_notes(row: dict) -> str:
-    """ "label 1.23x, ..." from a row's ``speedup_vs_<label>`` entries (the notes column of the tables)."""
-    prefix = "speedup_vs_"
-    return ", ".join(f"{k[len(prefix) :]} {v:.2f}x" for k, v in row.items() if k.startswith(prefix))
-
-
-def print_checks(checks: dict) -> None:
-    """One ``check <name>: <value>`` line per accuracy check, after a table."""
-    for k, v in checks.items():
-        print(f"check {k}: {v:.3g}")
 
 
 def default_json_path(filename: str) -> str | None:
@@ -429,27 +311,29 @@ def write_json(path: str, record: dict, *, announce: str | None = "wrote") -> No
 class RunRecord:
     """A benchmark's JSON record, rewritten (atomically) whenever a row or a check is added.
 
-    ``record`` is the script's own dict (provenance + its sections); this adds
-    ``status`` ("running", then "ok" or "failed"), ``checks`` ({name: value})
-    and ``failures`` (what makes the run fail: a failed shape, an error row, a
-    check beyond its bound). A run cut at any point leaves every finished row
-    on disk. ``path`` None: nothing is written.
+    ``record`` is the script's own dict (provenance + its sections); this adds ``status`` ("running", then "ok" or
+    "failed"), ``checks`` ({name: value}), ``failures`` (a failed shape, an error row, a check beyond its bound) and
+    ``report``: ``report(record)``, the script's markdown (:func:`section`), rendered at every save, so a run cut at
+    any point leaves every finished row on disk and in the GPU check's summary. ``path`` None: nothing is written.
 
-    Example
-    -------
     >>> r = RunRecord(None, {"rows": []})
     >>> r.check("max_abs_diff", 1e-6, 1e-3), r.finish()
     (True, 0)
     """
 
-    def __init__(self, path: str | None, record: dict) -> None:
-        self.path, self.record = path, record
+    def __init__(self, path: str | None, record: dict, report: Callable[[dict], list[str]] | None = None) -> None:
+        self.path, self.record, self.report = path, record, report
         record.setdefault("checks", {})
         record["status"] = "running"
         record["failures"] = []
         self.save()
 
     def save(self) -> None:
+        if self.report is not None:
+            try:
+                self.record["report"] = self.report(self.record)
+            except Exception as exc:  # noqa: BLE001  a half-filled record must not stop the run
+                self.record["report"] = [f"(report failed: {type(exc).__name__}: {exc})"]
         if self.path:
             write_json(self.path, self.record, announce=None)
 
@@ -470,27 +354,47 @@ class RunRecord:
         return ok
 
     def finish(self) -> int:
-        """Mark the record done; 1 when anything failed, else 0 (the script's exit code)."""
+        """Mark the record done and print its report; 1 when anything failed, else 0 (the script's exit code)."""
         self.record["status"] = "failed" if self.record["failures"] else "ok"
         self.save()
+        print("\n" + "\n".join(self.record.get("report", [])), flush=True)
+        if self.path:
+            print(f"wrote {self.path}")
         if self.record["failures"]:
             print(f"{len(self.record['failures'])} failure(s): " + "; ".join(self.record["failures"]), flush=True)
         return 1 if self.record["failures"] else 0
 
 
-def run_recorded(rec: RunRecord, work: Callable[[], None], report: Callable[[dict], None]) -> int:
-    """A benchmark's main body: ``work()`` (an exception is recorded as a failure, what finished stays in
-    the JSON), then ``report(record)`` when any row finished; returns the exit code (:meth:`RunRecord.finish`)."""
+def run_recorded(rec: RunRecord, work: Callable[[], None]) -> int:
+    """A benchmark's main body: ``work()`` (an exception is recorded as a failure, what finished stays in the
+    record), then :meth:`RunRecord.finish`."""
     try:
         work()
     except Exception as exc:  # noqa: BLE001  building the model or a measurement failed
         traceback.print_exc(limit=3)
         rec.fail(f"{type(exc).__name__}: {exc}".splitlines()[0][:300])
-    if rec.record.get("rows"):
-        report(rec.record)
-    if rec.path:
-        print(f"wrote {rec.path}")
     return rec.finish()
+
+
+# ---------------------------------------------------------------- arguments
+
+
+def positive(ap, args, *names: str) -> None:
+    """``ap.error`` naming the flag when one of ``names`` (attributes of ``args``, None: unset) is below 1."""
+    for name in names:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+
+
+def int_list(ap, flag: str, text: str) -> list[int]:
+    """Comma-separated positive integers of ``flag``, or ``ap.error``."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        ap.error(f"{flag} takes comma-separated positive integers, got {text!r}")
+    return values
 
 
 # ---------------------------------------------------------------- inputs
@@ -506,3 +410,47 @@ def run_pytest_file(path: str) -> int:
     import pytest
 
     return int(pytest.main([path, *sys.argv[1:]]))
+
+
+def random_model(vocab: int, device, dtype: torch.dtype, *, qwen3: bool = False, **shape):
+    """A randomly initialised causal LM built on ``device``: Qwen3-0.6B's published shapes (``qwen3``; throughput
+    does not depend on the weights) or a 2-layer Qwen2 of width 64, ``shape`` overriding either config."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    if qwen3:
+        big = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16)
+        config = Qwen3Config(vocab_size=vocab, **{**big, "num_key_value_heads": 8, "head_dim": 128, **shape})
+    else:
+        small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+        config = Qwen2Config(vocab_size=vocab, **{**small, "num_key_value_heads": 2, **shape})
+    torch.manual_seed(0)
+    with torch.device(device):  # initialised where it runs: a 0.6B model's CPU init alone takes seconds
+        model = (Qwen3ForCausalLM if qwen3 else Qwen2ForCausalLM)(config)
+    return model.to(dtype=dtype).eval()
+
+
+def kernel_sweeps() -> dict:
+    """The tile configs ``--sweep`` times and compiles (the package picks one per shape: spec_rl.kernels.configs);
+    the first of each list is the Hopper default."""
+    from spec_rl.kernels.configs import LMHeadConfig, LogitsConfig, PagedAttentionConfig
+
+    return {
+        "logits": [LogitsConfig(*c) for c in ((2048, 8), (1024, 4), (2048, 4), (4096, 8), (4096, 16), (8192, 16))],
+        "lm_head": [
+            LMHeadConfig(128, 256, 64, 8, 3),
+            LMHeadConfig(128, 256, 64, 8, 4),
+            LMHeadConfig(128, 128, 64, 8, 3),
+            LMHeadConfig(128, 128, 64, 8, 3, flatten=True),
+            LMHeadConfig(128, 128, 64, 8, 4),
+            LMHeadConfig(128, 128, 64, 4, 4),
+            LMHeadConfig(256, 128, 64, 8, 3),
+            LMHeadConfig(128, 256, 64, 8, 3, target_splits=8),
+            LMHeadConfig(128, 256, 64, 8, 3, target_splits=32),
+        ],
+        # default at D=128, bf16 first; the last two: the fp32-exact broadcast path
+        "paged_attention": [
+            PagedAttentionConfig(*c)
+            for c in ((64, 8, True, 2), (64, 8, True, 3), (64, 4, True, 3), (128, 8, True, 2), (32, 4, True, 3))
+        ]
+        + [PagedAttentionConfig(32, 4, False, 1), PagedAttentionConfig(16, 4, False, 1)],
+    }

@@ -19,16 +19,9 @@ import argparse
 import sys
 import time
 
+import _harness as H  # benchmarks/ on sys.path
 import torch
-from _harness import (  # benchmarks/ on sys.path
-    Column,
-    Table,
-    default_json_path,
-    device_arg,
-    provenance,
-    sync,
-    write_json,
-)
+from _harness import sync
 
 from spec_rl.backends.hf_decode import cache_argument
 from spec_rl.backends.kv_buffer import in_place_cache
@@ -43,27 +36,13 @@ PRESETS = {
 
 def _model(preset: str, device: torch.device):
     """Random weights of the preset's shape (Qwen3 layers for qwen3-0.6b, Qwen2 otherwise), built on ``device``."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
-
     hidden, inter, layers, heads, kv_heads, head_dim, vocab, dtype = PRESETS[preset]
-    config_class, model_class = (
-        (Qwen3Config, Qwen3ForCausalLM) if preset == "qwen3-0.6b" else (Qwen2Config, Qwen2ForCausalLM)
+    shape = dict(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers, num_attention_heads=heads)
+    model = H.random_model(
+        vocab, device, dtype, qwen3=preset == "qwen3-0.6b", num_key_value_heads=kv_heads, head_dim=head_dim, **shape
     )
-    cfg = config_class(
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        vocab_size=vocab,
-        max_position_embeddings=4096,
-    )
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    with torch.device(device):  # initialised where it runs: a 0.6B model's CPU init alone takes seconds
-        model = model_class(cfg)
-    return model.to(dtype=dtype).eval()
+    model.config._attn_implementation = "sdpa"
+    return model
 
 
 def _concatenating_cache(layers):
@@ -116,6 +95,23 @@ def measure(preset: str, rows: int, context: int, width: int, repeats: int, devi
     }
 
 
+def report(rec: dict) -> list[str]:
+    """One decode step per width: both caches' median step, their ratio and the largest logit difference."""
+    columns = [
+        ("fed tokens per row", "width", "{}"),
+        ("rows", "rows", "{}"),
+        ("context", "context", "{}"),
+        ("concatenating ms", lambda r: r["concatenating_s"] * 1e3, "{:.2f}"),
+        ("in-place ms", lambda r: r["in_place_s"] * 1e3, "{:.2f}"),
+        ("ratio", "ratio", "{:.3f}"),
+        ("max logit difference", "max_logit_diff", "{:.1e}"),
+    ]
+    head = f"Preset {rec.get('preset')}; median of the steps, the two caches timed in turn."
+    return H.section(
+        "Decode cache (stage 6, bench_decode_cache.py)", rec, [head, ""] + H.rows_table(columns, rec["results"])
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=list(PRESETS), default="demo")
@@ -124,59 +120,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--widths", default="1,6", help="comma-separated fed tokens per row")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--device", help="default: cuda if available, else cpu")
-    ap.add_argument("--json", default=default_json_path("decode_cache.json"))
+    ap.add_argument("--json", default=H.default_json_path("decode_cache.json"))
     args = ap.parse_args(argv)
-    try:
-        widths = [int(w) for w in args.widths.split(",")]
-    except ValueError:
-        ap.error(f"--widths takes comma-separated positive integers, e.g. 1,6; got {args.widths!r}")
-    for name, value in (("--rows", args.rows), ("--context", args.context), ("--repeats", args.repeats)):
-        if value < 1:
-            ap.error(f"{name} must be at least 1; got {value}")
-    if any(w < 1 for w in widths):
-        ap.error(f"--widths takes positive integers; got {args.widths!r}")
-    device = device_arg(ap, args.device)
+    widths = H.int_list(ap, "--widths", args.widths)
+    H.positive(ap, args, "rows", "context", "repeats")
+    device = H.device_arg(ap, args.device)
     if args.preset == "qwen3-0.6b" and device.type != "cuda":
         print("bench_decode_cache: the qwen3-0.6b preset needs a CUDA device")
         return 0
-    record = {"preset": args.preset, "results": [], **provenance(device)}
-    if args.json:  # written now (and after every width), so an unwritable path fails before the measurement
-        try:
-            write_json(args.json, record, announce=None)
-        except OSError as exc:
-            ap.error(f"--json {args.json}: cannot write it ({exc.strerror or exc})")
-    table = Table(
-        Column("width", 5),
-        Column("rows", 5),
-        Column("context", 7),
-        Column("concat ms", 10, fmt="{:.2f}"),
-        Column("in-place ms", 11, fmt="{:.2f}"),
-        Column("ratio", 6, fmt="{:.3f}"),
-        Column("max |dlogit|", 12, fmt="{:.1e}"),
-    )
+    try:  # written at once (and after every width), so an unwritable path fails before the measurement
+        rec = H.RunRecord(args.json, {"preset": args.preset, "results": [], **H.provenance(device)}, report)
+    except OSError as exc:
+        ap.error(f"--json {args.json}: cannot write it ({exc.strerror or exc})")
     print(f"bench_decode_cache: preset {args.preset}, device {device}, {args.repeats} steps per cache, timed in turn")
-    print(table.header())
-    results = record["results"]
     for width in widths:
         r = measure(args.preset, args.rows, args.context, width, args.repeats, device)
-        results.append(r)
-        print(
-            table.row(
-                width,
-                r["rows"],
-                r["context"],
-                r["concatenating_s"] * 1e3,
-                r["in_place_s"] * 1e3,
-                r["ratio"],
-                r["max_logit_diff"],
-            ),
-            flush=True,
-        )
-        if args.json:
-            write_json(args.json, record, announce=None)
-    if args.json:
-        print(f"wrote {args.json}")
-    return 0 if all(r["max_logit_diff"] == 0.0 for r in results) else 1
+        rec.record["results"].append(r)
+        print(f"  width {width}: in-place / concatenating {r['ratio']:.3f}, max |dlogit| {r['max_logit_diff']:.1e}")
+        if r["max_logit_diff"] != 0.0:
+            rec.fail(f"width {width}: the two caches' logits differ by {r['max_logit_diff']:.1e}")
+        rec.save()
+    return rec.finish()
 
 
 if __name__ == "__main__":

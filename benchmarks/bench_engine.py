@@ -1,44 +1,20 @@
-"""Paged engine benchmark: decode throughput and splicing vs re-prefill.
+"""Stage 5 of the GPU check: paged-engine decode throughput, and splicing against re-prefill.
 
-One command (stage 5 of ``benchmarks/gpu_check.sh``):
+    python benchmarks/bench_engine.py [--preset qwen3-0.6b|demo|tiny] [--batch 16,64,128] [--json PATH]
 
-    python benchmarks/bench_engine.py [--preset qwen3-0.6b|demo|tiny] [--json PATH]
+1. Decode: per ``--batch``, that many random prompts of ``--prompt-len`` tokens, ``--new-tokens`` sampled tokens
+   each (T = 1, EOS suppressed), with :class:`spec_rl.backends.paged.PagedEngine` (its static step in CUDA graphs,
+   the same step eager: the graph's tokens must equal these, and the packed step), our ``TransformersBackend`` and
+   transformers ``generate``: tokens/s and ms per step (target on an H200 at the Qwen3-0.6B shape, batch 64: the
+   graph step <= 8 ms and >= 10x ``generate``'s tokens/s). A graph row that ran no graph step on CUDA fails.
+2. Splice vs re-prefill: drafts from one vanilla rollout, the LM head perturbed (``--perturb`` nats of logit
+   noise), then the same drafts and seed through ``SpeculativeRollout`` on the engine (the scoring pass's K/V
+   kept) and on PolicyScorer + TransformersBackend (prefills prompt + verified prefix again): rollout time and
+   prefill tokens beyond the scoring pass (must be 0 for the engine).
 
-Sections, all measured in one run on one device:
-
-1. **Decode throughput.** For each ``--batch`` size (e.g. ``16,64,128``), that many random prompts of
-   ``--prompt-len`` tokens, ``--new-tokens`` sampled tokens each (temperature 1, no top-k/p;
-   EOS suppressed so every row runs the full budget), with
-   :class:`spec_rl.backends.paged.PagedEngine` (its static-shape step in CUDA graphs, the same step eager,
-   the packed step; the graph's tokens must equal the eager step's) and with transformers ``generate``
-   (``min_new_tokens`` = ``max_new_tokens``, ``top_k=0``), and with our own
-   :class:`spec_rl.backends.transformers_backend.TransformersBackend` decode loop. Reported:
-   tokens/s and ms per decode step; target (H200, Qwen3-0.6B shape, batch
-   64, bf16): the graph step <= 8 ms and >= 10x ``generate``'s tokens/s (``generate``
-   measured at 85 ms/step on an H200, see benchmarks/RESULTS.md).
-2. **Speculative rollout: splice vs re-prefill.** Drafts come from one
-   vanilla rollout; the policy is then perturbed (Gaussian noise through the
-   LM head, ``--perturb`` nats of logit noise) so drafts are cut at varied rejection indices; the
-   same drafts, cache contents and seed go through
-   :class:`spec_rl.rollout.speculative.SpeculativeRollout` twice: with the engine
-   (scoring forward writes K/V into the paged cache, generation continues from
-   prompt + n) and with PolicyScorer + TransformersBackend (the reference
-   SPEC-RL path: scoring pass, then the generation backend prefills
-   prompt + verified prefix again). Reported: rollout time, prefill tokens
-   beyond the scoring pass (target: 0 for the engine), accepted tokens.
-
-Presets: ``qwen3-0.6b`` (Qwen3-0.6B shapes with random weights: 28 layers,
-hidden 1024, 16 query / 8 kv heads of 128, vocab 151936; bf16; the GPU
-target), ``demo`` (the CPU demo policy from ``spec_rl.tasks.demo_policy``,
-fp32), ``tiny`` (a 2-layer random Qwen2 for a smoke run of this script).
-Without CUDA the qwen3-0.6b preset prints "no CUDA device" and exits 0.
-
-Times are host wall clock around device synchronizes, one timed run per row
-after a short warm-up (``_harness.wall_time``). Each row is printed as it is
-measured and the JSON (with ``_harness.provenance``; ``--json``, default
-``$OUT/engine.json`` when OUT is set) is rewritten after every row; the tables
-print last. Exit code 1 when a row raises or the splice path prefilled
-anything beyond the scoring pass.
+Presets: ``qwen3-0.6b`` (random weights of Qwen3-0.6B's shapes, bf16, CUDA only), ``demo`` (the demo policy),
+``tiny`` (smoke). Times: ``_harness.wall_time``, one run per row after a warm-up; graph captures are subtracted.
+Exit 1 when a row raises or a check above fails.
 """
 
 from __future__ import annotations
@@ -48,16 +24,9 @@ import copy
 import sys
 import traceback
 
+import _harness as H  # benchmarks/ on sys.path
 import torch
-from _harness import (  # benchmarks/ on sys.path
-    Column,
-    RunRecord,
-    Table,
-    default_json_path,
-    device_arg,
-    provenance,
-    wall_time,
-)
+from _harness import RunRecord, wall_time
 
 from spec_rl.acceptance.mode import RolloutMode
 from spec_rl.acceptance.rules import Lenient
@@ -78,45 +47,20 @@ PRESETS = {
 
 def build_model(preset: str, device: torch.device):
     """(model, vocab size) for a preset; random weights except the demo policy."""
-    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
-
     if preset == "demo":
+        from transformers import AutoModelForCausalLM
+
         from spec_rl.tasks.demo_policy import build_demo_policy
 
         model = AutoModelForCausalLM.from_pretrained(build_demo_policy(progress=False), dtype=torch.float32)
         return model.to(device).eval(), model.config.vocab_size
-    torch.manual_seed(0)
     if preset == "qwen3-0.6b":
-        # Qwen3-0.6B's published config.json shapes (random weights: throughput does not depend on them).
-        cfg = Qwen3Config(
-            vocab_size=151936,
-            hidden_size=1024,
-            intermediate_size=3072,
-            num_hidden_layers=28,
-            num_attention_heads=16,
-            num_key_value_heads=8,
-            head_dim=128,
-            max_position_embeddings=40960,
-            rope_theta=1_000_000.0,
-            tie_word_embeddings=True,
-            eos_token_id=151645,
+        model = H.random_model(
+            151936, device, torch.bfloat16, qwen3=True, tie_word_embeddings=True, eos_token_id=151645
         )
-        dtype = torch.bfloat16
     else:
-        cfg = Qwen2Config(
-            vocab_size=256,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=512,
-            eos_token_id=1,
-        )
-        dtype = torch.float32
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    return model.eval(), cfg.vocab_size
+        model = H.random_model(256, device, torch.float32, max_position_embeddings=512, eos_token_id=1)
+    return model, model.config.vocab_size
 
 
 def _suppressed_eos(vocab: int) -> int:
@@ -324,42 +268,31 @@ def bench_splice(model, vocab, batch, prompt_len, new_tokens, device, perturb, r
     return rows
 
 
-DECODE_TABLE = Table(
-    Column("method", 56, "<"),
-    Column("tokens/s", 10, fmt="{:.1f}"),
-    Column("ms/step", 9, fmt="{:.2f}"),
-    Column("engine speedup", 15, fmt="{:.2f}x"),
-)
-SPLICE_TABLE = Table(
-    Column("path", 48, "<"),
-    Column("seconds", 8, fmt="{:.2f}"),
-    Column("accepted", 9, fmt="{:d}"),
-    Column("generated", 10, fmt="{:d}"),
-    Column("re-prefill tok", 15, fmt="{:d}"),
-)
-
-
-def print_table(result: dict) -> None:
-    print(f"=== spec-rl paged engine ({result['device']}, preset {result['preset']}, commit {result['commit'][:12]})")
-    print(f"decode: prompt {result['prompt_len']}, {result['new_tokens']} new tokens; engine = the CUDA-graph step")
-    print(DECODE_TABLE.header())
-    for r in result["decode"]:
-        name = f"b={r.get('batch', result['batch'])} {r['name']}"
-        if "error" in r:
-            print(f"{name:<56} {r['error']}")
-            continue
-        print(DECODE_TABLE.row(name, r["tokens_per_s"], r["ms_per_step"], r.get("engine_speedup_vs_this")))
-    print("speculative rollout, same drafts and seed (policy perturbed):")
-    print(SPLICE_TABLE.header())
-    for r in result["splice"]:
-        if "error" in r:
-            print(f"{r['name']:<48} {r['error']}")
-            continue
-        counts = (r["accepted_tokens"], r["generated_tokens"], r["reprefill_tokens"])
-        print(SPLICE_TABLE.row(r["name"], r["seconds"], *counts))
-    s = [r for r in result["splice"] if "error" not in r]
-    if len(s) == 2 and s[1]["seconds"] > 0:
-        print(f"splice / re-prefill rollout time: {s[0]['seconds'] / s[1]['seconds']:.2f}x")
+def report(rec: dict) -> list[str]:
+    """Decode throughput per batch and splice vs re-prefill (benchmarks/RESULTS.md "GPU check on an H200")."""
+    decode = [
+        ("decode", lambda r: f"b={r.get('batch', rec.get('batch'))} {r['name']}", "{}"),
+        ("tokens/s", "tokens_per_s", "{:.0f}"),
+        ("ms/step", "ms_per_step", "{:.2f}"),
+        ("engine / this", "engine_speedup_vs_this", "{:.2f}x"),
+        ("graph steps", "graph_steps", "{}"),
+        ("tokens = eager", "tokens_identical_to_eager", "{}"),
+    ]
+    splice = [
+        ("path", "name", "{}"),
+        ("rollout s", "seconds", "{:.2f}"),
+        ("accepted", "accepted_tokens", "{}"),
+        ("generated", "generated_tokens", "{}"),
+        ("prefill beyond the scoring pass (tokens)", "reprefill_tokens", "{}"),
+    ]
+    body = [
+        f"Preset {rec.get('preset')}: decode batches {rec.get('decode_batches', [rec.get('batch')])}, prompt "
+        f"{rec.get('prompt_len')} tokens, {rec.get('new_tokens')} new tokens (temperature 1); engine = the first "
+        "PagedEngine row (the static step in CUDA graphs; graph steps 0: it ran eagerly).",
+        "",
+    ]
+    body += H.rows_table(decode, rec.get("decode", [])) + [""] + H.rows_table(splice, rec.get("splice", []))
+    return H.section("Paged engine (stage 5, bench_engine.py)", rec, body)
 
 
 def main(argv=None) -> int:
@@ -377,29 +310,22 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--skip-generate", action="store_true", help="do not time transformers generate")
     ap.add_argument("--skip-splice", action="store_true")
-    ap.add_argument(
-        "--json", default=default_json_path("engine.json"), help="write results here (default $OUT/engine.json)"
-    )
+    ap.add_argument("--json", default=H.default_json_path("engine.json"), help="default $OUT/engine.json")
     args = ap.parse_args(argv)
-    device = device_arg(ap, args.device)
+    device = H.device_arg(ap, args.device)
     preset = args.preset or ("qwen3-0.6b" if device.type == "cuda" else "demo")
     if preset == "qwen3-0.6b" and device.type != "cuda":
         print("bench_engine: no CUDA device; the qwen3-0.6b preset needs one (use --preset demo or tiny on CPU)")
         return 0
     batch, prompt_len, new_tokens = PRESETS[preset]
-    try:
-        batches = [int(b) for b in args.batch.split(",")] if args.batch else [batch]
-    except ValueError:
-        ap.error(f"--batch takes comma-separated integers, got {args.batch!r}")
+    batches = H.int_list(ap, "--batch", args.batch) if args.batch else [batch]
     batch = batches[len(batches) // 2]  # the splice section's batch
+    H.positive(ap, args, "prompt_len", "new_tokens")
     prompt_len = args.prompt_len or prompt_len
     new_tokens = args.new_tokens or new_tokens
-    for name, value in (("--batch", min(batches)), ("--prompt-len", prompt_len), ("--new-tokens", new_tokens)):
-        if value < 1:
-            ap.error(f"{name} must be >= 1")
     model, vocab = build_model(preset, device)
     result = {
-        **provenance(device),
+        **H.provenance(device),
         "preset": preset,
         "batch": batch,
         "decode_batches": batches,
@@ -414,7 +340,7 @@ def main(argv=None) -> int:
         f"device {result['device']}, commit {result['commit'][:12]}",
         flush=True,
     )
-    rec = RunRecord(args.json, result)
+    rec = RunRecord(args.json, result, report)
     with torch.no_grad():
         for b in batches:
             bench_decode(model, vocab, b, prompt_len, new_tokens, device, args.skip_generate, rec)
@@ -424,9 +350,6 @@ def main(argv=None) -> int:
         except Exception as exc:  # noqa: BLE001  e.g. the seeding rollout: report, keep the decode rows
             traceback.print_exc(limit=3)
             rec.fail(f"splice section: {type(exc).__name__}: {exc}".splitlines()[0][:300])
-    print_table(result)
-    if args.json:
-        print(f"wrote {args.json}")
     return rec.finish()
 
 

@@ -1,43 +1,15 @@
-"""GPU micro-benchmark: Triton paged decode attention vs gather + torch SDPA, and vs the copy floor.
-
-One command (stage 4 of ``benchmarks/gpu_check.sh``):
+"""Stage 4 of the GPU check: Triton paged decode attention against gather + torch SDPA and the copy floor.
 
     python benchmarks/bench_paged_attention.py [--batch 64] [--context 1024] [--sweep] [--json PATH]
 
-Shapes: Qwen3-0.6B attention (16 query heads, 8 kv heads,
-head_dim 128), bf16, block_size 16, one decode token per sequence against
-``--context`` cached tokens per sequence (all sequences equally long, block
-ids shuffled over the cache), batch 64 / context 1024; and a small-batch
-long-context row (``--long-batch`` x ``--long-context``) where split-K
-matters.
-
-Rows per shape:
-
-* copy floor: device-to-device copy of a tensor holding exactly the K/V
-  bytes attention must read; its bandwidth counts bytes read + written.
-* ours: :func:`spec_rl.kernels.paged_decode_attention` with
-  as a decode loop calls it, automatic
-  split choice; plus forced no-split / split rows, and with the range checks
-  (one host sync) for reference.
-* gather + SDPA: ``kv_cache[block_tables]`` to dense [B, kv_heads, S, D],
-  then ``torch.nn.functional.scaled_dot_product_attention(enable_gqa=True)``
-  (the CPU path of the engine, run on the GPU); and SDPA alone on the
-  already-gathered dense K/V.
-
-K/V bandwidth of an attention row = K/V bytes read / time; "frac copy" =
-that / the copy's bandwidth (read + write bytes / time). Times are medians of
-``triton.testing.do_bench`` (CUDA events, L2 flushed between runs;
-``_harness.measure``, which also records the 20th/80th percentiles).
-
-Each row is printed as it is measured and the JSON (--json, default
-$OUT/paged_attention.json when OUT is set) is rewritten after every row; the
-table prints last. Accuracy check per shape: every split variant within
-``ACCURACY_TOL`` of fp32 SDPA over the same inputs. Exit code 1 when any
-row, shape or check fails. Without a CUDA device (and without ``--device
-cpu``) it prints the plan (bytes, default tiles, split choice for a 132-SM
-H100/H200) and exits 0; ``--device cpu`` runs the same code under the Triton
-interpreter (``TRITON_INTERPRET=1``) at tiny shapes: the smoke run, whose
-times are not measurements.
+Qwen3-0.6B attention (16 query heads, 8 kv heads of 128), bf16, blocks of 16 tokens, one decode token per sequence
+against ``--context`` cached tokens (block ids shuffled over the cache); and a small-batch long-context shape
+(``--long-batch`` x ``--long-context``) where split-K matters. Rows per shape: a copy of exactly the K/V bytes
+(floor; read + write), ours (automatic split, no split, forced split, with range checks), gather + SDPA (the
+engine's CPU path) and SDPA alone on dense K/V. Times: ``_harness.measure``; "fraction of copy bandwidth": K/V
+bytes read / time over the copy's. Check per shape: every split within ``ACCURACY_TOL`` of fp32 SDPA. Exit 1 when
+a row, shape or check fails. Without CUDA (and without ``--device cpu``, the interpreter's smoke run) it prints
+the plan (bytes, tiles, split choice for a 132-SM GPU) and exits 0.
 """
 
 from __future__ import annotations
@@ -47,7 +19,6 @@ import sys
 import traceback
 
 import _harness as H  # benchmarks/ is on sys.path when a script here runs
-import kernel_sweeps  # benchmarks/ is on sys.path when a script here runs
 import torch
 
 NOMINAL_SMS = 132  # H100 SXM / H200: used for the CPU-side plan and the CPU smoke run
@@ -79,9 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="write results here (default $OUT/paged_attention.json)",
     )
     args = ap.parse_args(argv)
-    for name in ("batch", "context", "q_heads", "kv_heads", "head_dim", "block_size", "rep_ms"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    H.positive(ap, args, "batch", "context", "q_heads", "kv_heads", "head_dim", "block_size", "rep_ms")
     if args.q_heads % args.kv_heads:
         ap.error("--q-heads must be a multiple of --kv-heads")
     return args
@@ -203,7 +172,7 @@ def run_shape(args, K, shape, dev, rec: H.RunRecord, sm_count: int) -> None:
         measure(f"ours: split-K (num_splits={forced})", ours(num_splits=forced, max_seq_len=context))
     measure("ours: auto, with range checks (1 host sync)", ours(max_seq_len=context))
     if args.sweep:
-        for c in kernel_sweeps.PAGED_ATTENTION_SWEEP:
+        for c in H.kernel_sweeps()["paged_attention"]:
             measure(f"  sweep {c}", ours(max_seq_len=context, config=c), config=str(c))
 
     def gather_sdpa():
@@ -241,31 +210,23 @@ def finish(rows) -> None:
                     r[f"speedup_vs_{label}"] = b["ms"] / r["ms"]
 
 
-TABLE = H.Table(
-    H.Column("shape", 18, "<"),
-    H.Column("method", 48, "<"),
-    H.Column("us", 9, fmt="{:.1f}"),
-    H.Column("GB/s", 8, fmt="{:.0f}"),
-    H.Column("frac copy", 9, fmt="{:.2f}"),
-    H.Column("speedups", 0, "<", gap="  "),
-)
-
-
-def print_table(results) -> None:
-    meta = results["meta"]
-    print(
-        f"\n=== spec-rl paged decode attention: {meta['device']}, Hq={meta['q_heads']} kv={meta['kv_heads']} "
-        f"D={meta['head_dim']} bs={meta['block_size']} {meta['dtype']}, commit {meta['commit']}, {meta['date']} ==="
+def report(rec: dict) -> list[str]:
+    """Paged decode attention per shape: us per call, K/V bandwidth, fraction of the copy's, speedups."""
+    meta = rec["meta"]
+    columns = [
+        ("shape", "section", "{}"),
+        ("method", "name", "{}"),
+        ("us", lambda r: r.get("ms") and r["ms"] * 1e3, "{:.1f}"),
+        ("K/V GB/s", "gb_per_s", "{:.0f}"),
+        ("fraction of copy bandwidth", "fraction_of_copy_bandwidth", "{:.2f}"),
+        ("speedup of ours", H.speedups, "{}"),
+    ]
+    head = (
+        f"Hq = {meta.get('q_heads')}, kv heads = {meta.get('kv_heads')}, D = {meta.get('head_dim')}, "
+        f"block size {meta.get('block_size')}, {meta.get('dtype')}."
     )
-    print(TABLE.header())
-    for r in results["rows"]:
-        if "ms" not in r:
-            print(TABLE.row(r["section"], r["name"], None, None, None, r.get("error", "")))
-            continue
-        frac = r.get("fraction_of_copy_bandwidth")
-        print(TABLE.row(r["section"], r["name"], r["ms"] * 1e3, r["gb_per_s"], frac, H.speedup_notes(r)))
-    print("GB/s: K/V bytes read / time (copy: read + write); frac copy: fraction of the copy's bandwidth")
-    H.print_checks(results["checks"])
+    body = [head, ""] + H.rows_table(columns, rec.get("rows", []), keep=2)
+    return H.section("Paged decode attention (stage 4, bench_paged_attention.py)", rec, body)
 
 
 def _print_plan(args) -> None:
@@ -296,7 +257,7 @@ def main(argv=None) -> int:
         "plan": plan(args, sm_count),
     }
     print(f"bench_paged_attention on {meta['device']} ({sm_count} SMs), commit {meta['commit']}", flush=True)
-    rec = H.RunRecord(args.json, {"meta": meta, "rows": []})
+    rec = H.RunRecord(args.json, {"meta": meta, "rows": []}, report)
     for shape in shapes(args):
         try:
             run_shape(args, K, shape, dev, rec, sm_count)
@@ -310,9 +271,6 @@ def main(argv=None) -> int:
     finish(rec.record["rows"])
     for what in H.failed_rows(rec.record["rows"]):
         rec.fail(what)
-    print_table(rec.record)
-    if args.json:
-        print(f"\nwrote {args.json}")
     return rec.finish()
 
 

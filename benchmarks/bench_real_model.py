@@ -1,7 +1,7 @@
 """Rollouts of a real checkpoint over several epochs with real GRPO updates between them, per mode and engine.
 
     python benchmarks/bench_real_model.py [--model PATH] [--data FILE|demo] [--epochs 3] [--lr 1e-6]
-        [--engines transformers,vllm] [--dtype auto|bf16|fp32] [--json FILE] [--plot FILE]
+        [--engines transformers,paged,vllm] [--dtype auto|bf16|fp32] [--json FILE]
 
 The same prompts (chat template when the tokenizer has one) are rolled out every epoch by each mode (vanilla,
 spec at l = 1 and e^0.5, exact, histspec) on each engine (the in-process transformers backend; the paged engine,
@@ -18,8 +18,7 @@ rollout and scoring seconds, and the ratios to vanilla on the same engine; and t
 under the rollout model (the policy in ``--dtype``) with a 95% bootstrap interval over sequences (a distribution
 check: a sampler that is wrong scores worse). After the last epoch, per engine: scoring the drafts against
 prefilling the same tokens, exact's overhead over vanilla, and every mode's time over the no-waste bound
-(scoring seconds + generated tokens x vanilla's seconds per generated token). JSON (``--json``) and a plot
-(``--plot``: rollout-time ratio per epoch per mode, peers dashed).
+(scoring seconds + generated tokens x vanilla's seconds per generated token). JSON: ``--json``.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import Column, Table, default_json_path, provenance, write_json  # noqa: E402
+import _harness as H  # noqa: E402
 
 from spec_rl.acceptance.mode import MODES, RolloutMode  # noqa: E402
 from spec_rl.backends import eos_token_ids, fresh_jobs  # noqa: E402
@@ -263,27 +262,37 @@ def prefill_seconds(backend, result, settings) -> float:
     return time.perf_counter() - t0
 
 
-def plot(record: dict, path: str) -> None:
-    import matplotlib
+def report(rec: dict) -> list[str]:
+    """Epochs 2+ per engine and row (ratios to vanilla on the same engine), then the benchmark's own checks."""
+    args = rec.get("args", {})
+    starts = rec.get("engine_start_seconds", {})
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    def nll(s):
+        return s["nll"] and f"{s['nll'][0]:.3f} [{s['nll'][1]:.3f}, {s['nll'][2]:.3f}]"
 
-    fig, axes = plt.subplots(1, len(record["engines"]), figsize=(6 * len(record["engines"]), 4), squeeze=False)
-    for ax, engine in zip(axes[0], record["engines"]):
-        ref = {x["epoch"]: x["rollout_seconds"] for x in record["rows"][f"{engine}/vanilla"]}
-        for key, recs in record["rows"].items():
-            if not key.startswith(engine + "/") and not (engine == "vllm" and key.startswith("peer/")):
-                continue
-            ys = [x["rollout_seconds"] / ref[x["epoch"]] for x in recs]
-            style = "--" if key.startswith("peer/") else "-o"
-            ax.plot([x["epoch"] for x in recs], ys, style, label=key.split("/", 1)[1])
-        ax.set(title=f"{engine}: rollout time / vanilla", xlabel="epoch", ylim=(0, None))
-        ax.set_xticks(range(1, len(ref) + 1))
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    columns = [
+        ("engine", "engine", "{}"),
+        ("row", "row", "{}"),
+        ("tokens x", "generated_tokens_ratio", "{:.3f}"),
+        ("steps x", "decode_steps_ratio", "{:.3f}"),
+        ("time x", "rollout_seconds_ratio", "{:.3f}"),
+        ("full step x", "full_step_seconds_ratio", "{:.3f}"),
+        ("accepted %", lambda s: s.get("accepted_share") and 100 * s["accepted_share"], "{:.1f}"),
+        ("over bound", "over_no_waste_bound", "{:.3f}"),
+        ("NLL [95%]", nll, "{}"),
+    ]
+    body = [
+        f"Model {rec.get('model')} ({rec.get('dtype')}), {args.get('prompts')} prompts x G={args.get('group')}, "
+        f"{args.get('max_tokens')} tokens, {args.get('epochs')} epochs, lr {args.get('lr')}, paged engine rows "
+        f"{args.get('max_batch')}; engine starts (s): "
+        + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in starts.items()),
+        "",
+        *H.rows_table(columns, rec.get("summary", [])),
+        "",
+        "The targets (docs: scoring <= 1.1x prefill, a rejected mode <= 1.02x vanilla, <= 1.05x the no-waste bound):",
+    ]
+    body += [f"- {k}: {H.cell(v, '{:.3f}')}" for k, v in rec.get("targets", {}).items()]
+    return H.section("Real-model rollouts (stage 8, bench_real_model.py)", rec, body)
 
 
 def parse_args(argv):
@@ -307,12 +316,9 @@ def parse_args(argv):
     ap.add_argument("--no-peers", dest="peers", action="store_false", help="no vLLM peer rows")
     ap.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto", help="auto: bf16 where supported")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", default=default_json_path("real_model_rollout.json") or "runs/real_model_rollout.json")
-    ap.add_argument("--plot", default=None, help="PNG path of the plot (default: none)")
+    ap.add_argument("--json", default=H.default_json_path("real_model_rollout.json") or "runs/real_model_rollout.json")
     args = ap.parse_args(argv)
-    for name in ("prompts", "group", "max_tokens", "epochs", "updates", "max_batch"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    H.positive(ap, args, "prompts", "group", "max_tokens", "epochs", "updates", "max_batch")
     args.modes = list(dict.fromkeys(m.strip() for m in args.modes.split(",") if m.strip()))
     args.modes.sort(key=lambda m: m != "vanilla")
     try:
@@ -322,8 +328,6 @@ def parse_args(argv):
     if "vanilla" not in modes:
         ap.error(f"--modes must include vanilla (every ratio is to it), got {args.modes}")
     args.modes = {m: dataclasses.replace(mode, tail=0) if args.no_tail else mode for m, mode in modes.items()}
-    if args.plot:
-        import matplotlib  # noqa: F401  checked before the run, not after it
     if args.engines is None:
         import importlib.util
 
@@ -363,14 +367,15 @@ def main(argv=None) -> int:
     golds = [e.answer for e in examples for _ in range(args.group)]
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr)
     record = {
-        "provenance": provenance("cuda" if torch.cuda.is_available() else "cpu"),
+        "provenance": H.provenance(device),
         "model": args.model,
         "dtype": str(dtype).replace("torch.", ""),
         "settings": settings.to_dict(),
-        "args": {k: v for k, v in vars(args).items() if k not in ("json", "plot", "modes")},
+        "args": {k: v for k, v in vars(args).items() if k not in ("json", "modes")},
         "modes": {m: mode.to_dict() for m, mode in args.modes.items()},
         "timing": "rollout seconds exclude CUDA-graph captures (subtracted) and follow a warm-up that decodes",
     }
+    run = H.RunRecord(args.json, record, report)
     with tempfile.TemporaryDirectory(prefix="bench-real-") as work:
         engines, peer_backends, starts = make_engines(args, rollout_model, tokenizer, eos, pad, max_len, Path(work))
         record["engine_start_seconds"], record["engines"] = starts, list(engines)
@@ -389,20 +394,6 @@ def main(argv=None) -> int:
         ]
         nll = {id(r): [] for r in rows + peers}
         warm_up(engines, peer_backends, prompts, settings, tokens=min(16, args.max_tokens))
-        table = Table(
-            Column("epoch", 5),
-            Column("engine", 12, "<"),
-            Column("row", 13, "<"),
-            Column("tokens", 7),
-            Column("steps", 6),
-            Column("accepted", 9, fmt="{:.1%}"),
-            Column("whole", 6, fmt="{:.0%}"),
-            Column("rollout s", 9, fmt="{:.2f}"),
-            Column("scoring s", 9, fmt="{:.2f}"),
-            Column("time x", 7, fmt="{:.3f}"),
-            Column("NLL", 6, fmt="{:.3f}"),
-        )
-        print(table.header())
         last = {}
         for epoch in range(args.epochs):
             results, scored = {}, {}
@@ -421,29 +412,18 @@ def main(argv=None) -> int:
                 rec["nll"] = bootstrap_nll(nlls)[0]
                 ref = next(x for x in rows if x.engine == r.engine and x.name == "vanilla").records[-1]
                 ratio = rec["rollout_seconds"] / ref["rollout_seconds"] if "vanilla" != r.name else 1.0
-                acc = rec["accepted_share"]
+                acc = "-" if rec["accepted_share"] is None else f"{rec['accepted_share']:.1%}"
                 print(
-                    table.row(
-                        epoch + 1,
-                        r.engine if r in rows else "vllm (peer)",
-                        r.name,
-                        rec["generated_tokens"],
-                        rec["decode_steps"],
-                        acc if acc is not None else "-",
-                        rec["reused_whole"],
-                        rec["rollout_seconds"],
-                        rec["scoring_seconds"],
-                        ratio,
-                        rec["nll"],
-                    ),
+                    f"epoch {epoch + 1} {r.engine if r in rows else 'vllm (peer)'} {r.name}: "
+                    f"{rec['generated_tokens']} tokens, {rec['decode_steps']} steps, {rec['rollout_seconds']:.2f} s "
+                    f"({ratio:.3f}x), accepted {acc}, scoring {rec['scoring_seconds']:.2f} s, NLL {rec['nll']:.3f}",
                     flush=True,
                 )
             last = results
             record["rows"] = {
                 f"{r.engine}/{r.name}" if r in rows else f"peer/{r.name}": r.records for r in rows + peers
             }
-            if args.json:  # an epoch's records are kept even if a later epoch fails
-                write_json(args.json, record, announce=None)
+            run.save()  # an epoch's records are kept even if a later epoch fails
             if epoch + 1 < args.epochs:
                 driver = next(r for r in rows if r.engine in IN_PROCESS and r.name == "vanilla")
                 res = results[id(driver)]
@@ -491,24 +471,7 @@ def main(argv=None) -> int:
             close = getattr(b, "close", None)
             if close is not None:
                 close()
-    print("\nepochs 2+ (ratios to vanilla on the same engine; NLL: mean [95% bootstrap interval] over all epochs)")
-    for s in record["summary"]:
-        lo, mid, hi = s["nll"][1], s["nll"][0], s["nll"][2]
-        acc = "-" if s["accepted_share"] is None else f"{s['accepted_share']:.1%}"
-        print(
-            f"  {s['engine']:12} {s['row']:13} tokens {s['generated_tokens_ratio']:.3f}x  steps "
-            f"{s['decode_steps_ratio']:.3f}x  time {s['rollout_seconds_ratio']:.3f}x  full step "
-            f"{s['full_step_seconds_ratio']:.3f}x  accepted {acc}  "
-            f"NLL {mid:.3f} [{lo:.3f}, {hi:.3f}]"
-        )
-    print("targets (docs: scoring <= 1.1x prefill, a rejected mode <= 1.02x vanilla, <= 1.05x the no-waste bound)")
-    for k, v in record["targets"].items():
-        print(f"  {k}: {v:.3f}" if isinstance(v, float) else f"  {k}: {v}")
-    if args.json:
-        write_json(args.json, record)
-    if args.plot:
-        plot(record, args.plot)
-    return 0
+    return run.finish()
 
 
 if __name__ == "__main__":

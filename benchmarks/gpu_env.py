@@ -110,10 +110,14 @@ def main(argv=None) -> int:
     for key, value in facts.items():
         print(f"{key}: {value}")
     if args.json:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        from _harness import write_json
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run with -P: benchmarks/ is not on sys.path
+        from _harness import section, write_json
 
-        write_json(args.json, {**facts, "problems": problems}, announce=None)
+        record = {**facts, "problems": problems, "status": "problems" if problems else "ok"}
+        body = [f"- {k}: {v}" for k, v in facts.items()] + [f"- **PROBLEM**: {p}" for p in problems]
+        write_json(
+            args.json, {**record, "report": section("Environment (stage 1, gpu_env.py)", record, body)}, announce=None
+        )
     for p in problems:
         print(f"PROBLEM: {p}")
     if notes:

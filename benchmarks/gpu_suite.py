@@ -1,45 +1,17 @@
-"""GPU suite: our verification kernels against their floors and the fused-loss libraries.
-
-One command (stage 3 of ``benchmarks/gpu_check.sh``):
+"""Stage 3 of the GPU check: the verification kernels against their floors and the fused-loss libraries.
 
     python benchmarks/gpu_suite.py [--n 16384] [--vocab 151936] [--d 2048 4096] [--json PATH] [--sweep]
 
-At N tokens, vocabulary V, hidden sizes d, bf16 (targets on an H200):
-
-* from logits [N, V]:   ours  vs  device-to-device copy of the logits (floor;
-  target: ours reads the logits once at >= 85% of the copy's bandwidth,
-  counting the copy's bytes read + written), eager torch (chunked
-  log_softmax + gather).
-* from hidden [N, d]:   ours (fused LM head)  vs  cuBLAS ``h @ W.T`` alone
-  (floor; target <= 1.10x), eager torch (matmul + chunked log_softmax +
-  gather), Liger-Kernel fused linear cross-entropy (reduction="none") and
-  Cut Cross-Entropy (reduction="none") when importable (target: >= 1.15x
-  faster than both, <= 64 MB extra memory).
-
-Order: our kernels, their floors and eager torch at every shape first; the
-Liger / CCE rows after them (a run cut short still has ours); ``--sweep``
-configs within their sections. Each row is printed as it is measured and
-the JSON is rewritten after every row.
-
-Times are medians of ``triton.testing.do_bench`` (CUDA events; L2 flushed
-between runs; ``_harness.measure``, which also records the 20th/80th
-percentiles). "extra MB" is the peak allocated memory during one call
-minus the memory allocated before it (inputs excluded, outputs included;
-the matmul floor writes into a preallocated buffer). Our calls include the
-decisions and the host sync that reads the NaN flag. Liger/CCE compute
--log p at temperature 1, so every method is timed at T = 1.
-
-Accuracy checks (fail the run): from-logits log-probs within
-``FROM_LOGITS_TOL`` nats of fp32 eager torch on the same logits; fused
-LM-head log-probs within ``FUSED_TOL`` nats of fp32 torch on the same bf16
-inputs. Exit code 1 when a shape or check of ours fails (a failing Liger /
-CCE row is reported, not fatal), 0 otherwise; without a CUDA device and
-without ``--device cpu`` it says so and exits 0. ``--device cpu`` runs the
-same code under the Triton interpreter (``TRITON_INTERPRET=1``) at tiny
-shapes: the smoke run, whose times are not measurements.
-
-Writes JSON (with ``_harness.provenance``) to --json (default
-$OUT/gpu_suite.json when OUT is set).
+At N tokens, vocabulary V, hidden sizes d, bf16 (targets on an H200): from logits [N, V], ours against a copy of
+the logits (floor; target >= 85% of the copy's bandwidth, read + write) and eager torch (chunked log_softmax +
+gather); from hidden states [N, d], the fused LM head against cuBLAS ``h @ W.T`` alone (floor; target <= 1.10x),
+eager torch, Liger-Kernel's fused linear cross-entropy and Cut Cross-Entropy (reduction="none", when importable;
+target >= 1.15x faster than both, <= 64 MB extra). Ours, the floors and eager torch at every shape come first, the
+peers after (a run cut short still has ours). Times: ``_harness.measure`` (do_bench medians); "extra MB": peak
+allocated memory during one call beyond what was allocated before it. Everything runs at T = 1 (the peers compute
+-log p). Checks (fail the run): log-probs within ``FROM_LOGITS_TOL`` / ``FUSED_TOL`` nats of fp32 torch. Exit 1
+when a shape or check of ours fails (a peer row that fails is reported only). ``--device cpu``: the smoke run
+under the Triton interpreter (times are not measurements); without CUDA and without it, nothing runs (exit 0).
 """
 
 from __future__ import annotations
@@ -51,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import _harness as H  # benchmarks/ is on sys.path when a script here runs
-import kernel_sweeps  # benchmarks/ is on sys.path when a script here runs
 import torch
 
 EAGER_CHUNK = 2048  # rows per chunk of the eager baseline (bounds its fp32 log-softmax memory)
@@ -79,9 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--json", default=H.default_json_path("gpu_suite.json"), help="write results here (default $OUT/gpu_suite.json)"
     )
     args = ap.parse_args(argv)
-    for name in ("n", "vocab", "tokens_per_sample", "rep_ms"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    H.positive(ap, args, "n", "vocab", "tokens_per_sample", "rep_ms")
     return args
 
 
@@ -155,29 +124,25 @@ def _eager_from_logits(logits, ids, temperature=1.0, chunk=EAGER_CHUNK):
     return out
 
 
-def _liger_fn():
+def _competitors(skip: bool) -> dict:
+    """{label: (run(h, w, ids), None) or (None, why it is skipped)}: Liger-Kernel and Cut Cross-Entropy."""
+    if skip:
+        return {label: (None, "skipped (--skip-competitors)") for label in ("liger", "cce")}
+    out = {}
     try:
         from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+
+        loss = LigerFusedLinearCrossEntropyLoss(reduction="none")
+        out["liger"] = (lambda h, w, ids: loss(w, h, ids)), None
     except Exception as exc:
-        return None, f"skipped: liger-kernel not importable ({type(exc).__name__})"
-    loss = LigerFusedLinearCrossEntropyLoss(reduction="none")
-
-    def run(h, w, ids):
-        return loss(w, h, ids)
-
-    return run, None
-
-
-def _cce_fn():
+        out["liger"] = None, f"skipped: liger-kernel not importable ({type(exc).__name__})"
     try:
         from cut_cross_entropy import linear_cross_entropy
+
+        out["cce"] = (lambda h, w, ids: linear_cross_entropy(h, w, ids, reduction="none")), None
     except Exception as exc:
-        return None, f"skipped: cut-cross-entropy not importable ({type(exc).__name__})"
-
-    def run(h, w, ids):
-        return linear_cross_entropy(h, w, ids, reduction="none")
-
-    return run, None
+        out["cce"] = None, f"skipped: cut-cross-entropy not importable ({type(exc).__name__})"
+    return out
 
 
 def _has_ms(*recs) -> bool:
@@ -213,7 +178,7 @@ def section_logits(s: Suite) -> None:
     if s.args.sweep:
         s.sweep(
             "from-logits",
-            kernel_sweeps.LOGITS_SWEEP,
+            H.kernel_sweeps()["logits"],
             lambda cfg: K.verify_logits(logits, s.drafts, cfg),
             section="logits-sweep",
             bytes=logit_bytes,
@@ -261,7 +226,7 @@ def section_hidden(s: Suite, d: int, broken: bool = False) -> None:
     if s.args.sweep:
         s.sweep(
             "fused",
-            kernel_sweeps.LM_HEAD_SWEEP,
+            H.kernel_sweeps()["lm_head"],
             lambda cfg: K.verify_hidden(h, w, None, s.drafts, config=cfg),
             section=f"{section}-sweep",
             flops=tag["flops"],
@@ -299,44 +264,33 @@ def section_competitors(s: Suite, d: int, competitors: dict) -> None:
         s.rec.save()
 
 
-TABLE = H.Table(
-    H.Column("method", 46, "<"),
-    H.Column("ms", 9, fmt="{:.3f}"),
-    H.Column("GB/s|TF/s", 10, fmt="{:.1f}"),
-    H.Column("vs floor", 9),
-    H.Column("extra MB", 9, fmt="{:.1f}"),
-    H.Column("speedups / notes", 0, "<", gap="  "),
-)
-
-
-def _vs_floor(rec: dict, floor: dict | None) -> str:
-    if floor is None:
-        return "-"
-    if rec["section"].startswith("logits"):
-        return f"{rec['gb_per_s'] / floor['gb_per_s']:.2f}bw"
-    return f"{rec['ms'] / floor['ms']:.2f}x"
-
-
-def print_table(results: dict) -> None:
-    meta = results["meta"]
-    print(
-        f"\n=== spec-rl verification kernels: {meta['device']}, N={meta['n']}, V={meta['vocab']}, {meta['dtype']}, "
-        f"commit {meta['commit']}, {meta['date']} ==="
+def report(rec: dict) -> list[str]:
+    """The from-logits and fused LM-head tables (benchmarks/RESULTS.md "GPU check on an H200")."""
+    meta, rows, notes = rec["meta"], rec.get("rows", []), ("speedup of ours", H.speedups, "{}")
+    logits = [
+        ("method", "name", "{}"),
+        ("ms", "ms", "{:.3f}"),
+        ("GB/s", "gb_per_s", "{:.0f}"),
+        ("fraction of copy bandwidth", "fraction_of_copy_bandwidth", "{:.2f}"),
+        ("extra MB", "extra_mb", "{:.1f}"),
+        notes,
+    ]
+    hidden = [
+        ("d", lambda r: r["section"].split("-")[1], "{}"),
+        ("method", "name", "{}"),
+        ("ms", "ms", "{:.3f}"),
+        ("TFLOP/s", "tflops", "{:.0f}"),
+        ("time / matmul", "ratio_to_matmul", "{:.2f}"),
+        ("extra MB", "extra_mb", "{:.1f}"),
+        notes,
+    ]
+    body = [f"Shapes: N = {meta.get('n')} tokens, V = {meta.get('vocab')}, {meta.get('dtype')}.", ""]
+    body += H.rows_table(logits, [r for r in rows if r.get("section", "").startswith("logits")]) + [""]
+    return H.section(
+        "Verification kernels (stage 3, gpu_suite.py)",
+        rec,
+        body + H.rows_table(hidden, [r for r in rows if r.get("section", "").startswith("hidden")], keep=2),
     )
-    print(TABLE.header())
-    floors = {rec["section"]: rec for rec in results["rows"] if "(floor" in rec["name"] and "ms" in rec}
-    for rec in results["rows"]:
-        if "ms" not in rec:
-            print(TABLE.row(rec["name"], None, None, None, None, rec.get("error") or rec.get("skipped", "")))
-            continue
-        rate = rec.get("gb_per_s", rec.get("tflops", float("nan")))
-        vs = _vs_floor(rec, floors.get(rec["section"].replace("-sweep", "")))
-        print(TABLE.row(rec["name"], rec["ms"], rate, vs, rec.get("extra_mb"), H.speedup_notes(rec)))
-    print(
-        "vs floor: from-logits = fraction of the copy's bandwidth (target >= 0.85); "
-        "fused = time / matmul time (target <= 1.10)"
-    )
-    H.print_checks(results["checks"])
 
 
 def run_suite(args, K, dev: torch.device, rec: H.RunRecord) -> None:
@@ -349,10 +303,7 @@ def run_suite(args, K, dev: torch.device, rec: H.RunRecord) -> None:
         suite.free()
     if H.broken_shape_requested("gpu_suite"):
         section_hidden(suite, args.d[0], broken=True)
-    if args.skip_competitors:
-        competitors = {"liger": (None, "skipped (--skip-competitors)"), "cce": (None, "skipped (--skip-competitors)")}
-    else:
-        competitors = {"liger": _liger_fn(), "cce": _cce_fn()}
+    competitors = _competitors(args.skip_competitors)
     for d in args.d:
         section_competitors(suite, d, competitors)
         suite.free()
@@ -376,7 +327,7 @@ def main(argv=None) -> int:
         f"triton {meta['triton']}, commit {meta['commit']}",
         flush=True,
     )
-    rec = H.RunRecord(args.json, {"meta": meta, "rows": []})
+    rec = H.RunRecord(args.json, {"meta": meta, "rows": []}, report)
     try:
         run_suite(args, K, dev, rec)
     except Exception as exc:  # noqa: BLE001  a section that fails outside a row: record it, keep what was measured
@@ -386,9 +337,6 @@ def main(argv=None) -> int:
         rec.fail(f"suite stopped: {type(exc).__name__}: {exc}".splitlines()[0][:300])
     for what in H.failed_rows(rec.record["rows"]):
         rec.fail(what)
-    print_table(rec.record)
-    if args.json:
-        print(f"\nwrote {args.json}")
     return rec.finish()
 
 

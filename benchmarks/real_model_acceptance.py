@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _harness as H  # noqa: E402
 import real_model  # noqa: E402
-from _harness import Column, Table, default_json_path, provenance, write_json  # noqa: E402
 
 from spec_rl.acceptance.dispatch import VerifyOptions, verify_logprobs  # noqa: E402
 from spec_rl.acceptance.mode import MODES  # noqa: E402
@@ -55,12 +55,12 @@ def main(argv=None) -> int:
     ap.add_argument("--lrs", default="1e-6,1e-5,1e-4", help="comma-separated learning rates of the one GRPO step")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--json", default=default_json_path("real_model_acceptance.json"))
+    ap.add_argument("--json", default=H.default_json_path("real_model_acceptance.json"))
     args = ap.parse_args(argv)
     base, tokenizer = load_policy(real_model.build())
     examples = demo_train_set()[: args.prompts]
     settings = SamplingSettings(temperature=1.0, max_tokens=args.max_tokens)
-    record = {"provenance": provenance("cpu"), "model": "SmolLM2-135M-Instruct", "settings": settings.to_dict()}
+    record = {"provenance": H.provenance("cpu"), "model": "SmolLM2-135M-Instruct", "settings": settings.to_dict()}
     rows = []
     for lr in [float(x) for x in args.lrs.split(",")]:
         config = GRPOConfig(
@@ -105,19 +105,17 @@ def main(argv=None) -> int:
                 }
             )
     record["rows"] = rows
-    table = Table(
-        Column("lr", 7, "<", "{:g}"),
-        Column("rule", 8, "<"),
-        Column("accepted share", 15, fmt="{:.1%}"),
-        Column("reused whole", 13, fmt="{:.1%}"),
-        Column("mean |lp_new - lp_old|", 23, fmt="{:.4f}"),
-        Column("groups with signal", 19),
-    )
-    print(table.header())
-    for r in rows:
-        print(table.row(r["lr"], r["rule"], r["accepted_share"], r["full_reuse"], r["drift"], r["groups_with_signal"]))
+    columns = [
+        ("lr", "lr", "{:g}"),
+        ("rule", "rule", "{}"),
+        ("accepted share", "accepted_share", "{:.1%}"),
+        ("reused whole", "full_reuse", "{:.1%}"),
+        ("drift (nats/token)", "drift", "{:.4f}"),
+        ("groups with signal", "groups_with_signal", "{}"),
+    ]
+    print("\n".join(H.rows_table(columns, rows)))
     if args.json:
-        write_json(args.json, record)
+        H.write_json(args.json, record)
     return 0
 
 

@@ -30,7 +30,7 @@ def pytest_addoption(parser):
         "--e2e-out",
         metavar="DIR",
         default=None,
-        help="keep the runs in DIR (benchmarks/verl_e2e_table.py tabulates them; default: a temporary one)",
+        help="keep the runs in DIR (each run's metrics.jsonl; default: a temporary one)",
     )
 
 

