@@ -11,7 +11,14 @@ import torch
 
 from ..sampling.distribution import SamplingSettings, check_settings
 from ..util.triton import kernels_for
-from ..util.validation import LOGPROB_SLACK, check_choice, check_int, format_positions, invalid_scores_message
+from ..util.validation import (
+    LOGPROB_SLACK,
+    check_choice,
+    check_int,
+    check_type,
+    format_positions,
+    invalid_scores_message,
+)
 from .mode import RolloutMode
 from .reference import SCORE_NAMES, VerifyResult, lengths_mask, make_result, reference_verify
 from .rules import Rule
@@ -87,9 +94,8 @@ def _pick_backend(backend: str, device: torch.device, settings: SamplingSettings
 def _check_tensor(name: str, t, shape: tuple | None, kind: str, device: torch.device | None = None) -> None:
     """A tensor with values of ``shape`` (None: any; a str entry names a free size, e.g. "V") and ``kind`` ("int",
     "float", "any"), on ``device`` (None: any)."""
-    if not isinstance(t, torch.Tensor):
-        hint = f" (e.g. torch.tensor({name}))" if isinstance(t, (list, tuple)) or hasattr(t, "__array__") else ""
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}{hint}")
+    hint = f" (e.g. torch.tensor({name}))" if isinstance(t, (list, tuple)) or hasattr(t, "__array__") else ""
+    check_type(name, t, torch.Tensor, "a torch.Tensor", hint)
     if t.device.type == "meta":
         raise ValueError(f"{name} is on the meta device (it holds no data); verify needs tensors with values")
     if shape is not None and (
@@ -220,9 +226,7 @@ def verify_scores(
     options: VerifyOptions | None = None,
 ) -> VerifyResult:
     """Body of the verify functions; ``scores`` holds one source. Arguments and errors as :func:`verify_logits`."""
-    options = VerifyOptions() if options is None else options
-    if not isinstance(options, VerifyOptions):
-        raise TypeError(f"options must be a VerifyOptions, got {type(options).__name__}")
+    options = check_type("options", VerifyOptions() if options is None else options, VerifyOptions)
     seed = check_int("seed", seed, hint=" (the 64-bit seed of the acceptance uniforms, taken modulo 2**64)")
     switch = options.rule.kernel_switch()
     if isinstance(draft_ids, torch.Tensor) and switch is not None and not switch[1]:  # e.g. exact: lp_old is not read

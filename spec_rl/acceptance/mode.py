@@ -8,7 +8,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from ..util.validation import check_int
+from ..util.validation import check_int, check_type
 from .rules import LENIENCE, Coupled, Exact, Lenient, RandomReuse, Rule, rule_from_dict
 
 #: Most history-drafted tokens verified per decode step under tail speculation (docs/design.md "Tail speculation").
@@ -29,11 +29,8 @@ class RolloutMode:
     max_draft_age: int | None = None
 
     def __post_init__(self) -> None:
-        if self.rule is not None and not isinstance(self.rule, Rule):
-            raise TypeError(
-                f"rule must be an acceptance rule (spec_rl.acceptance.rules: Lenient(), Exact(), RandomReuse()) or "
-                f"None, got {type(self.rule).__name__}; a mode by name: RolloutMode.parse({self.rule!r})"
-            )
+        rules = "an acceptance rule (spec_rl.acceptance.rules: Lenient(), Exact(), RandomReuse()) or None"
+        check_type("rule", self.rule, (Rule, type(None)), rules, f"; a mode by name: RolloutMode.parse({self.rule!r})")
         check_int("tail", self.tail, low=0, hint=" (most history-drafted tokens per decode step; 0: off)")
         if self.max_draft_age is not None:
             check_int("max_draft_age", self.max_draft_age, low=1, hint=" (epochs a draft is carried; None: no bound)")

@@ -16,7 +16,7 @@ import torch
 from ..acceptance.scores import DraftScores
 from ..drafts.owner import model_owner, policy_owner
 from ..sampling.distribution import SamplingSettings
-from ..util.validation import check_int
+from ..util.validation import check_int, check_type
 
 
 @dataclass
@@ -221,8 +221,7 @@ class Backend:
             raise ValueError(f"scored must come from this backend's score and be continued once, got {got}")
         for i, job in enumerate(jobs):
             name = f"jobs[{i}]"
-            if not isinstance(job, Job):
-                raise TypeError(f"{name} must be a Job, got {type(job).__name__}")
+            check_type(name, job, Job)
             budget = check_int(f"{name}.budget", job.budget, low=0)
             if (job.context is None) == (job.cut is None):
                 raise ValueError(f"{name} needs exactly one of context (fresh) and cut (after a scored draft)")

@@ -9,7 +9,7 @@ import torch
 
 from ..sampling.distribution import SamplingSettings
 from ..util.memory import memory_budget
-from ..util.validation import check_int
+from ..util.validation import check_int, check_type
 from .base import BackendStats, Continuation, Scored, eos_and_pad
 from .hf_decode import DecodeRow, KVRows, SpeculativeDecoder, TailGate, prefill
 from .kv_buffer import left_padded_cache
@@ -42,8 +42,7 @@ class TransformersBackend(ReprefillBackend):
         adaptive_tail: bool = True,
         kv_cache_bytes: int | None = None,
     ):
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(f"model must be a transformers causal LM (a torch.nn.Module), got {type(model).__name__}")
+        check_type("model", model, torch.nn.Module, "a transformers causal LM (a torch.nn.Module)")
         self.model = model
         self.eos_ids, self.pad_id = eos_and_pad(eos_ids, pad_id)
         self.max_batch_size = check_int("max_batch_size", max_batch_size, low=1)

@@ -18,7 +18,15 @@ import torch
 
 from ..sampling.distribution import SamplingSettings, check_settings
 from ..util.atomic import atomic_save_safetensors
-from ..util.validation import INT64_MAX, as_float_vector, as_id_vector, check_choice, check_int, logprob_problem
+from ..util.validation import (
+    INT64_MAX,
+    as_float_vector,
+    as_id_vector,
+    check_choice,
+    check_int,
+    check_type,
+    logprob_problem,
+)
 from .owner import merged_owner
 from .stored_files import open_stored
 
@@ -47,11 +55,8 @@ class CacheKey:
         or a negative slot."""
         ids = as_id_vector("prompt_ids", prompt_ids, high=INT64_MAX)
         slot = check_int("slot", slot, low=0, high=INT64_MAX, hint=" (the sample's index within its group)")
-        if dataset_id is not None and not isinstance(dataset_id, str):
-            raise TypeError(
-                f"dataset_id must be a str or None, got {type(dataset_id).__name__} {dataset_id!r} "
-                f'(e.g. dataset_id="gsm8k:{dataset_id}")'
-            )
+        hint = f' {dataset_id!r} (e.g. dataset_id="gsm8k:{dataset_id}")'
+        check_type("dataset_id", dataset_id, (str, type(None)), "a str or None", hint)
         h = hashlib.blake2b(digest_size=_KEY_BYTES, person=b"spec-rl-cache-1")
         h.update((dataset_id if dataset_id is not None else "\x00none").encode("utf-8"))
         h.update(b"\xff")
@@ -131,11 +136,7 @@ def next_age(draft: Draft | None, verified_prefix_len: int) -> int:
 
 def check_key(key) -> CacheKey:
     """``key`` itself, or a TypeError when it is not a :class:`CacheKey`."""
-    if not isinstance(key, CacheKey):
-        raise TypeError(
-            f"key must be a CacheKey (CacheKey.make(prompt_ids, slot, dataset_id)), got {type(key).__name__}"
-        )
-    return key
+    return check_type("key", key, CacheKey, "a CacheKey (CacheKey.make(prompt_ids, slot, dataset_id))")
 
 
 class DraftStore(abc.ABC):
@@ -236,8 +237,7 @@ class RolloutCache(DraftStore):
 
     def update(self, other: RolloutCache) -> None:
         """Insert (or replace) every draft of ``other``, e.g. one just loaded from disk."""
-        if not isinstance(other, RolloutCache):
-            raise TypeError(f"other must be a RolloutCache, got {type(other).__name__}")
+        check_type("other", other, RolloutCache)
         if self.owner is not None:
             other.claim(self.owner, "the cache merged in")
         self.owner = other.owner

@@ -19,7 +19,7 @@ from ..drafts.cache import RolloutCache
 from ..drafts.history import HistoryIndex
 from ..rollout.speculative import RolloutRequest, RolloutResult
 from ..sampling.distribution import SamplingSettings
-from ..util.validation import check_int
+from ..util.validation import check_int, check_type
 from .requests import adapter_mode
 from .trl_batch import batch_requests, group_size, hook_dataset_ids, tokenize_prompts, trainer_owner, unwrapped_model
 from .trl_checkpoint import CACHE_FILENAME, HISTORY_FILENAME, RolloutCacheCallback, history_path
@@ -80,8 +80,7 @@ class SpecRLRollout:
     ):
         if dataset_id_column is not None and dataset_id_fn is not None:
             raise ValueError("pass either dataset_id_column or dataset_id_fn, not both")
-        if dataset_id_column is not None and not isinstance(dataset_id_column, str):
-            raise TypeError(f"dataset_id_column must be a column name (str), got {type(dataset_id_column).__name__}")
+        check_type("dataset_id_column", dataset_id_column, (str, type(None)), "a column name (str)")
         if dataset_id_fn is not None and not callable(dataset_id_fn):
             raise TypeError("dataset_id_fn must be a callable prompt -> str")
         if max_model_len is not None:

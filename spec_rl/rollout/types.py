@@ -9,6 +9,7 @@ import torch
 
 from ..backends.base import token_ids
 from ..drafts.cache import Draft, DraftStore
+from ..util.validation import check_type
 
 
 @dataclass
@@ -24,8 +25,7 @@ def request_prompts(requests: Sequence[RolloutRequest], vocab_size: int | None, 
     """The prompts as non-empty id lists in [0, vocab_size); TypeError or ValueError naming the request."""
     prompts = []
     for i, r in enumerate(requests):
-        if not isinstance(r, RolloutRequest):
-            raise TypeError(f"requests[{i}] must be a RolloutRequest, got {type(r).__name__}")
+        check_type(f"requests[{i}]", r, RolloutRequest)
         prompts.append(token_ids(f"requests[{i}].prompt_ids", r.prompt_ids, vocab_size, owner))
         if not prompts[-1]:
             raise ValueError(f"requests[{i}] has an empty prompt")
@@ -34,9 +34,7 @@ def request_prompts(requests: Sequence[RolloutRequest], vocab_size: int | None, 
 
 def check_store(name: str, store) -> DraftStore:
     """``store`` if it is a :class:`~spec_rl.drafts.cache.DraftStore`, else a TypeError naming ``name``."""
-    if not isinstance(store, DraftStore):
-        raise TypeError(f"{name} must be a DraftStore (RolloutCache, DirectoryDraftStore), got {type(store).__name__}")
-    return store
+    return check_type(name, store, DraftStore, "a DraftStore (RolloutCache, DirectoryDraftStore)")
 
 
 def check_draft_ids(drafts: Sequence[Draft | None], rows: Sequence[int], vocab_size: int | None, owner: str) -> None:

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, fields
 import torch
 
 from ..util.triton import kernels_for
-from ..util.validation import check_int, check_real
+from ..util.validation import check_int, check_real, check_type
 from .philox import STREAM_SAMPLE, U24_SCALE, U_FLOOR, philox4x32, philox_keys
 
 
@@ -79,11 +79,8 @@ class SamplingSettings:
 
 def check_settings(settings, name: str = "settings") -> SamplingSettings:
     """``settings`` itself, or a TypeError when it is not a :class:`SamplingSettings` (e.g. a dict or None)."""
-    if not isinstance(settings, SamplingSettings):
-        raise TypeError(
-            f"{name} must be a SamplingSettings, got {type(settings).__name__} "
-            "(build one with SamplingSettings(temperature=..., top_p=..., top_k=..., max_tokens=...))"
-        )
+    hint = " (build one with SamplingSettings(temperature=..., top_p=..., top_k=..., max_tokens=...))"
+    check_type(name, settings, SamplingSettings, hint=hint)
     return settings
 
 
@@ -270,8 +267,7 @@ _NOISE_ELEMENTS = 1 << 22
 
 def _index_vector(name: str, t, n: int | None, high: int | None = None) -> torch.Tensor:
     """``t`` as a 1-D int64 tensor of length ``n`` (None: any), values in [0, high) when given."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a 1-D integer torch.Tensor, got {type(t).__name__}")
+    check_type(name, t, torch.Tensor, "a 1-D integer torch.Tensor")
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
         raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
     if t.dim() != 1 or (n is not None and t.shape[0] != n):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..util.validation import check_choice
+from ..util.validation import check_choice, check_type
 from .rewards import extract_boxed
 
 #: Record formats accepted by the loaders ("auto" detects one of the others).
@@ -42,8 +42,7 @@ class Example:
 def format_prompt(question: str) -> str:
     """The prompt text for ``question`` (:data:`PROMPT_TEMPLATE`, question stripped). Raises TypeError when ``question``
     is not a str, ValueError when it is empty or only whitespace."""
-    if not isinstance(question, str):
-        raise TypeError(f"question must be a str, got {type(question).__name__}")
+    check_type("question", question, str)
     q = question.strip()
     if not q:
         raise ValueError("question is empty; pass the problem text to format_prompt(question)")
@@ -70,8 +69,7 @@ class PromptFormat:
 
     def __post_init__(self) -> None:
         check_choice("chat_template", self.chat_template, CHAT_TEMPLATE_CHOICES)
-        if self.system_prompt is not None and not isinstance(self.system_prompt, str):
-            raise TypeError(f"system_prompt must be a str or None, got {type(self.system_prompt).__name__}")
+        check_type("system_prompt", self.system_prompt, (str, type(None)), "a str or None")
 
     def uses_chat(self, tokenizer) -> bool:
         has = bool(getattr(tokenizer, "chat_template", None))

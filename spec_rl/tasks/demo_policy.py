@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from ..util.validation import check_type
 from .arithmetic import TASK_VERSION, generate_problems
 from .demo_data import DEMO_MAX_NEW_TOKENS, DEMO_TASK_OPTIONS, demo_eval_set, demo_response, demo_train_set
 from .demo_sft import RECIPE_VERSION, DemoConfig, make_demo_model
@@ -74,9 +75,7 @@ def build_demo_policy(
     Besides the transformers files the directory holds ``demo_info.json``, the build record. Raises TypeError when
     ``config`` is not a DemoConfig, OSError when the cache cannot be written, ValueError when a shipped file does not
     match its sha256."""
-    cfg = config if config is not None else DemoConfig()
-    if not isinstance(cfg, DemoConfig):
-        raise TypeError(f"config must be a DemoConfig, got {type(cfg).__name__}")
+    cfg = check_type("config", config if config is not None else DemoConfig(), DemoConfig)
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     shipped = cfg == DemoConfig() and not force
     # the shipped policy in its own folder: an earlier SFT build on this machine (other weights) is never taken for it

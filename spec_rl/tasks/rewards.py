@@ -13,6 +13,8 @@ import threading
 from collections.abc import Callable
 from fractions import Fraction
 
+from ..util.validation import check_type
+
 RewardFn = Callable[[str, str], float]
 
 #: Longer extracted answers (characters) score 0 without math-verify: bounds sympy work on junk.
@@ -116,8 +118,7 @@ def math_reward(completion: str, gold: str) -> float:
     answer over :data:`MAX_ANSWER_CHARS` characters or an error inside math-verify give 0.0. Thread-safe: math-verify's
     signal-based timeouts are used in the main thread only. Raises TypeError when ``gold`` is not a str, ValueError when
     it is empty, MathVerifyUnavailable when math-verify is needed but missing."""
-    if not isinstance(gold, str):
-        raise TypeError(f"gold must be a str (Example.answer), got {type(gold).__name__}")
+    check_type("gold", gold, str, "a str (Example.answer)")
     if not gold.strip():
         raise ValueError("gold is empty; pass the gold final answer (Example.answer)")
     pred = extract_final_answer(completion)  # None for a non-str completion

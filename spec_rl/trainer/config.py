@@ -11,7 +11,7 @@ from ..acceptance.mode import TRAINER_MODE, RolloutMode
 from ..backends import BACKENDS
 from ..sampling.distribution import SamplingSettings, check_settings
 from ..tasks.data import PromptFormat
-from ..util.validation import check_choice, check_int, check_real
+from ..util.validation import check_choice, check_int, check_real, check_type
 from .correction import RolloutCorrection
 
 
@@ -91,8 +91,7 @@ class GRPOConfig:
         self.mode = RolloutMode.parse(self.mode)
         self.rollout_correction = RolloutCorrection.parse(self.rollout_correction)
         check_settings(self.sampling, "sampling")
-        if not isinstance(self.prompt_format, PromptFormat):
-            raise TypeError(f"prompt_format must be a PromptFormat, got {type(self.prompt_format).__name__}")
+        check_type("prompt_format", self.prompt_format, PromptFormat)
         check_choice("generation_backend", self.generation_backend, ("auto", *BACKENDS))
         for name in _COUNTS:
             check_int(name, getattr(self, name), low=1)

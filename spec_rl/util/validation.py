@@ -21,6 +21,14 @@ def _got(value) -> str:
     return "NoneType" if value is None else f"{type(value).__name__} {value!r}"
 
 
+def check_type(name: str, value, kinds, what: str | None = None, hint: str = ""):
+    """``value`` itself, or a TypeError "<name> must be <what>, got <its type><hint>" when it is not an instance of
+    ``kinds`` (a class or a tuple of them; ``what`` defaults to "a <class name>")."""
+    if not isinstance(value, kinds):
+        raise TypeError(f"{name} must be {what or 'a ' + kinds.__name__}, got {type(value).__name__}{hint}")
+    return value
+
+
 def check_int(name: str, value, *, low: int | None = None, high: int | None = None, hint: str = "") -> int:
     """``value`` as a Python int; TypeError unless it is an integer (not a bool, not a float), ValueError outside
     [low, high]. ``hint`` is appended to the message (e.g. " (0 disables top-k)")."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ...sampling.distribution import SamplingSettings, check_settings
-from ...util.validation import check_int
+from ...util.validation import check_int, check_type
 from ..base import Backend, Continuation, Scored, eos_and_pad
 from ..scoring import ScoringHead
 from .blocks import BlockManager
@@ -58,9 +58,7 @@ class PagedEngine(Backend):
         self.head = ScoringHead(model)
         self.runner = ModelRunner(model, self.head, self.blocks, layout)
         self.scheduler = Scheduler(self.blocks, self.max_batch_size, self.max_tokens_per_forward)
-        decode = DecodeConfig() if decode is None else decode
-        if not isinstance(decode, DecodeConfig):
-            raise TypeError(f"decode must be a DecodeConfig, got {type(decode).__name__}")
+        decode = check_type("decode", DecodeConfig() if decode is None else decode, DecodeConfig)
         self.static = (
             StaticDecoder(self.runner, self.max_batch_size, decode) if decode.uses_static(self.device) else None
         )
