@@ -17,7 +17,7 @@ from ..drafts.cache import DraftStore
 from ..rollout.sample import Sample, look_up
 from ..sampling.distribution import SamplingSettings
 from ..sampling.philox import mix_seed
-from ..util.validation import check_int
+from ..util.validation import check_choice, check_int
 from .exact import MAX_RESIDUAL_ATTEMPTS, draw_continuation, residual_seeds
 from .request_types import Assembled, ContinuationRequest, Verified
 
@@ -38,8 +38,7 @@ def check_server_settings(
     "processed" (for a server known to apply them). ``repetition_penalty`` must be 1: the scoring prefill does not
     apply it. ``logprobs_mode``: the server's mode for sampled-token log-probs (vLLM's), None if unknown; logits
     modes fail."""
-    if prompt_logprobs_mode not in PROMPT_LOGPROBS_MODES:
-        raise ValueError(f"prompt_logprobs_mode must be one of {PROMPT_LOGPROBS_MODES}, got {prompt_logprobs_mode!r}")
+    check_choice("prompt_logprobs_mode", prompt_logprobs_mode, PROMPT_LOGPROBS_MODES)
     if prompt_logprobs_mode == "raw" and not (settings.temperature == 1.0 and settings.is_plain):
         raise ValueError(
             f"the rollout samples with temperature={settings.temperature}, top_k={settings.top_k}, "
