@@ -5,7 +5,7 @@ clock around device synchronizes), :func:`synced` (for pytest-benchmark) and :fu
 result row; a failing call becomes an ``error`` row). Provenance: :func:`provenance` (device, versions, commit,
 date) in every record. Records: :class:`RunRecord`, rewritten after every row with its markdown (``report``, the
 tables of benchmarks/RESULTS.md, rendered by benchmarks/gpu_report.py's helpers, re-exported here) and the
-failures that make a script exit non-zero. Inputs: presets of random models, kernel sweep configs, LM heads.
+failures that make a script exit non-zero. Inputs: random models and LM heads.
 
 >>> _, t = wall_time(lambda: torch.ones(4).sum(), "cpu", warmup=1, repeats=3)
 >>> t.runs
@@ -427,30 +427,3 @@ def random_model(vocab: int, device, dtype: torch.dtype, *, qwen3: bool = False,
     with torch.device(device):  # initialised where it runs: a 0.6B model's CPU init alone takes seconds
         model = (Qwen3ForCausalLM if qwen3 else Qwen2ForCausalLM)(config)
     return model.to(dtype=dtype).eval()
-
-
-def kernel_sweeps() -> dict:
-    """The tile configs ``--sweep`` times and compiles (the package picks one per shape: spec_rl.kernels.configs);
-    the first of each list is the Hopper default."""
-    from spec_rl.kernels.configs import LMHeadConfig, LogitsConfig, PagedAttentionConfig
-
-    return {
-        "logits": [LogitsConfig(*c) for c in ((2048, 8), (1024, 4), (2048, 4), (4096, 8), (4096, 16), (8192, 16))],
-        "lm_head": [
-            LMHeadConfig(128, 256, 64, 8, 3),
-            LMHeadConfig(128, 256, 64, 8, 4),
-            LMHeadConfig(128, 128, 64, 8, 3),
-            LMHeadConfig(128, 128, 64, 8, 3, flatten=True),
-            LMHeadConfig(128, 128, 64, 8, 4),
-            LMHeadConfig(128, 128, 64, 4, 4),
-            LMHeadConfig(256, 128, 64, 8, 3),
-            LMHeadConfig(128, 256, 64, 8, 3, target_splits=8),
-            LMHeadConfig(128, 256, 64, 8, 3, target_splits=32),
-        ],
-        # default at D=128, bf16 first; the last two: the fp32-exact broadcast path
-        "paged_attention": [
-            PagedAttentionConfig(*c)
-            for c in ((64, 8, True, 2), (64, 8, True, 3), (64, 4, True, 3), (128, 8, True, 2), (32, 4, True, 3))
-        ]
-        + [PagedAttentionConfig(32, 4, False, 1), PagedAttentionConfig(16, 4, False, 1)],
-    }

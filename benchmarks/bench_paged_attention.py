@@ -1,6 +1,6 @@
 """Stage 4 of the GPU check: Triton paged decode attention against gather + torch SDPA and the copy floor.
 
-    python benchmarks/bench_paged_attention.py [--batch 64] [--context 1024] [--sweep] [--json PATH]
+    python benchmarks/bench_paged_attention.py [--batch 64] [--context 1024] [--json PATH]
 
 Qwen3-0.6B attention (16 query heads, 8 kv heads of 128), bf16, blocks of 16 tokens, one decode token per sequence
 against ``--context`` cached tokens (block ids shuffled over the cache); and a small-batch long-context shape
@@ -37,7 +37,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--block-size", type=int, default=16, help="tokens per cache block")
     ap.add_argument("--dtype", default="bf16", choices=sorted(H.DTYPES))
     ap.add_argument("--rep-ms", type=int, default=100, help="do_bench time budget per measurement (ms)")
-    ap.add_argument("--sweep", action="store_true", help="also time every config in configs.PAGED_ATTENTION_SWEEP")
     ap.add_argument(
         "--device",
         choices=["cuda", "cpu"],
@@ -171,9 +170,6 @@ def run_shape(args, K, shape, dev, rec: H.RunRecord, sm_count: int) -> None:
         forced = max(2, -(-2 * sm_count // (batch * args.kv_heads)))
         measure(f"ours: split-K (num_splits={forced})", ours(num_splits=forced, max_seq_len=context))
     measure("ours: auto, with range checks (1 host sync)", ours(max_seq_len=context))
-    if args.sweep:
-        for c in H.kernel_sweeps()["paged_attention"]:
-            measure(f"  sweep {c}", ours(max_seq_len=context, config=c), config=str(c))
 
     def gather_sdpa():
         return _sdpa(q, *_gather_dense(kv, bt, context), scale)

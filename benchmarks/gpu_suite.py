@@ -1,6 +1,6 @@
 """Stage 3 of the GPU check: the verification kernels against their floors and the fused-loss libraries.
 
-    python benchmarks/gpu_suite.py [--n 16384] [--vocab 151936] [--d 2048 4096] [--json PATH] [--sweep]
+    python benchmarks/gpu_suite.py [--n 16384] [--vocab 151936] [--d 2048 4096] [--json PATH]
 
 At N tokens, vocabulary V, hidden sizes d, bf16 (targets on an H200): from logits [N, V], ours against a copy of
 the logits (floor; target >= 85% of the copy's bandwidth, read + write) and eager torch (chunked log_softmax +
@@ -38,7 +38,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     ap.add_argument("--tokens-per-sample", type=int, default=512)
     ap.add_argument("--rep-ms", type=int, default=150, help="do_bench time budget per measurement (ms)")
-    ap.add_argument("--sweep", action="store_true", help="also time every config of LOGITS_SWEEP / LM_HEAD_SWEEP")
     ap.add_argument("--skip-competitors", action="store_true", help="time only our kernels and the floors")
     ap.add_argument(
         "--device",
@@ -87,11 +86,6 @@ class Suite:
         )
         self.rec.save()
         return row
-
-    def sweep(self, label: str, configs, run: Callable, **extra) -> None:
-        """Time ``run(cfg)`` for every config (``--sweep``)."""
-        for cfg in configs:
-            self.measure(f"  sweep {label} {cfg}", lambda cfg=cfg: run(cfg), config=str(cfg), **extra)
 
     def free(self) -> None:
         if self.dev.type == "cuda":
@@ -156,7 +150,7 @@ def _rates(s: Suite, section: str, key: str, per_ms: Callable[[dict], float]) ->
 
 
 def section_logits(s: Suite) -> None:
-    """From materialised logits: ours vs the copy floor and eager torch (+ the config sweep)."""
+    """From materialised logits: ours vs the copy floor and eager torch."""
 
     n, vocab, d0, K = s.args.n, s.args.vocab, s.args.d[0], s.K
     h0 = torch.randn(n, d0, device=s.dev, dtype=s.dtype, generator=s.gen)
@@ -175,14 +169,6 @@ def section_logits(s: Suite) -> None:
         lp_k = K.verify_logits(logits, s.drafts)[0]
         diff = (lp_k - _eager_from_logits(logits, s.ids)).abs().max()
         s.rec.check("from_logits_max_abs_diff_vs_eager_fp32", diff, FROM_LOGITS_TOL)
-    if s.args.sweep:
-        s.sweep(
-            "from-logits",
-            H.kernel_sweeps()["logits"],
-            lambda cfg: K.verify_logits(logits, s.drafts, cfg),
-            section="logits-sweep",
-            bytes=logit_bytes,
-        )
     _rates(s, "logits", "gb_per_s", lambda r: r["bytes"] / r["ms"] / 1e6)
     if _has_ms(copy, ours):
         copy["fraction_of_copy_bandwidth"] = 1.0
@@ -193,7 +179,7 @@ def section_logits(s: Suite) -> None:
 
 
 def section_hidden(s: Suite, d: int, broken: bool = False) -> None:
-    """Fused LM head at hidden size d: ours vs the matmul floor and eager torch (+ the config sweep).
+    """Fused LM head at hidden size d: ours vs the matmul floor and eager torch.
 
     ``broken``: the weight gets d + 8 columns, a shape the kernel's launcher refuses (the smoke tests'
     deliberately failing shape).
@@ -223,14 +209,6 @@ def section_hidden(s: Suite, d: int, broken: bool = False) -> None:
         lp_e = torch.cat([_eager_from_logits(h[r].float() @ w32.T, s.ids[r]) for r in rows])
         del w32
         s.rec.check(f"fused_d{d}_max_abs_diff_vs_fp32_torch", (lp_k - lp_e).abs().max(), FUSED_TOL)
-    if s.args.sweep:
-        s.sweep(
-            "fused",
-            H.kernel_sweeps()["lm_head"],
-            lambda cfg: K.verify_hidden(h, w, None, s.drafts, config=cfg),
-            section=f"{section}-sweep",
-            flops=tag["flops"],
-        )
     _rates(s, section, "tflops", lambda r: r["flops"] / r["ms"] / 1e9)
     if _has_ms(ours, mm):
         mm["ratio_to_matmul"] = 1.0
