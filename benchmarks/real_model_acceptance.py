@@ -11,7 +11,6 @@ at l = 1 and l = e^0.5. Prints the accepted share of draft tokens, the full-reus
 
 from __future__ import annotations
 
-import argparse
 import copy
 import sys
 import tempfile
@@ -51,15 +50,12 @@ def accepted(drafts, old, new, uids, rule: str) -> tuple[float, float]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = H.arguments(__doc__, "real_model_acceptance.json")
     ap.add_argument("--lrs", default="1e-6,1e-5,1e-4", help="comma-separated learning rates of the one GRPO step")
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--json", default=H.default_json_path("real_model_acceptance.json"))
     args = ap.parse_args(argv)
     base, tokenizer = load_policy(real_model.build())
-    examples = demo_train_set()[: args.prompts]
-    settings = SamplingSettings(temperature=1.0, max_tokens=args.max_tokens)
+    examples = demo_train_set()[:16]
+    settings = SamplingSettings(temperature=1.0, max_tokens=128)
     record = {"provenance": H.provenance("cpu"), "model": "SmolLM2-135M-Instruct", "settings": settings.to_dict()}
     rows = []
     for lr in [float(x) for x in args.lrs.split(",")]:
