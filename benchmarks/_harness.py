@@ -8,7 +8,7 @@ tables of benchmarks/RESULTS.md, rendered by benchmarks/gpu_report.py's helpers,
 failures that make a script exit non-zero; :func:`guarded` keeps one failing part from ending the run. Arguments:
 :func:`arguments` (``--json``, ``--device``). Inputs: random models and LM heads.
 
->>> _, t = wall_time(lambda: torch.ones(4).sum(), "cpu", warmup=1, repeats=3)
+>>> _, t = wall_time(lambda: torch.ones(4).sum(), "cpu", repeats=3)
 >>> t.runs
 3
 """
@@ -32,10 +32,8 @@ from importlib import metadata
 from typing import Any
 
 import torch
-from gpu_report import cell, rows_table, section, speedups, table  # noqa: F401  (re-exported)
+from gpu_report import cell, rows_table, section, speedups  # noqa: F401  (re-exported)
 
-# Spread of a timing: these quantiles of the per-run times.
-LOW_Q, HIGH_Q = 0.2, 0.8
 # Timed runs per row on the CPU (the smoke runs: the interpreter's times are not measurements).
 CPU_REPEATS = 2
 
@@ -96,11 +94,9 @@ def synced(fn: Callable, device: torch.device | str) -> Callable:
     return call
 
 
-def wall_time(fn: Callable[[], Any], device: torch.device | str, *, warmup: int = 0, repeats: int = 1):
-    """``(output of the last call, Timing in seconds)`` of ``fn()``: ``warmup`` untimed calls, then ``repeats`` timed
-    ones, each between device synchronizes (queued kernels count)."""
-    for _ in range(warmup):
-        fn()
+def wall_time(fn: Callable[[], Any], device: torch.device | str, *, repeats: int = 1):
+    """``(output of the last call, Timing in seconds)`` of ``fn()``: ``repeats`` timed calls, each between device
+    synchronizes (queued kernels count)."""
     samples, out = [], None
     for _ in range(repeats):
         sync(device)

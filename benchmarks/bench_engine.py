@@ -2,16 +2,11 @@
 
     python benchmarks/bench_engine.py [--preset qwen3-0.6b|tiny] [--batch 16,64,128] [--json PATH]
 
-1. Decode: per ``--batch``, that many random prompts of ``--prompt-len`` tokens, ``--new-tokens`` sampled tokens
-   each (T = 1, EOS suppressed), through each of ``ENGINE_STEPS``, our ``TransformersBackend`` and transformers
-   ``generate``. A graph row that ran no graph step on CUDA, or sampled other tokens than the eager step, fails.
-2. Splice vs re-prefill: drafts from one vanilla rollout, the LM head perturbed (``PERTURB`` nats of logit noise),
-   then the same drafts and seed through ``SpeculativeRollout`` on the engine (the scoring pass's K/V kept) and on
-   PolicyScorer + TransformersBackend (prefills prompt + verified prefix again); the engine must prefill nothing
-   beyond the scoring pass.
-
-Presets: ``qwen3-0.6b`` (random weights of Qwen3-0.6B's shapes, bf16, CUDA only), ``tiny`` (smoke). Times: one
-``_harness.wall_time`` run per row after a warm-up; graph captures are subtracted. Exit 1 when a row or check fails.
+Decode: random prompts, T = 1, EOS suppressed, through each of ``ENGINE_STEPS``, ``TransformersBackend`` and
+transformers ``generate``; one ``_harness.wall_time`` run per row after a warm-up, graph captures subtracted.
+Splice: the same drafts and seed, after ``PERTURB`` nats of logit noise, through the engine (the scoring pass's K/V
+kept) and PolicyScorer + TransformersBackend (prefills again). Exit 1 when a row raises, a graph row ran no graph
+step on CUDA or sampled other tokens than the eager step, or the engine prefilled beyond the scoring pass.
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
 """Stage 4 of the GPU check (docs/gpu-check.md): Triton paged decode attention against gather + torch SDPA and the
-copy floor.
+copy floor, at Qwen3-0.6B's attention (16 query heads, 8 kv heads of 128), bf16, blocks of 16 tokens.
 
     python benchmarks/bench_paged_attention.py [--batch 64] [--context 1024] [--json PATH]
 
-Qwen3-0.6B attention (16 query heads, 8 kv heads of 128), bf16, blocks of 16 tokens, one decode token per sequence
-against ``--context`` cached tokens (block ids shuffled over the cache); and a small-batch long-context shape
-(``--long-batch`` x ``--long-context``) where split-K matters. Rows per shape: a copy of exactly the K/V bytes
-(floor; read + write), ours (automatic split, no split, forced split, with range checks), gather + SDPA (the
-engine's CPU path) and SDPA alone on dense K/V. Check per shape: every split within ``ACCURACY_TOL`` of fp32 SDPA.
-Exit 1 when a row, shape or check fails.
+Shapes: ``--batch`` x ``--context`` and ``--long-batch`` x ``--long-context`` (where split-K matters), block ids
+shuffled. Rows per shape: a copy of exactly the K/V bytes (floor), ours (auto, no split, forced split, with range
+checks), gather + SDPA and SDPA alone on dense K/V. Exit 1 when a row, shape or check (every split within
+``ACCURACY_TOL`` of fp32 SDPA) fails.
 """
 
 from __future__ import annotations

@@ -249,6 +249,11 @@ def _mean(values: list) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def _starts(starts: dict) -> str:
+    """Engine start seconds (or why a peer did not start), one comma-separated line."""
+    return ", ".join(f"{k} {v:.1f} s" if isinstance(v, float) else f"{k} {v}" for k, v in starts.items())
+
+
 def prefill_seconds(backend, result, settings) -> float:
     """Seconds the engine takes to prefill [prompt, response without its last token] of every row of ``result`` and
     sample one token (the same positions as scoring the response, within the model length)."""
@@ -281,8 +286,7 @@ def report(rec: dict) -> list[str]:
     body = [
         f"Model {rec.get('model')} ({rec.get('dtype')}), {args.get('prompts')} prompts x G={args.get('group')}, "
         f"{args.get('max_tokens')} tokens, {args.get('epochs')} epochs, lr {args.get('lr')}, paged engine rows "
-        f"{args.get('max_batch')}; engine starts (s): "
-        + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in starts.items()),
+        f"{args.get('max_batch')}; engine starts: " + _starts(starts),
         "",
         *H.rows_table(columns, rec.get("summary", [])),
         "",
@@ -372,8 +376,7 @@ def main(argv=None) -> int:
         record["engine_start_seconds"], record["engines"] = starts, list(engines)
         print(
             f"model {args.model} ({record['dtype']}), {len(requests)} samples x {args.max_tokens} tokens, lr "
-            f"{args.lr:g}; engine starts: "
-            + ", ".join(f"{k} {v:.1f} s" if isinstance(v, float) else f"{k} {v}" for k, v in starts.items())
+            f"{args.lr:g}; engine starts: " + _starts(starts)
         )
         rows = [
             Row(m, e, b, mode, settings, eos, max_len) for e, b in engines.items() for m, mode in args.modes.items()
@@ -432,7 +435,6 @@ def main(argv=None) -> int:
         for r in rows + peers:
             r.nll = bootstrap_nll(nll[id(r)]) if nll[id(r)] else None
         record["peer_errors"] = {p.name: p.error for p in peers if p.error}
-        record["rows"] = {f"{r.engine}/{r.name}" if r in rows else f"peer/{r.name}": r.records for r in rows + peers}
         updates = record.get("update_seconds", [])
         record["summary"] = summarize(rows, peers, sum(updates) / len(updates) if updates else 0.0)
         targets = {}

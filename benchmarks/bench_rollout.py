@@ -3,14 +3,11 @@ training.
 
     python benchmarks/bench_rollout.py [--preset qwen3-0.6b|tiny] [--prompts N] [--group G] [--max-tokens T]
 
-Epoch 1 first (an empty cache): ``e1-vanilla`` and ``e1-histspec`` (every speculative mode's first epoch, which must
-cost what vanilla costs), each the fastest of three. Then ``HISTORY_EPOCHS`` vanilla rollouts fill the rollout cache
-and the history index, the policy is perturbed (relative Gaussian noise ``--perturb`` on every weight) and ONE
-rollout step is timed per mode of ``MODE_NAMES`` (spec at l = ``--lenience``), each from its own copy of the same
-cache and history, same seed and step: generated tokens, decode steps, seconds, ratios to vanilla, tail acceptance,
-and for the lossless rows how many responses differ from plain decoding's. Exit 1 when a mode raises. Presets:
-``qwen3-0.6b`` (random Qwen3-0.6B-shaped weights, bf16, 64 x G = 8, 512 tokens; CUDA only), ``tiny`` (float64
-smoke). On CUDA the paged engine rolls out, on the CPU ``TransformersBackend``.
+Epoch 1 (empty cache and history: ``FIRST_EPOCH``, each row the fastest of ``E1_REPEATS``), then ``HISTORY_EPOCHS``
+vanilla rollouts fill the cache and the history, the policy is perturbed (``--perturb``) and ONE rollout step is
+timed per mode of ``MODE_NAMES`` from copies of the same cache and history; lossless rows count the responses that
+differ from plain decoding's. The paged engine on CUDA, ``TransformersBackend`` on the CPU. Exit 1 when a mode
+raises.
 """
 
 from __future__ import annotations
@@ -133,10 +130,6 @@ def first_epoch_rows(backend, requests, settings, eos, max_len, args, device, re
             if name != "e1-warmup" and (name not in e1 or row["rollout_s"] < e1[name]["rollout_s"]):
                 e1[name] = row
                 rec.save()
-    for name in FIRST_EPOCH:
-        for k in ("generated_tokens", "decode_steps", "rollout_s"):
-            if name != "e1-warmup":
-                e1[name][f"{k}_ratio"] = e1[name][k] / e1["e1-vanilla"][k] if e1["e1-vanilla"][k] else float("nan")
 
 
 def _show(name: str, r: dict) -> str:
@@ -191,10 +184,8 @@ def run(args, rec: RunRecord) -> None:
             rows[name] = row
             rec.save()
     count_differences(rows)
-    base = rows.get("vanilla", {})
-    for name, r in rows.items():
-        if name.startswith("e1-"):
-            continue
+    for name, r in rows.items():  # ratios to vanilla (the epoch-1 rows: to epoch 1's)
+        base = rows.get("e1-vanilla" if name.startswith("e1-") else "vanilla", {})
         for k in ("generated_tokens", "decode_steps", "rollout_s"):
             if k in r:
                 r[f"{k}_ratio"] = r[k] / base[k] if base.get(k) else float("nan")

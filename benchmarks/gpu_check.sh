@@ -159,7 +159,7 @@ export SMOKE HEADLINE PY SITE WORK MODEL PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTEC
 export OUT="$WORK/json"  # scripts that default their JSON to $OUT write into the archive, never into $DEST
 START=$(date +%s.%N)
 
-elapsed() { awk -v a="$START" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }'; }
+since() { awk -v a="$1" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }'; }  # seconds since $1
 
 if [ "$SMOKE" = 1 ]; then
     export TRITON_INTERPRET=1  # stage 7 unsets it (ptxas needs the compiler, not the interpreter)
@@ -206,7 +206,7 @@ run_stage() {
     local log="$WORK/logs/$num-$name.log"
     [ -n "$ABORT" ] && skip="skipped: $ABORT"
     if [ -z "$skip" ] && [ "$DEADLINE_S" != 0 ]; then
-        left=$(awk -v d="$DEADLINE_S" -v e="$(elapsed)" 'BEGIN { printf "%d", d - e - 15 }')
+        left=$(awk -v d="$DEADLINE_S" -v e="$(since "$START")" 'BEGIN { printf "%d", d - e - 15 }')
         if [ "$left" -lt 20 ]; then skip="skipped: out of time"; elif [ "$left" -lt "$limit" ]; then limit=$left; fi
     fi
     if [ -n "$skip" ]; then
@@ -214,7 +214,7 @@ run_stage() {
         echo "== stage $num $name: $skip"
         snapshot; return 0
     fi
-    echo; echo "== stage $num $name (H200 budget ${budget} s, timeout ${limit} s) at $(elapsed) s"
+    echo; echo "== stage $num $name (H200 budget ${budget} s, timeout ${limit} s) at $(since "$START") s"
     printf '%s\t%s\trunning\t\t%s\t%s\t\n' "$num" "$name" "$budget" "$limit" > "$WORK/current.tsv"
     snapshot
     t0=$(date +%s.%N)
@@ -224,7 +224,7 @@ run_stage() {
     wait "$STAGE_PID"; rc=$?
     STAGE_PID=""
     LAST_RC=$rc
-    wall=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
+    wall=$(since "$t0")
     # NOTE lines: "skipped: why" marks a stage that could not run here; the others are notes.
     note=$(grep '^NOTE: ' "$log" | cut -c7- | grep -v '^skipped:' | paste -sd ';' - | sed 's/;/; /g' | tr '\t' ' ')
     skip=$(grep '^NOTE: skipped:' "$log" | tail -n 1 | cut -c7- | tr '\t' ' ')
@@ -279,5 +279,5 @@ echo
 cat "$DEST/summary.md"
 echo "== stages (all results: $DEST/summary.md and $DEST/gpu-check.tar.gz)"
 $PY benchmarks/gpu_report.py --work "$WORK" --stages-only
-echo "gpu_check: total $(elapsed) s, $([ "$FAILED" = 0 ] && echo "every stage passed or was skipped" || echo "FAILED")"
+echo "gpu_check: total $(since "$START") s, $([ "$FAILED" = 0 ] && echo "every stage passed or was skipped" || echo "FAILED")"
 exit $FAILED

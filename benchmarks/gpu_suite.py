@@ -1,14 +1,11 @@
 """Stage 3 of the GPU check (docs/gpu-check.md): the verification kernels against their floors and the fused-loss
-libraries, at N tokens, vocabulary V, hidden sizes d, bf16, T = 1 (the peers compute -log p).
+libraries (Liger-Kernel, Cut Cross-Entropy), at N tokens, vocabulary V, hidden sizes d, bf16, T = 1.
 
     python benchmarks/gpu_suite.py [--n 16384] [--vocab 151936] [--d 2048 4096] [--json PATH]
 
-From logits [N, V]: ours against a copy of the logits (floor, read + write) and eager torch (chunked log_softmax +
-gather). From hidden states [N, d]: the fused LM head against cuBLAS ``h @ W.T`` (floor), eager torch, Liger-Kernel's
-fused linear cross-entropy and Cut Cross-Entropy (reduction="none", when importable), the peers after ours at every
-shape. "extra MB": peak allocated memory during one call beyond what was allocated before it. Exit 1 when a row or
-check of ours fails (log-probs within ``FROM_LOGITS_TOL`` / ``FUSED_TOL`` nats of fp32 torch); a peer's failure is
-reported only.
+Ours, the floors and eager torch at every shape first, the peers after. "extra MB": peak allocated memory during
+one call beyond what was allocated before it. Exit 1 when a row or check of ours fails (log-probs within
+``FROM_LOGITS_TOL`` / ``FUSED_TOL`` nats of fp32 torch); a peer's failure is reported only.
 """
 
 from __future__ import annotations
