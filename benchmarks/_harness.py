@@ -5,15 +5,17 @@ clock around device synchronizes), :func:`synced` (for pytest-benchmark) and :fu
 result row; a failing call becomes an ``error`` row). Provenance: :func:`provenance` (device, versions, commit,
 date) in every record. Records: :class:`RunRecord`, rewritten after every row with its markdown (``report``, the
 tables of benchmarks/RESULTS.md, rendered by benchmarks/gpu_report.py's helpers, re-exported here) and the
-failures that make a script exit non-zero. Inputs: presets of random models, kernel sweep configs, LM heads.
+failures that make a script exit non-zero; :func:`guarded` keeps one failing part from ending the run. Arguments:
+:func:`arguments` (``--json``, ``--device``). Inputs: random models and LM heads.
 
->>> _, t = wall_time(lambda: torch.ones(4).sum(), "cpu", warmup=1, repeats=3)
+>>> _, t = wall_time(lambda: torch.ones(4).sum(), "cpu", repeats=3)
 >>> t.runs
 3
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import math
@@ -30,11 +32,8 @@ from importlib import metadata
 from typing import Any
 
 import torch
-from gpu_report import cell, rows_table, section, speedups, table  # noqa: F401  (re-exported)
+from gpu_report import cell, rows_table, section, speedups  # noqa: F401  (re-exported)
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-# Spread of a timing: these quantiles of the per-run times.
-LOW_Q, HIGH_Q = 0.2, 0.8
 # Timed runs per row on the CPU (the smoke runs: the interpreter's times are not measurements).
 CPU_REPEATS = 2
 
@@ -95,11 +94,9 @@ def synced(fn: Callable, device: torch.device | str) -> Callable:
     return call
 
 
-def wall_time(fn: Callable[[], Any], device: torch.device | str, *, warmup: int = 0, repeats: int = 1):
-    """``(output of the last call, Timing in seconds)`` of ``fn()``: ``warmup`` untimed calls, then ``repeats`` timed
-    ones, each between device synchronizes (queued kernels count)."""
-    for _ in range(warmup):
-        fn()
+def wall_time(fn: Callable[[], Any], device: torch.device | str, *, repeats: int = 1):
+    """``(output of the last call, Timing in seconds)`` of ``fn()``: ``repeats`` timed calls, each between device
+    synchronizes (queued kernels count)."""
     samples, out = [], None
     for _ in range(repeats):
         sync(device)
@@ -139,53 +136,63 @@ def peak_extra_rss_mb(fn: Callable[[], Any]) -> float:
     import ctypes
 
     ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: fixed, no longer adaptive
-
-    def status(field: str) -> float:
-        with open("/proc/self/status") as f:
-            line = next(x for x in f if x.startswith(field + ":"))
-        return int(line.split()[1]) / 1024
-
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    before = status("VmRSS")
+    before = proc_status_kib("VmRSS")
     out = fn()
-    peak = status("VmHWM")
+    peak = proc_status_kib("VmHWM")
     del out
-    return peak - before
+    return (peak - before) / 1024
+
+
+def proc_status_kib(field: str, pid: int | str = "self") -> int:
+    """A field of ``/proc/<pid>/status`` in KiB (VmRSS: resident now; VmHWM: the kernel's high-water mark of the
+    resident set); 0 once the process is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+    except (OSError, StopIteration):
+        return 0
+
+
+def error_text(exc: BaseException, limit: int = 300) -> str:
+    """``"Type: message"``, its first line, at most ``limit`` characters (an error row's or a failure's text)."""
+    return (f"{type(exc).__name__}: {exc}".splitlines() or [""])[0][:limit]
+
+
+def show(row: dict) -> str:
+    """A result row as one printed line: its name, then its median (and extra memory), error or skip reason."""
+    if "ms" in row:
+        status = f"{row['ms']:.3f} ms" + ("" if row.get("extra_mb") is None else f", extra {row['extra_mb']:.1f} MB")
+    else:
+        status = row.get("error") or row.get("skipped", "")
+    return f"  {row['name']:<48} {status}"
 
 
 def measure(
-    name: str,
-    fn: Callable[[], Any],
-    rows: list[dict],
-    *,
-    rep_ms: int,
-    memory: bool = False,
-    progress: Callable[[dict], str] | None = None,
-    device: torch.device | str = "cuda",
-    **extra,
+    name: str, fn: Callable[[], Any], rec: RunRecord, *, rep_ms: int, memory: bool = False, device="cuda", **extra
 ) -> dict:
     """Time one call into a row ``{"name", **extra, "ms", "ms_p20", "ms_p80", "runs"[, "extra_mb"]}`` appended to
-    ``rows`` (``progress(row)`` printed): one untimed call, then :func:`gpu_time` on CUDA, :func:`wall_time` on the
-    CPU (the smoke runs: the interpreter's times are no measurement); ``memory``: :func:`peak_extra_mb` (None on the
-    CPU). An exception becomes ``row["error"]``, so one failing row does not end the run."""
-    rec, on_cuda = {"name": name, **extra}, torch.device(device).type == "cuda"
+    ``rec.record["rows"]`` (printed, saved): one untimed call, then :func:`gpu_time` on CUDA, :func:`wall_time` on
+    the CPU (the smoke runs: the interpreter's times are no measurement); ``memory``: :func:`peak_extra_mb` (None on
+    the CPU). An exception becomes ``row["error"]``, so one failing row does not end the run."""
+    row, on_cuda = {"name": name, **extra}, torch.device(device).type == "cuda"
     try:
         fn()
         sync(device)
         if on_cuda:
-            rec.update(gpu_time(fn, rep_ms).record("ms"))
+            row.update(gpu_time(fn, rep_ms).record("ms"))
         else:
-            rec.update(wall_time(fn, device, repeats=CPU_REPEATS)[1].record("ms", 1e3))
+            row.update(wall_time(fn, device, repeats=CPU_REPEATS)[1].record("ms", 1e3))
         if memory:
-            rec["extra_mb"] = peak_extra_mb(fn) if on_cuda else None
+            row["extra_mb"] = peak_extra_mb(fn) if on_cuda else None
     except Exception as exc:  # noqa: BLE001  (a failing row is reported, not fatal)
-        rec["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        row["error"] = error_text(exc)
         traceback.print_exc(limit=2)
-    rows.append(rec)
-    if progress is not None:
-        print(progress(rec), flush=True)
-    return rec
+    rec.record["rows"].append(row)
+    print(show(row), flush=True)
+    rec.save()
+    return row
 
 
 def failed_rows(rows: list[dict]) -> list[str]:
@@ -194,25 +201,32 @@ def failed_rows(rows: list[dict]) -> list[str]:
     return [f"{r['name']}: {r['error']}" for r in rows if "error" in r and not r.get("optional")]
 
 
-def kernels_for(device: torch.device | str, script: str):
-    """``spec_rl.kernels`` runnable on ``device``, or None after printing why: compiled on CUDA (TRITON_INTERPRET
-    dropped: interpreter timings say nothing about a GPU), interpreted on the CPU (the smoke runs set
-    ``TRITON_INTERPRET=1`` before the package is imported)."""
-    cuda = torch.device(device).type == "cuda"
+def kernels_for(parser, value: str | None, script: str):
+    """``(device, spec_rl.kernels)`` of a kernel benchmark: ``--device`` (checked as :func:`device_arg` does; None:
+    CUDA, and without CUDA the script exits 0, having measured nothing), the kernels compiled on CUDA
+    (TRITON_INTERPRET dropped: interpreter timings say nothing about a GPU), interpreted on the CPU (the smoke runs set
+    ``TRITON_INTERPRET=1`` before the package is imported). Exit 2 after printing why when they cannot run there."""
+    if value is None and not torch.cuda.is_available():
+        print(
+            f"{script}: no CUDA device; nothing was measured (--device cpu: a smoke run under the Triton interpreter)"
+        )
+        raise SystemExit(0)
+    device = device_arg(parser, value or "cuda")
+    cuda = device.type == "cuda"
     if cuda:
         os.environ.pop("TRITON_INTERPRET", None)
     try:
         import spec_rl.kernels as K
     except ImportError as exc:
         print(f"{script}: spec_rl.kernels is not importable ({exc})")
-        return None
+        raise SystemExit(2) from None
     if cuda and K.INTERPRET:
         print(f"{script}: spec_rl.kernels was imported in interpreter mode (TRITON_INTERPRET set); unset it.")
-        return None
+        raise SystemExit(2)
     if not cuda and not K.is_available(device):
         print(f"{script}: the kernels cannot run on {device}: set TRITON_INTERPRET=1 for a CPU smoke run")
-        return None
-    return K
+        raise SystemExit(2)
+    return device, K
 
 
 #: The tests of the smoke run arm a failing shape with ``SPEC_RL_FAULT="broken-shape:<script>[,<script>...]"``: each
@@ -261,22 +275,18 @@ def _triton_version() -> str | None:
     return None
 
 
-def device_description(device: torch.device | str) -> dict:
-    """``{"device": name}`` (+ ``sm_count``, ``capability`` on CUDA; core count and threads on CPU)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return {"device": f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"}
-    props = torch.cuda.get_device_properties(device)
-    return {"device": props.name, "sm_count": props.multi_processor_count, "capability": f"{props.major}.{props.minor}"}
-
-
 def provenance(device: torch.device | str | None = None) -> dict:
-    """Where a result comes from: device (default CUDA when visible), torch / triton / Python versions, commit and
-    UTC date."""
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    """Where a result comes from: device (default CUDA when visible; its SM count and capability, or the CPU's
+    threads), torch / triton / Python versions, commit and UTC date."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        where = {"device": props.name, "sm_count": props.multi_processor_count}
+        where["capability"] = f"{props.major}.{props.minor}"
+    else:
+        where = {"device": f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"}
     return {
-        **device_description(device),
+        **where,
         "torch": torch.__version__,
         "triton": _triton_version(),
         "python": platform.python_version(),
@@ -365,18 +375,35 @@ class RunRecord:
         return 1 if self.record["failures"] else 0
 
 
+def guarded(rec: RunRecord, what: str, fn: Callable[[], Any]) -> Any:
+    """``fn()``, or ``{"error": text}`` after recording its exception as a failure of ``what``: one failing row,
+    shape or section is reported and the others still run."""
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001  reported, not fatal
+        traceback.print_exc(limit=3)
+        rec.fail(f"{what}: {error_text(exc)}")
+        return {"error": error_text(exc)}
+
+
 def run_recorded(rec: RunRecord, work: Callable[[], None]) -> int:
     """A benchmark's main body: ``work()`` (an exception is recorded as a failure, what finished stays in the
     record), then :meth:`RunRecord.finish`."""
-    try:
-        work()
-    except Exception as exc:  # noqa: BLE001  building the model or a measurement failed
-        traceback.print_exc(limit=3)
-        rec.fail(f"{type(exc).__name__}: {exc}".splitlines()[0][:300])
+    guarded(rec, "stopped", work)
     return rec.finish()
 
 
 # ---------------------------------------------------------------- arguments
+
+
+def arguments(doc: str, record: str, device: str | None = None) -> argparse.ArgumentParser:
+    """A benchmark's parser: its docstring, ``--json`` (default ``$OUT/<record>``: the GPU check collects ``$OUT``)
+    and, with ``device`` (its help), ``--device``."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", default=default_json_path(record), help=f"the JSON record (default $OUT/{record})")
+    if device is not None:
+        ap.add_argument("--device", help=device)
+    return ap
 
 
 def positive(ap, args, *names: str) -> None:
@@ -405,13 +432,6 @@ def random_lm_head(vocab: int, d: int, dtype: torch.dtype, device, gen: torch.Ge
     return (torch.randn(vocab, d, device=device, generator=gen) * (2.5 / math.sqrt(d))).to(dtype)
 
 
-def run_pytest_file(path: str) -> int:
-    """``python benchmarks/bench_<op>.py [pytest args]`` runs that file under pytest (``--help`` included)."""
-    import pytest
-
-    return int(pytest.main([path, *sys.argv[1:]]))
-
-
 def random_model(vocab: int, device, dtype: torch.dtype, *, qwen3: bool = False, **shape):
     """A randomly initialised causal LM built on ``device``: Qwen3-0.6B's published shapes (``qwen3``; throughput
     does not depend on the weights) or a 2-layer Qwen2 of width 64, ``shape`` overriding either config."""
@@ -427,30 +447,3 @@ def random_model(vocab: int, device, dtype: torch.dtype, *, qwen3: bool = False,
     with torch.device(device):  # initialised where it runs: a 0.6B model's CPU init alone takes seconds
         model = (Qwen3ForCausalLM if qwen3 else Qwen2ForCausalLM)(config)
     return model.to(dtype=dtype).eval()
-
-
-def kernel_sweeps() -> dict:
-    """The tile configs ``--sweep`` times and compiles (the package picks one per shape: spec_rl.kernels.configs);
-    the first of each list is the Hopper default."""
-    from spec_rl.kernels.configs import LMHeadConfig, LogitsConfig, PagedAttentionConfig
-
-    return {
-        "logits": [LogitsConfig(*c) for c in ((2048, 8), (1024, 4), (2048, 4), (4096, 8), (4096, 16), (8192, 16))],
-        "lm_head": [
-            LMHeadConfig(128, 256, 64, 8, 3),
-            LMHeadConfig(128, 256, 64, 8, 4),
-            LMHeadConfig(128, 128, 64, 8, 3),
-            LMHeadConfig(128, 128, 64, 8, 3, flatten=True),
-            LMHeadConfig(128, 128, 64, 8, 4),
-            LMHeadConfig(128, 128, 64, 4, 4),
-            LMHeadConfig(256, 128, 64, 8, 3),
-            LMHeadConfig(128, 256, 64, 8, 3, target_splits=8),
-            LMHeadConfig(128, 256, 64, 8, 3, target_splits=32),
-        ],
-        # default at D=128, bf16 first; the last two: the fp32-exact broadcast path
-        "paged_attention": [
-            PagedAttentionConfig(*c)
-            for c in ((64, 8, True, 2), (64, 8, True, 3), (64, 4, True, 3), (128, 8, True, 2), (32, 4, True, 3))
-        ]
-        + [PagedAttentionConfig(32, 4, False, 1), PagedAttentionConfig(16, 4, False, 1)],
-    }

@@ -1,21 +1,17 @@
-"""Decode-step benchmark: transformers' concatenating KV cache against spec-rl's in-place one.
+"""Stage 6 of the GPU check (docs/gpu-check.md), its second part: one decode step with transformers'
+concatenating KV cache (``DynamicCache``: ``torch.cat`` of the whole cache per layer per step) against spec-rl's
+in-place one (:mod:`spec_rl.backends.kv_buffer`: new columns written into spare ones).
 
     python benchmarks/bench_decode_cache.py [--preset demo|qwen3-0.6b|tiny] [--rows 256] [--context 150]
 
-One decode step (a forward feeding ``--width`` tokens per row over ``--rows`` rows of ``--context`` cached
-positions, then the cache cut back) is timed with both caches holding the same keys and values:
-``DynamicCache`` (``torch.cat`` of the whole cache per layer per step) and the cache of
-:mod:`spec_rl.backends.kv_buffer` (new columns written into spare ones). The two are timed in turn,
-``--repeats`` times each, so a slow spell of the machine hits both; the table prints the median step of
-each and their ratio (in-place / concatenating), and checks that both give the same logits.
-Presets: ``demo`` (the CPU demo policy's shape, random weights, float32), ``qwen3-0.6b`` (random
-Qwen3-0.6B-shaped weights, bf16; GPU only), ``tiny`` (a smoke run). JSON: ``--json``, default
-``$OUT/decode_cache.json``.
+A forward feeding ``--widths`` tokens per row over ``--rows`` rows of ``--context`` cached positions, then the
+cache cut back, with both caches holding the same keys and values, timed in turn ``--repeats`` times each (a slow
+spell of the machine hits both): the median step of each, their ratio, and a check that both give the same logits.
+Presets: ``demo`` (the CPU demo policy's shape, random weights, float32), ``qwen3-0.6b`` (bf16; GPU only), ``tiny``.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
@@ -113,14 +109,12 @@ def report(rec: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = H.arguments(__doc__, "decode_cache.json", "default: cuda if available, else cpu")
     ap.add_argument("--preset", choices=list(PRESETS), default="demo")
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--context", type=int, default=150)
     ap.add_argument("--widths", default="1,6", help="comma-separated fed tokens per row")
     ap.add_argument("--repeats", type=int, default=20)
-    ap.add_argument("--device", help="default: cuda if available, else cpu")
-    ap.add_argument("--json", default=H.default_json_path("decode_cache.json"))
     args = ap.parse_args(argv)
     widths = H.int_list(ap, "--widths", args.widths)
     H.positive(ap, args, "rows", "context", "repeats")

@@ -1,28 +1,18 @@
-"""Stage 5 of the GPU check: paged-engine decode throughput, and splicing against re-prefill.
+"""Stage 5 of the GPU check (docs/gpu-check.md): paged-engine decode throughput, and splicing against re-prefill.
 
-    python benchmarks/bench_engine.py [--preset qwen3-0.6b|demo|tiny] [--batch 16,64,128] [--json PATH]
+    python benchmarks/bench_engine.py [--preset qwen3-0.6b|tiny] [--batch 16,64,128] [--json PATH]
 
-1. Decode: per ``--batch``, that many random prompts of ``--prompt-len`` tokens, ``--new-tokens`` sampled tokens
-   each (T = 1, EOS suppressed), with :class:`spec_rl.backends.paged.PagedEngine` (its static step in CUDA graphs,
-   the same step eager: the graph's tokens must equal these, and the packed step), our ``TransformersBackend`` and
-   transformers ``generate``: tokens/s and ms per step (target on an H200 at the Qwen3-0.6B shape, batch 64: the
-   graph step <= 8 ms and >= 10x ``generate``'s tokens/s). A graph row that ran no graph step on CUDA fails.
-2. Splice vs re-prefill: drafts from one vanilla rollout, the LM head perturbed (``--perturb`` nats of logit
-   noise), then the same drafts and seed through ``SpeculativeRollout`` on the engine (the scoring pass's K/V
-   kept) and on PolicyScorer + TransformersBackend (prefills prompt + verified prefix again): rollout time and
-   prefill tokens beyond the scoring pass (must be 0 for the engine).
-
-Presets: ``qwen3-0.6b`` (random weights of Qwen3-0.6B's shapes, bf16, CUDA only), ``demo`` (the demo policy),
-``tiny`` (smoke). Times: ``_harness.wall_time``, one run per row after a warm-up; graph captures are subtracted.
-Exit 1 when a row raises or a check above fails.
+Decode: random prompts, T = 1, EOS suppressed, through each of ``ENGINE_STEPS``, ``TransformersBackend`` and
+transformers ``generate``; one ``_harness.wall_time`` run per row after a warm-up, graph captures subtracted.
+Splice: the same drafts and seed, after ``PERTURB`` nats of logit noise, through the engine (the scoring pass's K/V
+kept) and PolicyScorer + TransformersBackend (prefills again). Exit 1 when a row raises, a graph row ran no graph
+step on CUDA or sampled other tokens than the eager step, or the engine prefilled beyond the scoring pass.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import sys
-import traceback
 
 import _harness as H  # benchmarks/ on sys.path
 import torch
@@ -40,20 +30,14 @@ from spec_rl.sampling.distribution import SamplingSettings
 PRESETS = {
     # name: (batch, prompt_len, new_tokens)
     "qwen3-0.6b": (64, 256, 512),
-    "demo": (64, 48, 160),
     "tiny": (8, 12, 24),
 }
+#: Std (nats) of the logit noise added through the LM head before the splice section.
+PERTURB = 0.5
 
 
 def build_model(preset: str, device: torch.device):
-    """(model, vocab size) for a preset; random weights except the demo policy."""
-    if preset == "demo":
-        from transformers import AutoModelForCausalLM
-
-        from spec_rl.tasks.demo_policy import build_demo_policy
-
-        model = AutoModelForCausalLM.from_pretrained(build_demo_policy(progress=False), dtype=torch.float32)
-        return model.to(device).eval(), model.config.vocab_size
+    """(model, vocab size) for a preset: random weights."""
     if preset == "qwen3-0.6b":
         model = H.random_model(
             151936, device, torch.bfloat16, qwen3=True, tie_word_embeddings=True, eos_token_id=151645
@@ -61,15 +45,6 @@ def build_model(preset: str, device: torch.device):
     else:
         model = H.random_model(256, device, torch.float32, max_position_embeddings=512, eos_token_id=1)
     return model, model.config.vocab_size
-
-
-def _suppressed_eos(vocab: int) -> int:
-    """EOS id for our backends: the last id, which no prompt contains.
-
-    Sampled with probability about 1/V per step from a random model, so a row
-    may rarely stop early; tokens/s counts the tokens actually generated.
-    """
-    return vocab - 1
 
 
 def _time_generate(name, backend, contexts, new_tokens, settings, device) -> dict:
@@ -119,16 +94,11 @@ def _time_hf_generate(model, prompts, new_tokens, device) -> dict:
     }
 
 
-def _row_or_error(name: str, fn, rows: list, rec: RunRecord, show) -> dict:
+def _row(name: str, fn, rows: list, rec: RunRecord, show) -> dict:
     """``fn()`` as a row (an exception becomes an ``error`` row and a failure); printed and saved at once."""
-    try:
-        row = fn()
-    except Exception as exc:  # noqa: BLE001  one failing row is reported, the others still run
-        traceback.print_exc(limit=3)
-        row = {"name": name, "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}
-        rec.fail(f"{name}: {row['error']}")
+    row = {"name": name, **H.guarded(rec, name, fn)}
     rows.append(row)
-    print(show(row) if "error" not in row else f"  {name:<48} {row['error']}", flush=True)
+    print(show(row) if "error" not in row else H.show(row), flush=True)
     rec.save()
     return row
 
@@ -142,12 +112,13 @@ ENGINE_STEPS = (
 )
 
 
-def bench_decode(model, vocab, batch, prompt_len, new_tokens, device, skip_generate, rec: RunRecord) -> list[dict]:
+def bench_decode(model, vocab, batch, prompt_len, new_tokens, device, rec: RunRecord) -> list[dict]:
     gen = torch.Generator().manual_seed(1)
-    # Prompts avoid the last id, which serves as the (unreachable in practice) EOS of the engine runs.
+    # The EOS of the engine runs is the last id, which no prompt contains: a random model samples it with probability
+    # about 1/V per step, so a row may rarely stop early (tokens/s counts the tokens generated).
     prompts = torch.randint(0, vocab - 1, (batch, prompt_len), generator=gen)
     settings = SamplingSettings(temperature=1.0, top_p=1.0, top_k=0, max_tokens=new_tokens)
-    eos = [_suppressed_eos(vocab)]
+    eos = [vocab - 1]
     contexts = prompts.tolist()
     rows = []
 
@@ -167,15 +138,8 @@ def bench_decode(model, vocab, batch, prompt_len, new_tokens, device, skip_gener
         def measure(name=name, make=make):
             return rate(_time_generate(name, make(), contexts, new_tokens, settings, device))
 
-        _row_or_error(name, measure, rows, rec, show)
-    if not skip_generate:
-        _row_or_error(
-            "transformers generate",
-            lambda: rate(_time_hf_generate(model, prompts, new_tokens, device)),
-            rows,
-            rec,
-            show,
-        )
+        _row(name, measure, rows, rec, show)
+    _row("transformers generate", lambda: rate(_time_hf_generate(model, prompts, new_tokens, device)), rows, rec, show)
     done = [r for r in rows if "error" not in r]
     graph_row = next((r for r in done if r["name"] == ENGINE_STEPS[0][0]), None)
     if graph_row is not None and device.type == "cuda" and not graph_row.get("graph_steps"):
@@ -227,11 +191,11 @@ def _splice_row(name, backend, seed_cache, requests, settings, eos, max_len, dev
     return row
 
 
-def bench_splice(model, vocab, batch, prompt_len, new_tokens, device, perturb, rec: RunRecord) -> list[dict]:
+def bench_splice(model, vocab, batch, prompt_len, new_tokens, device, rec: RunRecord) -> list[dict]:
     gen = torch.Generator().manual_seed(2)
     prompts = torch.randint(0, vocab - 1, (batch, prompt_len), generator=gen).tolist()
     settings = SamplingSettings(temperature=1.0, top_p=1.0, top_k=0, max_tokens=new_tokens)
-    eos = [_suppressed_eos(vocab)]
+    eos = [vocab - 1]
     max_len = prompt_len + new_tokens + 1
     requests = [RolloutRequest(prompt_ids=p, slot=0) for p in prompts]
     engine = PagedEngine(model, eos, pad_id=0)
@@ -241,8 +205,8 @@ def bench_splice(model, vocab, batch, prompt_len, new_tokens, device, perturb, r
     head = model.get_output_embeddings().weight
     saved = head.detach().clone()
     with torch.no_grad():
-        # The final norm makes |h| ~ sqrt(d), so N(0, perturb^2 / d) weight noise adds ~N(0, perturb^2) to each logit.
-        noise = torch.randn(head.shape, generator=torch.Generator().manual_seed(3)) * (perturb / head.shape[1] ** 0.5)
+        # The final norm makes |h| ~ sqrt(d), so N(0, PERTURB^2 / d) weight noise adds ~N(0, PERTURB^2) to each logit.
+        noise = torch.randn(head.shape, generator=torch.Generator().manual_seed(3)) * (PERTURB / head.shape[1] ** 0.5)
         head.add_(noise.to(device=head.device, dtype=head.dtype))
     rows = rec.record["splice"]
 
@@ -258,7 +222,7 @@ def bench_splice(model, vocab, batch, prompt_len, new_tokens, device, perturb, r
             ("re-prefill: PolicyScorer + TransformersBackend", TransformersBackend(model, eos, pad_id=0)),
         ):
             args = (name, backend, seed_cache, requests, settings, eos, max_len, device)
-            _row_or_error(name, lambda args=args: _splice_row(*args), rows, rec, show)
+            _row(name, lambda args=args: _splice_row(*args), rows, rec, show)
     finally:
         with torch.no_grad():
             head.copy_(saved)
@@ -296,26 +260,17 @@ def report(rec: dict) -> list[str]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default=None, choices=sorted(PRESETS), help="default: qwen3-0.6b on CUDA, demo on CPU")
-    ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    ap = H.arguments(__doc__, "engine.json", "default: cuda if available, else cpu")
+    ap.add_argument("--preset", default=None, choices=sorted(PRESETS), help="default: qwen3-0.6b on CUDA, tiny on CPU")
     ap.add_argument("--batch", default=None, help="decode batch sizes, comma-separated (default: the preset's)")
     ap.add_argument("--prompt-len", type=int, default=None)
     ap.add_argument("--new-tokens", type=int, default=None)
-    ap.add_argument(
-        "--perturb",
-        type=float,
-        default=0.5,
-        help="std (nats) of the logit noise added through the LM head before the splice section",
-    )
-    ap.add_argument("--skip-generate", action="store_true", help="do not time transformers generate")
     ap.add_argument("--skip-splice", action="store_true")
-    ap.add_argument("--json", default=H.default_json_path("engine.json"), help="default $OUT/engine.json")
     args = ap.parse_args(argv)
     device = H.device_arg(ap, args.device)
-    preset = args.preset or ("qwen3-0.6b" if device.type == "cuda" else "demo")
+    preset = args.preset or ("qwen3-0.6b" if device.type == "cuda" else "tiny")
     if preset == "qwen3-0.6b" and device.type != "cuda":
-        print("bench_engine: no CUDA device; the qwen3-0.6b preset needs one (use --preset demo or tiny on CPU)")
+        print("bench_engine: no CUDA device; the qwen3-0.6b preset needs one (use --preset tiny on CPU)")
         return 0
     batch, prompt_len, new_tokens = PRESETS[preset]
     batches = H.int_list(ap, "--batch", args.batch) if args.batch else [batch]
@@ -331,7 +286,7 @@ def main(argv=None) -> int:
         "decode_batches": batches,
         "prompt_len": prompt_len,
         "new_tokens": new_tokens,
-        "perturb": args.perturb,
+        "perturb": PERTURB,
         "decode": [],
         "splice": [],
     }
@@ -343,13 +298,9 @@ def main(argv=None) -> int:
     rec = RunRecord(args.json, result, report)
     with torch.no_grad():
         for b in batches:
-            bench_decode(model, vocab, b, prompt_len, new_tokens, device, args.skip_generate, rec)
+            bench_decode(model, vocab, b, prompt_len, new_tokens, device, rec)
     if not args.skip_splice:
-        try:
-            bench_splice(model, vocab, batch, prompt_len, new_tokens, device, args.perturb, rec)
-        except Exception as exc:  # noqa: BLE001  e.g. the seeding rollout: report, keep the decode rows
-            traceback.print_exc(limit=3)
-            rec.fail(f"splice section: {type(exc).__name__}: {exc}".splitlines()[0][:300])
+        H.guarded(rec, "splice section", lambda: bench_splice(model, vocab, batch, prompt_len, new_tokens, device, rec))
     return rec.finish()
 
 

@@ -1,32 +1,28 @@
-"""Stage 4 of the GPU check: Triton paged decode attention against gather + torch SDPA and the copy floor.
+"""Stage 4 of the GPU check (docs/gpu-check.md): Triton paged decode attention against gather + torch SDPA and the
+copy floor, at Qwen3-0.6B's attention (16 query heads, 8 kv heads of 128), bf16, blocks of 16 tokens.
 
-    python benchmarks/bench_paged_attention.py [--batch 64] [--context 1024] [--sweep] [--json PATH]
+    python benchmarks/bench_paged_attention.py [--batch 64] [--context 1024] [--json PATH]
 
-Qwen3-0.6B attention (16 query heads, 8 kv heads of 128), bf16, blocks of 16 tokens, one decode token per sequence
-against ``--context`` cached tokens (block ids shuffled over the cache); and a small-batch long-context shape
-(``--long-batch`` x ``--long-context``) where split-K matters. Rows per shape: a copy of exactly the K/V bytes
-(floor; read + write), ours (automatic split, no split, forced split, with range checks), gather + SDPA (the
-engine's CPU path) and SDPA alone on dense K/V. Times: ``_harness.measure``; "fraction of copy bandwidth": K/V
-bytes read / time over the copy's. Check per shape: every split within ``ACCURACY_TOL`` of fp32 SDPA. Exit 1 when
-a row, shape or check fails. Without CUDA (and without ``--device cpu``, the interpreter's smoke run) it prints
-the plan (bytes, tiles, split choice for a 132-SM GPU) and exits 0.
+Shapes: ``--batch`` x ``--context`` and ``--long-batch`` x ``--long-context`` (where split-K matters), block ids
+shuffled. Rows per shape: a copy of exactly the K/V bytes (floor), ours (auto, no split, forced split, with range
+checks), gather + SDPA and SDPA alone on dense K/V. Exit 1 when a row, shape or check (every split within
+``ACCURACY_TOL`` of fp32 SDPA) fails.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
-import traceback
 
 import _harness as H  # benchmarks/ is on sys.path when a script here runs
 import torch
 
-NOMINAL_SMS = 132  # H100 SXM / H200: used for the CPU-side plan and the CPU smoke run
+NOMINAL_SMS = 132  # H100 SXM / H200: the split plan of the CPU smoke run
+BLOCK_SIZE, DTYPE = 16, torch.bfloat16
 ACCURACY_TOL = 2e-2  # max |ours - fp32 SDPA| over the output (bf16 inputs and output)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv=None):
+    ap = H.arguments(__doc__, "paged_attention.json", "default: cuda; cpu = smoke run under the Triton interpreter")
     ap.add_argument("--batch", type=int, default=64, help="sequences decoding one token each")
     ap.add_argument("--context", type=int, default=1024, help="cached tokens per sequence")
     ap.add_argument("--long-batch", type=int, default=4, help="batch of the long-context row (0: skip it)")
@@ -34,31 +30,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--q-heads", type=int, default=16, help="query heads (Qwen3-0.6B: 16)")
     ap.add_argument("--kv-heads", type=int, default=8, help="kv heads (Qwen3-0.6B: 8)")
     ap.add_argument("--head-dim", type=int, default=128, help="head size (Qwen3-0.6B: 128)")
-    ap.add_argument("--block-size", type=int, default=16, help="tokens per cache block")
-    ap.add_argument("--dtype", default="bf16", choices=sorted(H.DTYPES))
     ap.add_argument("--rep-ms", type=int, default=100, help="do_bench time budget per measurement (ms)")
-    ap.add_argument("--sweep", action="store_true", help="also time every config in configs.PAGED_ATTENTION_SWEEP")
-    ap.add_argument(
-        "--device",
-        choices=["cuda", "cpu"],
-        default=None,
-        help="default: cuda when visible (else print the plan); cpu = smoke run under the interpreter",
-    )
-    ap.add_argument(
-        "--json",
-        default=H.default_json_path("paged_attention.json"),
-        help="write results here (default $OUT/paged_attention.json)",
-    )
     args = ap.parse_args(argv)
-    H.positive(ap, args, "batch", "context", "q_heads", "kv_heads", "head_dim", "block_size", "rep_ms")
+    H.positive(ap, args, "batch", "context", "q_heads", "kv_heads", "head_dim", "rep_ms")
     if args.q_heads % args.kv_heads:
         ap.error("--q-heads must be a multiple of --kv-heads")
-    return args
+    return ap, args
 
 
 def shapes(args) -> list[dict]:
     """The benchmarked shapes with their K/V byte counts (CPU-only logic)."""
-    elt = torch.empty(0, dtype=H.DTYPES[args.dtype]).element_size()
+    elt = torch.empty(0, dtype=DTYPE).element_size()
     out = [{"label": f"B={args.batch} ctx={args.context}", "batch": args.batch, "context": args.context}]
     if args.long_batch > 0:
         out.append(
@@ -77,11 +59,10 @@ def shapes(args) -> list[dict]:
 
 
 def plan(args, sm_count: int) -> list[dict]:
-    """Default tiles and automatic split choice per shape (needs triton, not CUDA)."""
+    """Default tiles and automatic split choice per shape."""
     from spec_rl.kernels import configs as C
 
-    dtype = H.DTYPES[args.dtype]
-    cfg = C.default_paged_attention_config(args.q_heads // args.kv_heads, args.head_dim, dtype)
+    cfg = C.default_paged_attention_config(args.q_heads // args.kv_heads, args.head_dim, DTYPE)
     rows = []
     for s in shapes(args):
         splits, per = C.plan_splits(s["batch"], args.kv_heads, s["context"], cfg.block_n, sm_count)
@@ -89,22 +70,15 @@ def plan(args, sm_count: int) -> list[dict]:
     return rows
 
 
-def _progress(rec: dict) -> str:
-    name = rec["name"]
-    return f"  {name:<48} {rec['ms'] * 1e3:9.1f} us" if "ms" in rec else f"  {name:<48} {rec['error']}"
-
-
 def _inputs(args, shape, dev, gen):
     batch, context, q_heads = shape["batch"], shape["context"], shape.get("q_heads", args.q_heads)
-    dtype = H.DTYPES[args.dtype]
-    bs = args.block_size
-    pages = -(-context // bs)
+    pages = -(-context // BLOCK_SIZE)
     num_blocks = batch * pages + 8
-    kv = torch.randn(num_blocks, 2, bs, args.kv_heads, args.head_dim, device=dev, generator=gen).to(dtype)
+    kv = torch.randn(num_blocks, 2, BLOCK_SIZE, args.kv_heads, args.head_dim, device=dev, generator=gen).to(DTYPE)
     perm = torch.randperm(num_blocks, device=dev, generator=gen)[: batch * pages]
     bt = perm.view(batch, pages).to(torch.int32)
     sl = torch.full((batch,), context, dtype=torch.int32, device=dev)
-    q = torch.randn(batch, q_heads, args.head_dim, device=dev, generator=gen).to(dtype)
+    q = torch.randn(batch, q_heads, args.head_dim, device=dev, generator=gen).to(DTYPE)
     return q, kv, bt, sl
 
 
@@ -130,28 +104,15 @@ def run_shape(args, K, shape, dev, rec: H.RunRecord, sm_count: int) -> None:
     section = shape["label"]
     print(
         f"\n{section}: Hq={shape.get('q_heads', args.q_heads)} kv_heads={args.kv_heads} D={args.head_dim} "
-        f"{args.dtype}, K/V {kv_bytes / 1e6:.1f} MB",
+        f"bf16, K/V {kv_bytes / 1e6:.1f} MB",
         flush=True,
     )
     gen = torch.Generator(device=dev).manual_seed(0)
     q, kv, bt, sl = _inputs(args, shape, dev, gen)
     scale = args.head_dim**-0.5
-    rows = rec.record["rows"]
 
     def measure(name, fn, **extra):
-        row = H.measure(
-            name,
-            fn,
-            rows,
-            rep_ms=args.rep_ms,
-            progress=_progress,
-            device=dev,
-            section=section,
-            kv_bytes=kv_bytes,
-            **extra,
-        )
-        rec.save()
-        return row
+        return H.measure(name, fn, rec, rep_ms=args.rep_ms, device=dev, section=section, kv_bytes=kv_bytes, **extra)
 
     src = torch.empty(kv_bytes, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
@@ -171,9 +132,6 @@ def run_shape(args, K, shape, dev, rec: H.RunRecord, sm_count: int) -> None:
         forced = max(2, -(-2 * sm_count // (batch * args.kv_heads)))
         measure(f"ours: split-K (num_splits={forced})", ours(num_splits=forced, max_seq_len=context))
     measure("ours: auto, with range checks (1 host sync)", ours(max_seq_len=context))
-    if args.sweep:
-        for c in H.kernel_sweeps()["paged_attention"]:
-            measure(f"  sweep {c}", ours(max_seq_len=context, config=c), config=str(c))
 
     def gather_sdpa():
         return _sdpa(q, *_gather_dense(kv, bt, context), scale)
@@ -223,49 +181,25 @@ def report(rec: dict) -> list[str]:
     ]
     head = (
         f"Hq = {meta.get('q_heads')}, kv heads = {meta.get('kv_heads')}, D = {meta.get('head_dim')}, "
-        f"block size {meta.get('block_size')}, {meta.get('dtype')}."
+        f"block size {BLOCK_SIZE}, bf16."
     )
     body = [head, ""] + H.rows_table(columns, rec.get("rows", []), keep=2)
     return H.section("Paged decode attention (stage 4, bench_paged_attention.py)", rec, body)
 
 
-def _print_plan(args) -> None:
-    print("bench_paged_attention: no CUDA device; nothing was measured. Plan for a 132-SM GPU:")
-    try:
-        for p in plan(args, NOMINAL_SMS):
-            print(
-                f"  {p['label']}: K/V {p['kv_bytes'] / 1e6:.1f} MB, {p['config']}, "
-                f"num_splits={p['num_splits']} ({p['tokens_per_split']} tokens each)"
-            )
-    except ImportError as exc:  # triton missing: the plan needs spec_rl.kernels
-        print(f"  (no plan: {exc})")
-
-
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.device is None and not torch.cuda.is_available():
-        _print_plan(args)
-        return 0
-    dev = torch.device(args.device or "cuda")
-    K = H.kernels_for(dev, "bench_paged_attention")
-    if K is None:
-        return 2
+    ap, args = parse_args(argv)
+    dev, K = H.kernels_for(ap, args.device, "bench_paged_attention")
     sm_count = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else NOMINAL_SMS
     meta = {
         **H.provenance(dev),
-        **{k: getattr(args, k) for k in ("q_heads", "kv_heads", "head_dim", "block_size", "dtype")},
+        **{k: getattr(args, k) for k in ("q_heads", "kv_heads", "head_dim")},
         "plan": plan(args, sm_count),
     }
     print(f"bench_paged_attention on {meta['device']} ({sm_count} SMs), commit {meta['commit']}", flush=True)
     rec = H.RunRecord(args.json, {"meta": meta, "rows": []}, report)
     for shape in shapes(args):
-        try:
-            run_shape(args, K, shape, dev, rec, sm_count)
-        except Exception as exc:  # noqa: BLE001  one failing shape is reported, the others still run
-            traceback.print_exc(limit=3)
-            msg = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-            rec.record["rows"].append({"name": "shape failed", "section": shape["label"], "error": msg})
-            rec.save()
+        H.guarded(rec, shape["label"], lambda shape=shape: run_shape(args, K, shape, dev, rec, sm_count))
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     finish(rec.record["rows"])

@@ -1,29 +1,26 @@
-"""Rollouts of a real checkpoint over several epochs with real GRPO updates between them, per mode and engine.
+"""Rollouts of a real checkpoint over several epochs with real GRPO updates between them, per mode and engine
+(`make bench-real`; stage 8 of the GPU check, docs/gpu-check.md).
 
-    python benchmarks/bench_real_model.py [--model PATH] [--data FILE|demo] [--epochs 3] [--lr 1e-6]
+    python benchmarks/bench_real_model.py [--model PATH] [--epochs 3] [--lr 1e-6]
         [--engines transformers,paged,vllm] [--dtype auto|bf16|fp32] [--json FILE]
 
-The same prompts (chat template when the tokenizer has one) are rolled out every epoch by each mode (vanilla,
-spec at l = 1 and e^0.5, exact, histspec) on each engine (the in-process transformers backend; the paged engine,
-which decodes ``--max-batch`` rows at once and admits waiting samples as rows finish (continuous batching);
-spec-rl's vLLM backend when vLLM is installed), each mode with its own drafts. Between epochs the policy takes
-``--updates`` GRPO steps (AdamW on a float32 master copy, forward and backward under bf16 autocast when the
-rollouts are in bf16, the rollout copy refreshed from it, as a trainer does) on the first in-process engine's
-vanilla rollout (timed: a full step is a rollout plus that update), rewarded by ``--reward``: every mode sees the
-same sequence of policies. Peer rows run in the same epochs with the same prompts and sampling: vLLM's plain
-generation and vLLM's own n-gram (and suffix, when offered) speculation. Engine start times are reported apart.
+The same demo prompts (chat template when the tokenizer has one), T = 1, are rolled out every epoch by each mode on
+each engine (the in-process transformers backend; the paged engine, which decodes ``--max-batch`` rows at once and
+admits waiting samples as rows finish; spec-rl's vLLM backend when vLLM is installed), each mode with its own drafts.
+Between epochs the policy takes one GRPO step (AdamW on a float32 master copy, under bf16 autocast when the
+rollouts are in bf16, the rollout copy refreshed from it) on the first in-process engine's vanilla rollout (timed:
+a full step is a rollout plus that update), rewarded by ``math+format``: every mode sees the same policies. vLLM's
+own n-gram (and suffix, when offered) speculation run as peers.
 
 Per row and epoch: generated tokens, decode steps, accepted share of draft tokens, responses reused whole,
-rollout and scoring seconds, and the ratios to vanilla on the same engine; and the mean NLL of the row's samples
-under the rollout model (the policy in ``--dtype``) with a 95% bootstrap interval over sequences (a distribution
-check: a sampler that is wrong scores worse). After the last epoch, per engine: scoring the drafts against
-prefilling the same tokens, exact's overhead over vanilla, and every mode's time over the no-waste bound
-(scoring seconds + generated tokens x vanilla's seconds per generated token). JSON: ``--json``.
+rollout and scoring seconds, ratios to vanilla on the same engine, and the mean NLL of the row's samples under the
+rollout model with a 95% bootstrap interval over sequences (a wrong sampler scores worse). After the last epoch, per
+engine: scoring the drafts against prefilling the same tokens, exact's overhead over vanilla, and every mode's time
+over the no-waste bound (scoring seconds + generated tokens x vanilla's seconds per generated token).
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import sys
@@ -45,7 +42,7 @@ from spec_rl.drafts.cache import RolloutCache  # noqa: E402
 from spec_rl.drafts.history import HistoryIndex  # noqa: E402
 from spec_rl.rollout.speculative import RolloutRequest, SpeculativeRollout  # noqa: E402
 from spec_rl.sampling.distribution import SamplingSettings  # noqa: E402
-from spec_rl.tasks.data import PromptFormat, load_jsonl  # noqa: E402
+from spec_rl.tasks.data import PromptFormat  # noqa: E402
 from spec_rl.tasks.demo_data import demo_train_set  # noqa: E402
 from spec_rl.tasks.rewards import get_reward_fn  # noqa: E402
 from spec_rl.trainer import clipped_policy_loss, group_advantages, load_policy  # noqa: E402
@@ -117,12 +114,12 @@ MICRO_BATCH = 8
 class Row:
     """One (engine, mode) of the benchmark: its backend, drafts and history, and its per-epoch records."""
 
-    def __init__(self, name: str, engine: str, backend, mode, settings, eos: list[int], max_len: int, seed: int):
+    def __init__(self, name: str, engine: str, backend, mode, settings, eos: list[int], max_len: int):
         self.name, self.engine, self.backend, self.records, self.error = name, engine, backend, [], None
         mode = RolloutMode.parse(mode)
         history = HistoryIndex() if mode.tail else None
         self.rollout = SpeculativeRollout(
-            backend, RolloutCache(), settings, eos, max_len, mode, seed=seed, history=history
+            backend, RolloutCache(), settings, eos, max_len, mode, seed=0, history=history
         )
 
     def run(self, requests, epoch: int):
@@ -203,7 +200,7 @@ def make_engines(args, rollout_model, tokenizer, eos, pad, max_len, workdir: Pat
                     )
                     starts[peer] = time.perf_counter() - t1
                 except Exception as err:  # a method this vLLM does not offer: reported, not fatal
-                    starts[peer] = f"not available: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:120]}"
+                    starts[peer] = f"not available: {H.error_text(err, 120)}"
         starts.setdefault(name, time.perf_counter() - t0)
     return engines, peers, starts
 
@@ -252,6 +249,11 @@ def _mean(values: list) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def _starts(starts: dict) -> str:
+    """Engine start seconds (or why a peer did not start), one comma-separated line."""
+    return ", ".join(f"{k} {v:.1f} s" if isinstance(v, float) else f"{k} {v}" for k, v in starts.items())
+
+
 def prefill_seconds(backend, result, settings) -> float:
     """Seconds the engine takes to prefill [prompt, response without its last token] of every row of ``result`` and
     sample one token (the same positions as scoring the response, within the model length)."""
@@ -284,8 +286,7 @@ def report(rec: dict) -> list[str]:
     body = [
         f"Model {rec.get('model')} ({rec.get('dtype')}), {args.get('prompts')} prompts x G={args.get('group')}, "
         f"{args.get('max_tokens')} tokens, {args.get('epochs')} epochs, lr {args.get('lr')}, paged engine rows "
-        f"{args.get('max_batch')}; engine starts (s): "
-        + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in starts.items()),
+        f"{args.get('max_batch')}; engine starts: " + _starts(starts),
         "",
         *H.rows_table(columns, rec.get("summary", [])),
         "",
@@ -296,17 +297,14 @@ def report(rec: dict) -> list[str]:
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = H.arguments(__doc__, "real_model_rollout.json")
+    ap.set_defaults(json=H.default_json_path("real_model_rollout.json") or "runs/real_model_rollout.json")
     ap.add_argument("--model", help="a local transformers checkpoint (default: SmolLM2-135M-Instruct, built offline)")
-    ap.add_argument("--data", default="demo", help="a GSM8K- or MATH-format .jsonl, or `demo` (default)")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--group", type=int, default=4, help="samples per prompt G")
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--lr", type=float, default=1e-6)
-    ap.add_argument("--updates", type=int, default=1, help="GRPO updates between two epochs")
-    ap.add_argument("--reward", default="math+format")
     ap.add_argument("--modes", default=",".join(BENCH_MODES), help="mode names (vanilla first; default: %(default)s)")
     ap.add_argument("--no-tail", action="store_true", help="no tail speculation in any row (every decode step static)")
     ap.add_argument(
@@ -315,10 +313,8 @@ def parse_args(argv):
     ap.add_argument("--max-batch", type=int, default=256, help="rows the paged engine decodes at once")
     ap.add_argument("--no-peers", dest="peers", action="store_false", help="no vLLM peer rows")
     ap.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto", help="auto: bf16 where supported")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", default=H.default_json_path("real_model_rollout.json") or "runs/real_model_rollout.json")
     args = ap.parse_args(argv)
-    H.positive(ap, args, "prompts", "group", "max_tokens", "epochs", "updates", "max_batch")
+    H.positive(ap, args, "prompts", "group", "max_tokens", "epochs", "max_batch")
     args.modes = list(dict.fromkeys(m.strip() for m in args.modes.split(",") if m.strip()))
     args.modes.sort(key=lambda m: m != "vanilla")
     try:
@@ -355,15 +351,14 @@ def main(argv=None) -> int:
     policy = policy.float().eval()  # the float32 master the optimizer steps; rollouts use a copy in --dtype
     dtype = resolve_dtype(args.dtype)
     rollout_model = copy.deepcopy(policy).to(dtype).eval()
-    examples = demo_train_set() if args.data == "demo" else load_jsonl(args.data)
-    examples = examples[: args.prompts]
+    examples = demo_train_set()[: args.prompts]
     prompts = PromptFormat().encode(tokenizer, examples)
     eos = sorted(eos_token_ids(policy, tokenizer))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    settings = SamplingSettings(temperature=args.temperature, max_tokens=args.max_tokens)
+    settings = SamplingSettings(temperature=1.0, max_tokens=args.max_tokens)
     max_len = max(len(p) for p in prompts) + args.max_tokens
     requests = [RolloutRequest(p, s, dataset_id=e.uid) for p, e in zip(prompts, examples) for s in range(args.group)]
-    reward_fn = get_reward_fn(args.reward)
+    reward_fn = get_reward_fn("math+format")
     golds = [e.answer for e in examples for _ in range(args.group)]
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr)
     record = {
@@ -380,18 +375,13 @@ def main(argv=None) -> int:
         engines, peer_backends, starts = make_engines(args, rollout_model, tokenizer, eos, pad, max_len, Path(work))
         record["engine_start_seconds"], record["engines"] = starts, list(engines)
         print(
-            f"model {args.model} ({record['dtype']}), {len(requests)} samples x {args.max_tokens} tokens, T = "
-            f"{args.temperature}, lr {args.lr:g} x {args.updates} update(s) per epoch; engine starts: "
-            + ", ".join(f"{k} {v:.1f} s" if isinstance(v, float) else f"{k} {v}" for k, v in starts.items())
+            f"model {args.model} ({record['dtype']}), {len(requests)} samples x {args.max_tokens} tokens, lr "
+            f"{args.lr:g}; engine starts: " + _starts(starts)
         )
         rows = [
-            Row(m, e, b, mode, settings, eos, max_len, args.seed)
-            for e, b in engines.items()
-            for m, mode in args.modes.items()
+            Row(m, e, b, mode, settings, eos, max_len) for e, b in engines.items() for m, mode in args.modes.items()
         ]
-        peers = [
-            Row(p, "vllm", b, MODES["vanilla"], settings, eos, max_len, args.seed) for p, b in peer_backends.items()
-        ]
+        peers = [Row(p, "vllm", b, MODES["vanilla"], settings, eos, max_len) for p, b in peer_backends.items()]
         nll = {id(r): [] for r in rows + peers}
         warm_up(engines, peer_backends, prompts, settings, tokens=min(16, args.max_tokens))
         last = {}
@@ -403,7 +393,7 @@ def main(argv=None) -> int:
                 except Exception as err:  # a peer engine that fails mid-run is reported, not fatal
                     if r in rows:
                         raise
-                    r.error = f"{type(err).__name__}: {(str(err).splitlines() or [''])[0][:160]}"
+                    r.error = H.error_text(err, 160)
                     print(f"peer {r.name} failed: {r.error}", flush=True)
                     continue
                 nlls = sample_nll(rollout_model, result.prompt_ids, result.response_ids, pad, settings, scored)
@@ -432,8 +422,7 @@ def main(argv=None) -> int:
                     reward_fn(tokenizer.decode(t, skip_special_tokens=True), g) for t, g in zip(res.response_ids, golds)
                 ]
                 with torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-                    for _ in range(args.updates):
-                        grpo_update(policy, optimizer, res, rewards, args.group, pad, settings)
+                    grpo_update(policy, optimizer, res, rewards, args.group, pad, settings)
                 with torch.no_grad():
                     for dst, src in zip(rollout_model.parameters(), policy.parameters()):
                         dst.copy_(src)
@@ -446,7 +435,6 @@ def main(argv=None) -> int:
         for r in rows + peers:
             r.nll = bootstrap_nll(nll[id(r)]) if nll[id(r)] else None
         record["peer_errors"] = {p.name: p.error for p in peers if p.error}
-        record["rows"] = {f"{r.engine}/{r.name}" if r in rows else f"peer/{r.name}": r.records for r in rows + peers}
         updates = record.get("update_seconds", [])
         record["summary"] = summarize(rows, peers, sum(updates) / len(updates) if updates else 0.0)
         targets = {}
@@ -459,7 +447,7 @@ def main(argv=None) -> int:
                 try:
                     targets[key] = scoring / prefill_seconds(backend, drafted, settings)
                 except Exception as err:  # reported, not fatal: the epochs' records are what matters
-                    targets[key] = f"failed: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:160]}"
+                    targets[key] = f"failed: {H.error_text(err, 160)}"
             exact = next((s for s in record["summary"] if s["engine"] == engine and s["row"] == "exact"), None)
             if exact is not None:
                 targets[f"{engine}: exact / vanilla rollout time"] = exact["rollout_seconds_ratio"]

@@ -5,7 +5,6 @@ from hidden states the [N, V] matmul first), on whatever device runs it (``_harn
 inside each timed call); ``test_real_vocab_decisions_agree`` checks that both decide alike.
 
     pytest benchmarks/bench_verify.py -k real_vocab --benchmark-group-by=group [--benchmark-json out.json]
-    python benchmarks/bench_verify.py [pytest args]   # the same
 
 benchmarks/conftest.py adds the harness provenance to the JSON's ``machine_info``. The kernels against their floors
 and the fused-loss libraries on a GPU: ``benchmarks/gpu_suite.py``.
@@ -14,14 +13,13 @@ and the fused-loss libraries on a GPU: ``benchmarks/gpu_suite.py``.
 from __future__ import annotations
 
 import math
-import sys
 
 import pytest
 import torch
 
 pytest.importorskip("pytest_benchmark")
 
-from _harness import random_lm_head, run_pytest_file, synced  # benchmarks/ is on sys.path when a script here runs
+from _harness import random_lm_head, synced  # benchmarks/ is on sys.path when a script here runs
 
 from spec_rl.acceptance.dispatch import VerifyOptions, verify_hidden, verify_logits
 from spec_rl.acceptance.rules import Lenient
@@ -98,7 +96,3 @@ def test_bench_real_vocab_ours_from_hidden(benchmark, real_vocab):
 def test_bench_real_vocab_plain_torch_from_hidden(benchmark, real_vocab):
     x = real_vocab
     benchmark(synced(lambda: plain_torch_verify(x["hidden"] @ x["weight"].T, x), DEV))
-
-
-if __name__ == "__main__":
-    sys.exit(run_pytest_file(__file__))

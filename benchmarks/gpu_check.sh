@@ -1,17 +1,8 @@
 #!/usr/bin/env bash
-# The GPU check in one command (docs/gpu-check.md: its stages, budgets, options and what comes back), built for a
-# short GPU window: stages in order of value (1 2 5 8 3 4 6 7), each under its own `timeout` (run_stage below: the
-# H200 budget beside it, measured for 1-4 and 7, estimates for 5, 6 and 8), the whole run under DEADLINE_S (default
-# 540 s, 0 = none: a stage gets min(its timeout, time left - 15 s) and is skipped under 20 s), and after every stage
-# (and every 30 s within one) $OUT rewritten with exactly two files: gpu-check.tar.gz (logs/, json/, summary.md,
-# meta.tsv, stages.tsv) and summary.md (benchmarks/gpu_report.py). HEADLINE=1 (`make gpu-headline`): stages 1, 5
-# and 8 under a 300 s deadline. SMOKE=1 (`make gpu-check-smoke`): the same code on the CPU (Triton interpreter, tiny
-# shapes, the venv's python, no install). FULL=1: what the default run leaves out (run it as further STAGES calls).
-#
-# Usage:  make gpu-check [ARGS="--model PATH"]    (OUT, default ./gpu-check-out)
-# Env:    PYTHON (default python3), OUT, FULL=1, SMOKE=1, HEADLINE=1, STAGES="3 4", DEADLINE_S, REAL_LR (stage 8),
-#         WORK (default a new folder under $TMPDIR), SITE (install target, default /tmp/spec-rl-site),
-#         SPEC_RL_COMMIT (recorded when .git is absent), TORCH_CUDA_ARCH_LIST, MAX_JOBS.
+# The GPU check in one command: docs/gpu-check.md has its stages, budgets, options and what comes back in $OUT.
+# Stages run as `gpu_check.sh __stage N` under their own `timeout` (run_stage below), the whole run under DEADLINE_S
+# (a stage gets min(its timeout, time left - 15 s) and is skipped under 20 s); $OUT is rewritten after every stage
+# and every 30 s (snapshot). SMOKE=1: the same code on the CPU (Triton interpreter, tiny shapes, no install).
 set -u
 CALLER_DIR=$PWD
 cd "$(dirname "$0")/.."
@@ -21,13 +12,6 @@ GPU_TESTS="tests/kernels/test_kernels_from_logits.py tests/kernels/test_kernels_
     tests/kernels/test_kernels_philox.py tests/kernels/test_kernels_gumbel.py tests/kernels/test_kernels_api.py tests/paged/test_ops_kv.py
     tests/paged/test_engine_paged.py tests/paged/test_static_decode.py
     tests/acceptance/test_verify_dispatch.py tests/acceptance/test_verify_invalid_scores.py"
-# Tiny shapes of the smoke run (the same scripts and code paths as the GPU run).
-SMOKE_SUITE="--device cpu --n 64 --vocab 512 --d 64 --tokens-per-sample 16 --rep-ms 1"
-SMOKE_PAGED="--device cpu --batch 2 --context 40 --long-batch 1 --long-context 100 --q-heads 4 --kv-heads 2 \
---head-dim 32 --rep-ms 1"
-SMOKE_ENGINE="--preset tiny --device cpu --batch 2,3 --new-tokens 6 --prompt-len 5"
-SMOKE_ROLLOUT="--preset tiny --device cpu --perturb 0.5"
-SMOKE_CACHE="--preset tiny --device cpu --rows 3 --context 5 --repeats 2"
 
 # ---------------------------------------------------------------- stages (run as: gpu_check.sh __stage N)
 
@@ -63,12 +47,9 @@ stage_2() {  # GPU-relevant tests
         echo "$out" | tail -n 3
         [ $rc = 0 ] || return 1
         note "skipped: no CUDA (the selection was collected; make test runs these files on the CPU)"
-    elif [ "$FULL" = 1 ]; then
-        $PY -P -m pytest -q -p no:cacheprovider -rs tests
     else
         local per_test="--timeout=120"
         $PY -c 'import pytest_timeout' 2>/dev/null || { per_test=""; note "pytest-timeout absent: no per-test timeout"; }
-        # shellcheck disable=SC2086
         local workers=""  # Triton compiles on the CPU: one GPU, 8 test processes
         $PY -c 'import xdist' 2>/dev/null && workers="-n 8"
         # shellcheck disable=SC2086
@@ -76,86 +57,71 @@ stage_2() {  # GPU-relevant tests
     fi
 }
 
-stage_3() {  # verification-kernel suite
-    local args="" ; [ "$SMOKE" = 1 ] && args=$SMOKE_SUITE; [ "$FULL" = 1 ] && args="--sweep"
+# bench SCRIPT RECORD GPU_ARGS SMOKE_ARGS: the benchmark SCRIPT.py at the GPU run's sizes (the smoke run's with
+# SMOKE=1), its record in json/RECORD.json.
+bench() {
+    local args=$3
+    [ "$SMOKE" = 1 ] && args=$4
     # shellcheck disable=SC2086
-    $PY benchmarks/gpu_suite.py $args --json "$WORK/json/gpu_suite.json"
+    $PY "benchmarks/$1.py" $args --json "$WORK/json/$2.json"
+}
+
+stage_3() {  # verification-kernel suite
+    bench gpu_suite gpu_suite "" "--device cpu --n 64 --vocab 512 --d 64 --tokens-per-sample 16 --rep-ms 1"
 }
 
 stage_4() {  # paged decode attention
-    local args="" ; [ "$SMOKE" = 1 ] && args=$SMOKE_PAGED; [ "$FULL" = 1 ] && args="--sweep"
-    # shellcheck disable=SC2086
-    $PY benchmarks/bench_paged_attention.py $args --json "$WORK/json/paged_attention.json"
+    bench bench_paged_attention paged_attention "" "--device cpu --batch 2 --context 40 --long-batch 1 \
+--long-context 100 --q-heads 4 --kv-heads 2 --head-dim 32 --rep-ms 1"
 }
 
 stage_5() {  # paged engine
-    local args="--preset qwen3-0.6b --new-tokens 64 --batch 16,64,128" ; [ "$SMOKE" = 1 ] && args=$SMOKE_ENGINE
-    [ "$FULL" = 1 ] && args="--preset qwen3-0.6b"
-    [ "$HEADLINE" = 1 ] && [ "$SMOKE" != 1 ] && args="--preset qwen3-0.6b --new-tokens 64 --batch 64 --skip-splice"
-    # shellcheck disable=SC2086
-    $PY benchmarks/bench_engine.py $args --json "$WORK/json/engine.json"
+    local args="--preset qwen3-0.6b --new-tokens 64 --batch 16,64,128"
+    [ "$HEADLINE" = 1 ] && args="--preset qwen3-0.6b --new-tokens 64 --batch 64 --skip-splice"
+    bench bench_engine engine "$args" "--preset tiny --device cpu --batch 2,3 --new-tokens 6 --prompt-len 5"
 }
 
 stage_6() {  # rollout modes at the Qwen3-0.6B shape, then one decode step: concatenating vs in-place KV cache
-    local args="--preset qwen3-0.6b --prompts 32 --group 4 --max-tokens 128" ; [ "$SMOKE" = 1 ] && args=$SMOKE_ROLLOUT
-    [ "$FULL" = 1 ] && args="--preset qwen3-0.6b"
     local rc=0
-    # shellcheck disable=SC2086
-    $PY benchmarks/bench_rollout.py $args --json "$WORK/json/rollout.json" || rc=$?
-    local cache_args="--preset qwen3-0.6b --rows 64 --context 512 --repeats 10" ; [ "$SMOKE" = 1 ] && cache_args=$SMOKE_CACHE
-    # shellcheck disable=SC2086
-    $PY benchmarks/bench_decode_cache.py $cache_args --json "$WORK/json/decode_cache.json" || { [ "$rc" = 0 ] && rc=1; }
+    bench bench_rollout rollout "--preset qwen3-0.6b --prompts 32 --group 4 --max-tokens 128" \
+        "--preset tiny --device cpu --perturb 0.5" || rc=$?
+    bench bench_decode_cache decode_cache "--preset qwen3-0.6b --rows 64 --context 512 --repeats 10" \
+        "--preset tiny --device cpu --rows 3 --context 5 --repeats 2" || { [ "$rc" = 0 ] && rc=1; }
     return $rc
 }
 
 stage_7() {  # compile check: this Triton's ptxas, default configs
     unset TRITON_INTERPRET
-    if [ "$FULL" = 1 ]; then
-        $PY benchmarks/compile_check.py --sweep --jobs 16 --json "$WORK/json/compile_check.json" || return 1
-        PYTHON=$PY bash benchmarks/compile_check_csrc.sh
-    else
-        local jobs=8 ; [ "$SMOKE" = 1 ] && jobs=2
-        $PY benchmarks/compile_check.py --defaults-only --jobs $jobs --json "$WORK/json/compile_check.json"
-    fi
+    bench compile_check compile_check "--jobs 8" "--jobs 2"
 }
 
 stage_8() {  # the real-model rollout benchmark on the user's checkpoint, on the paged engine as RL runs it
-    local model=$MODEL lr=${REAL_LR:-1e-6} json="$WORK/json/real_model_rollout.json"
+    local model=$MODEL group=8 rows=256 tokens=128 engines=paged epochs=3 lr=${REAL_LR:-1e-6} modes="" rc=0 run
     # 256 prompts x G = 8 through 256 rows (continuous batching), then one full batch (32 x 8 rows at once)
-    local runs="continuous:--prompts 256 --group 8|full-batch:--prompts 32 --group 8"
-    local common="--engines paged --max-batch 256 --max-tokens 128 --epochs 3 --lr $lr"
+    local runs="continuous:256 full-batch:32"
     if [ "$HEADLINE" = 1 ]; then
-        runs="headline:--prompts 256 --group 8"
-        common="--engines paged --modes vanilla,spec,exact --no-tail --no-peers --max-batch 256 --max-tokens 128"
-        common="$common --epochs 2 --lr ${REAL_LR:-1e-5}"
-        if [ -z "$model" ] && [ "$SMOKE" != 1 ]; then  # SmolLM2 from the installed wheel, or a GGUF carried in .whl/
-            if ! ls .whl/*.gguf >/dev/null 2>&1 && ls .whl/*.gguf.part-* >/dev/null 2>&1; then  # carried in parts
-                cat .whl/*.gguf.part-* > .whl/SmolLM2-135M-Instruct.Q4_1.gguf || return 1
-            fi
-            local gguf; gguf=$(ls .whl/*.gguf 2>/dev/null | head -n 1)
-            if [ -n "$gguf" ]; then model=$($PY benchmarks/real_model.py --gguf "$gguf" "$WORK/smollm2")
-            else model=$($PY benchmarks/real_model.py); fi || return 1
-        fi
+        runs="headline:256" epochs=2 lr=${REAL_LR:-1e-5} modes="--modes vanilla,spec,exact --no-tail --no-peers"
     fi
-    if [ "$SMOKE" = 1 ] && [ -z "$model" ]; then
+    if [ "$SMOKE" = 1 ] && [ -z "$model" ]; then  # a tiny random Llama with SmolLM2's tokenizer, tiny sizes
         model=$($PY benchmarks/real_model.py --tiny "$WORK/tiny-model") || return 1
-        runs="continuous:--prompts 2 --group 2|full-batch:--prompts 1 --group 2"
-        common="--engines paged,transformers --max-batch 3 --max-tokens 6 --epochs 2 --lr $lr"
-        if [ "$HEADLINE" = 1 ]; then
-            runs="headline:--prompts 2 --group 2"
-            common="--engines paged --modes vanilla,spec,exact --no-tail --no-peers --max-batch 3 --max-tokens 6"
-            common="$common --epochs 2 --lr 1e-5"
+        group=2 rows=3 tokens=6 epochs=2
+        if [ "$HEADLINE" = 1 ]; then runs="headline:2"; else runs="continuous:2 full-batch:1" engines=paged,transformers; fi
+    elif [ -z "$model" ] && [ "$HEADLINE" = 1 ]; then  # SmolLM2 from the installed wheel, or a GGUF carried in .whl/
+        if ! ls .whl/*.gguf >/dev/null 2>&1 && ls .whl/*.gguf.part-* >/dev/null 2>&1; then  # carried in parts
+            cat .whl/*.gguf.part-* > .whl/SmolLM2-135M-Instruct.Q4_1.gguf || return 1
         fi
+        local gguf; gguf=$(ls .whl/*.gguf 2>/dev/null | head -n 1)
+        if [ -n "$gguf" ]; then model=$($PY benchmarks/real_model.py --gguf "$gguf" "$WORK/smollm2")
+        else model=$($PY benchmarks/real_model.py); fi || return 1
     elif [ -z "$model" ]; then
         note "skipped: no --model PATH given"
         return 0
     fi
-    local rc=0 run name
-    IFS='|' read -ra RUNS <<< "$runs"
-    for run in "${RUNS[@]}"; do
-        name=${run%%:*}
+    for run in $runs; do
         # shellcheck disable=SC2086
-        $PY benchmarks/bench_real_model.py --model "$model" ${run#*:} $common --json "${json%.json}-$name.json" || rc=1
+        $PY benchmarks/bench_real_model.py --model "$model" --prompts "${run#*:}" --group $group --engines $engines \
+            --max-batch $rows --max-tokens $tokens --epochs $epochs --lr "$lr" $modes \
+            --json "$WORK/json/real_model_rollout-${run%%:*}.json" || rc=1
     done
     return $rc
 }
@@ -178,10 +144,8 @@ case "$MODEL" in "" | /*) ;; *) MODEL="$CALLER_DIR/$MODEL" ;; esac
 # ---------------------------------------------------------------- the runner
 
 SMOKE=${SMOKE:-0}
-FULL=${FULL:-0}
 HEADLINE=${HEADLINE:-0}
-[ "$SMOKE" = 1 ] && FULL=0  # the smoke run is the default run's code at tiny shapes
-if [ "$HEADLINE" = 1 ]; then FULL=0; STAGES=${STAGES:-1 5 8}; DEADLINE_S=${DEADLINE_S:-300}; fi
+if [ "$HEADLINE" = 1 ]; then STAGES=${STAGES:-1 5 8}; DEADLINE_S=${DEADLINE_S:-300}; fi
 PY=${PYTHON:-python3}
 DEST=${OUT:-$PWD/gpu-check-out}
 SITE=${SITE:-/tmp/spec-rl-site}
@@ -191,11 +155,11 @@ WORK=${WORK:-$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")}
 mkdir -p "$DEST" "$WORK/logs" "$WORK/json" || exit 1
 : > "$WORK/stages.tsv"
 rm -f "$WORK/current.tsv"
-export SMOKE FULL HEADLINE PY SITE WORK MODEL PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+export SMOKE HEADLINE PY SITE WORK MODEL PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 export OUT="$WORK/json"  # scripts that default their JSON to $OUT write into the archive, never into $DEST
 START=$(date +%s.%N)
 
-elapsed() { awk -v a="$START" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }'; }
+since() { awk -v a="$1" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }'; }  # seconds since $1
 
 if [ "$SMOKE" = 1 ]; then
     export TRITON_INTERPRET=1  # stage 7 unsets it (ptxas needs the compiler, not the interpreter)
@@ -203,7 +167,7 @@ if [ "$SMOKE" = 1 ]; then
 else
     unset TRITON_INTERPRET
     export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-    MODE="GPU$([ "$FULL" = 1 ] && echo ", FULL")$([ "$HEADLINE" = 1 ] && echo ", HEADLINE")"
+    MODE="GPU$([ "$HEADLINE" = 1 ] && echo ", HEADLINE")"
 fi
 if [ -z "${SPEC_RL_COMMIT:-}" ] && git rev-parse HEAD >/dev/null 2>&1; then
     SPEC_RL_COMMIT=$(git rev-parse HEAD)$(git status --porcelain --untracked-files=no | grep -q . && echo -dirty)
@@ -242,7 +206,7 @@ run_stage() {
     local log="$WORK/logs/$num-$name.log"
     [ -n "$ABORT" ] && skip="skipped: $ABORT"
     if [ -z "$skip" ] && [ "$DEADLINE_S" != 0 ]; then
-        left=$(awk -v d="$DEADLINE_S" -v e="$(elapsed)" 'BEGIN { printf "%d", d - e - 15 }')
+        left=$(awk -v d="$DEADLINE_S" -v e="$(since "$START")" 'BEGIN { printf "%d", d - e - 15 }')
         if [ "$left" -lt 20 ]; then skip="skipped: out of time"; elif [ "$left" -lt "$limit" ]; then limit=$left; fi
     fi
     if [ -n "$skip" ]; then
@@ -250,7 +214,7 @@ run_stage() {
         echo "== stage $num $name: $skip"
         snapshot; return 0
     fi
-    echo; echo "== stage $num $name (H200 budget ${budget} s, timeout ${limit} s) at $(elapsed) s"
+    echo; echo "== stage $num $name (H200 budget ${budget} s, timeout ${limit} s) at $(since "$START") s"
     printf '%s\t%s\trunning\t\t%s\t%s\t\n' "$num" "$name" "$budget" "$limit" > "$WORK/current.tsv"
     snapshot
     t0=$(date +%s.%N)
@@ -260,7 +224,7 @@ run_stage() {
     wait "$STAGE_PID"; rc=$?
     STAGE_PID=""
     LAST_RC=$rc
-    wall=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
+    wall=$(since "$t0")
     # NOTE lines: "skipped: why" marks a stage that could not run here; the others are notes.
     note=$(grep '^NOTE: ' "$log" | cut -c7- | grep -v '^skipped:' | paste -sd ';' - | sed 's/;/; /g' | tr '\t' ' ')
     skip=$(grep '^NOTE: skipped:' "$log" | tail -n 1 | cut -c7- | tr '\t' ' ')
@@ -315,5 +279,5 @@ echo
 cat "$DEST/summary.md"
 echo "== stages (all results: $DEST/summary.md and $DEST/gpu-check.tar.gz)"
 $PY benchmarks/gpu_report.py --work "$WORK" --stages-only
-echo "gpu_check: total $(elapsed) s, $([ "$FAILED" = 0 ] && echo "every stage passed or was skipped" || echo "FAILED")"
+echo "gpu_check: total $(since "$START") s, $([ "$FAILED" = 0 ] && echo "every stage passed or was skipped" || echo "FAILED")"
 exit $FAILED

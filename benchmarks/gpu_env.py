@@ -1,18 +1,12 @@
-"""Stage 1 of benchmarks/gpu_check.sh: what the installed package and the machine can run.
+"""Stage 1 of the GPU check (docs/gpu-check.md): what the installed package and the machine can run.
 
     python -P benchmarks/gpu_env.py [--require-cuda] [--json PATH]
 
-Prints, one line each: Python / torch / triton / transformers versions and the
-device; where ``spec_rl`` was imported from (it must be the installed package,
-not the source tree: run with ``python -P``); ``spec_rl._C`` and its native KV
-ops on CPU and CUDA; whether the Triton kernels run on the device (compiled on
-CUDA, interpreted on CPU); and the optional packages the later stages import
-(math-verify and its parser, Liger-Kernel, Cut Cross-Entropy).
-
-Exit code 1 when ``spec_rl`` or ``spec_rl._C`` cannot be imported (nothing
-later can run); 3 when, with ``--require-cuda``, CUDA is not visible or the
-CUDA KV ops or the compiled kernels are missing (the later stages still run). Without CUDA the CUDA lines
-say "skipped: no CUDA" and a ``NOTE:`` line says so (the smoke run's stage note).
+Prints versions and the device; where ``spec_rl`` was imported from (the installed package, not the source tree:
+``python -P``); ``spec_rl._C`` and its native KV ops; whether the Triton kernels run on the device; the optional
+packages the later stages import (``OPTIONAL``). Exit 1 when ``spec_rl`` or ``spec_rl._C`` cannot be imported
+(nothing later can run); 3 when, with ``--require-cuda``, CUDA, the CUDA KV ops or the compiled kernels are missing
+(the later stages still run). Without CUDA a ``NOTE:`` line says the CUDA parts were skipped.
 """
 
 from __future__ import annotations

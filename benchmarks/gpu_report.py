@@ -1,6 +1,6 @@
 """summary.md of a GPU check, and the markdown tables every benchmark prints (benchmarks/RESULTS.md's format).
 
-    python benchmarks/gpu_report.py --work DIR [--out DIR/summary.md] [--stages-only]
+    python benchmarks/gpu_report.py --work DIR [--stages-only]
 
 ``benchmarks/gpu_check.sh`` calls this after every stage (and every 30 s while a stage runs). DIR holds what the
 stages wrote: ``meta.tsv`` (key, value), ``stages.tsv`` (one line per finished stage: number, name, status, wall
@@ -138,13 +138,12 @@ def render(work: str) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", required=True, help="the GPU check's work folder")
-    ap.add_argument("--out", default=None, help="default: WORK/summary.md")
     ap.add_argument("--stages-only", action="store_true", help="print the stage table instead")
     args = ap.parse_args(argv)
     if args.stages_only:
         print("\n".join(stage_table(args.work)))
         return 0
-    out = args.out or os.path.join(args.work, "summary.md")
+    out = os.path.join(args.work, "summary.md")
     tmp = f"{out}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
         f.write(render(args.work))

@@ -1,17 +1,11 @@
-"""Stage 3 of the GPU check: the verification kernels against their floors and the fused-loss libraries.
+"""Stage 3 of the GPU check (docs/gpu-check.md): the verification kernels against their floors and the fused-loss
+libraries (Liger-Kernel, Cut Cross-Entropy), at N tokens, vocabulary V, hidden sizes d, bf16, T = 1.
 
-    python benchmarks/gpu_suite.py [--n 16384] [--vocab 151936] [--d 2048 4096] [--json PATH] [--sweep]
+    python benchmarks/gpu_suite.py [--n 16384] [--vocab 151936] [--d 2048 4096] [--json PATH]
 
-At N tokens, vocabulary V, hidden sizes d, bf16 (targets on an H200): from logits [N, V], ours against a copy of
-the logits (floor; target >= 85% of the copy's bandwidth, read + write) and eager torch (chunked log_softmax +
-gather); from hidden states [N, d], the fused LM head against cuBLAS ``h @ W.T`` alone (floor; target <= 1.10x),
-eager torch, Liger-Kernel's fused linear cross-entropy and Cut Cross-Entropy (reduction="none", when importable;
-target >= 1.15x faster than both, <= 64 MB extra). Ours, the floors and eager torch at every shape come first, the
-peers after (a run cut short still has ours). Times: ``_harness.measure`` (do_bench medians); "extra MB": peak
-allocated memory during one call beyond what was allocated before it. Everything runs at T = 1 (the peers compute
--log p). Checks (fail the run): log-probs within ``FROM_LOGITS_TOL`` / ``FUSED_TOL`` nats of fp32 torch. Exit 1
-when a shape or check of ours fails (a peer row that fails is reported only). ``--device cpu``: the smoke run
-under the Triton interpreter (times are not measurements); without CUDA and without it, nothing runs (exit 0).
+Ours, the floors and eager torch at every shape first, the peers after. "extra MB": peak allocated memory during
+one call beyond what was allocated before it. Exit 1 when a row or check of ours fails (log-probs within
+``FROM_LOGITS_TOL`` / ``FUSED_TOL`` nats of fp32 torch); a peer's failure is reported only.
 """
 
 from __future__ import annotations
@@ -30,37 +24,21 @@ FROM_LOGITS_TOL = 1e-3  # nats: ours vs fp32 eager torch over the same logits
 FUSED_TOL = 2e-2  # nats: ours (bf16 tensor-core dot, fp32 accumulate) vs fp32 torch over the same inputs
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+DTYPE = torch.bfloat16
+
+
+def parse_args(argv=None):
+    device = "default: cuda when visible; cpu = smoke run under the Triton interpreter (tiny shapes)"
+    ap = H.arguments(__doc__, "gpu_suite.json", device)
     ap.add_argument("--n", type=int, default=16384, help="tokens (rows)")
     ap.add_argument("--vocab", type=int, default=151936, help="vocabulary size V (Qwen3: 151936)")
     ap.add_argument("--d", type=int, nargs="+", default=[2048, 4096], help="hidden sizes for the fused kernel")
-    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     ap.add_argument("--tokens-per-sample", type=int, default=512)
     ap.add_argument("--rep-ms", type=int, default=150, help="do_bench time budget per measurement (ms)")
-    ap.add_argument("--sweep", action="store_true", help="also time every config of LOGITS_SWEEP / LM_HEAD_SWEEP")
     ap.add_argument("--skip-competitors", action="store_true", help="time only our kernels and the floors")
-    ap.add_argument(
-        "--device",
-        choices=["cuda", "cpu"],
-        default=None,
-        help="default: cuda when visible; cpu = smoke run under the Triton interpreter (tiny shapes)",
-    )
-    ap.add_argument(
-        "--json", default=H.default_json_path("gpu_suite.json"), help="write results here (default $OUT/gpu_suite.json)"
-    )
     args = ap.parse_args(argv)
     H.positive(ap, args, "n", "vocab", "tokens_per_sample", "rep_ms")
-    return args
-
-
-def _progress(rec: dict) -> str:
-    if "ms" in rec:
-        extra = "" if rec.get("extra_mb") is None else f", extra {rec['extra_mb']:.1f} MB"
-        status = f"{rec['ms']:.3f} ms{extra}"
-    else:
-        status = rec.get("error") or rec.get("skipped", "")
-    return f"  {rec['name']:<48} {status}"
+    return ap, args
 
 
 @dataclass
@@ -70,7 +48,6 @@ class Suite:
     args: argparse.Namespace
     K: Any  # spec_rl.kernels
     dev: torch.device
-    dtype: torch.dtype
     gen: torch.Generator
     ids: torch.Tensor  # [N] int64 draft tokens
     drafts: Any  # spec_rl.kernels.DraftRows of ids: old log-probs, (sample, token) tags, uids, seed, lenience
@@ -82,16 +59,7 @@ class Suite:
         return self.rec.record["rows"]
 
     def measure(self, name: str, fn: Callable[[], Any], **extra) -> dict:
-        row = H.measure(
-            name, fn, self.rows, rep_ms=self.args.rep_ms, memory=True, progress=_progress, device=self.dev, **extra
-        )
-        self.rec.save()
-        return row
-
-    def sweep(self, label: str, configs, run: Callable, **extra) -> None:
-        """Time ``run(cfg)`` for every config (``--sweep``)."""
-        for cfg in configs:
-            self.measure(f"  sweep {label} {cfg}", lambda cfg=cfg: run(cfg), config=str(cfg), **extra)
+        return H.measure(name, fn, self.rec, rep_ms=self.args.rep_ms, memory=True, device=self.dev, **extra)
 
     def free(self) -> None:
         if self.dev.type == "cuda":
@@ -113,7 +81,7 @@ def build_suite(args, K, dev: torch.device, rec: H.RunRecord) -> Suite:
     sample = torch.repeat_interleave(torch.arange(len(lengths), device=dev), lengths)
     token = torch.arange(n, device=dev) - cu[:-1][sample]
     drafts = K.DraftRows(ids, old, lengths, uids, sample.to(torch.int32), token.to(torch.int32), 1234, 0.5, 1.0, 0)
-    return Suite(args, K, dev, H.DTYPES[args.dtype], gen, ids, drafts, rec)
+    return Suite(args, K, dev, gen, ids, drafts, rec)
 
 
 def _eager_from_logits(logits, ids, temperature=1.0, chunk=EAGER_CHUNK):
@@ -156,15 +124,15 @@ def _rates(s: Suite, section: str, key: str, per_ms: Callable[[dict], float]) ->
 
 
 def section_logits(s: Suite) -> None:
-    """From materialised logits: ours vs the copy floor and eager torch (+ the config sweep)."""
+    """From materialised logits: ours vs the copy floor and eager torch."""
 
     n, vocab, d0, K = s.args.n, s.args.vocab, s.args.d[0], s.K
-    h0 = torch.randn(n, d0, device=s.dev, dtype=s.dtype, generator=s.gen)
-    w0 = H.random_lm_head(vocab, d0, s.dtype, s.dev, s.gen)
+    h0 = torch.randn(n, d0, device=s.dev, dtype=DTYPE, generator=s.gen)
+    w0 = H.random_lm_head(vocab, d0, DTYPE, s.dev, s.gen)
     logits = h0 @ w0.T  # [N, V], realistic logit statistics
     del h0, w0
     logit_bytes = logits.numel() * logits.element_size()
-    print(f"\nfrom logits: [{n}, {vocab}] {s.args.dtype} = {logit_bytes / 1e9:.2f} GB", flush=True)
+    print(f"\nfrom logits: [{n}, {vocab}] bf16 = {logit_bytes / 1e9:.2f} GB", flush=True)
     tag = dict(section="logits", bytes=logit_bytes)
     dst = torch.empty_like(logits)
     copy = s.measure("copy logits (floor, read+write)", lambda: dst.copy_(logits), **{**tag, "bytes": 2 * logit_bytes})
@@ -175,14 +143,6 @@ def section_logits(s: Suite) -> None:
         lp_k = K.verify_logits(logits, s.drafts)[0]
         diff = (lp_k - _eager_from_logits(logits, s.ids)).abs().max()
         s.rec.check("from_logits_max_abs_diff_vs_eager_fp32", diff, FROM_LOGITS_TOL)
-    if s.args.sweep:
-        s.sweep(
-            "from-logits",
-            H.kernel_sweeps()["logits"],
-            lambda cfg: K.verify_logits(logits, s.drafts, cfg),
-            section="logits-sweep",
-            bytes=logit_bytes,
-        )
     _rates(s, "logits", "gb_per_s", lambda r: r["bytes"] / r["ms"] / 1e6)
     if _has_ms(copy, ours):
         copy["fraction_of_copy_bandwidth"] = 1.0
@@ -193,7 +153,7 @@ def section_logits(s: Suite) -> None:
 
 
 def section_hidden(s: Suite, d: int, broken: bool = False) -> None:
-    """Fused LM head at hidden size d: ours vs the matmul floor and eager torch (+ the config sweep).
+    """Fused LM head at hidden size d: ours vs the matmul floor and eager torch.
 
     ``broken``: the weight gets d + 8 columns, a shape the kernel's launcher refuses (the smoke tests'
     deliberately failing shape).
@@ -201,14 +161,11 @@ def section_hidden(s: Suite, d: int, broken: bool = False) -> None:
 
     n, vocab, K = s.args.n, s.args.vocab, s.K
     section = f"hidden-{d}" + ("-broken" if broken else "")
-    print(
-        f"\nfused LM head: h [{n}, {d}] @ W[{vocab}, {d}]^T, {s.args.dtype}{' (broken shape)' if broken else ''}",
-        flush=True,
-    )
-    h = torch.randn(n, d, device=s.dev, dtype=s.dtype, generator=s.gen)
-    w = H.random_lm_head(vocab, d + (8 if broken else 0), s.dtype, s.dev, s.gen)
+    print(f"\nfused LM head: h [{n}, {d}] @ W[{vocab}, {d}]^T, bf16{' (broken shape)' if broken else ''}", flush=True)
+    h = torch.randn(n, d, device=s.dev, dtype=DTYPE, generator=s.gen)
+    w = H.random_lm_head(vocab, d + (8 if broken else 0), DTYPE, s.dev, s.gen)
     tag = dict(section=section, flops=2.0 * n * vocab * d)
-    out_buf = torch.empty(n, vocab, device=s.dev, dtype=s.dtype)
+    out_buf = torch.empty(n, vocab, device=s.dev, dtype=DTYPE)
     mm = s.measure(f"cuBLAS h @ W.T (floor) d={d}", lambda: torch.mm(h, w.T, out=out_buf), **tag)
     out_buf = None  # free the 5 GB matmul output
     s.free()
@@ -223,14 +180,6 @@ def section_hidden(s: Suite, d: int, broken: bool = False) -> None:
         lp_e = torch.cat([_eager_from_logits(h[r].float() @ w32.T, s.ids[r]) for r in rows])
         del w32
         s.rec.check(f"fused_d{d}_max_abs_diff_vs_fp32_torch", (lp_k - lp_e).abs().max(), FUSED_TOL)
-    if s.args.sweep:
-        s.sweep(
-            "fused",
-            H.kernel_sweeps()["lm_head"],
-            lambda cfg: K.verify_hidden(h, w, None, s.drafts, config=cfg),
-            section=f"{section}-sweep",
-            flops=tag["flops"],
-        )
     _rates(s, section, "tflops", lambda r: r["flops"] / r["ms"] / 1e9)
     if _has_ms(ours, mm):
         mm["ratio_to_matmul"] = 1.0
@@ -248,7 +197,7 @@ def section_competitors(s: Suite, d: int, competitors: dict) -> None:
     for label, (fn, why) in competitors.items():
         if fn is None:
             s.rows.append({"name": f"{label} d={d}", "section": tag["section"], "skipped": why, "optional": True})
-            print(_progress(s.rows[-1]), flush=True)
+            print(H.show(s.rows[-1]), flush=True)
             s.rec.save()
             continue
 
@@ -310,31 +259,12 @@ def run_suite(args, K, dev: torch.device, rec: H.RunRecord) -> None:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.device is None and not torch.cuda.is_available():
-        print(
-            "gpu_suite: no CUDA device available; nothing was measured (run this on a GPU machine, "
-            "or --device cpu for a smoke run under the Triton interpreter)."
-        )
-        return 0
-    dev = torch.device(args.device or "cuda")
-    K = H.kernels_for(dev, "gpu_suite")
-    if K is None:
-        return 2
-    meta = {**H.provenance(dev), "n": args.n, "vocab": args.vocab, "dtype": args.dtype}
-    print(
-        f"gpu_suite on {meta['device']} ({meta.get('sm_count', '-')} SMs), torch {meta['torch']}, "
-        f"triton {meta['triton']}, commit {meta['commit']}",
-        flush=True,
-    )
+    ap, args = parse_args(argv)
+    dev, K = H.kernels_for(ap, args.device, "gpu_suite")
+    meta = {**H.provenance(dev), "n": args.n, "vocab": args.vocab, "dtype": "bf16"}
+    print(f"gpu_suite on {meta['device']}, torch {meta['torch']}, triton {meta['triton']}, commit {meta['commit']}")
     rec = H.RunRecord(args.json, {"meta": meta, "rows": []}, report)
-    try:
-        run_suite(args, K, dev, rec)
-    except Exception as exc:  # noqa: BLE001  a section that fails outside a row: record it, keep what was measured
-        import traceback
-
-        traceback.print_exc(limit=3)
-        rec.fail(f"suite stopped: {type(exc).__name__}: {exc}".splitlines()[0][:300])
+    H.guarded(rec, "suite stopped", lambda: run_suite(args, K, dev, rec))
     for what in H.failed_rows(rec.record["rows"]):
         rec.fail(what)
     return rec.finish()

@@ -11,13 +11,13 @@ at l = 1 and l = e^0.5. Prints the accepted share of draft tokens, the full-reus
 
 from __future__ import annotations
 
-import argparse
 import copy
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as H  # noqa: E402
@@ -36,30 +36,13 @@ from spec_rl.trainer.run import load_policy  # noqa: E402
 RULES = ("exact", "l=1", "l=e^0.5")
 
 
-def accepted(drafts, old, new, uids, rule: str) -> tuple[float, float]:
-    """(accepted share of draft tokens, share of drafts reused whole) under one rule."""
-    width = max(len(d) for d in drafts)
-    ids = torch.zeros(len(drafts), width, dtype=torch.long)
-    old_t = torch.zeros(len(drafts), width)
-    for b, (d, lp) in enumerate(zip(drafts, old)):
-        ids[b, : len(d)], old_t[b, : len(d)] = torch.tensor(d), torch.tensor(lp)
-    lengths = torch.tensor([len(d) for d in drafts])
-    result = verify_logprobs(
-        ids, old_t, new[:, :width], lengths, seed=1, uids=uids, options=VerifyOptions(mode=rule, backend="reference")
-    )
-    return float(result.accepted_len.sum() / lengths.sum()), float(result.full_reuse.float().mean())
-
-
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = H.arguments(__doc__, "real_model_acceptance.json")
     ap.add_argument("--lrs", default="1e-6,1e-5,1e-4", help="comma-separated learning rates of the one GRPO step")
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--json", default=H.default_json_path("real_model_acceptance.json"))
     args = ap.parse_args(argv)
     base, tokenizer = load_policy(real_model.build())
-    examples = demo_train_set()[: args.prompts]
-    settings = SamplingSettings(temperature=1.0, max_tokens=args.max_tokens)
+    examples = demo_train_set()[:16]
+    settings = SamplingSettings(temperature=1.0, max_tokens=128)
     record = {"provenance": H.provenance("cpu"), "model": "SmolLM2-135M-Instruct", "settings": settings.to_dict()}
     rows = []
     for lr in [float(x) for x in args.lrs.split(",")]:
@@ -81,24 +64,26 @@ def main(argv=None) -> int:
         samples = [(i, s) for i in range(len(examples)) for s in range(4)]
         keys = [CacheKey.make(trainer.prompt_ids[i], s, examples[i].uid) for i, s in samples]
         drafts = [trainer.cache.lookup(k, settings) for k in keys]
-        ids, old = [d.token_ids.tolist() for d in drafts], [d.logprobs.tolist() for d in drafts]
+        ids = pad_sequence([d.token_ids.long() for d in drafts], batch_first=True)
+        old = pad_sequence([d.logprobs.float() for d in drafts], batch_first=True)
+        lengths = torch.tensor([len(d.token_ids) for d in drafts])
+        mask = torch.arange(ids.shape[1]) < lengths[:, None]
         prompts = [trainer.prompt_ids[i] for i, _ in samples]
         with torch.no_grad():
-            new = response_logprobs(model, prompts, ids, tokenizer.pad_token_id, settings).float().cpu()
-        mask = torch.zeros_like(new, dtype=torch.bool)
-        old_t = torch.zeros_like(new)
-        for b, (d, lp) in enumerate(zip(ids, old)):
-            mask[b, : len(d)], old_t[b, : len(d)] = True, torch.tensor(lp)
-        drift = float((new - old_t)[mask].abs().mean())
+            responses = [d.token_ids.tolist() for d in drafts]
+            new = response_logprobs(model, prompts, responses, tokenizer.pad_token_id, settings).float().cpu()
+        new = new[:, : ids.shape[1]]
+        drift = float((new - old)[mask].abs().mean())
         uids = torch.tensor([k.uid for k in keys])
         for name in RULES:
-            share, whole = accepted(ids, old, new, uids, name)
+            options = VerifyOptions(mode=name, backend="reference")
+            result = verify_logprobs(ids, old, new, lengths, seed=1, uids=uids, options=options)
             rows.append(
                 {
                     "lr": lr,
                     "rule": name,
-                    "accepted_share": share,
-                    "full_reuse": whole,
+                    "accepted_share": float(result.accepted_len.sum() / lengths.sum()),  # of the draft tokens
+                    "full_reuse": float(result.full_reuse.float().mean()),  # drafts reused whole
                     "drift": drift,
                     "groups_with_signal": step["groups"] - step["flat_groups"],
                     "draft_tokens": int(mask.sum()),

@@ -1,33 +1,29 @@
-"""Resident memory of ``spec-rl train`` on a GSM8K-size dataset: does the default recipe fit a machine?
+"""Resident memory of ``spec-rl train`` on a GSM8K-size dataset (benchmarks/RESULTS.md "Training memory").
 
-    python benchmarks/train_memory.py --model DIR --data GSM8K.jsonl [--size 7473] [--steps 50] [-- TRAIN FLAGS]
-    python benchmarks/train_memory.py --model DIR --data GSM8K.jsonl --history EPOCHS
+    python benchmarks/train_memory.py --model DIR --data GSM8K.jsonl [--size 7473] [--steps 50] [--stores-of N]
+        [-- TRAIN FLAGS]
+    python benchmarks/train_memory.py --model DIR --data GSM8K.jsonl --size N --history EPOCHS
 
-Builds a dataset of ``--size`` distinct GSM8K-format problems by cycling ``--data`` (each repeat's question is
-numbered, so every prompt has its own drafts), runs ``spec-rl train --model DIR --data <it> --no-eval`` with the
-flags after ``--`` (none: the default recipe), samples the resident memory of its process tree every half second,
-and stops it after ``--steps`` training steps. Prints and writes (``--json``, default ``$OUT/train_memory.json``)
-the peak RSS (the larger of the samples and the kernel's high-water mark of the process: a spike between samples
-counts), the RSS after the first and the last step (what grows with the run: drafts, history, weight copies) and
-the seconds per step. Exits 1 when the run fails or ends before ``--steps``. ``--stores-of N`` measures epoch 2 of a
-run over N prompts without the N / 32 steps of its epoch 1: it trains epoch 1 (``--epochs 1``), gives the checkpoint
-the drafts and history N prompts leave (:func:`grow_stores`), and measures the resumed run (its automata filled to
-their bound at load) up to ``--steps``. ``--history EPOCHS`` measures only
-tail speculation's history index over ``--size`` prompts x 8 responses of 468 tokens (the default recipe's mean on
-GSM8K), synthetic ids, for EPOCHS epochs, automata bounded by ``--automaton-tokens`` (in-process; no model runs).
+Runs ``spec-rl train --model DIR --data <--size distinct problems cycled from --data> --no-eval`` with the flags
+after ``--`` (none: the default recipe), samples the resident memory of its process tree every half second and
+stops it after ``--steps`` steps: the peak RSS (the samples' and the kernel's high-water mark), the RSS after the
+first and the last step, the seconds per step (``--json``, default ``$OUT/train_memory.json``). Exit 1 when the run
+fails or ends early. ``--stores-of N``: epoch 2 holding the stores of N prompts (epoch 1 trained, then the drafts and
+history of the prompts beyond ``--size`` added to its checkpoint: :func:`grow_stores`). ``--history EPOCHS``: only
+tail speculation's history index over ``--size`` prompts x 8 responses of 468 tokens (in-process, no model).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import resource
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import _harness as H  # benchmarks/ on sys.path
 
 
 def gsm8k_size(source: Path, size: int, out: Path) -> Path:
@@ -59,15 +55,6 @@ def tree_rss(proc) -> int:
     return total
 
 
-def vm_hwm(pid: int) -> int:
-    """The kernel's high-water mark of resident memory of ``pid`` in bytes (0 once it is gone)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-    except (OSError, StopIteration):
-        return 0
-
-
 def measure(argv: list[str], out: Path, steps: int) -> dict:
     """Run ``spec-rl train`` (``argv``) into ``out`` until ``steps`` steps are logged; its memory and timing."""
     import psutil
@@ -88,7 +75,7 @@ def measure(argv: list[str], out: Path, steps: int) -> dict:
     high_water = 0
     while proc.poll() is None:
         peak = max(peak, rss := tree_rss(watch))
-        high_water = max(high_water, vm_hwm(proc.pid))
+        high_water = max(high_water, H.proc_status_kib("VmHWM", proc.pid) * 1024)
         done = steps_done()
         if done > already and done not in at_step:
             at_step[done] = rss
@@ -226,18 +213,17 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--resume-with-automata"]:
         return resume_with_automata(argv[1:])
     ours, train = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = H.arguments(__doc__, "train_memory.json")
+    p.set_defaults(json=H.default_json_path("train_memory.json") or "train_memory.json")
     p.add_argument("--model", required=True, help="the policy checkpoint (e.g. benchmarks/real_model.py's)")
     p.add_argument("--data", required=True, type=Path, help="a GSM8K-format .jsonl to cycle")
     p.add_argument("--size", type=int, default=7473, help="problems in the dataset (GSM8K's train split: 7473)")
     p.add_argument("--steps", type=int, default=50, help="training steps to measure")
-    p.add_argument("--json", type=Path, help="where to write the result (default $OUT/train_memory.json)")
     p.add_argument("--stores-of", type=int, metavar="N", help="measure epoch 2 holding the stores of N prompts")
     p.add_argument("--history", type=int, metavar="EPOCHS", help="measure only the history index over EPOCHS epochs")
     p.add_argument("--automaton-tokens", type=int, default=2**19, help="with --history: the index's automaton bound")
     args = p.parse_args(ours)
-    if args.size < 1 or args.steps < 1:
-        p.error(f"--size ({args.size}) and --steps ({args.steps}) must be >= 1")
+    H.positive(p, args, "size", "steps")
     if args.stores_of is not None and args.stores_of <= args.size:
         p.error(f"--stores-of {args.stores_of} must exceed --size {args.size}: it adds the prompts a larger run holds")
     if args.stores_of is not None and args.history:
@@ -263,9 +249,7 @@ def main(argv: list[str] | None = None) -> int:
             result = measure(run, work / "run", args.steps)
     result.update(size=args.size, flags=train)
     print(json.dumps(result, indent=2))
-    path = args.json or Path(os.environ.get("OUT", ".")) / "train_memory.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2))
+    H.write_json(args.json, result)
     return 0 if result["steps"] >= args.steps else 1
 
 

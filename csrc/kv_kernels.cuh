@@ -1,6 +1,5 @@
-// CUDA kernels of the paged KV-cache ops, free of torch headers so that they
-// compile standalone with nvcc (benchmarks/compile_check_csrc.sh instantiates
-// every launcher for sm_90 on a machine without a GPU or a CUDA build of torch).
+// CUDA kernels of the paged KV-cache ops, free of torch headers (csrc/kv_ops_cuda.cu
+// is the torch layer that launches them).
 //
 // Semantics: spec_rl/ops/torch_kv.py (docs/design.md "Paged KV cache"). Cache layout per layer:
 // [num_blocks, 2, block_size, H, D] (NHD); block tables [B, cols]; slot =

@@ -30,7 +30,7 @@ kernels = pytest.importorskip("spec_rl.kernels")
 
 def smoke(tmp_path: Path, stages: str, **env) -> tuple[subprocess.CompletedProcess, Path]:
     out = tmp_path / "out"
-    base = {k: v for k, v in os.environ.items() if k not in ("SPEC_RL_FAULT", "FULL", "DEADLINE_S")}
+    base = {k: v for k, v in os.environ.items() if k not in ("SPEC_RL_FAULT", "DEADLINE_S")}
     full_env = {
         **base,
         "SMOKE": "1",
