@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as H  # noqa: E402
 
-from spec_rl.acceptance.mode import MODES, RolloutMode  # noqa: E402
+from spec_rl.acceptance.mode import MODES, VANILLA, RolloutMode  # noqa: E402
 from spec_rl.backends import eos_token_ids, fresh_jobs  # noqa: E402
 from spec_rl.backends.paged import PagedEngine  # noqa: E402
 from spec_rl.backends.scoring import response_logprobs  # noqa: E402
@@ -212,7 +212,7 @@ def summarize(rows: list[Row], peers: list[Row], update_seconds: float = 0.0) ->
     out = []
     for r in rows + [p for p in peers if p.records]:
         later = r.records[1:] or r.records
-        ref = by[(r.engine, "vanilla")].records
+        ref = by[(r.engine, VANILLA)].records
         ref_later = ref[1:] or ref
         tot = {k: sum(x[k] for x in later) for k in ("generated_tokens", "decode_steps", "rollout_seconds")}
         ref_tot = {k: sum(x[k] for x in ref_later) for k in tot}
@@ -316,12 +316,12 @@ def parse_args(argv):
     args = ap.parse_args(argv)
     H.positive(ap, args, "prompts", "group", "max_tokens", "epochs", "max_batch")
     args.modes = list(dict.fromkeys(m.strip() for m in args.modes.split(",") if m.strip()))
-    args.modes.sort(key=lambda m: m != "vanilla")
+    args.modes.sort(key=lambda m: m != VANILLA)
     try:
         modes = {m: RolloutMode.parse(m) for m in args.modes}
     except ValueError as err:
         ap.error(f"--modes: {err}")
-    if "vanilla" not in modes:
+    if VANILLA not in modes:
         ap.error(f"--modes must include vanilla (every ratio is to it), got {args.modes}")
     args.modes = {m: dataclasses.replace(mode, tail=0) if args.no_tail else mode for m, mode in modes.items()}
     if args.engines is None:
@@ -400,8 +400,8 @@ def main(argv=None) -> int:
                 nll[id(r)] += nlls
                 rec = r.records[-1]
                 rec["nll"] = bootstrap_nll(nlls)[0]
-                ref = next(x for x in rows if x.engine == r.engine and x.name == "vanilla").records[-1]
-                ratio = rec["rollout_seconds"] / ref["rollout_seconds"] if "vanilla" != r.name else 1.0
+                ref = next(x for x in rows if x.engine == r.engine and x.name == VANILLA).records[-1]
+                ratio = rec["rollout_seconds"] / ref["rollout_seconds"] if r.name != VANILLA else 1.0
                 acc = "-" if rec["accepted_share"] is None else f"{rec['accepted_share']:.1%}"
                 print(
                     f"epoch {epoch + 1} {r.engine if r in rows else 'vllm (peer)'} {r.name}: "
@@ -415,7 +415,7 @@ def main(argv=None) -> int:
             }
             run.save()  # an epoch's records are kept even if a later epoch fails
             if epoch + 1 < args.epochs:
-                driver = next(r for r in rows if r.engine in IN_PROCESS and r.name == "vanilla")
+                driver = next(r for r in rows if r.engine in IN_PROCESS and r.name == VANILLA)
                 res = results[id(driver)]
                 t0 = time.perf_counter()
                 rewards = [
@@ -439,7 +439,10 @@ def main(argv=None) -> int:
         record["summary"] = summarize(rows, peers, sum(updates) / len(updates) if updates else 0.0)
         targets = {}
         for engine, backend in engines.items():
-            spec_row = next((r for r in rows if r.engine == engine and r.name == "spec"), None)
+            # the scoring pass of a rule that reads every draft position (lenient), against a prefill of its tokens
+            rules = {r.name: args.modes[r.name].rule for r in rows}
+            full = (r for r in rows if r.engine == engine and rules[r.name] and not rules[r.name].keyed_walk)
+            spec_row = next(full, None)
             if spec_row is not None and args.epochs > 1:
                 drafted = last[id(spec_row)]
                 scoring = spec_row.records[-1]["scoring_seconds"]
@@ -448,9 +451,9 @@ def main(argv=None) -> int:
                     targets[key] = scoring / prefill_seconds(backend, drafted, settings)
                 except Exception as err:  # reported, not fatal: the epochs' records are what matters
                     targets[key] = f"failed: {H.error_text(err, 160)}"
-            exact = next((s for s in record["summary"] if s["engine"] == engine and s["row"] == "exact"), None)
-            if exact is not None:
-                targets[f"{engine}: exact / vanilla rollout time"] = exact["rollout_seconds_ratio"]
+            for s in record["summary"]:  # lossless rules: what the responses of vanilla cost
+                if s["engine"] == engine and rules.get(s["row"]) is not None and rules[s["row"]].lossless:
+                    targets[f"{engine}: {s['row']} / vanilla rollout time"] = s["rollout_seconds_ratio"]
             for s in record["summary"]:
                 if s["engine"] == engine and s["row"] in args.modes:
                     targets[f"{engine}: {s['row']} over the no-waste bound"] = s["over_no_waste_bound"]
