@@ -413,15 +413,29 @@ def positive(ap, args, *names: str) -> None:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
 
 
-def int_list(ap, flag: str, text: str) -> list[int]:
-    """Comma-separated positive integers of ``flag``, or ``ap.error``."""
+def at_least(low: float, kind=int):
+    """An argparse ``type``: a finite ``kind`` number >= ``low``, else a one-line usage error."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not (math.isfinite(value) and value >= low):
+            raise argparse.ArgumentTypeError(
+                f"takes {'an integer' if kind is int else 'a number'} >= {low:g}, got {text!r}"
+            )
+        return value
+
+    return parse
+
+
+def numbers(ap, flag: str, text: str, kind=int) -> list:
+    """Comma-separated numbers of ``flag`` (ints >= 1, floats >= 0), or ``ap.error``."""
     try:
-        values = [int(x) for x in text.split(",")]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        ap.error(f"{flag} takes comma-separated positive integers, got {text!r}")
-    return values
+        return [at_least(1 if kind is int else 0, kind)(x) for x in text.split(",")]
+    except argparse.ArgumentTypeError as err:
+        ap.error(f"{flag} {err}")
 
 
 # ---------------------------------------------------------------- inputs

@@ -2,8 +2,6 @@
 concatenating KV cache (``DynamicCache``: ``torch.cat`` of the whole cache per layer per step) against spec-rl's
 in-place one (:mod:`spec_rl.backends.kv_buffer`: new columns written into spare ones).
 
-    python benchmarks/bench_decode_cache.py [--preset demo|qwen3-0.6b|tiny] [--rows 256] [--context 150]
-
 A forward feeding ``--widths`` tokens per row over ``--rows`` rows of ``--context`` cached positions, then the
 cache cut back, with both caches holding the same keys and values, timed in turn ``--repeats`` times each (a slow
 spell of the machine hits both): the median step of each, their ratio, and a check that both give the same logits.
@@ -116,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--widths", default="1,6", help="comma-separated fed tokens per row")
     ap.add_argument("--repeats", type=int, default=20)
     args = ap.parse_args(argv)
-    widths = H.int_list(ap, "--widths", args.widths)
+    widths = H.numbers(ap, "--widths", args.widths)
     H.positive(ap, args, "rows", "context", "repeats")
     device = H.device_arg(ap, args.device)
     if args.preset == "qwen3-0.6b" and device.type != "cuda":

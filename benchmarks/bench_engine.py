@@ -1,7 +1,5 @@
 """Stage 5 of the GPU check (docs/gpu-check.md): paged-engine decode throughput, and splicing against re-prefill.
 
-    python benchmarks/bench_engine.py [--preset qwen3-0.6b|tiny] [--batch 16,64,128] [--json PATH]
-
 Decode: random prompts, T = 1, EOS suppressed, through each of ``ENGINE_STEPS``, ``TransformersBackend`` and
 transformers ``generate``; one ``_harness.wall_time`` run per row after a warm-up, graph captures subtracted.
 Splice: the same drafts and seed, after ``PERTURB`` nats of logit noise, through the engine (the scoring pass's K/V
@@ -273,7 +271,7 @@ def main(argv=None) -> int:
         print("bench_engine: no CUDA device; the qwen3-0.6b preset needs one (use --preset tiny on CPU)")
         return 0
     batch, prompt_len, new_tokens = PRESETS[preset]
-    batches = H.int_list(ap, "--batch", args.batch) if args.batch else [batch]
+    batches = H.numbers(ap, "--batch", args.batch) if args.batch is not None else [batch]
     batch = batches[len(batches) // 2]  # the splice section's batch
     H.positive(ap, args, "prompt_len", "new_tokens")
     prompt_len = args.prompt_len or prompt_len

@@ -1,8 +1,6 @@
 """Stage 4 of the GPU check (docs/gpu-check.md): Triton paged decode attention against gather + torch SDPA and the
 copy floor, at Qwen3-0.6B's attention (16 query heads, 8 kv heads of 128), bf16, blocks of 16 tokens.
 
-    python benchmarks/bench_paged_attention.py [--batch 64] [--context 1024] [--json PATH]
-
 Shapes: ``--batch`` x ``--context`` and ``--long-batch`` x ``--long-context`` (where split-K matters), block ids
 shuffled. Rows per shape: a copy of exactly the K/V bytes (floor), ours (auto, no split, forced split, with range
 checks), gather + SDPA and SDPA alone on dense K/V. Exit 1 when a row, shape or check (every split within
@@ -25,14 +23,14 @@ def parse_args(argv=None):
     ap = H.arguments(__doc__, "paged_attention.json", "default: cuda; cpu = smoke run under the Triton interpreter")
     ap.add_argument("--batch", type=int, default=64, help="sequences decoding one token each")
     ap.add_argument("--context", type=int, default=1024, help="cached tokens per sequence")
-    ap.add_argument("--long-batch", type=int, default=4, help="batch of the long-context row (0: skip it)")
+    ap.add_argument("--long-batch", type=H.at_least(0), default=4, help="batch of the long-context row (0: skip it)")
     ap.add_argument("--long-context", type=int, default=8192, help="context of the long-context row")
     ap.add_argument("--q-heads", type=int, default=16, help="query heads (Qwen3-0.6B: 16)")
     ap.add_argument("--kv-heads", type=int, default=8, help="kv heads (Qwen3-0.6B: 8)")
     ap.add_argument("--head-dim", type=int, default=128, help="head size (Qwen3-0.6B: 128)")
     ap.add_argument("--rep-ms", type=int, default=100, help="do_bench time budget per measurement (ms)")
     args = ap.parse_args(argv)
-    H.positive(ap, args, "batch", "context", "q_heads", "kv_heads", "head_dim", "rep_ms")
+    H.positive(ap, args, "batch", "context", "long_context", "q_heads", "kv_heads", "head_dim", "rep_ms")
     if args.q_heads % args.kv_heads:
         ap.error("--q-heads must be a multiple of --kv-heads")
     return ap, args

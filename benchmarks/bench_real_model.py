@@ -1,9 +1,6 @@
 """Rollouts of a real checkpoint over several epochs with real GRPO updates between them, per mode and engine
 (`make bench-real`; stage 8 of the GPU check, docs/gpu-check.md).
 
-    python benchmarks/bench_real_model.py [--model PATH] [--epochs 3] [--lr 1e-6]
-        [--engines transformers,paged,vllm] [--dtype auto|bf16|fp32] [--json FILE]
-
 The same demo prompts (chat template when the tokenizer has one), T = 1, are rolled out every epoch by each mode on
 each engine (the in-process transformers backend; the paged engine, which decodes ``--max-batch`` rows at once and
 admits waiting samples as rows finish; spec-rl's vLLM backend when vLLM is installed), each mode with its own drafts.
@@ -304,7 +301,7 @@ def parse_args(argv):
     ap.add_argument("--group", type=int, default=4, help="samples per prompt G")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--epochs", type=int, default=3)
-    ap.add_argument("--lr", type=float, default=1e-6)
+    ap.add_argument("--lr", type=H.at_least(0, float), default=1e-6)
     ap.add_argument("--modes", default=",".join(BENCH_MODES), help="mode names (vanilla first; default: %(default)s)")
     ap.add_argument("--no-tail", action="store_true", help="no tail speculation in any row (every decode step static)")
     ap.add_argument(

@@ -1,8 +1,6 @@
 """Stage 6 of the GPU check (docs/gpu-check.md): what reuse and tail speculation do to rollout TIME, without
 training.
 
-    python benchmarks/bench_rollout.py [--preset qwen3-0.6b|tiny] [--prompts N] [--group G] [--max-tokens T]
-
 Epoch 1 (empty cache and history: ``FIRST_EPOCH``, each row the fastest of ``E1_REPEATS``), then ``HISTORY_EPOCHS``
 vanilla rollouts fill the cache and the history, the policy is perturbed (``--perturb``) and ONE rollout step is
 timed per mode of ``MODE_NAMES`` from copies of the same cache and history; lossless rows count the responses that
@@ -223,7 +221,9 @@ def report(rec: dict) -> list[str]:
 def main(argv=None) -> int:
     ap = H.arguments(__doc__, "rollout.json", "default: cuda if available, else cpu")
     ap.add_argument("--preset", choices=list(PRESETS), default="qwen3-0.6b")
-    ap.add_argument("--perturb", type=float, default=0.02, help="relative weight noise before the measured step")
+    ap.add_argument(
+        "--perturb", type=H.at_least(0, float), default=0.02, help="relative weight noise before the measured step"
+    )
     ap.add_argument("--prompts", type=int, default=None, help="prompts (default: the preset's)")
     ap.add_argument("--group", type=int, default=None, help="samples per prompt G (default: the preset's)")
     ap.add_argument("--max-tokens", type=int, default=None, help="response budget (default: the preset's)")

@@ -1,7 +1,5 @@
 """Stage 7 of the GPU check (docs/gpu-check.md): compile the Triton kernels for sm_90 without a GPU.
 
-    python benchmarks/compile_check.py [--jobs 8] [--json PATH]
-
 Triton lowers a kernel to PTX and runs its bundled ``ptxas``, so this catches GPU-only compile errors (which the
 interpreter cannot) and reports registers / spills / shared memory per kernel from ``ptxas -v``. Each
 :class:`Variant` is one specialisation as the launchers in spec_rl.kernels make it: argument types, constexprs, the
@@ -185,7 +183,7 @@ def _run_index(i: int) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--jobs", type=int, default=1, help="compile in this many forked processes")
+    ap.add_argument("--jobs", type=H.at_least(1), default=1, help="compile in this many forked processes")
     ap.add_argument("--json", default=None, help="write the report as JSON here (rewritten after every kernel)")
     args = ap.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):

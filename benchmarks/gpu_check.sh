@@ -151,7 +151,9 @@ DEST=${OUT:-$PWD/gpu-check-out}
 SITE=${SITE:-/tmp/spec-rl-site}
 DEADLINE_S=${DEADLINE_S:-540}
 STAGES=" ${STAGES:-1 2 3 4 5 6 7 8} "
-WORK=${WORK:-$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX")}
+CLEAN=":"  # a work folder of our own goes at exit (gpu-check.tar.gz in $DEST holds all of it)
+[ -n "${WORK:-}" ] || { WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check.XXXXXX") && CLEAN="rm -rf $WORK"; }
+trap '$CLEAN' EXIT
 mkdir -p "$DEST" "$WORK/logs" "$WORK/json" || exit 1
 : > "$WORK/stages.tsv"
 rm -f "$WORK/current.tsv"
@@ -258,7 +260,7 @@ if [ "$SMOKE" != 1 ] && ! $PY -c 'import torch, sys; sys.exit(0 if torch.cuda.is
 fi
 echo "gpu_check: $MODE; work folder $WORK; results in $DEST"
 refresher > /dev/null 2>&1 & REFRESHER=$!
-trap 'kill $REFRESHER 2>/dev/null' EXIT
+trap 'kill $REFRESHER 2>/dev/null; $CLEAN' EXIT
 trap on_signal TERM INT
 
 run_stage 1 install 60 300

@@ -1,13 +1,10 @@
 """summary.md of a GPU check, and the markdown tables every benchmark prints (benchmarks/RESULTS.md's format).
 
-    python benchmarks/gpu_report.py --work DIR [--stages-only]
-
-``benchmarks/gpu_check.sh`` calls this after every stage (and every 30 s while a stage runs). DIR holds what the
-stages wrote: ``meta.tsv`` (key, value), ``stages.tsv`` (one line per finished stage: number, name, status, wall
-seconds, H200 budget seconds, timeout seconds, note), ``current.tsv`` (the stage running now, if any),
-``json/*.json`` (the benchmarks' records, each with its own markdown under ``report``, rewritten with every row:
-a stage cut short still shows its finished rows) and ``logs/*.log``. Standard library only: it must run even
-where the package does not.
+gpu_check.sh calls it after every stage (and every 30 s while one runs); its ``--work`` folder holds what the stages
+wrote: ``meta.tsv`` (key, value), ``stages.tsv`` (one line per finished stage: number, name, status, wall seconds,
+H200 budget seconds, timeout seconds, note), ``current.tsv`` (the stage running now, if any), ``json/*.json`` (the
+benchmarks' records, each with its own markdown under ``report``, rewritten with every row: a stage cut short still
+shows its finished rows) and ``logs/*.log``. Standard library only: it must run even where the package does not.
 """
 
 from __future__ import annotations
@@ -140,6 +137,8 @@ def main(argv=None) -> int:
     ap.add_argument("--work", required=True, help="the GPU check's work folder")
     ap.add_argument("--stages-only", action="store_true", help="print the stage table instead")
     args = ap.parse_args(argv)
+    if not os.path.isfile(os.path.join(args.work, "stages.tsv")):
+        ap.error(f"--work {args.work} is not a GPU check's work folder (no stages.tsv)")
     if args.stages_only:
         print("\n".join(stage_table(args.work)))
         return 0

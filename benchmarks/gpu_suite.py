@@ -1,8 +1,6 @@
 """Stage 3 of the GPU check (docs/gpu-check.md): the verification kernels against their floors and the fused-loss
 libraries (Liger-Kernel, Cut Cross-Entropy), at N tokens, vocabulary V, hidden sizes d, bf16, T = 1.
 
-    python benchmarks/gpu_suite.py [--n 16384] [--vocab 151936] [--d 2048 4096] [--json PATH]
-
 Ours, the floors and eager torch at every shape first, the peers after. "extra MB": peak allocated memory during
 one call beyond what was allocated before it. Exit 1 when a row or check of ours fails (log-probs within
 ``FROM_LOGITS_TOL`` / ``FUSED_TOL`` nats of fp32 torch); a peer's failure is reported only.
@@ -32,7 +30,9 @@ def parse_args(argv=None):
     ap = H.arguments(__doc__, "gpu_suite.json", device)
     ap.add_argument("--n", type=int, default=16384, help="tokens (rows)")
     ap.add_argument("--vocab", type=int, default=151936, help="vocabulary size V (Qwen3: 151936)")
-    ap.add_argument("--d", type=int, nargs="+", default=[2048, 4096], help="hidden sizes for the fused kernel")
+    ap.add_argument(
+        "--d", type=H.at_least(1), nargs="+", default=[2048, 4096], help="hidden sizes for the fused kernel"
+    )
     ap.add_argument("--tokens-per-sample", type=int, default=512)
     ap.add_argument("--rep-ms", type=int, default=150, help="do_bench time budget per measurement (ms)")
     ap.add_argument("--skip-competitors", action="store_true", help="time only our kernels and the floors")

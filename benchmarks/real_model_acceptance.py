@@ -5,8 +5,6 @@ T = 1, 128 tokens); one GRPO step (reward ``math+format``, AdamW) at each learni
 step-0 responses are then verified as drafts under the moved policy with exact acceptance and the lenient rule
 at l = 1 and l = e^0.5. Prints the accepted share of draft tokens, the full-reuse share and the mean
 |lp_new - lp_old| over draft tokens per (lr, rule); ``--json`` keeps the record.
-
-    python benchmarks/real_model_acceptance.py [--lrs 1e-6,1e-5,1e-4] [--json FILE]
 """
 
 from __future__ import annotations
@@ -45,7 +43,7 @@ def main(argv=None) -> int:
     settings = SamplingSettings(temperature=1.0, max_tokens=128)
     record = {"provenance": H.provenance("cpu"), "model": "SmolLM2-135M-Instruct", "settings": settings.to_dict()}
     rows = []
-    for lr in [float(x) for x in args.lrs.split(",")]:
+    for lr in H.numbers(ap, "--lrs", args.lrs, float):
         config = GRPOConfig(
             mode=MODES["spec"],  # stores the step-0 responses as drafts
             sampling=settings,

@@ -1,9 +1,5 @@
 """Resident memory of ``spec-rl train`` on a GSM8K-size dataset (benchmarks/RESULTS.md "Training memory").
 
-    python benchmarks/train_memory.py --model DIR --data GSM8K.jsonl [--size 7473] [--steps 50] [--stores-of N]
-        [-- TRAIN FLAGS]
-    python benchmarks/train_memory.py --model DIR --data GSM8K.jsonl --size N --history EPOCHS
-
 Runs ``spec-rl train --model DIR --data <--size distinct problems cycled from --data> --no-eval`` with the flags
 after ``--`` (none: the default recipe), samples the resident memory of its process tree every half second and
 stops it after ``--steps`` steps: the peak RSS (the samples' and the kernel's high-water mark), the RSS after the

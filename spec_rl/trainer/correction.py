@@ -98,7 +98,10 @@ def weight_stats(parts) -> dict:
     sums :func:`weight_sums` gave, over ``parts`` (dicts carrying those sums: steps or epoch records)."""
     parts = list(parts)
     sums = {k: sum(p.get(k, 0) for p in parts) for k in WEIGHT_SUMS}
-    sums["is_max"] = max((p.get("is_max") or 1.0 for p in parts), default=1.0)
+    # the largest weight of the parts that weighed tokens (one without any has no largest weight)
+    sums["is_max"] = max(
+        (p["is_max"] for p in parts if p.get("is_tokens") and p.get("is_max") is not None), default=1.0
+    )
     n = sums["is_tokens"]
     if not n:
         return {"is_mean": None, "is_max": None, "is_corrected_share": None, "is_ess": None}

@@ -23,9 +23,10 @@ def _got(value) -> str:
 
 def check_type(name: str, value, kinds, what: str | None = None, hint: str = ""):
     """``value`` itself, or a TypeError "<name> must be <what>, got <its type><hint>" when it is not an instance of
-    ``kinds`` (a class or a tuple of them; ``what`` defaults to "a <class name>")."""
+    ``kinds`` (a class or a tuple of them; ``what`` defaults to "a <class name>", joined by "or")."""
     if not isinstance(value, kinds):
-        raise TypeError(f"{name} must be {what or 'a ' + kinds.__name__}, got {type(value).__name__}{hint}")
+        what = what or " or ".join(f"a {k.__name__}" for k in (kinds if isinstance(kinds, tuple) else (kinds,)))
+        raise TypeError(f"{name} must be {what}, got {type(value).__name__}{hint}")
     return value
 
 

@@ -212,3 +212,13 @@ def test_check_real_and_check_choice_return_plain_values():
     for bad in ("z", np.array(["a"]), ["a"], b"a"):  # an array or list would compare element-wise or not at all
         with pytest.raises(ValueError, match=r"c must be one of \('a', 'b'\) \(say which\), got"):
             check_choice("c", bad, ("a", "b"), hint="say which")
+
+
+def test_check_type_names_the_argument_and_what_it_must_be():
+    from spec_rl.util.validation import check_type
+
+    assert check_type("x", "a", str) == "a" and check_type("x", None, (str, type(None))) is None
+    with pytest.raises(TypeError, match=r"^x must be a str or a bytes, got int$"):
+        check_type("x", 1, (str, bytes))
+    with pytest.raises(TypeError, match=r"^x must be a name, got list \(pass one\)$"):
+        check_type("x", [], str, "a name", " (pass one)")

@@ -53,6 +53,21 @@ def test_weights_truncate_or_mask_and_their_statistics():
     assert weight_stats([])["is_mean"] is None
 
 
+def test_weight_stats_add_steps_and_take_the_largest_weight_of_those_that_weighed_tokens():
+    gen = torch.Generator().manual_seed(3)
+    masks = [torch.rand(3, 5, generator=gen) < 0.7 for _ in range(4)]
+    log_ws = [-0.1 - 2 * torch.rand(3, 5, generator=gen) for _ in range(4)]  # every weight below 1
+    masks[2][:] = False  # a step that weighed no token
+    steps = [weight_sums(lw, m, None) for lw, m in zip(log_ws, masks)]
+    w = torch.cat([lw.double().exp()[m] for lw, m in zip(log_ws, masks)])
+    stats = weight_stats([*steps, {}, {"is_tokens": 0, "is_max": None}])
+    assert stats["is_mean"] == pytest.approx(float(w.mean()), rel=1e-12)
+    assert stats["is_max"] == pytest.approx(float(w.max()), rel=1e-12) and float(w.max()) < 1.0
+    assert stats["is_ess"] == pytest.approx(float(w.sum() ** 2 / (w.numel() * (w**2).sum())), rel=1e-12)
+    epochs = [weight_stats(steps[:2]) | {"is_tokens": steps[0]["is_tokens"] + steps[1]["is_tokens"]}]
+    assert weight_stats(epochs)["is_max"] == max(steps[0]["is_max"], steps[1]["is_max"])
+
+
 def test_the_loss_weighs_each_tokens_surrogate():
     lp = torch.tensor([[-1.0, -2.0], [-0.5, -0.1]], requires_grad=True)
     old = torch.tensor([[-1.2, -1.0], [-0.4, -0.1]])
