@@ -197,14 +197,14 @@ class SpeculativeRollout:
         step = check_int("step", step, low=0, hint=" (the training step: the version stored with the drafts)")
         seed = self.seed if seed is None else check_int("seed", seed)
         store = self.cache if cache is None else check_store("cache", cache)
-        if self.mode.reuses_drafts and self.backend.owner is not None:  # DraftOwnerError: another model's drafts
-            store.claim(self.backend.owner, f"the cache given to the rollout ({type(store).__name__})")
         prompts = request_prompts(requests, self.vocab_size, backend_name(self.backend))
         samples = [
             Sample.make(p, r.slot, r.dataset_id, self.settings.budget(len(p), self.max_model_len, f"requests[{i}]"))
             for i, (p, r) in enumerate(zip(prompts, requests))
         ]
         check_unique_samples([x.key for x in samples])
+        if self.mode.reuses_drafts and self.backend.owner is not None:  # DraftOwnerError: another model's drafts
+            store.claim(self.backend.owner, f"the cache given to the rollout ({type(store).__name__})")
         if self.history is not None:
             for x, p, r in zip(samples, prompts, requests):
                 x.group_key = CacheKey.make(p, 0, r.dataset_id).digest

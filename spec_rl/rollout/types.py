@@ -24,7 +24,7 @@ class RolloutRequest:
 def request_prompts(requests: Sequence[RolloutRequest], vocab_size: int | None, owner: str) -> list[list[int]]:
     """The prompts as non-empty id lists in [0, vocab_size); TypeError or ValueError naming the request."""
     prompts = []
-    for i, r in enumerate(requests):
+    for i, r in enumerate(check_type("requests", requests, Sequence, "a list of RolloutRequest")):
         check_type(f"requests[{i}]", r, RolloutRequest)
         prompts.append(token_ids(f"requests[{i}].prompt_ids", r.prompt_ids, vocab_size, owner))
         if not prompts[-1]:

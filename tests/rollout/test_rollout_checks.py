@@ -444,6 +444,11 @@ def test_a_cache_of_another_model_is_refused_before_any_work():
     _rollout(backend).run(_requests(), step=0, cache=mine)
     assert mine.owner == "qwen2-v33-h32-l2-tok0123456789ab"
     fresh = RolloutCache()
+    with pytest.raises(ValueError, match=r"requests\[0\] has \d+ tokens: max_model_len="):  # refused: not claimed
+        _rollout(backend).run([RolloutRequest(list(range(2, 30)) * 8, 0)], step=0, cache=fresh)
+    with pytest.raises(TypeError, match="requests must be a list of RolloutRequest, got NoneType"):
+        _rollout(backend).run(None, step=0, cache=fresh)
+    assert fresh.owner is None and len(fresh) == 0
     _rollout(backend).run(_requests(), step=0, cache=fresh)
     assert fresh.owner == "qwen2-v33-h32-l2"  # a store without an owner is claimed for this model
     with pytest.raises(DraftOwnerError):
