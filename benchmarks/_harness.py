@@ -406,36 +406,26 @@ def arguments(doc: str, record: str, device: str | None = None) -> argparse.Argu
     return ap
 
 
-def positive(ap, args, *names: str) -> None:
-    """``ap.error`` naming the flag when one of ``names`` (attributes of ``args``, None: unset) is below 1."""
+def positive(ap, args, *names: str, low: float = 1) -> None:
+    """``ap.error`` naming the flag when a value of ``names`` (attributes of ``args``; None: unset; a list: each of its
+    values) is below ``low`` or not finite."""
     for name in names:
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-
-
-def at_least(low: float, kind=int):
-    """An argparse ``type``: a finite ``kind`` number >= ``low``, else a one-line usage error."""
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            value = None
-        if value is None or not (math.isfinite(value) and value >= low):
-            raise argparse.ArgumentTypeError(
-                f"takes {'an integer' if kind is int else 'a number'} >= {low:g}, got {text!r}"
-            )
-        return value
-
-    return parse
+        value = getattr(args, name)
+        for v in value if isinstance(value, list) else [value]:
+            if v is not None and not (math.isfinite(v) and v >= low):
+                ap.error(f"--{name.replace('_', '-')} must be >= {low:g}, got {v}")
 
 
 def numbers(ap, flag: str, text: str, kind=int) -> list:
-    """Comma-separated numbers of ``flag`` (ints >= 1, floats >= 0), or ``ap.error``."""
+    """Comma-separated numbers of ``flag`` (ints >= 1, finite floats >= 0), or ``ap.error``."""
+    low = 1 if kind is int else 0
     try:
-        return [at_least(1 if kind is int else 0, kind)(x) for x in text.split(",")]
-    except argparse.ArgumentTypeError as err:
-        ap.error(f"{flag} {err}")
+        values = [kind(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or not all(math.isfinite(v) and v >= low for v in values):
+        ap.error(f"{flag} takes comma-separated {'integers' if kind is int else 'numbers'} >= {low}, got {text!r}")
+    return values
 
 
 # ---------------------------------------------------------------- inputs

@@ -23,7 +23,7 @@ def parse_args(argv=None):
     ap = H.arguments(__doc__, "paged_attention.json", "default: cuda; cpu = smoke run under the Triton interpreter")
     ap.add_argument("--batch", type=int, default=64, help="sequences decoding one token each")
     ap.add_argument("--context", type=int, default=1024, help="cached tokens per sequence")
-    ap.add_argument("--long-batch", type=H.at_least(0), default=4, help="batch of the long-context row (0: skip it)")
+    ap.add_argument("--long-batch", type=int, default=4, help="batch of the long-context row (0: skip it)")
     ap.add_argument("--long-context", type=int, default=8192, help="context of the long-context row")
     ap.add_argument("--q-heads", type=int, default=16, help="query heads (Qwen3-0.6B: 16)")
     ap.add_argument("--kv-heads", type=int, default=8, help="kv heads (Qwen3-0.6B: 8)")
@@ -31,6 +31,7 @@ def parse_args(argv=None):
     ap.add_argument("--rep-ms", type=int, default=100, help="do_bench time budget per measurement (ms)")
     args = ap.parse_args(argv)
     H.positive(ap, args, "batch", "context", "long_context", "q_heads", "kv_heads", "head_dim", "rep_ms")
+    H.positive(ap, args, "long_batch", low=0)
     if args.q_heads % args.kv_heads:
         ap.error("--q-heads must be a multiple of --kv-heads")
     return ap, args

@@ -301,7 +301,7 @@ def parse_args(argv):
     ap.add_argument("--group", type=int, default=4, help="samples per prompt G")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--epochs", type=int, default=3)
-    ap.add_argument("--lr", type=H.at_least(0, float), default=1e-6)
+    ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--modes", default=",".join(BENCH_MODES), help="mode names (vanilla first; default: %(default)s)")
     ap.add_argument("--no-tail", action="store_true", help="no tail speculation in any row (every decode step static)")
     ap.add_argument(
@@ -312,6 +312,7 @@ def parse_args(argv):
     ap.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto", help="auto: bf16 where supported")
     args = ap.parse_args(argv)
     H.positive(ap, args, "prompts", "group", "max_tokens", "epochs", "max_batch")
+    H.positive(ap, args, "lr", low=0)
     args.modes = list(dict.fromkeys(m.strip() for m in args.modes.split(",") if m.strip()))
     args.modes.sort(key=lambda m: m != VANILLA)
     try:

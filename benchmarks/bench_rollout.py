@@ -221,9 +221,7 @@ def report(rec: dict) -> list[str]:
 def main(argv=None) -> int:
     ap = H.arguments(__doc__, "rollout.json", "default: cuda if available, else cpu")
     ap.add_argument("--preset", choices=list(PRESETS), default="qwen3-0.6b")
-    ap.add_argument(
-        "--perturb", type=H.at_least(0, float), default=0.02, help="relative weight noise before the measured step"
-    )
+    ap.add_argument("--perturb", type=float, default=0.02, help="relative weight noise before the measured step")
     ap.add_argument("--prompts", type=int, default=None, help="prompts (default: the preset's)")
     ap.add_argument("--group", type=int, default=None, help="samples per prompt G (default: the preset's)")
     ap.add_argument("--max-tokens", type=int, default=None, help="response budget (default: the preset's)")
@@ -234,6 +232,7 @@ def main(argv=None) -> int:
     except ValueError as exc:  # its message starts with the field's name, "lenience"
         ap.error(f"--{exc}")
     H.positive(ap, args, "prompts", "group", "max_tokens")
+    H.positive(ap, args, "perturb", low=0)
     device = H.device_arg(ap, args.device)
     if args.preset == "qwen3-0.6b" and device.type != "cuda":
         print("bench_rollout: the qwen3-0.6b preset needs a CUDA device; nothing was measured")

@@ -30,14 +30,12 @@ def parse_args(argv=None):
     ap = H.arguments(__doc__, "gpu_suite.json", device)
     ap.add_argument("--n", type=int, default=16384, help="tokens (rows)")
     ap.add_argument("--vocab", type=int, default=151936, help="vocabulary size V (Qwen3: 151936)")
-    ap.add_argument(
-        "--d", type=H.at_least(1), nargs="+", default=[2048, 4096], help="hidden sizes for the fused kernel"
-    )
+    ap.add_argument("--d", type=int, nargs="+", default=[2048, 4096], help="hidden sizes for the fused kernel")
     ap.add_argument("--tokens-per-sample", type=int, default=512)
     ap.add_argument("--rep-ms", type=int, default=150, help="do_bench time budget per measurement (ms)")
     ap.add_argument("--skip-competitors", action="store_true", help="time only our kernels and the floors")
     args = ap.parse_args(argv)
-    H.positive(ap, args, "n", "vocab", "tokens_per_sample", "rep_ms")
+    H.positive(ap, args, "n", "vocab", "d", "tokens_per_sample", "rep_ms")
     return ap, args
 
 
