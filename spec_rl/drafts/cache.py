@@ -55,8 +55,11 @@ class CacheKey:
         or a negative slot."""
         ids = as_id_vector("prompt_ids", prompt_ids, high=INT64_MAX)
         slot = check_int("slot", slot, low=0, high=INT64_MAX, hint=" (the sample's index within its group)")
-        hint = f' {dataset_id!r} (e.g. dataset_id="gsm8k:{dataset_id}")'
-        check_type("dataset_id", dataset_id, (str, type(None)), "a str or None", hint)
+        if dataset_id is not None and not isinstance(dataset_id, str):  # per sample: no message built unless needed
+            raise TypeError(
+                f"dataset_id must be a str or None, got {type(dataset_id).__name__} {dataset_id!r} "
+                f'(e.g. dataset_id="gsm8k:{dataset_id}")'
+            )
         h = hashlib.blake2b(digest_size=_KEY_BYTES, person=b"spec-rl-cache-1")
         h.update((dataset_id if dataset_id is not None else "\x00none").encode("utf-8"))
         h.update(b"\xff")
