@@ -72,7 +72,7 @@ def walk_tries(
     )
     follow = [group_of[r][0] for r in range(bsz)]  # the draft each row walks along
     walking = [r for r in range(bsz) if lengths[follow[r]] > 0]
-    device = scores.lm_head_weight.device if scores.logits is None else scores.logits.device
+    device = scores.device
     prompt_lens = int64_tensor([len(p) for p in prompts])
     uid_t = int64_tensor([int(u) for u in uids])
     scored = lengths if progressive is None else progressive.scored_len  # per draft: its leading tokens scored
@@ -119,7 +119,7 @@ def _sample_segments(segs, scores, settings, seed, uid_t, prompt_lens, device) -
     offsets = torch.cumsum(counts, 0) - counts
     depth = torch.arange(int(counts.sum())) - torch.repeat_interleave(offsets - a_t, counts)
     row_of, follow_of = torch.repeat_interleave(rows_t, counts), torch.repeat_interleave(follow_t, counts)
-    vocab = scores.lm_head_weight.shape[0] if scores.logits is None else scores.logits.shape[-1]
+    vocab = scores.vocab_size
     step = max(1, LOGITS_BYTES // (4 * vocab))
     toks, lps = [], []
     for part in torch.arange(depth.numel()).split(step):

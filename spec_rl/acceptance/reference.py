@@ -89,7 +89,7 @@ def draft_logprobs(
         distinct, index = torch.unique(scores.same_as.reshape(-1)[flat_valid], return_inverse=True)
     else:
         distinct, index = flat_valid, torch.arange(flat_valid.shape[0], device=draft_ids.device)
-    vocab = scores.logits.shape[-1] if scores.logits is not None else scores.lm_head_weight.shape[0]
+    vocab = scores.vocab_size
     if scores.logits is not None:
 
         def logits_of(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -36,6 +36,13 @@ class DraftScores:
     def device(self) -> torch.device:
         return next(t for t in (self.new_logprobs, self.logits, self.hidden_states) if t is not None).device
 
+    @property
+    def vocab_size(self) -> int | None:
+        """V of the logits or the LM head; None for precomputed log-probs."""
+        if self.logits is not None:
+            return int(self.logits.shape[-1])
+        return int(self.lm_head_weight.shape[0]) if self.lm_head_weight is not None else None
+
     @torch.no_grad()
     def logits_at(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
         """Logits [K, V] float32 at draft positions (rows[k], cols[k]), for sampling: no autograd graph is built."""

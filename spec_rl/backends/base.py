@@ -16,6 +16,7 @@ import torch
 from ..acceptance.scores import DraftScores
 from ..drafts.owner import model_owner, policy_owner
 from ..sampling.distribution import SamplingSettings
+from ..util.model_config import text_config
 from ..util.validation import check_int, check_type
 
 
@@ -151,8 +152,7 @@ class Backend:
         """The policy's owner tag (spec_rl.drafts.owner): the architecture from the model's config, and the
         tokenizer's digest where :attr:`tokenizer` is set; a store of another policy's drafts is refused with it.
         None where unknown."""
-        config = getattr(self.model, "config", None)
-        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        config = text_config(self.model)
         if not callable(getattr(self.tokenizer, "get_vocab", None)):  # none set, or a processor without a vocabulary
             return model_owner(config) if config else None
         memo = getattr(self, "_owner_memo", None)  # the tokenizer's digest hashes its whole vocabulary: once
@@ -163,9 +163,7 @@ class Backend:
     @property
     def max_positions(self) -> int | None:
         """The model's ``max_position_embeddings``; None where unknown."""
-        cfg = getattr(self.model, "config", None)
-        cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-        limit = getattr(cfg, "max_position_embeddings", None)
+        limit = getattr(text_config(self.model), "max_position_embeddings", None)
         return int(limit) if isinstance(limit, int) and limit > 0 else None
 
     @classmethod

@@ -44,13 +44,6 @@ def check_backend(backend) -> None:
         )
 
 
-def scores_vocab_size(scores: DraftScores) -> int | None:
-    """V of a scoring pass's logits or LM head; None for precomputed log-probs."""
-    if scores.logits is not None:
-        return int(scores.logits.shape[-1])
-    return int(scores.lm_head_weight.shape[0]) if scores.lm_head_weight is not None else None
-
-
 def check_scored(scored, rows: int, width: int, source: str) -> None:
     """BackendContractError unless ``scored`` is a Scored whose scores are [rows, width, ...]."""
     scores = getattr(scored, "scores", None)

@@ -13,7 +13,7 @@ import torch
 from transformers import DynamicCache
 
 from ..sampling.distribution import SamplingSettings, check_seed, keyed_sample
-from ..util.model_config import model_sliding_window
+from ..util.model_config import model_sliding_window, text_config
 from .base import BackendStats, Decoding
 from .decode_attention import decode_attention
 from .kv_buffer import InPlaceLayer, drain, in_place_cache
@@ -68,7 +68,7 @@ def position_masks(model, key_pos: torch.Tensor, query_pos: torch.Tensor):
     sliding |= full & ~sliding.any(-1, keepdim=True)
     dtype = next(model.parameters()).dtype
     masks = {"full_attention": model_mask(model, full, dtype), "sliding_attention": model_mask(model, sliding, dtype)}
-    layer_types = getattr(model.config.get_text_config(), "layer_types", None)
+    layer_types = getattr(text_config(model), "layer_types", None)
     if layer_types:
         return {t: masks[t] for t in set(layer_types)}
     return masks["sliding_attention" if window else "full_attention"]
@@ -80,10 +80,6 @@ def _attention_mask(model, mask: torch.Tensor, query_pos: torch.Tensor):
         return mask
     key_pos = torch.where(mask.bool(), mask.cumsum(1) - 1, -1)
     return position_masks(model, key_pos, query_pos.to(mask.device))
-
-
-def _layers_of(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(layer.keys, layer.values) for layer in cache.layers]
 
 
 @dataclass

@@ -13,10 +13,9 @@ from collections.abc import Sequence
 import torch
 
 from ..acceptance.scores import DraftScores
-from ..sampling.groups import PackedGroup, RowContext, int64_tensor, pack_groups
+from ..sampling.groups import PackedGroup, RowContext, chunk_rows, int64_tensor, pack_groups
 from ..util.validation import check_int
 from .hf_decode import cache_argument, model_mask, returned_cache
-from .scoring import chunk_rows
 
 #: Draft tokens below a stop that one :meth:`ProgressiveTreeScores.extend` scores first; it doubles per call.
 FIRST_WINDOW = 16

@@ -9,20 +9,9 @@ import torch
 
 from ..acceptance.scores import DraftScores, response_positions
 from ..sampling.distribution import SamplingSettings, token_logprobs
-from ..sampling.groups import TreeKV, chunk_groups, gather_scores, pack_groups, supports_tree_attention, tree_inputs
+from ..sampling.groups import TreeKV, chunk_rows, gather_scores, pack_groups, supports_tree_attention, tree_inputs
 from ..util.validation import check_int
 from .hf_decode import padded_ids, returned_cache
-
-
-def chunk_rows(counts: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Row indices sorted by count, cut so each chunk's padded size (rows x largest count) fits ``max_tokens``."""
-    chunks: list[list[int]] = []
-    for i in sorted(range(len(counts)), key=lambda i: counts[i]):
-        if chunks and counts[i] * (len(chunks[-1]) + 1) <= max_tokens:
-            chunks[-1].append(i)
-        else:
-            chunks.append([i])
-    return chunks
 
 
 class ScoringHead:
@@ -138,7 +127,10 @@ class PolicyScorer:
         return _padded_positions(self._chunks(prompts, drafts))
 
     def _chunks(self, prompts, drafts) -> list:
-        return chunk_groups(pack_groups(prompts, drafts), self.max_tokens_per_forward)
+        groups = pack_groups(prompts, drafts)
+        return [
+            [groups[i] for i in c] for c in chunk_rows([len(g.tokens) for g in groups], self.max_tokens_per_forward)
+        ]
 
     def score(self, prompts: Sequence[Sequence[int]], drafts: Sequence[Sequence[int]]) -> DraftScores:
         """:class:`DraftScores` [B, R] (R = max draft length, >= 1); ValueError when the counts differ."""

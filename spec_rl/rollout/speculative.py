@@ -22,7 +22,6 @@ from ..backends.contract import (
     check_model_len,
     check_scored,
     check_shared_outputs,
-    scores_vocab_size,
 )
 from ..drafts.cache import CacheKey, DraftStore
 from ..drafts.history import HistoryIndex
@@ -250,7 +249,7 @@ class SpeculativeRollout:
             scores = scored.scores
             if scored.progressive is None:  # progressive scores fill same_as as the walk goes
                 check_shared_outputs(scores.same_as, prompts, draft_ids, self._source("score"))
-            batch.vocab_size = batch.vocab_size or scores_vocab_size(scores)
+            batch.vocab_size = batch.vocab_size or scores.vocab_size
             walk = verified_prefixes(self.mode.rule, rows, scores, scored.progressive)
             batch.stats.log_lenience, batch.stats.reused_drift = self.mode.log_lenience, walk.drift
             batch.stats.draft_tokens = sum(len(d) for d in draft_ids)

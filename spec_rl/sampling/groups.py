@@ -157,14 +157,14 @@ def supports_tree_attention(model) -> bool:
     return cfg is not None and not model_may_slide(model) and implementation in TREE_ATTENTION_IMPLEMENTATIONS
 
 
-def chunk_groups(groups: Sequence[PackedGroup], max_tokens: int) -> list[list[PackedGroup]]:
-    """Groups sorted by packed length, cut so each chunk's padded size (rows x longest) fits ``max_tokens``."""
-    chunks: list[list[PackedGroup]] = []
-    for g in sorted(groups, key=lambda g: len(g.tokens)):
-        if chunks and len(g.tokens) * (len(chunks[-1]) + 1) <= max_tokens:
-            chunks[-1].append(g)
+def chunk_rows(counts: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Row indices sorted by count, cut so each chunk's padded size (rows x largest count) fits ``max_tokens``."""
+    chunks: list[list[int]] = []
+    for i in sorted(range(len(counts)), key=lambda i: counts[i]):
+        if chunks and counts[i] * (len(chunks[-1]) + 1) <= max_tokens:
+            chunks[-1].append(i)
         else:
-            chunks.append([g])
+            chunks.append([i])
     return chunks
 
 

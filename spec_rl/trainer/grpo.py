@@ -22,6 +22,7 @@ from ..rollout.reward_split import origin_sums, response_origins
 from ..rollout.speculative import RolloutRequest, RolloutResult, SpeculativeRollout
 from ..util.atomic import atomic_write_text
 from ..util.memory import CPU_AVAILABLE_MEMORY_SHARE, memory_budget
+from ..util.model_config import text_config
 from .checkpoint import CACHE_FILE, HISTORY_FILE, OPTIMIZER_FILE, commit_checkpoint, latest_checkpoint, remove_stale
 from .config import GRPOConfig, resolve_device
 from .correction import weight_sums
@@ -358,7 +359,7 @@ def update_token_budget(model, device: torch.device) -> int:
     the free CUDA memory or an eighth of the memory available on a CPU. Activations are estimated at
     ``dtype bytes x (3 V + 28 L H)`` per token (the logits, their log-softmax and gradient; about 28 hidden-size
     tensors kept per layer: 2.5 MB a token for SmolLM2-135M in float32, measured 2.9 GB for a 1,174-token row)."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = text_config(model)
     vocab, layers, hidden = (int(getattr(config, k)) for k in ("vocab_size", "num_hidden_layers", "hidden_size"))
     per_token = next(model.parameters()).element_size() * (3 * vocab + 28 * layers * hidden)
     state = 3 * sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)

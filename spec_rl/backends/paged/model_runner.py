@@ -11,7 +11,7 @@ import torch
 from ... import ops
 from ...acceptance.scores import response_positions
 from ...util.memory import memory_budget
-from ...util.model_config import model_may_slide
+from ...util.model_config import model_may_slide, text_config
 from ...util.triton import kernels_for
 from ..base import BackendStats
 from ..scoring import ScoringHead
@@ -53,8 +53,7 @@ class CacheLayout:
     @classmethod
     def of(cls, model) -> CacheLayout:
         """The K/V shape of any transformers decoder, in its own dtype (no check: a size, not a paged cache)."""
-        cfg = model.config
-        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        text = text_config(model)
         return cls(
             num_layers=int(text.num_hidden_layers),
             kv_heads=int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads),
@@ -65,8 +64,7 @@ class CacheLayout:
     @classmethod
     def from_model(cls, model) -> CacheLayout:
         """The layout of a transformers model; ValueError for sliding-window layers or a dtype not fp32/fp16/bf16."""
-        cfg = model.config
-        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        text = text_config(model)
         if model_may_slide(model) or getattr(text, "attn_logit_softcapping", None):
             raise ValueError(
                 "PagedEngine does not support sliding-window attention or logit soft-capping; use --backend "
