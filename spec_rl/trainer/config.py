@@ -200,18 +200,18 @@ class RunSetting:
         return setting
 
 
-def run_settings(names) -> dict[str, RunSetting]:
-    """``names`` (each a name :meth:`RunSetting.parse` reads) as {name: RunSetting}, in order; ValueError for a name
-    that names no run, a name twice or none."""
+def run_settings(names, what: str = "modes") -> dict[str, RunSetting]:
+    """``names`` (each a name :meth:`RunSetting.parse` reads) as {name: RunSetting}, in order; ValueError naming
+    ``what`` (the argument) for a name that names no run, a name twice or none."""
     names = list(names)
     if not names:
-        raise ValueError("modes is empty: name at least one run (e.g. vanilla,spec)")
+        raise ValueError(f"{what} is empty: name at least one run (e.g. vanilla,spec)")
     if len(set(names)) != len(names):
-        raise ValueError(f"modes names a run twice: {names} (each run has one folder)")
+        raise ValueError(f"{what} names a run twice: {names} (each run has one folder)")
     runs = {}
     for name in names:
         try:
             runs[name] = RunSetting.parse(name)
         except ValueError as err:
-            raise ValueError(f"modes: {name}: {err}") from None
+            raise ValueError(f"{what}: {name}: {err}") from None
     return runs

@@ -68,22 +68,14 @@ class Sweep:
 
 
 def chosen_settings(spec: str | None, default: Sequence[str] = DEMO_SETTINGS) -> dict:
-    """The settings named in ``--settings`` (comma-separated runs, :meth:`RunSetting.parse`; None: ``default``) as
+    """The settings named in ``--settings`` (comma-separated runs, :func:`run_settings`; None: ``default``) as
     {name: RunSetting}, vanilla first. ValueError for a name that names no run, a name twice, or no name."""
-    from .config import RunSetting
+    from .config import run_settings
 
     names = list(default) if spec is None else [x.strip() for x in spec.split(",") if x.strip()]
-    if not names:
-        raise ValueError(f"--settings: no setting named in {spec!r}; e.g. vanilla,exact,l=1-res,spec")
-    if len(set(names)) != len(names):
-        raise ValueError(f"--settings names a setting twice: {spec!r} (each setting has one folder)")
-    settings = {}
-    for name in ([] if VANILLA in names else [VANILLA]) + names:  # every ratio and gap is to vanilla
-        try:
-            settings[name] = RunSetting.parse(name)
-        except ValueError as err:
-            raise ValueError(f"--settings: {name!r} names no run: {err}") from None
-    return settings
+    if names and VANILLA not in names:  # every ratio and gap is to vanilla
+        names.insert(0, VANILLA)
+    return run_settings(names, "--settings")
 
 
 def run_totals(records: list[dict]) -> dict:

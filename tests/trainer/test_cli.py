@@ -559,7 +559,7 @@ def test_sweep_needs_a_heldout_set(model_dir, data_file, tmp_path, capsys):
     argv = ["sweep", "--model", str(model_dir), "--data", str(data_file), "--out", str(tmp_path / "s")]
     assert "spec-rl sweep compares held-out rewards: pass --eval-data FILE" in _error_line(capsys, argv)
     assert "drop --no-eval" in _error_line(capsys, [*argv, "--no-eval"])
-    assert "--settings: 'l=x' names no run: mode must be one of" in _error_line(capsys, [*argv, "--settings", "l=x"])
+    assert "--settings: l=x: mode must be one of" in _error_line(capsys, [*argv, "--settings", "l=x"])
     assert "--preset sizes the demo task" in _error_line(capsys, [*argv, "--preset", "small"])
     assert not (tmp_path / "s").exists()
 

@@ -160,11 +160,11 @@ def test_settings_are_run_modes_by_name_with_vanilla_first():
         Lenient(math.exp(0.2), "without-draft")
     )
     assert demo["l=inf"] == RolloutMode(Lenient(math.inf))
-    with pytest.raises(ValueError, match=r"--settings: 'bogus' names no run: mode must be one of vanilla"):
+    with pytest.raises(ValueError, match=r"--settings: bogus: mode must be one of vanilla"):
         chosen_settings("l=1-excl,bogus")
-    with pytest.raises(ValueError, match="no setting named"):
+    with pytest.raises(ValueError, match="--settings is empty"):
         chosen_settings(" , ")
-    with pytest.raises(ValueError, match="names a setting twice"):
+    with pytest.raises(ValueError, match="--settings names a run twice"):
         chosen_settings("spec,spec")
 
 
