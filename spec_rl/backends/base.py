@@ -304,6 +304,18 @@ def eos_token_ids(model, tokenizer=None) -> set[int]:
     return ids
 
 
+def policy_tokens(model, tokenizer) -> tuple[set[int], int]:
+    """The model's full EOS set (:func:`eos_token_ids`) and its pad id: the tokenizer's, else its EOS id. ValueError
+    naming what to set when either is missing."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        raise ValueError("the tokenizer has neither a pad token nor an EOS token; set tokenizer.pad_token")
+    eos = eos_token_ids(model, tokenizer)
+    if not eos:
+        raise ValueError("no EOS id found in the model's generation_config/config or the tokenizer; set eos_token_id")
+    return eos, pad
+
+
 def eos_and_pad(eos_ids, pad_id: int) -> tuple[list[int], int]:
     """Sorted EOS ids and the pad id of a backend's constructor; ValueError without EOS ids."""
     if not eos_ids:

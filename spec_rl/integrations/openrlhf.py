@@ -15,6 +15,7 @@ from typing import Any
 from openrlhf.utils.agent import AgentExecutorBase
 
 from ..acceptance.mode import ADAPTER_MODE, RolloutMode
+from ..backends.base import eos_token_ids
 from ..drafts.directory import DirectoryDraftStore
 from ..drafts.owner import policy_owner
 from ..sampling.distribution import SamplingSettings
@@ -100,9 +101,7 @@ class SpecRLAgentExecutor(AgentExecutorBase):
             if self.store.owner is None and callable(getattr(hf_tokenizer, "get_vocab", None)):
                 self.store.claim(policy_owner(hf_tokenizer))  # DraftOwnerError: the directory holds another's drafts
             eos = self.eos_token_ids
-            if eos is None:
-                e = getattr(hf_tokenizer, "eos_token_id", None)
-                eos = [e] if isinstance(e, int) else list(e or [])
+            eos = sorted(eos_token_ids(None, hf_tokenizer)) if eos is None else eos
             self._builders[key] = SpecRequestBuilder(
                 self.store,
                 settings,

@@ -16,6 +16,7 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutp
 from verl.utils.profiler import simple_timer
 
 from ..acceptance.mode import ADAPTER_MODE
+from ..backends.base import eos_token_ids as tokenizer_eos_ids
 from ..drafts.directory import DirectoryDraftStore
 from ..drafts.owner import policy_owner
 from ..sampling.distribution import SamplingSettings
@@ -127,8 +128,7 @@ class SpecRLAgentLoop(AgentLoopBase):
                 f"agent-loop YAML or the {CACHE_DIR_ENV} environment variable"
             )
         if eos_token_ids is None:
-            eos = getattr(self.tokenizer, "eos_token_id", None)
-            eos_token_ids = [eos] if isinstance(eos, int) else list(eos or [])
+            eos_token_ids = sorted(tokenizer_eos_ids(None, self.tokenizer))
         self.builder = SpecRequestBuilder(
             _store_for(str(cache_dir), self.tokenizer),
             self.settings,

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..backends.base import Continuation, eos_token_ids, fresh_jobs
+from ..backends.base import Continuation, fresh_jobs, policy_tokens
 from ..backends.transformers_backend import TransformersBackend
 from ..sampling.distribution import SamplingSettings
 from ..util.validation import check_int
@@ -22,10 +22,7 @@ from .rewards import RewardFn, math_reward
 def _backend(model, tokenizer, batch_size: int) -> TransformersBackend:
     """A backend over ``model`` with the model's full EOS set; pad falls back to EOS as in the trainer."""
     check_int("batch_size", batch_size, low=1)
-    eos_ids = eos_token_ids(model, tokenizer)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if not eos_ids or pad is None:
-        raise ValueError("tokenizer needs eos_token_id and pad_token_id (set tokenizer.pad_token)")
+    eos_ids, pad = policy_tokens(model, tokenizer)
     return TransformersBackend(model, eos_ids, pad, max_batch_size=int(batch_size))
 
 

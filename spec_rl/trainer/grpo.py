@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from ..backends import Policy, build_backend, eos_token_ids
+from ..backends import Policy, build_backend
+from ..backends.base import policy_tokens
 from ..backends.scoring import response_logprobs
 from ..drafts.cache import RolloutCache
 from ..drafts.history import HistoryIndex
@@ -77,14 +78,7 @@ class GRPOTrainer:
         self.log = print
         self.label = label
 
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        if self.pad_id is None:
-            raise ValueError("the tokenizer has neither a pad token nor an EOS token; set tokenizer.pad_token")
-        self.eos_ids = eos_token_ids(model, tokenizer)
-        if not self.eos_ids:
-            raise ValueError(
-                "no EOS id found in the model's generation_config/config or the tokenizer; set eos_token_id"
-            )
+        self.eos_ids, self.pad_id = policy_tokens(model, tokenizer)
         max_model_len = config.context_limit(getattr(model.config, "max_position_embeddings", None))
         self.settings = config.sampling
         self.prompt_ids = self._encode(self.examples, max_model_len, "prompt")
