@@ -304,12 +304,9 @@ def default_json_path(filename: str) -> str | None:
 
 
 def write_json(path: str, record: dict, *, announce: str | None = "wrote") -> None:
-    """Write ``record`` as indented JSON (creating the folder); print ``"{announce} {path}"`` unless None.
-
-    Atomic: written to ``path.tmp`` and renamed, so a run killed mid-write leaves the previous file.
-    """
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
+    """Write ``record`` as indented JSON (creating the folder); print ``"{announce} {path}"`` unless None. Atomic:
+    written to ``path.tmp`` and renamed, so a run killed mid-write leaves the previous file."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
         json.dump(record, f, indent=2)
@@ -400,10 +397,25 @@ def arguments(doc: str, record: str, device: str | None = None) -> argparse.Argu
     """A benchmark's parser: its docstring, ``--json`` (default ``$OUT/<record>``: the GPU check collects ``$OUT``)
     and, with ``device`` (its help), ``--device``."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json", default=default_json_path(record), help=f"the JSON record (default $OUT/{record})")
+    ap.add_argument(
+        "--json", type=_writable, default=default_json_path(record), help=f"JSON record (default $OUT/{record})"
+    )
     if device is not None:
         ap.add_argument("--device", help=device)
     return ap
+
+
+def _writable(path: str) -> str:
+    """``--json``, refused before the run unless :func:`write_json` can write there ('' writes nothing)."""
+    try:  # write_json's steps on a probe file: the folder made, a file written, renamed and removed
+        if os.path.isdir(path):
+            raise IsADirectoryError(21, "a folder; name a file")
+        if path:
+            write_json(path + ".probe", {}, announce=None)
+            os.remove(path + ".probe")
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"{path}: cannot write it ({exc.strerror or exc})") from None
+    return path
 
 
 def positive(ap, args, *names: str, low: float = 1) -> None:

@@ -120,10 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.preset == "qwen3-0.6b" and device.type != "cuda":
         print("bench_decode_cache: the qwen3-0.6b preset needs a CUDA device")
         return 0
-    try:  # written at once (and after every width), so an unwritable path fails before the measurement
-        rec = H.RunRecord(args.json, {"preset": args.preset, "results": [], **H.provenance(device)}, report)
-    except OSError as exc:
-        ap.error(f"--json {args.json}: cannot write it ({exc.strerror or exc})")
+    rec = H.RunRecord(args.json, {"preset": args.preset, "results": [], **H.provenance(device)}, report)
     print(f"bench_decode_cache: preset {args.preset}, device {device}, {args.repeats} steps per cache, timed in turn")
     for width in widths:
         r = measure(args.preset, args.rows, args.context, width, args.repeats, device)

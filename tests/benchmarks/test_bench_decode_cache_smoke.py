@@ -62,3 +62,27 @@ def test_bench_decode_cache_names_a_bad_argument(args, named, capsys):
     with pytest.raises(SystemExit) as exc:
         bench_decode_cache.main(["--preset", "tiny", "--device", "cpu", *args])
     assert exc.value.code == 2 and named in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "script",
+    ["bench_decode_cache", "bench_engine", "bench_paged_attention", "bench_real_model", "bench_rollout", "gpu_suite"]
+    + ["real_model_acceptance", "train_memory"],
+)
+def test_every_benchmark_refuses_an_unwritable_json_before_it_runs(script, tmp_path, capsys):
+    """--json is probed while the flags are read (a record written only at the end would lose the measurement)."""
+    main = __import__(script).main
+    for bad, why in (("/proc/x.json", "No such file"), (str(tmp_path), "a folder; name a file")):
+        with pytest.raises(SystemExit) as exc:
+            main(["--json", bad])
+        assert exc.value.code == 2 and f"--json: {bad}: cannot write it ({why}" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # no probe left behind
+
+
+def test_the_json_probe_makes_the_folder_and_leaves_nothing(tmp_path):
+    import _harness
+
+    ap = _harness.arguments("doc", "r.json")
+    path = tmp_path / "new" / "r.json"
+    assert ap.parse_args(["--json", str(path)]).json == str(path)
+    assert list((tmp_path / "new").iterdir()) == [] and ap.parse_args(["--json", ""]).json == ""
