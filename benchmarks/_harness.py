@@ -304,8 +304,10 @@ def default_json_path(filename: str) -> str | None:
 
 
 def write_json(path: str, record: dict, *, announce: str | None = "wrote") -> None:
-    """Write ``record`` as indented JSON (creating the folder); print ``"{announce} {path}"`` unless None. Atomic:
-    written to ``path.tmp`` and renamed, so a run killed mid-write leaves the previous file."""
+    """Write ``record`` as indented JSON, atomically (``path.tmp`` renamed: a kill mid-write leaves the previous file),
+    making the folder; nothing for ``path`` '' or None. Prints ``announce path`` unless ``announce`` is None."""
+    if not path:
+        return
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
@@ -341,8 +343,7 @@ class RunRecord:
                 self.record["report"] = self.report(self.record)
             except Exception as exc:  # noqa: BLE001  a half-filled record must not stop the run
                 self.record["report"] = [f"(report failed: {type(exc).__name__}: {exc})"]
-        if self.path:
-            write_json(self.path, self.record, announce=None)
+        write_json(self.path, self.record, announce=None)
 
     def fail(self, what: str) -> None:
         """Record one failure (printed at once)."""
@@ -408,7 +409,7 @@ def arguments(doc: str, record: str, device: str | None = None) -> argparse.Argu
 def _writable(path: str) -> str:
     """``--json``, refused before the run unless :func:`write_json` can write there ('' writes nothing)."""
     try:  # write_json's steps on a probe file: the folder made, a file written, renamed and removed
-        if os.path.isdir(path):
+        if os.path.isdir(path) or path.endswith(("/", os.sep)):
             raise IsADirectoryError(21, "a folder; name a file")
         if path:
             write_json(path + ".probe", {}, announce=None)

@@ -97,8 +97,7 @@ def main(argv=None) -> int:
         ("groups with signal", "groups_with_signal", "{}"),
     ]
     print("\n".join(H.rows_table(columns, rows)))
-    if args.json:
-        H.write_json(args.json, record)
+    H.write_json(args.json, record)
     return 0
 
 

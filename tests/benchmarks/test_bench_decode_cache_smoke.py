@@ -72,17 +72,21 @@ def test_bench_decode_cache_names_a_bad_argument(args, named, capsys):
 def test_every_benchmark_refuses_an_unwritable_json_before_it_runs(script, tmp_path, capsys):
     """--json is probed while the flags are read (a record written only at the end would lose the measurement)."""
     main = __import__(script).main
-    for bad, why in (("/proc/x.json", "No such file"), (str(tmp_path), "a folder; name a file")):
+    folders = (str(tmp_path), f"{tmp_path}/new/")  # an existing folder, and a path naming a folder not made yet
+    for bad, why in (("/proc/x.json", "No such file"), *((f, "a folder; name a file") for f in folders)):
         with pytest.raises(SystemExit) as exc:
             main(["--json", bad])
         assert exc.value.code == 2 and f"--json: {bad}: cannot write it ({why}" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []  # no probe left behind
 
 
-def test_the_json_probe_makes_the_folder_and_leaves_nothing(tmp_path):
+def test_the_json_probe_makes_the_folder_and_leaves_nothing(tmp_path, monkeypatch):
     import _harness
 
     ap = _harness.arguments("doc", "r.json")
     path = tmp_path / "new" / "r.json"
     assert ap.parse_args(["--json", str(path)]).json == str(path)
     assert list((tmp_path / "new").iterdir()) == [] and ap.parse_args(["--json", ""]).json == ""
+    monkeypatch.chdir(tmp_path / "new")
+    _harness.write_json("", {"a": 1})  # --json '': nothing written (the scripts that write at the end call it too)
+    assert list((tmp_path / "new").iterdir()) == []
