@@ -305,15 +305,16 @@ def eos_token_ids(model, tokenizer=None) -> set[int]:
 
 
 def policy_tokens(model, tokenizer) -> tuple[set[int], int]:
-    """The model's full EOS set (:func:`eos_token_ids`) and its pad id: the tokenizer's, else its EOS id. ValueError
-    naming what to set when either is missing."""
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if pad is None:
-        raise ValueError("the tokenizer has neither a pad token nor an EOS token; set tokenizer.pad_token")
+    """The model's full EOS set (:func:`eos_token_ids`) and its pad id: the tokenizer's, else the tokenizer's EOS id,
+    else the smallest of the set. ValueError naming what to set when there is no EOS id."""
     eos = eos_token_ids(model, tokenizer)
     if not eos:
         raise ValueError("no EOS id found in the model's generation_config/config or the tokenizer; set eos_token_id")
-    return eos, pad
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(tokenizer, "eos_token_id", None)
+        pad = pad if isinstance(pad, int) else min(eos)
+    return eos, int(pad)
 
 
 def eos_and_pad(eos_ids, pad_id: int) -> tuple[list[int], int]:

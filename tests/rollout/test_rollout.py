@@ -2,6 +2,7 @@
 
 import copy
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from tiny_models import full_forward_logprobs, tiny_model
 
 from spec_rl.acceptance.mode import MODES, RolloutMode
 from spec_rl.acceptance.rules import Exact, Lenient, RandomReuse
-from spec_rl.backends.base import eos_token_ids, fresh_jobs
+from spec_rl.backends.base import eos_token_ids, fresh_jobs, policy_tokens
 from spec_rl.backends.scoring import PolicyScorer
 from spec_rl.backends.transformers_backend import TransformersBackend
 from spec_rl.drafts.cache import CacheKey, RolloutCache
@@ -75,6 +76,18 @@ def test_response_logprobs_follow_the_sampling_settings():
             assert torch.allclose(lp[b, : len(r)].double(), ref, atol=1e-4)
     top_k = response_logprobs(model, PROMPTS, responses, 0, SamplingSettings(top_k=1))
     assert bool((top_k[0, :3] == 0).logical_or(top_k[0, :3] == float("-inf")).all())  # one token keeps all the mass
+
+
+def test_policy_tokens_pad_falls_back_to_an_eos_id_and_no_eos_is_refused():
+    model = tiny_model(eos=(7, 8), seed=2)
+    tok = SimpleNamespace(pad_token_id=None, eos_token_id=5)
+    assert policy_tokens(model, tok) == ({5, 7, 8}, 5)  # the tokenizer's EOS id pads
+    assert policy_tokens(model, SimpleNamespace(pad_token_id=3, eos_token_id=None)) == ({7, 8}, 3)
+    assert policy_tokens(model, SimpleNamespace(pad_token_id=None, eos_token_id=[9, 6])) == ({6, 7, 8, 9}, 6)
+    assert policy_tokens(model, SimpleNamespace()) == ({7, 8}, 7)  # no tokenizer ids: the model's smallest EOS id
+    model.config.eos_token_id = model.generation_config.eos_token_id = None
+    with pytest.raises(ValueError, match="no EOS id found .*set eos_token_id"):
+        policy_tokens(model, SimpleNamespace(pad_token_id=0, eos_token_id=None))
 
 
 def test_backend_logprobs_budgets_and_eos_set():
