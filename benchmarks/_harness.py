@@ -399,14 +399,14 @@ def arguments(doc: str, record: str, device: str | None = None) -> argparse.Argu
     and, with ``device`` (its help), ``--device``."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
-        "--json", type=_writable, default=default_json_path(record), help=f"JSON record (default $OUT/{record})"
+        "--json", type=json_path, default=default_json_path(record), help=f"JSON record (default $OUT/{record})"
     )
     if device is not None:
         ap.add_argument("--device", help=device)
     return ap
 
 
-def _writable(path: str) -> str:
+def json_path(path: str) -> str:
     """``--json``, refused before the run unless :func:`write_json` can write there ('' writes nothing)."""
     try:  # write_json's steps on a probe file: the folder made, a file written, renamed and removed
         if os.path.isdir(path) or path.endswith(("/", os.sep)):

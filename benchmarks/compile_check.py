@@ -184,7 +184,7 @@ def _run_index(i: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--jobs", type=int, default=1, help="compile in this many forked processes")
-    ap.add_argument("--json", default=None, help="write the report as JSON here (rewritten after every kernel)")
+    ap.add_argument("--json", type=H.json_path, help="write the report as JSON here (rewritten after every kernel)")
     args = ap.parse_args(argv)
     H.positive(ap, args, "jobs")
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):

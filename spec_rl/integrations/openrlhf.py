@@ -100,8 +100,7 @@ class SpecRLAgentExecutor(AgentExecutorBase):
         if key not in self._builders:
             if self.store.owner is None and callable(getattr(hf_tokenizer, "get_vocab", None)):
                 self.store.claim(policy_owner(hf_tokenizer))  # DraftOwnerError: the directory holds another's drafts
-            eos = self.eos_token_ids
-            eos = sorted(eos_token_ids(None, hf_tokenizer)) if eos is None else eos
+            eos = self.eos_token_ids if self.eos_token_ids is not None else sorted(eos_token_ids(None, hf_tokenizer))
             self._builders[key] = SpecRequestBuilder(
                 self.store,
                 settings,

@@ -67,7 +67,7 @@ def test_bench_decode_cache_names_a_bad_argument(args, named, capsys):
 @pytest.mark.parametrize(
     "script",
     ["bench_decode_cache", "bench_engine", "bench_paged_attention", "bench_real_model", "bench_rollout", "gpu_suite"]
-    + ["real_model_acceptance", "train_memory"],
+    + ["compile_check", "real_model_acceptance", "train_memory"],
 )
 def test_every_benchmark_refuses_an_unwritable_json_before_it_runs(script, tmp_path, capsys):
     """--json is probed while the flags are read (a record written only at the end would lose the measurement)."""
